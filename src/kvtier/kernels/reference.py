@@ -1,0 +1,144 @@
+"""PyTorch reference attention: the arithmetic every tier and kernel is checked against.
+
+Positions: query ``i`` of row ``b`` sits at ``q_start[b] + i`` and sees keys
+``j <= q_start[b] + i`` with ``j < kv_len[b]``. ``q_start``/``kv_len`` may be
+ints (every row alike) or ``[B]`` integer tensors (ragged rows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _as_rows(x: int | torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor | None:
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=torch.long).reshape(batch)
+    return torch.full((batch,), int(x), dtype=torch.long, device=device)
+
+
+def causal_mask(
+    batch: int,
+    q_len: int,
+    key_len: int,
+    q_start: int | torch.Tensor,
+    kv_len: int | torch.Tensor | None = None,
+    *,
+    key_start: int = 0,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Boolean visibility mask ``[B, 1, q_len, key_len]`` (True = visible).
+
+    Key column ``c`` is absolute position ``key_start + c``.
+    """
+    device = torch.device(device)
+    qs = _as_rows(q_start, batch, device)  # (B,)
+    qpos = qs[:, None] + torch.arange(q_len, device=device)  # (B, T)
+    kpos = key_start + torch.arange(key_len, device=device)  # (S,)
+    mask = kpos[None, None, :] <= qpos[:, :, None]  # (B, T, S)
+    if kv_len is not None:
+        kl = _as_rows(kv_len, batch, device)
+        mask = mask & (kpos[None, None, :] < kl[:, None, None])
+    return mask[:, None]  # (B, 1, T, S)
+
+
+def _expand_kv(k: torch.Tensor, groups: int) -> torch.Tensor:
+    # (B, H_kv, S, D) -> (B, H_kv * groups, S, D)
+    return k if groups == 1 else k.repeat_interleave(groups, dim=1)
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_start: int | torch.Tensor | None = None,
+    kv_len: int | torch.Tensor | None = None,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention ``[B, H_q, T, D]`` through PyTorch SDPA.
+
+    ``q``: ``[B, H_q, T, D]``; ``k``/``v``: ``[B, H_kv, S, D]``. ``q_start``
+    defaults to ``S - T`` (the queries are the newest positions). A boolean
+    ``mask`` ``[B, 1, T, S]`` replaces the positional one when given. Rows whose
+    queries see no key return zeros.
+    """
+    B, Hq, T, _ = q.shape
+    S = k.shape[2]
+    if q_start is None:
+        q_start = S - T
+    if mask is None:
+        mask = causal_mask(B, T, S, q_start, kv_len, device=q.device)
+    groups = Hq // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, _expand_kv(k, groups), _expand_kv(v, groups), attn_mask=mask, scale=scale
+    )
+    # SDPA gives NaN for a query that sees nothing; such queries are padding.
+    return torch.nan_to_num(out, nan=0.0)
+
+
+def partial_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over one chunk of keys, unnormalised across chunks.
+
+    Returns ``(out, lse)``: ``out`` ``[B, H_q, T, D]`` (float32) is the softmax
+    average over this chunk alone and ``lse`` ``[B, H_q, T]`` its log-sum-exp
+    (``-inf`` where the chunk holds no visible key). Merge chunks with
+    :func:`merge_partials`.
+    """
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qf = q.float().reshape(B, Hkv, G * T, D)  # (B, H_kv, G*T, D): query heads of a group share K
+    s = torch.matmul(qf, k.float().transpose(-1, -2)) * scale  # (B, H_kv, G*T, S)
+    s = s.reshape(B, Hkv, G, T, -1)  # (B, H_kv, G, T, S)
+    if mask is not None:
+        s = s.masked_fill(~mask[:, :, None], float("-inf"))  # mask (B, 1, T, S)
+    lse = torch.logsumexp(s, dim=-1)  # (B, H_kv, G, T)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    out = torch.matmul(p.reshape(B, Hkv, G * T, -1), v.float())  # (B, H_kv, G*T, D)
+    return out.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
+
+
+def merge_partials(
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp merge of per-chunk results from :func:`partial_attention`."""
+    outs = torch.stack([o for o, _ in parts])  # (C, B, H, T, D)
+    lses = torch.stack([lse for _, lse in parts])  # (C, B, H, T)
+    total = torch.logsumexp(lses, dim=0)  # (B, H, T)
+    w = torch.exp(lses - torch.where(torch.isfinite(total), total, 0.0)[None])
+    w = torch.nan_to_num(w, nan=0.0)
+    return (outs * w[..., None]).sum(0), total
+
+
+class OnlineSoftmax:
+    """Streaming form of :func:`merge_partials`: fold chunks in one at a time.
+
+    Keeps one running ``(out, lse)`` pair, so memory stays at one chunk however
+    many chunks the cache holds.
+    """
+
+    def __init__(self) -> None:
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        if self.out is None:
+            self.out, self.lse = out, lse
+            return
+        self.out, self.lse = merge_partials([(self.out, self.lse), (out, lse)])
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        assert self.out is not None, "no chunk was added"
+        return self.out.to(dtype)
