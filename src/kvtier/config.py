@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -335,3 +336,12 @@ def configure_kv_cache(caches: list, config: KVCacheConfig | None = None) -> dic
     stats["entries"] = len(converted)
     return stats
 
+
+
+def user_cache_dir() -> Path:
+    """Where converted model weights are kept: ``$KVTIER_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``."""
+    if os.environ.get("KVTIER_CACHE_DIR"):
+        return Path(os.environ["KVTIER_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "kvtier"
