@@ -1,0 +1,149 @@
+"""Sampling: each filter against a distribution computed by hand, and seeded draws."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.sampling import SamplingParams, make_generator, process_logits, sample
+
+# probabilities 0.4, 0.3, 0.2, 0.1 at temperature 1
+P = torch.tensor([0.4, 0.3, 0.2, 0.1])
+LOGITS = P.log()[None]  # (1, 4)
+
+
+def _close(a: torch.Tensor, b: list[float]) -> None:
+    torch.testing.assert_close(a, torch.tensor([b], dtype=torch.float32), atol=1e-6, rtol=1e-6)
+
+
+def test_greedy_is_one_hot_at_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [5.0, 0.0, 4.9]])
+    _close(process_logits(logits[:1], SamplingParams()), [0.0, 1.0, 0.0])
+    assert sample(logits, SamplingParams()).tolist() == [1, 0]
+
+
+def test_temperature_only():
+    # softmax(log p / T) = p^(1/T) / sum p^(1/T)
+    T = 0.5
+    w = [0.4**2, 0.3**2, 0.2**2, 0.1**2]
+    _close(process_logits(LOGITS, SamplingParams(temperature=T)), [x / sum(w) for x in w])
+
+
+def test_top_k():
+    _close(process_logits(LOGITS, SamplingParams(temperature=1.0, top_k=2)), [4 / 7, 3 / 7, 0, 0])
+    # k at least the vocabulary keeps everything
+    _close(process_logits(LOGITS, SamplingParams(temperature=1.0, top_k=9)), P.tolist())
+
+
+def test_top_p():
+    # 0.4 < 0.6, 0.4+0.3 >= 0.6: keep two
+    _close(process_logits(LOGITS, SamplingParams(temperature=1.0, top_p=0.6)), [4 / 7, 3 / 7, 0, 0])
+    # 0.4 alone reaches 0.35: keep one
+    _close(process_logits(LOGITS, SamplingParams(temperature=1.0, top_p=0.35)), [1, 0, 0, 0])
+    # tiny p still keeps the most likely token
+    _close(process_logits(LOGITS, SamplingParams(temperature=1.0, top_p=1e-6)), [1, 0, 0, 0])
+    # order of the vocabulary does not matter
+    perm = torch.tensor([2, 0, 3, 1])
+    out = process_logits(LOGITS[:, perm], SamplingParams(temperature=1.0, top_p=0.6))
+    _close(out, torch.tensor([4 / 7, 3 / 7, 0, 0])[perm].tolist())
+
+
+def test_min_p():
+    # floor 0.6 * 0.4 = 0.24: keep 0.4 and 0.3
+    _close(process_logits(LOGITS, SamplingParams(temperature=1.0, min_p=0.6)), [4 / 7, 3 / 7, 0, 0])
+    # floor 0.45 * 0.4 = 0.18: keep three
+    _close(process_logits(LOGITS, SamplingParams(temperature=1.0, min_p=0.45)), [4 / 9, 3 / 9, 2 / 9, 0])
+
+
+def test_filters_compose_in_order():
+    # top-k 3 -> [4,3,2]/9; top-p 0.5 -> 4/9 < 0.5, 7/9 >= 0.5: keep two -> [4,3]/7;
+    # min-p 0.8: floor 0.8*4/7 = 0.457 > 3/7: keep one
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.5, min_p=0.8)
+    _close(process_logits(LOGITS, params), [1, 0, 0, 0])
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.5, min_p=0.7)
+    _close(process_logits(LOGITS, params), [4 / 7, 3 / 7, 0, 0])
+
+
+def test_rows_are_independent():
+    logits = torch.stack([P.log(), P.flip(0).log()])  # (2, 4)
+    out = process_logits(logits, SamplingParams(temperature=1.0, top_k=1))
+    torch.testing.assert_close(out, torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 1.0]]))
+
+
+def test_seeded_draws_repeat_and_differ_by_seed():
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, seed=123)
+
+    def draws(p):
+        gen = make_generator(p, "cpu")
+        return torch.stack([sample(logits, p, gen) for _ in range(20)])
+
+    assert torch.equal(draws(params), draws(params))
+    assert not torch.equal(draws(params), draws(SamplingParams(temperature=1.0, seed=124)))
+
+
+def test_draw_frequencies_match_the_distribution():
+    params = SamplingParams(temperature=1.0, top_k=3, seed=7)
+    gen = make_generator(params, "cpu")
+    n = 20000
+    tokens = sample(LOGITS.expand(n, 4), params, gen)
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    expected = torch.tensor([4 / 9, 3 / 9, 2 / 9, 0.0])
+    # 5 standard errors of a binomial proportion
+    tol = 5 * math.sqrt(0.25 / n)
+    assert (freq - expected).abs().max().item() < tol, (freq, expected)
+    assert freq[3].item() == 0.0  # a filtered token is never drawn
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    temperature=st.floats(0.1, 3.0),
+    top_k=st.integers(0, 40),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.floats(0.0, 0.9),
+)
+def test_processed_rows_are_distributions_and_draws_are_supported(
+    seed, temperature, top_k, top_p, min_p
+):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 50, generator=g) * 3
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    probs = process_logits(logits, params)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+    assert (probs >= 0).all()
+    # the most likely token always survives
+    assert (probs.gather(1, logits.argmax(-1, keepdim=True)) > 0).all()
+    if top_k:
+        assert ((probs > 0).sum(-1) <= top_k).all()
+    tokens = sample(logits, params, make_generator(params, "cpu"))
+    assert (probs.gather(1, tokens[:, None]) > 0).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_bad_params_raise_value_error_naming_the_field(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams(**kwargs)
+
+
+def test_bad_logits_shape():
+    with pytest.raises(ValueError, match=r"\[batch, vocab\]"):
+        sample(torch.randn(1, 2, 5), SamplingParams())
+    with pytest.raises(ValueError, match=r"\[batch, vocab\]"):
+        process_logits(torch.randn(5), SamplingParams(temperature=1.0))
