@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvtier.caches.base import KVCache
@@ -101,10 +101,16 @@ class KVCacheConfig:
                 f"attention_backend {self.attention_backend!r} is unknown; accepted: "
                 f"{', '.join(ATTENTION_BACKENDS)}"
             )
-        if self.context_window_tokens is not None and self.context_window_tokens <= 0:
+        for name in ("dynamic_paged_min_blocks", "context_window_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if self.turboquant is not None and not isinstance(self.turboquant, TurboQuantConfig):
             raise ValueError(
-                f"context_window_tokens must be > 0 or None, got {self.context_window_tokens}"
+                f"turboquant must be a TurboQuantConfig or None, got {type(self.turboquant).__name__}"
             )
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
 
     def replace(self, **changes: Any) -> KVCacheConfig:
         return dataclasses.replace(self, **changes)
@@ -112,10 +118,18 @@ class KVCacheConfig:
     # -- the environment ---------------------------------------------------------
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> KVCacheConfig:
-        """Build a config from ``env`` (default ``os.environ``); see DESIGN.md section 4."""
+        """Build a config from ``env`` (default ``os.environ``); see DESIGN.md section 4.
+
+        Each ``KVTIER_*`` variable wins over its MTPLX alias. ``KVTIER_OWNED_ATTN_KV``
+        set to ``0``/``false``/``off``/``no``/``none`` gives ``enabled=False``:
+        :func:`configure_kv_cache` then leaves the caches it is given as they are.
+        A value that cannot be parsed raises ``ValueError`` naming the variable and
+        what it accepts.
+        """
         env = os.environ if env is None else env
         r = _EnvReader(env)
         paged = r.flag("KVTIER_PAGED_ATTN", "MTPLX_VLLM_METAL_PAGED_ATTN")
+        # "off" keeps the tier's default but disables configure_kv_cache's conversion
         owned = r.choice(
             "KVTIER_OWNED_ATTN_KV",
             "MTPLX_OWNED_ATTN_KV",
@@ -125,6 +139,7 @@ class KVCacheConfig:
                 "block": "block", "block_owned": "block",
                 "ragged": "ragged", "ragged_batch": "ragged",
                 "paged": "paged",
+                "0": "off", "false": "off", "off": "off", "no": "off", "none": "off",
             },
             default="tail",
         )
@@ -136,52 +151,62 @@ class KVCacheConfig:
                      "q8": "q8", "int8": "q8", "q4": "q4", "int4": "q4", "q4_g32": "q4_g32"},
             default=None,
         )
+        # the codes are checked even while TurboQuant is off, so a typo never waits
+        key_quant = r.choice(
+            "KVTIER_PAGED_TURBOQUANT_K_QUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_K_QUANT",
+            mapping={c: c for c in TURBOQUANT_KEY_CODES}, default="q8_0",
+        )
+        value_quant = r.choice(
+            "KVTIER_PAGED_TURBOQUANT_V_QUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_V_QUANT",
+            mapping={c: c for c in TURBOQUANT_VALUE_CODES}, default="q3_0",
+        )
+        rotate_keys = r.flag(
+            "KVTIER_PAGED_TURBOQUANT_ROTATE_KEYS", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_ROTATE_KEYS"
+        )
         tq = None
         if r.flag("KVTIER_PAGED_TURBOQUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT"):
             tq = TurboQuantConfig(
-                key_quant=r.choice(
-                    "KVTIER_PAGED_TURBOQUANT_K_QUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_K_QUANT",
-                    mapping={c: c for c in TURBOQUANT_KEY_CODES}, default="q8_0",
-                ),
-                value_quant=r.choice(
-                    "KVTIER_PAGED_TURBOQUANT_V_QUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_V_QUANT",
-                    mapping={c: c for c in TURBOQUANT_VALUE_CODES}, default="q3_0",
-                ),
-                rotate_keys=r.flag(
-                    "KVTIER_PAGED_TURBOQUANT_ROTATE_KEYS",
-                    "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_ROTATE_KEYS",
-                ),
+                key_quant=key_quant, value_quant=value_quant, rotate_keys=rotate_keys
             )
         return cls(
-            strategy="paged" if paged else owned,
-            step=r.integer("KVTIER_OWNED_ATTN_KV_STEP", "MTPLX_OWNED_ATTN_KV_STEP", default=256),
+            strategy="paged" if paged else ("tail" if owned == "off" else owned),
+            enabled=paged or owned != "off",
+            step=r.integer(
+                "KVTIER_OWNED_ATTN_KV_STEP", "MTPLX_OWNED_ATTN_KV_STEP", default=256, minimum=1
+            ),
             owned_block_size=r.integer(
-                "KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "MTPLX_OWNED_ATTN_KV_BLOCK_SIZE", default=1024
+                "KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "MTPLX_OWNED_ATTN_KV_BLOCK_SIZE",
+                default=1024, minimum=1,
             ),
             paged_block_size=r.integer(
-                "KVTIER_PAGED_BLOCK_SIZE", "MTPLX_VLLM_METAL_PAGED_BLOCK_SIZE", default=16
+                "KVTIER_PAGED_BLOCK_SIZE", "MTPLX_VLLM_METAL_PAGED_BLOCK_SIZE",
+                default=16, minimum=1,
             ),
             paged_num_blocks=r.integer(
-                "KVTIER_PAGED_NUM_BLOCKS", "MTPLX_VLLM_METAL_PAGED_NUM_BLOCKS", default=1024
+                "KVTIER_PAGED_NUM_BLOCKS", "MTPLX_VLLM_METAL_PAGED_NUM_BLOCKS",
+                default=1024, minimum=1,
             ),
             dynamic_paged=r.flag("KVTIER_DYNAMIC_PAGED_KV", "MTPLX_DYNAMIC_PAGED_KV"),
             dynamic_paged_tokens=r.integer(
-                "KVTIER_DYNAMIC_PAGED_KV_TOKENS", "MTPLX_DYNAMIC_PAGED_KV_TOKENS", default=0
+                "KVTIER_DYNAMIC_PAGED_KV_TOKENS", "MTPLX_DYNAMIC_PAGED_KV_TOKENS",
+                default=0, minimum=0,
             ),
             dynamic_paged_min_blocks=r.integer(
                 "KVTIER_DYNAMIC_PAGED_KV_MIN_BLOCKS", "MTPLX_DYNAMIC_PAGED_KV_MIN_BLOCKS",
-                default=None,
+                default=None, minimum=1,
             ),
             dynamic_paged_margin=r.integer(
-                "KVTIER_DYNAMIC_PAGED_KV_MARGIN", "MTPLX_DYNAMIC_PAGED_KV_MARGIN", default=128
+                "KVTIER_DYNAMIC_PAGED_KV_MARGIN", "MTPLX_DYNAMIC_PAGED_KV_MARGIN",
+                default=128, minimum=0,
             ),
             previous_high_water=r.integer(
                 "KVTIER_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER",
                 "MTPLX_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER",
-                default=0,
+                default=0, minimum=0,
             ),
             context_window_tokens=r.integer(
-                "KVTIER_CONTEXT_WINDOW_TOKENS", "MTPLX_CONTEXT_WINDOW_TOKENS", default=None
+                "KVTIER_CONTEXT_WINDOW_TOKENS", "MTPLX_CONTEXT_WINDOW_TOKENS",
+                default=None, minimum=1,
             ),
             kv_quant=kv_quant,
             turboquant=tq,
@@ -248,15 +273,20 @@ class _EnvReader:
             return False
         raise ValueError(f"{name}={raw!r} is not a boolean; use one of 1/true/yes/on or 0/false/no/off")
 
-    def integer(self, *names: str, default: int | None) -> int | None:
+    def integer(self, *names: str, default: int | None, minimum: int) -> int | None:
         got = self._get(names)
         if got is None or got[1] == "":
             return default
         name, raw = got
         try:
-            return int(raw)
+            value = int(raw)
         except ValueError:
-            raise ValueError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
+            raise ValueError(
+                f"{name}={raw!r} is not an integer; set it to a whole number >= {minimum}"
+            ) from None
+        if value < minimum:
+            raise ValueError(f"{name}={raw!r} is too small; set it to a whole number >= {minimum}")
+        return value
 
     def choice(self, *names: str, mapping: Mapping[str, Any], default: Any) -> Any:
         got = self._get(names)
@@ -295,6 +325,8 @@ def make_caches(
 
     ``batch_size`` sizes the ragged and paged tiers, whose rows are tracked one by one.
     """
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+        raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
     config = KVCacheConfig.from_env() if config is None else config
     cls = _tier_class(config.strategy)
     params = config.tier_params()
@@ -310,6 +342,10 @@ def configure_kv_cache(caches: list, config: KVCacheConfig | None = None) -> dic
     contents carry over); other entries (``None``, foreign caches) are left as
     they are and counted in ``skipped``. Returns a stats dict.
     """
+    if not isinstance(caches, list):
+        raise ValueError(
+            f"caches must be a list (it is changed in place), got {type(caches).__name__}"
+        )
     config = KVCacheConfig.from_env() if config is None else config
     stats: dict[str, Any] = {
         "enabled": config.enabled,
@@ -335,7 +371,6 @@ def configure_kv_cache(caches: list, config: KVCacheConfig | None = None) -> dic
         caches[i] = cache
     stats["entries"] = len(converted)
     return stats
-
 
 
 def user_cache_dir() -> Path:

@@ -23,6 +23,41 @@ from kvtier.caches.base import (
 from kvtier.kernels.reference import causal_attention
 
 
+def live_kv(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The live K/V ``[B, H_kv, n, D]`` of a cache of any tier, or ``None`` when it holds nothing.
+
+    Tiers with per-row lengths (``offset`` a ``[B]`` tensor) qualify only when
+    every row holds the same ``n`` tokens; otherwise a ``ValueError`` says so,
+    since a scalar-offset tier cannot hold rows of different lengths.
+    """
+    off = cache.offset
+    if isinstance(off, torch.Tensor):
+        lengths = off.reshape(-1).tolist()
+        if min(lengths) != max(lengths):
+            raise ValueError(
+                f"rows hold different lengths {lengths}; a tier with one offset cannot hold "
+                "them: trim the rows to one length first, or keep a per-row tier"
+            )
+        n = int(lengths[0])
+    else:
+        n = int(off)
+    if n == 0:
+        return None
+    k, v = cache.fetch()
+    return k[:, :, :n], v[:, :, :n]
+
+
+def check_query_rows(queries: torch.Tensor, batch: int, offset: int) -> None:
+    """Queries must match the cache's batch and be no more than the tokens it holds."""
+    if queries.shape[0] != batch:
+        raise ValueError(f"queries batch {queries.shape[0]} differs from the cache's {batch}")
+    if queries.shape[2] > offset:
+        raise ValueError(
+            f"{queries.shape[2]} queries but the cache holds {offset} tokens; call update() "
+            "with the same tokens' keys and values before attention()"
+        )
+
+
 class TailOwnedKVCache(KVCache):
     """Contiguous ``[B, H_kv, capacity, D]`` K and V buffers, capacity a multiple of ``step``.
 
@@ -50,11 +85,14 @@ class TailOwnedKVCache(KVCache):
         return 0 if self.keys is None else self.keys.shape[2]
 
     def _grow(self, needed: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
-        """Reallocate to ``ceil(needed / step) * step`` slots, copying ``[0:offset]`` once."""
+        """Reallocate to ``ceil(needed / step) * step`` slots, copying ``[0:offset]`` once.
+
+        The slots past ``offset`` are left uninitialised: nothing reads past ``offset``.
+        """
         cap = math.ceil(needed / self.step) * self.step
         B, H, _, Dk = like_k.shape
-        new_k = like_k.new_zeros(B, H, cap, Dk)
-        new_v = like_v.new_zeros(B, H, cap, like_v.shape[3])
+        new_k = like_k.new_empty(B, H, cap, Dk)
+        new_v = like_v.new_empty(B, H, cap, like_v.shape[3])
         if self.keys is not None and self._offset:
             new_k[:, :, : self._offset] = self.keys[:, :, : self._offset]
             new_v[:, :, : self._offset] = self.values[:, :, : self._offset]
@@ -62,6 +100,7 @@ class TailOwnedKVCache(KVCache):
         self.copy_stats.grow_events += 1
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append ``keys``/``values`` ``[B, H_kv, T, D]`` (copied; the caller's tensors are not kept)."""
         check_kv(keys, values, self.keys)
         T = keys.shape[2]
         end = self._offset + T
@@ -73,14 +112,17 @@ class TailOwnedKVCache(KVCache):
         self._offset = end
 
     def fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``[B, H_kv, offset, D]`` of the buffers (no copy)."""
         if self.keys is None:
             raise ValueError("the cache is empty; call update() first")
         return self.keys[:, :, : self._offset], self.values[:, :, : self._offset]
 
     def attention(self, queries: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+        """Causal attention ``[B, H_q, T, D]`` of the ``T`` newest positions over the buffer."""
         if self.keys is None:
             raise ValueError("attention() on an empty cache; call update() first")
         check_queries(queries, self.keys.shape[1], self.keys.shape[3])
+        check_query_rows(queries, self.keys.shape[0], self._offset)
         k, v = self.fetch()
         return causal_attention(queries, k, v, scale=scale)
 
@@ -124,6 +166,7 @@ class TailOwnedKVCache(KVCache):
     # -- persistence ----------------------------------------------------------------
     @property
     def state(self) -> dict[str, torch.Tensor]:
+        """``keys``/``values`` ``[B, H_kv, offset, D]`` (contiguous), or ``{}`` if never written."""
         if self.keys is None:
             return {}
         k, v = self.fetch()
@@ -134,20 +177,62 @@ class TailOwnedKVCache(KVCache):
         return {"tier": self.tier, "step": self.step, "offset": self._offset}
 
     @classmethod
-    def from_state(cls, state: dict[str, torch.Tensor], meta_state: dict[str, Any]) -> TailOwnedKVCache:
-        cache = cls(step=int(meta_state["step"]))
-        if state:
-            if state["keys"].shape[2] != int(meta_state["offset"]):
-                raise ValueError(
-                    f"state holds {state['keys'].shape[2]} tokens but meta_state says "
-                    f"offset {meta_state['offset']}; the file is inconsistent"
-                )
-            cache.update(state["keys"], state["values"])
+    def from_state(
+        cls, state: dict[str, torch.Tensor], meta_state: dict[str, Any]
+    ) -> TailOwnedKVCache:
+        """Rebuild from :attr:`state` and :attr:`meta_state` (capacity rounded up to ``step``)."""
+        step, offset = read_meta_ints(meta_state, "step", "offset")
+        cache = cls(step=step)
+        k, v = check_state_kv(state, offset)
+        if k is not None:
+            # storage even when trimmed to 0 tokens: it carries dtype, heads and head_dim
+            cache._grow(max(offset, 1), k, v)
+            if offset:
+                cache.update(k, v)
         return cache
 
     @classmethod
     def from_cache(cls, other: KVCache, *, step: int = 256) -> TailOwnedKVCache:
+        """A tail cache holding ``other``'s live tokens (any tier with one length per row)."""
         cache = cls(step=step)
-        if other.size() > 0:
-            cache.update(*other.fetch())
+        kv = live_kv(other)
+        if kv is not None:
+            cache.update(*kv)
         return cache
+
+
+def read_meta_ints(meta_state: dict[str, Any], *names: str) -> list[int]:
+    """Read non-negative int fields of a meta_state; ValueError names a missing or bad one."""
+    out = []
+    for name in names:
+        v = meta_state.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"meta_state[{name!r}] must be an int >= 0, got {v!r}")
+        out.append(v)
+    return out
+
+
+def check_state_kv(
+    state: dict[str, torch.Tensor], offset: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The ``keys``/``values`` of a scalar-offset tier's state, checked against ``offset``."""
+    if not state:
+        if offset:
+            raise ValueError(f"meta_state says offset {offset} but the state holds no tensors")
+        return None, None
+    missing = {"keys", "values"} - set(state)
+    if missing:
+        raise ValueError(f"state lacks {sorted(missing)}; expected 'keys' and 'values'")
+    k, v = state["keys"], state["values"]
+    for name, t in (("keys", k), ("values", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[2] != offset:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"state[{name!r}] {shape} does not hold offset={offset} tokens as "
+                "[batch, kv_heads, tokens, head_dim]; the state is inconsistent"
+            )
+    if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype or k.device != v.device:
+        raise ValueError(
+            f"state keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)} {v.dtype} disagree"
+        )
+    return k, v

@@ -16,7 +16,8 @@ def _as_rows(x: int | torch.Tensor | None, batch: int, device: torch.device) -> 
     if x is None:
         return None
     if isinstance(x, torch.Tensor):
-        return x.to(device=device, dtype=torch.long).reshape(batch)
+        x = x.to(device=device, dtype=torch.long).reshape(-1)
+        return x.expand(batch) if x.numel() == 1 else x.reshape(batch)
     return torch.full((batch,), int(x), dtype=torch.long, device=device)
 
 
@@ -90,13 +91,15 @@ def partial_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over one chunk of keys, unnormalised across chunks.
 
-    Returns ``(out, lse)``: ``out`` ``[B, H_q, T, D]`` (float32) is the softmax
+    ``q``: ``[B, H_q, T, D]``; ``k``: ``[B, H_kv, S, D]``; ``v``: ``[B, H_kv, S, Dv]``;
+    ``mask``: boolean ``[B, 1, T, S]`` (True = visible) or ``None`` (all visible).
+    Returns ``(out, lse)``: ``out`` ``[B, H_q, T, Dv]`` (float32) is the softmax
     average over this chunk alone and ``lse`` ``[B, H_q, T]`` its log-sum-exp
     (``-inf`` where the chunk holds no visible key). Merge chunks with
     :func:`merge_partials`.
     """
     B, Hq, T, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, Dv = k.shape[1], v.shape[3]
     G = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qf = q.float().reshape(B, Hkv, G * T, D)  # (B, H_kv, G*T, D): query heads of a group share K
@@ -106,14 +109,19 @@ def partial_attention(
         s = s.masked_fill(~mask[:, :, None], float("-inf"))  # mask (B, 1, T, S)
     lse = torch.logsumexp(s, dim=-1)  # (B, H_kv, G, T)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    out = torch.matmul(p.reshape(B, Hkv, G * T, -1), v.float())  # (B, H_kv, G*T, D)
-    return out.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
+    out = torch.matmul(p.reshape(B, Hkv, G * T, -1), v.float())  # (B, H_kv, G*T, Dv)
+    return out.reshape(B, Hq, T, Dv), lse.reshape(B, Hq, T)
 
 
 def merge_partials(
     parts: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-sum-exp merge of per-chunk results from :func:`partial_attention`."""
+    """Log-sum-exp merge of per-chunk results from :func:`partial_attention`.
+
+    ``parts``: ``(out [B, H, T, D], lse [B, H, T])`` pairs, float32. Returns the
+    merged ``(out, lse)``, as if one chunk had held every key; a query that no
+    chunk lets see a key gets zeros and ``lse = -inf``.
+    """
     outs = torch.stack([o for o, _ in parts])  # (C, B, H, T, D)
     lses = torch.stack([lse for _, lse in parts])  # (C, B, H, T)
     total = torch.logsumexp(lses, dim=0)  # (B, H, T)
