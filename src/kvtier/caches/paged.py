@@ -1,0 +1,569 @@
+"""PagedKVCache: many sequences in one pool of pages, optionally quantised.
+
+Storage is the NHD paged layout of FlashInfer and vLLM: ``key_cache`` and
+``value_cache`` ``[num_blocks, block_size, H_kv, D']`` (``D'`` is the codec's
+packed width), codec sidecars (scales, zeros) ``[num_blocks, block_size, H_kv, G]``
+beside them, and int32 block tables ``[B, num_blocks]`` mapping each row's
+logical blocks to physical ones from a free list (see
+:mod:`kvtier.caches.paged_pool`). Rows have their own lengths, with the ragged
+tier's ``write_start`` / ``new_offsets`` semantics.
+
+The arithmetic (encode-and-scatter, gather-and-decode, attention) lives in
+:mod:`kvtier.kernels.paged`; this module books rows, blocks and codecs.
+
+Policies:
+
+- The pool is allocated on the first write (``num_blocks`` blocks, codecs chosen
+  from that write's head_dim and dtype). With ``dynamic=True`` a write that needs
+  more blocks than are free grows it by :func:`paged_grown_blocks`; otherwise,
+  or after :meth:`PagedKVCache.freeze`, it raises :class:`PagedKVGrowthRefused`
+  and nothing changes.
+- ``trim`` and partial commits only move lengths: the blocks behind the trimmed
+  tokens stay with their row (and count as waste) until the row writes over them
+  or is released with :meth:`PagedKVCache.release`.
+- Fallback: TurboQuant that cannot serve falls back to ``kv_quant`` when that is
+  set, else full precision; a ``kv_quant`` mode that cannot serve falls back to
+  full precision. It warns once and records why (``paged_stats()``).
+
+Example::
+
+    >>> import torch
+    >>> cache = PagedKVCache(block_size=16, num_blocks=64, batch_size=2)
+    >>> k = v = torch.randn(2, 2, 5, 64)                   # (B, H_kv, T, D)
+    >>> cache.update(k, v)
+    >>> cache.update(k[:, :, :1], v[:, :, :1], new_offsets=[6, 5])   # row 1 commits nothing
+    >>> cache.offset.tolist()
+    [6, 5]
+    >>> cache.attention(torch.randn(2, 8, 1, 64)).shape     # (B, H_q, T, D)
+    torch.Size([2, 8, 1, 64])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from kvtier.caches.base import (
+    CacheCapacityError,
+    CopyStats,
+    CopyTimer,
+    KVCache,
+    check_kv,
+    check_queries,
+    check_trim,
+)
+from kvtier.caches.paged_codecs import CodecChoice, mode_codecs, select_codecs
+from kvtier.caches.paged_pool import (
+    BlockPool,
+    RowsArg,
+    check_indices,
+    dynamic_paged_num_blocks,
+    paged_grown_blocks,
+    rows_arg,
+)
+from kvtier.config import ATTENTION_BACKENDS, KV_QUANT_MODES, TurboQuantConfig
+from kvtier.kernels.paged import PagedDispatch, gather_rows
+
+__all__ = [
+    "PagedKVCache",
+    "PagedKVGrowthRefused",
+    "dynamic_paged_num_blocks",
+    "paged_grown_blocks",
+    "select_codecs",
+]
+
+class PagedKVGrowthRefused(CacheCapacityError):
+    """A write needs more blocks than the pool has free and the pool may not grow."""
+
+
+def _positive_int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v
+
+
+class PagedKVCache(KVCache):
+    """Pages ``[num_blocks, block_size, H_kv, D']`` shared by ``batch_size`` rows through block tables.
+
+    ``offset`` is a ``[B]`` tensor of row lengths; ``fetch()`` returns gathered,
+    dequantised ``[B, H_kv, max_len, D]`` K/V with rows zero-padded past their
+    lengths; ``attention(q)`` reads the pages chunk by chunk (or through the
+    Triton kernel) without a full-precision copy of the cache.
+    """
+
+    tier = "paged"
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        num_blocks: int = 1024,
+        *,
+        batch_size: int = 1,
+        dynamic: bool = False,
+        context_window_tokens: int | None = None,
+        kv_quant: str | None = None,
+        turboquant: TurboQuantConfig | None = None,
+        attention_backend: str = "auto",
+    ):
+        self.block_size = _positive_int("block_size", block_size)
+        self.num_blocks = _positive_int("num_blocks", num_blocks)  # blocks of the first allocation
+        _positive_int("batch_size", batch_size)
+        if not isinstance(dynamic, bool):
+            raise ValueError(f"dynamic must be a bool, got {dynamic!r}")
+        if context_window_tokens is not None:
+            _positive_int("context_window_tokens", context_window_tokens)
+        if kv_quant is not None and kv_quant not in KV_QUANT_MODES:
+            raise ValueError(
+                f"kv_quant {kv_quant!r} is unknown; accepted: None, {', '.join(KV_QUANT_MODES)}"
+            )
+        if turboquant is not None and not isinstance(turboquant, TurboQuantConfig):
+            raise ValueError(f"turboquant must be a TurboQuantConfig or None, got {turboquant!r}")
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend {attention_backend!r} is unknown; accepted: "
+                f"{', '.join(ATTENTION_BACKENDS)}"
+            )
+        self.dynamic, self.context_window_tokens = dynamic, context_window_tokens
+        self.kv_quant, self.turboquant = kv_quant, turboquant
+        self.attention_backend = attention_backend
+        self.frozen = False
+        self.pool = BlockPool(block_size, batch_size)
+        self.codecs: CodecChoice | None = None
+        self._lengths = [0] * batch_size  # committed tokens per row
+        self._written = [0] * batch_size  # end of the last write per row (what attention sees)
+        self._write_start = [0] * batch_size
+        self._dev: dict[str, torch.Tensor] = {}  # device copies of the host lists, rebuilt on change
+        self.copy_stats = CopyStats()
+        self.dispatch = PagedDispatch(attention_backend)
+
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def key_cache(self) -> torch.Tensor | None:
+        return self.pool.key_cache
+
+    @property
+    def value_cache(self) -> torch.Tensor | None:
+        return self.pool.value_cache
+
+    @property
+    def block_tables(self) -> torch.Tensor | None:
+        return self.pool.block_tables
+
+    @property
+    def capacity(self) -> int:
+        """Token slots in allocated pages (blocks x block_size)."""
+        return self.pool.num_blocks * self.block_size
+
+    @property
+    def _device(self) -> torch.device:
+        return self.pool.key_cache.device if self.pool.allocated else torch.device("cpu")
+
+    def _rows_tensor(self, name: str, values: list[int]) -> torch.Tensor:
+        if name not in self._dev:
+            self._dev[name] = torch.tensor(values, dtype=torch.long, device=self._device)
+        return self._dev[name]
+
+    @property
+    def offset(self) -> torch.Tensor:
+        """Committed length of each row, int64 ``[B]`` on the cache's device."""
+        return self._rows_tensor("lengths", self._lengths)
+
+    def size(self) -> int:
+        return max(self._lengths, default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes
+
+    # -- writes ----------------------------------------------------------------------------
+    def _check_like(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        check_kv(keys, values, batch=self.batch_size)
+        if keys.shape[3] != values.shape[3]:
+            raise ValueError(
+                f"keys head_dim {keys.shape[3]} and values head_dim {values.shape[3]} must match "
+                "in the paged tier"
+            )
+        if self.codecs is None:
+            return
+        H, D = self.pool.key_cache.shape[2], self.codecs.k_codec.head_dim
+        for what, got, want in (("kv_heads", keys.shape[1], H), ("head_dim", keys.shape[3], D),
+                                ("dtype", keys.dtype, self.codecs.k_codec.dtype),
+                                ("device", keys.device, self._device)):
+            if got != want:
+                raise ValueError(f"{what} {got} differs from the cache's {want}; convert the "
+                                 f"input (or use a new cache)")
+
+    def _blocks_to_add(self, extra: int) -> int:
+        """Pool size in blocks after a write that needs ``extra`` more blocks; raises if refused."""
+        have, free = self.pool.num_blocks, len(self.pool.free)
+        if not self.pool.allocated:
+            have = free = self.num_blocks
+        if extra <= free:
+            return max(have, self.pool.num_blocks)
+        used = have - free
+        if self.dynamic and not self.frozen:
+            need = (used + extra) * self.block_size
+            return paged_grown_blocks(have, need, self.block_size, self.context_window_tokens)
+        why = "the pool is frozen (freeze())" if self.frozen else "the pool does not grow"
+        raise PagedKVGrowthRefused(
+            f"this write needs {extra} more blocks of {self.block_size} tokens but {free} of "
+            f"{have} are free and {why}; set KVTIER_DYNAMIC_PAGED_KV=1 (dynamic=True), raise "
+            f"KVTIER_PAGED_NUM_BLOCKS (num_blocks={have} now), or release finished rows"
+        )
+
+    def _grow_for(self, extra: int, heads: int, choice: CodecChoice, device: torch.device) -> None:
+        """Make ``extra`` more blocks free: allocate or grow the pool, or raise; all-or-nothing."""
+        target = self._blocks_to_add(extra)
+        if target <= self.pool.num_blocks:
+            return
+        before = self.pool.num_blocks if self.pool.allocated else self.num_blocks
+        try:
+            self.pool.resize(target, heads, choice.k_codec, choice.v_codec, device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise PagedKVGrowthRefused(
+                f"allocating {target} blocks of {self.block_size} tokens failed ({e}); the "
+                "cache is unchanged: lower KVTIER_PAGED_NUM_BLOCKS, quantise "
+                "(KVTIER_PAGED_KV_QUANT), or release finished rows"
+            ) from e
+        if self.codecs is None:
+            self._adopt(choice)
+        self.copy_stats.grow_events += int(target > before)
+        self._dev.clear()
+
+    def _adopt(self, choice: CodecChoice) -> None:
+        self.codecs = choice
+        for reason, what in ((choice.turboquant_disabled_reason, "TurboQuant"),
+                             (choice.kv_quant_disabled_reason, f"kv_quant={self.kv_quant}")):
+            if reason is not None:
+                warnings.warn(
+                    f"kvtier paged cache: {what} cannot serve ({reason}); storing as "
+                    f"{choice.mode!r} instead", RuntimeWarning, stacklevel=5)
+
+    def update(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        write_start: RowsArg = None,
+        new_offsets: RowsArg = None,
+    ) -> None:
+        """Write ``keys``/``values`` ``[B, H_kv, T, D]``; row ``r`` at ``[write_start[r], +T)``.
+
+        ``write_start`` defaults to each row's length and may be lower (rewriting
+        history), never higher. Row ``r``'s length becomes ``new_offsets[r]``
+        (default ``write_start[r] + T``; at least ``write_start[r]``). Both take
+        an int (every row), ``B`` ints or an integer tensor ``[B]`` (read on the
+        host). Raises ``ValueError`` for bad input and
+        :class:`PagedKVGrowthRefused` when the pool may not grow; either way the
+        cache is unchanged.
+        """
+        self._check_like(keys, values)
+        T = keys.shape[2]
+        ws = rows_arg(self.batch_size, "write_start", write_start, self._lengths)
+        bad = [r for r, (w, n) in enumerate(zip(ws, self._lengths)) if not 0 <= w <= n]
+        if bad:
+            raise ValueError(
+                f"write_start {ws} must lie in [0, offset] per row (offsets {self._lengths}); "
+                f"rows {bad} would leave a gap or are negative"
+            )
+        ends = [w + T for w in ws]
+        new = rows_arg(self.batch_size, "new_offsets", new_offsets, ends)
+        bad = [r for r in range(self.batch_size) if not ws[r] <= new[r] <= ends[r]]
+        if bad:
+            raise ValueError(
+                f"new_offsets {new} must lie in [write_start, write_start + {T}] per row "
+                f"(write_start {ws}); rows {bad} do not"
+            )
+        extra = self.pool.extra_blocks(ends)
+        choice = self.codecs or select_codecs(keys.shape[3], keys.dtype, self.kv_quant, self.turboquant)
+        self._grow_for(sum(extra), keys.shape[1], choice, keys.device)
+        self.pool.assign(extra)
+        dev = keys.device
+        bs = self.block_size
+        pos = torch.tensor(ws, device=dev)[:, None] + torch.arange(T, device=dev)  # (B, T)
+        blocks = self.pool.block_tables.long().gather(1, pos // bs)  # (B, T)
+        slots = (blocks * bs + pos % bs).reshape(-1)  # (B*T,) row-major over (b, t)
+        k_codec, v_codec = self.codecs.k_codec, self.codecs.v_codec
+        nbytes = keys.shape[0] * T * keys.shape[1] * (
+            k_codec.bytes_per_token_head() + v_codec.bytes_per_token_head()
+        )
+        with CopyTimer(self.copy_stats, nbytes):
+            self.dispatch.write(
+                self.pool.key_cache, self.pool.value_cache, self.pool.k_sidecars,
+                self.pool.v_sidecars, slots, keys, values, k_codec=k_codec, v_codec=v_codec,
+            )
+        self._lengths, self._written, self._write_start = new, ends, ws
+        self._dev.clear()
+
+    # -- reads ---------------------------------------------------------------------------------
+    def _require_storage(self, what: str) -> None:
+        if not self.pool.allocated:
+            raise ValueError(f"{what} on an empty paged cache; call update() first")
+
+    def fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered, dequantised K/V ``[B, H_kv, max_len, D]``, zeros past each row's length.
+
+        For one row this is exactly ``[1, H_kv, offset, D]``. It is a copy, built
+        for compatibility; :meth:`attention` does not need it.
+        """
+        self._require_storage("fetch()")
+        lengths, n = self.offset, self.size()
+        p = self.pool
+        return (
+            gather_rows(p.key_cache, p.k_sidecars, p.block_tables, lengths, n, codec=self.codecs.k_codec),
+            gather_rows(p.value_cache, p.v_sidecars, p.block_tables, lengths, n, codec=self.codecs.v_codec),
+        )
+
+    def attention(
+        self, queries: torch.Tensor, *, scale: float | None = None, q_start: RowsArg = None
+    ) -> torch.Tensor:
+        """Causal attention ``[B, H_q, T, D]`` of ``queries`` ``[B, H_q, T, D]`` over each row's pages.
+
+        Query ``i`` of row ``r`` sits at ``q_start[r] + i`` (default: the
+        ``write_start`` of the last update) and sees the row's keys up to itself,
+        within what the last update wrote (less any trim). Rows that see nothing
+        (released rows) return zeros.
+        """
+        self._require_storage("attention()")
+        check_queries(queries, self.pool.key_cache.shape[2], self.codecs.k_codec.head_dim)
+        if queries.shape[0] != self.batch_size or queries.device != self._device:
+            raise ValueError(
+                f"queries batch {queries.shape[0]} on {queries.device} must match the cache's "
+                f"batch {self.batch_size} on {self._device}"
+            )
+        qs = rows_arg(self.batch_size, "q_start", q_start, self._write_start)
+        if any(q < 0 for q in qs):
+            raise ValueError(f"q_start {qs} must be >= 0 per row")
+        dev = self._device
+        q_start_t = self._rows_tensor("write_start", qs) if q_start is None else torch.tensor(qs, device=dev)
+        p = self.pool
+        return self.dispatch.attention(
+            queries, p.key_cache, p.value_cache, p.block_tables, q_start_t,
+            self._rows_tensor("written", self._written),
+            k_codec=self.codecs.k_codec, v_codec=self.codecs.v_codec,
+            k_sidecars=p.k_sidecars, v_sidecars=p.v_sidecars, scale=scale,
+        )
+
+    # -- lengths and rows ----------------------------------------------------------------------
+    def trim(self, n: int) -> int:
+        """Drop the newest ``n`` tokens of every row, clamped by the shortest row; blocks stay."""
+        n = min(check_trim(n), min(self._lengths))
+        self._lengths = [x - n for x in self._lengths]
+        self._written = [min(w, x) for w, x in zip(self._written, self._lengths)]
+        self._dev.clear()
+        return n
+
+    def release(self, rows: RowsArg) -> None:
+        """Return the blocks of ``rows`` to the free list; those rows become empty (length 0)."""
+        rows = check_indices("rows", rows, self.batch_size)
+        self.pool.release(rows)
+        for r in rows:
+            self._lengths[r] = self._written[r] = self._write_start[r] = 0
+        self._dev.clear()
+
+    def filter(self, indices: RowsArg) -> None:
+        """Keep rows ``indices`` (in that order); the other rows' blocks return to the free list."""
+        keep = check_indices("indices", indices, self.batch_size)
+        if not keep:
+            raise ValueError("filter() needs at least one row; to drop everything, release() the rows")
+        self.pool.release([r for r in range(self.batch_size) if r not in set(keep)])
+        self.pool.select(keep)
+        for name in ("_lengths", "_written", "_write_start"):
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+        self._dev.clear()
+
+    def _compatible(self, other: PagedKVCache) -> str | None:
+        if other.block_size != self.block_size:
+            return f"block_size {other.block_size} differs from {self.block_size}"
+        if self.codecs is None or other.codecs is None:
+            return None
+        a, b = self.codecs, other.codecs
+        if (a.mode, a.k_codec.head_dim, a.k_codec.dtype) != (b.mode, b.k_codec.head_dim, b.k_codec.dtype):
+            return (f"storage {b.mode}/{b.k_codec.head_dim}/{b.k_codec.dtype} differs from "
+                    f"{a.mode}/{a.k_codec.head_dim}/{a.k_codec.dtype}")
+        if other.pool.key_cache.shape[2] != self.pool.key_cache.shape[2]:
+            return f"kv_heads {other.pool.key_cache.shape[2]} differs from {self.pool.key_cache.shape[2]}"
+        return None
+
+    def extend(self, other: PagedKVCache) -> None:
+        """Append ``other``'s rows after this cache's, copying their blocks (exact, no re-encoding).
+
+        ``other`` must use the same block size and storage (mode, head_dim,
+        dtype, kv_heads). Only blocks under each row's length are copied.
+        """
+        if not isinstance(other, PagedKVCache):
+            raise ValueError(f"extend() takes a PagedKVCache, got {type(other).__name__}; "
+                             "convert it with PagedKVCache.from_cache() first")
+        if other is self:
+            raise ValueError("extend() with the cache itself; copy it first (from_state(state, meta_state))")
+        why = self._compatible(other)
+        if why is not None:
+            raise ValueError(f"cannot extend with that cache: {why}")
+        bs = self.block_size
+        src = [row[: math.ceil(n / bs)] for row, n in zip(other.pool.rows, other._lengths)]
+        B = self.batch_size
+        if other.pool.allocated:
+            heads = other.pool.key_cache.shape[2]
+            self._grow_for(sum(map(len, src)), heads, self.codecs or other.codecs,
+                           self._device if self.pool.allocated else other._device)
+        self.pool.add_rows(other.batch_size)
+        if other.pool.allocated:
+            self.pool.assign([0] * B + [len(s) for s in src])
+            dst = [b for row in self.pool.rows[B:] for b in row]
+            if dst:
+                self.pool.copy_blocks(other.pool, [b for s in src for b in s], dst)
+        self._lengths = self._lengths + list(other._lengths)
+        self._written = self._written + list(other._lengths)
+        self._write_start = self._write_start + list(other._lengths)
+        self._dev.clear()
+
+    def freeze(self) -> None:
+        """Never grow the pool again: a write that does not fit raises :class:`PagedKVGrowthRefused`."""
+        self.frozen = True
+
+    # -- figures -------------------------------------------------------------------------------
+    def paged_stats(self) -> dict[str, Any]:
+        """Blocks, tokens, waste, bytes and the storage mode actually in use (a plain dict)."""
+        p, bs = self.pool, self.block_size
+        live = sum(self._lengths)
+        c = self.codecs
+        payload = sum(t.numel() * t.element_size() for t in (p.key_cache, p.value_cache) if t is not None)
+        per_token = None
+        if c is not None:
+            per_token = p.key_cache.shape[2] * (
+                c.k_codec.bytes_per_token_head() + c.v_codec.bytes_per_token_head()
+            )
+        return {
+            "mode": None if c is None else c.mode,
+            "key_codec": None if c is None else c.k_codec.name,
+            "value_codec": None if c is None else c.v_codec.name,
+            "kv_quant": self.kv_quant,
+            "turboquant": None if self.turboquant is None else dataclasses.asdict(self.turboquant),
+            "turboquant_disabled_reason": None if c is None else c.turboquant_disabled_reason,
+            "kv_quant_disabled_reason": None if c is None else c.kv_quant_disabled_reason,
+            "block_size": bs,
+            "allocated_blocks": p.num_blocks,
+            "used_blocks": p.used_blocks,
+            "free_blocks": len(p.free),
+            "capacity": self.capacity,
+            "live_tokens": live,
+            "waste_tokens": self.capacity - live,
+            "waste_pct": 100.0 * (self.capacity - live) / self.capacity if self.capacity else 0.0,
+            "held_waste_tokens": p.used_blocks * bs - live,
+            "grow_events": self.copy_stats.grow_events,
+            "dynamic": self.dynamic,
+            "frozen": self.frozen,
+            "payload_bytes": payload,
+            "sidecar_bytes": p.nbytes - payload,
+            "bytes_per_token": per_token,
+            "bytes_per_live_token": p.nbytes / live if live else None,
+            "attention_backend": self.attention_backend,
+            "attention_calls_by_backend": dict(self.dispatch.attention_calls),
+            "write_calls_by_backend": dict(self.dispatch.write_calls),
+            "backend_fallback_reason": self.dispatch.fallback_reason,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "tier": self.tier,
+            "batch_size": self.batch_size,
+            "offsets": list(self._lengths),
+            "nbytes": self.nbytes,
+            **self.copy_stats.as_dict(),
+            **self.paged_stats(),
+        }
+
+    # -- persistence ---------------------------------------------------------------------------
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """Pages, sidecars (``k_sidecar.NAME``/``v_sidecar.NAME``), block tables, free list, lengths."""
+        if not self.pool.allocated:
+            return {}
+        rows = {"lengths": self._lengths, "written": self._written, "write_start": self._write_start}
+        return {**self.pool.state(), **{k: torch.tensor(v, dtype=torch.long) for k, v in rows.items()}}
+
+    @property
+    def meta_state(self) -> dict[str, Any]:
+        """Constructor arguments and the storage in use (JSON-serialisable)."""
+        c = self.codecs
+        return {
+            "tier": self.tier,
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "batch_size": self.batch_size,
+            "dynamic": self.dynamic,
+            "context_window_tokens": self.context_window_tokens,
+            "kv_quant": self.kv_quant,
+            "turboquant": None if self.turboquant is None else dataclasses.asdict(self.turboquant),
+            "attention_backend": self.attention_backend,
+            "frozen": self.frozen,
+            "grow_events": self.copy_stats.grow_events,
+            "mode": None if c is None else c.mode,
+            "head_dim": None if c is None else c.k_codec.head_dim,
+            "dtype": None if c is None else str(c.k_codec.dtype).removeprefix("torch."),
+            "turboquant_disabled_reason": None if c is None else c.turboquant_disabled_reason,
+            "kv_quant_disabled_reason": None if c is None else c.kv_quant_disabled_reason,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], meta_state: dict[str, Any]) -> PagedKVCache:
+        """Rebuild a cache exactly (pages, sidecars, block tables, free list, lengths)."""
+        m = meta_state
+        if m.get("tier") != cls.tier:
+            raise ValueError(f"meta_state tier {m.get('tier')!r} is not 'paged'")
+        tq = None if m["turboquant"] is None else TurboQuantConfig(**m["turboquant"])
+        cache = cls(m["block_size"], m["num_blocks"], batch_size=m["batch_size"], dynamic=m["dynamic"],
+                    context_window_tokens=m["context_window_tokens"], kv_quant=m["kv_quant"],
+                    turboquant=tq, attention_backend=m["attention_backend"])
+        cache.frozen = bool(m["frozen"])
+        cache.copy_stats.grow_events = int(m["grow_events"])
+        if not state:
+            return cache
+        mode = m["mode"]
+        k, v = mode_codecs(mode, int(m["head_dim"]), getattr(torch, m["dtype"]), tq)
+        cache.pool.load(state, k, v)
+        cache.codecs = CodecChoice(k, v, mode, m["turboquant_disabled_reason"],
+                                   m["kv_quant_disabled_reason"])
+        cache._lengths = state["lengths"].tolist()
+        cache._written = state["written"].tolist()
+        cache._write_start = state["write_start"].tolist()
+        return cache
+
+    @classmethod
+    def from_cache(
+        cls,
+        other: KVCache,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 1024,
+        dynamic: bool = False,
+        context_window_tokens: int | None = None,
+        kv_quant: str | None = None,
+        turboquant: TurboQuantConfig | None = None,
+        attention_backend: str = "auto",
+    ) -> PagedKVCache:
+        """A paged cache holding ``other``'s tokens (each row keeps its length).
+
+        Rows shorter than the longest are written padded and committed at their
+        length, so they may hold a few more blocks than they need (see trim policy).
+        """
+        off = other.offset
+        lengths = off.tolist() if isinstance(off, torch.Tensor) else None
+        kw = dict(dynamic=dynamic, context_window_tokens=context_window_tokens, kv_quant=kv_quant,
+                  turboquant=turboquant, attention_backend=attention_backend)
+        if other.size() == 0:
+            return cls(block_size, num_blocks, batch_size=len(lengths) if lengths else 1, **kw)
+        K, V = other.fetch()
+        n = other.size()
+        K, V = K[:, :, :n], V[:, :, :n]  # (B, H_kv, n, D)
+        cache = cls(block_size, num_blocks, batch_size=K.shape[0], **kw)
+        cache.update(K, V, new_offsets=lengths)
+        return cache

@@ -1,0 +1,286 @@
+"""The paged tier's memory: a pool of pages, a free list and per-row block tables.
+
+:class:`BlockPool` owns the pages ``[num_blocks, block_size, H_kv, D']`` of K and
+V, their codec sidecars ``[num_blocks, block_size, H_kv, G]``, the free list and
+the blocks each row holds. It knows nothing of lengths or codecs' arithmetic;
+:class:`~kvtier.caches.paged.PagedKVCache` drives it. The sizing rules are plain
+functions so that configuration can use them before any cache exists.
+
+Invariant: every allocated block is either free or held by exactly one row, so
+``free + used == allocated`` at all times.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.caches.base import tensor_nbytes
+from kvtier.quant.codec import Codec
+
+RowsArg = int | Sequence[int] | torch.Tensor | None
+
+
+def dynamic_paged_num_blocks(
+    block_size: int,
+    configured_blocks: int,
+    request_tokens: int | None = None,
+    previous_high_water: int = 0,
+    margin: int = 128,
+    min_blocks: int | None = None,
+) -> int:
+    """Start-up pool size in blocks for a dynamic paged cache.
+
+    Blocks for ``max(request_tokens, ceil(1.5 * previous_high_water)) + margin``
+    tokens, never below ``configured_blocks`` nor ``min_blocks``.
+
+    >>> dynamic_paged_num_blocks(16, 64, request_tokens=4000)   # (4000 + 128) / 16
+    258
+    """
+    for name, v in (("block_size", block_size), ("configured_blocks", configured_blocks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    for name, v in (("request_tokens", request_tokens or 0), ("previous_high_water", previous_high_water),
+                    ("margin", margin), ("min_blocks", min_blocks or 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0 (or None), got {v!r}")
+    tokens = max(request_tokens or 0, math.ceil(1.5 * previous_high_water)) + margin
+    return max(math.ceil(tokens / block_size), configured_blocks, min_blocks or 0)
+
+
+def paged_grown_blocks(
+    current: int,
+    required_tokens: int,
+    block_size: int,
+    context_window_tokens: int | None = None,
+) -> int:
+    """Pool size in blocks after growing ``current`` blocks to hold ``required_tokens``.
+
+    Unchanged when the requirement fits; otherwise
+    ``max(required, ceil(1.5 * current), current + 1)`` blocks, clamped to the
+    context window's blocks when one is set and the requirement fits in it.
+
+    >>> paged_grown_blocks(10, 200, 16)        # needs 13 blocks; 1.5x gives 15
+    15
+    >>> paged_grown_blocks(10, 200, 16, context_window_tokens=224)   # clamp to 14 blocks
+    14
+    """
+    if current < 0 or required_tokens < 0 or block_size <= 0:
+        raise ValueError(
+            f"paged_grown_blocks needs current >= 0, required_tokens >= 0 and block_size > 0, "
+            f"got {current}, {required_tokens}, {block_size}"
+        )
+    required = math.ceil(required_tokens / block_size)
+    if required <= current:
+        return current
+    grown = max(required, math.ceil(1.5 * current), current + 1)
+    if context_window_tokens is not None:
+        window = math.ceil(context_window_tokens / block_size)
+        if required <= window:
+            grown = min(grown, window)
+    return grown
+
+
+def rows_arg(B: int, name: str, value: RowsArg, default: list[int]) -> list[int]:
+    """A per-row argument as ``B`` host ints: None (``default``), an int, ints, or an int tensor."""
+    if value is None:
+        return list(default)
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype == torch.bool or value.dim() > 1:
+            raise ValueError(f"{name} must be an integer tensor [{B}], got {value.dtype} "
+                             f"{tuple(value.shape)}")
+        value = value.reshape(-1).tolist() if value.dim() else int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value] * B
+    if (not isinstance(value, Sequence) or len(value) != B
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
+        raise ValueError(f"{name} must be an int or {B} ints (one per row), got {value!r}")
+    return list(value)
+
+
+def check_indices(name: str, idx: RowsArg, batch: int) -> list[int]:
+    """Validate a list of distinct row indices in ``[0, batch)``."""
+    rows = idx.tolist() if isinstance(idx, torch.Tensor) else idx
+    if isinstance(rows, int):
+        rows = [rows]
+    if not isinstance(rows, Sequence) or not all(
+        isinstance(r, int) and not isinstance(r, bool) for r in rows
+    ):
+        raise ValueError(f"{name} must be row indices (ints), got {idx!r}")
+    bad = [r for r in rows if not 0 <= r < batch]
+    if bad or len(set(rows)) != len(rows):
+        raise ValueError(
+            f"{name} {list(rows)} must be distinct rows in [0, {batch}); "
+            f"{'out of range: ' + str(bad) if bad else 'a row appears twice'}"
+        )
+    return list(rows)
+
+
+class BlockPool:
+    """Pages, sidecars, a free list and per-row block lists (host side) with their block tables.
+
+    ``block_tables`` is int32 ``[B, num_blocks]`` on the pages' device: row ``r``'s
+    logical block ``i`` lives in physical block ``block_tables[r, i]`` for
+    ``i < len(rows[r])``; later entries are 0.
+    """
+
+    def __init__(self, block_size: int, batch_size: int):
+        self.block_size = block_size
+        self.key_cache: torch.Tensor | None = None
+        self.value_cache: torch.Tensor | None = None
+        self.k_sidecars: dict[str, torch.Tensor] = {}
+        self.v_sidecars: dict[str, torch.Tensor] = {}
+        self.block_tables: torch.Tensor | None = None
+        self.free: list[int] = []  # popped from the end: the next block handed out
+        self.rows: list[list[int]] = [[] for _ in range(batch_size)]
+
+    # -- facts ------------------------------------------------------------------------
+    @property
+    def allocated(self) -> bool:
+        return self.key_cache is not None
+
+    @property
+    def num_blocks(self) -> int:
+        return 0 if self.key_cache is None else self.key_cache.shape[0]
+
+    @property
+    def used_blocks(self) -> int:
+        return sum(len(r) for r in self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(
+            self.key_cache, self.value_cache, *self.k_sidecars.values(), *self.v_sidecars.values()
+        )
+
+    def extra_blocks(self, ends: list[int]) -> list[int]:
+        """Blocks each row still needs so that positions ``< ends[r]`` have a slot."""
+        return [max(0, math.ceil(e / self.block_size) - len(r)) for e, r in zip(ends, self.rows)]
+
+    # -- allocation ----------------------------------------------------------------------
+    def _new_tensors(self, n: int, heads: int, k_codec: Codec, v_codec: Codec, device):
+        """Fresh zeroed pages and sidecars for ``n`` blocks (may raise on allocation failure)."""
+        bs = self.block_size
+        out = []
+        for codec in (k_codec, v_codec):
+            pages = torch.zeros(n, bs, heads, codec.packed_dim(), dtype=codec.payload_dtype, device=device)
+            side = {
+                s.name: torch.zeros(n, bs, heads, s.groups, dtype=s.dtype, device=device)
+                for s in codec.sidecar_specs()
+            }
+            out.append((pages, side))
+        tables = torch.zeros(len(self.rows), n, dtype=torch.int32, device=device)
+        return out, tables
+
+    def resize(self, n: int, heads: int, k_codec: Codec, v_codec: Codec, device) -> None:
+        """Allocate (first time) or grow the pool to ``n`` blocks, keeping every block's contents.
+
+        Everything new is allocated before anything is swapped in, so an
+        allocation failure leaves the pool exactly as it was.
+        """
+        old = self.num_blocks
+        assert n >= old, f"the pool never shrinks ({old} -> {n})"
+        ((kp, ks), (vp, vs)), tables = self._new_tensors(n, heads, k_codec, v_codec, device)
+        if old:
+            kp[:old], vp[:old] = self.key_cache, self.value_cache
+            for new, cur in ((ks, self.k_sidecars), (vs, self.v_sidecars)):
+                for name, t in cur.items():
+                    new[name][:old] = t
+            tables[:, :old] = self.block_tables
+        self.key_cache, self.value_cache, self.k_sidecars, self.v_sidecars = kp, vp, ks, vs
+        self.block_tables = tables
+        # new blocks are handed out after the ones already free, lowest id first
+        self.free = list(range(n - 1, old - 1, -1)) + self.free
+
+    def assign(self, extra: list[int]) -> None:
+        """Give row ``r`` ``extra[r]`` blocks from the free list and record them in the tables."""
+        assert sum(extra) <= len(self.free), "caller must check free blocks first"
+        rr, cc, bb = [], [], []
+        for r, k in enumerate(extra):
+            for _ in range(k):
+                rr.append(r)
+                cc.append(len(self.rows[r]))
+                b = self.free.pop()
+                bb.append(b)
+                self.rows[r].append(b)
+        if rr:
+            dev = self.block_tables.device
+            self.block_tables[torch.tensor(rr, device=dev), torch.tensor(cc, device=dev)] = (
+                torch.tensor(bb, dtype=torch.int32, device=dev)
+            )
+
+    def release(self, rows: list[int]) -> None:
+        """Return the rows' blocks to the free list (reused first) and clear their tables."""
+        for r in rows:
+            self.free.extend(reversed(self.rows[r]))
+            self.rows[r] = []
+        if rows and self.block_tables is not None:
+            self.block_tables[torch.tensor(rows, device=self.block_tables.device)] = 0
+
+    def select(self, indices: list[int]) -> None:
+        """Keep rows ``indices`` in that order; the caller released the others first."""
+        self.rows = [self.rows[i] for i in indices]
+        if self.block_tables is not None:
+            idx = torch.tensor(indices, device=self.block_tables.device)
+            self.block_tables = self.block_tables.index_select(0, idx)
+
+    def add_rows(self, count: int) -> None:
+        """Append ``count`` empty rows."""
+        self.rows.extend([] for _ in range(count))
+        if self.block_tables is not None:
+            pad = self.block_tables.new_zeros(count, self.block_tables.shape[1])
+            self.block_tables = torch.cat([self.block_tables, pad])
+
+    def copy_blocks(self, src: BlockPool, src_ids: list[int], dst_ids: list[int]) -> None:
+        """Copy whole blocks (payload and sidecars) from ``src`` into this pool."""
+        dev = self.key_cache.device
+        s = torch.tensor(src_ids, device=src.key_cache.device)
+        d = torch.tensor(dst_ids, device=dev)
+        for mine, theirs in ((self.key_cache, src.key_cache), (self.value_cache, src.value_cache)):
+            mine.index_copy_(0, d, theirs.index_select(0, s).to(dev))
+        for mine, theirs in ((self.k_sidecars, src.k_sidecars), (self.v_sidecars, src.v_sidecars)):
+            for name, t in mine.items():
+                t.index_copy_(0, d, theirs[name].index_select(0, s).to(dev))
+
+    # -- persistence ----------------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        """The pool's tensors and books (live tensors, not copies)."""
+        return {
+            "key_cache": self.key_cache,
+            "value_cache": self.value_cache,
+            "block_tables": self.block_tables,
+            "free_blocks": torch.tensor(self.free, dtype=torch.long),
+            "held_blocks": torch.tensor([len(r) for r in self.rows], dtype=torch.long),
+            **{f"k_sidecar.{n}": t for n, t in self.k_sidecars.items()},
+            **{f"v_sidecar.{n}": t for n, t in self.v_sidecars.items()},
+        }
+
+    def load(self, state: dict[str, torch.Tensor], k_codec: Codec, v_codec: Codec) -> None:
+        """Fill a fresh pool from :meth:`state` exactly; ``ValueError`` if it does not fit the codecs."""
+        kc = state.get("key_cache")
+        if kc is None or kc.dim() != 4:
+            raise ValueError("state has no 4-D 'key_cache'; the file is inconsistent")
+        self.resize(kc.shape[0], kc.shape[2], k_codec, v_codec, kc.device)
+        mine = self.state()
+        for name in ("key_cache", "value_cache", "block_tables", *(n for n in mine if "sidecar" in n)):
+            got = state.get(name)
+            want = mine[name]
+            if got is None or got.shape != want.shape or got.dtype != want.dtype:
+                desc = None if got is None else (tuple(got.shape), got.dtype)
+                raise ValueError(
+                    f"state[{name!r}] is {desc}, the codecs need {(tuple(want.shape), want.dtype)}; "
+                    "the file is inconsistent"
+                )
+            want.copy_(got)
+        held = state["held_blocks"].tolist()
+        if len(held) != len(self.rows):
+            raise ValueError(f"state holds {len(held)} rows, meta_state {len(self.rows)}")
+        self.rows = [self.block_tables[r, :n].tolist() for r, n in enumerate(held)]
+        self.free = state["free_blocks"].tolist()
+        if sorted(self.free + [b for r in self.rows for b in r]) != list(range(self.num_blocks)):
+            raise ValueError(
+                "state's block tables and free list do not cover the pool exactly once; "
+                "the file is inconsistent"
+            )

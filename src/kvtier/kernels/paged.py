@@ -1,0 +1,331 @@
+"""Paged attention and paged writes: the PyTorch reference and the backend dispatch.
+
+Layout (NHD, byte-compatible with FlashInfer's and vLLM's paged layout)::
+
+    key_pages, value_pages : [num_blocks, block_size, H_kv, D']   payload of a codec
+    sidecars               : {name: [num_blocks, block_size, H_kv, G]}   scales, zeros
+    block_tables           : int32 [B, max_blocks]   logical block -> physical block
+    slot_mapping           : int64 [B * T]           physical slot = block * block_size + pos % block_size
+
+Row ``b`` holds position ``p`` in physical block ``block_tables[b, p // block_size]``
+at in-block position ``p % block_size``. Entries of a block table past what the
+row holds are never read unmasked (the cache pads them with 0).
+
+The reference gathers and dequantises a bounded chunk of blocks at a time and
+folds each chunk into an :class:`~kvtier.kernels.reference.OnlineSoftmax`, so it
+never builds a full-precision copy of the whole cache. The Triton kernels
+(``kvtier.kernels.triton_paged``) take exactly the same arguments; the
+:class:`PagedDispatch` object picks the backend, falls back to the reference
+when a kernel cannot serve, and counts which backend served each call.
+
+Example::
+
+    >>> import torch
+    >>> from kvtier.quant.codec import IdentityCodec
+    >>> codec = IdentityCodec(64, torch.float32)
+    >>> kp = torch.zeros(4, 16, 2, 64); vp = torch.zeros(4, 16, 2, 64)
+    >>> k = v = torch.randn(1, 2, 5, 64)                       # (B, H_kv, T, D)
+    >>> slots = torch.arange(5) + 2 * 16                        # row 0 lives in block 2
+    >>> paged_write_reference(kp, vp, {}, {}, slots, k, v, k_codec=codec, v_codec=codec)
+    >>> bt = torch.tensor([[2]], dtype=torch.int32)
+    >>> out = paged_attention_reference(torch.randn(1, 4, 5, 64), kp, vp, bt,
+    ...     torch.tensor([0]), torch.tensor([5]), k_codec=codec, v_codec=codec,
+    ...     k_sidecars={}, v_sidecars={})
+    >>> out.shape
+    torch.Size([1, 4, 5, 64])
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import warnings
+from collections import Counter
+
+import torch
+
+from kvtier.kernels.reference import OnlineSoftmax, causal_mask, partial_attention
+from kvtier.quant.codec import Codec
+
+BACKENDS = ("auto", "torch", "triton")
+#: keys dequantised per chunk by the reference read path (rounded to whole blocks)
+DEFAULT_CHUNK_TOKENS = 1024
+TRITON_MODULE = "kvtier.kernels.triton_paged"
+
+
+# -- checks -------------------------------------------------------------------------
+def _check_pages(key_pages: torch.Tensor, value_pages: torch.Tensor) -> None:
+    if key_pages.dim() != 4 or value_pages.dim() != 4:
+        raise ValueError(
+            f"pages must be 4-D [num_blocks, block_size, H_kv, D'], got key_pages "
+            f"{tuple(key_pages.shape)} and value_pages {tuple(value_pages.shape)}"
+        )
+    if key_pages.shape[:3] != value_pages.shape[:3]:
+        raise ValueError(
+            f"key_pages {tuple(key_pages.shape)} and value_pages {tuple(value_pages.shape)} "
+            "must agree on num_blocks, block_size and H_kv"
+        )
+
+
+def _check_rows(name: str, t: torch.Tensor, batch: int) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.shape != (batch,):
+        got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be an integer tensor of shape [{batch}], got {got}")
+
+
+def _check_attention_args(q, key_pages, value_pages, block_tables, q_start, kv_len) -> None:
+    _check_pages(key_pages, value_pages)
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D [B, H_q, T, D], got {tuple(q.shape)}")
+    B, Hq = q.shape[:2]
+    Hkv = key_pages.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"q_heads {Hq} is not a multiple of the pages' kv_heads {Hkv}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype != torch.int32:
+        raise ValueError(
+            f"block_tables must be int32 [{B}, max_blocks], got {block_tables.dtype} "
+            f"{tuple(block_tables.shape)}"
+        )
+    _check_rows("q_start", q_start, B)
+    _check_rows("kv_len", kv_len, B)
+
+
+# -- gathering --------------------------------------------------------------------------
+def gather_pages(
+    pages: torch.Tensor,
+    sidecars: dict[str, torch.Tensor],
+    block_ids: torch.Tensor,
+    *,
+    codec: Codec,
+) -> torch.Tensor:
+    """Gather and decode whole blocks: ``[B, H_kv, nb * block_size, D]`` in ``codec.dtype``.
+
+    ``pages``: ``[N, bs, H_kv, D']``; ``sidecars``: ``{name: [N, bs, H_kv, G]}``;
+    ``block_ids``: integer ``[B, nb]`` physical blocks, in logical order.
+    """
+    B, nb = block_ids.shape
+    _, bs, H, Dp = pages.shape
+    flat = block_ids.reshape(-1).long()
+    payload = pages.index_select(0, flat).reshape(B * nb * bs, H, Dp)  # (B*nb*bs, H, D')
+    sc = {n: s.index_select(0, flat).reshape(B * nb * bs, H, -1) for n, s in sidecars.items()}
+    x = codec.decode(payload, sc)  # (B*nb*bs, H, D)
+    return x.reshape(B, nb * bs, H, -1).transpose(1, 2)  # (B, H, nb*bs, D)
+
+
+def gather_rows(
+    pages: torch.Tensor,
+    sidecars: dict[str, torch.Tensor],
+    block_tables: torch.Tensor,
+    kv_len: torch.Tensor,
+    length: int,
+    *,
+    codec: Codec,
+) -> torch.Tensor:
+    """Each row's first ``length`` positions, decoded: ``[B, H_kv, length, D]``.
+
+    Positions at or past a row's ``kv_len`` are zeros. ``block_tables`` must hold
+    at least ``ceil(length / block_size)`` columns.
+    """
+    B = block_tables.shape[0]
+    bs, H = pages.shape[1], pages.shape[2]
+    if length == 0:
+        return torch.zeros(B, H, 0, codec.head_dim, dtype=codec.dtype, device=pages.device)
+    nb = math.ceil(length / bs)
+    x = gather_pages(pages, sidecars, block_tables[:, :nb], codec=codec)[:, :, :length]
+    live = torch.arange(length, device=pages.device)[None, :] < kv_len.to(pages.device)[:, None]
+    return x.masked_fill(~live[:, None, :, None], 0)  # (B, H, length, D)
+
+
+# -- the reference kernels --------------------------------------------------------------
+def paged_attention_reference(
+    q: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_start: torch.Tensor,
+    kv_len: torch.Tensor,
+    *,
+    k_codec: Codec,
+    v_codec: Codec,
+    k_sidecars: dict[str, torch.Tensor],
+    v_sidecars: dict[str, torch.Tensor],
+    scale: float | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Causal attention of ``q`` over each row's pages, ``[B, H_q, T, D]`` in ``q.dtype``.
+
+    ``q``: ``[B, H_q, T, D]`` (GQA: ``H_q % H_kv == 0``); pages ``[N, bs, H_kv, D']``;
+    ``block_tables`` int32 ``[B, max_blocks]``; ``q_start``, ``kv_len`` integer
+    ``[B]``: query ``i`` of row ``b`` sees keys ``j <= q_start[b] + i`` with
+    ``j < kv_len[b]``. Queries that see no key return zeros. Keys and values are
+    gathered and decoded ``chunk_tokens`` (rounded to whole blocks) at a time.
+    """
+    _check_attention_args(q, key_pages, value_pages, block_tables, q_start, kv_len)
+    B, Hq, T, D = q.shape
+    bs = key_pages.shape[1]
+    max_len = int(kv_len.max()) if B else 0
+    if max_len <= 0:
+        return q.new_zeros(B, Hq, T, D)
+    per_chunk = max(1, chunk_tokens // bs)  # blocks per chunk
+    total = math.ceil(max_len / bs)
+    if block_tables.shape[1] < total:
+        raise ValueError(
+            f"kv_len {max_len} needs {total} blocks but block_tables has "
+            f"{block_tables.shape[1]} columns"
+        )
+    q_start, kv_len = q_start.to(q.device), kv_len.to(q.device)
+    acc = OnlineSoftmax()
+    for b0 in range(0, total, per_chunk):
+        ids = block_tables[:, b0 : min(b0 + per_chunk, total)]  # (B, nb)
+        k = gather_pages(key_pages, k_sidecars, ids, codec=k_codec)  # (B, H_kv, nb*bs, D)
+        v = gather_pages(value_pages, v_sidecars, ids, codec=v_codec)
+        mask = causal_mask(B, T, k.shape[2], q_start, kv_len, key_start=b0 * bs, device=q.device)
+        acc.add(*partial_attention(q, k, v, mask, scale))
+    return acc.result(q.dtype)
+
+
+def paged_write_reference(
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    k_sidecars: dict[str, torch.Tensor],
+    v_sidecars: dict[str, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    k_codec: Codec,
+    v_codec: Codec,
+) -> None:
+    """Encode ``keys``/``values`` ``[B, H_kv, T, D]`` and scatter them into their slots, in place.
+
+    ``slot_mapping``: int64 ``[B * T]``, row-major over ``(b, t)``; slot ``s`` is
+    block ``s // block_size``, in-block position ``s % block_size``. Sidecars
+    ``{name: [N, bs, H_kv, G]}`` receive the codec's scales and zeros.
+    """
+    _check_pages(key_pages, value_pages)
+    B, H, T, _ = keys.shape
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (B * T,):
+        raise ValueError(
+            f"slot_mapping must be int64 [{B * T}], got {slot_mapping.dtype} "
+            f"{tuple(slot_mapping.shape)}"
+        )
+    for pages, sidecars, x, codec in (
+        (key_pages, k_sidecars, keys, k_codec),
+        (value_pages, v_sidecars, values, v_codec),
+    ):
+        payload, sc = codec.encode(x.transpose(1, 2).reshape(B * T, H, -1))  # (B*T, H, D)
+        pages.view(-1, H, pages.shape[3]).index_copy_(0, slot_mapping, payload)
+        for name, side in sidecars.items():
+            side.view(-1, H, side.shape[3]).index_copy_(0, slot_mapping, sc[name].to(side.dtype))
+
+
+# -- dispatch -----------------------------------------------------------------------------
+def _import_triton():
+    return importlib.import_module(TRITON_MODULE)
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The backend a call on ``device`` uses: ``"torch"`` or ``"triton"``.
+
+    ``"auto"`` picks Triton on CUDA when ``kvtier.kernels.triton_paged`` imports,
+    else the PyTorch reference; ``"triton"`` forces the kernels (on the CPU they
+    need ``TRITON_INTERPRET=1``); ``"torch"`` forces the reference.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    if torch.device(device).type != "cuda":
+        return "torch"
+    try:
+        _import_triton()
+    except Exception:  # a missing module or a broken Triton install both mean "not here"
+        return "torch"
+    return "triton"
+
+
+class PagedDispatch:
+    """Routes paged attention and writes to a backend and books who served.
+
+    A Triton failure (missing module, compile or launch error) switches this
+    object to the reference for good, warns once and keeps the reason in
+    ``fallback_reason``. ``attention_calls`` / ``write_calls`` count calls by
+    the backend that actually served them.
+    """
+
+    def __init__(self, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"attention_backend {backend!r} is unknown; accepted: {', '.join(BACKENDS)}"
+            )
+        self.backend = backend
+        self.fallback_reason: str | None = None
+        self.attention_calls: Counter[str] = Counter()
+        self.write_calls: Counter[str] = Counter()
+        self._resolved: dict[str, str] = {}
+
+    def _pick(self, device: torch.device) -> str:
+        if self.fallback_reason is not None:
+            return "torch"
+        key = str(device)
+        if key not in self._resolved:
+            self._resolved[key] = resolve_backend(self.backend, device)
+        return self._resolved[key]
+
+    def _fail(self, what: str, err: Exception) -> None:
+        self.fallback_reason = f"{what}: {type(err).__name__}: {err}"
+        warnings.warn(
+            f"kvtier paged {what} fell back to the PyTorch reference ({self.fallback_reason})",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def attention(self, q, key_pages, value_pages, block_tables, q_start, kv_len, **kw):
+        """:func:`paged_attention_reference` arguments (without ``chunk_tokens``)."""
+        if self._pick(q.device) == "triton":
+            try:
+                out = _import_triton().paged_attention_triton(
+                    q, key_pages, value_pages, block_tables, q_start, kv_len, **kw
+                )
+            except Exception as e:  # compile/launch failure: serve from the reference
+                self._fail("attention", e)
+            else:
+                self.attention_calls["triton"] += 1
+                return out
+        self.attention_calls["torch"] += 1
+        return paged_attention_reference(
+            q, key_pages, value_pages, block_tables, q_start, kv_len, **kw
+        )
+
+    def write(self, key_pages, value_pages, k_sidecars, v_sidecars, slot_mapping, keys, values, **kw):
+        """:func:`paged_write_reference` arguments."""
+        args = (key_pages, value_pages, k_sidecars, v_sidecars, slot_mapping, keys, values)
+        if self._pick(keys.device) == "triton":
+            try:
+                _import_triton().paged_write_triton(*args, **kw)
+            except Exception as e:  # the reference rewrites every slot, so a partial write is harmless
+                self._fail("write", e)
+            else:
+                self.write_calls["triton"] += 1
+                return
+        self.write_calls["torch"] += 1
+        paged_write_reference(*args, **kw)
+
+
+def paged_attention(
+    q, key_pages, value_pages, block_tables, q_start, kv_len, *, backend: str = "auto", **kw
+) -> torch.Tensor:
+    """:func:`paged_attention_reference` through ``backend`` (``auto``, ``torch``, ``triton``)."""
+    return PagedDispatch(backend).attention(
+        q, key_pages, value_pages, block_tables, q_start, kv_len, **kw
+    )
+
+
+def paged_write(
+    key_pages, value_pages, k_sidecars, v_sidecars, slot_mapping, keys, values, *,
+    backend: str = "auto", **kw,
+) -> None:
+    """:func:`paged_write_reference` through ``backend`` (``auto``, ``torch``, ``triton``)."""
+    PagedDispatch(backend).write(
+        key_pages, value_pages, k_sidecars, v_sidecars, slot_mapping, keys, values, **kw
+    )
