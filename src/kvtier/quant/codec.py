@@ -5,20 +5,32 @@ payload ``[N, H, D']`` of ``payload_dtype`` plus named sidecars ``[N, H, G]``
 (scales, zeros), and back. The paged tier allocates pages
 ``[num_blocks, block_size, H, D']`` and sidecars ``[num_blocks, block_size, H, G]``
 from :meth:`Codec.packed_dim` and :meth:`Codec.sidecar_specs`, and never looks
-inside them.
+inside them. Any number of leading dimensions works: only the last one (D, D' or
+G) belongs to the codec.
 
 Codecs that work in a rotated domain (TurboQuant values, rotated keys) set
 ``rotation`` to the orthogonal transform they apply before coding: ``decode``
 undoes it; ``decode_rotated`` does not, so a kernel can score a rotated query
 against rotated keys, or accumulate values in the rotated domain and rotate the
 output back once.
+
+Every codec is deterministic and pure PyTorch (CPU and CUDA). Encoding works
+through the input in blocks of at most :data:`ENCODE_BLOCK_ELEMENTS` elements,
+so its float32 working copies stay bounded whatever the chunk length. The
+exact byte layouts are in ``docs/quantization.md``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+#: elements (rows x head_dim) an encoder converts to float32 at a time
+ENCODE_BLOCK_ELEMENTS = 1 << 18
+
+EncodedRows = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
 class CodecUnsupported(ValueError):
@@ -27,6 +39,8 @@ class CodecUnsupported(ValueError):
 
 @dataclass(frozen=True)
 class SidecarSpec:
+    """One sidecar: ``groups`` values of ``dtype`` per (token, head) vector."""
+
     name: str
     groups: int
     dtype: torch.dtype
@@ -40,6 +54,10 @@ class Codec:
     rotation: object | None = None
 
     def __init__(self, head_dim: int, dtype: torch.dtype):
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.head_dim = head_dim
         self.dtype = dtype  # the dtype decode() returns
 
@@ -65,6 +83,10 @@ class Codec:
         """Like :meth:`decode` but left in the rotated domain (equals decode without rotation)."""
         return self.decode(payload, sidecars)
 
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """``decode(encode(x))``: fake quantisation, ``[..., D]`` in ``self.dtype``."""
+        return self.decode(*self.encode(x))
+
     def bytes_per_token_head(self) -> int:
         """Payload plus sidecar bytes of one (token, head) vector."""
         size = self.packed_dim() * torch.empty((), dtype=self.payload_dtype).element_size()
@@ -74,6 +96,78 @@ class Codec:
 
     def bits_per_element(self) -> float:
         return 8.0 * self.bytes_per_token_head() / self.head_dim
+
+    # -- validation (cheap: shapes and dtypes only, never a device sync) --------------
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless ``x`` is a floating tensor ``[..., head_dim]``."""
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{self.name}: encode() takes a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise ValueError(
+                f"{self.name}: encode() needs a floating tensor, got {x.dtype}; cast it with "
+                f".to({self.dtype})"
+            )
+        if x.dim() < 1 or x.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"{self.name}: last dim of {tuple(x.shape)} must be head_dim {self.head_dim}; "
+                "build the codec for this head_dim"
+            )
+
+    def check_encoded(self, payload: torch.Tensor, sidecars: dict[str, torch.Tensor]) -> None:
+        """Raise ``ValueError`` unless payload and sidecars have this codec's layout."""
+        if not isinstance(payload, torch.Tensor):
+            raise ValueError(f"{self.name}: payload must be a torch.Tensor, got {type(payload).__name__}")
+        if payload.dtype != self.payload_dtype or payload.dim() < 1 or payload.shape[-1] != self.packed_dim():
+            raise ValueError(
+                f"{self.name}: payload {tuple(payload.shape)} {payload.dtype} must be "
+                f"[..., {self.packed_dim()}] {self.payload_dtype}; pass what encode() returned"
+            )
+        specs = self.sidecar_specs()
+        if set(sidecars) != {s.name for s in specs}:
+            raise ValueError(
+                f"{self.name}: sidecars {sorted(sidecars)} must be exactly "
+                f"{sorted(s.name for s in specs)}"
+            )
+        lead = tuple(payload.shape[:-1])
+        for s in specs:
+            t = sidecars[s.name]
+            if t.dtype != s.dtype or tuple(t.shape) != (*lead, s.groups):
+                raise ValueError(
+                    f"{self.name}: sidecar {s.name!r} {tuple(t.shape)} {t.dtype} must be "
+                    f"{(*lead, s.groups)} {s.dtype} to match the payload"
+                )
+
+    # -- helpers for subclasses ------------------------------------------------------
+    def _encode_blocked(self, x: torch.Tensor, encode_rows: Callable[[torch.Tensor], EncodedRows]) -> EncodedRows:
+        """Validate ``x``, then run ``encode_rows`` (``[M, D]`` -> ``[M, D']``,
+        ``{name: [M, G]}``) over blocks of rows and restore the leading dims."""
+        self.check_input(x)
+        lead = tuple(x.shape[:-1])
+        rows = x.reshape(-1, self.head_dim)  # (M, D)
+        step = max(1, ENCODE_BLOCK_ELEMENTS // self.head_dim)
+        if rows.shape[0] <= step:
+            payload, side = encode_rows(rows)
+        else:
+            payload = torch.empty(
+                rows.shape[0], self.packed_dim(), dtype=self.payload_dtype, device=x.device
+            )
+            side = {
+                s.name: torch.empty(rows.shape[0], s.groups, dtype=s.dtype, device=x.device)
+                for s in self.sidecar_specs()
+            }
+            for start in range(0, rows.shape[0], step):
+                p, sc = encode_rows(rows[start : start + step])
+                payload[start : start + step] = p
+                for name, t in sc.items():
+                    side[name][start : start + step] = t
+        payload = payload.reshape(*lead, self.packed_dim())
+        return payload, {name: t.reshape(*lead, t.shape[-1]) for name, t in side.items()}
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self.name!r}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, bits_per_element={self.bits_per_element():g})"
+        )
 
 
 class IdentityCodec(Codec):
@@ -89,6 +183,7 @@ class IdentityCodec(Codec):
         return self.dtype
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        self.check_input(x)
         return x.to(self.dtype), {}
 
     def decode(self, payload: torch.Tensor, sidecars: dict[str, torch.Tensor]) -> torch.Tensor:
