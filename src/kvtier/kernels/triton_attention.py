@@ -1,0 +1,323 @@
+"""The Triton attention kernel behind the paged and ragged read paths.
+
+One kernel serves decode (T = 1) and extend (T > 1: chunked prefill, speculative
+verify) over keys that live either in pages reached through a block table (NHD
+``[num_blocks, block_size, H_kv, D']``) or in one padded buffer per row
+(``[B, H_kv, capacity, D]``, the ragged tier).
+
+Work split. A program owns one (row, kv head), a tile of ``BLOCK_M`` query rows
+and one split of the key range. Query rows are ``(t, g)`` pairs, ``g`` the query
+heads of the kv head's GQA group, so one K/V tile read from memory feeds the
+whole group through ``tl.dot``. Long contexts are split across programs
+(flash-decoding): each split writes its softmax-normalised partial output and
+log-sum-exp, and :func:`_merge_kernel` combines them. The split plan depends on
+the table's capacity, not on the lengths, so a launch needs no device-to-host
+sync and keeps one shape across decode steps (CUDA graphs).
+
+Visibility: query ``i`` of row ``b`` sees key ``j`` when ``j <= q_start[b] + i``
+and ``j < kv_len[b]`` (``kvtier.kernels.reference.causal_attention``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtier.kernels.triton_quant import AFFINE, PageFormat, dequant_tile
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attention_kernel(
+    Q, stride_qb, stride_qh, stride_qt,
+    K, stride_kb, stride_kn, stride_kh,
+    V, stride_vb, stride_vn, stride_vh,
+    KS, KZ, KC, stride_ksb, stride_ksn, stride_ksh,
+    VS, VZ, VC, stride_vsb, stride_vsn, stride_vsh,
+    BT, stride_btb, max_blocks,
+    QSTART, KVLEN,
+    O, stride_ob, stride_oh, stride_ot,
+    PO, PL,
+    qk_scale, T, H_KV, split_len,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    NEED_SIDECARS: tl.constexpr,
+    K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_SIGNED: tl.constexpr, K_OFFSET: tl.constexpr,
+    K_GROUP: tl.constexpr, K_ZERO: tl.constexpr, K_FACTOR: tl.constexpr,
+    V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_SIGNED: tl.constexpr, V_OFFSET: tl.constexpr,
+    V_GROUP: tl.constexpr, V_ZERO: tl.constexpr, V_FACTOR: tl.constexpr,
+):  # fmt: skip
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // H_KV
+    hk = pid_bh % H_KV
+    # query rows (t, g) of this tile
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = m // G
+    hq = hk * G + m % G
+    row_ok = t < T
+    d = tl.arange(0, HEAD_DIM)
+    q_off = b * stride_qb + hq * stride_qh + t * stride_qt
+    q = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = q.to(tl.float32) * qk_scale  # log2 domain: the softmax runs on exp2
+    if not DOT_FP32:
+        q = q.to(Q.dtype.element_ty)
+
+    kv_len = tl.load(KVLEN + b).to(tl.int32)
+    kv_len = tl.minimum(kv_len, max_blocks * PAGE)  # never read past the table
+    if CAUSAL:
+        q_pos = tl.load(QSTART + b).to(tl.int32) + t  # (M,)
+        t_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, G * T - 1) // G
+        hi = tl.minimum(kv_len, tl.load(QSTART + b).to(tl.int32) + t_last + 1)
+    else:
+        q_pos = kv_len + t  # sees every key below kv_len
+        hi = kv_len
+    lo = pid_s * split_len
+    hi = tl.minimum(hi, lo + split_len)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        if PAGED:
+            blk = tl.load(BT + b * stride_btb + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            pos = (n % PAGE).to(tl.int64)
+            k_rows = blk * stride_kb + pos * stride_kn + hk * stride_kh
+            v_rows = blk * stride_vb + pos * stride_vn + hk * stride_vh
+            if NEED_SIDECARS:
+                ks_rows = blk * stride_ksb + pos * stride_ksn + hk * stride_ksh
+                vs_rows = blk * stride_vsb + pos * stride_vsn + hk * stride_vsh
+        else:
+            nn = n.to(tl.int64)
+            k_rows = b * stride_kb + nn * stride_kn + hk * stride_kh
+            v_rows = b * stride_vb + nn * stride_vn + hk * stride_vh
+            if NEED_SIDECARS:
+                ks_rows = b * stride_ksb + nn * stride_ksn + hk * stride_ksh
+                vs_rows = b * stride_vsb + nn * stride_vsn + hk * stride_vsh
+        if not NEED_SIDECARS:
+            ks_rows = k_rows
+            vs_rows = v_rows
+
+        k = dequant_tile(K, KS, KZ, KC, k_rows, ks_rows, n_ok, BLOCK_N, HEAD_DIM,
+                         K_MODE, K_BITS, K_SIGNED, K_OFFSET, K_GROUP, K_ZERO, K_FACTOR)  # fmt: skip
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (M, N)
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if K_FACTOR:
+            s = s * tl.load(KS + ks_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+        v = dequant_tile(V, VS, VZ, VC, v_rows, vs_rows, n_ok, BLOCK_N, HEAD_DIM,
+                         V_MODE, V_BITS, V_SIGNED, V_OFFSET, V_GROUP, V_ZERO, V_FACTOR)  # fmt: skip
+        if V_FACTOR:
+            p = p * tl.load(VS + vs_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        o_off = b * stride_ob + hq * stride_oh + t * stride_ot
+        tl.store(O + o_off[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # partials (B, Hq, T, NUM_SPLITS, D) and base-2 lse (B, Hq, T, NUM_SPLITS), contiguous
+        r = (b * (H_KV * G) + hq) * T + t
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(PL + r * NUM_SPLITS + pid_s, lse, mask=row_ok)
+        po = (r * NUM_SPLITS + pid_s) * HEAD_DIM
+        tl.store(PO + po[:, None] + d[None, :], out, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    PO, PL, O, stride_ob, stride_oh, stride_ot, T, HQ,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):  # fmt: skip
+    """Log-sum-exp merge of the splits of one query row ``r = (b, hq, t)``."""
+    r = tl.program_id(0)
+    t = r % T
+    hq = (r // T) % HQ
+    b = r // (T * HQ)
+    s = tl.arange(0, SPLITS_P2)
+    s_ok = s < NUM_SPLITS
+    lse = tl.load(PL + r * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - mx))  # (S,)
+    d = tl.arange(0, HEAD_DIM)
+    part = tl.load(PO + (r * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(O + b * stride_ob + hq * stride_oh + t * stride_ot + d, out.to(O.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and split plan of one attention launch (``None``: chosen by the heuristics)."""
+
+    block_n: int | None = None
+    num_splits: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    min_split_tokens: int = 256
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def plan_launch(
+    B: int, H_kv: int, G: int, T: int, capacity: int, device: torch.device, cfg: LaunchConfig
+) -> tuple[int, int, int, int, int, int]:
+    """``(block_m, m_tiles, block_n, num_splits, split_len, num_warps, ...)`` for one launch."""
+    rows = G * T
+    block_m = max(16, min(64, _next_pow2(rows)))
+    m_tiles = triton.cdiv(rows, block_m)
+    block_n = cfg.block_n or (64 if device.type == "cuda" else 16)
+    base = B * H_kv * m_tiles
+    if cfg.num_splits is not None:
+        splits = max(1, cfg.num_splits)
+    else:
+        want = triton.cdiv(_target_programs(device), base)
+        splits = max(1, min(want, triton.cdiv(capacity, max(cfg.min_split_tokens, block_n))))
+    split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+    splits = max(1, triton.cdiv(capacity, split_len))
+    return block_m, m_tiles, block_n, splits, split_len, base
+
+
+def format_constexprs(prefix: str, fmt: PageFormat, head_dim: int) -> dict[str, object]:
+    """The kernel's compile-time arguments for one of K (``prefix="K"``) or V."""
+    factor = fmt.mode == AFFINE and fmt.group == head_dim and fmt.zero is None
+    return {
+        f"{prefix}_MODE": fmt.mode,
+        f"{prefix}_BITS": fmt.bits,
+        f"{prefix}_SIGNED": fmt.signed,
+        f"{prefix}_OFFSET": fmt.offset,
+        f"{prefix}_GROUP": fmt.group or head_dim,
+        f"{prefix}_ZERO": fmt.zero is not None,
+        f"{prefix}_FACTOR": factor,
+    }
+
+
+def launch_attention(
+    q: torch.Tensor,
+    k_payload: torch.Tensor,
+    v_payload: torch.Tensor,
+    k_fmt: PageFormat,
+    v_fmt: PageFormat,
+    *,
+    block_tables: torch.Tensor | None,
+    q_start: torch.Tensor | None,
+    kv_len: torch.Tensor,
+    scale: float | None,
+    out_dtype: torch.dtype,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """Launch the kernel on validated inputs; ``[B, Hq, T, D]`` in ``out_dtype``.
+
+    Paged (``block_tables`` given): payloads ``[num_blocks, page, H_kv, D']``.
+    Ragged (``block_tables`` ``None``): payloads ``[B, H_kv, capacity, D']``,
+    no causal limit beyond ``kv_len`` (``q_start`` ignored).
+    """
+    cfg = config or LaunchConfig()
+    B, Hq, T, D = q.shape
+    if block_tables is not None:
+        H_kv, page = k_payload.shape[2], k_payload.shape[1]
+        max_blocks = block_tables.shape[1]
+        kstr = (k_payload.stride(0), k_payload.stride(1), k_payload.stride(2))
+        vstr = (v_payload.stride(0), v_payload.stride(1), v_payload.stride(2))
+        bt, bt_stride = block_tables, block_tables.stride(0)
+    else:
+        H_kv, cap = k_payload.shape[1], k_payload.shape[2]
+        page, max_blocks = cap, 1
+        kstr = (k_payload.stride(0), k_payload.stride(2), k_payload.stride(1))
+        vstr = (v_payload.stride(0), v_payload.stride(2), v_payload.stride(1))
+        bt, bt_stride = kv_len, 0
+    G = Hq // H_kv
+    capacity = max_blocks * page
+    block_m, m_tiles, block_n, splits, split_len, _ = plan_launch(
+        B, H_kv, G, T, capacity, q.device, cfg
+    )
+    sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = torch.empty((B, Hq, T, D), dtype=out_dtype, device=q.device)
+    if splits > 1:
+        po = torch.empty((B, Hq, T, splits, D), dtype=torch.float32, device=q.device)
+        pl = torch.empty((B, Hq, T, splits), dtype=torch.float32, device=q.device)
+    else:
+        po = pl = out
+
+    def sidecar_args(fmt: PageFormat, payload: torch.Tensor, paged: bool):
+        s = fmt.scale if fmt.scale is not None else payload
+        z = fmt.zero if fmt.zero is not None else s
+        c = fmt.centroids if fmt.centroids is not None else s
+        if fmt.scale is None:
+            return s, z, c, 0, 0, 0
+        if paged:
+            return s, z, c, s.stride(0), s.stride(1), s.stride(2)
+        return s, z, c, s.stride(0), s.stride(2), s.stride(1)
+
+    paged = block_tables is not None
+    # the interpreter has no bf16 arithmetic: dot in fp32 there (and for fp32 queries)
+    dot_fp32 = q.device.type != "cuda" or q.dtype == torch.float32
+    num_warps = cfg.num_warps or 4
+    num_stages = cfg.num_stages or (3 if q.device.type == "cuda" else 1)
+    qs = q_start if q_start is not None else kv_len
+    grid = (B * H_kv, m_tiles, splits)
+    _attention_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        k_payload, *kstr,
+        v_payload, *vstr,
+        *sidecar_args(k_fmt, k_payload, paged),
+        *sidecar_args(v_fmt, v_payload, paged),
+        bt, bt_stride, max_blocks,
+        qs, kv_len,
+        out, out.stride(0), out.stride(1), out.stride(2),
+        po, pl,
+        sm_scale * LOG2E, T, H_kv, split_len,
+        G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, PAGED=paged,
+        CAUSAL=q_start is not None, NUM_SPLITS=splits, DOT_FP32=dot_fp32,
+        NEED_SIDECARS=k_fmt.scale is not None or v_fmt.scale is not None,
+        **format_constexprs("K", k_fmt, D), **format_constexprs("V", v_fmt, D),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(B * Hq * T,)](
+            po, pl, out, out.stride(0), out.stride(1), out.stride(2), T, Hq,
+            HEAD_DIM=D, NUM_SPLITS=splits, SPLITS_P2=_next_pow2(splits), num_warps=4,
+        )  # fmt: skip
+    return out

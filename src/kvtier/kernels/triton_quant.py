@@ -1,0 +1,239 @@
+"""Triton helpers that read and write the paged tier's page formats.
+
+One :class:`PageFormat` describes how a kernel sees one of K or V: the payload
+element (a float, or ``bits``-wide integer codes packed into bytes), how a code
+becomes a value (``x = scale * (code + offset) + zero`` or
+``x = scale * centroids[code]``), and how many channels share one scale and zero.
+:func:`page_format` builds it from a codec; the jit helpers below read a tile of
+codes, dequantise it, and quantise and pack rows on the write path.
+
+Bit packing (every integer codec): code ``i`` of a (token, head) row sits at bits
+``[bits*i, bits*i + bits)`` of the row's little-endian bit stream. Eight codes
+fill exactly ``bits`` bytes, so the helpers work in chunks of eight codes: one
+chunk is one machine word of ``8 * bits`` bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtier.quant.codec import Codec, CodecUnsupported, IdentityCodec
+from kvtier.quant.kv_quant import GROUP, GroupQ4Codec, Q4Codec, Q8Codec
+
+#: how a code becomes a value
+FP, AFFINE, CENTROID = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """What a kernel needs to know about one of K or V.
+
+    ``mode``: :data:`FP` (payload holds the values), :data:`AFFINE`
+    (``scale * (code + offset) [+ zero]``) or :data:`CENTROID`
+    (``scale * centroids[code]``). ``group`` channels share one scale (and zero);
+    ``group == head_dim`` means one per (token, head). ``rotation`` (fp32
+    ``[D, D]``, or ``None``) is the orthogonal matrix the codec applied before
+    coding, as ``stored = x @ rotation``.
+    """
+
+    mode: int
+    head_dim: int
+    packed_dim: int
+    bits: int = 16
+    signed: bool = False
+    offset: int = 0
+    group: int = 0
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    centroids: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
+
+    @property
+    def num_groups(self) -> int:
+        return self.head_dim // self.group if self.group else 0
+
+
+def page_format(
+    codec: Codec,
+    payload: torch.Tensor,
+    sidecars: dict[str, torch.Tensor] | None,
+) -> PageFormat:
+    """Describe ``codec``'s pages for the kernels; raise :class:`CodecUnsupported` if none can read them.
+
+    ``payload``: the pages ``[num_blocks, block_size, H_kv, D']``; ``sidecars``:
+    ``{name: [num_blocks, block_size, H_kv, G]}``.
+    """
+    sidecars = sidecars or {}
+    D = codec.head_dim
+    if type(codec) is IdentityCodec:
+        if payload.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise CodecUnsupported(f"fp pages of dtype {payload.dtype} have no Triton kernel")
+        return PageFormat(FP, D, D, bits=8 * payload.element_size())
+    if type(codec) is Q8Codec:
+        return PageFormat(AFFINE, D, D, bits=8, signed=True, group=D, scale=sidecars.get("scale"))
+    if type(codec) is Q4Codec:
+        return PageFormat(AFFINE, D, D // 2, bits=4, offset=-8, group=D, scale=sidecars.get("scale"))
+    if type(codec) is GroupQ4Codec:
+        return PageFormat(
+            AFFINE, D, D // 2, bits=4, group=GROUP, scale=sidecars.get("scale"), zero=sidecars.get("zero")
+        )
+    raise CodecUnsupported(f"codec {type(codec).__name__} ({codec.name!r}) has no Triton kernel")
+
+
+def check_format_tensors(fmt: PageFormat, payload: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` when ``payload`` or the sidecars do not match ``fmt``."""
+    nb, bs, H, Dp = payload.shape
+    if Dp != fmt.packed_dim:
+        raise ValueError(
+            f"{what} pages have last dim {Dp} but the codec packs head_dim {fmt.head_dim} "
+            f"into {fmt.packed_dim}; allocate pages with codec.packed_dim()"
+        )
+    if payload.stride(-1) != 1:
+        raise ValueError(f"{what} pages need a contiguous last dim, got strides {payload.stride()}")
+    for name, t in (("scale", fmt.scale), ("zero", fmt.zero)):
+        if t is None:
+            continue
+        want = (nb, bs, H, fmt.num_groups)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{what} sidecar {name!r} has shape {tuple(t.shape)}, expected {want}")
+        if not t.is_contiguous():
+            raise ValueError(f"{what} sidecar {name!r} must be contiguous, got strides {t.stride()}")
+        if t.device != payload.device:
+            raise ValueError(f"{what} sidecar {name!r} is on {t.device}, pages on {payload.device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# jit helpers: reading
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_codes(
+    P,
+    rows,
+    mask_n,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BITS: tl.constexpr,
+    SIGNED: tl.constexpr,
+):
+    """Integer codes ``[BLOCK_N, HEAD_DIM]`` (int32) of the rows at element offsets ``rows``."""
+    if BITS == 8:
+        d = tl.arange(0, HEAD_DIM)
+        raw = tl.load(P + rows[:, None] + d[None, :], mask=mask_n[:, None], other=0)
+        if SIGNED:
+            u = raw.to(tl.int32)
+        else:
+            u = raw.to(tl.int32) & 0xFF
+    else:
+        # chunks of eight codes = BITS bytes; assemble each chunk into one word
+        NCH: tl.constexpr = HEAD_DIM // 8
+        BP: tl.constexpr = 8 if BITS > 4 else 4
+        c = tl.arange(0, NCH)
+        j = tl.arange(0, BP)
+        ptr = P + rows[:, None, None] + (c * BITS)[None, :, None] + j[None, None, :]
+        m = mask_n[:, None, None] & (j < BITS)[None, None, :]
+        byte = tl.load(ptr, mask=m, other=0).to(tl.int32) & 0xFF  # (N, NCH, BP)
+        if BITS > 4:
+            word = tl.sum(byte.to(tl.int64) << (8 * j).to(tl.int64)[None, None, :], axis=2)
+        else:
+            word = tl.sum(byte << (8 * j)[None, None, :], axis=2)  # (N, NCH)
+        k = tl.arange(0, 8)
+        codes = (word[:, :, None] >> (BITS * k)[None, None, :]) & ((1 << BITS) - 1)
+        u = tl.reshape(codes.to(tl.int32), (BLOCK_N, HEAD_DIM))
+    return u
+
+
+@triton.jit
+def dequant_tile(
+    P,
+    S,
+    Z,
+    C,
+    rows,
+    srows,
+    mask_n,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr,
+    BITS: tl.constexpr,
+    SIGNED: tl.constexpr,
+    OFFSET: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    FACTOR: tl.constexpr,
+):
+    """A tile ``[BLOCK_N, HEAD_DIM]`` in fp32, read from pages ``P`` at element offsets ``rows``.
+
+    ``srows`` are the sidecar element offsets of the same rows. With ``FACTOR``
+    (one scale per row, no zero) the scale is left out: the caller applies it to
+    scores or probabilities, once per row instead of once per element.
+    """
+    if MODE == 0:
+        d = tl.arange(0, HEAD_DIM)
+        x = tl.load(P + rows[:, None] + d[None, :], mask=mask_n[:, None], other=0.0).to(tl.float32)
+    else:
+        u = load_codes(P, rows, mask_n, BLOCK_N, HEAD_DIM, BITS, SIGNED)
+        if MODE == 1:
+            x = (u + OFFSET).to(tl.float32)
+        else:
+            x = tl.load(C + u)  # centroid table, fp32, a few hundred bytes: stays in L1
+        if not FACTOR:
+            NG: tl.constexpr = HEAD_DIM // GROUP
+            g = tl.arange(0, NG)
+            sptr = srows[:, None] + g[None, :]
+            s = tl.load(S + sptr, mask=mask_n[:, None], other=0.0).to(tl.float32)  # (N, NG)
+            x3 = tl.reshape(x, (BLOCK_N, NG, GROUP)) * s[:, :, None]
+            if HAS_ZERO:
+                z = tl.load(Z + sptr, mask=mask_n[:, None], other=0.0).to(tl.float32)
+                x3 = x3 + z[:, :, None]
+            x = tl.reshape(x3, (BLOCK_N, HEAD_DIM))
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# jit helpers: writing
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def round_half_even(x):
+    """Round to nearest, ties to even (as ``torch.round``), in fp32."""
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def store_codes(
+    P,
+    rows,
+    mask_r,
+    u,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """Pack int32 codes ``u`` ``[ROWS, HEAD_DIM]`` (each in ``[0, 2**BITS)``, or int8 for 8 bits) into bytes."""
+    if BITS == 8:
+        d = tl.arange(0, HEAD_DIM)
+        tl.store(P + rows[:, None] + d[None, :], u.to(P.dtype.element_ty), mask=mask_r[:, None])
+    else:
+        NCH: tl.constexpr = HEAD_DIM // 8
+        BP: tl.constexpr = 8 if BITS > 4 else 4
+        k = tl.arange(0, 8)
+        u3 = tl.reshape(u, (ROWS, NCH, 8))
+        if BITS > 4:
+            word = tl.sum(u3.to(tl.int64) << (BITS * k).to(tl.int64)[None, None, :], axis=2)
+        else:
+            word = tl.sum(u3 << (BITS * k)[None, None, :], axis=2)  # (R, NCH): bits are disjoint
+        j = tl.arange(0, BP)
+        byte = ((word[:, :, None] >> (8 * j)[None, None, :]) & 0xFF).to(tl.int32)
+        ptr = P + rows[:, None, None] + tl.arange(0, NCH)[None, :, None] * BITS + j[None, None, :]
+        m = mask_r[:, None, None] & (j < BITS)[None, None, :]
+        tl.store(ptr, byte.to(P.dtype.element_ty), mask=m)
