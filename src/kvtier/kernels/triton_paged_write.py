@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtier.kernels.triton_quant import AFFINE, CENTROID, PageFormat, round_half_even, store_codes
+from kvtier.kernels.triton_quant import AFFINE, PageFormat, round_half_even, store_codes
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def _write_rows(
     SLOTS,
     P, stride_pb, stride_pn, stride_ph,
     S, Z, stride_sb, stride_sn, stride_sh,
-    R, BND, n_bnd,
+    R, CEN, BND, n_bnd,
     row0, n_rows, T, H,
     PAGE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -83,15 +83,17 @@ def _write_rows(
             q = round_half_even(tl.div_rn(x3, safe[:, :, None]))
             q = tl.minimum(tl.maximum(q, -QMAX * 1.0), QMAX * 1.0) - OFFSET
         else:
-            # centroid codes: scale = fp16(norm of the group / sqrt(GROUP)), idx = #{boundaries < x/scale}
-            ssq = tl.sum(x3 * x3, axis=2)
-            scale = tl.sqrt_rn(tl.div_rn(ssq, GROUP * 1.0)).to(S.dtype.element_ty)
-            sf = scale.to(tl.float32)
-            safe = tl.where(sf > 0.0, sf, 1.0)
-            y = tl.div_rn(x3, safe[:, :, None])
-            q = tl.zeros((ROWS, NG, GROUP), tl.float32)
+            # Lloyd-Max codes: s0 = rms of the group, idx = #{t_k < y / s0},
+            # scale = fp16(least-squares fit sum(y c) / sum(c^2)) for the chosen centroids
+            s0 = tl.sqrt_rn(tl.div_rn(tl.sum(x3 * x3, axis=2), GROUP * 1.0))
+            s0 = tl.where(s0 > 0.0, s0, 1.0)
+            y = tl.div_rn(x3, s0[:, :, None])
+            idx = tl.zeros((ROWS, NG, GROUP), tl.int32)
             for k in range(n_bnd):
-                q += tl.where(y > tl.load(BND + k), 1.0, 0.0)
+                idx += (y > tl.load(BND + k)).to(tl.int32)
+            c = tl.load(CEN + idx)
+            scale = tl.div_rn(tl.sum(x3 * c, axis=2), tl.sum(c * c, axis=2)).to(S.dtype.element_ty)
+            q = idx.to(tl.float32)
         tl.store(S + s_ptr, scale, mask=ok[:, None])
         u = tl.reshape(q, (ROWS, HEAD_DIM)).to(tl.int32)
         store_codes(P, p_rows, ok, u, ROWS, HEAD_DIM, BITS)
@@ -105,7 +107,7 @@ def _write_kernel(
     VP, stride_vpb, stride_vpn, stride_vph,
     KS, KZ, stride_ksb, stride_ksn, stride_ksh,
     VS, VZ, stride_vsb, stride_vsn, stride_vsh,
-    KR, VR, KB, VB, k_nbnd, v_nbnd,
+    KR, VR, KC, VC, KB, VB, k_nbnd, v_nbnd,
     n_rows, T, H,
     PAGE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -119,12 +121,12 @@ def _write_kernel(
     if tl.program_id(1) == 0:
         _write_rows(KX, stride_xb, stride_xh, stride_xt, SLOTS,
                     KP, stride_kpb, stride_kpn, stride_kph, KS, KZ, stride_ksb, stride_ksn, stride_ksh,
-                    KR, KB, k_nbnd, row0, n_rows, T, H, PAGE, ROWS, HEAD_DIM,
+                    KR, KC, KB, k_nbnd, row0, n_rows, T, H, PAGE, ROWS, HEAD_DIM,
                     K_MODE, K_BITS, K_OFFSET, K_GROUP, K_ZERO, K_ROTATE, K_QMAX)  # fmt: skip
     else:
         _write_rows(VX, stride_xb, stride_xh, stride_xt, SLOTS,
                     VP, stride_vpb, stride_vpn, stride_vph, VS, VZ, stride_vsb, stride_vsn, stride_vsh,
-                    VR, VB, v_nbnd, row0, n_rows, T, H, PAGE, ROWS, HEAD_DIM,
+                    VR, VC, VB, v_nbnd, row0, n_rows, T, H, PAGE, ROWS, HEAD_DIM,
                     V_MODE, V_BITS, V_OFFSET, V_GROUP, V_ZERO, V_ROTATE, V_QMAX)  # fmt: skip
 
 
@@ -172,17 +174,13 @@ def launch_write(
 
     def aux(fmt: PageFormat, payload: torch.Tensor):
         r = fmt.rotation if fmt.rotation is not None else payload
-        bnd = fmt.centroids if fmt.centroids is not None else payload
-        return r, bnd
+        c = fmt.centroids if fmt.centroids is not None else payload
+        bnd = fmt.boundaries if fmt.boundaries is not None else payload
+        n_bnd = fmt.boundaries.numel() if fmt.boundaries is not None else 0
+        return r, c, bnd, n_bnd
 
-    kr, kb = aux(k_fmt, key_pages)
-    vr, vb = aux(v_fmt, value_pages)
-    k_nbnd = _boundaries_len(k_fmt)
-    v_nbnd = _boundaries_len(v_fmt)
-    if k_fmt.mode == CENTROID:
-        kb = _boundaries(k_fmt)
-    if v_fmt.mode == CENTROID:
-        vb = _boundaries(v_fmt)
+    kr, kc, kb, k_nbnd = aux(k_fmt, key_pages)
+    vr, vc, vb, v_nbnd = aux(v_fmt, value_pages)
     grid = (triton.cdiv(n_rows, rows_per_program), 2)
     _write_kernel[grid](
         keys, values, keys.stride(0), keys.stride(1), keys.stride(2),
@@ -190,23 +188,12 @@ def launch_write(
         key_pages, key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
         value_pages, value_pages.stride(0), value_pages.stride(1), value_pages.stride(2),
         *side(k_fmt, key_pages), *side(v_fmt, value_pages),
-        kr, vr, kb, vb, k_nbnd, v_nbnd,
+        kr, vr, kc, vc, kb, vb, k_nbnd, v_nbnd,
         n_rows, T, H,
         PAGE=page, ROWS=rows_per_program, HEAD_DIM=D,
         **_write_constexprs("K", k_fmt, D), **_write_constexprs("V", v_fmt, D),
         num_warps=4,
     )  # fmt: skip
-
-
-def _boundaries_len(fmt: PageFormat) -> int:
-    return (1 << fmt.bits) - 1 if fmt.mode == CENTROID else 0
-
-
-def _boundaries(fmt: PageFormat) -> torch.Tensor:
-    """Inner Lloyd-Max boundaries (midpoints of adjacent centroids), fp32 ``[2**bits - 1]``."""
-    c = fmt.centroids
-    assert c is not None and fmt.mode == CENTROID
-    return ((c[1:] + c[:-1]) * 0.5).contiguous()
 
 
 __all__ = ["launch_write"]

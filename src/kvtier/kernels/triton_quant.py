@@ -15,6 +15,7 @@ chunk is one machine word of ``8 * bits`` bits.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,10 @@ import triton
 import triton.language as tl
 
 from kvtier.quant.codec import Codec, CodecUnsupported, IdentityCodec
+from kvtier.quant.hadamard import HadamardRotation
 from kvtier.quant.kv_quant import GROUP, GroupQ4Codec, Q4Codec, Q8Codec
+from kvtier.quant.lloyd_max import lloyd_max_quantizer
+from kvtier.quant.turboquant import TurboKeyCodec, TurboValueCodec
 
 #: how a code becomes a value
 FP, AFFINE, CENTROID = 0, 1, 2
@@ -35,9 +39,11 @@ class PageFormat:
     ``mode``: :data:`FP` (payload holds the values), :data:`AFFINE`
     (``scale * (code + offset) [+ zero]``) or :data:`CENTROID`
     (``scale * centroids[code]``). ``group`` channels share one scale (and zero);
-    ``group == head_dim`` means one per (token, head). ``rotation`` (fp32
-    ``[D, D]``, or ``None``) is the orthogonal matrix the codec applied before
-    coding, as ``stored = x @ rotation``.
+    ``group == head_dim`` means one per (token, head). ``centroids`` (fp32
+    ``[2**bits]``) and ``boundaries`` (fp32 ``[2**bits - 1]``) are the Lloyd-Max
+    tables of :data:`CENTROID` codes. ``rotation`` (fp32 ``[D, D]``, or ``None``)
+    is the orthogonal matrix the codec applies before coding, as
+    ``stored = x @ rotation``.
     """
 
     mode: int
@@ -50,6 +56,7 @@ class PageFormat:
     scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None
     centroids: torch.Tensor | None = None
+    boundaries: torch.Tensor | None = None
     rotation: torch.Tensor | None = None
 
     @property
@@ -81,7 +88,39 @@ def page_format(
         return PageFormat(
             AFFINE, D, D // 2, bits=4, group=GROUP, scale=sidecars.get("scale"), zero=sidecars.get("zero")
         )
+    if type(codec) is TurboKeyCodec:
+        return PageFormat(
+            AFFINE, D, codec.packed_dim(), bits=codec.bits, group=GROUP,
+            scale=sidecars.get("scale"), zero=sidecars.get("zero"),
+            rotation=_rotation(codec.rotation, payload.device),
+        )  # fmt: skip
+    if type(codec) is TurboValueCodec:
+        centroids, boundaries = _lloyd_max_tables(codec.bits, payload.device)
+        return PageFormat(
+            CENTROID, D, codec.packed_dim(), bits=codec.bits, group=GROUP,
+            scale=sidecars.get("scale"), centroids=centroids, boundaries=boundaries,
+            rotation=_rotation(codec.rotation, payload.device),
+        )  # fmt: skip
     raise CodecUnsupported(f"codec {type(codec).__name__} ({codec.name!r}) has no Triton kernel")
+
+
+@functools.lru_cache(maxsize=64)
+def _rotation_on(dim: int, seed: int, device: torch.device) -> torch.Tensor:
+    # Pi [D, D] with y = Pi x, so the row form is y = x @ Pi.T
+    return HadamardRotation(dim, seed).matrix(torch.float32, device).T.contiguous()
+
+
+def _rotation(rotation: HadamardRotation | None, device: torch.device) -> torch.Tensor | None:
+    """The codec's rotation as a right-multiplied fp32 matrix ``[D, D]`` on ``device`` (memoised)."""
+    if rotation is None:
+        return None
+    return _rotation_on(rotation.dim, rotation.seed, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _lloyd_max_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    q = lloyd_max_quantizer(bits)
+    return q.centroids_tensor(device, torch.float32), q.boundaries_tensor(device, torch.float32)
 
 
 def check_format_tensors(fmt: PageFormat, payload: torch.Tensor, what: str) -> None:
