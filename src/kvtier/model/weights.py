@@ -1,0 +1,285 @@
+"""Weight formats -> (:class:`ModelArgs`, state dict in :class:`Transformer`'s names).
+
+Two sources:
+
+- GGUF files, read with the ``gguf`` package: every tensor is dequantised
+  (Q4_0, Q4_1, Q8_0, F16, BF16, F32 and the K-quants ``gguf.quants`` supports)
+  to float32; hyperparameters come from the ``{arch}.*`` metadata keys. llama.cpp
+  stores the Q and K projections of Llama-family models permuted for its RoPE
+  layout; :func:`unpermute_qk` undoes that (as ``transformers``' GGUF loader does).
+- Hugging Face folders: ``config.json`` plus ``*.safetensors`` (sharded or not),
+  for ``model_type`` llama, mistral, qwen2 and qwen3.
+
+Both are first renamed to per-projection names (``wq``, ``wk``, ``wv``, ``w1``
+gate, ``w3`` up, ``w2`` down), then :func:`fuse` concatenates Q/K/V into
+``wqkv`` and gate/up into ``w13``, the layout the model runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.model.llama import ModelArgs, rope_inv_freq
+
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCHES = ("llama", "mistral", "qwen2", "qwen3")
+# llama.cpp permutes Q/K rows only for the architectures it rotates in GPT-J pair layout
+_PERMUTED_ARCHES = ("llama", "mistral")
+
+_GGUF_NAMES = {
+    "token_embd.weight": "tok_embeddings.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "output.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "attention_norm",
+    "ffn_norm": "ffn_norm",
+    "attn_q": "attention.wq",
+    "attn_k": "attention.wk",
+    "attn_v": "attention.wv",
+    "attn_output": "attention.wo",
+    "attn_q_norm": "attention.q_norm",
+    "attn_k_norm": "attention.k_norm",
+    "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3",
+    "ffn_down": "feed_forward.w2",
+}
+_HF_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_HF_LAYER_NAMES = {
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "self_attn.q_norm": "attention.q_norm",
+    "self_attn.k_norm": "attention.k_norm",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2",
+}
+_GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)$")
+
+
+def rename(name: str, table: dict[str, str], layer_table: dict[str, str], pattern) -> str:
+    """Our unfused name for a source tensor name; ValueError for one we do not know."""
+    if name in table:
+        return table[name]
+    m = pattern.match(name)
+    if m and m.group(2) in layer_table:
+        return f"layers.{m.group(1)}.{layer_table[m.group(2)]}.{m.group(3)}"
+    raise ValueError(
+        f"tensor {name!r} has no place in a Llama-family decoder; this architecture "
+        "is not supported"
+    )
+
+
+def fuse(tensors: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Concatenate per-projection tensors into the model's fused ``wqkv`` and ``w13``."""
+    out = dict(tensors)
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            parts = [out.pop(f"{p}attention.{w}.{kind}", None) for w in ("wq", "wk", "wv")]
+            if all(t is not None for t in parts):
+                out[f"{p}attention.wqkv.{kind}"] = torch.cat(parts, dim=0)  # (Hq+2Hkv)*D rows
+            elif any(t is not None for t in parts):
+                raise ValueError(f"layer {i} has only some of the q/k/v {kind}s")
+        gate, up = out.pop(f"{p}feed_forward.w1.weight"), out.pop(f"{p}feed_forward.w3.weight")
+        out[f"{p}feed_forward.w13.weight"] = torch.cat([gate, up], dim=0)  # (2*hidden, dim)
+    if args.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: ``[n_heads * D, ...]`` -> the same shape."""
+    half = w.shape[0] // n_heads // 2
+    # (H, D/2, 2, ...) -> (H, 2, D/2, ...): pairs (x0, x1) back to halves [x0.., x1..]
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# -- GGUF ----------------------------------------------------------------------------------------
+def gguf_meta(reader) -> dict[str, Any]:
+    """Every metadata field except the large tokenizer arrays, as Python values."""
+    skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+            "tokenizer.ggml.scores"}
+    return {k: f.contents() for k, f in reader.fields.items() if k not in skip}
+
+
+def args_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]],
+                   rope_freqs: torch.Tensor | None = None) -> ModelArgs:
+    """:class:`ModelArgs` from GGUF metadata and the tensor shapes (numpy order)."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; accepted: {', '.join(GGUF_ARCHES)}"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        v = meta.get(f"{arch}.{name}", default)
+        if isinstance(v, list):
+            raise ValueError(f"GGUF key {arch}.{name} varies per layer; this is not supported")
+        return v
+
+    dim, n_heads = key("embedding_length"), key("attention.head_count")
+    n_kv_heads = key("attention.head_count_kv", n_heads)
+    q_rows = tensor_shapes["blk.0.attn_q.weight"][0]
+    rope_scaling = None
+    if key("rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    base = float(key("rope.freq_base", 10000.0))
+    head_dim = key("attention.key_length", q_rows // n_heads)
+    if rope_freqs is not None:
+        rope_scaling = fit_llama3_scaling(rope_freqs, head_dim, base)
+    return ModelArgs(
+        dim=dim,
+        n_layers=key("block_count"),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        hidden_dim=key("feed_forward_length"),
+        vocab_size=tensor_shapes["token_embd.weight"][0],
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=base,
+        rope_scaling=rope_scaling,
+        tie_embeddings="output.weight" not in tensor_shapes,
+        qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
+        max_position_embeddings=key("context_length", 4096),
+        arch=arch,
+    )
+
+
+def fit_llama3_scaling(rope_freqs: torch.Tensor, head_dim: int, base: float) -> dict[str, Any]:
+    """The Llama-3 ``rope_scaling`` whose frequency factors equal llama.cpp's ``rope_freqs``.
+
+    llama.cpp stores Llama 3.1/3.2 scaling as a tensor of per-frequency divisors,
+    not as parameters; the known published settings are tried.
+    """
+    for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
+        rs = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        args = ModelArgs(dim=head_dim, n_layers=1, n_heads=1, n_kv_heads=1, hidden_dim=1,
+                         vocab_size=1, rope_theta=base, rope_scaling=rs)
+        plain = ModelArgs.from_dict({**args.to_dict(), "rope_scaling": None})
+        factors = rope_inv_freq(plain) / rope_inv_freq(args)
+        if torch.allclose(factors, rope_freqs.float(), rtol=1e-3):
+            return rs
+    raise ValueError("the GGUF rope_freqs tensor matches no known Llama-3 rope scaling")
+
+
+def read_gguf(reader, progress: Callable[[Iterable], Iterable] = iter
+              ) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Dequantise every tensor of an open ``gguf.GGUFReader`` into the fused float32 state dict."""
+    import gguf
+
+    meta = gguf_meta(reader)
+    shapes = {t.name: tuple(reversed([int(x) for x in t.shape])) for t in reader.tensors}
+    by_name = {t.name: t for t in reader.tensors}
+    if "blk.0.attn_q.weight" not in shapes or "token_embd.weight" not in shapes:
+        raise ValueError("the GGUF file holds no Llama-family attention/embedding tensors")
+    rope_freqs = None
+    if "rope_freqs.weight" in by_name:
+        rope_freqs = torch.from_numpy(np.array(by_name["rope_freqs.weight"].data, np.float32))
+    args = args_from_gguf(meta, shapes, rope_freqs)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in progress([t for t in reader.tensors if t.name != "rope_freqs.weight"]):
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[t.name])
+        w = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
+        if args.arch in _PERMUTED_ARCHES and ".attn_q." in t.name:
+            w = unpermute_qk(w, args.n_heads)
+        elif args.arch in _PERMUTED_ARCHES and ".attn_k." in t.name:
+            w = unpermute_qk(w, args.n_kv_heads)
+        tensors[rename(t.name, _GGUF_NAMES, _GGUF_LAYER_NAMES, _GGUF_LAYER)] = w
+    return args, fuse(tensors, args)
+
+
+# -- Hugging Face folders --------------------------------------------------------------------------
+def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
+    """:class:`ModelArgs` from a ``config.json`` dict (transformers 4.x or 5.x layout)."""
+    model_type = cfg.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; accepted: {', '.join(HF_MODEL_TYPES)}"
+        )
+    if cfg.get("attention_bias") and model_type != "qwen2":
+        raise ValueError(f"attention_bias=True is not supported for {model_type}")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    window = cfg.get("sliding_window")
+    uses_window = window and (model_type == "mistral" or cfg.get("use_sliding_window"))
+    if uses_window and window < cfg.get("max_position_embeddings", 0):
+        warnings.warn(
+            f"{model_type} sliding_window={window} is not applied: attention sees the whole "
+            f"context, which equals the original model only up to {window} tokens",
+            stacklevel=3,
+        )
+    n_heads = cfg["num_attention_heads"]
+    return ModelArgs(
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+        head_dim=cfg.get("head_dim"),
+        hidden_dim=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        arch=model_type,
+    )
+
+
+def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Read ``config.json`` and every ``*.safetensors`` shard of a Hugging Face folder."""
+    from safetensors.torch import load_file
+
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found; a Hugging Face folder needs config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON ({e}); re-download the model") from None
+    args = args_from_hf_config(cfg)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shards]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # recomputed from the config
+            tensors[rename(name, _HF_NAMES, _HF_LAYER_NAMES, _HF_LAYER)] = t
+    return args, fuse(tensors, args)
+
+
+def state_dict_nbytes(sd: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of distinct tensors (a tied head counted once)."""
+    seen = {t.data_ptr(): t.numel() * t.element_size() for t in sd.values()}
+    return int(math.fsum(seen.values()))
