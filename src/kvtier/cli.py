@@ -3,13 +3,21 @@
 Subcommands: ``generate``, ``info``, ``eval``, ``bench NAME``. Each benchmark
 lives in ``kvtier.bench.NAME`` and offers ``add_arguments(parser)`` and
 ``run(args) -> int``.
+
+Defaults live on the library's dataclasses (:class:`~kvtier.generate.GenerationConfig`,
+:class:`~kvtier.sampling.SamplingParams`, :class:`~kvtier.config.KVCacheConfig`,
+:class:`~kvtier.evaluate.EvalConfig`): a flag that is not given is absent here,
+and the tier settings start from the environment (``KVTIER_*``), which flags override.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import json
 import sys
+import warnings
 
 BENCHMARKS = {
     "append": "per-token append cost of the tail and block tiers against HF DynamicLayer",
@@ -20,6 +28,11 @@ BENCHMARKS = {
     "decode": "end-to-end decode throughput against HF generate",
     "hf": "KVTierCache against DynamicCache inside transformers generate",
 }
+
+DTYPES = ("float32", "bfloat16", "float16")
+# prompts longer than this get a prefill progress bar
+_PROGRESS_TOKENS = 1024
+_ABSENT = argparse.SUPPRESS  # a flag not given leaves no attribute: the dataclass default holds
 
 
 def _bench_module(name: str):
@@ -35,6 +48,50 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
+    gen = sub.add_parser("generate", help="generate text with a model over any cache tier")
+    gen.add_argument("prompt", nargs="?", default=_ABSENT, help="the prompt (default: read stdin)")
+    _model_flags(gen)
+    _cache_flags(gen)
+    gen.add_argument("--max-tokens", dest="max_tokens", type=int, default=_ABSENT)
+    gen.add_argument("--temperature", type=float, default=_ABSENT, help="0 is greedy")
+    gen.add_argument("--top-p", dest="top_p", type=float, default=_ABSENT)
+    gen.add_argument("--top-k", dest="top_k", type=int, default=_ABSENT)
+    gen.add_argument("--min-p", dest="min_p", type=float, default=_ABSENT)
+    gen.add_argument("--seed", type=int, default=_ABSENT)
+    gen.add_argument("--stop", action="append", default=_ABSENT, help="a stop string (repeatable)")
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=True,
+                      help="wrap the prompt in the model's chat template (the default)")
+    mode.add_argument("--raw", dest="chat", action="store_false", help="feed the prompt as it is")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    gen.add_argument("--prompt-cache", dest="prompt_cache", metavar="FILE", default=_ABSENT,
+                     help="reuse (and save) the prompt's keys and values in FILE")
+    gen.set_defaults(_run=run_generate)
+
+    info = sub.add_parser("info", help="model, device, dtype and the resolved cache configuration")
+    _model_flags(info)
+    _cache_flags(info)
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(_run=run_info)
+
+    ev = sub.add_parser("eval", help="quality of cache modes against full precision")
+    esub = ev.add_subparsers(dest="metric", required=True)
+    for metric, text in (("ppl", "perplexity of each mode"),
+                         ("kl", "KL divergence and top-1 agreement of each mode against fp")):
+        p = esub.add_parser(metric, help=text, description=text)
+        p.add_argument("--file", default=_ABSENT, help="text file (default: pydoc_data.topics)")
+        p.add_argument("--context", type=int, default=_ABSENT)
+        p.add_argument("--stride", type=int, default=_ABSENT)
+        p.add_argument("--max-tokens", dest="max_tokens", type=int, default=_ABSENT)
+        p.add_argument("--chunk", type=int, default=_ABSENT, help="tokens per forward")
+        p.add_argument("--modes", default=_ABSENT,
+                       help="comma-separated: fp,q8,q4,q4_g32,turboquant,turboquant:K[r],V")
+        p.add_argument("--cache", choices=_strategies(), default=_ABSENT,
+                       help="tier of the fp mode (quantised modes use the paged tier)")
+        p.add_argument("--json", action="store_true")
+        _model_flags(p)
+        p.set_defaults(_run=run_eval)
+
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, help_text in BENCHMARKS.items():
@@ -47,10 +104,291 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _strategies() -> tuple[str, ...]:
+    from kvtier.config import STRATEGIES
+
+    return STRATEGIES
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="PATH", default=_ABSENT,
+                   help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=DTYPES, default=_ABSENT,
+                   help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--device", default=_ABSENT, help="cpu, cuda, cuda:1, ... (default: cuda if present)")
+
+
+def _cache_flags(p: argparse.ArgumentParser) -> None:
+    from kvtier.config import KV_QUANT_MODES
+
+    p.add_argument("--cache", choices=_strategies(), default=_ABSENT,
+                   help="cache tier (default: from KVTIER_* variables, else tail)")
+    p.add_argument("--kv-quant", dest="kv_quant", choices=("off",) + KV_QUANT_MODES, default=_ABSENT,
+                   help="quantised storage of the paged tier (implies --cache paged)")
+    p.add_argument("--turboquant", metavar="K,V", default=_ABSENT,
+                   help="TurboQuant key,value codes, e.g. q8_0,q3_0 or q5_0r,q4_0 (implies --cache paged)")
+
+
+# -- building the library's dataclasses from flags ----------------------------------------------
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict:
+    return {n: getattr(args, n) for n in names if hasattr(args, n)}
+
+
+def cache_config_from_args(args: argparse.Namespace):
+    """``KVCacheConfig.from_env()`` with the flags' changes applied."""
+    from kvtier.config import KVCacheConfig
+    from kvtier.evaluate import parse_turboquant
+
+    changes = {}
+    quant = hasattr(args, "kv_quant") and args.kv_quant != "off" or hasattr(args, "turboquant")
+    if hasattr(args, "cache"):
+        if quant and args.cache != "paged":
+            raise ValueError(
+                f"--kv-quant and --turboquant store keys and values in the paged tier, but --cache "
+                f"is {args.cache!r}; drop --cache or use --cache paged"
+            )
+        changes["strategy"] = args.cache
+    elif quant:
+        changes["strategy"] = "paged"
+    if hasattr(args, "kv_quant"):
+        changes["kv_quant"] = None if args.kv_quant == "off" else args.kv_quant
+    if hasattr(args, "turboquant"):
+        changes["turboquant"] = parse_turboquant(args.turboquant)
+    return KVCacheConfig.from_env().replace(**changes)
+
+
+def generation_config_from_args(args: argparse.Namespace):
+    from kvtier.generate import GenerationConfig
+    from kvtier.sampling import SamplingParams
+
+    sampling = SamplingParams(**_given(args, "temperature", "top_k", "top_p", "min_p", "seed"))
+    extra = _given(args, "max_tokens")
+    if hasattr(args, "stop"):
+        extra["stop"] = tuple(args.stop)
+    return GenerationConfig(sampling=sampling, **extra)
+
+
+def _load(args: argparse.Namespace):
+    import torch
+
+    from kvtier.model import load_model
+
+    kw = _given(args, "device")
+    if hasattr(args, "dtype"):
+        kw["dtype"] = getattr(torch, args.dtype)
+    return load_model(getattr(args, "model", None), progress=sys.stderr.isatty(), **kw)
+
+
+# -- kvtier generate -------------------------------------------------------------------------------
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from kvtier.generate import stream_generate
+
+    gen_config = generation_config_from_args(args)  # bad flag values fail before the model loads
+    cache_config = cache_config_from_args(args)
+    prompt = args.prompt if hasattr(args, "prompt") else _read_stdin()
+    lm = _load(args)
+    tok = lm.tokenizer
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+        ids = tok.encode(text, add_bos=False)
+    else:
+        ids = tok.encode(prompt)
+    caches, pc = None, None
+    if hasattr(args, "prompt_cache"):
+        from kvtier.prompt_cache import PromptCache
+
+        pc = PromptCache(args.prompt_cache, model_source=str(lm.source))
+        caches, _ = pc.restore(lm.model, ids, cache_config)
+    else:
+        caches = lm.model.make_caches(cache_config, batch_size=1)
+    tokens, text, last = [], [], None
+    with _PrefillProgress(len(ids) - (pc.reused if pc else 0)) as progress:
+        for r in stream_generate(lm.model, tok, ids, gen_config, caches=caches,
+                                 cache_config=cache_config, prompt_cache=pc, on_progress=progress):
+            progress.close()
+            tokens.append(r.token)
+            text.append(r.text)
+            if not args.json and r.text:
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+            last = r
+    stats = last.stats
+    cache = cache_summary(caches)
+    if args.json:
+        out = {
+            "prompt_tokens": ids, "tokens": tokens, "text": "".join(text),
+            "finish_reason": last.finish_reason, "timings": stats.as_dict(), "cache": cache,
+            "model": str(lm.source),
+        }
+        print(json.dumps(out, default=str))
+    else:
+        sys.stdout.write("\n")
+    print(
+        f"[kvtier] prompt {stats.prompt_tokens} tokens ({stats.prompt_cache_tokens_reused} reused), "
+        f"generated {stats.generation_tokens} | prefill {stats.prefill_tokens_per_s:.1f} tok/s, "
+        f"decode {stats.decode_tokens_per_s:.1f} tok/s | tier {cache['tier']}, "
+        f"KV {cache['nbytes'] / 2**20:.2f} MiB, grow events {cache['grow_events']}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _read_stdin() -> str:
+    if sys.stdin is None or sys.stdin.isatty():
+        raise ValueError("no prompt: give one as an argument or pipe it to stdin")
+    text = sys.stdin.read()
+    if not text.strip():
+        raise ValueError("the prompt read from stdin is empty")
+    return text
+
+
+def cache_summary(caches) -> dict:
+    """Tier, KV bytes and grow events over every layer, and the first layer's own stats."""
+    first = caches[0].stats()
+    return {
+        "tier": caches[0].tier,
+        "layers": len(caches),
+        "nbytes": sum(c.nbytes for c in caches),
+        "grow_events": sum(int(c.stats().get("grow_events", 0)) for c in caches),
+        "layer0": first,
+    }
+
+
+class _PrefillProgress:
+    """A rich progress bar on stderr for long prompts; a no-op otherwise."""
+
+    def __init__(self, n_tokens: int):
+        self.bar = None
+        if n_tokens > _PROGRESS_TOKENS and sys.stderr.isatty():
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=True, console=_stderr_console())
+            self.task = self.bar.add_task("prefill", total=n_tokens)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, total=total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+# -- kvtier info ------------------------------------------------------------------------------------
+
+
+def run_info(args: argparse.Namespace) -> int:
+    import torch
+
+    cache_config = cache_config_from_args(args)
+    lm = _load(args)
+    param = next(lm.model.parameters())
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    out = {
+        "model": str(lm.source),
+        "model_args": lm.args.to_dict(),
+        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "device": str(param.device),
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "load_seconds": round(lm.load_seconds, 3),
+        "from_cache": lm.from_cache,
+        "tier": cache_config.strategy,
+        "cache_config": dataclasses.asdict(cache_config),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "threads": torch.get_num_threads(),
+    }
+    if args.json:
+        print(json.dumps(out, default=str))
+        return 0
+    width = max(map(len, out))
+    for k, v in out.items():
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+# -- kvtier eval -------------------------------------------------------------------------------------
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvtier.evaluate import EvalConfig, default_text, evaluate_modes
+
+    fields = _given(args, "context", "stride", "max_tokens", "chunk", "cache")
+    if hasattr(args, "modes"):
+        fields["modes"] = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    config = EvalConfig(**fields)
+    if hasattr(args, "file"):
+        path = Path(args.file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--file {path}: no such file")
+        text = path.read_text(encoding="utf-8", errors="replace")
+    else:
+        text = default_text()
+    lm = _load(args)
+    tokens = lm.tokenizer.encode(text)
+    results = evaluate_modes(lm.model, tokens, config, base=cache_config_from_args(args))
+    if args.json:
+        keys = ("mode", "ppl", "delta_pct", "bits_per_element") + (
+            ("kl", "top1") if args.metric == "kl" else ()
+        )
+        print(json.dumps({"modes": [{k: r.as_dict()[k] for k in keys} for r in results],
+                          "tokens": results[0].tokens, "context": config.context}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{args.metric}: {results[0].tokens} tokens, context {config.context}")
+    for col in ("mode", "ppl", "Δ vs fp", "bits/elem", "KL (nats)", "top-1"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for r in results:
+        table.add_row(r.mode, f"{r.ppl:.4f}", f"{r.delta_pct:+.2f}%", f"{r.bits_per_element:.2f}",
+                      f"{r.kl:.5f}", f"{100 * r.top1:.2f}%")
+    Console().print(table)
+    return 0
+
+
+# -- entry point ----------------------------------------------------------------------------------------
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args._run(args) or 0)
+    warnings.formatwarning = lambda msg, cat, *a, **k: f"kvtier: warning: {msg}\n"
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, FileNotFoundError, MemoryError, ImportError) as e:
+        # a caller's mistake (bad value, missing file or package): the message says what to do
+        print(f"kvtier: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,477 @@
+"""Generation over any tier, in three layers (each one short):
+
+1. :func:`generate_step` yields the sampled tokens ``[B]`` of one step at a time:
+   chunked prefill, then decode.
+2. :func:`stream_generate` turns them into :class:`GenerationResponse` objects:
+   text deltas, stop tokens and strings, max tokens, running timings.
+3. :func:`generate` returns the text.
+
+Batches of prompts of different lengths
+---------------------------------------
+The per-row tiers (``ragged``, ``paged``) hold rows of different lengths, so the
+whole batch runs in one forward per step: prefill right-pads every row to the
+longest prompt and commits only each row's own tokens (``new_offsets``), and
+each decode step writes row ``r`` at its own position (``write_start = offsets``).
+The scalar tiers (``tail``, ``block``) keep one length for every row, and a
+padded row would attend to its padding: a batch of equal-length prompts runs in
+lock-step, and a batch of different lengths runs row by row (each row with its
+own fresh caches), which gives exactly the batch-1 result.
+
+The prompt's last token is not prefilled: it is the input of the first decode
+step, so every row's first logits come from its own last prompt position without
+computing logits for the whole prompt.
+
+Example::
+
+    >>> from kvtier.model import load_model
+    >>> lm = load_model()
+    >>> generate(lm.model, lm.tokenizer, "The capital of France is",
+    ...          GenerationConfig(max_tokens=8))
+    ' Paris...'
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.caches.base import KVCache
+from kvtier.config import KVCacheConfig, make_caches
+from kvtier.sampling import SamplingParams, make_generator, sample
+
+#: tiers whose ``offset`` is a ``[B]`` tensor and whose ``update`` takes
+#: ``write_start``/``new_offsets`` (rows at different lengths)
+PER_ROW_TIERS = frozenset({"ragged", "paged"})
+
+Prompt = str | Sequence[int]
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate: token budget, stop conditions, sampling, prefill chunk size."""
+
+    max_tokens: int = 256
+    #: strings that end a row; checked on the decoded text and cut from the output
+    stop: tuple[str, ...] = ()
+    #: token ids that end a row, besides the tokenizer's end-of-sequence ids
+    stop_token_ids: tuple[int, ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    #: prompt tokens per prefill forward (bounds the activation memory of long prompts)
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(
+                f"stop must be a tuple of non-empty strings, got {self.stop!r}; "
+                "write stop=('</s>',) for a single string"
+            )
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids must be a tuple of ints >= 0, got {self.stop_token_ids!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        c = self.prefill_chunk
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"prefill_chunk must be an int >= 1, got {c!r}")
+
+
+# -- layer 1: tokens ---------------------------------------------------------------
+
+
+def generate_step(
+    model,
+    prompts: Sequence[Sequence[int]],
+    caches: list[KVCache],
+    *,
+    params: SamplingParams | None = None,
+    prefill_chunk: int = GenerationConfig.prefill_chunk,
+    generator: torch.Generator | None = None,
+    on_progress: ProgressFn | None = None,
+    on_prefilled: Callable[[], None] | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yield the sampled tokens of each step, ``[B]`` int64 on the model's device, forever.
+
+    ``prompts``: ``B`` lists of token ids (each at least one token). ``caches``: one
+    cache per layer, empty or already holding a prefix of every prompt (a reused
+    prompt cache); only the rest is prefilled. Scalar tiers need prompts of equal
+    length (see the module docstring); per-row tiers take any lengths. Rows never
+    stop here: the caller ignores the rows it has finished and closes the
+    generator. ``on_progress(done, total)`` is called after each prefill chunk and
+    ``on_prefilled()`` once the prompt (but its last token) is in the caches.
+    """
+    params = SamplingParams() if params is None else params
+    rows = _check_prompts(prompts)
+    device = model_device(model)
+    per_row = caches[0].tier in PER_ROW_TIERS
+    with torch.inference_mode():
+        if per_row:
+            pos = _prefill_rows(model, rows, caches, prefill_chunk, device, on_progress)
+        else:
+            _prefill_lockstep(model, rows, caches, prefill_chunk, device, on_progress)
+            pos = None
+        if on_prefilled is not None:
+            on_prefilled()
+        y = torch.tensor([r[-1] for r in rows], dtype=torch.long, device=device)  # (B,)
+        # On CUDA the next step is queued before the caller reads this one (a host
+        # sync), so the device never waits for Python; on CPU that step would be waste.
+        if device.type != "cuda":
+            while True:
+                y, pos = _decode_step(model, y, caches, pos, params, generator)
+                yield y
+        y_next, pos = _decode_step(model, y, caches, pos, params, generator)
+        while True:
+            y = y_next
+            y_next, pos = _decode_step(model, y, caches, pos, params, generator)
+            yield y
+
+
+def _decode_step(model, y, caches, pos, params, generator) -> torch.Tensor:
+    """One forward of the tokens ``y`` ``[B]``; returns the next tokens and positions."""
+    if pos is None:
+        logits = model(y[:, None], caches, last_only=True)  # (B, 1, V)
+        return sample(logits[:, -1], params, generator), None
+    nxt = pos + 1  # a new tensor: a cache may keep the one it was given
+    kw = {"write_start": pos, "new_offsets": nxt}
+    logits = model(y[:, None], caches, cache_kwargs=kw, last_only=True)
+    return sample(logits[:, -1], params, generator), nxt
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    if isinstance(prompts, (str, torch.Tensor)) or not prompts:
+        raise ValueError(
+            f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}; "
+            "wrap a single prompt as [ids]"
+        )
+    rows = [list(p) for p in prompts]
+    for i, r in enumerate(rows):
+        if not r:
+            raise ValueError(f"prompt {i} holds no token; every prompt needs at least one")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in r):
+            raise ValueError(f"prompt {i} must hold int token ids >= 0, got {r[:8]}...")
+    return rows
+
+
+def _prefill_lockstep(model, rows, caches, chunk, device, on_progress) -> None:
+    """Scalar tiers: every row has the same length and the caches one offset."""
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError(
+            f"the {caches[0].tier} tier keeps one length for every row, but the prompts have "
+            f"lengths {[len(r) for r in rows]}; use the ragged or paged tier, or stream_generate "
+            "(which runs such a batch row by row)"
+        )
+    start, end = caches[0].offset, len(rows[0]) - 1
+    if start > end:
+        raise ValueError(
+            f"the caches hold {start} tokens but the prompt has {end + 1}; at most "
+            f"{end} may be reused (trim the caches)"
+        )
+    tokens = torch.tensor(rows, dtype=torch.long, device=device)  # (B, L)
+    for s in range(start, end, chunk):
+        e = min(s + chunk, end)
+        model(tokens[:, s:e], caches, last_only=True)
+        if on_progress is not None:
+            on_progress(e - start, end - start)
+
+
+def _prefill_rows(model, rows, caches, chunk, device, on_progress) -> torch.Tensor:
+    """Per-row tiers: row ``r`` writes its own tokens at its own positions; returns
+    the positions ``[B]`` of each row's last prompt token (where decoding starts).
+
+    Each forward takes the next ``chunk`` tokens of every row, right-padded to a
+    common width; ``new_offsets`` commits only the row's real tokens, so the
+    padding is written past the row's length and never becomes part of it.
+    """
+    starts = [int(x) for x in caches[0].offset.tolist()]
+    ends = [len(r) - 1 for r in rows]
+    for i, (s, e) in enumerate(zip(starts, ends)):
+        if s > e:
+            raise ValueError(
+                f"row {i}: the caches hold {s} tokens but its prompt has {e + 1}; "
+                f"at most {e} may be reused (trim the caches)"
+            )
+    total = sum(e - s for s, e in zip(starts, ends))
+    n_chunks = max(-(-(e - s) // chunk) for s, e in zip(starts, ends))
+    done = 0
+    for c in range(n_chunks):
+        ws = [min(s + c * chunk, e) for s, e in zip(starts, ends)]
+        no = [min(s + (c + 1) * chunk, e) for s, e in zip(starts, ends)]
+        width = max(n - w for w, n in zip(ws, no))
+        # rows that are done (or shorter) take padding; it lies past new_offsets
+        block = [r[w : w + width] + [0] * (width - len(r[w : w + width])) for r, w in zip(rows, ws)]
+        kw = {
+            "write_start": torch.tensor(ws, dtype=torch.long, device=device),
+            "new_offsets": torch.tensor(no, dtype=torch.long, device=device),
+        }
+        model(torch.tensor(block, dtype=torch.long, device=device), caches, cache_kwargs=kw, last_only=True)
+        done += sum(n - w for w, n in zip(ws, no))
+        if on_progress is not None:
+            on_progress(done, total)
+    return torch.tensor(ends, dtype=torch.long, device=device)
+
+
+def model_device(model) -> torch.device:
+    """The device of the model's parameters."""
+    return next(model.parameters()).device
+
+
+
+# -- layer 2: responses --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Running figures of one :func:`stream_generate` call, all rows together.
+
+    ``prefill_s`` runs from the start until a row's first token is read (its
+    prefill and first step); ``decode_s`` covers the steps after it, in which
+    ``decode_tokens`` tokens were sampled for rows still running.
+    """
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    decode_tokens: int = 0
+    prompt_cache_tokens_reused: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens computed (reused ones excluded) per second of prefill."""
+        computed = self.prompt_tokens - self.prompt_cache_tokens_reused
+        return computed / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            **{f: getattr(self, f) for f in self.__dataclass_fields__},
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+        }
+
+
+@dataclass(frozen=True)
+class GenerationResponse:
+    """One sampled token of one row, with the text it completed.
+
+    ``text`` is the new text of row ``row`` since its previous response (it can be
+    empty while a multi-byte character or a possible stop string is incomplete);
+    ``finish_reason`` is ``None`` while the row runs, then ``"stop"`` (a stop token
+    or string) or ``"length"`` (``max_tokens``).
+    """
+
+    row: int
+    text: str
+    token: int
+    finish_reason: str | None
+    stats: GenerationStats
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompts: Prompt | Sequence[Prompt],
+    config: GenerationConfig | None = None,
+    *,
+    cache_config: KVCacheConfig | None = None,
+    caches: list[KVCache] | None = None,
+    prompt_cache=None,
+    on_progress: ProgressFn | None = None,
+) -> Iterator[GenerationResponse]:
+    """Stream :class:`GenerationResponse` objects as tokens are sampled.
+
+    ``prompts``: a string or a token-id list (one prompt), or a list of them (a
+    batch). Caches come from ``caches`` (one per layer, for the whole batch) or
+    are built from ``cache_config`` (default: ``KVCacheConfig.from_env()``). A
+    batch of different lengths on a scalar tier runs row by row (module
+    docstring), so all of row 0's responses come before row 1's.
+
+    ``prompt_cache`` (a :class:`kvtier.prompt_cache.PromptCache`; one prompt, and
+    ``cache_config`` naming its tier) saves the prompt's keys and values after
+    prefill. Without ``caches`` it also restores them first; with ``caches`` they
+    are taken as already restored by the caller (``prompt_cache.restore``).
+    """
+    config = GenerationConfig() if config is None else config
+    rows = _encode_prompts(tokenizer, prompts)
+    if prompt_cache is not None and (len(rows) != 1 or cache_config is None):
+        raise ValueError(
+            "a prompt cache serves one prompt and needs cache_config (it records the tier); "
+            f"got {len(rows)} prompts and cache_config={cache_config!r}"
+        )
+    if caches is None and cache_config is None:
+        cache_config = KVCacheConfig.from_env()
+    tier = caches[0].tier if caches is not None else cache_config.strategy
+    if tier in PER_ROW_TIERS or len({len(r) for r in rows}) == 1:
+        groups = [list(range(len(rows)))]
+    elif caches is not None:
+        raise ValueError(
+            f"the {tier} tier cannot hold prompts of lengths {[len(r) for r in rows]} in one "
+            "cache; pass cache_config instead of caches (rows then run one by one), or use "
+            "the ragged or paged tier"
+        )
+    else:
+        groups = [[i] for i in range(len(rows))]
+    run = _Run(model, tokenizer, config)
+    for group in groups:
+        on_prefilled = None
+        group_caches = caches
+        if prompt_cache is not None:
+            if group_caches is None:
+                group_caches, _ = prompt_cache.restore(model, rows[0], cache_config)
+            run.prompt_cache_tokens_reused += prompt_cache.reused
+            on_prefilled = functools.partial(
+                prompt_cache.save, group_caches, rows[0][:-1], cache_config,
+                dtype=next(model.parameters()).dtype,
+            )
+        elif group_caches is None:
+            group_caches = make_caches(model.args.n_layers, cache_config, batch_size=len(group))
+        rows_of_group = [rows[i] for i in group]
+        yield from run.stream(group, rows_of_group, group_caches, on_progress, on_prefilled)
+
+
+class _Run:
+    """Bookkeeping of one stream_generate call: timings, the generator, row states."""
+
+    def __init__(self, model, tokenizer, config: GenerationConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(config.stop_token_ids)
+        self.generator = make_generator(config.sampling, model_device(model))
+        self.prompt_tokens = self.generation_tokens = self.decode_tokens = 0
+        self.prompt_cache_tokens_reused = 0
+        self.prefill_s = self.decode_s = 0.0
+
+    def stats(self) -> GenerationStats:
+        return GenerationStats(
+            self.prompt_tokens, self.generation_tokens, self.decode_tokens,
+            self.prompt_cache_tokens_reused, self.prefill_s, self.decode_s,
+        )
+
+    def stream(self, ids, rows, caches, on_progress, on_prefilled) -> Iterator[GenerationResponse]:
+        cfg = self.config
+        states = [_RowText(self.tokenizer.stream_decoder(), cfg, self.stop_ids) for _ in rows]
+        self.prompt_tokens += sum(len(r) for r in rows)
+        steps = generate_step(
+            self.model, rows, caches, params=cfg.sampling, prefill_chunk=cfg.prefill_chunk,
+            generator=self.generator, on_progress=on_progress, on_prefilled=on_prefilled,
+        )
+        t_last = time.perf_counter()
+        try:
+            for i, y in enumerate(steps):
+                tokens = y.tolist()  # the one host sync of a step
+                now = time.perf_counter()
+                if i == 0:
+                    self.prefill_s += now - t_last
+                else:
+                    self.decode_s += now - t_last
+                    self.decode_tokens += sum(not s.done for s in states)
+                t_last = now
+                for row, state, token in zip(ids, states, tokens):
+                    if state.done:
+                        continue
+                    text, reason = state.push(token)
+                    self.generation_tokens += 1
+                    yield GenerationResponse(row, text, token, reason, self.stats())
+                if all(s.done for s in states):
+                    return
+        finally:
+            steps.close()
+
+
+class _RowText:
+    """Text of one row: incremental detokenizing, stop tokens and strings, max tokens."""
+
+    def __init__(self, decoder, config: GenerationConfig, stop_ids: frozenset[int]):
+        self.decoder, self.stop, self.stop_ids = decoder, config.stop, stop_ids
+        self.max_tokens = config.max_tokens
+        self.held = ""  # decoded text not yet given out: it may begin a stop string
+        self.count = 0
+        self.done = False
+
+    def push(self, token: int) -> tuple[str, str | None]:
+        """Take one sampled token; return ``(new text, finish_reason)``."""
+        self.count += 1
+        if token in self.stop_ids:
+            return self._finish(self.held + self.decoder.flush(), "stop")
+        text, self.held, hit = split_at_stop(self.held + self.decoder.feed(token), self.stop)
+        if hit:
+            return self._finish(text, "stop", flushed=True)
+        if self.count >= self.max_tokens:
+            tail, reason = self._finish(self.held + self.decoder.flush(), "length")
+            return text + tail, reason
+        return text, None
+
+    def _finish(self, text: str, reason: str, flushed: bool = False) -> tuple[str, str]:
+        self.done, self.held = True, ""
+        if not flushed:
+            text, _, hit = split_at_stop(text, self.stop, hold=False)
+            reason = "stop" if hit else reason
+        return text, reason
+
+
+def split_at_stop(text: str, stop: Sequence[str], *, hold: bool = True) -> tuple[str, str, bool]:
+    """Split streamed ``text`` at the first stop string.
+
+    Returns ``(emit, held, hit)``: with a stop string in ``text``, ``emit`` is the
+    text before it and ``hit`` is True. Otherwise ``held`` is the longest end of
+    ``text`` that could still grow into a stop string (kept back when ``hold``),
+    and ``emit`` the rest.
+    """
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    if cut >= 0:
+        return text[:cut], "", True
+    if not hold:
+        return text, "", False
+    keep = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), keep, -1):
+            if text.endswith(s[:n]):
+                keep = n
+                break
+    return text[: len(text) - keep], text[len(text) - keep :], False
+
+
+def _encode_prompts(tokenizer, prompts) -> list[list[int]]:
+    if isinstance(prompts, str):
+        return [tokenizer.encode(prompts)]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, torch.Tensor) or not prompts:
+        raise ValueError(
+            f"prompts must be a string, a token-id list, or a non-empty list of them; got "
+            f"{prompts!r:.60}"
+        )
+    if all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+
+# -- layer 3: text ------------------------------------------------------------------------
+
+
+def generate(
+    model,
+    tokenizer,
+    prompts: Prompt | Sequence[Prompt],
+    config: GenerationConfig | None = None,
+    **kwargs,
+) -> str | list[str]:
+    """The generated text: a string for one prompt, a list of strings for a batch.
+
+    Takes the arguments of :func:`stream_generate`.
+    """
+    single = isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and bool(prompts) and all(isinstance(t, int) for t in prompts)
+    )
+    n = 1 if single else len(prompts)
+    texts = [""] * n
+    for r in stream_generate(model, tokenizer, prompts, config, **kwargs):
+        texts[r.row] += r.text
+    return texts[0] if single else texts
