@@ -1,0 +1,593 @@
+"""RaggedBatchKVCache: one padded buffer ``[B, H_kv, capacity, D]`` with a length per row.
+
+For batches whose rows advance at different rates (batched speculative decoding:
+a row that accepts its drafts advances by several tokens, a row that rejects them
+by one, overwriting the stale slots). See docs/ragged.md.
+
+Host and device: the host keeps an upper bound on the longest row and, while it
+knows them, the exact row lengths, so growth never waits on the device. Row values
+given as ints, lists or CPU tensors are checked on the host; tensors on an
+accelerator are checked on the device with ``torch._assert_async`` (no sync; a bad
+value ends in a device-side assertion). The offsets are read back only for host
+checks after an accelerator write, in ``trim``/``size``/``stats``/``freeze_capacity``,
+and once before growing or refusing a write while the bound may be loose.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral
+from typing import Any
+
+import torch
+
+from kvtier.caches.base import (
+    CacheCapacityError,
+    CopyStats,
+    CopyTimer,
+    KVCache,
+    check_kv,
+    check_queries,
+    check_trim,
+    tensor_nbytes,
+)
+from kvtier.caches.tail_owned import TailOwnedKVCache, read_meta_ints
+from kvtier.kernels.reference import causal_attention, causal_mask
+
+
+class RaggedCapacityError(CacheCapacityError):
+    """A write, reservation or restore would pass the frozen capacity of a ragged cache."""
+
+
+@dataclass(frozen=True)
+class RaggedSnapshot:
+    """Owned copies: ``keys``/``values`` ``[B, H_kv, live, D]`` (``None`` before any write)."""
+
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    offsets: torch.Tensor
+    last_write_start: torch.Tensor
+    has_last_write: bool
+    lengths: tuple[int, ...] | None
+    bound: int
+
+
+def _round_up(n: int, step: int) -> int:
+    return math.ceil(n / step) * step
+
+
+def _on_accelerator(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type != "cpu"
+
+
+def _check_int(v: Any, name: str, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def _rows(x: Any, name: str, batch: int, device: torch.device) -> list[int] | torch.Tensor | None:
+    """Per-row ints from an int, a sequence or an integer tensor ``[batch]``: a host list
+    (checked >= 0), or the tensor itself when it lives on an accelerator."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
+            raise ValueError(f"{name} must be an integer tensor, got {x.dtype}; cast with .long()")
+        if tuple(x.shape) != (batch,):
+            raise ValueError(f"{name} must have shape ({batch},) (one per row), got {tuple(x.shape)}")
+        if _on_accelerator(x):
+            if x.device != device:
+                raise ValueError(f"{name} is on {x.device} but the cache is on {device}")
+            return x.long()
+        x = x.tolist()
+    elif isinstance(x, Integral) and not isinstance(x, bool):
+        x = [int(x)] * batch
+    elif not isinstance(x, list | tuple) or len(x) != batch:
+        raise ValueError(f"{name} must be an int, {batch} ints or a tensor [{batch}], got {x!r}")
+    if any(isinstance(v, bool) or not isinstance(v, Integral) for v in x):
+        raise ValueError(f"{name} must hold ints, got {x!r}")
+    if min(x) < 0:
+        raise ValueError(f"{name} must be >= 0, got {list(x)}")
+    return [int(v) for v in x]
+
+
+def _host_rows(x: Any, name: str, batch: int) -> list[int]:
+    """Like :func:`_rows`, but always host values (a device tensor is read once)."""
+    return _rows(x.cpu() if isinstance(x, torch.Tensor) else x, name, batch, torch.device("cpu"))
+
+
+def _row_mask(mask: Any, batch: int) -> list[bool] | torch.Tensor:
+    """``[batch]`` bools: a host list, or the tensor itself when it lives on an accelerator."""
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool or tuple(mask.shape) != (batch,):
+            raise ValueError(f"row_mask must be a bool tensor ({batch},), got {mask.dtype} "
+                             f"{tuple(mask.shape)}")
+        return mask if _on_accelerator(mask) else mask.tolist()
+    if not isinstance(mask, list | tuple) or [type(m) for m in mask] != [bool] * batch:
+        raise ValueError(f"row_mask must be {batch} bools (one per row), got {mask!r}")
+    return list(mask)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":  # pinned + non_blocking: the host does not wait for the copy
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+class RaggedBatchKVCache(KVCache):
+    """Padded ``[B, H_kv, capacity, D]`` K/V with per-row lengths ``offset`` (int64 ``[B]``).
+
+    ``keys``/``values`` ``[B, H_kv, T, D]`` and ``offsets`` (default ``T`` per row) seed the
+    cache (copied). ``update_and_fetch`` takes ``update``'s arguments and returns the whole
+    padded buffers. Example: ``cache.update(k, v)`` (``(2, H_kv, 4, D)``: offset ``[4, 4]``);
+    ``cache.attention(q)``; ``cache.update(k2, v2, write_start=[4, 2], new_offsets=[6, 3])``
+    (``(2, H_kv, 2, D)``: offset ``[6, 3]``). More in docs/ragged.md."""
+
+    tier = "ragged"
+
+    def __init__(self, batch_size: int | None = None, step: int = 256,
+                 keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                 offsets: Any = None):
+        self.step = _check_int(step, "step", 1)
+        self.batch_size = None if batch_size is None else _check_int(batch_size, "batch_size", 1)
+        self.keys = self.values = None  # (B, H_kv, capacity, D) each, from the first write
+        self._offsets: torch.Tensor | None = None  # (B,) int64, the row lengths
+        self._last_ws: torch.Tensor | None = None  # (B,) write_start of the last update
+        self._has_last_write = False
+        self._lengths: list[int] | None = None  # exact row lengths, while the host knows them
+        self._bound = 0  # host upper bound on the longest row
+        self._frozen, self._target = False, 0  # _target: capacity of the first allocation
+        self._pos: torch.Tensor | None = None  # (B, capacity) scratch for scatter positions
+        self._arange: torch.Tensor | None = None  # (capacity,)
+        self.copy_stats = CopyStats()
+        if keys is None or values is None:
+            if keys is not None or values is not None or offsets is not None:
+                raise ValueError("pass keys and values (and optionally offsets) together, or none")
+            if batch_size is not None:
+                self._set_rows([0] * batch_size, torch.device("cpu"))
+            return
+        check_kv(keys, values, batch=batch_size)
+        B, T = keys.shape[0], keys.shape[2]
+        lengths = [T] * B if offsets is None else _host_rows(offsets, "offsets", B)
+        if max(lengths) > T:
+            raise ValueError(f"offsets {lengths} exceed the {T} tokens given in keys")
+        self._set_rows(lengths, keys.device)
+        self._reallocate(_round_up(T, step), keys, values)
+        self.keys[:, :, :T], self.values[:, :, :T] = keys, values
+
+    # -- storage ----------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Allocated positions per row (0 before the first write)."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    @property
+    def host_bound(self) -> int:
+        """Host upper bound on the longest row; reading it never syncs."""
+        return self._bound
+
+    def _live(self) -> int:
+        return min(self.capacity, max(self._bound, 1))
+
+    def _set_rows(self, lengths: list[int], device: torch.device) -> None:
+        self.batch_size = len(lengths)
+        self._offsets = torch.tensor(lengths, dtype=torch.long, device=device)
+        self._last_ws = torch.zeros_like(self._offsets)
+        self._lengths, self._bound = list(lengths), max(lengths)
+
+    def _reallocate(self, cap: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        """Zeroed ``cap``-slot buffers holding the live prefix. Zeroed, not empty: masked
+        slots still enter the matmuls, and garbage there could be NaN."""
+        B, H, _, Dk = like_k.shape
+        dev = like_k.device
+        new_k = like_k.new_zeros(B, H, cap, Dk)
+        new_v = like_v.new_zeros(B, H, cap, like_v.shape[3])
+        if self.keys is not None:
+            n = min(self._live(), cap)
+            new_k[:, :, :n], new_v[:, :, :n] = self.keys[:, :, :n], self.values[:, :, :n]
+        self.keys, self.values = new_k, new_v
+        self._pos = torch.empty(B, cap, dtype=torch.long, device=dev)
+        self._arange = torch.arange(cap, device=dev)
+        self._offsets, self._last_ws = self._offsets.to(dev), self._last_ws.to(dev)
+        self.copy_stats.grow_events += 1
+
+    def _host_lengths(self) -> list[int]:
+        """Exact row lengths; reads the device once when the host does not know them."""
+        if self._lengths is None:
+            self._lengths = self._offsets.tolist()
+            self._bound = max(self._lengths)
+        return self._lengths
+
+    def _check_fits(self, end: int) -> None:
+        limit = self.capacity if self.keys is not None else self._target
+        if self._frozen and end > limit:
+            raise RaggedCapacityError(f"position {end} is past the frozen capacity {limit}; call "
+                                      f"freeze_capacity({end}) or more first, or trim")
+
+    # -- writes -----------------------------------------------------------------------------
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *,
+               write_start: Any = None, new_offsets: Any = None) -> None:
+        """Write ``keys``/``values`` ``[B, H_kv, q, D]``, row ``r`` at ``[write_start[r], +q)``.
+
+        ``write_start`` (an int, ints, or an integer tensor ``[B]``; default: each row's
+        length) may rewrite (below the length: REPLAY) or append, never leave a gap. The
+        length becomes ``new_offsets[r]`` in ``[write_start[r], write_start[r] + q]``
+        (default the end; less commits part of the write). ``ValueError`` or
+        :class:`RaggedCapacityError` (past a frozen capacity) leave the cache unchanged."""
+        check_kv(keys, values, self.keys, batch=self.batch_size)
+        B, H, q, _ = keys.shape
+        dev = keys.device
+        ws = _rows(write_start, "write_start", B, dev)
+        no = _rows(new_offsets, "new_offsets", B, dev)
+        on_device = _on_accelerator(ws) or _on_accelerator(no)
+        known = [0] * B if self._offsets is None else self._lengths  # None: the host does not know
+        if known is None and not on_device and (ws is not None or no is not None):
+            known = self._host_lengths()
+        new_lengths = None if on_device or known is None else self._check_host(ws, no, known, q)
+        if isinstance(ws, list) and max(ws) > self._bound:
+            raise ValueError(f"write_start {ws} is past every row's length: a write may not leave a gap")
+        end = (max(ws) if isinstance(ws, list) else self._bound) + q
+        if end > max(self.capacity, self._target) and known is None:
+            self._host_lengths()  # the bound may be loose: tighten it once before growing
+            end = (max(ws) if isinstance(ws, list) else self._bound) + q
+        self._check_fits(end)
+        # every check passed: mutate
+        if self._offsets is None:
+            self._set_rows([0] * B, dev)
+        if end > self.capacity:
+            self._reallocate(max(_round_up(end, self.step), self._target), keys, values)
+        ws, no = (_to_device(x, torch.long, dev) if isinstance(x, list) else x for x in (ws, no))
+        start = self._offsets if ws is None else ws
+        if on_device:
+            self._assert_rows(start, no, q)
+        with CopyTimer(self.copy_stats, tensor_nbytes(keys, values)):
+            self._last_ws.copy_(start)
+            pos = self._pos[:, :q]
+            torch.add(self._last_ws[:, None], self._arange[:q], out=pos)  # (B, q)
+            self.keys.scatter_(2, pos[:, None, :, None].expand(B, H, q, keys.shape[3]), keys)
+            self.values.scatter_(2, pos[:, None, :, None].expand(B, H, q, values.shape[3]), values)
+            if no is None:
+                torch.add(self._last_ws, q, out=self._offsets)
+            else:
+                self._offsets.copy_(no)
+        self._has_last_write = True
+        self._lengths = new_lengths
+        self._bound = max(new_lengths) if new_lengths is not None else end
+
+    @staticmethod
+    def _check_host(ws: list[int] | None, no: list[int] | None, lengths: list[int], q: int) -> list[int]:
+        ws = lengths if ws is None else ws
+        for r, (w, n) in enumerate(zip(ws, lengths)):
+            if w > n:
+                raise ValueError(f"write_start[{r}]={w} is past the row's length {n}; rewrite "
+                                 "(write_start < length) or append (==), never leave a gap")
+        no = [w + q for w in ws] if no is None else no
+        for r, (w, n) in enumerate(zip(ws, no)):
+            if not w <= n <= w + q:
+                raise ValueError(f"new_offsets[{r}]={n} must lie in [write_start, write_start + q]"
+                                 f" = [{w}, {w + q}]; drop older tokens with trim() or restore_masked()")
+        return list(no)
+
+    def _assert_rows(self, start: torch.Tensor, no: torch.Tensor | None, q: int) -> None:
+        """The host checks, done on the device without a sync."""
+        n = start + q if no is None else no
+        ok = (start >= 0) & (start <= self._offsets) & (n >= start) & (n <= start + q)
+        torch._assert_async(ok.all(), "RaggedBatchKVCache.update: write_start/new_offsets out of range")
+
+    def fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole padded buffers ``[B, H_kv, capacity, D]``; mask them with :meth:`make_mask`."""
+        if self.keys is None:
+            raise ValueError("the cache is empty; call update() first")
+        return self.keys, self.values
+
+    # -- reads --------------------------------------------------------------------------------
+    def make_mask(self, q_len: int, key_len: int | None = None, q_start: Any = None) -> torch.Tensor:
+        """Boolean ``[B, 1, q_len, key_len]`` (default ``key_len``: capacity), True where key ``j``
+        is visible to query ``i`` of row ``b``: ``j <= q_start[b] + i`` and ``j < offset[b]``.
+        ``q_start`` defaults to the last update's ``write_start`` (before any, ``offset - q_len``).
+        The shape never depends on the offsets."""
+        if self._offsets is None:
+            raise ValueError("the batch size is unknown until the first update()")
+        if q_start is None:
+            q_start = self._last_ws if self._has_last_write else self._offsets - q_len
+        elif not isinstance(q_start, torch.Tensor):
+            q_start = torch.tensor(_rows(q_start, "q_start", self.batch_size, self._offsets.device))
+        key_len = self.capacity if key_len is None else key_len
+        return causal_mask(self.batch_size, q_len, key_len, q_start, self._offsets,
+                           device=self._offsets.device)
+
+    def attention(self, queries: torch.Tensor, *, scale: float | None = None,
+                  q_start: Any = None) -> torch.Tensor:
+        """Attention ``[B, H_q, T, D]`` of ``queries`` ``[B, H_q, T, D]``: query ``i`` of row ``b``
+        sees keys ``j <= q_start[b] + i``, ``j < offset[b]`` of its own row (:meth:`make_mask`;
+        padding is masked, not zeroed). Keys are cut at the host bound, or kept whole
+        when frozen (static shapes)."""
+        if self.keys is None:
+            raise ValueError("attention() on an empty cache; call update() first")
+        check_queries(queries, self.keys.shape[1], self.keys.shape[3])
+        if queries.shape[0] != self.batch_size:
+            raise ValueError(f"queries batch {queries.shape[0]} differs from the cache's {self.batch_size}")
+        S = self.capacity if self._frozen else self._live()
+        mask = self.make_mask(queries.shape[2], S, q_start)  # (B, 1, T, S)
+        return causal_attention(queries, self.keys[:, :, :S], self.values[:, :, :S],
+                                mask=mask, scale=scale)
+
+    # -- capacity -------------------------------------------------------------------------------
+    def reserve(self, n: int) -> None:
+        """Grow now so writes reaching ``n`` positions past the longest row need no growth."""
+        needed = self._bound + _check_int(n, "reserve(n)", 0)
+        self._check_fits(needed)
+        if self.keys is None:
+            self._target = max(self._target, _round_up(needed, self.step))
+        elif needed > self.capacity:
+            self._reallocate(_round_up(needed, self.step), self.keys, self.values)
+
+    def freeze_capacity(self, capacity: int) -> None:
+        """Pin the buffers at ``capacity`` rounded up to ``step``: no update allocates after this
+        (before the first write, the first write allocates exactly that). A write past it
+        raises :class:`RaggedCapacityError`. Calling it again re-pins."""
+        cap = _round_up(_check_int(capacity, "freeze_capacity(capacity)", 1), self.step)
+        if self.keys is not None:
+            longest = max(self._host_lengths())
+            if cap < longest:
+                raise ValueError(f"capacity {capacity} is below the longest row {longest}; pass >= {longest}")
+            if cap != self.capacity:
+                self._reallocate(cap, self.keys, self.values)
+        self._target, self._frozen = cap, True
+
+    # -- rollback -------------------------------------------------------------------------------
+    def snapshot(self) -> RaggedSnapshot:
+        """Owned copies of every row's live prefix, the offsets and the host bookkeeping."""
+        if self._offsets is None:
+            raise ValueError("nothing to snapshot: the batch size is unknown until the first update()")
+        n, held = self._live(), self.keys is not None
+        return RaggedSnapshot(self.keys[:, :, :n].clone() if held else None,
+                              self.values[:, :, :n].clone() if held else None,
+                              self._offsets.clone(), self._last_ws.clone(), self._has_last_write,
+                              None if self._lengths is None else tuple(self._lengths), self._bound)
+
+    def _check_snapshot(self, snap: RaggedSnapshot) -> None:
+        if not isinstance(snap, RaggedSnapshot):
+            raise ValueError(f"expected a RaggedSnapshot, got {type(snap).__name__}")
+        if snap.offsets.shape[0] != self.batch_size:
+            raise ValueError(f"the snapshot holds {snap.offsets.shape[0]} rows, the cache {self.batch_size}")
+        held = [(c.keys, c.values) for c in (snap, self) if c.keys is not None]
+        if len({_layout(k, v) for k, v in held}) > 1:
+            raise ValueError("the snapshot's heads, head_dim, dtype or device differ from the cache's")
+        self._check_fits(0 if snap.keys is None else snap.keys.shape[2])
+
+    def _restore(self, snap: RaggedSnapshot, m: torch.Tensor | None) -> None:
+        """Revert the rows where ``m`` (bool ``[B]`` on the device) is True, or all (``None``)."""
+        if snap.keys is not None:
+            n = snap.keys.shape[2]
+            if n > self.capacity:
+                self._reallocate(max(_round_up(n, self.step), self._target), snap.keys, snap.values)
+            for buf, saved in ((self.keys, snap.keys), (self.values, snap.values)):
+                region = buf[:, :, :n]
+                region.copy_(saved if m is None else torch.where(m[:, None, None, None], saved, region))
+        for buf, saved in ((self._offsets, snap.offsets), (self._last_ws, snap.last_write_start)):
+            saved = saved.to(buf.device)
+            buf.copy_(saved if m is None else torch.where(m, saved, buf))
+
+    def restore(self, snap: RaggedSnapshot) -> None:
+        """Return every row to ``snap`` exactly, in place (frozen buffers keep their address)."""
+        self._check_snapshot(snap)
+        self._restore(snap, None)
+        self._has_last_write = snap.has_last_write
+        self._lengths = None if snap.lengths is None else list(snap.lengths)
+        self._bound = snap.bound
+
+    def restore_masked(self, snap: RaggedSnapshot, row_mask: Any) -> None:
+        """Return the rows where ``row_mask`` (``[B]`` bools) is True to ``snap`` exactly (content
+        and offset; a snapshot at a smaller capacity is fine); the others keep theirs."""
+        self._check_snapshot(snap)
+        mask = _row_mask(row_mask, self.batch_size)
+        m = mask if isinstance(mask, torch.Tensor) else _to_device(mask, torch.bool, self._offsets.device)
+        self._restore(snap, m)
+        self._has_last_write = self._has_last_write or snap.has_last_write
+        if isinstance(mask, list) and self._lengths is not None and snap.lengths is not None:
+            self._lengths = [s if pick else c for c, s, pick in zip(self._lengths, snap.lengths, mask)]
+            self._bound = max(self._lengths)
+        else:
+            self._lengths, self._bound = None, max(self._bound, snap.bound)
+
+    # -- batch ----------------------------------------------------------------------------------
+    def filter(self, indices: Any) -> None:
+        """Keep the rows ``indices`` (ints or an integer tensor; order kept, repeats allowed)."""
+        if self._offsets is None:
+            raise ValueError("the batch size is unknown until the first update()")
+        n = len(indices) if isinstance(indices, list | tuple | torch.Tensor) else 0
+        idx = _host_rows(indices, "indices", n) if n else []
+        if not idx or max(idx) >= self.batch_size:
+            raise ValueError(f"indices {indices!r} must be a non-empty list of rows in [0, {self.batch_size})")
+        t = torch.tensor(idx, device=self._offsets.device)
+        if self.keys is not None:
+            self.keys, self.values = self.keys[t], self.values[t]
+            self._pos = self._pos.new_empty(len(idx), self.capacity)
+        self._offsets, self._last_ws, self.batch_size = self._offsets[t], self._last_ws[t], len(idx)
+        if self._lengths is not None:
+            self._lengths = [self._lengths[i] for i in idx]
+            self._bound = max(self._lengths)
+
+    def extend(self, other: RaggedBatchKVCache) -> None:
+        """Append ``other``'s rows after this cache's; capacities are aligned by zero padding."""
+        if not isinstance(other, RaggedBatchKVCache):
+            raise ValueError(f"extend() takes a RaggedBatchKVCache, got {type(other).__name__}")
+        if self._offsets is None or other._offsets is None:
+            raise ValueError("both caches need a known batch size; give batch_size or write first")
+        held = [c for c in (self, other) if c.keys is not None]
+        if len({_layout(c.keys, c.values) for c in held}) > 1:
+            raise ValueError("the caches' heads, head_dims, dtype or device differ")
+        cap = max(self.capacity, other.capacity)
+        self._check_fits(cap if other.capacity > self.capacity else 0)
+        if held:
+            k0, v0 = held[0].keys, held[0].values
+            ks = k0.new_zeros(self.batch_size + other.batch_size, k0.shape[1], cap, k0.shape[3])
+            vs = v0.new_zeros(ks.shape[0], v0.shape[1], cap, v0.shape[3])
+            for c, rows in ((self, slice(0, self.batch_size)), (other, slice(self.batch_size, None))):
+                if c.keys is not None:
+                    ks[rows, :, : c.capacity], vs[rows, :, : c.capacity] = c.keys, c.values
+            self.keys, self.values = ks, vs
+            self._pos = k0.new_empty(ks.shape[0], cap, dtype=torch.long)
+            self._arange = torch.arange(cap, device=k0.device)
+        dev = self._offsets.device if not held else held[0].keys.device
+        self._offsets = torch.cat([self._offsets.to(dev), other._offsets.to(dev)])
+        self._last_ws = torch.cat([self._last_ws.to(dev), other._last_ws.to(dev)])
+        self._has_last_write = self._has_last_write or other._has_last_write
+        self.batch_size = self._offsets.shape[0]
+        mine = self._lengths
+        self._lengths = None if mine is None or other._lengths is None else mine + other._lengths
+        self._bound = max(self._bound, other._bound)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    @property
+    def offset(self) -> torch.Tensor:
+        """Row lengths, int64 ``[B]`` (CPU before the first write; ``[0]`` while the batch is
+        unknown). The live tensor, updated in place by writes: ``.clone()`` it to keep a value."""
+        return self._offsets if self._offsets is not None else torch.zeros(0, dtype=torch.long)
+
+    def size(self) -> int:
+        """The longest row (reads the device when the host does not know the lengths)."""
+        return 0 if self._offsets is None else max(self._host_lengths())
+
+    def empty(self) -> bool:
+        """True while nothing was ever written."""
+        return self.keys is None
+
+    def trim(self, n: int) -> int:
+        """Drop the newest ``n`` tokens of every row, clamped by the shortest row; returns it."""
+        n = min(check_trim(n), 0 if self._offsets is None else min(self._host_lengths()))
+        if n:
+            self._offsets.sub_(n)
+            self._lengths = [v - n for v in self._lengths]
+            self._bound = max(self._lengths)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.keys, self.values, self._offsets, self._last_ws, self._pos, self._arange)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and figures; ``min_offset``/``max_offset`` may read the device."""
+        lengths = [0] if self._offsets is None else self._host_lengths()
+        return {
+            "tier": self.tier, "step": self.step, "batch_size": self.batch_size,
+            "capacity": self.capacity, "frozen": self._frozen, "host_bound": self._bound,
+            "min_offset": min(lengths), "max_offset": max(lengths), "nbytes": self.nbytes,
+            **self.copy_stats.as_dict(),
+        }
+
+    # -- persistence and conversion ---------------------------------------------------------------
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """``offsets``, ``last_write_start`` ``[B]`` and ``keys``/``values`` ``[B, H_kv, live, D]``."""
+        if self._offsets is None:
+            return {}
+        out = {"offsets": self._offsets.clone(), "last_write_start": self._last_ws.clone()}
+        if self.keys is not None:
+            n = self._live()
+            out["keys"], out["values"] = self.keys[:, :, :n].clone(), self.values[:, :, :n].clone()
+        return out
+
+    @property
+    def meta_state(self) -> dict[str, Any]:
+        return {
+            "tier": self.tier, "step": self.step, "batch_size": self.batch_size,
+            "capacity": self.capacity if self.keys is not None else self._target,
+            "frozen": self._frozen, "host_bound": self._bound, "has_last_write": self._has_last_write,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], meta_state: dict[str, Any]) -> RaggedBatchKVCache:
+        """Rebuild what :attr:`state`/:attr:`meta_state` describe, capacity and frozen flag included."""
+        if meta_state.get("tier") != cls.tier:
+            raise ValueError(f"meta_state tier {meta_state.get('tier')!r} is not {cls.tier!r}")
+        step, cap = read_meta_ints(meta_state, "step", "capacity")
+        if cap % step:
+            raise ValueError(f"meta_state capacity {cap} is not a multiple of step {step}")
+        if "keys" not in state:
+            if "offsets" in state and bool(state["offsets"].any()):
+                raise ValueError("state has non-zero offsets but no keys/values")
+            cache = cls(batch_size=meta_state.get("batch_size"), step=step)
+        else:  # without offsets, every row holds all the keys given
+            cache = cls(step=step, keys=state["keys"], values=state.get("values"),
+                        offsets=state.get("offsets"))
+            if cap < cache.capacity:
+                raise ValueError(f"meta_state capacity {cap} is below the {cache.capacity} the state needs")
+            cache._reallocate(cap, cache.keys, cache.values)
+        if "last_write_start" in state and cache._last_ws is not None:
+            cache._last_ws.copy_(state["last_write_start"])
+        cache._target, cache._frozen = cap, bool(meta_state.get("frozen", False))
+        cache._has_last_write = bool(meta_state.get("has_last_write", False))
+        return cache
+
+    @classmethod
+    def from_scalar_cache(cls, cache: KVCache, batch_size: int | None = None,
+                          step: int | None = None) -> RaggedBatchKVCache:
+        """Every row holds ``cache``'s tokens (one row is broadcast to ``batch_size``); the host
+        bound is seeded, so writes need no sync. ``step``: a tail cache's own, else 256."""
+        if isinstance(cache, RaggedBatchKVCache) or not isinstance(cache.offset, int):
+            raise ValueError(f"from_scalar_cache needs a tier with one int offset, got "
+                             f"{type(cache).__name__}; use RaggedBatchKVCache.from_cache")
+        if step is None:
+            step = cache.step if isinstance(cache, TailOwnedKVCache) else 256
+        if cache.size() == 0:
+            return cls(batch_size=batch_size, step=step)
+        k, v = (t[:, :, : cache.offset] for t in cache.fetch())  # (B', H_kv, offset, D)
+        if batch_size is not None and k.shape[0] != batch_size:
+            if k.shape[0] != 1:
+                raise ValueError(f"batch_size {batch_size} needs a cache of 1 or {batch_size} rows, "
+                                 f"not {k.shape[0]}")
+            k, v = k.expand(batch_size, -1, -1, -1), v.expand(batch_size, -1, -1, -1)
+        return cls(batch_size=batch_size, step=step, keys=k, values=v)
+
+    @classmethod
+    def from_cache(cls, other: KVCache, *, step: int = 256) -> RaggedBatchKVCache:
+        """A ragged cache holding ``other``'s rows (a ragged cache, or any one-offset tier)."""
+        if isinstance(other, RaggedBatchKVCache):
+            if other.keys is None:
+                return cls(batch_size=other.batch_size, step=step)
+            n = other._live()
+            return cls(step=step, keys=other.keys[:, :, :n], values=other.values[:, :, :n],
+                       offsets=other._offsets)
+        if isinstance(other.offset, int):
+            return cls.from_scalar_cache(other, step=step)
+        raise ValueError(f"cannot convert the {other.tier!r} tier to ragged rows; write them again")
+
+
+def _layout(k: torch.Tensor, v: torch.Tensor) -> tuple:
+    return (k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
+
+
+def snapshot_ragged_caches(caches: list[RaggedBatchKVCache]) -> list[RaggedSnapshot]:
+    """One :meth:`~RaggedBatchKVCache.snapshot` per layer."""
+    return [c.snapshot() for c in caches]
+
+
+def _check_pairs(caches: list, snaps: list, row_mask: Any = None) -> None:
+    if len(caches) != len(snaps):
+        raise ValueError(f"{len(caches)} caches but {len(snaps)} snapshots")
+    for c, s in zip(caches, snaps):
+        c._check_snapshot(s)
+        if row_mask is not None:
+            _row_mask(row_mask, c.batch_size)
+
+
+def restore_ragged_caches(caches: list[RaggedBatchKVCache], snaps: list[RaggedSnapshot]) -> None:
+    """:meth:`~RaggedBatchKVCache.restore` every layer; all are checked before any changes."""
+    _check_pairs(caches, snaps)
+    for c, s in zip(caches, snaps):
+        c.restore(s)
+
+
+def restore_ragged_caches_masked(caches: list, snaps: list, row_mask: Any) -> None:
+    """:meth:`~RaggedBatchKVCache.restore_masked` every layer; all are checked before any changes."""
+    _check_pairs(caches, snaps, row_mask)
+    for c, s in zip(caches, snaps):
+        c.restore_masked(s, row_mask)
