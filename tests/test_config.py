@@ -1,0 +1,233 @@
+"""KVCacheConfig from the environment (and MTPLX aliases), make_caches, configure_kv_cache."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvtier.caches.block_owned import BlockOwnedKVCache
+from kvtier.caches.tail_owned import TailOwnedKVCache
+from kvtier.config import (
+    KVCacheConfig,
+    TurboQuantConfig,
+    configure_kv_cache,
+    make_caches,
+    user_cache_dir,
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No KVTIER_*/MTPLX_* variable of the outer environment leaks into a test."""
+    for name in list(os.environ):
+        if name.startswith(("KVTIER_", "MTPLX_")):
+            monkeypatch.delenv(name)
+
+
+# (KVTIER name, MTPLX alias, value, field, expected), one row per variable of DESIGN.md section 4
+VARIABLES = [
+    ("KVTIER_PAGED_ATTN", "MTPLX_VLLM_METAL_PAGED_ATTN", "1", "strategy", "paged"),
+    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "block", "strategy", "block"),
+    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "block_owned", "strategy", "block"),
+    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "ragged", "strategy", "ragged"),
+    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "TRUE", "strategy", "tail"),
+    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "off", "enabled", False),
+    ("KVTIER_OWNED_ATTN_KV_STEP", "MTPLX_OWNED_ATTN_KV_STEP", "64", "step", 64),
+    ("KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "MTPLX_OWNED_ATTN_KV_BLOCK_SIZE", "512", "owned_block_size", 512),
+    ("KVTIER_PAGED_BLOCK_SIZE", "MTPLX_VLLM_METAL_PAGED_BLOCK_SIZE", "32", "paged_block_size", 32),
+    ("KVTIER_PAGED_NUM_BLOCKS", "MTPLX_VLLM_METAL_PAGED_NUM_BLOCKS", "2048", "paged_num_blocks", 2048),
+    ("KVTIER_DYNAMIC_PAGED_KV", "MTPLX_DYNAMIC_PAGED_KV", "yes", "dynamic_paged", True),
+    ("KVTIER_DYNAMIC_PAGED_KV_TOKENS", "MTPLX_DYNAMIC_PAGED_KV_TOKENS", "4096", "dynamic_paged_tokens", 4096),
+    ("KVTIER_DYNAMIC_PAGED_KV_MIN_BLOCKS", "MTPLX_DYNAMIC_PAGED_KV_MIN_BLOCKS", "8", "dynamic_paged_min_blocks", 8),
+    ("KVTIER_DYNAMIC_PAGED_KV_MARGIN", "MTPLX_DYNAMIC_PAGED_KV_MARGIN", "0", "dynamic_paged_margin", 0),
+    ("KVTIER_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER", "MTPLX_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER", "900", "previous_high_water", 900),
+    ("KVTIER_CONTEXT_WINDOW_TOKENS", "MTPLX_CONTEXT_WINDOW_TOKENS", "8192", "context_window_tokens", 8192),
+    ("KVTIER_PAGED_KV_QUANT", "MTPLX_VLLM_METAL_PAGED_KV_QUANT", "q8", "kv_quant", "q8"),
+    ("KVTIER_PAGED_KV_QUANT", "MTPLX_PAGED_KV_QUANT", "int4", "kv_quant", "q4"),
+    ("KVTIER_PAGED_KV_QUANT", "MTPLX_PAGED_KV_QUANT", "off", "kv_quant", None),
+    ("KVTIER_PAGED_TURBOQUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT", "on", "turboquant", TurboQuantConfig()),
+    ("KVTIER_ATTENTION_BACKEND", None, "triton", "attention_backend", "triton"),
+]
+
+
+@pytest.mark.parametrize("kvtier_name,alias,value,field,expected", VARIABLES)
+def test_each_variable_and_its_mtplx_alias(kvtier_name, alias, value, field, expected):
+    assert getattr(KVCacheConfig.from_env({kvtier_name: value}), field) == expected
+    if alias is not None:
+        assert getattr(KVCacheConfig.from_env({alias: value}), field) == expected
+
+
+def test_defaults_match_the_dataclass():
+    assert KVCacheConfig.from_env({}) == KVCacheConfig()
+    assert KVCacheConfig() == KVCacheConfig(
+        strategy="tail", step=256, owned_block_size=1024, paged_block_size=16, paged_num_blocks=1024
+    )
+
+
+def test_reads_os_environ_and_kvtier_wins_over_its_alias(monkeypatch):
+    monkeypatch.setenv("MTPLX_OWNED_ATTN_KV", "block")
+    monkeypatch.setenv("MTPLX_OWNED_ATTN_KV_BLOCK_SIZE", "128")
+    assert KVCacheConfig.from_env().owned_block_size == 128
+    monkeypatch.setenv("KVTIER_OWNED_ATTN_KV", "tail")
+    assert KVCacheConfig.from_env().strategy == "tail"
+
+
+def test_paged_wins_over_the_owned_choice():
+    cfg = KVCacheConfig.from_env({"KVTIER_PAGED_ATTN": "true", "KVTIER_OWNED_ATTN_KV": "block"})
+    assert cfg.strategy == "paged" and cfg.enabled
+
+
+def test_turboquant_codes():
+    env = {
+        "MTPLX_VLLM_METAL_PAGED_TURBOQUANT": "1",
+        "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_K_QUANT": "q4_0",
+        "KVTIER_PAGED_TURBOQUANT_V_QUANT": "q2_0",
+    }
+    assert KVCacheConfig.from_env(env).turboquant == TurboQuantConfig("q4_0", "q2_0")
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("KVTIER_PAGED_ATTN", "maybe"),
+        ("MTPLX_VLLM_METAL_PAGED_ATTN", "2"),
+        ("KVTIER_OWNED_ATTN_KV", "blocks"),
+        ("MTPLX_OWNED_ATTN_KV", "paged_tail"),
+        ("KVTIER_OWNED_ATTN_KV_STEP", "0"),
+        ("MTPLX_OWNED_ATTN_KV_STEP", "1.5"),
+        ("KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "-4"),
+        ("KVTIER_PAGED_BLOCK_SIZE", "sixteen"),
+        ("MTPLX_VLLM_METAL_PAGED_NUM_BLOCKS", "0"),
+        ("KVTIER_DYNAMIC_PAGED_KV", "enabled"),
+        ("MTPLX_DYNAMIC_PAGED_KV_TOKENS", "-1"),
+        ("KVTIER_DYNAMIC_PAGED_KV_MIN_BLOCKS", "0"),
+        ("KVTIER_DYNAMIC_PAGED_KV_MARGIN", "x"),
+        ("MTPLX_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER", "-3"),
+        ("KVTIER_CONTEXT_WINDOW_TOKENS", "0"),
+        ("MTPLX_PAGED_KV_QUANT", "q3"),
+        ("KVTIER_PAGED_TURBOQUANT", "sometimes"),
+        ("KVTIER_PAGED_TURBOQUANT_K_QUANT", "q9_0"),
+        ("MTPLX_VLLM_METAL_PAGED_TURBOQUANT_V_QUANT", "q1_0"),
+        ("KVTIER_ATTENTION_BACKEND", "cuda"),
+    ],
+)
+def test_a_bad_value_names_its_variable(name, value):
+    with pytest.raises(ValueError, match=name):
+        KVCacheConfig.from_env({name: value})
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"strategy": "sliding"},
+        {"step": 0},
+        {"owned_block_size": True},
+        {"paged_num_blocks": -1},
+        {"dynamic_paged_margin": -1},
+        {"dynamic_paged_min_blocks": 0},
+        {"context_window_tokens": 0},
+        {"kv_quant": "q2"},
+        {"attention_backend": "cuda"},
+        {"turboquant": "q8_0"},
+    ],
+)
+def test_the_dataclass_checks_its_fields(changes):
+    with pytest.raises(ValueError, match=next(iter(changes))):
+        KVCacheConfig(**changes)
+
+
+def test_tier_params():
+    assert KVCacheConfig(strategy="tail", step=32).tier_params() == {"step": 32}
+    assert KVCacheConfig(strategy="ragged", step=32).tier_params() == {"step": 32}
+    assert KVCacheConfig(strategy="block", owned_block_size=64).tier_params() == {"block_size": 64}
+    paged = KVCacheConfig(strategy="paged", paged_block_size=32, paged_num_blocks=10).tier_params()
+    assert paged["block_size"] == 32 and paged["num_blocks"] == 10 and paged["dynamic"] is False
+
+
+@pytest.mark.parametrize(
+    "config,cls,attr,value",
+    [
+        (KVCacheConfig(strategy="tail", step=16), TailOwnedKVCache, "step", 16),
+        (KVCacheConfig(strategy="block", owned_block_size=8), BlockOwnedKVCache, "block_size", 8),
+    ],
+)
+def test_make_caches(config, cls, attr, value):
+    caches = make_caches(3, config)
+    assert len(caches) == 3 and len({id(c) for c in caches}) == 3
+    assert all(type(c) is cls and getattr(c, attr) == value and c.empty() for c in caches)
+
+
+def test_make_caches_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MTPLX_OWNED_ATTN_KV", "block")
+    monkeypatch.setenv("KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "32")
+    caches = make_caches(2)
+    assert all(isinstance(c, BlockOwnedKVCache) and c.block_size == 32 for c in caches)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="num_layers"):
+            make_caches(bad, KVCacheConfig())
+
+
+def _filled_tails(n: int) -> list:
+    caches = []
+    for i in range(n):
+        c = TailOwnedKVCache(step=4)
+        c.update(torch.randn(1, 2, 5 + i, 8), torch.randn(1, 2, 5 + i, 8))
+        caches.append(c)
+    return caches
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"KVTIER_OWNED_ATTN_KV": "block", "KVTIER_OWNED_ATTN_KV_BLOCK_SIZE": "4"},
+        {"MTPLX_OWNED_ATTN_KV": "block_owned", "MTPLX_OWNED_ATTN_KV_BLOCK_SIZE": "4"},
+    ],
+)
+def test_configure_converts_in_place_from_the_environment(seed, monkeypatch, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    caches = _filled_tails(3) + [None]
+    before = [c.fetch() if c else None for c in caches]
+    same_list = caches
+    stats = configure_kv_cache(caches)
+    assert caches is same_list
+    assert stats == {"enabled": True, "mode": "block", "entries": 3, "skipped": 1, "block_size": 4}
+    for c, old in zip(caches[:3], before[:3]):
+        assert isinstance(c, BlockOwnedKVCache) and c.block_size == 4
+        assert torch.equal(c.fetch()[0], old[0]) and torch.equal(c.fetch()[1], old[1])
+    assert caches[3] is None
+
+
+def test_configure_converts_block_back_to_tail(seed):
+    caches = _filled_tails(2)
+    configure_kv_cache(caches, KVCacheConfig(strategy="block", owned_block_size=2))
+    originals = [c.fetch() for c in caches]
+    stats = configure_kv_cache(caches, KVCacheConfig(strategy="tail", step=8))
+    assert stats == {"enabled": True, "mode": "tail", "entries": 2, "skipped": 0, "step": 8}
+    for c, (k, v) in zip(caches, originals):
+        assert isinstance(c, TailOwnedKVCache) and c.capacity == 8
+        assert torch.equal(c.fetch()[0], k) and torch.equal(c.fetch()[1], v)
+
+
+def test_configure_when_disabled_leaves_the_list_alone(seed, monkeypatch):
+    monkeypatch.setenv("MTPLX_OWNED_ATTN_KV", "0")
+    caches = _filled_tails(2)
+    ids = [id(c) for c in caches]
+    stats = configure_kv_cache(caches)
+    assert stats["enabled"] is False and stats["entries"] == 0 and stats["skipped"] == 2
+    assert [id(c) for c in caches] == ids
+
+
+def test_configure_needs_a_list():
+    with pytest.raises(ValueError, match="list"):
+        configure_kv_cache(tuple(_filled_tails(1)), KVCacheConfig())
+
+
+def test_user_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "k"))
+    assert user_cache_dir() == tmp_path / "k"
+    monkeypatch.delenv("KVTIER_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert user_cache_dir() == tmp_path / "kvtier"
