@@ -18,9 +18,10 @@ Policies:
   more blocks than are free grows it by :func:`paged_grown_blocks`; otherwise,
   or after :meth:`PagedKVCache.freeze`, it raises :class:`PagedKVGrowthRefused`
   and nothing changes.
-- ``trim`` and partial commits only move lengths: the blocks behind the trimmed
-  tokens stay with their row (and count as waste) until the row writes over them
-  or is released with :meth:`PagedKVCache.release`.
+- ``trim`` only moves lengths: the blocks behind the trimmed tokens stay with
+  their row (and count as waste) until the row writes over them or is released
+  with :meth:`PagedKVCache.release`. Tokens a write does not commit
+  (``new_offsets`` below ``write_start + T``) are not stored at all.
 - Fallback: TurboQuant that cannot serve falls back to ``kv_quant`` when that is
   set, else full precision; a ``kv_quant`` mode that cannot serve falls back to
   full precision. It warns once and records why (``paged_stats()``).
@@ -134,7 +135,6 @@ class PagedKVCache(KVCache):
         self.pool = BlockPool(block_size, batch_size)
         self.codecs: CodecChoice | None = None
         self._lengths = [0] * batch_size  # committed tokens per row
-        self._written = [0] * batch_size  # end of the last write per row (what attention sees)
         self._write_start = [0] * batch_size
         self._dev: dict[str, torch.Tensor] = {}  # device copies of the host lists, rebuilt on change
         self.copy_stats = CopyStats()
@@ -259,7 +259,9 @@ class PagedKVCache(KVCache):
 
         ``write_start`` defaults to each row's length and may be lower (rewriting
         history), never higher. Row ``r``'s length becomes ``new_offsets[r]``
-        (default ``write_start[r] + T``; at least ``write_start[r]``). Both take
+        (default ``write_start[r] + T``; at least ``write_start[r]``); tokens at
+        or past it are not stored and take no blocks (as in the ragged tier,
+        attention only ever sees committed tokens). Both take
         an int (every row), ``B`` ints or an integer tensor ``[B]`` (read on the
         host). Raises ``ValueError`` for bad input and
         :class:`PagedKVGrowthRefused` when the pool may not grow; either way the
@@ -274,34 +276,45 @@ class PagedKVCache(KVCache):
                 f"write_start {ws} must lie in [0, offset] per row (offsets {self._lengths}); "
                 f"rows {bad} would leave a gap or are negative"
             )
-        ends = [w + T for w in ws]
-        new = rows_arg(self.batch_size, "new_offsets", new_offsets, ends)
-        bad = [r for r in range(self.batch_size) if not ws[r] <= new[r] <= ends[r]]
+        new = rows_arg(self.batch_size, "new_offsets", new_offsets, [w + T for w in ws])
+        bad = [r for r in range(self.batch_size) if not ws[r] <= new[r] <= ws[r] + T]
         if bad:
             raise ValueError(
                 f"new_offsets {new} must lie in [write_start, write_start + {T}] per row "
                 f"(write_start {ws}); rows {bad} do not"
             )
-        extra = self.pool.extra_blocks(ends)
+        extra = self.pool.extra_blocks(new)  # uncommitted tokens are not stored
         choice = self.codecs or select_codecs(keys.shape[3], keys.dtype, self.kv_quant, self.turboquant)
         self._grow_for(sum(extra), keys.shape[1], choice, keys.device)
         self.pool.assign(extra)
-        dev = keys.device
-        bs = self.block_size
-        pos = torch.tensor(ws, device=dev)[:, None] + torch.arange(T, device=dev)  # (B, T)
-        blocks = self.pool.block_tables.long().gather(1, pos // bs)  # (B, T)
-        slots = (blocks * bs + pos % bs).reshape(-1)  # (B*T,) row-major over (b, t)
+        self._store(keys, values, ws, [n - w for n, w in zip(new, ws)])
+        self._lengths, self._write_start = new, ws
+        self._dev.clear()
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, ws: list[int], counts: list[int]) -> None:
+        """Encode the first ``counts[r]`` tokens of row ``r`` into slots from position ``ws[r]``."""
+        B, H, T, D = keys.shape
+        dev, bs = keys.device, self.block_size
+        pos = (torch.tensor(ws)[:, None] + torch.arange(T)).reshape(-1)  # (B*T,) row-major (b, t)
+        row = torch.arange(B).repeat_interleave(T)  # (B*T,)
+        if sum(counts) < B * T:  # a partial commit: keep only what is committed
+            keep = (torch.arange(T)[None, :] < torch.tensor(counts)[:, None]).reshape(-1)
+            pos, row = pos[keep], row[keep]
+            kept = keep.nonzero().squeeze(1).to(dev)
+            keys = keys.transpose(1, 2).reshape(B * T, H, D).index_select(0, kept)  # (n, H, D)
+            values = values.transpose(1, 2).reshape(B * T, H, D).index_select(0, kept)
+            keys, values = keys[None].transpose(1, 2), values[None].transpose(1, 2)  # (1, H, n, D)
+        if pos.numel() == 0:
+            return
+        pos, row = pos.to(dev), row.to(dev)
+        slots = self.pool.block_tables[row, pos // bs].long() * bs + pos % bs  # (n,) int64
         k_codec, v_codec = self.codecs.k_codec, self.codecs.v_codec
-        nbytes = keys.shape[0] * T * keys.shape[1] * (
-            k_codec.bytes_per_token_head() + v_codec.bytes_per_token_head()
-        )
+        nbytes = pos.numel() * H * (k_codec.bytes_per_token_head() + v_codec.bytes_per_token_head())
         with CopyTimer(self.copy_stats, nbytes):
             self.dispatch.write(
                 self.pool.key_cache, self.pool.value_cache, self.pool.k_sidecars,
                 self.pool.v_sidecars, slots, keys, values, k_codec=k_codec, v_codec=v_codec,
             )
-        self._lengths, self._written, self._write_start = new, ends, ws
-        self._dev.clear()
 
     # -- reads ---------------------------------------------------------------------------------
     def _require_storage(self, what: str) -> None:
@@ -328,8 +341,8 @@ class PagedKVCache(KVCache):
         """Causal attention ``[B, H_q, T, D]`` of ``queries`` ``[B, H_q, T, D]`` over each row's pages.
 
         Query ``i`` of row ``r`` sits at ``q_start[r] + i`` (default: the
-        ``write_start`` of the last update) and sees the row's keys up to itself,
-        within what the last update wrote (less any trim). Rows that see nothing
+        ``write_start`` of the last update) and sees the row's committed keys
+        ``j <= q_start[r] + i``, ``j < offset[r]``. Rows that see nothing
         (released rows) return zeros.
         """
         self._require_storage("attention()")
@@ -347,7 +360,7 @@ class PagedKVCache(KVCache):
         p = self.pool
         return self.dispatch.attention(
             queries, p.key_cache, p.value_cache, p.block_tables, q_start_t,
-            self._rows_tensor("written", self._written),
+            self.offset,
             k_codec=self.codecs.k_codec, v_codec=self.codecs.v_codec,
             k_sidecars=p.k_sidecars, v_sidecars=p.v_sidecars, scale=scale,
         )
@@ -357,7 +370,6 @@ class PagedKVCache(KVCache):
         """Drop the newest ``n`` tokens of every row, clamped by the shortest row; blocks stay."""
         n = min(check_trim(n), min(self._lengths))
         self._lengths = [x - n for x in self._lengths]
-        self._written = [min(w, x) for w, x in zip(self._written, self._lengths)]
         self._dev.clear()
         return n
 
@@ -366,7 +378,7 @@ class PagedKVCache(KVCache):
         rows = check_indices("rows", rows, self.batch_size)
         self.pool.release(rows)
         for r in rows:
-            self._lengths[r] = self._written[r] = self._write_start[r] = 0
+            self._lengths[r] = self._write_start[r] = 0
         self._dev.clear()
 
     def filter(self, indices: RowsArg) -> None:
@@ -376,7 +388,7 @@ class PagedKVCache(KVCache):
             raise ValueError("filter() needs at least one row; to drop everything, release() the rows")
         self.pool.release([r for r in range(self.batch_size) if r not in set(keep)])
         self.pool.select(keep)
-        for name in ("_lengths", "_written", "_write_start"):
+        for name in ("_lengths", "_write_start"):
             setattr(self, name, [getattr(self, name)[i] for i in keep])
         self._dev.clear()
 
@@ -421,7 +433,6 @@ class PagedKVCache(KVCache):
             if dst:
                 self.pool.copy_blocks(other.pool, [b for s in src for b in s], dst)
         self._lengths = self._lengths + list(other._lengths)
-        self._written = self._written + list(other._lengths)
         self._write_start = self._write_start + list(other._lengths)
         self._dev.clear()
 
@@ -487,7 +498,7 @@ class PagedKVCache(KVCache):
         """Pages, sidecars (``k_sidecar.NAME``/``v_sidecar.NAME``), block tables, free list, lengths."""
         if not self.pool.allocated:
             return {}
-        rows = {"lengths": self._lengths, "written": self._written, "write_start": self._write_start}
+        rows = {"lengths": self._lengths, "write_start": self._write_start}
         return {**self.pool.state(), **{k: torch.tensor(v, dtype=torch.long) for k, v in rows.items()}}
 
     @property
@@ -533,7 +544,6 @@ class PagedKVCache(KVCache):
         cache.codecs = CodecChoice(k, v, mode, m["turboquant_disabled_reason"],
                                    m["kv_quant_disabled_reason"])
         cache._lengths = state["lengths"].tolist()
-        cache._written = state["written"].tolist()
         cache._write_start = state["write_start"].tolist()
         return cache
 
@@ -550,11 +560,8 @@ class PagedKVCache(KVCache):
         turboquant: TurboQuantConfig | None = None,
         attention_backend: str = "auto",
     ) -> PagedKVCache:
-        """A paged cache holding ``other``'s tokens (each row keeps its length).
-
-        Rows shorter than the longest are written padded and committed at their
-        length, so they may hold a few more blocks than they need (see trim policy).
-        """
+        """A paged cache holding ``other``'s tokens; each row keeps its length and
+        takes only the blocks it needs. Keyword names match ``KVCacheConfig.tier_params()``."""
         off = other.offset
         lengths = off.tolist() if isinstance(off, torch.Tensor) else None
         kw = dict(dynamic=dynamic, context_window_tokens=context_window_tokens, kv_quant=kv_quant,

@@ -40,7 +40,7 @@ def mode_codecs(
         raise CodecUnsupported(f"kvtier.quant.make_codecs is not available ({e})") from e
     if mode == "turboquant":
         assert turboquant is not None, "mode 'turboquant' needs its TurboQuantConfig"
-        return make_codecs(head_dim, dtype, turboquant=turboquant, seed=turboquant.seed)
+        return make_codecs(head_dim, dtype, turboquant=turboquant)
     return make_codecs(head_dim, dtype, kv_quant=mode)
 
 
