@@ -26,7 +26,7 @@ The rule, bit-exact (kernels read it this way):
   ``c2>>2 | c3<<1 | c4<<4 | (c5 & 1)<<7``, ``c5>>1 | c6<<2 | c7<<5``.
 
 Both directions are vectorised (no Python loop over elements) and run on any
-device; :func:`unpack` is the dense reference of the kernel formula above.
+device: they work in groups of eight codes, which fill exactly ``b`` bytes.
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Unpack ``uint8`` ``[..., ceil(dim * bits / 8)]`` into codes ``uint8`` ``[..., dim]``.
 
-    This is the kernel formula of the module docstring, applied to every code
-    at once (the byte past the row end reads as 0). For ``bits == 8`` the bytes
-    are the codes and ``packed`` itself is returned.
+    Gives the codes the kernel formula of the module docstring reads (the tests
+    check the two agree), eight codes (one ``bits``-byte word) at a time. For
+    ``bits == 8`` the bytes are the codes and ``packed`` itself is returned.
 
     Example::
 
@@ -104,11 +104,17 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         return packed  # the bytes are the codes
     if bits == 4 and dim % 2 == 0:
         return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
-    pos = torch.arange(dim, device=packed.device, dtype=torch.int64) * bits
-    lo, shift = pos >> 3, (pos & 7).to(torch.int32)
-    p = torch.nn.functional.pad(packed, (0, 1)).to(torch.int32)  # (..., W + 1); byte W reads 0
-    pair = p.index_select(-1, lo) | (p.index_select(-1, lo + 1) << 8)  # (..., D)
-    return ((pair >> shift) & ((1 << bits) - 1)).to(torch.uint8)
+    # the inverse of pack(): each group of `bits` bytes is one word of eight codes
+    groups = -(-dim // 8)
+    p = packed.to(torch.int64)
+    if groups * bits > width:
+        p = torch.nn.functional.pad(p, (0, groups * bits - width))
+    p = p.unflatten(-1, (groups, bits))  # (..., G, bits)
+    byte_shifts = torch.arange(bits, device=p.device, dtype=torch.int64) * 8
+    word = (p << byte_shifts).sum(-1)  # (..., G)
+    shifts = torch.arange(8, device=p.device, dtype=torch.int64) * bits
+    codes = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., G, 8)
+    return codes.flatten(-2)[..., :dim].to(torch.uint8)
 
 
 def _check_bits(bits: int) -> None:

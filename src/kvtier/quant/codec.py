@@ -143,7 +143,7 @@ class Codec:
         ``{name: [M, G]}``) over blocks of rows and restore the leading dims."""
         self.check_input(x)
         lead = tuple(x.shape[:-1])
-        rows = x.reshape(-1, self.head_dim)  # (M, D)
+        rows = x.reshape(x.numel() // self.head_dim, self.head_dim)  # (M, D)
         step = max(1, ENCODE_BLOCK_ELEMENTS // self.head_dim)
         if rows.shape[0] <= step:
             payload, side = encode_rows(rows)

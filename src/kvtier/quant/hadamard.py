@@ -65,14 +65,12 @@ class HadamardRotation:
         Computed in float32 (float64 stays float64) and returned in ``x.dtype``.
         """
         xf = self._working(x)
-        y = _fwht(xf * self._sign_vector(xf))
-        return y.mul_(1.0 / math.sqrt(self.dim)).to(x.dtype)
+        return _fwht(xf * self._scaled_signs(xf)).to(x.dtype)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """``x = Pi^T y = s * (H_d y) / sqrt(d)`` over the last dim of ``y`` ``[..., dim]``."""
         yf = self._working(y)
-        x = _fwht(yf.clone()).mul_(self._sign_vector(yf))
-        return x.mul_(1.0 / math.sqrt(self.dim)).to(y.dtype)
+        return _fwht(yf).mul_(self._scaled_signs(yf)).to(y.dtype)
 
     def matrix(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
         """Dense ``Pi`` ``[dim, dim]``: ``Pi[i, j] = H[i, j] * s[j] / sqrt(dim)``; ``y = x @ Pi.T``."""
@@ -95,10 +93,12 @@ class HadamardRotation:
             )
         return x if x.dtype == torch.float64 else x.to(torch.float32)
 
-    def _sign_vector(self, like: torch.Tensor) -> torch.Tensor:
+    def _scaled_signs(self, like: torch.Tensor) -> torch.Tensor:
+        """``s / sqrt(d)`` in ``like``'s dtype and device (cached)."""
         key = (like.dtype, like.device)
         if key not in self._signs_cache:
-            self._signs_cache[key] = self.signs.to(dtype=like.dtype, device=like.device)
+            scaled = self.signs.to(torch.float64) / math.sqrt(self.dim)
+            self._signs_cache[key] = scaled.to(dtype=like.dtype, device=like.device)
         return self._signs_cache[key]
 
     def __repr__(self) -> str:
@@ -106,12 +106,22 @@ class HadamardRotation:
 
 
 def _fwht(x: torch.Tensor) -> torch.Tensor:
-    """Unnormalised Walsh-Hadamard transform ``H_d x`` (Sylvester order) on the last dim."""
+    """Unnormalised Walsh-Hadamard transform ``H_d x`` (Sylvester order) on the last dim.
+
+    ``log2 d`` butterfly stages ``(a, b) -> (a + b, a - b)`` on pairs ``h`` apart,
+    written alternately into two buffers; ``x`` is not modified.
+    """
     d = x.shape[-1]
-    h = 1
+    m = x.numel() // d
+    src = x.reshape(m, d)  # (M, d)
+    bufs = [torch.empty_like(src), None]
+    h, k = 1, 0
     while h < d:
-        pairs = x.unflatten(-1, (d // (2 * h), 2, h))  # (..., d/2h, 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        x = torch.stack((a + b, a - b), dim=-2).flatten(-3)  # (..., d)
-        h *= 2
-    return x
+        if bufs[k] is None:
+            bufs[k] = torch.empty_like(src)
+        s = src.view(m, d // (2 * h), 2, h)  # (M, d/2h, 2, h)
+        o = bufs[k].view(m, d // (2 * h), 2, h)
+        torch.add(s[:, :, 0], s[:, :, 1], out=o[:, :, 0])
+        torch.sub(s[:, :, 0], s[:, :, 1], out=o[:, :, 1])
+        src, k, h = bufs[k], 1 - k, 2 * h
+    return src.view(x.shape)
