@@ -39,7 +39,7 @@ def _attention_kernel(
     V, stride_vb, stride_vn, stride_vh,
     KS, KZ, KC, stride_ksb, stride_ksn, stride_ksh,
     VS, VZ, VC, stride_vsb, stride_vsn, stride_vsh,
-    BT, stride_btb, max_blocks,
+    BT, stride_btb, capacity,
     QSTART, KVLEN,
     O, stride_ob, stride_oh, stride_ot,
     PO, PL,
@@ -77,7 +77,7 @@ def _attention_kernel(
         q = q.to(Q.dtype.element_ty)
 
     kv_len = tl.load(KVLEN + b).to(tl.int32)
-    kv_len = tl.minimum(kv_len, max_blocks * PAGE)  # never read past the table
+    kv_len = tl.minimum(kv_len, capacity)  # never read past the table or buffer
     if CAUSAL:
         q_pos = tl.load(QSTART + b).to(tl.int32) + t  # (M,)
         t_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, G * T - 1) // G
@@ -114,10 +114,13 @@ def _attention_kernel(
             ks_rows = k_rows
             vs_rows = v_rows
 
-        k = dequant_tile(K, KS, KZ, KC, k_rows, ks_rows, n_ok, BLOCK_N, HEAD_DIM,
-                         K_MODE, K_BITS, K_SIGNED, K_OFFSET, K_GROUP, K_ZERO, K_FACTOR)  # fmt: skip
+        if K_MODE == 0:  # inline: a helper call costs the interpreter more than the tile
+            k = tl.load(K + k_rows[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k = dequant_tile(K, KS, KZ, KC, k_rows, ks_rows, n_ok, BLOCK_N, HEAD_DIM,
+                             K_MODE, K_BITS, K_SIGNED, K_OFFSET, K_GROUP, K_ZERO, K_FACTOR)  # fmt: skip
         if DOT_FP32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (M, N)
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # (M, N)
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if K_FACTOR:
@@ -132,12 +135,15 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-        v = dequant_tile(V, VS, VZ, VC, v_rows, vs_rows, n_ok, BLOCK_N, HEAD_DIM,
-                         V_MODE, V_BITS, V_SIGNED, V_OFFSET, V_GROUP, V_ZERO, V_FACTOR)  # fmt: skip
+        if V_MODE == 0:
+            v = tl.load(V + v_rows[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            v = dequant_tile(V, VS, VZ, VC, v_rows, vs_rows, n_ok, BLOCK_N, HEAD_DIM,
+                             V_MODE, V_BITS, V_SIGNED, V_OFFSET, V_GROUP, V_ZERO, V_FACTOR)  # fmt: skip
         if V_FACTOR:
             p = p * tl.load(VS + vs_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
 
@@ -208,7 +214,7 @@ def plan_launch(
     rows = G * T
     block_m = max(16, min(64, _next_pow2(rows)))
     m_tiles = triton.cdiv(rows, block_m)
-    block_n = cfg.block_n or (64 if device.type == "cuda" else 16)
+    block_n = cfg.block_n or (64 if device.type == "cuda" else 32)
     base = B * H_kv * m_tiles
     if cfg.num_splits is not None:
         splits = max(1, cfg.num_splits)
@@ -264,7 +270,7 @@ def launch_attention(
         bt, bt_stride = block_tables, block_tables.stride(0)
     else:
         H_kv, cap = k_payload.shape[1], k_payload.shape[2]
-        page, max_blocks = cap, 1
+        page, max_blocks = 1, cap
         kstr = (k_payload.stride(0), k_payload.stride(2), k_payload.stride(1))
         vstr = (v_payload.stride(0), v_payload.stride(2), v_payload.stride(1))
         bt, bt_stride = kv_len, 0
@@ -304,7 +310,7 @@ def launch_attention(
         v_payload, *vstr,
         *sidecar_args(k_fmt, k_payload, paged),
         *sidecar_args(v_fmt, v_payload, paged),
-        bt, bt_stride, max_blocks,
+        bt, bt_stride, capacity,
         qs, kv_len,
         out, out.stride(0), out.stride(1), out.stride(2),
         po, pl,

@@ -151,43 +151,6 @@ def check_format_tensors(fmt: PageFormat, payload: torch.Tensor, what: str) -> N
 
 
 @triton.jit
-def load_codes(
-    P,
-    rows,
-    mask_n,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BITS: tl.constexpr,
-    SIGNED: tl.constexpr,
-):
-    """Integer codes ``[BLOCK_N, HEAD_DIM]`` (int32) of the rows at element offsets ``rows``."""
-    if BITS == 8:
-        d = tl.arange(0, HEAD_DIM)
-        raw = tl.load(P + rows[:, None] + d[None, :], mask=mask_n[:, None], other=0)
-        if SIGNED:
-            u = raw.to(tl.int32)
-        else:
-            u = raw.to(tl.int32) & 0xFF
-    else:
-        # chunks of eight codes = BITS bytes; assemble each chunk into one word
-        NCH: tl.constexpr = HEAD_DIM // 8
-        BP: tl.constexpr = 8 if BITS > 4 else 4
-        c = tl.arange(0, NCH)
-        j = tl.arange(0, BP)
-        ptr = P + rows[:, None, None] + (c * BITS)[None, :, None] + j[None, None, :]
-        m = mask_n[:, None, None] & (j < BITS)[None, None, :]
-        byte = tl.load(ptr, mask=m, other=0).to(tl.int32) & 0xFF  # (N, NCH, BP)
-        if BITS > 4:
-            word = tl.sum(byte.to(tl.int64) << (8 * j).to(tl.int64)[None, None, :], axis=2)
-        else:
-            word = tl.sum(byte << (8 * j)[None, None, :], axis=2)  # (N, NCH)
-        k = tl.arange(0, 8)
-        codes = (word[:, :, None] >> (BITS * k)[None, None, :]) & ((1 << BITS) - 1)
-        u = tl.reshape(codes.to(tl.int32), (BLOCK_N, HEAD_DIM))
-    return u
-
-
-@triton.jit
 def dequant_tile(
     P,
     S,
@@ -216,7 +179,29 @@ def dequant_tile(
         d = tl.arange(0, HEAD_DIM)
         x = tl.load(P + rows[:, None] + d[None, :], mask=mask_n[:, None], other=0.0).to(tl.float32)
     else:
-        u = load_codes(P, rows, mask_n, BLOCK_N, HEAD_DIM, BITS, SIGNED)
+        if BITS == 8:
+            d = tl.arange(0, HEAD_DIM)
+            raw = tl.load(P + rows[:, None] + d[None, :], mask=mask_n[:, None], other=0)
+            if SIGNED:
+                u = raw.to(tl.int32)
+            else:
+                u = raw.to(tl.int32) & 0xFF
+        else:
+            # eight codes fill BITS bytes: assemble each chunk's bytes into one word, then split it
+            NCH: tl.constexpr = HEAD_DIM // 8
+            BP: tl.constexpr = 8 if BITS > 4 else 4
+            c = tl.arange(0, NCH)
+            j = tl.arange(0, BP)
+            ptr = P + rows[:, None, None] + (c * BITS)[None, :, None] + j[None, None, :]
+            m = mask_n[:, None, None] & (j < BITS)[None, None, :]
+            byte = tl.load(ptr, mask=m, other=0).to(tl.int32) & 0xFF  # (N, NCH, BP)
+            if BITS > 4:
+                word = tl.sum(byte.to(tl.int64) << (8 * j).to(tl.int64)[None, None, :], axis=2)
+            else:
+                word = tl.sum(byte << (8 * j)[None, None, :], axis=2)  # (N, NCH)
+            k = tl.arange(0, 8)
+            codes = (word[:, :, None] >> (BITS * k)[None, None, :]) & ((1 << BITS) - 1)
+            u = tl.reshape(codes.to(tl.int32), (BLOCK_N, HEAD_DIM))
         if MODE == 1:
             x = (u + OFFSET).to(tl.float32)
         else:
