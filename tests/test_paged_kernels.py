@@ -1,0 +1,201 @@
+"""The paged reference kernels against SDPA, and the backend dispatch with its fallback."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from kvtier.kernels import paged as kp
+from kvtier.kernels.reference import causal_attention
+from kvtier.quant import make_codecs
+from kvtier.quant.codec import IdentityCodec
+
+H, D = 2, 16
+
+
+def scattered_pages(lengths, block_size, num_blocks, seed=0):
+    """Rows of ``lengths`` tokens written to shuffled physical blocks.
+
+    Returns (key_pages, value_pages, block_tables, K rows, V rows) with the rows
+    as contiguous ``[1, H, n, D]`` tensors for the SDPA reference.
+    """
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    B = len(lengths)
+    nb = [-(-n // block_size) for n in lengths]
+    tables = torch.zeros(B, max(nb), dtype=torch.int32)
+    kpages = torch.randn(num_blocks, block_size, H, D, generator=g) * 100  # garbage must stay unseen
+    vpages = torch.randn(num_blocks, block_size, H, D, generator=g) * 100
+    ks, vs = [], []
+    for b, n in enumerate(lengths):
+        ids = [perm.pop() for _ in range(nb[b])]
+        tables[b, : nb[b]] = torch.tensor(ids, dtype=torch.int32)
+        k, v = torch.randn(1, H, n, D, generator=g), torch.randn(1, H, n, D, generator=g)
+        slots = torch.tensor([ids[p // block_size] * block_size + p % block_size for p in range(n)])
+        codec = IdentityCodec(D, torch.float32)
+        kp.paged_write_reference(kpages, vpages, {}, {}, slots, k, v, k_codec=codec, v_codec=codec)
+        ks.append(k)
+        vs.append(v)
+    return kpages, vpages, tables, ks, vs
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("chunk_tokens", [1, 8, 1024])
+@pytest.mark.parametrize("hq", [2, 8])
+def test_reference_attention_equals_sdpa_over_contiguous_rows(seed, block_size, chunk_tokens, hq):
+    lengths, T = [1, 16, 23, 9], 3
+    kpages, vpages, tables, ks, vs = scattered_pages(lengths, block_size, 64)
+    q_start = torch.tensor([n - T for n in lengths])  # row 0's first queries see nothing
+    q = torch.randn(4, hq, T, D)
+    codec = IdentityCodec(D, torch.float32)
+    out = kp.paged_attention_reference(
+        q, kpages, vpages, tables, q_start, torch.tensor(lengths), k_codec=codec, v_codec=codec,
+        k_sidecars={}, v_sidecars={}, chunk_tokens=chunk_tokens,
+    )
+    for b in range(4):
+        expect = causal_attention(q[b : b + 1], ks[b], vs[b], q_start=int(q_start[b]))
+        torch.testing.assert_close(out[b : b + 1], expect, atol=1e-5, rtol=1e-5)
+    assert not out[0, :, :2].any()
+
+
+def test_reference_decodes_a_bounded_chunk_at_a_time(seed, monkeypatch):
+    kpages, vpages, tables, _, _ = scattered_pages([40, 33], 4, 32)
+    widths = []
+    real = kp.gather_pages
+
+    def recording(pages, sidecars, ids, *, codec):
+        widths.append(ids.shape[1] * pages.shape[1])
+        return real(pages, sidecars, ids, codec=codec)
+
+    monkeypatch.setattr(kp, "gather_pages", recording)
+    codec = IdentityCodec(D, torch.float32)
+    kp.paged_attention_reference(
+        torch.randn(2, 2, 1, D), kpages, vpages, tables, torch.tensor([39, 32]),
+        torch.tensor([40, 33]), k_codec=codec, v_codec=codec, k_sidecars={}, v_sidecars={},
+        chunk_tokens=8,
+    )
+    assert max(widths) == 8 and sum(widths) == 2 * 40  # K and V, 10 blocks each, two at a time
+
+
+def test_write_fills_exactly_the_named_slots_with_codes_and_sidecars(seed):
+    kc, vc = make_codecs(32, torch.float32, kv_quant="q8")
+    N, bs = 6, 4
+    kpages = torch.zeros(N, bs, H, kc.packed_dim(), dtype=kc.payload_dtype)
+    vpages = torch.zeros_like(kpages)
+    ksc = {s.name: torch.zeros(N, bs, H, s.groups, dtype=s.dtype) for s in kc.sidecar_specs()}
+    vsc = {n: torch.zeros_like(t) for n, t in ksc.items()}
+    keys, values = torch.randn(2, H, 3, 32), torch.randn(2, H, 3, 32)
+    slots = torch.tensor([5, 6, 7, 20, 21, 0])  # row 0 in block 1; row 1 in blocks 5 and 0
+    kp.paged_write_reference(kpages, vpages, ksc, vsc, slots, keys, values, k_codec=kc, v_codec=vc)
+    flat_k = kpages.view(-1, H, kc.packed_dim())
+    payload, side = kc.encode(keys.transpose(1, 2).reshape(6, H, 32))
+    assert torch.equal(flat_k[slots], payload)
+    assert torch.equal(ksc["scale"].view(-1, H, 1)[slots], side["scale"])
+    untouched = torch.ones(N * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[untouched].any() and not ksc["scale"].view(-1, H, 1)[untouched].any()
+
+
+def test_gather_rows_pads_past_each_length_with_zeros(seed):
+    kpages, _, tables, ks, _ = scattered_pages([5, 2], 4, 8)
+    out = kp.gather_rows(kpages, {}, tables, torch.tensor([5, 2]), 6, codec=IdentityCodec(D, torch.float32))
+    assert out.shape == (2, H, 6, D)
+    assert torch.equal(out[0, :, :5], ks[0][0]) and torch.equal(out[1, :, :2], ks[1][0])
+    assert not out[0, :, 5:].any() and not out[1, :, 2:].any()
+
+
+@pytest.mark.parametrize(
+    "bad, word",
+    [
+        ({"block_tables": torch.zeros(2, 4, dtype=torch.int64)}, "int32"),
+        ({"q_start": torch.zeros(3, dtype=torch.long)}, "q_start"),
+        ({"kv_len": torch.zeros(2)}, "kv_len"),
+        ({"q": torch.randn(2, 3, 1, D)}, "multiple"),
+        ({"kv_len": torch.tensor([40, 1])}, "columns"),
+    ],
+)
+def test_reference_attention_rejects_bad_arguments(bad, word):
+    codec = IdentityCodec(D, torch.float32)
+    args = {
+        "q": torch.randn(2, 2, 1, D),
+        "key_pages": torch.zeros(8, 4, H, D),
+        "value_pages": torch.zeros(8, 4, H, D),
+        "block_tables": torch.zeros(2, 4, dtype=torch.int32),
+        "q_start": torch.zeros(2, dtype=torch.long),
+        "kv_len": torch.ones(2, dtype=torch.long),
+    } | bad
+    with pytest.raises(ValueError, match=word):
+        kp.paged_attention_reference(**args, k_codec=codec, v_codec=codec, k_sidecars={}, v_sidecars={})
+
+
+# -- dispatch -----------------------------------------------------------------------------------
+def test_resolve_backend():
+    assert kp.resolve_backend("auto", "cpu") == "torch"
+    assert kp.resolve_backend("torch", "cpu") == "torch"
+    assert kp.resolve_backend("triton", "cpu") == "triton"
+    with pytest.raises(ValueError, match="accepted"):
+        kp.resolve_backend("cuda", "cpu")
+
+
+def _dispatch_args(seed=0):
+    kpages, vpages, tables, ks, vs = scattered_pages([6, 3], 4, 8, seed)
+    codec = IdentityCodec(D, torch.float32)
+    q = torch.randn(2, 4, 1, D)
+    args = (q, kpages, vpages, tables, torch.tensor([5, 2]), torch.tensor([6, 3]))
+    kw = {"k_codec": codec, "v_codec": codec, "k_sidecars": {}, "v_sidecars": {}}
+    return args, kw
+
+
+def test_a_triton_backend_that_serves_is_counted(monkeypatch):
+    fake = types.SimpleNamespace(
+        paged_attention_triton=lambda *a, **kw: kp.paged_attention_reference(*a, **kw) + 0,
+        paged_write_triton=kp.paged_write_reference,
+    )
+    monkeypatch.setattr(kp, "_import_triton", lambda: fake)
+    d = kp.PagedDispatch("triton")
+    args, kw = _dispatch_args()
+    out = d.attention(*args, **kw)
+    torch.testing.assert_close(out, kp.paged_attention_reference(*args, **kw))
+    assert d.attention_calls == {"triton": 1} and d.fallback_reason is None
+
+
+@pytest.mark.parametrize("failure", ["import", "launch"])
+def test_a_failing_triton_backend_falls_back_once_with_a_reason(monkeypatch, failure):
+    def broken_import():
+        raise ImportError("No module named 'kvtier.kernels.triton_paged'")
+
+    def broken_launch(*a, **kw):
+        raise RuntimeError("simulated compile error")
+
+    fake = types.SimpleNamespace(paged_attention_triton=broken_launch, paged_write_triton=broken_launch)
+    monkeypatch.setattr(kp, "_import_triton", broken_import if failure == "import" else lambda: fake)
+    d = kp.PagedDispatch("triton")
+    args, kw = _dispatch_args()
+    with pytest.warns(RuntimeWarning, match="fell back"):
+        out = d.attention(*args, **kw)
+    torch.testing.assert_close(out, kp.paged_attention_reference(*args, **kw))
+    assert ("ImportError" if failure == "import" else "simulated") in d.fallback_reason
+    d.attention(*args, **kw)  # no second attempt, no second warning
+    assert d.attention_calls == {"torch": 2}
+
+
+def test_the_cache_counts_calls_by_the_backend_that_served(seed, monkeypatch):
+    from kvtier.caches.paged import PagedKVCache
+
+    calls = []
+
+    def counting_attention(*a, **kw):
+        calls.append(1)
+        return kp.paged_attention_reference(*a, **kw)
+
+    fake = types.SimpleNamespace(paged_attention_triton=counting_attention,
+                                 paged_write_triton=kp.paged_write_reference)
+    monkeypatch.setattr(kp, "_import_triton", lambda: fake)
+    cache = PagedKVCache(4, 8, attention_backend="triton")
+    cache.update(torch.randn(1, H, 5, D), torch.randn(1, H, 5, D))
+    cache.attention(torch.randn(1, 4, 5, D))
+    s = cache.paged_stats()
+    assert s["attention_calls_by_backend"] == {"triton": 1} and calls == [1]
+    assert s["write_calls_by_backend"] == {"triton": 1}
