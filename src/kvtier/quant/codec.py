@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-#: elements (rows x head_dim) an encoder converts to float32 at a time
-ENCODE_BLOCK_ELEMENTS = 1 << 18
+#: elements (rows x head_dim) an encoder converts to float32 at a time (16 MiB per copy)
+ENCODE_BLOCK_ELEMENTS = 1 << 22
 
 EncodedRows = tuple[torch.Tensor, dict[str, torch.Tensor]]
 

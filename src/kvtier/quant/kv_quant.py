@@ -40,6 +40,16 @@ from kvtier.quant.codec import Codec, CodecUnsupported, SidecarSpec
 GROUP = 32
 
 
+def ieee_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` correctly rounded on every device.
+
+    PyTorch's CUDA kernels turn division by a Python number into a multiplication
+    by its reciprocal (an ulp off at times); dividing by a 0-d tensor on the same
+    device keeps the IEEE quotient, so CPU and CUDA store the same scales.
+    """
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
+
+
 class _SymmetricCodec(Codec):
     """Symmetric integer code per (token, head) with one float32 scale."""
 
@@ -51,7 +61,8 @@ class _SymmetricCodec(Codec):
 
     def _codes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows`` ``[M, D]`` -> signed codes int8 ``[M, D]``, scale float32 ``[M, 1]``."""
-        scale = rows.abs().amax(-1, keepdim=True).to(torch.float32) / self.qmax  # (M, 1)
+        amax = rows.abs().amax(-1, keepdim=True).to(torch.float32)  # (M, 1)
+        scale = ieee_div(amax, self.qmax)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = (rows / safe).round_().clamp_(-self.qmax, self.qmax)  # the one fp32 copy
         return q.to(torch.int8), scale
@@ -149,7 +160,7 @@ def group_affine_encode(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, to
     lo = g.amin(-1).to(torch.float32)  # (M, G)
     hi = g.amax(-1).to(torch.float32)
     zero = lo.to(torch.float16)
-    scale = ((hi - lo) / qmax).to(torch.float16)
+    scale = ieee_div(hi - lo, qmax).to(torch.float16)
     zf, sf = zero.to(torch.float32), scale.to(torch.float32)
     safe = torch.where(sf > 0, sf, torch.ones_like(sf))
     q = (g - zf.unsqueeze(-1)).div_(safe.unsqueeze(-1)).round_().clamp_(0, qmax)  # (M, G, 32)
