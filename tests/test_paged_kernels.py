@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import types
+import warnings
 
 import pytest
 import torch
 
+from kvtier.config import TurboQuantConfig
 from kvtier.kernels import paged as kp
 from kvtier.kernels.reference import causal_attention
 from kvtier.quant import make_codecs
@@ -158,7 +161,7 @@ def test_a_triton_backend_that_serves_is_counted(monkeypatch):
     args, kw = _dispatch_args()
     out = d.attention(*args, **kw)
     torch.testing.assert_close(out, kp.paged_attention_reference(*args, **kw))
-    assert d.attention_calls == {"triton": 1} and d.fallback_reason is None
+    assert d.attention_calls == {"triton": 1} and d.fallback_reasons == {}
 
 
 @pytest.mark.parametrize("failure", ["import", "launch"])
@@ -176,9 +179,11 @@ def test_a_failing_triton_backend_falls_back_once_with_a_reason(monkeypatch, fai
     with pytest.warns(RuntimeWarning, match="fell back"):
         out = d.attention(*args, **kw)
     torch.testing.assert_close(out, kp.paged_attention_reference(*args, **kw))
-    assert ("ImportError" if failure == "import" else "simulated") in d.fallback_reason
-    d.attention(*args, **kw)  # no second attempt, no second warning
-    assert d.attention_calls == {"torch": 2}
+    assert ("ImportError" if failure == "import" else "simulated") in d.fallback_reasons["attention"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d.attention(*args, **kw)  # no second attempt, no second warning
+    assert d.attention_calls == {"torch": 2} and "write" not in d.fallback_reasons
 
 
 def test_the_cache_counts_calls_by_the_backend_that_served(seed, monkeypatch):
@@ -199,3 +204,36 @@ def test_the_cache_counts_calls_by_the_backend_that_served(seed, monkeypatch):
     s = cache.paged_stats()
     assert s["attention_calls_by_backend"] == {"triton": 1} and calls == [1]
     assert s["write_calls_by_backend"] == {"triton": 1}
+
+
+# -- the cache over the real Triton kernels (interpreter on the CPU, CUDA on a GPU) ---------------------
+def _kernels_run_on(device: str) -> bool:
+    try:
+        tp = importlib.import_module("kvtier.kernels.triton_paged")
+    except Exception:  # no triton, or kernels that do not import here
+        return False
+    return tp.interpreted() == (device == "cpu")
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+)
+@pytest.mark.parametrize("mode", [{}, {"kv_quant": "q8"}, {"turboquant": TurboQuantConfig()}])
+def test_cache_over_the_triton_kernels_matches_the_reference_backend(seed, device, mode):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if not _kernels_run_on(device):
+        pytest.skip(f"the Triton kernels do not run on {device} in this process "
+                    "(on the CPU they need TRITON_INTERPRET=1 before they are imported)")
+    from kvtier.caches.paged import PagedKVCache
+
+    fast = PagedKVCache(16, 8, batch_size=2, attention_backend="triton", **mode)
+    ref = PagedKVCache(16, 8, batch_size=2, attention_backend="torch", **mode)
+    for T, new in ((20, [20, 13]), (1, None), (3, None)):
+        k, v, q = (torch.randn(2, n, T, 64, device=device) for n in (2, 2, 4))
+        for c in (fast, ref):
+            c.update(k, v, new_offsets=new)
+        torch.testing.assert_close(fast.attention(q), ref.attention(q), atol=2e-3, rtol=2e-3)
+    assert torch.equal(fast.key_cache, ref.key_cache) and torch.equal(fast.value_cache, ref.value_cache)
+    s = fast.paged_stats()
+    assert s["attention_calls_by_backend"] == {"triton": 3} and s["write_calls_by_backend"] == {"triton": 3}

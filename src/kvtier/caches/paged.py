@@ -479,7 +479,7 @@ class PagedKVCache(KVCache):
             "attention_backend": self.attention_backend,
             "attention_calls_by_backend": dict(self.dispatch.attention_calls),
             "write_calls_by_backend": dict(self.dispatch.write_calls),
-            "backend_fallback_reason": self.dispatch.fallback_reason,
+            "backend_fallback_reasons": dict(self.dispatch.fallback_reasons),
         }
 
     def stats(self) -> dict[str, Any]:

@@ -247,10 +247,12 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 class PagedDispatch:
     """Routes paged attention and writes to a backend and books who served.
 
-    A Triton failure (missing module, compile or launch error) switches this
-    object to the reference for good, warns once and keeps the reason in
-    ``fallback_reason``. ``attention_calls`` / ``write_calls`` count calls by
-    the backend that actually served them.
+    A Triton failure (missing module, compile or launch error, a codec or shape
+    the kernel does not cover) switches that operation of this object to the
+    reference for good, warns once and keeps the reason in
+    ``fallback_reasons[op]`` (``op`` is ``"attention"`` or ``"write"``).
+    ``attention_calls`` / ``write_calls`` count calls by the backend that
+    actually served them.
     """
 
     def __init__(self, backend: str = "auto"):
@@ -259,35 +261,40 @@ class PagedDispatch:
                 f"attention_backend {backend!r} is unknown; accepted: {', '.join(BACKENDS)}"
             )
         self.backend = backend
-        self.fallback_reason: str | None = None
+        self.fallback_reasons: dict[str, str] = {}
         self.attention_calls: Counter[str] = Counter()
         self.write_calls: Counter[str] = Counter()
         self._resolved: dict[str, str] = {}
 
-    def _pick(self, device: torch.device) -> str:
-        if self.fallback_reason is not None:
+    @property
+    def fallback_reason(self) -> str | None:
+        """The reason of the first fallback (either operation), or None."""
+        return next(iter(self.fallback_reasons.values()), None)
+
+    def _pick(self, op: str, device: torch.device) -> str:
+        if op in self.fallback_reasons:
             return "torch"
         key = str(device)
         if key not in self._resolved:
             self._resolved[key] = resolve_backend(self.backend, device)
         return self._resolved[key]
 
-    def _fail(self, what: str, err: Exception) -> None:
-        self.fallback_reason = f"{what}: {type(err).__name__}: {err}"
+    def _fail(self, op: str, err: Exception) -> None:
+        self.fallback_reasons[op] = f"{type(err).__name__}: {err}"
         warnings.warn(
-            f"kvtier paged {what} fell back to the PyTorch reference ({self.fallback_reason})",
+            f"kvtier paged {op} fell back to the PyTorch reference ({self.fallback_reasons[op]})",
             RuntimeWarning,
             stacklevel=4,
         )
 
     def attention(self, q, key_pages, value_pages, block_tables, q_start, kv_len, **kw):
         """:func:`paged_attention_reference` arguments (without ``chunk_tokens``)."""
-        if self._pick(q.device) == "triton":
+        if self._pick("attention", q.device) == "triton":
             try:
                 out = _import_triton().paged_attention_triton(
                     q, key_pages, value_pages, block_tables, q_start, kv_len, **kw
                 )
-            except Exception as e:  # compile/launch failure: serve from the reference
+            except Exception as e:  # compile/launch failure or unsupported: serve from the reference
                 self._fail("attention", e)
             else:
                 self.attention_calls["triton"] += 1
@@ -300,7 +307,7 @@ class PagedDispatch:
     def write(self, key_pages, value_pages, k_sidecars, v_sidecars, slot_mapping, keys, values, **kw):
         """:func:`paged_write_reference` arguments."""
         args = (key_pages, value_pages, k_sidecars, v_sidecars, slot_mapping, keys, values)
-        if self._pick(keys.device) == "triton":
+        if self._pick("write", keys.device) == "triton":
             try:
                 _import_triton().paged_write_triton(*args, **kw)
             except Exception as e:  # the reference rewrites every slot, so a partial write is harmless
