@@ -457,3 +457,17 @@ def test_reads_on_an_empty_cache_say_what_to_do():
         cache.fetch()
     with pytest.raises(ValueError, match="update"):
         cache.attention(torch.randn(1, 2, 1, D))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_cache_holds_and_reads_what_a_cpu_cache_does(seed):
+    gpu = PagedKVCache(16, 16, batch_size=3, attention_backend="torch")
+    cpu = PagedKVCache(16, 16, batch_size=3)
+    for T, new in ((40, [40, 17, 1]), (1, None), (5, [46, 23, 3])):
+        k, v, q = (torch.randn(3, n, T, 64) for n in (2, 2, 8))
+        gpu.update(k.cuda(), v.cuda(), new_offsets=new)
+        cpu.update(k, v, new_offsets=new)
+        torch.testing.assert_close(gpu.attention(q.cuda()).cpu(), cpu.attention(q), atol=1e-4, rtol=1e-4)
+    assert gpu.offset.device.type == "cuda" and gpu.offset.tolist() == cpu.offset.tolist()
+    assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu.fetch(), cpu.fetch()))
