@@ -43,7 +43,7 @@ def _attention_kernel(
     QSTART, KVLEN,
     O, stride_ob, stride_oh, stride_ot,
     PO, PL,
-    qk_scale, T, H_KV, split_len,
+    qk_scale, T, H_KV, split_len, num_splits,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -51,7 +51,7 @@ def _attention_kernel(
     PAGE: tl.constexpr,
     PAGED: tl.constexpr,
     CAUSAL: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     NEED_SIDECARS: tl.constexpr,
     K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_SIGNED: tl.constexpr, K_OFFSET: tl.constexpr,
@@ -149,23 +149,22 @@ def _attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_off = b * stride_ob + hq * stride_oh + t * stride_ot
         tl.store(O + o_off[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
     else:
-        # partials (B, Hq, T, NUM_SPLITS, D) and base-2 lse (B, Hq, T, NUM_SPLITS), contiguous
+        # partials (B, Hq, T, num_splits, D) and base-2 lse (B, Hq, T, num_splits), contiguous
         r = (b * (H_KV * G) + hq) * T + t
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(PL + r * NUM_SPLITS + pid_s, lse, mask=row_ok)
-        po = (r * NUM_SPLITS + pid_s) * HEAD_DIM
+        tl.store(PL + r * num_splits + pid_s, lse, mask=row_ok)
+        po = (r * num_splits + pid_s) * HEAD_DIM
         tl.store(PO + po[:, None] + d[None, :], out, mask=row_ok[:, None])
 
 
 @triton.jit
 def _merge_kernel(
-    PO, PL, O, stride_ob, stride_oh, stride_ot, T, HQ,
+    PO, PL, O, stride_ob, stride_oh, stride_ot, T, HQ, num_splits,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
 ):  # fmt: skip
     """Log-sum-exp merge of the splits of one query row ``r = (b, hq, t)``."""
@@ -174,13 +173,13 @@ def _merge_kernel(
     hq = (r // T) % HQ
     b = r // (T * HQ)
     s = tl.arange(0, SPLITS_P2)
-    s_ok = s < NUM_SPLITS
-    lse = tl.load(PL + r * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))
+    s_ok = s < num_splits
+    lse = tl.load(PL + r * num_splits + s, mask=s_ok, other=float("-inf"))
     mx = tl.max(lse, axis=0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - mx))  # (S,)
     d = tl.arange(0, HEAD_DIM)
-    part = tl.load(PO + (r * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None], other=0.0)
+    part = tl.load(PO + (r * num_splits + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None], other=0.0)
     total = tl.sum(w, axis=0)
     out = tl.sum(part * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(O + b * stride_ob + hq * stride_oh + t * stride_ot + d, out.to(O.dtype.element_ty))
@@ -210,7 +209,12 @@ def _target_programs(device: torch.device) -> int:
 def plan_launch(
     B: int, H_kv: int, G: int, T: int, capacity: int, device: torch.device, cfg: LaunchConfig
 ) -> tuple[int, int, int, int, int, int]:
-    """``(block_m, m_tiles, block_n, num_splits, split_len, num_warps, ...)`` for one launch."""
+    """``(block_m, m_tiles, block_n, num_splits, split_len, programs_per_split)`` of one launch.
+
+    Splits: enough programs for ``4 x`` the multiprocessors, each split at least
+    ``min_split_tokens`` long and a whole number of ``block_n`` tiles. The plan
+    depends on the capacity (table width x page), never on the lengths.
+    """
     rows = G * T
     block_m = max(16, min(64, _next_pow2(rows)))
     m_tiles = triton.cdiv(rows, block_m)
@@ -314,16 +318,16 @@ def launch_attention(
         qs, kv_len,
         out, out.stride(0), out.stride(1), out.stride(2),
         po, pl,
-        sm_scale * LOG2E, T, H_kv, split_len,
+        sm_scale * LOG2E, T, H_kv, split_len, splits,
         G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, PAGED=paged,
-        CAUSAL=q_start is not None, NUM_SPLITS=splits, DOT_FP32=dot_fp32,
+        CAUSAL=q_start is not None, SPLIT=splits > 1, DOT_FP32=dot_fp32,
         NEED_SIDECARS=k_fmt.scale is not None or v_fmt.scale is not None,
         **format_constexprs("K", k_fmt, D), **format_constexprs("V", v_fmt, D),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(B * Hq * T,)](
-            po, pl, out, out.stride(0), out.stride(1), out.stride(2), T, Hq,
-            HEAD_DIM=D, NUM_SPLITS=splits, SPLITS_P2=_next_pow2(splits), num_warps=4,
+            po, pl, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, splits,
+            HEAD_DIM=D, SPLITS_P2=max(2, _next_pow2(splits)), num_warps=4,
         )  # fmt: skip
     return out

@@ -1,0 +1,322 @@
+"""Paged decode attention bandwidth against PyTorch SDPA, quantised pages, and the write kernel.
+
+Four measurements, each against a peer in the same run:
+
+1. ``bf16``: the Triton paged decode kernel (``paged_attention_triton``, pages of
+   ``--page`` tokens scattered through the pool by a shuffled block table)
+   against ``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa``)
+   on the same K/V laid out contiguously ``[B, H_kv, L, D]``. Effective
+   bandwidth = K and V bytes read / time.
+2. ``quant``: each ``--modes`` codec at ``--quant-batch`` x ``--quant-context``
+   against the bf16 kernel on the same shape (speedup = bf16 time / mode time).
+3. ``write``: one decode step's write (``paged_write_triton``, ``B`` tokens x
+   ``H_kv`` heads, quantised on the way) against the attention time of that step.
+4. ``--sweep``: tile sizes, warps, stages and split counts on a few bf16 shapes.
+
+Timing: each call is captured ``--iters`` times in one CUDA graph and the graph
+is replayed ``--reps`` times between CUDA events (median per call), so launch
+overhead is out of the figures for the kernel and for SDPA alike; inputs smaller
+than ``4 x`` the L2 cache are replicated and cycled, so no figure reads from L2.
+
+Example::
+
+    kvtier bench attention --out benchmarks/results_gpu_attention.md
+    python benchmarks/attention.py --batches 8 --contexts 32768 --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+L2_BYTES = 60 * 2**20  # H100/H200: about 50-60 MB
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batches", default="1,8,32,64", help="batch sizes of the bf16 table")
+    parser.add_argument("--contexts", default="4096,16384,32768", help="context lengths of the bf16 table")
+    parser.add_argument("--page", type=int, default=16, help="tokens per page (block_size)")
+    parser.add_argument("--heads", type=int, default=32, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--modes", default="q8,q4,q4_g32,turboquant:q8_0,q3_0",
+                        help="';'-separated codec modes of the quantised table (kvtier.quant.codec_for_mode)")
+    parser.add_argument("--quant-batch", type=int, default=64)
+    parser.add_argument("--quant-contexts", default="1024,8192", help="contexts of the quantised table")
+    parser.add_argument("--iters", type=int, default=20, help="calls per captured graph")
+    parser.add_argument("--reps", type=int, default=10, help="graph replays (the median is reported)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep kernel configurations")
+    parser.add_argument("--sweep-shapes", default="1x32768,8x32768,64x8192", help="BxL shapes of the sweep")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: bf16, quant, write")
+    parser.add_argument("--out", default=None, help="write the tables as Markdown here")
+    parser.add_argument("--device", default="cuda",
+                        help="cuda; cpu runs a smoke test under TRITON_INTERPRET=1 (no meaningful times)")
+
+
+# -- timing ---------------------------------------------------------------------------------
+def time_calls(fns: list[Callable[[], object]], iters: int, reps: int) -> float:
+    """Median seconds per call of ``fns`` (cycled), from CUDA-graph replays (wall clock on the CPU)."""
+    if not torch.cuda.is_available():  # a smoke run under the interpreter: the figures mean nothing
+        t0 = time.perf_counter()
+        for fn in fns:
+            fn()
+        return (time.perf_counter() - t0) / len(fns)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:  # compile, allocate, warm up outside the graph
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(iters):
+                fns[i % len(fns)]()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / iters)
+    return statistics.median(times)
+
+
+def copies_for(nbytes: int) -> int:
+    """How many replicas keep a cycled working set at 4x the L2 cache."""
+    return max(1, min(16, math.ceil(4 * L2_BYTES / max(1, nbytes))))
+
+
+# -- inputs -------------------------------------------------------------------------------
+@dataclass
+class Paged:
+    q: torch.Tensor
+    kp: torch.Tensor
+    vp: torch.Tensor
+    ks: dict
+    vs: dict
+    table: torch.Tensor
+    kv_len: torch.Tensor
+    kc: object
+    vc: object
+    nbytes: int
+
+    def attention(self, config=None) -> torch.Tensor:
+        from kvtier.kernels.triton_paged import paged_attention_triton
+
+        return paged_attention_triton(
+            self.q, self.kp, self.vp, self.table, self.kv_len - 1, self.kv_len,
+            k_codec=self.kc, v_codec=self.vc, k_sidecars=self.ks, v_sidecars=self.vs, config=config,
+        )  # fmt: skip
+
+
+def build_paged(mode: str, B: int, L: int, args, gen: torch.Generator, k=None, v=None) -> Paged:
+    """Pages holding ``k``/``v`` (random if ``None``) ``[B, H_kv, L, D]``, written by the write kernel."""
+    from kvtier.kernels.triton_paged import paged_write_triton
+    from kvtier.quant import codec_for_mode
+
+    H, D, page = args.kv_heads, args.head_dim, args.page
+    kc, vc = codec_for_mode(mode, D, torch.bfloat16)
+    per_row = math.ceil(L / page)
+    nb = B * per_row
+    if k is None:
+        k = torch.randn(B, H, L, D, device=args.device, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(B, H, L, D, device=args.device, dtype=torch.bfloat16, generator=gen)
+
+    def alloc(codec):
+        p = torch.empty(nb, page, H, codec.packed_dim(), dtype=codec.payload_dtype, device=args.device)
+        s = {x.name: torch.empty(nb, page, H, x.groups, dtype=x.dtype, device=args.device) for x in codec.sidecar_specs()}
+        return p, s
+
+    (kp, ks), (vp, vs) = alloc(kc), alloc(vc)
+    table = torch.randperm(nb, device=args.device, generator=gen).to(torch.int32).reshape(B, per_row)
+    pos = torch.arange(L, device=args.device)
+    slots = (table[:, pos // page].long() * page + pos % page).reshape(-1)  # (B*L,)
+    for b0 in range(0, B, 8):  # bounded temporaries
+        sl = slots.reshape(B, L)[b0 : b0 + 8].reshape(-1)
+        paged_write_triton(kp, vp, ks, vs, sl, k[b0 : b0 + 8], v[b0 : b0 + 8], k_codec=kc, v_codec=vc)
+    q = torch.randn(B, args.heads, 1, D, device=args.device, dtype=torch.bfloat16, generator=gen)
+    nbytes = B * L * H * (kc.bytes_per_token_head() + vc.bytes_per_token_head())
+    kv_len = torch.full((B,), L, dtype=torch.int64, device=args.device)
+    return Paged(q, kp, vp, ks, vs, table, kv_len, kc, vc, nbytes)
+
+
+# -- the measurements ----------------------------------------------------------------------------
+def bench_bf16(args, gen) -> list[dict]:
+    import torch.nn.functional as F
+
+    rows = []
+    for B in _ints(args.batches):
+        for L in _ints(args.contexts):
+            k = torch.randn(B, args.kv_heads, L, args.head_dim, device=args.device, dtype=torch.bfloat16, generator=gen)
+            v = torch.randn_like(k)
+            nbytes = 2 * k.numel() * k.element_size()
+            n = copies_for(nbytes)
+            pg = [build_paged("fp", B, L, args, gen, k, v) for _ in range(n)]
+            q = pg[0].q
+            sdpa = [
+                lambda q=q, k=kk, v=vv: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                for kk, vv in [(k, v)] + [(k.clone(), v.clone()) for _ in range(n - 1)]
+            ]
+            err = (pg[0].attention().float() - sdpa[0]().float()).abs().max().item()
+            t_k = time_calls([p.attention for p in pg], args.iters, args.reps)
+            t_s = time_calls(sdpa, args.iters, args.reps)
+            rows.append(dict(B=B, L=L, mb=nbytes / 1e6, t_kernel=t_k, t_sdpa=t_s,
+                             bw_kernel=nbytes / t_k / 1e12, bw_sdpa=nbytes / t_s / 1e12,
+                             ratio=t_s / t_k, max_err=err))  # fmt: skip
+            del pg, k, v, sdpa
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_quant(args, gen) -> tuple[list[dict], list[dict]]:
+    from kvtier.kernels.triton_paged import paged_write_triton
+
+    B = args.quant_batch
+    rows, writes = [], []
+    for L in _ints(args.quant_contexts):
+        base = build_paged("fp", B, L, args, gen)
+        n = copies_for(base.nbytes)
+        t_bf16 = time_calls([base.attention] + [build_paged("fp", B, L, args, gen).attention for _ in range(n - 1)],
+                            args.iters, args.reps)  # fmt: skip
+        rows.append(dict(mode="bf16", L=L, mb=base.nbytes / 1e6, t=t_bf16, bw=base.nbytes / t_bf16 / 1e12, speedup=1.0))
+        for mode in ["fp", *args.modes.split(";")]:
+            p = base if mode == "fp" else build_paged(mode, B, L, args, gen)
+            if mode != "fp":
+                t = time_calls([p.attention], args.iters, args.reps)
+                rows.append(dict(mode=mode, L=L, mb=p.nbytes / 1e6, t=t, bw=p.nbytes / t / 1e12, speedup=t_bf16 / t))
+            else:
+                t = t_bf16
+            if max(_ints(args.quant_contexts)) == L and "write" not in args.skip:
+                kn = torch.randn(B, args.kv_heads, 1, args.head_dim, device=args.device, dtype=torch.bfloat16, generator=gen)
+                slots = p.table[:, 0].long() * args.page + 3  # one slot per row
+                w = lambda p=p, kn=kn, slots=slots: paged_write_triton(
+                    p.kp, p.vp, p.ks, p.vs, slots, kn, kn, k_codec=p.kc, v_codec=p.vc
+                )
+                t_w = time_calls([w], args.iters, args.reps)
+                writes.append(dict(mode="bf16" if mode == "fp" else mode, B=B, L=L, t_write=t_w, t_attn=t,
+                                   share=t_w / t))  # fmt: skip
+            del p
+        del base
+        torch.cuda.empty_cache()
+    return rows, writes
+
+
+def bench_sweep(args, gen) -> list[dict]:
+    from kvtier.kernels.triton_attention import LaunchConfig, plan_launch
+
+    rows = []
+    for B, L in (map(int, x.split("x")) for x in args.sweep_shapes.split(",")):
+        p = build_paged("fp", B, L, args, gen)
+        n = copies_for(p.nbytes)
+        ps = [p] + [build_paged("fp", B, L, args, gen) for _ in range(n - 1)]
+        auto = plan_launch(B, args.kv_heads, args.heads // args.kv_heads, 1, L, torch.device(args.device), LaunchConfig())[3]
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    for splits in sorted({auto, max(1, auto // 2), auto * 2}):
+                        cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
+                        try:
+                            t = time_calls([lambda x=x, cfg=cfg: x.attention(cfg) for x in ps], args.iters, args.reps)
+                        except Exception as e:  # out of shared memory for a large tile, say
+                            print(f"sweep B={B} L={L} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                            continue
+                        rows.append(dict(B=B, L=L, block_n=block_n, warps=warps, stages=stages, splits=splits,
+                                         auto=splits == auto, t=t, bw=p.nbytes / t / 1e12))  # fmt: skip
+        del p, ps
+        torch.cuda.empty_cache()
+    return rows
+
+
+# -- report ---------------------------------------------------------------------------------------
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    from kvtier.kernels.triton_paged import interpreted
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        console.print("kvtier bench attention needs a CUDA device (the figures are GPU bandwidths)")
+        return 2
+    if args.device == "cpu" and not interpreted():
+        console.print("--device cpu needs TRITON_INTERPRET=1 in the environment")
+        return 2
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (Triton interpreter)"
+    shape = f"H_q {args.heads}, H_kv {args.kv_heads}, head_dim {args.head_dim}, page {args.page}"
+    md = [
+        f"# Paged attention on {dev}",
+        "",
+        f"Date: {datetime.date.today().isoformat()}. Device: {dev}. torch {torch.__version__}, "
+        f"triton {__import__('triton').__version__}. Shape: {shape}, bf16.",
+        "",
+        f"Command: `{' '.join(['python', *sys.argv] if sys.argv[0].endswith('.py') else ['kvtier', *sys.argv[1:]])}`",
+        "",
+    ]
+    tables: list[tuple[str, list[str], list[list[str]]]] = []
+    if "bf16" not in args.skip:
+        r = bench_bf16(args, gen)
+        tables.append((
+            "bf16 paged decode vs SDPA on contiguous K/V (TB/s = K+V bytes / time)",
+            ["B", "context", "KV MB", "kernel us", "SDPA us", "kernel TB/s", "SDPA TB/s", "kernel/SDPA BW", "max |diff|"],
+            [[str(x["B"]), str(x["L"]), f"{x['mb']:.0f}", f"{x['t_kernel'] * 1e6:.1f}", f"{x['t_sdpa'] * 1e6:.1f}",
+              f"{x['bw_kernel']:.2f}", f"{x['bw_sdpa']:.2f}", f"{x['ratio']:.0%}", f"{x['max_err']:.1e}"] for x in r],
+        ))  # fmt: skip
+    if "quant" not in args.skip:
+        q, w = bench_quant(args, gen)
+        tables.append((
+            f"quantised paged decode at B={args.quant_batch} vs our bf16 kernel (TB/s of stored bytes)",
+            ["mode", "context", "stored MB", "us", "TB/s", "speedup vs bf16"],
+            [[x["mode"], str(x["L"]), f"{x['mb']:.0f}", f"{x['t'] * 1e6:.1f}", f"{x['bw']:.2f}",
+              f"{x['speedup']:.2f}x"] for x in q],
+        ))  # fmt: skip
+        if w:
+            tables.append((
+                "write kernel (one decode step: B tokens x H_kv heads) vs attention of the same step",
+                ["mode", "B", "context", "write us", "attention us", "write / attention"],
+                [[x["mode"], str(x["B"]), str(x["L"]), f"{x['t_write'] * 1e6:.1f}", f"{x['t_attn'] * 1e6:.1f}",
+                  f"{x['share']:.1%}"] for x in w],
+            ))  # fmt: skip
+    if args.sweep:
+        s = bench_sweep(args, gen)
+        s.sort(key=lambda x: (x["B"], x["L"], x["t"]))
+        tables.append((
+            "configuration sweep, bf16 decode (fastest first per shape; * = the heuristic's split count)",
+            ["B", "context", "BLOCK_N", "warps", "stages", "splits", "us", "TB/s"],
+            [[str(x["B"]), str(x["L"]), str(x["block_n"]), str(x["warps"]), str(x["stages"]),
+              f"{x['splits']}{'*' if x['auto'] else ''}", f"{x['t'] * 1e6:.1f}", f"{x['bw']:.2f}"] for x in s],
+        ))  # fmt: skip
+    for title, headers, rows in tables:
+        t = Table(title=title)
+        for h in headers:
+            t.add_column(h, justify="right")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+        md += [f"## {title}", "", _md_table(headers, rows), ""]
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(md))
+        console.print(f"wrote {args.out}")
+    return 0
