@@ -154,7 +154,8 @@ def _measure(job: Job) -> Result:
         base = _rss_bytes("VmRSS")
         base = base if _reset_peak_rss() else None
 
-    cache.update(pre_k, pre_v)
+    if pre_k.shape[2]:
+        cache.update(pre_k, pre_v)
     grow0 = None if job.name == PEER else cache.stats()["grow_events"]
     times = []
     for i in range(job.steps):
@@ -246,6 +247,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
+    if console.width < 120:  # the table has nine columns; wrap rather than truncate them
+        console = Console(width=120)
     if args.quick:
         args.contexts, args.steps, args.peer_steps = "1024,4096", 256, 4
     try:
@@ -257,8 +260,8 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) <= 0:
             console.print(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
             return 1
-    if not contexts or min(contexts) <= max(args.steps, args.peer_steps):
-        console.print(f"every context must exceed --steps ({args.steps}) and --peer-steps")
+    if not contexts or min(contexts) < max(args.steps, args.peer_steps):
+        console.print(f"every context must be at least --steps ({args.steps}) and --peer-steps")
         return 1
     try:
         import transformers.cache_utils  # noqa: F401
