@@ -106,10 +106,9 @@ def test_random_operations_match_a_list_per_row(data):
                 vref[b] = (vref[b][: ws[b]] + list(v[b].unbind(1)))[: new[b]]
         elif op == "trim":
             n = data.draw(st.integers(0, 4), label="trim")
-            expect = min(n, min(len(r) for r in kref))
-            assert cache.trim(n) == expect
-            kref = [r[: len(r) - expect] for r in kref]
-            vref = [r[: len(r) - expect] for r in vref]
+            assert cache.trim(n) == min(n, max(len(r) for r in kref))
+            kref = [r[: max(0, len(r) - n)] for r in kref]
+            vref = [r[: max(0, len(r) - n)] for r in vref]
         elif cache.pool.allocated:
             rows = data.draw(st.lists(st.integers(0, B - 1), unique=True), label="release")
             free_before = len(cache.pool.free)
@@ -471,3 +470,12 @@ def test_a_cuda_cache_holds_and_reads_what_a_cpu_cache_does(seed):
         torch.testing.assert_close(gpu.attention(q.cuda()).cpu(), cpu.attention(q), atol=1e-4, rtol=1e-4)
     assert gpu.offset.device.type == "cuda" and gpu.offset.tolist() == cpu.offset.tolist()
     assert all(torch.equal(g.cpu(), c) for g, c in zip(gpu.fetch(), cpu.fetch()))
+
+
+def test_trim_drops_from_every_row_and_empties_shorter_ones(seed):
+    cache, kref, vref = prefix_cache([6, 2, 0], block_size=4)
+    blocks = [list(r) for r in cache.pool.rows]
+    assert cache.trim(3) == 3
+    check_contents(cache, [kref[0][:3], [], []], [vref[0][:3], [], []])
+    assert cache.pool.rows == blocks  # trimmed tokens' blocks stay with their rows
+    assert cache.trim(10) == 3 and cache.size() == 0

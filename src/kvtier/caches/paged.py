@@ -367,9 +367,10 @@ class PagedKVCache(KVCache):
 
     # -- lengths and rows ----------------------------------------------------------------------
     def trim(self, n: int) -> int:
-        """Drop the newest ``n`` tokens of every row, clamped by the shortest row; blocks stay."""
-        n = min(check_trim(n), min(self._lengths))
-        self._lengths = [x - n for x in self._lengths]
+        """Drop the newest ``n`` tokens of every row (a shorter row empties); returns
+        ``min(n, size())``. The rows keep their blocks (see the module docstring)."""
+        n = min(check_trim(n), self.size())
+        self._lengths = [max(0, x - n) for x in self._lengths]
         self._dev.clear()
         return n
 
@@ -386,7 +387,8 @@ class PagedKVCache(KVCache):
         keep = check_indices("indices", indices, self.batch_size)
         if not keep:
             raise ValueError("filter() needs at least one row; to drop everything, release() the rows")
-        self.pool.release([r for r in range(self.batch_size) if r not in set(keep)])
+        kept = set(keep)
+        self.pool.release([r for r in range(self.batch_size) if r not in kept])
         self.pool.select(keep)
         for name in ("_lengths", "_write_start"):
             setattr(self, name, [getattr(self, name)[i] for i in keep])
