@@ -205,7 +205,7 @@ def run_write(mode, B, H, T, D, page, dtype, *, pad_slot=True, seed=0):
     keys = (3 * torch.randn(B, H, T, D, generator=gen)).to(dtype).to(DEVICE)
     values = torch.randn(B, H, T, D, generator=gen).to(dtype).to(DEVICE)
     slots = torch.randperm(num_blocks * page, generator=gen)[: B * T].to(DEVICE)
-    if pad_slot:
+    if pad_slot and B * T > 1:
         slots[-1] = -1  # padding: written by nobody
     before = [t.clone() for t in (kp, vp, *ks.values(), *vs.values())]
     mine = [t.clone() for t in (kp, vp)], {n: t.clone() for n, t in ks.items()}, {n: t.clone() for n, t in vs.items()}

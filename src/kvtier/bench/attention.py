@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=32, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--modes", default="q8,q4,q4_g32,turboquant:q8_0,q3_0",
+    parser.add_argument("--modes", default="q8;q4;q4_g32;turboquant:q8_0,q3_0",
                         help="';'-separated codec modes of the quantised table (kvtier.quant.codec_for_mode)")
     parser.add_argument("--quant-batch", type=int, default=64)
     parser.add_argument("--quant-contexts", default="1024,8192", help="contexts of the quantised table")
@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-shapes", default="1x32768,8x32768,64x8192", help="BxL shapes of the sweep")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: bf16, quant, write")
     parser.add_argument("--out", default=None, help="write the tables as Markdown here")
+    parser.add_argument("--profile", default=None, metavar="BxL[:MODE]",
+                        help="only call the kernel 3 times on this shape (run under ncu), then exit")
     parser.add_argument("--device", default="cuda",
                         help="cuda; cpu runs a smoke test under TRITON_INTERPRET=1 (no meaningful times)")
 
@@ -263,6 +265,14 @@ def run(args) -> int:
         console.print("--device cpu needs TRITON_INTERPRET=1 in the environment")
         return 2
     gen = torch.Generator(device=args.device).manual_seed(0)
+    if args.profile:
+        shape, _, mode = args.profile.partition(":")
+        B, L = (int(x) for x in shape.split("x"))
+        p = build_paged(mode or "fp", B, L, args, gen)
+        for _ in range(3):
+            p.attention()
+        torch.cuda.synchronize()
+        return 0
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (Triton interpreter)"
     shape = f"H_q {args.heads}, H_kv {args.kv_heads}, head_dim {args.head_dim}, page {args.page}"
     md = [
@@ -274,49 +284,52 @@ def run(args) -> int:
         f"Command: `{' '.join(['python', *sys.argv] if sys.argv[0].endswith('.py') else ['kvtier', *sys.argv[1:]])}`",
         "",
     ]
-    tables: list[tuple[str, list[str], list[list[str]]]] = []
-    if "bf16" not in args.skip:
-        r = bench_bf16(args, gen)
-        tables.append((
-            "bf16 paged decode vs SDPA on contiguous K/V (TB/s = K+V bytes / time)",
-            ["B", "context", "KV MB", "kernel us", "SDPA us", "kernel TB/s", "SDPA TB/s", "kernel/SDPA BW", "max |diff|"],
-            [[str(x["B"]), str(x["L"]), f"{x['mb']:.0f}", f"{x['t_kernel'] * 1e6:.1f}", f"{x['t_sdpa'] * 1e6:.1f}",
-              f"{x['bw_kernel']:.2f}", f"{x['bw_sdpa']:.2f}", f"{x['ratio']:.0%}", f"{x['max_err']:.1e}"] for x in r],
-        ))  # fmt: skip
-    if "quant" not in args.skip:
-        q, w = bench_quant(args, gen)
-        tables.append((
-            f"quantised paged decode at B={args.quant_batch} vs our bf16 kernel (TB/s of stored bytes)",
-            ["mode", "context", "stored MB", "us", "TB/s", "speedup vs bf16"],
-            [[x["mode"], str(x["L"]), f"{x['mb']:.0f}", f"{x['t'] * 1e6:.1f}", f"{x['bw']:.2f}",
-              f"{x['speedup']:.2f}x"] for x in q],
-        ))  # fmt: skip
-        if w:
-            tables.append((
-                "write kernel (one decode step: B tokens x H_kv heads) vs attention of the same step",
-                ["mode", "B", "context", "write us", "attention us", "write / attention"],
-                [[x["mode"], str(x["B"]), str(x["L"]), f"{x['t_write'] * 1e6:.1f}", f"{x['t_attn'] * 1e6:.1f}",
-                  f"{x['share']:.1%}"] for x in w],
-            ))  # fmt: skip
-    if args.sweep:
-        s = bench_sweep(args, gen)
-        s.sort(key=lambda x: (x["B"], x["L"], x["t"]))
-        tables.append((
-            "configuration sweep, bf16 decode (fastest first per shape; * = the heuristic's split count)",
-            ["B", "context", "BLOCK_N", "warps", "stages", "splits", "us", "TB/s"],
-            [[str(x["B"]), str(x["L"]), str(x["block_n"]), str(x["warps"]), str(x["stages"]),
-              f"{x['splits']}{'*' if x['auto'] else ''}", f"{x['t'] * 1e6:.1f}", f"{x['bw']:.2f}"] for x in s],
-        ))  # fmt: skip
-    for title, headers, rows in tables:
+
+    def emit(title: str, headers: list[str], rows: list[list[str]]) -> None:
+        """Print one table at once (a later failure loses nothing) and keep it for --out."""
         t = Table(title=title)
         for h in headers:
             t.add_column(h, justify="right")
         for row in rows:
             t.add_row(*row)
         console.print(t)
-        md += [f"## {title}", "", _md_table(headers, rows), ""]
+        md.extend([f"## {title}", "", _md_table(headers, rows), ""])
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(md))
+
+    if "bf16" not in args.skip:
+        r = bench_bf16(args, gen)
+        emit(
+            "bf16 paged decode vs SDPA on contiguous K/V (TB/s = K+V bytes / time)",
+            ["B", "context", "KV MB", "kernel us", "SDPA us", "kernel TB/s", "SDPA TB/s", "kernel/SDPA BW", "max abs diff"],
+            [[str(x["B"]), str(x["L"]), f"{x['mb']:.0f}", f"{x['t_kernel'] * 1e6:.1f}", f"{x['t_sdpa'] * 1e6:.1f}",
+              f"{x['bw_kernel']:.2f}", f"{x['bw_sdpa']:.2f}", f"{x['ratio']:.0%}", f"{x['max_err']:.1e}"] for x in r],
+        )  # fmt: skip
+    if "quant" not in args.skip:
+        q, w = bench_quant(args, gen)
+        emit(
+            f"quantised paged decode at B={args.quant_batch} vs our bf16 kernel (TB/s of stored bytes)",
+            ["mode", "context", "stored MB", "us", "TB/s", "speedup vs bf16"],
+            [[x["mode"], str(x["L"]), f"{x['mb']:.0f}", f"{x['t'] * 1e6:.1f}", f"{x['bw']:.2f}",
+              f"{x['speedup']:.2f}x"] for x in q],
+        )  # fmt: skip
+        if w:
+            emit(
+                "write kernel (one decode step: B tokens x H_kv heads) vs attention of the same step",
+                ["mode", "B", "context", "write us", "attention us", "write / attention"],
+                [[x["mode"], str(x["B"]), str(x["L"]), f"{x['t_write'] * 1e6:.1f}", f"{x['t_attn'] * 1e6:.1f}",
+                  f"{x['share']:.1%}"] for x in w],
+            )  # fmt: skip
+    if args.sweep:
+        s = bench_sweep(args, gen)
+        s.sort(key=lambda x: (x["B"], x["L"], x["t"]))
+        emit(
+            "configuration sweep, bf16 decode (fastest first per shape; * = the heuristic's split count)",
+            ["B", "context", "BLOCK_N", "warps", "stages", "splits", "us", "TB/s"],
+            [[str(x["B"]), str(x["L"]), str(x["block_n"]), str(x["warps"]), str(x["stages"]),
+              f"{x['splits']}{'*' if x['auto'] else ''}", f"{x['t'] * 1e6:.1f}", f"{x['bw']:.2f}"] for x in s],
+        )  # fmt: skip
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(md))
         console.print(f"wrote {args.out}")
     return 0
