@@ -245,7 +245,7 @@ class PagedKVCache(KVCache):
             if reason is not None:
                 warnings.warn(
                     f"kvtier paged cache: {what} cannot serve ({reason}); storing as "
-                    f"{choice.mode!r} instead", RuntimeWarning, stacklevel=5)
+                    f"{choice.mode!r} instead", RuntimeWarning, stacklevel=4)
 
     def update(
         self,
