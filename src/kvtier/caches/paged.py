@@ -49,7 +49,6 @@ from typing import Any
 import torch
 
 from kvtier.caches.base import (
-    CacheCapacityError,
     CopyStats,
     CopyTimer,
     KVCache,
@@ -60,6 +59,7 @@ from kvtier.caches.base import (
 from kvtier.caches.paged_codecs import CodecChoice, mode_codecs, select_codecs
 from kvtier.caches.paged_pool import (
     BlockPool,
+    PagedKVGrowthRefused,
     RowsArg,
     check_indices,
     dynamic_paged_num_blocks,
@@ -76,10 +76,6 @@ __all__ = [
     "paged_grown_blocks",
     "select_codecs",
 ]
-
-class PagedKVGrowthRefused(CacheCapacityError):
-    """A write needs more blocks than the pool has free and the pool may not grow."""
-
 
 def _positive_int(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -131,8 +127,8 @@ class PagedKVCache(KVCache):
         self.dynamic, self.context_window_tokens = dynamic, context_window_tokens
         self.kv_quant, self.turboquant = kv_quant, turboquant
         self.attention_backend = attention_backend
-        self.frozen = False
-        self.pool = BlockPool(block_size, batch_size)
+        self.pool = BlockPool(block_size, batch_size, initial_blocks=num_blocks, dynamic=dynamic,
+                              context_window_tokens=context_window_tokens)
         self.codecs: CodecChoice | None = None
         self._lengths = [0] * batch_size  # committed tokens per row
         self._write_start = [0] * batch_size
@@ -201,41 +197,12 @@ class PagedKVCache(KVCache):
                 raise ValueError(f"{what} {got} differs from the cache's {want}; convert the "
                                  f"input (or use a new cache)")
 
-    def _blocks_to_add(self, extra: int) -> int:
-        """Pool size in blocks after a write that needs ``extra`` more blocks; raises if refused."""
-        have, free = self.pool.num_blocks, len(self.pool.free)
-        if not self.pool.allocated:
-            have = free = self.num_blocks
-        if extra <= free:
-            return max(have, self.pool.num_blocks)
-        used = have - free
-        if self.dynamic and not self.frozen:
-            need = (used + extra) * self.block_size
-            return paged_grown_blocks(have, need, self.block_size, self.context_window_tokens)
-        why = "the pool is frozen (freeze())" if self.frozen else "the pool does not grow"
-        raise PagedKVGrowthRefused(
-            f"this write needs {extra} more blocks of {self.block_size} tokens but {free} of "
-            f"{have} are free and {why}; set KVTIER_DYNAMIC_PAGED_KV=1 (dynamic=True), raise "
-            f"KVTIER_PAGED_NUM_BLOCKS (num_blocks={have} now), or release finished rows"
-        )
-
     def _grow_for(self, extra: int, heads: int, choice: CodecChoice, device: torch.device) -> None:
-        """Make ``extra`` more blocks free: allocate or grow the pool, or raise; all-or-nothing."""
-        target = self._blocks_to_add(extra)
-        if target <= self.pool.num_blocks:
-            return
-        before = self.pool.num_blocks if self.pool.allocated else self.num_blocks
-        try:
-            self.pool.resize(target, heads, choice.k_codec, choice.v_codec, device)
-        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            raise PagedKVGrowthRefused(
-                f"allocating {target} blocks of {self.block_size} tokens failed ({e}); the "
-                "cache is unchanged: lower KVTIER_PAGED_NUM_BLOCKS, quantise "
-                "(KVTIER_PAGED_KV_QUANT), or release finished rows"
-            ) from e
+        """Make ``extra`` more blocks free (allocate, grow or raise); adopt the codecs on first use."""
+        grew = self.pool.make_room(extra, heads, choice.k_codec, choice.v_codec, device)
         if self.codecs is None:
             self._adopt(choice)
-        self.copy_stats.grow_events += int(target > before)
+        self.copy_stats.grow_events += int(grew)
         self._dev.clear()
 
     def _adopt(self, choice: CodecChoice) -> None:
@@ -440,7 +407,11 @@ class PagedKVCache(KVCache):
 
     def freeze(self) -> None:
         """Never grow the pool again: a write that does not fit raises :class:`PagedKVGrowthRefused`."""
-        self.frozen = True
+        self.pool.frozen = True
+
+    @property
+    def frozen(self) -> bool:
+        return self.pool.frozen
 
     # -- figures -------------------------------------------------------------------------------
     def paged_stats(self) -> dict[str, Any]:
@@ -536,7 +507,7 @@ class PagedKVCache(KVCache):
         cache = cls(m["block_size"], m["num_blocks"], batch_size=m["batch_size"], dynamic=m["dynamic"],
                     context_window_tokens=m["context_window_tokens"], kv_quant=m["kv_quant"],
                     turboquant=tq, attention_backend=m["attention_backend"])
-        cache.frozen = bool(m["frozen"])
+        cache.pool.frozen = bool(m["frozen"])
         cache.copy_stats.grow_events = int(m["grow_events"])
         if not state:
             return cache

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.caches.base import tensor_nbytes
+from kvtier.caches.base import CacheCapacityError, tensor_nbytes
 from kvtier.quant.codec import Codec
 
 RowsArg = int | Sequence[int] | torch.Tensor | None
@@ -118,6 +118,10 @@ def check_indices(name: str, idx: RowsArg, batch: int) -> list[int]:
     return list(rows)
 
 
+class PagedKVGrowthRefused(CacheCapacityError):
+    """A write needs more blocks than the pool has free and the pool may not grow."""
+
+
 class BlockPool:
     """Pages, sidecars, a free list and per-row block lists (host side) with their block tables.
 
@@ -126,8 +130,19 @@ class BlockPool:
     ``i < len(rows[r])``; later entries are 0.
     """
 
-    def __init__(self, block_size: int, batch_size: int):
+    def __init__(
+        self,
+        block_size: int,
+        batch_size: int,
+        *,
+        initial_blocks: int,
+        dynamic: bool = False,
+        context_window_tokens: int | None = None,
+    ):
         self.block_size = block_size
+        self.initial_blocks, self.dynamic = initial_blocks, dynamic
+        self.context_window_tokens = context_window_tokens
+        self.frozen = False
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
         self.k_sidecars: dict[str, torch.Tensor] = {}
@@ -158,6 +173,44 @@ class BlockPool:
     def extra_blocks(self, ends: list[int]) -> list[int]:
         """Blocks each row still needs so that positions ``< ends[r]`` have a slot."""
         return [max(0, math.ceil(e / self.block_size) - len(r)) for e, r in zip(ends, self.rows)]
+
+    # -- growth policy -------------------------------------------------------------------
+    def _target_blocks(self, extra: int) -> int:
+        """Pool size after making ``extra`` blocks free; raises if the pool may not grow."""
+        have = self.num_blocks if self.allocated else self.initial_blocks
+        free = len(self.free) if self.allocated else have
+        if extra <= free:
+            return have
+        if self.dynamic and not self.frozen:
+            need = (have - free + extra) * self.block_size
+            return paged_grown_blocks(have, need, self.block_size, self.context_window_tokens)
+        why = "the pool is frozen (freeze())" if self.frozen else "the pool does not grow"
+        raise PagedKVGrowthRefused(
+            f"this write needs {extra} more blocks of {self.block_size} tokens but {free} of "
+            f"{have} are free and {why}; set KVTIER_DYNAMIC_PAGED_KV=1 (dynamic=True), raise "
+            f"KVTIER_PAGED_NUM_BLOCKS (num_blocks={have} now), or release finished rows"
+        )
+
+    def make_room(self, extra: int, heads: int, k_codec: Codec, v_codec: Codec, device) -> bool:
+        """Ensure ``extra`` free blocks: allocate the pool (first use) or grow it, all-or-nothing.
+
+        Returns whether the pool passed its previous size (or ``initial_blocks``).
+        Raises :class:`PagedKVGrowthRefused` when growth is off, the pool is
+        frozen, or the allocation fails; the pool is then unchanged.
+        """
+        target = self._target_blocks(extra)
+        before = self.num_blocks if self.allocated else self.initial_blocks
+        if self.allocated and target == before:
+            return False
+        try:
+            self.resize(target, heads, k_codec, v_codec, device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise PagedKVGrowthRefused(
+                f"allocating {target} blocks of {self.block_size} tokens failed ({e}); the "
+                "cache is unchanged: lower KVTIER_PAGED_NUM_BLOCKS, quantise "
+                "(KVTIER_PAGED_KV_QUANT), or release finished rows"
+            ) from e
+        return target > before
 
     # -- allocation ----------------------------------------------------------------------
     def _new_tensors(self, n: int, heads: int, k_codec: Codec, v_codec: Codec, device):
