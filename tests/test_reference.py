@@ -87,8 +87,15 @@ def test_chunk_that_no_query_sees_contributes_nothing(seed):
     seen = partial_attention(q, k[:, :, :2], v[:, :, :2], causal_mask(1, 2, 2, 0))
     unseen = partial_attention(q, k[:, :, 2:], v[:, :, 2:], causal_mask(1, 2, 4, 0, key_start=2))
     assert torch.isinf(unseen[1]).all() and torch.equal(unseen[0], torch.zeros(1, 2, 2, 8))
+    expect = causal_attention(q, k[:, :, :2], v[:, :, :2])
     out, _ = merge_partials([unseen, seen])
-    torch.testing.assert_close(out, causal_attention(q, k[:, :, :2], v[:, :, :2]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out, expect, atol=1e-6, rtol=0)
+    online = OnlineSoftmax()
+    online.add(*unseen)
+    online.add(*unseen)  # two chunks that no query sees: still nothing, no NaN
+    assert torch.equal(online.out, torch.zeros_like(online.out)) and torch.isinf(online.lse).all()
+    online.add(*seen)
+    torch.testing.assert_close(online.result(torch.float32), expect, atol=1e-6, rtol=0)
 
 
 def test_partial_attention_value_head_dim_may_differ(seed):

@@ -142,10 +142,18 @@ class OnlineSoftmax:
         self.lse: torch.Tensor | None = None
 
     def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Fold in one chunk's ``(out [B, H, T, D], lse [B, H, T])`` from :func:`partial_attention`."""
         if self.out is None:
             self.out, self.lse = out, lse
             return
-        self.out, self.lse = merge_partials([(self.out, self.lse), (out, lse)])
+        # merge_partials of two chunks, without stacking them
+        m = torch.maximum(self.lse, lse)
+        m = torch.where(torch.isfinite(m), m, 0.0)  # both -inf: nothing seen yet
+        wa, wb = torch.exp(self.lse - m), torch.exp(lse - m)  # (B, H, T)
+        total = wa + wb
+        denom = torch.where(total > 0, total, 1.0)[..., None]
+        self.out = (self.out * wa[..., None] + out * wb[..., None]) / denom
+        self.lse = m + torch.log(total)
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
         assert self.out is not None, "no chunk was added"
