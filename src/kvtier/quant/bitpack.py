@@ -26,7 +26,8 @@ The rule, bit-exact (kernels read it this way):
   ``c2>>2 | c3<<1 | c4<<4 | (c5 & 1)<<7``, ``c5>>1 | c6<<2 | c7<<5``.
 
 Both directions are vectorised (no Python loop over elements) and run on any
-device: they work in groups of eight codes, which fill exactly ``b`` bytes.
+device: they work on groups of eight codes, which fill exactly ``b`` bytes,
+with narrow integer temporaries (int16 codes, int32 bytes).
 """
 
 from __future__ import annotations
@@ -66,26 +67,29 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 4 and D % 2 == 0:
         c = codes.to(torch.uint8).unflatten(-1, (D // 2, 2))  # (..., D/2, 2)
         return c[..., 0] | (c[..., 1] << 4)
-    # Eight codes fill exactly `bits` bytes: build each group's 8*bits-bit word
-    # (at most 56 bits: fits int64), then split it into little-endian bytes.
+    # Eight codes fill exactly `bits` bytes: place code k of every group at bit
+    # bits*k of its group (a loop over the 8 positions, not over elements).
     pad = (-D) % 8
-    c = codes.to(torch.int64)
+    c = codes.to(torch.int16)  # (code << shift) < 2**14 for bits <= 7
     if pad:
         c = torch.nn.functional.pad(c, (0, pad))
     c = c.unflatten(-1, (-1, 8))  # (..., G, 8)
-    shifts = torch.arange(8, device=c.device, dtype=torch.int64) * bits
-    word = (c << shifts).sum(-1)  # (..., G); the shifted codes do not overlap
-    byte_shifts = torch.arange(bits, device=c.device, dtype=torch.int64) * 8
-    out = ((word.unsqueeze(-1) >> byte_shifts) & 0xFF).flatten(-2)  # (..., G * bits)
-    return out[..., :width].to(torch.uint8)
+    out = c.new_zeros(*c.shape[:-1], bits)  # (..., G, bits)
+    for k in range(8):
+        lo, shift = (bits * k) >> 3, (bits * k) & 7
+        v = c[..., k] << shift
+        out[..., lo] |= v & 0xFF
+        if shift + bits > 8:
+            out[..., lo + 1] |= v >> 8
+    return out.flatten(-2)[..., :width].to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Unpack ``uint8`` ``[..., ceil(dim * bits / 8)]`` into codes ``uint8`` ``[..., dim]``.
 
-    Gives the codes the kernel formula of the module docstring reads (the tests
-    check the two agree), eight codes (one ``bits``-byte word) at a time. For
-    ``bits == 8`` the bytes are the codes and ``packed`` itself is returned.
+    This is the kernel formula of the module docstring, applied to code ``k`` of
+    every group of eight codes (``bits`` bytes) at once. For ``bits == 8`` the
+    bytes are the codes and ``packed`` itself is returned.
 
     Example::
 
@@ -104,17 +108,20 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         return packed  # the bytes are the codes
     if bits == 4 and dim % 2 == 0:
         return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
-    # the inverse of pack(): each group of `bits` bytes is one word of eight codes
+    # the kernel formula, for code position k of every group of eight at once
     groups = -(-dim // 8)
-    p = packed.to(torch.int64)
+    p = packed.to(torch.int32)
     if groups * bits > width:
-        p = torch.nn.functional.pad(p, (0, groups * bits - width))
+        p = torch.nn.functional.pad(p, (0, groups * bits - width))  # bytes past the row read 0
     p = p.unflatten(-1, (groups, bits))  # (..., G, bits)
-    byte_shifts = torch.arange(bits, device=p.device, dtype=torch.int64) * 8
-    word = (p << byte_shifts).sum(-1)  # (..., G)
-    shifts = torch.arange(8, device=p.device, dtype=torch.int64) * bits
-    codes = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., G, 8)
-    return codes.flatten(-2)[..., :dim].to(torch.uint8)
+    out = torch.empty(*p.shape[:-1], 8, dtype=torch.uint8, device=p.device)  # (..., G, 8)
+    for k in range(8):
+        lo, shift = (bits * k) >> 3, (bits * k) & 7
+        v = p[..., lo]
+        if shift + bits > 8:
+            v = v | (p[..., lo + 1] << 8)
+        out[..., k] = (v >> shift) & ((1 << bits) - 1)
+    return out.flatten(-2)[..., :dim]
 
 
 def _check_bits(bits: int) -> None:

@@ -62,13 +62,16 @@ class Codec:
         self.dtype = dtype  # the dtype decode() returns
 
     def packed_dim(self) -> int:
+        """``D'``: payload elements per (token, head) vector."""
         raise NotImplementedError
 
     @property
     def payload_dtype(self) -> torch.dtype:
+        """The payload's element type (``uint8``, ``int8``, or ``dtype`` for full precision)."""
         raise NotImplementedError
 
     def sidecar_specs(self) -> tuple[SidecarSpec, ...]:
+        """Name, groups per vector and dtype of each sidecar (none by default)."""
         return ()
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -95,6 +98,7 @@ class Codec:
         return size
 
     def bits_per_element(self) -> float:
+        """Stored bits per channel, sidecars included (e.g. 8.25 for ``q8`` at D=128)."""
         return 8.0 * self.bytes_per_token_head() / self.head_dim
 
     # -- validation (cheap: shapes and dtypes only, never a device sync) --------------

@@ -176,6 +176,7 @@ def group_affine_decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Te
 
 
 def check_group_dim(head_dim: int, what: str) -> None:
+    """Raise :class:`CodecUnsupported` unless ``head_dim`` is a multiple of 32."""
     if head_dim % GROUP:
         raise CodecUnsupported(
             f"{what} codes groups of {GROUP} channels and needs head_dim a multiple of "
