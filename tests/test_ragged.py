@@ -282,10 +282,11 @@ def test_frozen_cuda_writes_allocate_nothing_and_never_sync():
     # REPLAY with device tensors: checked on the device, no sync, the buffers stay put
     ptrs = [t.data_ptr() for t in (cache.keys, cache.values, cache.offset)]
     ws = (cache.offset - 1).clone()
+    k, v, no, q = *kv(4, 3, device="cuda"), ws + 2, torch.randn(4, HQ, 3, D, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
-        cache.update(*kv(4, 3, device="cuda"), write_start=ws, new_offsets=ws + 2)
-        cache.attention(torch.randn(4, HQ, 3, D, device="cuda"))
+        cache.update(k, v, write_start=ws, new_offsets=no)
+        cache.attention(q)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [t.data_ptr() for t in (cache.keys, cache.values, cache.offset)] == ptrs

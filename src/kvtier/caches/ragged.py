@@ -388,7 +388,8 @@ class RaggedBatchKVCache(KVCache):
         and offset; a snapshot at a smaller capacity is fine); the others keep theirs."""
         self._check_snapshot(snap)
         mask = _row_mask(row_mask, self.batch_size)
-        m = mask if isinstance(mask, torch.Tensor) else _to_device(mask, torch.bool, self._offsets.device)
+        dev = self._offsets.device  # the CPU while nothing was written
+        m = mask.to(dev) if isinstance(mask, torch.Tensor) else _to_device(mask, torch.bool, dev)
         self._restore(snap, m)
         self._has_last_write = self._has_last_write or snap.has_last_write
         if isinstance(mask, list) and self._lengths is not None and snap.lengths is not None:
