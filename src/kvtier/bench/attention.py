@@ -58,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20, help="calls per captured graph")
     parser.add_argument("--reps", type=int, default=10, help="graph replays (the median is reported)")
     parser.add_argument("--sweep", action="store_true", help="also sweep kernel configurations")
+    parser.add_argument("--quant-sweep", action="store_true",
+                        help="also sweep BLOCK_N and warps of each quantised mode at --quant-batch x the longest --quant-contexts")
     parser.add_argument("--sweep-shapes", default="1x32768,8x32768,64x8192", help="BxL shapes of the sweep")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: bf16, quant, write")
     parser.add_argument("--out", default=None, help="write the tables as Markdown here")
@@ -244,6 +246,30 @@ def bench_sweep(args, gen) -> list[dict]:
     return rows
 
 
+def bench_quant_sweep(args, gen) -> list[dict]:
+    from kvtier.kernels.triton_attention import LaunchConfig
+
+    B, L = args.quant_batch, max(_ints(args.quant_contexts))
+    base = build_paged("fp", B, L, args, gen)
+    t_bf16 = time_calls([base.attention], args.iters, args.reps)
+    del base
+    rows = []
+    for mode in args.modes.split(";"):
+        p = build_paged(mode, B, L, args, gen)
+        for block_n in (64, 128):
+            for warps in (4, 8):
+                cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=2)
+                try:
+                    t = time_calls([lambda p=p, cfg=cfg: p.attention(cfg)], args.iters, args.reps)
+                except Exception as e:  # out of registers or shared memory for a large tile
+                    print(f"quant sweep {mode} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                rows.append(dict(mode=mode, block_n=block_n, warps=warps, t=t, speedup=t_bf16 / t))
+        del p
+        torch.cuda.empty_cache()
+    return rows
+
+
 # -- report ---------------------------------------------------------------------------------------
 def _md_table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
@@ -321,6 +347,14 @@ def run(args) -> int:
                 [[x["mode"], str(x["B"]), str(x["L"]), f"{x['t_write'] * 1e6:.1f}", f"{x['t_attn'] * 1e6:.1f}",
                   f"{x['share']:.1%}"] for x in w],
             )  # fmt: skip
+    if args.quant_sweep:
+        qs = bench_quant_sweep(args, gen)
+        emit(
+            f"quantised decode configurations at B={args.quant_batch}, context {max(_ints(args.quant_contexts))} "
+            "(stages 2; speedup vs the bf16 kernel's default)",
+            ["mode", "BLOCK_N", "warps", "us", "speedup vs bf16"],
+            [[x["mode"], str(x["block_n"]), str(x["warps"]), f"{x['t'] * 1e6:.1f}", f"{x['speedup']:.2f}x"] for x in qs],
+        )  # fmt: skip
     if args.sweep:
         s = bench_sweep(args, gen)
         s.sort(key=lambda x: (x["B"], x["L"], x["t"]))

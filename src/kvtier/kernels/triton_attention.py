@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtier.kernels.triton_quant import AFFINE, PageFormat, dequant_tile
+from kvtier.kernels.triton_quant import AFFINE, FP, PageFormat, dequant_tile
 
 LOG2E = 1.4426950408889634
 
@@ -193,7 +193,7 @@ class LaunchConfig:
     num_splits: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
-    min_split_tokens: int = 256
+    min_split_tokens: int = 512
 
 
 def _next_pow2(x: int) -> int:
@@ -201,8 +201,10 @@ def _next_pow2(x: int) -> int:
 
 
 def _target_programs(device: torch.device) -> int:
+    # H200 sweep (benchmarks/results_gpu_attention.md): about 8 programs per multiprocessor
+    # (2-3 waves at 3 resident programs each) beat 4 per SM, whose last wave ran part-empty
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
 
@@ -211,7 +213,7 @@ def plan_launch(
 ) -> tuple[int, int, int, int, int, int]:
     """``(block_m, m_tiles, block_n, num_splits, split_len, programs_per_split)`` of one launch.
 
-    Splits: enough programs for ``4 x`` the multiprocessors, each split at least
+    Splits: enough programs for ``8 x`` the multiprocessors, each split at least
     ``min_split_tokens`` long and a whole number of ``block_n`` tiles. The plan
     depends on the capacity (table width x page), never on the lengths.
     """
@@ -304,8 +306,10 @@ def launch_attention(
     paged = block_tables is not None
     # the interpreter has no bf16 arithmetic: dot in fp32 there (and for fp32 queries)
     dot_fp32 = q.device.type != "cuda" or q.dtype == torch.float32
-    num_warps = cfg.num_warps or 4
-    num_stages = cfg.num_stages or (3 if q.device.type == "cuda" else 1)
+    # dequantising is ALU work: twice the warps hide its latency (and halve the registers per thread)
+    quantised = k_fmt.mode != FP or v_fmt.mode != FP
+    num_warps = cfg.num_warps or (8 if quantised else 4)
+    num_stages = cfg.num_stages or (2 if q.device.type == "cuda" else 1)
     qs = q_start if q_start is not None else kv_len
     grid = (B * H_kv, m_tiles, splits)
     _attention_kernel[grid](

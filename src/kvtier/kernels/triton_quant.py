@@ -169,11 +169,12 @@ def dequant_tile(
     HAS_ZERO: tl.constexpr,
     FACTOR: tl.constexpr,
 ):
-    """A tile ``[BLOCK_N, HEAD_DIM]`` in fp32, read from pages ``P`` at element offsets ``rows``.
+    """A tile ``[BLOCK_N, HEAD_DIM]`` read from pages ``P`` at element offsets ``rows``.
 
-    ``srows`` are the sidecar element offsets of the same rows. With ``FACTOR``
-    (one scale per row, no zero) the scale is left out: the caller applies it to
-    scores or probabilities, once per row instead of once per element.
+    ``srows`` are the sidecar element offsets of the same rows. The tile is fp32,
+    except with ``FACTOR`` (one scale per row, no zero): then it holds the int32
+    codes (plus offset) and the caller applies the scale to scores or
+    probabilities, once per row instead of once per element.
     """
     if MODE == 0:
         d = tl.arange(0, HEAD_DIM)
@@ -186,6 +187,11 @@ def dequant_tile(
                 u = raw.to(tl.int32)
             else:
                 u = raw.to(tl.int32) & 0xFF
+        elif BITS == 4:
+            # byte j holds channel 2j in its low nibble and 2j + 1 in its high nibble
+            d2 = tl.arange(0, HEAD_DIM // 2)
+            byte = tl.load(P + rows[:, None] + d2[None, :], mask=mask_n[:, None], other=0).to(tl.int32) & 0xFF
+            u = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_N, HEAD_DIM))
         else:
             # eight codes fill BITS bytes: assemble each chunk's bytes into one word, then split it
             NCH: tl.constexpr = HEAD_DIM // 8
@@ -202,7 +208,9 @@ def dequant_tile(
             k = tl.arange(0, 8)
             codes = (word[:, :, None] >> (BITS * k)[None, None, :]) & ((1 << BITS) - 1)
             u = tl.reshape(codes.to(tl.int32), (BLOCK_N, HEAD_DIM))
-        if MODE == 1:
+        if MODE == 1 and FACTOR:
+            x = u + OFFSET  # integers: the caller converts them straight to the dot's dtype
+        elif MODE == 1:
             x = (u + OFFSET).to(tl.float32)
         else:
             x = tl.load(C + u)  # centroid table, fp32, a few hundred bytes: stays in L1
