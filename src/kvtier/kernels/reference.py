@@ -46,11 +46,6 @@ def causal_mask(
     return mask[:, None]  # (B, 1, T, S)
 
 
-def _expand_kv(k: torch.Tensor, groups: int) -> torch.Tensor:
-    # (B, H_kv, S, D) -> (B, H_kv * groups, S, D)
-    return k if groups == 1 else k.repeat_interleave(groups, dim=1)
-
-
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -74,10 +69,15 @@ def causal_attention(
         q_start = S - T
     if mask is None:
         mask = causal_mask(B, T, S, q_start, kv_len, device=q.device)
-    groups = Hq // k.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, _expand_kv(k, groups), _expand_kv(v, groups), attn_mask=mask, scale=scale
-    )
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    D = q.shape[3]
+    # The G query heads of a KV head share its keys: fold them into the query
+    # axis instead of expanding K/V (no copy of the cache per call).
+    qg = q.reshape(B, Hkv, G * T, D)  # (B, H_kv, G*T, D)
+    mg = mask if G == 1 or mask.shape[2] == 1 else mask.repeat(1, 1, G, 1)  # (B, 1, G*T, S)
+    out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
+    out = out.reshape(B, Hq, T, v.shape[3])  # (B, H_q, T, D)
     # SDPA gives NaN for a query that sees nothing; such queries are padding.
     return torch.nan_to_num(out, nan=0.0)
 
