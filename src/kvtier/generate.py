@@ -150,6 +150,12 @@ def _check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
             f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}; "
             "wrap a single prompt as [ids]"
         )
+    bad = [i for i, p in enumerate(prompts) if isinstance(p, (str, bytes)) or not isinstance(p, Sequence)]
+    if bad:
+        raise ValueError(
+            f"prompt {bad[0]} is a {type(prompts[bad[0]]).__name__}, not a token-id list; "
+            "wrap a single prompt as [ids] and encode text with the tokenizer"
+        )
     rows = [list(p) for p in prompts]
     for i, r in enumerate(rows):
         if not r:
@@ -189,7 +195,11 @@ def _prefill_rows(model, rows, caches, chunk, device, on_progress) -> torch.Tens
     common width; ``new_offsets`` commits only the row's real tokens, so the
     padding is written past the row's length and never becomes part of it.
     """
-    starts = [int(x) for x in caches[0].offset.tolist()]
+    B = len(rows)
+    off = caches[0].offset  # (B,); a fresh cache may not know its batch yet
+    starts = [0] * B if caches[0].size() == 0 else [int(x) for x in off.tolist()]
+    if len(starts) != B:
+        raise ValueError(f"the caches hold {len(starts)} rows but {B} prompts were given")
     ends = [len(r) - 1 for r in rows]
     for i, (s, e) in enumerate(zip(starts, ends)):
         if s > e:
