@@ -163,11 +163,17 @@ def test_attention_quantised_decode(mode):
 
 
 @pytest.mark.parametrize(
-    "mode, T, D, page",
-    [("q8", 4, 64, 16), ("turboquant:q8_0,q3_0", 3, 64, 16), ("q4_g32", 1, 128, 128), ("turboquant:q5_0r,q4_0", 2, 128, 16)],
+    "mode, T, D, page, block_n",
+    [
+        ("q8", 4, 64, 16, None),
+        ("turboquant:q8_0,q3_0", 3, 64, 16, None),
+        ("q4_g32", 1, 128, 128, 128),  # the CUDA default tile of quantised pages
+        ("turboquant:q5_0r,q4_0", 2, 128, 16, None),
+        ("q4", 1, 64, 16, 128),
+    ],
 )
-def test_attention_quantised_extend_and_shapes(mode, T, D, page):
-    run_attention(mode, 2, 8, 2, T, D, page, [T + 20, T], torch.bfloat16)
+def test_attention_quantised_extend_and_shapes(mode, T, D, page, block_n):
+    run_attention(mode, 2, 8, 2, T, D, page, [T + 150, T], torch.bfloat16, block_n=block_n)
 
 
 @settings(max_examples=5, deadline=None)

@@ -209,7 +209,8 @@ def _target_programs(device: torch.device) -> int:
 
 
 def plan_launch(
-    B: int, H_kv: int, G: int, T: int, capacity: int, device: torch.device, cfg: LaunchConfig
+    B: int, H_kv: int, G: int, T: int, capacity: int, device: torch.device, cfg: LaunchConfig,
+    quantised: bool = False,
 ) -> tuple[int, int, int, int, int, int]:
     """``(block_m, m_tiles, block_n, num_splits, split_len, programs_per_split)`` of one launch.
 
@@ -220,7 +221,11 @@ def plan_launch(
     rows = G * T
     block_m = max(16, min(64, _next_pow2(rows)))
     m_tiles = triton.cdiv(rows, block_m)
-    block_n = cfg.block_n or (64 if device.type == "cuda" else 32)
+    if device.type != "cuda":
+        block_n = cfg.block_n or 32
+    else:
+        # H200 sweep: bf16 pages 64 keys a tile; quantised pages 128 (twice the bytes in flight)
+        block_n = cfg.block_n or (128 if quantised else 64)
     base = B * H_kv * m_tiles
     if cfg.num_splits is not None:
         splits = max(1, cfg.num_splits)
@@ -282,8 +287,9 @@ def launch_attention(
         bt, bt_stride = kv_len, 0
     G = Hq // H_kv
     capacity = max_blocks * page
+    quantised = k_fmt.mode != FP or v_fmt.mode != FP
     block_m, m_tiles, block_n, splits, split_len, _ = plan_launch(
-        B, H_kv, G, T, capacity, q.device, cfg
+        B, H_kv, G, T, capacity, q.device, cfg, quantised
     )
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out = torch.empty((B, Hq, T, D), dtype=out_dtype, device=q.device)
@@ -306,9 +312,8 @@ def launch_attention(
     paged = block_tables is not None
     # the interpreter has no bf16 arithmetic: dot in fp32 there (and for fp32 queries)
     dot_fp32 = q.device.type != "cuda" or q.dtype == torch.float32
-    # dequantising is ALU work: twice the warps hide its latency (and halve the registers per thread)
-    quantised = k_fmt.mode != FP or v_fmt.mode != FP
-    num_warps = cfg.num_warps or (8 if quantised else 4)
+    # H200 sweeps: 4 warps beat 8 for bf16 and for every quantised format at its best tile
+    num_warps = cfg.num_warps or 4
     num_stages = cfg.num_stages or (2 if q.device.type == "cuda" else 1)
     qs = q_start if q_start is not None else kv_len
     grid = (B * H_kv, m_tiles, splits)
