@@ -39,7 +39,7 @@ def lm():
 
 def tier_config(tier: str) -> KVCacheConfig:
     """The tier's config; skipped with the reason while the tier has not landed."""
-    cfg = KVCacheConfig(strategy=tier)
+    cfg = KVCacheConfig(strategy=tier, paged_num_blocks=32)  # a small paged pool: 512 tokens
     try:
         from kvtier.config import make_caches
 

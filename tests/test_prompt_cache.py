@@ -1,0 +1,136 @@
+"""Prompt cache: a second run reuses the saved prefix and gives the same tokens; a file
+written for another model, tier or prompt is detected and the prompt recomputed."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from kvtier.config import KVCacheConfig
+from kvtier.generate import GenerationConfig, stream_generate
+from kvtier.prompt_cache import PromptCache, PromptCacheWarning
+
+PROMPT = "Here is a long list of fruits: apples, pears, plums, cherries, grapes, and"
+MORE = " lemons. The list goes on with"
+CONFIG = GenerationConfig(max_tokens=6, stop_token_ids=())
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from kvtier.model import load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tests/test_generate.py
+    yield load_model(device="cpu", dtype=torch.float32, progress=False)
+    torch.set_num_threads(threads)
+
+
+def run(lm, text: str, pc: PromptCache | None, tier: str = "tail"):
+    """Tokens of a greedy run and its final stats."""
+    cfg = KVCacheConfig(strategy=tier, paged_num_blocks=16)  # a small pool: 256 tokens
+    responses = list(stream_generate(lm.model, lm.tokenizer, text, CONFIG, cache_config=cfg,
+                                     prompt_cache=pc))
+    return [r.token for r in responses], responses[-1].stats
+
+
+@pytest.fixture(scope="module")
+def baseline(lm):
+    return {text: run(lm, text, None)[0] for text in (PROMPT, PROMPT + MORE)}
+
+
+def fresh(tmp_path, lm, name="pc.safetensors") -> PromptCache:
+    return PromptCache(tmp_path / name, model_source=str(lm.source))
+
+
+@pytest.mark.parametrize("tier", ["tail", "paged"])
+def test_second_run_reuses_the_prompt_and_gives_the_same_tokens(lm, baseline, tmp_path, tier):
+    n = len(lm.tokenizer.encode(PROMPT))
+    tokens, stats = run(lm, PROMPT, fresh(tmp_path, lm), tier)
+    assert tokens == baseline[PROMPT]
+    assert stats.prompt_cache_tokens_reused == 0
+    assert (tmp_path / "pc.safetensors").is_file()
+    tokens, stats = run(lm, PROMPT, fresh(tmp_path, lm), tier)
+    assert tokens == baseline[PROMPT]
+    # everything but the last prompt token, which feeds the first step
+    assert stats.prompt_cache_tokens_reused == n - 1
+    assert stats.prompt_tokens == n
+
+
+def test_a_longer_prompt_reuses_the_common_prefix(lm, baseline, tmp_path):
+    ids_short = lm.tokenizer.encode(PROMPT)
+    ids_long = lm.tokenizer.encode(PROMPT + MORE)
+    common = next(i for i, (a, b) in enumerate(zip(ids_short, ids_long)) if a != b) \
+        if ids_long[: len(ids_short)] != ids_short else len(ids_short)
+    run(lm, PROMPT, fresh(tmp_path, lm))
+    tokens, stats = run(lm, PROMPT + MORE, fresh(tmp_path, lm))
+    assert tokens == baseline[PROMPT + MORE]
+    # the file held the short prompt but its last token
+    assert stats.prompt_cache_tokens_reused == min(common, len(ids_short) - 1)
+    # and now holds the long prompt: going back to the short one trims it
+    tokens, stats = run(lm, PROMPT, fresh(tmp_path, lm))
+    assert tokens == baseline[PROMPT]
+    assert stats.prompt_cache_tokens_reused == len(ids_short) - 1
+
+
+def _assert_recomputed(lm, baseline, pc, tier="tail", match=None):
+    with pytest.warns(PromptCacheWarning, match=match):
+        tokens, stats = run(lm, PROMPT, pc, tier)
+    assert tokens == baseline[PROMPT]
+    assert stats.prompt_cache_tokens_reused == 0
+
+
+def test_mismatched_model_is_detected(lm, baseline, tmp_path):
+    run(lm, PROMPT, fresh(tmp_path, lm))
+    other = PromptCache(tmp_path / "pc.safetensors", model_source="/models/another.gguf")
+    _assert_recomputed(lm, baseline, other, match="model")
+
+
+def test_mismatched_tier_is_detected(lm, baseline, tmp_path):
+    run(lm, PROMPT, fresh(tmp_path, lm), "tail")
+    _assert_recomputed(lm, baseline, fresh(tmp_path, lm), "block", match="tier")
+    # the file was rewritten for the block tier: now it is reused there
+    _, stats = run(lm, PROMPT, fresh(tmp_path, lm), "block")
+    assert stats.prompt_cache_tokens_reused > 0
+
+
+def test_prompt_without_common_prefix_is_recomputed(lm, baseline, tmp_path):
+    run(lm, "Completely different words to start with", fresh(tmp_path, lm))
+    ids = lm.tokenizer.encode("Completely different words to start with")
+    if ids[0] == lm.tokenizer.encode(PROMPT)[0]:
+        pytest.skip("the two prompts share their first token under this tokenizer")
+    _assert_recomputed(lm, baseline, fresh(tmp_path, lm), match="no prefix")
+
+
+def test_damaged_file_is_detected(lm, baseline, tmp_path):
+    path = tmp_path / "pc.safetensors"
+    run(lm, PROMPT, fresh(tmp_path, lm))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    _assert_recomputed(lm, baseline, fresh(tmp_path, lm), match="cannot be read")
+
+
+def test_a_file_of_plain_caches_is_not_taken_for_a_prompt_cache(lm, baseline, tmp_path):
+    from kvtier.caches.persist import save_cache
+
+    caches = lm.model.make_caches(KVCacheConfig())
+    with torch.inference_mode():
+        lm.model(torch.tensor([lm.tokenizer.encode(PROMPT)[:-1]]), caches)
+    save_cache(tmp_path / "pc.safetensors", caches, {"model": "x"})
+    _assert_recomputed(lm, baseline, fresh(tmp_path, lm), match="record")
+
+
+def test_missing_file_is_created_without_warning(lm, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PromptCacheWarning)
+        run(lm, PROMPT, fresh(tmp_path, lm, "sub/dir/pc.safetensors"))
+    assert (tmp_path / "sub/dir/pc.safetensors").is_file()
+
+
+def test_prompt_cache_serves_one_prompt(lm, tmp_path):
+    with pytest.raises(ValueError, match="one prompt"):
+        list(stream_generate(lm.model, lm.tokenizer, [PROMPT, PROMPT + MORE], CONFIG,
+                             cache_config=KVCacheConfig(), prompt_cache=fresh(tmp_path, lm)))
+    with pytest.raises(ValueError, match="model_source"):
+        PromptCache(tmp_path / "x", model_source="")
