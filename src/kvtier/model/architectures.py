@@ -116,8 +116,7 @@ def build_random(
     args = name if isinstance(name, ModelArgs) else get_args(name, n_layers=n_layers)
     if isinstance(name, ModelArgs) and n_layers is not None:
         args = ModelArgs.from_dict({**args.to_dict(), "n_layers": n_layers})
-    with torch.device("meta"):
-        model = Transformer(args).to(dtype=dtype)  # costs nothing on meta
+    model = Transformer(args, device="meta").to(dtype=dtype)  # costs nothing on meta
     model.to_empty(device=device)
     model.tie_weights()  # to_empty makes a new tensor per module
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -138,14 +138,17 @@ def _check_rope_scaling(rs: dict[str, Any]) -> None:
 class Transformer(nn.Module):
     """The decoder. ``forward(tokens, caches)`` returns float32 logits ``[B, T, vocab]``."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, *, device: torch.device | str | None = None):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(args)
+        emb = torch.empty(args.vocab_size, args.dim, device=device)
+        if emb.device.type != "meta":  # (normal_ on meta would import torch._dynamo: seconds)
+            nn.init.normal_(emb)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=emb)
+        self.layers = nn.ModuleList(TransformerBlock(args, device) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, device)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False, device=device)
+        self.rope = RotaryEmbedding(args, device)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -227,12 +230,12 @@ class Transformer(nn.Module):
 
 # -- block ---------------------------------------------------------------------------------
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, device=None):
         super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, device)
+        self.feed_forward = FeedForward(args, device)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, device)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, device)
 
     def forward(self, x, cos, sin, cache: KVCache, cache_kwargs: dict) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, cache, cache_kwargs)
@@ -243,14 +246,14 @@ class TransformerBlock(nn.Module):
 class Attention(nn.Module):
     """GQA attention with one fused QKV projection; K/V go through the cache."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, device=None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.qkv_bias, device=device)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False, device=device)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, device) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, device) if args.qk_norm else None
         self.scale = 1.0 / math.sqrt(args.head_dim)
 
     def forward(self, x, cos, sin, cache: KVCache, cache_kwargs: dict) -> torch.Tensor:
@@ -272,11 +275,11 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: ``w2(silu(gate(x)) * up(x))`` with gate and up fused into ``w13``."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, device=None):
         super().__init__()
         self.hidden_dim = args.hidden_dim
-        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False, device=device)
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).split(self.hidden_dim, dim=-1)  # (B, T, hidden) each
@@ -287,10 +290,10 @@ class FeedForward(nn.Module):
 class RMSNorm(nn.Module):
     """RMS norm computed in float32, cast back, then scaled (as Llama and Qwen do)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, device=None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -302,10 +305,10 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin ``[B, T, 1, D]`` for per-row positions ``[B, T]`` (rotate-half layout)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, device=None):
         super().__init__()
         self.args = args
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args, device), persistent=False)
 
     def reset(self, device: torch.device | str | None = None) -> None:
         """Recompute ``inv_freq`` on ``device`` (after building the model on the meta device)."""
@@ -328,10 +331,17 @@ class RotaryEmbedding(nn.Module):
 
 
 def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]`` (float32), with linear or Llama-3 scaling."""
+    """Inverse frequencies ``[head_dim / 2]`` (float32), with linear or Llama-3 scaling.
+
+    Computed on the CPU, then moved to ``device``.
+    """
+    return _rope_inv_freq_cpu(args).to(device)
+
+
+def _rope_inv_freq_cpu(args: ModelArgs) -> torch.Tensor:
+    # (math on the meta device would import torch._dynamo, which takes seconds)
     D = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (
-        torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
     rs = args.rope_scaling or {}
     rope_type = rs.get("rope_type", rs.get("type", "default"))
     if rope_type == "linear":

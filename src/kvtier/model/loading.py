@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import mmap
 import os
 import tempfile
 import time
@@ -50,7 +51,7 @@ class LoadedModel:
     """What :func:`load_model` returns."""
 
     model: Transformer
-    tokenizer: Tokenizer | None  # None for a Hugging Face folder without tokenizer.json
+    tokenizer: Tokenizer | None  # None when the source has no vocabulary (no tokenizer.json)
     args: ModelArgs
     source: Path
     load_seconds: float
@@ -126,8 +127,7 @@ def build_model(args: ModelArgs, state: dict[str, torch.Tensor], *, dtype: torch
     The model is built on the meta device and takes the tensors as they are
     (``assign=True``): no default initialisation, no second copy.
     """
-    with torch.device("meta"):
-        model = Transformer(args)
+    model = Transformer(args, device="meta")
     moved = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     if args.tie_embeddings:
         moved["output.weight"] = moved["tok_embeddings.weight"]
@@ -166,7 +166,8 @@ def _convert_gguf(path: Path, progress: bool):
         raise ValueError(f"{str(path)!r} cannot be read as a GGUF file ({e})") from None
     with _progress_bar(progress, f"converting {path.name} (first load only)") as bar:
         args, state = read_gguf(reader, bar)
-    return args, state, Tokenizer.from_gguf(reader)
+    has_vocab = "tokenizer.ggml.model" in reader.fields
+    return args, state, Tokenizer.from_gguf(reader) if has_vocab else None
 
 
 @contextlib.contextmanager
@@ -192,7 +193,7 @@ def conversion_cache_dir(source: Path) -> Path:
 
 
 def write_conversion_cache(source: Path, args: ModelArgs, state: dict[str, torch.Tensor],
-                           tokenizer: Tokenizer) -> Path | None:
+                           tokenizer: Tokenizer | None) -> Path | None:
     """Write ``weights.safetensors`` and ``meta.json`` atomically (the meta file last).
 
     A cache directory that cannot be written costs a warning, not the load.
@@ -208,7 +209,7 @@ def write_conversion_cache(source: Path, args: ModelArgs, state: dict[str, torch
         "args": args.to_dict(),
         "crc32": zlib.crc32(data),
         "nbytes": len(data),
-        "tokenizer": tokenizer.to_dict(),
+        "tokenizer": None if tokenizer is None else tokenizer.to_dict(),
     }
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -224,7 +225,7 @@ def write_conversion_cache(source: Path, args: ModelArgs, state: dict[str, torch
 def read_conversion_cache(source: Path):
     """``(args, state, tokenizer)`` from the cache of ``source``, or None when absent or damaged."""
     from safetensors import SafetensorError
-    from safetensors.torch import load
+    from safetensors.torch import load_file
 
     folder = conversion_cache_dir(source)
     meta_path, weights_path = folder / "meta.json", folder / "weights.safetensors"
@@ -232,16 +233,18 @@ def read_conversion_cache(source: Path):
         return None
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        data = weights_path.read_bytes()
         if meta["converter_version"] != CONVERTER_VERSION:
             return None
-        if len(data) != meta["nbytes"] or zlib.crc32(data) != meta["crc32"]:
+        # the checksum pass pulls the file into the page cache; load_file maps the same pages
+        with open(weights_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            size, crc = len(m), zlib.crc32(m)
+        if size != meta["nbytes"] or crc != meta["crc32"]:
             raise ValueError(f"checksum mismatch in {weights_path}")
         args = ModelArgs.from_dict(meta["args"])
-        state = load(data)
+        state = load_file(str(weights_path))
         if args.tie_embeddings:
             state["output.weight"] = state["tok_embeddings.weight"]
-        tokenizer = Tokenizer.from_dict(meta["tokenizer"])
+        tokenizer = None if meta["tokenizer"] is None else Tokenizer.from_dict(meta["tokenizer"])
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
         warnings.warn(f"the conversion cache {folder} is damaged ({e}); rebuilding it",
                       stacklevel=3)

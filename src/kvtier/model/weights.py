@@ -219,6 +219,10 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
         )
     if cfg.get("attention_bias") and model_type != "qwen2":
         raise ValueError(f"attention_bias=True is not supported for {model_type}")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported (the MLP has no biases here)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported; only 'silu'")
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
