@@ -16,7 +16,8 @@ Modes (``--modes``):
 
 Windows: ``context`` tokens each, starting every ``stride`` tokens (default:
 ``context``, no overlap); each window starts with empty caches and scores only
-the tokens the previous window did not (the usual sliding-window perplexity).
+the tokens the previous window did not (the usual sliding-window perplexity;
+every token but the first is scored exactly once, see :func:`windows`).
 
 Example::
 
@@ -148,13 +149,16 @@ def default_text() -> str:
 def windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     """``(begin, end, first_scored)`` of each window over ``n_tokens`` tokens.
 
-    Token ``p`` is scored (predicted from the logits at ``p - 1``) in exactly one
+    Windows start every ``stride`` tokens, but never after the token before the
+    first one they score (without overlap, a window starts one token early), so
+    token ``p`` (predicted from the logits at ``p - 1``) is scored in exactly one
     window, the first that reaches it; token 0 is never scored.
     """
     out, prev_end, begin = [], 1, 0
     while prev_end < n_tokens:
+        begin = min(begin, prev_end - 1)
         end = min(begin + context, n_tokens)
-        out.append((begin, end, max(prev_end, begin + 1)))
+        out.append((begin, end, prev_end))
         prev_end, begin = end, begin + stride
     return out
 
@@ -180,8 +184,8 @@ def evaluate_modes(
         raise ValueError(f"the text holds {len(tokens)} tokens; perplexity needs at least 2")
     modes = ("fp",) + tuple(m for m in config.modes if m != "fp")
     base = KVCacheConfig() if base is None else base
-    # the paged pool must hold a whole window
-    blocks = max(base.paged_num_blocks, math.ceil(config.context / base.paged_block_size))
+    # a paged pool of exactly one window (the default 1024 blocks would be mostly idle)
+    blocks = math.ceil(config.context / base.paged_block_size)
     cfgs = {m: mode_config(m, base.replace(paged_num_blocks=blocks), fp_cache=config.cache) for m in modes}
     acc = {m: _Acc() for m in modes}
     device = next(model.parameters()).device
