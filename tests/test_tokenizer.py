@@ -1,0 +1,158 @@
+"""The tokenizer rebuilt from GGUF metadata against transformers' tokenizer for the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.model.loading import default_model_path
+from kvtier.model.tokenizer import StreamDecoder, Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "Hello, world!",
+    "The year 2024 had 366 days; pi is 3.14159.",
+    "naïve café — Ünïcödé, 日本語のテキスト, 한국어, emoji 🙂👍🏽 and 🇫🇷",
+    "  leading spaces\n\n\ttabs and trailing   ",
+    "def f(x):\n    return x ** 2  # comment\n",
+    "I'm sure they'll say we've done it, don't you? IT'S FINE",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n",
+    "a<|endoftext|>b <repo_name> c",
+    "",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! 🙂"},
+     {"role": "user", "content": "Tell me a joke."}],
+]
+
+
+@pytest.fixture(scope="module")
+def ours() -> Tokenizer:
+    return Tokenizer.from_gguf(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def theirs():
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_transformers(ours, theirs, text):
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == theirs.decode(ids) == text
+    assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+
+
+def test_special_ids_match_transformers(ours, theirs):
+    assert ours.vocab_size == len(theirs) == 49152
+    assert ours.bos_token_id == theirs.bos_token_id == 1
+    assert theirs.eos_token_id in ours.eos_token_ids and ours.eos_token_id == 2
+    assert not ours.add_bos
+    assert ours.encode("Hi", add_bos=True) == [1, *ours.encode("Hi")]
+
+
+@pytest.mark.parametrize("messages", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(ours, theirs, messages, add_generation_prompt):
+    got = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    want = theirs.apply_chat_template(messages, tokenize=False,
+                                      add_generation_prompt=add_generation_prompt)
+    assert got == want
+    assert ours.encode(got) == theirs.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+
+
+def test_from_pretrained_dir_matches_transformers(theirs, tmp_path):
+    theirs.save_pretrained(tmp_path)
+    tok = Tokenizer.from_pretrained_dir(tmp_path)
+    for text in TEXTS:
+        assert tok.encode(text) == theirs.encode(text, add_special_tokens=False)
+    assert tok.bos_token_id == 1 and 2 in tok.eos_token_ids
+    assert tok.apply_chat_template(CHATS[1]) == theirs.apply_chat_template(
+        CHATS[1], tokenize=False, add_generation_prompt=True)
+
+
+def test_round_trip_through_to_dict(ours):
+    again = Tokenizer.from_dict(ours.to_dict())
+    for text in TEXTS:
+        assert again.encode(text) == ours.encode(text)
+    assert again.apply_chat_template(CHATS[0]) == ours.apply_chat_template(CHATS[0])
+    assert (again.bos_token_id, again.eos_token_ids) == (ours.bos_token_id, ours.eos_token_ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=40))
+def test_any_text_matches_transformers_and_round_trips(ours, theirs, text):
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    # SmolLM2's vocabulary lacks 21 byte tokens (0x04, 0x1D, 0xF1, 0xF5-0xFF, ...): text
+    # holding those bytes cannot come back, in transformers either
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab, spelling = ours.backend.get_vocab(), bytes_to_unicode()
+    if all(spelling[b] in vocab for b in text.encode("utf-8")):
+        assert ours.decode(ids) == text
+
+
+# -- streaming --------------------------------------------------------------------------------------
+def stream(tok: Tokenizer, ids: list[int]) -> list[str]:
+    dec = StreamDecoder(tok)
+    return [dec.feed(i) for i in ids] + [dec.flush()]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_decoder_yields_whole_characters_that_add_up(ours, text):
+    ids = ours.encode(text)
+    deltas = stream(ours, ids)
+    assert "".join(deltas) == ours.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stream_decoder_holds_back_a_split_character(ours):
+    ids = ours.encode("🙂")
+    assert len(ids) > 1  # the emoji's four bytes span several tokens
+    deltas = stream(ours, ids)
+    assert deltas[:-2] == [""] * (len(ids) - 1) and deltas[-2] == "🙂" and deltas[-1] == ""
+    dec = ours.stream_decoder()
+    assert dec.feed(ids[:1]) == "" and dec.flush() == "\ufffd"  # cut short: the replacement char
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(max_size=30))
+def test_stream_decoder_equals_decode(ours, text):
+    ids = ours.encode(text)
+    assert "".join(stream(ours, ids)) == ours.decode(ids)
+
+
+def test_stream_decoder_accepts_several_ids_and_tensors(ours):
+    ids = ours.encode("Paris is the capital of France.")
+    dec = ours.stream_decoder()
+    out = dec.feed(ids[:3]) + dec.feed(ids[3:]) + dec.flush()
+    assert out == "Paris is the capital of France."
+    assert ours.decode(torch.tensor(ids)) == out
+
+
+# -- errors -------------------------------------------------------------------------------------------
+def test_bad_input_is_named(ours, tmp_path):
+    with pytest.raises(ValueError, match="takes a str"):
+        ours.encode(b"bytes")
+    with pytest.raises(ValueError, match="outside"):
+        ours.decode([0, 49152])
+    with pytest.raises(ValueError, match="list of dicts"):
+        ours.apply_chat_template("hello")
+    bare = Tokenizer(ours.backend, bos_token_id=None, eos_token_ids=frozenset())
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template(CHATS[0])
+    with pytest.raises(ValueError, match="no BOS"):
+        bare.encode("x", add_bos=True)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_pretrained_dir(tmp_path)
