@@ -14,6 +14,7 @@ from kvtier.config import KVCacheConfig, TurboQuantConfig
 from kvtier.evaluate import (
     EvalConfig,
     default_text,
+    encode_text,
     evaluate_modes,
     mode_config,
     parse_turboquant,
@@ -139,6 +140,14 @@ def test_mode_names():
 def test_eval_config_checks_its_fields(kwargs, word):
     with pytest.raises(ValueError, match=word):
         EvalConfig(**kwargs)
+
+
+def test_encode_text_stops_at_max_tokens(lm):
+    text = default_text()[:3000]
+    full = lm.tokenizer.encode(text)
+    assert encode_text(lm.tokenizer, text, 50) == full[:50]
+    assert encode_text(lm.tokenizer, text, None) == full
+    assert encode_text(lm.tokenizer, text, 10**6) == full
 
 
 def test_too_little_text(lm):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import json
 import sys
@@ -66,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     gen.add_argument("--prompt-cache", dest="prompt_cache", metavar="FILE", default=_ABSENT,
                      help="reuse (and save) the prompt's keys and values in FILE")
+    gen.add_argument("--speculative", metavar="DRAFTER", default=_ABSENT,
+                     help="speculative decoding with exact verification: ngram, early-exit:N "
+                          "(the model's first N layers) or model:PATH (same tokenizer)")
+    gen.add_argument("--draft-tokens", dest="draft_tokens", type=int, default=_ABSENT,
+                     help="most drafts verified per step (with --speculative)")
     gen.set_defaults(_run=run_generate)
 
     info = sub.add_parser("info", help="model, device, dtype and the resolved cache configuration")
@@ -170,6 +176,20 @@ def generation_config_from_args(args: argparse.Namespace):
     return GenerationConfig(sampling=sampling, **extra)
 
 
+def speculative_config_from_args(args: argparse.Namespace):
+    """``SpeculativeConfig`` from ``--speculative``/``--draft-tokens``; ``None`` without them."""
+    if not hasattr(args, "speculative"):
+        if hasattr(args, "draft_tokens"):
+            raise ValueError("--draft-tokens sets the depth of speculative decoding; add "
+                             "--speculative ngram|early-exit:N|model:PATH")
+        return None
+    from kvtier.drafters import parse_drafter_spec
+    from kvtier.speculative import SpeculativeConfig
+
+    parse_drafter_spec(args.speculative)
+    return SpeculativeConfig(**_given(args, "draft_tokens"))
+
+
 def _load(args: argparse.Namespace):
     import torch
 
@@ -189,6 +209,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     gen_config = generation_config_from_args(args)  # bad flag values fail before the model loads
     cache_config = cache_config_from_args(args)
+    spec = speculative_config_from_args(args)
     prompt = args.prompt if hasattr(args, "prompt") else _read_stdin()
     lm = _load(args)
     tok = lm.tokenizer
@@ -205,10 +226,17 @@ def run_generate(args: argparse.Namespace) -> int:
         caches, _ = pc.restore(lm.model, ids, cache_config)
     else:
         caches = lm.model.make_caches(cache_config, batch_size=1)
+    stream = stream_generate
+    if spec is not None:
+        from kvtier.drafters import make_drafter
+        from kvtier.speculative import stream_speculative
+
+        drafter = make_drafter(args.speculative, lm)
+        stream = functools.partial(stream_speculative, drafter=drafter, speculative=spec)
     tokens, text, last = [], [], None
     with _PrefillProgress(len(ids) - (pc.reused if pc else 0)) as progress:
-        for r in stream_generate(lm.model, tok, ids, gen_config, caches=caches,
-                                 cache_config=cache_config, prompt_cache=pc, on_progress=progress):
+        for r in stream(lm.model, tok, ids, gen_config, caches=caches,
+                        cache_config=cache_config, prompt_cache=pc, on_progress=progress):
             progress.close()
             tokens.append(r.token)
             text.append(r.text)
@@ -224,6 +252,8 @@ def run_generate(args: argparse.Namespace) -> int:
             "finish_reason": last.finish_reason, "timings": stats.as_dict(), "cache": cache,
             "model": str(lm.source),
         }
+        if spec is not None:
+            out["speculative"] = last.speculative.as_dict()
         print(json.dumps(out, default=str))
     else:
         sys.stdout.write("\n")
@@ -234,6 +264,14 @@ def run_generate(args: argparse.Namespace) -> int:
         f"KV {cache['nbytes'] / 2**20:.2f} MiB, grow events {cache['grow_events']}",
         file=sys.stderr,
     )
+    if spec is not None:
+        s = last.speculative
+        print(
+            f"[kvtier] speculative {args.speculative}: drafted {s.drafted}, accepted {s.accepted} "
+            f"({100 * s.acceptance_rate:.1f}%), {s.tokens_per_step:.2f} tokens/step, "
+            f"{1000 * s.time_per_step_s:.1f} ms/step over {s.steps} steps",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -338,7 +376,7 @@ def run_info(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvtier.evaluate import EvalConfig, default_text, evaluate_modes
+    from kvtier.evaluate import EvalConfig, default_text, encode_text, evaluate_modes
 
     fields = _given(args, "context", "stride", "max_tokens", "chunk", "cache")
     if hasattr(args, "modes"):
@@ -352,7 +390,7 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         text = default_text()
     lm = _load(args)
-    tokens = lm.tokenizer.encode(text)
+    tokens = encode_text(lm.tokenizer, text, config.max_tokens)
     results = evaluate_modes(lm.model, tokens, config, base=cache_config_from_args(args))
     if args.json:
         keys = ("mode", "ppl", "delta_pct", "bits_per_element") + (
@@ -380,15 +418,20 @@ def run_eval(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    warnings.formatwarning = lambda msg, cat, *a, **k: f"kvtier: warning: {msg}\n"
-    try:
-        return int(args._run(args) or 0)
-    except (ValueError, FileNotFoundError, MemoryError, ImportError) as e:
-        # a caller's mistake (bad value, missing file or package): the message says what to do
-        print(f"kvtier: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    with warnings.catch_warnings():  # restores showwarning on the way out
+        warnings.showwarning = _show_warning
+        try:
+            return int(args._run(args) or 0)
+        except (ValueError, FileNotFoundError, MemoryError, ImportError) as e:
+            # a caller's mistake (bad value, missing file or package): the message says what to do
+            print(f"kvtier: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"kvtier: warning: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

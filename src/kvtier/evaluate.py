@@ -146,6 +146,16 @@ def default_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
+def encode_text(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
+    """Token ids of ``text``, at most ``max_tokens`` (encoding only as much text as that needs)."""
+    if max_tokens is not None:
+        # 16 characters per token is far above English's ~4: one encode is nearly always enough
+        ids = tokenizer.encode(text[: 16 * max_tokens])
+        if len(ids) >= max_tokens or len(text) <= 16 * max_tokens:
+            return ids[:max_tokens]
+    return tokenizer.encode(text)[:max_tokens]
+
+
 def windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     """``(begin, end, first_scored)`` of each window over ``n_tokens`` tokens.
 
