@@ -9,10 +9,11 @@ gathered row by row (``kvtier.kernels.reference.causal_attention``).
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,20 +23,13 @@ if not ON_GPU:  # must precede the first import of triton's jit decorators
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from kvtier.kernels import (  # noqa: E402
-    triton_attention,
-    triton_paged,
-    triton_paged_write,
-    triton_quant,
-    triton_ragged,
-)
+from kvtier.kernels import triton_paged  # noqa: E402
 
-if not ON_GPU and not triton_paged.interpreted():
-    # another module imported the kernels before the interpreter was switched on
-    for _m in (triton_quant, triton_attention, triton_paged_write, triton_paged, triton_ragged):
-        importlib.reload(_m)
+#: False when triton was imported before the interpreter was switched on (it decides
+#: at import): then the tests run again in a fresh process (test_in_a_fresh_process)
+IN_PROCESS = ON_GPU or triton_paged.interpreted()
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvtier.kernels.paged import (  # noqa: E402
@@ -66,6 +60,20 @@ QUANT_MODES = [
     "turboquant:q4_0,q8_0",
 ]
 
+
+
+@pytest.fixture(autouse=True)
+def _kernels_in_this_process(request):
+    if not IN_PROCESS and request.node.name != "test_in_a_fresh_process":
+        pytest.skip("triton was imported before TRITON_INTERPRET was set: see test_in_a_fresh_process")
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
+def test_in_a_fresh_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
 
 # -- building paged caches ------------------------------------------------------------------
 def alloc_pages(codec: Codec, num_blocks: int, page: int, H: int, gen: torch.Generator):
@@ -176,7 +184,7 @@ def test_attention_quantised_extend_and_shapes(mode, T, D, page, block_n):
     run_attention(mode, 2, 8, 2, T, D, page, [T + 150, T], torch.bfloat16, block_n=block_n)
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lengths=st.lists(st.integers(0, 50), min_size=1, max_size=3),
     T=st.integers(1, 3),

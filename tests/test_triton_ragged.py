@@ -6,9 +6,10 @@ Without CUDA the kernel runs under Triton's interpreter on small shapes; the
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,20 +19,13 @@ if not ON_GPU:  # must precede the first import of triton's jit decorators
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from kvtier.kernels import (  # noqa: E402
-    triton_attention,
-    triton_paged,
-    triton_paged_write,
-    triton_quant,
-    triton_ragged,
-)
+from kvtier.kernels import triton_paged  # noqa: E402
 
-if not ON_GPU and not triton_paged.interpreted():
-    # another module imported the kernels before the interpreter was switched on
-    for _m in (triton_quant, triton_attention, triton_paged_write, triton_paged, triton_ragged):
-        importlib.reload(_m)
+#: False when triton was imported before the interpreter was switched on (it decides
+#: at import): then the tests run again in a fresh process (test_in_a_fresh_process)
+IN_PROCESS = ON_GPU or triton_paged.interpreted()
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvtier.caches.ragged import RaggedBatchKVCache  # noqa: E402
@@ -45,6 +39,20 @@ from kvtier.quant.codec import CodecUnsupported  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_in_this_process(request):
+    if not IN_PROCESS and request.node.name != "test_in_a_fresh_process":
+        pytest.skip("triton was imported before TRITON_INTERPRET was set: see test_in_a_fresh_process")
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
+def test_in_a_fresh_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
 
 
 def make(B, Hq, H_kv, cap, D, dtype, seed=0):
@@ -105,7 +113,7 @@ def test_ragged_decode_equals_the_tier_mask_path():
     torch.testing.assert_close(out, cache.attention(q), atol=1e-4, rtol=1e-4)
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=3), group=st.sampled_from([1, 4]))
 def test_ragged_decode_random_lengths(lengths, group):
     check(len(lengths), group, 1, 40, 64, lengths, torch.float32)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from kvtier.kernels import triton_attention
 from kvtier.kernels.triton_attention import LaunchConfig, launch_attention
@@ -33,20 +34,22 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def interpreted() -> bool:
-    """True when the kernels were built for Triton's CPU interpreter."""
-    return not isinstance(triton_attention._attention_kernel, triton.runtime.jit.JITFunction)
+    """True when the kernels, and Triton's own library (``tl.zeros``, ``tl.sum``, ...), were
+    built for the CPU interpreter: ``TRITON_INTERPRET=1`` was set before ``triton`` was imported."""
+    compiled = triton.runtime.jit.JITFunction
+    return not isinstance(triton_attention._attention_kernel, compiled) and not isinstance(tl.zeros, compiled)
 
 
 def check_device(device: torch.device) -> None:
     """Raise :class:`CodecUnsupported` when the kernels cannot run on ``device``."""
     if device.type == "cuda":
-        if interpreted():
+        if not isinstance(triton_attention._attention_kernel, triton.runtime.jit.JITFunction):
             raise CodecUnsupported("the Triton kernels were built for the interpreter; unset TRITON_INTERPRET")
         return
     if device.type == "cpu" and interpreted():
         return
     raise CodecUnsupported(
-        f"Triton kernels need a CUDA device, or TRITON_INTERPRET=1 set before import for the CPU; "
+        f"Triton kernels need a CUDA device, or TRITON_INTERPRET=1 set before triton is imported for the CPU; "
         f"got tensors on {device}"
     )
 
