@@ -1,0 +1,579 @@
+"""Speculative decoding with exact verification, over every cache tier.
+
+A drafter (:mod:`kvtier.drafters`) proposes up to ``k`` tokens per row; one
+forward of the model verifies them all (the row's last committed token followed
+by its drafts); each row keeps the longest prefix the target agrees with plus
+one token of the target's own, so every verification commits at least one token
+and the output is what plain decoding gives: token for token under greedy
+decoding, in distribution under sampling (rejection sampling with residual
+correction, Leviathan et al. 2023, Chen et al. 2023).
+
+Rollback goes through the caches' own bookkeeping, never through a copy of the
+history. The verification forward writes ``1 + drafts`` tokens per row; afterwards
+
+- the scalar tiers (tail, block; one row at a time) and any batch whose rows all
+  rejected the same number of drafts drop them with ``trim``;
+- the per-row tiers (ragged, paged) otherwise commit each row's own length with
+  ``new_offsets`` (:func:`drop_rejected`): the ragged tier rewrites each row's last
+  kept token with itself (``write_start = committed - 1``), the paged tier stores
+  nothing (``write_start = new_offsets = committed``). The paged tier keeps the
+  blocks behind dropped tokens with their row until the row writes over them or
+  is released; a finished row is released at once.
+
+Layers, as in :mod:`kvtier.generate`: :func:`speculative_generate_step` yields
+each cycle's new tokens per row, :func:`stream_speculative` yields
+:class:`SpeculativeResponse` objects, :func:`generate_speculative` returns text.
+
+Example::
+
+    >>> from kvtier.model import load_model
+    >>> from kvtier.drafters import NgramDrafter
+    >>> lm = load_model()
+    >>> generate_speculative(lm.model, lm.tokenizer, "Repeat: the cat sat on the mat.",
+    ...                      GenerationConfig(max_tokens=16), drafter=NgramDrafter())
+    ' the cat sat on the mat...'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvtier.caches.base import KVCache
+from kvtier.caches.paged import PagedKVCache
+from kvtier.caches.ragged import RaggedBatchKVCache
+from kvtier.config import KVCacheConfig, make_caches
+from kvtier.generate import (
+    PER_ROW_TIERS,
+    GenerationConfig,
+    GenerationResponse,
+    GenerationStats,
+    ProgressFn,
+    Prompt,
+    _check_prompts,
+    _encode_prompts,
+    _prefill_lockstep,
+    _prefill_rows,
+    _RowText,
+    model_device,
+)
+from kvtier.sampling import SamplingParams, make_generator, process_logits
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How deep to draft.
+
+    ``draft_tokens``: the most drafts a row verifies in one forward. ``adaptive``:
+    choose each row's depth from its recent acceptance (:class:`DepthPolicy`), down
+    to plain decoding while drafts keep failing; otherwise always draft
+    ``draft_tokens``. ``verify_cost``: what one more verified token adds to a
+    forward, as a fraction of a one-token forward (the depth policy's cost model).
+    """
+
+    draft_tokens: int = 6
+    adaptive: bool = True
+    verify_cost: float = 0.15
+
+    def __post_init__(self) -> None:
+        k = self.draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"draft_tokens must be an int >= 0 (0 = plain decoding), got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
+        c = self.verify_cost
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 10.0:
+            raise ValueError(f"verify_cost must be a number in [0, 10), got {c!r}")
+
+
+# -- drafts --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed tokens of ``B`` rows.
+
+    ``tokens``: int64 ``[B, K]``; row ``r``'s drafts are ``tokens[r, :counts[r]]``,
+    the rest is padding. ``probs``: float32 ``[B, K, V]``, the distribution each
+    draft was drawn from (``q``), or ``None`` for a drafter without probabilities
+    (each draft then counts as drawn from a one-hot ``q``).
+    """
+
+    tokens: torch.Tensor
+    counts: list[int]
+    probs: torch.Tensor | None = None
+
+    @staticmethod
+    def empty(batch: int, device: torch.device | str) -> Draft:
+        return Draft(torch.zeros(batch, 0, dtype=torch.long, device=device), [0] * batch)
+
+
+class Drafter(Protocol):
+    """What the speculative loop asks of a drafter (see :mod:`kvtier.drafters`)."""
+
+    def propose(
+        self,
+        contexts: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        *,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        """At most ``ks[r]`` drafts continuing ``contexts[r]`` (prompt and committed tokens)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every row (a new batch follows)."""
+        ...
+
+    def cost(self, target) -> float:
+        """One drafted token's cost as a fraction of one forward of ``target``."""
+        ...
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from ``probs`` ``[B, V]`` (rows summing to 1) -> ``[B]`` int64.
+
+    The exponential race of :func:`kvtier.sampling.sample`: ``argmax(probs / E)``
+    with ``E`` i.i.d. Exponential(1), no host sync.
+    """
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
+    return (probs / race).argmax(dim=-1)
+
+
+# -- verification ------------------------------------------------------------------------
+
+
+def accept_drafts(
+    logits: torch.Tensor,
+    draft: Draft,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify ``draft`` against the target's ``logits`` ``[B, 1 + K, V]`` (float).
+
+    Position ``i`` of ``logits`` is the target's prediction after the last
+    committed token and drafts ``0 .. i-1``. Returns ``(accepted, next_token)``,
+    int64 ``[B]`` each: row ``r`` keeps ``tokens[r, :accepted[r]]`` and then
+    ``next_token[r]``. Greedy params accept the longest prefix equal to the
+    target's argmax; sampling params apply exact rejection sampling against
+    ``process_logits(logits, params)``, the distribution plain sampling draws from.
+    """
+    B, T, V = logits.shape
+    K = T - 1
+    d = draft.tokens  # (B, K)
+    dev = logits.device
+    n = torch.tensor(draft.counts, dtype=torch.long, device=dev)  # (B,) real drafts per row
+    rows = torch.arange(B, device=dev)
+    real = torch.arange(K, device=dev) < n[:, None]  # (B, K): the rest is padding
+    if params.greedy:
+        target = logits.argmax(dim=-1)  # (B, 1 + K): what plain greedy decoding picks
+        ok = (d == target[:, :K]) & real
+        accepted = ok.long().cumprod(dim=1).sum(dim=1)  # the leading run of matches
+        return accepted, target[rows, accepted]  # the target's own token after it
+    p = process_logits(logits.reshape(B * T, V), params).view(B, T, V)  # target, as plain sampling
+    if draft.probs is None:  # a draft without probabilities was drawn from a one-hot q
+        q = torch.zeros(B, K, V, device=dev).scatter_(2, d[..., None], 1.0)
+    else:
+        q = draft.probs  # (B, K, V)
+    p_d = p[:, :K].gather(2, d[..., None]).squeeze(2)  # (B, K) p(x) of each draft x
+    q_d = q.gather(2, d[..., None]).squeeze(2)  # (B, K) q(x)
+    # Accept x with probability min(1, p(x) / q(x)):
+    #   q(x) <= p(x): always accept (u * q < p for every u < 1);
+    #   q(x) >  p(x): accept with probability p(x) / q(x).
+    u = torch.rand(B, K, device=dev, generator=generator)
+    ok = (u * q_d < p_d) & real
+    accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (B,) drafts kept: the leading run
+    # At the first position not kept, j = accepted:
+    #   a rejected draft (j < n): sample the residual normalize(max(p_j - q_j, 0)), so that
+    #     P(token) = q(x) min(1, p/q) + (1 - sum_y min(p, q)(y)) resid(x) = p(x);
+    #   every draft kept (j == n): sample p_j itself (the bonus token; q_j = 0).
+    p_j = p[rows, accepted]  # (B, V)
+    rejected = (accepted < n)[:, None]
+    q_j = q[rows, accepted.clamp(max=max(K - 1, 0))] if K else torch.zeros_like(p_j)
+    resid = (p_j - q_j * rejected).clamp_min(0.0)
+    mass = resid.sum(dim=-1, keepdim=True)
+    resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p_j)  # (p == q never rejects)
+    return accepted, draw(resid, generator)
+
+
+def drop_rejected(
+    caches: list[KVCache], rejected: Sequence[int], committed: torch.Tensor, like: torch.Tensor
+) -> None:
+    """Drop each row's ``rejected[r]`` newest tokens so that it holds ``committed[r]`` tokens.
+
+    ``committed`` is int64 ``[B]`` on the caches' device; ``like`` is any tensor of
+    the model's K/V dtype (the paged tier's empty write takes it). All rows equal:
+    ``trim``. Otherwise, through ``new_offsets`` (per-row tiers only): the ragged
+    tier rewrites each row's last kept token with itself, the paged tier writes
+    nothing. Neither copies the history.
+    """
+    if max(rejected, default=0) == 0:
+        return
+    if len(set(rejected)) == 1:
+        for cache in caches:
+            cache.trim(rejected[0])
+        return
+    last = (committed - 1).clamp_min(0)  # (B,)
+    for cache in caches:
+        if isinstance(cache, RaggedBatchKVCache):
+            k, v = cache.fetch()  # (B, H_kv, capacity, D) views
+            ik = last.view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
+            iv = last.view(-1, 1, 1, 1).expand(-1, v.shape[1], 1, v.shape[3])
+            cache.update(k.gather(2, ik), v.gather(2, iv), write_start=last, new_offsets=committed)
+        elif isinstance(cache, PagedKVCache):
+            heads, dim = cache.key_cache.shape[2], cache.codecs.k_codec.head_dim
+            z = like.new_zeros(committed.shape[0], heads, 1, dim)  # (B, H_kv, 1, D), not stored
+            cache.update(z, z, write_start=committed, new_offsets=committed)
+        else:
+            raise ValueError(
+                f"the {cache.tier} tier keeps one length for every row; it cannot drop "
+                f"{list(rejected)} tokens row by row (run its rows one at a time)"
+            )
+
+
+class DepthPolicy:
+    """Each row's draft depth from its recent acceptance.
+
+    ``alpha`` estimates the chance that a draft is accepted when the drafts before
+    it were: accepted drafts over drafts judged (the accepted ones and the first
+    rejected one), both decayed by ``decay`` per verification, with a prior of
+    ``prior`` worth one draft. A verification with ``k`` drafts yields
+    ``E(k) = 1 + alpha + ... + alpha^k`` tokens and costs ``1 + cost * k`` one-token
+    forwards, so the depth is the ``k <= max_k`` that maximises ``E(k) / (1 + cost k)``:
+    zero (plain decoding) once ``alpha`` falls to about ``cost``. While a row does
+    not draft, its evidence decays toward the prior, so it tries again now and then.
+    """
+
+    def __init__(self, batch: int, max_k: int, cost: float, *, adaptive: bool = True,
+                 decay: float = 0.8, prior: float = 0.6):
+        self.max_k, self.cost, self.adaptive = max_k, cost, adaptive
+        self.decay, self.prior = decay, prior
+        self.hits, self.judged = [0.0] * batch, [0.0] * batch
+
+    def alpha(self, row: int) -> float:
+        return (self.hits[row] + self.prior) / (self.judged[row] + 1.0)
+
+    def depths(self) -> list[int]:
+        if not self.adaptive:
+            return [self.max_k] * len(self.hits)
+        return [self._best(self.alpha(r)) for r in range(len(self.hits))]
+
+    def _best(self, a: float) -> int:
+        best_k, best, expected = 0, 1.0, 1.0
+        for k in range(1, self.max_k + 1):
+            expected += a**k
+            rate = expected / (1.0 + self.cost * k)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def observe(self, chosen: Sequence[int], drafted: Sequence[int], accepted: Sequence[int]) -> None:
+        """Book one verification: per row the depth asked, the drafts made and kept."""
+        for r, (k, n, a) in enumerate(zip(chosen, drafted, accepted)):
+            if n == 0 and k > 0:
+                continue  # asked but nothing to propose (no n-gram match): no evidence, no cost
+            self.hits[r] = self.decay * self.hits[r] + a
+            self.judged[r] = self.decay * self.judged[r] + a + (a < n)
+
+
+# -- figures -------------------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativeStats:
+    """Figures of speculative cycles, all rows together (updated in place by
+    :func:`speculative_generate_step`; responses carry copies)."""
+
+    steps: int = 0  # verification forwards
+    row_steps: int = 0  # verifications summed over the rows still running
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0  # committed tokens: accepted drafts plus the target's own, one per row-step
+    draft_s: float = 0.0  # proposing drafts
+    step_s: float = 0.0  # whole cycles: drafting, verification, acceptance, rollback
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens a row commits per verification forward (1.0 is plain decoding)."""
+        return self.tokens / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def time_per_step_s(self) -> float:
+        return self.step_s / self.steps if self.steps else 0.0
+
+    def copy(self) -> SpeculativeStats:
+        return dataclasses.replace(self)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {**dataclasses.asdict(self), "acceptance_rate": self.acceptance_rate,
+                "tokens_per_step": self.tokens_per_step, "time_per_step_s": self.time_per_step_s}
+
+
+# -- layer 1: tokens ---------------------------------------------------------------------------
+
+
+def speculative_generate_step(
+    model,
+    prompts: Sequence[Sequence[int]],
+    caches: list[KVCache],
+    drafter: Drafter,
+    *,
+    params: SamplingParams | None = None,
+    speculative: SpeculativeConfig | None = None,
+    max_tokens: int | None = None,
+    stop_token_ids: frozenset[int] = frozenset(),
+    prefill_chunk: int = GenerationConfig.prefill_chunk,
+    generator: torch.Generator | None = None,
+    stats: SpeculativeStats | None = None,
+    on_progress: ProgressFn | None = None,
+    on_prefilled=None,
+) -> Iterator[list[list[int]]]:
+    """Yield, per verification, the new tokens of each row (``B`` lists; empty once a row is done).
+
+    ``prompts``, ``caches``, ``prefill_chunk``, ``on_progress`` and ``on_prefilled``
+    are those of :func:`kvtier.generate.generate_step`: per-row tiers take prompts
+    of any lengths in one batch, scalar tiers one prompt. A row is done after
+    ``max_tokens`` tokens or a token of ``stop_token_ids`` (kept as its last token);
+    the generator returns when every row is done (never without those limits).
+    """
+    params = SamplingParams() if params is None else params
+    spec = SpeculativeConfig() if speculative is None else speculative
+    stats = SpeculativeStats() if stats is None else stats
+    rows = _check_prompts(prompts)
+    device = model_device(model)
+    per_row = caches[0].tier in PER_ROW_TIERS
+    if not per_row and len(rows) > 1:
+        raise ValueError(
+            f"the {caches[0].tier} tier keeps one length for every row, but its {len(rows)} rows "
+            "would accept different drafts; use the ragged or paged tier, or stream_speculative "
+            "(which runs such a batch row by row)"
+        )
+    with torch.inference_mode():
+        if per_row:
+            _prefill_rows(model, rows, caches, prefill_chunk, device, on_progress)
+        else:
+            _prefill_lockstep(model, rows, caches, prefill_chunk, device, on_progress)
+        if on_prefilled is not None:
+            on_prefilled()
+        run = _Rows(rows, device, max_tokens, stop_token_ids)
+        policy = DepthPolicy(len(rows), spec.draft_tokens, spec.verify_cost + drafter.cost(model),
+                             adaptive=spec.adaptive)
+        like = next(model.parameters())
+        while not all(run.done):
+            t0 = time.perf_counter()
+            new = speculative_step(model, caches, run, drafter, policy, params, generator,
+                                   stats, per_row, like)
+            stats.step_s += time.perf_counter() - t0
+            yield new
+
+
+def speculative_step(model, caches, run, drafter, policy, params, generator, stats,
+                     per_row, like) -> list[list[int]]:
+    """One cycle: draft, verify in one forward, accept, roll the caches back; new tokens per row."""
+    B = len(run.contexts)
+    ks = [0 if done else min(k, left - 1) for k, done, left in zip(policy.depths(), run.done, run.left)]
+    t0 = time.perf_counter()
+    if max(ks) > 0:
+        draft = drafter.propose(run.contexts, ks, params=params, generator=generator)
+    else:
+        draft = Draft.empty(B, run.device)
+    stats.draft_s += time.perf_counter() - t0
+    n = torch.tensor(draft.counts, dtype=torch.long, device=run.device)  # (B,)
+    live = torch.tensor([not d for d in run.done], dtype=torch.long, device=run.device)  # (B,)
+    # verify: [last committed token, d_1 .. d_K] per row, one forward
+    tokens = torch.cat([run.last[:, None], draft.tokens], dim=1)  # (B, 1 + K)
+    if per_row:  # each row writes at its own length and commits its own block; finished rows nothing
+        kw = {"write_start": run.lengths, "new_offsets": run.lengths + live * (1 + n)}
+        logits = model(tokens, caches, cache_kwargs=kw)  # (B, 1 + K, V)
+    else:
+        logits = model(tokens, caches)
+    accepted, nxt = accept_drafts(logits, draft, params, generator)  # (B,) each
+    # roll back: keep the last committed token and the accepted drafts
+    committed = run.lengths + live * (1 + accepted)  # (B,)
+    acc = accepted.tolist()  # the one host sync of a cycle
+    drop_rejected(caches, [(c - a) * (not d) for c, a, d in zip(draft.counts, acc, run.done)],
+                  committed, like)
+    stats.steps += 1
+    stats.row_steps += B - sum(run.done)
+    stats.drafted += sum(draft.counts)
+    stats.accepted += sum(acc)
+    policy.observe(ks, draft.counts, acc)
+    new = run.advance(draft.tokens.tolist(), acc, nxt, committed)
+    stats.tokens += sum(map(len, new))
+    if isinstance(caches[0], PagedKVCache) and any(run.released) and not all(run.done):
+        run.release(caches)
+    return new
+
+
+class _Rows:
+    """Host and device bookkeeping of the rows: contexts, cache lengths, budgets, done flags."""
+
+    def __init__(self, rows: list[list[int]], device, max_tokens: int | None, stop_ids: frozenset[int]):
+        self.device = device
+        self.contexts = [list(r) for r in rows]  # prompt + committed tokens; the last is not cached yet
+        self.lengths = torch.tensor([len(r) - 1 for r in rows], dtype=torch.long, device=device)
+        self.last = torch.tensor([r[-1] for r in rows], dtype=torch.long, device=device)
+        self.left = [max_tokens if max_tokens is not None else 1 << 62] * len(rows)
+        self.stop_ids = stop_ids
+        self.done = [False] * len(rows)
+        self.released = [False] * len(rows)  # done rows whose paged blocks may return to the pool
+
+    def advance(self, drafts: list[list[int]], accepted: list[int], nxt: torch.Tensor,
+                committed: torch.Tensor) -> list[list[int]]:
+        """Book a cycle; returns each row's new tokens, cut after a stop token."""
+        out = []
+        for r, (row, a, t) in enumerate(zip(drafts, accepted, nxt.tolist())):
+            if self.done[r]:
+                out.append([])
+                continue
+            toks = row[:a] + [t]
+            stop = next((i for i, x in enumerate(toks) if x in self.stop_ids), None)
+            if stop is not None:
+                toks = toks[: stop + 1]
+            self.contexts[r].extend(toks)
+            self.left[r] -= len(toks)
+            if stop is not None or self.left[r] <= 0:
+                self.done[r] = self.released[r] = True
+            out.append(toks)
+        self.lengths, self.last = committed, nxt
+        return out
+
+    def release(self, caches: list[PagedKVCache]) -> None:
+        """Return finished rows' blocks to the pool; they then write and commit nothing."""
+        rows = [r for r, x in enumerate(self.released) if x]
+        for cache in caches:
+            cache.release(rows)
+        self.lengths = self.lengths.clone()
+        self.lengths[rows] = 0
+        self.released = [False] * len(self.released)
+
+
+# -- layer 2: responses ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpeculativeResponse(GenerationResponse):
+    """A :class:`~kvtier.generate.GenerationResponse` with the speculative figures so far."""
+
+    speculative: SpeculativeStats = field(default_factory=SpeculativeStats)
+
+
+def stream_speculative(
+    model,
+    tokenizer,
+    prompts: Prompt | Sequence[Prompt],
+    config: GenerationConfig | None = None,
+    *,
+    drafter: Drafter,
+    speculative: SpeculativeConfig | None = None,
+    cache_config: KVCacheConfig | None = None,
+    caches: list[KVCache] | None = None,
+    prompt_cache=None,
+    on_progress: ProgressFn | None = None,
+) -> Iterator[SpeculativeResponse]:
+    """:func:`kvtier.generate.stream_generate` with speculative decoding: same arguments,
+    plus the ``drafter`` and the :class:`SpeculativeConfig`. A batch runs as one on the
+    per-row tiers, and row by row on the scalar tiers (each row then equals its batch-1 run).
+    """
+    config = GenerationConfig() if config is None else config
+    rows = _encode_prompts(tokenizer, prompts)
+    if prompt_cache is not None and (len(rows) != 1 or cache_config is None):
+        raise ValueError(
+            "a prompt cache serves one prompt and needs cache_config (it records the tier); "
+            f"got {len(rows)} prompts and cache_config={cache_config!r}"
+        )
+    if caches is None and cache_config is None:
+        cache_config = KVCacheConfig.from_env()
+    tier = caches[0].tier if caches is not None else cache_config.strategy
+    if tier in PER_ROW_TIERS or len(rows) == 1:
+        groups = [list(range(len(rows)))]
+    elif caches is not None:
+        raise ValueError(
+            f"the {tier} tier cannot verify {len(rows)} rows in one cache; pass cache_config "
+            "instead of caches (rows then run one by one), or use the ragged or paged tier"
+        )
+    else:
+        groups = [[i] for i in range(len(rows))]
+    stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(config.stop_token_ids)
+    generator = make_generator(config.sampling, model_device(model))
+    spec_stats = SpeculativeStats()
+    totals = {"prompt": 0, "generated": 0, "decoded": 0, "reused": 0, "prefill_s": 0.0, "decode_s": 0.0}
+
+    def gen_stats() -> GenerationStats:
+        return GenerationStats(totals["prompt"], totals["generated"], totals["decoded"],
+                               totals["reused"], totals["prefill_s"], totals["decode_s"])
+
+    for group in groups:
+        group_rows = [rows[i] for i in group]
+        group_caches, on_prefilled = caches, None
+        if prompt_cache is not None:
+            if group_caches is None:
+                group_caches, _ = prompt_cache.restore(model, rows[0], cache_config)
+            totals["reused"] += prompt_cache.reused
+            on_prefilled = functools.partial(
+                prompt_cache.save, group_caches, rows[0][:-1], cache_config,
+                dtype=next(model.parameters()).dtype,
+            )
+        elif group_caches is None:
+            group_caches = make_caches(model.args.n_layers, cache_config, batch_size=len(group))
+        totals["prompt"] += sum(len(r) for r in group_rows)
+        drafter.reset()
+        states = [_RowText(tokenizer.stream_decoder(), config, stop_ids) for _ in group]
+        steps = speculative_generate_step(
+            model, group_rows, group_caches, drafter, params=config.sampling, speculative=speculative,
+            max_tokens=config.max_tokens, stop_token_ids=stop_ids, prefill_chunk=config.prefill_chunk,
+            generator=generator, stats=spec_stats, on_progress=on_progress, on_prefilled=on_prefilled,
+        )
+        t_last, first = time.perf_counter(), True
+        try:
+            for new in steps:
+                now = time.perf_counter()
+                totals["prefill_s" if first else "decode_s"] += now - t_last
+                t_last = now
+                for row, state, toks in zip(group, states, new):
+                    for token in toks:
+                        if state.done:
+                            break
+                        text, reason = state.push(token)
+                        totals["generated"] += 1
+                        totals["decoded"] += not first
+                        yield SpeculativeResponse(row, text, token, reason, gen_stats(),
+                                                  spec_stats.copy())
+                first = False
+                if all(s.done for s in states):
+                    break
+        finally:
+            steps.close()
+
+
+# -- layer 3: text ---------------------------------------------------------------------------
+
+
+def generate_speculative(
+    model,
+    tokenizer,
+    prompts: Prompt | Sequence[Prompt],
+    config: GenerationConfig | None = None,
+    **kwargs,
+) -> str | list[str]:
+    """The generated text (a string for one prompt, a list for a batch); the arguments of
+    :func:`stream_speculative`."""
+    single = isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and bool(prompts) and all(isinstance(t, int) for t in prompts)
+    )
+    texts = [""] * (1 if single else len(prompts))
+    for r in stream_speculative(model, tokenizer, prompts, config, **kwargs):
+        texts[r.row] += r.text
+    return texts[0] if single else texts
