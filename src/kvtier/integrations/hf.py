@@ -122,6 +122,7 @@ class KVTierLayer(CacheLayerMixin):
         self._probe = probe or _PaddingProbe()
         self.tier: KVCache | None = None
         self.length = 0
+        self.trimmed = 0  # tokens dropped by crop() (rejected drafts of assisted generation)
         self.in_place = False
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -225,7 +226,7 @@ class KVTierLayer(CacheLayerMixin):
         own length; a real query sees up to itself, a padding query up to the real
         token before it (what transformers' padding mask shows it).
         """
-        start = self.tier.offset  # (B,)
+        start = self.tier.offset.clone()  # (B,); the ragged tier updates its offsets in place
         order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)  # real tokens first
         idx = order[:, None, :, None]  # (B, 1, T, 1)
         k = keys.gather(2, idx.expand(-1, keys.shape[1], -1, keys.shape[3]))
@@ -249,6 +250,7 @@ class KVTierLayer(CacheLayerMixin):
         if n and self.tier is not None:
             self.tier.trim(n)
             self.length -= n
+            self.trimmed += n
 
     def reset(self) -> None:
         self.tier, self.length, self._pending = None, 0, None
@@ -300,7 +302,8 @@ class KVTierLayer(CacheLayerMixin):
     def stats(self) -> dict[str, Any]:
         if self.tier is None:
             return {"tier": self.config.strategy, "initialized": False}
-        return {**self.tier.stats(), "hf_length": self.length, "in_place": self.in_place}
+        return {**self.tier.stats(), "hf_length": self.length, "in_place": self.in_place,
+                "trimmed": self.trimmed}
 
 
 class KVTierCache(Cache):
@@ -402,7 +405,7 @@ class KVTierCache(Cache):
                 "pass model_config=model.config to keep sliding/linear layers and read in place"
             )
         in_place = any(layer.in_place for layer in mine) or (not mine and self._reads_in_place())
-        counters = {"updates": 0, "bytes": 0, "time_s": 0.0, "grow_events": 0}
+        counters = {"updates": 0, "bytes": 0, "time_s": 0.0, "grow_events": 0, "trimmed": 0}
         for layer in mine:
             s = layer.stats()
             for name in counters:

