@@ -41,6 +41,7 @@ import torch
 
 from kvtier.caches.base import KVCache
 from kvtier.config import KVCacheConfig, make_caches
+from kvtier.cuda_graph import make_decoder
 from kvtier.sampling import SamplingParams, make_generator, sample
 
 #: tiers whose ``offset`` is a ``[B]`` tensor and whose ``update`` takes
@@ -63,6 +64,9 @@ class GenerationConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     #: prompt tokens per prefill forward (bounds the activation memory of long prompts)
     prefill_chunk: int = 512
+    #: replay decode steps from a CUDA graph (ragged and paged tiers on CUDA; the caches are
+    #: frozen for max_tokens steps); None: whenever it can serve, False: never
+    cuda_graph: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -81,6 +85,8 @@ class GenerationConfig:
         c = self.prefill_chunk
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {c!r}")
+        if self.cuda_graph not in (None, True, False):
+            raise ValueError(f"cuda_graph must be None (auto), True or False, got {self.cuda_graph!r}")
 
 
 # -- layer 1: tokens ---------------------------------------------------------------
@@ -96,6 +102,8 @@ def generate_step(
     generator: torch.Generator | None = None,
     on_progress: ProgressFn | None = None,
     on_prefilled: Callable[[], None] | None = None,
+    cuda_graph: bool | None = None,
+    max_steps: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the sampled tokens of each step, ``[B]`` int64 on the model's device, forever.
 
@@ -106,42 +114,56 @@ def generate_step(
     stop here: the caller ignores the rows it has finished and closes the
     generator. ``on_progress(done, total)`` is called after each prefill chunk and
     ``on_prefilled()`` once the prompt (but its last token) is in the caches.
+
+    Per-row tiers decode through one step plan for every layer, and
+    ``cuda_graph`` (``None``: whenever it can serve) replays the step from a CUDA
+    graph, with the caches frozen for ``max_steps`` decode steps (``None``: they
+    must be frozen already); see :func:`kvtier.cuda_graph.make_decoder`.
     """
     params = SamplingParams() if params is None else params
     rows = _check_prompts(prompts)
     device = model_device(model)
     per_row = caches[0].tier in PER_ROW_TIERS
+    if cuda_graph and not per_row:
+        raise ValueError(f"CUDA-graph decode needs the ragged or paged tier, not {caches[0].tier!r}; "
+                         "use --cache ragged/paged or --no-cuda-graph")
     with torch.inference_mode():
         if per_row:
-            pos = _prefill_rows(model, rows, caches, prefill_chunk, device, on_progress)
+            _prefill_rows(model, rows, caches, prefill_chunk, device, on_progress)
         else:
             _prefill_lockstep(model, rows, caches, prefill_chunk, device, on_progress)
-            pos = None
         if on_prefilled is not None:
             on_prefilled()
+        decoder = None
+        if per_row:  # rows stand at their last prompt token
+            decoder = make_decoder(model, caches, [len(r) - 1 for r in rows],
+                                   cuda_graph=cuda_graph, max_steps=max_steps)
         y = torch.tensor([r[-1] for r in rows], dtype=torch.long, device=device)  # (B,)
-        # On CUDA the next step is queued before the caller reads this one (a host
-        # sync), so the device never waits for Python; on CPU that step would be waste.
-        if device.type != "cuda":
+        try:
+            # On CUDA the next step is queued before the caller reads this one (a host
+            # sync), so the device never waits for Python; on CPU that step would be waste.
+            if device.type != "cuda":
+                while True:
+                    y = _decode_step(model, y, caches, decoder, params, generator)
+                    yield y
+            y_next = _decode_step(model, y, caches, decoder, params, generator)
             while True:
-                y, pos = _decode_step(model, y, caches, pos, params, generator)
+                y = y_next
+                y_next = _decode_step(model, y, caches, decoder, params, generator)
                 yield y
-        y_next, pos = _decode_step(model, y, caches, pos, params, generator)
-        while True:
-            y = y_next
-            y_next, pos = _decode_step(model, y, caches, pos, params, generator)
-            yield y
+        finally:
+            if decoder is not None:
+                decoder.close()
 
 
-def _decode_step(model, y, caches, pos, params, generator) -> torch.Tensor:
-    """One forward of the tokens ``y`` ``[B]``; returns the next tokens and positions."""
-    if pos is None:
+def _decode_step(model, y, caches, decoder, params, generator) -> torch.Tensor:
+    """One forward of the tokens ``y`` ``[B]`` (through ``decoder`` for per-row tiers);
+    returns the next tokens."""
+    if decoder is None:
         logits = model(y[:, None], caches, last_only=True)  # (B, 1, V)
-        return sample(logits[:, -1], params, generator), None
-    nxt = pos + 1  # a new tensor: a cache may keep the one it was given
-    kw = {"write_start": pos, "new_offsets": nxt}
-    logits = model(y[:, None], caches, cache_kwargs=kw, last_only=True)
-    return sample(logits[:, -1], params, generator), nxt
+    else:
+        logits = decoder.step(y)  # (B, 1, V)
+    return sample(logits[:, -1], params, generator)
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -373,6 +395,7 @@ class _Run:
         steps = generate_step(
             self.model, rows, caches, params=cfg.sampling, prefill_chunk=cfg.prefill_chunk,
             generator=self.generator, on_progress=on_progress, on_prefilled=on_prefilled,
+            cuda_graph=cfg.cuda_graph, max_steps=cfg.max_tokens + 1,  # + the step queued ahead
         )
         t_last = time.perf_counter()
         try:

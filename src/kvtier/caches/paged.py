@@ -66,6 +66,7 @@ from kvtier.caches.paged_pool import (
     paged_grown_blocks,
     rows_arg,
 )
+from kvtier.caches.step_plan import StepPlan
 from kvtier.config import ATTENTION_BACKENDS, KV_QUANT_MODES, TurboQuantConfig
 from kvtier.kernels.paged import PagedDispatch, gather_rows
 
@@ -133,6 +134,7 @@ class PagedKVCache(KVCache):
         self._lengths = [0] * batch_size  # committed tokens per row
         self._write_start = [0] * batch_size
         self._dev: dict[str, torch.Tensor] = {}  # device copies of the host lists, rebuilt on change
+        self._plan: StepPlan | None = None  # the step plan the books follow (kvtier.caches.step_plan)
         self.copy_stats = CopyStats()
         self.dispatch = PagedDispatch(attention_backend)
 
@@ -166,6 +168,13 @@ class PagedKVCache(KVCache):
         if name not in self._dev:
             self._dev[name] = torch.tensor(values, dtype=torch.long, device=self._device)
         return self._dev[name]
+
+    def _changed(self) -> None:
+        """The books changed outside a step plan: drop the device copies, leave the plan."""
+        self._dev = {}
+        if self._plan is not None:
+            self._plan.valid = False
+            self._plan = None
 
     @property
     def offset(self) -> torch.Tensor:
@@ -203,7 +212,7 @@ class PagedKVCache(KVCache):
         if self.codecs is None:
             self._adopt(choice)
         self.copy_stats.grow_events += int(grew)
-        self._dev.clear()
+        self._changed()
 
     def _adopt(self, choice: CodecChoice) -> None:
         self.codecs = choice
@@ -221,6 +230,7 @@ class PagedKVCache(KVCache):
         *,
         write_start: RowsArg = None,
         new_offsets: RowsArg = None,
+        plan: StepPlan | None = None,
     ) -> None:
         """Write ``keys``/``values`` ``[B, H_kv, T, D]``; row ``r`` at ``[write_start[r], +T)``.
 
@@ -233,8 +243,15 @@ class PagedKVCache(KVCache):
         host). Raises ``ValueError`` for bad input and
         :class:`PagedKVGrowthRefused` when the pool may not grow; either way the
         cache is unchanged.
+
+        ``plan``: a :class:`~kvtier.caches.step_plan.StepPlan` shared by every
+        layer (one token per row at ``plan.slots``; no host bookkeeping, no
+        device read); ``write_start``/``new_offsets`` are then the plan's or None.
         """
         self._check_like(keys, values)
+        if plan is not None:
+            self._update_planned(keys, values, plan, write_start, new_offsets)
+            return
         T = keys.shape[2]
         ws = rows_arg(self.batch_size, "write_start", write_start, self._lengths)
         bad = [r for r, (w, n) in enumerate(zip(ws, self._lengths)) if not 0 <= w <= n]
@@ -256,7 +273,30 @@ class PagedKVCache(KVCache):
         self.pool.assign(extra)
         self._store(keys, values, ws, [n - w for n, w in zip(new, ws)])
         self._lengths, self._write_start = new, ws
-        self._dev.clear()
+        self._changed()
+
+    def _update_planned(self, keys, values, plan: StepPlan, write_start, new_offsets) -> None:
+        """Write at the plan's slots; the books then point at the plan's (shared) lists."""
+        plan.check_step(keys, write_start, new_offsets)
+        if self.codecs is None or plan.slots is None or plan.block_tables.shape != self.block_tables.shape:
+            raise ValueError("this plan was not made for this cache: plan paged caches that hold tokens "
+                             "with kvtier.caches.step_plan.StepPlanner")
+        self._write(keys, values, plan.slots)
+        self._lengths, self._write_start, self._dev, self._plan = plan.ends, plan.starts, plan.memo, plan
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Encode ``keys``/``values`` ``[B, H_kv, T, D]`` (or ``[1, H_kv, n, D]``) into ``slots``."""
+        if keys.stride() != values.stride():  # the write kernel reads K and V with one set of strides
+            kv = torch.stack((keys, values))  # (2, B, H_kv, T, D)
+            keys, values = kv[0], kv[1]
+        H = keys.shape[1]
+        k_codec, v_codec = self.codecs.k_codec, self.codecs.v_codec
+        nbytes = slots.numel() * H * (k_codec.bytes_per_token_head() + v_codec.bytes_per_token_head())
+        with CopyTimer(self.copy_stats, nbytes):
+            self.dispatch.write(
+                self.pool.key_cache, self.pool.value_cache, self.pool.k_sidecars,
+                self.pool.v_sidecars, slots, keys, values, k_codec=k_codec, v_codec=v_codec,
+            )
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor, ws: list[int], counts: list[int]) -> None:
         """Encode the first ``counts[r]`` tokens of row ``r`` into slots from position ``ws[r]``."""
@@ -275,13 +315,7 @@ class PagedKVCache(KVCache):
             return
         pos, row = pos.to(dev), row.to(dev)
         slots = self.pool.block_tables[row, pos // bs].long() * bs + pos % bs  # (n,) int64
-        k_codec, v_codec = self.codecs.k_codec, self.codecs.v_codec
-        nbytes = pos.numel() * H * (k_codec.bytes_per_token_head() + v_codec.bytes_per_token_head())
-        with CopyTimer(self.copy_stats, nbytes):
-            self.dispatch.write(
-                self.pool.key_cache, self.pool.value_cache, self.pool.k_sidecars,
-                self.pool.v_sidecars, slots, keys, values, k_codec=k_codec, v_codec=v_codec,
-            )
+        self._write(keys, values, slots)
 
     # -- reads ---------------------------------------------------------------------------------
     def _require_storage(self, what: str) -> None:
@@ -310,7 +344,8 @@ class PagedKVCache(KVCache):
         Query ``i`` of row ``r`` sits at ``q_start[r] + i`` (default: the
         ``write_start`` of the last update) and sees the row's committed keys
         ``j <= q_start[r] + i``, ``j < offset[r]``. Rows that see nothing
-        (released rows) return zeros.
+        (released rows) return zeros. After a planned update the positions,
+        lengths and block table are the plan's device tensors (no host work).
         """
         self._require_storage("attention()")
         check_queries(queries, self.pool.key_cache.shape[2], self.codecs.k_codec.head_dim)
@@ -319,15 +354,18 @@ class PagedKVCache(KVCache):
                 f"queries batch {queries.shape[0]} on {queries.device} must match the cache's "
                 f"batch {self.batch_size} on {self._device}"
             )
-        qs = rows_arg(self.batch_size, "q_start", q_start, self._write_start)
-        if any(q < 0 for q in qs):
-            raise ValueError(f"q_start {qs} must be >= 0 per row")
-        dev = self._device
-        q_start_t = self._rows_tensor("write_start", qs) if q_start is None else torch.tensor(qs, device=dev)
-        p = self.pool
+        p, plan = self.pool, self._plan
+        if plan is not None and plan.valid and q_start is None:
+            q_start_t, kv_len, tables = plan.write_start, plan.new_offsets, plan.block_tables
+        else:
+            qs = rows_arg(self.batch_size, "q_start", q_start, self._write_start)
+            if any(q < 0 for q in qs):
+                raise ValueError(f"q_start {qs} must be >= 0 per row")
+            q_start_t = (self._rows_tensor("write_start", qs) if q_start is None
+                         else torch.tensor(qs, device=self._device))
+            kv_len, tables = self.offset, p.block_tables
         return self.dispatch.attention(
-            queries, p.key_cache, p.value_cache, p.block_tables, q_start_t,
-            self.offset,
+            queries, p.key_cache, p.value_cache, tables, q_start_t, kv_len,
             k_codec=self.codecs.k_codec, v_codec=self.codecs.v_codec,
             k_sidecars=p.k_sidecars, v_sidecars=p.v_sidecars, scale=scale,
         )
@@ -338,16 +376,17 @@ class PagedKVCache(KVCache):
         ``min(n, size())``. The rows keep their blocks (see the module docstring)."""
         n = min(check_trim(n), self.size())
         self._lengths = [max(0, x - n) for x in self._lengths]
-        self._dev.clear()
+        self._changed()
         return n
 
     def release(self, rows: RowsArg) -> None:
         """Return the blocks of ``rows`` to the free list; those rows become empty (length 0)."""
         rows = check_indices("rows", rows, self.batch_size)
         self.pool.release(rows)
-        for r in rows:
-            self._lengths[r] = self._write_start[r] = 0
-        self._dev.clear()
+        gone = set(rows)  # new lists: a step plan's lists may be shared by other layers
+        self._lengths = [0 if r in gone else n for r, n in enumerate(self._lengths)]
+        self._write_start = [0 if r in gone else n for r, n in enumerate(self._write_start)]
+        self._changed()
 
     def filter(self, indices: RowsArg) -> None:
         """Keep rows ``indices`` (in that order); the other rows' blocks return to the free list."""
@@ -359,7 +398,7 @@ class PagedKVCache(KVCache):
         self.pool.select(keep)
         for name in ("_lengths", "_write_start"):
             setattr(self, name, [getattr(self, name)[i] for i in keep])
-        self._dev.clear()
+        self._changed()
 
     def _compatible(self, other: PagedKVCache) -> str | None:
         if other.block_size != self.block_size:
@@ -403,7 +442,30 @@ class PagedKVCache(KVCache):
                 self.pool.copy_blocks(other.pool, [b for s in src for b in s], dst)
         self._lengths = self._lengths + list(other._lengths)
         self._write_start = self._write_start + list(other._lengths)
-        self._dev.clear()
+        self._changed()
+
+    def reserve(self, tokens: int) -> None:
+        """Give every row blocks for ``tokens`` positions past its length now (growing the
+        pool if it may). With the pool then frozen, writes there assign nothing on the
+        host: what a CUDA graph needs. :class:`PagedKVGrowthRefused` leaves it unchanged."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"reserve(tokens) takes an int >= 0, got {tokens!r}")
+        self._require_storage("reserve()")
+        extra = self.pool.extra_blocks([n + tokens for n in self._lengths])
+        if sum(extra):
+            self._grow_for(sum(extra), self.pool.key_cache.shape[2], self.codecs, self._device)
+            self.pool.assign(extra)
+            self._changed()
+
+    def can_reserve(self, tokens: int) -> bool:
+        """Whether :meth:`reserve` of ``tokens`` fits the free blocks or the pool may grow."""
+        need = sum(self.pool.extra_blocks([n + tokens for n in self._lengths]))
+        return need <= len(self.pool.free) or (self.dynamic and not self.frozen)
+
+    def headroom(self) -> int:
+        """Positions every row can still write in the blocks it holds (host books only)."""
+        bs = self.block_size
+        return min(len(r) * bs - n for r, n in zip(self.pool.rows, self._lengths))
 
     def freeze(self) -> None:
         """Never grow the pool again: a write that does not fit raises :class:`PagedKVGrowthRefused`."""
@@ -416,15 +478,9 @@ class PagedKVCache(KVCache):
     # -- figures -------------------------------------------------------------------------------
     def paged_stats(self) -> dict[str, Any]:
         """Blocks, tokens, waste, bytes and the storage mode actually in use (a plain dict)."""
-        p, bs = self.pool, self.block_size
-        live = sum(self._lengths)
         c = self.codecs
-        payload = sum(t.numel() * t.element_size() for t in (p.key_cache, p.value_cache) if t is not None)
-        per_token = None
-        if c is not None:
-            per_token = p.key_cache.shape[2] * (
-                c.k_codec.bytes_per_token_head() + c.v_codec.bytes_per_token_head()
-            )
+        per_token = None if c is None else self.pool.key_cache.shape[2] * (
+            c.k_codec.bytes_per_token_head() + c.v_codec.bytes_per_token_head())
         return {
             "mode": None if c is None else c.mode,
             "key_codec": None if c is None else c.k_codec.name,
@@ -433,22 +489,10 @@ class PagedKVCache(KVCache):
             "turboquant": None if self.turboquant is None else dataclasses.asdict(self.turboquant),
             "turboquant_disabled_reason": None if c is None else c.turboquant_disabled_reason,
             "kv_quant_disabled_reason": None if c is None else c.kv_quant_disabled_reason,
-            "block_size": bs,
-            "allocated_blocks": p.num_blocks,
-            "used_blocks": p.used_blocks,
-            "free_blocks": len(p.free),
-            "capacity": self.capacity,
-            "live_tokens": live,
-            "waste_tokens": self.capacity - live,
-            "waste_pct": 100.0 * (self.capacity - live) / self.capacity if self.capacity else 0.0,
-            "held_waste_tokens": p.used_blocks * bs - live,
+            **self.pool.figures(sum(self._lengths)),
             "grow_events": self.copy_stats.grow_events,
             "dynamic": self.dynamic,
-            "frozen": self.frozen,
-            "payload_bytes": payload,
-            "sidecar_bytes": p.nbytes - payload,
             "bytes_per_token": per_token,
-            "bytes_per_live_token": p.nbytes / live if live else None,
             "attention_backend": self.attention_backend,
             "attention_calls_by_backend": dict(self.dispatch.attention_calls),
             "write_calls_by_backend": dict(self.dispatch.write_calls),

@@ -170,6 +170,26 @@ class BlockPool:
             self.key_cache, self.value_cache, *self.k_sidecars.values(), *self.v_sidecars.values()
         )
 
+    def figures(self, live: int) -> dict[str, int | float | bool | None]:
+        """Blocks, token slots, waste and bytes of the pool holding ``live`` committed tokens."""
+        bs, cap = self.block_size, self.num_blocks * self.block_size
+        payload = tensor_nbytes(self.key_cache, self.value_cache)
+        return {
+            "block_size": bs,
+            "allocated_blocks": self.num_blocks,
+            "used_blocks": self.used_blocks,
+            "free_blocks": len(self.free),
+            "capacity": cap,
+            "live_tokens": live,
+            "waste_tokens": cap - live,
+            "waste_pct": 100.0 * (cap - live) / cap if cap else 0.0,
+            "held_waste_tokens": self.used_blocks * bs - live,
+            "frozen": self.frozen,
+            "payload_bytes": payload,
+            "sidecar_bytes": self.nbytes - payload,
+            "bytes_per_live_token": self.nbytes / live if live else None,
+        }
+
     def extra_blocks(self, ends: list[int]) -> list[int]:
         """Blocks each row still needs so that positions ``< ends[r]`` have a slot."""
         return [max(0, math.ceil(e / self.block_size) - len(r)) for e, r in zip(ends, self.rows)]

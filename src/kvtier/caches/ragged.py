@@ -15,9 +15,7 @@ and once before growing or refusing a write while the bound may be loose.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Any
 
 import torch
@@ -32,8 +30,19 @@ from kvtier.caches.base import (
     check_trim,
     tensor_nbytes,
 )
+from kvtier.caches.ragged_rows import (
+    check_int,
+    check_row_mask,
+    host_row_values,
+    on_accelerator,
+    round_up,
+    row_values,
+    to_device,
+)
+from kvtier.caches.step_plan import StepPlan
 from kvtier.caches.tail_owned import TailOwnedKVCache, read_meta_ints
-from kvtier.kernels.reference import causal_attention, causal_mask
+from kvtier.kernels.ragged import RaggedDispatch
+from kvtier.kernels.reference import causal_mask
 
 
 class RaggedCapacityError(CacheCapacityError):
@@ -53,69 +62,6 @@ class RaggedSnapshot:
     bound: int
 
 
-def _round_up(n: int, step: int) -> int:
-    return math.ceil(n / step) * step
-
-
-def _on_accelerator(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.device.type != "cpu"
-
-
-def _check_int(v: Any, name: str, minimum: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
-    return v
-
-
-def _rows(x: Any, name: str, batch: int, device: torch.device) -> list[int] | torch.Tensor | None:
-    """Per-row ints from an int, a sequence or an integer tensor ``[batch]``: a host list
-    (checked >= 0), or the tensor itself when it lives on an accelerator."""
-    if x is None:
-        return None
-    if isinstance(x, torch.Tensor):
-        if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
-            raise ValueError(f"{name} must be an integer tensor, got {x.dtype}; cast with .long()")
-        if tuple(x.shape) != (batch,):
-            raise ValueError(f"{name} must have shape ({batch},) (one per row), got {tuple(x.shape)}")
-        if _on_accelerator(x):
-            if x.device != device:
-                raise ValueError(f"{name} is on {x.device} but the cache is on {device}")
-            return x.long()
-        x = x.tolist()
-    elif isinstance(x, Integral) and not isinstance(x, bool):
-        x = [int(x)] * batch
-    elif not isinstance(x, list | tuple) or len(x) != batch:
-        raise ValueError(f"{name} must be an int, {batch} ints or a tensor [{batch}], got {x!r}")
-    if any(isinstance(v, bool) or not isinstance(v, Integral) for v in x):
-        raise ValueError(f"{name} must hold ints, got {x!r}")
-    if min(x) < 0:
-        raise ValueError(f"{name} must be >= 0, got {list(x)}")
-    return [int(v) for v in x]
-
-
-def _host_rows(x: Any, name: str, batch: int) -> list[int]:
-    """Like :func:`_rows`, but always host values (a device tensor is read once)."""
-    return _rows(x.cpu() if isinstance(x, torch.Tensor) else x, name, batch, torch.device("cpu"))
-
-
-def _row_mask(mask: Any, batch: int) -> list[bool] | torch.Tensor:
-    """``[batch]`` bools: a host list, or the tensor itself when it lives on an accelerator."""
-    if isinstance(mask, torch.Tensor):
-        if mask.dtype != torch.bool or tuple(mask.shape) != (batch,):
-            raise ValueError(f"row_mask must be a bool tensor ({batch},), got {mask.dtype} "
-                             f"{tuple(mask.shape)}")
-        return mask if _on_accelerator(mask) else mask.tolist()
-    if not isinstance(mask, list | tuple) or [type(m) for m in mask] != [bool] * batch:
-        raise ValueError(f"row_mask must be {batch} bools (one per row), got {mask!r}")
-    return list(mask)
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":  # pinned + non_blocking: the host does not wait for the copy
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
 class RaggedBatchKVCache(KVCache):
     """Padded ``[B, H_kv, capacity, D]`` K/V with per-row lengths ``offset`` (int64 ``[B]``).
 
@@ -123,15 +69,18 @@ class RaggedBatchKVCache(KVCache):
     cache (copied). ``update_and_fetch`` takes ``update``'s arguments and returns the whole
     padded buffers. Example: ``cache.update(k, v)`` (``(2, H_kv, 4, D)``: offset ``[4, 4]``);
     ``cache.attention(q)``; ``cache.update(k2, v2, write_start=[4, 2], new_offsets=[6, 3])``
-    (``(2, H_kv, 2, D)``: offset ``[6, 3]``). More in docs/ragged.md."""
+    (``(2, H_kv, 2, D)``: offset ``[6, 3]``). ``attention_backend`` (``auto``, ``torch``,
+    ``triton``) serves one-token queries as the paged tier does. More in docs/ragged.md."""
 
     tier = "ragged"
 
     def __init__(self, batch_size: int | None = None, step: int = 256,
                  keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
-                 offsets: Any = None):
-        self.step = _check_int(step, "step", 1)
-        self.batch_size = None if batch_size is None else _check_int(batch_size, "batch_size", 1)
+                 offsets: Any = None, attention_backend: str = "auto"):
+        self.dispatch = RaggedDispatch(attention_backend)  # checks the name first
+        self.attention_backend = attention_backend
+        self.step = check_int(step, "step", 1)
+        self.batch_size = None if batch_size is None else check_int(batch_size, "batch_size", 1)
         self.keys = self.values = None  # (B, H_kv, capacity, D) each, from the first write
         self._offsets: torch.Tensor | None = None  # (B,) int64, the row lengths
         self._last_ws: torch.Tensor | None = None  # (B,) write_start of the last update
@@ -141,6 +90,7 @@ class RaggedBatchKVCache(KVCache):
         self._frozen, self._target = False, 0  # _target: capacity of the first allocation
         self._pos: torch.Tensor | None = None  # (B, capacity) scratch for scatter positions
         self._arange: torch.Tensor | None = None  # (capacity,)
+        self._plan: StepPlan | None = None  # the step plan the last writes followed
         self.copy_stats = CopyStats()
         if keys is None or values is None:
             if keys is not None or values is not None or offsets is not None:
@@ -150,11 +100,11 @@ class RaggedBatchKVCache(KVCache):
             return
         check_kv(keys, values, batch=batch_size)
         B, T = keys.shape[0], keys.shape[2]
-        lengths = [T] * B if offsets is None else _host_rows(offsets, "offsets", B)
+        lengths = [T] * B if offsets is None else host_row_values(offsets, "offsets", B)
         if max(lengths) > T:
             raise ValueError(f"offsets {lengths} exceed the {T} tokens given in keys")
         self._set_rows(lengths, keys.device)
-        self._reallocate(_round_up(T, step), keys, values)
+        self._reallocate(round_up(T, step), keys, values)
         self.keys[:, :, :T], self.values[:, :, :T] = keys, values
 
     # -- storage ----------------------------------------------------------------------------
@@ -175,7 +125,14 @@ class RaggedBatchKVCache(KVCache):
     def _live(self) -> int:
         return min(self.capacity, max(self._bound, 1))
 
+    def _changed(self) -> None:
+        """Rows or buffers changed outside a step plan: the plan no longer holds."""
+        if self._plan is not None:
+            self._plan.valid = False
+            self._plan = None
+
     def _set_rows(self, lengths: list[int], device: torch.device) -> None:
+        self._changed()
         self.batch_size = len(lengths)
         self._offsets = torch.tensor(lengths, dtype=torch.long, device=device)
         self._last_ws = torch.zeros_like(self._offsets)
@@ -186,6 +143,7 @@ class RaggedBatchKVCache(KVCache):
         slots still enter the matmuls, and garbage there could be NaN."""
         B, H, _, Dk = like_k.shape
         dev = like_k.device
+        self._changed()
         new_k = like_k.new_zeros(B, H, cap, Dk)
         new_v = like_v.new_zeros(B, H, cap, like_v.shape[3])
         if self.keys is not None:
@@ -212,20 +170,25 @@ class RaggedBatchKVCache(KVCache):
 
     # -- writes -----------------------------------------------------------------------------
     def update(self, keys: torch.Tensor, values: torch.Tensor, *,
-               write_start: Any = None, new_offsets: Any = None) -> None:
+               write_start: Any = None, new_offsets: Any = None, plan: StepPlan | None = None) -> None:
         """Write ``keys``/``values`` ``[B, H_kv, q, D]``, row ``r`` at ``[write_start[r], +q)``.
 
         ``write_start`` (an int, ints, or an integer tensor ``[B]``; default: each row's
         length) may rewrite (below the length: REPLAY) or append, never leave a gap. The
         length becomes ``new_offsets[r]`` in ``[write_start[r], write_start[r] + q]``
         (default the end; less commits part of the write). ``ValueError`` or
-        :class:`RaggedCapacityError` (past a frozen capacity) leave the cache unchanged."""
+        :class:`RaggedCapacityError` (past a frozen capacity) leave the cache unchanged.
+        ``plan``: a :class:`~kvtier.caches.step_plan.StepPlan` shared by every layer (one
+        token per row at the plan's positions; no host work, no device read)."""
         check_kv(keys, values, self.keys, batch=self.batch_size)
+        if plan is not None:
+            self._update_planned(keys, values, plan, write_start, new_offsets)
+            return
         B, H, q, _ = keys.shape
         dev = keys.device
-        ws = _rows(write_start, "write_start", B, dev)
-        no = _rows(new_offsets, "new_offsets", B, dev)
-        on_device = _on_accelerator(ws) or _on_accelerator(no)
+        ws = row_values(write_start, "write_start", B, dev)
+        no = row_values(new_offsets, "new_offsets", B, dev)
+        on_device = on_accelerator(ws) or on_accelerator(no)
         known = [0] * B if self._offsets is None else self._lengths  # None: the host does not know
         if known is None and not on_device and (ws is not None or no is not None):
             known = self._host_lengths()
@@ -238,11 +201,12 @@ class RaggedBatchKVCache(KVCache):
             end = (max(ws) if isinstance(ws, list) else self._bound) + q
         self._check_fits(end)
         # every check passed: mutate
+        self._changed()
         if self._offsets is None:
             self._set_rows([0] * B, dev)
         if end > self.capacity:
-            self._reallocate(max(_round_up(end, self.step), self._target), keys, values)
-        ws, no = (_to_device(x, torch.long, dev) if isinstance(x, list) else x for x in (ws, no))
+            self._reallocate(max(round_up(end, self.step), self._target), keys, values)
+        ws, no = (to_device(x, torch.long, dev) if isinstance(x, list) else x for x in (ws, no))
         start = self._offsets if ws is None else ws
         if on_device:
             self._assert_rows(start, no, q)
@@ -259,6 +223,22 @@ class RaggedBatchKVCache(KVCache):
         self._has_last_write = True
         self._lengths = new_lengths
         self._bound = max(new_lengths) if new_lengths is not None else end
+
+    def _update_planned(self, keys, values, plan: StepPlan, write_start, new_offsets) -> None:
+        """Write at the plan's positions; the host then knows a bound, not the lengths."""
+        plan.check_step(keys, write_start, new_offsets)
+        if self.keys is None or plan.bound > self.capacity:
+            raise ValueError(f"this plan reaches position {plan.bound} but the cache holds "
+                             f"{self.capacity}; plan ragged caches with kvtier.caches.step_plan.StepPlanner")
+        B, H, _, _ = keys.shape
+        idx = plan.index  # (B, 1)
+        with CopyTimer(self.copy_stats, tensor_nbytes(keys, values)):
+            self._last_ws.copy_(plan.write_start)
+            self.keys.scatter_(2, idx[:, None, :, None].expand(B, H, 1, keys.shape[3]), keys)
+            self.values.scatter_(2, idx[:, None, :, None].expand(B, H, 1, values.shape[3]), values)
+            self._offsets.copy_(plan.new_offsets)
+        self._has_last_write, self._lengths, self._bound = True, None, plan.bound
+        self._plan = plan
 
     @staticmethod
     def _check_host(ws: list[int] | None, no: list[int] | None, lengths: list[int], q: int) -> list[int]:
@@ -294,45 +274,55 @@ class RaggedBatchKVCache(KVCache):
         The shape never depends on the offsets."""
         if self._offsets is None:
             raise ValueError("the batch size is unknown until the first update()")
-        if q_start is None:
-            q_start = self._last_ws if self._has_last_write else self._offsets - q_len
-        elif not isinstance(q_start, torch.Tensor):
-            q_start = torch.tensor(_rows(q_start, "q_start", self.batch_size, self._offsets.device))
         key_len = self.capacity if key_len is None else key_len
-        return causal_mask(self.batch_size, q_len, key_len, q_start, self._offsets,
-                           device=self._offsets.device)
+        return causal_mask(self.batch_size, q_len, key_len, self._query_starts(q_len, q_start),
+                           self._offsets, device=self._offsets.device)
+
+    def _query_starts(self, q_len: int, q_start: Any) -> torch.Tensor:
+        """Each row's first query position, int64 ``[B]`` on the offsets' device."""
+        if q_start is None:
+            return self._last_ws if self._has_last_write else self._offsets - q_len
+        dev = self._offsets.device
+        qs = row_values(q_start, "q_start", self.batch_size, dev)
+        return qs if isinstance(qs, torch.Tensor) else torch.tensor(qs, dtype=torch.long, device=dev)
 
     def attention(self, queries: torch.Tensor, *, scale: float | None = None,
                   q_start: Any = None) -> torch.Tensor:
         """Attention ``[B, H_q, T, D]`` of ``queries`` ``[B, H_q, T, D]``: query ``i`` of row ``b``
         sees keys ``j <= q_start[b] + i``, ``j < offset[b]`` of its own row (:meth:`make_mask`;
         padding is masked, not zeroed). Keys are cut at the host bound, or kept whole
-        when frozen (static shapes)."""
+        when frozen (static shapes). One-token queries go through the Triton decode kernel
+        when the backend resolves to it (per-row lengths, no mask; see
+        :class:`~kvtier.kernels.ragged.RaggedDispatch`)."""
         if self.keys is None:
             raise ValueError("attention() on an empty cache; call update() first")
         check_queries(queries, self.keys.shape[1], self.keys.shape[3])
         if queries.shape[0] != self.batch_size:
             raise ValueError(f"queries batch {queries.shape[0]} differs from the cache's {self.batch_size}")
         S = self.capacity if self._frozen else self._live()
-        mask = self.make_mask(queries.shape[2], S, q_start)  # (B, 1, T, S)
-        return causal_attention(queries, self.keys[:, :, :S], self.values[:, :, :S],
-                                mask=mask, scale=scale)
+        qs = self._query_starts(queries.shape[2], q_start)  # (B,)
+        plan = self._plan if q_start is None else None  # a planned step: its lengths are the keys seen
+        known = plan.new_offsets if plan is not None and plan.valid else None
+        return self.dispatch.attention(queries, self.keys[:, :, :S], self.values[:, :, :S], qs,
+                                       self._offsets, scale=scale, decode_len=known)
 
     # -- capacity -------------------------------------------------------------------------------
     def reserve(self, n: int) -> None:
         """Grow now so writes reaching ``n`` positions past the longest row need no growth."""
-        needed = self._bound + _check_int(n, "reserve(n)", 0)
+        needed = self._bound + check_int(n, "reserve(n)", 0)
+        if needed > max(self.capacity, self._target) and self._offsets is not None:
+            needed = max(self._host_lengths()) + n  # the bound may be loose: tighten it once
         self._check_fits(needed)
         if self.keys is None:
-            self._target = max(self._target, _round_up(needed, self.step))
+            self._target = max(self._target, round_up(needed, self.step))
         elif needed > self.capacity:
-            self._reallocate(_round_up(needed, self.step), self.keys, self.values)
+            self._reallocate(round_up(needed, self.step), self.keys, self.values)
 
     def freeze_capacity(self, capacity: int) -> None:
         """Pin the buffers at ``capacity`` rounded up to ``step``: no update allocates after this
         (before the first write, the first write allocates exactly that). A write past it
         raises :class:`RaggedCapacityError`. Calling it again re-pins."""
-        cap = _round_up(_check_int(capacity, "freeze_capacity(capacity)", 1), self.step)
+        cap = round_up(check_int(capacity, "freeze_capacity(capacity)", 1), self.step)
         if self.keys is not None:
             longest = max(self._host_lengths())
             if cap < longest:
@@ -364,10 +354,11 @@ class RaggedBatchKVCache(KVCache):
 
     def _restore(self, snap: RaggedSnapshot, m: torch.Tensor | None) -> None:
         """Revert the rows where ``m`` (bool ``[B]`` on the device) is True, or all (``None``)."""
+        self._changed()
         if snap.keys is not None:
             n = snap.keys.shape[2]
             if n > self.capacity:
-                self._reallocate(max(_round_up(n, self.step), self._target), snap.keys, snap.values)
+                self._reallocate(max(round_up(n, self.step), self._target), snap.keys, snap.values)
             for buf, saved in ((self.keys, snap.keys), (self.values, snap.values)):
                 region = buf[:, :, :n]
                 region.copy_(saved if m is None else torch.where(m[:, None, None, None], saved, region))
@@ -387,9 +378,9 @@ class RaggedBatchKVCache(KVCache):
         """Return the rows where ``row_mask`` (``[B]`` bools) is True to ``snap`` exactly (content
         and offset; a snapshot at a smaller capacity is fine); the others keep theirs."""
         self._check_snapshot(snap)
-        mask = _row_mask(row_mask, self.batch_size)
+        mask = check_row_mask(row_mask, self.batch_size)
         dev = self._offsets.device  # the CPU while nothing was written
-        m = mask.to(dev) if isinstance(mask, torch.Tensor) else _to_device(mask, torch.bool, dev)
+        m = mask.to(dev) if isinstance(mask, torch.Tensor) else to_device(mask, torch.bool, dev)
         self._restore(snap, m)
         self._has_last_write = self._has_last_write or snap.has_last_write
         if isinstance(mask, list) and self._lengths is not None and snap.lengths is not None:
@@ -404,10 +395,11 @@ class RaggedBatchKVCache(KVCache):
         if self._offsets is None:
             raise ValueError("the batch size is unknown until the first update()")
         n = len(indices) if isinstance(indices, list | tuple | torch.Tensor) else 0
-        idx = _host_rows(indices, "indices", n) if n else []
+        idx = host_row_values(indices, "indices", n) if n else []
         if not idx or max(idx) >= self.batch_size:
             raise ValueError(f"indices {indices!r} must be a non-empty list of rows in [0, {self.batch_size})")
         t = torch.tensor(idx, device=self._offsets.device)
+        self._changed()
         if self.keys is not None:
             self.keys, self.values = self.keys[t], self.values[t]
             self._pos = self._pos.new_empty(len(idx), self.capacity)
@@ -427,6 +419,7 @@ class RaggedBatchKVCache(KVCache):
             raise ValueError("the caches' heads, head_dims, dtype or device differ")
         cap = max(self.capacity, other.capacity)
         self._check_fits(cap if other.capacity > self.capacity else 0)
+        self._changed()
         if held:
             k0, v0 = held[0].keys, held[0].values
             ks = k0.new_zeros(self.batch_size + other.batch_size, k0.shape[1], cap, k0.shape[3])
@@ -465,6 +458,7 @@ class RaggedBatchKVCache(KVCache):
         """Drop the newest ``n`` tokens of every row, clamped by the shortest row; returns it."""
         n = min(check_trim(n), 0 if self._offsets is None else min(self._host_lengths()))
         if n:
+            self._changed()
             self._offsets.sub_(n)
             self._lengths = [v - n for v in self._lengths]
             self._bound = max(self._lengths)
@@ -481,7 +475,9 @@ class RaggedBatchKVCache(KVCache):
             "tier": self.tier, "step": self.step, "batch_size": self.batch_size,
             "capacity": self.capacity, "frozen": self._frozen, "host_bound": self._bound,
             "min_offset": min(lengths), "max_offset": max(lengths), "nbytes": self.nbytes,
-            **self.copy_stats.as_dict(),
+            **self.copy_stats.as_dict(), "attention_backend": self.attention_backend,
+            "attention_calls_by_backend": dict(self.dispatch.attention_calls),
+            "backend_fallback_reason": self.dispatch.fallback_reason,
         }
 
     # -- persistence and conversion ---------------------------------------------------------------
@@ -502,6 +498,7 @@ class RaggedBatchKVCache(KVCache):
             "tier": self.tier, "step": self.step, "batch_size": self.batch_size,
             "capacity": self.capacity if self.keys is not None else self._target,
             "frozen": self._frozen, "host_bound": self._bound, "has_last_write": self._has_last_write,
+            "attention_backend": self.attention_backend,
         }
 
     @classmethod
@@ -510,15 +507,16 @@ class RaggedBatchKVCache(KVCache):
         if meta_state.get("tier") != cls.tier:
             raise ValueError(f"meta_state tier {meta_state.get('tier')!r} is not {cls.tier!r}")
         step, cap = read_meta_ints(meta_state, "step", "capacity")
+        backend = meta_state.get("attention_backend", "auto")  # files written before the choice
         if cap % step:
             raise ValueError(f"meta_state capacity {cap} is not a multiple of step {step}")
         if "keys" not in state:
             if "offsets" in state and bool(state["offsets"].any()):
                 raise ValueError("state has non-zero offsets but no keys/values")
-            cache = cls(batch_size=meta_state.get("batch_size"), step=step)
+            cache = cls(batch_size=meta_state.get("batch_size"), step=step, attention_backend=backend)
         else:  # without offsets, every row holds all the keys given
             cache = cls(step=step, keys=state["keys"], values=state.get("values"),
-                        offsets=state.get("offsets"))
+                        offsets=state.get("offsets"), attention_backend=backend)
             if cap < cache.capacity:
                 raise ValueError(f"meta_state capacity {cap} is below the {cache.capacity} the state needs")
             cache._reallocate(cap, cache.keys, cache.values)
@@ -529,8 +527,8 @@ class RaggedBatchKVCache(KVCache):
         return cache
 
     @classmethod
-    def from_scalar_cache(cls, cache: KVCache, batch_size: int | None = None,
-                          step: int | None = None) -> RaggedBatchKVCache:
+    def from_scalar_cache(cls, cache: KVCache, batch_size: int | None = None, step: int | None = None,
+                          attention_backend: str = "auto") -> RaggedBatchKVCache:
         """Every row holds ``cache``'s tokens (one row is broadcast to ``batch_size``); the host
         bound is seeded, so writes need no sync. ``step``: a tail cache's own, else 256."""
         if isinstance(cache, RaggedBatchKVCache) or not isinstance(cache.offset, int):
@@ -538,27 +536,30 @@ class RaggedBatchKVCache(KVCache):
                              f"{type(cache).__name__}; use RaggedBatchKVCache.from_cache")
         if step is None:
             step = cache.step if isinstance(cache, TailOwnedKVCache) else 256
+        kw = {"step": step, "attention_backend": attention_backend}
         if cache.size() == 0:
-            return cls(batch_size=batch_size, step=step)
+            return cls(batch_size=batch_size, **kw)
         k, v = (t[:, :, : cache.offset] for t in cache.fetch())  # (B', H_kv, offset, D)
         if batch_size is not None and k.shape[0] != batch_size:
             if k.shape[0] != 1:
                 raise ValueError(f"batch_size {batch_size} needs a cache of 1 or {batch_size} rows, "
                                  f"not {k.shape[0]}")
             k, v = k.expand(batch_size, -1, -1, -1), v.expand(batch_size, -1, -1, -1)
-        return cls(batch_size=batch_size, step=step, keys=k, values=v)
+        return cls(batch_size=batch_size, keys=k, values=v, **kw)
 
     @classmethod
-    def from_cache(cls, other: KVCache, *, step: int = 256) -> RaggedBatchKVCache:
+    def from_cache(cls, other: KVCache, *, step: int = 256,
+                   attention_backend: str = "auto") -> RaggedBatchKVCache:
         """A ragged cache holding ``other``'s rows (a ragged cache, or any one-offset tier)."""
+        kw = {"step": step, "attention_backend": attention_backend}
         if isinstance(other, RaggedBatchKVCache):
             if other.keys is None:
-                return cls(batch_size=other.batch_size, step=step)
+                return cls(batch_size=other.batch_size, **kw)
             n = other._live()
-            return cls(step=step, keys=other.keys[:, :, :n], values=other.values[:, :, :n],
-                       offsets=other._offsets)
+            return cls(keys=other.keys[:, :, :n], values=other.values[:, :, :n],
+                       offsets=other._offsets, **kw)
         if isinstance(other.offset, int):
-            return cls.from_scalar_cache(other, step=step)
+            return cls.from_scalar_cache(other, **kw)
         raise ValueError(f"cannot convert the {other.tier!r} tier to ragged rows; write them again")
 
 
@@ -577,7 +578,7 @@ def _check_pairs(caches: list, snaps: list, row_mask: Any = None) -> None:
     for c, s in zip(caches, snaps):
         c._check_snapshot(s)
         if row_mask is not None:
-            _row_mask(row_mask, c.batch_size)
+            check_row_mask(row_mask, c.batch_size)
 
 
 def restore_ragged_caches(caches: list[RaggedBatchKVCache], snaps: list[RaggedSnapshot]) -> None:

@@ -1,0 +1,81 @@
+"""Per-row arguments of the ragged tier: ints, sequences or integer tensors, one value per row.
+
+Host values (ints, lists, CPU tensors) are checked on the host; a tensor on an
+accelerator is passed through as it is, so that reading it never forces a
+device-to-host sync (the tier checks it on the device).
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral
+from typing import Any
+
+import torch
+
+
+def round_up(n: int, step: int) -> int:
+    """``n`` rounded up to a multiple of ``step``."""
+    return math.ceil(n / step) * step
+
+
+def on_accelerator(x: Any) -> bool:
+    """True for a tensor that lives off the CPU."""
+    return isinstance(x, torch.Tensor) and x.device.type != "cpu"
+
+
+def check_int(v: Any, name: str, minimum: int) -> int:
+    """``v`` if it is an int >= ``minimum``, else a ``ValueError`` naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def row_values(x: Any, name: str, batch: int, device: torch.device) -> list[int] | torch.Tensor | None:
+    """Per-row ints from an int, a sequence or an integer tensor ``[batch]``: a host list
+    (checked >= 0), or the tensor itself when it lives on an accelerator."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
+            raise ValueError(f"{name} must be an integer tensor, got {x.dtype}; cast with .long()")
+        if tuple(x.shape) != (batch,):
+            raise ValueError(f"{name} must have shape ({batch},) (one per row), got {tuple(x.shape)}")
+        if on_accelerator(x):
+            if x.device != device:
+                raise ValueError(f"{name} is on {x.device} but the cache is on {device}")
+            return x.long()
+        x = x.tolist()
+    elif isinstance(x, Integral) and not isinstance(x, bool):
+        x = [int(x)] * batch
+    elif not isinstance(x, list | tuple) or len(x) != batch:
+        raise ValueError(f"{name} must be an int, {batch} ints or a tensor [{batch}], got {x!r}")
+    if any(isinstance(v, bool) or not isinstance(v, Integral) for v in x):
+        raise ValueError(f"{name} must hold ints, got {x!r}")
+    if min(x) < 0:
+        raise ValueError(f"{name} must be >= 0, got {list(x)}")
+    return [int(v) for v in x]
+
+
+def host_row_values(x: Any, name: str, batch: int) -> list[int]:
+    """Like :func:`row_values`, but always host values (a device tensor is read once)."""
+    return row_values(x.cpu() if isinstance(x, torch.Tensor) else x, name, batch, torch.device("cpu"))
+
+
+def check_row_mask(mask: Any, batch: int) -> list[bool] | torch.Tensor:
+    """``[batch]`` bools: a host list, or the tensor itself when it lives on an accelerator."""
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool or tuple(mask.shape) != (batch,):
+            raise ValueError(f"row_mask must be a bool tensor ({batch},), got {mask.dtype} "
+                             f"{tuple(mask.shape)}")
+        return mask if on_accelerator(mask) else mask.tolist()
+    if not isinstance(mask, list | tuple) or [type(m) for m in mask] != [bool] * batch:
+        raise ValueError(f"row_mask must be {batch} bools (one per row), got {mask!r}")
+    return list(mask)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device``, copied without the host waiting on CUDA."""
+    if device.type == "cuda":  # pinned + non_blocking: the host does not wait for the copy
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
