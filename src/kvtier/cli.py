@@ -28,6 +28,7 @@ BENCHMARKS = {
     "attention": "paged decode attention bandwidth against PyTorch SDPA",
     "decode": "end-to-end decode throughput against HF generate",
     "hf": "KVTierCache against DynamicCache inside transformers generate",
+    "decode_gpu": "CUDA decode of a Llama-3-8B-shaped model, eager and CUDA graph, against HF generate",
 }
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -72,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "(the model's first N layers) or model:PATH (same tokenizer)")
     gen.add_argument("--draft-tokens", dest="draft_tokens", type=int, default=_ABSENT,
                      help="most drafts verified per step (with --speculative)")
+    graph = gen.add_mutually_exclusive_group()
+    graph.add_argument("--cuda-graph", dest="cuda_graph", action="store_true", default=_ABSENT,
+                       help="replay decode steps from a CUDA graph (ragged/paged tier on CUDA; the "
+                            "default there when it can serve)")
+    graph.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=_ABSENT,
+                       help="decode step by step without a CUDA graph")
     gen.set_defaults(_run=run_generate)
 
     info = sub.add_parser("info", help="model, device, dtype and the resolved cache configuration")
@@ -170,7 +177,7 @@ def generation_config_from_args(args: argparse.Namespace):
     from kvtier.sampling import SamplingParams
 
     sampling = SamplingParams(**_given(args, "temperature", "top_k", "top_p", "min_p", "seed"))
-    extra = _given(args, "max_tokens")
+    extra = _given(args, "max_tokens", "cuda_graph")
     if hasattr(args, "stop"):
         extra["stop"] = tuple(args.stop)
     return GenerationConfig(sampling=sampling, **extra)
