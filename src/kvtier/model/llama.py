@@ -260,13 +260,12 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x).view(B, T, Hq + 2 * Hkv, D)  # (B, T, H_q + 2 H_kv, D)
-        q, k, v = qkv.split([Hq, Hkv, Hkv], dim=2)  # (B, T, H, D) each
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin).transpose(1, 2)  # (B, H_q, T, D)
-        k = apply_rope(k, cos, sin).transpose(1, 2)  # (B, H_kv, T, D)
-        v = v.transpose(1, 2)  # (B, H_kv, T, D)
-        cache.update(k, v, **cache_kwargs)
+        qk, v = qkv.split([Hq + Hkv, Hkv], dim=2)  # (B, T, H_q + H_kv, D), (B, T, H_kv, D)
+        if self.q_norm is not None:  # Qwen3: RMSNorm over each head of q and of k
+            qk = torch.cat([self.q_norm(qk[:, :, :Hq]), self.k_norm(qk[:, :, Hq:])], dim=2)
+        qk = apply_rope(qk, cos, sin).transpose(1, 2)  # (B, H_q + H_kv, T, D): one rotation
+        q, k = qk.split([Hq, Hkv], dim=1)  # (B, H_q, T, D), (B, H_kv, T, D)
+        cache.update(k, v.transpose(1, 2), **cache_kwargs)  # v: (B, H_kv, T, D)
         out = cache.attention(q, scale=self.scale)  # (B, H_q, T, D)
         return self.wo(out.transpose(1, 2).reshape(B, T, Hq * D))  # (B, T, dim)
 
@@ -288,7 +287,7 @@ class FeedForward(nn.Module):
 
 # -- norm ----------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    """RMS norm computed in float32, cast back, then scaled (as Llama and Qwen do)."""
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension (one fused op)."""
 
     def __init__(self, dim: int, eps: float, device=None):
         super().__init__()
@@ -296,9 +295,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 # -- RoPE ------------------------------------------------------------------------------------------
@@ -366,5 +363,5 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, T, H, D]`` by cos/sin ``[B, T, 1, D]``."""
+    """Rotate ``x`` ``[B, T, H, D]`` by cos/sin ``[B, T, 1, D]`` (every head alike)."""
     return x * cos + rotate_half(x) * sin
