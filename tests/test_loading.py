@@ -61,6 +61,11 @@ def hf_tiny(kind: str, seed: int = 0):
     cfg, cls = {
         "llama": (LlamaConfig(**common), LlamaForCausalLM),
         "llama-tied": (LlamaConfig(**common, tie_word_embeddings=True), LlamaForCausalLM),
+        "llama3.1": (LlamaConfig(**{**common, "rope_theta": 500000.0,
+                                    "max_position_embeddings": 16384}, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+            LlamaForCausalLM),
         "qwen2": (Qwen2Config(**common), Qwen2ForCausalLM),
         "qwen3": (Qwen3Config(**common, head_dim=32), Qwen3ForCausalLM),
     }[kind]
@@ -127,6 +132,12 @@ def write_gguf(path, hf, arch: str, qtypes: dict[str, object] | None = None, voc
         w.add_eos_token_id(2)
         w.add_add_bos_token(False)
         w.add_chat_template(TEMPLATE)
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        # llama.cpp writes Llama-3 scaling as per-frequency divisors, not as parameters
+        scaled = hf.model.rotary_emb.inv_freq.float()
+        D = cfg.hidden_size // cfg.num_attention_heads
+        plain = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2).float() / D))
+        w.add_tensor("rope_freqs.weight", (plain / scaled).numpy())
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -175,7 +186,8 @@ def logits_of(lm, tokens=TOKENS):
 
 # -- GGUF ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind, arch", [("llama", "llama"), ("llama-tied", "llama"),
-                                        ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+                                        ("llama3.1", "llama"), ("qwen2", "qwen2"),
+                                        ("qwen3", "qwen3")])
 @torch.no_grad()
 def test_float_gguf_equals_the_source_model(tmp_path, kind, arch):
     hf = hf_tiny(kind)
@@ -183,6 +195,7 @@ def test_float_gguf_equals_the_source_model(tmp_path, kind, arch):
     lm = load_model(path, device="cpu", progress=False)
     assert lm.args.arch == arch and lm.args.tie_embeddings == (kind == "llama-tied")
     assert lm.args.qkv_bias == (arch == "qwen2") and lm.args.qk_norm == (arch == "qwen3")
+    assert (lm.args.rope_scaling or {}).get("factor") == (8.0 if kind == "llama3.1" else None)
     assert (logits_of(lm) - hf(TOKENS).logits).abs().max().item() <= 1e-4
 
 
