@@ -1,0 +1,336 @@
+"""End-to-end decode throughput against HF generate, and against the memory-bandwidth roofline.
+
+CPU (the default without a GPU): the default model (SmolLM2-135M-Instruct, float32)
+generates ``--new-tokens`` (256) greedy tokens after a ``--prompt-tokens`` (512)
+prompt taken from Python's ``pydoc_data.topics``. Contenders, in the same run:
+
+- ``kvtier``: :func:`kvtier.generate.generate_step` over the ``--cache`` tier (tail);
+- ``HF DynamicCache``: ``transformers`` ``generate`` on a ``LlamaForCausalLM`` that
+  ``transformers`` itself loads from the same GGUF file.
+
+CUDA (or ``--arch`` on CPU): a model of the ``--arch`` shape (``llama3-8b``) with
+random weights from :func:`kvtier.model.build_random`, in bfloat16 on CUDA; the
+``transformers`` model shares those very tensors (no copy). On CUDA it runs
+``generate`` with a DynamicCache and with a StaticCache (which ``generate``
+compiles: ``torch.compile``, mode ``reduce-overhead``).
+
+Every contender runs once untimed (same prompt and lengths) to warm up, then once
+timed. Decode tokens/s is ``(N - 1)`` over the time from the first new token to
+the last (for ``transformers``, the first token's time comes from a streamer); the
+prefill column is the time to the first new token. Also reported:
+
+- roofline: measured memory bandwidth (the best of several copies of a 1 GiB
+  tensor, read + write bytes) over the weight bytes one token reads (every
+  parameter once; a tied embedding once), and the percentage kvtier reaches;
+- overhead: the share of a kvtier decode step spent outside the model's forward
+  (sampling, cache bookkeeping, the generator, reading the token), measured in a
+  second kvtier run whose forward is timed (synchronised on CUDA).
+
+Example::
+
+    kvtier bench decode
+    python benchmarks/decode.py --threads 1 --plot benchmarks/decode.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.config import STRATEGIES, KVCacheConfig
+from kvtier.generate import generate_step
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--model", default=None, help="GGUF file for the CPU run (default: SmolLM2)")
+    parser.add_argument("--arch", default=None,
+                        help="random weights of this shape (default on CUDA: llama3-8b; "
+                             "on CPU the GGUF model unless given, e.g. smollm2-135m)")
+    parser.add_argument("--cache", choices=STRATEGIES, default="tail", help="kvtier's tier")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
+    parser.add_argument("--plot", default=None, help="write a PNG of decode tokens/s here")
+
+
+@dataclass
+class Result:
+    name: str
+    prefill_s: float  # prompt and first new token
+    decode_tokens_per_s: float
+    tokens: list[int]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.prompt_tokens < 2 or args.new_tokens < 2:
+        raise ValueError("--prompt-tokens and --new-tokens must be at least 2")
+    if device.type == "cuda" or args.arch is not None:
+        model, hf, ids, label = _random_models(args, device)
+    else:
+        model, hf, ids, label = _gguf_models(args)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    bandwidth = measure_bandwidth(device, sync)
+    weight_bytes = unique_param_bytes(model)
+    cfg = KVCacheConfig(strategy=args.cache)
+    with torch.inference_mode():
+        results = [time_kvtier(model, ids, args.new_tokens, cfg, f"kvtier {args.cache}")]
+        overhead = kvtier_overhead(model, ids, args.new_tokens, cfg, sync)
+    if hf is not None:
+        results.append(time_hf(hf, ids, args.new_tokens, "HF DynamicCache", sync))
+        if device.type == "cuda":
+            results.append(time_hf(hf, ids, args.new_tokens, "HF StaticCache compiled", sync,
+                                   cache_implementation="static"))
+    roof = bandwidth / weight_bytes
+    _print_table(results, roof, overhead, bandwidth, weight_bytes, label, args, device)
+    if args.plot:
+        _plot(results, roof, args.plot, label)
+    return 0
+
+
+# -- the models -------------------------------------------------------------------------------------
+
+
+def _gguf_models(args):
+    from kvtier.evaluate import default_text, encode_text
+    from kvtier.model import load_model
+
+    lm = load_model(args.model, device="cpu", dtype=torch.float32, progress=False)
+    ids = encode_text(lm.tokenizer, default_text(), args.prompt_tokens)
+    hf = None
+    if args.hf:
+        from transformers import AutoModelForCausalLM
+
+        path = lm.source
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                  dtype=torch.float32).eval()
+    return lm.model, hf, ids, f"{path.name if args.hf else lm.source.name}, float32, CPU"
+
+
+def _random_models(args, device):
+    from kvtier.model import build_random
+
+    arch = args.arch or "llama3-8b"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_random(arch, dtype=dtype, device=device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.args.vocab_size, (args.prompt_tokens,), generator=g).tolist()
+    hf = hf_llama_sharing(model) if args.hf else None
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return model, hf, ids, f"{arch} (random weights), {str(dtype)[6:]}, {where}"
+
+
+def hf_llama_sharing(model):
+    """A ``transformers`` ``LlamaForCausalLM`` whose weights are views of ``model``'s (no copy)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    a = model.args
+    config = LlamaConfig(
+        vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.hidden_dim,
+        num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim, rms_norm_eps=a.norm_eps,
+        rope_theta=a.rope_theta, rope_scaling=a.rope_scaling,
+        max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_embeddings,
+        attention_bias=a.qkv_bias,
+    )
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(config)
+    Hq, Hkv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    sd = {"model.embed_tokens.weight": model.tok_embeddings.weight,
+          "model.norm.weight": model.norm.weight, "lm_head.weight": model.output.weight}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.attention.wqkv.weight.split([Hq, Hkv, Hkv])  # rows: (Hq*D | Hkv*D | Hkv*D)
+        gate, up = layer.feed_forward.w13.weight.split(a.hidden_dim)
+        sd |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+               p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.attention.wo.weight,
+               p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+               p + "mlp.down_proj.weight": layer.feed_forward.w2.weight,
+               p + "input_layernorm.weight": layer.attention_norm.weight,
+               p + "post_attention_layernorm.weight": layer.ffn_norm.weight}
+    hf.load_state_dict(sd, strict=True, assign=True)
+    with torch.device(model.output.weight.device):  # the RoPE buffers, left on meta above
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)
+    return hf.eval()
+
+
+# -- measurements ------------------------------------------------------------------------------------
+
+
+def measure_bandwidth(device: torch.device, sync: Callable[[], None], nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a large tensor copy (read + write), the best of several."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def unique_param_bytes(model) -> int:
+    """Bytes of every parameter once (a tied embedding and LM head count once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _kvtier_run(model, ids, n, cfg) -> tuple[float, float, list[int]]:
+    """Seconds to the first token, seconds of the ``n - 1`` after it, and the tokens."""
+    caches = model.make_caches(cfg, batch_size=1)
+    t0 = time.perf_counter()
+    steps = generate_step(model, [ids], caches)
+    tokens = next(steps).tolist()  # reading the token waits for the device
+    t1 = time.perf_counter()
+    for _ in range(n - 1):
+        tokens += next(steps).tolist()
+    t2 = time.perf_counter()
+    steps.close()
+    return t1 - t0, t2 - t1, tokens
+
+
+def time_kvtier(model, ids, n, cfg, name) -> Result:
+    _kvtier_run(model, ids, n, cfg)  # warm-up with the same shapes
+    first, rest, tokens = _kvtier_run(model, ids, n, cfg)
+    return Result(name, first, (n - 1) / rest, tokens)
+
+
+class _TimedModel:
+    """Calls the model and adds up the seconds spent inside it (synchronised)."""
+
+    def __init__(self, model, sync):
+        self.model, self.sync, self.seconds = model, sync, 0.0
+        self.args = model.args
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __call__(self, *a, **kw):
+        t0 = time.perf_counter()
+        out = self.model(*a, **kw)
+        self.sync()
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def kvtier_overhead(model, ids, n, cfg, sync) -> float:
+    """Share of a decode step spent outside the model's forward."""
+    timed = _TimedModel(model, sync)
+    caches = model.make_caches(cfg, batch_size=1)
+    steps = generate_step(timed, [ids], caches)
+    next(steps).tolist()
+    timed.seconds = 0.0
+    t0 = time.perf_counter()
+    for _ in range(n - 1):
+        next(steps).tolist()
+    total = time.perf_counter() - t0
+    steps.close()
+    return 1.0 - timed.seconds / total
+
+
+class _FirstTokenClock:
+    """A ``transformers`` streamer that notes when the first new token arrives."""
+
+    def __init__(self, sync):
+        self.sync, self.calls, self.first = sync, 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first call carries the prompt
+            self.sync()
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def time_hf(hf, ids, n, name, sync, **gen_kwargs) -> Result:
+    """One ``generate`` of ``n`` tokens after a warm-up with the same shapes; the first
+    token's time comes from a streamer, so a static cache keeps one length throughout."""
+    from transformers import DynamicCache
+
+    x = torch.tensor([ids], device=hf.device)
+
+    def gen():
+        kw = dict(gen_kwargs)
+        if "cache_implementation" not in kw:
+            # the keyword every transformers 5 release takes (later ones prefer "cache")
+            kw["past_key_values"] = DynamicCache()
+        clock = _FirstTokenClock(sync)
+        sync()
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=clock, **kw)
+        sync()
+        t2 = time.perf_counter()
+        return clock.first - t0, t2 - clock.first, out[0, x.shape[1]:].tolist()
+
+    with torch.inference_mode():
+        gen()  # warm-up (and compilation, for the static cache)
+        first, rest, tokens = gen()
+    return Result(name, first, (n - 1) / rest, tokens)
+
+
+# -- output ---------------------------------------------------------------------------------------------
+
+
+def _print_table(results, roof, overhead, bandwidth, weight_bytes, label, args, device) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    hf = next((r for r in results if r.name == "HF DynamicCache"), None)
+    ref = results[0].tokens
+    table = Table(title=f"decode: {label}; {args.prompt_tokens}-token prompt, "
+                        f"{args.new_tokens} new tokens, {torch.get_num_threads()} CPU threads")
+    for col in ("contender", "prefill + 1st (s)", "decode tok/s", "ms/token", "vs HF Dynamic",
+                "% roofline", "same tokens"):
+        table.add_column(col, justify="left" if col == "contender" else "right")
+    for r in results:
+        same = next((i for i, (a, b) in enumerate(zip(r.tokens, ref)) if a != b), len(ref))
+        table.add_row(
+            r.name, f"{r.prefill_s:.3f}", f"{r.decode_tokens_per_s:.1f}",
+            f"{1e3 / r.decode_tokens_per_s:.2f}",
+            f"{r.decode_tokens_per_s / hf.decode_tokens_per_s:.2f}x" if hf else "-",
+            f"{100 * r.decode_tokens_per_s / roof:.0f}%", f"{same}/{len(ref)}",
+        )
+    console = Console(width=120)
+    console.print(table)
+    console.print(
+        f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (copy) | weights {weight_bytes / 1e6:.0f} MB "
+        f"per token | roofline {roof:.1f} tok/s | kvtier step outside the forward: "
+        f"{100 * overhead:.1f}% | device {device}"
+    )
+
+
+def _plot(results, roof, path, label) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r.name for r in results]
+    ax.barh(names, [r.decode_tokens_per_s for r in results], color="tab:blue")
+    ax.axvline(roof, color="tab:red", linestyle="--", label=f"roofline {roof:.0f} tok/s")
+    ax.set_xlabel("decode tokens/s")
+    ax.set_title(label, fontsize=9)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
