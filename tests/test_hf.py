@@ -22,6 +22,7 @@ from kvtier.integrations.hf import (  # noqa: E402
     ATTENTION_NAME,
     KVTierCache,
     KVTierLayer,
+    cache_kwarg,
 )
 from kvtier.integrations.hf_attention import dense_attention  # noqa: E402
 from kvtier.integrations.hf_version import TransformersVersionError, require_transformers  # noqa: E402
@@ -62,7 +63,8 @@ def attention(model, name: str):
 def generate(model, inputs: dict, cache, in_place: bool = False, **kw) -> torch.Tensor:
     name = ATTENTION_NAME if in_place else model.config._attn_implementation
     with attention(model, name):
-        return model.generate(**inputs, cache=cache, do_sample=False, pad_token_id=0, **kw)
+        return model.generate(**inputs, **{cache_kwarg(model): cache}, do_sample=False,
+                              pad_token_id=0, **kw)
 
 
 _references: dict[tuple, list] = {}
@@ -409,7 +411,7 @@ def test_changing_attention_with_tokens_held_raises_and_reset_recovers():
     cache = KVTierCache(TIERS["paged"][0], model_config=model.config)
     generate(model, inputs, cache, max_new_tokens=2)
     with pytest.raises(ValueError, match="reset"), attention(model, ATTENTION_NAME):
-        model(**inputs, cache=cache)
+        model(**inputs, **{cache_kwarg(model): cache})
     cache.reset()
     out = generate(model, inputs, cache, True, max_new_tokens=10)
     assert out.tolist() == reference(("qwen2", 1, "left"), model, inputs, max_new_tokens=10)
@@ -427,3 +429,23 @@ def test_environment_chooses_the_tier(monkeypatch):
     layer = cache.kvtier_layers[0]
     assert isinstance(layer.tier, PagedKVCache) and layer.tier.block_size == 8
     assert cache.stats()["params"]["num_blocks"] == 32
+
+
+# -- CUDA: pages read by the Triton kernels ------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tier", ["tail", "ragged-inplace", "paged", "paged-inplace"])
+def test_cuda_greedy_equals_dynamic_cache(tier):
+    model = tiny("qwen3").to("cuda")
+    try:
+        inputs = {k: v.cuda() for k, v in tiny_batch(3, "left").items()}
+        ref = generate(model, inputs, DynamicCache(), max_new_tokens=10)
+        config, in_place = TIERS[tier]
+        cache = KVTierCache(config, model_config=model.config)
+        out = generate(model, inputs, cache, in_place, max_new_tokens=10)
+        assert out.tolist() == ref.tolist()
+        if tier == "paged-inplace":
+            calls = cache.stats()["tier_stats"]["attention_calls_by_backend"]
+            assert calls.get("triton", 0) > 0, calls
+    finally:
+        model.to("cpu")

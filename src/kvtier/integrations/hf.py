@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -63,9 +64,16 @@ from kvtier.integrations.hf_attention import (  # noqa: E402
     register_attention,
 )
 
-__all__ = ["ATTENTION_NAME", "KVTierCache", "KVTierLayer", "TransformersVersionError"]
+__all__ = ["ATTENTION_NAME", "KVTierCache", "KVTierLayer", "TransformersVersionError", "cache_kwarg"]
 
 register_attention()
+
+def cache_kwarg(model) -> str:
+    """The keyword under which ``model.generate`` takes a cache: ``"cache"`` in recent
+    transformers 5.x, ``"past_key_values"`` before (still accepted, with a warning, until 6.0)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
 
 #: tiers that track a length per row (written with ``write_start`` / ``new_offsets``)
 ROW_STRATEGIES = ("ragged", "paged")
@@ -344,6 +352,8 @@ class KVTierCache(Cache):
             super().__init__(layer_class_to_replicate=replicate)
             return
         types, per_layer = get_layer_types_and_kwargs(model_config.get_text_config(decoder=True))
+        if isinstance(per_layer, dict):  # transformers < 5.2x: one kwargs dict for every layer
+            per_layer = [per_layer] * len(types)
         layers = []
         for i, (kind, kwargs) in enumerate(zip(types, per_layer)):
             if kind == "full_attention" and config.enabled:
