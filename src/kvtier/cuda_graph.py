@@ -113,15 +113,37 @@ class PlannedDecoder:
 
     ``lengths``: each row's length now (default read from the first cache). Each
     :meth:`step` books the step once (:class:`~kvtier.caches.step_plan.StepPlanner`)
-    and runs the forward; the planner reserves capacity ahead as needed.
+    and runs the forward; the planner reserves capacity ahead as needed. With
+    ``max_steps`` the caches are frozen for that many steps first
+    (:func:`freeze_for_steps`) and ``budget`` is what the frozen capacity holds: a
+    step past it raises :class:`~kvtier.caches.base.CacheCapacityError` before
+    anything changes (the guard a CUDA graph relies on).
     """
 
-    def __init__(self, model, caches: Sequence[KVCache], lengths: Sequence[int] | None = None):
+    def __init__(self, model, caches: Sequence[KVCache], lengths: Sequence[int] | None = None, *,
+                 max_steps: int | None = None):
         self.model, self.caches = model, list(caches)
+        if lengths is None and caches and not caches[0].empty():
+            lengths = caches[0].offset.tolist()
+        if max_steps is not None:
+            freeze_for_steps(self.caches, max_steps, lengths)
         self.planner = StepPlanner(self.caches, lengths)
         self.batch_size = self.planner.batch_size
         self.device = _device(model)
         self.steps = 0
+        #: steps the frozen capacity holds (computed on the host, before any step); None: grows
+        self.budget: int | None = self.planner.headroom() if max_steps is not None else None
+
+    @property
+    def steps_left(self) -> int | None:
+        return None if self.budget is None else self.budget - self.steps
+
+    def _guard(self) -> None:
+        if self.budget is not None and self.steps >= self.budget:
+            raise CacheCapacityError(
+                f"step {self.steps + 1} would write past the frozen capacity, which holds "
+                f"{self.budget} decode steps; build the decoder with a larger max_steps (or "
+                "freeze more capacity) before decoding further")
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         if (not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long
@@ -134,6 +156,7 @@ class PlannedDecoder:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, 1, vocab]`` (float32) of one decode step of ``tokens`` ``[B]`` (int64)."""
         self._check_tokens(tokens)
+        self._guard()
         kw = self.planner.prepare()
         logits = self.model(tokens[:, None], self.caches, cache_kwargs=kw, last_only=True)
         self.steps += 1
@@ -165,11 +188,7 @@ class CUDAGraphDecoder(PlannedDecoder):
         why = graph_unavailable(model, caches, max_steps)
         if why is not None:
             raise ValueError(f"CUDA-graph decode cannot serve: {why}")
-        if lengths is None:
-            lengths = caches[0].offset.tolist()
-        if max_steps is not None:
-            freeze_for_steps(caches, max_steps, lengths)
-        super().__init__(model, caches, lengths)
+        super().__init__(model, caches, lengths, max_steps=max_steps)
         self.budget = self.planner.headroom()  # what the frozen capacity holds, fixed before capture
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager_reason: str | None = None  # set when the kernels fell back and capture was skipped
@@ -179,21 +198,13 @@ class CUDAGraphDecoder(PlannedDecoder):
         self._logits: torch.Tensor | None = None
 
     @property
-    def steps_left(self) -> int:
-        return self.budget - self.steps
-
-    @property
     def captured(self) -> bool:
         return self.graph is not None
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, 1, vocab]`` (float32; the graph's buffer) of one step of ``tokens`` ``[B]``."""
         self._check_tokens(tokens)
-        if self.steps >= self.budget:
-            raise CacheCapacityError(
-                f"step {self.steps + 1} would write past the frozen capacity, which holds "
-                f"{self.budget} decode steps; build the decoder with a larger max_steps (or "
-                "freeze more capacity) before decoding further")
+        self._guard()
         with torch.inference_mode():
             self._tokens.copy_(tokens[:, None])
             if self.eager_reason is not None:

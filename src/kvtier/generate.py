@@ -85,7 +85,7 @@ class GenerationConfig:
         c = self.prefill_chunk
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {c!r}")
-        if self.cuda_graph not in (None, True, False):
+        if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
             raise ValueError(f"cuda_graph must be None (auto), True or False, got {self.cuda_graph!r}")
 
 
