@@ -55,11 +55,15 @@ def greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+def greedy_matches_transformers(model: Transformer, hf, prompt: list[int], n: int) -> bool:
+    """Our greedy tokens equal ``generate``'s (which stops early at its EOS token)."""
     ids = torch.tensor([prompt])
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                      do_sample=False, min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+                      do_sample=False, pad_token_id=0)
+    theirs = out[0, len(prompt):].tolist()
+    eos = hf.generation_config.eos_token_id
+    assert len(theirs) == n or theirs[-1] in (eos if isinstance(eos, list) else [eos])
+    return greedy(model, prompt, len(theirs)) == theirs
 
 
 # -- the default model ---------------------------------------------------------------------------
@@ -72,7 +76,7 @@ def test_smollm_logits_and_greedy_match_transformers(smollm, hf_smollm):
     ref = hf_smollm(torch.tensor([prompt])).logits
     assert ours.dtype == torch.float32 and ours.shape == ref.shape == (1, 64, 49152)
     assert (ours - ref).abs().max().item() <= 1e-3
-    assert greedy(smollm.model, prompt, 32) == hf_greedy(hf_smollm, prompt, 32)
+    assert greedy_matches_transformers(smollm.model, hf_smollm, prompt, 32)
 
 
 @pytest.mark.slow
@@ -149,7 +153,7 @@ def test_tiny_models_match_transformers(tiny_pairs, kind):
     got = ours.model(prompt, ours.model.make_caches())
     assert (got - ref).abs().max().item() <= 1e-4
     for row in prompt[:, :40].tolist():
-        assert greedy(ours.model, row, 16) == hf_greedy(hf, row, 16)
+        assert greedy_matches_transformers(ours.model, hf, row, 16)
 
 
 @torch.no_grad()
