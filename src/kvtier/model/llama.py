@@ -188,6 +188,7 @@ class Transformer(nn.Module):
         kwargs = cache_kwargs or {}
         if positions is None:
             positions = self._positions_from_cache(tokens, caches[0], kwargs)
+        positions = positions.to(tokens.device)  # (B, T)
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         cos, sin = self.rope(positions, x.dtype)  # (B, T, 1, D) each
         for layer, cache in zip(self.layers[:n], caches):

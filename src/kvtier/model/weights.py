@@ -18,7 +18,6 @@ gate, ``w3`` up, ``w2`` down), then :func:`fuse` concatenates Q/K/V into
 from __future__ import annotations
 
 import json
-import math
 import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -282,8 +281,3 @@ def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
             tensors[rename(name, _HF_NAMES, _HF_LAYER_NAMES, _HF_LAYER)] = t
     return args, fuse(tensors, args)
 
-
-def state_dict_nbytes(sd: Mapping[str, torch.Tensor]) -> int:
-    """Bytes of distinct tensors (a tied head counted once)."""
-    seen = {t.data_ptr(): t.numel() * t.element_size() for t in sd.values()}
-    return int(math.fsum(seen.values()))
