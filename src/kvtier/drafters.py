@@ -68,8 +68,9 @@ class NgramDrafter:
         return Draft(tokens.reshape(len(found), K), [len(f) for f in found])
 
     def lookup(self, context: Sequence[int], k: int) -> list[int]:
-        """The ``k`` tokens (or fewer) that followed the latest earlier match of the longest
-        n-gram ending ``context``; ``[]`` when none matches."""
+        """The ``k`` tokens that followed the latest earlier match of the longest n-gram
+        ending ``context``; ``[]`` when none matches. A copy that reaches the end of the
+        context goes on from the tokens it proposed (so a repeating pattern continues)."""
         ctx = list(context)
         L = len(ctx)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
@@ -77,7 +78,10 @@ class NgramDrafter:
             first = tail[0]
             for s in range(L - n - 1, -1, -1):  # the latest start first; s + n < L
                 if ctx[s] == first and ctx[s:s + n] == tail:
-                    return ctx[s + n: s + n + k]
+                    out: list[int] = []
+                    for j in range(s + n, s + n + k):
+                        out.append(ctx[j] if j < L else out[j - L])
+                    return out
         return []
 
 

@@ -248,28 +248,41 @@ class DepthPolicy:
     ``prior`` worth one draft. A verification with ``k`` drafts yields
     ``E(k) = 1 + alpha + ... + alpha^k`` tokens and costs ``1 + cost * k`` one-token
     forwards, so the depth is the ``k <= max_k`` that maximises ``E(k) / (1 + cost k)``:
-    zero (plain decoding) once ``alpha`` falls to about ``cost``. While a row does
-    not draft, its evidence decays toward the prior, so it tries again now and then.
+    zero (plain decoding) once ``alpha`` falls to about ``cost``.
+
+    A row at depth zero learns nothing, so after ``wait`` verifications it drafts
+    one token (a probe). A rejected probe doubles the wait (up to ``max_wait``), an
+    accepted one resets it.
     """
 
     def __init__(self, batch: int, max_k: int, cost: float, *, adaptive: bool = True,
-                 decay: float = 0.8, prior: float = 0.6):
+                 decay: float = 0.8, prior: float = 0.6, wait: int = 4, max_wait: int = 64):
         self.max_k, self.cost, self.adaptive = max_k, cost, adaptive
-        self.decay, self.prior = decay, prior
+        self.decay, self.prior, self.first_wait, self.max_wait = decay, prior, wait, max_wait
         self.hits, self.judged = [0.0] * batch, [0.0] * batch
+        self.idle, self.wait = [0] * batch, [wait] * batch
 
     def alpha(self, row: int) -> float:
         return (self.hits[row] + self.prior) / (self.judged[row] + 1.0)
 
     def depths(self) -> list[int]:
+        """Per row: its best depth, or a probe (1) when due. In a batch, one forward's width
+        is set by its deepest row, so depths are capped where the batch's expected tokens
+        per unit of cost peak (probes kept)."""
         if not self.adaptive:
             return [self.max_k] * len(self.hits)
-        return [self._best(self.alpha(r)) for r in range(len(self.hits))]
+        alphas = [self.alpha(r) for r in range(len(self.hits))]
+        best = [self._best([a]) for a in alphas]
+        cap = self._best(alphas, best)
+        return [min(k, cap) if k else int(self.max_k > 0 and idle >= wait)
+                for k, idle, wait in zip(best, self.idle, self.wait)]
 
-    def _best(self, a: float) -> int:
-        best_k, best, expected = 0, 1.0, 1.0
-        for k in range(1, self.max_k + 1):
-            expected += a**k
+    def _best(self, alphas: Sequence[float], limits: Sequence[int] | None = None) -> int:
+        """The depth ``K`` maximising ``sum_r E_r(min(K, limits[r])) / (1 + cost K)``."""
+        limits = [self.max_k] * len(alphas) if limits is None else limits
+        best_k, best = 0, float(len(alphas))
+        for k in range(1, max(limits, default=0) + 1):
+            expected = sum(sum(a**i for i in range(min(k, lim) + 1)) for a, lim in zip(alphas, limits))
             rate = expected / (1.0 + self.cost * k)
             if rate > best:
                 best_k, best = k, rate
@@ -278,10 +291,15 @@ class DepthPolicy:
     def observe(self, chosen: Sequence[int], drafted: Sequence[int], accepted: Sequence[int]) -> None:
         """Book one verification: per row the depth asked, the drafts made and kept."""
         for r, (k, n, a) in enumerate(zip(chosen, drafted, accepted)):
-            if n == 0 and k > 0:
-                continue  # asked but nothing to propose (no n-gram match): no evidence, no cost
+            if k == 0:
+                self.idle[r] += 1
+            if n == 0:
+                continue  # nothing drafted (or nothing to propose): no evidence, no cost
+            if self.adaptive and self._best([self.alpha(r)]) == 0:  # it was a probe
+                self.wait[r] = self.first_wait if a else min(2 * self.wait[r], self.max_wait)
             self.hits[r] = self.decay * self.hits[r] + a
             self.judged[r] = self.decay * self.judged[r] + a + (a < n)
+            self.idle[r] = 0
 
 
 # -- figures -------------------------------------------------------------------------------
