@@ -402,3 +402,35 @@ def test_generate_with_and_without_the_graph_gives_the_same_tokens(cuda_model, t
         steps.close()
         assert caches[0].frozen is graph
     assert out[0] == out[1]
+
+
+# -- the decode benchmark's peer and table (CPU) ------------------------------------------------------
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-llama3"])
+def test_the_benchmarks_hf_model_holds_our_weights_and_gives_our_logits(arch):
+    pytest.importorskip("transformers")
+    from kvtier.bench.decode_gpu import hf_llama, weight_bytes
+
+    ours = build_random(arch, dtype=torch.float32, std=0.1)
+    hf = hf_llama(ours)
+    assert hf.model.layers[1].mlp.up_proj.weight.data_ptr() == (
+        ours.layers[1].feed_forward.w13.weight[ours.args.hidden_dim:].data_ptr())  # a view, no copy
+    ids = torch.randint(0, ours.args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = ours(ids, ours.make_caches(KVCacheConfig(strategy="tail")))
+        got = hf(ids).logits.float()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert weight_bytes(ours) == 4 * ours.args.n_params
+
+
+def test_the_benchmark_table_compares_each_contender_with_its_peers():
+    from kvtier.bench.decode_gpu import Result, _rows
+
+    rows = _rows([
+        Result("kvtier paged, CUDA graph", 1, 512, 4, 0.1, 200.0, 250.0, [1, 2, 3, 4]),
+        Result("HF generate, DynamicCache", 1, 512, 4, 0.2, 40.0, 250.0, [1, 2, 9, 9]),
+        Result("HF generate, StaticCache (compiled)", 1, 512, 4, 0.2, 100.0, 250.0, [1, 2, 3, 4]),
+        Result("kvtier paged, CUDA graph", 64, 8192, 4, 1.0, 2400.0, 3200.0),
+    ])
+    assert rows[0][5:11] == ["200.0", "5.00", "80% of 250", "5.00x", "2.00x", "4/4"]
+    assert rows[1][10] == "2/4"
+    assert rows[3][5:10] == ["2400.0", "26.67", "75% of 3200", "-", "-"]

@@ -278,7 +278,7 @@ class PagedKVCache(KVCache):
     def _update_planned(self, keys, values, plan: StepPlan, write_start, new_offsets) -> None:
         """Write at the plan's slots; the books then point at the plan's (shared) lists."""
         plan.check_step(keys, write_start, new_offsets)
-        if self.codecs is None or plan.slots is None or plan.block_tables.shape != self.block_tables.shape:
+        if self.codecs is None or plan.slots is None or plan.block_tables.shape[0] != self.batch_size:
             raise ValueError("this plan was not made for this cache: plan paged caches that hold tokens "
                              "with kvtier.caches.step_plan.StepPlanner")
         self._write(keys, values, plan.slots)

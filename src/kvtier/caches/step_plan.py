@@ -56,7 +56,8 @@ class StepPlan:
     Device tensors (int64 unless said): ``write_start`` ``[B]`` (each row's
     position this step), ``new_offsets`` ``[B]`` (its length after it), ``index``
     ``[B, 1]`` (a view of ``write_start``), paged ``slots`` ``[B]`` and
-    ``block_tables`` int32 ``[B, max_blocks]`` (the table every layer reads).
+    ``block_tables`` int32 ``[B, n]`` (the table every layer reads: the first ``n``
+    columns of layer 0's, ``n`` the most blocks a row holds).
     Host: ``starts``/``ends``, the same values as lists (every paged layer's books
     point at these two lists), ``bound`` (an upper bound on ``ends`` while the plan
     holds) and ``memo`` (device copies of the lists, shared). ``valid`` turns False
@@ -221,8 +222,9 @@ class StepPlanner:
                 self.plan.starts[:], self.plan.ends[:] = self._lengths, self._lengths
                 self.plan.memo.clear()
                 self.plan.valid = True
-            if self.tier == "paged":
-                self.plan.block_tables = first.pool.block_tables
+            if self.tier == "paged":  # the columns rows hold: kernels plan their split on its width
+                width = max(len(r) for r in first.pool.rows)
+                self.plan.block_tables = first.pool.block_tables[:, :width]
                 if self.plan.slots is None:
                     self.plan.slots = torch.zeros_like(ends)
 
