@@ -38,6 +38,7 @@ Example (CUDA)::
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 
@@ -181,14 +182,21 @@ class CUDAGraphDecoder(PlannedDecoder):
     :meth:`step` returns the graph's own logits tensor: read it before the next step.
     While the decoder runs, the caches belong to it; a cache changed outside it
     (trim, restore, ...) makes the next step raise.
+
+    ``torch_compile``: run the forward through ``torch.compile`` (fusing the norms, RoPE
+    and the MLP's elementwise work between the cache calls, which stay outside its
+    graphs) before capturing it; the first step then also compiles.
     """
 
     def __init__(self, model, caches: Sequence[KVCache], lengths: Sequence[int] | None = None, *,
-                 max_steps: int | None = None):
+                 max_steps: int | None = None, torch_compile: bool = False):
         why = graph_unavailable(model, caches, max_steps)
         if why is not None:
             raise ValueError(f"CUDA-graph decode cannot serve: {why}")
         super().__init__(model, caches, lengths, max_steps=max_steps)
+        self._forward, self._layers = model, self.caches
+        if torch_compile:
+            self._forward, self._layers = torch.compile(model, dynamic=False), _outside_compile(self.caches)
         self.budget = self.planner.headroom()  # what the frozen capacity holds, fixed before capture
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager_reason: str | None = None  # set when the kernels fell back and capture was skipped
@@ -226,7 +234,7 @@ class CUDAGraphDecoder(PlannedDecoder):
         s.wait_stream(main)
         with torch.cuda.stream(s):
             self.planner.device_step()
-            self._logits = self.model(self._tokens, self.caches, cache_kwargs=kw, last_only=True)
+            self._logits = self._forward(self._tokens, self._layers, cache_kwargs=kw, last_only=True)
         main.wait_stream(s)
         self._logits.record_stream(main)
 
@@ -245,13 +253,42 @@ class CUDAGraphDecoder(PlannedDecoder):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=self._stream):
             self.planner.device_step()
-            self._logits = self.model(self._tokens, self.caches, cache_kwargs=kw, last_only=True)
+            self._logits = self._forward(self._tokens, self._layers, cache_kwargs=kw, last_only=True)
         self.graph = graph
 
     def close(self) -> None:
         """Free the graph and end the plan; the caches keep what was written, frozen."""
         self.graph = None
         super().close()
+
+
+def _outside_compile(caches: list[KVCache]) -> list:
+    """Per-layer stand-ins whose ``update``/``attention`` ``torch.compile`` leaves out of its
+    graphs (it breaks the graph there and calls them as they are)."""
+    return [_opaque_class()(c) for c in caches]
+
+
+@functools.cache
+def _opaque_class() -> type:
+    # made on first use (the decorator imports torch._dynamo, which takes seconds) and kept,
+    # so that compiled code guarding on the stand-ins' type serves every decoder
+    class Opaque:
+        def __init__(self, cache: KVCache):
+            self.cache, self.tier = cache, cache.tier
+
+        @property
+        def offset(self):
+            return self.cache.offset
+
+        @torch.compiler.disable
+        def update(self, keys, values, **kwargs):
+            return self.cache.update(keys, values, **kwargs)
+
+        @torch.compiler.disable
+        def attention(self, queries, **kwargs):
+            return self.cache.attention(queries, **kwargs)
+
+    return Opaque
 
 
 def make_decoder(model, caches: Sequence[KVCache], lengths: Sequence[int] | None = None, *,

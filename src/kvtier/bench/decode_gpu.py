@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--big-context", type=int, default=8192)
     parser.add_argument("--big-steps", type=int, default=64, help="decode steps at the big batch")
     parser.add_argument("--skip-big", action="store_true", help="no big-batch run")
+    parser.add_argument("--skip-compile", action="store_true",
+                        help="no batch-1 run of the CUDA graph over a torch.compile'd forward")
     parser.add_argument("--out", default=None, help="write the tables as Markdown here")
     parser.add_argument("--device", default="cuda")
 
@@ -85,22 +87,27 @@ def run(args: argparse.Namespace) -> int:
     model = build_random(args.arch, dtype=torch.bfloat16, device=device)
     bandwidth = copy_bandwidth(device)
     weights = weight_bytes(model)
-    kv_token = kv_bytes_per_token(model)
-    results: list[Result] = []
-    results += batch1(model, args, bandwidth / weights)
-    if not args.skip_hf:
-        results += hf_contenders(model, args, bandwidth / weights)
-    if not args.skip_big:
-        torch.cuda.empty_cache()
-        results += big_batch(model, args, bandwidth, weights, kv_token)
     meta = {
         "model": f"{args.arch} (random weights), bfloat16, {weights / 1e9:.2f} GB of weights",
         "device": torch.cuda.get_device_name(device),
         "bandwidth": f"{bandwidth / 1e12:.2f} TB/s (device copy, bytes read + written, best of 10)",
         "versions": _versions(),
-        "seconds": f"{time.perf_counter() - t_start:.0f}",
     }
-    report(results, meta, args)
+    roof = bandwidth / weights
+    sections = [lambda: batch1(model, args, roof)]
+    if not args.skip_hf:
+        sections.append(lambda: hf_contenders(model, args, roof))
+    if not args.skip_big:
+        sections.append(lambda: big_batch(model, args, bandwidth, weights, kv_bytes_per_token(model)))
+    if not args.skip_compile:  # last: a failure inside a capture can leave the device unusable
+        sections.append(lambda: [compiled_graph(model, args, roof)])
+    results: list[Result] = []
+    for section in sections:
+        results += section()
+        torch.cuda.empty_cache()
+        meta["seconds"] = f"{time.perf_counter() - t_start:.0f}"
+        write_markdown(results, meta, args)  # after every section: a later failure keeps these
+    print_table(results, meta)
     return 0
 
 
@@ -172,6 +179,46 @@ def batch1(model, args, roof: float) -> list[Result]:
         out.append(Result(name, 1, L, n, first, (n - 1) / rest, roof, tokens, note))
         del caches
     return out
+
+
+def compiled_graph(model, args, roof: float) -> Result:
+    """Batch 1, the paged tier: a CUDA graph captured over a ``torch.compile``'d forward."""
+    L, n = args.prompt_tokens, args.new_tokens
+    name = "kvtier paged, CUDA graph over torch.compile"
+    prompt = _random_ids(L, model.args.vocab_size, 0)
+    cfg = KVCacheConfig(strategy="paged", paged_num_blocks=math.ceil((L + n + 2) / 16) + 1)
+    try:
+        for _ in range(2):  # warm-up (compilation), then the timed run
+            first, rest, tokens, note = _compiled_run(model, prompt, cfg, n)
+        return Result(name, 1, L, n, first, (n - 1) / rest, roof, tokens, note)
+    except Exception as e:  # an optional contender: report why, keep the others
+        return Result(name, 1, L, n, float("nan"), float("nan"), roof,
+                      note=f"failed: {type(e).__name__}: {str(e)[:200]}")
+
+
+def _compiled_run(model, prompt, cfg, n) -> tuple[float, float, list[int], str]:
+    """Greedy decode as generate_step does it on CUDA (the next step queued before a read)."""
+    from kvtier.cuda_graph import CUDAGraphDecoder
+
+    dev = model.output.weight.device
+    caches = model.make_caches(cfg, batch_size=1)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model(torch.tensor([prompt[:-1]], device=dev), caches, last_only=True)
+        dec = CUDAGraphDecoder(model, caches, max_steps=n + 1, torch_compile=True)
+        y = dec.step(torch.tensor([prompt[-1]], device=dev))[:, -1].argmax(-1)
+        y_next = dec.step(y)[:, -1].argmax(-1)
+        tokens = y.tolist()
+        t1 = time.perf_counter()
+        for _ in range(n - 1):
+            y = y_next
+            y_next = dec.step(y)[:, -1].argmax(-1)
+            tokens += y.tolist()
+        t2 = time.perf_counter()
+    note = "" if dec.captured else f"not captured: {dec.eager_reason}"
+    dec.close()
+    return t1 - t0, t2 - t1, tokens, note
 
 
 def hf_llama(model):
@@ -275,9 +322,10 @@ def big_batch(model, args, bandwidth: float, weights: int, kv_token: int) -> lis
     cfg = KVCacheConfig(strategy="paged", paged_num_blocks=blocks)
     caches = model.make_caches(cfg, batch_size=B)
     g = torch.Generator(device=dev).manual_seed(0)
+    shape, dtype = (B, a.n_kv_heads, ctx - 1, a.head_dim), model.output.weight.dtype
     with torch.inference_mode():
-        k = torch.randn(B, a.n_kv_heads, ctx - 1, a.head_dim, generator=g, device=dev, dtype=torch.bfloat16)
-        v = torch.randn(B, a.n_kv_heads, ctx - 1, a.head_dim, generator=g, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(shape, generator=g, device=dev, dtype=dtype)
+        v = torch.randn(shape, generator=g, device=dev, dtype=dtype)
         for c in caches:
             c.update(k, v)
     del k, v
@@ -292,6 +340,8 @@ def big_batch(model, args, bandwidth: float, weights: int, kv_token: int) -> lis
                 for c in caches:  # back to the filled context for the next run
                     c.trim(c.size() - (ctx - 1))
         note = "; ".join(dict.fromkeys(notes))
+        if graph and not caches[0].frozen:
+            note = ("not captured; " + note).strip("; ")
         out.append(Result(name, B, ctx, n, first, B * (n - 1) / rest, roof, tokens, note))
     del caches
     return out
@@ -336,7 +386,13 @@ HEADER = ["contender", "batch", "context", "new tokens", "prefill + 1st (s)", "d
           "ms/step", "roofline", "vs HF Dynamic", "vs HF Static", "same tokens", "note"]
 
 
-def report(results: list[Result], meta: dict, args) -> None:
+def write_markdown(results: list[Result], meta: dict, args) -> None:
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(_markdown(_rows(results), meta, args))
+
+
+def print_table(results: list[Result], meta: dict) -> None:
     rows = _rows(results)
     title = (f"decode on {meta['device']}: {meta['model']}; copy bandwidth {meta['bandwidth']}")
     try:
@@ -352,10 +408,6 @@ def report(results: list[Result], meta: dict, args) -> None:
         for row in rows:
             table.add_row(*row)
         Console(width=200).print(table)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(_markdown(rows, meta, args))
-        print(f"wrote {args.out}")
 
 
 def _markdown_table(rows: list[list[str]]) -> str:
@@ -376,7 +428,7 @@ def _markdown(rows, meta, args) -> str:
         f"{args.new_tokens}{'' if args.hf_new_tokens is None else f' --hf-new-tokens {hf_n}'}"
         f"{' --skip-hf' if args.skip_hf else ''}{' --skip-static' if args.skip_static else ''}"
         f" --big-batch {args.big_batch} --big-context {args.big_context} --big-steps {args.big_steps}"
-        f"{' --skip-big' if args.skip_big else ''}`",
+        f"{' --skip-big' if args.skip_big else ''}{' --skip-compile' if args.skip_compile else ''}`",
         "",
         f"Batch 1: {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens for kvtier and "
         f"{hf_n} for HF, greedy; each contender timed after an identical warm-up call. Roofline "
