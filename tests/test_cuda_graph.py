@@ -278,6 +278,17 @@ for T, ws, no in ((5, None, [5, 3, 0]), (2, [5, 1, 0], [6, 3, 1]), (1, None, Non
 assert tri.stats()["attention_calls_by_backend"] == {"triton": 9}, tri.stats()
 assert ref.stats()["attention_calls_by_backend"] == {"torch": 9}
 
+# the Triton write takes K and V whose strides differ only where a dim has one element
+from kvtier.caches.paged import PagedKVCache
+qk, qkv = torch.randn(1, 1, 6, 16), torch.randn(1, 1, 8, 16)  # (B, T, H, D), as in the model
+k, v = qk[:, :, 4:].transpose(1, 2), qkv[:, :, 6:].transpose(1, 2)  # (1, 2, 1, 16) each
+assert k.stride() != v.stride()
+pc = {b: PagedKVCache(4, 4, attention_backend=b) for b in ("torch", "triton")}
+for c in pc.values():
+    c.update(k, v)
+assert all(torch.equal(a, b) for a, b in zip(pc["torch"].fetch(), pc["triton"].fetch()))
+assert pc["triton"].paged_stats()["write_calls_by_backend"] == {"triton": 1}
+
 # a planned paged decode through the Triton write and attention kernels
 args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=64)
 model = build_random(args, dtype=torch.float32, std=0.1)

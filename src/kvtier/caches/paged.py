@@ -287,8 +287,11 @@ class PagedKVCache(KVCache):
     def _write(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Encode ``keys``/``values`` ``[B, H_kv, T, D]`` (or ``[1, H_kv, n, D]``) into ``slots``."""
         if keys.stride() != values.stride():  # the write kernel reads K and V with one set of strides
-            kv = torch.stack((keys, values))  # (2, B, H_kv, T, D)
-            keys, values = kv[0], kv[1]
+            if all(a == b or n == 1 for a, b, n in zip(keys.stride(), values.stride(), keys.shape)):
+                values = values.as_strided(values.shape, keys.stride())  # only size-1 dims differ
+            else:
+                kv = torch.stack((keys, values))  # (2, B, H_kv, T, D)
+                keys, values = kv[0], kv[1]
         H = keys.shape[1]
         k_codec, v_codec = self.codecs.k_codec, self.codecs.v_codec
         nbytes = slots.numel() * H * (k_codec.bytes_per_token_head() + v_codec.bytes_per_token_head())
