@@ -63,20 +63,26 @@ def causal_attention(
     ``mask`` ``[B, 1, T, S]`` replaces the positional one when given. Rows whose
     queries see no key return zeros.
     """
-    B, Hq, T, _ = q.shape
-    S = k.shape[2]
-    if q_start is None:
-        q_start = S - T
-    if mask is None:
-        mask = causal_mask(B, T, S, q_start, kv_len, device=q.device)
-    Hkv = k.shape[1]
+    B, Hq, T, D = q.shape
+    S, Hkv = k.shape[2], k.shape[1]
     G = Hq // Hkv
-    D = q.shape[3]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    newest = mask is None and kv_len is None and (q_start is None or (
+        not isinstance(q_start, torch.Tensor) and q_start == S - T))
+    if newest and T == 1:
+        # Decode: the one query sees every key; no mask lets SDPA take its fastest path.
+        qg = q.reshape(B, Hkv, G, D)  # (B, H_kv, G, D): a KV head's query heads share its keys
+        return sdpa(qg, k, v, scale=scale).reshape(B, Hq, 1, v.shape[3])
+    if newest and T == S:
+        # Prefill from empty: plain causal attention.
+        return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=G > 1)
+    if mask is None:
+        mask = causal_mask(B, T, S, S - T if q_start is None else q_start, kv_len, device=q.device)
     # The G query heads of a KV head share its keys: fold them into the query
     # axis instead of expanding K/V (no copy of the cache per call).
     qg = q.reshape(B, Hkv, G * T, D)  # (B, H_kv, G*T, D)
     mg = mask if G == 1 or mask.shape[2] == 1 else mask.repeat(1, 1, G, 1)  # (B, 1, G*T, S)
-    out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
+    out = sdpa(qg, k, v, attn_mask=mg, scale=scale)
     out = out.reshape(B, Hq, T, v.shape[3])  # (B, H_q, T, D)
     # SDPA gives NaN for a query that sees nothing; such queries are padding.
     return torch.nan_to_num(out, nan=0.0)
