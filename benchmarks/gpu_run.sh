@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The H200 run in one go: GPU tests, the attention kernels, end-to-end decode, transformers.
+#
+#   OUT=/path/to/results bash benchmarks/gpu_run.sh        # from the repository root
+#
+# Uses the machine's python3 (torch, triton, transformers, rich, pytest) with src/ on
+# PYTHONPATH, so nothing is installed. Every step has a time limit and the script goes
+# on past a failure; the whole run stays under about 9 minutes. Files under $OUT (7):
+#   env.txt          device, driver, versions
+#   gpu_tests.log    pytest -m gpu over the kernel, tier, CUDA-graph and transformers tests
+#   attention.md     kvtier bench attention (paged decode vs SDPA, quantised pages, write kernel)
+#   decode_gpu.md    kvtier bench decode_gpu (batch 1 vs HF generate, batch 64 at 8k)
+#   hf.json          kvtier bench hf, CUDA: KVTierCache inside transformers generate
+#   bench.log        everything the three benchmarks printed
+#   summary.txt      one line per step: outcome, seconds, command
+set -u
+OUT=${OUT:?set OUT to the folder the results go to}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+START=$(date +%s)
+
+# step NAME SECONDS LOG COMMAND...: run COMMAND under a time limit, append its output to LOG
+step() {
+    local name=$1 limit=$2 log=$3
+    shift 3
+    local t0 rc what
+    t0=$(date +%s)
+    echo "== $name (limit ${limit}s): $*" >>"$log"
+    timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    case $rc in
+        0) what="ok" ;;
+        124 | 137) what="timed out" ;;
+        *) what="failed (rc $rc)" ;;
+    esac
+    printf '%-12s %-16s %4ss  %s\n' "$name" "$what" "$(($(date +%s) - t0))" "$*" >>"$SUMMARY"
+}
+
+{
+    date -u '+%Y-%m-%d %H:%M UTC'
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1
+    "$PY" - <<'EOF'
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "device",
+      torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+for name in ("triton", "transformers", "rich", "pytest", "hypothesis", "xdist", "gguf"):
+    try:
+        print(name, getattr(importlib.import_module(name), "__version__", "present"))
+    except ImportError:
+        print(name, "absent")
+EOF
+    git rev-parse HEAD 2>/dev/null || echo "no git metadata here"
+} >"$OUT/env.txt" 2>&1
+
+# (a) every GPU-marked test: the tiers, CUDA graphs and transformers first, then the kernel grids
+PARALLEL=()
+"$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)
+PYTEST=("$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider "${PARALLEL[@]}")
+step tests 70 "$OUT/gpu_tests.log" "${PYTEST[@]}" tests/test_cuda_graph.py tests/test_ragged.py \
+    tests/test_paged.py tests/test_paged_kernels.py tests/test_quant.py tests/test_hf.py
+step kernels 80 "$OUT/gpu_tests.log" "${PYTEST[@]}" tests/test_triton_paged.py tests/test_triton_ragged.py
+
+# (b) paged decode attention against SDPA, quantised pages, the write kernel (tables written
+#     as they finish, so a cut run keeps what it measured)
+step attention 60 "$OUT/bench.log" "$PY" -m kvtier.cli bench attention --out "$OUT/attention.md"
+
+# (c) end to end: batch 1 against HF generate (DynamicCache, compiled StaticCache), batch 64
+#     at 8k against the roofline; the Markdown is rewritten after every section
+step decode_gpu 240 "$OUT/bench.log" "$PY" -m kvtier.cli bench decode_gpu --out "$OUT/decode_gpu.md"
+
+# (d) KVTierCache inside transformers generate on the Llama-3-8B shape
+step hf 40 "$OUT/bench.log" "$PY" -m kvtier.cli bench hf --model llama3-8b --device cuda --quick \
+    --contenders dynamic,paged,paged-q8 --plot "" --json "$OUT/hf.json"
+
+echo "total $(($(date +%s) - START))s" >>"$SUMMARY"
+grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 4 >>"$SUMMARY" 2>/dev/null
+cat "$SUMMARY"
