@@ -90,7 +90,7 @@ def drafters(lm):
                                   vocab_size=lm.args.vocab_size), seed=1)
     return {
         "ngram": NgramDrafter,
-        "early-exit": lambda: EarlyExitDrafter(lm.model, 4),
+        "early-exit": lambda: EarlyExitDrafter(lm.model, 2),
         "model": lambda: ModelDrafter(tiny),
     }
 
@@ -409,6 +409,24 @@ def test_depth_policy_backs_off_and_probes_again():
         policy.observe([k], [k], [k])
     assert policy.depths() == [6]
     assert DepthPolicy(2, max_k=5, cost=0.2, adaptive=False).depths() == [5, 5]
+    quiet = DepthPolicy(1, max_k=6, cost=0.2, probes=False)  # a model drafter: no probes
+    for _ in range(3):
+        k = quiet.depths()[0]
+        quiet.observe([k], [k], [0])
+    for _ in range(100):
+        assert quiet.depths() == [0]
+        quiet.observe([0], [0], [0])
+
+
+def test_depth_policy_caps_a_batch_where_its_tokens_per_cost_peak():
+    policy = DepthPolicy(4, max_k=6, cost=0.2)
+    for _ in range(8):  # rows 0 and 1 accept everything, rows 2 and 3 nothing
+        ks = policy.depths()
+        policy.observe(ks, ks, [ks[0], ks[1], 0, 0])
+    alone = [policy._best([policy.alpha(r)]) for r in range(4)]
+    assert alone[:2] == [6, 6] and alone[2:] == [0, 0]
+    ks = policy.depths()
+    assert ks[2:] == [0, 0] and 0 < ks[0] == ks[1] <= 6
 
 
 def test_adaptive_depth_drafts_little_when_drafts_fail():

@@ -115,26 +115,17 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """What the speculative loop asks of a drafter (see :mod:`kvtier.drafters`)."""
+    """What the speculative loop asks of a drafter (see :mod:`kvtier.drafters`):
+    ``propose`` at most ``ks[r]`` drafts continuing ``contexts[r]`` (prompt and committed
+    tokens), ``reset`` (a new batch follows), and the ``cost`` of one drafted token as a
+    fraction of one forward of ``target``."""
 
-    def propose(
-        self,
-        contexts: Sequence[Sequence[int]],
-        ks: Sequence[int],
-        *,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> Draft:
-        """At most ``ks[r]`` drafts continuing ``contexts[r]`` (prompt and committed tokens)."""
-        ...
+    def propose(self, contexts: Sequence[Sequence[int]], ks: Sequence[int], *,
+                params: SamplingParams, generator: torch.Generator | None) -> Draft: ...
 
-    def reset(self) -> None:
-        """Forget every row (a new batch follows)."""
-        ...
+    def reset(self) -> None: ...
 
-    def cost(self, target) -> float:
-        """One drafted token's cost as a fraction of one forward of ``target``."""
-        ...
+    def cost(self, target) -> float: ...
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -250,14 +241,17 @@ class DepthPolicy:
     forwards, so the depth is the ``k <= max_k`` that maximises ``E(k) / (1 + cost k)``:
     zero (plain decoding) once ``alpha`` falls to about ``cost``.
 
-    A row at depth zero learns nothing, so after ``wait`` verifications it drafts
-    one token (a probe). A rejected probe doubles the wait (up to ``max_wait``), an
-    accepted one resets it.
+    A row at depth zero learns nothing, so with ``probes`` it drafts one token after
+    ``wait`` verifications (a probe); a rejected probe doubles the wait (up to
+    ``max_wait``), an accepted one resets it. Probes suit a free drafter (n-gram); a
+    model drafter would first have to catch up on every token it skipped, which costs
+    as much as drafting all along, so it is not probed.
     """
 
     def __init__(self, batch: int, max_k: int, cost: float, *, adaptive: bool = True,
-                 decay: float = 0.8, prior: float = 0.6, wait: int = 4, max_wait: int = 64):
-        self.max_k, self.cost, self.adaptive = max_k, cost, adaptive
+                 probes: bool = True, decay: float = 0.8, prior: float = 0.6, wait: int = 4,
+                 max_wait: int = 64):
+        self.max_k, self.cost, self.adaptive, self.probes = max_k, cost, adaptive, probes
         self.decay, self.prior, self.first_wait, self.max_wait = decay, prior, wait, max_wait
         self.hits, self.judged = [0.0] * batch, [0.0] * batch
         self.idle, self.wait = [0] * batch, [wait] * batch
@@ -274,7 +268,7 @@ class DepthPolicy:
         alphas = [self.alpha(r) for r in range(len(self.hits))]
         best = [self._best([a]) for a in alphas]
         cap = self._best(alphas, best)
-        return [min(k, cap) if k else int(self.max_k > 0 and idle >= wait)
+        return [min(k, cap) if k else int(self.probes and self.max_k > 0 and idle >= wait)
                 for k, idle, wait in zip(best, self.idle, self.wait)]
 
     def _best(self, alphas: Sequence[float], limits: Sequence[int] | None = None) -> int:
@@ -386,8 +380,9 @@ def speculative_generate_step(
         if on_prefilled is not None:
             on_prefilled()
         run = _Rows(rows, device, max_tokens, stop_token_ids)
-        policy = DepthPolicy(len(rows), spec.draft_tokens, spec.verify_cost + drafter.cost(model),
-                             adaptive=spec.adaptive)
+        draft_cost = drafter.cost(model)
+        policy = DepthPolicy(len(rows), spec.draft_tokens, spec.verify_cost + draft_cost,
+                             adaptive=spec.adaptive, probes=draft_cost == 0)
         like = next(model.parameters())
         while not all(run.done):
             t0 = time.perf_counter()
