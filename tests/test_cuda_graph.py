@@ -322,10 +322,12 @@ def test_triton_paths_under_the_interpreter():
 
 
 # -- CUDA ----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cuda_model():
-    args = ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, hidden_dim=512, vocab_size=512)
-    return build_random(args, dtype=torch.bfloat16, device="cuda", std=0.05)
+CUDA_ARGS = ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, hidden_dim=512, vocab_size=512)
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def cuda_model(request):
+    return build_random(CUDA_ARGS, dtype=request.param, device="cuda", std=0.05)
 
 
 def _cuda_caches(model, tier, prompts, backend="auto"):
@@ -342,8 +344,10 @@ def _cuda_caches(model, tier, prompts, backend="auto"):
 @pytest.mark.parametrize("tier,backend", [("ragged", "auto"), ("ragged", "torch"), ("paged", "auto")])
 @pytest.mark.parametrize("lengths", [(37,), (50, 17, 3)])
 def test_graph_replay_gives_the_tokens_of_eager_decode(cuda_model, tier, backend, lengths):
-    """64 steps: the graph (the first step eager, the second captured, then replays) against
-    the planned eager decoder and the per-layer path, which run the same kernels."""
+    """64 steps from the graph (the first eager, the second captured, then replays) against
+    eager planned steps over caches frozen alike: the same kernels with the same launch
+    plans, so the same tokens and logits. In float32, where another launch plan (another
+    order of sums) cannot flip a token, also against the per-layer path."""
     prompts, n = prompts_of(lengths), 64
     ends = [len(p) - 1 for p in prompts]
     caches, y = _cuda_caches(cuda_model, tier, prompts, backend)
@@ -352,14 +356,18 @@ def test_graph_replay_gives_the_tokens_of_eager_decode(cuda_model, tier, backend
         got = planned_decode(dec, y, n)
         assert dec.captured and dec.eager_reason is None and dec.steps == n
         eager, y = _cuda_caches(cuda_model, tier, prompts, backend)
-        want = planned_decode(PlannedDecoder(cuda_model, eager), y, n)
-        per_layer, y = _cuda_caches(cuda_model, tier, prompts, backend)
-        ref = per_layer_decode(cuda_model, per_layer, y, ends, n)
-    assert [g.argmax(-1).tolist() for g in got] == [w.argmax(-1).tolist() for w in want]
-    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-2, atol=1e-2)
-    assert [g.argmax(-1).tolist() for g in got] == [r.argmax(-1).tolist() for r in ref]
+        want = planned_decode(PlannedDecoder(cuda_model, eager, max_steps=n), y, n)
+    tokens = [g.argmax(-1).tolist() for g in got]
+    assert tokens == [w.argmax(-1).tolist() for w in want]
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=0, atol=1e-3)
     same_contents(caches, eager)
     assert caches[0].offset.tolist() == [e + n for e in ends]
+    if cuda_model.output.weight.dtype == torch.float32:
+        with torch.inference_mode():
+            per_layer, y = _cuda_caches(cuda_model, tier, prompts, backend)
+            ref = per_layer_decode(cuda_model, per_layer, y, ends, n)
+        assert tokens == [r.argmax(-1).tolist() for r in ref]
+        torch.testing.assert_close(torch.stack(got), torch.stack(ref), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -404,6 +412,8 @@ def test_the_graph_stops_at_its_budget(cuda_model, tier):
 def test_generate_with_and_without_the_graph_gives_the_same_tokens(cuda_model, tier):
     from kvtier.generate import generate_step
 
+    if cuda_model.output.weight.dtype != torch.float32:
+        pytest.skip("the eager run plans its launches over other capacities: compared in float32")
     prompts = prompts_of((30, 12))
     out = []
     for graph in (True, False):
@@ -412,7 +422,7 @@ def test_generate_with_and_without_the_graph_gives_the_same_tokens(cuda_model, t
         out.append([next(steps).tolist() for _ in range(20)])
         steps.close()
         assert caches[0].frozen is graph
-    assert out[0] == out[1]
+    assert out[0] == out[1]  # (float32: another launch plan cannot flip a token)
 
 
 # -- the decode benchmark's peer and table (CPU) ------------------------------------------------------
