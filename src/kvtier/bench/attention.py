@@ -8,10 +8,16 @@ Four measurements, each against a peer in the same run:
    on the same K/V laid out contiguously ``[B, H_kv, L, D]``. Effective
    bandwidth = K and V bytes read / time.
 2. ``quant``: each ``--modes`` codec at ``--quant-batch`` x ``--quant-context``
-   against the bf16 kernel on the same shape (speedup = bf16 time / mode time).
+   against the bf16 kernel on the same shape (speedup = bf16 time / mode time),
+   through both decode kernels for quantised pages: ``mma`` (the general kernel,
+   on the tensor cores) and ``cuda_core`` (``kvtier.kernels.triton_decode_quant``),
+   with the largest difference between their outputs; a last table names the
+   faster kernel per mode (``QUANT_DECODE_KERNEL`` in
+   ``kvtier.kernels.triton_attention`` picks the default).
 3. ``write``: one decode step's write (``paged_write_triton``, ``B`` tokens x
    ``H_kv`` heads, quantised on the way) against the attention time of that step.
-4. ``--sweep``: tile sizes, warps, stages and split counts on a few bf16 shapes.
+4. ``--sweep``: tile sizes, warps, stages and split counts on a few bf16 shapes;
+   ``--quant-sweep``: the same for both quantised decode kernels.
 
 Timing: each call is captured ``--iters`` times in one CUDA graph and the graph
 is replayed ``--reps`` times between CUDA events (median per call), so launch
@@ -59,12 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=10, help="graph replays (the median is reported)")
     parser.add_argument("--sweep", action="store_true", help="also sweep kernel configurations")
     parser.add_argument("--quant-sweep", action="store_true",
-                        help="also sweep BLOCK_N and warps of each quantised mode at --quant-batch x the longest --quant-contexts")
+                        help="also sweep both quantised decode kernels (BLOCK_N, warps, splits) at --quant-batch x "
+                             "the longest --quant-contexts")
     parser.add_argument("--sweep-shapes", default="1x32768,8x32768,64x8192", help="BxL shapes of the sweep")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: bf16, quant, write")
     parser.add_argument("--out", default=None, help="write the tables as Markdown here")
-    parser.add_argument("--profile", default=None, metavar="BxL[:MODE]",
-                        help="only call the kernel 3 times on this shape (run under ncu), then exit")
+    parser.add_argument("--profile", default=None, metavar="BxL[:MODE[@KERNEL]]",
+                        help="only call the kernel 3 times on this shape (run under ncu), then exit; "
+                             "KERNEL: mma or cuda_core for quantised decode")
     parser.add_argument("--device", default="cuda",
                         help="cuda; cpu runs a smoke test under TRITON_INTERPRET=1 (no meaningful times)")
 
@@ -187,7 +195,15 @@ def bench_bf16(args, gen) -> list[dict]:
     return rows
 
 
+def _kernel_cfg(kernel: str, **kw):
+    from kvtier.kernels.triton_attention import LaunchConfig
+
+    return LaunchConfig(decode_kernel=kernel, **kw)
+
+
 def bench_quant(args, gen) -> tuple[list[dict], list[dict]]:
+    """Each mode through both quantised decode kernels (MMA and CUDA-core, default plans) against bf16."""
+    from kvtier.kernels.triton_attention import QUANT_DECODE_KERNEL
     from kvtier.kernels.triton_paged import paged_write_triton
 
     B = args.quant_batch
@@ -197,27 +213,38 @@ def bench_quant(args, gen) -> tuple[list[dict], list[dict]]:
         n = copies_for(base.nbytes)
         t_bf16 = time_calls([base.attention] + [build_paged("fp", B, L, args, gen).attention for _ in range(n - 1)],
                             args.iters, args.reps)  # fmt: skip
-        rows.append(dict(mode="bf16", L=L, mb=base.nbytes / 1e6, t=t_bf16, bw=base.nbytes / t_bf16 / 1e12, speedup=1.0))
-        for mode in ["fp", *args.modes.split(";")]:
-            p = base if mode == "fp" else build_paged(mode, B, L, args, gen)
-            if mode != "fp":
-                t = time_calls([p.attention], args.iters, args.reps)
-                rows.append(dict(mode=mode, L=L, mb=p.nbytes / 1e6, t=t, bw=p.nbytes / t / 1e12, speedup=t_bf16 / t))
-            else:
-                t = t_bf16
-            if max(_ints(args.quant_contexts)) == L and "write" not in args.skip:
-                kn = torch.randn(B, args.kv_heads, 1, args.head_dim, device=args.device, dtype=torch.bfloat16, generator=gen)
-                slots = p.table[:, 0].long() * args.page + 3  # one slot per row
-                w = lambda p=p, kn=kn, slots=slots: paged_write_triton(
-                    p.kp, p.vp, p.ks, p.vs, slots, kn, kn, k_codec=p.kc, v_codec=p.vc
-                )
-                t_w = time_calls([w], args.iters, args.reps)
-                writes.append(dict(mode="bf16" if mode == "fp" else mode, B=B, L=L, t_write=t_w, t_attn=t,
-                                   share=t_w / t))  # fmt: skip
-            del p
+        rows.append(dict(mode="bf16", L=L, mb=base.nbytes / 1e6, t={"mma": t_bf16}, diff=0.0))
+        if max(_ints(args.quant_contexts)) == L and "write" not in args.skip:
+            writes.append(bench_write("bf16", base, t_bf16, args, gen, paged_write_triton))
         del base
         torch.cuda.empty_cache()
+        for mode in args.modes.split(";"):
+            p = build_paged(mode, B, L, args, gen)
+            ps = [p] + [build_paged(mode, B, L, args, gen) for _ in range(copies_for(p.nbytes) - 1)]
+            times = {}
+            for kernel in ("mma", "cuda_core"):
+                cfg = _kernel_cfg(kernel)
+                times[kernel] = time_calls([lambda x=x, cfg=cfg: x.attention(cfg) for x in ps], args.iters, args.reps)
+            diff = (p.attention(_kernel_cfg("mma")).float() - p.attention(_kernel_cfg("cuda_core")).float())
+            rows.append(dict(mode=mode, L=L, mb=p.nbytes / 1e6, t=times, diff=diff.abs().max().item(), t_bf16=t_bf16))
+            if max(_ints(args.quant_contexts)) == L and "write" not in args.skip:
+                family = "turboquant" if mode.startswith("turboquant") else "kv_quant"
+                writes.append(bench_write(mode, p, times[QUANT_DECODE_KERNEL[family]], args, gen, paged_write_triton))
+            del p, ps
+            torch.cuda.empty_cache()
+    for r in rows:
+        r.setdefault("t_bf16", r["t"]["mma"])
     return rows, writes
+
+
+def bench_write(mode: str, p: Paged, t_attn: float, args, gen, paged_write_triton) -> dict:
+    """One decode step's write (``B`` tokens x ``H_kv`` heads) against that step's attention time."""
+    B = p.q.shape[0]
+    kn = torch.randn(B, args.kv_heads, 1, args.head_dim, device=args.device, dtype=torch.bfloat16, generator=gen)
+    slots = p.table[:, 0].long() * args.page + 3  # one slot per row
+    w = lambda: paged_write_triton(p.kp, p.vp, p.ks, p.vs, slots, kn, kn, k_codec=p.kc, v_codec=p.vc)  # noqa: E731
+    t_w = time_calls([w], args.iters, args.reps)
+    return dict(mode=mode, B=B, L=p.table.shape[1] * args.page, t_write=t_w, t_attn=t_attn, share=t_w / t_attn)
 
 
 def bench_sweep(args, gen) -> list[dict]:
@@ -247,27 +274,57 @@ def bench_sweep(args, gen) -> list[dict]:
 
 
 def bench_quant_sweep(args, gen) -> list[dict]:
-    from kvtier.kernels.triton_attention import LaunchConfig
+    """Both quantised decode kernels over tile sizes, warps and split counts at one shape."""
+    from kvtier.kernels.triton_attention import plan_launch
+    from kvtier.kernels.triton_decode_quant import plan_decode
 
     B, L = args.quant_batch, max(_ints(args.quant_contexts))
+    dev = torch.device(args.device)
     base = build_paged("fp", B, L, args, gen)
     t_bf16 = time_calls([base.attention], args.iters, args.reps)
     del base
+    G = args.heads // args.kv_heads
+    configs = [("mma", bn, w, None) for bn in (64, 128) for w in (4, 8)]
+    configs += [("cuda_core", bn, w, None) for bn in (8, 16, 32) for w in (1, 2, 4)]
     rows = []
     for mode in args.modes.split(";"):
         p = build_paged(mode, B, L, args, gen)
-        for block_n in (64, 128):
-            for warps in (4, 8):
-                cfg = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=2)
-                try:
-                    t = time_calls([lambda p=p, cfg=cfg: p.attention(cfg)], args.iters, args.reps)
-                except Exception as e:  # out of registers or shared memory for a large tile
-                    print(f"quant sweep {mode} {cfg}: {type(e).__name__}: {str(e)[:120]}")
-                    continue
-                rows.append(dict(mode=mode, block_n=block_n, warps=warps, t=t, speedup=t_bf16 / t))
+        auto_mma = plan_launch(B, args.kv_heads, G, 1, L, dev, _kernel_cfg("mma"), True)[3]
+        auto_cc = plan_decode(B, args.kv_heads, L, dev, _kernel_cfg("cuda_core"))[1]
+        extra = [("mma", 128, 4, s) for s in sorted({max(1, auto_mma // 2), auto_mma * 2})]
+        extra += [("cuda_core", None, None, s) for s in sorted({max(1, auto_cc // 2), auto_cc * 2})]
+        for kernel, bn, warps, splits in configs + extra:
+            cfg = _kernel_cfg(kernel, block_n=bn, num_warps=warps, num_splits=splits,
+                              num_stages=2 if kernel == "mma" else None)  # fmt: skip
+            try:
+                t = time_calls([lambda p=p, cfg=cfg: p.attention(cfg)], args.iters, args.reps)
+            except Exception as e:  # out of registers or shared memory for a large tile
+                print(f"quant sweep {mode} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            auto = auto_mma if kernel == "mma" else auto_cc
+            rows.append(dict(mode=mode, kernel=kernel, block_n=bn or "auto", warps=warps or "auto",
+                             splits=f"{splits}" if splits else f"{auto}*", t=t, speedup=t_bf16 / t))  # fmt: skip
         del p
         torch.cuda.empty_cache()
     return rows
+
+
+def decode_verdict(rows: list[dict]) -> list[list[str]]:
+    """Per mode: the best time of each decode kernel in ``rows`` (quant table or sweep) and the winner."""
+    best: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if r["mode"] == "bf16":
+            continue
+        times = r["t"] if isinstance(r["t"], dict) else {r["kernel"]: r["t"]}
+        for kernel, t in times.items():
+            cur = best.setdefault(r["mode"], {})
+            cur[kernel] = min(cur.get(kernel, float("inf")), t)
+    out = []
+    for mode, t in best.items():
+        if {"mma", "cuda_core"} <= set(t):
+            win = min(t, key=t.get)
+            out.append([mode, f"{t['mma'] * 1e6:.1f}", f"{t['cuda_core'] * 1e6:.1f}", win])
+    return out
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -293,10 +350,11 @@ def run(args) -> int:
     gen = torch.Generator(device=args.device).manual_seed(0)
     if args.profile:
         shape, _, mode = args.profile.partition(":")
+        mode, _, kernel = mode.partition("@")
         B, L = (int(x) for x in shape.split("x"))
         p = build_paged(mode or "fp", B, L, args, gen)
         for _ in range(3):
-            p.attention()
+            p.attention(_kernel_cfg(kernel) if kernel else None)
         torch.cuda.synchronize()
         return 0
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (Triton interpreter)"
@@ -335,10 +393,15 @@ def run(args) -> int:
     if "quant" not in args.skip:
         q, w = bench_quant(args, gen)
         emit(
-            f"quantised paged decode at B={args.quant_batch} vs our bf16 kernel (TB/s of stored bytes)",
-            ["mode", "context", "stored MB", "us", "TB/s", "speedup vs bf16"],
-            [[x["mode"], str(x["L"]), f"{x['mb']:.0f}", f"{x['t'] * 1e6:.1f}", f"{x['bw']:.2f}",
-              f"{x['speedup']:.2f}x"] for x in q],
+            f"quantised paged decode at B={args.quant_batch} vs our bf16 kernel, both decode kernels "
+            "(TB/s of stored bytes, best kernel)",
+            ["mode", "context", "stored MB", "mma us", "cuda_core us", "TB/s", "mma vs bf16", "cuda_core vs bf16",
+             "max abs diff"],
+            [[x["mode"], str(x["L"]), f"{x['mb']:.0f}", f"{x['t']['mma'] * 1e6:.1f}",
+              f"{x['t']['cuda_core'] * 1e6:.1f}" if "cuda_core" in x["t"] else "-",
+              f"{x['mb'] / 1e6 / min(x['t'].values()):.2f}", f"{x['t_bf16'] / x['t']['mma']:.2f}x",
+              f"{x['t_bf16'] / x['t']['cuda_core']:.2f}x" if "cuda_core" in x["t"] else "-",
+              f"{x['diff']:.1e}"] for x in q],
         )  # fmt: skip
         if w:
             emit(
@@ -351,10 +414,21 @@ def run(args) -> int:
         qs = bench_quant_sweep(args, gen)
         emit(
             f"quantised decode configurations at B={args.quant_batch}, context {max(_ints(args.quant_contexts))} "
-            "(stages 2; speedup vs the bf16 kernel's default)",
-            ["mode", "BLOCK_N", "warps", "us", "speedup vs bf16"],
-            [[x["mode"], str(x["block_n"]), str(x["warps"]), f"{x['t'] * 1e6:.1f}", f"{x['speedup']:.2f}x"] for x in qs],
+            "(speedup vs the bf16 kernel's default; * = the plan's split count)",
+            ["mode", "kernel", "BLOCK_N", "warps", "splits", "us", "speedup vs bf16"],
+            [[x["mode"], x["kernel"], str(x["block_n"]), str(x["warps"]), x["splits"], f"{x['t'] * 1e6:.1f}",
+              f"{x['speedup']:.2f}x"] for x in qs],
         )  # fmt: skip
+    if "quant" not in args.skip or args.quant_sweep:
+        from kvtier.kernels.triton_attention import QUANT_DECODE_KERNEL
+
+        verdict = decode_verdict((q if "quant" not in args.skip else []) + (qs if args.quant_sweep else []))
+        emit(
+            f"quantised decode: the faster kernel per mode (best time in this run; "
+            f"kvtier.kernels.triton_attention.QUANT_DECODE_KERNEL is {QUANT_DECODE_KERNEL})",
+            ["mode", "mma best us", "cuda_core best us", "faster"],
+            verdict,
+        )
     if args.sweep:
         s = bench_sweep(args, gen)
         s.sort(key=lambda x: (x["B"], x["L"], x["t"]))

@@ -27,9 +27,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtier.kernels.triton_quant import AFFINE, FP, PageFormat, dequant_tile
+from kvtier.kernels import triton_decode_quant
+from kvtier.kernels.triton_quant import AFFINE, CENTROID, FP, PageFormat, dequant_tile
 
 LOG2E = 1.4426950408889634
+
+#: Which kernel serves a decode step (one query token per row) over quantised pages
+#: when ``LaunchConfig.decode_kernel`` is ``None``, per storage family: ``"kv_quant"``
+#: (q8, q4, q4_g32) and ``"turboquant"`` (Lloyd-Max values). ``"mma"`` is the general
+#: kernel below, on the tensor cores; ``"cuda_core"`` the dot-free kernel of
+#: :mod:`kvtier.kernels.triton_decode_quant`. ``kvtier bench attention --quant-sweep``
+#: times both and names the faster per mode: set the family's entry to it. Formats the
+#: CUDA-core kernel does not read always use ``"mma"``.
+QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "mma"}
+DECODE_KERNELS = ("cuda_core", "mma")
 
 
 @triton.jit
@@ -187,13 +198,24 @@ def _merge_kernel(
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes and split plan of one attention launch (``None``: chosen by the heuristics)."""
+    """Tile sizes and split plan of one attention launch (``None``: chosen by the heuristics).
+
+    ``decode_kernel``: ``"cuda_core"`` or ``"mma"`` for a decode step over quantised
+    pages (``None``: the family's entry in :data:`QUANT_DECODE_KERNEL`).
+    """
 
     block_n: int | None = None
     num_splits: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
     min_split_tokens: int = 512
+    decode_kernel: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.decode_kernel is not None and self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(
+                f"decode_kernel must be one of {DECODE_KERNELS} or None, got {self.decode_kernel!r}"
+            )
 
 
 def _next_pow2(x: int) -> int:
@@ -288,6 +310,20 @@ def launch_attention(
     G = Hq // H_kv
     capacity = max_blocks * page
     quantised = k_fmt.mode != FP or v_fmt.mode != FP
+    if T == 1 and block_tables is not None and uses_cuda_core_decode(k_fmt, v_fmt, k_payload, v_payload, cfg):
+        out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
+        block_n, splits, split_len, num_warps = triton_decode_quant.plan_decode(
+            B, H_kv, capacity, q.device, cfg
+        )
+        parts = triton_decode_quant.launch_decode(
+            q, k_payload, v_payload, k_fmt, v_fmt,
+            block_tables=block_tables, q_start=q_start, kv_len=kv_len, scale=scale, out=out,
+            block_n=block_n, splits=splits, split_len=split_len, num_warps=num_warps,
+            num_stages=cfg.num_stages or 1,
+        )  # fmt: skip
+        if parts is not None:
+            _merge(parts[0], parts[1], out, splits)
+        return out
     block_m, m_tiles, block_n, splits, split_len, _ = plan_launch(
         B, H_kv, G, T, capacity, q.device, cfg, quantised
     )
@@ -335,8 +371,34 @@ def launch_attention(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
-        _merge_kernel[(B * Hq * T,)](
-            po, pl, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, splits,
-            HEAD_DIM=D, SPLITS_P2=max(2, _next_pow2(splits)), num_warps=4,
-        )  # fmt: skip
+        _merge(po, pl, out, splits)
     return out
+
+
+def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, splits: int) -> None:
+    """Merge split partials ``po`` ``[B, Hq, T, S, D]`` (lse ``pl`` ``[B, Hq, T, S]``) into ``out``."""
+    B, Hq, T, D = out.shape
+    _merge_kernel[(B * Hq * T,)](
+        po, pl, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, splits,
+        HEAD_DIM=D, SPLITS_P2=max(2, _next_pow2(splits)), num_warps=4,
+    )  # fmt: skip
+
+
+def decode_family(k_fmt: PageFormat, v_fmt: PageFormat) -> str:
+    """The :data:`QUANT_DECODE_KERNEL` key of a pair of page formats."""
+    return "turboquant" if v_fmt.mode == CENTROID else "kv_quant"  # TurboQuant values are centroids
+
+
+def uses_cuda_core_decode(
+    k_fmt: PageFormat, v_fmt: PageFormat, k_payload: torch.Tensor, v_payload: torch.Tensor, cfg: LaunchConfig
+) -> bool:
+    """True when a decode step over these pages goes to the CUDA-core kernel
+    (:mod:`kvtier.kernels.triton_decode_quant`) rather than the MMA kernel."""
+    choice = cfg.decode_kernel or QUANT_DECODE_KERNEL[decode_family(k_fmt, v_fmt)]
+    if choice != "cuda_core" or not triton_decode_quant.decode_supported(k_fmt, v_fmt, k_fmt.head_dim):
+        return False
+    for fmt, payload in ((k_fmt, k_payload), (v_fmt, v_payload)):
+        # 3-bit codes are read as 32-bit words
+        if fmt.bits == 3 and (payload.data_ptr() % 4 or any(st % 4 for st in payload.stride()[:3])):
+            return False
+    return True
