@@ -7,7 +7,7 @@
 # PYTHONPATH, so nothing is installed. Every step has a time limit and the script goes
 # on past a failure; the whole run stays under about 9 minutes. Files under $OUT (7):
 #   env.txt          device, driver, versions
-#   gpu_tests.log    pytest -m gpu over the kernel, tier, CUDA-graph and transformers tests
+#   gpu_tests.log    pytest -m gpu over every test file with GPU-marked tests
 #   attention.md     kvtier bench attention (paged decode vs SDPA, quantised pages, write kernel)
 #   decode_gpu.md    kvtier bench decode_gpu (batch 1 vs HF generate, batch 64 at 8k)
 #   hf.json          kvtier bench hf, CUDA: KVTierCache inside transformers generate
@@ -60,9 +60,10 @@ EOF
 PARALLEL=()
 "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)
 PYTEST=("$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider "${PARALLEL[@]}")
-step tests 70 "$OUT/gpu_tests.log" "${PYTEST[@]}" tests/test_cuda_graph.py tests/test_ragged.py \
-    tests/test_paged.py tests/test_paged_kernels.py tests/test_quant.py tests/test_hf.py
-step kernels 80 "$OUT/gpu_tests.log" "${PYTEST[@]}" tests/test_triton_paged.py tests/test_triton_ragged.py
+mapfile -t TIER_TESTS < <(grep -l "mark.gpu" tests/test_*.py | grep -v "tests/test_triton_")
+mapfile -t KERNEL_TESTS < <(grep -l "mark.gpu" tests/test_triton_*.py)
+step tests 70 "$OUT/gpu_tests.log" "${PYTEST[@]}" "${TIER_TESTS[@]}"
+step kernels 80 "$OUT/gpu_tests.log" "${PYTEST[@]}" "${KERNEL_TESTS[@]}"
 
 # (b) paged decode attention against SDPA, quantised pages, the write kernel (tables written
 #     as they finish, so a cut run keeps what it measured)
