@@ -366,7 +366,8 @@ class PagedKVCache(KVCache):
                 raise ValueError(f"q_start {qs} must be >= 0 per row")
             q_start_t = (self._rows_tensor("write_start", qs) if q_start is None
                          else torch.tensor(qs, device=self._device))
-            kv_len, tables = self.offset, p.block_tables
+            width = max(1, max(len(r) for r in p.rows))  # kernels plan their split on the width
+            kv_len, tables = self.offset, p.block_tables[:, :width]
         return self.dispatch.attention(
             queries, p.key_cache, p.value_cache, tables, q_start_t, kv_len,
             k_codec=self.codecs.k_codec, v_codec=self.codecs.v_codec,
