@@ -220,8 +220,10 @@ class KVCacheConfig:
     # -- what each tier is built with -------------------------------------------------
     def tier_params(self) -> dict[str, Any]:
         """Constructor arguments of the chosen tier (also reported by configure_kv_cache)."""
-        if self.strategy in ("tail", "ragged"):
+        if self.strategy == "tail":
             return {"step": self.step}
+        if self.strategy == "ragged":
+            return {"step": self.step, "attention_backend": self.attention_backend}
         if self.strategy == "block":
             return {"block_size": self.owned_block_size}
         return {
