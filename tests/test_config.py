@@ -140,7 +140,8 @@ def test_the_dataclass_checks_its_fields(changes):
 
 def test_tier_params():
     assert KVCacheConfig(strategy="tail", step=32).tier_params() == {"step": 32}
-    assert KVCacheConfig(strategy="ragged", step=32).tier_params() == {"step": 32}
+    ragged = KVCacheConfig(strategy="ragged", step=32, attention_backend="torch").tier_params()
+    assert ragged == {"step": 32, "attention_backend": "torch"}
     assert KVCacheConfig(strategy="block", owned_block_size=64).tier_params() == {"block_size": 64}
     paged = KVCacheConfig(strategy="paged", paged_block_size=32, paged_num_blocks=10).tier_params()
     assert paged["block_size"] == 32 and paged["num_blocks"] == 10 and paged["dynamic"] is False
