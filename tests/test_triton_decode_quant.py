@@ -127,6 +127,11 @@ def test_choice_of_decode_kernel(monkeypatch):
     assert _served_by_cuda_core(c, None)
     monkeypatch.setitem(triton_attention.QUANT_DECODE_KERNEL, "kv_quant", "mma")
     assert not _served_by_cuda_core(c, None)
+    # by default only for groups of up to 4 query heads (8 spill); asked for, at any group
+    monkeypatch.setitem(triton_attention.QUANT_DECODE_KERNEL, "kv_quant", "cuda_core")
+    kf, vf = page_format(c["kc"], c["kp"], c["ks"]), page_format(c["vc"], c["vp"], c["vs"])
+    assert not uses_cuda_core_decode(kf, vf, c["kp"], c["vp"], LaunchConfig(), 8)
+    assert uses_cuda_core_decode(kf, vf, c["kp"], c["vp"], LaunchConfig(decode_kernel="cuda_core"), 8)
     # full-precision pages never go to it
     fp = build_cache("fp", 1, 1, 64, 16, [5], torch.bfloat16)
     kf, vf = page_format(fp["kc"], fp["kp"], fp["ks"]), page_format(fp["vc"], fp["vp"], fp["vs"])
@@ -136,13 +141,9 @@ def test_choice_of_decode_kernel(monkeypatch):
 
 
 def test_key_lanes_fill_the_warps():
-    """Keys side by side in a tile: the threads over the threads of one value row."""
-    c = build_cache("q8", 1, 1, 128, 16, [5], torch.bfloat16)
-    q8 = page_format(c["vc"], c["vp"], c["vs"])  # 128 bytes a row: 8 threads of 16 bytes
-    assert key_lanes(q8, 128, 1) == 4 and key_lanes(q8, 128, 4) == 16
-    t = build_cache("turboquant:q8_0,q3_0", 1, 1, 128, 16, [5], torch.bfloat16)
-    v3 = page_format(t["vc"], t["vp"], t["vs"])  # four groups of three words
-    assert key_lanes(v3, 128, 1) == 8
+    """Keys side by side in a tile: the threads over the threads of one row (16 channels each)."""
+    assert key_lanes(128, 1) == 4 and key_lanes(128, 4) == 16
+    assert key_lanes(256, 1) == 2 and key_lanes(16, 1) == 32 and key_lanes(64, 2) == 16
 
 
 @triton.jit if IN_PROCESS else (lambda f: f)

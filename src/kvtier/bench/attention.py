@@ -276,7 +276,7 @@ def bench_sweep(args, gen) -> list[dict]:
 def bench_quant_sweep(args, gen) -> list[dict]:
     """Both quantised decode kernels over tile sizes, warps and split counts at one shape."""
     from kvtier.kernels.triton_attention import plan_launch
-    from kvtier.kernels.triton_decode_quant import plan_decode
+    from kvtier.kernels.triton_decode_quant import key_lanes, plan_decode
 
     B, L = args.quant_batch, max(_ints(args.quant_contexts))
     dev = torch.device(args.device)
@@ -284,18 +284,19 @@ def bench_quant_sweep(args, gen) -> list[dict]:
     t_bf16 = time_calls([base.attention], args.iters, args.reps)
     del base
     G = args.heads // args.kv_heads
-    configs = [("mma", bn, w, None) for bn in (64, 128) for w in (4, 8)]
-    configs += [("cuda_core", bn, w, None) for bn in (8, 16, 32) for w in (1, 2, 4)]
+    configs = [("mma", bn, w, None, st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
+    configs += [("mma", 256, w, None, 2) for w in (4, 8)]
+    # CUDA-core kernel: 1 or 2 keys a thread (a tile is that times the key lanes of the warps)
+    configs += [("cuda_core", rows * key_lanes(args.head_dim, w), w, None, None) for rows in (1, 2) for w in (1, 2, 4)]
     rows = []
     for mode in args.modes.split(";"):
         p = build_paged(mode, B, L, args, gen)
         auto_mma = plan_launch(B, args.kv_heads, G, 1, L, dev, _kernel_cfg("mma"), True)[3]
-        auto_cc = plan_decode(B, args.kv_heads, L, dev, _kernel_cfg("cuda_core"))[1]
-        extra = [("mma", 128, 4, s) for s in sorted({max(1, auto_mma // 2), auto_mma * 2})]
-        extra += [("cuda_core", None, None, s) for s in sorted({max(1, auto_cc // 2), auto_cc * 2})]
-        for kernel, bn, warps, splits in configs + extra:
-            cfg = _kernel_cfg(kernel, block_n=bn, num_warps=warps, num_splits=splits,
-                              num_stages=2 if kernel == "mma" else None)  # fmt: skip
+        auto_cc = plan_decode(B, args.kv_heads, L, args.head_dim, dev, _kernel_cfg("cuda_core"))[2]
+        extra = [("mma", 128, 4, s, 2) for s in sorted({max(1, auto_mma // 2), auto_mma * 2})]
+        extra += [("cuda_core", None, None, s, None) for s in sorted({max(1, auto_cc // 2), auto_cc * 2})]
+        for kernel, bn, warps, splits, stages in configs + extra:
+            cfg = _kernel_cfg(kernel, block_n=bn, num_warps=warps, num_splits=splits, num_stages=stages)
             try:
                 t = time_calls([lambda p=p, cfg=cfg: p.attention(cfg)], args.iters, args.reps)
             except Exception as e:  # out of registers or shared memory for a large tile
@@ -303,7 +304,8 @@ def bench_quant_sweep(args, gen) -> list[dict]:
                 continue
             auto = auto_mma if kernel == "mma" else auto_cc
             rows.append(dict(mode=mode, kernel=kernel, block_n=bn or "auto", warps=warps or "auto",
-                             splits=f"{splits}" if splits else f"{auto}*", t=t, speedup=t_bf16 / t))  # fmt: skip
+                             stages=stages or 1, splits=f"{splits}" if splits else f"{auto}*", t=t,
+                             speedup=t_bf16 / t))  # fmt: skip
         del p
         torch.cuda.empty_cache()
     return rows
@@ -415,9 +417,9 @@ def run(args) -> int:
         emit(
             f"quantised decode configurations at B={args.quant_batch}, context {max(_ints(args.quant_contexts))} "
             "(speedup vs the bf16 kernel's default; * = the plan's split count)",
-            ["mode", "kernel", "BLOCK_N", "warps", "splits", "us", "speedup vs bf16"],
-            [[x["mode"], x["kernel"], str(x["block_n"]), str(x["warps"]), x["splits"], f"{x['t'] * 1e6:.1f}",
-              f"{x['speedup']:.2f}x"] for x in qs],
+            ["mode", "kernel", "BLOCK_N", "warps", "stages", "splits", "us", "speedup vs bf16"],
+            [[x["mode"], x["kernel"], str(x["block_n"]), str(x["warps"]), str(x["stages"]), x["splits"],
+              f"{x['t'] * 1e6:.1f}", f"{x['speedup']:.2f}x"] for x in qs],
         )  # fmt: skip
     if "quant" not in args.skip or args.quant_sweep:
         from kvtier.kernels.triton_attention import QUANT_DECODE_KERNEL

@@ -310,15 +310,15 @@ def launch_attention(
     G = Hq // H_kv
     capacity = max_blocks * page
     quantised = k_fmt.mode != FP or v_fmt.mode != FP
-    if T == 1 and block_tables is not None and uses_cuda_core_decode(k_fmt, v_fmt, k_payload, v_payload, cfg):
+    if T == 1 and block_tables is not None and uses_cuda_core_decode(k_fmt, v_fmt, k_payload, v_payload, cfg, G):
         out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
-        block_n, splits, split_len, num_warps = triton_decode_quant.plan_decode(
-            B, H_kv, capacity, q.device, cfg
+        rows, lanes, splits, split_len, num_warps = triton_decode_quant.plan_decode(
+            B, H_kv, capacity, D, q.device, cfg
         )
         parts = triton_decode_quant.launch_decode(
             q, k_payload, v_payload, k_fmt, v_fmt,
             block_tables=block_tables, q_start=q_start, kv_len=kv_len, scale=scale, out=out,
-            block_n=block_n, splits=splits, split_len=split_len, num_warps=num_warps,
+            rows=rows, lanes=lanes, splits=splits, split_len=split_len, num_warps=num_warps,
             num_stages=cfg.num_stages or 1,
         )  # fmt: skip
         if parts is not None:
@@ -390,15 +390,28 @@ def decode_family(k_fmt: PageFormat, v_fmt: PageFormat) -> str:
 
 
 def uses_cuda_core_decode(
-    k_fmt: PageFormat, v_fmt: PageFormat, k_payload: torch.Tensor, v_payload: torch.Tensor, cfg: LaunchConfig
+    k_fmt: PageFormat,
+    v_fmt: PageFormat,
+    k_payload: torch.Tensor,
+    v_payload: torch.Tensor,
+    cfg: LaunchConfig,
+    group: int = 1,
 ) -> bool:
-    """True when a decode step over these pages goes to the CUDA-core kernel
-    (:mod:`kvtier.kernels.triton_decode_quant`) rather than the MMA kernel."""
-    choice = cfg.decode_kernel or QUANT_DECODE_KERNEL[decode_family(k_fmt, v_fmt)]
+    """True when a decode step over these pages, ``group`` query heads per kv head, goes
+    to the CUDA-core kernel (:mod:`kvtier.kernels.triton_decode_quant`) rather than the
+    MMA kernel. Chosen by default only for groups up to
+    ``triton_decode_quant.MAX_DEFAULT_GROUP`` heads (registers); asked for, at any group.
+    """
+    if cfg.decode_kernel is not None:
+        choice = cfg.decode_kernel
+    elif group > triton_decode_quant.MAX_DEFAULT_GROUP:
+        return False
+    else:
+        choice = QUANT_DECODE_KERNEL[decode_family(k_fmt, v_fmt)]
     if choice != "cuda_core" or not triton_decode_quant.decode_supported(k_fmt, v_fmt, k_fmt.head_dim):
         return False
     for fmt, payload in ((k_fmt, k_payload), (v_fmt, v_payload)):
-        # 3-bit codes are read as 32-bit words
-        if fmt.bits == 3 and (payload.data_ptr() % 4 or any(st % 4 for st in payload.stride()[:3])):
+        # 3-bit codes are read as 16-bit halfwords
+        if fmt.bits == 3 and (payload.data_ptr() % 2 or any(st % 2 for st in payload.stride()[:3])):
             return False
     return True
