@@ -401,7 +401,7 @@ def test_bad_arguments_raise_and_leave_the_cache_unchanged():
 def test_in_place_layer_refuses_a_second_update_before_attention():
     layer = layer_for("paged-inplace")
     layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
-    with pytest.raises(RuntimeError, match="kvtier_paged"):
+    with pytest.raises(ValueError, match="kvtier_paged"):
         layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
 
 

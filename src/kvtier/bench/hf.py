@@ -88,6 +88,7 @@ class Result:
     prefill_peak_mib: float | None
     decode_peak_mib: float | None
     steps_ms: list[float] = field(repr=False)
+    cpu_steps_ms: list[float] | None = field(default=None, repr=False)
 
 
 class Memory:
@@ -246,7 +247,7 @@ def measure(model, name: str, ids: torch.Tensor, new_tokens: int, window: int) -
         step_ms=statistics.median(steps), last_ms=statistics.median(steps[-window:]),
         cpu_ms=None if cuda else statistics.median(cpu),
         total_s=total, cache_mib=max(clock.bytes) / 2**20, prefill_peak_mib=clock.prefill_peak,
-        decode_peak_mib=memory.peak_mib(), steps_ms=steps,
+        decode_peak_mib=memory.peak_mib(), steps_ms=steps, cpu_steps_ms=None if cuda else cpu,
     )
 
 
@@ -279,15 +280,17 @@ def plot(results: list[Result], prompt: int, path: str) -> None:
         print("matplotlib is not installed; no plot")
         return
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    cpu = all(r.cpu_steps_ms is not None for r in results)  # CPU time: steadier on shared cores
     for r in results:
-        n = len(r.steps_ms)
+        steps = r.cpu_steps_ms if cpu else r.steps_ms
+        n = len(steps)
         k = max(1, n // 64)  # median of k consecutive steps, so the lines are readable
         xs = [prompt + i + k // 2 for i in range(0, n - k + 1, k)]
-        ys = [statistics.median(r.steps_ms[i : i + k]) for i in range(0, n - k + 1, k)]
+        ys = [statistics.median(steps[i : i + k]) for i in range(0, n - k + 1, k)]
         ax.plot(xs, ys, label=f"{r.contender} (batch {r.batch})")
     ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("decode step (ms)")
-    ax.set_title("transformers generate: time per decode step")
+    ax.set_ylabel("CPU time per decode step (ms)" if cpu else "decode step (ms)")
+    ax.set_title("transformers generate: cost of one decode step")
     ax.legend()
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -157,7 +157,7 @@ class KVTierLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self._pending is not None:
-            raise RuntimeError(
+            raise ValueError(
                 "a kvtier layer got a second update before its attention ran; the model's "
                 "attention must be 'kvtier_paged' while the cache reads in place "
                 "(call cache.reset() after changing attn_implementation)"
