@@ -169,12 +169,14 @@ def dequant_tile(
     HAS_ZERO: tl.constexpr,
     FACTOR: tl.constexpr,
 ):
-    """A tile ``[BLOCK_N, HEAD_DIM]`` read from pages ``P`` at element offsets ``rows``, in fp32.
+    """A tile ``[BLOCK_N, HEAD_DIM]`` read from pages ``P`` at element offsets ``rows``.
 
-    ``srows`` are the sidecar element offsets of the same rows. With ``FACTOR``
-    (one scale per row, no zero) the tile holds the codes (plus offset) and the
-    caller applies the scale to scores or probabilities, once per row instead of
-    once per element.
+    ``srows`` are the sidecar element offsets of the same rows. The tile is fp32;
+    with ``FACTOR`` (one scale per row, no zero) it holds the codes (plus offset)
+    and the caller applies the scale to scores or probabilities, once per row
+    instead of once per element; 8-bit codes then stay int32, which the caller
+    converts straight to the dot's dtype. Narrower codes become floats through
+    :func:`codes_to_float`.
     """
     if MODE == 0:
         d = tl.arange(0, HEAD_DIM)
@@ -208,8 +210,10 @@ def dequant_tile(
             k = tl.arange(0, 8)
             codes = (word[:, :, None] >> (BITS * k)[None, None, :]) & ((1 << BITS) - 1)
             u = tl.reshape(codes.to(tl.int32), (BLOCK_N, HEAD_DIM))
-        if MODE == 1 and BITS == 8:
-            x = (u + OFFSET).to(tl.float32)  # Triton has a fast path for whole bytes
+        if MODE == 1 and BITS == 8 and FACTOR:
+            x = u + OFFSET  # integers: the caller converts them straight to the dot's dtype
+        elif MODE == 1 and BITS == 8:
+            x = (u + OFFSET).to(tl.float32)
         elif MODE == 1:
             x = codes_to_float(u, BITS, SIGNED, OFFSET)
         else:
