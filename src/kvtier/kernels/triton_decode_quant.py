@@ -354,7 +354,7 @@ def launch_decode(
     split_len: int,
     num_warps: int,
     num_stages: int,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One decode step over quantised pages into ``out`` ``[B, Hq, 1, D]``; returns the
     split partials ``(po, pl)`` to merge, or ``None`` when ``splits == 1`` (``out`` is final).
 
