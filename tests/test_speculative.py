@@ -17,6 +17,7 @@ import torch
 
 from kvtier.config import KVCacheConfig
 from kvtier.drafters import (
+    Draft,
     EarlyExitDrafter,
     ModelDrafter,
     NgramDrafter,
@@ -28,7 +29,6 @@ from kvtier.model import ModelArgs, build_random
 from kvtier.sampling import SamplingParams, make_generator, process_logits, sample
 from kvtier.speculative import (
     DepthPolicy,
-    Draft,
     SpeculativeConfig,
     SpeculativeStats,
     accept_drafts,
@@ -418,15 +418,22 @@ def test_depth_policy_backs_off_and_probes_again():
         quiet.observe([0], [0], [0])
 
 
-def test_depth_policy_caps_a_batch_where_its_tokens_per_cost_peak():
+def test_depth_policy_follows_the_slowest_row_of_a_batch():
     policy = DepthPolicy(4, max_k=6, cost=0.2)
     for _ in range(8):  # rows 0 and 1 accept everything, rows 2 and 3 nothing
         ks = policy.depths()
-        policy.observe(ks, ks, [ks[0], ks[1], 0, 0])
-    alone = [policy._best([policy.alpha(r)]) for r in range(4)]
-    assert alone[:2] == [6, 6] and alone[2:] == [0, 0]
-    ks = policy.depths()
-    assert ks[2:] == [0, 0] and 0 < ks[0] == ks[1] <= 6
+        policy.observe(ks, [6, 6, 6, 6], [6, 6, 0, 0])
+    assert [policy._best([policy.alpha(r)]) for r in range(4)] == [6, 6, 0, 0]
+    # the failing rows set the batch's pace: deeper forwards would not shorten it
+    assert policy.depths() == [0, 0, 0, 0]
+    # once they are done, the others draft at full depth
+    assert policy.depths([True, True, False, False]) == [6, 6, 0, 0]
+    # a weaker row caps the batch where it gains most
+    weak = DepthPolicy(2, max_k=6, cost=0.2)
+    for _ in range(8):
+        weak.observe([6, 6], [6, 6], [6, 1])
+    k_weak = weak._best([weak.alpha(1)])
+    assert 0 < k_weak < 6 and weak.depths() == [k_weak, k_weak]
 
 
 def test_adaptive_depth_drafts_little_when_drafts_fail():

@@ -1,6 +1,8 @@
-"""Drafters for speculative decoding (:mod:`kvtier.speculative`).
+"""Drafters for speculative decoding (:mod:`kvtier.speculative`), the :class:`Draft`
+they return, and :func:`drop_rejected`, which rolls per-layer caches back to per-row
+lengths for the verifier and for the model drafters' own caches alike.
 
-Each offers ``propose(contexts, ks, *, params, generator) -> Draft``, ``reset()``
+Each drafter offers ``propose(contexts, ks, *, params, generator) -> Draft``, ``reset()``
 and ``cost(target)``:
 
 - :class:`NgramDrafter`: prompt lookup. The longest recent n-gram (n from 4 down
@@ -29,16 +31,106 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from kvtier.caches.base import KVCache
+from kvtier.caches.paged import PagedKVCache
+from kvtier.caches.ragged import RaggedBatchKVCache
 from kvtier.config import KVCacheConfig, make_caches
 from kvtier.generate import PER_ROW_TIERS, model_device
 from kvtier.sampling import SamplingParams, process_logits
-from kvtier.speculative import Draft, draw, drop_rejected
 
 #: a catch-up of more tokens than this per row is fed in several forwards
 CATCH_UP_CHUNK = 512
+
+# -- what a drafter returns ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed tokens of ``B`` rows.
+
+    ``tokens``: int64 ``[B, K]``; row ``r``'s drafts are ``tokens[r, :counts[r]]``,
+    the rest is padding. ``probs``: float32 ``[B, K, V]``, the distribution each
+    draft was drawn from (``q``), or ``None`` for a drafter without probabilities
+    (each draft then counts as drawn from a one-hot ``q``).
+    """
+
+    tokens: torch.Tensor
+    counts: list[int]
+    probs: torch.Tensor | None = None
+
+    @staticmethod
+    def empty(batch: int, device: torch.device | str) -> Draft:
+        return Draft(torch.zeros(batch, 0, dtype=torch.long, device=device), [0] * batch)
+
+
+class Drafter(Protocol):
+    """What the speculative loop asks of a drafter: ``propose`` at most ``ks[r]`` drafts continuing ``contexts[r]`` (prompt and committed
+    tokens), ``reset`` (a new batch follows), and the ``cost`` of one drafted token as a
+    fraction of one forward of ``target``."""
+
+    def propose(self, contexts: Sequence[Sequence[int]], ks: Sequence[int], *,
+                params: SamplingParams, generator: torch.Generator | None) -> Draft: ...
+
+    def reset(self) -> None: ...
+
+    def cost(self, target) -> float: ...
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from ``probs`` ``[B, V]`` (rows summing to 1) -> ``[B]`` int64.
+
+    The exponential race of :func:`kvtier.sampling.sample`: ``argmax(probs / E)``
+    with ``E`` i.i.d. Exponential(1), no host sync.
+    """
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
+    return (probs / race).argmax(dim=-1)
+
+
+# -- rolling caches back ----------------------------------------------------------------------
+
+
+def drop_rejected(
+    caches: list[KVCache], rejected: Sequence[int], committed: torch.Tensor, like: torch.Tensor
+) -> None:
+    """Drop each row's ``rejected[r]`` newest tokens so that it holds ``committed[r]`` tokens.
+
+    ``committed`` is int64 ``[B]`` on the caches' device; ``like`` is any tensor of
+    the model's K/V dtype (the paged tier's empty write takes it). All rows equal:
+    ``trim``. Otherwise, through ``new_offsets`` (per-row tiers only): the ragged
+    tier rewrites each row's last kept token with itself, the paged tier writes
+    nothing. Neither copies the history.
+    """
+    if max(rejected, default=0) == 0:
+        return
+    if len(set(rejected)) == 1:
+        for cache in caches:
+            cache.trim(rejected[0])
+        return
+    last = (committed - 1).clamp_min(0)  # (B,)
+    for cache in caches:
+        if isinstance(cache, RaggedBatchKVCache):
+            k, v = cache.fetch()  # (B, H_kv, capacity, D) views
+            ik = last.view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
+            iv = last.view(-1, 1, 1, 1).expand(-1, v.shape[1], 1, v.shape[3])
+            cache.update(k.gather(2, ik), v.gather(2, iv), write_start=last, new_offsets=committed)
+        elif isinstance(cache, PagedKVCache):
+            heads, dim = cache.key_cache.shape[2], cache.codecs.k_codec.head_dim
+            z = like.new_zeros(committed.shape[0], heads, 1, dim)  # (B, H_kv, 1, D), not stored
+            cache.update(z, z, write_start=committed, new_offsets=committed)
+        else:
+            raise ValueError(
+                f"the {cache.tier} tier keeps one length for every row; it cannot drop "
+                f"{list(rejected)} tokens row by row (run its rows one at a time)"
+            )
+
+
+# -- drafters ---------------------------------------------------------------------------------
 
 
 class NgramDrafter:

@@ -39,16 +39,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from kvtier.caches.base import KVCache
 from kvtier.caches.paged import PagedKVCache
-from kvtier.caches.ragged import RaggedBatchKVCache
 from kvtier.config import KVCacheConfig, make_caches
+from kvtier.drafters import Draft, Drafter, draw, drop_rejected
 from kvtier.generate import (
     PER_ROW_TIERS,
     GenerationConfig,
@@ -90,53 +89,6 @@ class SpeculativeConfig:
         c = self.verify_cost
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 10.0:
             raise ValueError(f"verify_cost must be a number in [0, 10), got {c!r}")
-
-
-# -- drafts --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Draft:
-    """Proposed tokens of ``B`` rows.
-
-    ``tokens``: int64 ``[B, K]``; row ``r``'s drafts are ``tokens[r, :counts[r]]``,
-    the rest is padding. ``probs``: float32 ``[B, K, V]``, the distribution each
-    draft was drawn from (``q``), or ``None`` for a drafter without probabilities
-    (each draft then counts as drawn from a one-hot ``q``).
-    """
-
-    tokens: torch.Tensor
-    counts: list[int]
-    probs: torch.Tensor | None = None
-
-    @staticmethod
-    def empty(batch: int, device: torch.device | str) -> Draft:
-        return Draft(torch.zeros(batch, 0, dtype=torch.long, device=device), [0] * batch)
-
-
-class Drafter(Protocol):
-    """What the speculative loop asks of a drafter (see :mod:`kvtier.drafters`):
-    ``propose`` at most ``ks[r]`` drafts continuing ``contexts[r]`` (prompt and committed
-    tokens), ``reset`` (a new batch follows), and the ``cost`` of one drafted token as a
-    fraction of one forward of ``target``."""
-
-    def propose(self, contexts: Sequence[Sequence[int]], ks: Sequence[int], *,
-                params: SamplingParams, generator: torch.Generator | None) -> Draft: ...
-
-    def reset(self) -> None: ...
-
-    def cost(self, target) -> float: ...
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row from ``probs`` ``[B, V]`` (rows summing to 1) -> ``[B]`` int64.
-
-    The exponential race of :func:`kvtier.sampling.sample`: ``argmax(probs / E)``
-    with ``E`` i.i.d. Exponential(1), no host sync.
-    """
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    race.clamp_(min=torch.finfo(race.dtype).tiny)
-    return (probs / race).argmax(dim=-1)
 
 
 # -- verification ------------------------------------------------------------------------
@@ -195,41 +147,6 @@ def accept_drafts(
     return accepted, draw(resid, generator)
 
 
-def drop_rejected(
-    caches: list[KVCache], rejected: Sequence[int], committed: torch.Tensor, like: torch.Tensor
-) -> None:
-    """Drop each row's ``rejected[r]`` newest tokens so that it holds ``committed[r]`` tokens.
-
-    ``committed`` is int64 ``[B]`` on the caches' device; ``like`` is any tensor of
-    the model's K/V dtype (the paged tier's empty write takes it). All rows equal:
-    ``trim``. Otherwise, through ``new_offsets`` (per-row tiers only): the ragged
-    tier rewrites each row's last kept token with itself, the paged tier writes
-    nothing. Neither copies the history.
-    """
-    if max(rejected, default=0) == 0:
-        return
-    if len(set(rejected)) == 1:
-        for cache in caches:
-            cache.trim(rejected[0])
-        return
-    last = (committed - 1).clamp_min(0)  # (B,)
-    for cache in caches:
-        if isinstance(cache, RaggedBatchKVCache):
-            k, v = cache.fetch()  # (B, H_kv, capacity, D) views
-            ik = last.view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
-            iv = last.view(-1, 1, 1, 1).expand(-1, v.shape[1], 1, v.shape[3])
-            cache.update(k.gather(2, ik), v.gather(2, iv), write_start=last, new_offsets=committed)
-        elif isinstance(cache, PagedKVCache):
-            heads, dim = cache.key_cache.shape[2], cache.codecs.k_codec.head_dim
-            z = like.new_zeros(committed.shape[0], heads, 1, dim)  # (B, H_kv, 1, D), not stored
-            cache.update(z, z, write_start=committed, new_offsets=committed)
-        else:
-            raise ValueError(
-                f"the {cache.tier} tier keeps one length for every row; it cannot drop "
-                f"{list(rejected)} tokens row by row (run its rows one at a time)"
-            )
-
-
 class DepthPolicy:
     """Each row's draft depth from its recent acceptance.
 
@@ -259,24 +176,29 @@ class DepthPolicy:
     def alpha(self, row: int) -> float:
         return (self.hits[row] + self.prior) / (self.judged[row] + 1.0)
 
-    def depths(self) -> list[int]:
-        """Per row: its best depth, or a probe (1) when due. In a batch, one forward's width
-        is set by its deepest row, so depths are capped where the batch's expected tokens
-        per unit of cost peak (probes kept)."""
+    def depths(self, live: Sequence[bool] | None = None) -> list[int]:
+        """Per row (``live[r]``: still running): its best depth, or a probe (1) when due.
+
+        A batch is static: it runs until its slowest row is done, and one forward's width
+        is set by its deepest row. So depths are capped where the slowest live row's
+        expected tokens per unit of cost peak: a deeper forward that only speeds up rows
+        which finish early anyway would not shorten the batch (probes are kept)."""
+        live = [True] * len(self.hits) if live is None else list(live)
         if not self.adaptive:
-            return [self.max_k] * len(self.hits)
+            return [self.max_k * x for x in live]
         alphas = [self.alpha(r) for r in range(len(self.hits))]
-        best = [self._best([a]) for a in alphas]
-        cap = self._best(alphas, best)
-        return [min(k, cap) if k else int(self.probes and self.max_k > 0 and idle >= wait)
-                for k, idle, wait in zip(best, self.idle, self.wait)]
+        best = [self._best([a]) if x else 0 for a, x in zip(alphas, live)]
+        rows = [r for r, x in enumerate(live) if x]
+        cap = self._best([alphas[r] for r in rows], [best[r] for r in rows])
+        return [0 if not x else min(k, cap) if k else int(self.probes and self.max_k > 0 and i >= w)
+                for k, x, i, w in zip(best, live, self.idle, self.wait)]
 
     def _best(self, alphas: Sequence[float], limits: Sequence[int] | None = None) -> int:
-        """The depth ``K`` maximising ``sum_r E_r(min(K, limits[r])) / (1 + cost K)``."""
+        """The depth ``K`` maximising ``min_r E_r(min(K, limits[r])) / (1 + cost K)``."""
         limits = [self.max_k] * len(alphas) if limits is None else limits
-        best_k, best = 0, float(len(alphas))
+        best_k, best = 0, 1.0
         for k in range(1, max(limits, default=0) + 1):
-            expected = sum(sum(a**i for i in range(min(k, lim) + 1)) for a, lim in zip(alphas, limits))
+            expected = min(sum(a**i for i in range(min(k, lim) + 1)) for a, lim in zip(alphas, limits))
             rate = expected / (1.0 + self.cost * k)
             if rate > best:
                 best_k, best = k, rate
@@ -350,7 +272,7 @@ def speculative_generate_step(
     generator: torch.Generator | None = None,
     stats: SpeculativeStats | None = None,
     on_progress: ProgressFn | None = None,
-    on_prefilled=None,
+    on_prefilled: Callable[[], None] | None = None,
 ) -> Iterator[list[list[int]]]:
     """Yield, per verification, the new tokens of each row (``B`` lists; empty once a row is done).
 
@@ -396,10 +318,12 @@ def speculative_step(model, caches, run, drafter, policy, params, generator, sta
                      per_row, like) -> list[list[int]]:
     """One cycle: draft, verify in one forward, accept, roll the caches back; new tokens per row."""
     B = len(run.contexts)
-    ks = [0 if done else min(k, left - 1) for k, done, left in zip(policy.depths(), run.done, run.left)]
+    depths = policy.depths([not d for d in run.done])
+    ks = [min(k, left - 1) for k, left in zip(depths, run.left)]
     t0 = time.perf_counter()
     if max(ks) > 0:
         draft = drafter.propose(run.contexts, ks, params=params, generator=generator)
+        draft = dataclasses.replace(draft, tokens=draft.tokens.to(run.device))  # n-gram: host ids
     else:
         draft = Draft.empty(B, run.device)
     stats.draft_s += time.perf_counter() - t0

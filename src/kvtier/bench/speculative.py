@@ -15,8 +15,8 @@ Figures per run: tokens generated, verification forwards, tokens per verificatio
 (per row), acceptance rate, decode time after prefill (wall clock, and the process's
 CPU time), tokens per second, and the speedup over plain decoding of the same
 prompts in the same run (wall clock; and CPU time, which a busy shared machine
-disturbs less). Runs are interleaved over ``--repeats`` rounds (default 2) and each
-contender's fastest round counts. Every speculative run is checked to give plain
+disturbs less). Runs are interleaved over ``--repeats`` rounds (default 2, the order
+reversed every other round) and each contender's fastest round counts. Every speculative run is checked to give plain
 decoding's tokens.
 
 Example::
@@ -185,7 +185,7 @@ def run_speculative(model, rows, tier, n, stop_ids, drafter, spec, label) -> Res
     return Result(label, out, *_since(marks), stats)
 
 
-def _fastest(runs: tuple[Result, ...]) -> Result:
+def _fastest(runs: list[Result]) -> Result:
     """One contender's rounds: the least wall and CPU time (noise only ever adds time)."""
     best = min(runs, key=lambda r: r.decode_s)
     best.cpu_s = min(r.cpu_s for r in runs)
@@ -264,13 +264,17 @@ def run(args: argparse.Namespace) -> int:
                 rows = [encode(prompts[i % len(prompts)]) for i in range(args.batch)]
                 tier, contenders = "ragged", {"ngram": make_drafter("ngram", lm)}
                 title = f"{task}: {args.batch} rows, greedy, ragged tier, aggregate tokens/s"
-            rounds = []
-            for _ in range(max(args.repeats, 1)):  # interleaved, so load changes hit every run
-                plain = run_plain(model, rows, tier, args.max_tokens, stop_ids)
-                rounds.append([plain] + [run_speculative(model, rows, tier, args.max_tokens,
-                                                         stop_ids, d, spec, name)
-                                         for name, d in contenders.items()])
-            results = [_fastest(runs) for runs in zip(*rounds)]
+            runs: list[list[Result]] = [[] for _ in range(len(contenders) + 1)]
+            for i in range(max(args.repeats, 1)):  # interleaved, the order reversed every round
+                order = range(len(runs)) if i % 2 == 0 else reversed(range(len(runs)))
+                for j in order:
+                    if j == 0:
+                        runs[0].append(run_plain(model, rows, tier, args.max_tokens, stop_ids))
+                    else:
+                        name, d = list(contenders.items())[j - 1]
+                        runs[j].append(run_speculative(model, rows, tier, args.max_tokens, stop_ids,
+                                                       d, spec, name))
+            results = [_fastest(r) for r in runs]
             report[task] = [r.row(results[0]) for r in results]
             _table(title, report[task])
     if args.plot:
