@@ -67,11 +67,11 @@ step kernels 80 "$OUT/gpu_tests.log" "${PYTEST[@]}" "${KERNEL_TESTS[@]}"
 
 # (b) paged decode attention against SDPA, quantised pages, the write kernel (tables written
 #     as they finish, so a cut run keeps what it measured)
-step attention 60 "$OUT/bench.log" "$PY" -m kvtier.cli bench attention --out "$OUT/attention.md"
+step attention 110 "$OUT/bench.log" "$PY" -m kvtier.cli bench attention --quant-sweep --out "$OUT/attention.md"
 
 # (c) end to end: batch 1 against HF generate (DynamicCache, compiled StaticCache), batch 64
 #     at 8k against the roofline; the Markdown is rewritten after every section
-step decode_gpu 240 "$OUT/bench.log" "$PY" -m kvtier.cli bench decode_gpu --out "$OUT/decode_gpu.md"
+step decode_gpu 220 "$OUT/bench.log" "$PY" -m kvtier.cli bench decode_gpu --out "$OUT/decode_gpu.md"
 
 # (d) KVTierCache inside transformers generate on the Llama-3-8B shape
 step hf 40 "$OUT/bench.log" "$PY" -m kvtier.cli bench hf --model llama3-8b --device cuda --quick \
