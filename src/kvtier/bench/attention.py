@@ -273,41 +273,38 @@ def bench_sweep(args, gen) -> list[dict]:
     return rows
 
 
-def bench_quant_sweep(args, gen) -> list[dict]:
-    """Both quantised decode kernels over tile sizes, warps and split counts at one shape."""
+def bench_quant_sweep(args, gen, mode: str, t_bf16: float) -> list[dict]:
+    """Both quantised decode kernels of ``mode`` over tiles, warps and split counts at one shape."""
     from kvtier.kernels.triton_attention import plan_launch
     from kvtier.kernels.triton_decode_quant import key_lanes, plan_decode
 
     B, L = args.quant_batch, max(_ints(args.quant_contexts))
     dev = torch.device(args.device)
-    base = build_paged("fp", B, L, args, gen)
-    t_bf16 = time_calls([base.attention], args.iters, args.reps)
-    del base
     G = args.heads // args.kv_heads
-    configs = [("mma", bn, w, None, st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
-    configs += [("mma", 256, w, None, 2) for w in (4, 8)]
+    # every configuration is one more compile (seconds each): the MMA kernel's tiles and warps
+    # were swept before (benchmarks/results_gpu_attention.md), so its best and two neighbours
+    configs = [("mma", 128, 4, None, 2), ("mma", 128, 4, None, 3), ("mma", 64, 4, None, 2)]
     # CUDA-core kernel: 1 or 2 keys a thread (a tile is that times the key lanes of the warps)
-    configs += [("cuda_core", rows * key_lanes(args.head_dim, w), w, None, None) for rows in (1, 2) for w in (1, 2, 4)]
+    configs += [("cuda_core", rows * key_lanes(args.head_dim, w), w, None, None) for rows in (1, 2) for w in (1, 2)]
+    p = build_paged(mode, B, L, args, gen)
+    auto_mma = plan_launch(B, args.kv_heads, G, 1, L, dev, _kernel_cfg("mma"), True)[3]
+    auto_cc = plan_decode(B, args.kv_heads, L, args.head_dim, dev, _kernel_cfg("cuda_core"))[2]
+    extra = [("mma", 128, 4, s, 2) for s in sorted({max(1, auto_mma // 2), auto_mma * 2})]
+    extra += [("cuda_core", None, None, s, None) for s in sorted({max(1, auto_cc // 2), auto_cc * 2})]
     rows = []
-    for mode in args.modes.split(";"):
-        p = build_paged(mode, B, L, args, gen)
-        auto_mma = plan_launch(B, args.kv_heads, G, 1, L, dev, _kernel_cfg("mma"), True)[3]
-        auto_cc = plan_decode(B, args.kv_heads, L, args.head_dim, dev, _kernel_cfg("cuda_core"))[2]
-        extra = [("mma", 128, 4, s, 2) for s in sorted({max(1, auto_mma // 2), auto_mma * 2})]
-        extra += [("cuda_core", None, None, s, None) for s in sorted({max(1, auto_cc // 2), auto_cc * 2})]
-        for kernel, bn, warps, splits, stages in configs + extra:
-            cfg = _kernel_cfg(kernel, block_n=bn, num_warps=warps, num_splits=splits, num_stages=stages)
-            try:
-                t = time_calls([lambda p=p, cfg=cfg: p.attention(cfg)], args.iters, args.reps)
-            except Exception as e:  # out of registers or shared memory for a large tile
-                print(f"quant sweep {mode} {cfg}: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            auto = auto_mma if kernel == "mma" else auto_cc
-            rows.append(dict(mode=mode, kernel=kernel, block_n=bn or "auto", warps=warps or "auto",
-                             stages=stages or 1, splits=f"{splits}" if splits else f"{auto}*", t=t,
-                             speedup=t_bf16 / t))  # fmt: skip
-        del p
-        torch.cuda.empty_cache()
+    for kernel, bn, warps, splits, stages in configs + extra:
+        cfg = _kernel_cfg(kernel, block_n=bn, num_warps=warps, num_splits=splits, num_stages=stages)
+        try:
+            t = time_calls([lambda p=p, cfg=cfg: p.attention(cfg)], args.iters, args.reps)
+        except Exception as e:  # out of registers or shared memory for a large tile
+            print(f"quant sweep {mode} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        auto = auto_mma if kernel == "mma" else auto_cc
+        rows.append(dict(mode=mode, kernel=kernel, block_n=bn or "auto", warps=warps or "auto",
+                         stages=stages or 1, splits=f"{splits}" if splits else f"{auto}*", t=t,
+                         speedup=t_bf16 / t))  # fmt: skip
+    del p
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -384,6 +381,16 @@ def run(args) -> int:
             with open(args.out, "w") as f:
                 f.write("\n".join(md))
 
+    def emit_verdict(which: str, rows: list[dict]) -> None:
+        from kvtier.kernels.triton_attention import QUANT_DECODE_KERNEL
+
+        emit(
+            f"quantised decode: the faster kernel per mode ({which}; "
+            f"kvtier.kernels.triton_attention.QUANT_DECODE_KERNEL is {QUANT_DECODE_KERNEL})",
+            ["mode", "mma best us", "cuda_core best us", "faster"],
+            decode_verdict(rows),
+        )
+
     if "bf16" not in args.skip:
         r = bench_bf16(args, gen)
         emit(
@@ -405,6 +412,7 @@ def run(args) -> int:
               f"{x['t_bf16'] / x['t']['cuda_core']:.2f}x" if "cuda_core" in x["t"] else "-",
               f"{x['diff']:.1e}"] for x in q],
         )  # fmt: skip
+        emit_verdict("default plans", q)
         if w:
             emit(
                 "write kernel (one decode step: B tokens x H_kv heads) vs attention of the same step",
@@ -413,24 +421,22 @@ def run(args) -> int:
                   f"{x['share']:.1%}"] for x in w],
             )  # fmt: skip
     if args.quant_sweep:
-        qs = bench_quant_sweep(args, gen)
-        emit(
-            f"quantised decode configurations at B={args.quant_batch}, context {max(_ints(args.quant_contexts))} "
-            "(speedup vs the bf16 kernel's default; * = the plan's split count)",
-            ["mode", "kernel", "BLOCK_N", "warps", "stages", "splits", "us", "speedup vs bf16"],
-            [[x["mode"], x["kernel"], str(x["block_n"]), str(x["warps"]), str(x["stages"]), x["splits"],
-              f"{x['t'] * 1e6:.1f}", f"{x['speedup']:.2f}x"] for x in qs],
-        )  # fmt: skip
-    if "quant" not in args.skip or args.quant_sweep:
-        from kvtier.kernels.triton_attention import QUANT_DECODE_KERNEL
-
-        verdict = decode_verdict((q if "quant" not in args.skip else []) + (qs if args.quant_sweep else []))
-        emit(
-            f"quantised decode: the faster kernel per mode (best time in this run; "
-            f"kvtier.kernels.triton_attention.QUANT_DECODE_KERNEL is {QUANT_DECODE_KERNEL})",
-            ["mode", "mma best us", "cuda_core best us", "faster"],
-            verdict,
-        )
+        L = max(_ints(args.quant_contexts))
+        base = build_paged("fp", args.quant_batch, L, args, gen)
+        t_bf16 = time_calls([base.attention], args.iters, args.reps)
+        del base
+        qs = []
+        for mode in args.modes.split(";"):  # one table per mode: a run cut short keeps the modes it did
+            rows = bench_quant_sweep(args, gen, mode, t_bf16)
+            qs += rows
+            emit(
+                f"quantised decode configurations, {mode}, at B={args.quant_batch}, context {L} "
+                f"(bf16 kernel {t_bf16 * 1e6:.1f} us; * = the plan's split count)",
+                ["kernel", "BLOCK_N", "warps", "stages", "splits", "us", "speedup vs bf16"],
+                [[x["kernel"], str(x["block_n"]), str(x["warps"]), str(x["stages"]), x["splits"],
+                  f"{x['t'] * 1e6:.1f}", f"{x['speedup']:.2f}x"] for x in rows],
+            )  # fmt: skip
+        emit_verdict("best of the default plans and the sweep", (q if "quant" not in args.skip else []) + qs)
     if args.sweep:
         s = bench_sweep(args, gen)
         s.sort(key=lambda x: (x["B"], x["L"], x["t"]))
