@@ -126,9 +126,12 @@ class PlannedDecoder:
         self.model, self.caches = model, list(caches)
         if lengths is None and caches and not caches[0].empty():
             lengths = caches[0].offset.tolist()
-        if max_steps is not None:
-            freeze_for_steps(self.caches, max_steps, lengths)
-        self.planner = StepPlanner(self.caches, lengths)
+        # Decoding is inference: caches filled under inference_mode hold inference
+        # tensors, which may only be updated in place inside it.
+        with torch.inference_mode():
+            if max_steps is not None:
+                freeze_for_steps(self.caches, max_steps, lengths)
+            self.planner = StepPlanner(self.caches, lengths)
         self.batch_size = self.planner.batch_size
         self.device = _device(model)
         self.steps = 0
@@ -158,8 +161,9 @@ class PlannedDecoder:
         """Logits ``[B, 1, vocab]`` (float32) of one decode step of ``tokens`` ``[B]`` (int64)."""
         self._check_tokens(tokens)
         self._guard()
-        kw = self.planner.prepare()
-        logits = self.model(tokens[:, None], self.caches, cache_kwargs=kw, last_only=True)
+        with torch.inference_mode():
+            kw = self.planner.prepare()
+            logits = self.model(tokens[:, None], self.caches, cache_kwargs=kw, last_only=True)
         self.steps += 1
         return logits
 

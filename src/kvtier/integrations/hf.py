@@ -234,7 +234,9 @@ class KVTierLayer(CacheLayerMixin):
         own length; a real query sees up to itself, a padding query up to the real
         token before it (what transformers' padding mask shows it).
         """
-        start = self.tier.offset.clone()  # (B,); the ragged tier updates its offsets in place
+        real = real.to(keys.device)
+        # (B,) on the tokens' device; a clone, since the ragged tier updates its offsets in place
+        start = self.tier.offset.to(keys.device).clone()
         order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)  # real tokens first
         idx = order[:, None, :, None]  # (B, 1, T, 1)
         k = keys.gather(2, idx.expand(-1, keys.shape[1], -1, keys.shape[3]))
