@@ -38,8 +38,11 @@ LOG2E = 1.4426950408889634
 #: kernel below, on the tensor cores; ``"cuda_core"`` the dot-free kernel of
 #: :mod:`kvtier.kernels.triton_decode_quant`. ``kvtier bench attention --quant-sweep``
 #: times both and names the faster per mode: set the family's entry to it. Formats the
-#: CUDA-core kernel does not read always use ``"mma"``.
-QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "mma"}
+#: CUDA-core kernel does not read always use ``"mma"``. Measured on an H200 at B=64,
+#: 32/8 heads, head_dim 128 (benchmarks/results_gpu_attention_2026-11-29_run2.md): the
+#: CUDA-core kernel serves TurboQuant K8/V3 in 1110 us against 1629 us (8k context) and
+#: 147 against 237 us (1k); the MMA kernel stays faster for q8, q4 and q4_g32.
+QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "cuda_core"}
 DECODE_KERNELS = ("cuda_core", "mma")
 
 
