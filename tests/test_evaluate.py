@@ -17,6 +17,7 @@ from kvtier.evaluate import (
     encode_text,
     evaluate_modes,
     mode_config,
+    parse_modes,
     parse_turboquant,
     windows,
 )
@@ -120,6 +121,8 @@ def test_mode_names():
     assert mode_config("fp", KVCacheConfig(strategy="paged", kv_quant="q8")).kv_quant is None
     assert parse_turboquant("q5_0r,q4_0") == TurboQuantConfig("q5_0", "q4_0", rotate_keys=True)
     assert mode_config("turboquant:q8_0,q3_0").turboquant == TurboQuantConfig("q8_0", "q3_0")
+    assert parse_modes("fp, q8,turboquant:q5_0r,q4_0,turboquant,turboquant:q8_0,q3_0") == (
+        "fp", "q8", "turboquant:q5_0r,q4_0", "turboquant", "turboquant:q8_0,q3_0")
 
 
 @pytest.mark.parametrize(

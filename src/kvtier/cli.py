@@ -383,11 +383,11 @@ def run_info(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvtier.evaluate import EvalConfig, default_text, encode_text, evaluate_modes
+    from kvtier.evaluate import EvalConfig, default_text, encode_text, evaluate_modes, parse_modes
 
     fields = _given(args, "context", "stride", "max_tokens", "chunk", "cache")
     if hasattr(args, "modes"):
-        fields["modes"] = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+        fields["modes"] = parse_modes(args.modes)
     config = EvalConfig(**fields)
     if hasattr(args, "file"):
         path = Path(args.file)

@@ -126,6 +126,18 @@ def mode_config(mode: str, base: KVCacheConfig | None = None, *, fp_cache: str =
     )
 
 
+def parse_modes(text: str) -> tuple[str, ...]:
+    """Mode names from a comma-separated list, where ``turboquant:KEY,VALUE`` keeps its comma:
+    ``"fp,q8,turboquant:q5_0r,q4_0"`` -> ``("fp", "q8", "turboquant:q5_0r,q4_0")``."""
+    modes: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if modes and modes[-1].startswith("turboquant:") and "," not in modes[-1]:
+            modes[-1] += "," + piece
+        elif piece:
+            modes.append(piece)
+    return tuple(modes)
+
+
 def parse_turboquant(spec: str) -> TurboQuantConfig:
     """``"KEY[r],VALUE"`` (e.g. ``"q8_0,q3_0"``, ``"q4_0r,q4_0"``) -> :class:`TurboQuantConfig`."""
     parts = spec.split(",")

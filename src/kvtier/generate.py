@@ -209,9 +209,9 @@ def _prefill_lockstep(model, rows, caches, chunk, device, on_progress) -> None:
             on_progress(e - start, end - start)
 
 
-def _prefill_rows(model, rows, caches, chunk, device, on_progress) -> torch.Tensor:
-    """Per-row tiers: row ``r`` writes its own tokens at its own positions; returns
-    the positions ``[B]`` of each row's last prompt token (where decoding starts).
+def _prefill_rows(model, rows, caches, chunk, device, on_progress) -> None:
+    """Per-row tiers: row ``r`` writes its own tokens at its own positions, all but its
+    last prompt token (where decoding starts).
 
     Each forward takes the next ``chunk`` tokens of every row, right-padded to a
     common width; ``new_offsets`` commits only the row's real tokens, so the
@@ -246,13 +246,11 @@ def _prefill_rows(model, rows, caches, chunk, device, on_progress) -> torch.Tens
         done += sum(n - w for w, n in zip(ws, no))
         if on_progress is not None:
             on_progress(done, total)
-    return torch.tensor(ends, dtype=torch.long, device=device)
 
 
 def model_device(model) -> torch.device:
     """The device of the model's parameters."""
     return next(model.parameters()).device
-
 
 
 # -- layer 2: responses --------------------------------------------------------------------

@@ -14,17 +14,20 @@ random weights from :func:`kvtier.model.build_random`, in bfloat16 on CUDA; the
 ``generate`` with a DynamicCache and with a StaticCache (which ``generate``
 compiles: ``torch.compile``, mode ``reduce-overhead``).
 
-Every contender runs once untimed (same prompt and lengths) to warm up, then once
-timed. Decode tokens/s is ``(N - 1)`` over the time from the first new token to
-the last (for ``transformers``, the first token's time comes from a streamer); the
-prefill column is the time to the first new token. Also reported:
+Every contender runs once untimed (same prompt and lengths) to warm up, then
+``--repeats`` timed rounds run the contenders in turn (so a busy machine slows
+them alike) and each contender's best round is reported. Decode tokens/s is
+``(N - 1)`` over the time from the first new token to the last (for
+``transformers``, the first token's time comes from a streamer); the prefill
+column is the time to the first new token. Also reported:
 
 - roofline: measured memory bandwidth (the best of several copies of a 1 GiB
-  tensor, read + write bytes) over the weight bytes one token reads (every
+  tensor each round, read + write bytes) over the weight bytes one token reads (every
   parameter once; a tied embedding once), and the percentage kvtier reaches;
 - overhead: the share of a kvtier decode step spent outside the model's forward
-  (sampling, cache bookkeeping, the generator, reading the token), measured in a
-  second kvtier run whose forward is timed (synchronised on CUDA).
+  (sampling, cache bookkeeping, the generator, reading the token), measured each
+  round in a further kvtier run whose forward is timed (synchronised on CUDA); the
+  median is reported.
 
 Example::
 
@@ -55,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="random weights of this shape (default on CUDA: llama3-8b; "
                              "on CPU the GGUF model unless given, e.g. smollm2-135m)")
     parser.add_argument("--cache", choices=STRATEGIES, default="tail", help="kvtier's tier")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (on a machine shared with other jobs, 1 is steadier)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed rounds; each contender's best round is reported")
     parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     parser.add_argument("--plot", default=None, help="write a PNG of decode tokens/s here")
 
@@ -79,19 +85,33 @@ def run(args: argparse.Namespace) -> int:
     else:
         model, hf, ids, label = _gguf_models(args)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    bandwidth = measure_bandwidth(device, sync)
-    weight_bytes = unique_param_bytes(model)
-    cfg = KVCacheConfig(strategy=args.cache)
-    with torch.inference_mode():
-        results = [time_kvtier(model, ids, args.new_tokens, cfg, f"kvtier {args.cache}")]
-        overhead = kvtier_overhead(model, ids, args.new_tokens, cfg, sync)
+    n, cfg = args.new_tokens, KVCacheConfig(strategy=args.cache)
+    contenders: dict[str, Callable[[], tuple[float, float, list[int]]]] = {
+        f"kvtier {args.cache}": lambda: _kvtier_run(model, ids, n, cfg),
+    }
     if hf is not None:
-        results.append(time_hf(hf, ids, args.new_tokens, "HF DynamicCache", sync))
+        contenders["HF DynamicCache"] = lambda: _hf_run(hf, ids, n, sync)
         if device.type == "cuda":
-            results.append(time_hf(hf, ids, args.new_tokens, "HF StaticCache compiled", sync,
-                                   cache_implementation="static"))
-    roof = bandwidth / weight_bytes
-    _print_table(results, roof, overhead, bandwidth, weight_bytes, label, args, device)
+            contenders["HF StaticCache compiled"] = lambda: _hf_run(
+                hf, ids, n, sync, cache_implementation="static")
+    with torch.inference_mode():
+        for fn in contenders.values():
+            fn()  # warm-up with the same shapes (and compilation, for the static cache)
+        # rounds interleave the contenders, so a busy machine slows them alike; keep each one's best
+        runs: dict[str, list] = {name: [] for name in contenders}
+        bandwidth, overheads = 0.0, []
+        for _ in range(args.repeats):
+            bandwidth = max(bandwidth, measure_bandwidth(device, sync))
+            for name, fn in contenders.items():
+                runs[name].append(fn())
+            overheads.append(kvtier_overhead(model, ids, n, cfg, sync))
+    results = []
+    for name, rs in runs.items():
+        first, rest, tokens = min(rs, key=lambda r: r[1])
+        results.append(Result(name, min(r[0] for r in rs), (n - 1) / rest, tokens))
+    overhead = sorted(overheads)[len(overheads) // 2]
+    roof = bandwidth / unique_param_bytes(model)
+    _print_table(results, roof, overhead, bandwidth, unique_param_bytes(model), label, args, device)
     if args.plot:
         _plot(results, roof, args.plot, label)
     return 0
@@ -204,12 +224,6 @@ def _kvtier_run(model, ids, n, cfg) -> tuple[float, float, list[int]]:
     return t1 - t0, t2 - t1, tokens
 
 
-def time_kvtier(model, ids, n, cfg, name) -> Result:
-    _kvtier_run(model, ids, n, cfg)  # warm-up with the same shapes
-    first, rest, tokens = _kvtier_run(model, ids, n, cfg)
-    return Result(name, first, (n - 1) / rest, tokens)
-
-
 class _TimedModel:
     """Calls the model and adds up the seconds spent inside it (synchronised)."""
 
@@ -259,33 +273,25 @@ class _FirstTokenClock:
         pass
 
 
-def time_hf(hf, ids, n, name, sync, **gen_kwargs) -> Result:
-    """One ``generate`` of ``n`` tokens after a warm-up with the same shapes; the first
-    token's time comes from a streamer, so a static cache keeps one length throughout."""
+def _hf_run(hf, ids, n, sync, **gen_kwargs) -> tuple[float, float, list[int]]:
+    """One ``transformers`` ``generate`` of ``n`` tokens: seconds to the first token (from a
+    streamer, so a static cache keeps one length), seconds after it, and the tokens."""
     from transformers import DynamicCache
 
     x = torch.tensor([ids], device=hf.device)
-
-    def gen():
-        kw = dict(gen_kwargs)
-        if "cache_implementation" not in kw:
-            # the keyword every transformers 5 release takes (later ones prefer "cache")
-            kw["past_key_values"] = DynamicCache()
-        clock = _FirstTokenClock(sync)
-        sync()
-        t0 = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
-            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                              min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=clock, **kw)
-        sync()
-        t2 = time.perf_counter()
-        return clock.first - t0, t2 - clock.first, out[0, x.shape[1]:].tolist()
-
-    with torch.inference_mode():
-        gen()  # warm-up (and compilation, for the static cache)
-        first, rest, tokens = gen()
-    return Result(name, first, (n - 1) / rest, tokens)
+    if "cache_implementation" not in gen_kwargs:
+        # the keyword every transformers 5 release takes (later ones prefer "cache")
+        gen_kwargs["past_key_values"] = DynamicCache()
+    clock = _FirstTokenClock(sync)
+    sync()
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0, streamer=clock, **gen_kwargs)
+    sync()
+    t2 = time.perf_counter()
+    return clock.first - t0, t2 - clock.first, out[0, x.shape[1]:].tolist()
 
 
 # -- output ---------------------------------------------------------------------------------------------
