@@ -336,26 +336,55 @@ def test_paged_rows_released_mid_generation_leak_no_block():
     want = [c[: c.index(stop) + 1] if stop in c else c for c in conts]
     assert len({len(w) for w in want}) > 1  # rows finish at different cycles
     caches = model.make_caches(config("paged"), batch_size=4)
-    out = [[] for _ in prompts]
+    contexts = [list(p) for p in prompts]
     steps = speculative_generate_step(model, prompts, caches, ScriptedDrafter(prompts, conts, 32),
                                       max_tokens=20, stop_token_ids=frozenset({stop}),
                                       speculative=SpeculativeConfig(draft_tokens=6, adaptive=False))
-    released = False
+    released = set()
     for new in steps:
-        for o, t in zip(out, new):
-            o.extend(t)
+        for c, t in zip(contexts, new):
+            c.extend(t)
         check_pool(caches)
-        done = [len(o) == len(w) for o, w in zip(out, want)]
-        if any(done) and not all(done):
-            for r in (r for r, d in enumerate(done) if d):
-                assert all(not c.pool.rows[r] for c in caches)  # its blocks went back
-                released = True
-    assert out == want and released
+        done = {r for r, (c, p, w) in enumerate(zip(contexts, prompts, want)) if len(c) - len(p) == len(w)}
+        if len(done) < 4:
+            released |= done
+        for r in released:
+            assert all(not c.pool.rows[r] for c in caches)  # its blocks went back
+        # the rows still held keep exactly their tokens, stopped rows too (not past the stop)
+        assert_caches_hold(model, caches, contexts, released)
+    assert [c[len(p):] for c, p in zip(contexts, prompts)] == want and released
     for cache in caches:
         with torch.inference_mode():  # the block tables were made under inference mode
             cache.release(list(range(4)))
         s = cache.paged_stats()
         assert s["used_blocks"] == 0 and s["free_blocks"] == s["allocated_blocks"]
+
+
+@pytest.mark.parametrize("tier", ["tail", "ragged", "paged"])
+def test_an_accepted_stop_token_ends_its_row_there(tier):
+    """Drafts that are all right run past a stop token; the row ends at it, and its caches
+    hold nothing after it."""
+    model = tiny(0, vocab=32, std=1.0)
+    batch = 1 if tier == "tail" else 2
+    prompts = [[1, 2, 3, 4, 5], [6, 7]][:batch]
+    conts = [plain_greedy(model, p, 16) for p in prompts]
+    stop = conts[0][3]
+    want = [c[: c.index(stop) + 1] if stop in c else c for c in conts]
+
+    class Oracle(ScriptedDrafter):
+        def propose(self, contexts, ks, *, params, generator):
+            self.rng.randint = lambda a, b: b  # every draft right
+            return super().propose(contexts, ks, params=params, generator=generator)
+
+    caches = model.make_caches(config(tier), batch_size=batch)
+    contexts = [list(p) for p in prompts]
+    for new in speculative_generate_step(model, prompts, caches, Oracle(prompts, conts, 32),
+                                         max_tokens=16, stop_token_ids=frozenset({stop}),
+                                         speculative=SpeculativeConfig(draft_tokens=6, adaptive=False)):
+        for c, t in zip(contexts, new):
+            c.extend(t)
+    assert [c[len(p):] for c, p in zip(contexts, prompts)] == want
+    assert_caches_hold(model, caches, contexts)
 
 
 # -- drafters ----------------------------------------------------------------------------------
@@ -386,6 +415,7 @@ def test_a_drafter_that_is_the_target_is_always_accepted(tier):
                              spec=SpeculativeConfig(draft_tokens=4, adaptive=False))
     assert out == [plain_greedy(model, p, 20) for p in prompts]
     assert stats.accepted == stats.drafted > 0
+    assert stats.tokens == 20 * batch and stats.drafted <= stats.tokens
 
 
 def test_depth_policy_backs_off_and_probes_again():

@@ -319,7 +319,7 @@ def speculative_step(model, caches, run, drafter, policy, params, generator, sta
     """One cycle: draft, verify in one forward, accept, roll the caches back; new tokens per row."""
     B = len(run.contexts)
     depths = policy.depths([not d for d in run.done])
-    ks = [min(k, left - 1) for k, left in zip(depths, run.left)]
+    ks = [max(0, min(k, left - 1)) for k, left in zip(depths, run.left)]  # done rows: 0
     t0 = time.perf_counter()
     if max(ks) > 0:
         draft = drafter.propose(run.contexts, ks, params=params, generator=generator)
@@ -337,6 +337,8 @@ def speculative_step(model, caches, run, drafter, policy, params, generator, sta
     else:
         logits = model(tokens, caches)
     accepted, nxt = accept_drafts(logits, draft, params, generator)  # (B,) each
+    if run.stop is not None and draft.tokens.shape[1]:  # an accepted stop token ends its row:
+        accepted, nxt = run.cut_at_stop(draft.tokens, accepted, nxt)  # it becomes the next token
     # roll back: keep the last committed token and the accepted drafts
     committed = run.lengths + live * (1 + accepted)  # (B,)
     acc = accepted.tolist()  # the one host sync of a cycle
@@ -364,28 +366,35 @@ class _Rows:
         self.last = torch.tensor([r[-1] for r in rows], dtype=torch.long, device=device)
         self.left = [max_tokens if max_tokens is not None else 1 << 62] * len(rows)
         self.stop_ids = stop_ids
+        self.stop = torch.tensor(sorted(stop_ids), device=device) if stop_ids else None
         self.done = [False] * len(rows)
         self.released = [False] * len(rows)  # done rows whose paged blocks may return to the pool
 
     def advance(self, drafts: list[list[int]], accepted: list[int], nxt: torch.Tensor,
                 committed: torch.Tensor) -> list[list[int]]:
-        """Book a cycle; returns each row's new tokens, cut after a stop token."""
+        """Book a cycle; returns each row's new tokens (a stop token can only come last)."""
         out = []
         for r, (row, a, t) in enumerate(zip(drafts, accepted, nxt.tolist())):
             if self.done[r]:
                 out.append([])
                 continue
             toks = row[:a] + [t]
-            stop = next((i for i, x in enumerate(toks) if x in self.stop_ids), None)
-            if stop is not None:
-                toks = toks[: stop + 1]
             self.contexts[r].extend(toks)
             self.left[r] -= len(toks)
-            if stop is not None or self.left[r] <= 0:
+            if t in self.stop_ids or self.left[r] <= 0:
                 self.done[r] = self.released[r] = True
             out.append(toks)
         self.lengths, self.last = committed, nxt
         return out
+
+    def cut_at_stop(self, drafts: torch.Tensor, accepted: torch.Tensor, nxt: torch.Tensor):
+        """Cut each row's accepted drafts ``[B, K]`` before its first stop token, which becomes
+        its next token; returns the new ``(accepted, next_token)``."""
+        K = drafts.shape[1]
+        hit = torch.isin(drafts, self.stop) & (torch.arange(K, device=drafts.device) < accepted[:, None])
+        first = torch.where(hit.any(dim=1), hit.long().argmax(dim=1), accepted)  # (B,)
+        rows = torch.arange(drafts.shape[0], device=drafts.device)
+        return first, torch.where(first < accepted, drafts[rows, first.clamp(max=K - 1)], nxt)
 
     def release(self, caches: list[PagedKVCache]) -> None:
         """Return finished rows' blocks to the pool; they then write and commit nothing."""
