@@ -127,7 +127,8 @@ class Result:
             "tokens": self.generated,
             "steps": steps,
             "tokens_per_step": s.tokens_per_step if s else 1.0,
-            "acceptance": s.acceptance_rate if s else None,
+            "drafted": s.drafted if s else 0,
+            "acceptance": s.acceptance_rate if s and s.drafted else None,
             "decode_s": self.decode_s,
             "cpu_s": self.cpu_s,
             "tokens_per_s": self.generated / self.decode_s,
@@ -198,12 +199,13 @@ def _table(title: str, rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("run", "tokens", "steps", "tok/step", "accept", "decode s", "cpu s", "tok/s",
-                "speedup", "cpu speedup", "exact"):
+    for col in ("run", "tokens", "steps", "tok/step", "drafted", "accept", "decode s", "cpu s",
+                "tok/s", "speedup", "cpu speedup", "exact"):
         table.add_column(col, justify="left" if col == "run" else "right")
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
-        table.add_row(r["run"], str(r["tokens"]), str(r["steps"]), f"{r['tokens_per_step']:.2f}", acc,
+        table.add_row(r["run"], str(r["tokens"]), str(r["steps"]), f"{r['tokens_per_step']:.2f}",
+                      str(r["drafted"]), acc,
                       f"{r['decode_s']:.1f}", f"{r['cpu_s']:.1f}", f"{r['tokens_per_s']:.1f}",
                       f"{r['speedup']:.2f}x", f"{r['cpu_speedup']:.2f}x",
                       "yes" if r["same_tokens"] else "NO")
