@@ -264,6 +264,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(json.dumps(out, default=str))
     else:
         sys.stdout.write("\n")
+        sys.stdout.flush()  # the text ends before the summary on a shared terminal
     print(
         f"[kvtier] prompt {stats.prompt_tokens} tokens ({stats.prompt_cache_tokens_reused} reused), "
         f"generated {stats.generation_tokens} | prefill {stats.prefill_tokens_per_s:.1f} tok/s, "
