@@ -27,7 +27,7 @@ Example::
     >>> lm = load_model()
     >>> generate(lm.model, lm.tokenizer, "The capital of France is",
     ...          GenerationConfig(max_tokens=8))
-    ' Paris...'
+    ' Paris.\n\nThe answer is:'
 """
 
 from __future__ import annotations
