@@ -280,9 +280,11 @@ class BlockPool:
                 self.rows[r].append(b)
         if rr:
             dev = self.block_tables.device
-            self.block_tables[torch.tensor(rr, device=dev), torch.tensor(cc, device=dev)] = (
-                torch.tensor(bb, dtype=torch.int32, device=dev)
-            )
+            # Tables made under inference_mode are inference tensors: write them inside it.
+            with torch.inference_mode():
+                self.block_tables[torch.tensor(rr, device=dev), torch.tensor(cc, device=dev)] = (
+                    torch.tensor(bb, dtype=torch.int32, device=dev)
+                )
 
     def release(self, rows: list[int]) -> None:
         """Return the rows' blocks to the free list (reused first) and clear their tables."""
@@ -290,7 +292,8 @@ class BlockPool:
             self.free.extend(reversed(self.rows[r]))
             self.rows[r] = []
         if rows and self.block_tables is not None:
-            self.block_tables[torch.tensor(rows, device=self.block_tables.device)] = 0
+            with torch.inference_mode():
+                self.block_tables[torch.tensor(rows, device=self.block_tables.device)] = 0
 
     def select(self, indices: list[int]) -> None:
         """Keep rows ``indices`` in that order; the caller released the others first."""
