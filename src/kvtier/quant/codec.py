@@ -22,6 +22,7 @@ exact byte layouts are in ``docs/quantization.md``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ class SidecarSpec:
     dtype: torch.dtype
 
 
-class Codec:
+class Codec(ABC):
     """Base of every storage codec. Subclasses override the four methods below."""
 
     name: str = "base"
@@ -61,26 +62,26 @@ class Codec:
         self.head_dim = head_dim
         self.dtype = dtype  # the dtype decode() returns
 
+    @abstractmethod
     def packed_dim(self) -> int:
         """``D'``: payload elements per (token, head) vector."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def payload_dtype(self) -> torch.dtype:
         """The payload's element type (``uint8``, ``int8``, or ``dtype`` for full precision)."""
-        raise NotImplementedError
 
     def sidecar_specs(self) -> tuple[SidecarSpec, ...]:
         """Name, groups per vector and dtype of each sidecar (none by default)."""
         return ()
 
+    @abstractmethod
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``x`` ``[N, H, D]`` -> payload ``[N, H, D']``, sidecars ``{name: [N, H, G]}``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, payload: torch.Tensor, sidecars: dict[str, torch.Tensor]) -> torch.Tensor:
         """Inverse of :meth:`encode` (up to the codec's error), ``[..., H, D]`` in ``self.dtype``."""
-        raise NotImplementedError
 
     def decode_rotated(self, payload: torch.Tensor, sidecars: dict[str, torch.Tensor]) -> torch.Tensor:
         """Like :meth:`decode` but left in the rotated domain (equals decode without rotation)."""
