@@ -121,7 +121,7 @@ def generate_step(
     must be frozen already); see :func:`kvtier.cuda_graph.make_decoder`.
     """
     params = SamplingParams() if params is None else params
-    rows = _check_prompts(prompts)
+    rows = check_prompts(prompts)
     device = model_device(model)
     per_row = caches[0].tier in PER_ROW_TIERS
     if cuda_graph and not per_row:
@@ -129,9 +129,9 @@ def generate_step(
                          "use --cache ragged/paged or --no-cuda-graph")
     with torch.inference_mode():
         if per_row:
-            _prefill_rows(model, rows, caches, prefill_chunk, device, on_progress)
+            prefill_rows(model, rows, caches, prefill_chunk, device, on_progress)
         else:
-            _prefill_lockstep(model, rows, caches, prefill_chunk, device, on_progress)
+            prefill_lockstep(model, rows, caches, prefill_chunk, device, on_progress)
         if on_prefilled is not None:
             on_prefilled()
         decoder = None
@@ -166,7 +166,7 @@ def _decode_step(model, y, caches, decoder, params, generator) -> torch.Tensor:
     return sample(logits[:, -1], params, generator)
 
 
-def _check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+def check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     if isinstance(prompts, (str, torch.Tensor)) or not prompts:
         raise ValueError(
             f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}; "
@@ -187,7 +187,7 @@ def _check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     return rows
 
 
-def _prefill_lockstep(model, rows, caches, chunk, device, on_progress) -> None:
+def prefill_lockstep(model, rows, caches, chunk, device, on_progress) -> None:
     """Scalar tiers: every row has the same length and the caches one offset."""
     if len({len(r) for r in rows}) != 1:
         raise ValueError(
@@ -209,7 +209,7 @@ def _prefill_lockstep(model, rows, caches, chunk, device, on_progress) -> None:
             on_progress(e - start, end - start)
 
 
-def _prefill_rows(model, rows, caches, chunk, device, on_progress) -> None:
+def prefill_rows(model, rows, caches, chunk, device, on_progress) -> None:
     """Per-row tiers: row ``r`` writes its own tokens at its own positions, all but its
     last prompt token (where decoding starts).
 
@@ -332,7 +332,7 @@ def stream_generate(
     are taken as already restored by the caller (``prompt_cache.restore``).
     """
     config = GenerationConfig() if config is None else config
-    rows = _encode_prompts(tokenizer, prompts)
+    rows = encode_prompts(tokenizer, prompts)
     if prompt_cache is not None and (len(rows) != 1 or cache_config is None):
         raise ValueError(
             "a prompt cache serves one prompt and needs cache_config (it records the tier); "
@@ -388,7 +388,7 @@ class _Run:
 
     def stream(self, ids, rows, caches, on_progress, on_prefilled) -> Iterator[GenerationResponse]:
         cfg = self.config
-        states = [_RowText(self.tokenizer.stream_decoder(), cfg, self.stop_ids) for _ in rows]
+        states = [RowText(self.tokenizer.stream_decoder(), cfg, self.stop_ids) for _ in rows]
         self.prompt_tokens += sum(len(r) for r in rows)
         steps = generate_step(
             self.model, rows, caches, params=cfg.sampling, prefill_chunk=cfg.prefill_chunk,
@@ -418,7 +418,7 @@ class _Run:
             steps.close()
 
 
-class _RowText:
+class RowText:
     """Text of one row: incremental detokenizing, stop tokens and strings, max tokens."""
 
     def __init__(self, decoder, config: GenerationConfig, stop_ids: frozenset[int]):
@@ -471,7 +471,7 @@ def split_at_stop(text: str, stop: Sequence[str], *, hold: bool = True) -> tuple
     return text[: len(text) - keep], text[len(text) - keep :], False
 
 
-def _encode_prompts(tokenizer, prompts) -> list[list[int]]:
+def encode_prompts(tokenizer, prompts) -> list[list[int]]:
     if isinstance(prompts, str):
         return [tokenizer.encode(prompts)]
     if not isinstance(prompts, Sequence) or isinstance(prompts, torch.Tensor) or not prompts:

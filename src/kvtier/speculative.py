@@ -55,12 +55,12 @@ from kvtier.generate import (
     GenerationStats,
     ProgressFn,
     Prompt,
-    _check_prompts,
-    _encode_prompts,
-    _prefill_lockstep,
-    _prefill_rows,
-    _RowText,
+    RowText,
+    check_prompts,
+    encode_prompts,
     model_device,
+    prefill_lockstep,
+    prefill_rows,
 )
 from kvtier.sampling import SamplingParams, make_generator, process_logits
 
@@ -285,7 +285,7 @@ def speculative_generate_step(
     params = SamplingParams() if params is None else params
     spec = SpeculativeConfig() if speculative is None else speculative
     stats = SpeculativeStats() if stats is None else stats
-    rows = _check_prompts(prompts)
+    rows = check_prompts(prompts)
     device = model_device(model)
     per_row = caches[0].tier in PER_ROW_TIERS
     if not per_row and len(rows) > 1:
@@ -296,9 +296,9 @@ def speculative_generate_step(
         )
     with torch.inference_mode():
         if per_row:
-            _prefill_rows(model, rows, caches, prefill_chunk, device, on_progress)
+            prefill_rows(model, rows, caches, prefill_chunk, device, on_progress)
         else:
-            _prefill_lockstep(model, rows, caches, prefill_chunk, device, on_progress)
+            prefill_lockstep(model, rows, caches, prefill_chunk, device, on_progress)
         if on_prefilled is not None:
             on_prefilled()
         run = _Rows(rows, device, max_tokens, stop_token_ids)
@@ -434,7 +434,7 @@ def stream_speculative(
     per-row tiers, and row by row on the scalar tiers (each row then equals its batch-1 run).
     """
     config = GenerationConfig() if config is None else config
-    rows = _encode_prompts(tokenizer, prompts)
+    rows = encode_prompts(tokenizer, prompts)
     if prompt_cache is not None and (len(rows) != 1 or cache_config is None):
         raise ValueError(
             "a prompt cache serves one prompt and needs cache_config (it records the tier); "
@@ -476,7 +476,7 @@ def stream_speculative(
             group_caches = make_caches(model.args.n_layers, cache_config, batch_size=len(group))
         totals["prompt"] += sum(len(r) for r in group_rows)
         drafter.reset()
-        states = [_RowText(tokenizer.stream_decoder(), config, stop_ids) for _ in group]
+        states = [RowText(tokenizer.stream_decoder(), config, stop_ids) for _ in group]
         steps = speculative_generate_step(
             model, group_rows, group_caches, drafter, params=config.sampling, speculative=speculative,
             max_tokens=config.max_tokens, stop_token_ids=stop_ids, prefill_chunk=config.prefill_chunk,
