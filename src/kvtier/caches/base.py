@@ -244,3 +244,21 @@ class KVCache(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(offset={self.offset}, nbytes={self.nbytes})"
+
+
+class ScalarKVCache(KVCache):
+    """A tier whose rows all hold the same number of tokens: ``offset`` is an int."""
+
+    _offset: int = 0
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    def size(self) -> int:
+        return self._offset
+
+    def trim(self, n: int) -> int:
+        n = min(check_trim(n), self._offset)
+        self._offset -= n
+        return n

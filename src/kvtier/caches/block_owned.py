@@ -16,16 +16,16 @@ from kvtier.caches.base import (
     CopyStats,
     CopyTimer,
     KVCache,
+    ScalarKVCache,
     check_kv,
     check_queries,
-    check_trim,
     tensor_nbytes,
 )
 from kvtier.caches.tail_owned import check_query_rows, check_state_kv, live_kv, read_meta_ints
 from kvtier.kernels.reference import OnlineSoftmax, causal_mask, partial_attention
 
 
-class BlockOwnedKVCache(KVCache):
+class BlockOwnedKVCache(ScalarKVCache):
     """K and V as lists of ``[B, H_kv, block_size, D]`` blocks.
 
     A block is allocated only when a write reaches it; a write that crosses a
@@ -128,18 +128,6 @@ class BlockOwnedKVCache(KVCache):
         return acc.result(queries.dtype)
 
     # -- bookkeeping --------------------------------------------------------------
-    @property
-    def offset(self) -> int:
-        return self._offset
-
-    def size(self) -> int:
-        return self._offset
-
-    def trim(self, n: int) -> int:
-        n = min(check_trim(n), self._offset)
-        self._offset -= n
-        return n
-
     @property
     def nbytes(self) -> int:
         return tensor_nbytes(*self.key_blocks, *self.value_blocks)

@@ -15,9 +15,9 @@ from kvtier.caches.base import (
     CopyStats,
     CopyTimer,
     KVCache,
+    ScalarKVCache,
     check_kv,
     check_queries,
-    check_trim,
     tensor_nbytes,
 )
 from kvtier.kernels.reference import causal_attention
@@ -58,7 +58,7 @@ def check_query_rows(queries: torch.Tensor, batch: int, offset: int) -> None:
         )
 
 
-class TailOwnedKVCache(KVCache):
+class TailOwnedKVCache(ScalarKVCache):
     """Contiguous ``[B, H_kv, capacity, D]`` K and V buffers, capacity a multiple of ``step``.
 
     Example::
@@ -127,18 +127,6 @@ class TailOwnedKVCache(KVCache):
         return causal_attention(queries, k, v, scale=scale)
 
     # -- bookkeeping --------------------------------------------------------------
-    @property
-    def offset(self) -> int:
-        return self._offset
-
-    def size(self) -> int:
-        return self._offset
-
-    def trim(self, n: int) -> int:
-        n = min(check_trim(n), self._offset)
-        self._offset -= n
-        return n
-
     @property
     def nbytes(self) -> int:
         return tensor_nbytes(self.keys, self.values)
