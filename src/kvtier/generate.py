@@ -332,15 +332,7 @@ def stream_generate(
     are taken as already restored by the caller (``prompt_cache.restore``).
     """
     config = GenerationConfig() if config is None else config
-    rows = encode_prompts(tokenizer, prompts)
-    if prompt_cache is not None and (len(rows) != 1 or cache_config is None):
-        raise ValueError(
-            "a prompt cache serves one prompt and needs cache_config (it records the tier); "
-            f"got {len(rows)} prompts and cache_config={cache_config!r}"
-        )
-    if caches is None and cache_config is None:
-        cache_config = KVCacheConfig.from_env()
-    tier = caches[0].tier if caches is not None else cache_config.strategy
+    rows, cache_config, tier = resolve_rows(tokenizer, prompts, caches, cache_config, prompt_cache)
     if tier in PER_ROW_TIERS or len({len(r) for r in rows}) == 1:
         groups = [list(range(len(rows)))]
     elif caches is not None:
@@ -469,6 +461,24 @@ def split_at_stop(text: str, stop: Sequence[str], *, hold: bool = True) -> tuple
                 keep = n
                 break
     return text[: len(text) - keep], text[len(text) - keep :], False
+
+
+def resolve_rows(tokenizer, prompts, caches, cache_config, prompt_cache):
+    """Encode the prompts and settle the tier: ``(rows, cache_config, tier)``.
+
+    A prompt cache serves one prompt and needs ``cache_config`` (it records the
+    tier); without caches or a config, the environment picks the tier.
+    """
+    rows = encode_prompts(tokenizer, prompts)
+    if prompt_cache is not None and (len(rows) != 1 or cache_config is None):
+        raise ValueError(
+            "a prompt cache serves one prompt and needs cache_config (it records the tier); "
+            f"got {len(rows)} prompts and cache_config={cache_config!r}"
+        )
+    if caches is None and cache_config is None:
+        cache_config = KVCacheConfig.from_env()
+    tier = caches[0].tier if caches is not None else cache_config.strategy
+    return rows, cache_config, tier
 
 
 def encode_prompts(tokenizer, prompts) -> list[list[int]]:

@@ -57,10 +57,10 @@ from kvtier.generate import (
     Prompt,
     RowText,
     check_prompts,
-    encode_prompts,
     model_device,
     prefill_lockstep,
     prefill_rows,
+    resolve_rows,
 )
 from kvtier.sampling import SamplingParams, make_generator, process_logits
 
@@ -434,15 +434,7 @@ def stream_speculative(
     per-row tiers, and row by row on the scalar tiers (each row then equals its batch-1 run).
     """
     config = GenerationConfig() if config is None else config
-    rows = encode_prompts(tokenizer, prompts)
-    if prompt_cache is not None and (len(rows) != 1 or cache_config is None):
-        raise ValueError(
-            "a prompt cache serves one prompt and needs cache_config (it records the tier); "
-            f"got {len(rows)} prompts and cache_config={cache_config!r}"
-        )
-    if caches is None and cache_config is None:
-        cache_config = KVCacheConfig.from_env()
-    tier = caches[0].tier if caches is not None else cache_config.strategy
+    rows, cache_config, tier = resolve_rows(tokenizer, prompts, caches, cache_config, prompt_cache)
     if tier in PER_ROW_TIERS or len(rows) == 1:
         groups = [list(range(len(rows)))]
     elif caches is not None:
