@@ -184,7 +184,25 @@ def check_group_dim(head_dim: int, what: str) -> None:
         )
 
 
-class GroupQ4Codec(Codec):
+class GroupAffineLayout(Codec):
+    """Layout shared by the per-32-channel asymmetric codecs: ``bits``-bit codes
+    bit-packed into uint8, float16 ``scale`` and ``zero`` per group of 32."""
+
+    bits: int = 4
+
+    def packed_dim(self) -> int:
+        return bitpack.packed_width(self.head_dim, self.bits)
+
+    @property
+    def payload_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def sidecar_specs(self) -> tuple[SidecarSpec, ...]:
+        groups = self.head_dim // GROUP
+        return (SidecarSpec("scale", groups, torch.float16), SidecarSpec("zero", groups, torch.float16))
+
+
+class GroupQ4Codec(GroupAffineLayout):
     """``q4_g32``: unsigned nibbles ``[..., D/2]``, float16 ``scale`` and ``zero`` ``[..., D/32]``.
 
     ``head_dim`` must be a multiple of 32 (else :class:`CodecUnsupported`).
@@ -203,17 +221,6 @@ class GroupQ4Codec(Codec):
     def __init__(self, head_dim: int, dtype: torch.dtype):
         super().__init__(head_dim, dtype)
         check_group_dim(head_dim, "q4_g32")
-
-    def packed_dim(self) -> int:
-        return bitpack.packed_width(self.head_dim, self.bits)
-
-    @property
-    def payload_dtype(self) -> torch.dtype:
-        return torch.uint8
-
-    def sidecar_specs(self) -> tuple[SidecarSpec, ...]:
-        groups = self.head_dim // GROUP
-        return (SidecarSpec("scale", groups, torch.float16), SidecarSpec("zero", groups, torch.float16))
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``x`` ``[..., D]`` -> uint8 ``[..., D/2]``, ``{"scale", "zero": float16 [..., D/32]}``."""

@@ -43,7 +43,12 @@ import torch
 from kvtier.quant import bitpack
 from kvtier.quant.codec import Codec, SidecarSpec
 from kvtier.quant.hadamard import HadamardRotation, check_rotation_dim
-from kvtier.quant.kv_quant import GROUP, group_affine_decode, group_affine_encode
+from kvtier.quant.kv_quant import (
+    GROUP,
+    GroupAffineLayout,
+    group_affine_decode,
+    group_affine_encode,
+)
 from kvtier.quant.lloyd_max import lloyd_max_quantizer
 
 KEY_CODE_BITS = {
@@ -61,7 +66,7 @@ def _bits_of(code: str, table: dict[str, int], what: str) -> int:
     return table[code]
 
 
-class TurboKeyCodec(Codec):
+class TurboKeyCodec(GroupAffineLayout):
     """TurboQuant keys: group-affine integers (fp16 scale and zero per 32 channels).
 
     ``code`` is one of :data:`KEY_CODE_BITS`; ``rotate=True`` codes ``Pi x`` with
@@ -89,17 +94,6 @@ class TurboKeyCodec(Codec):
         self.code = code
         self.rotation = HadamardRotation(head_dim, seed) if rotate else None
         self.name = f"turboquant-key:{code}{'r' if rotate else ''}"
-
-    def packed_dim(self) -> int:
-        return bitpack.packed_width(self.head_dim, self.bits)
-
-    @property
-    def payload_dtype(self) -> torch.dtype:
-        return torch.uint8
-
-    def sidecar_specs(self) -> tuple[SidecarSpec, ...]:
-        groups = self.head_dim // GROUP
-        return (SidecarSpec("scale", groups, torch.float16), SidecarSpec("zero", groups, torch.float16))
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``x`` ``[..., D]`` -> uint8 ``[..., ceil(D*b/8)]``, ``{"scale", "zero": float16 [..., D/32]}``."""
