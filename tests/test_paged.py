@@ -121,6 +121,23 @@ def test_random_operations_match_a_list_per_row(data):
             check_contents(cache, kref, vref)
 
 
+@pytest.mark.parametrize("host_slots", [0, 256])
+def test_slots_from_the_host_books_and_from_the_device_tables_agree(seed, monkeypatch, host_slots):
+    import kvtier.caches.paged as paged_module
+
+    monkeypatch.setattr(paged_module, "HOST_SLOTS_MAX", host_slots)  # 0: every write on the device path
+    cache = PagedKVCache(3, 16, batch_size=2)
+    kref, vref = [[], []], [[], []]
+    for T, ws in ((5, None), (1, None), (2, [4, 6]), (1, None), (4, [0, 7])):
+        k, v = torch.randn(2, H, T, D), torch.randn(2, H, T, D)
+        ws = ws or [len(r) for r in kref]
+        cache.update(k, v, write_start=ws)
+        for b in range(2):
+            kref[b] = kref[b][: ws[b]] + list(k[b].unbind(1))
+            vref[b] = vref[b][: ws[b]] + list(v[b].unbind(1))
+        check_contents(cache, kref, vref)
+
+
 def test_freed_blocks_are_reused_by_another_row(seed):
     cache, kref, vref = prefix_cache([8, 4], block_size=4, num_blocks=4)
     assert cache.paged_stats()["free_blocks"] == 1

@@ -68,9 +68,9 @@ def test_reference_decodes_a_bounded_chunk_at_a_time(seed, monkeypatch):
     widths = []
     real = kp.gather_pages
 
-    def recording(pages, sidecars, ids, *, codec):
+    def recording(pages, sidecars, ids, *, codec, first_block=None):
         widths.append(ids.shape[1] * pages.shape[1])
-        return real(pages, sidecars, ids, codec=codec)
+        return real(pages, sidecars, ids, codec=codec, first_block=first_block)
 
     monkeypatch.setattr(kp, "gather_pages", recording)
     codec = IdentityCodec(D, torch.float32)
@@ -80,6 +80,83 @@ def test_reference_decodes_a_bounded_chunk_at_a_time(seed, monkeypatch):
         chunk_tokens=8,
     )
     assert max(widths) == 8 and sum(widths) == 2 * 40  # K and V, 10 blocks each, two at a time
+
+
+@pytest.mark.parametrize("chunk_tokens", [8, 1024])
+@pytest.mark.parametrize("T", [1, 2])
+def test_reference_decode_rows_that_see_whole_chunks_equal_sdpa(seed, chunk_tokens, T):
+    # every query sees its row's keys up to itself: chunks below the shortest row need no mask
+    lengths = [23, 9, 16]
+    kpages, vpages, tables, ks, vs = scattered_pages(lengths, 4, 32)
+    q_start = torch.tensor([n - T for n in lengths])
+    q = torch.randn(3, 4, T, D)
+    codec = IdentityCodec(D, torch.float32)
+    out = kp.paged_attention_reference(
+        q, kpages, vpages, tables, q_start, torch.tensor(lengths), k_codec=codec, v_codec=codec,
+        k_sidecars={}, v_sidecars={}, chunk_tokens=chunk_tokens,
+    )
+    for b in range(3):
+        expect = causal_attention(q[b : b + 1], ks[b], vs[b], q_start=int(q_start[b]))
+        torch.testing.assert_close(out[b : b + 1], expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_quant", [None, "q8"])
+def test_one_row_on_consecutive_blocks_is_read_as_a_view(seed, monkeypatch, kv_quant):
+    kc, vc = make_codecs(D, torch.float32, kv_quant=kv_quant)
+    N, bs, n = 12, 4, 19
+    kpages = torch.randn(N, bs, H, kc.packed_dim()).to(kc.payload_dtype)
+    vpages = kpages.clone()
+    ksc = {s.name: torch.rand(N, bs, H, s.groups).to(s.dtype) + 0.5 for s in kc.sidecar_specs()}
+    vsc = {name: t.clone() for name, t in ksc.items()}
+    keys, values = torch.randn(1, H, n, D), torch.randn(1, H, n, D)
+    ids = [3, 4, 5, 6, 7]  # consecutive physical blocks
+    slots = torch.tensor([ids[p // bs] * bs + p % bs for p in range(n)])
+    kp.paged_write_reference(kpages, vpages, ksc, vsc, slots, keys, values, k_codec=kc, v_codec=vc)
+    tables = torch.tensor([ids], dtype=torch.int32)
+    assert kp.consecutive_blocks(tables) == 3
+    assert kp.consecutive_blocks(tables.flip(1)) is None
+    assert kp.consecutive_blocks(torch.cat([tables, tables])) is None  # several rows: gathered
+    calls = []
+    real = kp.gather_pages
+
+    def recording(pages, sidecars, block_ids, *, codec, first_block=None):
+        calls.append((block_ids.shape[1], first_block))
+        out = real(pages, sidecars, block_ids, codec=codec, first_block=first_block)
+        if first_block is not None and codec.lossless:
+            assert out.data_ptr() == pages[first_block].data_ptr()  # the pages themselves
+        return out
+
+    monkeypatch.setattr(kp, "gather_pages", recording)
+    q = torch.randn(1, 4, 1, D)
+    out = kp.paged_attention_reference(
+        q, kpages, vpages, tables, torch.tensor([n - 1]), torch.tensor([n]), k_codec=kc,
+        v_codec=vc, k_sidecars=ksc, v_sidecars=vsc, chunk_tokens=8,
+    )
+    k = kc.decode(kpages.view(-1, H, kc.packed_dim())[slots], {m: t.view(-1, H, t.shape[3])[slots]
+                                                               for m, t in ksc.items()})
+    v = vc.decode(vpages.view(-1, H, vc.packed_dim())[slots], {m: t.view(-1, H, t.shape[3])[slots]
+                                                               for m, t in vsc.items()})
+    expect = causal_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    assert all(first is not None for _, first in calls)
+    if kv_quant is None:
+        assert [w for w, _ in calls] == [5, 5]  # a view copies nothing: one chunk of all blocks
+    else:
+        assert max(w for w, _ in calls) == 2  # decoded codes stay bounded: 8 tokens a chunk
+
+
+def test_fused_partial_attention_equals_the_plain_arithmetic(seed):
+    from kvtier.kernels.reference import partial_attention
+
+    q, k, v = torch.randn(2, 6, 3, D), torch.randn(2, 2, 11, D), torch.randn(2, 2, 11, D)
+    mask = torch.rand(2, 1, 3, 11) > 0.4
+    mask[1, :, 0] = False  # a query that sees nothing in this chunk
+    for m in (mask, None):
+        out, lse = kp.fused_partial_attention(q, k, v, m, 0.3)
+        ref_out, ref_lse = partial_attention(q, k, v, m, 0.3)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(kp.fused_partial_attention(q, k, v, mask)[1][1, :, 0]).all()
 
 
 def test_write_fills_exactly_the_named_slots_with_codes_and_sidecars(seed):

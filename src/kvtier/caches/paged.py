@@ -78,6 +78,10 @@ __all__ = [
     "select_codecs",
 ]
 
+#: writes of at most this many tokens get their slots from the host's block lists (one small
+#: copy to the device) instead of a gather from the device block tables
+HOST_SLOTS_MAX = 256
+
 def _positive_int(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -305,6 +309,11 @@ class PagedKVCache(KVCache):
         """Encode the first ``counts[r]`` tokens of row ``r`` into slots from position ``ws[r]``."""
         B, H, T, D = keys.shape
         dev, bs = keys.device, self.block_size
+        if B * T <= HOST_SLOTS_MAX and sum(counts) == B * T:  # decode steps: slots from the host books
+            rows = self.pool.rows
+            slots = [rows[r][p // bs] * bs + p % bs for r in range(B) for p in range(ws[r], ws[r] + T)]
+            self._write(keys, values, torch.tensor(slots, dtype=torch.int64, device=dev))
+            return
         pos = (torch.tensor(ws)[:, None] + torch.arange(T)).reshape(-1)  # (B*T,) row-major (b, t)
         row = torch.arange(B).repeat_interleave(T)  # (B*T,)
         if sum(counts) < B * T:  # a partial commit: keep only what is committed

@@ -97,19 +97,43 @@ def gather_pages(
     block_ids: torch.Tensor,
     *,
     codec: Codec,
+    first_block: int | None = None,
 ) -> torch.Tensor:
     """Gather and decode whole blocks: ``[B, H_kv, nb * block_size, D]`` in ``codec.dtype``.
 
     ``pages``: ``[N, bs, H_kv, D']``; ``sidecars``: ``{name: [N, bs, H_kv, G]}``;
     ``block_ids``: integer ``[B, nb]`` physical blocks, in logical order.
+    ``first_block``: the caller knows that ``B == 1`` and the blocks are
+    ``first_block, first_block + 1, ...`` (see :func:`consecutive_blocks`); they
+    are then read as a view, and a lossless codec copies nothing.
     """
     B, nb = block_ids.shape
     _, bs, H, Dp = pages.shape
+    if first_block is not None:
+        payload = pages[first_block : first_block + nb].reshape(nb * bs, H, Dp)  # a view
+        sc = {n: s[first_block : first_block + nb].reshape(nb * bs, H, -1) for n, s in sidecars.items()}
+        return codec.decode(payload, sc).reshape(1, nb * bs, H, -1).transpose(1, 2)
     flat = block_ids.reshape(-1).long()
     payload = pages.index_select(0, flat).reshape(B * nb * bs, H, Dp)  # (B*nb*bs, H, D')
     sc = {n: s.index_select(0, flat).reshape(B * nb * bs, H, -1) for n, s in sidecars.items()}
     x = codec.decode(payload, sc)  # (B*nb*bs, H, D)
     return x.reshape(B, nb * bs, H, -1).transpose(1, 2)  # (B, H, nb*bs, D)
+
+
+def consecutive_blocks(block_ids: torch.Tensor) -> int | None:
+    """The first block of ``block_ids`` ``[1, nb]`` when they are consecutive, else ``None``.
+
+    A single sequence takes its blocks from the free list in order, so its pages
+    usually lie back to back and can be read as one view. Only CPU tables are
+    inspected (on CUDA the check would stall on a device read), and only one row.
+    """
+    if block_ids.shape[0] != 1 or block_ids.device.type != "cpu" or block_ids.numel() == 0:
+        return None
+    ids = block_ids[0]
+    first = int(ids[0])
+    if torch.equal(ids, torch.arange(first, first + ids.numel(), dtype=ids.dtype)):
+        return first
+    return None
 
 
 def gather_rows(
@@ -174,14 +198,84 @@ def paged_attention_reference(
             f"{block_tables.shape[1]} columns"
         )
     q_start, kv_len = q_start.to(q.device), kv_len.to(q.device)
+    cpu = q.device.type == "cpu"
+    first = consecutive_blocks(block_tables[:, :total])  # None on CUDA and for several rows
+    if first is not None and k_codec.lossless and v_codec.lossless:
+        per_chunk = total  # the keys are read as a view: one chunk copies nothing
+    # On the CPU the bounds are cheap host reads: a chunk every query sees whole needs no mask.
+    sees_all = min(int(q_start.min()) + 1, int(kv_len.min())) if cpu else 0
+    partial = fused_partial_attention if cpu and _FUSED_CPU is not None else partial_attention
     acc = OnlineSoftmax()
     for b0 in range(0, total, per_chunk):
         ids = block_tables[:, b0 : min(b0 + per_chunk, total)]  # (B, nb)
-        k = gather_pages(key_pages, k_sidecars, ids, codec=k_codec)  # (B, H_kv, nb*bs, D)
-        v = gather_pages(value_pages, v_sidecars, ids, codec=v_codec)
-        mask = causal_mask(B, T, k.shape[2], q_start, kv_len, key_start=b0 * bs, device=q.device)
-        acc.add(*partial_attention(q, k, v, mask, scale))
+        at = None if first is None else first + b0
+        k = gather_pages(key_pages, k_sidecars, ids, codec=k_codec, first_block=at)  # (B, H_kv, nb*bs, D)
+        v = gather_pages(value_pages, v_sidecars, ids, codec=v_codec, first_block=at)
+        end = min(k.shape[2], max_len - b0 * bs)  # keys past the longest row are never visible
+        k, v = k[:, :, :end], v[:, :, :end]
+        mask = (None if b0 * bs + end <= sees_all
+                else causal_mask(B, T, end, q_start, kv_len, key_start=b0 * bs, device=q.device))
+        if per_chunk >= total:  # one chunk: nothing to merge, so SDPA needs no log-sum-exp
+            return masked_attention(q, k, v, mask, scale).to(q.dtype)
+        acc.add(*partial(q, k, v, mask, scale))
     return acc.result(q.dtype)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+) -> torch.Tensor:
+    """SDPA of ``q`` ``[B, H_q, T, D]`` over ``k``/``v`` ``[B, H_kv, S, D]``: ``[B, H_q, T, Dv]``.
+
+    ``mask``: boolean ``[B, 1, T, S]`` (True = visible) or ``None`` (every key
+    visible to every query, not causal). A query that sees nothing gets zeros.
+    """
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    qg = q.reshape(B, Hkv, G * T, D).to(k.dtype)  # query heads of a group share K: no K/V copy
+    mg = None if mask is None or G == 1 else mask.repeat(1, 1, G, 1)  # (B, 1, G*T, S)
+    out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mg if G > 1 else mask, scale=scale)
+    if mask is not None:
+        out = torch.nan_to_num(out, nan=0.0)  # a query that sees no key
+    return out.reshape(B, Hq, T, v.shape[3])
+
+
+def _fused_cpu_op():
+    try:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    except (AttributeError, RuntimeError):  # an older or trimmed PyTorch build: the plain path
+        return None
+
+
+#: PyTorch's fused CPU attention that also returns the log-sum-exp (None where absent)
+_FUSED_CPU = _fused_cpu_op()
+
+
+def fused_partial_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~kvtier.kernels.reference.partial_attention` through PyTorch's fused CPU kernel.
+
+    Same arguments and result (``out`` float32 ``[B, H_q, T, Dv]``, ``lse``
+    ``[B, H_q, T]``, ``-inf`` where a query sees no key of the chunk); one kernel
+    call instead of materialising the scores. CPU tensors only.
+    """
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    qg = q.float().reshape(B, Hkv, G * T, D)  # (B, H_kv, G*T, D): query heads of a group share K
+    bias = None
+    if mask is not None:  # the kernel takes an additive mask of the query's dtype
+        mg = mask if G == 1 else mask.repeat(1, 1, G, 1)  # (B, 1, G*T, S)
+        bias = torch.zeros(mg.shape, dtype=torch.float32).masked_fill_(~mg, float("-inf"))
+    out, lse = _FUSED_CPU(qg, k.float(), v.float(), attn_mask=bias, scale=scale)
+    if mask is not None:  # a query that sees nothing gets out 0 and lse 0 from the kernel
+        lse = lse.masked_fill(~mg.any(-1), float("-inf"))  # (B, H_kv, G*T)
+    return out.reshape(B, Hq, T, v.shape[3]), lse.reshape(B, Hq, T)
 
 
 def paged_write_reference(

@@ -51,6 +51,8 @@ class Codec(ABC):
     """Base of every storage codec. Subclasses override the four methods below."""
 
     name: str = "base"
+    #: ``decode`` returns the stored payload itself (no arithmetic, no copy)
+    lossless: bool = False
     #: orthogonal transform applied before coding (``None``: no rotation)
     rotation: object | None = None
 
@@ -179,6 +181,7 @@ class IdentityCodec(Codec):
     """Full precision: the payload is the vector itself in ``dtype``."""
 
     name = "fp"
+    lossless = True
 
     def packed_dim(self) -> int:
         return self.head_dim
