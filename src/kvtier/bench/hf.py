@@ -193,7 +193,8 @@ def load_model(name: str, device: torch.device):
             model = transformers.LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(before)
-    return model.eval(), torch.bfloat16
+    model = model.to(torch.bfloat16)  # whatever dtype this transformers version initialised in
+    return model.eval(), next(model.parameters()).dtype
 
 
 # -- contenders -------------------------------------------------------------------------------------
@@ -324,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
                 results.append(measure(model, name, ids.to(device), args.new_tokens, args.window))
                 r = results[-1]
                 print(f"{name} batch {batch}: {r.total_s:.1f} s, {r.last_ms:.2f} ms/step at the end")
+                if args.json:  # after every contender, so a run cut short keeps what it measured
+                    Path(args.json).write_text(json.dumps({"results": [asdict(r) for r in results]}))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     title = (f"{args.model} {str(dtype).removeprefix('torch.')} on {where}: {args.prompt_tokens}-token prompt, "
              f"{args.new_tokens} new tokens")
