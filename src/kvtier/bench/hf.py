@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="last steps whose median is the long-context step time")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--no-cudnn-sdpa", action="store_true",
+                        help="keep SDPA off its cuDNN backend (on CUDA it can cost ~2 ms of host time a call)")
     parser.add_argument("--plot", default="benchmarks/hf.png", help="PNG of step time vs context")
     parser.add_argument("--json", default=None, help="write the raw figures here")
 
@@ -306,6 +308,8 @@ def run(args: argparse.Namespace) -> int:
                           else "cpu" if args.device == "auto" else args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     default = "dynamic,static,tail,paged,paged-q8" if device.type == "cuda" else "dynamic,tail,paged,paged-q8"
     names = (args.contenders or default).split(",")
     unknown = [n for n in names if n not in PEERS + TIERS]
@@ -329,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
                     Path(args.json).write_text(json.dumps({"results": [asdict(r) for r in results]}))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     title = (f"{args.model} {str(dtype).removeprefix('torch.')} on {where}: {args.prompt_tokens}-token prompt, "
-             f"{args.new_tokens} new tokens")
+             f"{args.new_tokens} new tokens{', SDPA without cuDNN' if args.no_cudnn_sdpa else ''}")
     print_table(results, title)
     if args.plot:
         plot(results, args.prompt_tokens, args.plot)
