@@ -133,6 +133,9 @@ def test_tiny_models_greedy_equals_dynamic_cache(model_name, tier, batch, side):
     assert stats["attention"] == (f"in place ({ATTENTION_NAME})" if in_place else "gathered K/V")
     assert stats["seq_length"] == out.shape[1] - 1  # the last token is never fed back
     assert stats["kvtier_layers"] == (2 if model_name == "gemma2" else model.config.num_hidden_layers)
+    # in place, the row tiers write every decode step (one token a row) through one shared plan
+    rows_in_place = in_place and config.strategy in ("ragged", "paged")
+    assert stats["planned_steps"] == (9 if rows_in_place else 0)
 
 
 def test_gemma2_sliding_layers_stay_transformers_layers():
@@ -176,6 +179,34 @@ def test_assistant_model_generation_equals_dynamic_cache(tier):
     out = generate(model, inputs, cache, in_place, assistant_model=assistant, max_new_tokens=16)
     assert out.tolist() == ref == plain
     assert cache.stats()["trimmed"] > 0  # rejected drafts left through crop()
+
+
+@pytest.mark.parametrize("tier", ["ragged-inplace", "paged-inplace"])
+def test_decode_plans_end_at_crop_and_resume_exactly(tier):
+    # decode steps share one plan; a crop ends it and the next decode step plans anew
+    model = tiny("llama")
+    inputs = tiny_batch(3, "left")
+    config, _ = TIERS[tier]
+    ours, ref = KVTierCache(config, model_config=model.config), DynamicCache()
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    with torch.no_grad(), attention(model, ATTENTION_NAME):
+        outs = []
+        for cache in (ours, ref):
+            model.set_attn_implementation(ATTENTION_NAME if cache is ours else "sdpa")
+            logits, m = [], mask
+            out = model(input_ids=ids, attention_mask=m, past_key_values=cache)
+            for step in range(7):
+                if step == 3:
+                    cache.crop(-2)
+                    m = m[:, :-2]
+                tok = out.logits[:, -1:].argmax(-1)
+                m = torch.cat([m, torch.ones_like(tok)], dim=1)
+                out = model(input_ids=tok, attention_mask=m, past_key_values=cache)
+                logits.append(out.logits)
+            outs.append(torch.cat(logits, 1))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert ours.stats()["planned_steps"] == 7
+    assert ours.get_seq_length() == ref.get_seq_length()
 
 
 @pytest.mark.parametrize("tier", ["tail", "block", "ragged-inplace", "paged-inplace"])
@@ -447,5 +478,6 @@ def test_cuda_greedy_equals_dynamic_cache(tier):
         if tier == "paged-inplace":
             calls = cache.stats()["tier_stats"]["attention_calls_by_backend"]
             assert calls.get("triton", 0) > 0, calls
+            assert cache.stats()["planned_steps"] == 9
     finally:
         model.to("cpu")

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from kvtier.caches.base import KVCache, check_kv
+from kvtier.caches.step_plan import StepPlanner
 from kvtier.config import KVCacheConfig, make_caches
 from kvtier.integrations.hf_version import TransformersVersionError, require_transformers
 
@@ -96,6 +97,56 @@ class _PaddingProbe:
         return self._real
 
 
+class _DecodePlans:
+    """One step plan per decode step, shared by the in-place ragged or paged layers of one cache.
+
+    A decode step writes one token per row into every layer at the same positions,
+    so the first layer books the step once (a
+    :class:`~kvtier.caches.step_plan.StepPlanner`) and every layer writes and reads
+    with the plan's device tensors: no per-layer host books, slots or copies to the
+    device. Anything else (a prefill, a padded write, ``crop``, a row selection)
+    is written unplanned and ends the plan; the next decode step plans anew.
+    """
+
+    def __init__(self, layers: Callable[[], list[KVTierLayer]]) -> None:
+        self._layers = layers
+        self.planner: StepPlanner | None = None
+        self._kwargs: dict[str, Any] = {}
+        self.planned_steps = 0
+
+    def close(self) -> None:
+        if self.planner is not None:
+            self.planner.close()
+        self.planner, self._kwargs = None, {}
+
+    def kwargs(self, layer: KVTierLayer, new_tokens: int) -> dict[str, Any]:
+        """The ``update`` keywords of ``layer``'s write of ``new_tokens`` real tokens per row."""
+        layers = self._layers()
+        if layer is layers[0]:  # the first layer of a forward plans the step for all
+            self._kwargs = self._prepare(layers) if new_tokens == 1 else {}
+            if not self._kwargs:
+                self.close()
+        return self._kwargs
+
+    def _prepare(self, layers: list[KVTierLayer]) -> dict[str, Any]:
+        tiers = [layer.tier for layer in layers]
+        if any(t is None or t.empty() or not layer.in_place for t, layer in zip(tiers, layers)):
+            return {}
+        p = self.planner
+        if p is not None and (p.plan is None or not p.plan.valid or len(p.caches) != len(tiers)
+                              or any(a is not b for a, b in zip(p.caches, tiers))):
+            self.close()  # a cache was changed outside the plan, or replaced
+        if self.planner is None:
+            first = tiers[0]
+            ahead = first.block_size if first.tier == "paged" else 256  # paged: one block at a time
+            try:
+                self.planner = StepPlanner(tiers, reserve_tokens=ahead)
+            except ValueError:  # layers that were written differently: each books its own writes
+                return {}
+        self.planned_steps += 1
+        return self.planner.prepare()
+
+
 def _tokens_to_remove(n: int, length: int) -> int:
     """``crop`` argument to a count: ``-k`` removes ``k`` tokens, ``k > 0`` keeps the first ``k``."""
     if isinstance(n, bool) or not isinstance(n, int):
@@ -122,12 +173,14 @@ class KVTierLayer(CacheLayerMixin):
         config: KVCacheConfig,
         reads_in_place: Callable[[], bool],
         probe: _PaddingProbe | None = None,
+        plans: _DecodePlans | None = None,
     ):
         super().__init__()
         self.config = config
         self.rows = config.strategy in ROW_STRATEGIES
         self._reads_in_place = reads_in_place
         self._probe = probe or _PaddingProbe()
+        self._plans = plans or _DecodePlans(lambda: [self])
         self.tier: KVCache | None = None
         self.length = 0
         self.trimmed = 0  # tokens dropped by crop() (rejected drafts of assisted generation)
@@ -214,11 +267,12 @@ class KVTierLayer(CacheLayerMixin):
         try:
             real = self._probe.real_tokens(mask, self.length - T, T)
             if real is None:
-                self.tier.update(keys, values)
+                self.tier.update(keys, values, **self._plans.kwargs(self, T))
                 if softcap is None:
                     return self.tier.attention(query, scale=scaling)
                 pos = self.tier.offset[:, None] - T + torch.arange(T, device=keys.device)
             else:
+                self._plans.kwargs(self, 0)  # an unplanned write: the plan ends
                 pos = self._write_real(keys, values, real)
         except Exception:
             self.length -= T  # nothing reached the tier (it validates before it writes)
@@ -348,6 +402,7 @@ class KVTierCache(Cache):
         self.kv_config = config
         self.model_config = model_config
         self._probe = _PaddingProbe()
+        self._plans = _DecodePlans(lambda: self.kvtier_layers)
         self.hf_layer_types: dict[int, str] = {}  # layer index -> transformers layer type kept
         if model_config is None:
             replicate = self._new_layer if config.enabled else DynamicLayer
@@ -366,7 +421,7 @@ class KVTierCache(Cache):
         super().__init__(layers=layers)
 
     def _new_layer(self) -> KVTierLayer:
-        return KVTierLayer(self.kv_config, self._reads_in_place, self._probe)
+        return KVTierLayer(self.kv_config, self._reads_in_place, self._probe, self._plans)
 
     def _reads_in_place(self) -> bool:
         """Whether the model's attention is ``kvtier_paged`` (read at every update)."""
@@ -437,5 +492,6 @@ class KVTierCache(Cache):
             "seq_length": self.get_seq_length() if self.layers else 0,
             "nbytes": self.nbytes,
             **counters,
+            "planned_steps": self._plans.planned_steps,
             "tier_stats": None if first is None else first.stats(),
         }

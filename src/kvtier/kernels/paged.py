@@ -203,7 +203,10 @@ def paged_attention_reference(
     if first is not None and k_codec.lossless and v_codec.lossless:
         per_chunk = total  # the keys are read as a view: one chunk copies nothing
     # On the CPU the bounds are cheap host reads: a chunk every query sees whole needs no mask.
-    sees_all = min(int(q_start.min()) + 1, int(kv_len.min())) if cpu else 0
+    shortest = int(kv_len.min()) if cpu else 0
+    sees_all = min(int(q_start.min()) + 1, shortest) if cpu else 0
+    # a prefill from empty (every row's T queries are its keys 0..T-1): plain causal SDPA
+    from_empty = cpu and per_chunk >= total and shortest == max_len == T and int(q_start.max()) == 0
     partial = fused_partial_attention if cpu and _FUSED_CPU is not None else partial_attention
     acc = OnlineSoftmax()
     for b0 in range(0, total, per_chunk):
@@ -213,6 +216,9 @@ def paged_attention_reference(
         v = gather_pages(value_pages, v_sidecars, ids, codec=v_codec, first_block=at)
         end = min(k.shape[2], max_len - b0 * bs)  # keys past the longest row are never visible
         k, v = k[:, :, :end], v[:, :, :end]
+        if from_empty:
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=Hq > k.shape[1])
         mask = (None if b0 * bs + end <= sees_all
                 else causal_mask(B, T, end, q_start, kv_len, key_start=b0 * bs, device=q.device))
         if per_chunk >= total:  # one chunk: nothing to merge, so SDPA needs no log-sum-exp
