@@ -44,23 +44,29 @@ def scattered_pages(lengths, block_size, num_blocks, seed=0):
     return kpages, vpages, tables, ks, vs
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("chunk_tokens", [1, 8, 1024])
-@pytest.mark.parametrize("hq", [2, 8])
-def test_reference_attention_equals_sdpa_over_contiguous_rows(seed, block_size, chunk_tokens, hq):
-    lengths, T = [1, 16, 23, 9], 3
+def reference_equals_sdpa(lengths, T, hq, block_size, chunk_tokens) -> torch.Tensor:
+    """The reference over scattered pages, row ``b``'s queries ending at its length, checked
+    row by row against SDPA over the row's contiguous K/V; returns the output."""
     kpages, vpages, tables, ks, vs = scattered_pages(lengths, block_size, 64)
-    q_start = torch.tensor([n - T for n in lengths])  # row 0's first queries see nothing
-    q = torch.randn(4, hq, T, D)
+    q_start = torch.tensor([n - T for n in lengths])
+    q = torch.randn(len(lengths), hq, T, D)
     codec = IdentityCodec(D, torch.float32)
     out = kp.paged_attention_reference(
         q, kpages, vpages, tables, q_start, torch.tensor(lengths), k_codec=codec, v_codec=codec,
         k_sidecars={}, v_sidecars={}, chunk_tokens=chunk_tokens,
     )
-    for b in range(4):
+    for b in range(len(lengths)):
         expect = causal_attention(q[b : b + 1], ks[b], vs[b], q_start=int(q_start[b]))
         torch.testing.assert_close(out[b : b + 1], expect, atol=1e-5, rtol=1e-5)
-    assert not out[0, :, :2].any()
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("chunk_tokens", [1, 8, 1024])
+@pytest.mark.parametrize("hq", [2, 8])
+def test_reference_attention_equals_sdpa_over_contiguous_rows(seed, block_size, chunk_tokens, hq):
+    out = reference_equals_sdpa([1, 16, 23, 9], 3, hq, block_size, chunk_tokens)
+    assert not out[0, :, :2].any()  # row 0's first queries see nothing
 
 
 def test_reference_decodes_a_bounded_chunk_at_a_time(seed, monkeypatch):
@@ -86,18 +92,7 @@ def test_reference_decodes_a_bounded_chunk_at_a_time(seed, monkeypatch):
 @pytest.mark.parametrize("T", [1, 2])
 def test_reference_decode_rows_that_see_whole_chunks_equal_sdpa(seed, chunk_tokens, T):
     # every query sees its row's keys up to itself: chunks below the shortest row need no mask
-    lengths = [23, 9, 16]
-    kpages, vpages, tables, ks, vs = scattered_pages(lengths, 4, 32)
-    q_start = torch.tensor([n - T for n in lengths])
-    q = torch.randn(3, 4, T, D)
-    codec = IdentityCodec(D, torch.float32)
-    out = kp.paged_attention_reference(
-        q, kpages, vpages, tables, q_start, torch.tensor(lengths), k_codec=codec, v_codec=codec,
-        k_sidecars={}, v_sidecars={}, chunk_tokens=chunk_tokens,
-    )
-    for b in range(3):
-        expect = causal_attention(q[b : b + 1], ks[b], vs[b], q_start=int(q_start[b]))
-        torch.testing.assert_close(out[b : b + 1], expect, atol=1e-5, rtol=1e-5)
+    reference_equals_sdpa([23, 9, 16], T, 4, 4, chunk_tokens)
 
 
 @pytest.mark.parametrize("kv_quant", [None, "q8"])
