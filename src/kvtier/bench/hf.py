@@ -34,6 +34,11 @@ Example::
     kvtier bench hf --quick
     kvtier bench hf --threads 1                      # the CPU figures in docs/transformers.md
     python benchmarks/hf.py --model llama3-8b --batch 1,16 --prompt-tokens 3840 --new-tokens 256
+    python benchmarks/hf.py --model llama3-8b ... --no-cudnn-sdpa  # peers' SDPA off its cuDNN backend
+
+On CUDA, PyTorch's SDPA may run its cuDNN backend for the decode step, which can
+cost the SDPA contenders (dynamic, static, tail) about 2 ms of host time per call;
+``--no-cudnn-sdpa`` measures them at their fastest (see benchmarks/results_gpu_hf.md).
 """
 
 from __future__ import annotations
