@@ -401,6 +401,7 @@ class KVTierCache(Cache):
             )
         self.kv_config = config
         self.model_config = model_config
+        self._text_config = None
         self._probe = _PaddingProbe()
         self._plans = _DecodePlans(lambda: self.kvtier_layers)
         self.hf_layer_types: dict[int, str] = {}  # layer index -> transformers layer type kept
@@ -427,8 +428,9 @@ class KVTierCache(Cache):
         """Whether the model's attention is ``kvtier_paged`` (read at every update)."""
         if self.model_config is None:
             return False
-        text = self.model_config.get_text_config(decoder=True)
-        return text._attn_implementation == ATTENTION_NAME
+        if self._text_config is None:  # the same object for the model's life: look it up once
+            self._text_config = self.model_config.get_text_config(decoder=True)
+        return self._text_config._attn_implementation == ATTENTION_NAME
 
     @property
     def kvtier_layers(self) -> list[KVTierLayer]:

@@ -20,6 +20,7 @@ and ``j < kv_len[b]`` (``kvtier.kernels.reference.causal_attention``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -229,8 +230,13 @@ def _target_programs(device: torch.device) -> int:
     # H200 sweep (benchmarks/results_gpu_attention.md): about 8 programs per multiprocessor
     # (2-3 waves at 3 resident programs each) beat 4 per SM, whose last wave ran part-empty
     if device.type == "cuda":
-        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 8 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def plan_launch(

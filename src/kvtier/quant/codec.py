@@ -94,10 +94,13 @@ class Codec(ABC):
         return self.decode(*self.encode(x))
 
     def bytes_per_token_head(self) -> int:
-        """Payload plus sidecar bytes of one (token, head) vector."""
-        size = self.packed_dim() * torch.empty((), dtype=self.payload_dtype).element_size()
-        for s in self.sidecar_specs():
-            size += s.groups * torch.empty((), dtype=s.dtype).element_size()
+        """Payload plus sidecar bytes of one (token, head) vector (computed once: a codec is fixed)."""
+        size = self.__dict__.get("_bytes_per_token_head")
+        if size is None:
+            size = self.packed_dim() * torch.empty((), dtype=self.payload_dtype).element_size()
+            for s in self.sidecar_specs():
+                size += s.groups * torch.empty((), dtype=s.dtype).element_size()
+            self._bytes_per_token_head = size
         return size
 
     def bits_per_element(self) -> float:
