@@ -48,8 +48,9 @@ from kvtier.kernels.reference import OnlineSoftmax, causal_mask, partial_attenti
 from kvtier.quant.codec import Codec
 
 BACKENDS = ("auto", "torch", "triton")
-#: keys dequantised per chunk by the reference read path (rounded to whole blocks)
-DEFAULT_CHUNK_TOKENS = 1024
+#: the most bytes of decoded keys one chunk of the reference read path holds (the values
+#: as many again); at least one block a chunk
+DEFAULT_CHUNK_BYTES = 64 * 2**20
 TRITON_MODULE = "kvtier.kernels.triton_paged"
 
 
@@ -174,7 +175,7 @@ def paged_attention_reference(
     k_sidecars: dict[str, torch.Tensor],
     v_sidecars: dict[str, torch.Tensor],
     scale: float | None = None,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` over each row's pages, ``[B, H_q, T, D]`` in ``q.dtype``.
 
@@ -182,7 +183,9 @@ def paged_attention_reference(
     ``block_tables`` int32 ``[B, max_blocks]``; ``q_start``, ``kv_len`` integer
     ``[B]``: query ``i`` of row ``b`` sees keys ``j <= q_start[b] + i`` with
     ``j < kv_len[b]``. Queries that see no key return zeros. Keys and values are
-    gathered and decoded ``chunk_tokens`` (rounded to whole blocks) at a time.
+    gathered and decoded ``chunk_tokens`` (rounded to whole blocks) at a time;
+    by default as many as keep one chunk's decoded keys within
+    :data:`DEFAULT_CHUNK_BYTES` (64 MiB: 1024 tokens of 16 rows x 8 heads x 128 fp32).
     """
     _check_attention_args(q, key_pages, value_pages, block_tables, q_start, kv_len)
     B, Hq, T, D = q.shape
@@ -190,6 +193,8 @@ def paged_attention_reference(
     max_len = int(kv_len.max()) if B else 0
     if max_len <= 0:
         return q.new_zeros(B, Hq, T, D)
+    if chunk_tokens is None:
+        chunk_tokens = DEFAULT_CHUNK_BYTES // (B * key_pages.shape[2] * k_codec.head_dim * 4)
     per_chunk = max(1, chunk_tokens // bs)  # blocks per chunk
     total = math.ceil(max_len / bs)
     if block_tables.shape[1] < total:

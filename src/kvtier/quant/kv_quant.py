@@ -68,7 +68,7 @@ class _SymmetricCodec(Codec):
         return q.to(torch.int8), scale
 
     def _decode_codes(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return (codes.to(torch.float32) * scale).to(self.dtype)
+        return (codes * scale.to(torch.float32)).to(self.dtype)  # int8 * fp32 promotes: one pass
 
 
 class Q8Codec(_SymmetricCodec):
