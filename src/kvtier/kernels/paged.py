@@ -186,6 +186,11 @@ def paged_attention_reference(
     gathered and decoded ``chunk_tokens`` (rounded to whole blocks) at a time;
     by default as many as keep one chunk's decoded keys within
     :data:`DEFAULT_CHUNK_BYTES` (64 MiB: 1024 tokens of 16 rows x 8 heads x 128 fp32).
+
+    One chunk goes straight through SDPA (causal SDPA for a prefill from empty);
+    several are merged by log-sum-exp, each through PyTorch's fused CPU kernel on
+    the CPU. On the CPU a single row on consecutive blocks is read as a view, and a
+    chunk that every query sees whole gets no mask.
     """
     _check_attention_args(q, key_pages, value_pages, block_tables, q_start, kv_len)
     B, Hq, T, D = q.shape
@@ -244,8 +249,8 @@ def masked_attention(
     Hkv = k.shape[1]
     G = Hq // Hkv
     qg = q.reshape(B, Hkv, G * T, D).to(k.dtype)  # query heads of a group share K: no K/V copy
-    mg = None if mask is None or G == 1 else mask.repeat(1, 1, G, 1)  # (B, 1, G*T, S)
-    out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mg if G > 1 else mask, scale=scale)
+    mg = mask if mask is None or G == 1 else mask.repeat(1, 1, G, 1)  # (B, 1, G*T, S)
+    out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
     if mask is not None:
         out = torch.nan_to_num(out, nan=0.0)  # a query that sees no key
     return out.reshape(B, Hq, T, v.shape[3])
