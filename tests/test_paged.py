@@ -123,9 +123,9 @@ def test_random_operations_match_a_list_per_row(data):
 
 @pytest.mark.parametrize("host_slots", [0, 256])
 def test_slots_from_the_host_books_and_from_the_device_tables_agree(seed, monkeypatch, host_slots):
-    import kvtier.caches.paged as paged_module
+    import kvtier.caches.paged_pool as pool_module
 
-    monkeypatch.setattr(paged_module, "HOST_SLOTS_MAX", host_slots)  # 0: every write on the device path
+    monkeypatch.setattr(pool_module, "HOST_SLOTS_MAX", host_slots)  # 0: every write on the device path
     cache = PagedKVCache(3, 16, batch_size=2)
     kref, vref = [[], []], [[], []]
     for T, ws in ((5, None), (1, None), (2, [4, 6]), (1, None), (4, [0, 7])):

@@ -41,7 +41,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from typing import Any
@@ -56,7 +55,7 @@ from kvtier.caches.base import (
     check_queries,
     check_trim,
 )
-from kvtier.caches.paged_codecs import CodecChoice, mode_codecs, select_codecs
+from kvtier.caches.paged_codecs import CodecChoice, select_codecs
 from kvtier.caches.paged_pool import (
     BlockPool,
     PagedKVGrowthRefused,
@@ -66,6 +65,7 @@ from kvtier.caches.paged_pool import (
     paged_grown_blocks,
     rows_arg,
 )
+from kvtier.caches.paged_state import paged_from_state, paged_meta_state, paged_state, storage_facts
 from kvtier.caches.step_plan import StepPlan
 from kvtier.config import ATTENTION_BACKENDS, KV_QUANT_MODES, TurboQuantConfig
 from kvtier.kernels.paged import PagedDispatch, gather_rows
@@ -77,10 +77,6 @@ __all__ = [
     "paged_grown_blocks",
     "select_codecs",
 ]
-
-#: writes of at most this many tokens get their slots from the host's block lists (one small
-#: copy to the device) instead of a gather from the device block tables
-HOST_SLOTS_MAX = 256
 
 def _positive_int(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -308,26 +304,15 @@ class PagedKVCache(KVCache):
     def _store(self, keys: torch.Tensor, values: torch.Tensor, ws: list[int], counts: list[int]) -> None:
         """Encode the first ``counts[r]`` tokens of row ``r`` into slots from position ``ws[r]``."""
         B, H, T, D = keys.shape
-        dev, bs = keys.device, self.block_size
-        if B * T <= HOST_SLOTS_MAX and sum(counts) == B * T:  # decode steps: slots from the host books
-            rows = self.pool.rows
-            slots = [rows[r][p // bs] * bs + p % bs for r in range(B) for p in range(ws[r], ws[r] + T)]
-            self._write(keys, values, torch.tensor(slots, dtype=torch.int64, device=dev))
+        if sum(counts) == 0:
             return
-        pos = (torch.tensor(ws)[:, None] + torch.arange(T)).reshape(-1)  # (B*T,) row-major (b, t)
-        row = torch.arange(B).repeat_interleave(T)  # (B*T,)
         if sum(counts) < B * T:  # a partial commit: keep only what is committed
             keep = (torch.arange(T)[None, :] < torch.tensor(counts)[:, None]).reshape(-1)
-            pos, row = pos[keep], row[keep]
-            kept = keep.nonzero().squeeze(1).to(dev)
+            kept = keep.nonzero().squeeze(1).to(keys.device)
             keys = keys.transpose(1, 2).reshape(B * T, H, D).index_select(0, kept)  # (n, H, D)
             values = values.transpose(1, 2).reshape(B * T, H, D).index_select(0, kept)
             keys, values = keys[None].transpose(1, 2), values[None].transpose(1, 2)  # (1, H, n, D)
-        if pos.numel() == 0:
-            return
-        pos, row = pos.to(dev), row.to(dev)
-        slots = self.pool.block_tables[row, pos // bs].long() * bs + pos % bs  # (n,) int64
-        self._write(keys, values, slots)
+        self._write(keys, values, self.pool.slots(ws, counts, keys.device))
 
     # -- reads ---------------------------------------------------------------------------------
     def _require_storage(self, what: str) -> None:
@@ -495,13 +480,9 @@ class PagedKVCache(KVCache):
         per_token = None if c is None else self.pool.key_cache.shape[2] * (
             c.k_codec.bytes_per_token_head() + c.v_codec.bytes_per_token_head())
         return {
-            "mode": None if c is None else c.mode,
+            **storage_facts(self),
             "key_codec": None if c is None else c.k_codec.name,
             "value_codec": None if c is None else c.v_codec.name,
-            "kv_quant": self.kv_quant,
-            "turboquant": None if self.turboquant is None else dataclasses.asdict(self.turboquant),
-            "turboquant_disabled_reason": None if c is None else c.turboquant_disabled_reason,
-            "kv_quant_disabled_reason": None if c is None else c.kv_quant_disabled_reason,
             **self.pool.figures(sum(self._lengths)),
             "grow_events": self.copy_stats.grow_events,
             "dynamic": self.dynamic,
@@ -522,60 +503,21 @@ class PagedKVCache(KVCache):
             **self.paged_stats(),
         }
 
-    # -- persistence ---------------------------------------------------------------------------
+    # -- persistence (kvtier.caches.paged_state) ---------------------------------------------
     @property
     def state(self) -> dict[str, torch.Tensor]:
         """Pages, sidecars (``k_sidecar.NAME``/``v_sidecar.NAME``), block tables, free list, lengths."""
-        if not self.pool.allocated:
-            return {}
-        rows = {"lengths": self._lengths, "write_start": self._write_start}
-        return {**self.pool.state(), **{k: torch.tensor(v, dtype=torch.long) for k, v in rows.items()}}
+        return paged_state(self)
 
     @property
     def meta_state(self) -> dict[str, Any]:
         """Constructor arguments and the storage in use (JSON-serialisable)."""
-        c = self.codecs
-        return {
-            "tier": self.tier,
-            "block_size": self.block_size,
-            "num_blocks": self.num_blocks,
-            "batch_size": self.batch_size,
-            "dynamic": self.dynamic,
-            "context_window_tokens": self.context_window_tokens,
-            "kv_quant": self.kv_quant,
-            "turboquant": None if self.turboquant is None else dataclasses.asdict(self.turboquant),
-            "attention_backend": self.attention_backend,
-            "frozen": self.frozen,
-            "grow_events": self.copy_stats.grow_events,
-            "mode": None if c is None else c.mode,
-            "head_dim": None if c is None else c.k_codec.head_dim,
-            "dtype": None if c is None else str(c.k_codec.dtype).removeprefix("torch."),
-            "turboquant_disabled_reason": None if c is None else c.turboquant_disabled_reason,
-            "kv_quant_disabled_reason": None if c is None else c.kv_quant_disabled_reason,
-        }
+        return paged_meta_state(self)
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], meta_state: dict[str, Any]) -> PagedKVCache:
         """Rebuild a cache exactly (pages, sidecars, block tables, free list, lengths)."""
-        m = meta_state
-        if m.get("tier") != cls.tier:
-            raise ValueError(f"meta_state tier {m.get('tier')!r} is not 'paged'")
-        tq = None if m["turboquant"] is None else TurboQuantConfig(**m["turboquant"])
-        cache = cls(m["block_size"], m["num_blocks"], batch_size=m["batch_size"], dynamic=m["dynamic"],
-                    context_window_tokens=m["context_window_tokens"], kv_quant=m["kv_quant"],
-                    turboquant=tq, attention_backend=m["attention_backend"])
-        cache.pool.frozen = bool(m["frozen"])
-        cache.copy_stats.grow_events = int(m["grow_events"])
-        if not state:
-            return cache
-        mode = m["mode"]
-        k, v = mode_codecs(mode, int(m["head_dim"]), getattr(torch, m["dtype"]), tq)
-        cache.pool.load(state, k, v)
-        cache.codecs = CodecChoice(k, v, mode, m["turboquant_disabled_reason"],
-                                   m["kv_quant_disabled_reason"])
-        cache._lengths = state["lengths"].tolist()
-        cache._write_start = state["write_start"].tolist()
-        return cache
+        return paged_from_state(cls, state, meta_state)
 
     @classmethod
     def from_cache(

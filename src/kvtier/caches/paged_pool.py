@@ -118,6 +118,11 @@ def check_indices(name: str, idx: RowsArg, batch: int) -> list[int]:
     return list(rows)
 
 
+#: writes of at most this many tokens take their slots from the host's block lists (one small
+#: copy to the device) instead of a gather from the device block tables
+HOST_SLOTS_MAX = 256
+
+
 class PagedKVGrowthRefused(CacheCapacityError):
     """A write needs more blocks than the pool has free and the pool may not grow."""
 
@@ -189,6 +194,25 @@ class BlockPool:
             "sidecar_bytes": self.nbytes - payload,
             "bytes_per_live_token": self.nbytes / live if live else None,
         }
+
+    def slots(self, starts: list[int], counts: list[int], device: torch.device) -> torch.Tensor:
+        """int64 physical slots of row ``r``'s positions ``starts[r] .. starts[r] + counts[r] - 1``,
+        row by row (``block * block_size + position % block_size``).
+
+        A few slots (a decode step) come from the host's block lists, in one small copy
+        to ``device``; many (a prefill) from the device block tables.
+        """
+        bs = self.block_size
+        if sum(counts) <= HOST_SLOTS_MAX:
+            host = [self.rows[r][p // bs] * bs + p % bs
+                    for r, (s, n) in enumerate(zip(starts, counts)) for p in range(s, s + n)]
+            return torch.tensor(host, dtype=torch.int64, device=device)
+        n = torch.tensor(counts)
+        row = torch.repeat_interleave(torch.arange(len(counts)), n)  # (total,)
+        first = torch.cumsum(n, 0) - n  # index of each row's first slot
+        pos = torch.tensor(starts)[row] + torch.arange(row.numel()) - first[row]
+        row, pos = row.to(device), pos.to(device)
+        return self.block_tables[row, pos // bs].long() * bs + pos % bs
 
     def extra_blocks(self, ends: list[int]) -> list[int]:
         """Blocks each row still needs so that positions ``< ends[r]`` have a slot."""
