@@ -12,6 +12,8 @@ import os
 import pytest
 import torch
 
+pytest.register_assert_rewrite("triton_support")
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -21,3 +23,14 @@ def seed() -> int:
     """Seeds torch's global generator so a test's random tensors repeat; returns the seed."""
     torch.manual_seed(0)
     return 0
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """The default model and tokenizer on the CPU in float32, loaded once per module."""
+    from kvtier.model import load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tests/test_generate.py
+    yield load_model(device="cpu", dtype=torch.float32, progress=False)
+    torch.set_num_threads(threads)

@@ -18,16 +18,6 @@ from kvtier import cli
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def lm():
-    from kvtier.model import load_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/test_generate.py
-    yield load_model(device="cpu", dtype=torch.float32, progress=False)
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(autouse=True)
 def loaded_once(lm, monkeypatch):
     """The default model comes from this module's copy (the first test loads it for real

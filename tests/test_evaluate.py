@@ -26,16 +26,6 @@ SMALL = dict(context=48, stride=32, max_tokens=96, chunk=16)
 
 
 @pytest.fixture(scope="module")
-def lm():
-    from kvtier.model import load_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/test_generate.py
-    yield load_model(device="cpu", dtype=torch.float32, progress=False)
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def tokens(lm):
     return lm.tokenizer.encode(default_text()[:4000])
 

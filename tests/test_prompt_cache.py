@@ -17,16 +17,6 @@ MORE = " lemons. The list goes on with"
 CONFIG = GenerationConfig(max_tokens=6, stop_token_ids=())
 
 
-@pytest.fixture(scope="module")
-def lm():
-    from kvtier.model import load_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/test_generate.py
-    yield load_model(device="cpu", dtype=torch.float32, progress=False)
-    torch.set_num_threads(threads)
-
-
 def run(lm, text: str, pc: PromptCache | None, tier: str = "tail"):
     """Tokens of a greedy run and its final stats."""
     cfg = KVCacheConfig(strategy=tier, paged_num_blocks=16)  # a small pool: 256 tokens

@@ -11,10 +11,6 @@ kernels run under Triton's interpreter on small shapes; with CUDA the
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -26,6 +22,7 @@ from test_triton_paged import (  # the same cache builder and references as the 
     build_cache,
     gathered_reference,
 )
+from triton_support import in_this_process_or_a_fresh_one
 
 if IN_PROCESS:
     import triton
@@ -41,18 +38,8 @@ if IN_PROCESS:
 TOL = 2e-2  # bf16 queries and output
 
 
-@pytest.fixture(autouse=True)
-def _kernels_in_this_process(request):
-    if not IN_PROCESS and request.node.name != "test_in_a_fresh_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET was set: see test_in_a_fresh_process")
+_kernels_in_this_process, test_in_a_fresh_process = in_this_process_or_a_fresh_one(IN_PROCESS, __file__)
 
-
-@pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
-def test_in_a_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
 
 def run_decode(mode, B, Hq, H_kv, D, page, lengths, *, q_start=None, kernel="cuda_core", **cfg):
     """One decode step through ``kernel``; checked against both references; returns (out, cache, q, q_start)."""

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from triton_support import in_this_process_or_a_fresh_one
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:  # must precede the first import of triton's jit decorators
@@ -41,18 +41,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(autouse=True)
-def _kernels_in_this_process(request):
-    if not IN_PROCESS and request.node.name != "test_in_a_fresh_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET was set: see test_in_a_fresh_process")
-
-
-@pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
-def test_in_a_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+_kernels_in_this_process, test_in_a_fresh_process = in_this_process_or_a_fresh_one(IN_PROCESS, __file__)
 
 
 def make(B, Hq, H_kv, cap, D, dtype, seed=0):

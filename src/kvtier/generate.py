@@ -128,10 +128,7 @@ def generate_step(
         raise ValueError(f"CUDA-graph decode needs the ragged or paged tier, not {caches[0].tier!r}; "
                          "use --cache ragged/paged or --no-cuda-graph")
     with torch.inference_mode():
-        if per_row:
-            prefill_rows(model, rows, caches, prefill_chunk, device, on_progress)
-        else:
-            prefill_lockstep(model, rows, caches, prefill_chunk, device, on_progress)
+        prefill(model, rows, caches, prefill_chunk, device, on_progress)
         if on_prefilled is not None:
             on_prefilled()
         decoder = None
@@ -185,6 +182,15 @@ def check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in r):
             raise ValueError(f"prompt {i} must hold int token ids >= 0, got {r[:8]}...")
     return rows
+
+
+def prefill(model, rows, caches, chunk, device, on_progress) -> None:
+    """Write every prompt but its last token: row by row on the ragged and paged tiers
+    (:func:`prefill_rows`), in lock step on the others (:func:`prefill_lockstep`)."""
+    if caches[0].tier in PER_ROW_TIERS:
+        prefill_rows(model, rows, caches, chunk, device, on_progress)
+    else:
+        prefill_lockstep(model, rows, caches, chunk, device, on_progress)
 
 
 def prefill_lockstep(model, rows, caches, chunk, device, on_progress) -> None:

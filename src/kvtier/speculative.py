@@ -58,8 +58,7 @@ from kvtier.generate import (
     RowText,
     check_prompts,
     model_device,
-    prefill_lockstep,
-    prefill_rows,
+    prefill,
     resolve_rows,
 )
 from kvtier.sampling import SamplingParams, make_generator, process_logits
@@ -295,10 +294,7 @@ def speculative_generate_step(
             "(which runs such a batch row by row)"
         )
     with torch.inference_mode():
-        if per_row:
-            prefill_rows(model, rows, caches, prefill_chunk, device, on_progress)
-        else:
-            prefill_lockstep(model, rows, caches, prefill_chunk, device, on_progress)
+        prefill(model, rows, caches, prefill_chunk, device, on_progress)
         if on_prefilled is not None:
             on_prefilled()
         run = _Rows(rows, device, max_tokens, stop_token_ids)

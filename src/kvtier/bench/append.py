@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.bench.memory import reset_peak_rss, rss_bytes
 from kvtier.caches.block_owned import BlockOwnedKVCache
 from kvtier.caches.tail_owned import TailOwnedKVCache
 
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed steps per window for DynamicLayer (each copies the whole cache)")
     parser.add_argument("--quick", action="store_true",
                         help="contexts 1024,4096, 256 steps, 4 DynamicLayer steps")
-    parser.add_argument("--plot", default="benchmarks/append.png", help="PNG written here")
+    parser.add_argument("--plot", default="benchmarks/append.png", help="PNG written here (\"\" for none)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -95,29 +96,6 @@ class Result:
         return statistics.median(self.step_s) * 1e6
 
 
-# -- resident memory (Linux /proc; None elsewhere) -----------------------------------
-
-
-def _rss_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 # -- contenders ------------------------------------------------------------------------
 
 
@@ -151,8 +129,8 @@ def _measure(job: Job) -> Result:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        base = _rss_bytes("VmRSS")
-        base = base if _reset_peak_rss() else None
+        base = rss_bytes("VmRSS")
+        base = base if reset_peak_rss() else None
 
     if pre_k.shape[2]:
         cache.update(pre_k, pre_v)
@@ -168,7 +146,7 @@ def _measure(job: Job) -> Result:
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        hwm = _rss_bytes("VmHWM")
+        hwm = rss_bytes("VmHWM")
         peak = None if base is None or hwm is None else hwm - base
     if job.name == PEER:
         held, grow = cache.keys.nbytes + cache.values.nbytes, None
@@ -294,8 +272,9 @@ def run(args: argparse.Namespace) -> int:
              f"{where}; step={tail.step}, block_size={block.block_size}")
     console.print(_table(results, title))
     _summary(console, results, contexts)
-    _plot(results, args.plot, title)
-    console.print(f"plot written to {args.plot}")
+    if args.plot:  # "" for no plot, as in the other benchmarks
+        _plot(results, args.plot, title)
+        console.print(f"plot written to {args.plot}")
     return 0
 
 

@@ -149,35 +149,55 @@ def _random_models(args, device):
     return model, hf, ids, f"{arch} (random weights), {str(dtype)[6:]}, {where}"
 
 
-def hf_llama_sharing(model):
-    """A ``transformers`` ``LlamaForCausalLM`` whose weights are views of ``model``'s (no copy)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_llama_config(a, **extra):
+    """The ``transformers`` ``LlamaConfig`` of our model arguments ``a``; ``extra`` adds fields."""
+    from transformers import LlamaConfig
 
-    a = model.args
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.hidden_dim,
         num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads,
         num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim, rms_norm_eps=a.norm_eps,
         rope_theta=a.rope_theta, rope_scaling=a.rope_scaling,
         max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_embeddings,
-        attention_bias=a.qkv_bias,
+        attention_bias=a.qkv_bias, **extra,
     )
-    with torch.device("meta"):
-        hf = LlamaForCausalLM(config)
-    Hq, Hkv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+
+
+def hf_llama_weights(model) -> dict[str, torch.Tensor]:
+    """``model``'s weights under ``LlamaForCausalLM``'s names, as views (no copy).
+
+    Our fused ``wqkv`` and ``w13`` rows are the concatenated q/k/v and gate/up
+    projections, in the rotate-half RoPE layout ``transformers`` uses.
+    """
+    a = model.args
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     sd = {"model.embed_tokens.weight": model.tok_embeddings.weight,
           "model.norm.weight": model.norm.weight, "lm_head.weight": model.output.weight}
     for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        q, k, v = layer.attention.wqkv.weight.split([Hq, Hkv, Hkv])  # rows: (Hq*D | Hkv*D | Hkv*D)
-        gate, up = layer.feed_forward.w13.weight.split(a.hidden_dim)
-        sd |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-               p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.attention.wo.weight,
+        p, att, ff = f"model.layers.{i}.", layer.attention, layer.feed_forward
+        wq, wk, wv = att.wqkv.weight.split([q, kv, kv])  # rows: (H_q*D | H_kv*D | H_kv*D)
+        gate, up = ff.w13.weight.split(a.hidden_dim)
+        sd |= {p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
+               p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": att.wo.weight,
                p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-               p + "mlp.down_proj.weight": layer.feed_forward.w2.weight,
+               p + "mlp.down_proj.weight": ff.w2.weight,
                p + "input_layernorm.weight": layer.attention_norm.weight,
                p + "post_attention_layernorm.weight": layer.ffn_norm.weight}
-    hf.load_state_dict(sd, strict=True, assign=True)
+        if a.qkv_bias:
+            bq, bk, bv = att.wqkv.bias.split([q, kv, kv])
+            sd |= {p + "self_attn.q_proj.bias": bq, p + "self_attn.k_proj.bias": bk,
+                   p + "self_attn.v_proj.bias": bv}
+    return sd
+
+
+def hf_llama_sharing(model):
+    """A ``transformers`` ``LlamaForCausalLM`` whose weights are views of ``model``'s (no copy)."""
+    from transformers import LlamaForCausalLM
+
+    config = hf_llama_config(model.args)
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(config)
+    hf.load_state_dict(hf_llama_weights(model), strict=True, assign=True)
     with torch.device(model.output.weight.device):  # the RoPE buffers, left on meta above
         hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)
     return hf.eval()

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.bench.decode import hf_llama_config, hf_llama_weights
 from kvtier.config import KVCacheConfig
 from kvtier.generate import generate_step
 
@@ -227,39 +228,15 @@ def _compiled_run(model, prompt, cfg, n) -> tuple[float, float, list[int], str]:
 def hf_llama(model):
     """A ``transformers`` ``LlamaForCausalLM`` whose weights are views of ``model``'s (no copy).
 
-    Our fused ``wqkv`` and ``w13`` rows are the concatenated q/k/v and gate/up
-    projections, in the rotate-half RoPE layout ``transformers`` uses.
+    The views are :func:`kvtier.bench.decode.hf_llama_weights`; a tied LM head is tied again.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     a = model.args
-    config = LlamaConfig(
-        vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.hidden_dim,
-        num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads,
-        num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim, rms_norm_eps=a.norm_eps,
-        rope_theta=a.rope_theta, rope_scaling=a.rope_scaling,
-        max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_embeddings,
-        attention_bias=a.qkv_bias, pad_token_id=0, bos_token_id=None, eos_token_id=None,
-    )
+    config = hf_llama_config(a, pad_token_id=0, bos_token_id=None, eos_token_id=None)
     with torch.device("meta"):
         hf = LlamaForCausalLM(config)
-    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    sd = {"model.embed_tokens.weight": model.tok_embeddings.weight,
-          "model.norm.weight": model.norm.weight, "lm_head.weight": model.output.weight}
-    for i, layer in enumerate(model.layers):
-        p, att, ff = f"model.layers.{i}.", layer.attention, layer.feed_forward
-        wq, wk, wv = att.wqkv.weight.split([q, kv, kv])  # rows: (H_q*D | H_kv*D | H_kv*D)
-        gate, up = ff.w13.weight.split(a.hidden_dim)
-        sd |= {p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
-               p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": att.wo.weight,
-               p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-               p + "mlp.down_proj.weight": ff.w2.weight,
-               p + "input_layernorm.weight": layer.attention_norm.weight,
-               p + "post_attention_layernorm.weight": layer.ffn_norm.weight}
-        if a.qkv_bias:
-            bq, bk, bv = att.wqkv.bias.split([q, kv, kv])
-            sd |= {p + "self_attn.q_proj.bias": bq, p + "self_attn.k_proj.bias": bk,
-                   p + "self_attn.v_proj.bias": bv}
+    sd = hf_llama_weights(model)
     if a.tie_embeddings:
         del sd["lm_head.weight"]
     hf.load_state_dict(sd, strict=not a.tie_embeddings, assign=True)

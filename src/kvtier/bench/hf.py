@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.bench.memory import reset_peak_rss, rss_bytes
 from kvtier.config import KVCacheConfig
 
 PEERS = ("dynamic", "static")
@@ -105,23 +106,11 @@ class Memory:
         self.cuda = device.type == "cuda"
         self.base = 0
 
-    @staticmethod
-    def _status(field: str) -> int | None:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith(field + ":"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
-
     def _reset_peak(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-            return
-        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
+        else:
+            reset_peak_rss()
 
     def start(self) -> None:
         gc.collect()
@@ -131,11 +120,11 @@ class Memory:
         else:
             with contextlib.suppress(OSError, AttributeError):  # not glibc: skip
                 ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so growth shows
-            self.base = self._status("VmRSS") or 0
+            self.base = rss_bytes("VmRSS") or 0
         self._reset_peak()
 
     def peak_mib(self, reset: bool = False) -> float | None:
-        peak = torch.cuda.max_memory_allocated() if self.cuda else self._status("VmHWM")
+        peak = torch.cuda.max_memory_allocated() if self.cuda else rss_bytes("VmHWM")
         if reset:
             self._reset_peak()
         return None if peak is None else (peak - self.base) / 2**20

@@ -109,7 +109,8 @@ class _DecodePlans:
     """
 
     def __init__(self, layers: Callable[[], list[KVTierLayer]]) -> None:
-        self._layers = layers
+        self._layers = layers  # the in-place layers are fixed once a forward reaches them
+        self._order: list[KVTierLayer] | None = None
         self.planner: StepPlanner | None = None
         self._kwargs: dict[str, Any] = {}
         self.planned_steps = 0
@@ -121,7 +122,9 @@ class _DecodePlans:
 
     def kwargs(self, layer: KVTierLayer, new_tokens: int) -> dict[str, Any]:
         """The ``update`` keywords of ``layer``'s write of ``new_tokens`` real tokens per row."""
-        layers = self._layers()
+        if self._order is None:
+            self._order = self._layers()
+        layers = self._order
         if layer is layers[0]:  # the first layer of a forward plans the step for all
             self._kwargs = self._prepare(layers) if new_tokens == 1 else {}
             if not self._kwargs:

@@ -184,9 +184,8 @@ def check_group_dim(head_dim: int, what: str) -> None:
         )
 
 
-class GroupAffineLayout(Codec):
-    """Layout shared by the per-32-channel asymmetric codecs: ``bits``-bit codes
-    bit-packed into uint8, float16 ``scale`` and ``zero`` per group of 32."""
+class BitPackedCodec(Codec):
+    """A payload of ``bits``-bit codes bit-packed into uint8 (:mod:`kvtier.quant.bitpack`)."""
 
     bits: int = 4
 
@@ -196,6 +195,11 @@ class GroupAffineLayout(Codec):
     @property
     def payload_dtype(self) -> torch.dtype:
         return torch.uint8
+
+
+class GroupAffineLayout(BitPackedCodec):
+    """Layout shared by the per-32-channel asymmetric codecs: ``bits``-bit codes
+    bit-packed into uint8, float16 ``scale`` and ``zero`` per group of 32."""
 
     def sidecar_specs(self) -> tuple[SidecarSpec, ...]:
         groups = self.head_dim // GROUP

@@ -41,10 +41,11 @@ from __future__ import annotations
 import torch
 
 from kvtier.quant import bitpack
-from kvtier.quant.codec import Codec, SidecarSpec
+from kvtier.quant.codec import SidecarSpec
 from kvtier.quant.hadamard import HadamardRotation, check_rotation_dim
 from kvtier.quant.kv_quant import (
     GROUP,
+    BitPackedCodec,
     GroupAffineLayout,
     group_affine_decode,
     group_affine_encode,
@@ -123,7 +124,7 @@ class TurboKeyCodec(GroupAffineLayout):
         return group_affine_decode(codes, sidecars["scale"], sidecars["zero"])
 
 
-class TurboValueCodec(Codec):
+class TurboValueCodec(BitPackedCodec):
     """TurboQuant values: Hadamard-rotated, Lloyd-Max coded, one fp16 scale per 32 channels.
 
     ``code`` is one of :data:`VALUE_CODE_BITS`; ``rotation = HadamardRotation(head_dim, seed)``.
@@ -145,13 +146,6 @@ class TurboValueCodec(Codec):
         self.rotation = HadamardRotation(head_dim, seed)
         self.name = f"turboquant-value:{code}"
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def packed_dim(self) -> int:
-        return bitpack.packed_width(self.head_dim, self.bits)
-
-    @property
-    def payload_dtype(self) -> torch.dtype:
-        return torch.uint8
 
     def sidecar_specs(self) -> tuple[SidecarSpec, ...]:
         return (SidecarSpec("scale", self.head_dim // GROUP, torch.float16),)
