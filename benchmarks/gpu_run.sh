@@ -60,8 +60,8 @@ EOF
 PARALLEL=()
 "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)
 PYTEST=("$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider "${PARALLEL[@]}")
-mapfile -t TIER_TESTS < <(grep -l "mark.gpu" tests/test_*.py | grep -v "tests/test_triton_")
-mapfile -t KERNEL_TESTS < <(grep -l "mark.gpu" tests/test_triton_*.py)
+mapfile -t TIER_TESTS < <(grep -rl "mark.gpu" tests --include="test_*.py" | grep -v "tests/kernels/test_triton_")
+mapfile -t KERNEL_TESTS < <(grep -l "mark.gpu" tests/kernels/test_triton_*.py)
 step tests 70 "$OUT/gpu_tests.log" "${PYTEST[@]}" "${TIER_TESTS[@]}"
 step kernels 80 "$OUT/gpu_tests.log" "${PYTEST[@]}" "${KERNEL_TESTS[@]}"
 

@@ -446,7 +446,7 @@ def test_conversions_and_config():
 
 
 def test_docs_example_runs():
-    text = (Path(__file__).parents[1] / "docs" / "ragged.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "ragged.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks
     for block in blocks:

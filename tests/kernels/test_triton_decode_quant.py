@@ -4,7 +4,7 @@
 per row) over quantised pages when ``LaunchConfig(decode_kernel="cuda_core")``
 (or ``QUANT_DECODE_KERNEL``) picks it. Each test forces it and compares with SDPA
 over the decoded K/V gathered row by row and with ``paged_attention_reference``,
-as ``tests/test_triton_paged.py`` does for the MMA kernel. Without CUDA the
+as ``tests/kernels/test_triton_paged.py`` does for the MMA kernel. Without CUDA the
 kernels run under Triton's interpreter on small shapes; with CUDA the
 ``gpu``-marked grid adds long rows and every mode.
 """
