@@ -1,0 +1,249 @@
+"""Physical blocks of the serving engine: reference counts, a hash chain and an LRU of cached blocks.
+
+The engine's paged caches hold one pool of ``num_blocks`` blocks of ``block_size``
+tokens per layer; which request owns which block is decided here, once for every
+layer. A request holds a list of physical block ids (its block table).
+
+Automatic prefix caching. A *full* block whose keys and values are computed gets a
+content hash chained over the token ids of every block before it::
+
+    h[0] = H(b"", tokens[0:bs])        h[i] = H(h[i-1], tokens[i*bs:(i+1)*bs])
+
+so equal hashes mean equal token prefixes (``H`` is SHA-256: not a hash an
+attacker can collide to read another request's keys). A later request whose prompt
+starts with the same full blocks takes references on them instead of computing
+them again (:meth:`BlockManager.match_prefix`, then :meth:`BlockManager.allocate`
+with ``prefix=``). Shared blocks are never written: a request only writes past
+its prefix, into blocks it allocated itself.
+
+When a request ends, its blocks lose a reference. A block nobody references but
+that holds a hashed prefix stays cached, in an LRU; it is evicted (its hash
+forgotten) only when a fresh block is needed and no never-cached block is free.
+Blocks are released last-first, so a chain's tail is evicted before its head.
+
+Invariants (checked by the tests): every block is exactly one of free, cached and
+unreferenced (evictable), or referenced; ``num_free_blocks + num_used_blocks ==
+num_blocks``; reference counts are never negative; a hash maps to at most one
+block, which holds exactly that chain of tokens.
+
+Pure Python, no torch: tensor parallelism broadcasts the books' decisions, not
+the books.
+
+Example::
+
+    >>> bm = BlockManager(num_blocks=8, block_size=4)
+    >>> prompt = list(range(10))
+    >>> a = bm.allocate(len(prompt))                    # blocks for 10 tokens
+    >>> bm.cache_full_blocks(a, prompt, 10)             # after the forward wrote them
+    >>> bm.free(a)                                      # request done: 2 full blocks stay cached
+    >>> bm.match_prefix(prompt[:9]) == a[:2]
+    True
+    >>> bm.num_free_blocks, bm.num_cached_blocks
+    (8, 2)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+__all__ = ["BlockManager", "NoFreeBlocks", "chain_hash"]
+
+
+class NoFreeBlocks(MemoryError):
+    """An allocation needs more blocks than are free (nothing was changed)."""
+
+
+def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """SHA-256 of a block's token ids chained after its parent block's hash (``None`` for the first)."""
+    h = hashlib.sha256(parent or b"")
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+def _positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v
+
+
+class BlockManager:
+    """Owns the ids ``0 .. num_blocks - 1``: who references each block and which prefix it caches.
+
+    ``num_free_blocks`` counts what :meth:`allocate` can hand out: blocks never
+    cached plus cached blocks nobody references (evicted on demand, least
+    recently released first). ``prefix_queries`` / ``prefix_hits`` count prompt
+    tokens of the allocations that asked for a prefix and the tokens found cached.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = _positive_int("num_blocks", num_blocks)
+        self.block_size = _positive_int("block_size", block_size)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refs = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks  # content hash of a full, computed block
+        self._by_hash: dict[bytes, int] = {}  # hash -> the one block that serves it
+        self._free = list(range(num_blocks - 1, -1, -1))  # never cached; popped from the end
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- facts --------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks :meth:`allocate` can hand out now (free, or cached and unreferenced)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some request references."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a hashed prefix (referenced or not)."""
+        return len(self._by_hash)
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return math.ceil(num_tokens / self.block_size)
+
+    # -- prefix lookup --------------------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """The cached blocks holding the longest run of ``token_ids``' full blocks, in order.
+
+        Takes no reference and counts nothing; pass the result to :meth:`allocate`
+        before anything else allocates (an unreferenced block may be evicted).
+        Callers that must compute the last token (to sample from it) pass all
+        tokens but that one.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs, out, parent = self.block_size, [], None
+        for i in range(len(token_ids) // bs):
+            parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            block = self._by_hash.get(parent)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def blocks_needed(self, num_tokens: int, prefix: Sequence[int] = ()) -> int:
+        """Free blocks ``allocate(num_tokens, prefix)`` would consume (revived cached blocks count)."""
+        revived = sum(1 for b in prefix if self._refs[b] == 0)
+        return max(0, self.blocks_for(num_tokens) - len(prefix)) + revived
+
+    def can_allocate(self, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        return self.blocks_needed(num_tokens, prefix) <= self.num_free_blocks
+
+    # -- allocation -------------------------------------------------------------------------------
+    def allocate(self, num_tokens: int, prefix: Sequence[int] = ()) -> list[int]:
+        """A new block list for ``num_tokens`` tokens that starts with the cached ``prefix`` blocks.
+
+        Takes a reference on every block returned. ``prefix`` comes from
+        :meth:`match_prefix` (it must cover fewer than ``num_tokens`` tokens, so
+        the request computes at least one). Raises :class:`NoFreeBlocks` when the
+        blocks do not fit, ``ValueError`` for a prefix that is not cached; either
+        way nothing changes.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+        prefix = list(prefix)
+        if len(prefix) * self.block_size >= num_tokens:
+            raise ValueError(f"a prefix of {len(prefix)} blocks covers all {num_tokens} tokens; "
+                             "leave at least one token to compute (match all tokens but the last)")
+        bad = [b for b in prefix if not 0 <= b < self.num_blocks or self._hash[b] is None
+               or self._by_hash.get(self._hash[b]) != b]
+        if bad:
+            raise ValueError(f"prefix blocks {bad} hold no cached prefix; take them from match_prefix()")
+        self._check_fits(self.blocks_needed(num_tokens, prefix))
+        for b in prefix:
+            self._ref(b)
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += len(prefix) * self.block_size
+        return prefix + [self._take() for _ in range(self.blocks_for(num_tokens) - len(prefix))]
+
+    def grow(self, blocks: list[int], num_tokens: int) -> int:
+        """Append fresh blocks to ``blocks`` (in place) until it holds ``num_tokens`` tokens.
+
+        Returns how many were added; raises :class:`NoFreeBlocks` (nothing added)
+        when they do not fit.
+        """
+        extra = max(0, self.blocks_for(num_tokens) - len(blocks))
+        self._check_fits(extra)
+        blocks.extend(self._take() for _ in range(extra))
+        return extra
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference on each block (last block first). A block nobody references
+        returns to the free list, or, when it caches a prefix, to the LRU of cached blocks."""
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks or self._refs[b] < 1]
+        if bad or len(set(blocks)) != len(blocks):
+            raise ValueError(f"free() of blocks {list(blocks)}: {bad or 'a block twice'} "
+                             "not referenced; free each allocation exactly once")
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b]:
+                continue
+            h = self._hash[b]
+            if h is not None and self._by_hash.get(h) == b:
+                self._evictable[b] = None  # the most recent end of the LRU
+            else:
+                self._hash[b] = None
+                self._free.append(b)
+
+    def cache_full_blocks(self, blocks: Sequence[int], token_ids: Sequence[int], num_computed: int) -> None:
+        """Hash the blocks of ``blocks`` that the first ``num_computed`` of ``token_ids`` fill.
+
+        Call it after the forward that wrote those tokens. Blocks hashed before
+        are skipped; a block whose prefix another block already caches keeps its
+        hash (for the chain) but is not shared, and is freed as a plain block.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(num_computed // bs, len(blocks))
+        first = full
+        while first > 0 and self._hash[blocks[first - 1]] is None:
+            first -= 1  # the blocks hashed so far form a prefix of the list
+        for i in range(first, full):
+            parent = self._hash[blocks[i - 1]] if i else None
+            h = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            b = blocks[i]
+            self._hash[b] = h
+            self._by_hash.setdefault(h, b)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _check_fits(self, needed: int) -> None:
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocks(
+                f"{needed} blocks of {self.block_size} tokens are needed but {self.num_free_blocks} of "
+                f"{self.num_blocks} are free; wait for running requests to finish, or give the "
+                "engine more blocks (num_blocks / --num-blocks / --kv-memory)"
+            )
+
+    def _ref(self, b: int) -> None:
+        if self._refs[b] == 0:
+            del self._evictable[b]
+        self._refs[b] += 1
+
+    def _take(self) -> int:
+        """A fresh block with one reference: a never-cached one, else the least recently freed
+        cached one (whose prefix is forgotten)."""
+        if self._free:
+            b = self._free.pop()
+        else:
+            b, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash[b]]
+            self._hash[b] = None
+        self._refs[b] = 1
+        return b
