@@ -1,13 +1,13 @@
 """Per-token append cost of the tail and block tiers against HF DynamicLayer.
 
-The same benchmark as ``kvtier bench append``; see :mod:`kvtier.bench.append`.
+The same benchmark as ``kvtier bench append``; see :mod:`kvtier_bench.append`.
 Run: ``python benchmarks/append.py [--quick] [--contexts 1024,8192,32768]``.
 """
 
 import argparse
 import sys
 
-from kvtier.bench import append
+from kvtier_bench import append
 
 
 def main() -> int:

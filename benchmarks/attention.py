@@ -1,13 +1,13 @@
 """Paged decode attention bandwidth against PyTorch SDPA, quantised pages, and the write kernel.
 
-The same benchmark as ``kvtier bench attention``; see :mod:`kvtier.bench.attention`.
+The same benchmark as ``kvtier bench attention``; see :mod:`kvtier_bench.attention`.
 Run: ``python benchmarks/attention.py [--sweep] [--out benchmarks/results_gpu_attention.md]``.
 """
 
 import argparse
 import sys
 
-from kvtier.bench import attention
+from kvtier_bench import attention
 
 
 def main() -> int:

@@ -1,13 +1,13 @@
 """End-to-end decode throughput against HF generate, and against the memory-bandwidth roofline.
 
-The same benchmark as ``kvtier bench decode``; see :mod:`kvtier.bench.decode`.
+The same benchmark as ``kvtier bench decode``; see :mod:`kvtier_bench.decode`.
 Run: ``python benchmarks/decode.py [--threads 1] [--plot benchmarks/decode.png]``.
 """
 
 import argparse
 import sys
 
-from kvtier.bench import decode
+from kvtier_bench import decode
 
 
 def main() -> int:

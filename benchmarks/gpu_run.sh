@@ -3,8 +3,9 @@
 #
 #   OUT=/path/to/results bash benchmarks/gpu_run.sh        # from the repository root
 #
-# Uses the machine's python3 (torch, triton, transformers, rich, pytest) with src/ on
-# PYTHONPATH, so nothing is installed. Every step has a time limit and the script goes
+# Uses the machine's python3 (torch, triton, transformers, rich, pytest) with src/ (the
+# library) and benchmarks/ (kvtier_bench, behind `kvtier bench`) on PYTHONPATH, so nothing
+# is installed. Every step has a time limit and the script goes
 # on past a failure; the whole run stays under about 9 minutes. Files under $OUT (7):
 #   env.txt          device, driver, versions
 #   gpu_tests.log    pytest -m gpu over every test file with GPU-marked tests
@@ -16,7 +17,7 @@
 set -u
 OUT=${OUT:?set OUT to the folder the results go to}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 SUMMARY="$OUT/summary.txt"

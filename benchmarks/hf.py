@@ -1,13 +1,13 @@
 """KVTierCache against DynamicCache (and StaticCache on CUDA) inside transformers' generate.
 
-The same benchmark as ``kvtier bench hf``; see :mod:`kvtier.bench.hf`.
+The same benchmark as ``kvtier bench hf``; see :mod:`kvtier_bench.hf`.
 Run: ``python benchmarks/hf.py [--quick] [--model llama3-8b --batch 1,16]``.
 """
 
 import argparse
 import sys
 
-from kvtier.bench import hf
+from kvtier_bench import hf
 
 
 def main() -> int:

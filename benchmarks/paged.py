@@ -1,13 +1,13 @@
 """Bytes per token, fragmentation and codec error of the paged tier.
 
-The same benchmark as ``kvtier bench paged``; see :mod:`kvtier.bench.paged`.
+The same benchmark as ``kvtier bench paged``; see :mod:`kvtier_bench.paged`.
 Run: ``python benchmarks/paged.py [--sequences 64] [--plot benchmarks/paged.png]``.
 """
 
 import argparse
 import sys
 
-from kvtier.bench import paged
+from kvtier_bench import paged
 
 
 def main() -> int:

@@ -1,13 +1,13 @@
 """One ragged decode step against row-by-row and padded tail caches.
 
-The same benchmark as ``kvtier bench ragged``; see :mod:`kvtier.bench.ragged`.
+The same benchmark as ``kvtier bench ragged``; see :mod:`kvtier_bench.ragged`.
 Run: ``python benchmarks/ragged.py [--shape smollm2] [--device cuda] [--plot benchmarks/ragged.png]``.
 """
 
 import argparse
 import sys
 
-from kvtier.bench import ragged
+from kvtier_bench import ragged
 
 
 def main() -> int:

@@ -1,13 +1,13 @@
 """Speculative decoding against plain decoding on the default model.
 
-The same benchmark as ``kvtier bench speculative``; see :mod:`kvtier.bench.speculative`.
+The same benchmark as ``kvtier bench speculative``; see :mod:`kvtier_bench.speculative`.
 Run: ``python benchmarks/speculative.py [--max-tokens 256] [--drafters ngram,early-exit:24] [--json FILE]``.
 """
 
 import argparse
 import sys
 
-from kvtier.bench import speculative
+from kvtier_bench import speculative
 
 
 def main() -> int:

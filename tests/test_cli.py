@@ -178,10 +178,36 @@ def test_eval_missing_file(capsys, tmp_path):
     assert "none.txt" in capsys.readouterr().err
 
 
-def test_bench_dispatch_is_kept():
+def _bench_choices() -> dict[str, argparse.ArgumentParser]:
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     bench = sub.choices["bench"]
-    names = next(a for a in bench._actions if a.dest == "bench").choices
-    for name in names:
-        assert name in cli.BENCHMARKS
+    return next(a for a in bench._actions if a.dest == "bench").choices
+
+
+def test_bench_subcommands_are_the_modules_of_kvtier_bench(capsys, tmp_path, monkeypatch):
+    import kvtier_bench
+
+    names = _bench_choices()
+    assert sorted(names) == kvtier_bench.names()
+    assert {"append", "paged", "decode_gpu"} <= set(names) and "_memory" not in names
+    assert names["paged"].description == "Bytes per token, fragmentation and codec error of the paged tier"
+    # a module dropped into the package is a subcommand by its name, with nothing to register
+    (tmp_path / "probe_bench.py").write_text(
+        '"""A probe.\n"""\n\ndef add_arguments(parser):\n    parser.add_argument("--n", type=int)\n\n\n'
+        "def run(args):\n    print('probe', args.n)\n    return 0\n")
+    monkeypatch.setattr(kvtier_bench, "__path__", [*kvtier_bench.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "kvtier_bench.probe_bench", raising=False)
+    try:
+        assert _bench_choices()["probe_bench"].description == "A probe"
+        assert cli.main(["bench", "probe_bench", "--n", "3"]) == 0
+        assert capsys.readouterr().out == "probe 3\n"
+    finally:
+        sys.modules.pop("kvtier_bench.probe_bench", None)
+
+
+def test_bench_without_kvtier_bench_says_how_to_install_it(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvtier_bench", None)  # kvtier installed without the checkout
+    assert cli.main(["bench", "paged", "--sequences", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "kvtier bench paged" in err and "pip install -e ." in err

@@ -429,7 +429,7 @@ def test_generate_with_and_without_the_graph_gives_the_same_tokens(cuda_model, t
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-llama3"])
 def test_the_benchmarks_hf_model_holds_our_weights_and_gives_our_logits(arch):
     pytest.importorskip("transformers")
-    from kvtier.bench.decode_gpu import hf_llama, weight_bytes
+    from kvtier_bench.decode_gpu import hf_llama, weight_bytes
 
     ours = build_random(arch, dtype=torch.float32, std=0.1)
     hf = hf_llama(ours)
@@ -444,7 +444,7 @@ def test_the_benchmarks_hf_model_holds_our_weights_and_gives_our_logits(arch):
 
 
 def test_the_benchmark_table_compares_each_contender_with_its_peers():
-    from kvtier.bench.decode_gpu import Result, _rows
+    from kvtier_bench.decode_gpu import Result, _rows
 
     rows = _rows([
         Result("kvtier paged, CUDA graph", 1, 512, 4, 0.1, 200.0, 250.0, [1, 2, 3, 4]),

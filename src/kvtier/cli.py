@@ -1,8 +1,9 @@
 """The ``kvtier`` command line. It only parses arguments and calls the library.
 
 Subcommands: ``generate``, ``info``, ``eval``, ``bench NAME``. Each benchmark
-lives in ``kvtier.bench.NAME`` and offers ``add_arguments(parser)`` and
-``run(args) -> int``.
+is a module ``kvtier_bench.NAME`` that offers ``add_arguments(parser)`` and
+``run(args) -> int``; ``kvtier_bench`` lives in the repository's ``benchmarks/``
+folder, outside the library, and is installed by ``pip install -e .`` from a checkout.
 
 Defaults live on the library's dataclasses (:class:`~kvtier.generate.GenerationConfig`,
 :class:`~kvtier.sampling.SamplingParams`, :class:`~kvtier.config.KVCacheConfig`,
@@ -20,30 +21,45 @@ import json
 import sys
 import warnings
 
-BENCHMARKS = {
-    "append": "per-token append cost of the tail and block tiers against HF DynamicLayer",
-    "ragged": "one ragged decode step against row-by-row and padded tail caches",
-    "paged": "bytes per token, fragmentation and codec error of the paged tier",
-    "speculative": "speculative decoding against plain decoding on the default model",
-    "attention": "paged decode attention bandwidth against PyTorch SDPA",
-    "decode": "end-to-end decode throughput against HF generate",
-    "hf": "KVTierCache against DynamicCache inside transformers generate",
-    "decode_gpu": "CUDA decode of a Llama-3-8B-shaped model, eager and CUDA graph, against HF generate",
-}
-
 DTYPES = ("float32", "bfloat16", "float16")
 # prompts longer than this get a prefill progress bar
 _PROGRESS_TOKENS = 1024
 _ABSENT = argparse.SUPPRESS  # a flag not given leaves no attribute: the dataclass default holds
 
 
-def _bench_module(name: str):
+def _bench_package():
+    """The ``kvtier_bench`` package, or None where kvtier was installed without it."""
     try:
-        return importlib.import_module(f"kvtier.bench.{name}")
+        return importlib.import_module("kvtier_bench")
     except ModuleNotFoundError as e:
-        if e.name == f"kvtier.bench.{name}":
+        if e.name == "kvtier_bench":
             return None
         raise
+
+
+def _bench_parsers(bench: argparse.ArgumentParser) -> None:
+    """One subcommand per module that ``kvtier_bench.names()`` finds (help: its docstring's
+    first line); without the package, ``kvtier bench NAME`` says how to install it."""
+    package = _bench_package()
+    if package is None:
+        bench.add_argument("name", help="the benchmark (needs kvtier installed from a checkout)")
+        bench.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        bench.set_defaults(_run=_benchmarks_missing)
+        return
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    for name in package.names():
+        module = importlib.import_module(f"kvtier_bench.{name}")
+        help_text = (module.__doc__ or name).splitlines()[0].rstrip(".")
+        p = bsub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+
+
+def _benchmarks_missing(args: argparse.Namespace) -> int:
+    raise ImportError(
+        f"kvtier bench {args.name}: the benchmarks (package kvtier_bench, in the repository's "
+        "benchmarks/ folder) are not installed; install kvtier from a checkout: pip install -e ."
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,15 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         _model_flags(p)
         p.set_defaults(_run=run_eval)
 
-    bench = sub.add_parser("bench", help="run a benchmark and print its table")
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    for name, help_text in BENCHMARKS.items():
-        module = _bench_module(name)
-        if module is None:
-            continue
-        p = bsub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+    _bench_parsers(sub.add_parser("bench", help="run a benchmark and print its table"))
     return parser
 
 

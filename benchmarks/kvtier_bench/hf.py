@@ -1,4 +1,4 @@
-"""KVTierCache against DynamicCache (and StaticCache on CUDA) inside transformers' ``generate``.
+"""KVTierCache against DynamicCache (and StaticCache on CUDA) inside transformers' generate.
 
 Every contender generates the same ``--new-tokens`` greedy tokens after the same
 random ``--prompt-tokens`` prompt, in one process, one after another, after a
@@ -57,8 +57,8 @@ from pathlib import Path
 
 import torch
 
-from kvtier.bench.memory import reset_peak_rss, rss_bytes
 from kvtier.config import KVCacheConfig
+from kvtier_bench._memory import reset_peak_rss, rss_bytes
 
 PEERS = ("dynamic", "static")
 TIERS = ("tail", "block", "ragged", "paged", "paged-q8", "paged-q4", "paged-gathered")

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from kvtier.bench.memory import reset_peak_rss, rss_bytes
 from kvtier.caches.block_owned import BlockOwnedKVCache
 from kvtier.caches.tail_owned import TailOwnedKVCache
+from kvtier_bench._memory import reset_peak_rss, rss_bytes
 
 PEER = "DynamicLayer"
 

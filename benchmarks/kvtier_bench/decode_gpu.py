@@ -1,4 +1,4 @@
-"""kvtier bench decode_gpu: CUDA decode of a Llama-3-8B-shaped model, kvtier against HF generate.
+"""CUDA decode of a Llama-3-8B-shaped model, eager and CUDA graph, against HF generate.
 
 One run on one GPU, every contender with the same random bf16 weights
 (:func:`kvtier.model.build_random`; the ``transformers`` model is built from an
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.bench.decode import hf_llama_config, hf_llama_weights
 from kvtier.config import KVCacheConfig
 from kvtier.generate import generate_step
+from kvtier_bench.decode import hf_llama_config, hf_llama_weights
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -228,7 +228,7 @@ def _compiled_run(model, prompt, cfg, n) -> tuple[float, float, list[int], str]:
 def hf_llama(model):
     """A ``transformers`` ``LlamaForCausalLM`` whose weights are views of ``model``'s (no copy).
 
-    The views are :func:`kvtier.bench.decode.hf_llama_weights`; a tied LM head is tied again.
+    The views are :func:`kvtier_bench.decode.hf_llama_weights`; a tied LM head is tied again.
     """
     from transformers import LlamaForCausalLM
 
