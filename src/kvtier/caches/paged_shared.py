@@ -1,0 +1,203 @@
+"""A paged cache whose blocks belong to an outside block manager (the serving engine's).
+
+:class:`~kvtier.caches.paged.PagedKVCache` hands out blocks from its own free
+list, one row per sequence, for as long as the cache lives. A server's rows change
+every step (requests join, leave, are preempted), several requests may share the
+blocks of a common prefix, and one set of books must serve every layer. So
+:class:`SharedBlockPagedKVCache` keeps the paged tier's storage and read path but
+not its books:
+
+- :meth:`SharedBlockPagedKVCache.allocate` allocates the whole pool up front, with
+  the codecs the paged tier would choose (quantised modes and their fallback);
+- :meth:`SharedBlockPagedKVCache.bind` points the cache's rows at physical blocks
+  owned elsewhere (:class:`kvtier.serve.prefix.BlockManager`) and at their lengths,
+  through a :class:`RowBinding` built once per step and shared by every layer
+  (one validation, one block table on the device);
+- a write that needs a block its row does not hold raises
+  :class:`~kvtier.caches.paged_pool.PagedKVGrowthRefused`; the cache's own free list
+  is empty and its pool frozen, so nothing is ever allocated behind the manager's back.
+
+Decode steps (one token per row) can go through a
+:class:`~kvtier.caches.step_plan.StepPlan` from :func:`decode_plan`: slots,
+positions, lengths and the table computed once for every layer.
+
+Example::
+
+    >>> import torch
+    >>> cache = SharedBlockPagedKVCache(block_size=4, num_blocks=8)
+    >>> cache.allocate(kv_heads=2, head_dim=64, dtype=torch.float32, device="cpu")
+    >>> rows = RowBinding.build([[5, 2], [2]], [0, 0], block_size=4, num_blocks=8)
+    >>> cache.bind(rows)                                   # row 1 would share block 2 with row 0
+    >>> k = v = torch.randn(2, 2, 3, 64)                    # (B, H_kv, T, D)
+    >>> cache.update(k, v, new_offsets=[3, 0])              # row 1 commits nothing
+    >>> cache.offset.tolist()
+    [3, 0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.caches.base import check_kv
+from kvtier.caches.paged import PagedKVCache
+from kvtier.caches.paged_pool import PagedKVGrowthRefused, RowsArg, rows_arg
+from kvtier.caches.step_plan import StepPlan
+from kvtier.config import TurboQuantConfig
+
+__all__ = ["RowBinding", "SharedBlockPagedKVCache", "decode_plan"]
+
+
+@dataclass(frozen=True, eq=False)
+class RowBinding:
+    """Rows of one step: physical blocks and committed lengths, checked once for every layer.
+
+    ``blocks[r]``: row ``r``'s block ids in logical order (rows may share blocks);
+    ``lengths[r]``: tokens the row holds, at most ``len(blocks[r]) * block_size``;
+    ``table``: int32 ``[B, W]`` on the pages' device, ``W`` the most blocks a row
+    holds (at least 1), rows zero-padded.
+    """
+
+    blocks: list[list[int]]
+    lengths: list[int]
+    table: torch.Tensor
+    block_size: int
+    num_blocks: int
+
+    @classmethod
+    def build(cls, blocks: Sequence[Sequence[int]], lengths: Sequence[int], *, block_size: int,
+              num_blocks: int, device: torch.device | str = "cpu") -> RowBinding:
+        """Validate ``blocks``/``lengths`` against a pool of ``num_blocks`` x ``block_size``
+        and build the block table on ``device``; ``ValueError`` names the bad row."""
+        if not blocks or len(blocks) != len(lengths):
+            raise ValueError(f"bind needs one block list per length and at least one row, got "
+                             f"{len(blocks)} block lists and {len(lengths)} lengths")
+        rows = [list(b) for b in blocks]
+        lens = [int(n) for n in lengths]
+        for r, (row, n) in enumerate(zip(rows, lens)):
+            if not 0 <= n <= len(row) * block_size:
+                raise ValueError(f"row {r} holds {len(row)} blocks of {block_size} tokens but claims "
+                                 f"{n} tokens; give it the blocks first")
+            bad = [b for b in row if isinstance(b, bool) or not isinstance(b, int)
+                   or not 0 <= b < num_blocks]
+            if bad:
+                raise ValueError(f"row {r}: block ids {bad[:4]} are not in [0, {num_blocks})")
+        width = max(1, max(len(r) for r in rows))
+        table = torch.zeros(len(rows), width, dtype=torch.int32)
+        for r, row in enumerate(rows):
+            table[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        return cls(rows, lens, table.to(device), block_size, num_blocks)
+
+
+def decode_plan(rows: RowBinding) -> StepPlan:
+    """The :class:`StepPlan` of one decode step over ``rows``: row ``r`` writes one token at
+    position ``lengths[r]`` (which its blocks must hold) and sees ``lengths[r] + 1`` keys."""
+    bs, dev = rows.block_size, rows.table.device
+    starts = list(rows.lengths)
+    short = [r for r, (n, b) in enumerate(zip(starts, rows.blocks)) if n >= len(b) * bs]
+    if short:
+        raise ValueError(f"rows {short} hold no block for position {[starts[r] for r in short]}; "
+                         "grow their block lists before the step")
+    slots = [b[n // bs] * bs + n % bs for n, b in zip(starts, rows.blocks)]
+    host = torch.tensor([starts, slots], dtype=torch.long).to(dev)  # one copy to the device
+    ends = [n + 1 for n in starts]
+    return StepPlan(write_start=host[0], new_offsets=host[0] + 1, starts=starts, ends=ends,
+                    bound=max(ends), slots=host[1], block_tables=rows.table)
+
+
+class SharedBlockPagedKVCache(PagedKVCache):
+    """A :class:`PagedKVCache` over a pool allocated up front whose blocks an outside manager owns.
+
+    Same storage, codecs, write and read paths as the paged tier; rows come from
+    :meth:`bind` (or :meth:`bind_rows`) before each forward. ``release``,
+    ``filter``, ``extend`` and ``reserve`` would hand blocks out or take them back
+    and raise instead.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        num_blocks: int = 1024,
+        *,
+        kv_quant: str | None = None,
+        turboquant: TurboQuantConfig | None = None,
+        attention_backend: str = "auto",
+    ):
+        super().__init__(block_size, num_blocks, batch_size=1, kv_quant=kv_quant,
+                         turboquant=turboquant, attention_backend=attention_backend)
+
+    def allocate(self, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        """Allocate all ``num_blocks`` pages now, choosing the codecs for ``head_dim``/``dtype``
+        as the paged tier does (TurboQuant, else ``kv_quant``, else full precision; a mode
+        that cannot serve falls back with a warning)."""
+        if self.pool.allocated:
+            raise ValueError("the pool is already allocated; allocate() once per cache")
+        for name, v in (("kv_heads", kv_heads), ("head_dim", head_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        zeros = torch.zeros(1, kv_heads, 1, head_dim, dtype=dtype, device=device)  # (1, H_kv, 1, D)
+        super().update(zeros, zeros, new_offsets=0)  # commits nothing: allocates, adopts the codecs
+        self.pool.free = []  # every block belongs to the outside manager
+        self.freeze()
+
+    # -- rows --------------------------------------------------------------------------------
+    def bind(self, rows: RowBinding) -> None:
+        """Point this cache's rows at ``rows`` (blocks, lengths, table); drops any step plan."""
+        if not self.pool.allocated:
+            raise ValueError("bind() before allocate(); allocate the pool first")
+        if (rows.block_size, rows.num_blocks) != (self.block_size, self.pool.num_blocks):
+            raise ValueError(f"rows built for {rows.num_blocks} blocks of {rows.block_size} tokens, "
+                             f"this pool has {self.pool.num_blocks} of {self.block_size}")
+        if rows.table.device != self._device:
+            raise ValueError(f"the block table is on {rows.table.device}, the pages on {self._device}; "
+                             "build the RowBinding with device= the pages' device")
+        self.pool.rows = rows.blocks
+        self.pool.block_tables = rows.table
+        self._lengths, self._write_start = list(rows.lengths), list(rows.lengths)
+        self._changed()
+
+    def bind_rows(self, blocks: Sequence[Sequence[int]], lengths: Sequence[int]) -> None:
+        """Point row ``r`` at physical ``blocks[r]`` holding ``lengths[r]`` tokens (one layer;
+        an engine builds one :class:`RowBinding` and :meth:`bind` s every layer to it)."""
+        self.bind(RowBinding.build(blocks, lengths, block_size=self.block_size,
+                                   num_blocks=self.pool.num_blocks, device=self._device))
+
+    # -- writes ------------------------------------------------------------------------------
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *, write_start: RowsArg = None,
+               new_offsets: RowsArg = None, plan: StepPlan | None = None) -> None:
+        """:meth:`PagedKVCache.update`, but a write past the blocks a row holds raises
+        :class:`PagedKVGrowthRefused` (nothing written) instead of taking a block."""
+        check_kv(keys, values, batch=self.batch_size)
+        if plan is not None:
+            ends = plan.ends
+        else:
+            T = keys.shape[2]
+            ws = rows_arg(self.batch_size, "write_start", write_start, self._lengths)
+            ends = rows_arg(self.batch_size, "new_offsets", new_offsets, [w + T for w in ws])
+        bs = self.block_size
+        short = [r for r, (n, row) in enumerate(zip(ends, self.pool.rows)) if n > len(row) * bs]
+        if short:
+            raise PagedKVGrowthRefused(
+                f"rows {short} would hold {[ends[r] for r in short]} tokens but own only "
+                f"{[len(self.pool.rows[r]) for r in short]} blocks of {bs}; the block manager gives "
+                "rows their blocks (bind the rows again with more blocks)")
+        super().update(keys, values, write_start=write_start, new_offsets=new_offsets, plan=plan)
+
+    def _owned_elsewhere(self, what: str):
+        raise ValueError(f"{what}() on a SharedBlockPagedKVCache: its blocks belong to the block "
+                         "manager; change the rows with bind()")
+
+    def release(self, rows: RowsArg) -> None:
+        self._owned_elsewhere("release")
+
+    def filter(self, indices: RowsArg) -> None:
+        self._owned_elsewhere("filter")
+
+    def extend(self, other: PagedKVCache) -> None:
+        self._owned_elsewhere("extend")
+
+    def reserve(self, tokens: int) -> None:
+        self._owned_elsewhere("reserve")
