@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 from kvtier.caches.block_owned import BlockOwnedKVCache
 from kvtier.caches.tail_owned import TailOwnedKVCache
 from kvtier.config import (
+    ENV_VARS,
     KVCacheConfig,
     TurboQuantConfig,
     configure_kv_cache,
@@ -47,6 +51,8 @@ VARIABLES = [
     ("KVTIER_PAGED_KV_QUANT", "MTPLX_VLLM_METAL_PAGED_KV_QUANT", "q8", "kv_quant", "q8"),
     ("KVTIER_PAGED_KV_QUANT", "MTPLX_PAGED_KV_QUANT", "int4", "kv_quant", "q4"),
     ("KVTIER_PAGED_KV_QUANT", "MTPLX_PAGED_KV_QUANT", "off", "kv_quant", None),
+    ("KVTIER_PAGED_KV_QUANT", "MTPLX_PAGED_KV_QUANT", "None", "kv_quant", None),
+    ("KVTIER_PAGED_KV_QUANT", "MTPLX_VLLM_METAL_PAGED_KV_QUANT", "Q4_G32", "kv_quant", "q4_g32"),
     ("KVTIER_PAGED_TURBOQUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT", "on", "turboquant", TurboQuantConfig()),
     ("KVTIER_ATTENTION_BACKEND", None, "triton", "attention_backend", "triton"),
 ]
@@ -86,36 +92,77 @@ def test_turboquant_codes():
         "KVTIER_PAGED_TURBOQUANT_V_QUANT": "q2_0",
     }
     assert KVCacheConfig.from_env(env).turboquant == TurboQuantConfig("q4_0", "q2_0")
+    env["MTPLX_VLLM_METAL_PAGED_TURBOQUANT_ROTATE_KEYS"] = "on"
+    assert KVCacheConfig.from_env(env).turboquant == TurboQuantConfig("q4_0", "q2_0", True)
+    env["KVTIER_PAGED_TURBOQUANT"] = "0"  # the codes alone do not switch TurboQuant on
+    assert KVCacheConfig.from_env(env).turboquant is None
 
 
-@pytest.mark.parametrize(
-    "name,value",
-    [
-        ("KVTIER_PAGED_ATTN", "maybe"),
-        ("MTPLX_VLLM_METAL_PAGED_ATTN", "2"),
-        ("KVTIER_OWNED_ATTN_KV", "blocks"),
-        ("MTPLX_OWNED_ATTN_KV", "paged_tail"),
-        ("KVTIER_OWNED_ATTN_KV_STEP", "0"),
-        ("MTPLX_OWNED_ATTN_KV_STEP", "1.5"),
-        ("KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "-4"),
-        ("KVTIER_PAGED_BLOCK_SIZE", "sixteen"),
-        ("MTPLX_VLLM_METAL_PAGED_NUM_BLOCKS", "0"),
-        ("KVTIER_DYNAMIC_PAGED_KV", "enabled"),
-        ("MTPLX_DYNAMIC_PAGED_KV_TOKENS", "-1"),
-        ("KVTIER_DYNAMIC_PAGED_KV_MIN_BLOCKS", "0"),
-        ("KVTIER_DYNAMIC_PAGED_KV_MARGIN", "x"),
-        ("MTPLX_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER", "-3"),
-        ("KVTIER_CONTEXT_WINDOW_TOKENS", "0"),
-        ("MTPLX_PAGED_KV_QUANT", "q3"),
-        ("KVTIER_PAGED_TURBOQUANT", "sometimes"),
-        ("KVTIER_PAGED_TURBOQUANT_K_QUANT", "q9_0"),
-        ("MTPLX_VLLM_METAL_PAGED_TURBOQUANT_V_QUANT", "q1_0"),
-        ("KVTIER_ATTENTION_BACKEND", "cuda"),
-    ],
-)
-def test_a_bad_value_names_its_variable(name, value):
-    with pytest.raises(ValueError, match=name):
+def test_an_empty_variable_keeps_the_default_and_hides_its_alias():
+    names = [n for var in ENV_VARS for n in var.names]
+    assert KVCacheConfig.from_env(dict.fromkeys(names, " ")) == KVCacheConfig()
+    env = {"KVTIER_PAGED_BLOCK_SIZE": "", "MTPLX_VLLM_METAL_PAGED_BLOCK_SIZE": "64"}
+    assert KVCacheConfig.from_env(env).paged_block_size == KVCacheConfig().paged_block_size
+
+
+def test_the_table_names_real_fields_and_each_variable_once():
+    fields = {f.name for f in dataclasses.fields(KVCacheConfig)}
+    tq_fields = {f"turboquant.{f.name}" for f in dataclasses.fields(TurboQuantConfig)} - {
+        "turboquant.seed"}
+    switches = {"paged", "owned", "turboquant"}  # become strategy, enabled and turboquant
+    keys = [var.key for var in ENV_VARS]
+    assert len(set(keys)) == len(keys)
+    assert set(keys) == (fields - {"strategy", "enabled"}) | tq_fields | switches
+    names = [n for var in ENV_VARS for n in var.names]
+    assert len(set(names)) == len(names)
+    assert all(var.names[0].startswith("KVTIER_") for var in ENV_VARS)
+    # every variable of the table is exercised by this file, with a good and a bad value
+    covered = {row[0] for row in VARIABLES} | {row[1] for row in VARIABLES} | {
+        "KVTIER_PAGED_TURBOQUANT_K_QUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_K_QUANT",
+        "KVTIER_PAGED_TURBOQUANT_V_QUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_V_QUANT",
+        "KVTIER_PAGED_TURBOQUANT_ROTATE_KEYS", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_ROTATE_KEYS"}
+    assert set(names) == covered - {None}
+    assert {var.names[0] for var in ENV_VARS} <= {name for name, _, _ in BAD_VALUES} | {
+        alias_of(name) for name, _, _ in BAD_VALUES}
+
+
+def alias_of(name: str) -> str:
+    """The KVTIER_* variable of a name (itself, or the one whose alias it is)."""
+    return next(var.names[0] for var in ENV_VARS if name in var.names)
+
+
+# (variable, bad value, words of what it accepts)
+BAD_VALUES = [
+    ("KVTIER_PAGED_ATTN", "maybe", "1/true/yes/on or 0/false/no/off"),
+    ("MTPLX_VLLM_METAL_PAGED_ATTN", "2", "1/true/yes/on"),
+    ("KVTIER_OWNED_ATTN_KV", "blocks", "block, block_owned"),
+    ("MTPLX_OWNED_ATTN_KV", "paged_tail", "ragged, ragged_batch"),
+    ("KVTIER_OWNED_ATTN_KV_STEP", "0", "whole number >= 1"),
+    ("MTPLX_OWNED_ATTN_KV_STEP", "1.5", "whole number >= 1"),
+    ("KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "-4", "whole number >= 1"),
+    ("KVTIER_PAGED_BLOCK_SIZE", "sixteen", "whole number >= 1"),
+    ("MTPLX_VLLM_METAL_PAGED_NUM_BLOCKS", "0", "whole number >= 1"),
+    ("KVTIER_DYNAMIC_PAGED_KV", "enabled", "1/true/yes/on"),
+    ("MTPLX_DYNAMIC_PAGED_KV_TOKENS", "-1", "whole number >= 0"),
+    ("KVTIER_DYNAMIC_PAGED_KV_MIN_BLOCKS", "0", "whole number >= 1"),
+    ("KVTIER_DYNAMIC_PAGED_KV_MARGIN", "x", "whole number >= 0"),
+    ("MTPLX_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER", "-3", "whole number >= 0"),
+    ("KVTIER_CONTEXT_WINDOW_TOKENS", "0", "whole number >= 1"),
+    ("MTPLX_PAGED_KV_QUANT", "q3", "off, q8, q4, q4_g32, int8, int4"),
+    ("KVTIER_PAGED_KV_QUANT", "fp", "off, q8, q4, q4_g32"),
+    ("KVTIER_PAGED_TURBOQUANT", "sometimes", "1/true/yes/on"),
+    ("KVTIER_PAGED_TURBOQUANT_K_QUANT", "q9_0", "q8_0"),
+    ("MTPLX_VLLM_METAL_PAGED_TURBOQUANT_V_QUANT", "q1_0", "q2_0, q3_0"),
+    ("KVTIER_PAGED_TURBOQUANT_ROTATE_KEYS", "keys", "1/true/yes/on"),
+    ("KVTIER_ATTENTION_BACKEND", "cuda", "auto, torch, triton"),
+]
+
+
+@pytest.mark.parametrize("name,value,accepted", BAD_VALUES)
+def test_a_bad_value_names_its_variable_and_what_it_accepts(name, value, accepted):
+    with pytest.raises(ValueError, match=name) as e:
         KVCacheConfig.from_env({name: value})
+    assert f"{name}={value!r}" in str(e.value) and accepted in str(e.value)
 
 
 @pytest.mark.parametrize(
@@ -224,6 +271,27 @@ def test_configure_when_disabled_leaves_the_list_alone(seed, monkeypatch):
 def test_configure_needs_a_list():
     with pytest.raises(ValueError, match="list"):
         configure_kv_cache(tuple(_filled_tails(1)), KVCacheConfig())
+
+
+def test_caches_codecs_and_kernels_never_import_config():
+    """kvtier.config stands above the caches (it builds them): importing every module of
+    kvtier.caches, kvtier.kernels and kvtier.quant in a fresh interpreter leaves it unloaded."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import kvtier.caches, kvtier.kernels, kvtier.quant\n"
+        "names = [m.name for p in (kvtier.caches, kvtier.kernels, kvtier.quant)\n"
+        "         for m in pkgutil.iter_modules(p.__path__, p.__name__ + '.')]\n"
+        "for n in names:\n"
+        "    importlib.import_module(n)\n"
+        "print(' '.join(names))\n"
+        "print('kvtier.config' in sys.modules)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True).stdout.split("\n")
+    names = set(out[0].split())
+    assert {"kvtier.caches.paged", "kvtier.kernels.paged", "kvtier.quant.modes"} <= names
+    assert out[1] == "False"
 
 
 def test_user_cache_dir(monkeypatch, tmp_path):

@@ -3,6 +3,7 @@ and quantised modes measured through their own storage."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.config import KVCacheConfig, TurboQuantConfig
+from kvtier.config import KVCacheConfig
 from kvtier.evaluate import (
     EvalConfig,
     default_text,
@@ -18,9 +19,9 @@ from kvtier.evaluate import (
     evaluate_modes,
     mode_config,
     parse_modes,
-    parse_turboquant,
     windows,
 )
+from kvtier.quant import TurboQuantConfig
 
 SMALL = dict(context=48, stride=32, max_tokens=96, chunk=16)
 
@@ -65,6 +66,13 @@ def test_fp_perplexity_equals_a_direct_computation(lm, tokens, tail_fp):
     assert tail_fp.bits_per_element == 32.0  # float32 keys and values
 
 
+def test_off_is_full_precision_and_keeps_its_label(lm, tokens, tail_fp):
+    got = evaluate_modes(lm.model, tokens, EvalConfig(modes=("off", "q8"), cache="tail", **SMALL))
+    assert [r.mode for r in got] == ["off", "q8"]
+    assert got[0] == dataclasses.replace(tail_fp, mode="off")
+    assert got[1].kl > 0.0 and got[1].delta_pct == pytest.approx(100 * (got[1].ppl / tail_fp.ppl - 1))
+
+
 @pytest.mark.parametrize("tier", ["block", "ragged", "paged"])
 def test_fp_perplexity_is_the_same_through_every_tier(lm, tokens, tail_fp, tier):
     got = evaluate_modes(lm.model, tokens, EvalConfig(modes=("fp",), cache=tier, **SMALL))[0]
@@ -105,14 +113,17 @@ def test_windows_score_every_token_once(n, context, data):
 def test_mode_names():
     assert mode_config("fp").strategy == "paged"
     assert mode_config("fp", fp_cache="block").strategy == "block"
+    assert mode_config("off", fp_cache="block") == mode_config("fp", fp_cache="block")
     assert mode_config("q4").kv_quant == "q4" and mode_config("q4").strategy == "paged"
     assert mode_config("turboquant").turboquant == TurboQuantConfig()
-    # a quantised base never leaks into fp
+    # a quantised base never leaks into fp, nor a TurboQuant base into a KV-Quant mode
     assert mode_config("fp", KVCacheConfig(strategy="paged", kv_quant="q8")).kv_quant is None
-    assert parse_turboquant("q5_0r,q4_0") == TurboQuantConfig("q5_0", "q4_0", rotate_keys=True)
+    base = KVCacheConfig(turboquant=TurboQuantConfig(), paged_block_size=32)
+    assert mode_config("q8", base) == KVCacheConfig(strategy="paged", kv_quant="q8", paged_block_size=32)
+    assert mode_config("turboquant:q5_0r,q4_0").turboquant == TurboQuantConfig("q5_0", "q4_0", rotate_keys=True)
     assert mode_config("turboquant:q8_0,q3_0").turboquant == TurboQuantConfig("q8_0", "q3_0")
-    assert parse_modes("fp, q8,turboquant:q5_0r,q4_0,turboquant,turboquant:q8_0,q3_0") == (
-        "fp", "q8", "turboquant:q5_0r,q4_0", "turboquant", "turboquant:q8_0,q3_0")
+    assert parse_modes("fp, q8,turboquant:q5_0r,q4_0,turboquant,TurboQuant:q8_0,q3_0") == (
+        "fp", "q8", "turboquant:q5_0r,q4_0", "turboquant", "TurboQuant:q8_0,q3_0")
 
 
 @pytest.mark.parametrize(
@@ -122,6 +133,8 @@ def test_mode_names():
         ({"modes": ("turboquant:q8_0",)}, "KEY,VALUE"),
         ({"modes": ("turboquant:q9_0,q3_0",)}, "key code"),
         ({"modes": ("q8", "q8")}, "twice"),
+        ({"modes": ("fp", "off")}, "twice"),
+        ({"modes": ("turboquant", "turboquant:q8_0,q3_0")}, "twice"),
         ({"modes": ()}, "modes"),
         ({"context": 1}, "context"),
         ({"stride": 0}, "stride"),

@@ -17,7 +17,20 @@ from kvtier.caches.ragged import (
     snapshot_ragged_caches,
 )
 from kvtier.caches.tail_owned import TailOwnedKVCache
-from kvtier.config import KVCacheConfig, TurboQuantConfig, configure_kv_cache, make_caches
+from kvtier.quant.modes import TurboQuantConfig
+
+_CONFIG_NAMES = ("KVCacheConfig", "configure_kv_cache", "make_caches")
+
+
+def __getattr__(name: str):
+    # kvtier.config sits above the caches (it builds them): it is imported on first use, so
+    # importing a cache, codec or kernel never loads it (DESIGN.md section 7)
+    if name in _CONFIG_NAMES:
+        from kvtier import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

@@ -140,12 +140,13 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _cache_flags(p: argparse.ArgumentParser) -> None:
-    from kvtier.config import KV_QUANT_MODES
+    from kvtier.quant.modes import FULL_PRECISION, KV_QUANT_MODES
 
     p.add_argument("--cache", choices=_strategies(), default=_ABSENT,
                    help="cache tier (default: from KVTIER_* variables, else tail)")
-    p.add_argument("--kv-quant", dest="kv_quant", choices=("off",) + KV_QUANT_MODES, default=_ABSENT,
-                   help="quantised storage of the paged tier (implies --cache paged)")
+    p.add_argument("--kv-quant", dest="kv_quant", choices=(FULL_PRECISION, *KV_QUANT_MODES),
+                   default=_ABSENT, help=f"quantised storage of the paged tier ({FULL_PRECISION}: "
+                                         "full precision; a mode implies --cache paged)")
     p.add_argument("--turboquant", metavar="K,V", default=_ABSENT,
                    help="TurboQuant key,value codes, e.g. q8_0,q3_0 or q5_0r,q4_0 (implies --cache paged)")
 
@@ -160,23 +161,24 @@ def _given(args: argparse.Namespace, *names: str) -> dict:
 def cache_config_from_args(args: argparse.Namespace):
     """``KVCacheConfig.from_env()`` with the flags' changes applied."""
     from kvtier.config import KVCacheConfig
-    from kvtier.evaluate import parse_turboquant
+    from kvtier.quant.modes import parse_kv_quant, parse_turboquant
 
+    given = vars(args)
     changes = {}
-    quant = hasattr(args, "kv_quant") and args.kv_quant != "off" or hasattr(args, "turboquant")
-    if hasattr(args, "cache"):
-        if quant and args.cache != "paged":
+    if "kv_quant" in given:
+        changes["kv_quant"] = parse_kv_quant(given["kv_quant"])
+    if "turboquant" in given:
+        changes["turboquant"] = parse_turboquant(given["turboquant"])
+    quant = changes.get("kv_quant") is not None or "turboquant" in changes
+    if "cache" in given:
+        if quant and given["cache"] != "paged":
             raise ValueError(
                 f"--kv-quant and --turboquant store keys and values in the paged tier, but --cache "
-                f"is {args.cache!r}; drop --cache or use --cache paged"
+                f"is {given['cache']!r}; drop --cache or use --cache paged"
             )
-        changes["strategy"] = args.cache
+        changes["strategy"] = given["cache"]
     elif quant:
         changes["strategy"] = "paged"
-    if hasattr(args, "kv_quant"):
-        changes["kv_quant"] = None if args.kv_quant == "off" else args.kv_quant
-    if hasattr(args, "turboquant"):
-        changes["turboquant"] = parse_turboquant(args.turboquant)
     return KVCacheConfig.from_env().replace(**changes)
 
 

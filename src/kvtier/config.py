@@ -19,48 +19,49 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvtier.caches.base import KVCache
+from kvtier.kernels.paged import BACKENDS as ATTENTION_BACKENDS
+from kvtier.quant.modes import (
+    FULL_PRECISION,
+    KV_QUANT_MODES,
+    TURBOQUANT_KEY_CODES,
+    TURBOQUANT_VALUE_CODES,
+    TurboQuantConfig,
+    check_kv_quant,
+    check_turboquant,
+    parse_kv_quant,
+)
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "ENV_VARS",
+    "KV_QUANT_MODES",
+    "STRATEGIES",
+    "TURBOQUANT_KEY_CODES",
+    "TURBOQUANT_VALUE_CODES",
+    "EnvVar",
+    "KVCacheConfig",
+    "TurboQuantConfig",
+    "configure_kv_cache",
+    "make_caches",
+    "user_cache_dir",
+]
 
 STRATEGIES = ("tail", "block", "ragged", "paged")
-KV_QUANT_MODES = ("q8", "q4", "q4_g32")
-TURBOQUANT_KEY_CODES = ("q8_0", "int8", "uint8", "q5_0", "q4_0", "int4", "uint4", "int2", "uint2")
-TURBOQUANT_VALUE_CODES = ("q2_0", "q3_0", "q4_0", "q5_0", "q8_0")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
-
-@dataclass(frozen=True)
-class TurboQuantConfig:
-    """TurboQuant storage: integer-coded keys and Hadamard-rotated Lloyd-Max values."""
-
-    key_quant: str = "q8_0"
-    value_quant: str = "q3_0"
-    rotate_keys: bool = False
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.key_quant not in TURBOQUANT_KEY_CODES:
-            raise ValueError(
-                f"TurboQuant key code {self.key_quant!r} is unknown; accepted: "
-                f"{', '.join(TURBOQUANT_KEY_CODES)}"
-            )
-        if self.value_quant not in TURBOQUANT_VALUE_CODES:
-            raise ValueError(
-                f"TurboQuant value code {self.value_quant!r} is unknown; accepted: "
-                f"{', '.join(TURBOQUANT_VALUE_CODES)}"
-            )
 
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """Which tier to build and with what parameters. Defaults match DESIGN.md section 4."""
+    """Which tier to build and with what parameters. Defaults match DESIGN.md section 4.
+
+    ``kv_quant`` and ``turboquant`` name the paged tier's storage (``None``: full
+    precision); their vocabulary is :mod:`kvtier.quant.modes`.
+    """
 
     strategy: str = "tail"
     step: int = 256
@@ -92,10 +93,8 @@ class KVCacheConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if self.kv_quant is not None and self.kv_quant not in KV_QUANT_MODES:
-            raise ValueError(
-                f"kv_quant {self.kv_quant!r} is unknown; accepted: off, {', '.join(KV_QUANT_MODES)}"
-            )
+        check_kv_quant(self.kv_quant)
+        check_turboquant(self.turboquant)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend {self.attention_backend!r} is unknown; accepted: "
@@ -105,12 +104,9 @@ class KVCacheConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
-        if self.turboquant is not None and not isinstance(self.turboquant, TurboQuantConfig):
-            raise ValueError(
-                f"turboquant must be a TurboQuantConfig or None, got {type(self.turboquant).__name__}"
-            )
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
+        for name in ("dynamic_paged", "enabled"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def replace(self, **changes: Any) -> KVCacheConfig:
         return dataclasses.replace(self, **changes)
@@ -118,104 +114,36 @@ class KVCacheConfig:
     # -- the environment ---------------------------------------------------------
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> KVCacheConfig:
-        """Build a config from ``env`` (default ``os.environ``); see DESIGN.md section 4.
+        """Build a config from ``env`` (default ``os.environ``): the variables of
+        :data:`ENV_VARS`, see DESIGN.md section 4.
 
-        Each ``KVTIER_*`` variable wins over its MTPLX alias. ``KVTIER_OWNED_ATTN_KV``
+        Each ``KVTIER_*`` variable wins over its MTPLX alias; a variable that is
+        unset or empty leaves the field's default. ``KVTIER_PAGED_ATTN`` truthy
+        selects the paged tier whatever ``KVTIER_OWNED_ATTN_KV`` says; the latter
         set to ``0``/``false``/``off``/``no``/``none`` gives ``enabled=False``:
         :func:`configure_kv_cache` then leaves the caches it is given as they are.
         A value that cannot be parsed raises ``ValueError`` naming the variable and
-        what it accepts.
+        what it accepts; the TurboQuant codes are checked even while TurboQuant is
+        off, so a typo never waits.
+
+        Example::
+
+            >>> KVCacheConfig.from_env({"MTPLX_VLLM_METAL_PAGED_ATTN": "1",
+            ...                         "KVTIER_PAGED_KV_QUANT": "int8"}).kv_quant
+            'q8'
         """
-        env = os.environ if env is None else env
-        r = _EnvReader(env)
-        paged = r.flag("KVTIER_PAGED_ATTN", "MTPLX_VLLM_METAL_PAGED_ATTN")
-        # "off" keeps the tier's default but disables configure_kv_cache's conversion
-        owned = r.choice(
-            "KVTIER_OWNED_ATTN_KV",
-            "MTPLX_OWNED_ATTN_KV",
-            mapping={
-                "tail": "tail", "tail_owned": "tail", "1": "tail", "true": "tail",
-                "on": "tail", "yes": "tail", "": "tail",
-                "block": "block", "block_owned": "block",
-                "ragged": "ragged", "ragged_batch": "ragged",
-                "paged": "paged",
-                "0": "off", "false": "off", "off": "off", "no": "off", "none": "off",
-            },
-            default="tail",
-        )
-        kv_quant = r.choice(
-            "KVTIER_PAGED_KV_QUANT",
-            "MTPLX_VLLM_METAL_PAGED_KV_QUANT",
-            "MTPLX_PAGED_KV_QUANT",
-            mapping={"off": None, "": None, "0": None, "none": None, "false": None,
-                     "q8": "q8", "int8": "q8", "q4": "q4", "int4": "q4", "q4_g32": "q4_g32"},
-            default=None,
-        )
-        # the codes are checked even while TurboQuant is off, so a typo never waits
-        key_quant = r.choice(
-            "KVTIER_PAGED_TURBOQUANT_K_QUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_K_QUANT",
-            mapping={c: c for c in TURBOQUANT_KEY_CODES}, default="q8_0",
-        )
-        value_quant = r.choice(
-            "KVTIER_PAGED_TURBOQUANT_V_QUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_V_QUANT",
-            mapping={c: c for c in TURBOQUANT_VALUE_CODES}, default="q3_0",
-        )
-        rotate_keys = r.flag(
-            "KVTIER_PAGED_TURBOQUANT_ROTATE_KEYS", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_ROTATE_KEYS"
-        )
-        tq = None
-        if r.flag("KVTIER_PAGED_TURBOQUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT"):
-            tq = TurboQuantConfig(
-                key_quant=key_quant, value_quant=value_quant, rotate_keys=rotate_keys
-            )
-        return cls(
-            strategy="paged" if paged else ("tail" if owned == "off" else owned),
-            enabled=paged or owned != "off",
-            step=r.integer(
-                "KVTIER_OWNED_ATTN_KV_STEP", "MTPLX_OWNED_ATTN_KV_STEP", default=256, minimum=1
-            ),
-            owned_block_size=r.integer(
-                "KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "MTPLX_OWNED_ATTN_KV_BLOCK_SIZE",
-                default=1024, minimum=1,
-            ),
-            paged_block_size=r.integer(
-                "KVTIER_PAGED_BLOCK_SIZE", "MTPLX_VLLM_METAL_PAGED_BLOCK_SIZE",
-                default=16, minimum=1,
-            ),
-            paged_num_blocks=r.integer(
-                "KVTIER_PAGED_NUM_BLOCKS", "MTPLX_VLLM_METAL_PAGED_NUM_BLOCKS",
-                default=1024, minimum=1,
-            ),
-            dynamic_paged=r.flag("KVTIER_DYNAMIC_PAGED_KV", "MTPLX_DYNAMIC_PAGED_KV"),
-            dynamic_paged_tokens=r.integer(
-                "KVTIER_DYNAMIC_PAGED_KV_TOKENS", "MTPLX_DYNAMIC_PAGED_KV_TOKENS",
-                default=0, minimum=0,
-            ),
-            dynamic_paged_min_blocks=r.integer(
-                "KVTIER_DYNAMIC_PAGED_KV_MIN_BLOCKS", "MTPLX_DYNAMIC_PAGED_KV_MIN_BLOCKS",
-                default=None, minimum=1,
-            ),
-            dynamic_paged_margin=r.integer(
-                "KVTIER_DYNAMIC_PAGED_KV_MARGIN", "MTPLX_DYNAMIC_PAGED_KV_MARGIN",
-                default=128, minimum=0,
-            ),
-            previous_high_water=r.integer(
-                "KVTIER_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER",
-                "MTPLX_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER",
-                default=0, minimum=0,
-            ),
-            context_window_tokens=r.integer(
-                "KVTIER_CONTEXT_WINDOW_TOKENS", "MTPLX_CONTEXT_WINDOW_TOKENS",
-                default=None, minimum=1,
-            ),
-            kv_quant=kv_quant,
-            turboquant=tq,
-            attention_backend=r.choice(
-                "KVTIER_ATTENTION_BACKEND",
-                mapping={b: b for b in ATTENTION_BACKENDS} | {"": "auto"},
-                default="auto",
-            ),
-        )
+        got = _read_env(os.environ if env is None else env)
+        tq_fields = {k.split(".", 1)[1]: got.pop(k) for k in list(got) if k.startswith("turboquant.")}
+        if got.pop("turboquant", False):
+            got["turboquant"] = TurboQuantConfig(**tq_fields)
+        paged, owned = got.pop("paged", False), got.pop("owned", None)
+        if paged:
+            got["strategy"] = "paged"
+        elif owned == _OWNED_OFF:
+            got["enabled"] = False
+        elif owned is not None:
+            got["strategy"] = owned
+        return cls(**got)
 
     # -- what each tier is built with -------------------------------------------------
     def tier_params(self) -> dict[str, Any]:
@@ -252,34 +180,30 @@ class KVCacheConfig:
         )
 
 
-class _EnvReader:
-    """Reads a variable or the first of its aliases that is set; errors name the variable."""
+# -- the environment, as a table -----------------------------------------------------------------
 
-    def __init__(self, env: Mapping[str, str]):
-        self.env = env
+#: a variable's parser: (variable name, its stripped non-empty text) -> value; a
+#: ValueError names the variable and what it accepts
+Parser = Callable[[str, str], Any]
 
-    def _get(self, names: tuple[str, ...]) -> tuple[str, str] | None:
-        for name in names:
-            if name in self.env:
-                return name, self.env[name].strip()
-        return None
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_OWNED_OFF = "off"  # KVTIER_OWNED_ATTN_KV's "leave the caches alone"
+# MTPLX's spellings of a kv_quant setting, translated to ours before parse_kv_quant
+_MTPLX_KV_QUANT = {"int8": "q8", "int4": "q4", "0": FULL_PRECISION, "false": FULL_PRECISION,
+                   "none": FULL_PRECISION}
 
-    def flag(self, *names: str) -> bool:
-        got = self._get(names)
-        if got is None:
-            return False
-        name, raw = got
-        if raw.lower() in _TRUE:
-            return True
-        if raw.lower() in _FALSE:
-            return False
-        raise ValueError(f"{name}={raw!r} is not a boolean; use one of 1/true/yes/on or 0/false/no/off")
 
-    def integer(self, *names: str, default: int | None, minimum: int) -> int | None:
-        got = self._get(names)
-        if got is None or got[1] == "":
-            return default
-        name, raw = got
+def _flag(name: str, raw: str) -> bool:
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean; use one of 1/true/yes/on or 0/false/no/off")
+
+
+def _whole(minimum: int) -> Parser:
+    def parse(name: str, raw: str) -> int:
         try:
             value = int(raw)
         except ValueError:
@@ -290,16 +214,97 @@ class _EnvReader:
             raise ValueError(f"{name}={raw!r} is too small; set it to a whole number >= {minimum}")
         return value
 
-    def choice(self, *names: str, mapping: Mapping[str, Any], default: Any) -> Any:
-        got = self._get(names)
-        if got is None:
-            return default
-        name, raw = got
-        key = raw.lower()
-        if key not in mapping:
-            accepted = ", ".join(sorted(k for k in mapping if k))
-            raise ValueError(f"{name}={raw!r} is not accepted; use one of: {accepted}")
-        return mapping[key]
+    return parse
+
+
+def _choice(mapping: Mapping[str, Any]) -> Parser:
+    def parse(name: str, raw: str) -> Any:
+        if raw.lower() not in mapping:
+            raise ValueError(f"{name}={raw!r} is not accepted; use one of: {', '.join(sorted(mapping))}")
+        return mapping[raw.lower()]
+
+    return parse
+
+
+def _kv_quant(name: str, raw: str) -> str | None:
+    try:
+        return parse_kv_quant(_MTPLX_KV_QUANT.get(raw.lower(), raw))
+    except ValueError:
+        accepted = ", ".join((FULL_PRECISION, *KV_QUANT_MODES, *_MTPLX_KV_QUANT))
+        raise ValueError(f"{name}={raw!r} is not accepted; use one of: {accepted}") from None
+
+
+_OWNED = _choice({
+    "tail": "tail", "tail_owned": "tail", "block": "block", "block_owned": "block",
+    "ragged": "ragged", "ragged_batch": "ragged", "paged": "paged",
+    **dict.fromkeys(_TRUE, "tail"), **dict.fromkeys(_FALSE | {"none"}, _OWNED_OFF),
+})
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One row of :data:`ENV_VARS`: the variable that sets ``key``, its MTPLX aliases, its parser.
+
+    ``key`` is a :class:`KVCacheConfig` field, ``turboquant.FIELD`` (a field of
+    :class:`TurboQuantConfig`), or ``paged`` / ``owned`` / ``turboquant``, the
+    switches :meth:`KVCacheConfig.from_env` turns into ``strategy``, ``enabled``
+    and ``turboquant``.
+    """
+
+    key: str
+    names: tuple[str, ...]  # the KVTIER_* name first: it wins over the aliases after it
+    parse: Parser
+
+
+#: every variable :meth:`KVCacheConfig.from_env` reads; defaults live on the dataclasses
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("paged", ("KVTIER_PAGED_ATTN", "MTPLX_VLLM_METAL_PAGED_ATTN"), _flag),
+    EnvVar("owned", ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV"), _OWNED),
+    EnvVar("step", ("KVTIER_OWNED_ATTN_KV_STEP", "MTPLX_OWNED_ATTN_KV_STEP"), _whole(1)),
+    EnvVar("owned_block_size",
+           ("KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "MTPLX_OWNED_ATTN_KV_BLOCK_SIZE"), _whole(1)),
+    EnvVar("paged_block_size",
+           ("KVTIER_PAGED_BLOCK_SIZE", "MTPLX_VLLM_METAL_PAGED_BLOCK_SIZE"), _whole(1)),
+    EnvVar("paged_num_blocks",
+           ("KVTIER_PAGED_NUM_BLOCKS", "MTPLX_VLLM_METAL_PAGED_NUM_BLOCKS"), _whole(1)),
+    EnvVar("dynamic_paged", ("KVTIER_DYNAMIC_PAGED_KV", "MTPLX_DYNAMIC_PAGED_KV"), _flag),
+    EnvVar("dynamic_paged_tokens",
+           ("KVTIER_DYNAMIC_PAGED_KV_TOKENS", "MTPLX_DYNAMIC_PAGED_KV_TOKENS"), _whole(0)),
+    EnvVar("dynamic_paged_min_blocks",
+           ("KVTIER_DYNAMIC_PAGED_KV_MIN_BLOCKS", "MTPLX_DYNAMIC_PAGED_KV_MIN_BLOCKS"), _whole(1)),
+    EnvVar("dynamic_paged_margin",
+           ("KVTIER_DYNAMIC_PAGED_KV_MARGIN", "MTPLX_DYNAMIC_PAGED_KV_MARGIN"), _whole(0)),
+    EnvVar("previous_high_water",
+           ("KVTIER_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER",
+            "MTPLX_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER"), _whole(0)),
+    EnvVar("context_window_tokens",
+           ("KVTIER_CONTEXT_WINDOW_TOKENS", "MTPLX_CONTEXT_WINDOW_TOKENS"), _whole(1)),
+    EnvVar("kv_quant", ("KVTIER_PAGED_KV_QUANT", "MTPLX_VLLM_METAL_PAGED_KV_QUANT",
+                        "MTPLX_PAGED_KV_QUANT"), _kv_quant),
+    EnvVar("turboquant", ("KVTIER_PAGED_TURBOQUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT"), _flag),
+    EnvVar("turboquant.key_quant",
+           ("KVTIER_PAGED_TURBOQUANT_K_QUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_K_QUANT"),
+           _choice({c: c for c in TURBOQUANT_KEY_CODES})),
+    EnvVar("turboquant.value_quant",
+           ("KVTIER_PAGED_TURBOQUANT_V_QUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_V_QUANT"),
+           _choice({c: c for c in TURBOQUANT_VALUE_CODES})),
+    EnvVar("turboquant.rotate_keys",
+           ("KVTIER_PAGED_TURBOQUANT_ROTATE_KEYS", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT_ROTATE_KEYS"),
+           _flag),
+    EnvVar("attention_backend", ("KVTIER_ATTENTION_BACKEND",),
+           _choice({b: b for b in ATTENTION_BACKENDS})),
+)
+
+
+def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """``{key: parsed value}`` for each row of :data:`ENV_VARS` whose first set name is not empty."""
+    got = {}
+    for var in ENV_VARS:
+        name = next((n for n in var.names if n in env), None)
+        raw = "" if name is None else env[name].strip()
+        if raw:
+            got[var.key] = var.parse(name, raw)
+    return got
 
 
 def _tier_class(strategy: str) -> type[KVCache]:

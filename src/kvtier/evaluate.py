@@ -8,11 +8,14 @@ read path, so the figures are those of decoding, not of fake quantisation.
 Modes (``--modes``):
 
 =========================  ======================================================
-``fp``                     full precision, through ``EvalConfig.cache`` (default: paged)
+``fp`` (or ``off``)        full precision, through ``EvalConfig.cache`` (default: paged)
 ``q8`` ``q4`` ``q4_g32``   KV-Quant storage in the paged tier
 ``turboquant``             TurboQuant with its default codes (K ``q8_0``, V ``q3_0``)
 ``turboquant:K[r],V``      TurboQuant with key code ``K`` (``r``: rotated keys), value code ``V``
 =========================  ======================================================
+
+The names are those of :func:`kvtier.quant.modes.parse_mode`; a result keeps the
+name as given.
 
 Windows: ``context`` tokens each, starting every ``stride`` tokens (default:
 ``context``, no overlap); each window starts with empty caches and scores only
@@ -38,15 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.caches.base import KVCache
-from kvtier.config import (
-    STRATEGIES,
-    TURBOQUANT_KEY_CODES,
-    KVCacheConfig,
-    TurboQuantConfig,
-    make_caches,
-)
+from kvtier.config import STRATEGIES, KVCacheConfig, make_caches
+from kvtier.quant.modes import FULL_PRECISION_ALIAS, TURBOQUANT, is_full_precision, parse_mode
 
-KV_QUANT_MODE_NAMES = ("q8", "q4", "q4_g32")
 DEFAULT_MODES = ("fp", "q8", "q4", "q4_g32", "turboquant")
 
 
@@ -80,9 +77,8 @@ class EvalConfig:
             raise ValueError(f"max_tokens must be an int >= 2 or None, got {self.max_tokens!r}")
         if not isinstance(self.modes, tuple) or not self.modes:
             raise ValueError(f"modes must be a non-empty tuple of mode names, got {self.modes!r}")
-        for m in self.modes:
-            mode_config(m)  # raises ValueError naming a bad mode
-        if len(set(self.modes)) != len(self.modes):
+        storages = [parse_mode(m) for m in self.modes]  # raises ValueError naming a bad mode
+        if len(set(storages)) != len(storages):
             raise ValueError(f"modes {self.modes} name a mode twice")
         if self.cache not in STRATEGIES:
             raise ValueError(f"cache {self.cache!r} is unknown; accepted: {', '.join(STRATEGIES)}")
@@ -109,21 +105,18 @@ class ModeResult:
 
 
 def mode_config(mode: str, base: KVCacheConfig | None = None, *, fp_cache: str = "paged") -> KVCacheConfig:
-    """The :class:`KVCacheConfig` of a mode name (see the module docstring)."""
+    """The :class:`KVCacheConfig` of a mode name (see the module docstring): ``base`` with
+    the mode's storage; full precision on the ``fp_cache`` tier, the others on the paged tier.
+
+    Example::
+
+        >>> mode_config("turboquant:q5_0r,q4_0").turboquant
+        TurboQuantConfig(key_quant='q5_0', value_quant='q4_0', rotate_keys=True, seed=0)
+    """
     base = KVCacheConfig() if base is None else base
-    plain = base.replace(kv_quant=None, turboquant=None)
-    if mode == "fp":
-        return plain.replace(strategy=fp_cache)
-    if mode in KV_QUANT_MODE_NAMES:
-        return plain.replace(strategy="paged", kv_quant=mode)
-    if mode == "turboquant":
-        return plain.replace(strategy="paged", turboquant=TurboQuantConfig())
-    if mode.startswith("turboquant:"):
-        return plain.replace(strategy="paged", turboquant=parse_turboquant(mode.split(":", 1)[1]))
-    raise ValueError(
-        f"mode {mode!r} is unknown; accepted: fp, {', '.join(KV_QUANT_MODE_NAMES)}, turboquant, "
-        "turboquant:KEY[r],VALUE (e.g. turboquant:q5_0r,q4_0)"
-    )
+    kv_quant, turboquant = parse_mode(mode)
+    strategy = fp_cache if kv_quant is None and turboquant is None else "paged"
+    return base.replace(strategy=strategy, kv_quant=kv_quant, turboquant=turboquant)
 
 
 def parse_modes(text: str) -> tuple[str, ...]:
@@ -131,24 +124,11 @@ def parse_modes(text: str) -> tuple[str, ...]:
     ``"fp,q8,turboquant:q5_0r,q4_0"`` -> ``("fp", "q8", "turboquant:q5_0r,q4_0")``."""
     modes: list[str] = []
     for piece in (p.strip() for p in text.split(",")):
-        if modes and modes[-1].startswith("turboquant:") and "," not in modes[-1]:
+        if modes and modes[-1].lower().startswith(f"{TURBOQUANT}:") and "," not in modes[-1]:
             modes[-1] += "," + piece
         elif piece:
             modes.append(piece)
     return tuple(modes)
-
-
-def parse_turboquant(spec: str) -> TurboQuantConfig:
-    """``"KEY[r],VALUE"`` (e.g. ``"q8_0,q3_0"``, ``"q4_0r,q4_0"``) -> :class:`TurboQuantConfig`."""
-    parts = spec.split(",")
-    if len(parts) != 2 or not all(parts):
-        raise ValueError(
-            f"TurboQuant codes {spec!r} must read KEY,VALUE (e.g. q8_0,q3_0; append r to the key "
-            "code for rotated keys: q5_0r,q4_0)"
-        )
-    key, value = parts
-    rotate = key.endswith("r") and key[:-1] in TURBOQUANT_KEY_CODES
-    return TurboQuantConfig(key_quant=key[:-1] if rotate else key, value_quant=value, rotate_keys=rotate)
 
 
 def default_text() -> str:
@@ -196,7 +176,7 @@ def evaluate_modes(
     """Perplexity, KL and top-1 agreement of every mode in ``config.modes``.
 
     ``tokens``: the text's token ids. ``base``: tier geometry for every mode
-    (block sizes, backend), default ``KVCacheConfig()``. ``fp`` is always
+    (block sizes, backend), default ``KVCacheConfig()``. Full precision is always
     computed (first) as the reference even when ``config.modes`` omits it.
     ``on_progress(done, total)`` counts scored tokens.
     """
@@ -204,7 +184,8 @@ def evaluate_modes(
     tokens = list(tokens)[: config.max_tokens]
     if len(tokens) < 2:
         raise ValueError(f"the text holds {len(tokens)} tokens; perplexity needs at least 2")
-    modes = ("fp",) + tuple(m for m in config.modes if m != "fp")
+    ref = next((m for m in config.modes if is_full_precision(m)), FULL_PRECISION_ALIAS)
+    modes = (ref,) + tuple(m for m in config.modes if m != ref)
     base = KVCacheConfig() if base is None else base
     # a paged pool of exactly one window (the default 1024 blocks would be mostly idle)
     blocks = math.ceil(config.context / base.paged_block_size)
@@ -221,10 +202,10 @@ def evaluate_modes(
                 e = min(s + config.chunk, end)
                 _score_chunk(model, ids, s, e, first, end, caches, acc)
                 if on_progress is not None:
-                    on_progress(acc["fp"].count, total)
+                    on_progress(acc[ref].count, total)
             for m in modes:
                 acc[m].bits = bits_per_element(caches[m])
-    fp_ppl = acc["fp"].ppl
+    fp_ppl = acc[ref].ppl
     return [
         ModeResult(
             mode=m, ppl=acc[m].ppl, delta_pct=100.0 * (acc[m].ppl / fp_ppl - 1.0),
@@ -266,7 +247,7 @@ def _score_chunk(model, ids, s, e, first, end, caches, acc) -> None:
         a = acc[m]
         a.nll -= logp.gather(1, targets[:, None]).sum().item()
         a.count += targets.numel()
-        if ref is None:  # fp comes first
+        if ref is None:  # full precision comes first
             ref = logp
             a.agree += targets.numel()
             continue

@@ -15,7 +15,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.config import TurboQuantConfig
 from kvtier.quant import (
     CodecUnsupported,
     GroupQ4Codec,
@@ -24,13 +23,11 @@ from kvtier.quant import (
     Q4Codec,
     Q8Codec,
     TurboKeyCodec,
+    TurboQuantConfig,
     TurboValueCodec,
     codec,
-    codec_for_mode,
     lloyd_max_quantizer,
     make_codecs,
-    mode_name,
-    parse_mode,
 )
 from kvtier.quant.bitpack import pack, packed_width, unpack
 
@@ -450,7 +447,7 @@ def test_bad_input_names_the_fix():
         Q8Codec(64, torch.int8)
 
 
-# -- make_codecs / modes ---------------------------------------------------------------------------
+# -- make_codecs -------------------------------------------------------------------------------
 
 
 def test_make_codecs_modes_and_seeds():
@@ -469,37 +466,6 @@ def test_make_codecs_modes_and_seeds():
     k0, v0 = make_codecs(128, torch.bfloat16, turboquant=tq)
     assert not torch.equal(k0.rotation.signs, k.rotation.signs)
     assert not torch.equal(k0.rotation.signs, v0.rotation.signs)
-
-
-@pytest.mark.parametrize(
-    "name, kv_quant, tq",
-    [
-        ("fp", None, None),
-        ("Q4_G32", "q4_g32", None),
-        ("turboquant", None, TurboQuantConfig()),
-        ("turboquant:q8_0,q3_0", None, TurboQuantConfig("q8_0", "q3_0")),
-        ("turboquant:q5_0r,q4_0", None, TurboQuantConfig("q5_0", "q4_0", rotate_keys=True)),
-        ("turboquant:uint2,q2_0", None, TurboQuantConfig("uint2", "q2_0")),
-    ],
-)
-def test_mode_names(name, kv_quant, tq):
-    assert parse_mode(name) == (kv_quant, tq)
-    assert parse_mode(mode_name(kv_quant, tq)) == (kv_quant, tq)
-    k, v = codec_for_mode(name, 128, torch.float16)
-    if tq is not None:
-        assert k.name == f"turboquant-key:{tq.key_quant}{'r' if tq.rotate_keys else ''}"
-        assert v.name == f"turboquant-value:{tq.value_quant}"
-    else:
-        assert k.name == (kv_quant or "fp")
-
-
-@pytest.mark.parametrize(
-    "bad", ["q3", "turboquant:", "turboquant:q8_0", "turboquant:q3_0,q3_0", "turboquant:q8_0,int4",
-            "turbo:q8_0,q3_0", "turboquant:q8_0rr,q3_0"]
-)
-def test_bad_mode_names(bad):
-    with pytest.raises(ValueError, match="turboquant:KEY\\[r\\],VALUE"):
-        parse_mode(bad)
 
 
 # -- CUDA ------------------------------------------------------------------------------------------

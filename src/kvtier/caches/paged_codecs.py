@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from kvtier.config import TurboQuantConfig
 from kvtier.quant.codec import Codec, CodecUnsupported, IdentityCodec
+from kvtier.quant.modes import TurboQuantConfig
 
 
 @dataclasses.dataclass(frozen=True)
