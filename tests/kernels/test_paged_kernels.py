@@ -11,6 +11,7 @@ import torch
 
 from kvtier.config import TurboQuantConfig
 from kvtier.kernels import paged as kp
+from kvtier.kernels.dispatch import KernelDispatch
 from kvtier.kernels.reference import causal_attention
 from kvtier.quant import make_codecs
 from kvtier.quant.codec import IdentityCodec
@@ -205,15 +206,7 @@ def test_reference_attention_rejects_bad_arguments(bad, word):
         kp.paged_attention_reference(**args, k_codec=codec, v_codec=codec, k_sidecars={}, v_sidecars={})
 
 
-# -- dispatch -----------------------------------------------------------------------------------
-def test_resolve_backend():
-    assert kp.resolve_backend("auto", "cpu") == "torch"
-    assert kp.resolve_backend("torch", "cpu") == "torch"
-    assert kp.resolve_backend("triton", "cpu") == "triton"
-    with pytest.raises(ValueError, match="accepted"):
-        kp.resolve_backend("cuda", "cpu")
-
-
+# -- through the dispatch -------------------------------------------------------------------------
 def _dispatch_args(seed=0):
     kpages, vpages, tables, ks, vs = scattered_pages([6, 3], 4, 8, seed)
     codec = IdentityCodec(D, torch.float32)
@@ -229,11 +222,38 @@ def test_a_triton_backend_that_serves_is_counted(monkeypatch):
         paged_write_triton=kp.paged_write_reference,
     )
     monkeypatch.setattr(kp, "_import_triton", lambda: fake)
-    d = kp.PagedDispatch("triton")
+    d = KernelDispatch("triton")
     args, kw = _dispatch_args()
-    out = d.attention(*args, **kw)
+    out = kp.paged_attention(d, *args, **kw)
     torch.testing.assert_close(out, kp.paged_attention_reference(*args, **kw))
     assert d.attention_calls == {"triton": 1} and d.fallback_reasons == {}
+    # the earlier spelling, a PagedDispatch with the operations as methods, routes the same way
+    alias = kp.PagedDispatch("triton")
+    torch.testing.assert_close(alias.attention(*args, **kw), out)
+    assert alias.attention_calls == {"triton": 1} and alias.name == "paged"
+
+
+def test_writes_through_the_dispatch_equal_the_reference_and_fall_back_on_their_own(monkeypatch):
+    def broken_write(*a, **kw):
+        raise RuntimeError("simulated write failure")
+
+    fake = types.SimpleNamespace(paged_attention_triton=kp.paged_attention_reference,
+                                 paged_write_triton=broken_write)
+    monkeypatch.setattr(kp, "_import_triton", lambda: fake)
+    codec = IdentityCodec(D, torch.float32)
+    k, v = torch.randn(2, H, 3, D), torch.randn(2, H, 3, D)
+    slots = torch.tensor([4, 5, 6, 9, 10, 11])
+    want = [torch.zeros(4, 4, H, D) for _ in range(2)]
+    kp.paged_write_reference(*want, {}, {}, slots, k, v, k_codec=codec, v_codec=codec)
+    got = [torch.zeros(4, 4, H, D) for _ in range(2)]
+    d = KernelDispatch("triton")
+    with pytest.warns(RuntimeWarning, match="kvtier paged write fell back.*simulated write failure"):
+        kp.paged_write(d, *got, {}, {}, slots, k, v, k_codec=codec, v_codec=codec)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert d.write_calls == {"torch": 1} and list(d.fallback_reasons) == ["write"]
+    args, kw = _dispatch_args()
+    kp.paged_attention(d, *args, **kw)  # attention still goes to its kernel
+    assert d.attention_calls == {"triton": 1}
 
 
 @pytest.mark.parametrize("failure", ["import", "launch"])
@@ -246,15 +266,15 @@ def test_a_failing_triton_backend_falls_back_once_with_a_reason(monkeypatch, fai
 
     fake = types.SimpleNamespace(paged_attention_triton=broken_launch, paged_write_triton=broken_launch)
     monkeypatch.setattr(kp, "_import_triton", broken_import if failure == "import" else lambda: fake)
-    d = kp.PagedDispatch("triton")
+    d = KernelDispatch("triton")
     args, kw = _dispatch_args()
     with pytest.warns(RuntimeWarning, match="fell back"):
-        out = d.attention(*args, **kw)
+        out = kp.paged_attention(d, *args, **kw)
     torch.testing.assert_close(out, kp.paged_attention_reference(*args, **kw))
     assert ("ImportError" if failure == "import" else "simulated") in d.fallback_reasons["attention"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        d.attention(*args, **kw)  # no second attempt, no second warning
+        kp.paged_attention(d, *args, **kw)  # no second attempt, no second warning
     assert d.attention_calls == {"torch": 2} and "write" not in d.fallback_reasons
 
 

@@ -1,4 +1,4 @@
-"""Paged attention and paged writes: the PyTorch reference and the backend dispatch.
+"""Paged attention and paged writes: the PyTorch reference, and both through the dispatch.
 
 Layout (NHD, byte-compatible with FlashInfer's and vLLM's paged layout)::
 
@@ -14,9 +14,10 @@ row holds are never read unmasked (the cache pads them with 0).
 The reference gathers and dequantises a bounded chunk of blocks at a time and
 folds each chunk into an :class:`~kvtier.kernels.reference.OnlineSoftmax`, so it
 never builds a full-precision copy of the whole cache. The Triton kernels
-(``kvtier.kernels.triton_paged``) take exactly the same arguments; the
-:class:`PagedDispatch` object picks the backend, falls back to the reference
-when a kernel cannot serve, and counts which backend served each call.
+(``kvtier.kernels.triton_paged``) take exactly the same arguments;
+:func:`paged_attention` and :func:`paged_write` route a call through a cache's
+:class:`~kvtier.kernels.dispatch.KernelDispatch`, which picks the backend, falls back
+to the reference when a kernel cannot serve, and counts which backend served each call.
 
 Example::
 
@@ -33,21 +34,27 @@ Example::
     ...     k_sidecars={}, v_sidecars={})
     >>> out.shape
     torch.Size([1, 4, 5, 64])
+    >>> dispatch = KernelDispatch("auto")                       # the reference on the CPU
+    >>> out = paged_attention(dispatch, torch.randn(1, 4, 1, 64), kp, vp, bt,
+    ...     torch.tensor([4]), torch.tensor([5]), k_codec=codec, v_codec=codec,
+    ...     k_sidecars={}, v_sidecars={})
+    >>> dict(dispatch.attention_calls)
+    {'torch': 1}
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-import warnings
-from collections import Counter
 
 import torch
 
+from kvtier.kernels.dispatch import BACKENDS as BACKENDS  # re-exported: earlier import paths
+from kvtier.kernels.dispatch import KernelDispatch
+from kvtier.kernels.dispatch import resolve_backend as resolve_backend
 from kvtier.kernels.reference import OnlineSoftmax, causal_mask, partial_attention
 from kvtier.quant.codec import Codec
 
-BACKENDS = ("auto", "torch", "triton")
 #: the most bytes of decoded keys one chunk of the reference read path holds (the values
 #: as many again); at least one block a chunk
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -329,120 +336,62 @@ def paged_write_reference(
             side.view(-1, H, side.shape[3]).index_copy_(0, slot_mapping, sc[name].to(side.dtype))
 
 
-# -- dispatch -----------------------------------------------------------------------------
+# -- through the dispatch -----------------------------------------------------------------
 def _import_triton():
     return importlib.import_module(TRITON_MODULE)
 
 
-def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """The backend a call on ``device`` uses: ``"torch"`` or ``"triton"``.
-
-    ``"auto"`` picks Triton on CUDA when ``kvtier.kernels.triton_paged`` imports,
-    else the PyTorch reference; ``"triton"`` forces the kernels (on the CPU they
-    need ``TRITON_INTERPRET=1``); ``"torch"`` forces the reference.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
-    if backend != "auto":
-        return backend
-    if torch.device(device).type != "cuda":
-        return "torch"
-    try:
-        _import_triton()
-    except Exception:  # a missing module or a broken Triton install both mean "not here"
-        return "torch"
-    return "triton"
-
-
-class PagedDispatch:
-    """Routes paged attention and writes to a backend and books who served.
-
-    A Triton failure (missing module, compile or launch error, a codec or shape
-    the kernel does not cover) switches that operation of this object to the
-    reference for good, warns once and keeps the reason in
-    ``fallback_reasons[op]`` (``op`` is ``"attention"`` or ``"write"``).
-    ``attention_calls`` / ``write_calls`` count calls by the backend that
-    actually served them.
-    """
-
-    def __init__(self, backend: str = "auto"):
-        if backend not in BACKENDS:
-            raise ValueError(
-                f"attention_backend {backend!r} is unknown; accepted: {', '.join(BACKENDS)}"
-            )
-        self.backend = backend
-        self.fallback_reasons: dict[str, str] = {}
-        self.attention_calls: Counter[str] = Counter()
-        self.write_calls: Counter[str] = Counter()
-        self._resolved: dict[str, str] = {}
-
-    @property
-    def fallback_reason(self) -> str | None:
-        """The reason of the first fallback (either operation), or None."""
-        return next(iter(self.fallback_reasons.values()), None)
-
-    def _pick(self, op: str, device: torch.device) -> str:
-        if op in self.fallback_reasons:
-            return "torch"
-        key = str(device)
-        if key not in self._resolved:
-            self._resolved[key] = resolve_backend(self.backend, device)
-        return self._resolved[key]
-
-    def _fail(self, op: str, err: Exception) -> None:
-        self.fallback_reasons[op] = f"{type(err).__name__}: {err}"
-        warnings.warn(
-            f"kvtier paged {op} fell back to the PyTorch reference ({self.fallback_reasons[op]})",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-
-    def attention(self, q, key_pages, value_pages, block_tables, q_start, kv_len, **kw):
-        """:func:`paged_attention_reference` arguments (without ``chunk_tokens``)."""
-        if self._pick("attention", q.device) == "triton":
-            try:
-                out = _import_triton().paged_attention_triton(
-                    q, key_pages, value_pages, block_tables, q_start, kv_len, **kw
-                )
-            except Exception as e:  # compile/launch failure or unsupported: serve from the reference
-                self._fail("attention", e)
-            else:
-                self.attention_calls["triton"] += 1
-                return out
-        self.attention_calls["torch"] += 1
-        return paged_attention_reference(
-            q, key_pages, value_pages, block_tables, q_start, kv_len, **kw
-        )
-
-    def write(self, key_pages, value_pages, k_sidecars, v_sidecars, slot_mapping, keys, values, **kw):
-        """:func:`paged_write_reference` arguments."""
-        args = (key_pages, value_pages, k_sidecars, v_sidecars, slot_mapping, keys, values)
-        if self._pick("write", keys.device) == "triton":
-            try:
-                _import_triton().paged_write_triton(*args, **kw)
-            except Exception as e:  # the reference rewrites every slot, so a partial write is harmless
-                self._fail("write", e)
-            else:
-                self.write_calls["triton"] += 1
-                return
-        self.write_calls["torch"] += 1
-        paged_write_reference(*args, **kw)
-
-
 def paged_attention(
-    q, key_pages, value_pages, block_tables, q_start, kv_len, *, backend: str = "auto", **kw
+    dispatch: KernelDispatch,
+    q: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_start: torch.Tensor,
+    kv_len: torch.Tensor,
+    **kw,
 ) -> torch.Tensor:
-    """:func:`paged_attention_reference` through ``backend`` (``auto``, ``torch``, ``triton``)."""
-    return PagedDispatch(backend).attention(
-        q, key_pages, value_pages, block_tables, q_start, kv_len, **kw
+    """:func:`paged_attention_reference` (arguments, without ``chunk_tokens``, and result
+    ``[B, H_q, T, D]``) through ``dispatch``: Triton's ``paged_attention_triton`` where it serves."""
+    args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
+    return dispatch.serve(
+        "attention", q.device,
+        lambda: _import_triton().paged_attention_triton(*args, **kw),
+        lambda: paged_attention_reference(*args, **kw),
     )
 
 
 def paged_write(
-    key_pages, value_pages, k_sidecars, v_sidecars, slot_mapping, keys, values, *,
-    backend: str = "auto", **kw,
+    dispatch: KernelDispatch,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    k_sidecars: dict[str, torch.Tensor],
+    v_sidecars: dict[str, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    **kw,
 ) -> None:
-    """:func:`paged_write_reference` through ``backend`` (``auto``, ``torch``, ``triton``)."""
-    PagedDispatch(backend).write(
-        key_pages, value_pages, k_sidecars, v_sidecars, slot_mapping, keys, values, **kw
+    """:func:`paged_write_reference` (arguments; in place) through ``dispatch``: Triton's
+    ``paged_write_triton`` where it serves."""
+    args = (key_pages, value_pages, k_sidecars, v_sidecars, slot_mapping, keys, values)
+    dispatch.serve(
+        "write", keys.device,
+        lambda: _import_triton().paged_write_triton(*args, **kw),
+        lambda: paged_write_reference(*args, **kw),
     )
+
+
+class PagedDispatch(KernelDispatch):
+    """The earlier spelling of a paged tier's dispatch, kept while callers move over:
+    ``dispatch.attention(...)`` is ``paged_attention(dispatch, ...)`` and
+    ``dispatch.write(...)`` is ``paged_write(dispatch, ...)``."""
+
+    def __init__(self, backend: str = "auto"):
+        super().__init__(backend, name="paged")
+
+    def attention(self, *args, **kw) -> torch.Tensor:
+        return paged_attention(self, *args, **kw)
+
+    def write(self, *args, **kw) -> None:
+        paged_write(self, *args, **kw)

@@ -102,7 +102,7 @@ def partial_attention(
     Returns ``(out, lse)``: ``out`` ``[B, H_q, T, Dv]`` (float32) is the softmax
     average over this chunk alone and ``lse`` ``[B, H_q, T]`` its log-sum-exp
     (``-inf`` where the chunk holds no visible key). Merge chunks with
-    :func:`merge_partials`.
+    :class:`OnlineSoftmax`.
     """
     B, Hq, T, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
@@ -119,28 +119,13 @@ def partial_attention(
     return out.reshape(B, Hq, T, Dv), lse.reshape(B, Hq, T)
 
 
-def merge_partials(
-    parts: list[tuple[torch.Tensor, torch.Tensor]],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-sum-exp merge of per-chunk results from :func:`partial_attention`.
-
-    ``parts``: ``(out [B, H, T, D], lse [B, H, T])`` pairs, float32. Returns the
-    merged ``(out, lse)``, as if one chunk had held every key; a query that no
-    chunk lets see a key gets zeros and ``lse = -inf``.
-    """
-    outs = torch.stack([o for o, _ in parts])  # (C, B, H, T, D)
-    lses = torch.stack([lse for _, lse in parts])  # (C, B, H, T)
-    total = torch.logsumexp(lses, dim=0)  # (B, H, T)
-    w = torch.exp(lses - torch.where(torch.isfinite(total), total, 0.0)[None])
-    w = torch.nan_to_num(w, nan=0.0)
-    return (outs * w[..., None]).sum(0), total
-
-
 class OnlineSoftmax:
-    """Streaming form of :func:`merge_partials`: fold chunks in one at a time.
+    """Log-sum-exp merge of per-chunk results from :func:`partial_attention`, one chunk at a time.
 
-    Keeps one running ``(out, lse)`` pair, so memory stays at one chunk however
-    many chunks the cache holds.
+    Keeps one running ``(out, lse)`` pair, float32 ``[B, H, T, D]`` and ``[B, H, T]``, so
+    memory stays at one chunk however many chunks the cache holds. After the last
+    chunk they are what one chunk holding every key would give; a query that no chunk
+    lets see a key gets zeros and ``lse = -inf``.
     """
 
     def __init__(self) -> None:
@@ -152,7 +137,7 @@ class OnlineSoftmax:
         if self.out is None:
             self.out, self.lse = out, lse
             return
-        # merge_partials of two chunks, without stacking them
+        # the two chunks' softmax averages, weighted by their share of the total exp-sum
         m = torch.maximum(self.lse, lse)
         m = torch.where(torch.isfinite(m), m, 0.0)  # both -inf: nothing seen yet
         wa, wb = torch.exp(self.lse - m), torch.exp(lse - m)  # (B, H, T)
@@ -162,5 +147,6 @@ class OnlineSoftmax:
         self.lse = m + torch.log(total)
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
+        """The merged output ``[B, H, T, D]`` in ``dtype``."""
         assert self.out is not None, "no chunk was added"
         return self.out.to(dtype)
