@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.quant.codec import Codec, CodecUnsupported, IdentityCodec, SidecarSpec
+from kvtier.quant.fp8 import Fp8Codec
 from kvtier.quant.hadamard import HadamardRotation
 from kvtier.quant.kv_quant import GroupQ4Codec, Q4Codec, Q8Codec
 from kvtier.quant.lloyd_max import LloydMaxQuantizer, lloyd_max_quantizer
@@ -47,6 +48,7 @@ __all__ = [
     "TURBOQUANT_VALUE_CODES",
     "Codec",
     "CodecUnsupported",
+    "Fp8Codec",
     "GroupQ4Codec",
     "HadamardRotation",
     "IdentityCodec",
@@ -68,7 +70,9 @@ __all__ = [
     "parse_turboquant",
 ]
 
-_KV_QUANT_CODECS: dict[str, type[Codec]] = {"q8": Q8Codec, "q4": Q4Codec, "q4_g32": GroupQ4Codec}
+_KV_QUANT_CODECS: dict[str, type[Codec]] = {
+    "q8": Q8Codec, "q4": Q4Codec, "q4_g32": GroupQ4Codec, "fp8": Fp8Codec,
+}
 assert set(_KV_QUANT_CODECS) == set(KV_QUANT_MODES)
 
 

@@ -12,7 +12,7 @@ Full precision has one spelling per medium: ``None`` in Python (``kv_quant=None`
 
 Grammar of a mode name (case-insensitive)::
 
-    mode   := "off" | "fp" | "q8" | "q4" | "q4_g32" | turbo
+    mode   := "off" | "fp" | "q8" | "q4" | "q4_g32" | "fp8" | turbo
     turbo  := "turboquant" [ ":" codes ]
     codes  := KEY ["r"] "," VALUE              (parse_turboquant; "r" rotates the keys)
     KEY    := q8_0 | int8 | uint8 | q5_0 | q4_0 | int4 | uint4 | int2 | uint2
@@ -37,7 +37,7 @@ FULL_PRECISION = "off"
 #: the other spelling accepted where users type mode names
 FULL_PRECISION_ALIAS = "fp"
 #: KV-Quant storage modes of the paged tier (``kv_quant``)
-KV_QUANT_MODES = ("q8", "q4", "q4_g32")
+KV_QUANT_MODES = ("q8", "q4", "q4_g32", "fp8")
 #: the mode name of TurboQuant storage
 TURBOQUANT = "turboquant"
 TURBOQUANT_KEY_CODES = ("q8_0", "int8", "uint8", "q5_0", "q4_0", "int4", "uint4", "int2", "uint2")
