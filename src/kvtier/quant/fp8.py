@@ -4,10 +4,15 @@
 Layout, for a vector ``x`` of ``D`` channels (one token, one kv head); arithmetic
 in float32:
 
-    payload ``float8_e4m3fn`` ``[D]``, sidecar ``scale`` float32 ``[1]``.
+    payload uint8 ``[D]`` holding the e4m3 bits (``payload.view(torch.float8_e4m3fn)``),
+    sidecar ``scale`` float32 ``[1]``.
     ``scale = max|x| / 448`` (448 is e4m3's largest finite value);
     ``code = e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even (a zero
     vector has ``scale = 0`` and codes 0); ``x^ = float(code) * scale``.
+
+The payload is stored as bytes, as vLLM stores its fp8 cache: every tensor
+operation the paged tier runs on pages (index copies, gathers, safetensors)
+works on uint8 on every device, where some have no float8 kernel on the CPU.
 
 Why a scale per (token, head) rather than vLLM's one per tensor or per head: a
 scale fixed ahead of time needs calibration data, and one chosen from the first
@@ -28,7 +33,9 @@ Example::
     >>> codec = Fp8Codec(64, torch.bfloat16)
     >>> payload, side = codec.encode(torch.randn(5, 2, 64, dtype=torch.bfloat16))
     >>> payload.dtype, tuple(payload.shape), tuple(side["scale"].shape), codec.bits_per_element()
-    (torch.float8_e4m3fn, (5, 2, 64), (5, 2, 1), 8.5)
+    (torch.uint8, (5, 2, 64), (5, 2, 1), 8.5)
+    >>> payload.view(torch.float8_e4m3fn).dtype
+    torch.float8_e4m3fn
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ FP8_DTYPE: torch.dtype | None = getattr(torch, "float8_e4m3fn", None)
 
 
 class Fp8Codec(Codec):
-    """``fp8``: float8_e4m3fn codes ``[..., D]`` and one float32 scale ``[..., 1]`` per vector.
+    """``fp8``: e4m3 codes ``[..., D]`` (uint8 bytes) and one float32 scale ``[..., 1]`` per vector.
 
     Raises :class:`CodecUnsupported` where torch has no ``float8_e4m3fn`` (the paged
     tier then stores full precision and records why).
@@ -63,24 +70,24 @@ class Fp8Codec(Codec):
 
     @property
     def payload_dtype(self) -> torch.dtype:
-        return FP8_DTYPE
+        return torch.uint8  # the e4m3 bits
 
     def sidecar_specs(self) -> tuple[SidecarSpec, ...]:
         return (SidecarSpec("scale", 1, torch.float32),)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``x`` ``[..., D]`` float -> float8_e4m3fn ``[..., D]``, ``{"scale": float32 [..., 1]}``."""
+        """``x`` ``[..., D]`` float -> e4m3 bits uint8 ``[..., D]``, ``{"scale": float32 [..., 1]}``."""
 
         def rows_fn(rows: torch.Tensor):
             amax = rows.abs().amax(-1, keepdim=True).to(torch.float32)  # (M, 1)
             scale = ieee_div(amax, FP8_MAX)
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             y = (rows / safe).clamp_(-FP8_MAX, FP8_MAX)  # (M, D) float32: the one copy
-            return y.to(FP8_DTYPE), {"scale": scale}
+            return y.to(FP8_DTYPE).view(torch.uint8), {"scale": scale}
 
         return self._encode_blocked(x, rows_fn)
 
     def decode(self, payload: torch.Tensor, sidecars: dict[str, torch.Tensor]) -> torch.Tensor:
-        """float8_e4m3fn ``[..., D]`` and scale ``[..., 1]`` -> ``[..., D]`` in ``self.dtype``."""
+        """e4m3 bits uint8 ``[..., D]`` and scale ``[..., 1]`` -> ``[..., D]`` in ``self.dtype``."""
         self.check_encoded(payload, sidecars)
-        return (payload.to(torch.float32) * sidecars["scale"].to(torch.float32)).to(self.dtype)
+        return (payload.view(FP8_DTYPE).to(torch.float32) * sidecars["scale"].to(torch.float32)).to(self.dtype)
