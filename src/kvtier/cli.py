@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "default there when it can serve)")
     graph.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=_ABSENT,
                        help="decode step by step without a CUDA graph")
+    gen.add_argument("--tensor-parallel", dest="tensor_parallel", type=int, metavar="N",
+                     default=_ABSENT,
+                     help="shard the model over N ranks: one GPU each (NCCL) or N CPU processes "
+                          "(gloo); spawns its workers, or is one of them under torchrun")
     gen.set_defaults(_run=run_generate)
 
     info = sub.add_parser("info", help="model, device, dtype and the resolved cache configuration")
@@ -221,14 +225,17 @@ def _load(args: argparse.Namespace):
 # -- kvtier generate -------------------------------------------------------------------------------
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def run_generate(args: argparse.Namespace, lm=None) -> int:
+    """``kvtier generate``; ``lm``: a model already loaded (one rank's shard), else the flags'."""
     from kvtier.generate import stream_generate
 
     gen_config = generation_config_from_args(args)  # bad flag values fail before the model loads
     cache_config = cache_config_from_args(args)
     spec = speculative_config_from_args(args)
+    if lm is None and hasattr(args, "tensor_parallel"):
+        return _run_tensor_parallel(args)
     prompt = args.prompt if hasattr(args, "prompt") else _read_stdin()
-    lm = _load(args)
+    lm = _load(args) if lm is None else lm
     tok = lm.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}])
@@ -291,6 +298,30 @@ def run_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _run_tensor_parallel(args: argparse.Namespace) -> int:
+    """Every rank runs :func:`run_generate` on its shard of the model; rank 0 alone prints."""
+    import torch
+    import torch.distributed as dist
+
+    from kvtier.parallel import run_sharded
+
+    if hasattr(args, "prompt_cache"):
+        raise ValueError("--prompt-cache keeps one device's keys and values; it does not combine "
+                         "with --tensor-parallel (drop one of them)")
+    if not hasattr(args, "prompt"):  # spawned workers have no stdin, torchrun's share one
+        if dist.is_torchelastic_launched():
+            raise ValueError("under torchrun, give the prompt as an argument, not on stdin")
+        args.prompt = _read_stdin()
+    device = getattr(args, "device", "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if hasattr(args, "dtype") else None
+    return run_sharded(_generate_on_rank, args.tensor_parallel, args=(args,), device_type=device,
+                       model=getattr(args, "model", None), dtype=dtype)
+
+
+def _generate_on_rank(lm, args: argparse.Namespace) -> int:
+    return run_generate(args, lm=lm)
 
 
 def _read_stdin() -> str:

@@ -1,0 +1,210 @@
+"""Tensor parallelism on the CPU: gloo, spawned ranks, greedy tokens against one rank's.
+
+Each spawn starts fresh interpreters (a few seconds each on two cores), so every
+test that spawns does all its work in one launch; every launch has a deadline,
+every group a collective timeout, so a failure here cannot hang.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kvtier.config import KVCacheConfig
+from kvtier.generate import GenerationConfig, generate_step, stream_generate
+from kvtier.model import ModelArgs, build_random
+from kvtier.model.architectures import get_args
+from kvtier.parallel import (
+    TensorParallel,
+    TensorParallelError,
+    check_same_device,
+    check_shardable,
+    check_world,
+    launch,
+    run_sharded,
+    shard_model,
+)
+from kvtier.parallel.layers import split_range
+from kvtier.sampling import SamplingParams
+
+DEADLINE_S = 120.0  # a whole launch; far above what one takes, far below a hang
+#: 8 query heads over 4 KV heads; an MLP and a vocabulary that do not split evenly over 2
+TINY = ModelArgs(dim=128, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=16, hidden_dim=191,
+                 vocab_size=257, max_position_embeddings=512)
+#: (name, config, prompts): the scalar tiers run prompts of one length in lock step
+TIERS = (
+    ("tail", KVCacheConfig(strategy="tail", step=8), [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]),
+    ("block", KVCacheConfig(strategy="block", owned_block_size=4), [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]),
+    ("ragged", KVCacheConfig(strategy="ragged", step=8), [[1, 2, 3, 4, 5, 6, 7], [200, 3]]),
+    ("paged", KVCacheConfig(strategy="paged", paged_block_size=4, paged_num_blocks=64),
+     [[1, 2, 3, 4, 5, 6, 7], [200, 3]]),
+    ("paged q8", KVCacheConfig(strategy="paged", paged_block_size=4, paged_num_blocks=64,
+                               kv_quant="q8"), [[1, 2, 3, 4, 5, 6, 7], [200, 3]]),
+)
+NEW_TOKENS = 10
+
+
+def greedy(model, config: KVCacheConfig, prompts, n: int = NEW_TOKENS, params=None):
+    """``n`` tokens per row from the engine's token-step generator, and the KV heads the
+    first layer's cache holds."""
+    caches = model.make_caches(config, batch_size=len(prompts))
+    steps = generate_step(model, prompts, caches, params=params)
+    tokens = [next(steps).tolist() for _ in range(n)]
+    steps.close()
+    state = caches[0].state  # keys (B, H_kv, T, D) or pages (blocks, block_size, H_kv, D)
+    heads = state["keys"].shape[1] if "keys" in state else state["key_cache"].shape[2]
+    return tokens, heads
+
+
+# -- in this process: the refusals ------------------------------------------------------------
+def test_split_range_covers_every_item_once():
+    for n, world in ((191, 2), (257, 3), (4, 4), (3, 5)):
+        ranges = [split_range(n, world, r) for r in range(world)]
+        assert [i for a, b in ranges for i in range(a, b)] == list(range(n))
+        assert max(b - a for a, b in ranges) - min(b - a for a, b in ranges) <= 1
+
+
+def test_kv_heads_that_do_not_divide_are_refused():
+    smollm2 = get_args("smollm2-135m")  # 9 query heads, 3 KV heads
+    with pytest.raises(ValueError, match=r"size 2 does not divide the 3 KV heads.*1 or 3"):
+        check_shardable(smollm2, 2)
+    check_shardable(smollm2, 3)
+    with pytest.raises(ValueError, match="size must be an int >= 1"):
+        check_shardable(smollm2, 0)
+
+
+def test_world_refusals():
+    with pytest.raises(ValueError, match="size must be an int >= 1, got 0"):
+        check_world(0, "cpu")
+    with pytest.raises(ValueError, match="pass no index"):
+        check_world(2, "cuda:1")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=f"needs one GPU per rank, but {gpus} GPU"):
+        check_world(gpus + 1, "cuda")
+
+
+def test_shard_refuses_before_changing_the_model():
+    model = build_random(TINY)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tp = TensorParallel(0, 3, 0, torch.device("cpu"), "gloo", 10.0)  # 3 does not divide 4
+    with pytest.raises(ValueError, match="size 3 does not divide the 4 KV heads"):
+        shard_model(model, tp)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+# -- spawned ranks: the tiny random Llama ---------------------------------------------------------
+def _tiny_rank(tp: TensorParallel):
+    model = shard_model(build_random(TINY), tp)
+    attn = model.layers[0].attention
+    heads = (attn.n_heads, attn.n_kv_heads, model.layers[0].feed_forward.hidden_dim)
+    out = {name: greedy(model, config, prompts) for name, config, prompts in TIERS}
+    # sampling without a seed: every rank draws from its global RNG, seeded alike by launch
+    sampled, _ = greedy(model, TIERS[3][1], TIERS[3][2], params=SamplingParams(temperature=1.0))
+    everyone = [None] * tp.world_size
+    dist.all_gather_object(everyone, sampled)
+    mixed = TensorParallel(tp.rank, tp.world_size, tp.local_rank,
+                           torch.device("meta" if tp.rank else "cpu"), tp.backend, tp.timeout_s)
+    try:
+        check_same_device(mixed)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {"tiers": out, "heads": heads, "sampled": everyone, "mixed": refused}
+
+
+def test_tiny_llama_two_ranks_equal_one_rank_on_every_tier():
+    got = launch(_tiny_rank, 2, timeout_s=30, deadline_s=DEADLINE_S)
+    model = build_random(TINY)
+    assert got["heads"] == (4, 2, 96)  # query heads, KV heads, MLP hidden (191 -> 96 + 95)
+    for name, config, prompts in TIERS:
+        want, heads = greedy(model, config, prompts)
+        tokens, rank_heads = got["tiers"][name]
+        assert tokens == want, name
+        assert (heads, rank_heads) == (4, 2), name  # each rank's cache holds its 2 KV heads
+    assert got["sampled"][0] == got["sampled"][1]
+    assert got["mixed"].startswith("mixed devices across ranks: ['cpu', 'meta']")
+
+
+# -- spawned ranks: SmolLM2 over 3 ranks ------------------------------------------------------------
+SMOL_PROMPT = "The capital of France is"
+SMOL_TIERS = ("tail", "block", "ragged", "paged", "q8")
+
+
+def _smol_config(name: str) -> KVCacheConfig:
+    if name == "q8":
+        return KVCacheConfig(strategy="paged", kv_quant="q8", paged_num_blocks=64)
+    return KVCacheConfig(strategy=name, paged_num_blocks=64)
+
+
+def _smol_rank(lm):
+    gen = GenerationConfig(max_tokens=6)
+    return {name: [r.token for r in stream_generate(lm.model, lm.tokenizer, SMOL_PROMPT, gen,
+                                                    cache_config=_smol_config(name))]
+            for name in SMOL_TIERS}
+
+
+def test_smollm2_three_ranks_equal_one_rank_on_every_tier(lm):
+    got = run_sharded(_smol_rank, 3, dtype=torch.float32, timeout_s=60)
+    gen = GenerationConfig(max_tokens=6)
+    for name in SMOL_TIERS:
+        want = [r.token for r in stream_generate(lm.model, lm.tokenizer, SMOL_PROMPT, gen,
+                                                 cache_config=_smol_config(name))]
+        assert got[name] == want, name
+
+
+def test_cli_generate_three_ranks_equals_one(lm, capfd):
+    from kvtier.cli import main
+
+    argv = ["generate", SMOL_PROMPT, "--raw", "--max-tokens", "5", "--device", "cpu",
+            "--dtype", "float32", "--cache", "paged", "--json"]
+    assert main(argv + ["--tensor-parallel", "3"]) == 0
+    out = capfd.readouterr().out.strip().splitlines()
+    assert len(out) == 1  # rank 0 alone prints
+    sharded = json.loads(out[0])
+    want = [r.token for r in stream_generate(lm.model, lm.tokenizer, SMOL_PROMPT,
+                                             GenerationConfig(max_tokens=5),
+                                             cache_config=KVCacheConfig(strategy="paged"))]
+    assert sharded["tokens"] == want
+
+
+# -- spawned ranks that fail ---------------------------------------------------------------------------
+def _raising_rank(tp: TensorParallel):
+    x = torch.ones(4)
+    dist.all_reduce(x)  # both ranks get here
+    if tp.rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    dist.all_reduce(x)  # rank 0 waits for a peer that is gone
+    return "rank 0 should not get here"
+
+
+def test_a_rank_that_raises_stops_the_others():
+    with pytest.raises(TensorParallelError, match="rank 1 of 2: RuntimeError: rank 1 fails on purpose"):
+        launch(_raising_rank, 2, timeout_s=20, deadline_s=DEADLINE_S)
+
+
+def _leaving_rank(tp: TensorParallel):
+    if tp.rank == 1:
+        return None  # leaves cleanly: the parent has nothing to stop, rank 0 must not hang
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    return "rank 0 should not get here"
+
+
+def test_a_rank_that_leaves_makes_the_collective_raise():
+    with pytest.raises(TensorParallelError, match="rank 0 of 2: .*Error"):
+        launch(_leaving_rank, 2, timeout_s=5, deadline_s=DEADLINE_S)
+
+
+def _unshardable_rank(tp: TensorParallel):
+    three_kv_heads = ModelArgs(dim=96, n_layers=1, n_heads=6, n_kv_heads=3, hidden_dim=64,
+                               vocab_size=64)
+    shard_model(build_random(three_kv_heads), tp)
+
+
+def test_a_callers_mistake_on_a_rank_comes_back_as_value_error():
+    with pytest.raises(ValueError, match=r"rank \d of 2: ValueError: .*does not divide the 3 KV heads"):
+        launch(_unshardable_rank, 2, timeout_s=20, deadline_s=DEADLINE_S)
