@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_triton_paged import (  # the same cache builder and references as the MMA kernel's tests
     DEVICE,
     IN_PROCESS,
@@ -22,6 +21,7 @@ from test_triton_paged import (  # the same cache builder and references as the 
     build_cache,
     gathered_reference,
 )
+
 from triton_support import in_this_process_or_a_fresh_one
 
 if IN_PROCESS:
@@ -33,7 +33,13 @@ if IN_PROCESS:
     from kvtier.kernels.triton_attention import LaunchConfig, uses_cuda_core_decode
     from kvtier.kernels.triton_decode_quant import decode_supported, key_lanes
     from kvtier.kernels.triton_paged import paged_attention_triton
-    from kvtier.kernels.triton_quant import codes_to_float, page_format
+    from kvtier.kernels.triton_quant import (
+        _asm_bytes_to_f16,
+        _asm_e4m3_to_f16,
+        _asm_nibbles_to_f16,
+        codes_to_float,
+        page_format,
+    )
 
 TOL = 2e-2  # bf16 queries and output
 
@@ -70,7 +76,7 @@ def _served_by_cuda_core(c, kernel="cuda_core") -> bool:
 def test_decode_every_mode(mode, splits):
     # rows of 1 key, a page edge + 1 and a few pages; GQA 4; one split or three
     _, c, _, _ = run_decode(mode, 3, 4, 1, 64, 16, [1, 17, 45], num_splits=splits)
-    bits_ok = "q5_0" not in mode  # 5-bit codes: the MMA kernel serves them
+    bits_ok = "q5_0" not in mode and mode != "fp8"  # 5-bit codes and e4m3: the MMA kernel serves them
     assert _served_by_cuda_core(c) == bits_ok
 
 
@@ -150,10 +156,48 @@ def test_codes_to_float_is_exact(bits, signed, offset):
     assert torch.equal(x.cpu(), u.to(torch.float32) + offset)
 
 
+@triton.jit if IN_PROCESS else (lambda f: f)
+def _fast_kernel(U, X, Y, N: tl.constexpr, HOW: tl.constexpr):
+    i = tl.arange(0, N)
+    u = tl.load(U + i)  # uint8
+    if HOW == 0:
+        x = _asm_bytes_to_f16(u.to(tl.int8, bitcast=True), True)
+        y = _asm_bytes_to_f16(u, False)
+    elif HOW == 1:
+        x, y = _asm_nibbles_to_f16(u, -8)
+    elif HOW == 2:
+        x, y = _asm_nibbles_to_f16(u, 0)
+    else:
+        x = _asm_e4m3_to_f16(u)
+        y = x
+    tl.store(X + i, x)
+    tl.store(Y + i, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+def test_gpu_fast_conversions_are_exact():
+    """The MMA kernel's inline-assembly conversions give every byte's exact value in fp16."""
+    u = torch.arange(256, dtype=torch.int32)
+    want = {
+        0: (torch.where(u >= 128, u - 256, u), u),  # int8 codes, uint8 codes
+        1: ((u & 15) - 8, (u >> 4) - 8),  # q4 nibbles, offset -8
+        2: (u & 15, u >> 4),  # unsigned nibbles (q4_g32, 4-bit keys)
+        3: (u.to(torch.uint8).view(torch.float8_e4m3fn).float(),) * 2,  # e4m3 (NaN at 0x7F, 0xFF)
+    }
+    for how, (wx, wy) in want.items():
+        x = torch.empty(256, dtype=torch.float16, device=DEVICE)
+        y = torch.empty_like(x)
+        _fast_kernel[(1,)](u.to(torch.uint8).to(DEVICE), x, y, N=256, HOW=how)
+        for got, ref in ((x, wx), (y, wy)):
+            torch.testing.assert_close(got.cpu().float(), ref.float(), atol=0, rtol=0, equal_nan=True)
+
+
 # -- the grid on CUDA (each shape is a compile: kept small) -----------------------------------
 GPU_DECODE = [
     (mode, page, D, group, lengths)
     for mode in QUANT_MODES
+    if mode != "fp8"  # the MMA kernel serves e4m3 pages
     for page, D, group, lengths in [(16, 128, 4, [1, 16, 129, 1000, 4097]), (128, 64, 8, [4097, 33])]
 ]
 

@@ -52,6 +52,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 QUANT_MODES = [
     "q8",
+    "fp8",
     "q4",
     "q4_g32",
     "turboquant:q8_0,q3_0",

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kvtier.kernels import triton_decode_quant
-from kvtier.kernels.triton_quant import AFFINE, CENTROID, FP, PageFormat, dequant_tile
+from kvtier.kernels.triton_quant import AFFINE, CENTROID, FLOAT8, FP, PageFormat, kv_tile
 
 LOG2E = 1.4426950408889634
 
@@ -45,6 +45,13 @@ LOG2E = 1.4426950408889634
 #: 147 against 237 us (1k); the MMA kernel stays faster for q8, q4 and q4_g32.
 QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "cuda_core"}
 DECODE_KERNELS = ("cuda_core", "mma")
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr):
+    if DOT_FP32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -68,11 +75,13 @@ def _attention_kernel(
     CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    DT: tl.constexpr,
+    FAST: tl.constexpr,
     NEED_SIDECARS: tl.constexpr,
     K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_SIGNED: tl.constexpr, K_OFFSET: tl.constexpr,
-    K_GROUP: tl.constexpr, K_ZERO: tl.constexpr, K_FACTOR: tl.constexpr,
+    K_GROUP: tl.constexpr, K_ZERO: tl.constexpr, K_FACTOR: tl.constexpr, K_SPLIT: tl.constexpr,
     V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_SIGNED: tl.constexpr, V_OFFSET: tl.constexpr,
-    V_GROUP: tl.constexpr, V_ZERO: tl.constexpr, V_FACTOR: tl.constexpr,
+    V_GROUP: tl.constexpr, V_ZERO: tl.constexpr, V_FACTOR: tl.constexpr, V_SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -84,12 +93,20 @@ def _attention_kernel(
     t = m // G
     hq = hk * G + m % G
     row_ok = t < T
-    d = tl.arange(0, HEAD_DIM)
     q_off = b * stride_qb + hq * stride_qh + t * stride_qt
-    q = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-    q = q.to(tl.float32) * qk_scale  # log2 domain: the softmax runs on exp2
-    if not DOT_FP32:
-        q = q.to(Q.dtype.element_ty)
+    # the query in the dot's dtype, log2 domain (the softmax runs on exp2); 4-bit keys are
+    # scored as two halves, even channels against the low nibbles and odd against the high
+    d = tl.arange(0, HEAD_DIM)
+    if K_SPLIT:
+        d2 = tl.arange(0, HEAD_DIM // 2)
+        qa = tl.load(Q + q_off[:, None] + 2 * d2[None, :], mask=row_ok[:, None], other=0.0)
+        qb = tl.load(Q + q_off[:, None] + 2 * d2[None, :] + 1, mask=row_ok[:, None], other=0.0)
+        qa = (qa.to(tl.float32) * qk_scale).to(DT)
+        qb = (qb.to(tl.float32) * qk_scale).to(DT)
+    else:
+        qa = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        qa = (qa.to(tl.float32) * qk_scale).to(DT)
+        qb = qa
 
     kv_len = tl.load(KVLEN + b).to(tl.int32)
     kv_len = tl.minimum(kv_len, capacity)  # never read past the table or buffer
@@ -103,21 +120,28 @@ def _attention_kernel(
     lo = pid_s * split_len
     hi = tl.minimum(hi, lo + split_len)
 
+    # 4-bit values accumulate the even and the odd channels apart (acc_a, acc_b)
+    if V_SPLIT:
+        VD: tl.constexpr = HEAD_DIM // 2
+    else:
+        VD: tl.constexpr = HEAD_DIM
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    acc_a = tl.zeros((BLOCK_M, VD), tl.float32)
+    acc_b = tl.zeros((BLOCK_M, VD), tl.float32)
 
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < hi
         if PAGED:
+            # 64-bit only where it must be: one 32 x 32 -> 64 multiply per row and tensor
             blk = tl.load(BT + b * stride_btb + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-            pos = (n % PAGE).to(tl.int64)
-            k_rows = blk * stride_kb + pos * stride_kn + hk * stride_kh
-            v_rows = blk * stride_vb + pos * stride_vn + hk * stride_vh
+            pos = n % PAGE
+            k_rows = blk * stride_kb + (pos * stride_kn + hk * stride_kh)
+            v_rows = blk * stride_vb + (pos * stride_vn + hk * stride_vh)
             if NEED_SIDECARS:
-                ks_rows = blk * stride_ksb + pos * stride_ksn + hk * stride_ksh
-                vs_rows = blk * stride_vsb + pos * stride_vsn + hk * stride_vsh
+                ks_rows = blk * stride_ksb + (pos * stride_ksn + hk * stride_ksh)
+                vs_rows = blk * stride_vsb + (pos * stride_vsn + hk * stride_vsh)
         else:
             nn = n.to(tl.int64)
             k_rows = b * stride_kb + nn * stride_kn + hk * stride_kh
@@ -130,14 +154,14 @@ def _attention_kernel(
             vs_rows = v_rows
 
         if K_MODE == 0:  # inline: a helper call costs the interpreter more than the tile
-            k = tl.load(K + k_rows[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+            ka = tl.load(K + k_rows[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(DT)
+            s = _dot(qa, tl.trans(ka), None, DOT_FP32)  # (M, N)
         else:
-            k = dequant_tile(K, KS, KZ, KC, k_rows, ks_rows, n_ok, BLOCK_N, HEAD_DIM,
-                             K_MODE, K_BITS, K_SIGNED, K_OFFSET, K_GROUP, K_ZERO, K_FACTOR)  # fmt: skip
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # (M, N)
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            ka, kb = kv_tile(K, KS, KZ, KC, k_rows, ks_rows, n_ok, BLOCK_N, HEAD_DIM, K_MODE, K_BITS,
+                             K_SIGNED, K_OFFSET, K_GROUP, K_ZERO, K_FACTOR, K_SPLIT, FAST, DT)  # fmt: skip
+            s = _dot(qa, tl.trans(ka), None, DOT_FP32)
+            if K_SPLIT:
+                s = _dot(qb, tl.trans(kb), s, DOT_FP32)
         if K_FACTOR:
             s = s * tl.load(KS + ks_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
@@ -150,30 +174,40 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-        if V_MODE == 0:
-            v = tl.load(V + v_rows[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            v = dequant_tile(V, VS, VZ, VC, v_rows, vs_rows, n_ok, BLOCK_N, HEAD_DIM,
-                             V_MODE, V_BITS, V_SIGNED, V_OFFSET, V_GROUP, V_ZERO, V_FACTOR)  # fmt: skip
         if V_FACTOR:
             p = p * tl.load(VS + vs_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        p = p.to(DT)
+        if V_MODE == 0:
+            va = tl.load(V + v_rows[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(DT)
+            acc_a = _dot(p, va, acc_a * alpha[:, None], DOT_FP32)
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            va, vb = kv_tile(V, VS, VZ, VC, v_rows, vs_rows, n_ok, BLOCK_N, HEAD_DIM, V_MODE, V_BITS,
+                             V_SIGNED, V_OFFSET, V_GROUP, V_ZERO, V_FACTOR, V_SPLIT, FAST, DT)  # fmt: skip
+            acc_a = _dot(p, va, acc_a * alpha[:, None], DOT_FP32)
+            if V_SPLIT:
+                acc_b = _dot(p, vb, acc_b * alpha[:, None], DOT_FP32)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    # output channels of acc_a (and acc_b): all of them, or the even (and odd) ones
+    if V_SPLIT:
+        c = 2 * tl.arange(0, VD)
+    else:
+        c = tl.arange(0, VD)
     if not SPLIT:
         o_off = b * stride_ob + hq * stride_oh + t * stride_ot
-        tl.store(O + o_off[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        o_ptr = O + o_off[:, None] + c[None, :]
+        tl.store(o_ptr, (acc_a / l_safe[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
+        if V_SPLIT:
+            tl.store(o_ptr + 1, (acc_b / l_safe[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
     else:
         # partials (B, Hq, T, num_splits, D) and base-2 lse (B, Hq, T, num_splits), contiguous
         r = (b * (H_KV * G) + hq) * T + t
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(PL + r * num_splits + pid_s, lse, mask=row_ok)
-        po = (r * num_splits + pid_s) * HEAD_DIM
-        tl.store(PO + po[:, None] + d[None, :], out, mask=row_ok[:, None])
+        po = PO + ((r * num_splits + pid_s) * HEAD_DIM)[:, None] + c[None, :]
+        tl.store(po, acc_a / l_safe[:, None], mask=row_ok[:, None])
+        if V_SPLIT:
+            tl.store(po + 1, acc_b / l_safe[:, None], mask=row_ok[:, None])
 
 
 @triton.jit
@@ -270,7 +304,9 @@ def plan_launch(
 
 def format_constexprs(prefix: str, fmt: PageFormat, head_dim: int) -> dict[str, object]:
     """The kernel's compile-time arguments for one of K (``prefix="K"``) or V."""
-    factor = fmt.mode == AFFINE and fmt.group == head_dim and fmt.zero is None
+    factor = fmt.mode in (AFFINE, FLOAT8) and fmt.group == head_dim and fmt.zero is None
+    # 4-bit codes in two halves (low and high nibbles), scaled per row or per 32 channels
+    split = fmt.mode == AFFINE and fmt.bits == 4 and (factor or fmt.group == 32)
     return {
         f"{prefix}_MODE": fmt.mode,
         f"{prefix}_BITS": fmt.bits,
@@ -279,6 +315,7 @@ def format_constexprs(prefix: str, fmt: PageFormat, head_dim: int) -> dict[str, 
         f"{prefix}_GROUP": fmt.group or head_dim,
         f"{prefix}_ZERO": fmt.zero is not None,
         f"{prefix}_FACTOR": factor,
+        f"{prefix}_SPLIT": split,
     }
 
 
@@ -355,8 +392,16 @@ def launch_attention(
         return s, z, c, s.stride(0), s.stride(2), s.stride(1)
 
     paged = block_tables is not None
-    # the interpreter has no bf16 arithmetic: dot in fp32 there (and for fp32 queries)
-    dot_fp32 = q.device.type != "cuda" or q.dtype == torch.float32
+    # the interpreter has no bf16 arithmetic: dot in fp32 there (and for fp32 queries); on the
+    # GPU quantised tiles meet the query in fp16, which holds every code exactly
+    compiled = q.device.type == "cuda"
+    dot_fp32 = not compiled or q.dtype == torch.float32
+    if dot_fp32:
+        dot_dtype = tl.float32
+    elif quantised:
+        dot_dtype = tl.float16
+    else:
+        dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16
     # H200 sweeps: 4 warps beat 8 for bf16 and for every quantised format at its best tile
     num_warps = cfg.num_warps or 4
     num_stages = cfg.num_stages or (2 if q.device.type == "cuda" else 1)
@@ -374,7 +419,7 @@ def launch_attention(
         po, pl,
         sm_scale * LOG2E, T, H_kv, split_len, splits,
         G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, PAGED=paged,
-        CAUSAL=q_start is not None, SPLIT=splits > 1, DOT_FP32=dot_fp32,
+        CAUSAL=q_start is not None, SPLIT=splits > 1, DOT_FP32=dot_fp32, DT=dot_dtype, FAST=compiled,
         NEED_SIDECARS=k_fmt.scale is not None or v_fmt.scale is not None,
         **format_constexprs("K", k_fmt, D), **format_constexprs("V", v_fmt, D),
         num_warps=num_warps, num_stages=num_stages,

@@ -3,8 +3,8 @@
 One launch writes K and V of every row: program ``(i, 0)`` handles ``ROWS``
 (token, head) vectors of K, program ``(i, 1)`` the same vectors of V. Each vector
 is read from ``[B, H_kv, T, D]``, rotated when the codec works in a rotated
-domain, coded by the codec's rule (see ``kvtier.quant.kv_quant`` and
-``kvtier.quant.turboquant``), bit-packed, and stored with its sidecars at slot
+domain, coded by the codec's rule (see ``kvtier.quant.kv_quant``,
+``kvtier.quant.fp8`` and ``kvtier.quant.turboquant``), bit-packed, and stored with its sidecars at slot
 ``slot_mapping[b * T + t]`` (block ``slot // block_size``, position
 ``slot % block_size``). A negative slot is padding and writes nothing.
 """
@@ -58,6 +58,21 @@ def _write_rows(
 
     if MODE == 0:
         tl.store(P + p_rows[:, None] + d[None, :], x.to(P.dtype.element_ty), mask=ok[:, None])
+    elif MODE == 3:
+        # e4m3: scale = absmax / 448, code = e4m3(clamp(x / scale)) rounded to nearest even, as bytes
+        scale = tl.div_rn(tl.max(tl.abs(x), axis=1), 448.0)
+        safe = tl.where(scale > 0.0, scale, 1.0)
+        y = tl.minimum(tl.maximum(tl.div_rn(x, safe[:, None]), -448.0), 448.0)
+        # round to e4m3's 3 mantissa bits here, in fp32 (exact: the quantum is a power of two),
+        # so the conversion below is exact whatever its own rounding (the interpreter's carries
+        # no mantissa overflow into the exponent)
+        e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals: 2^-9
+        quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        inverse = ((127 - e + 3) << 23).to(tl.float32, bitcast=True)
+        y = round_half_even(y * inverse) * quantum
+        code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        tl.store(P + p_rows[:, None] + d[None, :], code, mask=ok[:, None])
+        tl.store(S + s_rows, scale, mask=ok)
     else:
         NG: tl.constexpr = HEAD_DIM // GROUP
         x3 = tl.reshape(x, (ROWS, NG, GROUP))

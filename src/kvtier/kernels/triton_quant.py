@@ -1,11 +1,23 @@
 """Triton helpers that read and write the paged tier's page formats.
 
 One :class:`PageFormat` describes how a kernel sees one of K or V: the payload
-element (a float, or ``bits``-wide integer codes packed into bytes), how a code
-becomes a value (``x = scale * (code + offset) + zero`` or
-``x = scale * centroids[code]``), and how many channels share one scale and zero.
-:func:`page_format` builds it from a codec; the jit helpers below read a tile of
-codes, dequantise it, and quantise and pack rows on the write path.
+element (a float, e4m3 bytes, or ``bits``-wide integer codes packed into bytes),
+how a code becomes a value (``x = scale * (code + offset) + zero``,
+``x = scale * e4m3(code)`` or ``x = scale * centroids[code]``), and how many
+channels share one scale and zero. :func:`page_format` builds it from a codec;
+the jit helpers below read a tile of codes, dequantise it, and quantise and pack
+rows on the write path.
+
+Fast conversions (compiled kernels only). Codes become fp16 operands of the
+tensor cores without an int-to-float instruction: ``0x6400 | u`` is the fp16
+``1024 + u`` for ``0 <= u < 1024``, so a byte permute that slides two codes
+under the ``0x64`` exponent bytes and one packed subtraction turn two codes into
+two fp16 values; a nibble is masked in place under the same exponent. e4m3
+bytes convert two at a time (``cvt.rn.f16x2.e4m3x2``, compute capability 8.9+).
+The helpers run these as non-pure inline assembly in the layout the tile was
+loaded in, which keeps the compiler from moving the conversion behind the
+shared-memory transposition of the dot operand, where every byte would be a
+load of its own. Under the interpreter the same helpers use plain conversions.
 
 Bit packing (every integer codec): code ``i`` of a (token, head) row sits at bits
 ``[bits*i, bits*i + bits)`` of the row's little-endian bit stream. Eight codes
@@ -23,13 +35,16 @@ import triton
 import triton.language as tl
 
 from kvtier.quant.codec import Codec, CodecUnsupported, IdentityCodec
+from kvtier.quant.fp8 import Fp8Codec
 from kvtier.quant.hadamard import HadamardRotation
 from kvtier.quant.kv_quant import GROUP, GroupQ4Codec, Q4Codec, Q8Codec
 from kvtier.quant.lloyd_max import lloyd_max_quantizer
 from kvtier.quant.turboquant import TurboKeyCodec, TurboValueCodec
 
 #: how a code becomes a value
-FP, AFFINE, CENTROID = 0, 1, 2
+FP, AFFINE, CENTROID, FLOAT8 = 0, 1, 2, 3
+#: the oldest compute capability with native e4m3 conversions (Ada, Hopper)
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 @dataclass(frozen=True)
@@ -37,9 +52,10 @@ class PageFormat:
     """What a kernel needs to know about one of K or V.
 
     ``mode``: :data:`FP` (payload holds the values), :data:`AFFINE`
-    (``scale * (code + offset) [+ zero]``) or :data:`CENTROID`
-    (``scale * centroids[code]``). ``group`` channels share one scale (and zero);
-    ``group == head_dim`` means one per (token, head). ``centroids`` (fp32
+    (``scale * (code + offset) [+ zero]``), :data:`CENTROID`
+    (``scale * centroids[code]``) or :data:`FLOAT8` (``scale * e4m3(code)``).
+    ``group`` channels share one scale (and zero); ``group == head_dim`` means
+    one per (token, head). ``centroids`` (fp32
     ``[2**bits]``) and ``boundaries`` (fp32 ``[2**bits - 1]``) are the Lloyd-Max
     tables of :data:`CENTROID` codes. ``rotation`` (fp32 ``[D, D]``, or ``None``)
     is the orthogonal matrix the codec applies before coding, as
@@ -82,6 +98,13 @@ def page_format(
         return PageFormat(FP, D, D, bits=8 * payload.element_size())
     if type(codec) is Q8Codec:
         return PageFormat(AFFINE, D, D, bits=8, signed=True, group=D, scale=sidecars.get("scale"))
+    if type(codec) is Fp8Codec:
+        if payload.device.type == "cuda" and torch.cuda.get_device_capability(payload.device) < FP8_MIN_CAPABILITY:
+            cap = ".".join(map(str, torch.cuda.get_device_capability(payload.device)))
+            raise CodecUnsupported(
+                f"fp8 pages need native e4m3 conversions (compute capability 8.9+), this GPU has {cap}"
+            )
+        return PageFormat(FLOAT8, D, D, bits=8, group=D, scale=sidecars.get("scale"))
     if type(codec) is Q4Codec:
         return PageFormat(AFFINE, D, D // 2, bits=4, offset=-8, group=D, scale=sidecars.get("scale"))
     if type(codec) is GroupQ4Codec:
@@ -248,6 +271,169 @@ def codes_to_float(u, BITS: tl.constexpr, SIGNED: tl.constexpr, OFFSET: tl.const
         x = u
         bias: tl.constexpr = 8388608.0 - OFFSET
     return (x | 0x4B000000).to(tl.float32, bitcast=True) - bias
+
+
+@triton.jit
+def _asm_bytes_to_f16(x, SIGNED: tl.constexpr):
+    """fp16 ``[...]`` of 8-bit codes ``x`` (int8 or uint8), four a call: ``(u | 0x6400) - 1024``
+    with ``u`` the code (signed codes flipped to ``code + 128`` and 1152 subtracted)."""
+    if SIGNED:
+        asm: tl.constexpr = """{
+        .reg .b32 t, m;
+        mov.b32 m, 0x64806480;
+        xor.b32 t, $2, 0x80808080;
+        prmt.b32 $0, t, 0x64646464, 0x7170;
+        prmt.b32 $1, t, 0x64646464, 0x7372;
+        sub.f16x2 $0, $0, m;
+        sub.f16x2 $1, $1, m;
+        }"""
+    else:
+        asm: tl.constexpr = """{
+        .reg .b32 m;
+        mov.b32 m, 0x64006400;
+        prmt.b32 $0, $2, 0x64646464, 0x7170;
+        prmt.b32 $1, $2, 0x64646464, 0x7372;
+        sub.f16x2 $0, $0, m;
+        sub.f16x2 $1, $1, m;
+        }"""
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _asm_nibbles_to_f16(byte, OFFSET: tl.constexpr):
+    """fp16 ``(low nibble + OFFSET, high nibble + OFFSET)`` of uint8 ``byte``, four bytes a call.
+
+    Bytes ``b0 b1`` are spread to ``b0 0 b1 0`` (``b2 b3`` likewise); masked under the
+    exponent ``0x64`` a low nibble is the fp16 ``1024 + n``, a high one ``1024 + 16 n``.
+    """
+    if OFFSET == -8:
+        asm: tl.constexpr = """{
+        .reg .b32 y, z, t, lo, hi, sc;
+        mov.b32 lo, 0x64086408;
+        mov.b32 hi, 0xD480D480;
+        mov.b32 sc, 0x2C002C00;
+        prmt.b32 y, $4, 0, 0x4140;
+        prmt.b32 z, $4, 0, 0x4342;
+        lop3.b32 t, y, 0x000F000F, 0x64006400, 0xEA;
+        sub.f16x2 $0, t, lo;
+        lop3.b32 t, z, 0x000F000F, 0x64006400, 0xEA;
+        sub.f16x2 $1, t, lo;
+        lop3.b32 t, y, 0x00F000F0, 0x64006400, 0xEA;
+        fma.rn.f16x2 $2, t, sc, hi;
+        lop3.b32 t, z, 0x00F000F0, 0x64006400, 0xEA;
+        fma.rn.f16x2 $3, t, sc, hi;
+        }"""
+    else:
+        asm: tl.constexpr = """{
+        .reg .b32 y, z, t, lo, hi, sc;
+        mov.b32 lo, 0x64006400;
+        mov.b32 hi, 0xD400D400;
+        mov.b32 sc, 0x2C002C00;
+        prmt.b32 y, $4, 0, 0x4140;
+        prmt.b32 z, $4, 0, 0x4342;
+        lop3.b32 t, y, 0x000F000F, 0x64006400, 0xEA;
+        sub.f16x2 $0, t, lo;
+        lop3.b32 t, z, 0x000F000F, 0x64006400, 0xEA;
+        sub.f16x2 $1, t, lo;
+        lop3.b32 t, y, 0x00F000F0, 0x64006400, 0xEA;
+        fma.rn.f16x2 $2, t, sc, hi;
+        lop3.b32 t, z, 0x00F000F0, 0x64006400, 0xEA;
+        fma.rn.f16x2 $3, t, sc, hi;
+        }"""
+    return tl.inline_asm_elementwise(
+        asm, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=False, pack=4
+    )
+
+
+@triton.jit
+def _asm_e4m3_to_f16(x):
+    """fp16 of e4m3 bytes ``x`` (uint8), four a call, two per ``cvt`` (compute capability 8.9+)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 a, b;
+        mov.b32 {a, b}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, a;
+        cvt.rn.f16x2.e4m3x2 $1, b;
+        }""",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def kv_tile(
+    P, S, Z, C, rows, srows, mask_n,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr, OFFSET: tl.constexpr,
+    GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, FACTOR: tl.constexpr, SPLIT: tl.constexpr,
+    FAST: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    """A K or V tile as the dot's operand dtype ``DT``, returned as two tensors.
+
+    ``SPLIT`` (4-bit codes): ``(even channels, odd channels)``, each ``[BLOCK_N, HEAD_DIM // 2]``:
+    the low and the high nibbles of the bytes, never interleaved (the caller scores
+    the even and odd channels of the query against them, and keeps an accumulator
+    for each). Otherwise ``(x, x)`` with ``x`` ``[BLOCK_N, HEAD_DIM]``. With
+    ``FACTOR`` (one scale per row, no zero) the tile holds ``code + offset`` (e4m3
+    values for :data:`FLOAT8`) and the caller applies the scale to scores or
+    probabilities. ``FAST``: the inline-assembly conversions (compiled kernels);
+    else plain conversions (the interpreter). Formats without a fast path go
+    through :func:`dequant_tile` in fp32.
+    """
+    if MODE == 3:  # e4m3 bytes, one scale per row (FACTOR)
+        d = tl.arange(0, HEAD_DIM)
+        raw = tl.load(P + rows[:, None] + d[None, :], mask=mask_n[:, None], other=0)
+        if FAST:
+            x = _asm_e4m3_to_f16(raw).to(DT)
+        else:
+            x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DT)
+        return x, x
+    elif SPLIT:  # 4-bit codes, low nibble channel 2j, high nibble 2j + 1
+        d2 = tl.arange(0, HEAD_DIM // 2)
+        byte = tl.load(P + rows[:, None] + d2[None, :], mask=mask_n[:, None], other=0)
+        if FAST:
+            lo, hi = _asm_nibbles_to_f16(byte, OFFSET)
+        else:
+            b = byte.to(tl.int32) & 0xFF
+            lo = ((b & 0xF) + OFFSET).to(tl.float16)
+            hi = ((b >> 4) + OFFSET).to(tl.float16)
+        lo = lo.to(DT)
+        hi = hi.to(DT)
+        if not FACTOR:  # a scale (and zero) per group of GROUP channels: GROUP // 2 bytes
+            NG: tl.constexpr = HEAD_DIM // GROUP
+            g = tl.arange(0, NG)
+            sptr = srows[:, None] + g[None, :]
+            sc = tl.load(S + sptr, mask=mask_n[:, None], other=0.0).to(DT)[:, :, None]
+            lo3 = tl.reshape(lo, (BLOCK_N, NG, GROUP // 2)) * sc
+            hi3 = tl.reshape(hi, (BLOCK_N, NG, GROUP // 2)) * sc
+            if HAS_ZERO:
+                z = tl.load(Z + sptr, mask=mask_n[:, None], other=0.0).to(DT)[:, :, None]
+                lo3 = lo3 + z
+                hi3 = hi3 + z
+            lo = tl.reshape(lo3, (BLOCK_N, HEAD_DIM // 2))
+            hi = tl.reshape(hi3, (BLOCK_N, HEAD_DIM // 2))
+        return lo, hi
+    elif MODE == 1 and BITS == 8 and (FACTOR or HAS_ZERO):  # q8, and 8-bit keys with a group zero
+        d = tl.arange(0, HEAD_DIM)
+        raw = tl.load(P + rows[:, None] + d[None, :], mask=mask_n[:, None], other=0)
+        if FAST:
+            x = _asm_bytes_to_f16(raw, SIGNED)
+        elif SIGNED:
+            x = (raw.to(tl.int32) + OFFSET).to(tl.float16)
+        else:
+            x = ((raw.to(tl.int32) & 0xFF) + OFFSET).to(tl.float16)
+        x = x.to(DT)
+        if not FACTOR:
+            NG: tl.constexpr = HEAD_DIM // GROUP
+            g = tl.arange(0, NG)
+            sptr = srows[:, None] + g[None, :]
+            sc = tl.load(S + sptr, mask=mask_n[:, None], other=0.0).to(DT)[:, :, None]
+            z = tl.load(Z + sptr, mask=mask_n[:, None], other=0.0).to(DT)[:, :, None]
+            x = tl.reshape(tl.reshape(x, (BLOCK_N, NG, GROUP)) * sc + z, (BLOCK_N, HEAD_DIM))
+        return x, x
+    else:
+        x = dequant_tile(P, S, Z, C, rows, srows, mask_n, BLOCK_N, HEAD_DIM,
+                         MODE, BITS, SIGNED, OFFSET, GROUP, HAS_ZERO, FACTOR).to(DT)  # fmt: skip
+        return x, x
 
 
 # ---------------------------------------------------------------------------------------------
