@@ -34,8 +34,8 @@ if IN_PROCESS:
     from kvtier.kernels.triton_decode_quant import decode_supported, key_lanes
     from kvtier.kernels.triton_paged import paged_attention_triton
     from kvtier.kernels.triton_quant import (
-        _asm_bytes_to_f16,
         _asm_e4m3_to_f16,
+        _asm_int8_to_f16,
         _asm_nibbles_to_f16,
         codes_to_float,
         page_format,
@@ -161,8 +161,8 @@ def _fast_kernel(U, X, Y, N: tl.constexpr, HOW: tl.constexpr):
     i = tl.arange(0, N)
     u = tl.load(U + i)  # uint8
     if HOW == 0:
-        x = _asm_bytes_to_f16(u.to(tl.int8, bitcast=True), True)
-        y = _asm_bytes_to_f16(u, False)
+        x = _asm_int8_to_f16(u.to(tl.int8, bitcast=True))
+        y = x
     elif HOW == 1:
         x, y = _asm_nibbles_to_f16(u, -8)
     elif HOW == 2:
@@ -180,7 +180,7 @@ def test_gpu_fast_conversions_are_exact():
     """The MMA kernel's inline-assembly conversions give every byte's exact value in fp16."""
     u = torch.arange(256, dtype=torch.int32)
     want = {
-        0: (torch.where(u >= 128, u - 256, u), u),  # int8 codes, uint8 codes
+        0: (torch.where(u >= 128, u - 256, u),) * 2,  # int8 codes (q8)
         1: ((u & 15) - 8, (u >> 4) - 8),  # q4 nibbles, offset -8
         2: (u & 15, u >> 4),  # unsigned nibbles (q4_g32, 4-bit keys)
         3: (u.to(torch.uint8).view(torch.float8_e4m3fn).float(),) * 2,  # e4m3 (NaN at 0x7F, 0xFF)

@@ -243,7 +243,11 @@ def check_write(r, *, exact: bool):
         gs = {n: _flat(t)[live] for n, t in got_s.items()}
         rs = {n: _flat(t)[live] for n, t in ref_s.items()}
         if exact:
-            assert torch.equal(gp, rp), f"{codec.name}: payload differs from the reference"
+            bad = (gp != rp).nonzero()
+            assert bad.numel() == 0, (
+                f"{codec.name}: {bad.shape[0]} payload bytes differ from the reference, first at "
+                f"{bad[0].tolist()}: {gp[tuple(bad[0])].item()} != {rp[tuple(bad[0])].item()}"
+            )
             for n in rs:
                 assert torch.equal(gs[n], rs[n]), f"{codec.name}: sidecar {n} differs"
         else:

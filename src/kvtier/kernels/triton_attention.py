@@ -45,6 +45,9 @@ LOG2E = 1.4426950408889634
 #: 147 against 237 us (1k); the MMA kernel stays faster for q8, q4 and q4_g32.
 QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "cuda_core"}
 DECODE_KERNELS = ("cuda_core", "mma")
+#: launches of fewer (row, kv head) programs than this split short: B=1 with 8 kv heads
+#: leaves most multiprocessors idle at 512-key splits
+SMALL_GRID, SHORT_SPLITS = 32, 64
 
 
 @triton.jit
@@ -80,8 +83,10 @@ def _attention_kernel(
     NEED_SIDECARS: tl.constexpr,
     K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_SIGNED: tl.constexpr, K_OFFSET: tl.constexpr,
     K_GROUP: tl.constexpr, K_ZERO: tl.constexpr, K_FACTOR: tl.constexpr, K_SPLIT: tl.constexpr,
+    K_DIRECT: tl.constexpr,
     V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_SIGNED: tl.constexpr, V_OFFSET: tl.constexpr,
     V_GROUP: tl.constexpr, V_ZERO: tl.constexpr, V_FACTOR: tl.constexpr, V_SPLIT: tl.constexpr,
+    V_DIRECT: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -158,7 +163,7 @@ def _attention_kernel(
             s = _dot(qa, tl.trans(ka), None, DOT_FP32)  # (M, N)
         else:
             ka, kb = kv_tile(K, KS, KZ, KC, k_rows, ks_rows, n_ok, BLOCK_N, HEAD_DIM, K_MODE, K_BITS,
-                             K_SIGNED, K_OFFSET, K_GROUP, K_ZERO, K_FACTOR, K_SPLIT, FAST, DT)  # fmt: skip
+                             K_SIGNED, K_OFFSET, K_GROUP, K_ZERO, K_FACTOR, K_SPLIT, K_DIRECT, FAST, DT)  # fmt: skip
             s = _dot(qa, tl.trans(ka), None, DOT_FP32)
             if K_SPLIT:
                 s = _dot(qb, tl.trans(kb), s, DOT_FP32)
@@ -182,7 +187,7 @@ def _attention_kernel(
             acc_a = _dot(p, va, acc_a * alpha[:, None], DOT_FP32)
         else:
             va, vb = kv_tile(V, VS, VZ, VC, v_rows, vs_rows, n_ok, BLOCK_N, HEAD_DIM, V_MODE, V_BITS,
-                             V_SIGNED, V_OFFSET, V_GROUP, V_ZERO, V_FACTOR, V_SPLIT, FAST, DT)  # fmt: skip
+                             V_SIGNED, V_OFFSET, V_GROUP, V_ZERO, V_FACTOR, V_SPLIT, V_DIRECT, FAST, DT)  # fmt: skip
             acc_a = _dot(p, va, acc_a * alpha[:, None], DOT_FP32)
             if V_SPLIT:
                 acc_b = _dot(p, vb, acc_b * alpha[:, None], DOT_FP32)
@@ -280,7 +285,9 @@ def plan_launch(
     """``(block_m, m_tiles, block_n, num_splits, split_len, programs_per_split)`` of one launch.
 
     Splits: enough programs for ``8 x`` the multiprocessors, each split at least
-    ``min_split_tokens`` long and a whole number of ``block_n`` tiles. The plan
+    ``min_split_tokens`` long (one tile, and at most :data:`SHORT_SPLITS` splits, when
+    fewer than :data:`SMALL_GRID` (row, kv head) pairs share the launch) and a whole
+    number of ``block_n`` tiles. The plan
     depends on the capacity (table width x page), never on the lengths.
     """
     rows = G * T
@@ -296,17 +303,34 @@ def plan_launch(
         splits = max(1, cfg.num_splits)
     else:
         want = triton.cdiv(_target_programs(device), base)
-        splits = max(1, min(want, triton.cdiv(capacity, max(cfg.min_split_tokens, block_n))))
+        # a small grid (B=1: 8 kv heads) splits down to one tile per split, at most SHORT_SPLITS
+        # splits (H200, B=1: 4k context 21.8 -> 13.8 us, 16k 30.4 -> 26.2 us; B=8 keeps 512 keys)
+        min_split = cfg.min_split_tokens if base >= SMALL_GRID else block_n
+        if base < SMALL_GRID:
+            want = min(want, SHORT_SPLITS)
+        splits = max(1, min(want, triton.cdiv(capacity, max(min_split, block_n))))
     split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     splits = max(1, triton.cdiv(capacity, split_len))
     return block_m, m_tiles, block_n, splits, split_len, base
 
 
-def format_constexprs(prefix: str, fmt: PageFormat, head_dim: int) -> dict[str, object]:
-    """The kernel's compile-time arguments for one of K (``prefix="K"``) or V."""
+def direct_format(fmt: PageFormat, head_dim: int) -> bool:
+    """Whether the kernel reads ``fmt`` straight into fp16 operands (``kv_tile``'s direct
+    branches): e4m3, signed bytes with a scale per row (q8), and nibbles with a scale per row
+    (q4) or a scale and zero per 32 channels (q4_g32, 4-bit keys). Other formats are
+    dequantised in fp32 (:func:`~kvtier.kernels.triton_quant.dequant_tile`)."""
+    per_row = fmt.group == head_dim and fmt.zero is None
+    if fmt.mode == FLOAT8:
+        return True
+    return fmt.mode == AFFINE and (
+        (fmt.bits == 8 and fmt.signed and per_row) or (fmt.bits == 4 and (per_row or fmt.group == 32))
+    )
+
+
+def format_constexprs(prefix: str, fmt: PageFormat, head_dim: int, direct: bool = False) -> dict[str, object]:
+    """The kernel's compile-time arguments for one of K (``prefix="K"``) or V; ``direct``: the
+    pair of formats is read straight into fp16 (both :func:`direct_format`)."""
     factor = fmt.mode in (AFFINE, FLOAT8) and fmt.group == head_dim and fmt.zero is None
-    # 4-bit codes in two halves (low and high nibbles), scaled per row or per 32 channels
-    split = fmt.mode == AFFINE and fmt.bits == 4 and (factor or fmt.group == 32)
     return {
         f"{prefix}_MODE": fmt.mode,
         f"{prefix}_BITS": fmt.bits,
@@ -315,7 +339,9 @@ def format_constexprs(prefix: str, fmt: PageFormat, head_dim: int) -> dict[str, 
         f"{prefix}_GROUP": fmt.group or head_dim,
         f"{prefix}_ZERO": fmt.zero is not None,
         f"{prefix}_FACTOR": factor,
-        f"{prefix}_SPLIT": split,
+        # 4-bit codes in two halves (low and high nibbles)
+        f"{prefix}_SPLIT": direct and fmt.mode == AFFINE and fmt.bits == 4,
+        f"{prefix}_DIRECT": direct,
     }
 
 
@@ -395,10 +421,11 @@ def launch_attention(
     # the interpreter has no bf16 arithmetic: dot in fp32 there (and for fp32 queries); on the
     # GPU quantised tiles meet the query in fp16, which holds every code exactly
     compiled = q.device.type == "cuda"
+    direct = quantised and direct_format(k_fmt, D) and direct_format(v_fmt, D)
     dot_fp32 = not compiled or q.dtype == torch.float32
     if dot_fp32:
         dot_dtype = tl.float32
-    elif quantised:
+    elif direct:
         dot_dtype = tl.float16
     else:
         dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16
@@ -421,7 +448,7 @@ def launch_attention(
         G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, PAGED=paged,
         CAUSAL=q_start is not None, SPLIT=splits > 1, DOT_FP32=dot_fp32, DT=dot_dtype, FAST=compiled,
         NEED_SIDECARS=k_fmt.scale is not None or v_fmt.scale is not None,
-        **format_constexprs("K", k_fmt, D), **format_constexprs("V", v_fmt, D),
+        **format_constexprs("K", k_fmt, D, direct), **format_constexprs("V", v_fmt, D, direct),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:

@@ -63,14 +63,18 @@ def _write_rows(
         scale = tl.div_rn(tl.max(tl.abs(x), axis=1), 448.0)
         safe = tl.where(scale > 0.0, scale, 1.0)
         y = tl.minimum(tl.maximum(tl.div_rn(x, safe[:, None]), -448.0), 448.0)
-        # round to e4m3's 3 mantissa bits here, in fp32 (exact: the quantum is a power of two),
-        # so the conversion below is exact whatever its own rounding (the interpreter's carries
-        # no mantissa overflow into the exponent)
+        # round to e4m3's 3 mantissa bits in fp32 (exact: the quantum is a power of two), then
+        # assemble the byte from the rounded value's bits: no float8 conversion, so every
+        # device and the interpreter store the same byte (round to nearest even, as torch)
         e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals: 2^-9
         quantum = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
         inverse = ((127 - e + 3) << 23).to(tl.float32, bitcast=True)
-        y = round_half_even(y * inverse) * quantum
-        code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        r = round_half_even(y * inverse) * quantum
+        rb = r.to(tl.int32, bitcast=True)
+        eb = ((rb >> 23) & 0xFF) - 120  # e4m3's biased exponent (bias 7)
+        mag = tl.where(eb >= 1, (eb << 3) | ((rb >> 20) & 7), (tl.abs(r) * 512.0).to(tl.int32))
+        sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80  # of y: what rounds to zero keeps it
+        code = (mag | sign).to(tl.uint8)
         tl.store(P + p_rows[:, None] + d[None, :], code, mask=ok[:, None])
         tl.store(S + s_rows, scale, mask=ok)
     else:

@@ -274,11 +274,11 @@ def codes_to_float(u, BITS: tl.constexpr, SIGNED: tl.constexpr, OFFSET: tl.const
 
 
 @triton.jit
-def _asm_bytes_to_f16(x, SIGNED: tl.constexpr):
-    """fp16 ``[...]`` of 8-bit codes ``x`` (int8 or uint8), four a call: ``(u | 0x6400) - 1024``
-    with ``u`` the code (signed codes flipped to ``code + 128`` and 1152 subtracted)."""
-    if SIGNED:
-        asm: tl.constexpr = """{
+def _asm_int8_to_f16(x):
+    """fp16 of int8 codes ``x``, four a call: ``code + 128`` slid under the exponent byte
+    ``0x64`` is the fp16 ``1152 + code``, and one packed subtraction leaves the code."""
+    return tl.inline_asm_elementwise(
+        """{
         .reg .b32 t, m;
         mov.b32 m, 0x64806480;
         xor.b32 t, $2, 0x80808080;
@@ -286,17 +286,9 @@ def _asm_bytes_to_f16(x, SIGNED: tl.constexpr):
         prmt.b32 $1, t, 0x64646464, 0x7372;
         sub.f16x2 $0, $0, m;
         sub.f16x2 $1, $1, m;
-        }"""
-    else:
-        asm: tl.constexpr = """{
-        .reg .b32 m;
-        mov.b32 m, 0x64006400;
-        prmt.b32 $0, $2, 0x64646464, 0x7170;
-        prmt.b32 $1, $2, 0x64646464, 0x7372;
-        sub.f16x2 $0, $0, m;
-        sub.f16x2 $1, $1, m;
-        }"""
-    return tl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+        }""",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -365,7 +357,7 @@ def kv_tile(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MODE: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr, OFFSET: tl.constexpr,
     GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, FACTOR: tl.constexpr, SPLIT: tl.constexpr,
-    FAST: tl.constexpr, DT: tl.constexpr,
+    DIRECT: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
     """A K or V tile as the dot's operand dtype ``DT``, returned as two tensors.
 
@@ -375,9 +367,10 @@ def kv_tile(
     for each). Otherwise ``(x, x)`` with ``x`` ``[BLOCK_N, HEAD_DIM]``. With
     ``FACTOR`` (one scale per row, no zero) the tile holds ``code + offset`` (e4m3
     values for :data:`FLOAT8`) and the caller applies the scale to scores or
-    probabilities. ``FAST``: the inline-assembly conversions (compiled kernels);
-    else plain conversions (the interpreter). Formats without a fast path go
-    through :func:`dequant_tile` in fp32.
+    probabilities. ``DIRECT``: the format is read straight into fp16 (see
+    ``triton_attention.direct_format``); else it goes through :func:`dequant_tile` in
+    fp32. ``FAST``: the inline-assembly conversions (compiled kernels); else plain
+    conversions (the interpreter).
     """
     if MODE == 3:  # e4m3 bytes, one scale per row (FACTOR)
         d = tl.arange(0, HEAD_DIM)
@@ -387,7 +380,7 @@ def kv_tile(
         else:
             x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DT)
         return x, x
-    elif SPLIT:  # 4-bit codes, low nibble channel 2j, high nibble 2j + 1
+    elif DIRECT and SPLIT:  # 4-bit codes, low nibble channel 2j, high nibble 2j + 1
         d2 = tl.arange(0, HEAD_DIM // 2)
         byte = tl.load(P + rows[:, None] + d2[None, :], mask=mask_n[:, None], other=0)
         if FAST:
@@ -412,23 +405,13 @@ def kv_tile(
             lo = tl.reshape(lo3, (BLOCK_N, HEAD_DIM // 2))
             hi = tl.reshape(hi3, (BLOCK_N, HEAD_DIM // 2))
         return lo, hi
-    elif MODE == 1 and BITS == 8 and (FACTOR or HAS_ZERO):  # q8, and 8-bit keys with a group zero
+    elif DIRECT and MODE == 1 and BITS == 8:  # q8: signed bytes, one scale per row (FACTOR)
         d = tl.arange(0, HEAD_DIM)
         raw = tl.load(P + rows[:, None] + d[None, :], mask=mask_n[:, None], other=0)
         if FAST:
-            x = _asm_bytes_to_f16(raw, SIGNED)
-        elif SIGNED:
-            x = (raw.to(tl.int32) + OFFSET).to(tl.float16)
+            x = _asm_int8_to_f16(raw).to(DT)
         else:
-            x = ((raw.to(tl.int32) & 0xFF) + OFFSET).to(tl.float16)
-        x = x.to(DT)
-        if not FACTOR:
-            NG: tl.constexpr = HEAD_DIM // GROUP
-            g = tl.arange(0, NG)
-            sptr = srows[:, None] + g[None, :]
-            sc = tl.load(S + sptr, mask=mask_n[:, None], other=0.0).to(DT)[:, :, None]
-            z = tl.load(Z + sptr, mask=mask_n[:, None], other=0.0).to(DT)[:, :, None]
-            x = tl.reshape(tl.reshape(x, (BLOCK_N, NG, GROUP)) * sc + z, (BLOCK_N, HEAD_DIM))
+            x = raw.to(tl.float32).to(DT)
         return x, x
     else:
         x = dequant_tile(P, S, Z, C, rows, srows, mask_n, BLOCK_N, HEAD_DIM,
