@@ -99,8 +99,9 @@ def test_shard_refuses_before_changing_the_model():
 # -- spawned ranks: the tiny random Llama ---------------------------------------------------------
 def _tiny_rank(tp: TensorParallel):
     model = shard_model(build_random(TINY), tp)
-    attn = model.layers[0].attention
-    heads = (attn.n_heads, attn.n_kv_heads, model.layers[0].feed_forward.hidden_dim)
+    attn, a = model.layers[0].attention, model.args
+    heads = (attn.n_heads, attn.n_kv_heads, model.layers[0].feed_forward.hidden_dim,
+             a.n_heads, a.n_kv_heads, a.hidden_dim)
     out = {name: greedy(model, config, prompts) for name, config, prompts in TIERS}
     # sampling without a seed: every rank draws from its global RNG, seeded alike by launch
     sampled, _ = greedy(model, TIERS[3][1], TIERS[3][2], params=SamplingParams(temperature=1.0))
@@ -119,7 +120,8 @@ def _tiny_rank(tp: TensorParallel):
 def test_tiny_llama_two_ranks_equal_one_rank_on_every_tier():
     got = launch(_tiny_rank, 2, timeout_s=30, deadline_s=DEADLINE_S)
     model = build_random(TINY)
-    assert got["heads"] == (4, 2, 96)  # query heads, KV heads, MLP hidden (191 -> 96 + 95)
+    # query heads, KV heads, MLP hidden (191 -> 96 + 95) of the layers, and the args alike
+    assert got["heads"] == (4, 2, 96) * 2
     for name, config, prompts in TIERS:
         want, heads = greedy(model, config, prompts)
         tokens, rank_heads = got["tiers"][name]

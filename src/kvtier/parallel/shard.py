@@ -32,6 +32,7 @@ Example (one rank of one, no communication; see :func:`kvtier.parallel.launch`):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -72,8 +73,11 @@ def shard_model(model: Transformer, tp: TensorParallel) -> Transformer:
     shard in place and install the all-reduces; returns it. One rank of one is left as is.
 
     The sliced weights are copies, so the full tensors are freed once nothing else
-    holds them. ``model.args`` keeps the full shape; each ``Attention`` holds its
-    local ``n_heads``/``n_kv_heads``, each ``FeedForward`` its local ``hidden_dim``.
+    holds them. Afterwards ``model.args`` describes the shard: this rank's
+    ``n_heads``, ``n_kv_heads`` and ``hidden_dim`` (``dim``, ``head_dim`` and
+    ``vocab_size`` stay whole), so code that sizes caches from the args (the serving
+    engine's page pool, bytes per token) sizes this rank's; each ``Attention`` and
+    ``FeedForward`` holds the same local counts.
     """
     check_shardable(model.args, tp.world_size)
     if is_sharded(model):
@@ -84,6 +88,9 @@ def shard_model(model: Transformer, tp: TensorParallel) -> Transformer:
         _shard_attention(layer.attention, tp)
         _shard_mlp(layer.feed_forward, tp)
     _shard_vocab(model, tp)
+    attn, mlp = model.layers[0].attention, model.layers[0].feed_forward
+    model.args = dataclasses.replace(model.args, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
+                                     hidden_dim=mlp.hidden_dim)
     return model
 
 

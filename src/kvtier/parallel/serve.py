@@ -1,0 +1,162 @@
+"""Serving over tensor-parallel ranks: rank 0 schedules, every rank runs each step.
+
+Rank 0 holds the whole engine (:class:`kvtier.serve.engine.LLMEngine`: scheduler,
+block manager, sampling, and whatever serves it, such as the HTTP server) over its
+shard of the model. Its runner is wrapped in a :class:`BroadcastRunner`, which
+sends each step's :class:`~kvtier.serve.scheduler.StepBatch` (plain data) to the
+other ranks before running it; each other rank holds a
+:class:`~kvtier.serve.runner.ModelRunner` over its own shard and pages (its KV
+heads) and runs every batch it receives (:func:`follow`). The runners keep no
+books of their own, so the same batch gives every rank the same rows at the same
+positions; the logits are gathered inside the model, and only rank 0 samples.
+Shutdown is a ``None`` batch.
+
+The batches travel on a gloo group of their own, on the CPU: no device sync to
+send them, and a wait without a deadline, since a server may sit idle for hours
+(a rank that dies still closes its connections, and the others raise at once).
+The model's collectives keep the finite timeout of the main group.
+
+Example (two CPU ranks; ``serve_fn`` runs on rank 0 and may block for hours)::
+
+    >>> def run(engine, prompts):
+    ...     return [o.token_ids for o in engine.generate(prompts)]
+    >>> serve_sharded(run, 2, args=([[1, 2, 3]],), config=EngineConfig(num_blocks=64))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvtier.parallel.group import DEFAULT_TIMEOUT_S, TensorParallel
+from kvtier.parallel.launch import run_ranks
+from kvtier.parallel.run import load_sharded
+
+#: how long a follower waits for the next batch (an idle server sends none)
+IDLE_WAIT = datetime.timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """What every rank's :class:`~kvtier.serve.runner.ModelRunner` is built with: rank 0's
+    engine decides (its pool size may come from its free memory), the others follow."""
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    kv_quant: str | None
+    turboquant: Any
+    attention_backend: str
+    cuda_graph: bool | None
+
+    @classmethod
+    def of_engine(cls, engine) -> RunnerSpec:
+        c = engine.config
+        return cls(engine.block_manager.num_blocks, c.block_size, c.max_num_seqs,
+                   engine.max_model_len, c.kv_quant, c.turboquant, c.attention_backend, c.cuda_graph)
+
+    def build(self, model):
+        from kvtier.serve.runner import ModelRunner
+
+        return ModelRunner(model, num_blocks=self.num_blocks, block_size=self.block_size,
+                           kv_quant=self.kv_quant, turboquant=self.turboquant,
+                           attention_backend=self.attention_backend, cuda_graph=self.cuda_graph,
+                           max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len)
+
+
+def control_group() -> dist.ProcessGroup:
+    """A gloo group of every rank for the batches, with no practical deadline (a collective call)."""
+    return dist.new_group(backend="gloo", timeout=IDLE_WAIT)
+
+
+class BroadcastRunner:
+    """Rank 0's runner: each :meth:`execute` sends the batch to the other ranks, then runs it
+    here. Otherwise it answers for the runner it wraps (``storage_mode``, ``nbytes`` of
+    this rank's pages)."""
+
+    def __init__(self, runner, group: dist.ProcessGroup):
+        self.runner, self.group = runner, group
+        self.closed = False
+
+    def execute(self, batch) -> torch.Tensor:
+        """Logits ``[n_sampled, vocab]`` (float32) of ``batch``, run on every rank."""
+        if self.closed:
+            raise ValueError("the other ranks were shut down (close() was called); build a new "
+                             "engine to serve again")
+        dist.broadcast_object_list([batch], src=0, group=self.group)
+        return self.runner.execute(batch)
+
+    def close(self) -> None:
+        """Tell the other ranks to stop (the ``None`` batch). Idempotent."""
+        if not self.closed:
+            dist.broadcast_object_list([None], src=0, group=self.group)
+            self.closed = True
+
+    @property
+    def storage_mode(self) -> str:
+        return self.runner.storage_mode
+
+    @property
+    def nbytes(self) -> int:
+        return self.runner.nbytes
+
+
+def follow(runner, group: dist.ProcessGroup) -> int:
+    """A rank > 0: run every batch rank 0 broadcasts until the ``None`` batch; returns the
+    number of steps run."""
+    steps = 0
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        if box[0] is None:
+            return steps
+        runner.execute(box[0])
+        steps += 1
+
+
+def serve_sharded(
+    serve_fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    config=None,
+    model: str | os.PathLike | None = None,
+    device_type: str = "cpu",
+    dtype: torch.dtype | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Any:
+    """Serve ``model`` sharded over ``world_size`` ranks: rank 0 builds an
+    :class:`~kvtier.serve.engine.LLMEngine` (``config``, an ``EngineConfig``) over its
+    shard and calls ``serve_fn(engine, *args)`` (the server, or any driver of the engine);
+    the other ranks follow its steps. When ``serve_fn`` returns (or raises), the others
+    are told to stop. Returns ``serve_fn``'s result (rank 0's; ``None`` on the other
+    ranks under ``torchrun``).
+    """
+    return run_ranks(_serve_rank, world_size, args=(serve_fn, args, config, model, dtype),
+                     device_type=device_type, timeout_s=timeout_s)
+
+
+def _serve_rank(tp: TensorParallel, serve_fn, args, config, model, dtype) -> Any:
+    lm = load_sharded(model, tp, dtype=dtype)
+    group = control_group()
+    if not tp.is_first:
+        spec = [None]
+        dist.broadcast_object_list(spec, src=0, group=group)
+        follow(spec[0].build(lm.model), group)
+        return None
+    from kvtier.serve.engine import LLMEngine
+
+    engine = LLMEngine(lm.model, lm.tokenizer, config)
+    dist.broadcast_object_list([RunnerSpec.of_engine(engine)], src=0, group=group)
+    engine.runner = BroadcastRunner(engine.runner, group)
+    try:
+        return serve_fn(engine, *args)
+    finally:
+        engine.runner.close()

@@ -1,0 +1,40 @@
+"""Serving over tensor-parallel ranks on the CPU: rank 0's engine broadcasts each step, the
+other ranks run it on their shards; tokens equal a single-process engine's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.parallel import TensorParallelError
+from kvtier.parallel.serve import serve_sharded
+from kvtier.serve.engine import EngineConfig, LLMEngine
+from kvtier.serve.params import RequestParams
+
+PROMPTS = ("The capital of France is", "Water boils at", "1, 2, 3,")
+CONFIG = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_batched_tokens=8)  # chunks too
+
+
+def _generate(engine, prompts):
+    outs = engine.generate(prompts, RequestParams(max_tokens=6))
+    return [list(o.token_ids) for o in outs], engine.stats()
+
+
+def test_three_ranks_serve_the_tokens_of_one(lm):
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
+    got, stats = serve_sharded(_generate, 3, args=(prompts,), config=CONFIG,
+                               dtype=torch.float32, timeout_s=60)
+    want, single = _generate(LLMEngine(lm.model, lm.tokenizer, CONFIG), prompts)
+    assert got == want
+    assert stats["steps"] == single["steps"]
+    assert stats["kv_bytes"] * 3 == single["kv_bytes"]  # rank 0's pages hold 1 of 3 KV heads
+
+
+def _failing(engine):
+    engine.generate([[1, 2, 3]], RequestParams(max_tokens=2))  # the followers run these steps
+    raise RuntimeError("the server fails on purpose")
+
+
+def test_a_failing_server_stops_the_followers():
+    with pytest.raises(TensorParallelError, match="rank 0 of 3: RuntimeError: the server fails"):
+        serve_sharded(_failing, 3, config=CONFIG, dtype=torch.float32, timeout_s=60)
