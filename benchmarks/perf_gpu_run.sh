@@ -7,6 +7,7 @@
 #
 # Uses the machine's python3 (torch, triton, pytest, rich) with src/ and benchmarks/ on
 # PYTHONPATH, so nothing is installed; every step has a time limit (about 7 minutes in all).
+# PERF_SWEEP=1 adds split counts at B=1 and the MMA kernel's tiles at B=64 / 8k.
 # Files under $OUT: env.txt, tests.log, perf.md (the tables), perf.json, bench.log, ncu.txt
 # (Nsight Compute sections of the bf16 and q8 kernels at B=64 / 8k), summary.txt.
 set -u
@@ -47,7 +48,7 @@ fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
     step bench 270 "$OUT/bench.log" "$PY" - "$OUT" <<'EOF'
-import json, sys, time
+import json, os, sys, time
 from types import SimpleNamespace
 
 import torch
@@ -61,6 +62,7 @@ out_dir = sys.argv[1]
 args = SimpleNamespace(kv_heads=8, heads=32, head_dim=128, page=16, device="cuda")
 gen = torch.Generator(device="cuda").manual_seed(0)
 ITERS, REPS = 20, 10
+SWEEP = os.environ.get("PERF_SWEEP") == "1"  # also a few split counts and MMA tiles
 MODES = ["q8", "fp8", "q4", "q4_g32", "turboquant:q8_0,q3_0"]
 md, js = [f"Date: {time.strftime('%Y-%m-%d')}. {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}. H_q 32, H_kv 8, head_dim 128, page 16, bf16 queries.", ""], {}
@@ -110,7 +112,7 @@ for B in (1, 8, 32, 64):
         rows.append([B, L, f"{nbytes / 1e6:.0f}", f"{t_k * 1e6:.1f}", f"{t_s * 1e6:.1f}", f"{nbytes / t_k / 1e12:.2f}",
                      f"{nbytes / t_s / 1e12:.2f}", f"{t_s / t_k:.0%}", f"{err:.1e}"])
         js.setdefault("bf16", []).append(dict(B=B, L=L, t_kernel=t_k, t_sdpa=t_s, err=err))
-        if B == 1 and L == 4096:
+        if SWEEP and B == 1 and L == 4096:
             for splits in (32, 64, 128):
                 for stages in (2, 3):
                     cfg = LaunchConfig(num_splits=splits, num_stages=stages)
@@ -121,7 +123,8 @@ for B in (1, 8, 32, 64):
         torch.cuda.empty_cache()
 table("bf16 paged decode vs SDPA (default plan)",
       ["B", "context", "KV MB", "kernel us", "SDPA us", "kernel TB/s", "SDPA TB/s", "kernel/SDPA", "max abs diff"], rows)
-table("bf16 split counts at small B (block_n 64, 4 warps)", ["B", "context", "splits", "stages", "us", "of SDPA"], sweep)
+if sweep:
+    table("bf16 split counts at small B (block_n 64, 4 warps)", ["B", "context", "splits", "stages", "us", "of SDPA"], sweep)
 
 # 2. quantised and fp8 pages against our bf16 kernel, default plans, and the MMA kernel's tiles
 rows, sweep = [], []
@@ -141,7 +144,7 @@ for B, L in ((8, 4096), (8, 16384), (64, 8192), (64, 16384)):
             extra = f"mma {t_mma * 1e6:.1f}"
         rows.append([mode, B, L, f"{ps[0].nbytes / 1e6:.0f}", f"{t * 1e6:.1f}", extra, f"{t_bf16 / t:.2f}x", f"{err:.1e}"])
         js.setdefault("quant", []).append(dict(mode=mode, B=B, L=L, t=t, t_bf16=t_bf16, err=err, extra=extra))
-        if (B, L) == (64, 8192) and mode in ("q8", "fp8", "q4", "q4_g32"):
+        if SWEEP and (B, L) == (64, 8192) and mode in ("q8", "fp8", "q4", "q4_g32"):
             for bn, warps, stages in ((128, 4, 3), (128, 4, 1), (256, 4, 2), (128, 2, 2)):
                 cfg = LaunchConfig(block_n=bn, num_warps=warps, num_stages=stages)
                 try:
@@ -155,8 +158,9 @@ for B, L in ((8, 4096), (8, 16384), (64, 8192), (64, 16384)):
         torch.cuda.empty_cache()
 table("quantised decode vs our bf16 kernel (default plans; time of the default kernel)",
       ["mode", "B", "context", "stored MB", "us", "other kernel us", "vs bf16", "max abs diff vs reference"], rows)
-table("MMA kernel tiles at B=64, context 8192 (default: 128 keys, 4 warps, 2 stages)",
-      ["mode", "BLOCK_N", "warps", "stages", "us", "vs bf16"], sweep)
+if sweep:
+    table("MMA kernel tiles at B=64, context 8192 (default: 128 keys, 4 warps, 2 stages)",
+          ["mode", "BLOCK_N", "warps", "stages", "us", "vs bf16"], sweep)
 EOF
 fi
 

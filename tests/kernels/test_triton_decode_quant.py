@@ -161,14 +161,14 @@ def _fast_kernel(U, X, Y, N: tl.constexpr, HOW: tl.constexpr):
     i = tl.arange(0, N)
     u = tl.load(U + i)  # uint8
     if HOW == 0:
-        x = _asm_int8_to_f16(u.to(tl.int8, bitcast=True))
+        x = _asm_int8_to_f16(u.to(tl.int8, bitcast=True), False)
         y = x
     elif HOW == 1:
-        x, y = _asm_nibbles_to_f16(u, -8)
+        x, y = _asm_nibbles_to_f16(u, -8, False)
     elif HOW == 2:
-        x, y = _asm_nibbles_to_f16(u, 0)
+        x, y = _asm_nibbles_to_f16(u, 0, False)
     else:
-        x = _asm_e4m3_to_f16(u)
+        x = _asm_e4m3_to_f16(u, False)
         y = x
     tl.store(X + i, x)
     tl.store(Y + i, y)

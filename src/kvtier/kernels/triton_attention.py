@@ -87,6 +87,7 @@ def _attention_kernel(
     V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_SIGNED: tl.constexpr, V_OFFSET: tl.constexpr,
     V_GROUP: tl.constexpr, V_ZERO: tl.constexpr, V_FACTOR: tl.constexpr, V_SPLIT: tl.constexpr,
     V_DIRECT: tl.constexpr,
+    K_PURE: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -163,7 +164,7 @@ def _attention_kernel(
             s = _dot(qa, tl.trans(ka), None, DOT_FP32)  # (M, N)
         else:
             ka, kb = kv_tile(K, KS, KZ, KC, k_rows, ks_rows, n_ok, BLOCK_N, HEAD_DIM, K_MODE, K_BITS,
-                             K_SIGNED, K_OFFSET, K_GROUP, K_ZERO, K_FACTOR, K_SPLIT, K_DIRECT, FAST, DT)  # fmt: skip
+                             K_SIGNED, K_OFFSET, K_GROUP, K_ZERO, K_FACTOR, K_SPLIT, K_DIRECT, FAST, DT, K_PURE)  # fmt: skip
             s = _dot(qa, tl.trans(ka), None, DOT_FP32)
             if K_SPLIT:
                 s = _dot(qb, tl.trans(kb), s, DOT_FP32)
@@ -187,7 +188,7 @@ def _attention_kernel(
             acc_a = _dot(p, va, acc_a * alpha[:, None], DOT_FP32)
         else:
             va, vb = kv_tile(V, VS, VZ, VC, v_rows, vs_rows, n_ok, BLOCK_N, HEAD_DIM, V_MODE, V_BITS,
-                             V_SIGNED, V_OFFSET, V_GROUP, V_ZERO, V_FACTOR, V_SPLIT, V_DIRECT, FAST, DT)  # fmt: skip
+                             V_SIGNED, V_OFFSET, V_GROUP, V_ZERO, V_FACTOR, V_SPLIT, V_DIRECT, FAST, DT, False)  # fmt: skip
             acc_a = _dot(p, va, acc_a * alpha[:, None], DOT_FP32)
             if V_SPLIT:
                 acc_b = _dot(p, vb, acc_b * alpha[:, None], DOT_FP32)
@@ -447,6 +448,7 @@ def launch_attention(
         sm_scale * LOG2E, T, H_kv, split_len, splits,
         G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, PAGED=paged,
         CAUSAL=q_start is not None, SPLIT=splits > 1, DOT_FP32=dot_fp32, DT=dot_dtype, FAST=compiled,
+        K_PURE=True,
         NEED_SIDECARS=k_fmt.scale is not None or v_fmt.scale is not None,
         **format_constexprs("K", k_fmt, D, direct), **format_constexprs("V", v_fmt, D, direct),
         num_warps=num_warps, num_stages=num_stages,

@@ -14,10 +14,10 @@ tensor cores without an int-to-float instruction: ``0x6400 | u`` is the fp16
 under the ``0x64`` exponent bytes and one packed subtraction turn two codes into
 two fp16 values; a nibble is masked in place under the same exponent. e4m3
 bytes convert two at a time (``cvt.rn.f16x2.e4m3x2``, compute capability 8.9+).
-The helpers run these as non-pure inline assembly in the layout the tile was
+Value tiles run these as non-pure inline assembly in the layout the tile was
 loaded in, which keeps the compiler from moving the conversion behind the
 shared-memory transposition of the dot operand, where every byte would be a
-load of its own. Under the interpreter the same helpers use plain conversions.
+load of its own; key tiles (no transposition) let it move. Under the interpreter the same helpers use plain conversions.
 
 Bit packing (every integer codec): code ``i`` of a (token, head) row sits at bits
 ``[bits*i, bits*i + bits)`` of the row's little-endian bit stream. Eight codes
@@ -274,7 +274,7 @@ def codes_to_float(u, BITS: tl.constexpr, SIGNED: tl.constexpr, OFFSET: tl.const
 
 
 @triton.jit
-def _asm_int8_to_f16(x):
+def _asm_int8_to_f16(x, PURE: tl.constexpr):
     """fp16 of int8 codes ``x``, four a call: ``code + 128`` slid under the exponent byte
     ``0x64`` is the fp16 ``1152 + code``, and one packed subtraction leaves the code."""
     return tl.inline_asm_elementwise(
@@ -287,12 +287,12 @@ def _asm_int8_to_f16(x):
         sub.f16x2 $0, $0, m;
         sub.f16x2 $1, $1, m;
         }""",
-        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4,
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4,
     )  # fmt: skip
 
 
 @triton.jit
-def _asm_nibbles_to_f16(byte, OFFSET: tl.constexpr):
+def _asm_nibbles_to_f16(byte, OFFSET: tl.constexpr, PURE: tl.constexpr):
     """fp16 ``(low nibble + OFFSET, high nibble + OFFSET)`` of uint8 ``byte``, four bytes a call.
 
     Bytes ``b0 b1`` are spread to ``b0 0 b1 0`` (``b2 b3`` likewise); masked under the
@@ -333,12 +333,12 @@ def _asm_nibbles_to_f16(byte, OFFSET: tl.constexpr):
         fma.rn.f16x2 $3, t, sc, hi;
         }"""
     return tl.inline_asm_elementwise(
-        asm, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=False, pack=4
+        asm, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=PURE, pack=4
     )
 
 
 @triton.jit
-def _asm_e4m3_to_f16(x):
+def _asm_e4m3_to_f16(x, PURE: tl.constexpr):
     """fp16 of e4m3 bytes ``x`` (uint8), four a call, two per ``cvt`` (compute capability 8.9+)."""
     return tl.inline_asm_elementwise(
         """{
@@ -347,7 +347,7 @@ def _asm_e4m3_to_f16(x):
         cvt.rn.f16x2.e4m3x2 $0, a;
         cvt.rn.f16x2.e4m3x2 $1, b;
         }""",
-        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4,
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4,
     )  # fmt: skip
 
 
@@ -357,7 +357,7 @@ def kv_tile(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MODE: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr, OFFSET: tl.constexpr,
     GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, FACTOR: tl.constexpr, SPLIT: tl.constexpr,
-    DIRECT: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr,
+    DIRECT: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr, PURE: tl.constexpr,
 ):  # fmt: skip
     """A K or V tile as the dot's operand dtype ``DT``, returned as two tensors.
 
@@ -370,13 +370,16 @@ def kv_tile(
     probabilities. ``DIRECT``: the format is read straight into fp16 (see
     ``triton_attention.direct_format``); else it goes through :func:`dequant_tile` in
     fp32. ``FAST``: the inline-assembly conversions (compiled kernels); else plain
-    conversions (the interpreter).
+    conversions (the interpreter). ``PURE``: the conversion may move into the dot's
+    operand layout (keys, whose bytes need no transposition: the raw codes go from shared
+    memory straight into the operand registers, one shared-memory round trip instead of
+    two); values keep theirs in the load layout (a transposed byte would be a load).
     """
     if MODE == 3:  # e4m3 bytes, one scale per row (FACTOR)
         d = tl.arange(0, HEAD_DIM)
         raw = tl.load(P + rows[:, None] + d[None, :], mask=mask_n[:, None], other=0)
         if FAST:
-            x = _asm_e4m3_to_f16(raw).to(DT)
+            x = _asm_e4m3_to_f16(raw, PURE).to(DT)
         else:
             x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DT)
         return x, x
@@ -384,7 +387,7 @@ def kv_tile(
         d2 = tl.arange(0, HEAD_DIM // 2)
         byte = tl.load(P + rows[:, None] + d2[None, :], mask=mask_n[:, None], other=0)
         if FAST:
-            lo, hi = _asm_nibbles_to_f16(byte, OFFSET)
+            lo, hi = _asm_nibbles_to_f16(byte, OFFSET, PURE)
         else:
             b = byte.to(tl.int32) & 0xFF
             lo = ((b & 0xF) + OFFSET).to(tl.float16)
@@ -409,7 +412,7 @@ def kv_tile(
         d = tl.arange(0, HEAD_DIM)
         raw = tl.load(P + rows[:, None] + d[None, :], mask=mask_n[:, None], other=0)
         if FAST:
-            x = _asm_int8_to_f16(raw).to(DT)
+            x = _asm_int8_to_f16(raw, PURE).to(DT)
         else:
             x = raw.to(tl.float32).to(DT)
         return x, x
