@@ -3,10 +3,14 @@ written for another model, tier or prompt is detected and the prompt recomputed.
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from kvtier.config import KVCacheConfig
 from kvtier.generate import GenerationConfig, stream_generate
@@ -112,10 +116,74 @@ def test_a_file_of_plain_caches_is_not_taken_for_a_prompt_cache(lm, baseline, tm
 
 
 def test_missing_file_is_created_without_warning(lm, tmp_path):
+    (tmp_path / "sub").mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("error", PromptCacheWarning)
-        run(lm, PROMPT, fresh(tmp_path, lm, "sub/dir/pc.safetensors"))
-    assert (tmp_path / "sub/dir/pc.safetensors").is_file()
+        run(lm, PROMPT, fresh(tmp_path, lm, "sub/pc.safetensors"))
+    assert (tmp_path / "sub/pc.safetensors").is_file()
+
+
+def test_paths_that_cannot_be_saved_to_are_refused_at_once(lm, tmp_path):
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(tmp_path / "fifo")
+    for name, what in [("folder", "is a directory"), ("fifo", "is a FIFO"),
+                       ("link", "is a FIFO .*through a symlink"),
+                       ("missing/pc.safetensors", "folder .*missing does not exist")]:
+        with pytest.raises(ValueError, match=what):
+            fresh(tmp_path, lm, name)
+    assert not (tmp_path / "missing").exists() and (tmp_path / "fifo").is_fifo()
+
+
+def _crafted_copy(path, change_meta):
+    """Rewrite a saved prompt cache with layer 0's meta_state changed and valid checksums,
+    as a crafted file would be."""
+    import kvtier.caches.persist as persist
+
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        header = dict(f.metadata())
+    layers = json.loads(header["layers"])
+    change_meta(layers[0]["meta_state"])
+    header["layers"] = json.dumps(layers)
+    header["header_crc"] = persist._header_crc(header)
+    save_file(tensors, str(path), metadata=header)
+
+
+def test_crafted_or_bit_flipped_files_are_recomputed(lm, baseline, tmp_path):
+    """A file whose fields are wrong (with valid checksums), or whose header lost a bit
+    (a prompt token id), warns and recomputes: the same tokens, nothing reused."""
+    path = tmp_path / "pc.safetensors"
+    run(lm, PROMPT, fresh(tmp_path, lm), "ragged")
+    _crafted_copy(path, lambda m: m.update(step=0))  # a ZeroDivisionError before
+    _assert_recomputed(lm, baseline, fresh(tmp_path, lm), "ragged", match="cannot be read.*step")
+    _crafted_copy(path, lambda m: m.update(frozen="false"))
+    _assert_recomputed(lm, baseline, fresh(tmp_path, lm), "ragged", match="frozen")
+    data = bytearray(path.read_bytes())
+    at = data.index(b'tokens\\": [') + len(b'tokens\\": [')  # escaped inside the header's JSON
+    data[at] ^= 1  # one bit of the first token id's first digit: another digit
+    path.write_bytes(bytes(data))
+    _assert_recomputed(lm, baseline, fresh(tmp_path, lm), "ragged", match="checksum")
+
+
+def test_the_command_line_warns_and_recomputes_or_refuses_the_path(lm, tmp_path, capsys,
+                                                                   monkeypatch):
+    from kvtier import cli
+
+    monkeypatch.setattr(cli, "_load", lambda args: lm)
+    path = tmp_path / "pc.safetensors"
+    argv = ["generate", PROMPT, "--raw", "--max-tokens", "4", "--json", "--prompt-cache"]
+    assert cli.main([*argv, str(path)]) == 0
+    first = json.loads(capsys.readouterr().out)["tokens"]
+    _crafted_copy(path, lambda m: m.update(offset=-1))
+    assert cli.main([*argv, str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["tokens"] == first
+    assert "kvtier: warning: prompt cache" in err and "recomputing" in err
+    os.mkfifo(tmp_path / "fifo")
+    assert cli.main([*argv, str(tmp_path / "fifo")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: ") and "is a FIFO" in err and len(err.splitlines()) == 1
 
 
 def test_prompt_cache_serves_one_prompt(lm, tmp_path):

@@ -6,7 +6,9 @@ the tier (and its storage codecs), the K/V dtype and the token ids the caches
 hold. On the next run it loads the file and, when model, tier and dtype match,
 keeps the longest common prefix of the saved tokens and the new prompt (trimming
 the rest), so only the remainder is prefilled. Anything that does not match is
-recomputed from scratch with a warning; a missing file is simply created.
+recomputed from scratch with a warning; a missing file is simply created (in a
+folder that exists: folders are never created). A path that names a directory, a
+device or a FIFO (or a symlink to one) is refused when the ``PromptCache`` is made.
 
 Example::
 
@@ -41,15 +43,20 @@ class PromptCacheWarning(UserWarning):
 class PromptCache:
     """A prompt-cache file bound to one model.
 
-    ``path``: the safetensors file (created on the first save). ``model_source``:
-    a string naming the weights (``LoadedModel.source``); a file written for
-    other weights is never reused. After :meth:`restore`, ``reused`` holds the
-    number of prompt tokens taken from the file.
+    ``path``: the safetensors file (created on the first save, in a folder that
+    must exist). ``model_source``: a string naming the weights
+    (``LoadedModel.source``); a file written for other weights is never reused.
+    After :meth:`restore`, ``reused`` holds the number of prompt tokens taken from
+    the file. Raises ``ValueError`` at once for a path that could never be saved to
+    (see :func:`kvtier.caches.persist.check_save_path`).
     """
 
     def __init__(self, path: str | Path, *, model_source: str):
+        from kvtier.caches.persist import check_save_path
+
         if not isinstance(model_source, str) or not model_source:
             raise ValueError(f"model_source must name the weights, got {model_source!r}")
+        check_save_path(path)
         self.path = Path(path)
         self.model_source = model_source
         self.reused = 0
@@ -123,7 +130,6 @@ class PromptCache:
                 f"the caches hold {[c.size() for c in caches][:4]}... tokens, not the "
                 f"{len(tokens)} tokens given; save right after prefill"
             )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         save_cache(self.path, caches, {METADATA_KEY: self.record(tokens, config, dtype)})
         self._saved_tokens = tokens
 

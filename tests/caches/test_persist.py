@@ -1,8 +1,11 @@
-"""save_cache/load_cache: exact round trips, and damaged files that must not load."""
+"""save_cache/load_cache: exact round trips, damaged files that must not load, and paths
+that must never be replaced (directories, FIFOs, symlinks to them)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 
 import pytest
 import torch
@@ -11,8 +14,11 @@ from safetensors.torch import save_file
 
 import kvtier.caches.persist as persist
 from kvtier.caches.block_owned import BlockOwnedKVCache
+from kvtier.caches.paged import PagedKVCache
 from kvtier.caches.persist import load_cache, save_cache
+from kvtier.caches.ragged import RaggedBatchKVCache
 from kvtier.caches.tail_owned import TailOwnedKVCache
+from kvtier.config import TurboQuantConfig
 
 
 def _layers(dtype=torch.float32):
@@ -112,7 +118,10 @@ def _saved(tmp_path) -> tuple:
 
 
 def _rewrite(path, tensors, header, **changes):
-    save_file(tensors, str(path), metadata={**header, **changes})
+    """Write the file again with ``changes`` and a valid header checksum (a crafted file)."""
+    header = {**header, **changes}
+    header["header_crc"] = persist._header_crc(header)
+    save_file(tensors, str(path), metadata=header)
 
 
 def _expect_refusal(path, match):
@@ -149,6 +158,8 @@ def test_other_format_version(tmp_path, seed):
     path, tensors, header = _saved(tmp_path)
     _rewrite(path, tensors, header, format_version="99")
     _expect_refusal(path, "format version 99")
+    _rewrite(path, tensors, header, format_version="1")  # files of the previous layout
+    _expect_refusal(path, "format version 1; .* save the cache again")
 
 
 def test_bad_json_in_the_header(tmp_path, seed):
@@ -186,3 +197,139 @@ def test_meta_state_that_disagrees_with_the_tensors(tmp_path, seed):
 def test_missing_file_is_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_cache(tmp_path / "nothing.safetensors")
+
+
+def test_deeply_nested_header_json_is_refused(tmp_path, seed):
+    path, tensors, header = _saved(tmp_path)
+    deep = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError on it
+    _rewrite(path, tensors, header, metadata=deep)
+    _expect_refusal(path, "header is damaged")
+
+
+# -- checksums cover every byte ------------------------------------------------------------
+
+
+def _all_tiers():
+    """One layer of each tier, a TurboQuant paged layer among them (its seed lives in the header)."""
+    tail = TailOwnedKVCache(step=4)
+    tail.update(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4))
+    ragged = RaggedBatchKVCache(batch_size=2, step=4)
+    ragged.update(torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4), new_offsets=[3, 2])
+    paged = PagedKVCache(block_size=4, num_blocks=2, batch_size=1,
+                         turboquant=TurboQuantConfig(seed=7))
+    paged.update(torch.randn(1, 1, 5, 64), torch.randn(1, 1, 5, 64))
+    block = BlockOwnedKVCache(block_size=2)
+    block.update(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4))
+    return [tail, ragged, paged, block]
+
+
+def test_every_tier_round_trips(tmp_path, seed):
+    caches = _all_tiers()
+    save_cache(tmp_path / "c.safetensors", caches, metadata={"tokens": [5, 6, 7]})
+    loaded, meta = load_cache(tmp_path / "c.safetensors")
+    assert meta == {"tokens": [5, 6, 7]}
+    for a, b in zip(caches, loaded):
+        _assert_same(a, b)
+
+
+def test_a_single_flipped_bit_anywhere_is_detected(tmp_path, seed):
+    """One bit flipped in each byte of the header and in every 5th byte of the data:
+    every damaged copy is refused with a ValueError, none loads."""
+    path = tmp_path / "c.safetensors"
+    save_cache(path, _all_tiers(), metadata={"tokens": [5, 6, 7]})
+    data = path.read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    positions = [*range(header_end), *range(header_end, len(data), 5)]
+    for i in positions:
+        damaged = bytearray(data)
+        damaged[i] ^= 1 << (i % 8)
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(ValueError):
+            load_cache(path)
+
+
+def _flip_in_header(path, old: bytes, new: bytes):
+    data = path.read_bytes()
+    assert data.count(old) == 1
+    path.write_bytes(data.replace(old, new))
+
+
+def test_a_flipped_turboquant_seed_or_prompt_token_is_detected(tmp_path, seed):
+    path = tmp_path / "c.safetensors"
+    save_cache(path, _all_tiers(), metadata={"tokens": [5, 6, 7]})
+    good = path.read_bytes()
+    _flip_in_header(path, b'\\"seed\\": 7', b'\\"seed\\": 6')  # one bit: '7' -> '6'
+    _expect_refusal(path, "header fails its checksum")
+    path.write_bytes(good)
+    _flip_in_header(path, b"[5, 6, 7]", b"[5, 6, 3]")  # '7' -> '3', one bit
+    _expect_refusal(path, "header fails its checksum")
+
+
+# -- paths: only regular files are ever replaced ----------------------------------------------
+
+
+def _special_paths(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "to_folder").symlink_to(folder)
+    (tmp_path / "to_fifo").symlink_to(fifo)
+    return {"folder": "directory", "fifo": r"FIFO \(named pipe\)",
+            "to_folder": "directory, through a symlink",
+            "to_fifo": r"FIFO \(named pipe\), through a symlink"}
+
+
+def test_directories_fifos_and_symlinks_to_them_are_never_replaced(tmp_path):
+    kinds = _special_paths(tmp_path)
+    before = {p.name: (p.is_symlink(), p.is_dir(), p.is_fifo()) for p in tmp_path.iterdir()}
+    for name, kind in kinds.items():
+        with pytest.raises(ValueError, match=f"{name} is a {kind}, not a regular file"):
+            save_cache(tmp_path / name, [TailOwnedKVCache()])
+    after = {p.name: (p.is_symlink(), p.is_dir(), p.is_fifo()) for p in tmp_path.iterdir()}
+    assert after == before and list((tmp_path / "folder").iterdir()) == []
+    with pytest.raises(ValueError, match="not a regular file"):  # and never opened (a FIFO blocks)
+        load_cache(tmp_path / "fifo")
+
+
+def test_a_symlink_to_a_file_writes_the_file_and_stays_a_link(tmp_path, seed):
+    real = tmp_path / "real.safetensors"
+    save_cache(real, _layers()[:1], metadata={"v": 1})
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(real)
+    save_cache(link, _layers()[:2], metadata={"v": 2})
+    assert link.is_symlink() and load_cache(real)[1] == {"v": 2}
+    dangling = tmp_path / "dangling.safetensors"
+    dangling.symlink_to(tmp_path / "nowhere" / "x.safetensors")
+    with pytest.raises(ValueError, match="which does not exist"):
+        save_cache(dangling, _layers()[:1])
+
+
+def test_a_missing_folder_is_an_error_not_created(tmp_path):
+    with pytest.raises(ValueError, match=r"its folder .*sub does not exist; create it first"):
+        save_cache(tmp_path / "sub" / "c.safetensors", [TailOwnedKVCache()])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_saves_temporary_file_is_reused(tmp_path, seed):
+    leftover = tmp_path / ".c.safetensors.kvtier-tmp"
+    leftover.write_bytes(b"half of a file from a save that was killed" * 100)
+    save_cache(tmp_path / "c.safetensors", _layers()[:1], metadata={"v": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
+    assert load_cache(tmp_path / "c.safetensors")[1] == {"v": 1}
+
+
+def test_a_save_in_progress_elsewhere_is_not_overwritten(tmp_path, seed):
+    path = tmp_path / "c.safetensors"
+    save_cache(path, _layers()[:1], metadata={"v": 1})
+    tmp = tmp_path / ".c.safetensors.kvtier-tmp"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as another process's save holds it
+        with pytest.raises(ValueError, match="another process is saving"):
+            save_cache(path, _layers()[:2], metadata={"v": 2})
+        assert tmp.exists() and load_cache(path)[1] == {"v": 1}
+    finally:
+        os.close(fd)
+    save_cache(path, _layers()[:2], metadata={"v": 2})
+    assert load_cache(path)[1] == {"v": 2} and not tmp.exists()

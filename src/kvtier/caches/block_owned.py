@@ -21,7 +21,8 @@ from kvtier.caches.base import (
     check_queries,
     tensor_nbytes,
 )
-from kvtier.caches.tail_owned import check_query_rows, check_state_kv, live_kv, read_meta_ints
+from kvtier.caches.state_checks import MAX_INT, check_state_args, check_state_kv, meta_ints
+from kvtier.caches.tail_owned import check_query_rows, live_kv
 from kvtier.kernels.reference import OnlineSoftmax, causal_mask, partial_attention
 
 
@@ -166,10 +167,17 @@ class BlockOwnedKVCache(ScalarKVCache):
     def from_state(
         cls, state: dict[str, torch.Tensor], meta_state: dict[str, Any]
     ) -> BlockOwnedKVCache:
-        """Rebuild from :attr:`state` and :attr:`meta_state`, with the same number of blocks."""
-        block_size, offset, num_blocks = read_meta_ints(meta_state, "block_size", "offset", "num_blocks")
-        if block_size == 0:
-            raise ValueError("meta_state['block_size'] must be > 0, got 0")
+        """Rebuild from :attr:`state` and :attr:`meta_state`, with the same number of blocks.
+
+        Everything is checked first (:mod:`kvtier.caches.state_checks`): a bad field
+        raises ``ValueError`` naming it.
+        """
+        check_state_args(state, meta_state, cls.tier)
+        (block_size,) = meta_ints(meta_state, "block_size", minimum=1)
+        offset, num_blocks = meta_ints(meta_state, "offset", "num_blocks")
+        if num_blocks * block_size > MAX_INT:
+            raise ValueError(f"meta_state num_blocks={num_blocks} of {block_size} tokens pass "
+                             f"{MAX_INT} positions; the state is inconsistent")
         if num_blocks < math.ceil(offset / block_size) or bool(state) != (num_blocks > 0):
             raise ValueError(
                 f"meta_state num_blocks={num_blocks} cannot hold offset={offset} tokens in "

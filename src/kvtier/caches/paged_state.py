@@ -14,10 +14,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtier.caches.paged_codecs import CodecChoice, mode_codecs
-from kvtier.config import TurboQuantConfig
+from kvtier.caches.state_checks import (
+    check_state_args,
+    meta_bool,
+    meta_dtype,
+    meta_int,
+    meta_ints,
+    meta_str,
+    state_rows,
+)
+from kvtier.quant.modes import TurboQuantConfig
 
 if TYPE_CHECKING:
     from kvtier.caches.paged import PagedKVCache
+    from kvtier.quant.codec import Codec
 
 
 def storage_facts(cache: PagedKVCache) -> dict[str, Any]:
@@ -61,22 +71,75 @@ def paged_meta_state(cache: PagedKVCache) -> dict[str, Any]:
 
 def paged_from_state(cls: type[PagedKVCache], state: dict[str, torch.Tensor],
                      meta_state: dict[str, Any]) -> PagedKVCache:
-    """Rebuild a cache exactly (pages, sidecars, block tables, free list, lengths)."""
+    """Rebuild a cache exactly (pages, sidecars, block tables, free list, lengths).
+
+    Every field is checked before anything is built (a ``ValueError`` names it); in
+    particular no row may claim more tokens than the blocks it holds, so no row can
+    read another row's pages.
+    """
+    check_state_args(state, meta_state, cls.tier)
     m = meta_state
-    if m.get("tier") != cls.tier:
-        raise ValueError(f"meta_state tier {m.get('tier')!r} is not 'paged'")
-    tq = None if m["turboquant"] is None else TurboQuantConfig(**m["turboquant"])
-    cache = cls(m["block_size"], m["num_blocks"], batch_size=m["batch_size"], dynamic=m["dynamic"],
-                context_window_tokens=m["context_window_tokens"], kv_quant=m["kv_quant"],
-                turboquant=tq, attention_backend=m["attention_backend"])
-    cache.pool.frozen = bool(m["frozen"])
-    cache.copy_stats.grow_events = int(m["grow_events"])
-    if not state:
-        return cache
-    mode = m["mode"]
-    k, v = mode_codecs(mode, int(m["head_dim"]), getattr(torch, m["dtype"]), tq)
-    cache.pool.load(state, k, v)
-    cache.codecs = CodecChoice(k, v, mode, m["turboquant_disabled_reason"], m["kv_quant_disabled_reason"])
-    cache._lengths = state["lengths"].tolist()
-    cache._write_start = state["write_start"].tolist()
+    tq = _turboquant(m.get("turboquant"))
+    meta_ints(m, "block_size", "num_blocks", "batch_size", minimum=1)
+    cache = cls(m["block_size"], m["num_blocks"], batch_size=m["batch_size"], dynamic=m.get("dynamic"),
+                context_window_tokens=m.get("context_window_tokens"), kv_quant=m.get("kv_quant"),
+                turboquant=tq, attention_backend=m.get("attention_backend"))
+    frozen = meta_bool(m, "frozen")
+    (grow_events,) = meta_ints(m, "grow_events")
+    reasons = [meta_str(m, name, optional=True)
+               for name in ("turboquant_disabled_reason", "kv_quant_disabled_reason")]
+    if state:
+        mode = meta_str(m, "mode")
+        if mode == "turboquant" and tq is None:
+            raise ValueError("meta_state mode 'turboquant' comes without its 'turboquant' settings")
+        k, v = mode_codecs(mode, meta_int(m, "head_dim", minimum=1), meta_dtype(m, "dtype"), tq)
+        _check_books(state, k, v, cache.block_size, cache.batch_size)
+        cache.pool.load(state, k, v)
+        cache.codecs = CodecChoice(k, v, mode, *reasons)
+        cache._lengths = state["lengths"].tolist()
+        cache._write_start = state["write_start"].tolist()
+    cache.pool.frozen = frozen
+    cache.copy_stats.grow_events = grow_events
     return cache
+
+
+def _turboquant(d: Any) -> TurboQuantConfig | None:
+    """The saved TurboQuant settings: ``None``, or a dict of exactly its fields, typed."""
+    if d is None:
+        return None
+    types = {"key_quant": str, "value_quant": str, "rotate_keys": bool, "seed": int}
+    if not isinstance(d, dict) or set(d) != set(types):
+        raise ValueError(f"meta_state['turboquant'] must be None or a dict of {sorted(types)}, got {d!r}")
+    for name, kind in types.items():
+        if type(d[name]) is not kind:
+            raise ValueError(f"meta_state['turboquant'][{name!r}] must be {kind.__name__}, got {d[name]!r}")
+    return TurboQuantConfig(**d)
+
+
+def _check_books(state: dict[str, torch.Tensor], k: Codec, v: Codec, block_size: int,
+                 batch: int) -> None:
+    """Names, pool size and per-row books of a paged state: each row's length and write
+    start lie within the blocks it holds."""
+    pool = {"key_cache", "value_cache", "block_tables", "free_blocks", "held_blocks"}
+    sidecars = {f"{side}_sidecar.{s.name}" for side, c in (("k", k), ("v", v)) for s in c.sidecar_specs()}
+    expected = pool | sidecars | {"lengths", "write_start"}
+    if set(state) != expected:
+        raise ValueError(f"state tensors {sorted(state)} are not the paged tier's "
+                         f"(missing {sorted(expected - set(state))}, "
+                         f"unexpected {sorted(set(state) - expected)})")
+    kc = state["key_cache"]
+    if kc.dim() != 4 or kc.shape[0] == 0 or kc.shape[1] != block_size:
+        raise ValueError(f"state['key_cache'] {tuple(kc.shape)} is not [num_blocks, {block_size}, "
+                         "kv_heads, head_dim']")
+    held = state_rows(state, "held_blocks", batch, high=kc.shape[0])
+    free = state["free_blocks"]
+    if free.dim() != 1 or free.dtype.is_floating_point or free.dtype == torch.bool:
+        raise ValueError(f"state['free_blocks'] must be a 1-D integer tensor, got {free.dtype} "
+                         f"{tuple(free.shape)}")
+    capacity = [n * block_size for n in held]
+    for name in ("lengths", "write_start"):
+        rows = state_rows(state, name, batch)
+        over = [r for r in range(batch) if rows[r] > capacity[r]]
+        if over:
+            raise ValueError(f"state[{name!r}] {rows} passes the blocks rows {over} hold "
+                             f"({[capacity[r] for r in over]} tokens); the file is inconsistent")

@@ -5,13 +5,16 @@ Layout of the file:
 - tensors: each layer's ``state`` under ``layer{i}.{name}`` (e.g. ``layer0.keys``);
 - header metadata (strings): ``format`` = ``"kvtier.cache"``, ``format_version``,
   ``num_layers``, ``layers`` (JSON list of each layer's ``meta_state`` and
-  tensor names), ``checksums`` (JSON: CRC-32 of every tensor's bytes) and
-  ``metadata`` (JSON of the caller's metadata).
+  tensor names), ``checksums`` (JSON: CRC-32 of every tensor's dtype, shape and
+  bytes), ``metadata`` (JSON of the caller's metadata) and ``header_crc`` (CRC-32
+  of all the other fields). Every byte that decides what is loaded is covered by
+  a checksum, so a single flipped bit anywhere in the file is detected.
 
 The file is written to a temporary name beside ``path`` and renamed into place, so
-a reader never sees half a file. Loading checks everything (format, version,
-JSON, tiers, tensor names, checksums) before it returns; any problem is a
-``ValueError`` naming the file and what is wrong.
+a reader never sees half a file; only a regular file (or a symlink to one) is ever
+replaced. Loading checks everything (format, version, checksums, JSON, tiers,
+tensor names, and each tier's ``from_state`` every field) before it returns; any
+problem is a ``ValueError`` naming the file and what is wrong.
 
 Example::
 
@@ -21,10 +24,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib
 import json
 import os
-import tempfile
+import stat
 import zlib
 from pathlib import Path
 from typing import Any
@@ -36,7 +41,10 @@ from safetensors.torch import save_file
 from kvtier.caches.base import KVCache
 
 FORMAT = "kvtier.cache"
-FORMAT_VERSION = 1
+#: 2: the header carries its own checksum and each tensor's covers its dtype and shape
+FORMAT_VERSION = 2
+#: the header's fields, all covered by ``header_crc``
+HEADER_FIELDS = ("format", "format_version", "num_layers", "layers", "checksums", "metadata")
 
 #: tier name (``meta_state["tier"]``) -> (module, class); imported only when a file needs it
 TIERS: dict[str, tuple[str, str]] = {
@@ -46,10 +54,56 @@ TIERS: dict[str, tuple[str, str]] = {
     "paged": ("kvtier.caches.paged", "PagedKVCache"),
 }
 
+_SPECIAL_FILES = (
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISFIFO, "FIFO (named pipe)"),
+    (stat.S_ISSOCK, "socket"),
+)
+
 
 def _crc(t: torch.Tensor) -> int:
-    # bytes of a contiguous CPU tensor of any dtype (bf16 included) through a uint8 view
-    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().data)
+    """CRC-32 of a CPU tensor's dtype, shape and bytes (any dtype, bf16 included)."""
+    crc = zlib.crc32(f"{t.dtype}{list(t.shape)}".encode())
+    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().data, crc)
+
+
+def _header_crc(header: dict[str, str]) -> str:
+    """CRC-32 of every header field but the checksum itself, as a decimal string."""
+    return str(zlib.crc32(json.dumps({k: header[k] for k in HEADER_FIELDS}, sort_keys=True).encode()))
+
+
+def check_save_path(path: str | os.PathLike) -> Path:
+    """The regular file that saving to ``path`` replaces: ``path``, or the file its symlink names.
+
+    Raises ``ValueError`` (and touches nothing) when ``path`` names a directory, a
+    device, a FIFO or a socket, or a symlink to one; when it is a dangling symlink;
+    and when its folder is missing or not writable (folders are never created).
+    """
+    path = Path(path)
+    try:
+        st = os.stat(path)  # follows symlinks
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise ValueError(f"{path} is a symlink to {os.readlink(path)}, which does not exist; "
+                             "create the file it names, or pass another path") from None
+        st = None
+    except OSError as e:
+        raise ValueError(f"{path} cannot be inspected ({e}); pass the path of a regular file") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _SPECIAL_FILES if test(st.st_mode)), "special file")
+        via = ", through a symlink" if path.is_symlink() else ""
+        raise ValueError(f"{path} is a {kind}{via}, not a regular file; caches are saved only to "
+                         "regular files: pass a file path such as prompt.safetensors")
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    folder = target.parent
+    if not folder.is_dir():
+        raise ValueError(f"{path}: its folder {folder} does not exist; create it first "
+                         f"(mkdir -p {folder}) or pass another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: its folder {folder} is not writable; pass another path")
+    return target
 
 
 def save_cache(
@@ -61,10 +115,12 @@ def save_cache(
     ``state`` tensors (any dtype, any device: they are copied to CPU) and
     ``meta_state`` are stored. ``metadata``: a JSON-serialisable dict of the
     caller's own (e.g. the model name and the prompt's token ids). Everything is
-    checked before the file is touched; the write is atomic (temporary file, then
-    rename).
+    checked before the file is touched (the path too: see :func:`check_save_path`);
+    the write is atomic (a temporary file ``.NAME.kvtier-tmp`` beside it, then a
+    rename). A temporary file left by a killed save is reused; a second process
+    saving to the same path at the same moment gets a ``ValueError``.
     """
-    path = Path(path)
+    target = check_save_path(path)
     if not isinstance(caches, list | tuple) or not all(isinstance(c, KVCache) for c in caches):
         raise ValueError("caches must be a list of KVCache objects, one per layer")
     metadata = {} if metadata is None else metadata
@@ -99,17 +155,51 @@ def save_cache(
         "checksums": json.dumps({k: _crc(t) for k, t in tensors.items()}),
         "metadata": meta_json,
     }
+    header["header_crc"] = _header_crc(header)
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    with _claimed_temp(target) as (tmp, fd):
+        try:
+            save_file(tensors, tmp, metadata=header)
+            os.fsync(fd)  # the same file: flushes what save_file wrote
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def _claimed_temp(target: Path):
+    """``(tmp, fd)``: the temporary file beside ``target``, open and locked by this save.
+
+    The name is fixed, so a killed save's leftover is reused rather than piling up;
+    the lock keeps two processes from writing it at once.
+    """
+    tmp = target.with_name(f".{target.name}.kvtier-tmp")
+    for _ in range(3):
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(f"another process is saving to {target} right now; try again "
+                             "when it is done") from None
+        st, now = os.fstat(fd), _stat_or_none(tmp)
+        if now is not None and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+            break
+        os.close(fd)  # a save that just finished renamed the file we locked; open it afresh
+    else:
+        raise ValueError(f"another process keeps saving to {target}; try again when it is done")
     try:
-        save_file(tensors, tmp, metadata=header)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        yield tmp, fd
+    finally:
+        os.close(fd)
+
+
+def _stat_or_none(path: Path) -> os.stat_result | None:
+    try:
+        return os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
 
 
 def _tier_class(tier: Any, i: int) -> type[KVCache]:
@@ -127,19 +217,23 @@ def _read_header(f: Any) -> dict[str, Any]:
     raw = f.metadata() or {}
     if raw.get("format") != FORMAT:
         raise ValueError(f"not a kvtier cache file (format {raw.get('format')!r})")
+    if raw.get("format_version") != str(FORMAT_VERSION):
+        raise ValueError(
+            f"format version {raw.get('format_version')}; this kvtier reads version "
+            f"{FORMAT_VERSION}: save the cache again with this version"
+        )
+    if set(raw) != {*HEADER_FIELDS, "header_crc"}:
+        raise ValueError(f"the kvtier header's fields {sorted(raw)} are not {sorted(HEADER_FIELDS)} "
+                         "plus header_crc: the file is corrupted")
+    if raw["header_crc"] != _header_crc(raw):
+        raise ValueError("the kvtier header fails its checksum: the file is corrupted")
     try:
-        version = int(raw["format_version"])
         num_layers = int(raw["num_layers"])
         layers = json.loads(raw["layers"])
         checksums = json.loads(raw["checksums"])
         metadata = json.loads(raw["metadata"])
-    except (KeyError, ValueError, TypeError) as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deeply
         raise ValueError(f"the kvtier header is damaged ({type(e).__name__}: {e})") from None
-    if version != FORMAT_VERSION:
-        raise ValueError(
-            f"format version {version}; this kvtier reads version {FORMAT_VERSION}: "
-            "save the cache again with this version"
-        )
     if not isinstance(layers, list) or len(layers) != num_layers:
         raise ValueError(f"the header's layer list does not hold num_layers={num_layers} entries")
     expected = set()
@@ -148,6 +242,7 @@ def _read_header(f: Any) -> dict[str, Any]:
             isinstance(layer, dict)
             and isinstance(layer.get("meta_state"), dict)
             and isinstance(layer.get("tensors"), list)
+            and all(isinstance(n, str) for n in layer["tensors"])
         ):
             raise ValueError(f"layer {i}'s header entry is malformed")
         expected |= {f"layer{i}.{n}" for n in layer["tensors"]}
@@ -180,7 +275,8 @@ def _load(path: Path, device: torch.device) -> tuple[list[KVCache], dict[str, An
                 state[name] = t.to(device)
             try:
                 caches.append(cls.from_state(state, layer["meta_state"]))
-            except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            # every from_state checks its fields; the others are a net (and a failed allocation)
+            except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
                 raise ValueError(f"layer {i} ({cls.__name__}) cannot be rebuilt: {e}") from e
     return caches, header["metadata"]
 
@@ -193,12 +289,16 @@ def load_cache(
     Returns ``(caches, metadata)``: ``caches`` is the list of per-layer caches,
     each rebuilt by its tier's ``from_state`` with tensors on ``device``, and
     ``metadata`` the dict given to :func:`save_cache` (``{}`` if none). Raises
-    ``ValueError`` naming the file and the problem if it is truncated, corrupted,
-    of another format version, or inconsistent; then nothing is returned.
+    ``FileNotFoundError`` when ``path`` does not exist, and otherwise only
+    ``ValueError``, naming the file and the problem, if it is not a regular file or
+    is truncated, corrupted (a flipped bit anywhere fails a checksum), of another
+    format version, or inconsistent; then nothing is returned.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{path}: no such cache file")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a regular file; pass the path of a saved cache file")
     device = torch.device(device)
     try:
         return _load(path, device)

@@ -20,6 +20,7 @@ from kvtier.caches.base import (
     check_queries,
     tensor_nbytes,
 )
+from kvtier.caches.state_checks import check_state_args, check_state_kv, read_meta_ints
 from kvtier.kernels.reference import causal_attention
 
 
@@ -168,7 +169,12 @@ class TailOwnedKVCache(ScalarKVCache):
     def from_state(
         cls, state: dict[str, torch.Tensor], meta_state: dict[str, Any]
     ) -> TailOwnedKVCache:
-        """Rebuild from :attr:`state` and :attr:`meta_state` (capacity rounded up to ``step``)."""
+        """Rebuild from :attr:`state` and :attr:`meta_state` (capacity rounded up to ``step``).
+
+        Everything is checked first (:mod:`kvtier.caches.state_checks`): a bad field
+        raises ``ValueError`` naming it.
+        """
+        check_state_args(state, meta_state, cls.tier)
         step, offset = read_meta_ints(meta_state, "step", "offset")
         cache = cls(step=step)
         k, v = check_state_kv(state, offset)
@@ -188,39 +194,3 @@ class TailOwnedKVCache(ScalarKVCache):
             cache.update(*kv)
         return cache
 
-
-def read_meta_ints(meta_state: dict[str, Any], *names: str) -> list[int]:
-    """Read non-negative int fields of a meta_state; ValueError names a missing or bad one."""
-    out = []
-    for name in names:
-        v = meta_state.get(name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"meta_state[{name!r}] must be an int >= 0, got {v!r}")
-        out.append(v)
-    return out
-
-
-def check_state_kv(
-    state: dict[str, torch.Tensor], offset: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The ``keys``/``values`` of a scalar-offset tier's state, checked against ``offset``."""
-    if not state:
-        if offset:
-            raise ValueError(f"meta_state says offset {offset} but the state holds no tensors")
-        return None, None
-    missing = {"keys", "values"} - set(state)
-    if missing:
-        raise ValueError(f"state lacks {sorted(missing)}; expected 'keys' and 'values'")
-    k, v = state["keys"], state["values"]
-    for name, t in (("keys", k), ("values", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[2] != offset:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"state[{name!r}] {shape} does not hold offset={offset} tokens as "
-                "[batch, kv_heads, tokens, head_dim]; the state is inconsistent"
-            )
-    if k.shape[:3] != v.shape[:3] or k.dtype != v.dtype or k.device != v.device:
-        raise ValueError(
-            f"state keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)} {v.dtype} disagree"
-        )
-    return k, v
