@@ -265,6 +265,23 @@ def test_conversion_cache_key_follows_the_file(tmp_path):
                                atol=1e-4, rtol=0)
 
 
+def test_conversion_cache_is_keyed_by_content_not_by_path(tmp_path, cache_dir):
+    """Copies of one file in two checkouts share one entry; a touched file keeps its key."""
+    import os
+    import shutil
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = write_gguf(tmp_path / "a" / "m.gguf", hf_tiny("llama"), "llama")
+    copy = tmp_path / "b" / "m.gguf"
+    shutil.copyfile(first, copy)
+    os.utime(copy, ns=(1, 1))  # another modification time
+    assert conversion_cache_dir(copy) == conversion_cache_dir(first)
+    assert not load_model(first, device="cpu", progress=False).from_cache
+    assert load_model(copy, device="cpu", progress=False).from_cache
+    assert len(list((cache_dir / "converted").iterdir())) == 1
+
+
 # -- Hugging Face folders ----------------------------------------------------------------------------
 @torch.no_grad()
 def test_sharded_hf_folder_and_dtype(tmp_path):
@@ -293,6 +310,39 @@ def test_unsupported_hf_configs_are_named(tmp_path, change, message):
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(ValueError, match=message):
+        load_model(tmp_path, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("key", ["model_type", "hidden_size", "num_hidden_layers",
+                                 "num_attention_heads", "intermediate_size", "vocab_size"])
+def test_a_config_without_a_required_key_names_the_key_and_the_file(tmp_path, key, capsys):
+    from kvtier import cli
+
+    hf_tiny("llama").save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg[key]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"config.json: the key '{key}' is missing"):
+        load_model(tmp_path, device="cpu", progress=False)
+    # the command line says it in one line, without a traceback
+    capsys.readouterr()
+    assert cli.main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: ") and f"'{key}'" in err and len(err.splitlines()) == 1
+
+
+def test_a_config_that_is_not_an_object_or_has_wrong_types_is_named(tmp_path):
+    hf_tiny("llama").save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps([cfg]))
+    with pytest.raises(ValueError, match="config.json: the config must be a JSON object"):
+        load_model(tmp_path, device="cpu", progress=False)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": None}))
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tmp_path, device="cpu", progress=False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match="index.json lacks the key 'weight_map'"):
         load_model(tmp_path, device="cpu", progress=False)
 
 

@@ -209,9 +209,25 @@ def read_gguf(reader, progress: Callable[[Iterable], Iterable] = iter
 
 
 # -- Hugging Face folders --------------------------------------------------------------------------
+#: keys a Hugging Face ``config.json`` must have (the others have defaults)
+HF_REQUIRED_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size", "vocab_size")
+
+
 def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
-    """:class:`ModelArgs` from a ``config.json`` dict (transformers 4.x or 5.x layout)."""
-    model_type = cfg.get("model_type")
+    """:class:`ModelArgs` from a ``config.json`` dict (transformers 4.x or 5.x layout).
+
+    A missing key of :data:`HF_REQUIRED_KEYS` or a value of the wrong type raises
+    ``ValueError`` naming it.
+    """
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"the config must be a JSON object, got {type(cfg).__name__}")
+    missing = [k for k in HF_REQUIRED_KEYS if k not in cfg]
+    if missing:
+        also = f" (and {', '.join(map(repr, missing[1:]))})" if missing[1:] else ""
+        raise ValueError(f"the key {missing[0]!r}{also} is missing; re-download the model or "
+                         "add the key")
+    model_type = cfg["model_type"]
     if model_type not in HF_MODEL_TYPES:
         raise ValueError(
             f"model_type {model_type!r} is not supported; accepted: {', '.join(HF_MODEL_TYPES)}"
@@ -262,13 +278,23 @@ def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         raise FileNotFoundError(f"{cfg_path} not found; a Hugging Face folder needs config.json")
     try:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{cfg_path} is not valid JSON ({e}); re-download the model") from None
-    args = args_from_hf_config(cfg)
+    try:
+        args = args_from_hf_config(cfg)
+    except (TypeError, ValueError) as e:  # TypeError: a value of the wrong type
+        raise ValueError(f"{cfg_path}: {e}") from None
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / s for s in shards]
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{index} is not valid JSON ({e}); re-download the model") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index} lacks the key 'weight_map' (tensor name -> shard file); "
+                             "re-download the model")
+        files = [path / s for s in sorted(set(weight_map.values()))]
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
