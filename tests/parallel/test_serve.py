@@ -8,8 +8,10 @@ import torch
 
 from kvtier.parallel import TensorParallelError
 from kvtier.parallel.serve import serve_sharded
-from kvtier.serve.engine import EngineConfig, LLMEngine
-from kvtier.serve.params import RequestParams
+
+engine = pytest.importorskip("kvtier.serve.engine")
+EngineConfig, LLMEngine = engine.EngineConfig, engine.LLMEngine
+RequestParams = pytest.importorskip("kvtier.serve.params").RequestParams
 
 PROMPTS = ("The capital of France is", "Water boils at", "1, 2, 3,")
 CONFIG = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_batched_tokens=8)  # chunks too
