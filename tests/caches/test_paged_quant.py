@@ -25,6 +25,7 @@ MODES = {
     "q8": {"kv_quant": "q8"},
     "q4": {"kv_quant": "q4"},
     "q4_g32": {"kv_quant": "q4_g32"},
+    "fp8": {"kv_quant": "fp8"},
     "tq_k8v3": {"turboquant": TurboQuantConfig("q8_0", "q3_0")},
     "tq_k5rv4": {"turboquant": TurboQuantConfig("q5_0", "q4_0", rotate_keys=True)},
     "tq_k4rv4": {"turboquant": TurboQuantConfig("q4_0", "q4_0", rotate_keys=True)},
@@ -40,11 +41,12 @@ LAYOUT_BYTES = {
     "q8": (D + 4, D + 4),  # int8 codes + fp32 scale
     "q4": (D // 2 + 4, D // 2 + 4),  # two nibbles a byte + fp32 scale
     "q4_g32": (D // 2 + D // 32 * 4,) * 2,  # nibbles + fp16 scale and zero per 32
+    "fp8": (D + 4, D + 4),  # e4m3 bytes + fp32 scale
     "tq_k8v3": (D + D // 32 * 4, _ceil8(3 * D) + D // 32 * 2),  # keys: + scale, zero; values: + scale
     "tq_k5rv4": (_ceil8(5 * D) + D // 32 * 4, D // 2 + D // 32 * 2),
     "tq_k4rv4": (D // 2 + D // 32 * 4, D // 2 + D // 32 * 2),
 }
-EXPECTED_MODE = {"q8": "q8", "q4": "q4", "q4_g32": "q4_g32"}
+EXPECTED_MODE = {"q8": "q8", "q4": "q4", "q4_g32": "q4_g32", "fp8": "fp8"}
 
 
 def roundtrip(cache: PagedKVCache, x: torch.Tensor, which: str) -> torch.Tensor:
