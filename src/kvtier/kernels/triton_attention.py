@@ -35,14 +35,14 @@ LOG2E = 1.4426950408889634
 
 #: Which kernel serves a decode step (one query token per row) over quantised pages
 #: when ``LaunchConfig.decode_kernel`` is ``None``, per storage family: ``"kv_quant"``
-#: (q8, q4, q4_g32) and ``"turboquant"`` (Lloyd-Max values). ``"mma"`` is the general
+#: (q8, q4, q4_g32, fp8) and ``"turboquant"`` (Lloyd-Max values). ``"mma"`` is the general
 #: kernel below, on the tensor cores; ``"cuda_core"`` the dot-free kernel of
 #: :mod:`kvtier.kernels.triton_decode_quant`. ``kvtier bench attention --quant-sweep``
 #: times both and names the faster per mode: set the family's entry to it. Formats the
-#: CUDA-core kernel does not read always use ``"mma"``. Measured on an H200 at B=64,
-#: 32/8 heads, head_dim 128 (benchmarks/results_gpu_attention_2026-11-29_run2.md): the
-#: CUDA-core kernel serves TurboQuant K8/V3 in 1110 us against 1629 us (8k context) and
-#: 147 against 237 us (1k); the MMA kernel stays faster for q8, q4 and q4_g32.
+#: CUDA-core kernel does not read (fp8, 5-bit codes) always use ``"mma"``. Measured on an
+#: H200 at B=64, 32/8 heads, head_dim 128, 8k context (benchmarks/RESULTS.md, 2026-12-01):
+#: TurboQuant K8/V3 1111 us on CUDA cores against 1651 us on the MMA kernel; q8, q4, q4_g32
+#: and fp8 read straight into fp16 operands on the MMA kernel (q8 382 us, bf16 489 us).
 QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "cuda_core"}
 DECODE_KERNELS = ("cuda_core", "mma")
 #: launches of fewer (row, kv head) programs than this split short: B=1 with 8 kv heads
