@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from kvtier.config import KVCacheConfig
+from kvtier.drafters import make_drafter
 from kvtier.generate import GenerationConfig, generate_step, stream_generate
 from kvtier.model import ModelArgs, build_random
 from kvtier.model.architectures import get_args
@@ -29,6 +30,7 @@ from kvtier.parallel import (
 )
 from kvtier.parallel.layers import split_range
 from kvtier.sampling import SamplingParams
+from kvtier.speculative import stream_speculative
 
 DEADLINE_S = 120.0  # a whole launch; far above what one takes, far below a hang
 #: 8 query heads over 4 KV heads; an MLP and a vocabulary that do not split evenly over 2
@@ -134,6 +136,7 @@ def test_tiny_llama_two_ranks_equal_one_rank_on_every_tier():
 # -- spawned ranks: SmolLM2 over 3 ranks ------------------------------------------------------------
 SMOL_PROMPT = "The capital of France is"
 SMOL_TIERS = ("tail", "block", "ragged", "paged", "q8")
+SPEC_PROMPT = "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox"
 
 
 def _smol_config(name: str) -> KVCacheConfig:
@@ -142,20 +145,31 @@ def _smol_config(name: str) -> KVCacheConfig:
     return KVCacheConfig(strategy=name, paged_num_blocks=64)
 
 
+def _smol_tokens(lm) -> dict[str, list[int]]:
+    """6 greedy tokens on every tier, and 8 of speculative decoding (n-gram drafts,
+    early-exit drafts from the first 8 layers) on the paged tier."""
+    gen = GenerationConfig(max_tokens=6)
+    out = {name: [r.token for r in stream_generate(lm.model, lm.tokenizer, SMOL_PROMPT, gen,
+                                                   cache_config=_smol_config(name))]
+           for name in SMOL_TIERS}
+    for spec in ("ngram", "early-exit:8"):
+        stream = stream_speculative(lm.model, lm.tokenizer, SPEC_PROMPT,
+                                    GenerationConfig(max_tokens=8), drafter=make_drafter(spec, lm),
+                                    cache_config=_smol_config("paged"))
+        out[spec] = [r.token for r in stream]
+    return out
+
+
 def _smol_rank(lm):
-    gen = GenerationConfig(max_tokens=6)
-    return {name: [r.token for r in stream_generate(lm.model, lm.tokenizer, SMOL_PROMPT, gen,
-                                                    cache_config=_smol_config(name))]
-            for name in SMOL_TIERS}
+    return _smol_tokens(lm)
 
 
-def test_smollm2_three_ranks_equal_one_rank_on_every_tier(lm):
+def test_smollm2_three_ranks_equal_one_rank_on_every_tier_and_speculative(lm):
     got = run_sharded(_smol_rank, 3, dtype=torch.float32, timeout_s=60)
-    gen = GenerationConfig(max_tokens=6)
-    for name in SMOL_TIERS:
-        want = [r.token for r in stream_generate(lm.model, lm.tokenizer, SMOL_PROMPT, gen,
-                                                 cache_config=_smol_config(name))]
-        assert got[name] == want, name
+    want = _smol_tokens(lm)
+    assert got.keys() == want.keys() and len(want["ngram"]) == len(want["early-exit:8"]) == 8
+    for name in want:
+        assert got[name] == want[name], name
 
 
 def test_cli_generate_three_ranks_equals_one(lm, capfd):
