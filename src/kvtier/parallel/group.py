@@ -64,9 +64,10 @@ def check_world(world_size: int, device_type: str) -> None:
     if device_type == "cuda":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if world_size > gpus:
+            fewer = f"use --tensor-parallel {gpus} or fewer, or " if gpus else ""
             raise ValueError(f"tensor parallel size {world_size} needs one GPU per rank, but "
-                             f"{gpus} GPU(s) are visible; use --tensor-parallel {max(gpus, 1)} or "
-                             "fewer, or run on the CPU (--device cpu, gloo)")
+                             f"{gpus} GPU(s) are visible; {fewer}run on the CPU (--device cpu, "
+                             "gloo)")
 
 
 def check_timeout(timeout_s: float) -> float:
