@@ -1,0 +1,305 @@
+"""LLMEngine: requests in, token and text deltas out, one forward pass per step for every row.
+
+The engine joins the three parts below the HTTP layer and drives them a step at a time:
+
+- :class:`~kvtier.serve.scheduler.Scheduler` picks the rows (continuous batching,
+  chunked prefill, admission, preemption) over a
+  :class:`~kvtier.serve.prefix.BlockManager` (blocks and the prefix cache);
+- :class:`~kvtier.serve.runner.ModelRunner` runs them and returns logits;
+- the engine samples each row with its own :class:`~kvtier.sampling.SamplingParams`
+  and seeded generator, detokenises incrementally, holds back text that may begin a
+  stop string (:class:`kvtier.generate.RowText`), and ends requests at a stop.
+
+It is synchronous and single-threaded; :class:`kvtier.serve.async_engine.AsyncLLMEngine`
+runs it in a background thread for the server.
+
+Example::
+
+    >>> from kvtier.model import load_model
+    >>> lm = load_model()
+    >>> engine = LLMEngine(lm.model, lm.tokenizer, EngineConfig(num_blocks=256))
+    >>> rid = engine.add_request(lm.tokenizer.encode("The capital of France is"),
+    ...                          RequestParams(max_tokens=8))
+    >>> text = ""
+    >>> while engine.has_unfinished():
+    ...     for out in engine.step():
+    ...         text += out.text
+    >>> text
+    ' Paris.\\n\\nThe answer is:'
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvtier.config import KV_QUANT_MODES, TurboQuantConfig
+from kvtier.generate import GenerationConfig, RowText
+from kvtier.sampling import make_generator, sample
+from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
+from kvtier.serve.prefix import BlockManager
+from kvtier.serve.runner import ModelRunner, blocks_for_memory
+from kvtier.serve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, StepBatch
+
+__all__ = ["EngineConfig", "LLMEngine"]
+
+#: keys and values on the CPU when neither num_blocks nor kv_memory_gib is given
+DEFAULT_CPU_KV_GIB = 1.0
+#: share of the free device memory (after the model) the pool takes on CUDA by default
+DEFAULT_CUDA_KV_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's pool, step limits and storage.
+
+    Pool: ``num_blocks`` blocks of ``block_size`` tokens, or as many as fit in
+    ``kv_memory_gib`` (not both; neither: 1 GiB on the CPU, 80% of the free device
+    memory on CUDA). ``max_model_len``: tokens of one request at most (default the
+    model's context, capped by what the pool holds). Step limits as in
+    :class:`~kvtier.serve.scheduler.SchedulerConfig`. ``kv_quant``, ``turboquant``,
+    ``attention_backend`` as for the paged tier; ``cuda_graph`` as for
+    :class:`~kvtier.serve.runner.ModelRunner`.
+    """
+
+    num_blocks: int | None = None
+    kv_memory_gib: float | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 512
+    max_waiting: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    kv_quant: str | None = None
+    turboquant: TurboQuantConfig | None = None
+    attention_backend: str = "auto"
+    cuda_graph: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.kv_memory_gib is not None:
+            raise ValueError(f"give num_blocks ({self.num_blocks}) or kv_memory_gib "
+                             f"({self.kv_memory_gib}), not both")
+        for name in ("num_blocks", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {v!r}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        if self.kv_quant is not None and self.kv_quant not in KV_QUANT_MODES:
+            raise ValueError(f"kv_quant {self.kv_quant!r} is unknown; accepted: None, "
+                             f"{', '.join(KV_QUANT_MODES)}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+
+
+class _Live:
+    """The engine's side of one running request: text, sampling, times."""
+
+    def __init__(self, request: Request, params: RequestParams, text: RowText, generator, now: float):
+        self.request, self.params, self.text, self.generator = request, params, text, generator
+        self.arrival, self.first_token = now, None
+
+
+class LLMEngine:
+    """Continuous-batching engine over the paged tier (see the module docstring).
+
+    ``model``: a :class:`~kvtier.model.Transformer`; ``tokenizer``: its
+    :class:`~kvtier.model.Tokenizer` (``None``: token ids only, no text or stop strings).
+    """
+
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
+        config = EngineConfig() if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        param = next(model.parameters())
+        self.device = param.device
+        num_blocks = config.num_blocks or self._default_blocks(param.dtype)
+        context = min(config.max_model_len or model.args.max_position_embeddings,
+                      model.args.max_position_embeddings, num_blocks * config.block_size)
+        self.max_model_len = context
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_model_len=context, max_num_seqs=config.max_num_seqs,
+                            max_batched_tokens=config.max_batched_tokens,
+                            max_waiting=config.max_waiting),
+            self.block_manager)
+        self.runner = ModelRunner(
+            model, num_blocks=num_blocks, block_size=config.block_size, kv_quant=config.kv_quant,
+            turboquant=config.turboquant, attention_backend=config.attention_backend,
+            cuda_graph=config.cuda_graph, max_num_seqs=config.max_num_seqs, max_model_len=context)
+        self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self.steps = self.prompt_tokens = self.generation_tokens = 0
+
+    def _default_blocks(self, dtype: torch.dtype) -> int:
+        c, args = self.config, self.model.args
+        gib = c.kv_memory_gib
+        if gib is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            gib = DEFAULT_CUDA_KV_SHARE * free / 2**30
+        return blocks_for_memory(gib or DEFAULT_CPU_KV_GIB, args, dtype, c.block_size, c.kv_quant,
+                                 c.turboquant)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], params: RequestParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id (``request_id`` or a fresh one).
+
+        ``ValueError`` for a prompt that is empty, holds ids outside the vocabulary or
+        does not fit the context (or ``max_tokens`` beyond it);
+        :class:`~kvtier.serve.scheduler.QueueFull` when the waiting queue is full.
+        Nothing is queued on error.
+        """
+        params = RequestParams() if params is None else params
+        if not isinstance(params, RequestParams):
+            raise ValueError(f"params must be a RequestParams, got {type(params).__name__}")
+        ids = list(prompt_token_ids) if isinstance(prompt_token_ids, Sequence) else prompt_token_ids
+        vocab = self.model.args.vocab_size
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"the prompt must be a non-empty list of token ids in [0, {vocab}), "
+                             f"got {str(prompt_token_ids)[:60]}")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the context holds "
+                             f"{self.max_model_len} (at least one must be left to generate); "
+                             "shorten the prompt")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} "
+                             f"exceed the context of {self.max_model_len} tokens; lower max_tokens "
+                             f"to at most {room}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} is already in use; ids must be unique")
+        max_tokens = params.max_tokens or room
+        request = Request(rid, ids, max_tokens)
+        self.scheduler.add(request)  # the last check (queue bound): after it, nothing can fail
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer else None
+        text = RowText(decoder, GenerationConfig(max_tokens=max_tokens, stop=params.stop), stop_ids)
+        self._live[rid] = _Live(request, params, text, make_generator(params.sampling, self.device),
+                                time.monotonic())
+        self.prompt_tokens += len(ids)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request, waiting or running; its blocks are freed. False if it was not live."""
+        self._live.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; an output for every request that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch.rows:
+            return []
+        logits = self.runner.execute(batch)  # (n_sampled, V) float32
+        with torch.inference_mode():
+            tokens, logprobs = self._sample(batch, logits)
+        self.scheduler.update(batch, tokens)
+        self.steps += 1
+        now = time.monotonic()
+        outputs = []
+        for rid, token in tokens.items():
+            live = self._live[rid]
+            text, reason = self._push(live, token)
+            assert reason is not None or live.request.status is not RequestStatus.FINISHED
+            if reason is not None:
+                self.scheduler.finish(rid)  # a stop (a length finish has freed it already)
+                del self._live[rid]
+            live.first_token = live.first_token or now
+            req = live.request
+            outputs.append(RequestOutput(
+                rid, text, (token,), reason, req.num_prompt_tokens, req.num_output_tokens,
+                req.num_cached_tokens, logprobs.get(rid), live.arrival, live.first_token,
+                now if reason is not None else None))
+        self.generation_tokens += len(tokens)
+        return outputs
+
+    def _push(self, live: _Live, token: int) -> tuple[str, str | None]:
+        if live.text.decoder is None:  # no tokenizer: ids only, stops by id and by length
+            if token in live.text.stop_ids:
+                return "", "stop"
+            return "", "length" if live.request.num_output_tokens >= live.request.max_tokens else None
+        return live.text.push(token)
+
+    def _sample(self, batch: StepBatch, logits: torch.Tensor) -> tuple[dict[str, int], dict]:
+        """One token per sampled row (greedy rows in one argmax), and the logprobs asked for."""
+        ids = batch.sampled
+        if not ids:
+            return {}, {}
+        lives = [self._live[rid] for rid in ids]
+        picked = torch.empty(len(ids), dtype=torch.long, device=logits.device)
+        greedy = [i for i, lv in enumerate(lives) if lv.params.sampling.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            picked[idx] = logits.index_select(0, idx).argmax(dim=-1)
+        for i, lv in enumerate(lives):
+            if not lv.params.sampling.greedy:
+                picked[i] = sample(logits[i : i + 1], lv.params.sampling, lv.generator)[0]
+        tokens = dict(zip(ids, picked.tolist()))
+        wanted = [i for i, lv in enumerate(lives) if lv.params.logprobs is not None]
+        logprobs = {ids[i]: self._logprobs(logits[i], tokens[ids[i]], lives[i].params.logprobs)
+                    for i in wanted}
+        return tokens, logprobs
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[TokenLogprob]:
+        lp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
+        alts = ()
+        if top:
+            vals, idx = lp.topk(top)
+            alts = tuple(zip(idx.tolist(), vals.tolist()))
+        return (TokenLogprob(token, float(lp[token]), alts),)
+
+    # -- figures ------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int | float | str]:
+        """Requests, blocks, prefix cache and token counters (a plain dict)."""
+        bm, s = self.block_manager, self.scheduler
+        return {
+            "running": s.num_running,
+            "waiting": s.num_waiting,
+            "num_blocks": bm.num_blocks,
+            "free_blocks": bm.num_free_blocks,
+            "cached_blocks": bm.num_cached_blocks,
+            "block_size": bm.block_size,
+            "prefix_queries": bm.prefix_queries,
+            "prefix_hits": bm.prefix_hits,
+            "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            "preemptions": s.num_preemptions,
+            "steps": self.steps,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "max_model_len": self.max_model_len,
+            "kv_storage": self.runner.storage_mode,
+            "kv_bytes": self.runner.nbytes,
+        }
+
+    # -- convenience -----------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: RequestParams | Sequence[RequestParams] | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` (token-id lists) to completion together; one merged output per prompt
+        (all its tokens and text, its finish reason), in prompt order."""
+        many = isinstance(params, Sequence)
+        if many and len(params) != len(prompts):
+            raise ValueError(f"{len(params)} params for {len(prompts)} prompts; give one or one each")
+        rids = [self.add_request(p, params[i] if many else params) for i, p in enumerate(prompts)]
+        merged: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                prev = merged.get(out.request_id)
+                if prev is not None:
+                    lp = None if out.logprobs is None else (prev.logprobs or ()) + out.logprobs
+                    out = replace(out, text=prev.text + out.text, token_ids=prev.token_ids + out.token_ids,
+                                  logprobs=lp, first_token_time=prev.first_token_time)
+                merged[out.request_id] = out
+        return [merged[r] for r in rids]

@@ -1,0 +1,88 @@
+"""What a request asks for (:class:`RequestParams`) and what each engine step gives back
+(:class:`RequestOutput`). Plain frozen dataclasses, checked on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.sampling import SamplingParams
+
+__all__ = ["MAX_LOGPROBS", "RequestOutput", "RequestParams", "TokenLogprob"]
+
+#: the most alternatives a request may ask for per token (OpenAI's limit)
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """How one request generates.
+
+    ``max_tokens``: new tokens at most (``None``: as many as the context leaves);
+    ``stop``: strings that end the text (cut from it); ``stop_token_ids``: ids that end
+    it besides the tokenizer's end-of-sequence ids, which ``ignore_eos`` disregards
+    (benchmarks use it to generate a fixed length); ``logprobs``: ``None`` for none,
+    else the log-probability of each chosen token and of the ``logprobs`` most likely
+    alternatives (0 to :data:`MAX_LOGPROBS`).
+    """
+
+    max_tokens: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        m = self.max_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_tokens must be an int >= 1 or None, got {m!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a tuple of ints >= 0, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        n = self.logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability (natural log, of the model's own distribution: before temperature
+    and filters) of a chosen token, and the ``top`` alternatives as ``(token_id, logprob)``."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request.
+
+    ``text`` and ``token_ids`` are new since the previous output (``text`` may lag
+    the tokens while a multi-byte character or a possible stop string is incomplete);
+    ``finish_reason`` is ``None`` while it runs, then ``"stop"`` (an end-of-sequence
+    id, a stop id or string) or ``"length"`` (``max_tokens`` or the context).
+    Times are ``time.monotonic()`` seconds: arrival, first token, finish.
+    """
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

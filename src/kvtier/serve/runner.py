@@ -1,0 +1,150 @@
+"""The model and its paged caches: one :class:`~kvtier.serve.scheduler.StepBatch` in, logits out.
+
+:class:`ModelRunner` holds the model and one
+:class:`~kvtier.caches.paged_shared.SharedBlockPagedKVCache` per layer over a pool
+of ``num_blocks`` blocks allocated up front. It keeps no books of its own: each
+step it binds the caches' rows to the batch's block lists and start positions,
+runs the forward(s) and returns the logits of the sampled rows. Tensor parallelism
+can therefore broadcast the batch and call :meth:`ModelRunner.execute` on every rank.
+
+How a step runs. Rows that feed one token (decode, or a one-token chunk) go through
+one forward ``[B, 1]`` whose positions, lengths, write slots and block table are
+computed once for every layer (:func:`~kvtier.caches.paged_shared.decode_plan`).
+Rows that feed a prompt chunk run one forward each, ``[1, T]``: a padded
+``[B, T_max]`` forward of a 256-token chunk beside 1-token decode rows would
+compute 256 positions for each of those rows, so the step is split instead (on the
+CPU, a chunk's forward costs about what its tokens cost).
+
+On CUDA, decode forwards can be replayed from CUDA graphs
+(:mod:`kvtier.serve.graphs`), one per batch-size bucket.
+
+Example::
+
+    >>> runner = ModelRunner(model, num_blocks=256)
+    >>> logits = runner.execute(batch)                      # (n_sampled, vocab) float32
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.caches.paged_codecs import select_codecs
+from kvtier.caches.paged_shared import RowBinding, SharedBlockPagedKVCache, decode_plan
+from kvtier.config import TurboQuantConfig
+from kvtier.serve.scheduler import ScheduledRow, StepBatch
+
+__all__ = ["ModelRunner", "blocks_for_memory", "kv_bytes_per_block"]
+
+
+def kv_bytes_per_block(model_args, dtype: torch.dtype, block_size: int, kv_quant: str | None = None,
+                       turboquant: TurboQuantConfig | None = None) -> int:
+    """Bytes one block of ``block_size`` tokens takes over every layer (payload and sidecars)."""
+    choice = select_codecs(model_args.head_dim, dtype, kv_quant, turboquant)
+    per_token_head = choice.k_codec.bytes_per_token_head() + choice.v_codec.bytes_per_token_head()
+    return model_args.n_layers * block_size * model_args.n_kv_heads * per_token_head
+
+
+def blocks_for_memory(gib: float, model_args, dtype: torch.dtype, block_size: int,
+                      kv_quant: str | None = None, turboquant: TurboQuantConfig | None = None) -> int:
+    """How many blocks fit in ``gib`` GiB of keys and values (at least 1)."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
+        raise ValueError(f"kv memory must be a number of GiB > 0, got {gib!r}")
+    per_block = kv_bytes_per_block(model_args, dtype, block_size, kv_quant, turboquant)
+    return max(1, math.floor(gib * 2**30 / per_block))
+
+
+class ModelRunner:
+    """Runs steps of ``model`` over shared-block paged caches (see the module docstring).
+
+    ``num_blocks`` x ``block_size``: the pool every layer allocates now, on the
+    model's device and in its dtype; ``kv_quant`` / ``turboquant`` /
+    ``attention_backend`` as for :class:`~kvtier.caches.paged.PagedKVCache`.
+    ``cuda_graph``: replay decode steps from CUDA graphs (``None``: on CUDA when the
+    paged kernels are Triton's; ``False``: never); ``max_num_seqs`` and
+    ``max_model_len`` bound the graphs' shapes.
+    """
+
+    def __init__(self, model, *, num_blocks: int, block_size: int = 16, kv_quant: str | None = None,
+                 turboquant: TurboQuantConfig | None = None, attention_backend: str = "auto",
+                 cuda_graph: bool | None = None, max_num_seqs: int = 64,
+                 max_model_len: int | None = None):
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        a = model.args
+        self.block_size, self.num_blocks = block_size, num_blocks
+        # one scratch block past the manager's: padding rows of a captured step write there
+        self.caches = [SharedBlockPagedKVCache(block_size, num_blocks + 1, kv_quant=kv_quant,
+                                               turboquant=turboquant, attention_backend=attention_backend)
+                       for _ in range(a.n_layers)]
+        for c in self.caches:
+            c.allocate(a.n_kv_heads, a.head_dim, self.dtype, self.device)
+        self.graphs = None
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"CUDA-graph decode needs a CUDA device, the model is on {self.device}; "
+                             "leave cuda_graph unset or False")
+        if cuda_graph is not False and self.device.type == "cuda":
+            from kvtier.serve.graphs import DecodeGraphs, graphs_unavailable
+
+            why = graphs_unavailable(model, self.caches)
+            if why is None:
+                width = math.ceil((max_model_len or a.max_position_embeddings) / block_size)
+                self.graphs = DecodeGraphs(model, self.caches, max_num_seqs, width, scratch=num_blocks)
+            elif cuda_graph:
+                raise ValueError(f"CUDA-graph decode cannot serve: {why}")
+
+    @property
+    def storage_mode(self) -> str:
+        """The codec the pages use (``fp``, ``q8``, ...; after any fallback)."""
+        return self.caches[0].codecs.mode
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run ``batch``; logits ``[n_sampled, vocab]`` (float32) of its sampled rows, in row order."""
+        decode = [r for r in batch.rows if len(r.token_ids) == 1]
+        chunks = [r for r in batch.rows if len(r.token_ids) > 1]
+        logits: dict[str, torch.Tensor] = {}
+        with torch.inference_mode():
+            if decode:
+                out = self._decode(decode)  # (B, V)
+                logits |= {r.request_id: out[i] for i, r in enumerate(decode) if r.sample}
+            for r in chunks:
+                out = self._prefill(r)  # (V,)
+                if r.sample:
+                    logits[r.request_id] = out
+            if not logits:
+                return torch.empty(0, self.model.args.vocab_size, device=self.device)
+            return torch.stack([logits[rid] for rid in batch.sampled])  # (n_sampled, V)
+
+    def _bind(self, rows: Sequence[ScheduledRow]) -> RowBinding:
+        binding = RowBinding.build([r.blocks for r in rows], [r.start for r in rows],
+                                   block_size=self.block_size, num_blocks=self.num_blocks + 1,
+                                   device=self.device)
+        for c in self.caches:
+            c.bind(binding)
+        return binding
+
+    def _decode(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
+        """One forward ``[B, 1]`` over one step plan; logits ``[B, V]``."""
+        if self.graphs is not None and self.graphs.fits(rows):
+            return self.graphs.run(rows)
+        plan = decode_plan(self._bind(rows))
+        tokens = torch.tensor([r.token_ids for r in rows], dtype=torch.long).to(self.device)  # (B, 1)
+        out = self.model(tokens, self.caches, positions=plan.write_start[:, None],
+                         cache_kwargs={"plan": plan, "write_start": plan.write_start}, last_only=True)
+        return out[:, -1]  # (B, V)
+
+    def _prefill(self, row: ScheduledRow) -> torch.Tensor:
+        """One forward ``[1, T]`` of a prompt chunk; logits of its last position ``[V]``."""
+        self._bind([row])
+        T = len(row.token_ids)
+        tokens = torch.tensor([row.token_ids], dtype=torch.long).to(self.device)  # (1, T)
+        positions = torch.arange(row.start, row.start + T, device=self.device)[None]  # (1, T)
+        kw = {"write_start": [row.start], "new_offsets": [row.start + T]}
+        return self.model(tokens, self.caches, positions=positions, cache_kwargs=kw, last_only=True)[0, -1]

@@ -1,0 +1,323 @@
+"""Which rows the next forward runs: continuous batching under a token budget, admission by free
+blocks, preemption by recompute.
+
+Every step :meth:`Scheduler.schedule` returns a :class:`StepBatch` of plain data
+(picklable: tensor parallelism broadcasts it from rank 0), built in this order:
+
+1. **Decode rows.** Each running request with one token left to compute (its last
+   sampled token) feeds that token. It needs a slot for it: when its block list is
+   full it takes a fresh block, and when none is free the *newest* running request
+   is preempted (its blocks are freed; it goes back to the front of the waiting
+   queue and is recomputed later) until the block fits or the request itself was
+   the newest.
+2. **Prefill chunks** of running requests whose prompt is not all in yet, oldest
+   first, with what is left of ``max_batched_tokens``.
+3. **Admissions** from the waiting queue, first come first served, while the budget
+   lasts, fewer than ``max_num_seqs`` run and the head's blocks fit (no admission in
+   a step that preempted). An admitted request takes references on the cached blocks
+   of its prompt's longest cached prefix (:meth:`BlockManager.match_prefix`), skips
+   computing them, and gets blocks for the rest of its prompt at once, so a prefill
+   never runs out of blocks half way. Its first chunk runs in the same step.
+
+A row feeds ``token_ids`` at positions ``start ..``; it is *sampled* when its last
+fed token is the request's last token (the end of the prompt, or the token sampled
+the step before). :meth:`Scheduler.update` books what the forward computed, appends
+the sampled tokens, hashes the newly full blocks for the prefix cache and finishes
+requests that reached ``max_tokens``. A request never exceeds ``max_tokens`` new
+tokens nor ``max_model_len`` tokens in all (checked at :meth:`Scheduler.add`).
+
+Example::
+
+    >>> from kvtier.serve.prefix import BlockManager
+    >>> s = Scheduler(SchedulerConfig(max_model_len=64), BlockManager(16, 4))
+    >>> s.add(Request("a", [1, 2, 3, 4, 5], max_tokens=2))
+    >>> batch = s.schedule()
+    >>> [(r.request_id, r.token_ids, r.start, r.sample) for r in batch.rows]
+    [('a', (1, 2, 3, 4, 5), 0, True)]
+    >>> s.update(batch, {"a": 9})
+    []
+    >>> [(r.token_ids, r.start) for r in s.schedule().rows]       # decode: the token sampled
+    [((9,), 5)]
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvtier.serve.prefix import BlockManager
+
+__all__ = ["QueueFull", "Request", "RequestStatus", "ScheduledRow", "Scheduler", "SchedulerConfig",
+           "StepBatch"]
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue holds ``max_waiting`` requests; try again later (HTTP 429)."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def _int_at_least(name: str, v, low: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step and of the queue.
+
+    ``max_num_seqs``: running requests at most (rows of a decode step);
+    ``max_batched_tokens``: tokens one step feeds, decode and prefill together (at
+    least ``max_num_seqs``, so every running request can decode);
+    ``max_waiting``: requests queued for admission before :meth:`Scheduler.add`
+    raises :class:`QueueFull`; ``max_model_len``: prompt plus generated tokens of
+    one request at most.
+    """
+
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 512
+    max_waiting: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_batched_tokens"):
+            _int_at_least(name, getattr(self, name), 1)
+        _int_at_least("max_waiting", self.max_waiting, 0)
+        if self.max_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_batched_tokens {self.max_batched_tokens} is below max_num_seqs "
+                             f"{self.max_num_seqs}: a step could not decode every running request; "
+                             "raise max_batched_tokens or lower max_num_seqs")
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's tokens and books. ``token_ids`` is the prompt followed by the tokens
+    generated so far; ``num_computed`` of them have their keys and values in ``blocks``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
+        ids = self.prompt_token_ids
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"prompt_token_ids must be a non-empty list of int token ids >= 0, "
+                             f"got {str(ids)[:60]}")
+        _int_at_least("max_tokens", self.max_tokens, 1)
+        self.token_ids = list(ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One row of a step: feed ``token_ids`` at positions ``start, start + 1, ...``, reading and
+    writing the physical ``blocks`` (the row's whole block list); ``sample`` its last position."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    blocks: tuple[int, ...]
+    sample: bool
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What one step runs: decode rows first, then prefill chunks. Plain data, picklable."""
+
+    rows: tuple[ScheduledRow, ...] = ()
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.rows)
+
+    @property
+    def sampled(self) -> tuple[str, ...]:
+        """Request ids of the sampled rows, in row order (the order of the runner's logits)."""
+        return tuple(r.request_id for r in self.rows if r.sample)
+
+
+class Scheduler:
+    """Waiting queue, running list and the step policy of the module docstring over one
+    :class:`~kvtier.serve.prefix.BlockManager`."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        if not isinstance(config, SchedulerConfig):
+            raise ValueError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        room = block_manager.num_blocks * block_manager.block_size
+        if config.max_model_len > room:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the {room} tokens the "
+                             f"{block_manager.num_blocks} blocks hold: a lone request could never "
+                             "fit; give more blocks or lower max_model_len")
+        self.config, self.blocks = config, block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- requests -----------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue ``request``. ``ValueError`` for a duplicate id or a request longer than
+        ``max_model_len``; :class:`QueueFull` when ``max_waiting`` requests wait."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use; ids must be unique")
+        total = request.num_prompt_tokens + request.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(f"the prompt's {request.num_prompt_tokens} tokens plus max_tokens "
+                             f"{request.max_tokens} exceed the context of {self.config.max_model_len} "
+                             "tokens; shorten the prompt or lower max_tokens")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting "
+                            f"{self.config.max_waiting}); retry later")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request_id: str) -> bool:
+        """End a request (a stop, an abort): its blocks are freed. False if it was not live."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.blocks.free(req.blocks)
+        else:
+            self.waiting.remove(req)
+        req.blocks, req.status = [], RequestStatus.FINISHED
+        return True
+
+    abort = finish
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> StepBatch:
+        """The rows of the next forward (see the module docstring); books blocks, not tokens."""
+        budget = self.config.max_batched_tokens
+        rows: list[ScheduledRow] = []
+        preempted: list[str] = []
+        for req in list(self.running):  # 1. decode rows, oldest first
+            if req.status is not RequestStatus.RUNNING or self._left(req) != 1:
+                continue
+            while not self._make_room(req):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                rows.append(self._row(req, 1))
+                budget -= 1
+        for req in self.running:  # 2. prefill chunks of running requests
+            if budget > 0 and self._left(req) > 1:
+                n = min(self._left(req), budget)
+                rows.append(self._row(req, n))
+                budget -= n
+        while (self.waiting and budget > 0 and not preempted  # 3. admissions
+               and len(self.running) < self.config.max_num_seqs and self._admit(self.waiting[0])):
+            req = self.waiting.popleft()
+            n = min(self._left(req), budget)
+            rows.append(self._row(req, n))
+            budget -= n
+        return StepBatch(tuple(rows), tuple(preempted))
+
+    def update(self, batch: StepBatch, sampled: Mapping[str, int]) -> list[Request]:
+        """Book the step: each row's tokens are computed, sampled rows get ``sampled[id]``.
+
+        Returns the requests finished by length (``max_tokens``), whose blocks are
+        freed. Rows of requests that ended since :meth:`schedule` are skipped.
+        """
+        finished = []
+        for row in batch.rows:
+            req = self.requests.get(row.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            assert row.start == req.num_computed, "a row must continue where its request stands"
+            req.num_computed = row.start + len(row.token_ids)
+            self.blocks.cache_full_blocks(req.blocks, req.token_ids, req.num_computed)
+            if not row.sample:
+                continue
+            assert req.num_computed == len(req.token_ids), "only a request's last token is sampled"
+            req.token_ids.append(int(sampled[row.request_id]))
+            if req.num_output_tokens >= req.max_tokens:
+                self.finish(req.request_id)
+                finished.append(req)
+        return finished
+
+    # -- internals -------------------------------------------------------------------------------
+    @staticmethod
+    def _left(req: Request) -> int:
+        """Tokens of the request not yet computed (1 while it decodes)."""
+        return len(req.token_ids) - req.num_computed
+
+    def _row(self, req: Request, n: int) -> ScheduledRow:
+        start = req.num_computed
+        assert req.num_output_tokens < req.max_tokens and start + n <= self.config.max_model_len
+        return ScheduledRow(req.request_id, tuple(req.token_ids[start : start + n]), start,
+                            tuple(req.blocks), start + n == len(req.token_ids))
+
+    def _make_room(self, req: Request) -> bool:
+        """Give ``req`` the block its next token needs; False when none is free."""
+        if self.blocks.blocks_for(len(req.token_ids)) <= len(req.blocks):
+            return True
+        if self.blocks.num_free_blocks < 1:
+            return False
+        self.blocks.grow(req.blocks, len(req.token_ids))
+        return True
+
+    def _admit(self, req: Request) -> bool:
+        """Start ``req`` if the blocks of its whole prompt fit: the cached prefix by reference,
+        the rest fresh. At least its last token is computed (it is sampled)."""
+        prefix = self.blocks.match_prefix(req.token_ids[:-1])
+        if not self.blocks.can_allocate(len(req.token_ids), prefix):
+            return False
+        req.blocks = self.blocks.allocate(len(req.token_ids), prefix)
+        req.num_computed = req.num_cached_tokens = len(prefix) * self.blocks.block_size
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s blocks and queue it first, to be recomputed from its tokens so far."""
+        self.running.remove(req)
+        self.blocks.free(req.blocks)
+        req.blocks, req.num_computed = [], 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

@@ -1,0 +1,165 @@
+"""LLMEngine on the default model: continuous batching, prefix caching and preemption give
+each request the tokens it gets alone through kvtier.generate (the library behind
+``kvtier generate``); no block outlives its requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.config import KVCacheConfig
+from kvtier.generate import GenerationConfig, stream_generate
+from kvtier.sampling import SamplingParams
+from kvtier.serve.engine import EngineConfig, LLMEngine
+from kvtier.serve.params import RequestParams
+from kvtier.serve.scheduler import QueueFull
+
+WORDS = ("river", "stone", "cloud", "lamp", "garden", "paper", "violin", "mountain", "orange",
+         "window", "silver", "thunder", "candle", "harbor", "meadow")
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, use plain words, "
+          "and never repeat the question back. ") * 3
+
+
+def prompt(tok, i: int) -> list[int]:
+    """A chat prompt whose user message has 2 to ~100 words, different for every ``i``."""
+    words = " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(2 + (i * 37) % 100))
+    return chat(tok, f"Continue this list: {words}")
+
+
+def chat(tok, user: str, system: str | None = None) -> list[int]:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return tok.encode(tok.apply_chat_template(msgs), add_bos=False)
+
+
+def solo(lm, ids: list[int], max_tokens: int, **gen) -> list[int]:
+    """The request alone through kvtier.generate (default tier)."""
+    cfg = GenerationConfig(max_tokens=max_tokens, **gen)
+    return [r.token for r in stream_generate(lm.model, lm.tokenizer, ids, cfg,
+                                             cache_config=KVCacheConfig())]
+
+
+def drain(engine: LLMEngine, arrivals: dict[int, list[tuple[list[int], RequestParams]]]) -> dict:
+    """Step the engine, adding ``arrivals[step]`` before that step; tokens per request id."""
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished() or any(k >= step for k in arrivals):
+        for ids, params in arrivals.get(step, []):
+            tokens[engine.add_request(ids, params)] = []
+        for out in engine.step():
+            tokens[out.request_id] += list(out.token_ids)
+        step += 1
+        assert step < 2000
+    return tokens
+
+
+def test_continuous_batching_equals_each_request_alone(lm) -> None:
+    tok = lm.tokenizer
+    reqs = [(prompt(tok, i), RequestParams(max_tokens=4 + i % 5)) for i in range(16)]
+    # 8 rows at most, 48 tokens a step: requests wait, join mid-run, prefill in chunks beside decodes
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=160, max_num_seqs=8,
+                                                   max_batched_tokens=48))
+    start = engine.stats()["free_blocks"]
+    got = drain(engine, {0: reqs[:10], 3: reqs[10:13], 7: reqs[13:]})
+    for (ids, params), (rid, tokens) in zip(reqs, got.items()):
+        assert tokens == solo(lm, ids, params.max_tokens), rid
+    s = engine.stats()
+    assert s["free_blocks"] == start and s["running"] == s["waiting"] == 0
+
+
+def test_prefix_cache_reuses_a_long_system_prompt(lm) -> None:
+    tok = lm.tokenizer
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=64))
+    first = chat(tok, "Name a colour.", SYSTEM)
+    second = chat(tok, "Name a fruit.", SYSTEM)
+    params = RequestParams(max_tokens=6)
+    a = engine.generate([first], params)[0]
+    assert a.cached_tokens == 0
+    b = engine.generate([second], params)[0]
+    common = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
+    assert b.cached_tokens == common // 16 * 16 >= 64
+    assert engine.stats()["prefix_hits"] == b.cached_tokens
+    assert list(b.token_ids) == solo(lm, second, 6)
+    again = engine.generate([first], params)[0]  # all but the last block cached
+    assert list(again.token_ids) == list(a.token_ids) == solo(lm, first, 6)
+    assert engine.stats()["free_blocks"] == 64
+
+
+def test_quantised_pages_share_their_prefix(lm) -> None:
+    tok = lm.tokenizer
+    ids = chat(tok, "Name a fruit.", SYSTEM)
+    params = RequestParams(max_tokens=5)
+    warm = LLMEngine(lm.model, tok, EngineConfig(num_blocks=64, kv_quant="q8"))
+    warm.generate([chat(tok, "Name a colour.", SYSTEM)], params)
+    shared = warm.generate([ids], params)[0]
+    assert warm.stats()["kv_storage"] == "q8" and shared.cached_tokens >= 64
+    # q8 rounding amplifies the last-bit differences of other matmul shapes, so the reference
+    # computes the prefix as its own chunk too: the same shapes, hence the same pages
+    fresh = LLMEngine(lm.model, tok, EngineConfig(num_blocks=64, kv_quant="q8",
+                                                  max_batched_tokens=shared.cached_tokens))
+    assert shared.token_ids == fresh.generate([ids], params)[0].token_ids
+
+
+def test_preemption_with_a_small_pool_still_gives_correct_outputs(lm) -> None:
+    tok = lm.tokenizer
+    reqs = [(prompt(tok, i), RequestParams(max_tokens=24)) for i in (1, 2, 5, 9, 11)]
+    need = sum(len(ids) + 24 for ids, _ in reqs) // 16
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=need // 2, max_batched_tokens=64))
+    got = drain(engine, {0: reqs})
+    assert engine.stats()["preemptions"] > 0
+    for (ids, params), tokens in zip(reqs, got.values()):
+        assert tokens == solo(lm, ids, params.max_tokens)
+    assert engine.stats()["free_blocks"] == need // 2
+
+
+def test_seeded_sampling_repeats_whatever_the_batch(lm) -> None:
+    tok = lm.tokenizer
+    params = RequestParams(max_tokens=8, sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=7))
+    ids = chat(tok, "Tell me a story.")
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=64))
+    alone = engine.generate([ids], params)[0]
+    crowd = engine.generate([prompt(tok, 3), ids, prompt(tok, 4)],
+                            [RequestParams(max_tokens=3), params, RequestParams(max_tokens=9)])[1]
+    assert alone.token_ids == crowd.token_ids
+
+
+def test_stop_strings_cut_the_text_like_generate(lm) -> None:
+    tok = lm.tokenizer
+    ids = tok.encode("1, 2, 3, 4, 5,")
+    out = LLMEngine(lm.model, tok, EngineConfig(num_blocks=32)).generate(
+        [ids], RequestParams(max_tokens=20, stop=(" 8",)))[0]
+    cfg = GenerationConfig(max_tokens=20, stop=(" 8",))
+    want = "".join(r.text for r in stream_generate(lm.model, tok, ids, cfg, cache_config=KVCacheConfig()))
+    assert out.finish_reason == "stop" and out.text == want and " 8" not in out.text
+
+
+def test_logprobs_come_from_the_model_distribution(lm) -> None:
+    tok = lm.tokenizer
+    ids = tok.encode("The capital of France is")
+    out = LLMEngine(lm.model, tok, EngineConfig(num_blocks=32)).generate(
+        [ids], RequestParams(max_tokens=2, logprobs=3))[0]
+    with torch.inference_mode():
+        caches = lm.model.make_caches(KVCacheConfig())
+        want = torch.log_softmax(lm.model(torch.tensor([ids]), caches)[0, -1], -1)
+    first = out.logprobs[0]
+    assert first.token_id == out.token_ids[0] == int(want.argmax())
+    assert first.logprob == pytest.approx(float(want.max()), abs=1e-4)
+    assert [t for t, _ in first.top] == want.topk(3).indices.tolist()
+
+
+def test_bad_requests_are_refused_and_change_nothing(lm) -> None:
+    tok = lm.tokenizer
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=8, max_waiting=1))  # 128 tokens
+    assert engine.max_model_len == 128
+    with pytest.raises(ValueError, match="context holds 128"):
+        engine.add_request([1] * 128)
+    with pytest.raises(ValueError, match="lower max_tokens to at most 28"):
+        engine.add_request([1] * 100, RequestParams(max_tokens=29))
+    with pytest.raises(ValueError, match=r"token ids in \[0, 49152\)"):
+        engine.add_request([1, 49152])
+    rid = engine.add_request([1, 2, 3], RequestParams(max_tokens=2))
+    with pytest.raises(QueueFull):
+        engine.add_request([1, 2, 3])
+    assert engine.stats()["waiting"] == 1
+    engine.step()
+    assert engine.abort(rid) and not engine.has_unfinished()
+    assert engine.stats()["free_blocks"] == 8

@@ -1,0 +1,175 @@
+"""Scheduler: continuous batching, chunked prefill under a budget, admission, preemption.
+
+The reference is a toy model over a simulated paged cache: a step writes each fed
+token into its row's slot (``blocks[pos // bs]``), and a sampled token is a
+function of the tokens *read back from the row's blocks*. A request's outputs must
+equal the outputs of running it alone, however it was batched, chunked, shared
+or preempted; and the pool must be whole again at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.serve.prefix import BlockManager
+from kvtier.serve.scheduler import QueueFull, Request, Scheduler, SchedulerConfig, StepBatch
+
+
+def next_token(tokens: list[int]) -> int:
+    return sum((i + 1) * t for i, t in enumerate(tokens)) % 7 + 1
+
+
+def alone(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+class ToyRunner:
+    """Writes fed tokens into block slots; samples from what the blocks hold."""
+
+    def __init__(self, bm: BlockManager):
+        self.bm, self.slots = bm, {}
+
+    def execute(self, batch: StepBatch) -> dict[str, int]:
+        bs = self.bm.block_size
+        out = {}
+        written = set()
+        for row in batch.rows:
+            assert len(row.blocks) * bs >= row.start + len(row.token_ids), "a row lacks blocks"
+            for i, t in enumerate(row.token_ids):
+                pos = row.start + i
+                block = row.blocks[pos // bs]
+                assert self.bm.ref_count(block) == 1, "a write into a shared block"
+                assert (block, pos % bs) not in written, "two rows write one slot"
+                written.add((block, pos % bs))
+                self.slots[block, pos % bs] = t
+            if row.sample:
+                n = row.start + len(row.token_ids)
+                seen = [self.slots[row.blocks[p // bs], p % bs] for p in range(n)]
+                out[row.request_id] = next_token(seen)
+        return out
+
+
+def run(s: Scheduler, arrivals: dict[int, list[Request]], max_steps: int = 10_000) -> dict[str, list]:
+    runner, outputs, step = ToyRunner(s.blocks), {}, 0
+    while s.has_unfinished() or any(k >= step for k in arrivals):
+        for req in arrivals.get(step, []):
+            s.add(req)
+            outputs[req.request_id] = req
+        batch = s.schedule()
+        cfg = s.config
+        assert len(batch.rows) <= cfg.max_num_seqs and batch.num_tokens <= cfg.max_batched_tokens
+        assert len({r.request_id for r in batch.rows}) == len(batch.rows)
+        sampled = runner.execute(batch)
+        s.update(batch, sampled)
+        step += 1
+        assert step < max_steps, "the scheduler made no progress"
+    return {rid: req.output_token_ids for rid, req in outputs.items()}
+
+
+def test_lifecycle_chunked_prefill_then_decode() -> None:
+    bm = BlockManager(16, 4)
+    s = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=2, max_batched_tokens=4), bm)
+    prompt = list(range(1, 11))
+    s.add(Request("a", prompt, max_tokens=3))
+    chunks = []
+    while s.has_unfinished():
+        batch = s.schedule()
+        chunks.append([(r.start, len(r.token_ids), r.sample) for r in batch.rows])
+        s.update(batch, {rid: 5 for rid in batch.sampled})
+    assert chunks == [[(0, 4, False)], [(4, 4, False)], [(8, 2, True)], [(10, 1, True)], [(11, 1, True)]]
+    assert bm.num_free_blocks == 16 and bm.num_cached_blocks == 3  # 12 computed tokens: 3 full blocks
+
+
+def test_decode_rows_first_then_prefill_with_the_rest_of_the_budget() -> None:
+    s = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=4, max_batched_tokens=6),
+                  BlockManager(32, 4))
+    s.add(Request("a", [1, 2], max_tokens=8))
+    s.add(Request("b", [3, 4], max_tokens=8))
+    b = s.schedule()
+    s.update(b, {rid: 1 for rid in b.sampled})
+    s.add(Request("c", list(range(1, 20)), max_tokens=2))
+    b = s.schedule()
+    assert [(r.request_id, len(r.token_ids)) for r in b.rows] == [("a", 1), ("b", 1), ("c", 4)]
+
+
+def test_prefix_hit_skips_the_cached_blocks() -> None:
+    bm = BlockManager(32, 4)
+    s = Scheduler(SchedulerConfig(max_model_len=64), bm)
+    system = list(range(1, 13))
+    out = run(s, {0: [Request("a", system + [1, 2], max_tokens=2)]})
+    s.add(Request("b", system + [3], max_tokens=2))
+    first = s.schedule().rows[0]
+    assert (first.start, first.token_ids) == (12, (3,)) and s.requests["b"].num_cached_tokens == 12
+    assert (bm.prefix_hits, bm.prefix_queries) == (12, 14 + 13)
+    assert out["a"] == alone(system + [1, 2], 2)
+
+
+def test_admission_waits_for_blocks_and_preemption_recomputes() -> None:
+    bm = BlockManager(6, 4)  # 24 slots: two requests of 5 + 8 tokens cannot both finish
+    s = Scheduler(SchedulerConfig(max_model_len=24, max_num_seqs=4, max_batched_tokens=16), bm)
+    reqs = {0: [Request(f"r{i}", [i + 1] * 5, max_tokens=8) for i in range(3)]}
+    want = {f"r{i}": alone([i + 1] * 5, 8) for i in range(3)}
+    assert run(s, reqs) == want
+    assert s.num_preemptions > 0 and bm.num_free_blocks == 6
+
+
+def test_queue_bound_and_context_are_enforced() -> None:
+    s = Scheduler(SchedulerConfig(max_model_len=16, max_waiting=1), BlockManager(8, 4))
+    s.add(Request("a", [1], max_tokens=1))
+    with pytest.raises(QueueFull, match="max_waiting 1"):
+        s.add(Request("b", [1], max_tokens=1))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add(Request("a", [1], max_tokens=1))
+    with pytest.raises(ValueError, match="exceed the context of 16"):
+        s.add(Request("c", [1] * 10, max_tokens=7))
+    assert s.num_waiting == 1 and list(s.requests) == ["a"]
+    with pytest.raises(ValueError, match="max_batched_tokens 2 is below"):
+        SchedulerConfig(max_model_len=8, max_num_seqs=4, max_batched_tokens=2)
+    with pytest.raises(ValueError, match="could never fit"):
+        Scheduler(SchedulerConfig(max_model_len=64), BlockManager(8, 4))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        Request("x", [], max_tokens=1)
+
+
+def test_abort_frees_blocks_whatever_the_state() -> None:
+    bm = BlockManager(8, 4)
+    s = Scheduler(SchedulerConfig(max_model_len=32, max_num_seqs=1), bm)
+    s.add(Request("a", [1] * 6, max_tokens=4))
+    s.add(Request("b", [2] * 6, max_tokens=4))
+    batch = s.schedule()
+    s.update(batch, {rid: 1 for rid in batch.sampled})
+    assert s.abort("a") and s.abort("b") and not s.abort("a")
+    assert bm.num_free_blocks == 8 and not s.has_unfinished()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.tuples(st.lists(st.integers(1, 3), min_size=1, max_size=14),
+                               st.integers(1, 9), st.integers(0, 6), st.booleans()),
+                     min_size=1, max_size=8),
+    num_blocks=st.integers(8, 24),
+    max_num_seqs=st.integers(1, 5),
+    extra_budget=st.integers(0, 12),
+    caching=st.booleans(),
+)
+def test_any_workload_gives_each_request_its_solo_output(prompts, num_blocks, max_num_seqs,
+                                                         extra_budget, caching) -> None:
+    bm = BlockManager(num_blocks, 2, enable_prefix_caching=caching)
+    cfg = SchedulerConfig(max_model_len=16, max_num_seqs=max_num_seqs,
+                          max_batched_tokens=max_num_seqs + extra_budget)
+    s = Scheduler(cfg, bm)
+    shared = [1, 2, 3, 1, 2]
+    arrivals: dict[int, list[Request]] = {}
+    want = {}
+    for i, (prompt, max_tokens, at, share) in enumerate(prompts):
+        prompt = (shared + prompt if share else prompt)[:15]
+        max_tokens = min(max_tokens, 16 - len(prompt))
+        arrivals.setdefault(at, []).append(Request(f"r{i}", prompt, max_tokens))
+        want[f"r{i}"] = alone(prompt, max_tokens)
+    assert run(s, arrivals) == want
+    assert bm.num_free_blocks == num_blocks and bm.num_used_blocks == 0
