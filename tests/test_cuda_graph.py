@@ -16,9 +16,7 @@ import pytest
 import torch
 
 from kvtier.caches.base import CacheCapacityError
-from kvtier.caches.paged import PagedKVCache, PagedKVGrowthRefused
-from kvtier.caches.ragged import RaggedBatchKVCache
-from kvtier.caches.step_plan import StepPlanner
+from kvtier.caches.paged import PagedKVGrowthRefused
 from kvtier.config import KVCacheConfig
 from kvtier.cuda_graph import (
     CUDAGraphDecoder,
@@ -111,7 +109,7 @@ def test_planned_steps_equal_the_per_layer_path(model, tier, lengths):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     same_contents(caches, ref)
     if tier == "paged":  # one table for all layers: every layer holds the same blocks
-        assert all(c.pool.rows == caches[0].pool.rows for c in caches)
+        assert all(c.block_table_view().rows == caches[0].block_table_view().rows for c in caches)
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -141,7 +139,7 @@ def test_budget_is_what_the_frozen_capacity_holds_and_a_step_past_it_changes_not
         if tier == "ragged":  # 5 + 3 positions, rounded up to the step (8)
             assert caches[0].capacity == 8 and dec.budget == 8 - 5
         else:  # blocks of 4: row 0 holds 2 (5 of 8 slots used), row 1 gets a second one (2 of 8)
-            assert [len(r) for r in caches[0].pool.rows] == [2, 2] and dec.budget == 8 - 5
+            assert [len(r) for r in caches[0].block_table_view().rows] == [2, 2] and dec.budget == 8 - 5
         steps = planned_decode(dec, y, dec.budget)
         before = [[t.clone() for t in c.fetch()] for c in caches], [c.offset.tolist() for c in caches]
         with pytest.raises(CacheCapacityError, match="frozen capacity"):
@@ -156,10 +154,10 @@ def test_freeze_for_steps_refuses_before_changing_any_layer(model):
     with torch.inference_mode():
         caches = model.make_caches(config("paged", blocks=8), batch_size=2)
         prefill(model, caches, prompts)
-    books = [([list(r) for r in c.pool.rows], list(c.pool.free)) for c in caches]
+    books = [(c.block_table_view().rows, c.paged_stats()["free_blocks"]) for c in caches]
     with pytest.raises(PagedKVGrowthRefused, match="KVTIER_PAGED_NUM_BLOCKS"):
         freeze_for_steps(caches, 40)
-    assert [([list(r) for r in c.pool.rows], list(c.pool.free)) for c in caches] == books
+    assert [(c.block_table_view().rows, c.paged_stats()["free_blocks"]) for c in caches] == books
     assert not any(c.frozen for c in caches)
 
 
@@ -189,43 +187,6 @@ def test_releasing_a_row_in_one_paged_layer_leaves_the_others_books(model):
         caches[0].release([0])
     assert caches[0].offset.tolist() == [0, 6]
     assert [c.offset.tolist() for c in caches[1:]] == [[8, 6]] * (len(caches) - 1)
-
-
-def test_a_planned_write_checks_its_input_and_changes_nothing_when_refused(model):
-    caches = [PagedKVCache(4, 16, batch_size=2), PagedKVCache(4, 16, batch_size=2)]
-    k = torch.randn(2, 2, 3, 16)
-    for c in caches:
-        c.update(k, k, new_offsets=[3, 2])
-    planner = StepPlanner(caches, [3, 2])
-    kw = planner.prepare()
-    data = [t.clone() for t in caches[0].fetch()]
-    with pytest.raises(ValueError, match="one token"):
-        caches[0].update(k, k, **kw)  # three tokens where the plan writes one
-    with pytest.raises(ValueError, match="plan's own tensor"):
-        caches[0].update(k[:, :, :1], k[:, :, :1], plan=kw["plan"], write_start=torch.tensor([3, 2]))
-    assert caches[0].offset.tolist() == [3, 2]
-    assert all(torch.equal(a, b) for a, b in zip(data, caches[0].fetch()))
-
-
-def test_step_planner_refuses_caches_it_cannot_plan():
-    from kvtier.caches.tail_owned import TailOwnedKVCache
-
-    with pytest.raises(ValueError, match="ragged"):
-        StepPlanner([TailOwnedKVCache(), TailOwnedKVCache()])
-    caches = [RaggedBatchKVCache(batch_size=2, step=8) for _ in range(2)]
-    caches[0].update(torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16))
-    with pytest.raises(ValueError, match="layer 1 holds rows of lengths"):
-        StepPlanner(caches, [3, 3])
-    with pytest.raises(ValueError, match="2 ints"):
-        StepPlanner(caches[:1], [3])
-    paged = [PagedKVCache(4, 16, batch_size=2) for _ in range(2)]
-    k = torch.randn(2, 2, 2, 16)
-    for c, first in zip(paged, ([0, 2], [2, 0])):  # the rows take their blocks in another order
-        c.update(k, k, new_offsets=first)
-        c.update(k, k, write_start=first, new_offsets=[2, 2])
-    assert paged[0].pool.rows != paged[1].pool.rows
-    with pytest.raises(ValueError, match="block tables differ"):
-        StepPlanner(paged, [2, 2])
 
 
 # -- choosing the decoder ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from kvtier.drafters import (
     make_drafter,
     parse_drafter_spec,
 )
-from kvtier.generate import GenerationConfig, generate_step
+from kvtier.generate import GenerationConfig, generate, generate_step
 from kvtier.model import ModelArgs, build_random
 from kvtier.sampling import SamplingParams, make_generator, process_logits, sample
 from kvtier.speculative import (
@@ -32,7 +32,6 @@ from kvtier.speculative import (
     SpeculativeConfig,
     SpeculativeStats,
     accept_drafts,
-    generate_speculative,
     speculative_generate_step,
     stream_speculative,
 )
@@ -130,8 +129,8 @@ def test_greedy_batch4_rows_equal_their_plain_runs(lm, rows, reference, drafters
 @pytest.mark.parametrize("name", ["ngram", "early-exit", "model"])
 def test_greedy_batch4_scalar_tiers_run_row_by_row(lm, rows, reference, drafters, tier, name):
     cfg = GenerationConfig(max_tokens=4)
-    texts = generate_speculative(lm.model, lm.tokenizer, list(PROMPTS), cfg, drafter=drafters[name](),
-                                 speculative=GREEDY, cache_config=config(tier))
+    texts = generate(lm.model, lm.tokenizer, list(PROMPTS), cfg, drafter=drafters[name](),
+                     speculative=GREEDY, cache_config=config(tier))
     assert texts == [lm.tokenizer.decode(r[:4]) for r in reference]
 
 

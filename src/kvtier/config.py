@@ -111,6 +111,12 @@ class KVCacheConfig:
     def replace(self, **changes: Any) -> KVCacheConfig:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def per_row(self) -> bool:
+        """Whether the tier keeps a length per row (ragged, paged: a
+        :class:`~kvtier.caches.base.RowKVCache`), asked before any cache is built."""
+        return self.strategy in ("ragged", "paged")
+
     # -- the environment ---------------------------------------------------------
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> KVCacheConfig:

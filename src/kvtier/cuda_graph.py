@@ -5,10 +5,10 @@ final norm and LM head) has the same shapes every time once the caches cannot
 grow, so on CUDA it can be captured once as a CUDA graph and replayed: one launch
 per step instead of hundreds, no Python in between. What makes it capturable:
 
-- capacity frozen: the ragged tier's :meth:`~kvtier.caches.ragged.RaggedBatchKVCache.freeze_capacity`;
-  the paged tier's :meth:`~kvtier.caches.paged.PagedKVCache.reserve` (blocks for every
-  step, assigned now) then :meth:`~kvtier.caches.paged.PagedKVCache.freeze`.
-  :func:`freeze_for_steps` does both for a list of layers.
+- capacity frozen: every per-row cache (:class:`~kvtier.caches.base.RowKVCache`)
+  ``reserve``s room for every step now (the ragged tier grows its buffers, the paged
+  tier assigns the blocks) and then ``freeze``s; :func:`freeze_for_steps` does it for
+  a list of layers.
 - positions, lengths and slots on the device: a :class:`~kvtier.caches.step_plan.StepPlanner`
   computes them once per step for every layer, and its
   :meth:`~kvtier.caches.step_plan.StepPlanner.device_step` (captured with the
@@ -44,45 +44,35 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.caches.base import CacheCapacityError, KVCache
-from kvtier.caches.paged_pool import PagedKVGrowthRefused
-from kvtier.caches.step_plan import PLANNED_TIERS, StepPlanner
-from kvtier.kernels.paged import resolve_backend
+from kvtier.caches.base import CacheCapacityError, KVCache, RowKVCache
+from kvtier.caches.step_plan import StepPlanner
 
 
 def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def freeze_for_steps(caches: Sequence[KVCache], steps: int, lengths: Sequence[int] | None = None) -> None:
-    """Freeze per-layer ragged or paged caches with room for ``steps`` more tokens in every row.
+def freeze_for_steps(caches: Sequence[RowKVCache], steps: int) -> None:
+    """Freeze per-layer per-row caches with room for ``steps`` more tokens in every row.
 
-    Ragged: ``freeze_capacity(longest + steps)`` (never below the capacity held).
-    Paged: every row gets the blocks for ``steps`` more tokens now, then the pool is
-    frozen. ``lengths``: each row's length (default read from the first cache).
-    Raises :class:`~kvtier.caches.paged_pool.PagedKVGrowthRefused` before changing
-    any layer when a pool cannot give the blocks.
+    Every layer ``reserve(steps)`` (the ragged tier grows its buffers to the longest
+    row plus ``steps``, rounded up to its step; the paged tier gives every row its
+    blocks now), then ``freeze()``. When a layer cannot take it (a pool that may not
+    grow, a capacity frozen before), that layer's
+    :class:`~kvtier.caches.base.CacheCapacityError` is raised before any layer changed.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    tiers = {c.tier for c in caches}
-    if not caches or len(tiers) != 1 or not tiers <= set(PLANNED_TIERS):
-        raise ValueError(f"freeze_for_steps serves per-layer caches of one tier in {PLANNED_TIERS}, "
-                         f"got {sorted(tiers)}")
+    if not caches or not all(isinstance(c, RowKVCache) for c in caches):
+        names = sorted({type(c).__name__ for c in caches})
+        raise ValueError(f"freeze_for_steps serves per-layer caches of a per-row tier (RowKVCache), "
+                         f"got {names}")
     if any(c.empty() for c in caches):
         raise ValueError("the caches hold no tokens yet: write (prefill) at least one token first")
-    if lengths is None:
-        lengths = caches[0].offset.tolist()
-    if caches[0].tier == "ragged":
-        for c in caches:
-            c.freeze_capacity(max(max(lengths) + steps, c.capacity))
-        return
-    for i, c in enumerate(caches):  # all layers or none: check every pool before reserving in any
+    for i, c in enumerate(caches):  # all layers or none: check every layer before reserving in any
         if not c.can_reserve(steps):
-            raise PagedKVGrowthRefused(
-                f"layer {i}: {steps} more tokens per row need more blocks of {c.block_size} than the "
-                f"{len(c.pool.free)} free, and the pool may not grow; raise KVTIER_PAGED_NUM_BLOCKS "
-                "(num_blocks), set KVTIER_DYNAMIC_PAGED_KV=1, or decode fewer tokens")
+            c.reserve(steps)  # raises the tier's own capacity error, naming the setting to change
+            raise AssertionError(f"layer {i}: can_reserve({steps}) was False but reserve() did not refuse")
     for c in caches:
         c.reserve(steps)
         c.freeze()
@@ -93,20 +83,14 @@ def graph_unavailable(model, caches: Sequence[KVCache], max_steps: int | None = 
     device = _device(model)
     if device.type != "cuda":
         return f"the model is on {device}; CUDA graphs need a CUDA device"
-    tier = caches[0].tier if caches else None
-    if tier not in PLANNED_TIERS:
+    if not caches or not all(isinstance(c, RowKVCache) for c in caches):
+        tier = caches[0].tier if caches else None
         return f"the {tier} tier has no frozen step plan; use the ragged or paged tier"
     if any(c.empty() for c in caches):
         return "the caches hold no tokens yet (a one-token prompt); the first step needs them"
     if max_steps is None and not all(c.frozen for c in caches):
         return "the caches are not frozen; freeze them (freeze_for_steps) or give max_steps"
-    if tier == "paged":
-        for c in caches:
-            if resolve_backend(c.attention_backend, device) != "triton" or c.dispatch.fallback_reasons:
-                why = c.dispatch.fallback_reason or f"attention_backend={c.attention_backend!r}"
-                return (f"paged attention is served by the PyTorch reference ({why}), whose read "
-                        "path reads the lengths on the host; use attention_backend='auto' or 'triton'")
-    return None
+    return next(filter(None, (c.graph_blocker(device) for c in caches)), None)
 
 
 class PlannedDecoder:
@@ -121,17 +105,15 @@ class PlannedDecoder:
     anything changes (the guard a CUDA graph relies on).
     """
 
-    def __init__(self, model, caches: Sequence[KVCache], lengths: Sequence[int] | None = None, *,
+    def __init__(self, model, caches: Sequence[RowKVCache], lengths: Sequence[int] | None = None, *,
                  max_steps: int | None = None):
         self.model, self.caches = model, list(caches)
-        if lengths is None and caches and not caches[0].empty():
-            lengths = caches[0].offset.tolist()
         # Decoding is inference: caches filled under inference_mode hold inference
         # tensors, which may only be updated in place inside it.
         with torch.inference_mode():
+            self.planner = StepPlanner(self.caches, lengths)  # checks the caches and lengths first
             if max_steps is not None:
-                freeze_for_steps(self.caches, max_steps, lengths)
-            self.planner = StepPlanner(self.caches, lengths)
+                freeze_for_steps(self.caches, max_steps)
         self.batch_size = self.planner.batch_size
         self.device = _device(model)
         self.steps = 0
@@ -192,7 +174,7 @@ class CUDAGraphDecoder(PlannedDecoder):
     graphs) before capturing it; the first step then also compiles.
     """
 
-    def __init__(self, model, caches: Sequence[KVCache], lengths: Sequence[int] | None = None, *,
+    def __init__(self, model, caches: Sequence[RowKVCache], lengths: Sequence[int] | None = None, *,
                  max_steps: int | None = None, torch_compile: bool = False):
         why = graph_unavailable(model, caches, max_steps)
         if why is not None:
@@ -244,11 +226,10 @@ class CUDAGraphDecoder(PlannedDecoder):
 
     def _capture(self, kw: dict) -> None:
         """Record this step (plan advance and forward) as a graph; :meth:`step` replays it."""
-        fell_back = [c.dispatch.fallback_reason for c in self.caches if c.dispatch.fallback_reason]
-        if fell_back and self.planner.tier == "paged":
-            self.eager_reason = fell_back[0]
-            warnings.warn(f"kvtier: paged kernels fell back to the PyTorch reference ({fell_back[0]}); "
-                          "decoding without a CUDA graph", RuntimeWarning, stacklevel=3)
+        why = next(filter(None, (c.graph_blocker(self.device) for c in self.caches)), None)
+        if why is not None:  # a kernel fell back during the warm-up
+            self.eager_reason = why
+            warnings.warn(f"kvtier: decoding without a CUDA graph: {why}", RuntimeWarning, stacklevel=3)
             self.planner.device_step()
             self._logits = self.model(self._tokens, self.caches, cache_kwargs=kw, last_only=True)
             return
@@ -266,7 +247,7 @@ class CUDAGraphDecoder(PlannedDecoder):
         super().close()
 
 
-def _outside_compile(caches: list[KVCache]) -> list:
+def _outside_compile(caches: list[RowKVCache]) -> list:
     """Per-layer stand-ins whose ``update``/``attention`` ``torch.compile`` leaves out of its
     graphs (it breaks the graph there and calls them as they are)."""
     return [_opaque_class()(c) for c in caches]
@@ -277,8 +258,8 @@ def _opaque_class() -> type:
     # made on first use (the decorator imports torch._dynamo, which takes seconds) and kept,
     # so that compiled code guarding on the stand-ins' type serves every decoder
     class Opaque:
-        def __init__(self, cache: KVCache):
-            self.cache, self.tier = cache, cache.tier
+        def __init__(self, cache: RowKVCache):
+            self.cache = cache
 
         @property
         def offset(self):
@@ -295,7 +276,7 @@ def _opaque_class() -> type:
     return Opaque
 
 
-def make_decoder(model, caches: Sequence[KVCache], lengths: Sequence[int] | None = None, *,
+def make_decoder(model, caches: Sequence[RowKVCache], lengths: Sequence[int] | None = None, *,
                  cuda_graph: bool | None = None, max_steps: int | None = None) -> PlannedDecoder:
     """The decoder for per-layer ragged or paged caches that hold the prompt.
 

@@ -1,5 +1,5 @@
 """Drafters for speculative decoding (:mod:`kvtier.speculative`), the :class:`Draft`
-they return, and :func:`drop_rejected`, which rolls per-layer caches back to per-row
+they return, and :func:`roll_back`, which cuts per-layer caches back to per-row
 lengths for the verifier and for the model drafters' own caches alike.
 
 Each drafter offers ``propose(contexts, ks, *, params, generator) -> Draft``, ``reset()``
@@ -17,8 +17,8 @@ and ``cost(target)``:
 
 A model drafter keeps, per row, the tokens its caches hold. On each call it
 keeps the longest common prefix of those and the new context, drops the rest
-from its caches (``trim``, or per-row ``new_offsets``, as the target's caches),
-and feeds what is new: the tokens the target accepted and its own next token.
+from its caches (:func:`roll_back`, as the target's caches), and feeds what is
+new: the tokens the target accepted and its own next token.
 
 Example::
 
@@ -36,11 +36,9 @@ from typing import Protocol
 
 import torch
 
-from kvtier.caches.base import KVCache
-from kvtier.caches.paged import PagedKVCache
-from kvtier.caches.ragged import RaggedBatchKVCache
+from kvtier.caches.base import KVCache, RowKVCache
 from kvtier.config import KVCacheConfig, make_caches
-from kvtier.generate import PER_ROW_TIERS, model_device
+from kvtier.generate import model_device
 from kvtier.sampling import SamplingParams, process_logits
 
 #: a catch-up of more tokens than this per row is fed in several forwards
@@ -95,39 +93,27 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
 # -- rolling caches back ----------------------------------------------------------------------
 
 
-def drop_rejected(
-    caches: list[KVCache], rejected: Sequence[int], committed: torch.Tensor, like: torch.Tensor
-) -> None:
-    """Drop each row's ``rejected[r]`` newest tokens so that it holds ``committed[r]`` tokens.
+def roll_back(caches: list[KVCache], lengths: Sequence[int]) -> None:
+    """Cut every layer's rows back to ``lengths`` (``B`` host ints), dropping the newer tokens
+    (rejected drafts) without copying any history.
 
-    ``committed`` is int64 ``[B]`` on the caches' device; ``like`` is any tensor of
-    the model's K/V dtype (the paged tier's empty write takes it). All rows equal:
-    ``trim``. Otherwise, through ``new_offsets`` (per-row tiers only): the ragged
-    tier rewrites each row's last kept token with itself, the paged tier writes
-    nothing. Neither copies the history.
+    Per-row tiers (:class:`~kvtier.caches.base.RowKVCache`): ``set_lengths(lengths)``, each
+    row to its own length. Scalar tiers keep one length for every row: ``trim`` to it,
+    which needs every row at the same length. A length past what a row holds raises
+    ``ValueError`` on the first layer, before any layer changes.
     """
-    if max(rejected, default=0) == 0:
-        return
-    if len(set(rejected)) == 1:
+    if isinstance(caches[0], RowKVCache):
         for cache in caches:
-            cache.trim(rejected[0])
+            cache.set_lengths(lengths)
         return
-    last = (committed - 1).clamp_min(0)  # (B,)
+    drop = caches[0].offset - lengths[0]
+    if len(set(lengths)) > 1 or drop < 0:
+        raise ValueError(
+            f"the {caches[0].tier} tier keeps one length for every row ({caches[0].offset} now); it "
+            f"cannot cut rows back to {list(lengths)} (run its rows one at a time)"
+        )
     for cache in caches:
-        if isinstance(cache, RaggedBatchKVCache):
-            k, v = cache.fetch()  # (B, H_kv, capacity, D) views
-            ik = last.view(-1, 1, 1, 1).expand(-1, k.shape[1], 1, k.shape[3])
-            iv = last.view(-1, 1, 1, 1).expand(-1, v.shape[1], 1, v.shape[3])
-            cache.update(k.gather(2, ik), v.gather(2, iv), write_start=last, new_offsets=committed)
-        elif isinstance(cache, PagedKVCache):
-            heads, dim = cache.key_cache.shape[2], cache.codecs.k_codec.head_dim
-            z = like.new_zeros(committed.shape[0], heads, 1, dim)  # (B, H_kv, 1, D), not stored
-            cache.update(z, z, write_start=committed, new_offsets=committed)
-        else:
-            raise ValueError(
-                f"the {cache.tier} tier keeps one length for every row; it cannot drop "
-                f"{list(rejected)} tokens row by row (run its rows one at a time)"
-            )
+        cache.trim(drop)
 
 
 # -- drafters ---------------------------------------------------------------------------------
@@ -237,11 +223,11 @@ class ModelDrafter:
     # -- the drafter's caches -----------------------------------------------------------------
     def _start(self, batch: int) -> None:
         config = self.cache_config or KVCacheConfig(strategy="tail" if batch == 1 else "ragged")
-        if batch > 1 and config.strategy not in PER_ROW_TIERS:
+        if batch > 1 and not config.per_row:
             raise ValueError(f"the drafter's {config.strategy} tier keeps one length for every row; "
                              f"give it a ragged or paged cache_config for {batch} rows")
         self.caches = make_caches(self.num_layers, config, batch_size=batch)
-        self.per_row = config.strategy in PER_ROW_TIERS
+        self.per_row = isinstance(self.caches[0], RowKVCache)
         self.fed = [[] for _ in range(batch)]
 
     def _catch_up(self, contexts: list[list[int]]) -> torch.Tensor:
@@ -251,8 +237,7 @@ class ModelDrafter:
             self._start(len(contexts))
         keep = [min(_common_prefix(f, c), len(c) - 1) for f, c in zip(self.fed, contexts)]
         dev = model_device(self.model)
-        drop_rejected(self.caches, [len(f) - k for f, k in zip(self.fed, keep)],
-                      torch.tensor(keep, dtype=torch.long, device=dev), next(self.model.parameters()))
+        roll_back(self.caches, keep)
         self.fed = [c[:k] for c, k in zip(contexts, keep)]
         self.held = list(keep)
         rest = [c[k:] for c, k in zip(contexts, keep)]  # at least one token per row
@@ -279,9 +264,9 @@ class ModelDrafter:
         """Feed ``tokens`` ``[B, W]`` at each row's length; row ``r`` keeps its first
         ``commit[r]``. Returns the logits ``[B, V]`` of the last column."""
         kw = None
-        if self.per_row:
-            start = torch.tensor(self.held, dtype=torch.long, device=tokens.device)
-            kw = {"write_start": start, "new_offsets": start + torch.tensor(commit, device=tokens.device)}
+        if self.per_row:  # host rows: the caches' books keep the lengths
+            start = torch.tensor(self.held, dtype=torch.long)
+            kw = {"write_start": start, "new_offsets": start + torch.tensor(commit)}
         logits = self.model(tokens, self.caches, cache_kwargs=kw, num_layers=self.num_layers,
                             last_only=True)  # (B, 1, V)
         self.held = [h + c for h, c in zip(self.held, commit)]

@@ -3,13 +3,16 @@
 1. :func:`generate_step` yields the sampled tokens ``[B]`` of one step at a time:
    chunked prefill, then decode.
 2. :func:`stream_generate` turns them into :class:`GenerationResponse` objects:
-   text deltas, stop tokens and strings, max tokens, running timings.
+   text deltas, stop tokens and strings, max tokens, running timings. It is one
+   shell (:func:`stream_steps`) around a step function: plain decoding
+   (:func:`plain_steps`), or speculative decoding with a ``drafter``
+   (:mod:`kvtier.speculative`).
 3. :func:`generate` returns the text.
 
 Batches of prompts of different lengths
 ---------------------------------------
-The per-row tiers (``ragged``, ``paged``) hold rows of different lengths, so the
-whole batch runs in one forward per step: prefill right-pads every row to the
+The per-row tiers (``ragged``, ``paged``: a :class:`~kvtier.caches.base.RowKVCache`)
+hold rows of different lengths, so the whole batch runs in one forward per step: prefill right-pads every row to the
 longest prompt and commits only each row's own tokens (``new_offsets``), and
 each decode step writes row ``r`` at its own position (``write_start = offsets``).
 The scalar tiers (``tail``, ``block``) keep one length for every row, and a
@@ -34,22 +37,21 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.caches.base import KVCache
+from kvtier.caches.base import KVCache, RowKVCache
 from kvtier.config import KVCacheConfig, make_caches
 from kvtier.cuda_graph import make_decoder
 from kvtier.sampling import SamplingParams, make_generator, sample
 
-#: tiers whose ``offset`` is a ``[B]`` tensor and whose ``update`` takes
-#: ``write_start``/``new_offsets`` (rows at different lengths)
-PER_ROW_TIERS = frozenset({"ragged", "paged"})
-
 Prompt = str | Sequence[int]
 ProgressFn = Callable[[int, int], None]
+#: a step function of :func:`stream_steps`: ``steps(rows, caches, *, generator, stop_ids,
+#: on_progress, on_prefilled)`` yields, per forward, the new tokens of each row (``B`` lists)
+StepFn = Callable[..., Generator[list[list[int]], None, None]]
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ def generate_step(
     params = SamplingParams() if params is None else params
     rows = check_prompts(prompts)
     device = model_device(model)
-    per_row = caches[0].tier in PER_ROW_TIERS
+    per_row = isinstance(caches[0], RowKVCache)
     if cuda_graph and not per_row:
         raise ValueError(f"CUDA-graph decode needs the ragged or paged tier, not {caches[0].tier!r}; "
                          "use --cache ragged/paged or --no-cuda-graph")
@@ -187,7 +189,7 @@ def check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
 def prefill(model, rows, caches, chunk, device, on_progress) -> None:
     """Write every prompt but its last token: row by row on the ragged and paged tiers
     (:func:`prefill_rows`), in lock step on the others (:func:`prefill_lockstep`)."""
-    if caches[0].tier in PER_ROW_TIERS:
+    if isinstance(caches[0], RowKVCache):
         prefill_rows(model, rows, caches, chunk, device, on_progress)
     else:
         prefill_lockstep(model, rows, caches, chunk, device, on_progress)
@@ -221,11 +223,11 @@ def prefill_rows(model, rows, caches, chunk, device, on_progress) -> None:
 
     Each forward takes the next ``chunk`` tokens of every row, right-padded to a
     common width; ``new_offsets`` commits only the row's real tokens, so the
-    padding is written past the row's length and never becomes part of it.
+    padding is written past the row's length and never becomes part of it. The rows
+    go to the caches as host values, so their books keep the lengths (no device read).
     """
     B = len(rows)
-    off = caches[0].offset  # (B,); a fresh cache may not know its batch yet
-    starts = [0] * B if caches[0].size() == 0 else [int(x) for x in off.tolist()]
+    starts = caches[0].lengths if caches[0].size() else [0] * B  # a fresh cache may not know its batch
     if len(starts) != B:
         raise ValueError(f"the caches hold {len(starts)} rows but {B} prompts were given")
     ends = [len(r) - 1 for r in rows]
@@ -244,10 +246,7 @@ def prefill_rows(model, rows, caches, chunk, device, on_progress) -> None:
         width = max(n - w for w, n in zip(ws, no))
         # rows that are done (or shorter) take padding; it lies past new_offsets
         block = [r[w : w + width] + [0] * (width - len(r[w : w + width])) for r, w in zip(rows, ws)]
-        kw = {
-            "write_start": torch.tensor(ws, dtype=torch.long, device=device),
-            "new_offsets": torch.tensor(no, dtype=torch.long, device=device),
-        }
+        kw = {"write_start": torch.tensor(ws, dtype=torch.long), "new_offsets": torch.tensor(no, dtype=torch.long)}
         model(torch.tensor(block, dtype=torch.long, device=device), caches, cache_kwargs=kw, last_only=True)
         done += sum(n - w for w, n in zip(ws, no))
         if on_progress is not None:
@@ -319,6 +318,8 @@ def stream_generate(
     prompts: Prompt | Sequence[Prompt],
     config: GenerationConfig | None = None,
     *,
+    drafter=None,
+    speculative=None,
     cache_config: KVCacheConfig | None = None,
     caches: list[KVCache] | None = None,
     prompt_cache=None,
@@ -332,20 +333,85 @@ def stream_generate(
     batch of different lengths on a scalar tier runs row by row (module
     docstring), so all of row 0's responses come before row 1's.
 
+    ``drafter`` (a :class:`kvtier.drafters.Drafter`) decodes speculatively, with
+    ``speculative`` (a :class:`kvtier.speculative.SpeculativeConfig`, default
+    ``SpeculativeConfig()``); the responses are then
+    :class:`~kvtier.speculative.SpeculativeResponse` objects, and on a scalar tier
+    every row of a batch runs on its own (its rows would accept different drafts).
+
     ``prompt_cache`` (a :class:`kvtier.prompt_cache.PromptCache`; one prompt, and
     ``cache_config`` naming its tier) saves the prompt's keys and values after
     prefill. Without ``caches`` it also restores them first; with ``caches`` they
     are taken as already restored by the caller (``prompt_cache.restore``).
     """
     config = GenerationConfig() if config is None else config
-    rows, cache_config, tier = resolve_rows(tokenizer, prompts, caches, cache_config, prompt_cache)
-    if tier in PER_ROW_TIERS or len({len(r) for r in rows}) == 1:
+    kw = {"cache_config": cache_config, "caches": caches, "prompt_cache": prompt_cache,
+          "on_progress": on_progress}
+    if drafter is not None:  # speculative decoding builds on this module: imported when asked for
+        from kvtier.speculative import stream_speculative
+
+        return stream_speculative(model, tokenizer, prompts, config, drafter=drafter,
+                                  speculative=speculative, **kw)
+    if speculative is not None:
+        raise ValueError(f"speculative={speculative!r} needs a drafter (drafter=NgramDrafter(), ...)")
+    return stream_steps(model, tokenizer, prompts, config, plain_steps(model, config), **kw)
+
+
+def plain_steps(model, config: GenerationConfig) -> StepFn:
+    """The step function of plain decoding for :func:`stream_steps`: one token per row per
+    forward, from :func:`generate_step` (prefill, decode, CUDA graphs as ``config`` says)."""
+
+    def steps(rows, caches, *, generator, stop_ids, on_progress, on_prefilled):
+        tokens = generate_step(
+            model, rows, caches, params=config.sampling, prefill_chunk=config.prefill_chunk,
+            generator=generator, on_progress=on_progress, on_prefilled=on_prefilled,
+            cuda_graph=config.cuda_graph, max_steps=config.max_tokens + 1,  # + the step queued ahead
+        )
+        try:
+            for y in tokens:
+                yield [[t] for t in y.tolist()]  # the one host sync of a step
+        finally:
+            tokens.close()
+
+    return steps
+
+
+def stream_steps(
+    model,
+    tokenizer,
+    prompts: Prompt | Sequence[Prompt],
+    config: GenerationConfig,
+    steps: StepFn,
+    *,
+    respond: Callable[..., GenerationResponse] = GenerationResponse,
+    lockstep: bool = True,
+    cache_config: KVCacheConfig | None = None,
+    caches: list[KVCache] | None = None,
+    prompt_cache=None,
+    on_progress: ProgressFn | None = None,
+) -> Iterator[GenerationResponse]:
+    """The streaming shell of plain and speculative decoding: rows, caches, prompt cache, text, stats.
+
+    Encodes the prompts, groups the rows (one group on a per-row tier; on a scalar
+    tier one group when ``lockstep`` allows it and the prompts have one length,
+    else one group per row), gets each group's caches (``caches``, a restored
+    ``prompt_cache``, or fresh ones from ``cache_config``) and runs
+    ``steps(rows, caches, *, generator, stop_ids, on_progress, on_prefilled)``,
+    which yields per forward each row's new tokens (``B`` lists of ints). Each token
+    becomes ``respond(row, text, token, finish_reason, stats)`` (default a
+    :class:`GenerationResponse`) until the row stops (:class:`RowText`). Arguments
+    as :func:`stream_generate`.
+    """
+    rows, cache_config, per_row = resolve_rows(tokenizer, prompts, caches, cache_config, prompt_cache)
+    if per_row or len(rows) == 1 or (lockstep and len({len(r) for r in rows}) == 1):
         groups = [list(range(len(rows)))]
     elif caches is not None:
+        what = f"prompts of lengths {[len(r) for r in rows]}" if lockstep else \
+            f"{len(rows)} rows that accept different drafts"
         raise ValueError(
-            f"the {tier} tier cannot hold prompts of lengths {[len(r) for r in rows]} in one "
-            "cache; pass cache_config instead of caches (rows then run one by one), or use "
-            "the ragged or paged tier"
+            f"the {caches[0].tier} tier keeps one length for every row and cannot hold {what} in one "
+            "cache; pass cache_config instead of caches (rows then run one by one), or use the "
+            "ragged or paged tier"
         )
     else:
         groups = [[i] for i in range(len(rows))]
@@ -364,11 +430,11 @@ def stream_generate(
         elif group_caches is None:
             group_caches = make_caches(model.args.n_layers, cache_config, batch_size=len(group))
         rows_of_group = [rows[i] for i in group]
-        yield from run.stream(group, rows_of_group, group_caches, on_progress, on_prefilled)
+        yield from run.stream(group, rows_of_group, group_caches, steps, respond, on_progress, on_prefilled)
 
 
 class _Run:
-    """Bookkeeping of one stream_generate call: timings, the generator, row states."""
+    """Bookkeeping of one stream_steps call: timings, the generator, row states."""
 
     def __init__(self, model, tokenizer, config: GenerationConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -384,32 +450,29 @@ class _Run:
             self.prompt_cache_tokens_reused, self.prefill_s, self.decode_s,
         )
 
-    def stream(self, ids, rows, caches, on_progress, on_prefilled) -> Iterator[GenerationResponse]:
-        cfg = self.config
-        states = [RowText(self.tokenizer.stream_decoder(), cfg, self.stop_ids) for _ in rows]
+    def stream(self, ids, rows, caches, step_fn, respond, on_progress,
+               on_prefilled) -> Iterator[GenerationResponse]:
+        states = [RowText(self.tokenizer.stream_decoder(), self.config, self.stop_ids) for _ in rows]
         self.prompt_tokens += sum(len(r) for r in rows)
-        steps = generate_step(
-            self.model, rows, caches, params=cfg.sampling, prefill_chunk=cfg.prefill_chunk,
-            generator=self.generator, on_progress=on_progress, on_prefilled=on_prefilled,
-            cuda_graph=cfg.cuda_graph, max_steps=cfg.max_tokens + 1,  # + the step queued ahead
-        )
+        steps = step_fn(rows, caches, generator=self.generator, stop_ids=self.stop_ids,
+                        on_progress=on_progress, on_prefilled=on_prefilled)
         t_last = time.perf_counter()
         try:
-            for i, y in enumerate(steps):
-                tokens = y.tolist()  # the one host sync of a step
+            for i, new in enumerate(steps):
                 now = time.perf_counter()
-                if i == 0:
+                if i == 0:  # the first forward's tokens end the prefill
                     self.prefill_s += now - t_last
                 else:
                     self.decode_s += now - t_last
-                    self.decode_tokens += sum(not s.done for s in states)
                 t_last = now
-                for row, state, token in zip(ids, states, tokens):
-                    if state.done:
-                        continue
-                    text, reason = state.push(token)
-                    self.generation_tokens += 1
-                    yield GenerationResponse(row, text, token, reason, self.stats())
+                for row, state, tokens in zip(ids, states, new):
+                    for token in tokens:
+                        if state.done:
+                            break
+                        text, reason = state.push(token)
+                        self.generation_tokens += 1
+                        self.decode_tokens += i > 0
+                        yield respond(row, text, token, reason, self.stats())
                 if all(s.done for s in states):
                     return
         finally:
@@ -470,7 +533,8 @@ def split_at_stop(text: str, stop: Sequence[str], *, hold: bool = True) -> tuple
 
 
 def resolve_rows(tokenizer, prompts, caches, cache_config, prompt_cache):
-    """Encode the prompts and settle the tier: ``(rows, cache_config, tier)``.
+    """Encode the prompts and settle the tier: ``(rows, cache_config, per_row)``, ``per_row``
+    telling whether the tier keeps a length per row (a :class:`RowKVCache`).
 
     A prompt cache serves one prompt and needs ``cache_config`` (it records the
     tier); without caches or a config, the environment picks the tier.
@@ -483,8 +547,8 @@ def resolve_rows(tokenizer, prompts, caches, cache_config, prompt_cache):
         )
     if caches is None and cache_config is None:
         cache_config = KVCacheConfig.from_env()
-    tier = caches[0].tier if caches is not None else cache_config.strategy
-    return rows, cache_config, tier
+    per_row = isinstance(caches[0], RowKVCache) if caches is not None else cache_config.per_row
+    return rows, cache_config, per_row
 
 
 def encode_prompts(tokenizer, prompts) -> list[list[int]]:
@@ -512,7 +576,8 @@ def generate(
 ) -> str | list[str]:
     """The generated text: a string for one prompt, a list of strings for a batch.
 
-    Takes the arguments of :func:`stream_generate`.
+    Takes the arguments of :func:`stream_generate`; with ``drafter=`` (and optionally
+    ``speculative=``) the text comes from speculative decoding.
     """
     single = isinstance(prompts, str) or (
         isinstance(prompts, Sequence) and bool(prompts) and all(isinstance(t, int) for t in prompts)

@@ -10,58 +10,55 @@ correction, Leviathan et al. 2023, Chen et al. 2023).
 
 Rollback goes through the caches' own bookkeeping, never through a copy of the
 history. The verification forward writes ``1 + drafts`` tokens per row; afterwards
+:func:`~kvtier.drafters.roll_back` cuts every layer back to the committed lengths:
 
-- the scalar tiers (tail, block; one row at a time) and any batch whose rows all
-  rejected the same number of drafts drop them with ``trim``;
-- the per-row tiers (ragged, paged) otherwise commit each row's own length with
-  ``new_offsets`` (:func:`drop_rejected`): the ragged tier rewrites each row's last
-  kept token with itself (``write_start = committed - 1``), the paged tier stores
-  nothing (``write_start = new_offsets = committed``). The paged tier keeps the
-  blocks behind dropped tokens with their row until the row writes over them or
-  is released; a finished row is released at once.
+- the per-row tiers (a :class:`~kvtier.caches.base.RowKVCache`: ragged, paged)
+  with ``set_lengths(committed)``, each row to its own length. The storage behind
+  the dropped tokens stays with the row until it writes over it; on a tier whose
+  rows hold blocks of a pool (``block_table_view()``), a finished row is
+  ``release``d at once and its blocks return to the pool;
+- the scalar tiers (tail, block; one row at a time) with ``trim``.
 
 Layers, as in :mod:`kvtier.generate`: :func:`speculative_generate_step` yields
-each cycle's new tokens per row, :func:`stream_speculative` yields
-:class:`SpeculativeResponse` objects, :func:`generate_speculative` returns text.
+each cycle's new tokens per row; the streaming shell of :mod:`kvtier.generate`
+(:func:`~kvtier.generate.stream_steps`) turns them into :class:`SpeculativeResponse`
+objects (:func:`stream_speculative`, or ``stream_generate(..., drafter=...)``), and
+``generate(..., drafter=...)`` returns the text.
 
 Example::
 
     >>> from kvtier.model import load_model
     >>> from kvtier.drafters import NgramDrafter
+    >>> from kvtier.generate import generate
     >>> lm = load_model()
-    >>> generate_speculative(lm.model, lm.tokenizer, "Repeat: the cat sat on the mat.",
-    ...                      GenerationConfig(max_tokens=16), drafter=NgramDrafter())
+    >>> generate(lm.model, lm.tokenizer, "Repeat: the cat sat on the mat.",
+    ...          GenerationConfig(max_tokens=16), drafter=NgramDrafter())
     ' the cat sat on the mat...'
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.caches.base import KVCache
-from kvtier.caches.paged import PagedKVCache
-from kvtier.config import KVCacheConfig, make_caches
-from kvtier.drafters import Draft, Drafter, draw, drop_rejected
+from kvtier.caches.base import KVCache, RowKVCache
+from kvtier.config import KVCacheConfig
+from kvtier.drafters import Draft, Drafter, draw, roll_back
 from kvtier.generate import (
-    PER_ROW_TIERS,
     GenerationConfig,
     GenerationResponse,
-    GenerationStats,
     ProgressFn,
     Prompt,
-    RowText,
     check_prompts,
     model_device,
     prefill,
-    resolve_rows,
+    stream_steps,
 )
-from kvtier.sampling import SamplingParams, make_generator, process_logits
+from kvtier.sampling import SamplingParams, process_logits
 
 
 @dataclass(frozen=True)
@@ -286,7 +283,7 @@ def speculative_generate_step(
     stats = SpeculativeStats() if stats is None else stats
     rows = check_prompts(prompts)
     device = model_device(model)
-    per_row = caches[0].tier in PER_ROW_TIERS
+    per_row = isinstance(caches[0], RowKVCache)
     if not per_row and len(rows) > 1:
         raise ValueError(
             f"the {caches[0].tier} tier keeps one length for every row, but its {len(rows)} rows "
@@ -301,17 +298,16 @@ def speculative_generate_step(
         draft_cost = drafter.cost(model)
         policy = DepthPolicy(len(rows), spec.draft_tokens, spec.verify_cost + draft_cost,
                              adaptive=spec.adaptive, probes=draft_cost == 0)
-        like = next(model.parameters())
         while not all(run.done):
             t0 = time.perf_counter()
             new = speculative_step(model, caches, run, drafter, policy, params, generator,
-                                   stats, per_row, like)
+                                   stats, per_row)
             stats.step_s += time.perf_counter() - t0
             yield new
 
 
 def speculative_step(model, caches, run, drafter, policy, params, generator, stats,
-                     per_row, like) -> list[list[int]]:
+                     per_row) -> list[list[int]]:
     """One cycle: draft, verify in one forward, accept, roll the caches back; new tokens per row."""
     B = len(run.contexts)
     depths = policy.depths([not d for d in run.done])
@@ -323,23 +319,21 @@ def speculative_step(model, caches, run, drafter, policy, params, generator, sta
     else:
         draft = Draft.empty(B, run.device)
     stats.draft_s += time.perf_counter() - t0
-    n = torch.tensor(draft.counts, dtype=torch.long, device=run.device)  # (B,)
-    live = torch.tensor([not d for d in run.done], dtype=torch.long, device=run.device)  # (B,)
     # verify: [last committed token, d_1 .. d_K] per row, one forward
     tokens = torch.cat([run.last[:, None], draft.tokens], dim=1)  # (B, 1 + K)
     if per_row:  # each row writes at its own length and commits its own block; finished rows nothing
-        kw = {"write_start": run.lengths, "new_offsets": run.lengths + live * (1 + n)}
+        ends = [n + (not d) * (1 + c) for n, d, c in zip(run.lengths, run.done, draft.counts)]
+        kw = {"write_start": torch.tensor(run.lengths), "new_offsets": torch.tensor(ends)}  # host rows
         logits = model(tokens, caches, cache_kwargs=kw)  # (B, 1 + K, V)
     else:
         logits = model(tokens, caches)
     accepted, nxt = accept_drafts(logits, draft, params, generator)  # (B,) each
     if run.stop is not None and draft.tokens.shape[1]:  # an accepted stop token ends its row:
         accepted, nxt = run.cut_at_stop(draft.tokens, accepted, nxt)  # it becomes the next token
-    # roll back: keep the last committed token and the accepted drafts
-    committed = run.lengths + live * (1 + accepted)  # (B,)
     acc = accepted.tolist()  # the one host sync of a cycle
-    drop_rejected(caches, [(c - a) * (not d) for c, a, d in zip(draft.counts, acc, run.done)],
-                  committed, like)
+    # roll back: keep the last committed token and the accepted drafts
+    committed = [n + (not d) * (1 + a) for n, d, a in zip(run.lengths, run.done, acc)]
+    roll_back(caches, committed)
     stats.steps += 1
     stats.row_steps += B - sum(run.done)
     stats.drafted += sum(draft.counts)
@@ -347,8 +341,8 @@ def speculative_step(model, caches, run, drafter, policy, params, generator, sta
     policy.observe(ks, draft.counts, acc)
     new = run.advance(draft.tokens.tolist(), acc, nxt, committed)
     stats.tokens += sum(map(len, new))
-    if isinstance(caches[0], PagedKVCache) and any(run.released) and not all(run.done):
-        run.release(caches)
+    if any(run.released) and not all(run.done) and per_row and caches[0].block_table_view() is not None:
+        run.release(caches)  # rows that hold blocks of a pool give them back as soon as they finish
     return new
 
 
@@ -358,16 +352,16 @@ class _Rows:
     def __init__(self, rows: list[list[int]], device, max_tokens: int | None, stop_ids: frozenset[int]):
         self.device = device
         self.contexts = [list(r) for r in rows]  # prompt + committed tokens; the last is not cached yet
-        self.lengths = torch.tensor([len(r) - 1 for r in rows], dtype=torch.long, device=device)
+        self.lengths = [len(r) - 1 for r in rows]  # what the caches hold per row (host)
         self.last = torch.tensor([r[-1] for r in rows], dtype=torch.long, device=device)
         self.left = [max_tokens if max_tokens is not None else 1 << 62] * len(rows)
         self.stop_ids = stop_ids
         self.stop = torch.tensor(sorted(stop_ids), device=device) if stop_ids else None
         self.done = [False] * len(rows)
-        self.released = [False] * len(rows)  # done rows whose paged blocks may return to the pool
+        self.released = [False] * len(rows)  # done rows whose pool blocks may return to the pool
 
     def advance(self, drafts: list[list[int]], accepted: list[int], nxt: torch.Tensor,
-                committed: torch.Tensor) -> list[list[int]]:
+                committed: list[int]) -> list[list[int]]:
         """Book a cycle; returns each row's new tokens (a stop token can only come last)."""
         out = []
         for r, (row, a, t) in enumerate(zip(drafts, accepted, nxt.tolist())):
@@ -392,13 +386,12 @@ class _Rows:
         rows = torch.arange(drafts.shape[0], device=drafts.device)
         return first, torch.where(first < accepted, drafts[rows, first.clamp(max=K - 1)], nxt)
 
-    def release(self, caches: list[PagedKVCache]) -> None:
-        """Return finished rows' blocks to the pool; they then write and commit nothing."""
+    def release(self, caches: list[RowKVCache]) -> None:
+        """Empty finished rows (their blocks return to the pool); they then write and commit nothing."""
         rows = [r for r, x in enumerate(self.released) if x]
         for cache in caches:
             cache.release(rows)
-        self.lengths = self.lengths.clone()
-        self.lengths[rows] = 0
+        self.lengths = [0 if x else n for n, x in zip(self.lengths, self.released)]
         self.released = [False] * len(self.released)
 
 
@@ -425,89 +418,25 @@ def stream_speculative(
     prompt_cache=None,
     on_progress: ProgressFn | None = None,
 ) -> Iterator[SpeculativeResponse]:
-    """:func:`kvtier.generate.stream_generate` with speculative decoding: same arguments,
-    plus the ``drafter`` and the :class:`SpeculativeConfig`. A batch runs as one on the
-    per-row tiers, and row by row on the scalar tiers (each row then equals its batch-1 run).
+    """:func:`kvtier.generate.stream_generate` with speculative decoding (what
+    ``stream_generate(..., drafter=drafter)`` runs): the same arguments, plus the
+    ``drafter`` and the :class:`SpeculativeConfig`. A batch runs as one on the per-row
+    tiers, and row by row on the scalar tiers (each row then equals its batch-1 run).
     """
     config = GenerationConfig() if config is None else config
-    rows, cache_config, tier = resolve_rows(tokenizer, prompts, caches, cache_config, prompt_cache)
-    if tier in PER_ROW_TIERS or len(rows) == 1:
-        groups = [list(range(len(rows)))]
-    elif caches is not None:
-        raise ValueError(
-            f"the {tier} tier cannot verify {len(rows)} rows in one cache; pass cache_config "
-            "instead of caches (rows then run one by one), or use the ragged or paged tier"
-        )
-    else:
-        groups = [[i] for i in range(len(rows))]
-    stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(config.stop_token_ids)
-    generator = make_generator(config.sampling, model_device(model))
-    spec_stats = SpeculativeStats()
-    totals = {"prompt": 0, "generated": 0, "decoded": 0, "reused": 0, "prefill_s": 0.0, "decode_s": 0.0}
+    stats = SpeculativeStats()
 
-    def gen_stats() -> GenerationStats:
-        return GenerationStats(totals["prompt"], totals["generated"], totals["decoded"],
-                               totals["reused"], totals["prefill_s"], totals["decode_s"])
-
-    for group in groups:
-        group_rows = [rows[i] for i in group]
-        group_caches, on_prefilled = caches, None
-        if prompt_cache is not None:
-            if group_caches is None:
-                group_caches, _ = prompt_cache.restore(model, rows[0], cache_config)
-            totals["reused"] += prompt_cache.reused
-            on_prefilled = functools.partial(
-                prompt_cache.save, group_caches, rows[0][:-1], cache_config,
-                dtype=next(model.parameters()).dtype,
-            )
-        elif group_caches is None:
-            group_caches = make_caches(model.args.n_layers, cache_config, batch_size=len(group))
-        totals["prompt"] += sum(len(r) for r in group_rows)
+    def steps(rows, caches, *, generator, stop_ids, on_progress, on_prefilled):
         drafter.reset()
-        states = [RowText(tokenizer.stream_decoder(), config, stop_ids) for _ in group]
-        steps = speculative_generate_step(
-            model, group_rows, group_caches, drafter, params=config.sampling, speculative=speculative,
+        return speculative_generate_step(
+            model, rows, caches, drafter, params=config.sampling, speculative=speculative,
             max_tokens=config.max_tokens, stop_token_ids=stop_ids, prefill_chunk=config.prefill_chunk,
-            generator=generator, stats=spec_stats, on_progress=on_progress, on_prefilled=on_prefilled,
+            generator=generator, stats=stats, on_progress=on_progress, on_prefilled=on_prefilled,
         )
-        t_last, first = time.perf_counter(), True
-        try:
-            for new in steps:
-                now = time.perf_counter()
-                totals["prefill_s" if first else "decode_s"] += now - t_last
-                t_last = now
-                for row, state, toks in zip(group, states, new):
-                    for token in toks:
-                        if state.done:
-                            break
-                        text, reason = state.push(token)
-                        totals["generated"] += 1
-                        totals["decoded"] += not first
-                        yield SpeculativeResponse(row, text, token, reason, gen_stats(),
-                                                  spec_stats.copy())
-                first = False
-                if all(s.done for s in states):
-                    break
-        finally:
-            steps.close()
 
+    def respond(row, text, token, reason, gen_stats) -> SpeculativeResponse:
+        return SpeculativeResponse(row, text, token, reason, gen_stats, stats.copy())
 
-# -- layer 3: text ---------------------------------------------------------------------------
-
-
-def generate_speculative(
-    model,
-    tokenizer,
-    prompts: Prompt | Sequence[Prompt],
-    config: GenerationConfig | None = None,
-    **kwargs,
-) -> str | list[str]:
-    """The generated text (a string for one prompt, a list for a batch); the arguments of
-    :func:`stream_speculative`."""
-    single = isinstance(prompts, str) or (
-        isinstance(prompts, Sequence) and bool(prompts) and all(isinstance(t, int) for t in prompts)
-    )
-    texts = [""] * (1 if single else len(prompts))
-    for r in stream_speculative(model, tokenizer, prompts, config, **kwargs):
-        texts[r.row] += r.text
-    return texts[0] if single else texts
+    return stream_steps(model, tokenizer, prompts, config, steps, respond=respond, lockstep=False,
+                        cache_config=cache_config, caches=caches, prompt_cache=prompt_cache,
+                        on_progress=on_progress)

@@ -23,6 +23,12 @@ return a ``[batch]`` tensor of per-row lengths). ``size()`` is the longest row,
 ``empty()`` says whether nothing was ever written, ``trim(n)`` drops the newest
 ``n`` tokens (clamped; returns what it dropped).
 
+Tiers whose rows have their own lengths (ragged, paged) also follow
+:class:`RowKVCache`: host lengths and ``set_lengths`` (rollback), capacity
+(``headroom``/``reserve``/``can_reserve``/``freeze``), rows (``release``,
+``filter``, ``extend``) and a :class:`BlockTableView`. Drive code tells the two
+kinds apart by type, ``isinstance(cache, RowKVCache)``, never by tier name.
+
 ``nbytes`` counts every byte the cache holds (payload and sidecars);
 ``state``/``meta_state`` are enough to rebuild it exactly (see
 :mod:`kvtier.caches.persist`); ``stats()`` is a plain dict of counters.
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -173,6 +180,45 @@ def check_trim(n: int) -> int:
     return n
 
 
+def check_indices(name: str, idx: Any, batch: int) -> list[int]:
+    """Validate distinct row indices in ``[0, batch)`` (ints, or an integer tensor)."""
+    rows = idx.tolist() if isinstance(idx, torch.Tensor) else idx
+    if isinstance(rows, int):
+        rows = [rows]
+    if not isinstance(rows, Sequence) or not all(
+        isinstance(r, int) and not isinstance(r, bool) for r in rows
+    ):
+        raise ValueError(f"{name} must be row indices (ints), got {idx!r}")
+    bad = [r for r in rows if not 0 <= r < batch]
+    if bad or len(set(rows)) != len(rows):
+        raise ValueError(
+            f"{name} {list(rows)} must be distinct rows in [0, {batch}); "
+            f"{'out of range: ' + str(bad) if bad else 'a row appears twice'}"
+        )
+    return list(rows)
+
+
+def check_lengths(lengths: Any, current: list[int]) -> list[int]:
+    """``lengths`` (``B`` ints or an integer tensor ``[B]``) as host ints, each within
+    ``[0, current[r]]``; otherwise a ``ValueError`` naming the bad rows."""
+    B = len(current)
+    if isinstance(lengths, torch.Tensor):
+        if lengths.dtype == torch.bool or lengths.dtype.is_floating_point or lengths.dim() != 1:
+            raise ValueError(f"set_lengths takes an integer tensor [{B}], got {lengths.dtype} "
+                             f"{tuple(lengths.shape)}")
+        lengths = lengths.tolist()
+    if (not isinstance(lengths, Sequence) or len(lengths) != B
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths)):
+        raise ValueError(f"set_lengths takes {B} ints (one per row), got {lengths!r}")
+    bad = [r for r, (n, c) in enumerate(zip(lengths, current)) if not 0 <= n <= c]
+    if bad:
+        raise ValueError(
+            f"set_lengths({list(lengths)}): rows {bad} are outside [0, their length] (lengths "
+            f"now {current}); it only drops tokens, write new ones with update()"
+        )
+    return list(lengths)
+
+
 class KVCache(ABC):
     """Abstract base of every tier. See the module docstring for the contract."""
 
@@ -262,3 +308,125 @@ class ScalarKVCache(KVCache):
         n = min(check_trim(n), self._offset)
         self._offset -= n
         return n
+
+
+@dataclass(frozen=True)
+class BlockTableView:
+    """Which physical blocks each row of a paged cache holds (a snapshot of the books).
+
+    ``block_size``: tokens per block. ``rows``: row ``r``'s physical block ids in
+    logical order (host). ``tables``: int32 ``[B, W]`` on the storage device, a view of
+    the cache's block table limited to the columns rows hold (``W`` = the most blocks a
+    row holds, at least 1): ``tables[r, i] == rows[r][i]`` for ``i < len(rows[r])``, 0
+    past it. The tensor is the cache's own: valid until the next write or row change.
+    """
+
+    block_size: int
+    rows: tuple[tuple[int, ...], ...]
+    tables: torch.Tensor
+
+
+class RowKVCache(KVCache):
+    """A tier whose rows have their own lengths: the per-row protocol of the ragged and paged tiers.
+
+    Drive code (step plans, CUDA graphs, speculative rollback, the ``transformers``
+    adapter, a serving engine) uses only this interface and ``update(keys, values, *,
+    write_start=None, new_offsets=None, plan=None)``; it never reads a tier's
+    storage or pool. In the spirit of vLLM v1's ``KVCacheBlocks``:
+
+    - ``batch_size`` (rows) and ``lengths``: each row's committed length as host ints;
+    - ``set_lengths(lengths)``: roll rows back (rejected drafts), each to a value in
+      ``[0, its length]``; the tokens past it are dropped (``ValueError`` naming the
+      bad rows otherwise, and nothing changes);
+    - ``storage_device``; capacity: ``headroom()``, ``reserve(tokens)``,
+      ``can_reserve(tokens)``, ``freeze()``/``frozen`` (no allocation after it: what a
+      CUDA graph needs);
+    - rows: ``release(rows)`` (they become empty), ``filter(indices)``, ``extend(other)``;
+    - ``block_table_view()``: a :class:`BlockTableView` for a tier that stores rows in
+      blocks of a shared pool (paged), else ``None`` (ragged);
+    - ``graph_blocker(device)``: why a CUDA graph could not capture this cache's decode
+      step on ``device`` (``None``: it can).
+
+    Example::
+
+        >>> import torch
+        >>> from kvtier import RaggedBatchKVCache
+        >>> cache = RaggedBatchKVCache(batch_size=2, step=16)
+        >>> k = v = torch.randn(2, 2, 5, 64)                 # (B, H_kv, T, D)
+        >>> cache.update(k, v)
+        >>> cache.set_lengths([3, 5])                        # row 0 drops its 2 newest tokens
+        >>> cache.lengths, cache.headroom()
+        ([3, 5], 11)
+    """
+
+    batch_size: int
+
+    @property
+    @abstractmethod
+    def lengths(self) -> list[int]:
+        """Each row's committed length, ``B`` host ints (a copy)."""
+
+    def set_lengths(self, lengths: Sequence[int] | torch.Tensor) -> None:
+        """Set row ``r``'s committed length to ``lengths[r]`` in ``[0, lengths now]``: the newer
+        tokens are dropped (the storage behind them is kept and written over later).
+        ``lengths``: ``B`` ints or an integer tensor ``[B]`` (read on the host). Setting
+        the lengths a cache already has changes nothing (a step plan stays valid)."""
+        current = self.lengths
+        new = check_lengths(lengths, current)
+        if new != current:
+            self._set_lengths(new)
+
+    @abstractmethod
+    def _set_lengths(self, lengths: list[int]) -> None:
+        """Commit checked ``lengths`` (each at most the row's length now)."""
+
+    @property
+    @abstractmethod
+    def storage_device(self) -> torch.device:
+        """Where the keys and values live (the CPU before the first write)."""
+
+    # -- capacity --------------------------------------------------------------------------
+    @abstractmethod
+    def headroom(self) -> int:
+        """Positions every row can still write without allocating (0 before the first write)."""
+
+    @abstractmethod
+    def reserve(self, tokens: int) -> None:
+        """Hold capacity for ``tokens`` more positions in every row now (a
+        :class:`CacheCapacityError` when frozen or out of room; nothing changes then)."""
+
+    @abstractmethod
+    def can_reserve(self, tokens: int) -> bool:
+        """Whether :meth:`reserve` of ``tokens`` would succeed."""
+
+    @abstractmethod
+    def freeze(self) -> None:
+        """Never allocate again: a write past what is held raises :class:`CacheCapacityError`."""
+
+    @property
+    @abstractmethod
+    def frozen(self) -> bool: ...
+
+    # -- rows --------------------------------------------------------------------------------
+    @abstractmethod
+    def release(self, rows: Sequence[int] | torch.Tensor) -> None:
+        """Empty ``rows`` (distinct indices): their lengths become 0 and a pooled tier
+        takes their blocks back."""
+
+    @abstractmethod
+    def filter(self, indices: Sequence[int] | torch.Tensor) -> None:
+        """Keep rows ``indices`` in that order."""
+
+    @abstractmethod
+    def extend(self, other: RowKVCache) -> None:
+        """Append ``other``'s rows (a cache of the same tier and storage) after this one's."""
+
+    # -- views ---------------------------------------------------------------------------------
+    def block_table_view(self) -> BlockTableView | None:
+        """The rows' blocks, for a tier that stores rows in blocks of a shared pool; else None."""
+        return None
+
+    def graph_blocker(self, device: torch.device) -> str | None:
+        """Why a CUDA graph could not capture a decode step over this cache on ``device``
+        (a read path that reads lengths on the host, say); ``None`` when it can."""
+        return None

@@ -48,9 +48,11 @@ from typing import Any
 import torch
 
 from kvtier.caches.base import (
+    BlockTableView,
     CopyStats,
     CopyTimer,
     KVCache,
+    RowKVCache,
     check_kv,
     check_queries,
     check_trim,
@@ -67,8 +69,9 @@ from kvtier.caches.paged_pool import (
 )
 from kvtier.caches.paged_state import paged_from_state, paged_meta_state, paged_state, storage_facts
 from kvtier.caches.step_plan import StepPlan
-from kvtier.config import ATTENTION_BACKENDS, KV_QUANT_MODES, TurboQuantConfig
-from kvtier.kernels.paged import PagedDispatch, gather_rows
+from kvtier.kernels.paged import BACKENDS as ATTENTION_BACKENDS
+from kvtier.kernels.paged import PagedDispatch, gather_rows, resolve_backend
+from kvtier.quant.modes import TurboQuantConfig, check_kv_quant, check_turboquant
 
 __all__ = [
     "PagedKVCache",
@@ -84,7 +87,7 @@ def _positive_int(name: str, v: Any) -> int:
     return v
 
 
-class PagedKVCache(KVCache):
+class PagedKVCache(RowKVCache):
     """Pages ``[num_blocks, block_size, H_kv, D']`` shared by ``batch_size`` rows through block tables.
 
     ``offset`` is a ``[B]`` tensor of row lengths; ``fetch()`` returns gathered,
@@ -114,12 +117,8 @@ class PagedKVCache(KVCache):
             raise ValueError(f"dynamic must be a bool, got {dynamic!r}")
         if context_window_tokens is not None:
             _positive_int("context_window_tokens", context_window_tokens)
-        if kv_quant is not None and kv_quant not in KV_QUANT_MODES:
-            raise ValueError(
-                f"kv_quant {kv_quant!r} is unknown; accepted: None, {', '.join(KV_QUANT_MODES)}"
-            )
-        if turboquant is not None and not isinstance(turboquant, TurboQuantConfig):
-            raise ValueError(f"turboquant must be a TurboQuantConfig or None, got {turboquant!r}")
+        check_kv_quant(kv_quant)
+        check_turboquant(turboquant)
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend {attention_backend!r} is unknown; accepted: "
@@ -183,6 +182,19 @@ class PagedKVCache(KVCache):
 
     def size(self) -> int:
         return max(self._lengths, default=0)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each row's committed length (the host books; no device read)."""
+        return list(self._lengths)
+
+    def _set_lengths(self, lengths: list[int]) -> None:
+        self._lengths = lengths  # as trim: the blocks behind dropped tokens stay with their row
+        self._changed()
+
+    @property
+    def storage_device(self) -> torch.device:
+        return self._device
 
     @property
     def nbytes(self) -> int:
@@ -472,6 +484,24 @@ class PagedKVCache(KVCache):
     @property
     def frozen(self) -> bool:
         return self.pool.frozen
+
+    def block_table_view(self) -> BlockTableView:
+        """Each row's blocks (host) and the block table's columns they use (device, int32)."""
+        rows = tuple(tuple(r) for r in self.pool.rows)
+        width = max(1, max(map(len, rows), default=0))
+        tables = self.pool.block_tables
+        if tables is None:  # nothing allocated yet
+            tables = torch.zeros(self.batch_size, 0, dtype=torch.int32)
+        return BlockTableView(self.block_size, rows, tables[:, :width])
+
+    def graph_blocker(self, device: torch.device) -> str | None:
+        """The PyTorch reference read path reads the lengths on the host: a CUDA graph needs
+        the Triton kernels (and no fallback from them)."""
+        if resolve_backend(self.attention_backend, device) == "triton" and not self.dispatch.fallback_reasons:
+            return None
+        why = self.dispatch.fallback_reason or f"attention_backend={self.attention_backend!r}"
+        return (f"paged attention is served by the PyTorch reference ({why}), whose read path "
+                "reads the lengths on the host; use attention_backend='auto' or 'triton'")
 
     # -- figures -------------------------------------------------------------------------------
     def paged_stats(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.caches.base import CacheCapacityError, tensor_nbytes
+from kvtier.caches.base import check_indices as check_indices  # re-exported: paged.py takes it here
 from kvtier.quant.codec import Codec
 
 RowsArg = int | Sequence[int] | torch.Tensor | None
@@ -98,24 +99,6 @@ def rows_arg(B: int, name: str, value: RowsArg, default: list[int]) -> list[int]
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
         raise ValueError(f"{name} must be an int or {B} ints (one per row), got {value!r}")
     return list(value)
-
-
-def check_indices(name: str, idx: RowsArg, batch: int) -> list[int]:
-    """Validate a list of distinct row indices in ``[0, batch)``."""
-    rows = idx.tolist() if isinstance(idx, torch.Tensor) else idx
-    if isinstance(rows, int):
-        rows = [rows]
-    if not isinstance(rows, Sequence) or not all(
-        isinstance(r, int) and not isinstance(r, bool) for r in rows
-    ):
-        raise ValueError(f"{name} must be row indices (ints), got {idx!r}")
-    bad = [r for r in rows if not 0 <= r < batch]
-    if bad or len(set(rows)) != len(rows):
-        raise ValueError(
-            f"{name} {list(rows)} must be distinct rows in [0, {batch}); "
-            f"{'out of range: ' + str(bad) if bad else 'a row appears twice'}"
-        )
-    return list(rows)
 
 
 #: writes of at most this many tokens take their slots from the host's block lists (one small

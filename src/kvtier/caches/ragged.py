@@ -15,7 +15,6 @@ and once before growing or refusing a write while the bound may be loose.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,12 +24,15 @@ from kvtier.caches.base import (
     CopyStats,
     CopyTimer,
     KVCache,
+    RowKVCache,
+    check_indices,
     check_kv,
     check_queries,
     check_trim,
     tensor_nbytes,
 )
 from kvtier.caches.ragged_rows import (
+    check_host_rows,
     check_int,
     check_row_mask,
     host_row_values,
@@ -39,30 +41,27 @@ from kvtier.caches.ragged_rows import (
     row_values,
     to_device,
 )
+from kvtier.caches.ragged_snapshot import (
+    RaggedSnapshot,
+    layout,
+    restore_ragged_caches,
+    restore_ragged_caches_masked,
+    snapshot_ragged_caches,
+)
 from kvtier.caches.step_plan import StepPlan
 from kvtier.caches.tail_owned import TailOwnedKVCache, read_meta_ints
 from kvtier.kernels.ragged import RaggedDispatch
 from kvtier.kernels.reference import causal_mask
+
+__all__ = ["RaggedBatchKVCache", "RaggedCapacityError", "RaggedSnapshot", "restore_ragged_caches",
+           "restore_ragged_caches_masked", "snapshot_ragged_caches"]
 
 
 class RaggedCapacityError(CacheCapacityError):
     """A write, reservation or restore would pass the frozen capacity of a ragged cache."""
 
 
-@dataclass(frozen=True)
-class RaggedSnapshot:
-    """Owned copies: ``keys``/``values`` ``[B, H_kv, live, D]`` (``None`` before any write)."""
-
-    keys: torch.Tensor | None
-    values: torch.Tensor | None
-    offsets: torch.Tensor
-    last_write_start: torch.Tensor
-    has_last_write: bool
-    lengths: tuple[int, ...] | None
-    bound: int
-
-
-class RaggedBatchKVCache(KVCache):
+class RaggedBatchKVCache(RowKVCache):
     """Padded ``[B, H_kv, capacity, D]`` K/V with per-row lengths ``offset`` (int64 ``[B]``).
 
     ``keys``/``values`` ``[B, H_kv, T, D]`` and ``offsets`` (default ``T`` per row) seed the
@@ -192,7 +191,7 @@ class RaggedBatchKVCache(KVCache):
         known = [0] * B if self._offsets is None else self._lengths  # None: the host does not know
         if known is None and not on_device and (ws is not None or no is not None):
             known = self._host_lengths()
-        new_lengths = None if on_device or known is None else self._check_host(ws, no, known, q)
+        new_lengths = None if on_device or known is None else check_host_rows(ws, no, known, q)
         if isinstance(ws, list) and max(ws) > self._bound:
             raise ValueError(f"write_start {ws} is past every row's length: a write may not leave a gap")
         end = (max(ws) if isinstance(ws, list) else self._bound) + q
@@ -225,7 +224,7 @@ class RaggedBatchKVCache(KVCache):
         self._bound = max(new_lengths) if new_lengths is not None else end
 
     def _update_planned(self, keys, values, plan: StepPlan, write_start, new_offsets) -> None:
-        """Write at the plan's positions; the host then knows a bound, not the lengths."""
+        """Write at the plan's positions; the lengths are then the plan's (shared) host list."""
         plan.check_step(keys, write_start, new_offsets)
         if self.keys is None or plan.bound > self.capacity:
             raise ValueError(f"this plan reaches position {plan.bound} but the cache holds "
@@ -237,22 +236,8 @@ class RaggedBatchKVCache(KVCache):
             self.keys.scatter_(2, idx[:, None, :, None].expand(B, H, 1, keys.shape[3]), keys)
             self.values.scatter_(2, idx[:, None, :, None].expand(B, H, 1, values.shape[3]), values)
             self._offsets.copy_(plan.new_offsets)
-        self._has_last_write, self._lengths, self._bound = True, None, plan.bound
+        self._has_last_write, self._lengths, self._bound = True, plan.ends, plan.bound
         self._plan = plan
-
-    @staticmethod
-    def _check_host(ws: list[int] | None, no: list[int] | None, lengths: list[int], q: int) -> list[int]:
-        ws = lengths if ws is None else ws
-        for r, (w, n) in enumerate(zip(ws, lengths)):
-            if w > n:
-                raise ValueError(f"write_start[{r}]={w} is past the row's length {n}; rewrite "
-                                 "(write_start < length) or append (==), never leave a gap")
-        no = [w + q for w in ws] if no is None else no
-        for r, (w, n) in enumerate(zip(ws, no)):
-            if not w <= n <= w + q:
-                raise ValueError(f"new_offsets[{r}]={n} must lie in [write_start, write_start + q]"
-                                 f" = [{w}, {w + q}]; drop older tokens with trim() or restore_masked()")
-        return list(no)
 
     def _assert_rows(self, start: torch.Tensor, no: torch.Tensor | None, q: int) -> None:
         """The host checks, done on the device without a sync."""
@@ -307,11 +292,11 @@ class RaggedBatchKVCache(KVCache):
                                        self._offsets, scale=scale, decode_len=known)
 
     # -- capacity -------------------------------------------------------------------------------
-    def reserve(self, n: int) -> None:
-        """Grow now so writes reaching ``n`` positions past the longest row need no growth."""
-        needed = self._bound + check_int(n, "reserve(n)", 0)
+    def reserve(self, tokens: int) -> None:
+        """Grow now so writes reaching ``tokens`` positions past the longest row need no growth."""
+        needed = self._bound + check_int(tokens, "reserve(tokens)", 0)
         if needed > max(self.capacity, self._target) and self._offsets is not None:
-            needed = max(self._host_lengths()) + n  # the bound may be loose: tighten it once
+            needed = max(self._host_lengths()) + tokens  # the bound may be loose: tighten it once
         self._check_fits(needed)
         if self.keys is None:
             self._target = max(self._target, round_up(needed, self.step))
@@ -331,6 +316,22 @@ class RaggedBatchKVCache(KVCache):
                 self._reallocate(cap, self.keys, self.values)
         self._target, self._frozen = cap, True
 
+    def can_reserve(self, tokens: int) -> bool:
+        """Whether :meth:`reserve` of ``tokens`` fits: always, unless the capacity is frozen."""
+        check_int(tokens, "can_reserve(tokens)", 0)
+        if not self._frozen:
+            return True
+        longest = 0 if self._offsets is None else max(self._host_lengths())
+        return longest + tokens <= (self.capacity if self.keys is not None else self._target)
+
+    def headroom(self) -> int:
+        """Positions every row can still write before the buffers must grow (0 before a write)."""
+        return 0 if self.keys is None else self.capacity - max(self._host_lengths())
+
+    def freeze(self) -> None:
+        """:meth:`freeze_capacity` at the capacity held now (:meth:`reserve` first to hold more)."""
+        self.freeze_capacity(max(self.capacity, self._target, 1))
+
     # -- rollback -------------------------------------------------------------------------------
     def snapshot(self) -> RaggedSnapshot:
         """Owned copies of every row's live prefix, the offsets and the host bookkeeping."""
@@ -348,7 +349,7 @@ class RaggedBatchKVCache(KVCache):
         if snap.offsets.shape[0] != self.batch_size:
             raise ValueError(f"the snapshot holds {snap.offsets.shape[0]} rows, the cache {self.batch_size}")
         held = [(c.keys, c.values) for c in (snap, self) if c.keys is not None]
-        if len({_layout(k, v) for k, v in held}) > 1:
+        if len({layout(k, v) for k, v in held}) > 1:
             raise ValueError("the snapshot's heads, head_dim, dtype or device differ from the cache's")
         self._check_fits(0 if snap.keys is None else snap.keys.shape[2])
 
@@ -390,6 +391,15 @@ class RaggedBatchKVCache(KVCache):
             self._lengths, self._bound = None, max(self._bound, snap.bound)
 
     # -- batch ----------------------------------------------------------------------------------
+    def release(self, rows: Any) -> None:
+        """Empty ``rows`` (distinct indices): their lengths become 0; the buffers keep their size."""
+        if self._offsets is None:
+            raise ValueError("the batch size is unknown until the first update()")
+        gone = set(check_indices("rows", rows, self.batch_size))
+        lengths = [0 if r in gone else n for r, n in enumerate(self._host_lengths())]
+        if gone:
+            self._set_lengths(lengths)
+
     def filter(self, indices: Any) -> None:
         """Keep the rows ``indices`` (ints or an integer tensor; order kept, repeats allowed)."""
         if self._offsets is None:
@@ -415,7 +425,7 @@ class RaggedBatchKVCache(KVCache):
         if self._offsets is None or other._offsets is None:
             raise ValueError("both caches need a known batch size; give batch_size or write first")
         held = [c for c in (self, other) if c.keys is not None]
-        if len({_layout(c.keys, c.values) for c in held}) > 1:
+        if len({layout(c.keys, c.values) for c in held}) > 1:
             raise ValueError("the caches' heads, head_dims, dtype or device differ")
         cap = max(self.capacity, other.capacity)
         self._check_fits(cap if other.capacity > self.capacity else 0)
@@ -449,6 +459,24 @@ class RaggedBatchKVCache(KVCache):
     def size(self) -> int:
         """The longest row (reads the device when the host does not know the lengths)."""
         return 0 if self._offsets is None else max(self._host_lengths())
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each row's length as host ints (``[]`` while the batch is unknown). The host books
+        know them, except after a write whose rows were accelerator tensors: then the device
+        is read once."""
+        return [] if self._offsets is None else list(self._host_lengths())
+
+    def _set_lengths(self, lengths: list[int]) -> None:
+        self._changed()
+        self._offsets.copy_(to_device(lengths, torch.long, self._offsets.device))
+        self._lengths, self._bound = lengths, max(lengths)
+
+    @property
+    def storage_device(self) -> torch.device:
+        if self.keys is not None:
+            return self.keys.device
+        return torch.device("cpu") if self._offsets is None else self._offsets.device
 
     def empty(self) -> bool:
         """True while nothing was ever written."""
@@ -504,6 +532,9 @@ class RaggedBatchKVCache(KVCache):
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], meta_state: dict[str, Any]) -> RaggedBatchKVCache:
         """Rebuild what :attr:`state`/:attr:`meta_state` describe, capacity and frozen flag included."""
+        from kvtier.caches.state_checks import check_ragged_state
+
+        check_ragged_state(state, meta_state)  # every field, before anything is built
         if meta_state.get("tier") != cls.tier:
             raise ValueError(f"meta_state tier {meta_state.get('tier')!r} is not {cls.tier!r}")
         step, cap = read_meta_ints(meta_state, "step", "capacity")
@@ -561,35 +592,3 @@ class RaggedBatchKVCache(KVCache):
         if isinstance(other.offset, int):
             return cls.from_scalar_cache(other, **kw)
         raise ValueError(f"cannot convert the {other.tier!r} tier to ragged rows; write them again")
-
-
-def _layout(k: torch.Tensor, v: torch.Tensor) -> tuple:
-    return (k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
-
-
-def snapshot_ragged_caches(caches: list[RaggedBatchKVCache]) -> list[RaggedSnapshot]:
-    """One :meth:`~RaggedBatchKVCache.snapshot` per layer."""
-    return [c.snapshot() for c in caches]
-
-
-def _check_pairs(caches: list, snaps: list, row_mask: Any = None) -> None:
-    if len(caches) != len(snaps):
-        raise ValueError(f"{len(caches)} caches but {len(snaps)} snapshots")
-    for c, s in zip(caches, snaps):
-        c._check_snapshot(s)
-        if row_mask is not None:
-            check_row_mask(row_mask, c.batch_size)
-
-
-def restore_ragged_caches(caches: list[RaggedBatchKVCache], snaps: list[RaggedSnapshot]) -> None:
-    """:meth:`~RaggedBatchKVCache.restore` every layer; all are checked before any changes."""
-    _check_pairs(caches, snaps)
-    for c, s in zip(caches, snaps):
-        c.restore(s)
-
-
-def restore_ragged_caches_masked(caches: list, snaps: list, row_mask: Any) -> None:
-    """:meth:`~RaggedBatchKVCache.restore_masked` every layer; all are checked before any changes."""
-    _check_pairs(caches, snaps, row_mask)
-    for c, s in zip(caches, snaps):
-        c.restore_masked(s, row_mask)

@@ -62,6 +62,23 @@ def host_row_values(x: Any, name: str, batch: int) -> list[int]:
     return row_values(x.cpu() if isinstance(x, torch.Tensor) else x, name, batch, torch.device("cpu"))
 
 
+def check_host_rows(ws: list[int] | None, no: list[int] | None, lengths: list[int], q: int) -> list[int]:
+    """The new row lengths of a ``q``-token write at ``ws`` (default: ``lengths``) committing
+    ``no`` (default: all), checked against the rows' ``lengths``: ``ValueError`` for a write
+    that would leave a gap or commit outside ``[write_start, write_start + q]``."""
+    ws = lengths if ws is None else ws
+    for r, (w, n) in enumerate(zip(ws, lengths)):
+        if w > n:
+            raise ValueError(f"write_start[{r}]={w} is past the row's length {n}; rewrite "
+                             "(write_start < length) or append (==), never leave a gap")
+    no = [w + q for w in ws] if no is None else no
+    for r, (w, n) in enumerate(zip(ws, no)):
+        if not w <= n <= w + q:
+            raise ValueError(f"new_offsets[{r}]={n} must lie in [write_start, write_start + q]"
+                             f" = [{w}, {w + q}]; drop older tokens with trim() or restore_masked()")
+    return list(no)
+
+
 def check_row_mask(mask: Any, batch: int) -> list[bool] | torch.Tensor:
     """``[batch]`` bools: a host list, or the tensor itself when it lives on an accelerator."""
     if isinstance(mask, torch.Tensor):

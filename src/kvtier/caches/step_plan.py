@@ -15,11 +15,14 @@ With a plan, the engine computes them once per step and every layer reads them:
   :meth:`StepPlanner.device_step` moves the device tensors on by one token with
   no host read, so a CUDA graph can capture it (:mod:`kvtier.cuda_graph`).
 
-The layers of one model receive identical writes, so their paged block tables are
-identical: the planner checks that once, reserves blocks for all layers together
-(every ``reserve_tokens`` tokens), and computes the slots from one table. A cache
-that is changed outside the plan (trim, restore, filter, ...) drops out of it, and
-the planner's next step raises instead of writing at stale positions.
+The planner talks to the caches only through the per-row protocol
+(:class:`~kvtier.caches.base.RowKVCache`: ``lengths``, ``headroom``, ``reserve``,
+``can_reserve``, ``storage_device``, ``block_table_view``). The layers of one model
+receive identical writes, so the block tables of a pooled tier are identical: the
+planner checks that once, reserves blocks for all layers together (every
+``reserve_tokens`` tokens), and computes the slots from one table. A cache that is
+changed outside the plan (trim, restore, filter, ...) drops out of it, and the
+planner's next step raises instead of writing at stale positions.
 
 Example::
 
@@ -44,9 +47,7 @@ from typing import Any
 
 import torch
 
-from kvtier.caches.base import KVCache
-
-PLANNED_TIERS = ("ragged", "paged")
+from kvtier.caches.base import BlockTableView, KVCache, RowKVCache
 
 
 @dataclass(eq=False)
@@ -93,12 +94,12 @@ class StepPlan:
 
 
 class StepPlanner:
-    """Plans decode steps for per-layer ragged or paged caches that hold the same rows.
+    """Plans decode steps for per-layer caches of a per-row tier that hold the same rows.
 
-    ``caches``: one cache per layer, all of one tier (``ragged`` or ``paged``) and
-    batch; ``lengths``: each row's length now (``B`` ints; default read from the
-    first cache, which costs one device read). Every layer must hold exactly those
-    lengths and, for the paged tier, the same block tables (checked here, once).
+    ``caches``: one :class:`~kvtier.caches.base.RowKVCache` per layer, all of one tier
+    and batch; ``lengths``: each row's length now (``B`` ints; default: the first
+    cache's ``lengths``). Every layer must hold exactly those lengths and, for a tier
+    with block tables (paged), the same tables (checked here, once).
     ``reserve_tokens``: how far ahead capacity is reserved when a step needs more.
 
     Per step: ``kw = planner.prepare()``, then ``model(tokens, caches,
@@ -111,35 +112,38 @@ class StepPlanner:
                  reserve_tokens: int = 256):
         if not caches:
             raise ValueError("StepPlanner needs one cache per layer, got none")
-        tiers = {c.tier for c in caches}
-        if len(tiers) != 1 or not tiers <= set(PLANNED_TIERS):
-            raise ValueError(f"step plans serve one of the tiers {PLANNED_TIERS} for every layer, "
-                             f"got {sorted(tiers)}; build the caches with strategy='ragged' or 'paged'")
+        kinds = {type(c) for c in caches}
+        if len(kinds) != 1 or not issubclass(kinds.pop(), RowKVCache):
+            names = sorted({type(c).__name__ for c in caches})
+            raise ValueError(f"step plans serve per-layer caches of one per-row tier (RowKVCache), got "
+                             f"{names}; build the caches with strategy='ragged' or 'paged'")
         if isinstance(reserve_tokens, bool) or not isinstance(reserve_tokens, int) or reserve_tokens < 1:
             raise ValueError(f"reserve_tokens must be an int >= 1, got {reserve_tokens!r}")
-        self.caches, self.tier = list(caches), tiers.pop()
+        self.caches: list[RowKVCache] = list(caches)
         self.reserve_tokens = reserve_tokens
         self.batch_size = caches[0].batch_size
-        if lengths is None:
-            lengths = caches[0].offset.tolist() if caches[0].size() else [0] * self.batch_size
-        lengths = [int(n) for n in lengths]
+        if self.batch_size is None:
+            raise ValueError("the caches do not know their batch size yet; build them with batch_size")
+        lengths = caches[0].lengths if lengths is None else [int(n) for n in lengths]
         if len(lengths) != self.batch_size or min(lengths) < 0:
             raise ValueError(f"lengths must be {self.batch_size} ints >= 0 (one per row), got {lengths}")
-        self._check_caches(lengths)
+        view = caches[0].block_table_view()
+        #: tokens per block of a tier with block tables (the slots come from them), else None
+        self.block_size = None if view is None else view.block_size
+        self._check_caches(lengths, view)
         self.plan: StepPlan | None = None
         self._lengths = lengths
         self._headroom = 0  # steps that fit before capacity must be reserved (host)
 
-    def _check_caches(self, lengths: list[int]) -> None:
-        want = torch.tensor(lengths)
+    def _check_caches(self, lengths: list[int], first: BlockTableView | None) -> None:
         for i, c in enumerate(self.caches):
-            if c.batch_size != self.batch_size or not torch.equal(c.offset.cpu(), want):
-                raise ValueError(f"layer {i} holds rows of lengths {c.offset.tolist()}, not {lengths}; "
+            if c.batch_size != self.batch_size or c.lengths != lengths:
+                raise ValueError(f"layer {i} holds rows of lengths {c.lengths}, not {lengths}; "
                                  "every layer must hold the same rows")
-        if self.tier == "paged":
-            first = self.caches[0]
+        if first is not None:
             for i, c in enumerate(self.caches):
-                if c.block_size != first.block_size or c.pool.rows != first.pool.rows:
+                view = c.block_table_view()
+                if (view.block_size, view.rows) != (first.block_size, first.rows):
                     raise ValueError(f"layer {i}'s block tables differ from layer 0's; a plan reads one "
                                      "table for all layers: build the caches alike and write them alike")
 
@@ -158,9 +162,7 @@ class StepPlanner:
         """Steps every layer can take before capacity must be reserved (reads host books only)."""
         if not self.ready:
             return 0
-        if self.tier == "paged":
-            return min(c.headroom() for c in self.caches)
-        return min(c.capacity for c in self.caches) - max(self._lengths)
+        return min(c.headroom() for c in self.caches)
 
     # -- steps --------------------------------------------------------------------------------
     def prepare(self, *, device: bool = True) -> dict[str, Any]:
@@ -196,8 +198,7 @@ class StepPlanner:
         room = self.headroom()
         if room < 1:
             # ahead when every layer can take it; else what this step needs
-            fits = (all(c.can_reserve(self.reserve_tokens) for c in self.caches)
-                    if self.tier == "paged" else not any(c.frozen for c in self.caches))
+            fits = all(c.can_reserve(self.reserve_tokens) for c in self.caches)
             n = self.reserve_tokens if fits else 1
             for c in self.caches:  # a refusal comes from the first layer, before any changed
                 c.reserve(n)
@@ -212,7 +213,7 @@ class StepPlanner:
         A plan that exists keeps its tensors and lists (the caches' books point at them).
         """
         first = self.caches[0]
-        dev = first.keys.device if self.tier == "ragged" else first.key_cache.device
+        dev = first.storage_device
         with torch.inference_mode(False):  # plain tensors: updated in place inside and outside it
             ends = torch.tensor(self._lengths, dtype=torch.long).to(dev)
             if self.plan is None:
@@ -222,9 +223,9 @@ class StepPlanner:
                 self.plan.starts[:], self.plan.ends[:] = self._lengths, self._lengths
                 self.plan.memo.clear()
                 self.plan.valid = True
-            if self.tier == "paged":  # the columns rows hold: kernels plan their split on its width
-                width = max(len(r) for r in first.pool.rows)
-                self.plan.block_tables = first.pool.block_tables[:, :width]
+            view = first.block_table_view()
+            if view is not None:  # the columns rows hold: kernels plan their split on its width
+                self.plan.block_tables = view.tables
                 if self.plan.slots is None:
                     self.plan.slots = torch.zeros_like(ends)
 
@@ -238,7 +239,7 @@ class StepPlanner:
         plan.write_start.copy_(plan.new_offsets)
         plan.new_offsets.add_(1)
         if plan.slots is not None:
-            bs = self.caches[0].block_size
+            bs = self.block_size
             ws = plan.write_start
             blk = plan.block_tables.gather(1, (ws // bs)[:, None])[:, 0]  # (B,) int32
             torch.add(blk.long() * bs, ws % bs, out=plan.slots)

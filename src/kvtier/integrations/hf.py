@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kvtier.caches.base import KVCache, check_kv
+from kvtier.caches.base import KVCache, RowKVCache, check_kv
 from kvtier.caches.step_plan import StepPlanner
 from kvtier.config import KVCacheConfig, make_caches
 from kvtier.integrations.hf_version import TransformersVersionError, require_transformers
@@ -74,10 +74,6 @@ def cache_kwarg(model) -> str:
     transformers 5.x, ``"past_key_values"`` before (still accepted, with a warning, until 6.0)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
-
-
-#: tiers that track a length per row (written with ``write_start`` / ``new_offsets``)
-ROW_STRATEGIES = ("ragged", "paged")
 
 
 class _PaddingProbe:
@@ -133,15 +129,16 @@ class _DecodePlans:
 
     def _prepare(self, layers: list[KVTierLayer]) -> dict[str, Any]:
         tiers = [layer.tier for layer in layers]
-        if any(t is None or t.empty() or not layer.in_place for t, layer in zip(tiers, layers)):
+        if any(not isinstance(t, RowKVCache) or t.empty() or not layer.in_place
+               for t, layer in zip(tiers, layers)):
             return {}
         p = self.planner
         if p is not None and (p.plan is None or not p.plan.valid or len(p.caches) != len(tiers)
                               or any(a is not b for a, b in zip(p.caches, tiers))):
             self.close()  # a cache was changed outside the plan, or replaced
         if self.planner is None:
-            first = tiers[0]
-            ahead = first.block_size if first.tier == "paged" else 256  # paged: one block at a time
+            view = tiers[0].block_table_view()
+            ahead = 256 if view is None else view.block_size  # a pooled tier: one block at a time
             try:
                 self.planner = StepPlanner(tiers, reserve_tokens=ahead)
             except ValueError:  # layers that were written differently: each books its own writes
@@ -180,7 +177,6 @@ class KVTierLayer(CacheLayerMixin):
     ):
         super().__init__()
         self.config = config
-        self.rows = config.strategy in ROW_STRATEGIES
         self._reads_in_place = reads_in_place
         self._probe = probe or _PaddingProbe()
         self._plans = plans or _DecodePlans(lambda: [self])
@@ -189,6 +185,11 @@ class KVTierLayer(CacheLayerMixin):
         self.trimmed = 0  # tokens dropped by crop() (rejected drafts of assisted generation)
         self.in_place = False
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def rows(self) -> bool:
+        """Whether the tier keeps a length per row (a :class:`~kvtier.caches.base.RowKVCache`)."""
+        return isinstance(self.tier, RowKVCache)
 
     def _new_tier(self, batch_size: int) -> KVCache:
         return make_caches(1, self.config, batch_size=batch_size)[0]
