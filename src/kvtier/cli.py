@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(_run=run_eval)
 
     _bench_parsers(sub.add_parser("bench", help="run a benchmark and print its table"))
+    from kvtier.serve.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub)  # kvtier serve (its _run is kvtier.serve.cli.run_serve)
     return parser
 
 

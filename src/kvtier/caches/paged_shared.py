@@ -45,7 +45,7 @@ from kvtier.caches.base import check_kv
 from kvtier.caches.paged import PagedKVCache
 from kvtier.caches.paged_pool import PagedKVGrowthRefused, RowsArg, rows_arg
 from kvtier.caches.step_plan import StepPlan
-from kvtier.config import TurboQuantConfig
+from kvtier.quant.modes import TurboQuantConfig
 
 __all__ = ["RowBinding", "SharedBlockPagedKVCache", "decode_plan"]
 
@@ -85,10 +85,9 @@ class RowBinding:
             if bad:
                 raise ValueError(f"row {r}: block ids {bad[:4]} are not in [0, {num_blocks})")
         width = max(1, max(len(r) for r in rows))
-        table = torch.zeros(len(rows), width, dtype=torch.int32)
-        for r, row in enumerate(rows):
-            table[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        return cls(rows, lens, table.to(device), block_size, num_blocks)
+        padded = [row + [0] * (width - len(row)) for row in rows]
+        table = torch.tensor(padded, dtype=torch.int32).to(device)  # (B, W): one copy to the device
+        return cls(rows, lens, table, block_size, num_blocks)
 
 
 def decode_plan(rows: RowBinding) -> StepPlan:

@@ -37,8 +37,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvtier.config import KV_QUANT_MODES, TurboQuantConfig
 from kvtier.generate import GenerationConfig, RowText
+from kvtier.quant.modes import TurboQuantConfig, check_kv_quant, check_turboquant
 from kvtier.sampling import make_generator, sample
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.prefix import BlockManager
@@ -89,9 +89,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= 1 or None, got {v!r}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
-        if self.kv_quant is not None and self.kv_quant not in KV_QUANT_MODES:
-            raise ValueError(f"kv_quant {self.kv_quant!r} is unknown; accepted: None, "
-                             f"{', '.join(KV_QUANT_MODES)}")
+        check_kv_quant(self.kv_quant)
+        check_turboquant(self.turboquant)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 
@@ -192,6 +191,13 @@ class LLMEngine:
         """Drop a request, waiting or running; its blocks are freed. False if it was not live."""
         self._live.pop(request_id, None)
         return self.scheduler.abort(request_id)
+
+    def abort_all(self) -> list[str]:
+        """Drop every request (after a failed step); returns their ids."""
+        ids = list(self.scheduler.requests)
+        for rid in ids:
+            self.abort(rid)
+        return ids
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -33,7 +33,7 @@ import torch
 
 from kvtier.caches.paged_codecs import select_codecs
 from kvtier.caches.paged_shared import RowBinding, SharedBlockPagedKVCache, decode_plan
-from kvtier.config import TurboQuantConfig
+from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.scheduler import ScheduledRow, StepBatch
 
 __all__ = ["ModelRunner", "blocks_for_memory", "kv_bytes_per_block"]

@@ -1,0 +1,270 @@
+"""The OpenAI-compatible HTTP layer: FastAPI routes that translate and stream, nothing more.
+
+Routes: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``,
+``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers
+with server-sent events ending in ``data: [DONE]``). The app holds no cache state:
+requests go to an :class:`~kvtier.serve.async_engine.AsyncLLMEngine`.
+
+Errors are answered in OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``, with a 4xx status for the caller's mistakes:
+
+====== ======================================================================
+status when
+====== ======================================================================
+400    malformed JSON, a field of the wrong type or range, an unsupported field
+       (``n > 1``, ``echo``, penalties, ``tools``), a prompt that does not fit
+       the context (``code: context_length_exceeded``)
+404    an unknown route, or a ``model`` other than the one served
+429    the waiting queue is full (``Retry-After`` header)
+500    a failure inside the engine (a bug); the server keeps serving
+====== ======================================================================
+
+A client that disconnects (streaming or not) aborts its request, which frees its
+blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from kvtier.serve.async_engine import AsyncLLMEngine
+from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvtier.serve.params import RequestOutput, TokenLogprob
+from kvtier.serve.scheduler import QueueFull
+from kvtier.serve.schemas import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    request_params,
+)
+
+__all__ = ["ServerConfig", "build_app"]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where the server listens and what it calls its model.
+
+    ``served_model_name``: the ``model`` the API reports and accepts (default: the
+    model file's name); ``retry_after_s``: the ``Retry-After`` of a 429.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port must be an int in [0, 65535], got {self.port!r}")
+
+
+def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
+              config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app over ``engine``; it starts the engine's loop on startup and stops it on
+    shutdown. ``tokenizer`` encodes prompts and renders chat templates."""
+    config = config or ServerConfig()
+    metrics = ServerMetrics(lambda: engine.stats)
+    engine.observers.append(metrics.observe)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="kvtier", lifespan=lifespan)
+    created = int(time.time())
+
+    def fail(e: APIError) -> JSONResponse:
+        metrics.reject(e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return fail(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid")
+        return fail(APIError(400, message, param=where or None))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return fail(APIError(e.status_code, str(e.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception):
+        return fail(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    # -- info ----------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        s = engine.stats
+        return {"status": "ok", **{k: s[k] for k in ("running", "waiting", "num_blocks", "free_blocks",
+                                                     "cached_blocks", "max_model_len")}}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "kvtier",
+                                            "max_model_len": engine.stats["max_model_len"]}]}
+
+    # -- generation ----------------------------------------------------------------------------
+    async def start(req, ids: list[int], prompt_param: str) -> str:
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+                           f"{model_name!r}", param="model", code="model_not_found", type="not_found_error")
+        params = request_params(req)
+        try:
+            return await engine.add_request(ids, params)
+        except QueueFull as e:
+            raise APIError(429, str(e), code="rate_limit_exceeded", type="rate_limit_error",
+                           headers={"Retry-After": str(config.retry_after_s)}) from None
+        except ValueError as e:
+            code = "context_length_exceeded" if "context" in str(e) else None
+            raise APIError(400, str(e), param=prompt_param, code=code) from None
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        prompt = req.single_prompt()
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        rid = await start(req, ids, "prompt")
+        view = _Completion(tokenizer, model_name, f"cmpl-{rid}", chat=False)
+        return await answer(view, rid, req, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        try:
+            text = tokenizer.apply_chat_template(chat_messages(req))
+        except (jinja2.TemplateError, ValueError) as e:
+            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        rid = await start(req, tokenizer.encode(text, add_bos=False), "messages")
+        view = _Completion(tokenizer, model_name, f"chatcmpl-{rid}", chat=True)
+        return await answer(view, rid, req, request)
+
+    async def answer(view: _Completion, rid: str, req, request: Request):
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return StreamingResponse(view.events(engine.stream(rid), usage), media_type="text/event-stream")
+        collect = asyncio.ensure_future(_collect(engine.stream(rid)))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not collect.done():  # the client left: cancelling the stream aborts the request
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
+            return Response(status_code=499)
+        return view.whole(collect.result())
+
+    return app
+
+
+async def _collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [out async for out in stream]
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Completion:
+    """Turns engine outputs into OpenAI's completion or chat completion objects."""
+
+    def __init__(self, tokenizer, model: str, rid: str, chat: bool):
+        self.tokenizer, self.model, self.id, self.chat = tokenizer, model, rid, chat
+        self.created = int(time.time())
+        self.offset = 0  # text offset of the next token (completions' logprobs)
+
+    def _envelope(self, choices: list, chunk: bool) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    @staticmethod
+    def usage(last: RequestOutput) -> dict:
+        return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                "total_tokens": last.prompt_tokens + last.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
+
+    def _token(self, i: int) -> str:
+        return self.tokenizer.decode([i])
+
+    def logprobs(self, items: list[TokenLogprob], text: str) -> dict | None:
+        if self.chat:
+            def entry(t, lp):
+                s = self._token(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            return {"content": [{**entry(x.token_id, x.logprob),
+                                 "top_logprobs": [entry(t, lp) for t, lp in x.top]} for x in items]}
+        tokens = [self._token(x.token_id) for x in items]
+        offsets = []
+        for s in tokens:
+            offsets.append(self.offset)
+            self.offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [x.logprob for x in items],
+                "top_logprobs": [{self._token(t): lp for t, lp in x.top} for x in items],
+                "text_offset": offsets}
+
+    def _choice(self, text: str, finish: str | None, items, chunk: bool) -> dict:
+        lp = None if items is None else self.logprobs(items, text)
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+        body = {"content": text} if not chunk else ({"content": text} if text else {})
+        key = "delta" if chunk else "message"
+        if not chunk:
+            body = {"role": "assistant", **body}
+        return {"index": 0, key: body, "logprobs": lp, "finish_reason": finish}
+
+    def whole(self, outs: list[RequestOutput]) -> dict:
+        """The non-streaming answer from every output of the request."""
+        last = outs[-1]
+        items = None if last.logprobs is None else [x for o in outs for x in o.logprobs]
+        text = "".join(o.text for o in outs)
+        return {**self._envelope([self._choice(text, last.finish_reason, items, chunk=False)], chunk=False),
+                "usage": self.usage(last)}
+
+    async def events(self, stream: AsyncIterator[RequestOutput], include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per output with text (or logprobs), then ``[DONE]``."""
+        def sse(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        if self.chat:
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}
+            yield sse(self._envelope([first], chunk=True))
+        last = None
+        try:
+            async for out in stream:
+                last = out
+                if out.text or out.finished or out.logprobs is not None:
+                    yield sse(self._envelope([self._choice(out.text, out.finish_reason, out.logprobs,
+                                                           chunk=True)], chunk=True))
+        except Exception as e:  # the engine failed mid-stream: the status is sent already
+            yield sse(APIError(500, f"internal error: {e}", type="server_error").body())
+        if include_usage and last is not None:
+            yield sse({**self._envelope([], chunk=True), "usage": self.usage(last)})
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,182 @@
+"""AsyncLLMEngine: the engine's step loop in one background thread, streams for asyncio callers.
+
+The engine is synchronous: a step is one forward pass, and nothing else may touch
+the engine while it runs. :class:`AsyncLLMEngine` gives it one thread of its own.
+Callers (the HTTP handlers, on the event loop) never call the engine: they post
+commands to an inbox that the loop drains between steps, and receive each
+request's :class:`~kvtier.serve.params.RequestOutput` objects through an
+``asyncio.Queue`` filled with ``loop.call_soon_threadsafe``. So an admission error
+(a full queue, a prompt too long) reaches the caller before any response starts,
+and an abort (a client that went away) takes effect at the next step boundary.
+
+A step that raises fails the requests in flight (their streams raise) and the loop
+goes on serving new ones.
+
+Example::
+
+    engine = AsyncLLMEngine(LLMEngine(model, tokenizer))
+    engine.start()
+    rid = await engine.add_request(ids, RequestParams(max_tokens=16))   # QueueFull, ValueError
+    async for out in engine.stream(rid):
+        print(out.text, end="")
+    engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from kvtier.serve.engine import LLMEngine
+from kvtier.serve.params import RequestOutput, RequestParams
+
+__all__ = ["AsyncLLMEngine", "EngineStepFailed"]
+
+
+class EngineStepFailed(RuntimeError):
+    """A step of the engine raised; the requests in flight were dropped."""
+
+
+class AsyncLLMEngine:
+    """Runs ``engine`` in a background thread (see the module docstring).
+
+    ``observers``: callables given every :class:`RequestOutput` in the loop thread
+    (metrics). ``stats``: the engine's :meth:`~kvtier.serve.engine.LLMEngine.stats`
+    as of the last step, safe to read from any thread.
+    """
+
+    def __init__(self, engine: LLMEngine, observers: Sequence[Callable[[RequestOutput], None]] = ()):
+        self.engine = engine
+        self.observers = list(observers)
+        self.stats = engine.stats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # guards _streams
+        self._thread: threading.Thread | None = None
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise ValueError("the engine loop is already running")
+        self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop after its current step; requests in flight are dropped."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # -- the caller's side ---------------------------------------------------------------------
+    async def add_request(self, prompt_token_ids: Sequence[int], params: RequestParams,
+                          request_id: str | None = None) -> str:
+        """Queue a request in the engine; returns its id once it is queued.
+
+        Raises what :meth:`LLMEngine.add_request` raises (``ValueError``,
+        :class:`~kvtier.serve.scheduler.QueueFull`); then nothing was queued.
+        """
+        rid = request_id or uuid.uuid4().hex
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._streams[rid] = (asyncio.get_running_loop(), asyncio.Queue())
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("add", rid, list(prompt_token_ids), params, added))
+        try:
+            await asyncio.wrap_future(added)
+        except BaseException:  # refused, or the caller was cancelled while it waited
+            self._drop(rid)
+            raise
+        return rid
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request queued by :meth:`add_request`, up to the finished one.
+
+        Leaving early (a closed stream, a cancelled task) aborts the request.
+        """
+        with self._lock:
+            _, outputs = self._streams[request_id]
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._drop(request_id, abort=not finished)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request at the next step boundary (a no-op for an unknown id)."""
+        self._post(("abort", request_id))
+
+    def _drop(self, rid: str, abort: bool = True) -> None:
+        with self._lock:
+            self._streams.pop(rid, None)
+        if abort:
+            self.abort(rid)
+
+    def _post(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    # -- the loop thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self.stats = self.engine.stats()
+                self._wake.wait(timeout=1.0)
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug or a device error: fail these requests, keep serving
+                failed = EngineStepFailed(f"the engine step failed ({type(e).__name__}: {e}); "
+                                          "the request was dropped")
+                for rid in self.engine.abort_all():
+                    self._deliver(rid, failed)
+                continue
+            for out in outputs:
+                for observe in self.observers:
+                    observe(out)
+                self._deliver(out.request_id, out)
+            self.stats = self.engine.stats()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "abort":
+                self.engine.abort(command[1])
+                continue
+            _, rid, ids, params, added = command
+            if not added.set_running_or_notify_cancel():
+                continue  # the caller gave up before its request was taken
+            try:
+                self.engine.add_request(ids, params, request_id=rid)
+            except Exception as e:  # ValueError, QueueFull: the caller's answer
+                added.set_exception(e)
+            else:
+                added.set_result(rid)
+
+    def _deliver(self, rid: str, item: RequestOutput | Exception) -> None:
+        with self._lock:
+            target = self._streams.get(rid)
+        if target is None:
+            return  # the caller left; its abort is in the inbox
+        loop, outputs = target
+        with contextlib.suppress(RuntimeError):  # RuntimeError: the caller's event loop is closed
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
