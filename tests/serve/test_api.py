@@ -1,0 +1,321 @@
+"""``kvtier serve`` end to end: a real uvicorn server on 127.0.0.1, driven by the official
+``openai`` client and by httpx for what a well-behaved client never sends.
+
+The server is started once for the module (the model loads once) and stopped by its
+pid at the end. Outputs are checked against the library (``kvtier.generate``) in
+this process; capacity is checked through ``/health`` and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.config import KVCacheConfig
+from kvtier.generate import GenerationConfig, generate
+
+NUM_BLOCKS, MAX_NUM_SEQS, MAX_WAITING = 128, 8, 16
+SYSTEM = ("You are a terse assistant for a hardware shop. Answer in one sentence, name a tool when "
+          "one helps, and never apologise. ") * 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Base URL of a running ``kvtier serve``; its log is shown if it fails to start."""
+    port = free_port()
+    log = Path(tmp_path_factory.mktemp("serve")) / "serve.log"
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), "--threads", "1",
+           "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),
+           "--max-waiting", str(MAX_WAITING), "--max-batched-tokens", "256"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"kvtier serve exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"kvtier serve did not answer /health within 180 s:\n{log.read_text()}")
+            time.sleep(0.5)
+        yield url
+        assert "Traceback" not in log.read_text(), log.read_text()  # nothing failed inside it
+    finally:
+        proc.terminate()  # by its pid
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def metrics(server) -> dict[str, float]:
+    """Every sample of /metrics by name (labels joined into the name)."""
+    text = httpx.get(f"{server}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def settle(server, timeout: float = 60.0) -> dict:
+    """/health once nothing runs or waits (aborts land at the next engine step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = httpx.get(f"{server}/health").json()
+        if (h["running"] == h["waiting"] == 0) or time.monotonic() > deadline:
+            return h
+        time.sleep(0.1)
+
+
+def test_models_and_health(server, model) -> None:
+    h = httpx.get(f"{server}/health").json()
+    assert h["status"] == "ok" and h["num_blocks"] == NUM_BLOCKS
+    assert model == "SmolLM2-135M-Instruct.Q4_1"
+    listed = httpx.get(f"{server}/v1/models").json()["data"][0]
+    assert listed["max_model_len"] == h["max_model_len"] == NUM_BLOCKS * 16
+
+
+def test_completion_text_usage_and_stop(client, model, lm) -> None:
+    ids = lm.tokenizer.encode("1, 2, 3, 4,")
+    r = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0, stop=[" 8"])
+    want = generate(lm.model, lm.tokenizer, ids, GenerationConfig(max_tokens=12, stop=(" 8",)),
+                    cache_config=KVCacheConfig())
+    assert r.choices[0].text == want and " 8" not in want
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(ids) and 1 <= r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streams_what_it_answers_whole(client, model) -> None:
+    kw = dict(model=model, messages=[{"role": "user", "content": "Name three colours."}],
+              max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    assert whole.choices[0].message.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_raw_sse_ends_with_done(server, model) -> None:
+    body = {"model": model, "prompt": "Hello", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_seed_makes_sampling_reproducible(client, model) -> None:
+    kw = dict(model=model, messages=[{"role": "user", "content": "Invent a word."}], max_tokens=12,
+              temperature=1.0, top_p=0.95, seed=1234)
+    a, b = (client.chat.completions.create(**kw).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+def test_logprobs_shapes(client, model) -> None:
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+
+
+def test_sixteen_concurrent_greedy_requests_equal_generate(server, model, lm) -> None:
+    tok = lm.tokenizer
+    prompts = [tok.encode(" ".join(["word"] * (3 + 11 * i)) + f" {i}") for i in range(16)]
+
+    async def all_at_once():
+        async with AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as c:
+            return await asyncio.gather(*(c.completions.create(
+                model=model, prompt=p, max_tokens=4 + i % 4, temperature=0) for i, p in enumerate(prompts)))
+
+    got = asyncio.run(all_at_once())
+    for i, (p, r) in enumerate(zip(prompts, got)):
+        want = generate(lm.model, tok, p, GenerationConfig(max_tokens=4 + i % 4),
+                        cache_config=KVCacheConfig())
+        assert r.choices[0].text == want, i
+
+
+def test_prefix_cache_hits_show_in_metrics(client, model, server) -> None:
+    kw = dict(model=model, max_tokens=6, temperature=0)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "I need to cut a pipe."}]
+    before = metrics(server)["kvtier_prefix_cache_hits_total"]
+    first = client.chat.completions.create(messages=msgs, **kw)
+    second = client.chat.completions.create(messages=msgs, **kw)
+    after = metrics(server)["kvtier_prefix_cache_hits_total"]
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 64 and after - before >= cached
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ("{not json", 400, None),
+    ([1, 2], 400, None),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+    ({"max_tokens": 3}, 400, "prompt"),
+])
+def test_malformed_completions_get_openai_errors(server, body, status, param) -> None:
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server}/v1/completions", content=content,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_malformed_chat_and_routes(server, client, model) -> None:
+    for body in ({"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
+                 {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}):
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{server}/v1/nothing").status_code == 404
+    assert httpx.get(f"{server}/v1/completions").status_code == 405
+    with pytest.raises(NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x")
+
+
+def test_prompt_longer_than_the_context_is_a_clear_400(client, model) -> None:
+    with pytest.raises(BadRequestError) as e:
+        client.completions.create(model=model, prompt=[1] * (NUM_BLOCKS * 16 + 5), max_tokens=2)
+    err = e.value.body
+    assert err["code"] == "context_length_exceeded" and "context holds 2048" in err["message"]
+
+
+def test_full_queue_answers_429_with_retry_after(server, model) -> None:
+    async def burst():
+        async with httpx.AsyncClient(timeout=300) as c:
+            body = {"model": model, "prompt": "Tell me about the sea.", "max_tokens": 24}
+            return await asyncio.gather(*(c.post(f"{server}/v1/completions", json=body)
+                                          for _ in range(MAX_NUM_SEQS + MAX_WAITING + 8)))
+
+    answers = asyncio.run(burst())
+    codes = [r.status_code for r in answers]
+    assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= MAX_NUM_SEQS
+    refused = next(r for r in answers if r.status_code == 429)
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert settle(server)["free_blocks"] == NUM_BLOCKS
+
+
+def test_disconnects_abort_and_free_blocks(server, model) -> None:
+    tokens = metrics(server)["kvtier_generation_tokens_total"]
+    body = {"model": model, "prompt": "Write a long story about a lighthouse.", "max_tokens": 400,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        next(r.iter_lines())  # one event, then hang up
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(f"{server}/v1/completions", json=body, timeout=1.0)
+    h = settle(server)
+    assert h["running"] == h["waiting"] == 0 and h["free_blocks"] == NUM_BLOCKS
+    assert metrics(server)["kvtier_generation_tokens_total"] - tokens < 2 * 400  # both were cut short
+
+
+def test_bounded_load_with_bad_and_departing_clients(server, model) -> None:
+    """200 requests from 32 clients: valid, malformed and departing. No 5xx, every valid request
+    answered (429s retried), and the pool whole again afterwards."""
+    start = settle(server)["free_blocks"]
+    kinds = ["complete", "chat_stream", "malformed", "complete", "depart", "chat", "malformed_chat"]
+    jobs = [kinds[i % len(kinds)] for i in range(200)]
+    bad = {"malformed": ('{"prompt": 5', "/v1/completions"),
+           "malformed_chat": (json.dumps({"messages": "hi"}), "/v1/chat/completions")}
+    statuses: list[int] = []
+    answered = {"valid": 0, "ok": 0}
+
+    async def one(c: httpx.AsyncClient, i: int, kind: str) -> None:
+        prompt = f"Request {i}: say something about the number {i}."
+        chat = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 3}
+        if kind in bad:
+            content, path = bad[kind]
+            r = await c.post(path, content=content, headers={"content-type": "application/json"})
+            statuses.append(r.status_code)
+            return
+        if kind == "depart":
+            async with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True,
+                                                                     "max_tokens": 50}) as r:
+                statuses.append(r.status_code)
+            return  # closed before reading: the server aborts it
+        answered["valid"] += 1
+        for _ in range(200):  # retry 429s, as Retry-After asks (sooner: the test is bounded)
+            if kind == "chat_stream":
+                async with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+                    lines = [line async for line in r.aiter_lines() if line]
+                ok = r.status_code == 200 and lines[-1] == "data: [DONE]"
+            else:
+                path, body = (("/v1/chat/completions", chat) if kind == "chat" else
+                              ("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 3}))
+                r = await c.post(path, json=body)
+                ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+            statuses.append(r.status_code)
+            if r.status_code != 429:
+                answered["ok"] += ok
+                return
+            await asyncio.sleep(0.2)
+
+    async def load():
+        queue = asyncio.Queue()
+        for i, kind in enumerate(jobs):
+            queue.put_nowait((i, kind))
+
+        async def worker():
+            async with httpx.AsyncClient(base_url=server, timeout=300) as c:
+                while not queue.empty():
+                    await one(c, *queue.get_nowait())
+
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(32))), timeout=600)
+
+    asyncio.run(load())
+    assert not [s for s in statuses if s >= 500]
+    assert answered["ok"] == answered["valid"] == sum(k in ("complete", "chat", "chat_stream") for k in jobs)
+    assert statuses.count(400) >= sum(k in bad for k in jobs)
+    h = settle(server)
+    assert h["free_blocks"] == start == NUM_BLOCKS
