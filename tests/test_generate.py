@@ -13,6 +13,7 @@ from kvtier.generate import (
     generate_step,
     split_at_stop,
     stream_generate,
+    stream_steps,
 )
 from kvtier.sampling import SamplingParams
 
@@ -192,6 +193,40 @@ def test_rows_that_finish_stop_while_others_go_on(lm, prompt_ids, reference):
         got = [r.token for r in responses if r.row == row]
         cut = ref.index(stop_id) + 1 if row in rows_with_stop else N_NEW
         assert got == ref[:cut]
+
+
+@pytest.mark.parametrize("tier, lockstep, calls", [("ragged", False, [[0, 1]]), ("tail", True, [[0, 1]]),
+                                                     ("tail", False, [[0], [1]])])
+def test_the_streaming_shell_runs_any_step_function(lm, tier, lockstep, calls):
+    """A scripted step function that commits several tokens per forward: the shell groups
+    the rows (per-row tier: one batch; scalar tier: lock step when allowed, else row by
+    row), cuts each row at max_tokens, and counts what it streamed."""
+    script = {0: [[11, 12], [13, 14]], 1: [[21], [22, 23]]}  # per row, the tokens of each forward
+    seen = []
+
+    def steps(rows, caches, *, generator, stop_ids, on_progress, on_prefilled):
+        ids = [next(i for i, ids in enumerate(prompts) if ids == r) for r in rows]
+        seen.append((ids, len(caches), caches[0].tier))
+        for forward in range(2):
+            yield [script[i][forward] for i in ids]
+
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    config = GenerationConfig(max_tokens=3, stop_token_ids=())
+    out = list(stream_steps(lm.model, lm.tokenizer, prompts, config, steps, lockstep=lockstep,
+                            cache_config=tier_config(tier)))
+    assert seen == [(ids, lm.args.n_layers, tier) for ids in calls]
+    got = {row: [r.token for r in out if r.row == row] for row in (0, 1)}
+    assert got == {0: [11, 12, 13], 1: [21, 22, 23]}  # row 0 is cut at max_tokens (14 dropped)
+    assert [r.finish_reason for r in out if r.row == 0] == [None, None, "length"]
+    assert "".join(r.text for r in out if r.row == 0) == lm.tokenizer.decode([11, 12, 13])
+    last = out[-1].stats
+    assert last.generation_tokens == 6 and last.prompt_tokens == 6
+    assert last.decode_tokens == 3  # the tokens of the forwards after each group's first
+    if len(calls) == 2:  # row by row: all of row 0's responses come first
+        assert [r.row for r in out] == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(ValueError, match="needs a drafter"):
+        next(stream_generate(lm.model, lm.tokenizer, prompts, config, speculative=object(),
+                             cache_config=tier_config(tier)))
 
 
 def test_seeded_sampling_repeats_and_follows_the_seed(lm):
