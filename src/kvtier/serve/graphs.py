@@ -2,7 +2,7 @@
 
 A server's decode batch changes every step (rows join and leave), but a CUDA graph
 replays fixed shapes. So the runner captures one graph per bucket of rows (1, 2,
-4, 8, 16, 24, ... up to ``max_num_seqs``) at start-up, and a step of ``B`` rows
+4, ..., 32, 64, 96, ... up to ``max_num_seqs``) at start-up, and a step of ``B`` rows
 replays the smallest bucket that holds them, with the rows past ``B`` as padding.
 
 What a replay reads lives in static device buffers, refilled with one host-to-device
@@ -33,12 +33,13 @@ __all__ = ["DecodeGraphs", "graph_buckets", "graphs_unavailable"]
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
-    """Batch sizes captured: 1, 2, 4, then every multiple of 8 up to ``max_num_seqs`` (and it).
+    """Batch sizes captured: powers of two up to 32, then every multiple of 32 up to
+    ``max_num_seqs`` (and it): a step pads at most 31 rows or doubles a small batch.
 
-    >>> graph_buckets(20)
-    [1, 2, 4, 8, 16, 20]
+    >>> graph_buckets(100)
+    [1, 2, 4, 8, 16, 32, 64, 96, 100]
     """
-    sizes = {b for b in (1, 2, 4) if b <= max_num_seqs} | set(range(8, max_num_seqs + 1, 8))
+    sizes = {b for b in (1, 2, 4, 8, 16) if b <= max_num_seqs} | set(range(32, max_num_seqs + 1, 32))
     return sorted(sizes | {max_num_seqs})
 
 

@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -92,7 +93,13 @@ class ModelRunner:
             why = graphs_unavailable(model, self.caches)
             if why is None:
                 width = math.ceil((max_model_len or a.max_position_embeddings) / block_size)
-                self.graphs = DecodeGraphs(model, self.caches, max_num_seqs, width, scratch=num_blocks)
+                try:
+                    self.graphs = DecodeGraphs(model, self.caches, max_num_seqs, width, scratch=num_blocks)
+                except RuntimeError as e:  # a capture that fails: decode eagerly, unless asked not to
+                    if cuda_graph:
+                        raise
+                    warnings.warn(f"kvtier serve: decoding without CUDA graphs ({e})", RuntimeWarning,
+                                  stacklevel=2)
             elif cuda_graph:
                 raise ValueError(f"CUDA-graph decode cannot serve: {why}")
 
