@@ -86,7 +86,7 @@ def test_flags_override_the_environment(capsys, monkeypatch):
     monkeypatch.setenv("KVTIER_OWNED_ATTN_KV", "block")
     out = main_json(capsys, "generate", "Hi", "--raw", "--max-tokens", "2")
     assert out["cache"]["tier"] == "block"
-    out = main_json(capsys, "generate", "Hi", "--raw", "--max-tokens", "2", "--cache", "tail")
+    out = main_json(capsys, "generate", "Hi", "--raw", "--max-tokens", "2", "--tier", "tail")
     assert out["cache"]["tier"] == "tail"
     out = main_json(capsys, "generate", "Hi", "--raw", "--max-tokens", "2", "--kv-quant", "q8")
     assert out["cache"]["tier"] == "paged" and out["cache"]["layer0"]["mode"] == "q8"
@@ -122,7 +122,7 @@ def test_missing_model_file(capsys, tmp_path):
         (["--max-tokens", "0"], "max_tokens"),
         (["--turboquant", "q8_0"], "KEY,VALUE"),
         (["--turboquant", "q9_0,q3_0"], "q9_0"),
-        (["--kv-quant", "q8", "--cache", "tail"], "paged"),
+        (["--kv-quant", "q8", "--tier", "tail"], "paged"),
     ],
 )
 def test_bad_flag_values_give_a_clear_error(capsys, argv, words):
@@ -131,7 +131,7 @@ def test_bad_flag_values_give_a_clear_error(capsys, argv, words):
     assert err.startswith("kvtier: error:") and words in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv", [["--cache", "bogus"], ["--temperature", "hot"], ["--dtype", "int8"]])
+@pytest.mark.parametrize("argv", [["--tier", "bogus"], ["--temperature", "hot"], ["--dtype", "int8"]])
 def test_unparsable_flag_values_exit_with_usage(capsys, argv):
     with pytest.raises(SystemExit) as exc:
         cli.main(["generate", "Hi", *argv])
@@ -154,10 +154,10 @@ def test_no_prompt_and_no_stdin(capsys, monkeypatch):
 def test_info(capsys, monkeypatch):
     monkeypatch.setenv("KVTIER_PAGED_ATTN", "1")
     out = main_json(capsys, "info")
-    assert out["tier"] == "paged" and out["cache_config"]["strategy"] == "paged"
+    assert out["tier"] == "paged" and out["cache_config"]["tier"] == "paged"
     assert out["torch"] == torch.__version__
     assert out["model_args"]["n_layers"] == 30 and out["dtype"] == "float32"
-    out = main_json(capsys, "info", "--cache", "block")
+    out = main_json(capsys, "info", "--tier", "block")
     assert out["tier"] == "block"
 
 

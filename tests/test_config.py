@@ -33,11 +33,11 @@ def clean_env(monkeypatch):
 
 # (KVTIER name, MTPLX alias, value, field, expected), one row per variable of DESIGN.md section 4
 VARIABLES = [
-    ("KVTIER_PAGED_ATTN", "MTPLX_VLLM_METAL_PAGED_ATTN", "1", "strategy", "paged"),
-    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "block", "strategy", "block"),
-    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "block_owned", "strategy", "block"),
-    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "ragged", "strategy", "ragged"),
-    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "TRUE", "strategy", "tail"),
+    ("KVTIER_PAGED_ATTN", "MTPLX_VLLM_METAL_PAGED_ATTN", "1", "tier", "paged"),
+    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "block", "tier", "block"),
+    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "block_owned", "tier", "block"),
+    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "ragged", "tier", "ragged"),
+    ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "TRUE", "tier", "tail"),
     ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "off", "enabled", False),
     ("KVTIER_OWNED_ATTN_KV_STEP", "MTPLX_OWNED_ATTN_KV_STEP", "64", "step", 64),
     ("KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "MTPLX_OWNED_ATTN_KV_BLOCK_SIZE", "512", "owned_block_size", 512),
@@ -69,7 +69,7 @@ def test_each_variable_and_its_mtplx_alias(kvtier_name, alias, value, field, exp
 def test_defaults_match_the_dataclass():
     assert KVCacheConfig.from_env({}) == KVCacheConfig()
     assert KVCacheConfig() == KVCacheConfig(
-        strategy="tail", step=256, owned_block_size=1024, paged_block_size=16, paged_num_blocks=1024
+        tier="tail", step=256, owned_block_size=1024, paged_block_size=16, paged_num_blocks=1024
     )
 
 
@@ -78,12 +78,12 @@ def test_reads_os_environ_and_kvtier_wins_over_its_alias(monkeypatch):
     monkeypatch.setenv("MTPLX_OWNED_ATTN_KV_BLOCK_SIZE", "128")
     assert KVCacheConfig.from_env().owned_block_size == 128
     monkeypatch.setenv("KVTIER_OWNED_ATTN_KV", "tail")
-    assert KVCacheConfig.from_env().strategy == "tail"
+    assert KVCacheConfig.from_env().tier == "tail"
 
 
 def test_paged_wins_over_the_owned_choice():
     cfg = KVCacheConfig.from_env({"KVTIER_PAGED_ATTN": "true", "KVTIER_OWNED_ATTN_KV": "block"})
-    assert cfg.strategy == "paged" and cfg.enabled
+    assert cfg.tier == "paged" and cfg.enabled
 
 
 def test_turboquant_codes():
@@ -110,10 +110,10 @@ def test_the_table_names_real_fields_and_each_variable_once():
     fields = {f.name for f in dataclasses.fields(KVCacheConfig)}
     tq_fields = {f"turboquant.{f.name}" for f in dataclasses.fields(TurboQuantConfig)} - {
         "turboquant.seed"}
-    switches = {"paged", "owned", "turboquant"}  # become strategy, enabled and turboquant
+    switches = {"paged", "owned", "turboquant"}  # become tier, enabled and turboquant
     keys = [var.key for var in ENV_VARS]
     assert len(set(keys)) == len(keys)
-    assert set(keys) == (fields - {"strategy", "enabled"}) | tq_fields | switches
+    assert set(keys) == (fields - {"tier", "enabled"}) | tq_fields | switches
     names = [n for var in ENV_VARS for n in var.names]
     assert len(set(names)) == len(names)
     assert all(var.names[0].startswith("KVTIER_") for var in ENV_VARS)
@@ -170,7 +170,7 @@ def test_a_bad_value_names_its_variable_and_what_it_accepts(name, value, accepte
 @pytest.mark.parametrize(
     "changes",
     [
-        {"strategy": "sliding"},
+        {"tier": "sliding"},
         {"step": 0},
         {"owned_block_size": True},
         {"paged_num_blocks": -1},
@@ -188,19 +188,19 @@ def test_the_dataclass_checks_its_fields(changes):
 
 
 def test_tier_params():
-    assert KVCacheConfig(strategy="tail", step=32).tier_params() == {"step": 32}
-    ragged = KVCacheConfig(strategy="ragged", step=32, attention_backend="torch").tier_params()
+    assert KVCacheConfig(tier="tail", step=32).tier_params() == {"step": 32}
+    ragged = KVCacheConfig(tier="ragged", step=32, attention_backend="torch").tier_params()
     assert ragged == {"step": 32, "attention_backend": "torch"}
-    assert KVCacheConfig(strategy="block", owned_block_size=64).tier_params() == {"block_size": 64}
-    paged = KVCacheConfig(strategy="paged", paged_block_size=32, paged_num_blocks=10).tier_params()
+    assert KVCacheConfig(tier="block", owned_block_size=64).tier_params() == {"block_size": 64}
+    paged = KVCacheConfig(tier="paged", paged_block_size=32, paged_num_blocks=10).tier_params()
     assert paged["block_size"] == 32 and paged["num_blocks"] == 10 and paged["dynamic"] is False
 
 
 @pytest.mark.parametrize(
     "config,cls,attr,value",
     [
-        (KVCacheConfig(strategy="tail", step=16), TailOwnedKVCache, "step", 16),
-        (KVCacheConfig(strategy="block", owned_block_size=8), BlockOwnedKVCache, "block_size", 8),
+        (KVCacheConfig(tier="tail", step=16), TailOwnedKVCache, "step", 16),
+        (KVCacheConfig(tier="block", owned_block_size=8), BlockOwnedKVCache, "block_size", 8),
     ],
 )
 def test_make_caches(config, cls, attr, value):
@@ -252,9 +252,9 @@ def test_configure_converts_in_place_from_the_environment(seed, monkeypatch, env
 
 def test_configure_converts_block_back_to_tail(seed):
     caches = _filled_tails(2)
-    configure_kv_cache(caches, KVCacheConfig(strategy="block", owned_block_size=2))
+    configure_kv_cache(caches, KVCacheConfig(tier="block", owned_block_size=2))
     originals = [c.fetch() for c in caches]
-    stats = configure_kv_cache(caches, KVCacheConfig(strategy="tail", step=8))
+    stats = configure_kv_cache(caches, KVCacheConfig(tier="tail", step=8))
     assert stats == {"enabled": True, "mode": "tail", "entries": 2, "skipped": 0, "step": 8}
     for c, (k, v) in zip(caches, originals):
         assert isinstance(c, TailOwnedKVCache) and c.capacity == 8

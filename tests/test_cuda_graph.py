@@ -34,7 +34,7 @@ TIERS = ("ragged", "paged")
 
 
 def config(tier: str, **kw) -> KVCacheConfig:
-    return KVCacheConfig(strategy=tier, step=8, paged_block_size=4, paged_num_blocks=kw.pop("blocks", 64),
+    return KVCacheConfig(tier=tier, step=8, paged_block_size=4, paged_num_blocks=kw.pop("blocks", 64),
                          **kw)
 
 
@@ -209,7 +209,7 @@ def test_without_cuda_the_graph_is_refused_with_the_reason_and_auto_decodes_eage
 def test_generate_refuses_a_graph_on_a_scalar_tier_and_a_bad_setting(model):
     from kvtier.generate import GenerationConfig, generate_step
 
-    caches = model.make_caches(KVCacheConfig(strategy="tail"))
+    caches = model.make_caches(KVCacheConfig(tier="tail"))
     with pytest.raises(ValueError, match="ragged or paged"):
         next(generate_step(model, [[1, 2, 3]], caches, cuda_graph=True))
     with pytest.raises(ValueError, match="cuda_graph"):
@@ -255,7 +255,7 @@ args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, voc
 model = build_random(args, dtype=torch.float32, std=0.1)
 out = {}
 for backend in ("torch", "triton"):
-    cfg = KVCacheConfig(strategy="paged", paged_block_size=4, paged_num_blocks=16,
+    cfg = KVCacheConfig(tier="paged", paged_block_size=4, paged_num_blocks=16,
                         attention_backend=backend)
     caches = model.make_caches(cfg, batch_size=2)
     with torch.inference_mode():
@@ -292,7 +292,7 @@ def cuda_model(request):
 
 
 def _cuda_caches(model, tier, prompts, backend="auto"):
-    cfg = KVCacheConfig(strategy=tier, step=64, paged_block_size=16, paged_num_blocks=64,
+    cfg = KVCacheConfig(tier=tier, step=64, paged_block_size=16, paged_num_blocks=64,
                         attention_backend=backend)
     caches = model.make_caches(cfg, batch_size=len(prompts))
     with torch.inference_mode():
@@ -398,7 +398,7 @@ def test_the_benchmarks_hf_model_holds_our_weights_and_gives_our_logits(arch):
         ours.layers[1].feed_forward.w13.weight[ours.args.hidden_dim:].data_ptr())  # a view, no copy
     ids = torch.randint(0, ours.args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        want = ours(ids, ours.make_caches(KVCacheConfig(strategy="tail")))
+        want = ours(ids, ours.make_caches(KVCacheConfig(tier="tail")))
         got = hf(ids).logits.float()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert weight_bytes(ours) == 4 * ours.args.n_params

@@ -23,7 +23,7 @@ TIERS = ("tail", "block", "ragged", "paged")
 
 
 def config(tier: str) -> KVCacheConfig:
-    return KVCacheConfig(strategy=tier, step=4, owned_block_size=4, paged_block_size=2, paged_num_blocks=64)
+    return KVCacheConfig(tier=tier, step=4, owned_block_size=4, paged_block_size=2, paged_num_blocks=64)
 
 
 def per_row(tier: str) -> bool:
@@ -92,7 +92,7 @@ def tiny(seed: int = 0):
 
 
 def reference_kv(model, tokens: list[int], num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    caches = model.make_caches(KVCacheConfig(strategy="tail"))
+    caches = model.make_caches(KVCacheConfig(tier="tail"))
     with torch.inference_mode():
         model(torch.tensor([tokens]), caches, num_layers=num_layers)
     return [c.fetch() for c in caches[:num_layers]]  # per layer (1, H_kv, n, D)

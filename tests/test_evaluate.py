@@ -43,7 +43,7 @@ def reference_ppl(model, tokens, context, stride, max_tokens) -> float:
         while scored_to < len(ids):
             begin = min(begin, scored_to - 1)
             end = min(begin + context, len(ids))
-            caches = model.make_caches(KVCacheConfig(strategy="tail"))
+            caches = model.make_caches(KVCacheConfig(tier="tail"))
             logits = model(ids[None, begin:end], caches)[0]  # (T, V): logits[i] predicts i + 1
             pred = logits[scored_to - 1 - begin : end - 1 - begin]
             nll += torch.nn.functional.cross_entropy(pred, ids[scored_to:end], reduction="sum").item()
@@ -55,7 +55,7 @@ def reference_ppl(model, tokens, context, stride, max_tokens) -> float:
 
 @pytest.fixture(scope="module")
 def tail_fp(lm, tokens):
-    return evaluate_modes(lm.model, tokens, EvalConfig(modes=("fp",), cache="tail", **SMALL))[0]
+    return evaluate_modes(lm.model, tokens, EvalConfig(modes=("fp",), tier="tail", **SMALL))[0]
 
 
 def test_fp_perplexity_equals_a_direct_computation(lm, tokens, tail_fp):
@@ -67,7 +67,7 @@ def test_fp_perplexity_equals_a_direct_computation(lm, tokens, tail_fp):
 
 
 def test_off_is_full_precision_and_keeps_its_label(lm, tokens, tail_fp):
-    got = evaluate_modes(lm.model, tokens, EvalConfig(modes=("off", "q8"), cache="tail", **SMALL))
+    got = evaluate_modes(lm.model, tokens, EvalConfig(modes=("off", "q8"), tier="tail", **SMALL))
     assert [r.mode for r in got] == ["off", "q8"]
     assert got[0] == dataclasses.replace(tail_fp, mode="off")
     assert got[1].kl > 0.0 and got[1].delta_pct == pytest.approx(100 * (got[1].ppl / tail_fp.ppl - 1))
@@ -75,7 +75,7 @@ def test_off_is_full_precision_and_keeps_its_label(lm, tokens, tail_fp):
 
 @pytest.mark.parametrize("tier", ["block", "ragged", "paged"])
 def test_fp_perplexity_is_the_same_through_every_tier(lm, tokens, tail_fp, tier):
-    got = evaluate_modes(lm.model, tokens, EvalConfig(modes=("fp",), cache=tier, **SMALL))[0]
+    got = evaluate_modes(lm.model, tokens, EvalConfig(modes=("fp",), tier=tier, **SMALL))[0]
     assert got.ppl == pytest.approx(tail_fp.ppl, rel=1e-6)
     assert got.tokens == tail_fp.tokens
 
@@ -111,15 +111,15 @@ def test_windows_score_every_token_once(n, context, data):
 
 
 def test_mode_names():
-    assert mode_config("fp").strategy == "paged"
-    assert mode_config("fp", fp_cache="block").strategy == "block"
-    assert mode_config("off", fp_cache="block") == mode_config("fp", fp_cache="block")
-    assert mode_config("q4").kv_quant == "q4" and mode_config("q4").strategy == "paged"
+    assert mode_config("fp").tier == "paged"
+    assert mode_config("fp", fp_tier="block").tier == "block"
+    assert mode_config("off", fp_tier="block") == mode_config("fp", fp_tier="block")
+    assert mode_config("q4").kv_quant == "q4" and mode_config("q4").tier == "paged"
     assert mode_config("turboquant").turboquant == TurboQuantConfig()
     # a quantised base never leaks into fp, nor a TurboQuant base into a KV-Quant mode
-    assert mode_config("fp", KVCacheConfig(strategy="paged", kv_quant="q8")).kv_quant is None
+    assert mode_config("fp", KVCacheConfig(tier="paged", kv_quant="q8")).kv_quant is None
     base = KVCacheConfig(turboquant=TurboQuantConfig(), paged_block_size=32)
-    assert mode_config("q8", base) == KVCacheConfig(strategy="paged", kv_quant="q8", paged_block_size=32)
+    assert mode_config("q8", base) == KVCacheConfig(tier="paged", kv_quant="q8", paged_block_size=32)
     assert mode_config("turboquant:q5_0r,q4_0").turboquant == TurboQuantConfig("q5_0", "q4_0", rotate_keys=True)
     assert mode_config("turboquant:q8_0,q3_0").turboquant == TurboQuantConfig("q8_0", "q3_0")
     assert parse_modes("fp, q8,turboquant:q5_0r,q4_0,turboquant,TurboQuant:q8_0,q3_0") == (
@@ -140,7 +140,7 @@ def test_mode_names():
         ({"stride": 0}, "stride"),
         ({"context": 16, "stride": 32}, "stride"),
         ({"max_tokens": 1}, "max_tokens"),
-        ({"cache": "dense"}, "cache"),
+        ({"tier": "dense"}, "tier"),
     ],
 )
 def test_eval_config_checks_its_fields(kwargs, word):

@@ -40,7 +40,7 @@ def lm():
 
 def tier_config(tier: str) -> KVCacheConfig:
     """The tier's config; skipped with the reason while the tier has not landed."""
-    cfg = KVCacheConfig(strategy=tier, paged_num_blocks=32)  # a small paged pool: 512 tokens
+    cfg = KVCacheConfig(tier=tier, paged_num_blocks=32)  # a small paged pool: 512 tokens
     try:
         from kvtier.config import make_caches
 
@@ -55,7 +55,7 @@ def reference_greedy(model, ids: list[int], n: int) -> list[int]:
     seq, out = list(ids), []
     with torch.inference_mode():
         for _ in range(n):
-            caches = model.make_caches(KVCacheConfig(strategy="tail"))
+            caches = model.make_caches(KVCacheConfig(tier="tail"))
             logits = model(torch.tensor([seq]), caches)[0, -1]
             out.append(int(logits.argmax()))
             seq.append(out[-1])
@@ -122,13 +122,13 @@ def _text_until_eos(tok, tokens: list[int]) -> str:
 
 def test_scalar_tier_batch_of_equal_lengths_runs_in_lock_step(lm, prompt_ids, reference):
     ids = prompt_ids[0]
-    caches = lm.model.make_caches(KVCacheConfig(strategy="tail"))
+    caches = lm.model.make_caches(KVCacheConfig(tier="tail"))
     assert steps(lm.model, [ids, ids], caches, 6) == [reference[0][:6]] * 2
     assert caches[0].keys.shape[0] == 2  # one cache of batch 2, not two runs
 
 
 def test_scalar_tier_refuses_rows_of_different_lengths(lm, prompt_ids):
-    caches = lm.model.make_caches(KVCacheConfig(strategy="tail"))
+    caches = lm.model.make_caches(KVCacheConfig(tier="tail"))
     with pytest.raises(ValueError, match="ragged or paged"):
         steps(lm.model, prompt_ids[:2], caches, 1)
     assert caches[0].offset == 0  # nothing written
@@ -137,7 +137,7 @@ def test_scalar_tier_refuses_rows_of_different_lengths(lm, prompt_ids):
 
 
 def test_bad_prompts(lm):
-    caches = lm.model.make_caches(KVCacheConfig(strategy="tail"))
+    caches = lm.model.make_caches(KVCacheConfig(tier="tail"))
     with pytest.raises(ValueError, match="no token"):
         steps(lm.model, [[1, 2], []], caches, 1)
     with pytest.raises(ValueError, match="token-id list"):

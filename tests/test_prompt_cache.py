@@ -23,7 +23,7 @@ CONFIG = GenerationConfig(max_tokens=6, stop_token_ids=())
 
 def run(lm, text: str, pc: PromptCache | None, tier: str = "tail"):
     """Tokens of a greedy run and its final stats."""
-    cfg = KVCacheConfig(strategy=tier, paged_num_blocks=16)  # a small pool: 256 tokens
+    cfg = KVCacheConfig(tier=tier, paged_num_blocks=16)  # a small pool: 256 tokens
     responses = list(stream_generate(lm.model, lm.tokenizer, text, CONFIG, cache_config=cfg,
                                      prompt_cache=pc))
     return [r.token for r in responses], responses[-1].stats

@@ -48,7 +48,7 @@ GREEDY = SpeculativeConfig(draft_tokens=3, adaptive=False)  # drafts every cycle
 
 
 def config(tier: str, **kw) -> KVCacheConfig:
-    return KVCacheConfig(strategy=tier, paged_block_size=4, paged_num_blocks=256, **kw)
+    return KVCacheConfig(tier=tier, paged_block_size=4, paged_num_blocks=256, **kw)
 
 
 # -- fixtures ---------------------------------------------------------------------------------

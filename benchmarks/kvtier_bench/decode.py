@@ -4,7 +4,7 @@ CPU (the default without a GPU): the default model (SmolLM2-135M-Instruct, float
 generates ``--new-tokens`` (256) greedy tokens after a ``--prompt-tokens`` (512)
 prompt taken from Python's ``pydoc_data.topics``. Contenders, in the same run:
 
-- ``kvtier``: :func:`kvtier.generate.generate_step` over the ``--cache`` tier (tail);
+- ``kvtier``: :func:`kvtier.generate.generate_step` over the ``--tier`` tier (tail);
 - ``HF DynamicCache``: ``transformers`` ``generate`` on a ``LlamaForCausalLM`` that
   ``transformers`` itself loads from the same GGUF file.
 
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.config import STRATEGIES, KVCacheConfig
+from kvtier.config import TIERS, KVCacheConfig
 from kvtier.generate import generate_step
 
 
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default=None,
                         help="random weights of this shape (default on CUDA: llama3-8b; "
                              "on CPU the GGUF model unless given, e.g. smollm2-135m)")
-    parser.add_argument("--cache", choices=STRATEGIES, default="tail", help="kvtier's tier")
+    parser.add_argument("--tier", choices=TIERS, default="tail", help="kvtier's tier")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (on a machine shared with other jobs, 1 is steadier)")
     parser.add_argument("--repeats", type=int, default=3,
@@ -85,9 +85,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         model, hf, ids, label = _gguf_models(args)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    n, cfg = args.new_tokens, KVCacheConfig(strategy=args.cache)
+    n, cfg = args.new_tokens, KVCacheConfig(tier=args.tier)
     contenders: dict[str, Callable[[], tuple[float, float, list[int]]]] = {
-        f"kvtier {args.cache}": lambda: _kvtier_run(model, ids, n, cfg),
+        f"kvtier {args.tier}": lambda: _kvtier_run(model, ids, n, cfg),
     }
     if hf is not None:
         contenders["HF DynamicCache"] = lambda: _hf_run(hf, ids, n, sync)

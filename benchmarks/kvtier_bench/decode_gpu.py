@@ -173,7 +173,7 @@ def batch1(model, args, roof: float) -> list[Result]:
     for name, tier, graph in (("kvtier paged, eager (step plan)", "paged", False),
                               ("kvtier paged, CUDA graph", "paged", True),
                               ("kvtier ragged, CUDA graph", "ragged", True)):
-        cfg = KVCacheConfig(strategy=tier, paged_num_blocks=blocks)
+        cfg = KVCacheConfig(tier=tier, paged_num_blocks=blocks)
         for _ in range(2):  # warm-up, then the timed run, each on fresh caches
             caches = model.make_caches(cfg, batch_size=1)
             first, rest, tokens, notes = _engine_run(model, [prompt], caches, n, graph)
@@ -190,7 +190,7 @@ def compiled_graph(model, args, roof: float) -> Result:
     L, n = args.prompt_tokens, args.new_tokens
     name = "kvtier paged, CUDA graph over torch.compile"
     prompt = _random_ids(L, model.args.vocab_size, 0)
-    cfg = KVCacheConfig(strategy="paged", paged_num_blocks=math.ceil((L + n + 2) / 16) + 1)
+    cfg = KVCacheConfig(tier="paged", paged_num_blocks=math.ceil((L + n + 2) / 16) + 1)
     try:
         for _ in range(2):  # warm-up (compilation), then the timed run
             first, rest, tokens, note = _compiled_run(model, prompt, cfg, n)
@@ -299,7 +299,7 @@ def big_batch(model, args, bandwidth: float, weights: int, kv_token: int) -> lis
     a = model.args
     dev = model.output.weight.device
     blocks = B * math.ceil((ctx + n + 2) / 16)
-    cfg = KVCacheConfig(strategy="paged", paged_num_blocks=blocks)
+    cfg = KVCacheConfig(tier="paged", paged_num_blocks=blocks)
     caches = model.make_caches(cfg, batch_size=B)
     g = torch.Generator(device=dev).manual_seed(0)
     shape, dtype = (B, a.n_kv_heads, ctx - 1, a.head_dim), model.output.weight.dtype

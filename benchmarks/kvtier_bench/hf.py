@@ -205,11 +205,11 @@ def make_cache(name: str, model, batch: int, total_tokens: int):
     if name == "static":
         return StaticCache(config=model.config, max_cache_len=total_tokens), "sdpa"
     if name in ("tail", "block", "ragged"):
-        return KVTierCache(KVCacheConfig(strategy=name), model_config=model.config), "sdpa"
+        return KVTierCache(KVCacheConfig(tier=name), model_config=model.config), "sdpa"
     block = 16
     blocks = batch * (math.ceil(total_tokens / block) + 1)  # the request, and one spare block a row
     quant = {"paged-q8": "q8", "paged-q4": "q4"}.get(name)
-    config = KVCacheConfig(strategy="paged", paged_block_size=block, paged_num_blocks=blocks,
+    config = KVCacheConfig(tier="paged", paged_block_size=block, paged_num_blocks=blocks,
                            kv_quant=quant, dynamic_paged=True)
     cache = KVTierCache(config, model_config=model.config)
     return cache, "sdpa" if name == "paged-gathered" else ATTENTION_NAME

@@ -231,7 +231,7 @@ def run_hf(model, prompts, args, device, kvtier: Result) -> Result:
         bs = 16
         blocks = sum(math.ceil((len(p) + args.output_len) / bs) for p in prompts) + 64
         cb = ContinuousBatchingConfig(num_blocks=blocks, page_size=bs, max_batch_tokens=512)
-    with torch.inference_mode():
+    with torch.no_grad():  # its worker updates, outside inference mode, tensors it makes here
         hf.generate_batch(prompts[:2], generation_config=GenerationConfig(
             max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0),
             continuous_batching_config=cb)  # warm-up

@@ -146,7 +146,7 @@ def _cut(row: list[int], stop_ids: frozenset[int], n: int) -> list[int]:
 
 
 def run_plain(model, rows, tier: str, n: int, stop_ids) -> Result:
-    caches = model.make_caches(KVCacheConfig(strategy=tier), batch_size=len(rows))
+    caches = model.make_caches(KVCacheConfig(tier=tier), batch_size=len(rows))
     marks = {}
     steps = generate_step(model, rows, caches, on_prefilled=lambda: marks.update(_now()))
     out: list[list[int]] = [[] for _ in rows]
@@ -173,7 +173,7 @@ def _since(marks: dict[str, float]) -> tuple[float, float]:
 
 
 def run_speculative(model, rows, tier, n, stop_ids, drafter, spec, label) -> Result:
-    caches = model.make_caches(KVCacheConfig(strategy=tier), batch_size=len(rows))
+    caches = model.make_caches(KVCacheConfig(tier=tier), batch_size=len(rows))
     stats, marks = SpeculativeStats(), {}
     drafter.reset()
     out: list[list[int]] = [[] for _ in rows]

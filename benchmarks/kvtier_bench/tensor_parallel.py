@@ -179,9 +179,9 @@ def _greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor, 
     device = model.output.weight.device
     with torch.inference_mode():
         x = torch.tensor([prompt], device=device)
-        caches = model.make_caches(KVCacheConfig(strategy="tail"))
+        caches = model.make_caches(KVCacheConfig(tier="tail"))
         logits = model(x, caches, last_only=True)[0, -1].float().cpu()  # (V,)
-    cfg = KVCacheConfig(strategy="paged", paged_num_blocks=math.ceil((len(prompt) + n + 2) / 16) + 1)
+    cfg = KVCacheConfig(tier="paged", paged_num_blocks=math.ceil((len(prompt) + n + 2) / 16) + 1)
     caches = model.make_caches(cfg, batch_size=1)
     steps = generate_step(model, [prompt], caches, max_steps=n + 1)
     tokens = [next(steps).tolist()[0] for _ in range(n)]
@@ -194,7 +194,7 @@ def _throughput(model, a: dict, devices: int) -> list[Row]:
     B, ctx, n = a["big_batch"], a["big_context"], a["big_steps"]
     args, device = model.args, model.output.weight.device  # args: this rank's heads
     dtype = model.output.weight.dtype
-    cfg = KVCacheConfig(strategy="paged", paged_num_blocks=B * math.ceil((ctx + n + 2) / 16))
+    cfg = KVCacheConfig(tier="paged", paged_num_blocks=B * math.ceil((ctx + n + 2) / 16))
     caches = model.make_caches(cfg, batch_size=B)
     g = torch.Generator(device=device).manual_seed(0)
     kv_shape = (B, args.n_kv_heads, ctx - 1, args.head_dim)  # (B, H_kv local, T, D)

@@ -119,8 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--chunk", type=int, default=_ABSENT, help="tokens per forward")
         p.add_argument("--modes", default=_ABSENT,
                        help="comma-separated: fp,q8,q4,q4_g32,turboquant,turboquant:K[r],V")
-        p.add_argument("--cache", choices=_strategies(), default=_ABSENT,
-                       help="tier of the fp mode (quantised modes use the paged tier)")
+        _tier_flag(p, "tier of the fp mode (quantised modes use the paged tier)")
         p.add_argument("--json", action="store_true")
         _model_flags(p)
         p.set_defaults(_run=run_eval)
@@ -132,10 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _strategies() -> tuple[str, ...]:
-    from kvtier.config import STRATEGIES
+def _tier_flag(p: argparse.ArgumentParser, text: str) -> None:
+    """``--tier`` (``--cache``, its earlier spelling, still parses but is not shown)."""
+    from kvtier.config import TIERS
 
-    return STRATEGIES
+    p.add_argument("--tier", choices=TIERS, default=_ABSENT, help=text)
+    p.add_argument("--cache", dest="tier", choices=TIERS, default=_ABSENT, help=argparse.SUPPRESS)
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -149,13 +150,12 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 def _cache_flags(p: argparse.ArgumentParser) -> None:
     from kvtier.quant.modes import FULL_PRECISION, KV_QUANT_MODES
 
-    p.add_argument("--cache", choices=_strategies(), default=_ABSENT,
-                   help="cache tier (default: from KVTIER_* variables, else tail)")
+    _tier_flag(p, "cache tier (default: from KVTIER_* variables, else tail)")
     p.add_argument("--kv-quant", dest="kv_quant", choices=(FULL_PRECISION, *KV_QUANT_MODES),
                    default=_ABSENT, help=f"quantised storage of the paged tier ({FULL_PRECISION}: "
-                                         "full precision; a mode implies --cache paged)")
+                                         "full precision; a mode implies --tier paged)")
     p.add_argument("--turboquant", metavar="K,V", default=_ABSENT,
-                   help="TurboQuant key,value codes, e.g. q8_0,q3_0 or q5_0r,q4_0 (implies --cache paged)")
+                   help="TurboQuant key,value codes, e.g. q8_0,q3_0 or q5_0r,q4_0 (implies --tier paged)")
 
 
 # -- building the library's dataclasses from flags ----------------------------------------------
@@ -177,15 +177,15 @@ def cache_config_from_args(args: argparse.Namespace):
     if "turboquant" in given:
         changes["turboquant"] = parse_turboquant(given["turboquant"])
     quant = changes.get("kv_quant") is not None or "turboquant" in changes
-    if "cache" in given:
-        if quant and given["cache"] != "paged":
+    if "tier" in given:
+        if quant and given["tier"] != "paged":
             raise ValueError(
-                f"--kv-quant and --turboquant store keys and values in the paged tier, but --cache "
-                f"is {given['cache']!r}; drop --cache or use --cache paged"
+                f"--kv-quant and --turboquant store keys and values in the paged tier, but --tier "
+                f"is {given['tier']!r}; drop --tier or use --tier paged"
             )
-        changes["strategy"] = given["cache"]
+        changes["tier"] = given["tier"]
     elif quant:
-        changes["strategy"] = "paged"
+        changes["tier"] = "paged"
     return KVCacheConfig.from_env().replace(**changes)
 
 
@@ -406,7 +406,7 @@ def run_info(args: argparse.Namespace) -> int:
         "dtype": str(param.dtype).removeprefix("torch."),
         "load_seconds": round(lm.load_seconds, 3),
         "from_cache": lm.from_cache,
-        "tier": cache_config.strategy,
+        "tier": cache_config.tier,
         "cache_config": dataclasses.asdict(cache_config),
         "torch": torch.__version__,
         "triton": triton_version,
@@ -430,7 +430,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from kvtier.evaluate import EvalConfig, default_text, encode_text, evaluate_modes, parse_modes
 
-    fields = _given(args, "context", "stride", "max_tokens", "chunk", "cache")
+    fields = _given(args, "context", "stride", "max_tokens", "chunk", "tier")
     if hasattr(args, "modes"):
         fields["modes"] = parse_modes(args.modes)
     config = EvalConfig(**fields)

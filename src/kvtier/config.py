@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.caches.base import KVCache
-from kvtier.kernels.paged import BACKENDS as ATTENTION_BACKENDS
+from kvtier.kernels.dispatch import BACKENDS as ATTENTION_BACKENDS
 from kvtier.quant.modes import (
     FULL_PRECISION,
     KV_QUANT_MODES,
@@ -41,7 +41,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "ENV_VARS",
     "KV_QUANT_MODES",
-    "STRATEGIES",
+    "TIERS",
     "TURBOQUANT_KEY_CODES",
     "TURBOQUANT_VALUE_CODES",
     "EnvVar",
@@ -52,7 +52,7 @@ __all__ = [
     "user_cache_dir",
 ]
 
-STRATEGIES = ("tail", "block", "ragged", "paged")
+TIERS = ("tail", "block", "ragged", "paged")
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class KVCacheConfig:
     precision); their vocabulary is :mod:`kvtier.quant.modes`.
     """
 
-    strategy: str = "tail"
+    tier: str = "tail"
     step: int = 256
     owned_block_size: int = 1024
     # paged tier
@@ -81,9 +81,9 @@ class KVCacheConfig:
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
+        if self.tier not in TIERS:
             raise ValueError(
-                f"strategy {self.strategy!r} is unknown; accepted: {', '.join(STRATEGIES)}"
+                f"tier {self.tier!r} is unknown; accepted: {', '.join(TIERS)}"
             )
         for name in ("step", "owned_block_size", "paged_block_size", "paged_num_blocks"):
             v = getattr(self, name)
@@ -115,7 +115,7 @@ class KVCacheConfig:
     def per_row(self) -> bool:
         """Whether the tier keeps a length per row (ragged, paged: a
         :class:`~kvtier.caches.base.RowKVCache`), asked before any cache is built."""
-        return self.strategy in ("ragged", "paged")
+        return self.tier in ("ragged", "paged")
 
     # -- the environment ---------------------------------------------------------
     @classmethod
@@ -144,21 +144,21 @@ class KVCacheConfig:
             got["turboquant"] = TurboQuantConfig(**tq_fields)
         paged, owned = got.pop("paged", False), got.pop("owned", None)
         if paged:
-            got["strategy"] = "paged"
+            got["tier"] = "paged"
         elif owned == _OWNED_OFF:
             got["enabled"] = False
         elif owned is not None:
-            got["strategy"] = owned
+            got["tier"] = owned
         return cls(**got)
 
     # -- what each tier is built with -------------------------------------------------
     def tier_params(self) -> dict[str, Any]:
         """Constructor arguments of the chosen tier (also reported by configure_kv_cache)."""
-        if self.strategy == "tail":
+        if self.tier == "tail":
             return {"step": self.step}
-        if self.strategy == "ragged":
+        if self.tier == "ragged":
             return {"step": self.step, "attention_backend": self.attention_backend}
-        if self.strategy == "block":
+        if self.tier == "block":
             return {"block_size": self.owned_block_size}
         return {
             "block_size": self.paged_block_size,
@@ -253,7 +253,7 @@ class EnvVar:
 
     ``key`` is a :class:`KVCacheConfig` field, ``turboquant.FIELD`` (a field of
     :class:`TurboQuantConfig`), or ``paged`` / ``owned`` / ``turboquant``, the
-    switches :meth:`KVCacheConfig.from_env` turns into ``strategy``, ``enabled``
+    switches :meth:`KVCacheConfig.from_env` turns into ``tier``, ``enabled``
     and ``turboquant``.
     """
 
@@ -313,16 +313,16 @@ def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
     return got
 
 
-def _tier_class(strategy: str) -> type[KVCache]:
-    if strategy == "tail":
+def _tier_class(tier: str) -> type[KVCache]:
+    if tier == "tail":
         from kvtier.caches.tail_owned import TailOwnedKVCache
 
         return TailOwnedKVCache
-    if strategy == "block":
+    if tier == "block":
         from kvtier.caches.block_owned import BlockOwnedKVCache
 
         return BlockOwnedKVCache
-    if strategy == "ragged":
+    if tier == "ragged":
         from kvtier.caches.ragged import RaggedBatchKVCache
 
         return RaggedBatchKVCache
@@ -341,9 +341,9 @@ def make_caches(
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
         raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
     config = KVCacheConfig.from_env() if config is None else config
-    cls = _tier_class(config.strategy)
+    cls = _tier_class(config.tier)
     params = config.tier_params()
-    if config.strategy in ("ragged", "paged"):
+    if config.tier in ("ragged", "paged"):
         params["batch_size"] = batch_size
     return [cls(**params) for _ in range(num_layers)]
 
@@ -362,7 +362,7 @@ def configure_kv_cache(caches: list, config: KVCacheConfig | None = None) -> dic
     config = KVCacheConfig.from_env() if config is None else config
     stats: dict[str, Any] = {
         "enabled": config.enabled,
-        "mode": config.strategy,
+        "mode": config.tier,
         "entries": 0,
         "skipped": 0,
         **{k: v for k, v in config.tier_params().items() if k != "turboquant"},
@@ -372,7 +372,7 @@ def configure_kv_cache(caches: list, config: KVCacheConfig | None = None) -> dic
     if not config.enabled:
         stats["skipped"] = len(caches)
         return stats
-    cls = _tier_class(config.strategy)
+    cls = _tier_class(config.tier)
     params = config.tier_params()
     converted = []
     for i, entry in enumerate(caches):

@@ -27,7 +27,7 @@ checked before every step, so a replay never writes past it.
 Example (CUDA)::
 
     >>> from kvtier.cuda_graph import CUDAGraphDecoder
-    >>> caches = model.make_caches(KVCacheConfig(strategy="paged"), batch_size=1)
+    >>> caches = model.make_caches(KVCacheConfig(tier="paged"), batch_size=1)
     >>> model(prompt[:, :-1], caches)                       # prefill (B, L-1)
     >>> dec = CUDAGraphDecoder(model, caches, max_steps=256)
     >>> y = prompt[:, -1]                                   # (B,) int64

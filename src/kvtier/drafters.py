@@ -222,9 +222,9 @@ class ModelDrafter:
 
     # -- the drafter's caches -----------------------------------------------------------------
     def _start(self, batch: int) -> None:
-        config = self.cache_config or KVCacheConfig(strategy="tail" if batch == 1 else "ragged")
+        config = self.cache_config or KVCacheConfig(tier="tail" if batch == 1 else "ragged")
         if batch > 1 and not config.per_row:
-            raise ValueError(f"the drafter's {config.strategy} tier keeps one length for every row; "
+            raise ValueError(f"the drafter's {config.tier} tier keeps one length for every row; "
                              f"give it a ragged or paged cache_config for {batch} rows")
         self.caches = make_caches(self.num_layers, config, batch_size=batch)
         self.per_row = isinstance(self.caches[0], RowKVCache)

@@ -8,7 +8,7 @@ read path, so the figures are those of decoding, not of fake quantisation.
 Modes (``--modes``):
 
 =========================  ======================================================
-``fp`` (or ``off``)        full precision, through ``EvalConfig.cache`` (default: paged)
+``fp`` (or ``off``)        full precision, through ``EvalConfig.tier`` (default: paged)
 ``q8`` ``q4`` ``q4_g32``   KV-Quant storage in the paged tier
 ``turboquant``             TurboQuant with its default codes (K ``q8_0``, V ``q3_0``)
 ``turboquant:K[r],V``      TurboQuant with key code ``K`` (``r``: rotated keys), value code ``V``
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.caches.base import KVCache
-from kvtier.config import STRATEGIES, KVCacheConfig, make_caches
+from kvtier.config import TIERS, KVCacheConfig, make_caches
 from kvtier.quant.modes import FULL_PRECISION_ALIAS, TURBOQUANT, is_full_precision, parse_mode
 
 DEFAULT_MODES = ("fp", "q8", "q4", "q4_g32", "turboquant")
@@ -61,7 +61,7 @@ class EvalConfig:
     chunk: int = 256
     modes: tuple[str, ...] = DEFAULT_MODES
     #: tier of the ``fp`` mode (quantised modes always use the paged tier)
-    cache: str = "paged"
+    tier: str = "paged"
 
     def __post_init__(self) -> None:
         for name in ("context", "chunk"):
@@ -80,8 +80,8 @@ class EvalConfig:
         storages = [parse_mode(m) for m in self.modes]  # raises ValueError naming a bad mode
         if len(set(storages)) != len(storages):
             raise ValueError(f"modes {self.modes} name a mode twice")
-        if self.cache not in STRATEGIES:
-            raise ValueError(f"cache {self.cache!r} is unknown; accepted: {', '.join(STRATEGIES)}")
+        if self.tier not in TIERS:
+            raise ValueError(f"tier {self.tier!r} is unknown; accepted: {', '.join(TIERS)}")
 
     @property
     def window_stride(self) -> int:
@@ -104,9 +104,9 @@ class ModeResult:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
-def mode_config(mode: str, base: KVCacheConfig | None = None, *, fp_cache: str = "paged") -> KVCacheConfig:
+def mode_config(mode: str, base: KVCacheConfig | None = None, *, fp_tier: str = "paged") -> KVCacheConfig:
     """The :class:`KVCacheConfig` of a mode name (see the module docstring): ``base`` with
-    the mode's storage; full precision on the ``fp_cache`` tier, the others on the paged tier.
+    the mode's storage; full precision on the ``fp_tier`` tier, the others on the paged tier.
 
     Example::
 
@@ -115,8 +115,8 @@ def mode_config(mode: str, base: KVCacheConfig | None = None, *, fp_cache: str =
     """
     base = KVCacheConfig() if base is None else base
     kv_quant, turboquant = parse_mode(mode)
-    strategy = fp_cache if kv_quant is None and turboquant is None else "paged"
-    return base.replace(strategy=strategy, kv_quant=kv_quant, turboquant=turboquant)
+    tier = fp_tier if kv_quant is None and turboquant is None else "paged"
+    return base.replace(tier=tier, kv_quant=kv_quant, turboquant=turboquant)
 
 
 def parse_modes(text: str) -> tuple[str, ...]:
@@ -189,7 +189,7 @@ def evaluate_modes(
     base = KVCacheConfig() if base is None else base
     # a paged pool of exactly one window (the default 1024 blocks would be mostly idle)
     blocks = math.ceil(config.context / base.paged_block_size)
-    cfgs = {m: mode_config(m, base.replace(paged_num_blocks=blocks), fp_cache=config.cache) for m in modes}
+    cfgs = {m: mode_config(m, base.replace(paged_num_blocks=blocks), fp_tier=config.tier) for m in modes}
     acc = {m: _Acc() for m in modes}
     device = next(model.parameters()).device
     ids = torch.tensor(tokens, dtype=torch.long, device=device)

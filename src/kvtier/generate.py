@@ -128,7 +128,7 @@ def generate_step(
     per_row = isinstance(caches[0], RowKVCache)
     if cuda_graph and not per_row:
         raise ValueError(f"CUDA-graph decode needs the ragged or paged tier, not {caches[0].tier!r}; "
-                         "use --cache ragged/paged or --no-cuda-graph")
+                         "use --tier ragged/paged or --no-cuda-graph")
     with torch.inference_mode():
         prefill(model, rows, caches, prefill_chunk, device, on_progress)
         if on_prefilled is not None:

@@ -163,9 +163,9 @@ def _tier_fingerprint(config: KVCacheConfig) -> dict[str, Any]:
     """What decides the cache's stored contents (geometry such as step does not)."""
     tq = config.turboquant
     return {
-        "strategy": config.strategy,
-        "kv_quant": config.kv_quant if config.strategy == "paged" else None,
-        "turboquant": dataclasses.asdict(tq) if tq is not None and config.strategy == "paged" else None,
+        "tier": config.tier,
+        "kv_quant": config.kv_quant if config.tier == "paged" else None,
+        "turboquant": dataclasses.asdict(tq) if tq is not None and config.tier == "paged" else None,
     }
 
 

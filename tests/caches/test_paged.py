@@ -249,7 +249,7 @@ def test_dynamic_paged_num_blocks(kw, expect):
 
 
 def test_config_sizes_a_dynamic_pool_with_the_same_rule():
-    cfg = KVCacheConfig(strategy="paged", dynamic_paged=True, paged_num_blocks=8,
+    cfg = KVCacheConfig(tier="paged", dynamic_paged=True, paged_num_blocks=8,
                         dynamic_paged_tokens=1000)
     assert cfg.initial_paged_blocks() == dynamic_paged_num_blocks(16, 8, request_tokens=1000)
     assert make_caches(1, cfg)[0].num_blocks == 71
@@ -396,7 +396,7 @@ def test_from_cache_and_configure_kv_cache(seed):
     k, v = torch.randn(1, H, 7, D), torch.randn(1, H, 7, D)
     for t in tails:
         t.update(k, v)
-    stats = configure_kv_cache(tails, KVCacheConfig(strategy="paged", paged_block_size=4,
+    stats = configure_kv_cache(tails, KVCacheConfig(tier="paged", paged_block_size=4,
                                                     paged_num_blocks=4))
     assert stats["entries"] == 2 and all(isinstance(c, PagedKVCache) for c in tails)
     assert tails[0].block_size == 4 and torch.equal(tails[0].fetch()[0], k)

@@ -436,10 +436,10 @@ def test_conversions_and_config():
     with pytest.raises(ValueError, match="1 or 3 rows"):
         RaggedBatchKVCache.from_scalar_cache(tail, batch_size=3)
     caches = [tail, None]
-    stats = configure_kv_cache(caches, KVCacheConfig(strategy="ragged", step=32))
+    stats = configure_kv_cache(caches, KVCacheConfig(tier="ragged", step=32))
     assert stats["entries"] == 1 and isinstance(caches[0], RaggedBatchKVCache)
     assert caches[0].step == 32 and caches[0].offset.tolist() == [5, 5]
-    fresh = make_caches(2, KVCacheConfig(strategy="ragged"), batch_size=3)
+    fresh = make_caches(2, KVCacheConfig(tier="ragged"), batch_size=3)
     assert all(c.offset.tolist() == [0, 0, 0] for c in fresh)
     back = TailOwnedKVCache.from_cache(copy)
     assert back.offset == 5 and torch.equal(back.keys[:, :, :5], k)

@@ -29,13 +29,13 @@ from kvtier.integrations.hf_version import TransformersVersionError, require_tra
 
 # (config, reads in place): small steps, blocks and pages so that short runs cross boundaries
 TIERS = {
-    "tail": (KVCacheConfig(strategy="tail", step=8), False),
-    "block": (KVCacheConfig(strategy="block", owned_block_size=8), False),
-    "block-inplace": (KVCacheConfig(strategy="block", owned_block_size=8), True),
-    "ragged": (KVCacheConfig(strategy="ragged", step=8), False),
-    "ragged-inplace": (KVCacheConfig(strategy="ragged", step=8), True),
-    "paged": (KVCacheConfig(strategy="paged", paged_block_size=4, paged_num_blocks=64), False),
-    "paged-inplace": (KVCacheConfig(strategy="paged", paged_block_size=4, paged_num_blocks=64), True),
+    "tail": (KVCacheConfig(tier="tail", step=8), False),
+    "block": (KVCacheConfig(tier="block", owned_block_size=8), False),
+    "block-inplace": (KVCacheConfig(tier="block", owned_block_size=8), True),
+    "ragged": (KVCacheConfig(tier="ragged", step=8), False),
+    "ragged-inplace": (KVCacheConfig(tier="ragged", step=8), True),
+    "paged": (KVCacheConfig(tier="paged", paged_block_size=4, paged_num_blocks=64), False),
+    "paged-inplace": (KVCacheConfig(tier="paged", paged_block_size=4, paged_num_blocks=64), True),
 }
 
 
@@ -134,13 +134,13 @@ def test_tiny_models_greedy_equals_dynamic_cache(model_name, tier, batch, side):
     assert stats["seq_length"] == out.shape[1] - 1  # the last token is never fed back
     assert stats["kvtier_layers"] == (2 if model_name == "gemma2" else model.config.num_hidden_layers)
     # in place, the row tiers write every decode step (one token a row) through one shared plan
-    rows_in_place = in_place and config.strategy in ("ragged", "paged")
+    rows_in_place = in_place and config.tier in ("ragged", "paged")
     assert stats["planned_steps"] == (9 if rows_in_place else 0)
 
 
 def test_gemma2_sliding_layers_stay_transformers_layers():
     model = tiny("gemma2")
-    cache = KVTierCache(KVCacheConfig(strategy="paged", paged_num_blocks=16), model_config=model.config)
+    cache = KVTierCache(KVCacheConfig(tier="paged", paged_num_blocks=16), model_config=model.config)
     kinds = [type(layer) for layer in cache.layers]
     assert kinds == [DynamicSlidingWindowLayer, KVTierLayer, DynamicSlidingWindowLayer, KVTierLayer]
     stats = cache.stats()
@@ -152,7 +152,7 @@ def test_without_model_config_every_layer_is_kvtier_and_gemma2_still_matches():
     model = tiny("gemma2")
     inputs = tiny_batch(3, "left")
     ref = reference(("gemma2", 3, "left"), model, inputs, max_new_tokens=10)
-    cache = KVTierCache(KVCacheConfig(strategy="tail", step=4))
+    cache = KVTierCache(KVCacheConfig(tier="tail", step=4))
     assert generate(model, inputs, cache, max_new_tokens=10).tolist() == ref
     assert len(cache.kvtier_layers) == 4 and cache.stats()["attention"] == "gathered K/V"
     assert "no model_config" in cache.stats()["notes"][0]
@@ -282,7 +282,7 @@ def test_smollm_paged_q8_first_16_tokens_equal_full_precision(smollm):
     model, tokenizer = smollm
     inputs = smollm_inputs(tokenizer, 3)
     ref = reference(("smollm", 3), model, inputs, max_new_tokens=16, min_new_tokens=16)
-    config = KVCacheConfig(strategy="paged", paged_block_size=16, paged_num_blocks=32, kv_quant="q8")
+    config = KVCacheConfig(tier="paged", paged_block_size=16, paged_num_blocks=32, kv_quant="q8")
     cache = KVTierCache(config, model_config=model.config)
     out = generate(model, inputs, cache, True, max_new_tokens=16, min_new_tokens=16)
     assert out.tolist() == ref
@@ -305,7 +305,7 @@ def test_smollm_low_bit_paged_modes_run_and_store_what_they_say(smollm, mode):
     model, tokenizer = smollm
     inputs = smollm_inputs(tokenizer, 1)
     extra = {"kv_quant": "q4"} if mode == "q4" else {"turboquant": TurboQuantConfig()}
-    config = KVCacheConfig(strategy="paged", paged_block_size=16, paged_num_blocks=8, **extra)
+    config = KVCacheConfig(tier="paged", paged_block_size=16, paged_num_blocks=8, **extra)
     cache = KVTierCache(config, model_config=model.config)
     out = generate(model, inputs, cache, True, max_new_tokens=8, min_new_tokens=8)
     assert out.shape == (1, inputs["input_ids"].shape[1] + 8)
@@ -419,7 +419,7 @@ def test_transformers_version_check():
 
 def test_bad_arguments_raise_and_leave_the_cache_unchanged():
     with pytest.raises(ValueError, match="KVCacheConfig"):
-        KVTierCache({"strategy": "paged"})
+        KVTierCache({"tier": "paged"})
     layer = layer_for("tail")
     layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
     with pytest.raises(ValueError, match="crop"):

@@ -84,12 +84,12 @@ def test_a_failing_ragged_kernel_falls_back_once_with_a_reason(monkeypatch):
 
     _fake_kernel(monkeypatch, kernel)
     q, k, v, q_start, kv_len = _rows()
-    d = ragged.RaggedDispatch("triton")  # the earlier spelling, a KernelDispatch named "ragged"
-    assert d.resolved(q.device) == "triton"
+    d = KernelDispatch("triton", name="ragged")
+    assert d.backend_for("attention", q.device) == "triton"
     with pytest.warns(RuntimeWarning, match="kvtier ragged attention fell back .*simulated launch error"):
-        out = d.attention(q, k, v, q_start, kv_len)
+        out = ragged.ragged_attention(d, q, k, v, q_start, kv_len)
     torch.testing.assert_close(out, _sdpa_per_row(q, k, v, q_start, kv_len), atol=1e-5, rtol=1e-5)
-    assert d.fallback_reason == "RuntimeError: simulated launch error" and d.resolved(q.device) == "torch"
+    assert d.fallback_reason == "RuntimeError: simulated launch error" and d.backend_for("attention", q.device) == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ragged.ragged_attention(d, q, k, v, q_start, kv_len)  # no second attempt, no second warning

@@ -227,10 +227,6 @@ def test_a_triton_backend_that_serves_is_counted(monkeypatch):
     out = kp.paged_attention(d, *args, **kw)
     torch.testing.assert_close(out, kp.paged_attention_reference(*args, **kw))
     assert d.attention_calls == {"triton": 1} and d.fallback_reasons == {}
-    # the earlier spelling, a PagedDispatch with the operations as methods, routes the same way
-    alias = kp.PagedDispatch("triton")
-    torch.testing.assert_close(alias.attention(*args, **kw), out)
-    assert alias.attention_calls == {"triton": 1} and alias.name == "paged"
 
 
 def test_writes_through_the_dispatch_equal_the_reference_and_fall_back_on_their_own(monkeypatch):

@@ -32,8 +32,9 @@ IN_PROCESS = ON_GPU or triton_paged.interpreted()
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from kvtier.kernels.dispatch import KernelDispatch  # noqa: E402
 from kvtier.kernels.paged import (  # noqa: E402
-    PagedDispatch,
+    paged_attention,
     paged_attention_reference,
     paged_write_reference,
 )
@@ -192,8 +193,8 @@ def test_dispatch_serves_from_the_kernel():
     q = torch.randn(2, 4, 1, 64).to(torch.bfloat16).to(DEVICE)
     qs = c["kv_len"] - 1
     kw = dict(k_codec=c["kc"], v_codec=c["vc"], k_sidecars=c["ks"], v_sidecars=c["vs"])
-    dispatch = PagedDispatch("triton")
-    out = dispatch.attention(q, c["kp"], c["vp"], c["table"], qs, c["kv_len"], **kw)
+    dispatch = KernelDispatch("triton")
+    out = paged_attention(dispatch, q, c["kp"], c["vp"], c["table"], qs, c["kv_len"], **kw)
     assert dict(dispatch.attention_calls) == {"triton": 1} and dispatch.fallback_reason is None
     ref = paged_attention_reference(q, c["kp"], c["vp"], c["table"], qs, c["kv_len"], **kw)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

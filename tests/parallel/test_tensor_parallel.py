@@ -38,12 +38,12 @@ TINY = ModelArgs(dim=128, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=16, hidd
                  vocab_size=257, max_position_embeddings=512)
 #: (name, config, prompts): the scalar tiers run prompts of one length in lock step
 TIERS = (
-    ("tail", KVCacheConfig(strategy="tail", step=8), [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]),
-    ("block", KVCacheConfig(strategy="block", owned_block_size=4), [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]),
-    ("ragged", KVCacheConfig(strategy="ragged", step=8), [[1, 2, 3, 4, 5, 6, 7], [200, 3]]),
-    ("paged", KVCacheConfig(strategy="paged", paged_block_size=4, paged_num_blocks=64),
+    ("tail", KVCacheConfig(tier="tail", step=8), [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]),
+    ("block", KVCacheConfig(tier="block", owned_block_size=4), [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]),
+    ("ragged", KVCacheConfig(tier="ragged", step=8), [[1, 2, 3, 4, 5, 6, 7], [200, 3]]),
+    ("paged", KVCacheConfig(tier="paged", paged_block_size=4, paged_num_blocks=64),
      [[1, 2, 3, 4, 5, 6, 7], [200, 3]]),
-    ("paged q8", KVCacheConfig(strategy="paged", paged_block_size=4, paged_num_blocks=64,
+    ("paged q8", KVCacheConfig(tier="paged", paged_block_size=4, paged_num_blocks=64,
                                kv_quant="q8"), [[1, 2, 3, 4, 5, 6, 7], [200, 3]]),
 )
 NEW_TOKENS = 10
@@ -141,8 +141,8 @@ SPEC_PROMPT = "Repeat exactly: the quick brown fox jumps over the lazy dog. the 
 
 def _smol_config(name: str) -> KVCacheConfig:
     if name == "q8":
-        return KVCacheConfig(strategy="paged", kv_quant="q8", paged_num_blocks=64)
-    return KVCacheConfig(strategy=name, paged_num_blocks=64)
+        return KVCacheConfig(tier="paged", kv_quant="q8", paged_num_blocks=64)
+    return KVCacheConfig(tier=name, paged_num_blocks=64)
 
 
 def _smol_tokens(lm) -> dict[str, list[int]]:
@@ -176,14 +176,14 @@ def test_cli_generate_three_ranks_equals_one(lm, capfd):
     from kvtier.cli import main
 
     argv = ["generate", SMOL_PROMPT, "--raw", "--max-tokens", "5", "--device", "cpu",
-            "--dtype", "float32", "--cache", "paged", "--json"]
+            "--dtype", "float32", "--tier", "paged", "--json"]
     assert main(argv + ["--tensor-parallel", "3"]) == 0
     out = capfd.readouterr().out.strip().splitlines()
     assert len(out) == 1  # rank 0 alone prints
     sharded = json.loads(out[0])
     want = [r.token for r in stream_generate(lm.model, lm.tokenizer, SMOL_PROMPT,
                                              GenerationConfig(max_tokens=5),
-                                             cache_config=KVCacheConfig(strategy="paged"))]
+                                             cache_config=KVCacheConfig(tier="paged"))]
     assert sharded["tokens"] == want
 
 

@@ -69,8 +69,9 @@ from kvtier.caches.paged_pool import (
 )
 from kvtier.caches.paged_state import paged_from_state, paged_meta_state, paged_state, storage_facts
 from kvtier.caches.step_plan import StepPlan
-from kvtier.kernels.paged import BACKENDS as ATTENTION_BACKENDS
-from kvtier.kernels.paged import PagedDispatch, gather_rows, resolve_backend
+from kvtier.kernels.dispatch import BACKENDS as ATTENTION_BACKENDS
+from kvtier.kernels.dispatch import KernelDispatch, resolve_backend
+from kvtier.kernels.paged import gather_rows, paged_attention, paged_write
 from kvtier.quant.modes import TurboQuantConfig, check_kv_quant, check_turboquant
 
 __all__ = [
@@ -135,7 +136,7 @@ class PagedKVCache(RowKVCache):
         self._dev: dict[str, torch.Tensor] = {}  # device copies of the host lists, rebuilt on change
         self._plan: StepPlan | None = None  # the step plan the books follow (kvtier.caches.step_plan)
         self.copy_stats = CopyStats()
-        self.dispatch = PagedDispatch(attention_backend)
+        self.dispatch = KernelDispatch(attention_backend, name="paged")
 
     # -- facts ---------------------------------------------------------------------------
     @property
@@ -308,8 +309,8 @@ class PagedKVCache(RowKVCache):
         k_codec, v_codec = self.codecs.k_codec, self.codecs.v_codec
         nbytes = slots.numel() * H * (k_codec.bytes_per_token_head() + v_codec.bytes_per_token_head())
         with CopyTimer(self.copy_stats, nbytes):
-            self.dispatch.write(
-                self.pool.key_cache, self.pool.value_cache, self.pool.k_sidecars,
+            paged_write(
+                self.dispatch, self.pool.key_cache, self.pool.value_cache, self.pool.k_sidecars,
                 self.pool.v_sidecars, slots, keys, values, k_codec=k_codec, v_codec=v_codec,
             )
 
@@ -374,8 +375,8 @@ class PagedKVCache(RowKVCache):
                          else torch.tensor(qs, device=self._device))
             width = max(1, max(len(r) for r in p.rows))  # kernels plan their split on the width
             kv_len, tables = self.offset, p.block_tables[:, :width]
-        return self.dispatch.attention(
-            queries, p.key_cache, p.value_cache, tables, q_start_t, kv_len,
+        return paged_attention(
+            self.dispatch, queries, p.key_cache, p.value_cache, tables, q_start_t, kv_len,
             k_codec=self.codecs.k_codec, v_codec=self.codecs.v_codec,
             k_sidecars=p.k_sidecars, v_sidecars=p.v_sidecars, scale=scale,
         )

@@ -50,7 +50,8 @@ from kvtier.caches.ragged_snapshot import (
 )
 from kvtier.caches.step_plan import StepPlan
 from kvtier.caches.tail_owned import TailOwnedKVCache, read_meta_ints
-from kvtier.kernels.ragged import RaggedDispatch
+from kvtier.kernels.dispatch import KernelDispatch
+from kvtier.kernels.ragged import ragged_attention
 from kvtier.kernels.reference import causal_mask
 
 __all__ = ["RaggedBatchKVCache", "RaggedCapacityError", "RaggedSnapshot", "restore_ragged_caches",
@@ -76,7 +77,7 @@ class RaggedBatchKVCache(RowKVCache):
     def __init__(self, batch_size: int | None = None, step: int = 256,
                  keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
                  offsets: Any = None, attention_backend: str = "auto"):
-        self.dispatch = RaggedDispatch(attention_backend)  # checks the name first
+        self.dispatch = KernelDispatch(attention_backend, name="ragged")  # checks the name first
         self.attention_backend = attention_backend
         self.step = check_int(step, "step", 1)
         self.batch_size = None if batch_size is None else check_int(batch_size, "batch_size", 1)
@@ -278,7 +279,7 @@ class RaggedBatchKVCache(RowKVCache):
         padding is masked, not zeroed). Keys are cut at the host bound, or kept whole
         when frozen (static shapes). One-token queries go through the Triton decode kernel
         when the backend resolves to it (per-row lengths, no mask; see
-        :class:`~kvtier.kernels.ragged.RaggedDispatch`)."""
+        :class:`~kvtier.kernels.dispatch.KernelDispatch`)."""
         if self.keys is None:
             raise ValueError("attention() on an empty cache; call update() first")
         check_queries(queries, self.keys.shape[1], self.keys.shape[3])
@@ -288,8 +289,8 @@ class RaggedBatchKVCache(RowKVCache):
         qs = self._query_starts(queries.shape[2], q_start)  # (B,)
         plan = self._plan if q_start is None else None  # a planned step: its lengths are the keys seen
         known = plan.new_offsets if plan is not None and plan.valid else None
-        return self.dispatch.attention(queries, self.keys[:, :, :S], self.values[:, :, :S], qs,
-                                       self._offsets, scale=scale, decode_len=known)
+        return ragged_attention(self.dispatch, queries, self.keys[:, :, :S], self.values[:, :, :S], qs,
+                                self._offsets, scale=scale, decode_len=known)
 
     # -- capacity -------------------------------------------------------------------------------
     def reserve(self, tokens: int) -> None:

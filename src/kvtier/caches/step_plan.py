@@ -116,7 +116,7 @@ class StepPlanner:
         if len(kinds) != 1 or not issubclass(kinds.pop(), RowKVCache):
             names = sorted({type(c).__name__ for c in caches})
             raise ValueError(f"step plans serve per-layer caches of one per-row tier (RowKVCache), got "
-                             f"{names}; build the caches with strategy='ragged' or 'paged'")
+                             f"{names}; build the caches with tier='ragged' or 'paged'")
         if isinstance(reserve_tokens, bool) or not isinstance(reserve_tokens, int) or reserve_tokens < 1:
             raise ValueError(f"reserve_tokens must be an int >= 1, got {reserve_tokens!r}")
         self.caches: list[RowKVCache] = list(caches)

@@ -369,7 +369,7 @@ class KVTierLayer(CacheLayerMixin):
 
     def stats(self) -> dict[str, Any]:
         if self.tier is None:
-            return {"tier": self.config.strategy, "initialized": False}
+            return {"tier": self.config.tier, "initialized": False}
         return {**self.tier.stats(), "hf_length": self.length, "in_place": self.in_place,
                 "trimmed": self.trimmed}
 
@@ -389,7 +389,7 @@ class KVTierCache(Cache):
 
     Example::
 
-        cache = KVTierCache(KVCacheConfig(strategy="paged", kv_quant="q8"),
+        cache = KVTierCache(KVCacheConfig(tier="paged", kv_quant="q8"),
                             model_config=model.config)
         model.set_attn_implementation("kvtier_paged")      # optional: read pages in place
         out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
@@ -489,7 +489,7 @@ class KVTierCache(Cache):
         first = next((layer for layer in mine if layer.tier is not None), None)
         return {
             "enabled": self.kv_config.enabled,
-            "strategy": self.kv_config.strategy,
+            "tier": self.kv_config.tier,
             "params": params,
             "attention": f"in place ({ATTENTION_NAME})" if in_place else "gathered K/V",
             "kvtier_layers": len(mine),

@@ -381,17 +381,3 @@ def paged_write(
         lambda: paged_write_reference(*args, **kw),
     )
 
-
-class PagedDispatch(KernelDispatch):
-    """The earlier spelling of a paged tier's dispatch, kept while callers move over:
-    ``dispatch.attention(...)`` is ``paged_attention(dispatch, ...)`` and
-    ``dispatch.write(...)`` is ``paged_write(dispatch, ...)``."""
-
-    def __init__(self, backend: str = "auto"):
-        super().__init__(backend, name="paged")
-
-    def attention(self, *args, **kw) -> torch.Tensor:
-        return paged_attention(self, *args, **kw)
-
-    def write(self, *args, **kw) -> None:
-        paged_write(self, *args, **kw)

@@ -85,16 +85,3 @@ def ragged_attention(
         lambda: ragged_attention_reference(q, keys, values, q_start, kv_len, scale=scale),
     )
 
-
-class RaggedDispatch(KernelDispatch):
-    """The earlier spelling of a ragged tier's dispatch, kept while callers move over:
-    ``dispatch.attention(...)`` is ``ragged_attention(dispatch, ...)``."""
-
-    def __init__(self, backend: str = "auto"):
-        super().__init__(backend, name="ragged")
-
-    def attention(self, *args, **kw) -> torch.Tensor:
-        return ragged_attention(self, *args, **kw)
-
-    def resolved(self, device: torch.device) -> str:
-        return self.backend_for("attention", device)

@@ -26,7 +26,7 @@ import torch
 
 from kvtier.caches.paged_shared import RowBinding, SharedBlockPagedKVCache
 from kvtier.caches.step_plan import StepPlan
-from kvtier.kernels.paged import resolve_backend
+from kvtier.kernels.dispatch import resolve_backend
 from kvtier.serve.scheduler import ScheduledRow
 
 __all__ = ["DecodeGraphs", "graph_buckets", "graphs_unavailable"]
