@@ -15,9 +15,12 @@ from kvtier.caches.tail_owned import TailOwnedKVCache
 from kvtier.config import (
     ENV_VARS,
     KV_QUANT_MODES,
+    MAX_TOKENS,
     KVCacheConfig,
+    KVCacheTooLarge,
     TurboQuantConfig,
     configure_kv_cache,
+    env_settings,
     make_caches,
     user_cache_dir,
 )
@@ -138,17 +141,17 @@ BAD_VALUES = [
     ("MTPLX_VLLM_METAL_PAGED_ATTN", "2", "1/true/yes/on"),
     ("KVTIER_OWNED_ATTN_KV", "blocks", "block, block_owned"),
     ("MTPLX_OWNED_ATTN_KV", "paged_tail", "ragged, ragged_batch"),
-    ("KVTIER_OWNED_ATTN_KV_STEP", "0", "whole number >= 1"),
-    ("MTPLX_OWNED_ATTN_KV_STEP", "1.5", "whole number >= 1"),
-    ("KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "-4", "whole number >= 1"),
-    ("KVTIER_PAGED_BLOCK_SIZE", "sixteen", "whole number >= 1"),
-    ("MTPLX_VLLM_METAL_PAGED_NUM_BLOCKS", "0", "whole number >= 1"),
+    ("KVTIER_OWNED_ATTN_KV_STEP", "0", "whole number in [1, 16777216]"),
+    ("MTPLX_OWNED_ATTN_KV_STEP", "1.5", "whole number in [1, 16777216]"),
+    ("KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "-4", "whole number in [1, 16777216]"),
+    ("KVTIER_PAGED_BLOCK_SIZE", "sixteen", "whole number in [1, 16777216]"),
+    ("MTPLX_VLLM_METAL_PAGED_NUM_BLOCKS", "0", "whole number in [1, 16777216]"),
     ("KVTIER_DYNAMIC_PAGED_KV", "enabled", "1/true/yes/on"),
-    ("MTPLX_DYNAMIC_PAGED_KV_TOKENS", "-1", "whole number >= 0"),
-    ("KVTIER_DYNAMIC_PAGED_KV_MIN_BLOCKS", "0", "whole number >= 1"),
-    ("KVTIER_DYNAMIC_PAGED_KV_MARGIN", "x", "whole number >= 0"),
-    ("MTPLX_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER", "-3", "whole number >= 0"),
-    ("KVTIER_CONTEXT_WINDOW_TOKENS", "0", "whole number >= 1"),
+    ("MTPLX_DYNAMIC_PAGED_KV_TOKENS", "-1", "whole number in [0, 16777216]"),
+    ("KVTIER_DYNAMIC_PAGED_KV_MIN_BLOCKS", "0", "whole number in [1, 16777216]"),
+    ("KVTIER_DYNAMIC_PAGED_KV_MARGIN", "x", "whole number in [0, 16777216]"),
+    ("MTPLX_DYNAMIC_PAGED_KV_PREVIOUS_HIGH_WATER", "-3", "whole number in [0, 16777216]"),
+    ("KVTIER_CONTEXT_WINDOW_TOKENS", "0", "whole number in [1, 16777216]"),
     ("MTPLX_PAGED_KV_QUANT", "q3", ("off", *KV_QUANT_MODES, "int8", "int4")),
     ("KVTIER_PAGED_KV_QUANT", "fp", ("off", *KV_QUANT_MODES)),
     ("KVTIER_PAGED_TURBOQUANT", "sometimes", "1/true/yes/on"),
@@ -180,11 +183,65 @@ def test_a_bad_value_names_its_variable_and_what_it_accepts(name, value, accepte
         {"kv_quant": "q2"},
         {"attention_backend": "cuda"},
         {"turboquant": "q8_0"},
+        {"step": MAX_TOKENS + 1},
+        {"paged_block_size": 10**12},
+        {"dynamic_paged_tokens": 10**12},
+        {"context_window_tokens": 10**12},
     ],
 )
 def test_the_dataclass_checks_its_fields(changes):
     with pytest.raises(ValueError, match=next(iter(changes))):
         KVCacheConfig(**changes)
+
+
+@pytest.mark.parametrize("name", ["KVTIER_OWNED_ATTN_KV_STEP", "KVTIER_OWNED_ATTN_KV_BLOCK_SIZE",
+                                  "KVTIER_PAGED_BLOCK_SIZE", "KVTIER_PAGED_NUM_BLOCKS",
+                                  "KVTIER_DYNAMIC_PAGED_KV_TOKENS"])
+def test_a_size_of_10_to_the_12_is_refused_by_name_before_anything_is_built(name):
+    with pytest.raises(ValueError) as e:
+        KVCacheConfig.from_env({name: str(10**12)})
+    assert str(e.value) == (f"{name}='1000000000000' is too large; set it to a whole number "
+                            f"in [{0 if 'TOKENS' in name else 1}, {MAX_TOKENS}]")
+
+
+def test_a_pool_past_max_tokens_names_both_of_its_settings():
+    with pytest.raises(ValueError, match="KVTIER_PAGED_NUM_BLOCKS") as e:
+        KVCacheConfig.from_env({"KVTIER_PAGED_NUM_BLOCKS": str(MAX_TOKENS),
+                                "KVTIER_PAGED_BLOCK_SIZE": "16"})
+    assert "--num-blocks" in str(e.value) and "KVTIER_PAGED_BLOCK_SIZE" in str(e.value)
+
+
+def test_env_settings_names_only_what_the_environment_sets():
+    assert env_settings({}) == {}
+    assert env_settings({"KVTIER_PAGED_NUM_BLOCKS": "64", "KVTIER_PAGED_ATTN": "1",
+                         "MTPLX_OWNED_ATTN_KV_STEP": "32"}) == {
+        "paged_num_blocks": 64, "paged": True, "step": 32}
+
+
+@pytest.mark.parametrize("tier, blocks, tokens", [("tail", None, 512), ("ragged", None, 512),
+                                                  ("block", None, 2048), ("paged", 8, 128)])
+def test_first_allocation_tokens_match_what_a_cache_allocates(tier, blocks, tokens):
+    config = KVCacheConfig(tier=tier, **({"paged_num_blocks": blocks} if blocks else {}))
+    assert config.first_allocation_tokens(batch_size=2) == tokens
+    caches = make_caches(1, config, batch_size=2)
+    k = torch.zeros(2, 1, 1, 4)
+    caches[0].update_and_fetch(k, k)
+    payload = 2 * tokens * 4 * 4  # K and V, one head of 4 float32
+    assert payload <= caches[0].nbytes < 2 * payload  # plus bookkeeping (ragged: offsets, ...)
+
+
+def test_check_fits_refuses_a_step_past_the_context_and_a_pool_past_memory():
+    with pytest.raises(KVCacheTooLarge) as e:
+        KVCacheConfig(step=10_000).check_fits(context_tokens=8192, bytes_per_token=1,
+                                              memory_bytes=None)
+    assert str(e.value) == ("step=10000 tokens passes the model's context of 8192 tokens and would "
+                            "never be filled; set step (KVTIER_OWNED_ATTN_KV_STEP) to at most 8192 "
+                            "(default 256)")
+    pool = KVCacheConfig(tier="paged", paged_num_blocks=1024)  # 16384 tokens
+    pool.check_fits(context_tokens=8192, bytes_per_token=1024, memory_bytes=2**24)
+    with pytest.raises(KVCacheTooLarge, match=r"--num-blocks, KVTIER_PAGED_NUM_BLOCKS") as e:
+        pool.check_fits(context_tokens=8192, bytes_per_token=1024, memory_bytes=2**24 - 1)
+    assert "16384 tokens" in str(e.value) and isinstance(e.value, MemoryError)
 
 
 def test_tier_params():

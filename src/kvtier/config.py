@@ -44,15 +44,26 @@ __all__ = [
     "TIERS",
     "TURBOQUANT_KEY_CODES",
     "TURBOQUANT_VALUE_CODES",
+    "MAX_TOKENS",
     "EnvVar",
     "KVCacheConfig",
+    "KVCacheTooLarge",
     "TurboQuantConfig",
     "configure_kv_cache",
+    "env_settings",
     "make_caches",
     "user_cache_dir",
 ]
 
 TIERS = ("tail", "block", "ragged", "paged")
+#: the most tokens any size of a config may name (a step, a block, a whole paged pool):
+#: 16M, past every model's context, so 10**12 is refused before anything is allocated
+MAX_TOKENS = 2**24
+
+
+class KVCacheTooLarge(MemoryError):
+    """The caches a config asks for could not be used or would not fit in memory; raised
+    by :meth:`KVCacheConfig.check_fits` before anything is allocated."""
 
 
 @dataclass(frozen=True)
@@ -85,14 +96,16 @@ class KVCacheConfig:
             raise ValueError(
                 f"tier {self.tier!r} is unknown; accepted: {', '.join(TIERS)}"
             )
-        for name in ("step", "owned_block_size", "paged_block_size", "paged_num_blocks"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        for name in ("dynamic_paged_tokens", "dynamic_paged_margin", "previous_high_water"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        for name in ("step", "owned_block_size", "paged_block_size", "paged_num_blocks",
+                     "dynamic_paged_tokens", "dynamic_paged_margin", "previous_high_water"):
+            _check_size(name, getattr(self, name), 0 if name.startswith(("dynamic", "prev")) else 1)
+        pool = self.paged_num_blocks * self.paged_block_size
+        if pool > MAX_TOKENS:
+            raise ValueError(
+                f"paged_num_blocks * paged_block_size = {self.paged_num_blocks} * "
+                f"{self.paged_block_size} = {pool} tokens, more than {MAX_TOKENS}; lower "
+                f"{_setting('paged_num_blocks')} or {_setting('paged_block_size')}"
+            )
         check_kv_quant(self.kv_quant)
         check_turboquant(self.turboquant)
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -101,9 +114,8 @@ class KVCacheConfig:
                 f"{', '.join(ATTENTION_BACKENDS)}"
             )
         for name in ("dynamic_paged_min_blocks", "context_window_tokens"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+            if getattr(self, name) is not None:
+                _check_size(name, getattr(self, name), 1, "or None")
         for name in ("dynamic_paged", "enabled"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -170,6 +182,49 @@ class KVCacheConfig:
             "attention_backend": self.attention_backend,
         }
 
+    def first_allocation_tokens(self, batch_size: int = 1) -> int:
+        """Token slots per layer (each for K and V) that a cache of this config allocates at
+        its first write of one token: a step (tail, ragged), a block (block), the start-up
+        pool (paged); ``batch_size`` rows of it for the per-row tiers."""
+        if self.tier == "paged":
+            return self.initial_paged_blocks() * self.paged_block_size
+        unit = self.owned_block_size if self.tier == "block" else self.step
+        return unit * batch_size
+
+    def check_fits(self, *, context_tokens: int, bytes_per_token: int, memory_bytes: int | None,
+                   batch_size: int = 1) -> None:
+        """Refuse, before anything is allocated, caches that could never be used or never fit.
+
+        ``context_tokens``: the model's context (a step or block longer than it is never
+        filled); ``bytes_per_token``: K and V bytes of one token over every layer;
+        ``memory_bytes``: the device's memory (``None``: unknown, not checked). Raises
+        :class:`KVCacheTooLarge` naming the setting to change.
+
+        Example::
+
+            >>> KVCacheConfig(step=100_000).check_fits(context_tokens=8192, bytes_per_token=1,
+            ...                                        memory_bytes=None)
+            Traceback (most recent call last):
+            kvtier.config.KVCacheTooLarge: step=100000 tokens passes the model's context of 8192 ...
+        """
+        unit = {"tail": "step", "ragged": "step", "block": "owned_block_size",
+                "paged": "paged_block_size"}[self.tier]
+        if getattr(self, unit) > context_tokens:
+            raise KVCacheTooLarge(
+                f"{unit}={getattr(self, unit)} tokens passes the model's context of "
+                f"{context_tokens} tokens and would never be filled; set {_setting(unit)} to at "
+                f"most {context_tokens} (default {_default(unit)})"
+            )
+        tokens = self.first_allocation_tokens(batch_size)
+        need = tokens * bytes_per_token
+        if memory_bytes is not None and need > memory_bytes:
+            name = "paged_num_blocks" if self.tier == "paged" else unit
+            raise KVCacheTooLarge(
+                f"the {self.tier} tier would allocate {tokens} tokens of keys and values "
+                f"({need / 2**30:.1f} GiB) at once, more than the device's "
+                f"{memory_bytes / 2**30:.1f} GiB; lower {_setting(name)}"
+            )
+
     def initial_paged_blocks(self) -> int:
         """Start-up pool size: the configured count, or dynamic sizing when enabled."""
         if not self.dynamic_paged:
@@ -209,18 +264,45 @@ def _flag(name: str, raw: str) -> bool:
 
 
 def _whole(minimum: int) -> Parser:
+    """A whole number of tokens or blocks in ``[minimum, MAX_TOKENS]``."""
+    wanted = f"a whole number in [{minimum}, {MAX_TOKENS}]"
+
     def parse(name: str, raw: str) -> int:
         try:
             value = int(raw)
         except ValueError:
-            raise ValueError(
-                f"{name}={raw!r} is not an integer; set it to a whole number >= {minimum}"
-            ) from None
+            raise ValueError(f"{name}={raw!r} is not an integer; set it to {wanted}") from None
         if value < minimum:
-            raise ValueError(f"{name}={raw!r} is too small; set it to a whole number >= {minimum}")
+            raise ValueError(f"{name}={raw!r} is too small; set it to {wanted}")
+        if value > MAX_TOKENS:
+            raise ValueError(f"{name}={raw!r} is too large; set it to {wanted}")
         return value
 
     return parse
+
+
+def _check_size(name: str, v: Any, minimum: int, alternative: str = "") -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= MAX_TOKENS:
+        raise ValueError(
+            f"{name} must be an int in [{minimum}, {MAX_TOKENS}]{' ' + alternative if alternative else ''}, "
+            f"got {v!r}; set {_setting(name)}"
+        )
+
+
+#: the command-line flag of a field, where there is one
+_FLAGS = {"tier": "--tier", "paged_num_blocks": "--num-blocks", "dynamic_paged": "--dynamic",
+          "kv_quant": "--kv-quant", "turboquant": "--turboquant"}
+
+
+def _setting(field: str) -> str:
+    """How a user sets ``field``: ``"paged_num_blocks (--num-blocks, KVTIER_PAGED_NUM_BLOCKS)"``."""
+    where = [_FLAGS[field]] if field in _FLAGS else []
+    where += [v.names[0] for v in ENV_VARS if v.key == field]
+    return f"{field} ({', '.join(where)})" if where else field
+
+
+def _default(field: str) -> Any:
+    return next(f.default for f in dataclasses.fields(KVCacheConfig) if f.name == field)
 
 
 def _choice(mapping: Mapping[str, Any]) -> Parser:
@@ -300,6 +382,19 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("attention_backend", ("KVTIER_ATTENTION_BACKEND",),
            _choice({b: b for b in ATTENTION_BACKENDS})),
 )
+
+
+def env_settings(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What the environment sets: ``{key: value}`` for each row of :data:`ENV_VARS` whose
+    variable is set (keys as in :class:`EnvVar`), so a caller can tell a setting the user
+    made from a default. ``env`` defaults to ``os.environ``.
+
+    Example::
+
+        >>> env_settings({"KVTIER_PAGED_NUM_BLOCKS": "64"})
+        {'paged_num_blocks': 64}
+    """
+    return _read_env(os.environ if env is None else env)
 
 
 def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
