@@ -35,7 +35,15 @@ kinds apart by type, ``isinstance(cache, RowKVCache)``, never by tier name.
 
 Errors: a caller's mistake raises :class:`ValueError` (or a
 :class:`CacheCapacityError`, a ``MemoryError``, for capacity) whose message names
-the value and the fix, and leaves the cache exactly as it was.
+the value and the fix, and leaves the cache exactly as it was; the checks every
+tier shares live in :mod:`kvtier.caches.checks`. Keys and values are stored
+detached: a cache never holds an autograd graph.
+
+Threads: a cache is not thread-safe. Give each thread its own caches, or lock
+around every call. A second thread that enters ``update``/``trim``/``set_lengths``
+while another is inside gets :class:`ConcurrentCacheUse` (a ``RuntimeError``)
+instead of a lost write; the check is cheap and catches overlaps, it does not
+make concurrent use safe.
 
 Example::
 
@@ -59,6 +67,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from kvtier.caches.checks import ConcurrentCacheUse as ConcurrentCacheUse
+from kvtier.caches.checks import check_kv as check_kv  # re-exported: the tiers' one import
+from kvtier.caches.checks import check_queries as check_queries
+from kvtier.caches.checks import check_trim
+from kvtier.caches.checks import exclusive as exclusive
 
 
 class CacheCapacityError(MemoryError):
@@ -97,87 +111,6 @@ class CopyTimer:
 
 def tensor_nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def check_kv(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    like: torch.Tensor | None = None,
-    *,
-    batch: int | None = None,
-) -> None:
-    """Validate a K/V pair against each other and against the stored tensor ``like``.
-
-    Raises ``ValueError`` naming the offending value and the fix.
-    """
-    for name, t in (("keys", keys), ("values", values)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D [batch, kv_heads, tokens, head_dim], got shape "
-                f"{tuple(t.shape)}; reshape it (e.g. q.view(B, H, T, D))"
-            )
-    if keys.shape[:3] != values.shape[:3]:
-        raise ValueError(
-            f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must agree on "
-            "batch, kv_heads and tokens"
-        )
-    if keys.dtype != values.dtype or keys.device != values.device:
-        raise ValueError(
-            f"keys ({keys.dtype}, {keys.device}) and values ({values.dtype}, "
-            f"{values.device}) must share dtype and device"
-        )
-    if keys.shape[2] == 0:
-        raise ValueError("keys and values hold 0 tokens; pass at least one token")
-    if batch is not None and keys.shape[0] != batch:
-        raise ValueError(
-            f"batch size {keys.shape[0]} differs from the cache's {batch}; "
-            "use filter()/extend() to change the batch"
-        )
-    if like is not None:
-        B, H, _, D = like.shape
-        if keys.shape[0] != B:
-            raise ValueError(
-                f"batch size {keys.shape[0]} differs from the cache's {B}; "
-                "use a new cache for a different batch"
-            )
-        if keys.shape[1] != H:
-            raise ValueError(f"kv_heads {keys.shape[1]} differs from the cache's {H}")
-        if keys.shape[3] != D or values.shape[3] != like.shape[3]:
-            raise ValueError(
-                f"head_dim {keys.shape[3]}/{values.shape[3]} differs from the cache's {D}"
-            )
-        if keys.dtype != like.dtype:
-            raise ValueError(
-                f"dtype {keys.dtype} differs from the cache's {like.dtype}; cast with "
-                f".to({like.dtype})"
-            )
-        if keys.device != like.device:
-            raise ValueError(
-                f"device {keys.device} differs from the cache's {like.device}; move "
-                f"with .to('{like.device}')"
-            )
-
-
-def check_queries(queries: torch.Tensor, kv_heads: int, head_dim: int) -> None:
-    if not isinstance(queries, torch.Tensor) or queries.dim() != 4:
-        shape = tuple(queries.shape) if isinstance(queries, torch.Tensor) else type(queries)
-        raise ValueError(f"queries must be 4-D [batch, q_heads, tokens, head_dim], got {shape}")
-    if queries.shape[1] % kv_heads:
-        raise ValueError(
-            f"q_heads {queries.shape[1]} is not a multiple of the cache's kv_heads {kv_heads}"
-        )
-    if queries.shape[3] != head_dim:
-        raise ValueError(f"queries head_dim {queries.shape[3]} differs from the cache's {head_dim}")
-
-
-def check_trim(n: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise ValueError(f"trim(n) takes an int, got {n!r}")
-    if n < 0:
-        raise ValueError(f"trim(n) needs n >= 0, got {n}; to append, call update()")
-    return n
 
 
 def check_indices(name: str, idx: Any, batch: int) -> list[int]:
@@ -220,10 +153,17 @@ def check_lengths(lengths: Any, current: list[int]) -> list[int]:
 
 
 class KVCache(ABC):
-    """Abstract base of every tier. See the module docstring for the contract."""
+    """Abstract base of every tier. See the module docstring for the contract.
+
+    Not thread-safe: one thread at a time (see the module docstring); the methods that
+    write are marked :func:`~kvtier.caches.checks.exclusive` and raise
+    :class:`ConcurrentCacheUse` when a second thread enters them.
+    """
 
     #: name used by persistence and configuration ("tail", "block", "ragged", "paged")
     tier: str = ""
+    #: the thread inside an exclusive method (kvtier.caches.checks.exclusive), else None
+    _owner: int | None = None
 
     # -- writes and reads ---------------------------------------------------
     @abstractmethod
@@ -304,6 +244,7 @@ class ScalarKVCache(KVCache):
     def size(self) -> int:
         return self._offset
 
+    @exclusive
     def trim(self, n: int) -> int:
         n = min(check_trim(n), self._offset)
         self._offset -= n
@@ -366,6 +307,7 @@ class RowKVCache(KVCache):
     def lengths(self) -> list[int]:
         """Each row's committed length, ``B`` host ints (a copy)."""
 
+    @exclusive
     def set_lengths(self, lengths: Sequence[int] | torch.Tensor) -> None:
         """Set row ``r``'s committed length to ``lengths[r]`` in ``[0, lengths now]``: the newer
         tokens are dropped (the storage behind them is kept and written over later).

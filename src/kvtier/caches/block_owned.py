@@ -19,6 +19,7 @@ from kvtier.caches.base import (
     ScalarKVCache,
     check_kv,
     check_queries,
+    exclusive,
     tensor_nbytes,
 )
 from kvtier.caches.state_checks import MAX_INT, check_state_args, check_state_kv, meta_ints
@@ -70,9 +71,10 @@ class BlockOwnedKVCache(ScalarKVCache):
             self.value_blocks.append(like_v.new_empty(B, H, self.block_size, like_v.shape[3]))
             self.copy_stats.grow_events += 1
 
+    @exclusive
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append ``keys``/``values`` ``[B, H_kv, T, D]``, split across block boundaries (copied)."""
-        check_kv(keys, values, self.key_blocks[0] if self.key_blocks else None)
+        keys, values = check_kv(keys, values, self.key_blocks[0] if self.key_blocks else None)
         end = self._offset + keys.shape[2]
         self._ensure_capacity_for(end, keys, values)
         with CopyTimer(self.copy_stats, tensor_nbytes(keys, values)):
@@ -114,8 +116,9 @@ class BlockOwnedKVCache(ScalarKVCache):
         positions, one block at a time, merged with an online softmax (no concatenation)."""
         if not self.key_blocks:
             raise ValueError("attention() on an empty cache; call update() first")
-        check_queries(queries, self.key_blocks[0].shape[1], self.key_blocks[0].shape[3])
-        check_query_rows(queries, self.key_blocks[0].shape[0], self._offset)
+        kb = self.key_blocks[0]  # (B, H_kv, block_size, D)
+        scale = check_queries(queries, kb.shape[1], kb.shape[3], kb.dtype, scale)
+        check_query_rows(queries, kb.shape[0], self._offset)
         B, _, T, _ = queries.shape
         q_start = self._offset - T
         acc = OnlineSoftmax()

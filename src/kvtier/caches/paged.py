@@ -56,6 +56,7 @@ from kvtier.caches.base import (
     check_kv,
     check_queries,
     check_trim,
+    exclusive,
 )
 from kvtier.caches.paged_codecs import CodecChoice, select_codecs
 from kvtier.caches.paged_pool import (
@@ -202,15 +203,11 @@ class PagedKVCache(RowKVCache):
         return self.pool.nbytes
 
     # -- writes ----------------------------------------------------------------------------
-    def _check_like(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        check_kv(keys, values, batch=self.batch_size)
-        if keys.shape[3] != values.shape[3]:
-            raise ValueError(
-                f"keys head_dim {keys.shape[3]} and values head_dim {values.shape[3]} must match "
-                "in the paged tier"
-            )
+    def _check_like(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~kvtier.caches.checks.check_kv` against the pool: the pair, detached."""
+        keys, values = check_kv(keys, values, batch=self.batch_size)
         if self.codecs is None:
-            return
+            return keys, values
         H, D = self.pool.key_cache.shape[2], self.codecs.k_codec.head_dim
         for what, got, want in (("kv_heads", keys.shape[1], H), ("head_dim", keys.shape[3], D),
                                 ("dtype", keys.dtype, self.codecs.k_codec.dtype),
@@ -218,6 +215,7 @@ class PagedKVCache(RowKVCache):
             if got != want:
                 raise ValueError(f"{what} {got} differs from the cache's {want}; convert the "
                                  f"input (or use a new cache)")
+        return keys, values
 
     def _grow_for(self, extra: int, heads: int, choice: CodecChoice, device: torch.device) -> None:
         """Make ``extra`` more blocks free (allocate, grow or raise); adopt the codecs on first use."""
@@ -236,6 +234,7 @@ class PagedKVCache(RowKVCache):
                     f"kvtier paged cache: {what} cannot serve ({reason}); storing as "
                     f"{choice.mode!r} instead", RuntimeWarning, stacklevel=4)
 
+    @exclusive
     def update(
         self,
         keys: torch.Tensor,
@@ -261,7 +260,7 @@ class PagedKVCache(RowKVCache):
         layer (one token per row at ``plan.slots``; no host bookkeeping, no
         device read); ``write_start``/``new_offsets`` are then the plan's or None.
         """
-        self._check_like(keys, values)
+        keys, values = self._check_like(keys, values)
         if plan is not None:
             self._update_planned(keys, values, plan, write_start, new_offsets)
             return
@@ -358,7 +357,8 @@ class PagedKVCache(RowKVCache):
         lengths and block table are the plan's device tensors (no host work).
         """
         self._require_storage("attention()")
-        check_queries(queries, self.pool.key_cache.shape[2], self.codecs.k_codec.head_dim)
+        k_codec = self.codecs.k_codec
+        scale = check_queries(queries, self.pool.key_cache.shape[2], k_codec.head_dim, k_codec.dtype, scale)
         if queries.shape[0] != self.batch_size or queries.device != self._device:
             raise ValueError(
                 f"queries batch {queries.shape[0]} on {queries.device} must match the cache's "
@@ -382,6 +382,7 @@ class PagedKVCache(RowKVCache):
         )
 
     # -- lengths and rows ----------------------------------------------------------------------
+    @exclusive
     def trim(self, n: int) -> int:
         """Drop the newest ``n`` tokens of every row (a shorter row empties); returns
         ``min(n, size())``. The rows keep their blocks (see the module docstring)."""

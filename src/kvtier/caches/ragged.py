@@ -29,6 +29,7 @@ from kvtier.caches.base import (
     check_kv,
     check_queries,
     check_trim,
+    exclusive,
     tensor_nbytes,
 )
 from kvtier.caches.ragged_rows import (
@@ -98,7 +99,7 @@ class RaggedBatchKVCache(RowKVCache):
             if batch_size is not None:
                 self._set_rows([0] * batch_size, torch.device("cpu"))
             return
-        check_kv(keys, values, batch=batch_size)
+        keys, values = check_kv(keys, values, batch=batch_size)
         B, T = keys.shape[0], keys.shape[2]
         lengths = [T] * B if offsets is None else host_row_values(offsets, "offsets", B)
         if max(lengths) > T:
@@ -169,6 +170,7 @@ class RaggedBatchKVCache(RowKVCache):
                                       f"freeze_capacity({end}) or more first, or trim")
 
     # -- writes -----------------------------------------------------------------------------
+    @exclusive
     def update(self, keys: torch.Tensor, values: torch.Tensor, *,
                write_start: Any = None, new_offsets: Any = None, plan: StepPlan | None = None) -> None:
         """Write ``keys``/``values`` ``[B, H_kv, q, D]``, row ``r`` at ``[write_start[r], +q)``.
@@ -180,7 +182,7 @@ class RaggedBatchKVCache(RowKVCache):
         :class:`RaggedCapacityError` (past a frozen capacity) leave the cache unchanged.
         ``plan``: a :class:`~kvtier.caches.step_plan.StepPlan` shared by every layer (one
         token per row at the plan's positions; no host work, no device read)."""
-        check_kv(keys, values, self.keys, batch=self.batch_size)
+        keys, values = check_kv(keys, values, self.keys, batch=self.batch_size)
         if plan is not None:
             self._update_planned(keys, values, plan, write_start, new_offsets)
             return
@@ -282,7 +284,7 @@ class RaggedBatchKVCache(RowKVCache):
         :class:`~kvtier.kernels.dispatch.KernelDispatch`)."""
         if self.keys is None:
             raise ValueError("attention() on an empty cache; call update() first")
-        check_queries(queries, self.keys.shape[1], self.keys.shape[3])
+        scale = check_queries(queries, self.keys.shape[1], self.keys.shape[3], self.keys.dtype, scale)
         if queries.shape[0] != self.batch_size:
             raise ValueError(f"queries batch {queries.shape[0]} differs from the cache's {self.batch_size}")
         S = self.capacity if self._frozen else self._live()
@@ -483,6 +485,7 @@ class RaggedBatchKVCache(RowKVCache):
         """True while nothing was ever written."""
         return self.keys is None
 
+    @exclusive
     def trim(self, n: int) -> int:
         """Drop the newest ``n`` tokens of every row, clamped by the shortest row; returns it."""
         n = min(check_trim(n), 0 if self._offsets is None else min(self._host_lengths()))

@@ -18,6 +18,7 @@ from kvtier.caches.base import (
     ScalarKVCache,
     check_kv,
     check_queries,
+    exclusive,
     tensor_nbytes,
 )
 from kvtier.caches.state_checks import check_state_args, check_state_kv, read_meta_ints
@@ -100,9 +101,10 @@ class TailOwnedKVCache(ScalarKVCache):
         self.keys, self.values = new_k, new_v
         self.copy_stats.grow_events += 1
 
+    @exclusive
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append ``keys``/``values`` ``[B, H_kv, T, D]`` (copied; the caller's tensors are not kept)."""
-        check_kv(keys, values, self.keys)
+        keys, values = check_kv(keys, values, self.keys)
         T = keys.shape[2]
         end = self._offset + T
         if end > self.capacity:
@@ -122,7 +124,7 @@ class TailOwnedKVCache(ScalarKVCache):
         """Causal attention ``[B, H_q, T, D]`` of the ``T`` newest positions over the buffer."""
         if self.keys is None:
             raise ValueError("attention() on an empty cache; call update() first")
-        check_queries(queries, self.keys.shape[1], self.keys.shape[3])
+        scale = check_queries(queries, self.keys.shape[1], self.keys.shape[3], self.keys.dtype, scale)
         check_query_rows(queries, self.keys.shape[0], self._offset)
         k, v = self.fetch()
         return causal_attention(queries, k, v, scale=scale)
