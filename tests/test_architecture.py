@@ -25,6 +25,7 @@ LAYERS = {
     "kvtier.drafters": 5,
     "kvtier.cuda_graph": 5,
     "kvtier.prompt_cache": 5,
+    "kvtier.limits": 5,
     "kvtier.evaluate": 5,
     "kvtier.serve": 6,
     "kvtier.parallel": 7,

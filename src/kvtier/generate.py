@@ -45,6 +45,7 @@ import torch
 from kvtier.caches.base import KVCache, RowKVCache
 from kvtier.config import KVCacheConfig, make_caches
 from kvtier.cuda_graph import make_decoder
+from kvtier.limits import context_room
 from kvtier.sampling import SamplingParams, make_generator, sample
 
 Prompt = str | Sequence[int]
@@ -107,7 +108,8 @@ def generate_step(
     cuda_graph: bool | None = None,
     max_steps: int | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield the sampled tokens of each step, ``[B]`` int64 on the model's device, forever.
+    """Yield the sampled tokens of each step, ``[B]`` int64 on the model's device, until every
+    row has filled the model's context (:func:`kvtier.limits.context_room`; ids checked first).
 
     ``prompts``: ``B`` lists of token ids (each at least one token). ``caches``: one
     cache per layer, empty or already holding a prefix of every prompt (a reused
@@ -124,6 +126,7 @@ def generate_step(
     """
     params = SamplingParams() if params is None else params
     rows = check_prompts(prompts)
+    steps = max(context_room(model, rows))  # ends once every row has reached the context
     device = model_device(model)
     per_row = isinstance(caches[0], RowKVCache)
     if cuda_graph and not per_row:
@@ -142,13 +145,15 @@ def generate_step(
             # On CUDA the next step is queued before the caller reads this one (a host
             # sync), so the device never waits for Python; on CPU that step would be waste.
             if device.type != "cuda":
-                while True:
+                for _ in range(steps):
                     y = _decode_step(model, y, caches, decoder, params, generator)
                     yield y
+                return
             y_next = _decode_step(model, y, caches, decoder, params, generator)
-            while True:
+            for i in range(1, steps + 1):
                 y = y_next
-                y_next = _decode_step(model, y, caches, decoder, params, generator)
+                if i < steps:  # nothing is queued past the context
+                    y_next = _decode_step(model, y, caches, decoder, params, generator)
                 yield y
         finally:
             if decoder is not None:
@@ -403,6 +408,7 @@ def stream_steps(
     as :func:`stream_generate`.
     """
     rows, cache_config, per_row = resolve_rows(tokenizer, prompts, caches, cache_config, prompt_cache)
+    context_room(model, rows)  # every row, before any forward (kvtier.limits)
     if per_row or len(rows) == 1 or (lockstep and len({len(r) for r in rows}) == 1):
         groups = [list(range(len(rows)))]
     elif caches is not None:
@@ -453,6 +459,8 @@ class _Run:
     def stream(self, ids, rows, caches, step_fn, respond, on_progress,
                on_prefilled) -> Iterator[GenerationResponse]:
         states = [RowText(self.tokenizer.stream_decoder(), self.config, self.stop_ids) for _ in rows]
+        for state, room in zip(states, context_room(self.model, rows)):
+            state.max_tokens = min(state.max_tokens, room)  # the context ends a row as max_tokens does
         self.prompt_tokens += sum(len(r) for r in rows)
         steps = step_fn(rows, caches, generator=self.generator, stop_ids=self.stop_ids,
                         on_progress=on_progress, on_prefilled=on_prefilled)

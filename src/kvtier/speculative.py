@@ -58,6 +58,7 @@ from kvtier.generate import (
     prefill,
     stream_steps,
 )
+from kvtier.limits import context_room
 from kvtier.sampling import SamplingParams, process_logits
 
 
@@ -282,6 +283,7 @@ def speculative_generate_step(
     spec = SpeculativeConfig() if speculative is None else speculative
     stats = SpeculativeStats() if stats is None else stats
     rows = check_prompts(prompts)
+    room = context_room(model, rows)  # ids and prompt lengths, before any forward (kvtier.limits)
     device = model_device(model)
     per_row = isinstance(caches[0], RowKVCache)
     if not per_row and len(rows) > 1:
@@ -295,6 +297,7 @@ def speculative_generate_step(
         if on_prefilled is not None:
             on_prefilled()
         run = _Rows(rows, device, max_tokens, stop_token_ids)
+        run.left = [min(n, r) for n, r in zip(run.left, room)]  # a row stops at the context
         draft_cost = drafter.cost(model)
         policy = DepthPolicy(len(rows), spec.draft_tokens, spec.verify_cost + draft_cost,
                              adaptive=spec.adaptive, probes=draft_cost == 0)
