@@ -322,18 +322,27 @@ def layer_for(tier: str) -> KVTierLayer:
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("update"), st.integers(1, 6)),
-        st.tuples(st.just("crop"), st.integers(-4, 12)),
+        st.tuples(st.just("crop"), st.integers(-12, 4)),
     ),
     min_size=1,
     max_size=8,
 )
 
 
+def crop_outcome(layer, n: int) -> str:
+    try:
+        layer.crop(n)
+    except ValueError:
+        return "ValueError"
+    return "ok"
+
+
 @settings(max_examples=15, deadline=None)
 @given(ops=OPS, seed=st.integers(0, 2**16))
 @pytest.mark.parametrize("tier", ["tail", "block", "ragged", "paged"])
 def test_layer_matches_dynamic_layer(tier, ops, seed):
-    """Appends and crops (negative: remove, positive: keep) give the K/V of DynamicLayer."""
+    """Appends and crops give DynamicLayer's K/V, lengths and errors: ``crop(-k)`` removes
+    ``k`` (all past the length), ``crop(0)`` nothing, ``crop(k > 0)`` raises ValueError."""
     g = torch.Generator().manual_seed(seed)
     ours, ref = layer_for(tier), DynamicLayer()
     for op, n in ops:
@@ -341,12 +350,14 @@ def test_layer_matches_dynamic_layer(tier, ops, seed):
             k, v = torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
             got, want = ours.update(k, v), ref.update(k, v)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        elif ref.is_initialized:
-            keep = n if n > 0 else max(ref.get_seq_length() + n, 0)
-            ref.crop(-(ref.get_seq_length() - min(keep, ref.get_seq_length())))
-            ours.crop(n)
+        else:
+            assert crop_outcome(ours, n) == crop_outcome(ref, n)
         assert ours.get_seq_length() == ref.get_seq_length()
         assert ours.get_mask_sizes(3) == ref.get_mask_sizes(3)
+        if ref.is_initialized:
+            assert torch.equal(ours.keys, ref.keys) and torch.equal(ours.values, ref.values)
+        else:
+            assert ours.keys is None and ref.keys is None
 
 
 @pytest.mark.parametrize("tier", ["tail", "block", "ragged", "paged"])
