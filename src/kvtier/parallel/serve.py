@@ -16,6 +16,12 @@ send them, and a wait without a deadline, since a server may sit idle for hours
 (a rank that dies still closes its connections, and the others raise at once).
 The model's collectives keep the finite timeout of the main group.
 
+The other ranks ignore SIGINT and SIGTERM once they follow: they stop when rank 0
+says so (or dies), so a Ctrl-C that reaches every process of the terminal, or a
+launcher that passes a SIGTERM on to every worker, stops rank 0's server first
+and the followers after its last step. ``kvtier serve --tensor-parallel N`` is
+built on this (:mod:`kvtier.serve.cli`).
+
 Example (two CPU ranks; ``serve_fn`` runs on rank 0 and may block for hours)::
 
     >>> def run(engine, prompts):
@@ -27,6 +33,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -131,22 +139,31 @@ def serve_sharded(
     device_type: str = "cpu",
     dtype: torch.dtype | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    threads: int | None = None,
 ) -> Any:
     """Serve ``model`` sharded over ``world_size`` ranks: rank 0 builds an
     :class:`~kvtier.serve.engine.LLMEngine` (``config``, an ``EngineConfig``) over its
     shard and calls ``serve_fn(engine, *args)`` (the server, or any driver of the engine);
     the other ranks follow its steps. When ``serve_fn`` returns (or raises), the others
     are told to stop. Returns ``serve_fn``'s result (rank 0's; ``None`` on the other
-    ranks under ``torchrun``).
+    ranks under ``torchrun``). ``threads``: torch CPU threads of each rank (default: the
+    host's cores shared out when spawning, torch's default under ``torchrun``).
     """
-    return run_ranks(_serve_rank, world_size, args=(serve_fn, args, config, model, dtype),
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
+    return run_ranks(_serve_rank, world_size, args=(serve_fn, args, config, model, dtype, threads),
                      device_type=device_type, timeout_s=timeout_s)
 
 
-def _serve_rank(tp: TensorParallel, serve_fn, args, config, model, dtype) -> Any:
+def _serve_rank(tp: TensorParallel, serve_fn, args, config, model, dtype, threads) -> Any:
+    if threads is not None:
+        torch.set_num_threads(threads)
     lm = load_sharded(model, tp, dtype=dtype)
     group = control_group()
     if not tp.is_first:
+        if threading.current_thread() is threading.main_thread():  # rank 0 decides when to stop
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
         spec = [None]
         dist.broadcast_object_list(spec, src=0, group=group)
         follow(spec[0].build(lm.model), group)

@@ -2,12 +2,22 @@
 
 Flags left out keep the defaults of :class:`~kvtier.serve.engine.EngineConfig` and
 :class:`~kvtier.serve.api.ServerConfig`.
+
+With ``--tensor-parallel N`` the model is sharded over N ranks
+(:func:`kvtier.parallel.serve.serve_sharded`): this process spawns N workers (or,
+under ``torchrun``, is one of its ranks); rank 0 runs uvicorn, the engine and its
+scheduler, and broadcasts each step to the others. Stopping the launcher (SIGTERM or
+Ctrl-C) stops rank 0's server gracefully, which then tells the other ranks to stop;
+rank 0 also stops when its launcher dies.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 
 _ABSENT = argparse.SUPPRESS  # a flag not given leaves no attribute: the dataclass default holds
 _ENGINE_FLAGS = ("num_blocks", "kv_memory_gib", "block_size", "max_num_seqs", "max_batched_tokens",
@@ -48,7 +58,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=_ABSENT)
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=_ABSENT)
-    p.add_argument("--threads", type=int, default=_ABSENT, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=_ABSENT,
+                   help="torch CPU threads (of each rank with --tensor-parallel)")
+    p.add_argument("--tensor-parallel", dest="tensor_parallel", type=int, metavar="N", default=_ABSENT,
+                   help="shard the model over N ranks: one GPU each (NCCL) or N CPU processes (gloo); "
+                        "spawns its workers, or is one of them under torchrun; rank 0 serves HTTP")
     p.add_argument("--log-level", dest="log_level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(_run=run_serve)
@@ -69,29 +83,123 @@ def configs_from_args(args: argparse.Namespace):
 
 def run_serve(args: argparse.Namespace) -> int:
     import torch
-    import uvicorn
-
-    from kvtier.model import load_model
-    from kvtier.serve.api import build_app
-    from kvtier.serve.async_engine import AsyncLLMEngine
-    from kvtier.serve.engine import LLMEngine
 
     engine_config, server_config = configs_from_args(args)  # bad values fail before the model loads
-    if hasattr(args, "threads"):
-        torch.set_num_threads(args.threads)
+    threads = getattr(args, "threads", None)
+    if threads is not None and (isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    dtype = getattr(torch, args.dtype) if hasattr(args, "dtype") else None
+    model = getattr(args, "model", None)
+    if hasattr(args, "tensor_parallel"):
+        return _run_sharded(args, engine_config, server_config, model, dtype, threads)
+    from kvtier.model import load_model
+    from kvtier.serve.engine import LLMEngine
+
+    if threads is not None:
+        torch.set_num_threads(threads)
     kw = {"device": args.device} if hasattr(args, "device") else {}
-    if hasattr(args, "dtype"):
-        kw["dtype"] = getattr(torch, args.dtype)
-    lm = load_model(getattr(args, "model", None), progress=sys.stderr.isatty(), **kw)
+    lm = load_model(model, progress=sys.stderr.isatty(), dtype=dtype, **kw)
     if lm.tokenizer is None:
         raise ValueError(f"{lm.source} has no tokenizer (tokenizer.json); the server needs one")
     engine = LLMEngine(lm.model, lm.tokenizer, engine_config)
-    name = server_config.served_model_name or lm.source.name.removesuffix(".gguf")
-    app = build_app(AsyncLLMEngine(engine), lm.tokenizer, name, server_config)
+    return serve_http(engine, served_name(lm.source), server_config, args.log_level)
+
+
+def served_name(source) -> str:
+    """The name the API gives a model loaded from ``source`` (a ``.gguf`` file: its name without
+    the suffix; a folder: the folder's name; ``None``: the embedded default)."""
+    from pathlib import Path
+
+    from kvtier.model.loading import default_model_path
+
+    path = default_model_path() if source is None else Path(source)
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))  # a folder of one GGUF loads that file
+        path = ggufs[0] if len(ggufs) == 1 else path
+    return path.name.removesuffix(".gguf")
+
+
+def serve_http(engine, model_name: str, server_config, log_level: str = "warning", *,
+               ranks: int = 1) -> int:
+    """Serve ``engine`` over HTTP with uvicorn until it is stopped (SIGINT, SIGTERM); returns 0.
+
+    ``model_name``: the name the API reports unless ``server_config.served_model_name``
+    is set. ``ranks`` > 1: this is rank 0 of a tensor-parallel group, so a signal ends
+    the server without ending the process (the other ranks still have to be told), and
+    the server also stops when the process that launched this rank goes away.
+    """
+    import uvicorn
+
+    from kvtier.serve.api import build_app
+    from kvtier.serve.async_engine import AsyncLLMEngine
+
+    if engine.tokenizer is None:
+        raise ValueError("the model has no tokenizer (tokenizer.json next to its weights); the server "
+                         "needs one to read prompts and write text")
+    name = server_config.served_model_name or model_name
+    app = build_app(AsyncLLMEngine(engine), engine.tokenizer, name, server_config)
+    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                                           log_level=log_level))
     s = engine.stats()
+    sharded = f", tensor parallel over {ranks} ranks (pages of rank 0)" if ranks > 1 else ""
     print(f"[kvtier] serving {name} on http://{server_config.host}:{server_config.port}/v1 | "
           f"{s['num_blocks']} blocks of {s['block_size']} ({s['kv_storage']}, "
-          f"{s['kv_bytes'] / 2**30:.2f} GiB), context {s['max_model_len']} tokens",
+          f"{s['kv_bytes'] / 2**30:.2f} GiB{sharded}), context {s['max_model_len']} tokens",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level)
+    if ranks > 1:
+        # uvicorn re-raises the signal that stopped it once it is done; ignored here, so rank 0
+        # lives on to tell the other ranks to stop.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        threading.Thread(target=_stop_when_orphaned, args=(server, os.getppid()), daemon=True).start()
+    server.run()
+    if not server.started:
+        raise ValueError(f"the server could not start on {server_config.host}:{server_config.port} "
+                         "(the error is above); choose another --port or --host")
     return 0
+
+
+def _stop_when_orphaned(server, parent: int, poll_s: float = 0.5) -> None:
+    """Stop ``server`` once this process's parent (the launcher) has gone."""
+    while not server.should_exit:
+        if os.getppid() != parent:
+            server.should_exit = True
+            return
+        threading.Event().wait(poll_s)
+
+
+def _run_sharded(args, engine_config, server_config, model, dtype, threads) -> int:
+    """``kvtier serve --tensor-parallel N``: rank 0 serves HTTP, the other ranks follow its steps."""
+    import torch
+    import torch.distributed as dist
+
+    from kvtier.parallel.serve import serve_sharded
+
+    device = getattr(args, "device", "cuda" if torch.cuda.is_available() else "cpu")
+    if not dist.is_torchelastic_launched():
+        _forward_stop_signals()
+    result = serve_sharded(_serve_on_rank0, args.tensor_parallel,
+                           args=(served_name(model), server_config, args.log_level, args.tensor_parallel),
+                           config=engine_config, model=model, device_type=device, dtype=dtype,
+                           threads=threads)
+    return 0 if result is None else result
+
+
+def _serve_on_rank0(engine, model_name, server_config, log_level, ranks) -> int:
+    return serve_http(engine, model_name, server_config, log_level, ranks=ranks)
+
+
+def _forward_stop_signals() -> None:
+    """In the launcher: the first SIGINT or SIGTERM is passed on to the workers as SIGTERM (rank 0
+    stops its server, then the others); a second one kills them."""
+    import multiprocessing
+
+    received = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        for child in multiprocessing.active_children():  # the spawned ranks
+            os.kill(child.pid, signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)

@@ -1,0 +1,145 @@
+"""``kvtier serve --tensor-parallel 2 --device cpu``: a real server over two gloo ranks, driven by
+the official ``openai`` client; its greedy tokens equal one process's ``kvtier.generate``.
+
+SmolLM2's 3 KV heads do not split over 2 ranks, so the model is a tiny random Llama (8
+query heads over 4 KV heads) saved as a Hugging Face folder with SmolLM2's tokenizer.
+The server is stopped by the launcher's pid; its workers must exit after it. Every wait
+is bounded in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+from openai import AsyncOpenAI, OpenAI
+
+from kvtier.config import KVCacheConfig
+from kvtier.generate import GenerationConfig, stream_generate
+from kvtier.model import load_model
+
+START_S, STOP_S = 240, 60  # start-up: two fresh interpreters load torch on two cores
+PROMPTS = ("The capital of France is", "1, 2, 3, 4,", "Water boils at", "A long time ago, in a")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, lm) -> Path:
+    """A Hugging Face folder: a seeded random Llama with 4 KV heads and SmolLM2's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(tmp_path_factory.mktemp("tiny-llama"))
+    tok = lm.tokenizer
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=tok.vocab_size, max_position_embeddings=512,
+                      rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # weights large enough that logits do not tie
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        **tok.special_tokens, "add_bos_token": tok.add_bos, "chat_template": tok.chat_template}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    """``(base URL, launcher process, log path)`` of a running two-rank ``kvtier serve``."""
+    port = free_port()
+    log = Path(tmp_path_factory.mktemp("serve-tp")) / "serve.log"
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--model", str(tiny), "--tensor-parallel", "2",
+           "--device", "cpu", "--port", str(port), "--threads", "1", "--num-blocks", "64",
+           "--block-size", "8", "--max-num-seqs", "4", "--max-batched-tokens", "16"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"kvtier serve exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"kvtier serve did not answer /health within {START_S} s:\n{log.read_text()}")
+            time.sleep(0.5)
+        yield url, proc, log
+    finally:
+        for p in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else ():
+            p.kill()  # only if a test failed before stopping it
+        proc.kill()
+        proc.wait(timeout=STOP_S)
+
+
+def reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of each prompt alone, one process, the tiny model's own tier-default caches."""
+    lm = load_model(model_dir, device="cpu", dtype=torch.float32, progress=False)
+    out = []
+    for ids in prompts:
+        config = GenerationConfig(max_tokens=max_tokens)
+        out.append([r.token for r in stream_generate(lm.model, lm.tokenizer, ids, config,
+                                                     cache_config=KVCacheConfig())])
+    return out
+
+
+def test_two_ranks_serve_the_greedy_tokens_of_one_process_then_stop(server, tiny, lm) -> None:
+    url, proc, log = server
+    tok = lm.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    want = reference(tiny, prompts, max_tokens=8)
+    assert len({tuple(w) for w in want}) == len(want)  # each prompt leads somewhere else
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    assert model == tiny.name
+
+    # one at a time: the tokens (as strings, through logprobs) and the text
+    for ids, tokens in zip(prompts, want):
+        r = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0, logprobs=0)
+        assert r.choices[0].logprobs.tokens == [tok.decode([t]) for t in tokens]
+        assert r.choices[0].text == tok.decode(tokens, skip_special_tokens=True)
+        assert r.usage.completion_tokens == len(tokens)
+
+    # all at once: continuous batching on rank 0, every step broadcast to rank 1
+    async def together():
+        async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(c.completions.create(
+                model=model, prompt=ids, max_tokens=8, temperature=0, logprobs=0) for ids in prompts))
+
+    for r, tokens in zip(asyncio.run(asyncio.wait_for(together(), 300)), want):
+        assert r.choices[0].logprobs.tokens == [tok.decode([t]) for t in tokens]
+
+    health = httpx.get(f"{url}/health").json()
+    assert health["running"] == health["waiting"] == 0 and health["free_blocks"] == 64
+
+    # stopped by the launcher's pid: rank 0 stops its server, then rank 1; nothing is left behind
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    assert len([p for p in workers if "multiprocessing" in " ".join(p.cmdline())]) >= 2
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=STOP_S) == 0, log.read_text()
+    gone, alive = psutil.wait_procs(workers, timeout=STOP_S)
+    assert not alive, [p.pid for p in alive]
+    text = log.read_text()
+    assert "Traceback" not in text and "tensor parallel over 2 ranks" in text, text
