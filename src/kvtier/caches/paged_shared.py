@@ -47,7 +47,7 @@ from kvtier.caches.paged_pool import PagedKVGrowthRefused, RowsArg, rows_arg
 from kvtier.caches.step_plan import StepPlan
 from kvtier.quant.modes import TurboQuantConfig
 
-__all__ = ["RowBinding", "SharedBlockPagedKVCache", "decode_plan"]
+__all__ = ["RowBinding", "SharedBlockPagedKVCache", "chunk_plan", "decode_plan"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,6 +104,26 @@ def decode_plan(rows: RowBinding) -> StepPlan:
     ends = [n + 1 for n in starts]
     return StepPlan(write_start=host[0], new_offsets=host[0] + 1, starts=starts, ends=ends,
                     bound=max(ends), slots=host[1], block_tables=rows.table)
+
+
+def chunk_plan(rows: RowBinding, tokens: int) -> StepPlan:
+    """The :class:`StepPlan` of a prompt chunk: every row writes ``tokens`` tokens from
+    position ``lengths[r]`` (which its blocks must hold), computed once for every layer
+    with one copy to the device (per-layer slot lists would each cost a host sync)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+    bs, dev = rows.block_size, rows.table.device
+    starts = list(rows.lengths)
+    ends = [n + tokens for n in starts]
+    short = [r for r, (n, b) in enumerate(zip(ends, rows.blocks)) if n > len(b) * bs]
+    if short:
+        raise ValueError(f"rows {short} hold too few blocks for {tokens} more tokens; grow their "
+                         "block lists before the step")
+    slots = [b[p // bs] * bs + p % bs for n, b in zip(starts, rows.blocks) for p in range(n, n + tokens)]
+    host = torch.tensor([*starts, *ends, *slots], dtype=torch.long).to(dev)  # one copy to the device
+    B = len(starts)
+    return StepPlan(write_start=host[:B], new_offsets=host[B:2 * B], starts=starts, ends=ends,
+                    bound=max(ends), slots=host[2 * B:], block_tables=rows.table, tokens=tokens)
 
 
 class SharedBlockPagedKVCache(PagedKVCache):

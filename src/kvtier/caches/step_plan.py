@@ -52,13 +52,14 @@ from kvtier.caches.base import BlockTableView, KVCache, RowKVCache
 
 @dataclass(eq=False)
 class StepPlan:
-    """What one decode step writes, shared by every layer (one token per row).
+    """What one decode step writes, shared by every layer (``tokens`` per row, one by default).
 
     Device tensors (int64 unless said): ``write_start`` ``[B]`` (each row's
     position this step), ``new_offsets`` ``[B]`` (its length after it), ``index``
     ``[B, 1]`` (a view of ``write_start``), paged ``slots`` ``[B]`` and
     ``block_tables`` int32 ``[B, n]`` (the table every layer reads: the first ``n``
-    columns of layer 0's, ``n`` the most blocks a row holds).
+    columns of layer 0's, ``n`` the most blocks a row holds). A plan of ``tokens`` > 1
+    (a prompt chunk) has ``slots`` ``[B * tokens]``, row by row.
     Host: ``starts``/``ends``, the same values as lists (every paged layer's books
     point at these two lists), ``bound`` (an upper bound on ``ends`` while the plan
     holds) and ``memo`` (device copies of the lists, shared). ``valid`` turns False
@@ -74,6 +75,7 @@ class StepPlan:
     block_tables: torch.Tensor | None = None
     memo: dict[str, torch.Tensor] = field(default_factory=dict)
     valid: bool = True
+    tokens: int = 1
 
     @property
     def index(self) -> torch.Tensor:
@@ -84,8 +86,8 @@ class StepPlan:
         if not self.valid:
             raise ValueError("this step plan no longer holds (a cache was changed outside it); "
                              "build a new StepPlanner")
-        if keys.shape[0] != len(self.ends) or keys.shape[2] != 1:
-            raise ValueError(f"a step plan writes one token for each of {len(self.ends)} rows, got "
+        if keys.shape[0] != len(self.ends) or keys.shape[2] != self.tokens:
+            raise ValueError(f"a step plan writes {self.tokens} token(s) for each of {len(self.ends)} rows, got "
                              f"keys {tuple(keys.shape)}; write other shapes without plan=")
         for name, got, own in (("write_start", write_start, self.write_start),
                                ("new_offsets", new_offsets, self.new_offsets)):

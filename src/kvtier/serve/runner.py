@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.caches.paged_codecs import select_codecs
-from kvtier.caches.paged_shared import RowBinding, SharedBlockPagedKVCache, decode_plan
+from kvtier.caches.paged_shared import RowBinding, SharedBlockPagedKVCache, chunk_plan, decode_plan
 from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.scheduler import ScheduledRow, StepBatch
 
@@ -149,9 +149,9 @@ class ModelRunner:
 
     def _prefill(self, row: ScheduledRow) -> torch.Tensor:
         """One forward ``[1, T]`` of a prompt chunk; logits of its last position ``[V]``."""
-        self._bind([row])
         T = len(row.token_ids)
+        plan = chunk_plan(self._bind([row]), T)  # slots and lengths once for every layer
         tokens = torch.tensor([row.token_ids], dtype=torch.long).to(self.device)  # (1, T)
         positions = torch.arange(row.start, row.start + T, device=self.device)[None]  # (1, T)
-        kw = {"write_start": [row.start], "new_offsets": [row.start + T]}
+        kw = {"plan": plan, "write_start": plan.write_start}
         return self.model(tokens, self.caches, positions=positions, cache_kwargs=kw, last_only=True)[0, -1]

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The serving engine on one H200: its GPU tests, then `kvtier bench serve` on the issue's
+# workload (Llama-3-8B shape, bf16, random weights; 256 requests, prompts 64-1024 tokens,
+# 256 new tokens each, EOS ignored), kvtier alone and then side by side with transformers'
+# generate_batch. Uses the machine's python3 with src/ and benchmarks/ on PYTHONPATH (the
+# engine needs no FastAPI). Files under $OUT: env.txt, gpu_tests.log, serve_kvtier.{log,json},
+# serve_h200.{log,json,png}, summary.txt.
+#
+#   OUT=/path/to/results bash benchmarks/serve_gpu_run.sh
+set -u
+OUT=${OUT:?set OUT to the folder the results go to}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+
+step() {  # step NAME SECONDS LOG COMMAND...
+    local name=$1 limit=$2 log=$3 t0 rc
+    shift 3
+    t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    printf '%-14s rc %-4s %4ss  %s\n' "$name" "$rc" "$(($(date +%s) - t0))" "$*" >>"$SUMMARY"
+}
+
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  "$PY" -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+} >"$OUT/env.txt" 2>&1
+
+PARALLEL=()
+"$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)
+step tests "${TEST_LIMIT:-150}" "$OUT/gpu_tests.log" "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    "${PARALLEL[@]}" tests/serve tests/caches tests/test_cuda_graph.py tests/kernels/test_dispatch.py
+WORKLOAD=(--device cuda --num-requests "${REQUESTS:-256}" --input-len 64,1024 --output-len 256
+          --max-num-seqs 256)
+step kvtier "${KVTIER_LIMIT:-150}" "$OUT/serve_kvtier.log" "$PY" -m kvtier.cli bench serve "${WORKLOAD[@]}" \
+    --skip-hf --json "$OUT/serve_kvtier.json"
+step side_by_side "${HF_LIMIT:-270}" "$OUT/serve_h200.log" "$PY" -m kvtier.cli bench serve "${WORKLOAD[@]}" \
+    --json "$OUT/serve_h200.json" --plot "$OUT/serve_h200.png"
+cat "$SUMMARY"
+tail -n 3 "$OUT/gpu_tests.log"

@@ -1,0 +1,64 @@
+"""A prompt chunk written through one StepPlan (``chunk_plan``) stores and attends exactly as the
+same chunk written with per-layer lists, on full-precision and quantised pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.caches.paged_shared import RowBinding, SharedBlockPagedKVCache, chunk_plan
+
+H, HQ, D, BS, N = 2, 4, 64, 4, 16
+
+
+def pair(kv_quant):
+    caches = []
+    for _ in range(2):
+        c = SharedBlockPagedKVCache(block_size=BS, num_blocks=N, kv_quant=kv_quant)
+        c.allocate(H, D, torch.float32, "cpu")
+        caches.append(c)
+    return caches
+
+
+@pytest.mark.parametrize("kv_quant", [None, "q8"])
+@pytest.mark.parametrize("start,T", [(0, 7), (5, 6), (8, 1)])
+def test_a_planned_chunk_equals_the_listed_one(kv_quant, start, T, seed) -> None:
+    blocks = [[9, 2, 14, 5]]
+    planned, listed = pair(kv_quant)
+    head_k, head_v = torch.randn(1, H, start, D), torch.randn(1, H, start, D)
+    k, v, q = torch.randn(1, H, T, D), torch.randn(1, H, T, D), torch.randn(1, HQ, T, D)
+    for c in (planned, listed):
+        c.bind(RowBinding.build(blocks, [0], block_size=BS, num_blocks=N))
+        if start:
+            c.update(head_k, head_v)
+    rows = RowBinding.build(blocks, [start], block_size=BS, num_blocks=N)
+    plan = chunk_plan(rows, T)
+    assert plan.write_start.tolist() == [start] and plan.new_offsets.tolist() == [start + T]
+    assert plan.slots.tolist() == [blocks[0][p // BS] * BS + p % BS for p in range(start, start + T)]
+    planned.bind(rows)
+    planned.update(k, v, plan=plan, write_start=plan.write_start)
+    listed.bind(rows)
+    listed.update(k, v, write_start=[start], new_offsets=[start + T])
+    assert planned.lengths == listed.lengths == [start + T]
+    for a, b in zip(planned.fetch(), listed.fetch()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(planned.attention(q), listed.attention(q), rtol=0, atol=0)
+
+
+def test_a_chunk_past_the_rows_blocks_is_refused() -> None:
+    rows = RowBinding.build([[3, 4]], [6], block_size=BS, num_blocks=N)
+    with pytest.raises(ValueError, match="too few blocks"):
+        chunk_plan(rows, 3)  # 9 tokens, 2 blocks of 4
+    with pytest.raises(ValueError, match="tokens must be an int >= 1"):
+        chunk_plan(rows, 0)
+
+
+def test_a_plan_of_t_tokens_refuses_other_shapes() -> None:
+    c = pair(None)[0]
+    rows = RowBinding.build([[3, 4]], [0], block_size=BS, num_blocks=N)
+    c.bind(rows)
+    plan = chunk_plan(rows, 3)
+    k = torch.randn(1, H, 2, D)
+    with pytest.raises(ValueError, match="3 token"):
+        c.update(k, k, plan=plan, write_start=plan.write_start)
+    assert c.lengths == [0]
