@@ -32,6 +32,7 @@ LAYERS = {
     "kvtier.serve.api": 8,
     "kvtier.serve.cli": 8,
     "kvtier.cli": 9,
+    "kvtier.cli_run": 9,
     "kvtier": 9,  # the package's __init__ re-exports the public names
 }
 

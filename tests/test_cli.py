@@ -211,3 +211,247 @@ def test_bench_without_kvtier_bench_says_how_to_install_it(capsys, monkeypatch):
     assert cli.main(["bench", "paged", "--sequences", "4"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "kvtier bench paged" in err and "pip install -e ." in err
+
+
+# -- issue 13: the command line's edges -----------------------------------------------------------
+
+KVTIER = os.path.join(os.path.dirname(sys.executable), "kvtier")
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    """Run ``kvtier ARGV``, expect exit status 2 and one line on stderr; return that line."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: ") and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    return err.strip().removeprefix("kvtier: error: ")
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"kvtier {version('kvtier')} (torch {version('torch')})\n"
+
+
+def test_a_device_that_is_not_one_is_refused_before_the_model_loads(capsys, monkeypatch):
+    import kvtier.model
+
+    monkeypatch.setattr(kvtier.model, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    assert one_line_error(capsys, ["generate", "hi", "--device", "foo"]) == (
+        "--device 'foo' is not a device; use cpu, cuda or cuda:N")
+    assert one_line_error(capsys, ["info", "--device", "meta"]) == (
+        "--device 'meta': kvtier runs on cpu or cuda; use one of them")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_cuda_without_cuda_is_one_line_in_a_real_process():
+    proc = subprocess.run([KVTIER, "generate", "--device", "cuda", "hi"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (f"kvtier: error: --device cuda: this PyTorch ({torch.__version__}) sees "
+                           "no CUDA device; use --device cpu, or leave --device out\n")
+
+
+def test_invalid_utf8_and_binary_stdin_name_the_byte_in_a_real_process():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "MTPLX_"))}
+    for data, message in [
+        (b"\xff\xfe\x00bad", "is not UTF-8 text: byte 0 is ff (hex); convert it to UTF-8 first, "
+                             "e.g. iconv -f LATIN1 -t UTF-8"),
+        (b"caf\xc3", "is not UTF-8 text: byte 3 is c3 (hex)"),
+        (b"ok\x00bad", "holds a NUL byte at byte 2: it is binary data, not text; pass text"),
+    ]:
+        proc = subprocess.run([KVTIER, "generate", "--max-tokens", "2"], input=data,
+                              capture_output=True, env=env, timeout=300)
+        err = proc.stderr.decode()
+        assert proc.returncode == 2 and len(err.splitlines()) == 1, err
+        assert err.startswith("kvtier: error: the prompt read from stdin ") and message in err
+
+
+def test_invalid_utf8_in_the_prompt_argument_and_in_eval_files(capsys, tmp_path):
+    # Python keeps argv's undecodable bytes as surrogate escapes
+    assert one_line_error(capsys, ["generate", "ok\udcff"]) == (
+        "the prompt is not UTF-8 text: byte 2 is ff (hex); convert it to UTF-8 first, "
+        "e.g. iconv -f LATIN1 -t UTF-8")
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("naïve text".encode("latin-1"))
+    assert one_line_error(capsys, ["eval", "ppl", "--file", str(path)]).startswith(
+        f"--file {path} is not UTF-8 text: byte 2 is ef (hex)")
+    path.write_bytes(b"\x7fELF\x02\x01\x01\x00")
+    assert one_line_error(capsys, ["eval", "kl", "--file", str(path)]) == (
+        f"--file {path} holds a NUL byte at byte 7: it is binary data, not text; pass text")
+
+
+@pytest.mark.parametrize("variable", ["KVTIER_OWNED_ATTN_KV_STEP", "KVTIER_PAGED_BLOCK_SIZE",
+                                      "KVTIER_PAGED_NUM_BLOCKS"])
+def test_a_size_of_10_to_the_12_in_the_environment_is_one_line(capsys, monkeypatch, variable):
+    monkeypatch.setenv(variable, str(10**12))
+    assert one_line_error(capsys, ["generate", "hi", "--max-tokens", "2"]) == (
+        f"{variable}='1000000000000' is too large; set it to a whole number in [1, 16777216]")
+
+
+def test_sizes_that_pass_the_context_or_the_memory_are_refused_before_allocation(capsys,
+                                                                                  monkeypatch):
+    assert one_line_error(capsys, ["generate", "hi", "--num-blocks", str(10**12)]) == (
+        "paged_num_blocks must be an int in [1, 16777216], got 1000000000000; set "
+        "paged_num_blocks (--num-blocks, KVTIER_PAGED_NUM_BLOCKS)")
+    monkeypatch.setenv("KVTIER_OWNED_ATTN_KV_STEP", "100000")
+    assert one_line_error(capsys, ["generate", "hi", "--max-tokens", "2"]) == (
+        "step=100000 tokens passes the model's context of 8192 tokens and would never be "
+        "filled; set step (KVTIER_OWNED_ATTN_KV_STEP) to at most 8192 (default 256)")
+    monkeypatch.delenv("KVTIER_OWNED_ATTN_KV_STEP")
+    # 2**24 token slots of SmolLM2 in float32 (30 layers x 3 heads x 64 x 2 x 4 bytes each): 720 GiB
+    err = one_line_error(capsys, ["generate", "hi", "--num-blocks", str(2**20)])
+    assert err.startswith("the paged tier would allocate 16777216 tokens of keys and values "
+                          "(720.0 GiB) at once, more than the device's ")
+    assert err.endswith("GiB; lower paged_num_blocks (--num-blocks, KVTIER_PAGED_NUM_BLOCKS)")
+
+
+def _helps(*argv: str) -> dict[str, str]:
+    """``{option: help text}`` of the subcommand ``argv`` (e.g. ``eval ppl``)."""
+    p = cli.build_parser()
+    for name in argv:
+        p = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return {opt: a.help or "" for a in p._actions for opt in a.option_strings}
+
+
+def test_help_shows_the_defaults_of_the_dataclass_fields(capsys):
+    from kvtier.evaluate import EvalConfig
+    from kvtier.generate import GenerationConfig
+    from kvtier.sampling import SamplingParams
+    from kvtier.speculative import SpeculativeConfig
+
+    helps, s, e = _helps("generate"), SamplingParams(), EvalConfig()
+    for flag, default in [("--max-tokens", GenerationConfig().max_tokens),
+                          ("--temperature", s.temperature), ("--top-p", s.top_p),
+                          ("--top-k", s.top_k), ("--min-p", s.min_p), ("--seed", "none"),
+                          ("--draft-tokens", SpeculativeConfig().draft_tokens)]:
+        assert helps[flag].endswith(f"(default: {default})"), (flag, helps[flag])
+    helps = _helps("eval", "ppl")
+    for flag, default in [("--context", e.context), ("--chunk", e.chunk),
+                          ("--max-tokens", e.max_tokens), ("--modes", ",".join(e.modes)),
+                          ("--tier", e.tier)]:
+        assert helps[flag].endswith(f"(default: {default})"), (flag, helps[flag])
+    # and argparse prints them
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    assert f"(default: {GenerationConfig().max_tokens})" in capsys.readouterr().out
+
+
+def test_kv_quant_and_turboquant_together_are_refused(capsys):
+    assert one_line_error(capsys, ["generate", "hi", "--kv-quant", "q8", "--turboquant", "q8_0,q3_0"]) == (
+        "--kv-quant q8 and --turboquant q8_0,q3_0 each name the paged tier's storage, and "
+        "TurboQuant is its own codec; drop one of them")
+    assert one_line_error(capsys, ["generate", "hi", "--tier", "tail", "--num-blocks", "4"]).startswith(
+        "--num-blocks and --dynamic size the paged tier's pool, but --tier is 'tail'")
+
+
+def test_sampling_flags_under_greedy_warn_once(capsys, lm):
+    argv = ["generate", "Hi", "--raw", "--max-tokens", "2", "--json"]
+    assert cli.main([*argv, "--top-p", "0.5", "--top-k", "3", "--seed", "1"]) == 0
+    out, err = capsys.readouterr()
+    warnings_ = [line for line in err.splitlines() if line.startswith("kvtier: warning:")]
+    assert warnings_ == ["kvtier: warning: --top-p, --top-k, --seed have no effect with greedy "
+                         "decoding (--temperature 0, the default); set --temperature above 0 to sample"]
+    assert json.loads(out)["tokens"] == main_json(capsys, *argv[:-1])["tokens"]
+    assert cli.main([*argv, "--temperature", "0.8", "--top-p", "0.5", "--seed", "1"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, codec", [
+    ([], "tier tail fp32"),
+    (["--tier", "block"], "tier block fp32"),
+    (["--kv-quant", "q8"], "tier paged q8"),
+    (["--kv-quant", "q4"], "tier paged q4"),
+    (["--turboquant", "q8_0,q3_0"], "tier paged turboquant q8_0/q3_0"),
+    (["--tier", "paged"], "tier paged fp32"),
+])
+def test_the_summary_line_names_the_codec(capsys, argv, codec):
+    assert cli.main(["generate", "Hi", "--raw", "--max-tokens", "2", *argv]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"| {codec}, KV " in summary
+
+
+def test_kv_codec_names_bf16_and_fp16():
+    from kvtier.cli_run import kv_codec
+    from kvtier.config import KVCacheConfig, make_caches
+
+    for dtype, name in [(torch.bfloat16, "bf16"), (torch.float16, "fp16")]:
+        caches = make_caches(1, KVCacheConfig())
+        k = torch.zeros(1, 1, 1, 8, dtype=dtype)
+        caches[0].update_and_fetch(k, k)
+        assert kv_codec(caches, dtype) == name
+
+
+def paged_blocks(capsys, *argv: str) -> tuple[int, int]:
+    out = main_json(capsys, "generate", "Hi there", "--raw", "--max-tokens", "3", *argv)
+    return len(out["prompt_tokens"]), out["cache"]["layer0"]["allocated_blocks"]
+
+
+def test_the_paged_pool_is_sized_from_the_request_unless_told(capsys, monkeypatch):
+    import math
+
+    prompt, blocks = paged_blocks(capsys, "--tier", "paged")
+    assert blocks == math.ceil((prompt + 3) / 16)
+    assert paged_blocks(capsys, "--kv-quant", "q8", "--num-blocks", "7")[1] == 7
+    monkeypatch.setenv("KVTIER_PAGED_NUM_BLOCKS", "9")
+    assert paged_blocks(capsys, "--tier", "paged")[1] == 9  # the environment over the request
+    assert paged_blocks(capsys, "--tier", "paged", "--num-blocks", "5")[1] == 5  # flags over both
+    monkeypatch.delenv("KVTIER_PAGED_NUM_BLOCKS")
+    # speculative decoding writes drafts past the committed tokens: room for them too
+    prompt, blocks = paged_blocks(capsys, "--tier", "paged", "--speculative", "ngram",
+                                  "--draft-tokens", "30")
+    assert blocks == math.ceil((prompt + 3 + 31) / 16)
+
+
+def test_dynamic_lets_a_pool_too_small_grow(capsys):
+    argv = ("--tier", "paged", "--num-blocks", "1")
+    assert cli.main(["generate", "Hi there", "--raw", "--max-tokens", "20", *argv]) == 2
+    assert "kvtier: error:" in capsys.readouterr().err  # 1 block of 16 cannot hold 22 tokens
+    out = main_json(capsys, "generate", "Hi there", "--raw", "--max-tokens", "20", *argv, "--dynamic")
+    assert out["cache"]["layer0"]["dynamic"] is True
+    assert out["cache"]["layer0"]["allocated_blocks"] * 16 >= len(out["prompt_tokens"]) + 19
+    plain = main_json(capsys, "generate", "Hi there", "--raw", "--max-tokens", "20")
+    assert out["tokens"] == plain["tokens"]
+
+
+def test_fixed_depth_turns_the_adaptive_depth_off(capsys, lm):
+    from kvtier.cli_run import speculative_config_from_args
+
+    parse = cli.build_parser().parse_args
+    spec = speculative_config_from_args(parse(["generate", "x", "--speculative", "ngram",
+                                               "--fixed-depth", "--draft-tokens", "3"]))
+    assert spec.adaptive is False and spec.draft_tokens == 3
+    assert speculative_config_from_args(parse(["generate", "x", "--speculative", "ngram"])).adaptive
+    assert one_line_error(capsys, ["generate", "x", "--fixed-depth"]) == (
+        "--fixed-depth sets the depth of speculative decoding; add "
+        "--speculative ngram|early-exit:N|model:PATH")
+    argv = ("generate", "one two three one two three one two", "--raw", "--max-tokens", "6")
+    out = main_json(capsys, *argv, "--speculative", "ngram", "--fixed-depth", "--draft-tokens", "2")
+    assert out["tokens"] == main_json(capsys, *argv)["tokens"]
+    assert out["speculative"]["drafted"] > 0
+
+
+def test_progress_bars_only_on_a_terminal(monkeypatch):
+    from kvtier.cli_run import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert Progress("eval", 10).bar is None  # pytest's stderr is not a terminal
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert Progress("eval", 10, enabled=False).bar is None  # --json
+    with Progress("eval", 10) as progress:
+        assert progress.bar is not None
+        progress(5, 10)
+        assert progress.bar.tasks[0].completed == 5
+    assert progress.bar is None
+
+
+def test_eval_json_writes_nothing_to_stderr(capsys):
+    small = ("--context", "16", "--max-tokens", "20", "--chunk", "8", "--modes", "fp")
+    main_json(capsys, "eval", "ppl", *small)
+    assert capsys.readouterr().err == ""

@@ -168,9 +168,9 @@ def test_crafted_or_bit_flipped_files_are_recomputed(lm, baseline, tmp_path):
 
 def test_the_command_line_warns_and_recomputes_or_refuses_the_path(lm, tmp_path, capsys,
                                                                    monkeypatch):
-    from kvtier import cli
+    from kvtier import cli, cli_run
 
-    monkeypatch.setattr(cli, "_load", lambda args: lm)
+    monkeypatch.setattr(cli_run, "_load", lambda args: lm)
     path = tmp_path / "pc.safetensors"
     argv = ["generate", PROMPT, "--raw", "--max-tokens", "4", "--json", "--prompt-cache"]
     assert cli.main([*argv, str(path)]) == 0

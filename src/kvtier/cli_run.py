@@ -1,0 +1,477 @@
+"""What ``kvtier generate``, ``kvtier info`` and ``kvtier eval`` do once their flags are parsed.
+
+:mod:`kvtier.cli` builds the parser; the functions here turn the flags into the
+library's dataclasses (defaults live on their fields), check what the library
+cannot (the device, the prompt's bytes, whether the caches could fit), then call it.
+Every mistake is a ``ValueError`` (or a ``MemoryError`` subclass) raised before the
+model loads or before any cache is allocated; :func:`kvtier.cli.main` prints it as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import io
+import json
+import math
+import os
+import sys
+import warnings
+
+# prompts longer than this get a prefill progress bar
+_PROGRESS_TOKENS = 1024
+#: sampling flags that greedy decoding (temperature 0) ignores
+_SAMPLING_ONLY = {"top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed"}
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict:
+    return {n: getattr(args, n) for n in names if hasattr(args, n)}
+
+
+# -- building the library's dataclasses from flags ----------------------------------------------
+
+
+def cache_config_from_args(args: argparse.Namespace):
+    """``KVCacheConfig.from_env()`` with the flags' changes applied (flags win)."""
+    from kvtier.config import KVCacheConfig
+    from kvtier.quant.modes import parse_kv_quant, parse_turboquant
+
+    given = vars(args)
+    changes = {}
+    if "kv_quant" in given:
+        changes["kv_quant"] = parse_kv_quant(given["kv_quant"])
+    if "turboquant" in given:
+        if changes.get("kv_quant") is not None:
+            raise ValueError(
+                f"--kv-quant {given['kv_quant']} and --turboquant {given['turboquant']} each name "
+                "the paged tier's storage, and TurboQuant is its own codec; drop one of them"
+            )
+        changes["turboquant"] = parse_turboquant(given["turboquant"])
+    quant = changes.get("kv_quant") is not None or "turboquant" in changes
+    if "tier" in given:
+        if quant and given["tier"] != "paged":
+            raise ValueError(
+                f"--kv-quant and --turboquant store keys and values in the paged tier, but --tier "
+                f"is {given['tier']!r}; drop --tier or use --tier paged"
+            )
+        changes["tier"] = given["tier"]
+    elif quant or "num_blocks" in given or "dynamic" in given:
+        changes["tier"] = "paged"
+    if changes.get("tier", "paged") != "paged" and ("num_blocks" in given or "dynamic" in given):
+        raise ValueError(f"--num-blocks and --dynamic size the paged tier's pool, but --tier is "
+                         f"{changes['tier']!r}; drop them or use --tier paged")
+    if "num_blocks" in given:
+        changes["paged_num_blocks"] = given["num_blocks"]
+    if "dynamic" in given:
+        changes["dynamic_paged"] = True
+    return KVCacheConfig.from_env().replace(**changes)
+
+
+def generation_config_from_args(args: argparse.Namespace):
+    """``GenerationConfig`` from the flags; sampling flags under greedy decoding warn once."""
+    from kvtier.generate import GenerationConfig
+    from kvtier.sampling import SamplingParams
+
+    sampling = SamplingParams(**_given(args, "temperature", "top_k", "top_p", "min_p", "seed"))
+    ignored = [flag for name, flag in _SAMPLING_ONLY.items() if hasattr(args, name)]
+    if sampling.greedy and ignored:
+        warnings.warn(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect "
+                      "with greedy decoding (--temperature 0, the default); set --temperature "
+                      "above 0 to sample", stacklevel=2)
+    extra = _given(args, "max_tokens", "cuda_graph")
+    if hasattr(args, "stop"):
+        extra["stop"] = tuple(args.stop)
+    return GenerationConfig(sampling=sampling, **extra)
+
+
+def speculative_config_from_args(args: argparse.Namespace):
+    """``SpeculativeConfig`` from ``--speculative``/``--draft-tokens``/``--fixed-depth``;
+    ``None`` without ``--speculative``."""
+    if not hasattr(args, "speculative"):
+        for name, flag in (("draft_tokens", "--draft-tokens"), ("fixed_depth", "--fixed-depth")):
+            if hasattr(args, name):
+                raise ValueError(f"{flag} sets the depth of speculative decoding; add "
+                                 "--speculative ngram|early-exit:N|model:PATH")
+        return None
+    from kvtier.drafters import parse_drafter_spec
+    from kvtier.speculative import SpeculativeConfig
+
+    parse_drafter_spec(args.speculative)
+    fixed = {"adaptive": False} if hasattr(args, "fixed_depth") else {}
+    return SpeculativeConfig(**_given(args, "draft_tokens"), **fixed)
+
+
+def parse_device(text: str):
+    """``torch.device(text)``, refused with the fix where kvtier cannot run on it.
+
+    >>> parse_device("cpu")
+    device(type='cpu')
+    """
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {text!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {text!r}: kvtier runs on cpu or cuda; use one of them")
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"--device {text}: this PyTorch ({torch.__version__}) sees no CUDA "
+                             "device; use --device cpu, or leave --device out")
+        if device.index is not None and device.index >= n:
+            raise ValueError(f"--device {text}: there are {n} CUDA devices (cuda:0 to "
+                             f"cuda:{n - 1}); pick one of them")
+    return device
+
+
+def _load(args: argparse.Namespace):
+    import torch
+
+    from kvtier.model import load_model
+
+    kw = {"device": parse_device(args.device)} if hasattr(args, "device") else {}
+    if hasattr(args, "dtype"):
+        kw["dtype"] = getattr(torch, args.dtype)
+    return load_model(getattr(args, "model", None), progress=sys.stderr.isatty(), **kw)
+
+
+# -- text in -------------------------------------------------------------------------------------
+
+
+def decode_text(data: bytes, where: str) -> str:
+    """``data`` as UTF-8 text, or a ``ValueError`` naming ``where`` and the first bad byte's
+    offset (an invalid UTF-8 sequence, or a NUL: binary data, not text)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 text: byte {e.start} is "
+                         f"{data[e.start:e.start + 1].hex(' ')} (hex); convert it to UTF-8 first, "
+                         "e.g. iconv -f LATIN1 -t UTF-8") from None
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{where} holds a NUL byte at byte {nul}: it is binary data, not text; "
+                         "pass text")
+    return text
+
+
+def _argument_text(text: str, where: str) -> str:
+    """A ``str`` from argv or a text stream, whose undecodable bytes Python kept as
+    surrogate escapes, checked as the bytes it came from."""
+    try:
+        data = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} holds a lone surrogate at character {e.start}; pass UTF-8 "
+                         "text") from None
+    return decode_text(data, where)
+
+
+def _read_stdin() -> str:
+    if sys.stdin is None or sys.stdin.isatty():
+        raise ValueError("no prompt: give one as an argument or pipe it to stdin")
+    if isinstance(sys.stdin, io.TextIOWrapper):  # read the bytes: the text layer may not be UTF-8
+        text = decode_text(sys.stdin.buffer.read(), "the prompt read from stdin")
+    else:
+        text = _argument_text(sys.stdin.read(), "the prompt read from stdin")
+    if not text.strip():
+        raise ValueError("the prompt read from stdin is empty")
+    return text
+
+
+# -- the caches of one request ---------------------------------------------------------------------
+
+
+def sized_for_request(config, args: argparse.Namespace, tokens: int):
+    """The paged pool sized to hold ``tokens`` (prompt, max_tokens and drafts), rounded up
+    to blocks. Precedence: ``--num-blocks``, then ``KVTIER_PAGED_NUM_BLOCKS``, then this."""
+    from kvtier.config import env_settings
+
+    env = env_settings()
+    if config.tier != "paged" or hasattr(args, "num_blocks") or "paged_num_blocks" in env:
+        return config
+    changes = {"paged_num_blocks": max(1, math.ceil(tokens / config.paged_block_size))}
+    if config.dynamic_paged and "dynamic_paged_tokens" not in env:
+        changes["dynamic_paged_tokens"] = tokens
+    return config.replace(**changes)
+
+
+def check_caches_fit(config, lm, batch_size: int = 1) -> None:
+    """:meth:`KVCacheConfig.check_fits` against the model's context and the device's memory."""
+    import torch
+
+    from kvtier.quant import make_codecs
+
+    a = lm.args
+    param = next(lm.model.parameters())
+    per_head = 2 * a.head_dim * param.element_size()  # K and V at full precision
+    if config.tier == "paged" and (config.turboquant or config.kv_quant):
+        mode = {"turboquant": config.turboquant} if config.turboquant else {"kv_quant": config.kv_quant}
+        try:
+            k, v = make_codecs(a.head_dim, param.dtype, **mode)
+            per_head = k.bytes_per_token_head() + v.bytes_per_token_head()
+        except ValueError:  # a codec that cannot serve this head_dim falls back to full precision
+            pass
+    if param.device.type == "cuda":
+        memory = torch.cuda.mem_get_info(param.device)[1]
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    config.check_fits(context_tokens=a.max_position_embeddings, memory_bytes=memory,
+                      bytes_per_token=a.n_layers * a.n_kv_heads * per_head, batch_size=batch_size)
+
+
+def kv_codec(caches, dtype) -> str:
+    """How the caches store keys and values: ``q8``, ``turboquant q8_0/q3_0``, else the dtype
+    (``fp32``, ``bf16``, ``fp16``)."""
+    stats = caches[0].stats()
+    mode = stats.get("mode")
+    if mode == "turboquant":
+        codes = (stats[k].rpartition(":")[2] for k in ("key_codec", "value_codec"))
+        return "turboquant " + "/".join(codes)
+    if mode not in (None, "fp"):
+        return mode
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
+        str(dtype).removeprefix("torch."), str(dtype))
+
+
+def cache_summary(caches, dtype=None) -> dict:
+    """Tier, codec, KV bytes and grow events over every layer, and the first layer's own stats."""
+    first = caches[0].stats()
+    return {
+        "tier": caches[0].tier,
+        "codec": None if dtype is None else kv_codec(caches, dtype),
+        "layers": len(caches),
+        "nbytes": sum(c.nbytes for c in caches),
+        "grow_events": sum(int(c.stats().get("grow_events", 0)) for c in caches),
+        "layer0": first,
+    }
+
+
+# -- kvtier generate -------------------------------------------------------------------------------
+
+
+def run_generate(args: argparse.Namespace, lm=None) -> int:
+    """``kvtier generate``; ``lm``: a model already loaded (one rank's shard), else the flags'."""
+    from kvtier.config import configure_kv_cache
+    from kvtier.generate import stream_generate
+
+    gen_config = generation_config_from_args(args)  # bad flag values fail before the model loads
+    cache_config = cache_config_from_args(args)
+    spec = speculative_config_from_args(args)
+    if hasattr(args, "device"):
+        parse_device(args.device)
+    if lm is None and hasattr(args, "tensor_parallel"):
+        return _run_tensor_parallel(args)
+    if hasattr(args, "prompt"):
+        prompt = _argument_text(args.prompt, "the prompt")
+    else:
+        prompt = _read_stdin()
+    lm = _load(args) if lm is None else lm
+    tok = lm.tokenizer
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+        ids = tok.encode(text, add_bos=False)
+    else:
+        ids = tok.encode(prompt)
+    drafts = 0 if spec is None else spec.draft_tokens + 1
+    cache_config = sized_for_request(cache_config, args, len(ids) + gen_config.max_tokens + drafts)
+    check_caches_fit(cache_config, lm)
+    caches, pc = None, None
+    if hasattr(args, "prompt_cache"):
+        from kvtier.prompt_cache import PromptCache
+
+        pc = PromptCache(args.prompt_cache, model_source=str(lm.source))
+        caches, _ = pc.restore(lm.model, ids, cache_config)
+        if pc.reused and cache_config.tier == "paged":
+            configure_kv_cache(caches, cache_config)  # the saved pool was sized for its own request
+    else:
+        caches = lm.model.make_caches(cache_config, batch_size=1)
+    stream = stream_generate
+    if spec is not None:
+        from kvtier.drafters import make_drafter
+        from kvtier.speculative import stream_speculative
+
+        drafter = make_drafter(args.speculative, lm)
+        stream = functools.partial(stream_speculative, drafter=drafter, speculative=spec)
+    tokens, text, last = [], [], None
+    prefill = len(ids) - (pc.reused if pc else 0)
+    with Progress("prefill", prefill, enabled=prefill > _PROGRESS_TOKENS) as progress:
+        for r in stream(lm.model, tok, ids, gen_config, caches=caches,
+                        cache_config=cache_config, prompt_cache=pc, on_progress=progress):
+            progress.close()
+            tokens.append(r.token)
+            text.append(r.text)
+            if not args.json and r.text:
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+            last = r
+    stats = last.stats
+    cache = cache_summary(caches, next(lm.model.parameters()).dtype)
+    if args.json:
+        out = {
+            "prompt_tokens": ids, "tokens": tokens, "text": "".join(text),
+            "finish_reason": last.finish_reason, "timings": stats.as_dict(), "cache": cache,
+            "model": str(lm.source),
+        }
+        if spec is not None:
+            out["speculative"] = last.speculative.as_dict()
+        print(json.dumps(out, default=str))
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()  # the text ends before the summary on a shared terminal
+    print(
+        f"[kvtier] prompt {stats.prompt_tokens} tokens ({stats.prompt_cache_tokens_reused} reused), "
+        f"generated {stats.generation_tokens} | prefill {stats.prefill_tokens_per_s:.1f} tok/s, "
+        f"decode {stats.decode_tokens_per_s:.1f} tok/s | tier {cache['tier']} {cache['codec']}, "
+        f"KV {cache['nbytes'] / 2**20:.2f} MiB, grow events {cache['grow_events']}",
+        file=sys.stderr,
+    )
+    if spec is not None:
+        s = last.speculative
+        print(
+            f"[kvtier] speculative {args.speculative}: drafted {s.drafted}, accepted {s.accepted} "
+            f"({100 * s.acceptance_rate:.1f}%), {s.tokens_per_step:.2f} tokens/step, "
+            f"{1000 * s.time_per_step_s:.1f} ms/step over {s.steps} steps",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _run_tensor_parallel(args: argparse.Namespace) -> int:
+    """Every rank runs :func:`run_generate` on its shard of the model; rank 0 alone prints."""
+    import torch
+    import torch.distributed as dist
+
+    from kvtier.parallel import run_sharded
+
+    if hasattr(args, "prompt_cache"):
+        raise ValueError("--prompt-cache keeps one device's keys and values; it does not combine "
+                         "with --tensor-parallel (drop one of them)")
+    if not hasattr(args, "prompt"):  # spawned workers have no stdin, torchrun's share one
+        if dist.is_torchelastic_launched():
+            raise ValueError("under torchrun, give the prompt as an argument, not on stdin")
+        args.prompt = _read_stdin()
+    device = getattr(args, "device", "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if hasattr(args, "dtype") else None
+    return run_sharded(_generate_on_rank, args.tensor_parallel, args=(args,), device_type=device,
+                       model=getattr(args, "model", None), dtype=dtype)
+
+
+def _generate_on_rank(lm, args: argparse.Namespace) -> int:
+    return run_generate(args, lm=lm)
+
+
+class Progress:
+    """A rich progress bar on stderr, shown only when ``enabled`` and stderr is a terminal;
+    called as ``progress(done, total)``; a no-op otherwise."""
+
+    def __init__(self, description: str, total: int, *, enabled: bool = True):
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import Progress as Bar
+
+            self.bar = Bar(transient=True, console=Console(stderr=True))
+            self.task = self.bar.add_task(description, total=total)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, total=total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- kvtier info ------------------------------------------------------------------------------------
+
+
+def run_info(args: argparse.Namespace) -> int:
+    import torch
+
+    cache_config = cache_config_from_args(args)
+    lm = _load(args)
+    param = next(lm.model.parameters())
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    out = {
+        "model": str(lm.source),
+        "model_args": lm.args.to_dict(),
+        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "device": str(param.device),
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "load_seconds": round(lm.load_seconds, 3),
+        "from_cache": lm.from_cache,
+        "tier": cache_config.tier,
+        "cache_config": dataclasses.asdict(cache_config),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "threads": torch.get_num_threads(),
+    }
+    if args.json:
+        print(json.dumps(out, default=str))
+        return 0
+    width = max(map(len, out))
+    for k, v in out.items():
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+# -- kvtier eval -------------------------------------------------------------------------------------
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvtier.evaluate import EvalConfig, default_text, encode_text, evaluate_modes, parse_modes
+
+    fields = _given(args, "context", "stride", "max_tokens", "chunk", "tier")
+    if hasattr(args, "modes"):
+        fields["modes"] = parse_modes(args.modes)
+    config = EvalConfig(**fields)
+    base = cache_config_from_args(args)
+    if hasattr(args, "file"):
+        path = Path(args.file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--file {path}: no such file")
+        text = decode_text(path.read_bytes(), f"--file {path}")
+    else:
+        text = default_text()
+    lm = _load(args)
+    tokens = encode_text(lm.tokenizer, text, config.max_tokens)
+    with Progress(f"{args.metric}: {len(config.modes)} modes", len(tokens) - 1,
+                  enabled=not args.json) as progress:
+        results = evaluate_modes(lm.model, tokens, config, base=base, on_progress=progress)
+    if args.json:
+        keys = ("mode", "ppl", "delta_pct", "bits_per_element") + (
+            ("kl", "top1") if args.metric == "kl" else ()
+        )
+        print(json.dumps({"modes": [{k: r.as_dict()[k] for k in keys} for r in results],
+                          "tokens": results[0].tokens, "context": config.context}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{args.metric}: {results[0].tokens} tokens, context {config.context}")
+    for col in ("mode", "ppl", "Δ vs fp", "bits/elem", "KL (nats)", "top-1"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for r in results:
+        table.add_row(r.mode, f"{r.ppl:.4f}", f"{r.delta_pct:+.2f}%", f"{r.bits_per_element:.2f}",
+                      f"{r.kl:.5f}", f"{100 * r.top1:.2f}%")
+    Console().print(table)
+    return 0
