@@ -50,6 +50,15 @@ from kvtier.quant.modes import TurboQuantConfig
 __all__ = ["RowBinding", "SharedBlockPagedKVCache", "chunk_plan", "decode_plan"]
 
 
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` on ``device``; to a GPU through pinned memory without waiting (a copy from
+    pageable memory would wait for the stream, so the host could not run ahead)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True, eq=False)
 class RowBinding:
     """Rows of one step: physical blocks and committed lengths, checked once for every layer.
@@ -86,7 +95,7 @@ class RowBinding:
                 raise ValueError(f"row {r}: block ids {bad[:4]} are not in [0, {num_blocks})")
         width = max(1, max(len(r) for r in rows))
         padded = [row + [0] * (width - len(row)) for row in rows]
-        table = torch.tensor(padded, dtype=torch.int32).to(device)  # (B, W): one copy to the device
+        table = to_device(torch.tensor(padded, dtype=torch.int32), device)  # (B, W): one copy to the device
         return cls(rows, lens, table, block_size, num_blocks)
 
 
@@ -100,7 +109,7 @@ def decode_plan(rows: RowBinding) -> StepPlan:
         raise ValueError(f"rows {short} hold no block for position {[starts[r] for r in short]}; "
                          "grow their block lists before the step")
     slots = [b[n // bs] * bs + n % bs for n, b in zip(starts, rows.blocks)]
-    host = torch.tensor([starts, slots], dtype=torch.long).to(dev)  # one copy to the device
+    host = to_device(torch.tensor([starts, slots], dtype=torch.long), dev)  # one copy to the device
     ends = [n + 1 for n in starts]
     return StepPlan(write_start=host[0], new_offsets=host[0] + 1, starts=starts, ends=ends,
                     bound=max(ends), slots=host[1], block_tables=rows.table)
@@ -120,7 +129,7 @@ def chunk_plan(rows: RowBinding, tokens: int) -> StepPlan:
         raise ValueError(f"rows {short} hold too few blocks for {tokens} more tokens; grow their "
                          "block lists before the step")
     slots = [b[p // bs] * bs + p % bs for n, b in zip(starts, rows.blocks) for p in range(n, n + tokens)]
-    host = torch.tensor([*starts, *ends, *slots], dtype=torch.long).to(dev)  # one copy to the device
+    host = to_device(torch.tensor([*starts, *ends, *slots], dtype=torch.long), dev)  # one copy to the device
     B = len(starts)
     return StepPlan(write_start=host[:B], new_offsets=host[B:2 * B], starts=starts, ends=ends,
                     bound=max(ends), slots=host[2 * B:], block_tables=rows.table, tokens=tokens)

@@ -33,7 +33,13 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.caches.paged_codecs import select_codecs
-from kvtier.caches.paged_shared import RowBinding, SharedBlockPagedKVCache, chunk_plan, decode_plan
+from kvtier.caches.paged_shared import (
+    RowBinding,
+    SharedBlockPagedKVCache,
+    chunk_plan,
+    decode_plan,
+    to_device,
+)
 from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.scheduler import ScheduledRow, StepBatch
 
@@ -142,7 +148,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(rows):
             return self.graphs.run(rows)
         plan = decode_plan(self._bind(rows))
-        tokens = torch.tensor([r.token_ids for r in rows], dtype=torch.long).to(self.device)  # (B, 1)
+        tokens = to_device(torch.tensor([r.token_ids for r in rows], dtype=torch.long), self.device)  # (B, 1)
         out = self.model(tokens, self.caches, positions=plan.write_start[:, None],
                          cache_kwargs={"plan": plan, "write_start": plan.write_start}, last_only=True)
         return out[:, -1]  # (B, V)
@@ -151,7 +157,7 @@ class ModelRunner:
         """One forward ``[1, T]`` of a prompt chunk; logits of its last position ``[V]``."""
         T = len(row.token_ids)
         plan = chunk_plan(self._bind([row]), T)  # slots and lengths once for every layer
-        tokens = torch.tensor([row.token_ids], dtype=torch.long).to(self.device)  # (1, T)
+        tokens = to_device(torch.tensor([row.token_ids], dtype=torch.long), self.device)  # (1, T)
         positions = torch.arange(row.start, row.start + T, device=self.device)[None]  # (1, T)
         kw = {"plan": plan, "write_start": plan.write_start}
         return self.model(tokens, self.caches, positions=positions, cache_kwargs=kw, last_only=True)[0, -1]
