@@ -417,12 +417,43 @@ def test_a_drafter_that_is_the_target_is_always_accepted(tier):
     assert stats.tokens == 20 * batch and stats.drafted <= stats.tokens
 
 
+def test_the_target_drafting_for_itself_drafts_and_is_always_accepted(lm, rows, reference):
+    """Issue 13: ``--speculative model:<the target>`` drafted 0 tokens in 30 steps. Adaptive,
+    the first cycle drafts (and measures); every greedy draft of a model drafting for itself
+    is accepted; the stats say why it then decodes plainly."""
+    for spec in (SpeculativeConfig(draft_tokens=4), SpeculativeConfig(draft_tokens=4, draft_cost=1.0)):
+        caches = lm.model.make_caches(config("tail"))
+        out, stats = spec_tokens(lm.model, rows[1:2], caches, ModelDrafter(lm.model), 8, spec=spec)
+        assert out == reference[1:2]
+        assert stats.accepted == stats.drafted > 0 and stats.tokens == 8
+        assert stats.draft_cost > 0.0
+    # as dear as the target (fixed here; measured it is at least that): plain decoding, and why
+    assert stats.steps > 1 and "no depth beats plain decoding" in stats.depth_reason
+
+
+def test_fixed_depth_drafts_draft_tokens_every_cycle(lm, rows, reference):
+    """adaptive=False: every verification drafts min(draft_tokens, tokens left - 1), even
+    with a drafter the adaptive policy would not use (the target itself)."""
+    caches = lm.model.make_caches(config("tail"))
+    stats, out, drafted, wanted = SpeculativeStats(), [], [], []
+    for new in speculative_generate_step(lm.model, rows[1:2], caches, ModelDrafter(lm.model),
+                                         max_tokens=8, stats=stats,
+                                         speculative=SpeculativeConfig(draft_tokens=3, adaptive=False)):
+        drafted.append(stats.drafted - sum(drafted))
+        wanted.append(min(3, 8 - len(out) - 1))  # tokens left before this cycle, less one
+        out.extend(new[0])
+    assert out == reference[1]
+    assert drafted == wanted and len(drafted) > 1
+    assert stats.accepted == stats.drafted and stats.depth_reason == ""
+
+
 def test_depth_policy_backs_off_and_probes_again():
-    policy = DepthPolicy(1, max_k=6, cost=0.2)
+    policy = DepthPolicy(1, max_k=6, verify_cost=0.2, draft_cost=0.0)
     for _ in range(3):
         k = policy.depths()[0]
         policy.observe([k], [k], [0])
     assert policy.depths() == [0]  # drafts keep failing: plain decoding
+    assert "accepted" in policy.reason([True]) and "probing" in policy.reason([True])
     waits = []
     for _ in range(3):  # it tries one draft again after 4, then 8, then 16 plain steps
         idle = 0
@@ -436,19 +467,44 @@ def test_depth_policy_backs_off_and_probes_again():
     for _ in range(10):  # drafts that hold: the full depth
         k = max(policy.depths()[0], 1)
         policy.observe([k], [k], [k])
-    assert policy.depths() == [6]
-    assert DepthPolicy(2, max_k=5, cost=0.2, adaptive=False).depths() == [5, 5]
-    quiet = DepthPolicy(1, max_k=6, cost=0.2, probes=False)  # a model drafter: no probes
-    for _ in range(3):
-        k = quiet.depths()[0]
-        quiet.observe([k], [k], [0])
+    assert policy.depths() == [6] and policy.reason([True]) == ""
+    fixed = DepthPolicy(2, max_k=5, verify_cost=0.2, draft_cost=3.0, adaptive=False)
+    assert fixed.depths() == [5, 5] and fixed.depths([True, False]) == [5, 0]
+
+
+def test_a_drafter_as_dear_as_the_target_probes_rarely_and_says_why():
+    """cost >= 1: even drafts that are all accepted cannot beat plain decoding."""
+    policy = DepthPolicy(1, max_k=6, verify_cost=0.15, draft_cost=1.0)
+    chosen = []
     for _ in range(100):
-        assert quiet.depths() == [0]
-        quiet.observe([0], [0], [0])
+        k = policy.depths()[0]
+        chosen.append(k)
+        policy.observe([k], [k], [k])  # every draft accepted
+    probes = [i for i, k in enumerate(chosen) if k]
+    assert set(chosen) == {0, 1} and probes[0] == 0  # the first cycle drafts
+    assert [b - a - 1 for a, b in zip(probes, probes[1:])] == [8, 16, 32]  # waits double
+    reason = policy.reason([True])
+    assert "no depth beats plain decoding" in reason and "1.00" in reason and "estimated" in reason
+
+
+def test_depth_policy_measures_the_drafter():
+    policy = DepthPolicy(1, max_k=6, verify_cost=0.25, draft_cost=1.0, measure=True)
+    policy.measure(4, draft_s=40.0, verify_s=2.0)  # the first drafting cycle: a model drafter's prefill
+    assert policy.draft_cost == 1.0 and policy.timings == 0
+    policy.measure(0, draft_s=0.0, verify_s=1.0)  # nothing drafted: nothing learnt
+    policy.measure(4, draft_s=0.4, verify_s=2.0)  # one-token forward 1.0 s, 0.1 s per draft
+    assert policy.draft_cost == pytest.approx(0.1) and policy.reason([True]) == ""  # it drafts
+    policy.measure(2, draft_s=2.0, verify_s=1.5)  # 1.0 s per draft now: the mean of the two
+    assert policy.draft_cost == pytest.approx(0.55)
+    unmeasured = DepthPolicy(1, max_k=6, verify_cost=0.25, draft_cost=1.0)
+    unmeasured.measure(4, 0.4, 2.0)
+    unmeasured.measure(4, 0.4, 2.0)
+    assert unmeasured.draft_cost == 1.0  # a fixed draft_cost stays
+    assert "no depth beats plain decoding" in unmeasured.reason([True])
 
 
 def test_depth_policy_follows_the_slowest_row_of_a_batch():
-    policy = DepthPolicy(4, max_k=6, cost=0.2)
+    policy = DepthPolicy(4, max_k=6, verify_cost=0.2, draft_cost=0.0)
     for _ in range(8):  # rows 0 and 1 accept everything, rows 2 and 3 nothing
         ks = policy.depths()
         policy.observe(ks, [6, 6, 6, 6], [6, 6, 0, 0])
@@ -458,7 +514,7 @@ def test_depth_policy_follows_the_slowest_row_of_a_batch():
     # once they are done, the others draft at full depth
     assert policy.depths([True, True, False, False]) == [6, 6, 0, 0]
     # a weaker row caps the batch where it gains most
-    weak = DepthPolicy(2, max_k=6, cost=0.2)
+    weak = DepthPolicy(2, max_k=6, verify_cost=0.2, draft_cost=0.0)
     for _ in range(8):
         weak.observe([6, 6], [6, 6], [6, 1])
     k_weak = weak._best([weak.alpha(1)])
@@ -490,7 +546,8 @@ def test_adaptive_depth_drafts_little_when_drafts_fail():
 
 
 def test_bad_input_is_refused(lm):
-    for bad in ({"draft_tokens": -1}, {"draft_tokens": 2.0}, {"adaptive": 1}, {"verify_cost": -0.1}):
+    for bad in ({"draft_tokens": -1}, {"draft_tokens": 2.0}, {"adaptive": 1}, {"verify_cost": -0.1},
+                {"draft_cost": "1"}, {"draft_cost": 10.0}, {"draft_cost": True}):
         with pytest.raises(ValueError):
             SpeculativeConfig(**bad)
     assert parse_drafter_spec("early-exit:8") == ("early-exit", 8)

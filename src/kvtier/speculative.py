@@ -66,16 +66,27 @@ from kvtier.sampling import SamplingParams, process_logits
 class SpeculativeConfig:
     """How deep to draft.
 
-    ``draft_tokens``: the most drafts a row verifies in one forward. ``adaptive``:
-    choose each row's depth from its recent acceptance (:class:`DepthPolicy`), down
-    to plain decoding while drafts keep failing; otherwise always draft
-    ``draft_tokens``. ``verify_cost``: what one more verified token adds to a
-    forward, as a fraction of a one-token forward (the depth policy's cost model).
+    ``draft_tokens``: the most drafts a row verifies in one forward.
+
+    ``adaptive=True``: each row's depth follows its recent acceptance and the drafter's
+    cost (:class:`DepthPolicy`), from ``draft_tokens`` down to plain decoding, with a
+    one-token probe now and then at depth zero; the stats say why a run decoded plainly
+    (``depth_reason``). ``adaptive=False`` (fixed depth, ``--fixed-depth``): every
+    verification asks each row for ``min(draft_tokens, tokens left - 1)`` drafts, whatever
+    they cost or however often they fail (a drafter may still find fewer: n-gram lookup
+    proposes none without a match).
+
+    ``verify_cost``: what one more verified token adds to a forward, as a fraction of a
+    one-token forward. ``draft_cost``: what one drafted token costs, in the same unit;
+    ``None`` measures it from each cycle's times, starting from the drafter's estimate
+    (``drafter.cost(model)``); a number fixes it, so that the depths, and so a seeded
+    sampled run, repeat exactly.
     """
 
     draft_tokens: int = 6
     adaptive: bool = True
     verify_cost: float = 0.15
+    draft_cost: float | None = None
 
     def __post_init__(self) -> None:
         k = self.draft_tokens
@@ -83,9 +94,12 @@ class SpeculativeConfig:
             raise ValueError(f"draft_tokens must be an int >= 0 (0 = plain decoding), got {k!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
-        c = self.verify_cost
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 10.0:
-            raise ValueError(f"verify_cost must be a number in [0, 10), got {c!r}")
+        for name in ("verify_cost", "draft_cost"):
+            c = getattr(self, name)
+            if c is None and name == "draft_cost":
+                continue
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c < 10.0:
+                raise ValueError(f"{name} must be a number in [0, 10) (one-token forwards), got {c!r}")
 
 
 # -- verification ------------------------------------------------------------------------
@@ -145,50 +159,69 @@ def accept_drafts(
 
 
 class DepthPolicy:
-    """Each row's draft depth from its recent acceptance.
+    """Each row's draft depth from its recent acceptance and what a draft costs.
 
     ``alpha`` estimates the chance that a draft is accepted when the drafts before
     it were: accepted drafts over drafts judged (the accepted ones and the first
     rejected one), both decayed by ``decay`` per verification, with a prior of
     ``prior`` worth one draft. A verification with ``k`` drafts yields
     ``E(k) = 1 + alpha + ... + alpha^k`` tokens and costs ``1 + cost * k`` one-token
-    forwards, so the depth is the ``k <= max_k`` that maximises ``E(k) / (1 + cost k)``:
-    zero (plain decoding) once ``alpha`` falls to about ``cost``.
+    forwards, ``cost = verify_cost + draft_cost``, so the depth is the ``k <= max_k``
+    that maximises ``E(k) / (1 + cost k)``: zero (plain decoding) once ``alpha`` falls
+    to about ``cost``, and always zero when ``cost >= 1`` (even drafts that are all
+    accepted, ``E(k) = 1 + k``, cannot pay for ``1 + cost k``).
 
-    A row at depth zero learns nothing, so with ``probes`` it drafts one token after
-    ``wait`` verifications (a probe); a rejected probe doubles the wait (up to
-    ``max_wait``), an accepted one resets it. Probes suit a free drafter (n-gram); a
-    model drafter would first have to catch up on every token it skipped, which costs
-    as much as drafting all along, so it is not probed.
+    ``draft_cost`` (a drafted token's time over a one-token forward of the target)
+    starts at the caller's estimate; with ``measure`` each cycle's timings
+    (:meth:`measure`) replace it, so a drafter estimated too dear (or too cheap) is
+    judged by what it really costs on this machine.
+
+    A row at depth zero learns nothing, so it drafts one token (a probe) once it has
+    been idle ``wait`` verifications, and at once at the start: the first cycle
+    measures the drafter. A probe that leaves the depth at zero doubles the wait (up to
+    ``max_wait``); one that lifts it resets the wait. A model drafter's probe first
+    feeds the tokens it skipped, in one forward.
     """
 
-    def __init__(self, batch: int, max_k: int, cost: float, *, adaptive: bool = True,
-                 probes: bool = True, decay: float = 0.8, prior: float = 0.6, wait: int = 4,
-                 max_wait: int = 64):
-        self.max_k, self.cost, self.adaptive, self.probes = max_k, cost, adaptive, probes
+    def __init__(self, batch: int, max_k: int, *, verify_cost: float, draft_cost: float,
+                 adaptive: bool = True, measure: bool = False, decay: float = 0.8,
+                 prior: float = 0.6, wait: int = 4, max_wait: int = 64):
+        self.max_k, self.adaptive, self.measured = max_k, adaptive, measure
+        self.verify_cost, self.draft_cost = verify_cost, draft_cost
         self.decay, self.prior, self.first_wait, self.max_wait = decay, prior, wait, max_wait
         self.hits, self.judged = [0.0] * batch, [0.0] * batch
-        self.idle, self.wait = [0] * batch, [wait] * batch
+        self.idle, self.wait = [wait] * batch, [wait] * batch  # a probe is due at the start
+        self.drafting_cycles, self.timings = 0, 0  # cycles that drafted, cycles measured
+
+    @property
+    def cost(self) -> float:
+        """One more draft's cost, in one-token forwards of the target: verifying it and drafting it."""
+        return self.verify_cost + self.draft_cost
 
     def alpha(self, row: int) -> float:
         return (self.hits[row] + self.prior) / (self.judged[row] + 1.0)
 
     def depths(self, live: Sequence[bool] | None = None) -> list[int]:
-        """Per row (``live[r]``: still running): its best depth, or a probe (1) when due.
+        """Per row (``live[r]``: still running): its best depth, or a probe (1) when due;
+        ``max_k`` for every live row when not ``adaptive`` (fixed depth)."""
+        live = [True] * len(self.hits) if live is None else list(live)
+        if not self.adaptive:
+            return [self.max_k * x for x in live]
+        return [0 if not x else k if k else int(self.max_k > 0 and i >= w)
+                for k, x, i, w in zip(self._plan(live), live, self.idle, self.wait)]
+
+    def _plan(self, live: Sequence[bool]) -> list[int]:
+        """Each live row's best depth, capped for the batch (0 for the others; no probes).
 
         A batch is static: it runs until its slowest row is done, and one forward's width
         is set by its deepest row. So depths are capped where the slowest live row's
         expected tokens per unit of cost peak: a deeper forward that only speeds up rows
-        which finish early anyway would not shorten the batch (probes are kept)."""
-        live = [True] * len(self.hits) if live is None else list(live)
-        if not self.adaptive:
-            return [self.max_k * x for x in live]
+        which finish early anyway would not shorten the batch."""
         alphas = [self.alpha(r) for r in range(len(self.hits))]
         best = [self._best([a]) if x else 0 for a, x in zip(alphas, live)]
         rows = [r for r, x in enumerate(live) if x]
         cap = self._best([alphas[r] for r in rows], [best[r] for r in rows])
-        return [0 if not x else min(k, cap) if k else int(self.probes and self.max_k > 0 and i >= w)
-                for k, x, i, w in zip(best, live, self.idle, self.wait)]
+        return [min(k, cap) for k in best]
 
     def _best(self, alphas: Sequence[float], limits: Sequence[int] | None = None) -> int:
         """The depth ``K`` maximising ``min_r E_r(min(K, limits[r])) / (1 + cost K)``."""
@@ -208,11 +241,47 @@ class DepthPolicy:
                 self.idle[r] += 1
             if n == 0:
                 continue  # nothing drafted (or nothing to propose): no evidence, no cost
-            if self.adaptive and self._best([self.alpha(r)]) == 0:  # it was a probe
-                self.wait[r] = self.first_wait if a else min(2 * self.wait[r], self.max_wait)
+            probe = self.adaptive and self._best([self.alpha(r)]) == 0
             self.hits[r] = self.decay * self.hits[r] + a
             self.judged[r] = self.decay * self.judged[r] + a + (a < n)
             self.idle[r] = 0
+            if probe:  # wait longer unless the probe lifted the depth
+                lifted = self._best([self.alpha(r)]) > 0
+                self.wait[r] = self.first_wait if lifted else min(2 * self.wait[r], self.max_wait)
+
+    def measure(self, k: int, draft_s: float, verify_s: float) -> None:
+        """Book the times of a cycle that drafted up to ``k`` tokens per row: ``draft_s``
+        drafting, ``verify_s`` the verification forward of width ``1 + k``. That forward
+        gives a one-token forward's time through the cost model (``verify_s / (1 +
+        verify_cost k)``); ``draft_cost`` becomes the running mean of the cycles measured
+        (the last 8 weigh most). The first cycle that drafts is not measured: a model
+        drafter feeds the whole prompt in it."""
+        if not self.measured or k == 0 or verify_s <= 0.0:
+            return
+        self.drafting_cycles += 1
+        if self.drafting_cycles == 1:
+            return
+        forward_s = verify_s / (1.0 + self.verify_cost * k)  # one-token forward of the target
+        cost = draft_s / (k * forward_s)
+        self.timings += 1
+        self.draft_cost += (cost - self.draft_cost) / min(self.timings, 8)
+
+    def reason(self, live: Sequence[bool]) -> str:
+        """Why the live rows (``live[r]``) decode plainly, in one line; ``""`` when one drafts
+        (or the depth is fixed)."""
+        rows = [r for r, x in enumerate(live) if x]
+        if not self.adaptive or not rows or any(self._plan(live)):
+            return ""
+        if self.max_k == 0:
+            return "draft_tokens is 0"
+        source = "measured" if self.timings else "estimated"
+        if self.cost >= 1.0:
+            return (f"a draft costs {self.draft_cost:.2f} target forwards ({source}) and verifying it "
+                    f"{self.verify_cost:.2f} more: no depth beats plain decoding even if every draft "
+                    "is accepted (a cheaper drafter would: ngram, early-exit:N, a smaller model)")
+        worst = min(self.alpha(r) for r in rows)
+        return (f"drafts are accepted {worst:.0%} of the time, too seldom to pay for "
+                f"{self.cost:.2f} target forwards each ({source}); probing again later")
 
 
 # -- figures -------------------------------------------------------------------------------
@@ -230,6 +299,8 @@ class SpeculativeStats:
     tokens: int = 0  # committed tokens: accepted drafts plus the target's own, one per row-step
     draft_s: float = 0.0  # proposing drafts
     step_s: float = 0.0  # whole cycles: drafting, verification, acceptance, rollback
+    draft_cost: float = 0.0  # a drafted token's cost in one-token forwards (the depth policy's)
+    depth_reason: str = ""  # why the latest cycle's rows decoded plainly ("" when they drafted)
 
     @property
     def acceptance_rate(self) -> float:
@@ -298,9 +369,10 @@ def speculative_generate_step(
             on_prefilled()
         run = _Rows(rows, device, max_tokens, stop_token_ids)
         run.left = [min(n, r) for n, r in zip(run.left, room)]  # a row stops at the context
-        draft_cost = drafter.cost(model)
-        policy = DepthPolicy(len(rows), spec.draft_tokens, spec.verify_cost + draft_cost,
-                             adaptive=spec.adaptive, probes=draft_cost == 0)
+        estimate = drafter.cost(model) if spec.draft_cost is None else spec.draft_cost
+        policy = DepthPolicy(len(rows), spec.draft_tokens, verify_cost=spec.verify_cost,
+                             draft_cost=estimate, adaptive=spec.adaptive,
+                             measure=spec.draft_cost is None)
         while not all(run.done):
             t0 = time.perf_counter()
             new = speculative_step(model, caches, run, drafter, policy, params, generator,
@@ -313,15 +385,17 @@ def speculative_step(model, caches, run, drafter, policy, params, generator, sta
                      per_row) -> list[list[int]]:
     """One cycle: draft, verify in one forward, accept, roll the caches back; new tokens per row."""
     B = len(run.contexts)
-    depths = policy.depths([not d for d in run.done])
-    ks = [max(0, min(k, left - 1)) for k, left in zip(depths, run.left)]  # done rows: 0
+    live = [not d for d in run.done]
+    stats.depth_reason = policy.reason(live)
+    ks = [max(0, min(k, left - 1)) for k, left in zip(policy.depths(live), run.left)]  # done rows: 0
     t0 = time.perf_counter()
     if max(ks) > 0:
         draft = drafter.propose(run.contexts, ks, params=params, generator=generator)
         draft = dataclasses.replace(draft, tokens=draft.tokens.to(run.device))  # n-gram: host ids
     else:
         draft = Draft.empty(B, run.device)
-    stats.draft_s += time.perf_counter() - t0
+    t_draft = time.perf_counter()
+    stats.draft_s += t_draft - t0
     # verify: [last committed token, d_1 .. d_K] per row, one forward
     tokens = torch.cat([run.last[:, None], draft.tokens], dim=1)  # (B, 1 + K)
     if per_row:  # each row writes at its own length and commits its own block; finished rows nothing
@@ -334,6 +408,7 @@ def speculative_step(model, caches, run, drafter, policy, params, generator, sta
     if run.stop is not None and draft.tokens.shape[1]:  # an accepted stop token ends its row:
         accepted, nxt = run.cut_at_stop(draft.tokens, accepted, nxt)  # it becomes the next token
     acc = accepted.tolist()  # the one host sync of a cycle
+    policy.measure(draft.tokens.shape[1], t_draft - t0, time.perf_counter() - t_draft)
     # roll back: keep the last committed token and the accepted drafts
     committed = [n + (not d) * (1 + a) for n, d, a in zip(run.lengths, run.done, acc)]
     roll_back(caches, committed)
@@ -342,6 +417,7 @@ def speculative_step(model, caches, run, drafter, policy, params, generator, sta
     stats.drafted += sum(draft.counts)
     stats.accepted += sum(acc)
     policy.observe(ks, draft.counts, acc)
+    stats.draft_cost = policy.draft_cost
     new = run.advance(draft.tokens.tolist(), acc, nxt, committed)
     stats.tokens += sum(map(len, new))
     if any(run.released) and not all(run.done) and per_row and caches[0].block_table_view() is not None:
