@@ -583,3 +583,12 @@ def test_cli_speculative_flags(lm, capsys):
     assert "tokens/step" in err and "ms/step" in err
     assert main(argv + ["--draft-tokens", "3"]) == 2
     assert "--speculative" in capsys.readouterr().err
+    # the default model drafting for itself (issue 13: it drafted nothing): it drafts, every
+    # draft is accepted, and stderr says why the depth then stays at plain decoding
+    assert main(argv + ["--speculative", f"model:{lm.source}", "--draft-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    spec = json.loads(out)
+    assert spec["tokens"] == plain_greedy(lm.model, lm.tokenizer.encode(PROMPTS[0]), 8)
+    s = spec["speculative"]
+    assert s["accepted"] == s["drafted"] > 0 and "no depth beats" in s["depth_reason"]
+    assert "[kvtier] speculative depth 0: a draft costs 1.00 target forwards (estimated)" in err

@@ -335,6 +335,8 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
             f"{1000 * s.time_per_step_s:.1f} ms/step over {s.steps} steps",
             file=sys.stderr,
         )
+        if s.depth_reason:  # the adaptive depth ended at plain decoding
+            print(f"[kvtier] speculative depth 0: {s.depth_reason}", file=sys.stderr)
     return 0
 
 

@@ -67,9 +67,11 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """What the speculative loop asks of a drafter: ``propose`` at most ``ks[r]`` drafts continuing ``contexts[r]`` (prompt and committed
-    tokens), ``reset`` (a new batch follows), and the ``cost`` of one drafted token as a
-    fraction of one forward of ``target``."""
+    """What the speculative loop asks of a drafter: ``propose`` at most ``ks[r]`` drafts
+    continuing ``contexts[r]`` (prompt and committed tokens), ``reset`` (a new batch
+    follows), and the ``cost`` of one drafted token as a fraction of one forward of
+    ``target``: an estimate, which the depth policy starts from and then replaces by
+    what it measures (:class:`kvtier.speculative.DepthPolicy`)."""
 
     def propose(self, contexts: Sequence[Sequence[int]], ks: Sequence[int], *,
                 params: SamplingParams, generator: torch.Generator | None) -> Draft: ...
