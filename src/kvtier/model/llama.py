@@ -171,6 +171,7 @@ class Transformer(nn.Module):
         cache_kwargs: dict[str, Any] | None = None,
         num_layers: int | None = None,
         last_only: bool = False,
+        select: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run ``tokens`` ``[B, T]`` (int64) through the first ``num_layers`` layers.
 
@@ -180,9 +181,12 @@ class Transformer(nn.Module):
         before this call, ``cache_kwargs["write_start"]`` if given, else
         ``caches[0].offset`` (int or ``[B]``), plus ``arange(T)``.
         ``num_layers`` (default all) stops early and applies the final norm and
-        LM head (early-exit drafting). ``last_only`` keeps only the last column.
+        LM head (early-exit drafting). ``last_only`` keeps only the last column;
+        ``select`` (int64 ``[k]``, on the tokens' device) only those columns (the last
+        token of each sequence packed into one row).
 
-        Returns float32 logits ``[B, T, vocab]`` (``[B, 1, vocab]`` with ``last_only``).
+        Returns float32 logits ``[B, T, vocab]`` (``[B, 1, vocab]`` with ``last_only``,
+        ``[B, k, vocab]`` with ``select``).
         """
         n = self._check_forward(tokens, caches, positions, num_layers)
         kwargs = cache_kwargs or {}
@@ -195,6 +199,8 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, cache, kwargs)
         if last_only:
             x = x[:, -1:]  # (B, 1, dim)
+        elif select is not None:
+            x = x[:, select]  # (B, k, dim)
         return self.output(self.norm(x)).float()
 
     def _check_forward(self, tokens, caches, positions, num_layers) -> int:
