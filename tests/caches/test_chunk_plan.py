@@ -62,3 +62,40 @@ def test_a_plan_of_t_tokens_refuses_other_shapes() -> None:
     with pytest.raises(ValueError, match="3 token"):
         c.update(k, k, plan=plan, write_start=plan.write_start)
     assert c.lengths == [0]
+
+
+@pytest.mark.parametrize("kv_quant", [None, "q8"])
+def test_packed_chunks_store_and_attend_as_each_row_alone(kv_quant, seed) -> None:
+    """Three rows' chunks (lengths 5, 1, 7 from positions 3, 0, 6) packed into one write and one
+    attention equal each row written and attended on its own."""
+    from kvtier.caches.paged_shared import packed_plan
+
+    blocks, starts, counts = [[1, 2, 3], [4], [5, 6, 7, 8]], [3, 0, 6], [5, 1, 7]
+    packed, single = pair(kv_quant)
+    heads = [(torch.randn(1, H, s, D), torch.randn(1, H, s, D)) for s in starts]
+    for c in (packed, single):  # the rows' histories, written row by row
+        for b, (hk, hv), s in zip(blocks, heads, starts):
+            c.bind(RowBinding.build([b], [0], block_size=BS, num_blocks=N))
+            if s:
+                c.update(hk, hv)
+    ks = [torch.randn(1, H, n, D) for n in counts]
+    vs = [torch.randn(1, H, n, D) for n in counts]
+    qs = [torch.randn(1, HQ, n, D) for n in counts]
+    rows = RowBinding.build(blocks, starts, block_size=BS, num_blocks=N)
+    plan = packed_plan(rows, counts)
+    assert plan.total == sum(counts) and plan.last.tolist() == [4, 5, 12]
+    assert plan.positions[0].tolist() == [*range(3, 8), 0, *range(6, 13)]
+    packed.bind(rows)
+    packed.update(torch.cat(ks, 2), torch.cat(vs, 2), plan=plan)
+    assert packed.lengths == [8, 1, 13]
+    got = packed.attention(torch.cat(qs, 2))  # (1, HQ, 13, D)
+    at = 0
+    for b, s, n, k, v, q in zip(blocks, starts, counts, ks, vs, qs):
+        single.bind(RowBinding.build([b], [s], block_size=BS, num_blocks=N))
+        single.update(k, v)
+        want = single.attention(q)
+        torch.testing.assert_close(got[:, :, at:at + n], want, rtol=1e-5, atol=1e-5)
+        at += n
+    with pytest.raises(ValueError, match="packed plan writes 13 tokens"):
+        packed.bind(rows)
+        packed.update(torch.randn(1, H, 12, D), torch.randn(1, H, 12, D), plan=plan)

@@ -19,7 +19,12 @@ not its books:
 
 Decode steps (one token per row) can go through a
 :class:`~kvtier.caches.step_plan.StepPlan` from :func:`decode_plan`: slots,
-positions, lengths and the table computed once for every layer.
+positions, lengths and the table computed once for every layer; one row's prompt
+chunk through :func:`chunk_plan`. Prompt chunks of several rows run as one
+forward ``[1, N]`` with the rows' tokens side by side (:func:`packed_plan`): every
+projection multiplies all ``N`` tokens at once, and attention puts each row's
+queries back in a row of their own (padded to the longest chunk) for the paged
+kernels.
 
 Example::
 
@@ -41,13 +46,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.caches.base import check_kv
+from kvtier.caches.base import check_kv, check_queries
 from kvtier.caches.paged import PagedKVCache
 from kvtier.caches.paged_pool import PagedKVGrowthRefused, RowsArg, rows_arg
 from kvtier.caches.step_plan import StepPlan
+from kvtier.kernels.paged import paged_attention
 from kvtier.quant.modes import TurboQuantConfig
 
-__all__ = ["RowBinding", "SharedBlockPagedKVCache", "chunk_plan", "decode_plan"]
+__all__ = ["PackedPlan", "RowBinding", "SharedBlockPagedKVCache", "chunk_plan", "decode_plan", "packed_plan"]
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -135,6 +141,64 @@ def chunk_plan(rows: RowBinding, tokens: int) -> StepPlan:
                     bound=max(ends), slots=host[2 * B:], block_tables=rows.table, tokens=tokens)
 
 
+@dataclass(frozen=True, eq=False)
+class PackedPlan:
+    """Prompt chunks of ``B`` rows packed into one forward of ``N`` tokens, shared by every layer.
+
+    Host: ``starts``/``ends`` (each row's length before and after), ``width`` (the
+    longest chunk). Device (int64): ``write_start``/``new_offsets`` ``[B]``,
+    ``slots`` ``[N]`` (where each packed token is stored), ``rows``/``cols`` ``[N]``
+    (each packed token's row and its index in the row's chunk), ``positions``
+    ``[1, N]`` (for RoPE) and ``last`` ``[B]`` (each row's last packed token);
+    ``block_tables`` int32 ``[B, W]``.
+    """
+
+    starts: list[int]
+    ends: list[int]
+    width: int
+    write_start: torch.Tensor
+    new_offsets: torch.Tensor
+    slots: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    positions: torch.Tensor
+    last: torch.Tensor
+    block_tables: torch.Tensor
+
+    @property
+    def total(self) -> int:
+        """``N``, the packed tokens."""
+        return sum(e - s for s, e in zip(self.starts, self.ends))
+
+
+def packed_plan(rows: RowBinding, counts: Sequence[int]) -> PackedPlan:
+    """The :class:`PackedPlan` of row ``r`` writing ``counts[r]`` (>= 1) tokens from position
+    ``lengths[r]`` (which its blocks must hold); one copy to the device."""
+    B = len(rows.lengths)
+    if len(counts) != B or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise ValueError(f"counts must be {B} ints >= 1 (one per row), got {list(counts)}")
+    bs, starts = rows.block_size, list(rows.lengths)
+    ends = [n + c for n, c in zip(starts, counts)]
+    short = [r for r, (n, b) in enumerate(zip(ends, rows.blocks)) if n > len(b) * bs]
+    if short:
+        raise ValueError(f"rows {short} hold too few blocks for their chunks; grow their block "
+                         "lists before the step")
+    positions = [p for n, e in zip(starts, ends) for p in range(n, e)]
+    slots = [b[p // bs] * bs + p % bs for n, e, b in zip(starts, ends, rows.blocks) for p in range(n, e)]
+    row_of = [r for r, c in enumerate(counts) for _ in range(c)]
+    col_of = [i for c in counts for i in range(c)]
+    last, at = [], -1
+    for c in counts:
+        at += c
+        last.append(at)
+    N = len(slots)
+    host = to_device(torch.tensor([*starts, *ends, *last, *slots, *row_of, *col_of, *positions],
+                                  dtype=torch.long), rows.table.device)  # one copy to the device
+    cut = [B, B, B, N, N, N, N]
+    ws, no, la, sl, ro, co, po = host.split(cut)
+    return PackedPlan(starts, ends, max(counts), ws, no, sl, ro, co, po[None], la, rows.table)
+
+
 class SharedBlockPagedKVCache(PagedKVCache):
     """A :class:`PagedKVCache` over a pool allocated up front whose blocks an outside manager owns.
 
@@ -155,6 +219,7 @@ class SharedBlockPagedKVCache(PagedKVCache):
     ):
         super().__init__(block_size, num_blocks, batch_size=1, kv_quant=kv_quant,
                          turboquant=turboquant, attention_backend=attention_backend)
+        self._packed: PackedPlan | None = None  # the last write's, while attention reads packed
 
     def allocate(self, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
@@ -186,6 +251,7 @@ class SharedBlockPagedKVCache(PagedKVCache):
         self.pool.block_tables = rows.table
         self._lengths, self._write_start = list(rows.lengths), list(rows.lengths)
         self._changed()
+        self._packed = None
 
     def bind_rows(self, blocks: Sequence[Sequence[int]], lengths: Sequence[int]) -> None:
         """Point row ``r`` at physical ``blocks[r]`` holding ``lengths[r]`` tokens (one layer;
@@ -195,9 +261,17 @@ class SharedBlockPagedKVCache(PagedKVCache):
 
     # -- writes ------------------------------------------------------------------------------
     def update(self, keys: torch.Tensor, values: torch.Tensor, *, write_start: RowsArg = None,
-               new_offsets: RowsArg = None, plan: StepPlan | None = None) -> None:
+               new_offsets: RowsArg = None, plan: StepPlan | PackedPlan | None = None) -> None:
         """:meth:`PagedKVCache.update`, but a write past the blocks a row holds raises
-        :class:`PagedKVGrowthRefused` (nothing written) instead of taking a block."""
+        :class:`PagedKVGrowthRefused` (nothing written) instead of taking a block.
+
+        With a :class:`PackedPlan`, ``keys``/``values`` are ``[1, H_kv, N, D]``: the
+        rows' chunks side by side, stored at the plan's slots; the next
+        :meth:`attention` reads packed queries the same way."""
+        if isinstance(plan, PackedPlan):
+            self._update_packed(keys, values, plan, write_start, new_offsets)
+            return
+        self._packed = None
         check_kv(keys, values, batch=self.batch_size)
         if plan is not None:
             ends = plan.ends
@@ -213,6 +287,47 @@ class SharedBlockPagedKVCache(PagedKVCache):
                 f"{[len(self.pool.rows[r]) for r in short]} blocks of {bs}; the block manager gives "
                 "rows their blocks (bind the rows again with more blocks)")
         super().update(keys, values, write_start=write_start, new_offsets=new_offsets, plan=plan)
+
+    def _update_packed(self, keys, values, plan: PackedPlan, write_start, new_offsets) -> None:
+        if write_start is not None or new_offsets is not None:
+            raise ValueError("with a PackedPlan pass no write_start or new_offsets: the plan has them")
+        keys, values = check_kv(keys, values, batch=1)  # detached
+        H, D = self.pool.key_cache.shape[2], self.codecs.k_codec.head_dim
+        for what, got, want in (("kv_heads", keys.shape[1], H), ("head_dim", keys.shape[3], D),
+                                ("dtype", keys.dtype, self.codecs.k_codec.dtype),
+                                ("device", keys.device, self._device)):
+            if got != want:
+                raise ValueError(f"{what} {got} differs from the cache's {want}; convert the input")
+        if keys.shape[2] != plan.total or len(plan.starts) != self.batch_size or plan.starts != self._lengths:
+            raise ValueError(f"this packed plan writes {plan.total} tokens from lengths {plan.starts}; got "
+                             f"keys {tuple(keys.shape)} for rows of lengths {self._lengths} (bind the "
+                             "plan's rows first)")
+        self._write(keys, values, plan.slots)
+        self._lengths, self._write_start = list(plan.ends), list(plan.starts)
+        self._changed()
+        self._packed = plan
+
+    def attention(self, queries: torch.Tensor, *, scale: float | None = None,
+                  q_start: RowsArg = None) -> torch.Tensor:
+        """:meth:`PagedKVCache.attention`; after a packed write, ``queries`` ``[1, H_q, N, D]``
+        are the rows' chunks side by side and so is the result."""
+        p = self._packed
+        if p is None or q_start is not None:
+            return super().attention(queries, scale=scale, q_start=q_start)
+        codecs = self.codecs
+        scale = check_queries(queries, self.pool.key_cache.shape[2], codecs.k_codec.head_dim,
+                              codecs.k_codec.dtype, scale)
+        if queries.shape[0] != 1 or queries.shape[2] != p.total:
+            raise ValueError(f"after a packed write, queries must be [1, H_q, {p.total}, D], got "
+                             f"{tuple(queries.shape)}")
+        Hq, D = queries.shape[1], queries.shape[3]
+        padded = queries.new_zeros(len(p.starts), Hq, p.width, D)  # (B, H_q, width, D)
+        padded[p.rows, :, p.cols] = queries[0].transpose(0, 1)  # each token to its row and column
+        pool = self.pool
+        out = paged_attention(self.dispatch, padded, pool.key_cache, pool.value_cache, p.block_tables,
+                              p.write_start, p.new_offsets, k_codec=codecs.k_codec, v_codec=codecs.v_codec,
+                              k_sidecars=pool.k_sidecars, v_sidecars=pool.v_sidecars, scale=scale)
+        return out[p.rows, :, p.cols].transpose(0, 1)[None]  # (1, H_q, N, D)
 
     def _owned_elsewhere(self, what: str):
         raise ValueError(f"{what}() on a SharedBlockPagedKVCache: its blocks belong to the block "

@@ -10,10 +10,12 @@ can therefore broadcast the batch and call :meth:`ModelRunner.execute` on every 
 How a step runs. Rows that feed one token (decode, or a one-token chunk) go through
 one forward ``[B, 1]`` whose positions, lengths, write slots and block table are
 computed once for every layer (:func:`~kvtier.caches.paged_shared.decode_plan`).
-Rows that feed a prompt chunk run one forward each, ``[1, T]``: a padded
-``[B, T_max]`` forward of a 256-token chunk beside 1-token decode rows would
-compute 256 positions for each of those rows, so the step is split instead (on the
-CPU, a chunk's forward costs about what its tokens cost).
+Rows that feed a prompt chunk run in a second forward, packed: their tokens side
+by side in one row ``[1, N]`` (:func:`~kvtier.caches.paged_shared.packed_plan`), so
+every projection multiplies all ``N`` tokens at once and no position is padded;
+only attention puts each chunk back in a row of its own. (A padded ``[B, T_max]``
+forward of a 256-token chunk beside 1-token decode rows would compute 256
+positions for each of those rows, so decode rows stay in their own forward.)
 
 On CUDA, decode forwards can be replayed from CUDA graphs
 (:mod:`kvtier.serve.graphs`), one per batch-size bucket.
@@ -38,6 +40,7 @@ from kvtier.caches.paged_shared import (
     SharedBlockPagedKVCache,
     chunk_plan,
     decode_plan,
+    packed_plan,
     to_device,
 )
 from kvtier.quant.modes import TurboQuantConfig
@@ -127,10 +130,13 @@ class ModelRunner:
             if decode:
                 out = self._decode(decode)  # (B, V)
                 logits |= {r.request_id: out[i] for i, r in enumerate(decode) if r.sample}
-            for r in chunks:
-                out = self._prefill(r)  # (V,)
+            if len(chunks) == 1:
+                out = self._prefill(chunks[0])[None]  # (1, V)
+            elif chunks:
+                out = self._prefill_packed(chunks)  # (n_chunks, V)
+            for i, r in enumerate(chunks):
                 if r.sample:
-                    logits[r.request_id] = out
+                    logits[r.request_id] = out[i]
             if not logits:
                 return torch.empty(0, self.model.args.vocab_size, device=self.device)
             return torch.stack([logits[rid] for rid in batch.sampled])  # (n_sampled, V)
@@ -152,6 +158,15 @@ class ModelRunner:
         out = self.model(tokens, self.caches, positions=plan.write_start[:, None],
                          cache_kwargs={"plan": plan, "write_start": plan.write_start}, last_only=True)
         return out[:, -1]  # (B, V)
+
+    def _prefill_packed(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
+        """The rows' prompt chunks side by side in one forward ``[1, N]``; logits of each
+        chunk's last position ``[len(rows), V]``."""
+        plan = packed_plan(self._bind(rows), [len(r.token_ids) for r in rows])
+        ids = [t for r in rows for t in r.token_ids]
+        tokens = to_device(torch.tensor([ids], dtype=torch.long), self.device)  # (1, N)
+        return self.model(tokens, self.caches, positions=plan.positions, cache_kwargs={"plan": plan},
+                          select=plan.last)[0]  # (len(rows), V)
 
     def _prefill(self, row: ScheduledRow) -> torch.Tensor:
         """One forward ``[1, T]`` of a prompt chunk; logits of its last position ``[V]``."""
