@@ -491,11 +491,13 @@ def test_depth_policy_measures_the_drafter():
     policy = DepthPolicy(1, max_k=6, verify_cost=0.25, draft_cost=1.0, measure=True)
     policy.measure(4, draft_s=40.0, verify_s=2.0)  # the first drafting cycle: a model drafter's prefill
     assert policy.draft_cost == 1.0 and policy.timings == 0
-    policy.measure(0, draft_s=0.0, verify_s=1.0)  # nothing drafted: nothing learnt
-    policy.measure(4, draft_s=0.4, verify_s=2.0)  # one-token forward 1.0 s, 0.1 s per draft
+    policy.measure(4, draft_s=0.4, verify_s=2.0)  # by the cost model a one-token forward takes 1.0 s
     assert policy.draft_cost == pytest.approx(0.1) and policy.reason([True]) == ""  # it drafts
     policy.measure(2, draft_s=2.0, verify_s=1.5)  # 1.0 s per draft now: the mean of the two
     assert policy.draft_cost == pytest.approx(0.55)
+    policy.measure(0, draft_s=0.0, verify_s=0.5)  # a plain cycle times a one-token forward itself
+    policy.measure(4, draft_s=0.2, verify_s=9.0)  # a verification much slower at this width
+    assert policy.draft_cost == pytest.approx((0.1 + 1.0 + 0.1) / 3)  # 0.2 s / (4 * 0.5 s)
     unmeasured = DepthPolicy(1, max_k=6, verify_cost=0.25, draft_cost=1.0)
     unmeasured.measure(4, 0.4, 2.0)
     unmeasured.measure(4, 0.4, 2.0)

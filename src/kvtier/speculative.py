@@ -192,6 +192,7 @@ class DepthPolicy:
         self.hits, self.judged = [0.0] * batch, [0.0] * batch
         self.idle, self.wait = [wait] * batch, [wait] * batch  # a probe is due at the start
         self.drafting_cycles, self.timings = 0, 0  # cycles that drafted, cycles measured
+        self.plain_cycles, self.forward_s = 0, 0.0  # cycles without drafts, their mean time
 
     @property
     def cost(self) -> float:
@@ -251,17 +252,24 @@ class DepthPolicy:
 
     def measure(self, k: int, draft_s: float, verify_s: float) -> None:
         """Book the times of a cycle that drafted up to ``k`` tokens per row: ``draft_s``
-        drafting, ``verify_s`` the verification forward of width ``1 + k``. That forward
-        gives a one-token forward's time through the cost model (``verify_s / (1 +
-        verify_cost k)``); ``draft_cost`` becomes the running mean of the cycles measured
-        (the last 8 weigh most). The first cycle that drafts is not measured: a model
-        drafter feeds the whole prompt in it."""
-        if not self.measured or k == 0 or verify_s <= 0.0:
+        drafting, ``verify_s`` the verification forward of width ``1 + k``.
+
+        A cycle without drafts times a one-token forward (the mean of the last 8 counts).
+        Until one has run, the verification stands in for it through the cost model,
+        ``verify_s / (1 + verify_cost k)``, which a forward much slower at some widths would
+        mislead. ``draft_cost`` becomes the running mean of ``draft_s / (k * forward)`` (the
+        last 8 weigh most). The first cycle that drafts is not measured: a model drafter
+        feeds the whole prompt in it."""
+        if not self.measured or verify_s <= 0.0:
+            return
+        if k == 0:
+            self.plain_cycles += 1
+            self.forward_s += (verify_s - self.forward_s) / min(self.plain_cycles, 8)
             return
         self.drafting_cycles += 1
         if self.drafting_cycles == 1:
             return
-        forward_s = verify_s / (1.0 + self.verify_cost * k)  # one-token forward of the target
+        forward_s = self.forward_s if self.plain_cycles else verify_s / (1.0 + self.verify_cost * k)
         cost = draft_s / (k * forward_s)
         self.timings += 1
         self.draft_cost += (cost - self.draft_cost) / min(self.timings, 8)
