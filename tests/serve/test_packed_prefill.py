@@ -14,9 +14,10 @@ from kvtier.serve.scheduler import ScheduledRow
 
 ARGS = ModelArgs(dim=256, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=512, vocab_size=512,
                  max_position_embeddings=1024)
-DEVICES = [("cpu", torch.float32, 1e-5)]
-if torch.cuda.is_available():
-    DEVICES += [("cuda", torch.float32, 1e-3), ("cuda", torch.bfloat16, 6e-2)]
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEVICES = [("cpu", torch.float32, 1e-5),
+           pytest.param("cuda", torch.float32, 1e-3, marks=_GPU),
+           pytest.param("cuda", torch.bfloat16, 6e-2, marks=_GPU)]
 
 
 def rows(rng: random.Random, block_size: int) -> list[ScheduledRow]:
