@@ -47,6 +47,7 @@ import torch
 
 from kvtier.config import TIERS, KVCacheConfig
 from kvtier.generate import generate_step
+from kvtier_bench._progress import BenchProgress
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,16 +95,20 @@ def run(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             contenders["HF StaticCache compiled"] = lambda: _hf_run(
                 hf, ids, n, sync, cache_implementation="static")
-    with torch.inference_mode():
-        for fn in contenders.values():
+    total = len(contenders) * (1 + args.repeats) + args.repeats
+    with torch.inference_mode(), BenchProgress("decode", total) as bar:
+        for name, fn in contenders.items():
+            bar.advance(f"warm-up, {name}")
             fn()  # warm-up with the same shapes (and compilation, for the static cache)
         # rounds interleave the contenders, so a busy machine slows them alike; keep each one's best
         runs: dict[str, list] = {name: [] for name in contenders}
         bandwidth, overheads = 0.0, []
-        for _ in range(args.repeats):
+        for i in range(args.repeats):
             bandwidth = max(bandwidth, measure_bandwidth(device, sync))
             for name, fn in contenders.items():
+                bar.advance(f"round {i + 1}/{args.repeats}, {name}")
                 runs[name].append(fn())
+            bar.advance(f"round {i + 1}/{args.repeats}, kvtier overhead")
             overheads.append(kvtier_overhead(model, ids, n, cfg, sync))
     results = []
     for name, rs in runs.items():

@@ -59,6 +59,7 @@ import torch
 
 from kvtier.config import KVCacheConfig
 from kvtier_bench._memory import reset_peak_rss, rss_bytes
+from kvtier_bench._progress import BenchProgress
 
 PEERS = ("dynamic", "static")
 TIERS = ("tail", "block", "ragged", "paged", "paged-q8", "paged-q4", "paged-gathered")
@@ -315,11 +316,12 @@ def run(args: argparse.Namespace) -> int:
     logging.set_verbosity_error()
     model, dtype = load_model(args.model, device)
     results = []
-    with torch.no_grad():
+    with torch.no_grad(), BenchProgress("hf", len(batches) * len(names)) as bar:
         for batch in batches:
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(100, model.config.vocab_size - 100, (batch, args.prompt_tokens), generator=g)
             for name in names:
+                bar.advance(f"{name}, batch {batch}")
                 results.append(measure(model, name, ids.to(device), args.new_tokens, args.window))
                 r = results[-1]
                 print(f"{name} batch {batch}: {r.total_s:.1f} s, {r.last_ms:.2f} ms/step at the end")

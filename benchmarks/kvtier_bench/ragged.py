@@ -41,6 +41,7 @@ import torch
 
 from kvtier.caches.ragged import RaggedBatchKVCache
 from kvtier.caches.tail_owned import TailOwnedKVCache
+from kvtier_bench._progress import BenchProgress
 
 SHAPES = {"llama": (32, 8, 128), "smollm2": (9, 3, 64)}  # (H_q, H_kv, D)
 
@@ -174,15 +175,19 @@ def run(args: argparse.Namespace) -> int:
     step_in = (rand(B, Hkv, 1, D), rand(B, Hkv, 1, D), rand(B, Hq, 1, D))  # k, v, q of one token
     results: dict[str, tuple] = {}  # name -> (seconds, output, held bytes, peak bytes)
     # one contender at a time, each freed before the next is built
-    results["row by row"] = _row_by_row(rows, step_in, args, sync)
     variants = {"ragged": "plain", "ragged frozen": "frozen"}
     if dev.type == "cuda":
         variants["ragged + triton"] = "triton"
-    for name, variant in variants.items():
-        results[name] = _ragged(rows, lengths, variant, step_in, args, sync)
-        gc.collect()
-    results["padded tail"] = _padded(rand(B, Hkv, max(lengths), D), rand(B, Hkv, max(lengths), D),
-                                     step_in, args, sync)
+    with BenchProgress("ragged", len(variants) + 2) as bar:  # long rows take a while on CPU
+        bar.advance("row by row")
+        results["row by row"] = _row_by_row(rows, step_in, args, sync)
+        for name, variant in variants.items():
+            bar.advance(name)
+            results[name] = _ragged(rows, lengths, variant, step_in, args, sync)
+            gc.collect()
+        bar.advance("padded tail")
+        results["padded tail"] = _padded(rand(B, Hkv, max(lengths), D), rand(B, Hkv, max(lengths), D),
+                                         step_in, args, sync)
     ref = results["row by row"][1].float()
     base_s, base_b = results["ragged"][0], results["ragged"][2]
     table = Table(title=f"one decode step: B={B}, rows {lengths[0]:,}..{lengths[-1]:,} tokens, "

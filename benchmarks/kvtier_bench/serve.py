@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier_bench._progress import BenchProgress
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=32)
@@ -114,9 +116,12 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     vocab = model.args.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(args.num_requests)]
-    results = [run_kvtier(model, prompts, args, device)]
-    if not args.skip_hf:
-        results.append(run_hf(model, prompts, args, device, results[0]))
+    with BenchProgress("serve", 2 - args.skip_hf) as bar:
+        bar.advance("kvtier LLMEngine")
+        results = [run_kvtier(model, prompts, args, device)]
+        if not args.skip_hf:
+            bar.advance("transformers generate_batch")
+            results.append(run_hf(model, prompts, args, device, results[0]))
     meta = {"model": label, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
             f"CPU, {torch.get_num_threads()} threads", "num_requests": args.num_requests,
             "input_len": [lo, hi], "output_len": args.output_len,

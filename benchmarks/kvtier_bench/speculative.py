@@ -38,6 +38,7 @@ import torch
 from kvtier.config import KVCacheConfig
 from kvtier.generate import generate_step
 from kvtier.speculative import SpeculativeConfig, SpeculativeStats, speculative_generate_step
+from kvtier_bench._progress import BenchProgress
 
 GROUNDED = (
     "Repeat this paragraph with the spelling corrected, and change nothing else:\n\n"
@@ -256,7 +257,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(tasks) - set(SINGLE) - set(BATCHES))
     if unknown:
         raise ValueError(f"--tasks {unknown} unknown; accepted: {', '.join([*SINGLE, *BATCHES])}")
-    with torch.inference_mode():
+    rounds = max(args.repeats, 1)
+    total = sum(rounds * (1 + (len(drafters) if task in SINGLE else 1)) for task in tasks)
+    with torch.inference_mode(), BenchProgress("speculative", total) as bar:
         for task in tasks:
             if task in SINGLE:
                 rows, tier, contenders = [encode(SINGLE[task])], "tail", drafters
@@ -267,13 +270,15 @@ def run(args: argparse.Namespace) -> int:
                 tier, contenders = "ragged", {"ngram": make_drafter("ngram", lm)}
                 title = f"{task}: {args.batch} rows, greedy, ragged tier, aggregate tokens/s"
             runs: list[list[Result]] = [[] for _ in range(len(contenders) + 1)]
-            for i in range(max(args.repeats, 1)):  # interleaved, the order reversed every round
+            for i in range(rounds):  # interleaved, the order reversed every round
                 order = range(len(runs)) if i % 2 == 0 else reversed(range(len(runs)))
                 for j in order:
                     if j == 0:
+                        bar.advance(f"{task}, round {i + 1}/{rounds}, plain")
                         runs[0].append(run_plain(model, rows, tier, args.max_tokens, stop_ids))
                     else:
                         name, d = list(contenders.items())[j - 1]
+                        bar.advance(f"{task}, round {i + 1}/{rounds}, {name}")
                         runs[j].append(run_speculative(model, rows, tier, args.max_tokens, stop_ids,
                                                        d, spec, name))
             results = [_fastest(r) for r in runs]
