@@ -505,6 +505,21 @@ def test_depth_policy_measures_the_drafter():
     assert "no depth beats plain decoding" in unmeasured.reason([True])
 
 
+def test_depth_policy_steers_clear_of_a_width_measured_slow():
+    """A verification of 7 tokens measured 10x a plain step, of 4 tokens 1.1x: the depth
+    that pays is 3, where the linear cost model alone would say 6."""
+    linear = DepthPolicy(1, max_k=6, verify_cost=0.15, draft_cost=0.0)
+    policy = DepthPolicy(1, max_k=6, verify_cost=0.15, draft_cost=0.0, measure=True)
+    for p in (linear, policy):
+        for _ in range(10):
+            p.observe([6], [6], [6])  # drafts that hold
+    policy.measure(0, 0.0, 1.0)
+    policy.measure(6, 0.0, 10.0)
+    policy.measure(3, 0.0, 1.1)
+    assert linear.depths() == [6] and policy.depths() == [3]
+    assert policy.cycle_cost(6) == pytest.approx(10.0) and policy.cycle_cost(2) == pytest.approx(1.3)
+
+
 def test_depth_policy_follows_the_slowest_row_of_a_batch():
     policy = DepthPolicy(4, max_k=6, verify_cost=0.2, draft_cost=0.0)
     for _ in range(8):  # rows 0 and 1 accept everything, rows 2 and 3 nothing

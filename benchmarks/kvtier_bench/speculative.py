@@ -130,6 +130,8 @@ class Result:
             "tokens_per_step": s.tokens_per_step if s else 1.0,
             "drafted": s.drafted if s else 0,
             "acceptance": s.acceptance_rate if s and s.drafted else None,
+            "draft_cost": s.draft_cost if s else None,  # a draft in one-token forwards, as measured
+            "depth_reason": s.depth_reason if s else "",  # why the depth ended at plain decoding
             "decode_s": self.decode_s,
             "cpu_s": self.cpu_s,
             "tokens_per_s": self.generated / self.decode_s,

@@ -174,7 +174,8 @@ class DepthPolicy:
     ``draft_cost`` (a drafted token's time over a one-token forward of the target)
     starts at the caller's estimate; with ``measure`` each cycle's timings
     (:meth:`measure`) replace it, so a drafter estimated too dear (or too cheap) is
-    judged by what it really costs on this machine.
+    judged by what it really costs on this machine, and a verification of a width
+    already timed costs what it took (:meth:`cycle_cost`) rather than ``1 + verify_cost k``.
 
     A row at depth zero learns nothing, so it drafts one token (a probe) once it has
     been idle ``wait`` verifications, and at once at the start: the first cycle
@@ -192,12 +193,20 @@ class DepthPolicy:
         self.hits, self.judged = [0.0] * batch, [0.0] * batch
         self.idle, self.wait = [wait] * batch, [wait] * batch  # a probe is due at the start
         self.drafting_cycles, self.timings = 0, 0  # cycles that drafted, cycles measured
-        self.plain_cycles, self.forward_s = 0, 0.0  # cycles without drafts, their mean time
+        self.verify_s: dict[int, tuple[int, float]] = {}  # drafts k -> (cycles, mean verification s)
 
     @property
     def cost(self) -> float:
-        """One more draft's cost, in one-token forwards of the target: verifying it and drafting it."""
+        """One more draft's cost by the linear model, in one-token forwards of the target:
+        verifying it and drafting it."""
         return self.verify_cost + self.draft_cost
+
+    def cycle_cost(self, k: int) -> float:
+        """A cycle with ``k`` drafts, in one-token forwards: its verification as measured
+        against a plain cycle where both were timed, else ``1 + verify_cost k``; plus the drafts."""
+        if k in self.verify_s and 0 in self.verify_s:
+            return self.verify_s[k][1] / self.verify_s[0][1] + self.draft_cost * k
+        return 1.0 + self.cost * k
 
     def alpha(self, row: int) -> float:
         return (self.hits[row] + self.prior) / (self.judged[row] + 1.0)
@@ -230,7 +239,7 @@ class DepthPolicy:
         best_k, best = 0, 1.0
         for k in range(1, max(limits, default=0) + 1):
             expected = min(sum(a**i for i in range(min(k, lim) + 1)) for a, lim in zip(alphas, limits))
-            rate = expected / (1.0 + self.cost * k)
+            rate = expected / self.cycle_cost(k)
             if rate > best:
                 best_k, best = k, rate
         return best_k
@@ -254,22 +263,23 @@ class DepthPolicy:
         """Book the times of a cycle that drafted up to ``k`` tokens per row: ``draft_s``
         drafting, ``verify_s`` the verification forward of width ``1 + k``.
 
-        A cycle without drafts times a one-token forward (the mean of the last 8 counts).
-        Until one has run, the verification stands in for it through the cost model,
-        ``verify_s / (1 + verify_cost k)``, which a forward much slower at some widths would
-        mislead. ``draft_cost`` becomes the running mean of ``draft_s / (k * forward)`` (the
-        last 8 weigh most). The first cycle that drafts is not measured: a model drafter
-        feeds the whole prompt in it."""
+        Verifications are timed per width (the mean of the last 8 of each), so a forward
+        much slower at some widths than the linear model says is seen, and the depth moves
+        away from it; a cycle without drafts times the one-token forward. ``draft_cost``
+        becomes the running mean of ``draft_s / (k * one-token forward)`` (the last 8 weigh
+        most), the one-token forward standing in through the linear model until a plain
+        cycle has run. The drafts of the first cycle that drafts are not timed: a model
+        drafter feeds the whole prompt in it."""
         if not self.measured or verify_s <= 0.0:
             return
+        n, mean = self.verify_s.get(k, (0, 0.0))
+        self.verify_s[k] = (n + 1, mean + (verify_s - mean) / min(n + 1, 8))
         if k == 0:
-            self.plain_cycles += 1
-            self.forward_s += (verify_s - self.forward_s) / min(self.plain_cycles, 8)
             return
         self.drafting_cycles += 1
         if self.drafting_cycles == 1:
             return
-        forward_s = self.forward_s if self.plain_cycles else verify_s / (1.0 + self.verify_cost * k)
+        forward_s = self.verify_s[0][1] if 0 in self.verify_s else verify_s / (1.0 + self.verify_cost * k)
         cost = draft_s / (k * forward_s)
         self.timings += 1
         self.draft_cost += (cost - self.draft_cost) / min(self.timings, 8)
@@ -283,13 +293,13 @@ class DepthPolicy:
         if self.max_k == 0:
             return "draft_tokens is 0"
         source = "measured" if self.timings else "estimated"
-        if self.cost >= 1.0:
-            return (f"a draft costs {self.draft_cost:.2f} target forwards ({source}) and verifying it "
-                    f"{self.verify_cost:.2f} more: no depth beats plain decoding even if every draft "
-                    "is accepted (a cheaper drafter would: ngram, early-exit:N, a smaller model)")
+        if all(1 + k <= self.cycle_cost(k) for k in range(1, self.max_k + 1)):
+            return (f"a draft costs {self.draft_cost:.2f} target forwards ({source}) and a cycle "
+                    f"with one {self.cycle_cost(1):.2f}: no depth beats plain decoding even if every "
+                    "draft is accepted (a cheaper drafter would: ngram, early-exit:N, a smaller model)")
         worst = min(self.alpha(r) for r in rows)
-        return (f"drafts are accepted {worst:.0%} of the time, too seldom to pay for "
-                f"{self.cost:.2f} target forwards each ({source}); probing again later")
+        return (f"drafts are accepted {worst:.0%} of the time, too seldom to pay for what a cycle "
+                f"with one costs, {self.cycle_cost(1):.2f} target forwards ({source}); probing again later")
 
 
 # -- figures -------------------------------------------------------------------------------
