@@ -485,6 +485,16 @@ def test_a_drafter_as_dear_as_the_target_probes_rarely_and_says_why():
     assert [b - a - 1 for a, b in zip(probes, probes[1:])] == [8, 16, 32]  # waits double
     reason = policy.reason([True])
     assert "no depth beats plain decoding" in reason and "1.00" in reason and "estimated" in reason
+    # measured so (a cycle with one draft: 1 + 1.2 one-token forwards), it is not probed again
+    timed = DepthPolicy(1, max_k=6, verify_cost=0.15, draft_cost=1.0, measure=True)
+    chosen = []
+    for _ in range(200):
+        k = timed.depths()[0]
+        chosen.append(k)
+        timed.measure(k, draft_s=1.2 * k, verify_s=1.0 + 0.15 * k)
+        timed.observe([k], [k], [k])
+    assert [i for i, k in enumerate(chosen) if k] == [0, 9]  # the first probe's drafts are not timed
+    assert timed.draft_cost == pytest.approx(1.2) and "(measured)" in timed.reason([True])
 
 
 def test_depth_policy_measures_the_drafter():

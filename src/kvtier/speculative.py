@@ -39,6 +39,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -181,7 +182,8 @@ class DepthPolicy:
     been idle ``wait`` verifications, and at once at the start: the first cycle
     measures the drafter. A probe that leaves the depth at zero doubles the wait (up to
     ``max_wait``); one that lifts it resets the wait. A model drafter's probe first
-    feeds the tokens it skipped, in one forward.
+    feeds the tokens it skipped, in one forward. Once measured costs say that no depth
+    can win (:meth:`hopeless`), the row is not probed again.
     """
 
     def __init__(self, batch: int, max_k: int, *, verify_cost: float, draft_cost: float,
@@ -258,6 +260,13 @@ class DepthPolicy:
             if probe:  # wait longer unless the probe lifted the depth
                 lifted = self._best([self.alpha(r)]) > 0
                 self.wait[r] = self.first_wait if lifted else min(2 * self.wait[r], self.max_wait)
+                if self.timings and self.hopeless():  # measured: no acceptance could pay for it
+                    self.wait[r] = math.inf
+
+    def hopeless(self) -> bool:
+        """No depth beats plain decoding even if every draft is accepted: ``1 + k`` tokens
+        never outweigh ``cycle_cost(k)``."""
+        return all(1 + k <= self.cycle_cost(k) for k in range(1, self.max_k + 1))
 
     def measure(self, k: int, draft_s: float, verify_s: float) -> None:
         """Book the times of a cycle that drafted up to ``k`` tokens per row: ``draft_s``
@@ -293,7 +302,7 @@ class DepthPolicy:
         if self.max_k == 0:
             return "draft_tokens is 0"
         source = "measured" if self.timings else "estimated"
-        if all(1 + k <= self.cycle_cost(k) for k in range(1, self.max_k + 1)):
+        if self.hopeless():
             return (f"a draft costs {self.draft_cost:.2f} target forwards ({source}) and a cycle "
                     f"with one {self.cycle_cost(1):.2f}: no depth beats plain decoding even if every "
                     "draft is accepted (a cheaper drafter would: ngram, early-exit:N, a smaller model)")
