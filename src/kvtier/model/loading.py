@@ -38,6 +38,7 @@ import torch
 
 from kvtier.config import user_cache_dir
 from kvtier.model.llama import ModelArgs, Transformer
+from kvtier.model.packed import pack_model, packed_state
 from kvtier.model.tokenizer import Tokenizer
 from kvtier.model.weights import read_gguf, read_hf_dir
 
@@ -57,6 +58,7 @@ class LoadedModel:
     source: Path
     load_seconds: float
     from_cache: bool  # True when a GGUF came from the conversion cache
+    packing: dict | None = None  # what pack_model() packed, None when not asked
 
 
 def default_model_path() -> Path:
@@ -87,6 +89,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     progress: bool = True,
+    pack: bool | None = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer.
 
@@ -94,7 +97,11 @@ def load_model(
     (``tokenizer.json`` optional), a folder holding exactly one ``.gguf``, or
     ``None`` for the embedded default. ``device`` defaults to CUDA when available,
     else CPU; ``dtype`` to bfloat16 on CUDA, float32 on CPU. ``progress`` shows a
-    progress bar (on stderr) while a GGUF is converted.
+    progress bar (on stderr) while a GGUF is converted. ``pack`` (default: on the
+    CPU in float32) keeps every linear whose weights are exactly Q4_1 or Q8_0 (as
+    the default model's) in those block codes, multiplied by a small C kernel:
+    the same weights, a fraction of the bytes per decoded token
+    (:mod:`kvtier.model.packed`); ``LoadedModel.packing`` says what was packed.
 
     Raises ``FileNotFoundError`` for a missing path and ``ValueError`` for a file
     that cannot be read as a supported model, naming the path.
@@ -105,7 +112,7 @@ def load_model(
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     source = default_model_path() if path is None else _resolve(Path(path))
-    from_cache = False
+    from_cache, folder = False, None
     if source.is_dir():
         args, state = read_hf_dir(source)
         tokenizer = (Tokenizer.from_pretrained_dir(source)
@@ -119,7 +126,11 @@ def load_model(
         else:
             (args, state, tokenizer), from_cache = cached, True
     model = build_model(args, state, dtype=dtype, device=device)
-    return LoadedModel(model, tokenizer, args, source, time.perf_counter() - t0, from_cache)
+    if pack is None:
+        pack = device.type == "cpu" and dtype == torch.float32
+    packing = _pack(model, folder) if pack else None
+    return LoadedModel(model, tokenizer, args, source, time.perf_counter() - t0, from_cache,
+                       packing)
 
 
 def build_model(args: ModelArgs, state: dict[str, torch.Tensor], *, dtype: torch.dtype,
@@ -140,6 +151,54 @@ def build_model(args: ModelArgs, state: dict[str, torch.Tensor], *, dtype: torch
     model.tie_weights()
     model.rope.reset(device)
     return model.eval()
+
+
+def _pack(model: Transformer, folder: Path | None) -> dict:
+    """Pack ``model``'s linears, through the codes kept in the GGUF's conversion cache
+    ``folder`` (found once, then read); a Hugging Face folder (``None``) is searched."""
+    saved = None if folder is None else read_packed_cache(folder)
+    stats = pack_model(model, state=saved)
+    if folder is not None and saved is None and sum(stats["packed"].values()):
+        write_packed_cache(folder, packed_state(model))
+    return stats
+
+
+def write_packed_cache(folder: Path, state: dict[str, torch.Tensor]) -> None:
+    """Write ``packed.safetensors`` (block codes, see :func:`kvtier.model.packed.packed_state`)
+    with its CRC-32 into the conversion cache entry ``folder``; a failure only warns."""
+    from safetensors.torch import save
+
+    body = save({k: v.contiguous() for k, v in state.items()})
+    data = save({k: v.contiguous() for k, v in state.items()},
+                metadata={"crc32": str(zlib.crc32(body)), "converter_version": str(CONVERTER_VERSION)})
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_write(folder / "packed.safetensors", data)
+    except OSError as e:
+        warnings.warn(f"could not write the packed weights in {folder} ({e}); the next load "
+                      "will search the codes again", stacklevel=3)
+
+
+def read_packed_cache(folder: Path) -> dict[str, torch.Tensor] | None:
+    """The block codes in ``folder``'s ``packed.safetensors``, or None when absent or damaged."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save
+
+    path = folder / "packed.safetensors"
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no __iter__)
+        if meta.get("converter_version") != str(CONVERTER_VERSION) or \
+                str(zlib.crc32(save(state))) != meta.get("crc32"):
+            raise ValueError(f"checksum mismatch in {path}")
+    except (OSError, ValueError, SafetensorError) as e:
+        warnings.warn(f"the packed weights {path} are damaged ({e}); searching the codes again",
+                      stacklevel=3)
+        return None
+    return state
 
 
 def _resolve(path: Path) -> Path:

@@ -1,0 +1,365 @@
+"""Weights kept in their GGUF block codes on the CPU, multiplied without a float32 copy.
+
+The default model is a Q4_1 GGUF (embedding and LM head Q8_0). Dequantised to
+float32 it reads 538 MB per decoded token; kept as codes it reads 0.625 bytes per
+weight (Q4_1) and 1.0625 (Q8_0), about 97 MB. Decoding on a CPU is bound by those
+bytes, so the packed model decodes several times faster than the same weights in
+float32, and it computes with exactly the same weights:
+
+- :func:`recover_q4_1` / :func:`recover_q8_0` find, for a float32 weight, the codes
+  and fp16 scales (and minima) of blocks of 32 along the input dimension, and
+  return them only if ``code * d + m`` (``code * d``) gives back every weight bit
+  for bit; otherwise ``None`` and the layer stays float32. No weight is ever
+  rounded: packing is lossless or it does not happen.
+- :class:`PackedLinear` multiplies a float32 input by the packed weight. For up to
+  :data:`MAX_KERNEL_ROWS` rows (decode) a small C kernel (AVX-512 where the CPU has
+  it, plain C elsewhere) dequantises in registers and accumulates in float32, with
+  the threads of PyTorch's OpenMP runtime; for more rows (prefill) it dequantises
+  the weight and calls ``F.linear``, which gives the float32 model's results bit for
+  bit. Only the summation order of decode differs from the float32 model.
+- The kernel is compiled once per machine with the system C compiler into the
+  user cache (:func:`kvtier.config.user_cache_dir`); where no compiler works,
+  :func:`load_kernels` returns ``None`` and nothing is packed.
+
+Example::
+
+    >>> from kvtier.model import load_model
+    >>> lm = load_model(device="cpu", dtype=torch.float32)        # doctest: +SKIP
+    >>> pack_model(lm.model)   # load_model packs CPU float32 models already  # doctest: +SKIP
+    {'packed': {'q4_1': 210, 'q8_0': 1}, 'float32': 0, 'bytes_before': ..., 'bytes_after': ...}
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+BLOCK = 32  # weights per block along the input dimension (GGUF Q4_1 and Q8_0)
+#: inputs of at most this many rows go through the C kernel; more rows dequantise and use F.linear
+MAX_KERNEL_ROWS = 4
+FORMATS = ("q4_1", "q8_0")
+
+_C_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+/* y[r, n] = sum_k x[r, k] w[n, k], weights in blocks of 32 along k, d and m fp16 [N, K/32].
+   q4_1: w = code * d + m; 16 bytes per block, low nibble of byte j is element j, high j+16.
+   q8_0: w = code * d; 32 int8 per block. code * d is exact in float32, so w is the
+   float32 weight bit for bit; four accumulators break the dependency chain. */
+void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _Float16* mn,
+               float* y, int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t G = K / 32;
+  #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n++) {
+    for (int64_t r = 0; r < M; r++) {
+      const float* xr = x + r * K;
+      const uint8_t* c = codes + n * G * 16;
+      const _Float16* dn = d + n * G;
+      const _Float16* mnn = mn + n * G;
+#ifdef __AVX512F__
+      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+      const __m512i low = _mm512_set1_epi32(15);
+      for (int64_t g = 0; g < G; g++) {
+        const __m512 dv = _mm512_set1_ps((float)dn[g]), mv = _mm512_set1_ps((float)mnn[g]);
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + g * 16)));
+        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), dv, mv);
+        const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), dv, mv);
+        const int s = (int)(g & 1) * 2;
+        a[s] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr + g * 32), a[s]);
+        a[s + 1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + g * 32 + 16), a[s + 1]);
+      }
+      y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]),
+                                                        _mm512_add_ps(a[2], a[3])));
+#else
+      float a0[16] = {0}, a1[16] = {0};
+      for (int64_t g = 0; g < G; g++) {
+        const float dd = (float)dn[g], mm = (float)mnn[g];
+        for (int j = 0; j < 16; j++) {
+          a0[j] += ((float)(c[g * 16 + j] & 15) * dd + mm) * xr[g * 32 + j];
+          a1[j] += ((float)(c[g * 16 + j] >> 4) * dd + mm) * xr[g * 32 + 16 + j];
+        }
+      }
+      float s = 0.f;
+      for (int j = 0; j < 16; j++) s += a0[j] + a1[j];
+      y[r * N + n] = s;
+#endif
+    }
+  }
+}
+
+void q8_0_gemv(const float* x, const int8_t* codes, const _Float16* d, const _Float16* unused,
+               float* y, int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t G = K / 32;
+  (void)unused;
+  #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n++) {
+    for (int64_t r = 0; r < M; r++) {
+      const float* xr = x + r * K;
+      const int8_t* c = codes + n * K;
+      const _Float16* dn = d + n * G;
+#ifdef __AVX512F__
+      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+      for (int64_t g = 0; g < G; g++) {
+        const __m512 dv = _mm512_set1_ps((float)dn[g]);
+        const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + g * 32)))), dv);
+        const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + g * 32 + 16)))), dv);
+        const int s = (int)(g & 1) * 2;
+        a[s] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr + g * 32), a[s]);
+        a[s + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + g * 32 + 16), a[s + 1]);
+      }
+      y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]),
+                                                        _mm512_add_ps(a[2], a[3])));
+#else
+      float a0[32] = {0};
+      for (int64_t g = 0; g < G; g++) {
+        const float dd = (float)dn[g];
+        for (int j = 0; j < 32; j++) a0[j] += ((float)c[g * 32 + j] * dd) * xr[g * 32 + j];
+      }
+      float s = 0.f;
+      for (int j = 0; j < 32; j++) s += a0[j];
+      y[r * N + n] = s;
+#endif
+    }
+  }
+}
+"""
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+class PackedKernels:
+    """The compiled ``q4_1_gemv`` / ``q8_0_gemv`` of :data:`_C_SOURCE`, called through ctypes."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._fns = {"q4_1": lib.q4_1_gemv, "q8_0": lib.q8_0_gemv}
+        for fn in self._fns.values():
+            fn.argtypes, fn.restype = args, None
+        self.path = path
+
+    def gemv(self, fmt: str, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor,
+             m: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """``out[r, n] = sum_k x[r, k] w[n, k]``: x float32 ``[M, K]`` contiguous, out ``[M, N]``."""
+        M, K = x.shape
+        self._fns[fmt](x.data_ptr(), codes.data_ptr(), d.data_ptr(),
+                       (m if m is not None else d).data_ptr(), out.data_ptr(),
+                       M, out.shape[1], K, torch.get_num_threads())
+        return out
+
+
+@functools.cache
+def load_kernels() -> PackedKernels | None:
+    """Compile (once per machine, into the user cache) and load the kernels; ``None`` if
+    no C compiler can build them here (a warning says why)."""
+    from kvtier.config import user_cache_dir
+
+    key = hashlib.sha256("|".join([_C_SOURCE, *_CFLAGS, platform.machine(), _cpu_model(),
+                                   torch.__version__]).encode()).hexdigest()[:16]
+    path = user_cache_dir() / "kernels" / f"packed-{key}.so"
+    try:
+        if not path.is_file():
+            _compile(path)
+        return PackedKernels(path)
+    except (OSError, subprocess.SubprocessError) as e:
+        warnings.warn(f"packed CPU kernels unavailable ({e}); weights stay float32",
+                      stacklevel=2)
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compile(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    compiler = os.environ.get("CC", "cc")
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        src, out = Path(tmp) / "packed.c", Path(tmp) / "packed.so"
+        src.write_text(_C_SOURCE, encoding="utf-8")
+        done = subprocess.run([compiler, *_CFLAGS, str(src), "-o", str(out)],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            raise OSError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+        os.replace(out, path)
+
+
+# -- lossless recovery of block codes ---------------------------------------------------------------
+def recover_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Codes of a float32 weight ``[N, K]`` that is exactly Q4_1 (blocks of 32 along K).
+
+    Returns ``(codes uint8 [N, K/32, 16], d fp16 [N, K/32], m fp16 [N, K/32])`` with
+    ``w[n, 32g + j] == code_j * d + m`` (low nibble of byte j: element j, high: j + 16)
+    for every weight bit for bit, or ``None`` when ``w`` is not such a weight.
+    """
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % BLOCK:
+        return None
+    blocks = w.reshape(w.shape[0], -1, BLOCK)  # (N, G, 32)
+    lo, hi = torch.aminmax(blocks, dim=-1, keepdim=True)  # (N, G, 1): codes 0 and 15
+    m, d = lo, ((hi - lo) / 15).half().float()
+    if not (torch.isfinite(d).all() and torch.equal(m.half().float(), m)):
+        return None
+    q = (blocks - m).div_(torch.where(d > 0, d, 1.0)).round_()  # a constant block: codes 0
+    q_lo, q_hi = torch.aminmax(q)
+    if q_lo < 0 or q_hi > 15 or not torch.equal(torch.addcmul(m, q, d), blocks):
+        return None
+    q = q.to(torch.uint8)
+    codes = q[..., :16] | (q[..., 16:] << 4)  # (N, G, 16)
+    return codes.contiguous(), d[..., 0].half(), m[..., 0].half()
+
+
+def recover_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Codes of a float32 weight ``[N, K]`` that is exactly Q8_0 (blocks of 32 along K).
+
+    Returns ``(codes int8 [N, K], d fp16 [N, K/32])`` with ``w == code * d`` bit for
+    bit, or ``None``.
+    """
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % BLOCK:
+        return None
+    blocks = w.reshape(w.shape[0], -1, BLOCK)  # (N, G, 32)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()  # the largest is +-127
+    if not torch.isfinite(d).all():
+        return None
+    q = (blocks / torch.where(d > 0, d, 1.0)).round_()  # (N, G, 32)
+    if q.abs().max() > 127 or not torch.equal(q * d, blocks):
+        return None
+    return q.to(torch.int8).reshape(w.shape).contiguous(), d[..., 0].half()
+
+
+# -- the module -------------------------------------------------------------------------------------
+class PackedLinear(nn.Module):
+    """``F.linear(x, w, bias)`` with ``w`` ``[N, K]`` held as Q4_1 or Q8_0 block codes.
+
+    Built by :meth:`from_linear`, which returns ``None`` unless the packing is exact.
+    ``forward`` takes float32 ``[..., K]`` and returns float32 ``[..., N]``.
+    """
+
+    def __init__(self, fmt: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                 bias: torch.Tensor | None, in_features: int, kernels: PackedKernels):
+        super().__init__()
+        assert fmt in FORMATS, fmt
+        self.fmt, self.in_features, self.out_features = fmt, in_features, codes.shape[0]
+        self.kernels = kernels
+        # integer parameters (no gradient) so that .to() and parameters() see them
+        self.codes = nn.Parameter(codes, requires_grad=False)
+        self.d = nn.Parameter(d, requires_grad=False)
+        self.m = None if m is None else nn.Parameter(m, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str, kernels: PackedKernels
+                    ) -> PackedLinear | None:
+        """The packed twin of ``linear`` in ``fmt``, or ``None`` if its weight is not exactly that."""
+        w = linear.weight.detach()
+        if fmt == "q4_1":
+            found = recover_q4_1(w)
+            if found is None:
+                return None
+            codes, d, m = found
+        else:
+            found = recover_q8_0(w)
+            if found is None:
+                return None
+            (codes, d), m = found, None
+        return cls(fmt, codes, d, m, linear.bias, w.shape[1], kernels)
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], prefix: str, linear: nn.Linear,
+                   kernels: PackedKernels) -> PackedLinear:
+        """Rebuild from :func:`packed_state`'s tensors under ``prefix`` (``"layers.0.attention.wqkv."``)."""
+        codes = state[prefix + "codes"]
+        fmt = "q8_0" if codes.dtype == torch.int8 else "q4_1"
+        return cls(fmt, codes, state[prefix + "d"], state.get(prefix + "m"), linear.bias,
+                   linear.weight.shape[1], kernels)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The float32 weight ``[N, K]``, dequantised on each access (exactly the original)."""
+        d = self.d.float()[..., None]  # (N, G, 1)
+        if self.fmt == "q8_0":
+            codes = self.codes.view(self.out_features, -1, BLOCK)  # (N, G, 32)
+            return (codes.float() * d).reshape(self.out_features, self.in_features)
+        lo, hi = self.codes & 15, self.codes >> 4  # (N, G, 16) each
+        q = torch.cat([lo, hi], dim=-1).float()  # (N, G, 32)
+        return torch.addcmul(self.m.float()[..., None], q, d).reshape(self.out_features, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > MAX_KERNEL_ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(rows, self.in_features).contiguous()  # (M, K)
+        out = torch.empty(rows, self.out_features, dtype=torch.float32)  # (M, N)
+        self.kernels.gemv(self.fmt, x2, self.codes, self.d, self.m, out)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+def pack_model(model: nn.Module, kernels: PackedKernels | None = None,
+               state: dict[str, torch.Tensor] | None = None) -> dict:
+    """Replace every linear of ``model`` (a :class:`~kvtier.model.llama.Transformer` on the
+    CPU in float32) whose weight is exactly Q4_1 or Q8_0 by a :class:`PackedLinear`.
+
+    ``state`` (from :func:`packed_state` of the same weights, e.g. the conversion
+    cache) names the linears to pack and holds their codes, so nothing is searched.
+    The embedding table stays float32 (a lookup reads one row). Returns counts:
+    ``{"packed": {"q4_1": n, "q8_0": n}, "float32": n, "bytes_before", "bytes_after"}``
+    (bytes of the linears' weights). Without kernels (``load_kernels()`` is ``None``)
+    nothing changes.
+    """
+    kernels = load_kernels() if kernels is None else kernels
+    stats = {"packed": {f: 0 for f in FORMATS}, "float32": 0, "bytes_before": 0, "bytes_after": 0}
+    if kernels is None:
+        return stats
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    for name, linear in targets:
+        if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
+            continue
+        stats["bytes_before"] += linear.weight.numel() * 4
+        if state is not None:
+            packed = (PackedLinear.from_state(state, f"{name}.", linear, kernels)
+                      if f"{name}.codes" in state else None)
+        else:
+            packed = next((p for fmt in FORMATS
+                           if (p := PackedLinear.from_linear(linear, fmt, kernels)) is not None),
+                          None)
+        if packed is None:
+            stats["float32"] += 1
+            stats["bytes_after"] += linear.weight.numel() * 4
+            continue
+        stats["packed"][packed.fmt] += 1
+        stats["bytes_after"] += sum(p.numel() * p.element_size() for p in packed.parameters())
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, packed)
+    return stats
+
+
+def packed_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The codes, scales and minima of every :class:`PackedLinear` of ``model``, by name
+    (``"layers.0.attention.wqkv.codes"``, ``.d``, ``.m``); biases are not included."""
+    return {f"{name}.{k}": t for name, mod in model.named_modules() if isinstance(mod, PackedLinear)
+            for k, t in (("codes", mod.codes), ("d", mod.d), ("m", mod.m)) if t is not None}
