@@ -4,7 +4,11 @@ CPU (the default without a GPU): the default model (SmolLM2-135M-Instruct, float
 generates ``--new-tokens`` (256) greedy tokens after a ``--prompt-tokens`` (512)
 prompt taken from Python's ``pydoc_data.topics``. Contenders, in the same run:
 
-- ``kvtier``: :func:`kvtier.generate.generate_step` over the ``--tier`` tier (tail);
+- ``kvtier``: :func:`kvtier.generate.generate_step` over the ``--tier`` tier (tail),
+  on the model as :func:`kvtier.model.load_model` gives it (weights exactly Q4_1 or
+  Q8_0 kept as block codes, :mod:`kvtier.model.packed`);
+- ``kvtier ... float32``: the same with ``load_model(pack=False)`` (every weight
+  dequantised to float32, as before the packed kernels);
 - ``HF DynamicCache``: ``transformers`` ``generate`` on a ``LlamaForCausalLM`` that
   ``transformers`` itself loads from the same GGUF file.
 
@@ -16,7 +20,7 @@ compiles: ``torch.compile``, mode ``reduce-overhead``).
 
 Every contender runs once untimed (same prompt and lengths) to warm up, then
 ``--repeats`` timed rounds run the contenders in turn (so a busy machine slows
-them alike) and each contender's best round is reported. Decode tokens/s is
+them alike); each contender's median round is reported, with the slowest and fastest. Decode tokens/s is
 ``(N - 1)`` over the time from the first new token to the last (for
 ``transformers``, the first token's time comes from a streamer); the prefill
 column is the time to the first new token. Also reported:
@@ -62,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (on a machine shared with other jobs, 1 is steadier)")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="timed rounds; each contender's best round is reported")
+                        help="timed rounds; each contender's median round is reported, with the spread")
     parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     parser.add_argument("--plot", default=None, help="write a PNG of decode tokens/s here")
 
@@ -71,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Result:
     name: str
     prefill_s: float  # prompt and first new token
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float  # the median round's
+    spread: tuple[float, float]  # the slowest and fastest round's decode tokens/s
     tokens: list[int]
 
 
@@ -81,15 +86,20 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.prompt_tokens < 2 or args.new_tokens < 2:
         raise ValueError("--prompt-tokens and --new-tokens must be at least 2")
+    fp32 = None
     if device.type == "cuda" or args.arch is not None:
         model, hf, ids, label = _random_models(args, device)
     else:
-        model, hf, ids, label = _gguf_models(args)
+        model, fp32, hf, ids, label = _gguf_models(args)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n, cfg = args.new_tokens, KVCacheConfig(tier=args.tier)
     contenders: dict[str, Callable[[], tuple[float, float, list[int]]]] = {
         f"kvtier {args.tier}": lambda: _kvtier_run(model, ids, n, cfg),
     }
+    models = {f"kvtier {args.tier}": model}
+    if fp32 is not None:
+        contenders[f"kvtier {args.tier} float32"] = lambda: _kvtier_run(fp32, ids, n, cfg)
+        models[f"kvtier {args.tier} float32"] = fp32
     if hf is not None:
         contenders["HF DynamicCache"] = lambda: _hf_run(hf, ids, n, sync)
         if device.type == "cuda":
@@ -112,13 +122,17 @@ def run(args: argparse.Namespace) -> int:
             overheads.append(kvtier_overhead(model, ids, n, cfg, sync))
     results = []
     for name, rs in runs.items():
-        first, rest, tokens = min(rs, key=lambda r: r[1])
-        results.append(Result(name, min(r[0] for r in rs), (n - 1) / rest, tokens))
+        rates = sorted((n - 1) / r[1] for r in rs)
+        results.append(Result(name, min(r[0] for r in rs), rates[len(rates) // 2],
+                              (rates[0], rates[-1]), rs[0][2]))
     overhead = sorted(overheads)[len(overheads) // 2]
-    roof = bandwidth / unique_param_bytes(model)
-    _print_table(results, roof, overhead, bandwidth, unique_param_bytes(model), label, args, device)
+    # each kvtier model's own bytes per token; HF reads what the float32 model reads
+    per_token = {name: bytes_per_token(m) for name, m in models.items()}
+    hf_bytes = bytes_per_token(fp32 if fp32 is not None else model)
+    roofs = {r.name: bandwidth / per_token.get(r.name, hf_bytes) for r in results}
+    _print_table(results, roofs, overhead, bandwidth, per_token, label, args, device)
     if args.plot:
-        _plot(results, roof, args.plot, label)
+        _plot(results, roofs[results[0].name], args.plot, label)
     return 0
 
 
@@ -130,6 +144,7 @@ def _gguf_models(args):
     from kvtier.model import load_model
 
     lm = load_model(args.model, device="cpu", dtype=torch.float32, progress=False)
+    fp32 = load_model(args.model, device="cpu", dtype=torch.float32, progress=False, pack=False)
     ids = encode_text(lm.tokenizer, default_text(), args.prompt_tokens)
     hf = None
     if args.hf:
@@ -138,7 +153,7 @@ def _gguf_models(args):
         path = lm.source
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                   dtype=torch.float32).eval()
-    return lm.model, hf, ids, f"{path.name if args.hf else lm.source.name}, float32, CPU"
+    return lm.model, fp32.model, hf, ids, f"{lm.source.name}, float32 activations, CPU"
 
 
 def _random_models(args, device):
@@ -235,6 +250,16 @@ def unique_param_bytes(model) -> int:
     return total
 
 
+def bytes_per_token(model) -> int:
+    """Weight bytes one decoded token reads: every parameter once, except an embedding
+    table that is not also the LM head (a lookup reads one row of it)."""
+    emb = model.tok_embeddings.weight
+    tied = any(p.data_ptr() == emb.data_ptr() for name, p in model.named_parameters()
+               if not name.startswith("tok_embeddings"))
+    row = emb.shape[1] * emb.element_size()
+    return unique_param_bytes(model) - (0 if tied else emb.numel() * emb.element_size() - row)
+
+
 def _kvtier_run(model, ids, n, cfg) -> tuple[float, float, list[int]]:
     """Seconds to the first token, seconds of the ``n - 1`` after it, and the tokens."""
     caches = model.make_caches(cfg, batch_size=1)
@@ -322,7 +347,7 @@ def _hf_run(hf, ids, n, sync, **gen_kwargs) -> tuple[float, float, list[int]]:
 # -- output ---------------------------------------------------------------------------------------------
 
 
-def _print_table(results, roof, overhead, bandwidth, weight_bytes, label, args, device) -> None:
+def _print_table(results, roofs, overhead, bandwidth, per_token, label, args, device) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -330,22 +355,26 @@ def _print_table(results, roof, overhead, bandwidth, weight_bytes, label, args, 
     ref = results[0].tokens
     table = Table(title=f"decode: {label}; {args.prompt_tokens}-token prompt, "
                         f"{args.new_tokens} new tokens, {torch.get_num_threads()} CPU threads")
-    for col in ("contender", "prefill + 1st (s)", "decode tok/s", "ms/token", "vs HF Dynamic",
+    for col in ("contender", "prefill + 1st (s)", "decode tok/s", "min-max", "ms/token",
+                "vs HF Dynamic",
                 "% roofline", "same tokens"):
         table.add_column(col, justify="left" if col == "contender" else "right")
     for r in results:
         same = next((i for i, (a, b) in enumerate(zip(r.tokens, ref)) if a != b), len(ref))
         table.add_row(
             r.name, f"{r.prefill_s:.3f}", f"{r.decode_tokens_per_s:.1f}",
+            f"{r.spread[0]:.1f}-{r.spread[1]:.1f}",
             f"{1e3 / r.decode_tokens_per_s:.2f}",
             f"{r.decode_tokens_per_s / hf.decode_tokens_per_s:.2f}x" if hf else "-",
-            f"{100 * r.decode_tokens_per_s / roof:.0f}%", f"{same}/{len(ref)}",
+            f"{100 * r.decode_tokens_per_s / roofs[r.name]:.0f}% of {roofs[r.name]:.0f}",
+            f"{same}/{len(ref)}",
         )
     console = Console(width=120)
     console.print(table)
     console.print(
-        f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (copy) | weights {weight_bytes / 1e6:.0f} MB "
-        f"per token | roofline {roof:.1f} tok/s | kvtier step outside the forward: "
+        f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (copy) | weights read per token: "
+        + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in per_token.items())
+        + f" | kvtier step outside the forward: "
         f"{100 * overhead:.1f}% | device {device}"
     )
 

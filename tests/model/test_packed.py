@@ -1,0 +1,125 @@
+"""Packed Q4_1/Q8_0 linears: lossless recovery of block codes, the C kernel against
+F.linear on the float32 weight, and the default model packed against the float32 one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kvtier.model import load_model
+from kvtier.model.packed import (
+    MAX_KERNEL_ROWS,
+    PackedLinear,
+    load_kernels,
+    pack_model,
+    packed_state,
+    recover_q4_1,
+    recover_q8_0,
+)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_kernels()
+    if k is None:
+        pytest.skip("no C compiler builds the packed kernels here")
+    return k
+
+
+def q4_1_weight(N: int, K: int, seed: int = 0):
+    """A float32 weight built the way gguf dequantises Q4_1: ``code * d + m`` per block of 32."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # the quantiser puts a block's min at 0 and max at 15
+    d = (torch.rand(N, K // 32, 1, generator=g) * 0.01).half().float()
+    m = (-torch.rand(N, K // 32, 1, generator=g) * 0.05).half().float()
+    return (q * d + m).reshape(N, K), q, d, m
+
+
+def q8_0_weight(N: int, K: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (N, K // 32, 32), generator=g).float()
+    q[..., 0] = 127
+    d = (torch.rand(N, K // 32, 1, generator=g) * 0.01).half().float()
+    return (q * d).reshape(N, K), q
+
+
+def test_q4_1_codes_are_recovered_exactly():
+    w, q, d, m = q4_1_weight(64, 96)
+    codes, d2, m2 = recover_q4_1(w)
+    assert codes.shape == (64, 3, 16) and codes.dtype == torch.uint8
+    assert torch.equal(d2.float(), d[..., 0]) and torch.equal(m2.float(), m[..., 0])
+    assert torch.equal(torch.cat([codes & 15, codes >> 4], -1).float(), q)
+
+
+def test_q8_0_codes_are_recovered_exactly():
+    w, q = q8_0_weight(64, 96)
+    codes, _ = recover_q8_0(w)
+    assert torch.equal(codes.float(), q.reshape(64, 96))
+
+
+@pytest.mark.parametrize("recover", [recover_q4_1, recover_q8_0])
+def test_weights_that_are_not_exactly_codes_are_refused(recover):
+    w, *_ = q4_1_weight(8, 64) if recover is recover_q4_1 else q8_0_weight(8, 64)
+    w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(1.0))  # one ulp off
+    assert recover(w) is None
+    assert recover(torch.randn(8, 64)) is None
+    assert recover(torch.randn(8, 60)) is None  # not whole blocks
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, MAX_KERNEL_ROWS, 7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_on_the_float32_weight(kernels, fmt, rows, bias):
+    w = q4_1_weight(200, 576)[0] if fmt == "q4_1" else q8_0_weight(200, 576)[0]
+    lin = nn.Linear(576, 200, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    packed = PackedLinear.from_linear(lin, fmt, kernels)
+    assert packed is not None and packed.fmt == fmt
+    assert torch.equal(packed.weight, w)
+    x = torch.randn(1, rows, 576)
+    want = F.linear(x, w, lin.bias)
+    got = packed(x)
+    assert got.shape == (1, rows, 200)
+    if rows > MAX_KERNEL_ROWS:  # prefill: F.linear on the dequantised weight, bit for bit
+        assert torch.equal(got, want)
+    else:  # the kernel: only the order of the float32 sums differs
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_random_float32_weights_stay_float32(kernels):
+    from kvtier.model import ModelArgs, build_random
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=96)
+    model = build_random(args, dtype=torch.float32)
+    stats = pack_model(model, kernels)
+    assert sum(stats["packed"].values()) == 0 and stats["float32"] > 0
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+@pytest.mark.slow
+def test_default_model_packs_and_decodes_the_float32_models_tokens(lm, kernels):
+    from kvtier.generate import generate_step
+
+    n_layers = lm.args.n_layers
+    assert lm.packing["packed"] == {"q4_1": 4 * n_layers, "q8_0": 1}
+    assert lm.packing["bytes_after"] < lm.packing["bytes_before"] / 5
+    fp32 = load_model(device="cpu", dtype=torch.float32, progress=False, pack=False)
+    assert fp32.packing is None
+    # every packed weight dequantises to the float32 model's weight, bit for bit
+    for name, mod in lm.model.named_modules():
+        if isinstance(mod, PackedLinear):
+            assert torch.equal(mod.weight, fp32.model.get_submodule(name).weight), name
+    assert set(packed_state(lm.model)) >= {"output.codes", "layers.0.attention.wqkv.m"}
+    prompt = lm.tokenizer.encode("Write a short story about a lighthouse keeper and a storm.")
+
+    def tokens(model, n=48):
+        steps = generate_step(model, [prompt], model.make_caches())
+        out = [int(next(steps)) for _ in range(n)]
+        steps.close()
+        return out
+
+    assert tokens(lm.model) == tokens(fp32.model)
