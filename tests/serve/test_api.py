@@ -9,6 +9,7 @@ this process; capacity is checked through ``/health`` and ``/metrics``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -25,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.config import KVCacheConfig
 from kvtier.generate import GenerationConfig, generate
 
-NUM_BLOCKS, MAX_NUM_SEQS, MAX_WAITING = 128, 8, 16
+NUM_BLOCKS, MAX_NUM_SEQS, MAX_WAITING, MAX_REQUEST_MB = 128, 8, 16, 1
 SYSTEM = ("You are a terse assistant for a hardware shop. Answer in one sentence, name a tool when "
           "one helps, and never apologise. ") * 3
 
@@ -36,14 +37,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """Base URL of a running ``kvtier serve``; its log is shown if it fails to start."""
+@contextlib.contextmanager
+def running_server(log: Path, *flags: str):
+    """Base URL of a ``kvtier serve`` started with ``flags``, stopped by its pid on exit; its log
+    is shown if it fails to start, and must hold no traceback at the end."""
     port = free_port()
-    log = Path(tmp_path_factory.mktemp("serve")) / "serve.log"
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), "--threads", "1",
-           "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),
-           "--max-waiting", str(MAX_WAITING), "--max-batched-tokens", "256"]
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), "--threads", "1", *flags]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -70,6 +69,16 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Base URL of the module's ``kvtier serve``."""
+    log = Path(tmp_path_factory.mktemp("serve")) / "serve.log"
+    with running_server(log, "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),
+                        "--max-waiting", str(MAX_WAITING), "--max-batched-tokens", "256",
+                        "--max-request-mb", str(MAX_REQUEST_MB)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +210,19 @@ def test_prefix_cache_hits_show_in_metrics(client, model, server) -> None:
     ({"prompt": ["a", "b"]}, 400, "prompt"),
     ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
     ({"max_tokens": 3}, 400, "prompt"),
+    # strict types: a bool is not a token id nor a count, 3.0 is not a count, "yes" not a bool
+    ({"prompt": [True, 2]}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 3.0}, 400, "max_tokens"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "hi", "temperature": "0.5"}, 400, "temperature"),
+    ({"prompt": "hi", "stop": 5}, 400, "stop"),
+    ({"prompt": "hi", "stop": ["s"] * 129}, 400, "stop"),
+    ({"prompt": "hi", "stop": ["x" * 5000]}, 400, "stop"),
+    ({"prompt": "a\ud800b"}, 400, "prompt"),  # a lone surrogate: valid (escaped) JSON, not Unicode
+    ("", 400, None),
+    ("null", 400, None),
 ])
 def test_malformed_completions_get_openai_errors(server, body, status, param) -> None:
     content = body if isinstance(body, str) else json.dumps(body)
@@ -214,10 +236,18 @@ def test_malformed_completions_get_openai_errors(server, body, status, param) ->
 
 
 def test_malformed_chat_and_routes(server, client, model) -> None:
-    for body in ({"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
-                 {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}):
-        r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    user = [{"role": "user", "content": "x"}]
+    for body, param in (({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]},
+                                                         "messages.0.role"),
+                        ({"messages": user, "tools": [{"type": "function"}]}, "tools"),
+                        ({"messages": user, "response_format": {"type": "json_object"}}, "response_format"),
+                        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                         "messages.0.content"),
+                        ({"messages": [{"role": "user", "content": "\udfff"}]}, "messages")):
+        r = httpx.post(f"{server}/v1/chat/completions", content=json.dumps(body),  # escapes the surrogate
+                       headers={"content-type": "application/json"}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] == param, err
     assert httpx.get(f"{server}/v1/nothing").status_code == 404
     assert httpx.get(f"{server}/v1/completions").status_code == 405
     with pytest.raises(NotFoundError):
@@ -229,6 +259,73 @@ def test_prompt_longer_than_the_context_is_a_clear_400(client, model) -> None:
         client.completions.create(model=model, prompt=[1] * (NUM_BLOCKS * 16 + 5), max_tokens=2)
     err = e.value.body
     assert err["code"] == "context_length_exceeded" and "context holds 2048" in err["message"]
+
+
+def test_oversized_bodies_get_413_and_overlong_text_a_400(server, model) -> None:
+    limit = MAX_REQUEST_MB * 2**20
+    big = json.dumps({"model": model, "prompt": "x" * (limit + 10)}).encode()
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for i in range(0, len(big), 65536):
+            yield big[i : i + 65536]
+
+    for content in (big, chunks()):
+        r = httpx.post(f"{server}/v1/completions", content=content,
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # under the body limit but far over the context: refused from a prefix, with the context named
+    r = httpx.post(f"{server}/v1/completions", json={"model": model, "prompt": "word " * 150_000}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and "2048" in err["message"]
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_unicode_prompts_and_a_hundred_stop_strings(client, model, lm) -> None:
+    prompt = "Emoji 🚀🔥 and 日本語, then « ünïcödé »:"
+    stop = tuple(f"zz{i}" for i in range(99)) + (" the",)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stop=list(stop))
+    ids = lm.tokenizer.encode(prompt)
+    want = generate(lm.model, lm.tokenizer, ids, GenerationConfig(max_tokens=12, stop=stop),
+                    cache_config=KVCacheConfig())
+    assert r.choices[0].text == want and r.usage.prompt_tokens == len(ids)
+
+
+def test_metrics_name_what_the_issue_lists(server, client, model) -> None:
+    client.completions.create(model=model, prompt="Hello there", max_tokens=4, temperature=0)
+    m = metrics(server)
+    for name in ("kvtier_requests_running", "kvtier_requests_waiting", "kvtier_kv_blocks_free",
+                 "kvtier_kv_blocks_total", "kvtier_prefix_cache_hit_rate", "kvtier_generation_tokens_total",
+                 "kvtier_preemptions_total"):
+        assert name in m, name
+    assert m["kvtier_kv_blocks_total"] == NUM_BLOCKS and 0 <= m["kvtier_prefix_cache_hit_rate"] <= 1
+    assert m["kvtier_time_to_first_token_seconds_count"] >= 1
+    assert m["kvtier_time_per_output_token_seconds_count"] >= 1
+    assert m["kvtier_e2e_request_latency_seconds_count"] >= 1
+    assert m["kvtier_requests_finished_total{finish_reason=length}"] >= 1
+
+
+def test_a_pool_too_small_for_every_request_preempts_and_still_answers_right(tmp_path, lm) -> None:
+    """20 blocks of 16: four counting prompts of about 50 tokens are admitted (4 blocks each) but
+    their 40 new tokens need 6 blocks each, so decode runs out of blocks and preempts."""
+    tok = lm.tokenizer
+    prompts = [", ".join(str(n) for n in range(start, start + 14)) + "," for start in (1, 20, 40, 60)]
+    with running_server(tmp_path / "small.log", "--num-blocks", "20", "--max-num-seqs", "4",
+                        "--max-batched-tokens", "256") as url:
+        async def together():
+            async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+                return await asyncio.gather(*(c.completions.create(
+                    model=model_name(url), prompt=p, max_tokens=40, temperature=0) for p in prompts))
+
+        got = asyncio.run(asyncio.wait_for(together(), 300))
+        m = metrics(url)
+        assert m["kvtier_preemptions_total"] > 0 and settle(url)["free_blocks"] == 20
+    for p, r in zip(prompts, got):
+        want = generate(lm.model, tok, p, GenerationConfig(max_tokens=40), cache_config=KVCacheConfig())
+        assert r.choices[0].text == want
+
+
+def model_name(url: str) -> str:
+    return httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
 
 
 def test_full_queue_answers_429_with_retry_after(server, model) -> None:

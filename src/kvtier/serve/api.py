@@ -15,12 +15,19 @@ status when
        (``n > 1``, ``echo``, penalties, ``tools``), a prompt that does not fit
        the context (``code: context_length_exceeded``)
 404    an unknown route, or a ``model`` other than the one served
+405    a route asked with the wrong method
+413    a request body over ``ServerConfig.max_request_bytes``
 429    the waiting queue is full (``Retry-After`` header)
 500    a failure inside the engine (a bug); the server keeps serving
 ====== ======================================================================
 
 A client that disconnects (streaming or not) aborts its request, which frees its
 blocks at the next step.
+
+Tokenizing holds the interpreter (the tokenizer does not release the GIL), so a
+text prompt far longer than the context is refused from its prefixes
+(:func:`encode_bounded`) instead of stalling every other request while it is
+tokenized whole.
 """
 
 from __future__ import annotations
@@ -37,10 +44,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvtier.serve.async_engine import AsyncLLMEngine
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from kvtier.serve.params import RequestOutput, TokenLogprob
+from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.scheduler import QueueFull
 from kvtier.serve.schemas import (
     APIError,
@@ -48,9 +56,14 @@ from kvtier.serve.schemas import (
     CompletionRequest,
     chat_messages,
     request_params,
+    validation_error,
 )
 
-__all__ = ["ServerConfig", "build_app"]
+__all__ = ["CHARS_PER_TOKEN_BOUND", "ServerConfig", "build_app", "encode_bounded"]
+
+#: a text prompt longer than this many characters per token of context is tokenized by
+#: growing prefixes first, and refused once a prefix alone overflows the context
+CHARS_PER_TOKEN_BOUND = 16
 
 
 @dataclass(frozen=True)
@@ -58,17 +71,71 @@ class ServerConfig:
     """Where the server listens and what it calls its model.
 
     ``served_model_name``: the ``model`` the API reports and accepts (default: the
-    model file's name); ``retry_after_s``: the ``Retry-After`` of a 429.
+    model file's name); ``retry_after_s``: the ``Retry-After`` of a 429;
+    ``max_request_bytes``: the largest request body read (larger: HTTP 413).
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
     retry_after_s: int = 1
+    max_request_bytes: int = 4 * 2**20
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port must be an int in [0, 65535], got {self.port!r}")
+        for name in ("retry_after_s", "max_request_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+def encode_bounded(tokenizer, text: str, max_tokens: int, *, add_bos: bool | None = None) -> list[int]:
+    """``tokenizer.encode(text)`` for a text that fits ``max_tokens``; a ``ValueError`` (naming the
+    context) for one that does not, found without tokenizing all of a huge text.
+
+    A text of more than ``CHARS_PER_TOKEN_BOUND * max_tokens`` characters is first
+    tokenized by prefixes, each four times the last, and refused as soon as one is
+    over ``max_tokens`` tokens: the work stays within a few times what the context
+    itself costs to tokenize, however long the text.
+    """
+    limit = CHARS_PER_TOKEN_BOUND * max_tokens
+    while len(text) > limit:
+        head = len(tokenizer.encode(text[:limit], add_bos=add_bos))
+        if head > max_tokens:
+            raise ValueError(f"the prompt has {len(text)} characters; its first {limit} alone are {head} "
+                             f"tokens but the context holds {max_tokens}; shorten the prompt")
+        limit *= 4
+    return tokenizer.encode(text, add_bos=add_bos)
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413 in OpenAI's shape (by
+    ``Content-Length`` before any of it is read, else as it arrives). FastAPI's own
+    ``max_body_size`` answers a declared length with plain text, hence this."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        counted = not declared.isdigit()  # no (usable) Content-Length: count what arrives
+        received = 0 if counted else int(declared)
+
+        async def limited():
+            nonlocal received
+            if received > self.limit:
+                raise HTTPException(413, "request body too large")  # answered by build_app's handler
+            message = await receive()
+            if counted and message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    return await limited()
+            return message
+
+        await self.app(scope, limited, send)
 
 
 def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
@@ -86,6 +153,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         engine.shutdown()
 
     app = FastAPI(title="kvtier", lifespan=lifespan)
+    app.add_middleware(_BodyLimit, limit=config.max_request_bytes)
     created = int(time.time())
 
     def fail(e: APIError) -> JSONResponse:
@@ -98,15 +166,14 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid")
-        return fail(APIError(400, message, param=where or None))
+        return fail(validation_error(list(e.errors())))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        if e.status_code == 413:
+            return fail(APIError(413, f"the request body is over the {config.max_request_bytes} bytes this "
+                                      "server reads (kvtier serve --max-request-mb)", code="request_too_large"))
         return fail(APIError(e.status_code, str(e.detail), type=kind))
 
     @app.exception_handler(Exception)
@@ -131,35 +198,55 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
                                             "max_model_len": engine.stats["max_model_len"]}]}
 
     # -- generation ----------------------------------------------------------------------------
-    async def start(req, ids: list[int], prompt_param: str) -> str:
+    def refused(e: ValueError, prompt_param: str) -> APIError:
+        code = "context_length_exceeded" if "context" in str(e) else None
+        return APIError(400, str(e), param=prompt_param, code=code)
+
+    def check(req) -> None:
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                            f"{model_name!r}", param="model", code="model_not_found", type="not_found_error")
-        params = request_params(req)
+
+    async def start(ids: list[int], params: RequestParams, prompt_param: str) -> str:
         try:
             return await engine.add_request(ids, params)
         except QueueFull as e:
             raise APIError(429, str(e), code="rate_limit_exceeded", type="rate_limit_error",
                            headers={"Retry-After": str(config.retry_after_s)}) from None
         except ValueError as e:
-            code = "context_length_exceeded" if "context" in str(e) else None
-            raise APIError(400, str(e), param=prompt_param, code=code) from None
+            raise refused(e, prompt_param) from None
+
+    def encode(text: str, prompt_param: str, add_bos: bool | None = None) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON may carry a lone surrogate ("\ud800"); no tokenizer takes it
+            raise APIError(400, f"the {prompt_param} holds {text[e.start]!r} at character {e.start}, a lone "
+                           "UTF-16 surrogate that is not valid Unicode; send the whole pair",
+                           param=prompt_param) from None
+        try:
+            return encode_bounded(tokenizer, text, engine.stats["max_model_len"], add_bos=add_bos)
+        except ValueError as e:
+            raise refused(e, prompt_param) from None
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        check(req)
+        params = request_params(req)  # every 400 of the fields before any tokenizing
         prompt = req.single_prompt()
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        rid = await start(req, ids, "prompt")
+        ids = encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+        rid = await start(ids, params, "prompt")
         view = _Completion(tokenizer, model_name, f"cmpl-{rid}", chat=False)
         return await answer(view, rid, req, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        check(req)
+        params = request_params(req)
         try:
             text = tokenizer.apply_chat_template(chat_messages(req))
         except (jinja2.TemplateError, ValueError) as e:
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
-        rid = await start(req, tokenizer.encode(text, add_bos=False), "messages")
+        rid = await start(encode(text, "messages", add_bos=False), params, "messages")
         view = _Completion(tokenizer, model_name, f"chatcmpl-{rid}", chat=True)
         return await answer(view, rid, req, request)
 

@@ -55,6 +55,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="queued requests before HTTP 429")
     p.add_argument("--max-model-len", dest="max_model_len", type=int, default=_ABSENT,
                    help="tokens of one request at most (default: the model's context)")
+    p.add_argument("--max-request-mb", dest="max_request_mb", type=float, default=_ABSENT, metavar="MB",
+                   help="largest request body read, in MiB (larger: HTTP 413; default 4)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=_ABSENT)
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=_ABSENT)
@@ -78,6 +80,10 @@ def configs_from_args(args: argparse.Namespace):
     if engine.get("kv_quant") == "off":
         engine["kv_quant"] = None
     server = {n: getattr(args, n) for n in ("host", "port", "served_model_name") if hasattr(args, n)}
+    if hasattr(args, "max_request_mb"):
+        if not args.max_request_mb > 0:
+            raise ValueError(f"--max-request-mb must be > 0, got {args.max_request_mb}")
+        server["max_request_bytes"] = max(1, round(args.max_request_mb * 2**20))
     return EngineConfig(**engine), ServerConfig(**server)
 
 

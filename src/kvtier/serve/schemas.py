@@ -4,8 +4,14 @@
 Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with vLLM's
 extensions ``top_k``, ``min_p`` and ``ignore_eos``. Fields the engine cannot honour
 (``n > 1``, ``best_of > 1``, ``echo``, ``suffix``, penalties, ``logit_bias``,
-``tools``) are refused with a 400 naming the field, never silently ignored. Unknown
-fields are ignored, as OpenAI's clients send some (``user``, ``metadata``).
+``tools``, ``tool_choice``, ``functions``, a ``response_format`` other than text) are
+refused with a 400 naming the field, never silently ignored. Unknown fields are
+ignored, as OpenAI's clients send some (``user``, ``metadata``).
+
+Types are strict: ``true`` is not an integer, ``3.0`` is not a token count, ``"yes"``
+is not a boolean and ``"0.5"`` is not a number. ``stop`` holds at most
+:data:`MAX_STOP_STRINGS` strings of :data:`MAX_STOP_CHARS` characters in all (each is
+checked against the text at every token).
 """
 
 from __future__ import annotations
@@ -17,7 +23,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_LOGPROBS, RequestParams
 
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "chat_messages", "request_params"]
+__all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
+           "chat_messages", "request_params", "validation_error"]
+
+#: stop strings one request may give, and their characters in all
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 128, 4096
+#: what a field of several accepted shapes takes, for the 400 when none of them fits
+_SHAPES = {
+    "prompt": "a string, a list of token ids, or a list holding one of those",
+    "stop": "a string or a list of strings",
+    "content": "a string, null, or a list of text parts ({\"type\": \"text\", \"text\": ...}); "
+               "images and other parts are not supported",
+}
 
 
 class APIError(Exception):
@@ -34,14 +51,42 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """The 400 for pydantic's ``errors`` of a request body (FastAPI's ``RequestValidationError``):
+    the first error, its field as ``param``; a field of several shapes (``prompt``,
+    ``stop``, ``content``) says which shapes it takes."""
+    first = errors[0] if errors else {}
+    loc = [x for x in first.get("loc", ()) if x != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        where = f" at character {loc[0]}" if loc else ""
+        reason = (first.get("ctx") or {}).get("error", "JSON decode error")
+        return APIError(400, f"the request body is not valid JSON ({reason}{where})")
+    if not loc:
+        what = "empty" if kind == "missing" else "not a JSON object"
+        return APIError(400, f"the request body is {what}; send a JSON object with content-type "
+                             "application/json")
+    fields = []
+    for x in loc:  # a union's members appear in loc as their types ("str", "list[int]", ...)
+        if isinstance(x, str) and (x in ("str", "int", "float", "bool", "none") or "[" in x):
+            break
+        fields.append(str(x))
+    param = ".".join(fields)
+    if len(fields) < len(loc) and fields[-1] in _SHAPES:
+        return APIError(400, f"{param} must be {_SHAPES[fields[-1]]}", param=param)
+    return APIError(400, f"{param}: {first.get('msg', 'invalid value')}", param=param)
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -59,7 +104,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
 
     def check_supported(self) -> None:
-        """400 for a field the engine cannot honour."""
+        """400 for a field the engine cannot honour, or a stop list beyond the bounds."""
         refused = (("n", self.n != 1, "n > 1 is not supported; send n requests (with different seeds)"),
                    ("presence_penalty", self.presence_penalty != 0, "penalties are not supported"),
                    ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported"),
@@ -67,6 +112,12 @@ class _Common(BaseModel):
         for param, bad, message in refused:
             if bad:
                 raise APIError(400, message, param=param, code="unsupported_parameter")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        chars = sum(map(len, stop))
+        if len(stop) > MAX_STOP_STRINGS or chars > MAX_STOP_CHARS:
+            raise APIError(400, f"stop holds {len(stop)} strings of {chars} characters in all; at most "
+                           f"{MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters are accepted",
+                           param="stop")
 
 
 class CompletionRequest(_Common):
@@ -100,14 +151,14 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -122,11 +173,18 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
+        for param, bad in (("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none")),
+                           ("functions", bool(self.functions)),
+                           ("response_format", (self.response_format or {}).get("type", "text") != "text")):
+            if bad:
+                raise APIError(400, f"{param} is not supported (the model's text is returned as it "
+                               "is generated)", param=param, code="unsupported_parameter")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
