@@ -204,11 +204,13 @@ class DepthPolicy:
         return self.verify_cost + self.draft_cost
 
     def cycle_cost(self, k: int) -> float:
-        """A cycle with ``k`` drafts, in one-token forwards: its verification as measured
-        against a plain cycle where both were timed, else ``1 + verify_cost k``; plus the drafts."""
+        """A cycle with ``k`` drafts, in one-token forwards: its verification, ``1 + verify_cost k``
+        or more where it was measured slower than that against a plain cycle (timing noise
+        never makes a verification look cheaper than the model), plus the drafts."""
+        verify = 1.0 + self.verify_cost * k
         if k in self.verify_s and 0 in self.verify_s:
-            return self.verify_s[k][1] / self.verify_s[0][1] + self.draft_cost * k
-        return 1.0 + self.cost * k
+            verify = max(verify, self.verify_s[k][1] / self.verify_s[0][1])
+        return verify + self.draft_cost * k
 
     def alpha(self, row: int) -> float:
         return (self.hits[row] + self.prior) / (self.judged[row] + 1.0)
@@ -274,7 +276,8 @@ class DepthPolicy:
 
         Verifications are timed per width (the mean of the last 8 of each), so a forward
         much slower at some widths than the linear model says is seen, and the depth moves
-        away from it; a cycle without drafts times the one-token forward. ``draft_cost``
+        away from it (one measured faster does not lower the cost below the model's); a cycle
+        without drafts times the one-token forward. ``draft_cost``
         becomes the running mean of ``draft_s / (k * one-token forward)`` (the last 8 weigh
         most), the one-token forward standing in through the linear model until a plain
         cycle has run. The drafts of the first cycle that drafts are not timed: a model
