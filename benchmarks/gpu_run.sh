@@ -75,7 +75,7 @@ step attention 110 "$OUT/bench.log" "$PY" -m kvtier.cli bench attention --quant-
 step decode_gpu 220 "$OUT/bench.log" "$PY" -m kvtier.cli bench decode_gpu --out "$OUT/decode_gpu.md"
 
 # (d) KVTierCache inside transformers generate on the Llama-3-8B shape
-step hf 40 "$OUT/bench.log" "$PY" -m kvtier.cli bench hf --model llama3-8b --device cuda --quick \
+step hf 60 "$OUT/bench.log" "$PY" -m kvtier.cli bench hf --model llama3-8b --device cuda --quick \
     --contenders dynamic,paged,paged-q8 --plot "" --json "$OUT/hf.json"
 
 echo "total $(($(date +%s) - START))s" >>"$SUMMARY"

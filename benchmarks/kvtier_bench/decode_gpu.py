@@ -295,8 +295,9 @@ def hf_contenders(model, args, roof: float, *, static: bool) -> list[Result]:
 
 def big_batch(model, args, bandwidth: float, weights: int, kv_token: int) -> list[Result]:
     """Paged caches holding ``--big-context`` random tokens per row; eager and graph decode."""
-    B, ctx, n = args.big_batch, args.big_context, args.big_steps
+    B, n = args.big_batch, args.big_steps
     a = model.args
+    ctx = min(args.big_context, a.max_position_embeddings - n)  # the engine stops at the context
     dev = model.output.weight.device
     blocks = B * math.ceil((ctx + n + 2) / 16)
     cfg = KVCacheConfig(tier="paged", paged_num_blocks=blocks)
