@@ -31,6 +31,7 @@ step() {  # step NAME SECONDS LOG COMMAND...
 
 PARALLEL=()
 "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)
+"$PY" -c "import openai, fastapi" 2>/dev/null || PARALLEL+=(--ignore=tests/serve/test_api.py)  # HTTP tests: CPU
 step tests "${TEST_LIMIT:-150}" "$OUT/gpu_tests.log" "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider \
     "${PARALLEL[@]}" tests/serve tests/caches tests/test_cuda_graph.py tests/kernels/test_dispatch.py
 WORKLOAD=(--device cuda --num-requests "${REQUESTS:-256}" --input-len 64,1024 --output-len 256
