@@ -254,8 +254,7 @@ def bytes_per_token(model) -> int:
     """Weight bytes one decoded token reads: every parameter once, except an embedding
     table that is not also the LM head (a lookup reads one row of it)."""
     emb = model.tok_embeddings.weight
-    tied = any(p.data_ptr() == emb.data_ptr() for name, p in model.named_parameters()
-               if not name.startswith("tok_embeddings"))
+    tied = model.output.weight.data_ptr() == emb.data_ptr()  # a packed head is its own
     row = emb.shape[1] * emb.element_size()
     return unique_param_bytes(model) - (0 if tied else emb.numel() * emb.element_size() - row)
 
