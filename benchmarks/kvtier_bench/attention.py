@@ -50,41 +50,58 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+#: default shapes per device: the GPU's measure bandwidth; the CPU's (Triton's interpreter, a
+#: smoke test) are small enough to finish in well under a minute
+SHAPES = {
+    "cuda": {"batches": "1,8,32,64", "contexts": "4096,16384,32768", "quant_batch": 64,
+             "quant_contexts": "1024,8192", "sweep_shapes": "1x32768,8x32768,64x8192", "iters": 20, "reps": 10,
+             "heads": 32, "kv_heads": 8, "head_dim": 128},
+    "cpu": {"batches": "1,2", "contexts": "32,64", "quant_batch": 2, "quant_contexts": "32",
+            "sweep_shapes": "1x32", "iters": 1, "reps": 1, "heads": 4, "kv_heads": 2, "head_dim": 64},
+}
+
+
+def _shape_help(name: str) -> str:
+    return f"(default: {SHAPES['cuda'][name]} on cuda, {SHAPES['cpu'][name]} on cpu)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", default="1,8,32,64", help="batch sizes of the bf16 table")
-    parser.add_argument("--contexts", default="4096,16384,32768", help="context lengths of the bf16 table")
-    parser.add_argument("--page", type=int, default=16, help="tokens per page (block_size)")
-    parser.add_argument("--heads", type=int, default=32, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--batches", default=None, help=f"batch sizes of the bf16 table {_shape_help('batches')}")
+    parser.add_argument("--contexts", default=None,
+                        help=f"context lengths of the bf16 table {_shape_help('contexts')}")
+    parser.add_argument("--page", type=int, default=16, help="tokens per page (block_size) (default: %(default)s)")
+    parser.add_argument("--heads", type=int, default=None, help=f"query heads {_shape_help('heads')}")
+    parser.add_argument("--kv-heads", type=int, default=None, help=f"key/value heads {_shape_help('kv_heads')}")
+    parser.add_argument("--head-dim", type=int, default=None, help=f"{_shape_help('head_dim')}")
     parser.add_argument("--modes", default="q8;q4;q4_g32;turboquant:q8_0,q3_0",
-                        help="';'-separated codec modes of the quantised table (kvtier.quant.codec_for_mode)")
-    parser.add_argument("--quant-batch", type=int, default=64)
-    parser.add_argument("--quant-contexts", default="1024,8192", help="contexts of the quantised table")
-    parser.add_argument("--iters", type=int, default=20, help="calls per captured graph")
-    parser.add_argument("--reps", type=int, default=10, help="graph replays (the median is reported)")
+                        help="';'-separated codec modes of the quantised table (kvtier.quant.codec_for_mode) (default: %(default)s)")
+    parser.add_argument("--quant-batch", type=int, default=None, help=f"batch of the quantised table {_shape_help('quant_batch')}")
+    parser.add_argument("--quant-contexts", default=None,
+                        help=f"contexts of the quantised table {_shape_help('quant_contexts')}")
+    parser.add_argument("--iters", type=int, default=None, help=f"calls per captured graph {_shape_help('iters')}")
+    parser.add_argument("--reps", type=int, default=None,
+                        help=f"graph replays, the median is reported {_shape_help('reps')}")
     parser.add_argument("--sweep", action="store_true", help="also sweep kernel configurations")
     parser.add_argument("--quant-sweep", action="store_true",
                         help="also sweep both quantised decode kernels (BLOCK_N, warps, splits) at --quant-batch x "
                              "the longest --quant-contexts")
-    parser.add_argument("--sweep-shapes", default="1x32768,8x32768,64x8192", help="BxL shapes of the sweep")
+    parser.add_argument("--sweep-shapes", default=None, help=f"BxL shapes of the sweep {_shape_help('sweep_shapes')}")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: bf16, quant, write")
     parser.add_argument("--out", default=None, help="write the tables as Markdown here")
     parser.add_argument("--profile", default=None, metavar="BxL[:MODE[@KERNEL]]",
                         help="only call the kernel 3 times on this shape (run under ncu), then exit; "
                              "KERNEL: mma or cuda_core for quantised decode")
     parser.add_argument("--device", default="cuda",
-                        help="cuda; cpu runs a smoke test under TRITON_INTERPRET=1 (no meaningful times)")
+                        help="cuda; cpu runs a smoke test under TRITON_INTERPRET=1, no meaningful times (default: %(default)s)")
 
 
 # -- timing ---------------------------------------------------------------------------------
 def time_calls(fns: list[Callable[[], object]], iters: int, reps: int) -> float:
     """Median seconds per call of ``fns`` (cycled), from CUDA-graph replays (wall clock on the CPU)."""
-    if not torch.cuda.is_available():  # a smoke run under the interpreter: the figures mean nothing
-        t0 = time.perf_counter()
-        for fn in fns:
-            fn()
-        return (time.perf_counter() - t0) / len(fns)
+    if not torch.cuda.is_available():  # a smoke run under the interpreter: the figures mean nothing,
+        t0 = time.perf_counter()  # so one call of the first replica (each takes seconds there)
+        fns[0]()
+        return time.perf_counter() - t0
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -346,6 +363,9 @@ def run(args) -> int:
     if args.device == "cpu" and not interpreted():
         console.print("--device cpu needs TRITON_INTERPRET=1 in the environment")
         return 2
+    for name, value in SHAPES["cpu" if args.device == "cpu" else "cuda"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     gen = torch.Generator(device=args.device).manual_seed(0)
     if args.profile:
         shape, _, mode = args.profile.partition(":")
