@@ -145,7 +145,9 @@ def load(args, device: torch.device):
         return build_random(arch, dtype=dtype, device=device), f"{arch} (random weights), {str(dtype)[6:]}"
     from kvtier.model import load_model
 
-    lm = load_model(device="cpu", dtype=torch.float32, progress=False)
+    # float32 weights, not the packed block codes: a batch of rows (and every prefill) would
+    # dequantise each packed weight on every forward; transformers gets the same float32 weights
+    lm = load_model(device="cpu", dtype=torch.float32, progress=False, pack=False)
     return lm.model, f"{lm.source.name}, float32"
 
 

@@ -104,7 +104,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     kw = {"device": args.device} if hasattr(args, "device") else {}
-    lm = load_model(model, progress=sys.stderr.isatty(), dtype=dtype, **kw)
+    # float32 weights: the packed block codes (kvtier.model.packed) win for a few decode rows but
+    # dequantise every weight on each forward of a batch or a prefill chunk, which serving is made of
+    lm = load_model(model, progress=sys.stderr.isatty(), dtype=dtype, pack=False, **kw)
     if lm.tokenizer is None:
         raise ValueError(f"{lm.source} has no tokenizer (tokenizer.json); the server needs one")
     engine = LLMEngine(lm.model, lm.tokenizer, engine_config)
