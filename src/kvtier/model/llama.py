@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kvtier.caches.base import KVCache
+from kvtier.model.linear import Linear
 
 ARCHES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -147,7 +148,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=emb)
         self.layers = nn.ModuleList(TransformerBlock(args, device) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, device)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False, device=device)
+        self.output = Linear(args.dim, args.vocab_size, bias=False, device=device)
         self.rope = RotaryEmbedding(args, device)
         self.tie_weights()
 
@@ -257,8 +258,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.qkv_bias, device=device)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False, device=device)
+        self.wqkv = Linear(args.dim, qkv_dim, bias=args.qkv_bias, device=device)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False, device=device)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, device) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, device) if args.qk_norm else None
         self.scale = 1.0 / math.sqrt(args.head_dim)
@@ -284,8 +285,8 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs, device=None):
         super().__init__()
         self.hidden_dim = args.hidden_dim
-        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False, device=device)
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False, device=device)
+        self.w13 = Linear(args.dim, 2 * args.hidden_dim, bias=False, device=device)
+        self.w2 = Linear(args.hidden_dim, args.dim, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).split(self.hidden_dim, dim=-1)  # (B, T, hidden) each

@@ -15,8 +15,8 @@ float32, and it computes with exactly the same weights:
   :data:`MAX_KERNEL_ROWS` rows (decode) a small C kernel (AVX-512 where the CPU has
   it, plain C elsewhere) dequantises in registers and accumulates in float32, with
   the threads of PyTorch's OpenMP runtime; for more rows (prefill) it dequantises
-  the weight and calls ``F.linear``, which gives the float32 model's results bit for
-  bit. Only the summation order of decode differs from the float32 model.
+  the weight and calls :func:`kvtier.model.linear.linear`, as the float32 model does,
+  which gives its results bit for bit. Only the summation order of decode differs from the float32 model.
 - The kernel is compiled once per machine with the system C compiler into the
   user cache (:func:`kvtier.config.user_cache_dir`); where no compiler works,
   :func:`load_kernels` returns ``None`` and nothing is packed.
@@ -43,10 +43,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+
+from kvtier.model.linear import linear as dense_linear
 
 BLOCK = 32  # weights per block along the input dimension (GGUF Q4_1 and Q8_0)
-#: inputs of at most this many rows go through the C kernel; more rows dequantise and use F.linear
+#: inputs of at most this many rows go through the C kernel; more rows dequantise and use linear()
 MAX_KERNEL_ROWS = 4
 FORMATS = ("q4_1", "q8_0")
 
@@ -307,7 +308,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows > MAX_KERNEL_ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
+            return dense_linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, self.in_features).contiguous()  # (M, K)
         out = torch.empty(rows, self.out_features, dtype=torch.float32)  # (M, N)
         self.kernels.gemv(self.fmt, x2, self.codes, self.d, self.m, out)
