@@ -17,8 +17,9 @@ request's arrival) and TPOT ((last token - first token) / (tokens - 1)) at p50 a
 p99, and how many requests produced the same tokens as kvtier. transformers' times
 come from its own per-token timestamps (``record_timestamps``), from the first
 request it created, so its manager's set-up is not counted. Each contender first
-runs a short warm-up of its own on prompts whose lengths span the workload's (kernels
-compile for each length bucket, graphs are captured).
+runs a warm-up of its own: on CUDA the workload's prompts for 4 tokens each (kernels
+compile for each shape bucket, graphs are captured), on the CPU a few prompts whose
+lengths span the workload's.
 
 Models: on CPU the default SmolLM2-135M-Instruct (float32); with ``--arch`` (the
 default on CUDA: ``llama3-8b``) random weights of that shape (bfloat16 on CUDA).
@@ -207,9 +208,13 @@ def drive(engine, prompts: list[list[int]], output_len: int, concurrency: int, r
     return max(done), ttft, tpot, tokens
 
 
-def warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
-    """A few prompts whose lengths span the workload's (shortest, each power of two between,
-    longest), so kernels built per length bucket are compiled before the clock starts."""
+def warmup_prompts(prompts: list[list[int]], device: torch.device) -> list[list[int]]:
+    """The warm-up's prompts. On CUDA the workload's own (run for 4 tokens), so every kernel
+    the timed run's prompt chunks specialise (Triton compiles per shape bucket, seconds
+    each with a cold cache) is built before the clock starts; elsewhere a few prompts whose
+    lengths span the workload's (shortest, each power of two between, longest)."""
+    if device.type == "cuda":
+        return prompts
     lo, hi = min(map(len, prompts)), max(map(len, prompts))
     lengths = sorted({lo, hi, *(2**k for k in range(hi.bit_length()) if lo < 2**k < hi)})
     return [(prompts[0] * (n // len(prompts[0]) + 1))[:n] for n in lengths]
@@ -220,7 +225,7 @@ def run_kvtier(model, prompts, args, device) -> Result:
 
     engine = LLMEngine(model, None, engine_config(args, device, prompts))
     concurrency = args.concurrency or len(prompts)
-    drive(engine, warmup_prompts(prompts), 4, concurrency, math.inf, args.seed)  # warm-up
+    drive(engine, warmup_prompts(prompts, device), 4, concurrency, math.inf, args.seed)  # warm-up
     duration, ttft, tpot, tokens = drive(engine, prompts, args.output_len, concurrency,
                                          args.request_rate, args.seed)
     s = engine.stats()
@@ -248,7 +253,7 @@ def run_hf(model, prompts, args, device, kvtier: Result) -> Result:
         blocks = sum(math.ceil((len(p) + args.output_len) / bs) for p in prompts) + 64
         cb = ContinuousBatchingConfig(num_blocks=blocks, page_size=bs, max_batch_tokens=512)
     with torch.no_grad():  # its worker updates, outside inference mode, tensors it makes here
-        hf.generate_batch(warmup_prompts(prompts), generation_config=GenerationConfig(
+        hf.generate_batch(warmup_prompts(prompts, device), generation_config=GenerationConfig(
             max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0),
             continuous_batching_config=cb)  # warm-up
         out = hf.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
