@@ -374,8 +374,11 @@ def test_in_place_rows_hold_dynamic_cache_real_tokens_then_zeros(tiny, tier):
                 if tier == "paged-q8":  # generate fed q8's own tokens: compare the prompt's
                     p = len(ROWS[r])
                     assert_model_kv(mine[r:r + 1, :, :p], row[None, :, :p], i)
-                else:
+                elif i == 0:  # from the embeddings alone: the same bits
                     assert_kv_equal(mine[r:r + 1, :, :n], row[None], tier)
+                else:  # after attention over the row's own tokens instead of a masked padded batch:
+                    # the same values up to float32 summation order, which the CPU's kernels choose
+                    torch.testing.assert_close(mine[r:r + 1, :, :n], row[None], rtol=1e-5, atol=1e-5)
                 assert not mine[r, :, n:].any()
 
 
