@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from kvtier.serve.graphs import graph_buckets
+from kvtier.serve.graphs import HostInputs, graph_buckets
+from kvtier.serve.scheduler import ScheduledRow
 
 CUDA = torch.cuda.is_available()
 
@@ -18,6 +19,61 @@ def test_buckets_cover_every_batch_size() -> None:
         b = graph_buckets(n)
         assert b[-1] == n and b == sorted(set(b))
         assert all(any(x >= k for x in b) for k in range(1, n + 1))
+
+
+def list_inputs(rows, bucket: int, bs: int, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: a step's inputs and block table built from Python lists."""
+    pad = bucket - len(rows)
+    starts = [r.start for r in rows]
+    host = torch.tensor([
+        [r.token_ids[0] for r in rows] + [0] * pad,
+        starts + [0] * pad,
+        [p + 1 for p in starts] + [1] * pad,
+        [r.blocks[p // bs] * bs + p % bs for r, p in zip(rows, starts)] + [scratch * bs] * pad,
+    ], dtype=torch.long)
+    w = max(len(r.blocks) for r in rows)
+    table = torch.tensor([list(r.blocks) + [0] * (w - len(r.blocks)) for r in rows]
+                         + [[scratch] + [0] * (w - 1)] * pad, dtype=torch.int32)
+    return host, table
+
+
+def test_host_inputs_equal_the_list_built_ones_step_after_step() -> None:
+    rng = random.Random(0)
+    bs, width, scratch, max_rows = 4, 12, 500, 9
+    h = HostInputs(max_rows, width, block_size=bs, scratch=scratch)
+    live: dict[str, list[int]] = {}  # request -> tokens so far (its length sets its blocks)
+    blocks: dict[str, list[int]] = {}
+    ids = iter(range(10**6))
+    for _ in range(300):
+        for rid in list(live):  # requests end, are preempted (new blocks) or decode one token
+            u = rng.random()
+            if u < 0.08:
+                del live[rid]
+                blocks.pop(rid, None)
+            elif u < 0.12:
+                blocks[rid] = rng.sample(range(scratch), len(blocks.get(rid, ())))
+            elif len(live[rid]) < width * bs - 1:
+                live[rid].append(rng.randrange(1000))
+        while len(live) < max_rows and rng.random() < 0.5:
+            live[f"r{next(ids)}"] = [rng.randrange(1000) for _ in range(rng.randint(1, width * bs - 1))]
+        order = list(live)
+        if rng.random() < 0.2:
+            rng.shuffle(order)
+        order = order[: rng.randint(1, max_rows)] if order else []
+        if not order:
+            continue
+        rows = []
+        for rid in order:
+            n = -(-len(live[rid]) // bs)
+            have = blocks.setdefault(rid, [])
+            have += rng.sample(range(scratch), n - len(have)) if n > len(have) else []
+            start = len(live[rid]) - 1
+            rows.append(ScheduledRow(rid, (live[rid][-1],), start, tuple(have), True))
+        bucket = min(b for b in graph_buckets(max_rows) if b >= len(rows))
+        host, table = h.fill(rows, bucket)
+        ref_host, ref_table = list_inputs(rows, bucket, bs, scratch)
+        assert torch.equal(host, ref_host) and torch.equal(table, ref_table)
+        assert host.dtype == torch.long and table.dtype == torch.int32
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvtier.caches.paged_shared import RowBinding, SharedBlockPagedKVCache
@@ -29,7 +30,7 @@ from kvtier.caches.step_plan import StepPlan
 from kvtier.kernels.dispatch import resolve_backend
 from kvtier.serve.scheduler import ScheduledRow
 
-__all__ = ["DecodeGraphs", "graph_buckets", "graphs_unavailable"]
+__all__ = ["DecodeGraphs", "HostInputs", "graph_buckets", "graphs_unavailable"]
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -55,6 +56,68 @@ def graphs_unavailable(model, caches: Sequence[SharedBlockPagedKVCache]) -> str 
     return None
 
 
+class HostInputs:
+    """The host side of one graph decode step, built without CUDA: per row the token, write
+    position, length after the step and write slot ``(4, bucket)`` (int64), and the block
+    table ``(bucket, w)`` (int32; ``w``: the most blocks a row holds, 0 past a row's blocks).
+    Padding rows past the batch feed token 0 at position 0 into slot 0 of the ``scratch``
+    block and see that one key.
+
+    The table is kept between steps, one row per batch position: a decode row's block list
+    is mostly the one it had the step before, or that list and one block more, so only rows
+    whose list changed are written. :meth:`fill` returns views of buffers it reuses (pinned
+    with ``pin``): copy them before the next call.
+
+    >>> from kvtier.serve.scheduler import ScheduledRow
+    >>> h = HostInputs(4, 8, block_size=16, scratch=99)
+    >>> host, table = h.fill([ScheduledRow("a", (7,), 17, (3, 5), True)], bucket=2)
+    >>> host.tolist()
+    [[7, 0], [17, 0], [18, 1], [81, 1584]]
+    >>> table.tolist()
+    [[3, 5], [99, 0]]
+    """
+
+    def __init__(self, max_rows: int, width: int, *, block_size: int, scratch: int, pin: bool = False):
+        self.max_rows, self.width, self.block_size, self.scratch = max_rows, width, block_size, scratch
+        self._table = np.zeros((max_rows, width), dtype=np.int32)
+        self._placed: list[tuple[int, ...]] = [()] * max_rows  # the block list each row of _table holds
+        self._inputs = torch.empty(4 * max_rows, dtype=torch.long, pin_memory=pin)
+        self._staged = torch.empty(max_rows * width, dtype=torch.int32, pin_memory=pin)
+
+    def fill(self, rows: Sequence[ScheduledRow], bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs ``(4, bucket)`` and block table ``(bucket, w)`` of the decode ``rows`` (one
+        token each) padded to ``bucket`` rows."""
+        B, bs = len(rows), self.block_size
+        assert 0 < B <= bucket <= self.max_rows
+        tab, placed, pad, w = self._table, self._placed, (self.scratch,), 1
+        for i in range(bucket):
+            blocks = rows[i].blocks if i < B else pad
+            n = len(blocks)
+            w = max(w, n)
+            old = placed[i]
+            if blocks == old:
+                continue
+            assert n <= self.width, f"a row of {n} blocks exceeds the table's {self.width} columns"
+            k = len(old)
+            if n > k and blocks[:k] == old:  # the list grew: write the new blocks only
+                tab[i, k:n] = blocks[k:]
+            else:
+                tab[i, :n] = blocks
+                tab[i, n:k] = 0
+            placed[i] = blocks
+        host = self._inputs[: 4 * bucket].view(4, bucket)
+        h = host.numpy()
+        starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=B)
+        h[0, :B] = [r.token_ids[0] for r in rows]
+        h[1, :B] = starts
+        h[2, :B] = starts + 1
+        h[3, :B] = tab[np.arange(B), starts // bs].astype(np.int64) * bs + starts % bs
+        h[:2, B:], h[2, B:], h[3, B:] = 0, 1, self.scratch * bs
+        table = self._staged[: bucket * w].view(bucket, w)
+        table.numpy()[:] = tab[:bucket, :w]
+        return host, table
+
+
 class DecodeGraphs:
     """Captured decode steps of ``model`` over ``caches`` (see the module docstring).
 
@@ -76,31 +139,34 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.host = HostInputs(n, width, block_size=self.block_size, scratch=scratch, pin=True)
+        self._copied: torch.cuda.Event | None = None  # recorded after a step's host-to-device copies
         self._capture_all()
 
     def fits(self, rows: Sequence[ScheduledRow]) -> bool:
         """Whether a captured graph can run these decode rows."""
         return len(rows) <= self.buckets[-1] and all(len(r.blocks) <= self.width for r in rows)
 
+    def host_inputs(self, rows: Sequence[ScheduledRow], bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's inputs ``(4, bucket)`` and block table ``(bucket, w)`` on the host
+        (see :meth:`HostInputs.fill`); waits for the previous step's copies first."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the pinned buffers are about to be rewritten
+        return self.host.fill(rows, bucket)
+
     def run(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
         """Logits ``[B, V]`` (float32, a view of the graph's buffer) of one decode step of ``rows``."""
         B = len(rows)
         bucket = next(b for b in self.buckets if b >= B)
-        bs, pad = self.block_size, bucket - B
-        starts = [r.start for r in rows]
-        host = torch.tensor([  # padding rows write slot 0 of the scratch block and see that one key
-            [r.token_ids[0] for r in rows] + [0] * pad,
-            starts + [0] * pad,
-            [p + 1 for p in starts] + [1] * pad,
-            [r.blocks[p // bs] * bs + p % bs for r, p in zip(rows, starts)] + [self.scratch * bs] * pad,
-        ], dtype=torch.long)  # (4, bucket)
-        # columns past a row's blocks keep earlier (valid) ids: the kernels never read them unmasked
-        w = max(len(r.blocks) for r in rows)
-        table = torch.tensor([list(r.blocks) + [0] * (w - len(r.blocks)) for r in rows]
-                             + [[self.scratch] + [0] * (w - 1)] * pad, dtype=torch.int32)  # (bucket, w)
+        host, table = self.host_inputs(rows, bucket)
+        w = table.shape[1]
         with torch.inference_mode():
             self.inputs[:, :bucket].copy_(host, non_blocking=True)
+            # columns past w keep earlier (valid) ids: the kernels never read them unmasked
             self.tables[:bucket, :w].copy_(table, non_blocking=True)
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
             self.graphs[bucket].replay()
         return self.logits[bucket][:B]
 
