@@ -244,11 +244,8 @@ class LLMEngine:
         if not ids:
             return {}, {}
         lives = [self._live[rid] for rid in ids]
-        picked = torch.empty(len(ids), dtype=torch.long, device=logits.device)
-        greedy = [i for i, lv in enumerate(lives) if lv.params.sampling.greedy]
-        if greedy:
-            idx = torch.tensor(greedy, device=logits.device)
-            picked[idx] = logits.index_select(0, idx).argmax(dim=-1)
+        # argmax over every row (one kernel, no index tensor); the rows that sample overwrite theirs
+        picked = logits.argmax(dim=-1)  # (n_sampled,)
         for i, lv in enumerate(lives):
             if not lv.params.sampling.greedy:
                 picked[i] = sample(logits[i : i + 1], lv.params.sampling, lv.generator)[0]

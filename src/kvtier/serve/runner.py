@@ -122,13 +122,18 @@ class ModelRunner:
         return sum(c.nbytes for c in self.caches)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run ``batch``; logits ``[n_sampled, vocab]`` (float32) of its sampled rows, in row order."""
+        """Run ``batch``; logits ``[n_sampled, vocab]`` (float32) of its sampled rows, in row order.
+
+        They may be a view of a CUDA graph's buffer, which the next step overwrites: read
+        them before calling again."""
         decode = [r for r in batch.rows if len(r.token_ids) == 1]
         chunks = [r for r in batch.rows if len(r.token_ids) > 1]
         logits: dict[str, torch.Tensor] = {}
         with torch.inference_mode():
             if decode:
                 out = self._decode(decode)  # (B, V)
+                if not chunks and all(r.sample for r in decode):
+                    return out  # every row sampled, in row order (a graph's buffer: read it now)
                 logits |= {r.request_id: out[i] for i, r in enumerate(decode) if r.sample}
             if len(chunks) == 1:
                 out = self._prefill(chunks[0])[None]  # (1, V)
