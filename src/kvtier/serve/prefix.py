@@ -45,7 +45,6 @@ Example::
 from __future__ import annotations
 
 import hashlib
-import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -114,7 +113,7 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
-        return math.ceil(num_tokens / self.block_size)
+        return -(-num_tokens // self.block_size)  # integer ceil: called per row every step
 
     # -- prefix lookup --------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
