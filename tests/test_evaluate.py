@@ -76,7 +76,9 @@ def test_off_is_full_precision_and_keeps_its_label(lm, tokens, tail_fp):
 @pytest.mark.parametrize("tier", ["block", "ragged", "paged"])
 def test_fp_perplexity_is_the_same_through_every_tier(lm, tokens, tail_fp, tier):
     got = evaluate_modes(lm.model, tokens, EvalConfig(modes=("fp",), tier=tier, **SMALL))[0]
-    assert got.ppl == pytest.approx(tail_fp.ppl, rel=1e-6)
+    # the block tier merges per-block softmax partials: float32 rounding differs by ~1e-6
+    # relative in the perplexity (a wrong key or position moves it by percents)
+    assert got.ppl == pytest.approx(tail_fp.ppl, rel=1e-5)
     assert got.tokens == tail_fp.tokens
 
 
