@@ -166,22 +166,6 @@ def run_engine(args, prefix: bool) -> tuple[dict[str, list[float]], str, int]:
     return phases, s.getvalue(), decode_steps
 
 
-def list_inputs(rows, bucket: int, block_size: int, scratch: int):
-    """The construction ``DecodeGraphs.run`` used before: torch.tensor of Python lists."""
-    bs, pad = block_size, bucket - len(rows)
-    starts = [r.start for r in rows]
-    host = torch.tensor([
-        [r.token_ids[0] for r in rows] + [0] * pad,
-        starts + [0] * pad,
-        [p + 1 for p in starts] + [1] * pad,
-        [r.blocks[p // bs] * bs + p % bs for r, p in zip(rows, starts)] + [scratch * bs] * pad,
-    ], dtype=torch.long)
-    w = max(len(r.blocks) for r in rows)
-    table = torch.tensor([list(r.blocks) + [0] * (w - len(r.blocks)) for r in rows]
-                         + [[scratch] + [0] * (w - 1)] * pad, dtype=torch.int32)
-    return host, table
-
-
 def fake_rows(n: int, blocks: int, block_size: int, seed: int = 0):
     from kvtier.serve.scheduler import ScheduledRow
 
@@ -199,7 +183,7 @@ def time_host_inputs(args) -> dict[str, float]:
     """Median ms of building one step's inputs: the list-based way, ``HostInputs.fill`` on a
     fresh buffer (every row written), and on the buffer of the step before (rows equal to
     the previous step's, as fresh tuples the way the scheduler makes them)."""
-    from kvtier.serve.graphs import HostInputs
+    from kvtier.serve.graphs import HostInputs, reference_inputs
     from kvtier.serve.scheduler import ScheduledRow
 
     rows = fake_rows(args.requests, args.blocks, 16)
@@ -207,7 +191,7 @@ def time_host_inputs(args) -> dict[str, float]:
     steady = HostInputs(bucket, width, block_size=16, scratch=scratch)
     steady.fill(rows, bucket)
     cases = {
-        "list-based": lambda rs: list_inputs(rs, bucket, 16, scratch),
+        "list-based": lambda rs: reference_inputs(rs, bucket, 16, scratch),
         "host_inputs, first step": lambda rs: HostInputs(bucket, width, block_size=16,
                                                         scratch=scratch).fill(rs, bucket),
         "host_inputs, next steps": lambda rs: steady.fill(rs, bucket),

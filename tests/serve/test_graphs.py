@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kvtier.serve.graphs import HostInputs, graph_buckets
+from kvtier.serve.graphs import HostInputs, graph_buckets, reference_inputs
 from kvtier.serve.scheduler import ScheduledRow
 
 CUDA = torch.cuda.is_available()
@@ -19,22 +19,6 @@ def test_buckets_cover_every_batch_size() -> None:
         b = graph_buckets(n)
         assert b[-1] == n and b == sorted(set(b))
         assert all(any(x >= k for x in b) for k in range(1, n + 1))
-
-
-def list_inputs(rows, bucket: int, bs: int, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: a step's inputs and block table built from Python lists."""
-    pad = bucket - len(rows)
-    starts = [r.start for r in rows]
-    host = torch.tensor([
-        [r.token_ids[0] for r in rows] + [0] * pad,
-        starts + [0] * pad,
-        [p + 1 for p in starts] + [1] * pad,
-        [r.blocks[p // bs] * bs + p % bs for r, p in zip(rows, starts)] + [scratch * bs] * pad,
-    ], dtype=torch.long)
-    w = max(len(r.blocks) for r in rows)
-    table = torch.tensor([list(r.blocks) + [0] * (w - len(r.blocks)) for r in rows]
-                         + [[scratch] + [0] * (w - 1)] * pad, dtype=torch.int32)
-    return host, table
 
 
 def test_host_inputs_equal_the_list_built_ones_step_after_step() -> None:
@@ -71,7 +55,7 @@ def test_host_inputs_equal_the_list_built_ones_step_after_step() -> None:
             rows.append(ScheduledRow(rid, (live[rid][-1],), start, tuple(have), True))
         bucket = min(b for b in graph_buckets(max_rows) if b >= len(rows))
         host, table = h.fill(rows, bucket)
-        ref_host, ref_table = list_inputs(rows, bucket, bs, scratch)
+        ref_host, ref_table = reference_inputs(rows, bucket, bs, scratch)
         assert torch.equal(host, ref_host) and torch.equal(table, ref_table)
         assert host.dtype == torch.long and table.dtype == torch.int32
 

@@ -30,7 +30,7 @@ from kvtier.caches.step_plan import StepPlan
 from kvtier.kernels.dispatch import resolve_backend
 from kvtier.serve.scheduler import ScheduledRow
 
-__all__ = ["DecodeGraphs", "HostInputs", "graph_buckets", "graphs_unavailable"]
+__all__ = ["DecodeGraphs", "HostInputs", "graph_buckets", "graphs_unavailable", "reference_inputs"]
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -54,6 +54,27 @@ def graphs_unavailable(model, caches: Sequence[SharedBlockPagedKVCache]) -> str 
             why = c.dispatch.fallback_reason or f"attention_backend={c.attention_backend!r}"
             return f"paged attention is served by the PyTorch reference ({why})"
     return None
+
+
+def reference_inputs(rows: Sequence[ScheduledRow], bucket: int, block_size: int,
+                     scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :class:`HostInputs` builds, from plain Python lists (slow; for tests and benchmarks):
+    ``(host [4, bucket] int64, table [bucket, w] int32)``. Rows of ``host``: token ids,
+    write starts, new lengths, write slots; padding rows write slot 0 of ``scratch`` and
+    see that one key; columns past a row's blocks are 0."""
+    pad = bucket - len(rows)
+    starts = [r.start for r in rows]
+    host = torch.tensor([
+        [r.token_ids[0] for r in rows] + [0] * pad,
+        starts + [0] * pad,
+        [p + 1 for p in starts] + [1] * pad,
+        [r.blocks[p // block_size] * block_size + p % block_size for r, p in zip(rows, starts)]
+        + [scratch * block_size] * pad,
+    ], dtype=torch.long)
+    w = max(len(r.blocks) for r in rows)
+    table = torch.tensor([list(r.blocks) + [0] * (w - len(r.blocks)) for r in rows]
+                         + [[scratch] + [0] * (w - 1)] * pad, dtype=torch.int32)
+    return host, table
 
 
 class HostInputs:
