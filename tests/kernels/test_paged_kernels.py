@@ -89,6 +89,51 @@ def test_reference_decodes_a_bounded_chunk_at_a_time(seed, monkeypatch):
     assert max(widths) == 8 and sum(widths) == 2 * 40  # K and V, 10 blocks each, two at a time
 
 
+@pytest.mark.parametrize("hq", [2, 8])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_a_decode_step_of_rows_of_different_lengths_attends_row_by_row(seed, monkeypatch, hq, block_size):
+    """T == 1, every query at its row's end: each row gathered to its own length and attended
+    without a mask; equal to SDPA over the row and to the general (chunked, masked) path."""
+    lengths = [23, 1, 30, 9]  # 63 blocks of 1 at most: the 64 that scattered_pages makes
+    out = reference_equals_sdpa(lengths, 1, hq, block_size, None)  # the row-by-row path
+    kpages, vpages, tables, _, _ = scattered_pages(lengths, block_size, 64)
+    q = torch.randn(len(lengths), hq, 1, D)
+    codec = IdentityCodec(D, torch.float32)
+    args = (q, kpages, vpages, tables, torch.tensor([n - 1 for n in lengths]), torch.tensor(lengths))
+    kw = dict(k_codec=codec, v_codec=codec, k_sidecars={}, v_sidecars={})
+    widths = []
+    real = kp.gather_pages
+
+    def recording(pages, sidecars, ids, *, codec, first_block=None):
+        widths.append(tuple(ids.shape))
+        return real(pages, sidecars, ids, codec=codec, first_block=first_block)
+
+    monkeypatch.setattr(kp, "gather_pages", recording)
+    rows = kp.paged_attention_reference(*args, **kw)
+    assert sorted(widths) == sorted((1, -(-n // block_size)) for n in lengths for _ in "kv")  # own blocks only
+    general = kp.paged_attention_reference(*args, **kw, chunk_tokens=8)  # chunks of 8 < 30: the masked path
+    torch.testing.assert_close(rows, general, atol=1e-5, rtol=1e-5)
+    assert out.shape == (len(lengths), hq, 1, D)
+
+
+def test_decode_rows_longer_than_the_budget_take_the_chunked_path(seed, monkeypatch):
+    kpages, vpages, tables, _, _ = scattered_pages([40, 33], 4, 32)
+    monkeypatch.setattr(kp, "_decode_rows", lambda *a, **k: pytest.fail("row by row past the budget"))
+    codec = IdentityCodec(D, torch.float32)
+    kp.paged_attention_reference(
+        torch.randn(2, 2, 1, D), kpages, vpages, tables, torch.tensor([39, 32]), torch.tensor([40, 33]),
+        k_codec=codec, v_codec=codec, k_sidecars={}, v_sidecars={}, chunk_tokens=16)
+
+
+def test_a_decode_row_that_sees_no_key_gets_zeros_row_by_row(seed):
+    kpages, vpages, tables, _, _ = scattered_pages([5, 7], 4, 16)
+    codec = IdentityCodec(D, torch.float32)
+    out = kp.paged_attention_reference(
+        torch.randn(2, 2, 1, D), kpages, vpages, tables, torch.tensor([0, 6]), torch.tensor([0, 7]),
+        k_codec=codec, v_codec=codec, k_sidecars={}, v_sidecars={})
+    assert not out[0].any() and out[1].abs().sum() > 0
+
+
 @pytest.mark.parametrize("chunk_tokens", [8, 1024])
 @pytest.mark.parametrize("T", [1, 2])
 def test_reference_decode_rows_that_see_whole_chunks_equal_sdpa(seed, chunk_tokens, T):
