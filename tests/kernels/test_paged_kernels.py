@@ -116,9 +116,28 @@ def test_a_decode_step_of_rows_of_different_lengths_attends_row_by_row(seed, mon
     assert out.shape == (len(lengths), hq, 1, D)
 
 
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_prompt_chunks_row_by_row_equal_sdpa_and_the_masked_path(seed, block_size):
+    """Packed prompt chunks laid out in padded rows: from empty and shorter than the padded
+    width (causal, then the padding queries see every key), from empty and longer than T,
+    and a chunk after earlier tokens (masked): each row against SDPA and the general path."""
+    lengths, starts, T = [5, 12, 9], [0, 0, 4], 8
+    kpages, vpages, tables, ks, vs = scattered_pages(lengths, block_size, 64)
+    q = torch.randn(len(lengths), 4, T, D)
+    codec = IdentityCodec(D, torch.float32)
+    args = (q, kpages, vpages, tables, torch.tensor(starts), torch.tensor(lengths))
+    kw = dict(k_codec=codec, v_codec=codec, k_sidecars={}, v_sidecars={})
+    rows = kp.paged_attention_reference(*args, **kw)
+    for b, start in enumerate(starts):
+        expect = causal_attention(q[b : b + 1], ks[b], vs[b], q_start=start)
+        torch.testing.assert_close(rows[b : b + 1], expect, atol=1e-5, rtol=1e-5)
+    general = kp.paged_attention_reference(*args, **kw, chunk_tokens=4)  # past the budget: masked chunks
+    torch.testing.assert_close(rows, general, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_rows_longer_than_the_budget_take_the_chunked_path(seed, monkeypatch):
     kpages, vpages, tables, _, _ = scattered_pages([40, 33], 4, 32)
-    monkeypatch.setattr(kp, "_decode_rows", lambda *a, **k: pytest.fail("row by row past the budget"))
+    monkeypatch.setattr(kp, "_attend_rows", lambda *a, **k: pytest.fail("row by row past the budget"))
     codec = IdentityCodec(D, torch.float32)
     kp.paged_attention_reference(
         torch.randn(2, 2, 1, D), kpages, vpages, tables, torch.tensor([39, 32]), torch.tensor([40, 33]),

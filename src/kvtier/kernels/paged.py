@@ -44,6 +44,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 
@@ -197,9 +198,9 @@ def paged_attention_reference(
     One chunk goes straight through SDPA (causal SDPA for a prefill from empty);
     several are merged by log-sum-exp, each through PyTorch's fused CPU kernel on
     the CPU. On the CPU a single row on consecutive blocks is read as a view, and a
-    chunk that every query sees whole gets no mask; a decode step of several rows
-    (``T == 1``, each query seeing its whole row, every row within the byte budget)
-    attends row by row, each over its own length, without a mask.
+    chunk that every query sees whole gets no mask; rows of different lengths or
+    starts, each within the byte budget, are attended row by row over their own keys
+    (causal from empty, unmasked for a decode step, masked otherwise).
     """
     _check_attention_args(q, key_pages, value_pages, block_tables, q_start, kv_len)
     B, Hq, T, D = q.shape
@@ -219,10 +220,12 @@ def paged_attention_reference(
         )
     q_start, kv_len = q_start.to(q.device), kv_len.to(q.device)
     cpu = q.device.type == "cpu"
-    # a row's keys at once within the same byte budget (or the chunk the caller gave)
+    # rows of different lengths or starts, each within the byte budget (or the chunk the
+    # caller gave): row by row, over its own keys, instead of all padded to the longest
     row_tokens = given_chunk or DEFAULT_CHUNK_BYTES // (key_pages.shape[2] * k_codec.head_dim * 4)
-    if cpu and T == 1 and B > 1 and max_len <= row_tokens and bool((q_start + 1 >= kv_len).all()):
-        return _decode_rows(q, key_pages, value_pages, block_tables, kv_len, k_codec=k_codec,
+    if (cpu and B > 1 and max_len <= row_tokens
+            and (int(kv_len.min()) < max_len or bool((q_start != q_start[0]).any()))):
+        return _attend_rows(q, key_pages, value_pages, block_tables, q_start, kv_len, k_codec=k_codec,
                             v_codec=v_codec, k_sidecars=k_sidecars, v_sidecars=v_sidecars, scale=scale)
     first = consecutive_blocks(block_tables[:, :total])  # None on CUDA and for several rows
     if first is not None and k_codec.lossless and v_codec.lossless:
@@ -252,26 +255,36 @@ def paged_attention_reference(
     return acc.result(q.dtype)
 
 
-def _decode_rows(q, key_pages, value_pages, block_tables, kv_len, *, k_codec, v_codec,
+def _attend_rows(q, key_pages, value_pages, block_tables, q_start, kv_len, *, k_codec, v_codec,
                  k_sidecars, v_sidecars, scale) -> torch.Tensor:
-    """One decode query per row that sees every key of its row (CPU): each row's own
-    blocks, gathered to its length (a view where they are consecutive) and attended
-    without a mask. Gathering every row to the longest and masking the rest, as the
-    general path does, costs 2-4x more for rows of different lengths (B=32, lengths
-    64-576: 18-23 ms against 5-10 ms per layer on 2 cores)."""
-    B, Hq, _, D = q.shape
+    """:func:`paged_attention_reference` one row at a time (CPU): each row's own blocks,
+    gathered to its length (a view where they are consecutive), through SDPA: causal
+    for a prompt from empty, unmasked where every query sees the whole row (a decode
+    step), masked otherwise. For rows of different lengths, gathering every row to the
+    longest and masking the rest costs 2-4x more (a decode step of B=32 rows of 64-576
+    tokens: 18-23 ms against 5-10 ms per layer on 2 cores)."""
+    B, Hq, T, D = q.shape
     bs = key_pages.shape[1]
-    out = q.new_zeros(B, Hq, 1, v_codec.head_dim)
-    for b, n in enumerate(kv_len.tolist()):
+    out = q.new_zeros(B, Hq, T, v_codec.head_dim)
+    for b, (start, n) in enumerate(zip(q_start.tolist(), kv_len.tolist())):
         if n <= 0:
             continue  # a row that sees no key: zeros
         ids = block_tables[b : b + 1, : -(-n // bs)]  # (1, nb)
         at = consecutive_blocks(ids)
         k = gather_pages(key_pages, k_sidecars, ids, codec=k_codec, first_block=at)[:, :, :n]
         v = gather_pages(value_pages, v_sidecars, ids, codec=v_codec, first_block=at)[:, :, :n]
-        qb = q[b : b + 1].to(k.dtype)  # (1, H_q, 1, D)
-        out[b : b + 1] = torch.nn.functional.scaled_dot_product_attention(
-            qb, k, v, scale=scale, enable_gqa=Hq > k.shape[1]).to(q.dtype)
+        qb = q[b : b + 1].to(k.dtype)  # (1, H_q, T, D)
+        sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, scale=scale,
+                                 enable_gqa=Hq > k.shape[1])
+        if start + 1 >= n:  # every query sees the whole row (a decode step)
+            out[b : b + 1] = sdpa(qb, k, v).to(q.dtype)
+        elif start == 0 and n <= T:  # a prompt from empty: causal over its n queries, and
+            out[b : b + 1, :, :n] = sdpa(qb[:, :, :n], k, v, is_causal=True).to(q.dtype)
+            if n < T:  # queries past the row's keys see all of them
+                out[b : b + 1, :, n:] = sdpa(qb[:, :, n:], k, v).to(q.dtype)
+        else:
+            out[b : b + 1] = masked_attention(qb, k, v, causal_mask(1, T, n, start, n, device=q.device),
+                                              scale).to(q.dtype)
     return out
 
 
