@@ -1,7 +1,7 @@
 """Speculative decoding: greedy output equals plain greedy token for token (every drafter,
 every tier, batch 1 and 4), sampling has plain sampling's distribution (chi-square), the
 caches hold exactly the committed tokens after each cycle, the paged pool leaks no block,
-and the depth adapts.
+and the depth adapts end to end (the depth policy alone: ``test_depth_policy.py``).
 
 Significance level of the chi-square tests: ALPHA = 0.001 (seeds are fixed, so each test
 is deterministic; the level bounds how unlikely a pass by a wrong sampler is made to look
@@ -28,7 +28,6 @@ from kvtier.generate import GenerationConfig, generate, generate_step
 from kvtier.model import ModelArgs, build_random
 from kvtier.sampling import SamplingParams, make_generator, process_logits, sample
 from kvtier.speculative import (
-    DepthPolicy,
     SpeculativeConfig,
     SpeculativeStats,
     accept_drafts,
@@ -445,112 +444,6 @@ def test_fixed_depth_drafts_draft_tokens_every_cycle(lm, rows, reference):
     assert out == reference[1]
     assert drafted == wanted and len(drafted) > 1
     assert stats.accepted == stats.drafted and stats.depth_reason == ""
-
-
-def test_depth_policy_backs_off_and_probes_again():
-    policy = DepthPolicy(1, max_k=6, verify_cost=0.2, draft_cost=0.0)
-    for _ in range(3):
-        k = policy.depths()[0]
-        policy.observe([k], [k], [0])
-    assert policy.depths() == [0]  # drafts keep failing: plain decoding
-    assert "accepted" in policy.reason([True]) and "probing" in policy.reason([True])
-    waits = []
-    for _ in range(3):  # it tries one draft again after 4, then 8, then 16 plain steps
-        idle = 0
-        while policy.depths() == [0]:
-            policy.observe([0], [0], [0])
-            idle += 1
-        assert policy.depths() == [1]
-        policy.observe([1], [1], [0])
-        waits.append(idle)
-    assert waits == [4, 8, 16]
-    for _ in range(10):  # drafts that hold: the full depth
-        k = max(policy.depths()[0], 1)
-        policy.observe([k], [k], [k])
-    assert policy.depths() == [6] and policy.reason([True]) == ""
-    fixed = DepthPolicy(2, max_k=5, verify_cost=0.2, draft_cost=3.0, adaptive=False)
-    assert fixed.depths() == [5, 5] and fixed.depths([True, False]) == [5, 0]
-
-
-def test_a_drafter_as_dear_as_the_target_probes_rarely_and_says_why():
-    """cost >= 1: even drafts that are all accepted cannot beat plain decoding."""
-    policy = DepthPolicy(1, max_k=6, verify_cost=0.15, draft_cost=1.0)
-    chosen = []
-    for _ in range(100):
-        k = policy.depths()[0]
-        chosen.append(k)
-        policy.observe([k], [k], [k])  # every draft accepted
-    probes = [i for i, k in enumerate(chosen) if k]
-    assert set(chosen) == {0, 1} and probes[0] == 0  # the first cycle drafts
-    assert [b - a - 1 for a, b in zip(probes, probes[1:])] == [8, 16, 32]  # waits double
-    reason = policy.reason([True])
-    assert "no depth beats plain decoding" in reason and "1.00" in reason and "estimated" in reason
-    # measured so (a cycle with one draft: 1 + 1.2 one-token forwards), it is not probed again
-    timed = DepthPolicy(1, max_k=6, verify_cost=0.15, draft_cost=1.0, measure=True)
-    chosen = []
-    for _ in range(200):
-        k = timed.depths()[0]
-        chosen.append(k)
-        timed.measure(k, draft_s=1.2 * k, verify_s=1.0 + 0.15 * k)
-        timed.observe([k], [k], [k])
-    assert [i for i, k in enumerate(chosen) if k] == [0, 9]  # the first probe's drafts are not timed
-    assert timed.draft_cost == pytest.approx(1.2) and "(measured)" in timed.reason([True])
-
-
-def test_depth_policy_measures_the_drafter():
-    policy = DepthPolicy(1, max_k=6, verify_cost=0.25, draft_cost=1.0, measure=True)
-    policy.measure(4, draft_s=40.0, verify_s=2.0)  # the first drafting cycle: a model drafter's prefill
-    assert policy.draft_cost == 1.0 and policy.timings == 0
-    policy.measure(4, draft_s=0.4, verify_s=2.0)  # by the cost model a one-token forward takes 1.0 s
-    assert policy.draft_cost == pytest.approx(0.1) and policy.reason([True]) == ""  # it drafts
-    policy.measure(2, draft_s=2.0, verify_s=1.5)  # 1.0 s per draft now: the mean of the two
-    assert policy.draft_cost == pytest.approx(0.55)
-    policy.measure(0, draft_s=0.0, verify_s=0.5)  # a plain cycle times a one-token forward itself
-    policy.measure(4, draft_s=0.2, verify_s=9.0)  # a verification much slower at this width
-    assert policy.draft_cost == pytest.approx((0.1 + 1.0 + 0.1) / 3)  # 0.2 s / (4 * 0.5 s)
-    unmeasured = DepthPolicy(1, max_k=6, verify_cost=0.25, draft_cost=1.0)
-    unmeasured.measure(4, 0.4, 2.0)
-    unmeasured.measure(4, 0.4, 2.0)
-    assert unmeasured.draft_cost == 1.0  # a fixed draft_cost stays
-    assert "no depth beats plain decoding" in unmeasured.reason([True])
-
-
-def test_depth_policy_steers_clear_of_a_width_measured_slow():
-    """Verifications of 5 to 7 tokens measured 8x to 10x a plain step (the linear model says
-    1.6x to 1.9x): the depth steps down to 3, where the linear cost model alone stays at 6.
-    A width measured faster than the model does not lower its cost (timing noise)."""
-    linear = DepthPolicy(1, max_k=6, verify_cost=0.15, draft_cost=0.0)
-    policy = DepthPolicy(1, max_k=6, verify_cost=0.15, draft_cost=0.0, measure=True)
-    for p in (linear, policy):
-        for _ in range(10):
-            p.observe([6], [6], [6])  # drafts that hold
-    policy.measure(0, 0.0, 1.0)
-    policy.measure(6, 0.0, 10.0)
-    seen = [policy.depths()[0]]
-    for k, slow in ((5, 9.0), (4, 8.0)):  # an unmeasured width is tried, found slow, left
-        policy.measure(k, 0.0, slow)
-        seen.append(policy.depths()[0])
-    assert linear.depths() == [6] and seen == [5, 4, 3]
-    policy.measure(1, 0.0, 0.5)
-    assert policy.cycle_cost(6) == pytest.approx(10.0) and policy.cycle_cost(1) == pytest.approx(1.15)
-
-
-def test_depth_policy_follows_the_slowest_row_of_a_batch():
-    policy = DepthPolicy(4, max_k=6, verify_cost=0.2, draft_cost=0.0)
-    for _ in range(8):  # rows 0 and 1 accept everything, rows 2 and 3 nothing
-        ks = policy.depths()
-        policy.observe(ks, [6, 6, 6, 6], [6, 6, 0, 0])
-    assert [policy._best([policy.alpha(r)]) for r in range(4)] == [6, 6, 0, 0]
-    # the failing rows set the batch's pace: deeper forwards would not shorten it
-    assert policy.depths() == [0, 0, 0, 0]
-    # once they are done, the others draft at full depth
-    assert policy.depths([True, True, False, False]) == [6, 6, 0, 0]
-    # a weaker row caps the batch where it gains most
-    weak = DepthPolicy(2, max_k=6, verify_cost=0.2, draft_cost=0.0)
-    for _ in range(8):
-        weak.observe([6, 6], [6, 6], [6, 1])
-    k_weak = weak._best([weak.alpha(1)])
-    assert 0 < k_weak < 6 and weak.depths() == [k_weak, k_weak]
 
 
 def test_adaptive_depth_drafts_little_when_drafts_fail():
