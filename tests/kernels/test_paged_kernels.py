@@ -45,6 +45,19 @@ def scattered_pages(lengths, block_size, num_blocks, seed=0):
     return kpages, vpages, tables, ks, vs
 
 
+def record_gathers(monkeypatch) -> list[tuple[int, int]]:
+    """Make ``gather_pages`` record the shape ``(rows, blocks)`` of each block-id table it is
+    given (in call order) and go on as before; returns the record."""
+    calls, real = [], kp.gather_pages
+
+    def recording(pages, sidecars, ids, *, codec, first_block=None):
+        calls.append(tuple(ids.shape))
+        return real(pages, sidecars, ids, codec=codec, first_block=first_block)
+
+    monkeypatch.setattr(kp, "gather_pages", recording)
+    return calls
+
+
 def reference_equals_sdpa(lengths, T, hq, block_size, chunk_tokens) -> torch.Tensor:
     """The reference over scattered pages, row ``b``'s queries ending at its length, checked
     row by row against SDPA over the row's contiguous K/V; returns the output."""
@@ -72,20 +85,14 @@ def test_reference_attention_equals_sdpa_over_contiguous_rows(seed, block_size, 
 
 def test_reference_decodes_a_bounded_chunk_at_a_time(seed, monkeypatch):
     kpages, vpages, tables, _, _ = scattered_pages([40, 33], 4, 32)
-    widths = []
-    real = kp.gather_pages
-
-    def recording(pages, sidecars, ids, *, codec, first_block=None):
-        widths.append(ids.shape[1] * pages.shape[1])
-        return real(pages, sidecars, ids, codec=codec, first_block=first_block)
-
-    monkeypatch.setattr(kp, "gather_pages", recording)
+    gathers = record_gathers(monkeypatch)
     codec = IdentityCodec(D, torch.float32)
     kp.paged_attention_reference(
         torch.randn(2, 2, 1, D), kpages, vpages, tables, torch.tensor([39, 32]),
         torch.tensor([40, 33]), k_codec=codec, v_codec=codec, k_sidecars={}, v_sidecars={},
         chunk_tokens=8,
     )
+    widths = [nb * 4 for _, nb in gathers]  # tokens per gather (blocks of 4)
     assert max(widths) == 8 and sum(widths) == 2 * 40  # K and V, 10 blocks each, two at a time
 
 
@@ -101,16 +108,9 @@ def test_a_decode_step_of_rows_of_different_lengths_attends_row_by_row(seed, mon
     codec = IdentityCodec(D, torch.float32)
     args = (q, kpages, vpages, tables, torch.tensor([n - 1 for n in lengths]), torch.tensor(lengths))
     kw = dict(k_codec=codec, v_codec=codec, k_sidecars={}, v_sidecars={})
-    widths = []
-    real = kp.gather_pages
-
-    def recording(pages, sidecars, ids, *, codec, first_block=None):
-        widths.append(tuple(ids.shape))
-        return real(pages, sidecars, ids, codec=codec, first_block=first_block)
-
-    monkeypatch.setattr(kp, "gather_pages", recording)
+    gathers = record_gathers(monkeypatch)
     rows = kp.paged_attention_reference(*args, **kw)
-    assert sorted(widths) == sorted((1, -(-n // block_size)) for n in lengths for _ in "kv")  # own blocks only
+    assert sorted(gathers) == sorted((1, -(-n // block_size)) for n in lengths for _ in "kv")  # own blocks only
     general = kp.paged_attention_reference(*args, **kw, chunk_tokens=8)  # chunks of 8 < 30: the masked path
     torch.testing.assert_close(rows, general, atol=1e-5, rtol=1e-5)
     assert out.shape == (len(lengths), hq, 1, D)

@@ -222,16 +222,16 @@ def paged_attention_reference(
     cpu = q.device.type == "cpu"
     # rows of different lengths or starts, each within the byte budget (or the chunk the
     # caller gave): row by row, over its own keys, instead of all padded to the longest
+    shortest = int(kv_len.min()) if cpu else 0
     row_tokens = given_chunk or DEFAULT_CHUNK_BYTES // (key_pages.shape[2] * k_codec.head_dim * 4)
     if (cpu and B > 1 and max_len <= row_tokens
-            and (int(kv_len.min()) < max_len or bool((q_start != q_start[0]).any()))):
+            and (shortest < max_len or bool((q_start != q_start[0]).any()))):
         return _attend_rows(q, key_pages, value_pages, block_tables, q_start, kv_len, k_codec=k_codec,
                             v_codec=v_codec, k_sidecars=k_sidecars, v_sidecars=v_sidecars, scale=scale)
     first = consecutive_blocks(block_tables[:, :total])  # None on CUDA and for several rows
     if first is not None and k_codec.lossless and v_codec.lossless:
         per_chunk = total  # the keys are read as a view: one chunk copies nothing
     # On the CPU the bounds are cheap host reads: a chunk every query sees whole needs no mask.
-    shortest = int(kv_len.min()) if cpu else 0
     sees_all = min(int(q_start.min()) + 1, shortest) if cpu else 0
     # a prefill from empty (every row's T queries are its keys 0..T-1): plain causal SDPA
     from_empty = cpu and per_chunk >= total and shortest == max_len == T and int(q_start.max()) == 0
@@ -266,6 +266,8 @@ def _attend_rows(q, key_pages, value_pages, block_tables, q_start, kv_len, *, k_
     B, Hq, T, D = q.shape
     bs = key_pages.shape[1]
     out = q.new_zeros(B, Hq, T, v_codec.head_dim)
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, scale=scale,
+                             enable_gqa=Hq > key_pages.shape[2])
     for b, (start, n) in enumerate(zip(q_start.tolist(), kv_len.tolist())):
         if n <= 0:
             continue  # a row that sees no key: zeros
@@ -274,8 +276,6 @@ def _attend_rows(q, key_pages, value_pages, block_tables, q_start, kv_len, *, k_
         k = gather_pages(key_pages, k_sidecars, ids, codec=k_codec, first_block=at)[:, :, :n]
         v = gather_pages(value_pages, v_sidecars, ids, codec=v_codec, first_block=at)[:, :, :n]
         qb = q[b : b + 1].to(k.dtype)  # (1, H_q, T, D)
-        sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, scale=scale,
-                                 enable_gqa=Hq > k.shape[1])
         if start + 1 >= n:  # every query sees the whole row (a decode step)
             out[b : b + 1] = sdpa(qb, k, v).to(q.dtype)
         elif start == 0 and n <= T:  # a prompt from empty: causal over its n queries, and

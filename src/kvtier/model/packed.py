@@ -16,7 +16,8 @@ float32, and it computes with exactly the same weights:
   it, plain C elsewhere) dequantises in registers and accumulates in float32, with
   the threads of PyTorch's OpenMP runtime; for more rows (prefill) it dequantises
   the weight and calls :func:`kvtier.model.linear.linear`, as the float32 model does,
-  which gives its results bit for bit. Only the summation order of decode differs from the float32 model.
+  which gives its results bit for bit. Only the summation order of decode differs
+  from the float32 model.
 - The kernel is compiled once per machine with the system C compiler into the
   user cache (:func:`kvtier.config.user_cache_dir`); where no compiler works,
   :func:`load_kernels` returns ``None`` and nothing is packed.

@@ -132,7 +132,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)  # read per row every step: no nested property
+        return len(self.token_ids) - len(self.prompt_token_ids)  # read per row every step
 
 
 @dataclass(frozen=True)
