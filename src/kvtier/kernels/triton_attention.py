@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,9 @@ DECODE_KERNELS = ("cuda_core", "mma")
 #: launches of fewer (row, kv head) programs than this split short: B=1 with 8 kv heads
 #: leaves most multiprocessors idle at 512-key splits
 SMALL_GRID, SHORT_SPLITS = 32, 64
+#: programs of the bf16 kernel resident on one multiprocessor (64-key tiles, 4 warps: 111
+#: registers a thread, 25% occupancy); the split plan fills whole waves of these
+RESIDENT_PROGRAMS = 4
 
 
 @triton.jit
@@ -88,7 +92,10 @@ def _attention_kernel(
     V_GROUP: tl.constexpr, V_ZERO: tl.constexpr, V_FACTOR: tl.constexpr, V_SPLIT: tl.constexpr,
     V_DIRECT: tl.constexpr,
     K_PURE: tl.constexpr,
+    RELEASE: tl.constexpr = False,
 ):  # fmt: skip
+    if RELEASE:  # the merge may launch now; it waits for this grid's writes before reading
+        tl.extra.cuda.gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -221,8 +228,12 @@ def _merge_kernel(
     PO, PL, O, stride_ob, stride_oh, stride_ot, T, HQ, num_splits,
     HEAD_DIM: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    WAIT: tl.constexpr,
 ):  # fmt: skip
-    """Log-sum-exp merge of the splits of one query row ``r = (b, hq, t)``."""
+    """Log-sum-exp merge of the splits of one query row ``r = (b, hq, t)``. ``WAIT``: launched
+    as the attention kernel's programmatic dependent, so it waits for that grid's writes."""
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
     t = r % T
     hq = (r // T) % HQ
@@ -309,10 +320,34 @@ def plan_launch(
         min_split = cfg.min_split_tokens if base >= SMALL_GRID else block_n
         if base < SMALL_GRID:
             want = min(want, SHORT_SPLITS)
-        splits = max(1, min(want, triton.cdiv(capacity, max(min_split, block_n))))
+        most = max(1, triton.cdiv(capacity, max(min_split, block_n)))
+        splits = max(1, min(want, most))
+        if device.type == "cuda" and not quantised and base >= SMALL_GRID:
+            splits = _whole_waves(base, splits, most, capacity, block_n, device)
     split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     splits = max(1, triton.cdiv(capacity, split_len))
     return block_m, m_tiles, block_n, splits, split_len, base
+
+
+def _whole_waves(base: int, want: int, most: int, capacity: int, block_n: int, device: torch.device) -> int:
+    """The fewest splits in ``[ceil(want / 2), min(2 want, most)]`` whose programs fill their last
+    wave (``RESIDENT_PROGRAMS`` per multiprocessor) within 3% of the best such count, else ``want``.
+
+    H200, bf16, 32/8 heads (``benchmarks/tools/split_sweep.py``): at B=32 (256 programs a split)
+    5 splits fill 2.4 waves of 528 and reach 85-90% of SDPA, 2, 4, 6 or 8 splits 91-97%; B=64
+    keeps 2-3 splits and B=8 8 or 16, which fill their waves already."""
+    slots = RESIDENT_PROGRAMS * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+    def fill(s: int) -> float:  # the share of the last wave's slots in use, after rounding to tiles
+        s = triton.cdiv(capacity, triton.cdiv(triton.cdiv(capacity, s), block_n) * block_n)
+        waves = base * s / slots
+        return waves / math.ceil(waves)
+
+    options = range(max(1, triton.cdiv(want, 2)), min(2 * want, most) + 1)
+    if not options:
+        return want
+    best = max(fill(s) for s in options)
+    return next(s for s in options if fill(s) >= best - 0.03)
 
 
 def direct_format(fmt: PageFormat, head_dim: int) -> bool:
@@ -448,7 +483,7 @@ def launch_attention(
         sm_scale * LOG2E, T, H_kv, split_len, splits,
         G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, PAGED=paged,
         CAUSAL=q_start is not None, SPLIT=splits > 1, DOT_FP32=dot_fp32, DT=dot_dtype, FAST=compiled,
-        K_PURE=True,
+        K_PURE=True, RELEASE=splits > 1 and pdl(q.device),
         NEED_SIDECARS=k_fmt.scale is not None or v_fmt.scale is not None,
         **format_constexprs("K", k_fmt, D, direct), **format_constexprs("V", v_fmt, D, direct),
         num_warps=num_warps, num_stages=num_stages,
@@ -458,12 +493,29 @@ def launch_attention(
     return out
 
 
+def pdl(device: torch.device) -> bool:
+    """Whether the merge launches as the attention kernel's programmatic dependent (Hopper and
+    later, compiled kernels, ``KVTIER_PDL`` not ``0``): it is scheduled while the attention grid
+    runs and waits for its writes, instead of launching after it ends (B=1 decode: the merge
+    launch was about 2 us of a 13.6 us step)."""
+    return device.type == "cuda" and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    if os.environ.get("KVTIER_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+
+
 def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, splits: int) -> None:
     """Merge split partials ``po`` ``[B, Hq, T, S, D]`` (lse ``pl`` ``[B, Hq, T, S]``) into ``out``."""
     B, Hq, T, D = out.shape
+    wait = pdl(out.device)
     _merge_kernel[(B * Hq * T,)](
         po, pl, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, splits,
-        HEAD_DIM=D, SPLITS_P2=max(2, _next_pow2(splits)), num_warps=4,
+        HEAD_DIM=D, SPLITS_P2=max(2, _next_pow2(splits)), WAIT=wait, num_warps=4,
+        **({"launch_pdl": True} if wait else {}),
     )  # fmt: skip
 
 

@@ -1,0 +1,61 @@
+"""The attention kernel's split plan on a GPU of 132 multiprocessors (an H200), computed on the
+host: full-precision launches fill whole waves, quantised and small launches keep their plans."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first import of triton's jit decorators
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from kvtier.kernels import triton_attention as ta  # noqa: E402
+
+SMS = 132
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    monkeypatch.setattr(ta, "_multiprocessors", lambda index: SMS)
+
+
+def splits(B, capacity, quantised=False, device=CUDA, H_kv=8, G=4):
+    return ta.plan_launch(B, H_kv, G, 1, capacity, device, ta.LaunchConfig(), quantised)[3]
+
+
+def last_wave(B, s, H_kv=8):
+    waves = B * H_kv * s / (ta.RESIDENT_PROGRAMS * SMS)
+    return waves / math.ceil(waves)
+
+
+@pytest.mark.parametrize("capacity", [4096, 16384, 32768])
+def test_full_precision_plans_fill_their_last_wave(h200, capacity):
+    # the sweep's figures: B=32 at 5 splits reached 85-90% of SDPA, at 2/4/6/8 splits 91-97%
+    assert splits(32, capacity) in (2, 4, 6, 8)
+    assert splits(64, capacity) in (2, 3)
+    for B in (8, 16, 32, 48, 64, 128):
+        s = splits(B, capacity)
+        assert last_wave(B, s) >= 0.9 or s == capacity // 512, (B, s)
+
+
+def test_short_and_quantised_plans_unchanged(h200):
+    assert splits(1, 4096) == ta.SHORT_SPLITS  # one 64-key tile a split
+    assert splits(1, 16384) == ta.SHORT_SPLITS
+    assert splits(8, 4096) == 8  # 512-key splits at most: 8 of them fill 97% of a wave
+    # quantised pages keep the program-count plan (their kernel holds 3 programs an SM)
+    assert splits(32, 4096, quantised=True) == math.ceil(8 * SMS / (32 * 8))
+    assert splits(64, 8192, quantised=True) == math.ceil(8 * SMS / (64 * 8))
+
+
+def test_given_split_count_wins(h200):
+    cfg = ta.LaunchConfig(num_splits=5)
+    assert ta.plan_launch(32, 8, 4, 1, 4096, CUDA, cfg)[3] == 5
+
+
+def test_cpu_plans_unchanged():
+    assert splits(32, 4096, device=torch.device("cpu")) == 1  # 4 programs wanted: no split
