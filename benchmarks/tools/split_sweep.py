@@ -4,8 +4,7 @@ each batch size and context of the issue-15 table, to choose the plan heuristics
     PYTHONPATH=src:benchmarks python3 benchmarks/tools/split_sweep.py --out DIR [--defaults-only]
 
 Writes ``DIR/NAME.md`` (one table per shape, the default plan first) and ``DIR/NAME.json``
-(``--name``, default ``split_sweep``). ``KVTIER_PDL=0`` launches the merge after the attention
-grid ends instead of as its programmatic dependent. Times are medians of CUDA-graph replays of 20 calls over replicas
+(``--name``, default ``split_sweep``). Times are medians of CUDA-graph replays of 20 calls over replicas
 that keep the working set beyond 4x the L2 (``kvtier_bench.attention.time_calls``).
 """
 
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,8 +37,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     shape = SimpleNamespace(kv_heads=8, heads=32, head_dim=128, page=16, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    md = [f"{time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"KVTIER_PDL={os.environ.get('KVTIER_PDL', '1')}", ""]
+    md = [f"{time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name()}, torch {torch.__version__}", ""]
     js = []
     for B in map(int, args.batches.split(",")):
         for L in map(int, args.contexts.split(",")):

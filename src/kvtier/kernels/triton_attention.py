@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -92,10 +91,7 @@ def _attention_kernel(
     V_GROUP: tl.constexpr, V_ZERO: tl.constexpr, V_FACTOR: tl.constexpr, V_SPLIT: tl.constexpr,
     V_DIRECT: tl.constexpr,
     K_PURE: tl.constexpr,
-    RELEASE: tl.constexpr = False,
 ):  # fmt: skip
-    if RELEASE:  # the merge may launch now; it waits for this grid's writes before reading
-        tl.extra.cuda.gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -228,12 +224,8 @@ def _merge_kernel(
     PO, PL, O, stride_ob, stride_oh, stride_ot, T, HQ, num_splits,
     HEAD_DIM: tl.constexpr,
     SPLITS_P2: tl.constexpr,
-    WAIT: tl.constexpr,
 ):  # fmt: skip
-    """Log-sum-exp merge of the splits of one query row ``r = (b, hq, t)``. ``WAIT``: launched
-    as the attention kernel's programmatic dependent, so it waits for that grid's writes."""
-    if WAIT:
-        tl.extra.cuda.gdc_wait()
+    """Log-sum-exp merge of the splits of one query row ``r = (b, hq, t)``."""
     r = tl.program_id(0)
     t = r % T
     hq = (r // T) % HQ
@@ -299,8 +291,10 @@ def plan_launch(
     Splits: enough programs for ``8 x`` the multiprocessors, each split at least
     ``min_split_tokens`` long (one tile, and at most :data:`SHORT_SPLITS` splits, when
     fewer than :data:`SMALL_GRID` (row, kv head) pairs share the launch) and a whole
-    number of ``block_n`` tiles. The plan
-    depends on the capacity (table width x page), never on the lengths.
+    number of ``block_n`` tiles. On CUDA, full-precision launches of at least
+    :data:`SMALL_GRID` pairs then take the split count near that whose last wave of programs
+    is full (:func:`_whole_waves`). The plan depends on the capacity (table width x page),
+    never on the lengths.
     """
     rows = G * T
     block_m = max(16, min(64, _next_pow2(rows)))
@@ -483,7 +477,7 @@ def launch_attention(
         sm_scale * LOG2E, T, H_kv, split_len, splits,
         G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, PAGED=paged,
         CAUSAL=q_start is not None, SPLIT=splits > 1, DOT_FP32=dot_fp32, DT=dot_dtype, FAST=compiled,
-        K_PURE=True, RELEASE=splits > 1 and pdl(q.device),
+        K_PURE=True,
         NEED_SIDECARS=k_fmt.scale is not None or v_fmt.scale is not None,
         **format_constexprs("K", k_fmt, D, direct), **format_constexprs("V", v_fmt, D, direct),
         num_warps=num_warps, num_stages=num_stages,
@@ -493,29 +487,12 @@ def launch_attention(
     return out
 
 
-def pdl(device: torch.device) -> bool:
-    """Whether the merge launches as the attention kernel's programmatic dependent (Hopper and
-    later, compiled kernels, ``KVTIER_PDL`` not ``0``): it is scheduled while the attention grid
-    runs and waits for its writes, instead of launching after it ends (B=1 decode: the merge
-    launch was about 2 us of a 13.6 us step)."""
-    return device.type == "cuda" and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _pdl_capable(index: int) -> bool:
-    if os.environ.get("KVTIER_PDL", "1") == "0":
-        return False
-    return torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
-
-
 def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, splits: int) -> None:
     """Merge split partials ``po`` ``[B, Hq, T, S, D]`` (lse ``pl`` ``[B, Hq, T, S]``) into ``out``."""
     B, Hq, T, D = out.shape
-    wait = pdl(out.device)
     _merge_kernel[(B * Hq * T,)](
         po, pl, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, splits,
-        HEAD_DIM=D, SPLITS_P2=max(2, _next_pow2(splits)), WAIT=wait, num_warps=4,
-        **({"launch_pdl": True} if wait else {}),
+        HEAD_DIM=D, SPLITS_P2=max(2, _next_pow2(splits)), num_warps=4,
     )  # fmt: skip
 
 

@@ -24,7 +24,9 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -196,6 +198,17 @@ class Transformer(nn.Module):
         positions = positions.to(tokens.device)  # (B, T)
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         cos, sin = self.rope(positions, x.dtype)  # (B, T, 1, D) each
+        if fused_kernels(x):  # CUDA: each residual add rides with the next RMSNorm
+            from kvtier.kernels.triton_fused import add_rms_norm
+
+            delta = None
+            for layer, cache in zip(self.layers[:n], caches):
+                x, delta = layer.forward_fused(x, delta, cos, sin, cache, kwargs)
+            if last_only:
+                x, delta = x[:, -1:], delta[:, -1:]  # (B, 1, dim)
+            elif select is not None:
+                x, delta = x[:, select], delta[:, select]  # (B, k, dim)
+            return self.output(add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]).float()
         for layer, cache in zip(self.layers[:n], caches):
             x = layer(x, cos, sin, cache, kwargs)
         if last_only:
@@ -236,6 +249,25 @@ class Transformer(nn.Module):
         return (steps + int(start)).expand(B, T)  # (B, T)
 
 
+def fused_kernels(x: torch.Tensor) -> bool:
+    """Whether the Triton elementwise kernels (:mod:`kvtier.kernels.triton_fused`) serve ``x``:
+    fp16/bf16 on CUDA, outside ``torch.compile`` (which fuses these steps itself), unless
+    ``KVTIER_FUSED=0``."""
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and _fused_available()
+            and not torch.compiler.is_compiling())
+
+
+@functools.cache
+def _fused_available() -> bool:
+    if os.environ.get("KVTIER_FUSED", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        import kvtier.kernels.triton_fused  # noqa: F401
+    except ImportError:  # no Triton: PyTorch's ops
+        return False
+    return True
+
+
 # -- block ---------------------------------------------------------------------------------
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, device=None):
@@ -248,6 +280,17 @@ class TransformerBlock(nn.Module):
     def forward(self, x, cos, sin, cache: KVCache, cache_kwargs: dict) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, cache, cache_kwargs)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward_fused(self, x, delta, cos, sin, cache: KVCache, cache_kwargs: dict):
+        """:meth:`forward` of the residual stream ``x + delta`` (``delta`` ``None``: ``x``) through
+        the fused kernels; ``(h, ffn_out)``, whose sum is :meth:`forward`'s result."""
+        from kvtier.kernels.triton_fused import add_rms_norm
+
+        norm = self.attention_norm
+        h, n = add_rms_norm(x, delta, norm.weight, norm.eps)
+        a = self.attention(n, cos, sin, cache, cache_kwargs)
+        h, n = add_rms_norm(h, a, self.ffn_norm.weight, self.ffn_norm.eps)
+        return h, self.feed_forward(n)
 
 
 # -- attention -------------------------------------------------------------------------------
@@ -271,7 +314,12 @@ class Attention(nn.Module):
         qk, v = qkv.split([Hq + Hkv, Hkv], dim=2)  # (B, T, H_q + H_kv, D), (B, T, H_kv, D)
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head of q and of k
             qk = torch.cat([self.q_norm(qk[:, :, :Hq]), self.k_norm(qk[:, :, Hq:])], dim=2)
-        qk = apply_rope(qk, cos, sin).transpose(1, 2)  # (B, H_q + H_kv, T, D): one rotation
+        if fused_kernels(x):
+            from kvtier.kernels.triton_fused import rope
+
+            qk = rope(qk, cos, sin).transpose(1, 2)  # (B, H_q + H_kv, T, D): one launch
+        else:
+            qk = apply_rope(qk, cos, sin).transpose(1, 2)  # (B, H_q + H_kv, T, D): one rotation
         q, k = qk.split([Hq, Hkv], dim=1)  # (B, H_q, T, D), (B, H_kv, T, D)
         cache.update(k, v.transpose(1, 2), **cache_kwargs)  # v: (B, H_kv, T, D)
         out = cache.attention(q, scale=self.scale)  # (B, H_q, T, D)
@@ -289,6 +337,10 @@ class FeedForward(nn.Module):
         self.w2 = Linear(args.hidden_dim, args.dim, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_kernels(x):
+            from kvtier.kernels.triton_fused import silu_mul
+
+            return self.w2(silu_mul(self.w13(x)))
         gate, up = self.w13(x).split(self.hidden_dim, dim=-1)  # (B, T, hidden) each
         return self.w2(F.silu(gate) * up)
 
