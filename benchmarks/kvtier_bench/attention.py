@@ -184,30 +184,38 @@ def build_paged(mode: str, B: int, L: int, args, gen: torch.Generator, k=None, v
     return Paged(q, kp, vp, ks, vs, table, kv_len, kc, vc, nbytes)
 
 
-# -- the measurements ----------------------------------------------------------------------------
-def bench_bf16(args, gen) -> list[dict]:
+def bf16_against_sdpa(B: int, L: int, args, gen: torch.Generator) -> tuple[list[Paged], list[Callable], int]:
+    """Replicas of bf16 pages of random K/V ``[B, H_kv, L, D]`` (enough to keep the working set
+    beyond 4x the L2), the same number of SDPA calls on contiguous copies of that K/V, and the
+    K/V bytes of one replica."""
     import torch.nn.functional as F
 
+    k = torch.randn(B, args.kv_heads, L, args.head_dim, device=args.device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    nbytes = 2 * k.numel() * k.element_size()
+    n = copies_for(nbytes)
+    pg = [build_paged("fp", B, L, args, gen, k, v) for _ in range(n)]
+    q = pg[0].q
+    sdpa = [
+        lambda q=q, k=kk, v=vv: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        for kk, vv in [(k, v)] + [(k.clone(), v.clone()) for _ in range(n - 1)]
+    ]
+    return pg, sdpa, nbytes
+
+
+# -- the measurements ----------------------------------------------------------------------------
+def bench_bf16(args, gen) -> list[dict]:
     rows = []
     for B in _ints(args.batches):
         for L in _ints(args.contexts):
-            k = torch.randn(B, args.kv_heads, L, args.head_dim, device=args.device, dtype=torch.bfloat16, generator=gen)
-            v = torch.randn_like(k)
-            nbytes = 2 * k.numel() * k.element_size()
-            n = copies_for(nbytes)
-            pg = [build_paged("fp", B, L, args, gen, k, v) for _ in range(n)]
-            q = pg[0].q
-            sdpa = [
-                lambda q=q, k=kk, v=vv: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                for kk, vv in [(k, v)] + [(k.clone(), v.clone()) for _ in range(n - 1)]
-            ]
+            pg, sdpa, nbytes = bf16_against_sdpa(B, L, args, gen)
             err = (pg[0].attention().float() - sdpa[0]().float()).abs().max().item()
             t_k = time_calls([p.attention for p in pg], args.iters, args.reps)
             t_s = time_calls(sdpa, args.iters, args.reps)
             rows.append(dict(B=B, L=L, mb=nbytes / 1e6, t_kernel=t_k, t_sdpa=t_s,
                              bw_kernel=nbytes / t_k / 1e12, bw_sdpa=nbytes / t_s / 1e12,
                              ratio=t_s / t_k, max_err=err))  # fmt: skip
-            del pg, k, v, sdpa
+            del pg, sdpa
             torch.cuda.empty_cache()
     return rows
 

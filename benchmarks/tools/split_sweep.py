@@ -17,14 +17,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 SPLITS = {1: (16, 32, 48, 64, 96, 128), 8: (4, 6, 8, 12, 16), 32: (2, 3, 4, 5, 6, 8, 12), 64: (2, 3, 4, 6)}
 
 
 def main() -> None:
     from kvtier.kernels.triton_attention import LaunchConfig, plan_launch
-    from kvtier_bench.attention import build_paged, copies_for, time_calls
+    from kvtier_bench.attention import bf16_against_sdpa, time_calls
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
@@ -41,15 +40,9 @@ def main() -> None:
     js = []
     for B in map(int, args.batches.split(",")):
         for L in map(int, args.contexts.split(",")):
-            k = torch.randn(B, 8, L, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-            v = torch.randn_like(k)
-            nbytes = 2 * k.numel() * 2
-            n = copies_for(nbytes)
-            ps = [build_paged("fp", B, L, shape, gen, k, v)] + [build_paged("fp", B, L, shape, gen) for _ in range(n - 1)]
+            ps, sdpa, _ = bf16_against_sdpa(B, L, shape, gen)
             q = ps[0].q
-            kvs = [(k, v)] + [(k.clone(), v.clone()) for _ in range(n - 1)]
-            t_s = time_calls([lambda k=kk, v=vv, q=q: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                              for kk, vv in kvs], 20, 10)
+            t_s = time_calls(sdpa, 20, 10)
             default = plan_launch(B, 8, 4, 1, L, q.device, LaunchConfig())
             rows = [("default", default[3], default[2], "-", time_calls([lambda p=p: p.attention() for p in ps], 20, 10))]
             for splits in () if args.defaults_only else SPLITS.get(B, ()):
@@ -71,7 +64,7 @@ def main() -> None:
             print("\n".join(md[-len(rows) - 6:]), flush=True)
             (out / f"{args.name}.md").write_text("\n".join(md))
             (out / f"{args.name}.json").write_text(json.dumps(js, indent=1))
-            del ps, kvs, k, v
+            del ps, sdpa
             torch.cuda.empty_cache()
 
 

@@ -18,6 +18,7 @@ from kvtier.caches.paged import PagedKVCache
 from kvtier.caches.persist import load_cache, save_cache
 from kvtier.config import KVCacheConfig, TurboQuantConfig, make_caches
 from kvtier.kernels.reference import causal_attention
+from kvtier.quant import Fp8Codec
 
 H, D = 2, 64
 
@@ -200,3 +201,44 @@ def test_config_from_environment_builds_a_quantised_paged_cache(seed):
     cache.update(torch.randn(2, H, 3, D), torch.randn(2, H, 3, D))
     s = cache.paged_stats()
     assert (s["mode"], s["block_size"], s["allocated_blocks"]) == ("q8", 8, 4)
+
+
+# -- fp8 key centre ------------------------------------------------------------------------------
+def test_fp8_cache_codes_keys_against_the_first_keys_mean(seed, tmp_path):
+    """The first write fixes the key centre; keys read back closer than without it, attention
+    over the pages equals SDPA over the rows read back, and the centre travels with the state."""
+    g = torch.Generator().manual_seed(0)
+    offsets = 6 * torch.randn(1, H, 1, D, generator=g)
+    k1, v1 = torch.randn(2, H, 9, D, generator=g) + offsets, torch.randn(2, H, 9, D, generator=g)
+    cache = PagedKVCache(4, 32, batch_size=2, kv_quant="fp8")
+    cache.update(k1, v1)
+    codec = cache.codecs.k_codec
+    torch.testing.assert_close(codec.centre, k1.mean(dim=(0, 2)))
+    assert cache.codecs.v_codec.centre is None
+    k2 = torch.randn(2, H, 3, D, generator=g) + offsets
+    cache.update(k2, torch.randn(2, H, 3, D, generator=g))
+    K, V = cache.fetch()
+    raw = torch.cat([k1, k2], 2)
+    plain = Fp8Codec(D, torch.float32)
+    plain_err = relative_mse(plain.roundtrip(raw.transpose(1, 2)).transpose(1, 2), raw)
+    assert relative_mse(K, raw) < 0.5 * plain_err
+    q = torch.randn(2, 4, 3, D, generator=g)  # the last write's 3 positions
+    torch.testing.assert_close(cache.attention(q), causal_attention(q, K, V), atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache.state["k_centre"], codec.centre)
+    save_cache(tmp_path / "kv.safetensors", [cache])
+    (copy,), _ = load_cache(tmp_path / "kv.safetensors")
+    assert torch.equal(copy.codecs.k_codec.centre, codec.centre)
+    assert torch.equal(copy.fetch()[0], K)
+
+
+def test_fp8_caches_with_other_centres_do_not_extend(seed):
+    a = PagedKVCache(4, 16, kv_quant="fp8")
+    b = PagedKVCache(4, 16, kv_quant="fp8")
+    a.update(torch.randn(1, H, 5, D), torch.randn(1, H, 5, D))
+    b.update(torch.randn(1, H, 6, D) + 3, torch.randn(1, H, 6, D))
+    with pytest.raises(ValueError, match="key centre"):
+        a.extend(b)
+    state = dict(a.state)
+    state["k_centre"] = state["k_centre"][:1]
+    with pytest.raises(ValueError, match="k_centre"):
+        PagedKVCache.from_state(state, a.meta_state)

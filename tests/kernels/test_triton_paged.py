@@ -201,14 +201,18 @@ def test_dispatch_serves_from_the_kernel():
 
 
 # -- the write kernel ----------------------------------------------------------------------
-def run_write(mode, B, H, T, D, page, dtype, *, pad_slot=True, seed=0):
-    """Write with the kernel and with the reference into copies of the same random pool."""
+def run_write(mode, B, H, T, D, page, dtype, *, pad_slot=True, seed=0, centre=False):
+    """Write with the kernel and with the reference into copies of the same random pool
+    (``centre``: keys with per-channel offsets, coded against the key codec's centre)."""
     gen = torch.Generator().manual_seed(seed)
     kc, vc = codec_for_mode(mode, D, dtype)
     num_blocks = math.ceil(B * T / page) + 2
     kp, ks = alloc_pages(kc, num_blocks, page, H, gen)
     vp, vs = alloc_pages(vc, num_blocks, page, H, gen)
     keys = (3 * torch.randn(B, H, T, D, generator=gen)).to(dtype).to(DEVICE)
+    if centre:
+        keys = (keys.float() + 8 * torch.randn(1, H, 1, D, generator=gen).to(DEVICE)).to(dtype)
+        kc.set_centre(keys)
     values = torch.randn(B, H, T, D, generator=gen).to(dtype).to(DEVICE)
     slots = torch.randperm(num_blocks * page, generator=gen)[: B * T].to(DEVICE)
     if pad_slot and B * T > 1:
@@ -265,6 +269,14 @@ def check_write(r, *, exact: bool):
 def test_write_matches_reference(mode, dtype):
     r = run_write(mode, 2, 2, 3, 64, 16, dtype)
     check_write(r, exact=not ON_GPU or not mode.startswith("turboquant"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_of_centred_fp8_keys_matches_reference(dtype):
+    """fp8 keys coded against a centre: the kernel writes the bytes the reference codec does."""
+    r = run_write("fp8", 2, 2, 5, 64, 16, dtype, centre=True)
+    assert r["kc"].centre is not None and r["vc"].centre is None
+    check_write(r, exact=True)
 
 
 def test_write_head_dim_128_page_128():

@@ -140,3 +140,36 @@ def test_cuda_matches_cpu():
     assert torch.equal(p_gpu.cpu(), p_cpu)
     assert torch.equal(s_gpu.cpu(), s_cpu)
     assert torch.equal(codec.decode(p_gpu, s_gpu).cpu(), codec.decode(p_cpu, s_cpu))
+
+
+# -- the key centre -----------------------------------------------------------------------------
+def offset_keys(seed: int = 0) -> torch.Tensor:
+    """Keys ``[B=2, H=3, T=40, D=64]`` whose channels carry offsets shared by every token, as
+    a model's key channels do."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 3, 40, 64, generator=g) + 6 * torch.randn(1, 3, 1, 64, generator=g)
+
+
+def test_centred_keys_round_trip_closer_than_plain_codes():
+    keys = offset_keys()
+    x = keys.transpose(1, 2).reshape(-1, 3, 64)  # (N, H, D), as the paged tier encodes
+    plain, centred = Fp8Codec(64, torch.float32), Fp8Codec(64, torch.float32)
+    centred.set_centre(keys)
+    torch.testing.assert_close(centred.centre, keys.mean(dim=(0, 2)))
+    err_plain = (plain.roundtrip(x) - x).norm()
+    err_centred = (centred.roundtrip(x) - x).norm()  # decode adds the centre back
+    assert err_centred < 0.5 * err_plain
+    payload, side = centred.encode(x)
+    torch.testing.assert_close(payload, plain.encode(x - centred.centre)[0], rtol=0, atol=0)
+
+
+def test_centre_is_set_once_and_needs_the_head_layout():
+    codec = Fp8Codec(64, torch.float32)
+    with pytest.raises(ValueError, match=r"keys \[B, H, T, 64\]"):
+        codec.set_centre(torch.zeros(3, 40, 64))
+    codec.set_centre(offset_keys())
+    with pytest.raises(ValueError, match="already set"):
+        codec.set_centre(offset_keys(1))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 3, D\] vectors"):
+        codec.encode(torch.zeros(5, 64))  # no head dim to match the centre
+    assert not make_codecs(64, torch.float32, kv_quant="q8")[0].centres_keys  # only fp8 centres

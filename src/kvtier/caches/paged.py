@@ -306,6 +306,8 @@ class PagedKVCache(RowKVCache):
                 keys, values = kv[0], kv[1]
         H = keys.shape[1]
         k_codec, v_codec = self.codecs.k_codec, self.codecs.v_codec
+        if k_codec.centres_keys and k_codec.centre is None:
+            k_codec.set_centre(keys)  # the first keys fix the centre every key is coded against
         nbytes = slots.numel() * H * (k_codec.bytes_per_token_head() + v_codec.bytes_per_token_head())
         with CopyTimer(self.copy_stats, nbytes):
             paged_write(
@@ -423,6 +425,10 @@ class PagedKVCache(RowKVCache):
                     f"{a.mode}/{a.k_codec.head_dim}/{a.k_codec.dtype}")
         if other.pool.key_cache.shape[2] != self.pool.key_cache.shape[2]:
             return f"kv_heads {other.pool.key_cache.shape[2]} differs from {self.pool.key_cache.shape[2]}"
+        ca, cb = a.k_codec.centre, b.k_codec.centre
+        if (ca is None) != (cb is None) or (ca is not None and not torch.equal(ca, cb.to(ca.device))):
+            return (f"its {b.mode} keys are coded against another key centre (each cache takes its own "
+                    "from its first keys); copy the rows through fetch() and update() instead")
         return None
 
     def extend(self, other: PagedKVCache) -> None:

@@ -47,7 +47,9 @@ def paged_state(cache: PagedKVCache) -> dict[str, torch.Tensor]:
     if not cache.pool.allocated:
         return {}
     rows = {"lengths": cache._lengths, "write_start": cache._write_start}
-    return {**cache.pool.state(), **{k: torch.tensor(v, dtype=torch.long) for k, v in rows.items()}}
+    centre = cache.codecs.k_codec.centre if cache.codecs is not None else None
+    return {**cache.pool.state(), **{k: torch.tensor(v, dtype=torch.long) for k, v in rows.items()},
+            **({} if centre is None else {"k_centre": centre})}
 
 
 def paged_meta_state(cache: PagedKVCache) -> dict[str, Any]:
@@ -94,7 +96,9 @@ def paged_from_state(cls: type[PagedKVCache], state: dict[str, torch.Tensor],
             raise ValueError("meta_state mode 'turboquant' comes without its 'turboquant' settings")
         k, v = mode_codecs(mode, meta_int(m, "head_dim", minimum=1), meta_dtype(m, "dtype"), tq)
         _check_books(state, k, v, cache.block_size, cache.batch_size)
-        cache.pool.load(state, k, v)
+        cache.pool.load({n: t for n, t in state.items() if n != "k_centre"}, k, v)
+        if "k_centre" in state:
+            k.centre = state["k_centre"].to(device=cache.pool.key_cache.device, dtype=torch.float32)
         cache.codecs = CodecChoice(k, v, mode, *reasons)
         cache._lengths = state["lengths"].tolist()
         cache._write_start = state["write_start"].tolist()
@@ -123,6 +127,8 @@ def _check_books(state: dict[str, torch.Tensor], k: Codec, v: Codec, block_size:
     pool = {"key_cache", "value_cache", "block_tables", "free_blocks", "held_blocks"}
     sidecars = {f"{side}_sidecar.{s.name}" for side, c in (("k", k), ("v", v)) for s in c.sidecar_specs()}
     expected = pool | sidecars | {"lengths", "write_start"}
+    if k.centres_keys and "k_centre" in state:  # the key codec's centre (kvtier.quant.fp8)
+        expected.add("k_centre")
     if set(state) != expected:
         raise ValueError(f"state tensors {sorted(state)} are not the paged tier's "
                          f"(missing {sorted(expected - set(state))}, "
@@ -131,6 +137,11 @@ def _check_books(state: dict[str, torch.Tensor], k: Codec, v: Codec, block_size:
     if kc.dim() != 4 or kc.shape[0] == 0 or kc.shape[1] != block_size:
         raise ValueError(f"state['key_cache'] {tuple(kc.shape)} is not [num_blocks, {block_size}, "
                          "kv_heads, head_dim']")
+    centre = state.get("k_centre")
+    if centre is not None and (centre.shape != (kc.shape[2], k.head_dim) or centre.dtype != torch.float32
+                               or not bool(torch.isfinite(centre).all())):
+        raise ValueError(f"state['k_centre'] {tuple(centre.shape)} {centre.dtype} is not finite float32 "
+                         f"[{kc.shape[2]}, {k.head_dim}]; the file is inconsistent")
     held = state_rows(state, "held_blocks", batch, high=kc.shape[0])
     free = state["free_blocks"]
     if free.dim() != 1 or free.dtype.is_floating_point or free.dtype == torch.bool:

@@ -55,6 +55,10 @@ class Codec(ABC):
     lossless: bool = False
     #: orthogonal transform applied before coding (``None``: no rotation)
     rotation: object | None = None
+    #: as a key codec, codes keys minus a per-(head, channel) centre (:meth:`set_centre`)
+    centres_keys: bool = False
+    #: the centre ``[H, D]`` float32 subtracted before coding and added back by ``decode``
+    centre: torch.Tensor | None = None
 
     def __init__(self, head_dim: int, dtype: torch.dtype):
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
@@ -88,6 +92,34 @@ class Codec(ABC):
     def decode_rotated(self, payload: torch.Tensor, sidecars: dict[str, torch.Tensor]) -> torch.Tensor:
         """Like :meth:`decode` but left in the rotated domain (equals decode without rotation)."""
         return self.decode(payload, sidecars)
+
+    def set_centre(self, keys: torch.Tensor) -> None:
+        """Fix the centre from the first keys ``[B, H, T, D]`` a cache writes: their mean per
+        (head, channel); zeros inside a CUDA graph capture (a mean taken there would be
+        recomputed at every replay). Once set it never changes."""
+        if self.centre is not None:
+            raise ValueError(f"{self.name}: the key centre is already set; a cache codes every key against one")
+        if keys.dim() != 4 or keys.shape[3] != self.head_dim:
+            raise ValueError(f"{self.name}: set_centre() takes keys [B, H, T, {self.head_dim}], got "
+                             f"{tuple(keys.shape)}")
+        if keys.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.centre = torch.zeros(keys.shape[1], self.head_dim, dtype=torch.float32, device=keys.device)
+        else:
+            self.centre = keys.float().mean(dim=(0, 2))  # (H, D)
+
+    def centred(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., H, D]`` minus the centre, rounded back to ``x``'s dtype (``x`` itself
+        without a centre): what the codes of this codec hold."""
+        if self.centre is None:
+            return x
+        return (x.float() - self._centre_for(x)).to(x.dtype)
+
+    def _centre_for(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.centre
+        if x.dim() < 2 or x.shape[-2] != c.shape[0]:
+            raise ValueError(f"{self.name}: a centred codec takes [..., {c.shape[0]}, D] vectors (one centre "
+                             f"per head), got {tuple(x.shape)}")
+        return c.to(x.device)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))``: fake quantisation, ``[..., D]`` in ``self.dtype``."""

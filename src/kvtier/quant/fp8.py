@@ -22,6 +22,19 @@ e4m3 keeps 3 mantissa bits at every magnitude, so small channels next to a large
 one keep their relative precision, where ``q8`` gives them ``max|x| / 254`` of
 absolute error.
 
+Keys are centred. A key codec of a paged cache takes a centre ``c`` ``[H, D]`` (float32),
+the mean of the first keys the cache writes per head and channel, and stores ``k - c``;
+``decode`` adds ``c`` back. Attention needs no correction: every key of a row moves by
+the same ``c``, which shifts every score of a query by ``q . c`` and leaves the softmax
+unchanged, so the kernels read the codes as they are. Key channels carry offsets shared
+by all tokens, and e4m3's 3 mantissa bits lose ``2^-4`` of each element's magnitude:
+with the offsets taken out the elements are small, and so are their errors. On the
+default model (``kvtier eval ppl --context 1024 --max-tokens 4096 --modes fp,fp8``, CPU)
+perplexity moved from +0.80% over full precision to -0.03% (``docs/quantization.md``).
+The centre is fixed once set: every block of a cache, shared or not, is coded against it.
+A cache first written inside a CUDA graph capture takes a zero centre (plain fp8), since
+a mean computed there would be recomputed at every replay.
+
 The codes convert to fp16 exactly (every e4m3 value is an fp16 value): on GPUs
 with native float8 conversions (compute capability 8.9 and later) the attention
 kernel turns two codes into fp16 with one instruction and applies the scale to
@@ -59,6 +72,7 @@ class Fp8Codec(Codec):
     """
 
     name = "fp8"
+    centres_keys = True
 
     def __init__(self, head_dim: int, dtype: torch.dtype):
         super().__init__(head_dim, dtype)
@@ -76,7 +90,9 @@ class Fp8Codec(Codec):
         return (SidecarSpec("scale", 1, torch.float32),)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``x`` ``[..., D]`` float -> e4m3 bits uint8 ``[..., D]``, ``{"scale": float32 [..., 1]}``."""
+        """``x`` ``[..., D]`` float -> e4m3 bits uint8 ``[..., D]``, ``{"scale": float32 [..., 1]}``
+        (of ``x - centre`` once the codec has a centre; ``x`` then ``[..., H, D]``)."""
+        x = self.centred(x)
 
         def rows_fn(rows: torch.Tensor):
             amax = rows.abs().amax(-1, keepdim=True).to(torch.float32)  # (M, 1)
@@ -90,4 +106,7 @@ class Fp8Codec(Codec):
     def decode(self, payload: torch.Tensor, sidecars: dict[str, torch.Tensor]) -> torch.Tensor:
         """e4m3 bits uint8 ``[..., D]`` and scale ``[..., 1]`` -> ``[..., D]`` in ``self.dtype``."""
         self.check_encoded(payload, sidecars)
-        return (payload.view(FP8_DTYPE).to(torch.float32) * sidecars["scale"].to(torch.float32)).to(self.dtype)
+        x = payload.view(FP8_DTYPE).to(torch.float32) * sidecars["scale"].to(torch.float32)
+        if self.centre is not None:
+            x = x + self._centre_for(payload)
+        return x.to(self.dtype)
