@@ -131,14 +131,18 @@ def test_without_float8_the_paged_tier_stores_full_precision(monkeypatch):
     assert choice.mode == "fp" and "float8_e4m3fn" in choice.kv_quant_disabled_reason
 
 
+@pytest.mark.gpu
 @cuda
-def test_cuda_matches_cpu():
+@pytest.mark.parametrize("centred", [False, True])
+def test_cuda_matches_cpu(centred):
     codec = Fp8Codec(128, torch.bfloat16)
-    x = torch.randn(1000, 4, 128).to(torch.bfloat16)
+    x = (torch.randn(1000, 4, 128) + 4 * torch.randn(4, 128)).to(torch.bfloat16)
+    if centred:
+        codec.set_centre(x.transpose(0, 1)[None])  # (1, H, N, D)
     p_cpu, s_cpu = codec.encode(x)
     p_gpu, s_gpu = codec.encode(x.cuda())
     assert torch.equal(p_gpu.cpu(), p_cpu)
-    assert torch.equal(s_gpu.cpu(), s_cpu)
+    assert torch.equal(s_gpu["scale"].cpu(), s_cpu["scale"])
     assert torch.equal(codec.decode(p_gpu, s_gpu).cpu(), codec.decode(p_cpu, s_cpu))
 
 
