@@ -138,11 +138,9 @@ def consecutive_blocks(block_ids: torch.Tensor) -> int | None:
     """
     if block_ids.shape[0] != 1 or block_ids.device.type != "cpu" or block_ids.numel() == 0:
         return None
-    ids = block_ids[0]
-    first = int(ids[0])
-    if torch.equal(ids, torch.arange(first, first + ids.numel(), dtype=ids.dtype)):
-        return first
-    return None
+    ids = block_ids[0].tolist()  # one host read; the comparison is plain Python (per row, per layer)
+    first = ids[0]
+    return first if ids == list(range(first, first + len(ids))) else None
 
 
 def gather_rows(

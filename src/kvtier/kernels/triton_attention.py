@@ -317,31 +317,33 @@ def plan_launch(
         most = max(1, triton.cdiv(capacity, max(min_split, block_n)))
         splits = max(1, min(want, most))
         if device.type == "cuda" and not quantised and base >= SMALL_GRID:
-            splits = _whole_waves(base, splits, most, capacity, block_n, device)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            splits = _whole_waves(base, splits, most, capacity, block_n, RESIDENT_PROGRAMS * _multiprocessors(index))
     split_len = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     splits = max(1, triton.cdiv(capacity, split_len))
     return block_m, m_tiles, block_n, splits, split_len, base
 
 
-def _whole_waves(base: int, want: int, most: int, capacity: int, block_n: int, device: torch.device) -> int:
+@functools.lru_cache(maxsize=1024)
+def _whole_waves(base: int, want: int, most: int, capacity: int, block_n: int, slots: int) -> int:
     """The fewest splits in ``[ceil(want / 2), min(2 want, most)]`` whose programs fill their last
-    wave (``RESIDENT_PROGRAMS`` per multiprocessor) within 3% of the best such count, else ``want``.
+    wave of ``slots`` (``RESIDENT_PROGRAMS`` per multiprocessor) within 3% of the best such
+    count, else ``want``. Cached: an eager decode step plans every layer's launch alike.
 
     H200, bf16, 32/8 heads (``benchmarks/tools/split_sweep.py``): at B=32 (256 programs a split)
     5 splits fill 2.4 waves of 528 and reach 85-90% of SDPA, 2, 4, 6 or 8 splits 91-97%; B=64
     keeps 2-3 splits and B=8 8 or 16, which fill their waves already."""
-    slots = RESIDENT_PROGRAMS * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
     def fill(s: int) -> float:  # the share of the last wave's slots in use, after rounding to tiles
         s = triton.cdiv(capacity, triton.cdiv(triton.cdiv(capacity, s), block_n) * block_n)
         waves = base * s / slots
         return waves / math.ceil(waves)
 
-    options = range(max(1, triton.cdiv(want, 2)), min(2 * want, most) + 1)
-    if not options:
+    fills = {s: fill(s) for s in range(max(1, triton.cdiv(want, 2)), min(2 * want, most) + 1)}
+    if not fills:
         return want
-    best = max(fill(s) for s in options)
-    return next(s for s in options if fill(s) >= best - 0.03)
+    best = max(fills.values())
+    return next(s for s, f in fills.items() if f >= best - 0.03)
 
 
 def direct_format(fmt: PageFormat, head_dim: int) -> bool:
