@@ -83,28 +83,37 @@ def test_cpu_tensors_take_pytorch_ops():
 
 
 @needs_interpreter
-def test_fused_forward_matches_pytorch_forward(monkeypatch):
-    """The model's fused forward (residual sums carried into the next norm) gives the logits
-    of the PyTorch forward, prefill and decode, through a cache tier."""
+@pytest.mark.parametrize("batch", [2, 1])
+def test_fused_forward_matches_pytorch_forward(monkeypatch, batch):
+    """The model's fused forward (residual sums carried into the next norm; at batch 1 the
+    decode step's ``wo`` and ``w2`` through the matrix-vector kernel, the SiLU product in its
+    prologue) gives the logits of the PyTorch forward, prefill and decode, through a cache tier."""
+    from kvtier.kernels import triton_gemv
+
     args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=50)
     torch.manual_seed(0)
     model = Transformer(args).to(DEVICE)
     for m in model.modules():  # non-trivial norm weights
         if isinstance(m, llama.RMSNorm):
             m.weight.data.uniform_(0.5, 1.5)
-    tokens = torch.randint(0, 50, (2, 7), device=DEVICE)
+    tokens = torch.randint(0, 50, (batch, 7), device=DEVICE)
+    calls = []
+    gemv = triton_gemv.gemv
+    monkeypatch.setattr(triton_gemv, "gemv", lambda x, w, *a, **k: calls.append(k) or gemv(x, w, *a, **k))
 
     def run(fused: bool):
         monkeypatch.setattr(llama, "fused_kernels", lambda x: fused)
-        caches = model.make_caches(batch_size=2)
+        caches = model.make_caches(batch_size=batch)
         with torch.inference_mode():
             prefill = model(tokens, caches)
             step = model(tokens[:, -1:], caches)
-            last = model(tokens, model.make_caches(batch_size=2), last_only=True)
+            last = model(tokens, model.make_caches(batch_size=batch), last_only=True)
         return prefill, step, last
 
     for got, want in zip(run(True), run(False)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # batch 1: the decode step's wo and w2 (with the SiLU) in each of 3 layers; batch 2: none
+    assert calls == ([{"silu_mul": False}, {"silu_mul": True}] * 3 if batch == 1 else [])
 
 
 # -- on the GPU: half precision ---------------------------------------------------------------
@@ -145,24 +154,27 @@ def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int, scale: 
 
 @gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-def test_fused_model_logits_on_gpu(monkeypatch):
+@pytest.mark.parametrize("batch", [2, 1])
+def test_fused_model_logits_on_gpu(monkeypatch, batch):
     """bf16, SmolLM2's shape: the fused forward's logits, prefill and 8 decode steps on the
-    PyTorch forward's tokens, stay within bf16 rounding of the PyTorch forward's."""
+    PyTorch forward's tokens, stay within bf16 rounding of the PyTorch forward's (at batch 1
+    the decode steps' wo and w2 go through the matrix-vector kernel)."""
     from kvtier.model import build_random
 
     model = build_random("smollm2-135m", dtype=torch.bfloat16, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(1)
-    tokens = torch.randint(0, model.args.vocab_size, (2, 41), device="cuda", generator=g)
+    tokens = torch.randint(0, model.args.vocab_size, (batch, 41), device="cuda", generator=g)
 
     def logits(fused: bool):
         monkeypatch.setattr(llama, "fused_kernels", lambda x: fused)
-        caches = model.make_caches(batch_size=2)
+        caches = model.make_caches(batch_size=batch)
         with torch.inference_mode():
             out = [model(tokens[:, :33], caches, last_only=True)]
             out += [model(tokens[:, t : t + 1], caches) for t in range(33, 41)]
         return torch.cat(out, 1)  # (2, 9, V)
 
     fused, plain = logits(True), logits(False)
+    assert fused.shape == (batch, 9, model.args.vocab_size)
     scale = plain.abs().amax(-1, keepdim=True)
     assert ((fused - plain).abs() <= 0.02 * scale).all()
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.8
