@@ -51,8 +51,6 @@ SMALL_GRID, SHORT_SPLITS = 32, 64
 #: programs of the bf16 kernel resident on one multiprocessor (64-key tiles, 4 warps: 111
 #: registers a thread, 25% occupancy); the split plan fills whole waves of these
 RESIDENT_PROGRAMS = 4
-#: merges of fewer query rows than this give each program a quarter of a row's channels
-MERGE_ROWS = 128
 
 
 @triton.jit
@@ -226,10 +224,8 @@ def _merge_kernel(
     PO, PL, O, stride_ob, stride_oh, stride_ot, T, HQ, num_splits,
     HEAD_DIM: tl.constexpr,
     SPLITS_P2: tl.constexpr,
-    CHANNELS: tl.constexpr,
 ):  # fmt: skip
-    """Log-sum-exp merge of the splits of one query row ``r = (b, hq, t)``, ``CHANNELS`` of its
-    channels (program axis 1 picks which)."""
+    """Log-sum-exp merge of the splits of one query row ``r = (b, hq, t)``."""
     r = tl.program_id(0)
     t = r % T
     hq = (r // T) % HQ
@@ -240,7 +236,7 @@ def _merge_kernel(
     mx = tl.max(lse, axis=0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - mx))  # (S,)
-    d = tl.program_id(1) * CHANNELS + tl.arange(0, CHANNELS)
+    d = tl.arange(0, HEAD_DIM)
     part = tl.load(PO + (r * num_splits + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None], other=0.0)
     total = tl.sum(w, axis=0)
     out = tl.sum(part * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
@@ -496,12 +492,9 @@ def launch_attention(
 def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, splits: int) -> None:
     """Merge split partials ``po`` ``[B, Hq, T, S, D]`` (lse ``pl`` ``[B, Hq, T, S]``) into ``out``."""
     B, Hq, T, D = out.shape
-    rows = B * Hq * T
-    # few rows (B=1: 32 query heads) spread over more programs, each a quarter of the channels
-    channels = D if rows >= MERGE_ROWS or D % 4 or D < 64 else D // 4
-    _merge_kernel[(rows, D // channels)](
+    _merge_kernel[(B * Hq * T,)](
         po, pl, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, splits,
-        HEAD_DIM=D, SPLITS_P2=max(2, _next_pow2(splits)), CHANNELS=channels, num_warps=4,
+        HEAD_DIM=D, SPLITS_P2=max(2, _next_pow2(splits)), num_warps=4,
     )  # fmt: skip
 
 
