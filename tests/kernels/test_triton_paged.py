@@ -157,6 +157,30 @@ def test_attention_empty_row_returns_zeros():
     assert torch.count_nonzero(out[0]) == 0
 
 
+def test_decode_bits_do_not_depend_on_the_table_width():
+    """A decode step at B=1 over one row, through a table as wide as its blocks and through a
+    much wider one (a CUDA graph's, captured for the longest row): more splits, all of them
+    past the row empty, and the same output bit for bit (the merge reduces over one tile
+    whatever the split count)."""
+    H_kv, Hq, D, page = (8, 32, 128, 16) if ON_GPU else (1, 4, 64, 16)
+    n, wide = (190, 256) if ON_GPU else (40, 8)  # 4 against 64 splits on the GPU, 2 against 4 here
+    c = build_cache("fp", 1, H_kv, D, page, [n], torch.bfloat16)
+    table = c["table"]
+    padded = torch.cat([table, table[:, -1:].expand(1, wide - table.shape[1])], dim=1)
+    q = torch.randn(1, Hq, 1, D, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
+    qs = c["kv_len"] - 1
+    kw = dict(k_codec=c["kc"], v_codec=c["vc"], k_sidecars=c["ks"], v_sidecars=c["vs"])
+    narrow_out = paged_attention_triton(q, c["kp"], c["vp"], table, qs, c["kv_len"], **kw)
+    wide_out = paged_attention_triton(q, c["kp"], c["vp"], padded, qs, c["kv_len"], **kw)
+    from kvtier.kernels.triton_attention import plan_launch
+
+    splits = [plan_launch(1, H_kv, Hq // H_kv, 1, t.shape[1] * page, q.device, LaunchConfig())[3] for t in (table, padded)]
+    assert splits[0] > 1 and splits[1] > splits[0]  # both merge, the wide table over more splits
+    assert torch.equal(narrow_out, wide_out)
+    torch.testing.assert_close(narrow_out.float(), gathered_reference(c, q, qs), atol=TOL[torch.bfloat16],
+                               rtol=TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("mode", QUANT_MODES)
 def test_attention_quantised_decode(mode):
     run_attention(mode, 2, 4, 1, 1, 64, 16, [1, 40], torch.bfloat16, splits=2)

@@ -428,7 +428,7 @@ def launch_attention(
         if parts is not None:
             _merge(parts[0], parts[1], out, splits)
         return out
-    block_m, m_tiles, block_n, splits, split_len, _ = plan_launch(
+    block_m, m_tiles, block_n, splits, split_len, base = plan_launch(
         B, H_kv, G, T, capacity, q.device, cfg, quantised
     )
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -485,16 +485,24 @@ def launch_attention(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
-        _merge(po, pl, out, splits)
+        # a small grid's splits are one tile each whatever the table's width, so an eager step
+        # (planned on the width its rows hold) and a CUDA graph (on the width it was captured
+        # with) differ only by empty trailing splits: one merge tile for every count keeps
+        # their sums in one order, and the two bit for bit alike
+        _merge(po, pl, out, splits, fixed=base < SMALL_GRID and split_len <= block_n)
     return out
 
 
-def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, splits: int) -> None:
-    """Merge split partials ``po`` ``[B, Hq, T, S, D]`` (lse ``pl`` ``[B, Hq, T, S]``) into ``out``."""
+def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, splits: int, fixed: bool = False) -> None:
+    """Merge split partials ``po`` ``[B, Hq, T, S, D]`` (lse ``pl`` ``[B, Hq, T, S]``) into ``out``.
+
+    ``fixed``: reduce over a tile of :data:`SHORT_SPLITS` splits whatever ``S`` (up to that),
+    so that partials padded with empty splits (partial 0, lse ``-inf``) merge to the same bits."""
     B, Hq, T, D = out.shape
+    tile = SHORT_SPLITS if fixed and splits <= SHORT_SPLITS else max(2, _next_pow2(splits))
     _merge_kernel[(B * Hq * T,)](
         po, pl, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, splits,
-        HEAD_DIM=D, SPLITS_P2=max(2, _next_pow2(splits)), num_warps=4,
+        HEAD_DIM=D, SPLITS_P2=tile, num_warps=4,
     )  # fmt: skip
 
 
