@@ -10,6 +10,28 @@ import sys
 import pytest
 
 
+def interpret_without_cuda():
+    """The device kernel tests run on: CUDA when present, else the CPU under Triton's
+    interpreter (``TRITON_INTERPRET=1``, set here: call it before triton is imported)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return torch.device("cpu")
+
+
+def needs_interpreter_mark():
+    """A ``skipif`` for kernel tests without CUDA whose module set ``TRITON_INTERPRET`` too late
+    (triton decides at import). Call it after the module has set the variable."""
+    import torch
+
+    from kvtier.kernels import triton_paged
+
+    return pytest.mark.skipif(not torch.cuda.is_available() and not triton_paged.interpreted(),
+                              reason="triton was imported before the interpreter was switched on")
+
+
 def in_this_process_or_a_fresh_one(in_process: bool, test_file: str):
     """The autouse fixture and the test a kernel module binds at its top level.
 

@@ -14,20 +14,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from triton_support import needs_interpreter_mark
+
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:  # must precede the first import of triton's jit decorators
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kvtier.kernels import triton_paged  # noqa: E402
 from kvtier.kernels.triton_fused import add_rms_norm, rope, silu_mul  # noqa: E402
 from kvtier.model import llama  # noqa: E402
 from kvtier.model.llama import ModelArgs, Transformer, apply_rope  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-needs_interpreter = pytest.mark.skipif(
-    not ON_GPU and not triton_paged.interpreted(), reason="triton was imported before the interpreter was switched on"
-)
+needs_interpreter = needs_interpreter_mark()
 gpu = pytest.mark.gpu
 
 

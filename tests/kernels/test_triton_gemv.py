@@ -7,24 +7,19 @@ Without CUDA it runs under Triton's interpreter in float32 on small shapes; with
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:  # must precede the first import of triton's jit decorators
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_support import interpret_without_cuda, needs_interpreter_mark
+
+DEVICE = interpret_without_cuda()
+ON_GPU = DEVICE.type == "cuda"
 pytest.importorskip("triton")
 
-from kvtier.kernels import triton_paged  # noqa: E402
 from kvtier.kernels.triton_fused import silu_mul  # noqa: E402
 from kvtier.kernels.triton_gemv import GemvConfig, gemv, gemv_reference  # noqa: E402
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-needs_interpreter = pytest.mark.skipif(
-    not ON_GPU and not triton_paged.interpreted(), reason="triton was imported before the interpreter was switched on"
-)
+needs_interpreter = needs_interpreter_mark()
 
 
 def rand(*shape, seed=0, dtype=torch.float32):
