@@ -250,9 +250,9 @@ class Transformer(nn.Module):
 
 
 def fused_kernels(x: torch.Tensor) -> bool:
-    """Whether the Triton elementwise kernels (:mod:`kvtier.kernels.triton_fused`) serve ``x``:
-    fp16/bf16 on CUDA, outside ``torch.compile`` (which fuses these steps itself), unless
-    ``KVTIER_FUSED=0``."""
+    """Whether the Triton elementwise kernels (:mod:`kvtier.kernels.triton_fused`), and at one
+    row the matrix-vector kernel (:func:`project`), serve ``x``: fp16/bf16 on CUDA, outside
+    ``torch.compile`` (which fuses these steps itself), unless ``KVTIER_FUSED=0``."""
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and _fused_available()
             and not torch.compiler.is_compiling())
 
