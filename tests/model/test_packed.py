@@ -73,19 +73,20 @@ def test_weights_that_are_not_exactly_codes_are_refused(recover):
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, MAX_KERNEL_ROWS, 7])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_equals_f_linear_on_the_float32_weight(kernels, fmt, rows, bias):
-    w = q4_1_weight(200, 576)[0] if fmt == "q4_1" else q8_0_weight(200, 576)[0]
-    lin = nn.Linear(576, 200, bias=bias)
+@pytest.mark.parametrize("n_out, k_in", [(200, 576), (201, 1536)])  # an odd output count: q4_1 pairs outputs
+def test_packed_linear_equals_f_linear_on_the_float32_weight(kernels, fmt, rows, bias, n_out, k_in):
+    w = q4_1_weight(n_out, k_in)[0] if fmt == "q4_1" else q8_0_weight(n_out, k_in)[0]
+    lin = nn.Linear(k_in, n_out, bias=bias)
     with torch.no_grad():
         lin.weight.copy_(w)
     packed = PackedLinear.from_linear(lin, fmt, kernels)
     assert packed is not None and packed.fmt == fmt
     assert torch.equal(packed.weight, w)
-    x = torch.randn(1, rows, 576)
+    x = torch.randn(1, rows, k_in)
     b = None if lin.bias is None else lin.bias.detach()
     want = linear(x, w, b)  # the float32 model's product (kvtier.model.linear)
     got = packed(x)
-    assert got.shape == (1, rows, 200)
+    assert got.shape == (1, rows, n_out)
     if rows > MAX_KERNEL_ROWS:  # prefill: the float32 model's linear() on the dequantised weight, bit for bit
         assert torch.equal(got, want)
     # only the order of the float32 sums differs from the exact product: within float32

@@ -61,10 +61,57 @@ _C_SOURCE = r"""
 /* y[r, n] = sum_k x[r, k] w[n, k], weights in blocks of 32 along k, d and m fp16 [N, K/32].
    q4_1: w = code * d + m; 16 bytes per block, low nibble of byte j is element j, high j+16.
    q8_0: w = code * d; 32 int8 per block. code * d is exact in float32, so w is the
-   float32 weight bit for bit; four accumulators break the dependency chain. */
+   float32 weight bit for bit. q8_0 keeps four accumulators per output (the dependency
+   chain); with AVX-512, q4_1 takes two outputs at a time, two accumulators each, reading
+   each tile of x once for both (SmolLM2's q4_1 layers on the 2-core AVX-512 box: 5.7 ->
+   4.9 ms a token). */
 void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _Float16* mn,
                float* y, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t G = K / 32;
+#ifdef __AVX512F__
+  /* two output rows at a time: each tile of x is loaded once for both, and their scales and
+     minima are converted to float32 16 at a time before the loop */
+  #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n2 = 0; n2 < (N + 1) / 2; n2++) {
+    const int64_t n = 2 * n2;
+    const int two = n + 1 < N;
+    float df[2][G + 16], mf[2][G + 16];
+    for (int q = 0; q < 2; q++) {
+      const _Float16* dn = d + (n + (two ? q : 0)) * G;
+      const _Float16* mnn = mn + (n + (two ? q : 0)) * G;
+      int64_t g0 = 0;
+      for (; g0 + 16 <= G; g0 += 16) {
+        _mm512_storeu_ps(df[q] + g0, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dn + g0))));
+        _mm512_storeu_ps(mf[q] + g0, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mnn + g0))));
+      }
+      for (; g0 < G; g0++) {
+        df[q][g0] = (float)dn[g0];
+        mf[q][g0] = (float)mnn[g0];
+      }
+    }
+    const uint8_t* c0 = codes + n * G * 16;
+    const uint8_t* c1 = two ? c0 + G * 16 : c0;  /* an odd last row computes itself twice */
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int64_t r = 0; r < M; r++) {
+      const float* xr = x + r * K;
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; g++) {
+        const __m512 xl = _mm512_loadu_ps(xr + g * 32), xh = _mm512_loadu_ps(xr + g * 32 + 16);
+        const __m512i p = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c0 + g * 16)));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c1 + g * 16)));
+        const __m512 d0 = _mm512_set1_ps(df[0][g]), m0 = _mm512_set1_ps(mf[0][g]);
+        const __m512 d1 = _mm512_set1_ps(df[1][g]), m1 = _mm512_set1_ps(mf[1][g]);
+        a0 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(p, low)), d0, m0), xl, a0);
+        a1 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(p, 4)), d0, m0), xh, a1);
+        b0 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d1, m1), xl, b0);
+        b1 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1), xh, b1);
+      }
+      y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+      if (two) y[r * N + n + 1] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+    }
+  }
+#else
   #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t n = 0; n < N; n++) {
     for (int64_t r = 0; r < M; r++) {
@@ -72,22 +119,6 @@ void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _F
       const uint8_t* c = codes + n * G * 16;
       const _Float16* dn = d + n * G;
       const _Float16* mnn = mn + n * G;
-#ifdef __AVX512F__
-      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                     _mm512_setzero_ps()};
-      const __m512i low = _mm512_set1_epi32(15);
-      for (int64_t g = 0; g < G; g++) {
-        const __m512 dv = _mm512_set1_ps((float)dn[g]), mv = _mm512_set1_ps((float)mnn[g]);
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + g * 16)));
-        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), dv, mv);
-        const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), dv, mv);
-        const int s = (int)(g & 1) * 2;
-        a[s] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr + g * 32), a[s]);
-        a[s + 1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + g * 32 + 16), a[s + 1]);
-      }
-      y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]),
-                                                        _mm512_add_ps(a[2], a[3])));
-#else
       float a0[16] = {0}, a1[16] = {0};
       for (int64_t g = 0; g < G; g++) {
         const float dd = (float)dn[g], mm = (float)mnn[g];
@@ -99,9 +130,9 @@ void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _F
       float s = 0.f;
       for (int j = 0; j < 16; j++) s += a0[j] + a1[j];
       y[r * N + n] = s;
-#endif
     }
   }
+#endif
 }
 
 void q8_0_gemv(const float* x, const int8_t* codes, const _Float16* d, const _Float16* unused,
