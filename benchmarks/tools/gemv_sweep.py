@@ -14,6 +14,7 @@ import argparse
 import itertools
 import json
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ def main() -> None:
             except Exception as e:  # resources
                 print(name, cfg, type(e).__name__, str(e)[:80], flush=True)
                 continue
-            rows.append((tuple(cfg), t, err))
+            rows.append((astuple(cfg), t, err))
         rows.sort(key=lambda r: r[1])
         md += [f"## {name}: N={N}, K={K} ({nbytes / 2**20:.0f} MiB); cuBLAS {t_cublas * 1e6:.1f} us, "
                f"{nbytes / t_cublas / 1e9:.0f} GB/s", "",

@@ -62,6 +62,8 @@ def test_bad_input_raises_before_launch():
         gemv(torch.zeros(1, 6), w)
     with pytest.raises(ValueError, match="one row of gate and up"):
         gemv(torch.zeros(1, 7), w, silu_mul=True)
+    with pytest.raises(ValueError, match=r"one row of gate and up, got \(\)"):
+        gemv(torch.tensor(1.0), w, silu_mul=True)
     with pytest.raises(ValueError, match="share one floating dtype"):
         gemv(torch.zeros(1, 8, dtype=torch.float64), w)
     with pytest.raises(ValueError, match="rows must be contiguous"):

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["add_rms_norm", "rope", "silu_mul"]
+__all__ = ["add_rms_norm", "rope", "silu_mul", "silu_times"]
 
 
 @triton.jit
@@ -83,17 +83,23 @@ def _add_rms_norm_kernel(X, R, W, H_OUT, N_OUT, N, eps, HAS_R: tl.constexpr, BLO
 
 
 @triton.jit
+def silu_times(g, u):
+    """``silu(g) * u`` in ``g``'s dtype, rounded where PyTorch's two ops round (the SiLU, then
+    the product). Shared with the matrix-vector kernel's prologue (:mod:`kvtier.kernels.triton_gemv`)."""
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    return (s * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(X, O, H, BLOCK: tl.constexpr):
-    """One row's block of ``silu(x[:H]) * x[H:]`` (the SiLU rounded, then the product)."""
+    """One row's block of ``silu(x[:H]) * x[H:]``."""
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = i < H
     g = tl.load(X + row * 2 * H + i, mask=ok, other=0.0)
     u = tl.load(X + row * 2 * H + H + i, mask=ok, other=0.0)
-    dt = g.dtype
-    gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
-    tl.store(O + row * H + i, (s * u.to(tl.float32)).to(dt), mask=ok)
+    tl.store(O + row * H + i, silu_times(g, u), mask=ok)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -21,25 +21,33 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from kvtier.kernels.triton_fused import silu_times
+
 __all__ = ["GemvConfig", "gemv", "gemv_reference"]
 
 
-class GemvConfig(tuple):
-    """``(block_n, block_k, num_warps, num_stages)`` of one launch."""
+@dataclass(frozen=True)
+class GemvConfig:
+    """Output channels and input width of one program's tile, warps and pipeline stages."""
 
-    __slots__ = ()
+    block_n: int = 8
+    block_k: int = 1024
+    num_warps: int = 4
+    num_stages: int = 3
 
-    def __new__(cls, block_n: int = 8, block_k: int = 1024, num_warps: int = 4, num_stages: int = 3):
-        for name, v in (("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps)):
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 1, got {v!r}")
-        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-            raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-        return super().__new__(cls, (block_n, block_k, num_warps, num_stages))
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
 
 
 @triton.jit
@@ -53,12 +61,10 @@ def _gemv_kernel(X, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + kk < K
-        if SILU_MUL:  # x = silu(gate) * up of a [2K] input, rounded as triton_fused.silu_mul rounds
+        if SILU_MUL:  # x = silu(gate) * up of a [2K] input, as triton_fused.silu_mul computes it
             g = tl.load(X + k0 + kk, mask=k_ok, other=0.0)
             u = tl.load(X + K + k0 + kk, mask=k_ok, other=0.0)
-            gf = g.to(tl.float32)
-            sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-            x = (sg * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+            x = silu_times(g, u).to(tl.float32)
         else:
             x = tl.load(X + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -75,10 +81,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     equals ``gemv(silu_mul(x), weight)`` bit for bit) without writing it out.
     Both in one floating dtype on one device, ``weight``'s rows contiguous. The result has
     ``x``'s leading shape and dtype. Raises ``ValueError`` naming the mismatch."""
-    k_in = x.shape[-1] // 2 if silu_mul else x.shape[-1] if x.dim() else 0
     if x.dim() == 0 or x.numel() != x.shape[-1] or (silu_mul and x.shape[-1] % 2):
         raise ValueError(f"x must hold one row{' of gate and up' if silu_mul else ''}, got {tuple(x.shape)}; "
                          "use a matmul for more rows")
+    k_in = x.shape[-1] // 2 if silu_mul else x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k_in:
         raise ValueError(f"weight must be (N, {k_in}) for x {tuple(x.shape)}, got {tuple(weight.shape)}")
     if weight.dtype != x.dtype or weight.device != x.device or not x.dtype.is_floating_point:
@@ -87,16 +93,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     if weight.stride(1) != 1:
         raise ValueError(f"weight's rows must be contiguous, got strides {weight.stride()}; pass weight.contiguous()")
     cfg = config or GemvConfig()
-    block_n, block_k, num_warps, num_stages = cfg
     N, K = weight.shape
     xv = x.reshape(x.shape[-1])
     if xv.stride(0) != 1:
         xv = xv.contiguous()
     y = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
     if N:
-        _gemv_kernel[(triton.cdiv(N, block_n),)](
-            xv, weight, y, N, K, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul,
-            num_warps=num_warps, num_stages=num_stages,
+        _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
+            xv, weight, y, N, K, weight.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return y
 

@@ -198,24 +198,21 @@ class Transformer(nn.Module):
         positions = positions.to(tokens.device)  # (B, T)
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         cos, sin = self.rope(positions, x.dtype)  # (B, T, 1, D) each
+        def columns(t: torch.Tensor) -> torch.Tensor:  # the positions whose logits are asked for
+            if last_only:
+                return t[:, -1:]  # (B, 1, dim)
+            return t if select is None else t[:, select]  # (B, T or k, dim)
+
         if fused_kernels(x):  # CUDA: each residual add rides with the next RMSNorm
             from kvtier.kernels.triton_fused import add_rms_norm
 
             delta = None
             for layer, cache in zip(self.layers[:n], caches):
                 x, delta = layer.forward_fused(x, delta, cos, sin, cache, kwargs)
-            if last_only:
-                x, delta = x[:, -1:], delta[:, -1:]  # (B, 1, dim)
-            elif select is not None:
-                x, delta = x[:, select], delta[:, select]  # (B, k, dim)
-            return self.output(add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]).float()
+            return self.output(add_rms_norm(columns(x), columns(delta), self.norm.weight, self.norm.eps)[1]).float()
         for layer, cache in zip(self.layers[:n], caches):
             x = layer(x, cos, sin, cache, kwargs)
-        if last_only:
-            x = x[:, -1:]  # (B, 1, dim)
-        elif select is not None:
-            x = x[:, select]  # (B, k, dim)
-        return self.output(self.norm(x)).float()
+        return self.output(self.norm(columns(x))).float()
 
     def _check_forward(self, tokens, caches, positions, num_layers) -> int:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
@@ -265,21 +262,22 @@ def project(lin: nn.Module, x: torch.Tensor, *, silu_mul: bool = False) -> torch
     the parts in a second launch; on the H200 the kernel takes Llama-3-8B's ``wo`` in 11.0 us
     against 13.6 us and ``w2`` in 30.5 against 32.3 us (``benchmarks/tools/gemv_sweep.py``), and
     with ``silu_mul`` it applies the SiLU product as it reads ``x``, one launch fewer."""
+    fused = fused_kernels(x)
     width = x.shape[-1] // 2 if silu_mul else x.shape[-1]
-    if (fused_kernels(x) and type(lin) is Linear and lin.bias is None and x.numel() == x.shape[-1]
+    if (fused and type(lin) is Linear and lin.bias is None and x.numel() == x.shape[-1]
             and width == lin.in_features and lin.out_features <= lin.in_features
             and lin.weight.dtype == x.dtype and lin.weight.is_contiguous()):
         from kvtier.kernels.triton_gemv import gemv
 
         return gemv(x, lin.weight, silu_mul=silu_mul)
-    if silu_mul:
-        if fused_kernels(x):
-            from kvtier.kernels.triton_fused import silu_mul as fused_silu_mul
+    if not silu_mul:
+        return lin(x)
+    if fused:
+        from kvtier.kernels.triton_fused import silu_mul as fused_silu_mul
 
-            return lin(fused_silu_mul(x))
-        gate, up = x.split(width, dim=-1)
-        return lin(F.silu(gate) * up)
-    return lin(x)
+        return lin(fused_silu_mul(x))
+    gate, up = x.split(width, dim=-1)
+    return lin(F.silu(gate) * up)
 
 
 @functools.cache
