@@ -295,12 +295,29 @@ def test_write_matches_reference(mode, dtype):
     check_write(r, exact=not ON_GPU or not mode.startswith("turboquant"))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_write_of_centred_fp8_keys_matches_reference(dtype):
-    """fp8 keys coded against a centre: the kernel writes the bytes the reference codec does."""
+    """fp8 keys coded against a centre: the kernel subtracts it (rounding to the keys' dtype,
+    as the codec does) and writes the bytes the reference codec does."""
     r = run_write("fp8", 2, 2, 5, 64, 16, dtype, centre=True)
     assert r["kc"].centre is not None and r["vc"].centre is None
     check_write(r, exact=True)
+
+
+def test_write_refuses_a_centre_of_the_wrong_shape():
+    """A key codec whose centre does not match the pages' heads is refused before anything is written."""
+    D, page, H = 64, 16, 2
+    gen = torch.Generator().manual_seed(0)
+    kc, vc = codec_for_mode("fp8", D, torch.bfloat16)
+    kp, ks = alloc_pages(kc, 2, page, H, gen)
+    vp, vs = alloc_pages(vc, 2, page, H, gen)
+    kc.centre = torch.zeros(H + 1, D, device=DEVICE)
+    before = kp.clone()
+    keys = torch.randn(1, H, 1, D).to(torch.bfloat16).to(DEVICE)
+    slots = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"centre must be contiguous float32 \[2, 64\]"):
+        paged_write_triton(kp, vp, ks, vs, slots, keys, keys.clone(), k_codec=kc, v_codec=vc)
+    assert torch.equal(kp, before)
 
 
 def test_write_head_dim_128_page_128():

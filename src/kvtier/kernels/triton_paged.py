@@ -244,10 +244,6 @@ def paged_write_triton(
                 f"slot_mapping must hold distinct slots below {nb * page} (negative: padding), "
                 f"got {slot_mapping.tolist()}"
             )
-    if k_codec.centre is not None:  # the codes hold keys minus the codec's centre (kvtier.quant.fp8)
-        centred = k_codec.centred(keys.transpose(1, 2)).transpose(1, 2)  # (B, H, T, D), as encode() has it
-        keys = torch.empty_strided(values.shape, values.stride(), dtype=keys.dtype, device=device)
-        keys.copy_(centred)  # laid out as the values: the kernel reads both with one set of strides
     launch_write(key_pages, value_pages, k_fmt, v_fmt, slot_mapping, keys, values)
 
 

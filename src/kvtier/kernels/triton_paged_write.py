@@ -2,7 +2,8 @@
 
 One launch writes K and V of every row: program ``(i, 0)`` handles ``ROWS``
 (token, head) vectors of K, program ``(i, 1)`` the same vectors of V. Each vector
-is read from ``[B, H_kv, T, D]``, rotated when the codec works in a rotated
+is read from ``[B, H_kv, T, D]``, less the codec's centre when it has one
+(``kvtier.quant.fp8``; rounded back to the input's dtype, as ``Codec.centred``), rotated when the codec works in a rotated
 domain, coded by the codec's rule (see ``kvtier.quant.kv_quant``,
 ``kvtier.quant.fp8`` and ``kvtier.quant.turboquant``), bit-packed, and stored with its sidecars at slot
 ``slot_mapping[b * T + t]`` (block ``slot // block_size``, position
@@ -15,7 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtier.kernels.triton_quant import AFFINE, PageFormat, round_half_even, store_codes
+from kvtier.kernels.triton_quant import (
+    AFFINE,
+    PageFormat,
+    round_half_even,
+    round_to_dtype,
+    store_codes,
+)
 
 
 @triton.jit
@@ -24,7 +31,7 @@ def _write_rows(
     SLOTS,
     P, stride_pb, stride_pn, stride_ph,
     S, Z, stride_sb, stride_sn, stride_sh,
-    R, CEN, BND, n_bnd,
+    R, CEN, BND, n_bnd, CTR,
     row0, n_rows, T, H,
     PAGE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -36,6 +43,7 @@ def _write_rows(
     HAS_ZERO: tl.constexpr,
     ROTATE: tl.constexpr,
     QMAX: tl.constexpr,
+    CENTRE: tl.constexpr,
 ):  # fmt: skip
     r = row0 + tl.arange(0, ROWS)
     bt = r // H  # b * T + t
@@ -50,6 +58,9 @@ def _write_rows(
     d = tl.arange(0, HEAD_DIM)
     x_off = b.to(tl.int64) * stride_xb + h * stride_xh + t * stride_xt
     x = tl.load(X + x_off[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    if CENTRE:  # x - c in fp32, rounded to the input's dtype: what Codec.centred() hands encode()
+        c = tl.load(CTR + h[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        x = round_to_dtype(x - c, X.dtype.element_ty)
     if ROTATE:
         rot = tl.load(R + d[:, None] * HEAD_DIM + d[None, :])  # stored = x @ rot
         x = tl.dot(x, rot, input_precision="ieee")
@@ -126,27 +137,27 @@ def _write_kernel(
     VP, stride_vpb, stride_vpn, stride_vph,
     KS, KZ, stride_ksb, stride_ksn, stride_ksh,
     VS, VZ, stride_vsb, stride_vsn, stride_vsh,
-    KR, VR, KC, VC, KB, VB, k_nbnd, v_nbnd,
+    KR, VR, KC, VC, KB, VB, k_nbnd, v_nbnd, KCTR, VCTR,
     n_rows, T, H,
     PAGE: tl.constexpr,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     K_MODE: tl.constexpr, K_BITS: tl.constexpr, K_OFFSET: tl.constexpr, K_GROUP: tl.constexpr,
-    K_ZERO: tl.constexpr, K_ROTATE: tl.constexpr, K_QMAX: tl.constexpr,
+    K_ZERO: tl.constexpr, K_ROTATE: tl.constexpr, K_QMAX: tl.constexpr, K_CENTRE: tl.constexpr,
     V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_OFFSET: tl.constexpr, V_GROUP: tl.constexpr,
-    V_ZERO: tl.constexpr, V_ROTATE: tl.constexpr, V_QMAX: tl.constexpr,
+    V_ZERO: tl.constexpr, V_ROTATE: tl.constexpr, V_QMAX: tl.constexpr, V_CENTRE: tl.constexpr,
 ):  # fmt: skip
     row0 = tl.program_id(0) * ROWS
     if tl.program_id(1) == 0:
         _write_rows(KX, stride_xb, stride_xh, stride_xt, SLOTS,
                     KP, stride_kpb, stride_kpn, stride_kph, KS, KZ, stride_ksb, stride_ksn, stride_ksh,
-                    KR, KC, KB, k_nbnd, row0, n_rows, T, H, PAGE, ROWS, HEAD_DIM,
-                    K_MODE, K_BITS, K_OFFSET, K_GROUP, K_ZERO, K_ROTATE, K_QMAX)  # fmt: skip
+                    KR, KC, KB, k_nbnd, KCTR, row0, n_rows, T, H, PAGE, ROWS, HEAD_DIM,
+                    K_MODE, K_BITS, K_OFFSET, K_GROUP, K_ZERO, K_ROTATE, K_QMAX, K_CENTRE)  # fmt: skip
     else:
         _write_rows(VX, stride_xb, stride_xh, stride_xt, SLOTS,
                     VP, stride_vpb, stride_vpn, stride_vph, VS, VZ, stride_vsb, stride_vsn, stride_vsh,
-                    VR, VC, VB, v_nbnd, row0, n_rows, T, H, PAGE, ROWS, HEAD_DIM,
-                    V_MODE, V_BITS, V_OFFSET, V_GROUP, V_ZERO, V_ROTATE, V_QMAX)  # fmt: skip
+                    VR, VC, VB, v_nbnd, VCTR, row0, n_rows, T, H, PAGE, ROWS, HEAD_DIM,
+                    V_MODE, V_BITS, V_OFFSET, V_GROUP, V_ZERO, V_ROTATE, V_QMAX, V_CENTRE)  # fmt: skip
 
 
 def _write_constexprs(prefix: str, fmt: PageFormat, head_dim: int) -> dict[str, object]:
@@ -164,6 +175,7 @@ def _write_constexprs(prefix: str, fmt: PageFormat, head_dim: int) -> dict[str, 
         f"{prefix}_ZERO": fmt.zero is not None,
         f"{prefix}_ROTATE": fmt.rotation is not None,
         f"{prefix}_QMAX": qmax,
+        f"{prefix}_CENTRE": fmt.centre is not None,
     }
 
 
@@ -196,10 +208,11 @@ def launch_write(
         c = fmt.centroids if fmt.centroids is not None else payload
         bnd = fmt.boundaries if fmt.boundaries is not None else payload
         n_bnd = fmt.boundaries.numel() if fmt.boundaries is not None else 0
-        return r, c, bnd, n_bnd
+        ctr = fmt.centre if fmt.centre is not None else payload
+        return r, c, bnd, n_bnd, ctr
 
-    kr, kc, kb, k_nbnd = aux(k_fmt, key_pages)
-    vr, vc, vb, v_nbnd = aux(v_fmt, value_pages)
+    kr, kc, kb, k_nbnd, kctr = aux(k_fmt, key_pages)
+    vr, vc, vb, v_nbnd, vctr = aux(v_fmt, value_pages)
     grid = (triton.cdiv(n_rows, rows_per_program), 2)
     _write_kernel[grid](
         keys, values, keys.stride(0), keys.stride(1), keys.stride(2),
@@ -207,7 +220,7 @@ def launch_write(
         key_pages, key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
         value_pages, value_pages.stride(0), value_pages.stride(1), value_pages.stride(2),
         *side(k_fmt, key_pages), *side(v_fmt, value_pages),
-        kr, vr, kc, vc, kb, vb, k_nbnd, v_nbnd,
+        kr, vr, kc, vc, kb, vb, k_nbnd, v_nbnd, kctr, vctr,
         n_rows, T, H,
         PAGE=page, ROWS=rows_per_program, HEAD_DIM=D,
         **_write_constexprs("K", k_fmt, D), **_write_constexprs("V", v_fmt, D),

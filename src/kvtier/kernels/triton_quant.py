@@ -59,7 +59,9 @@ class PageFormat:
     ``[2**bits]``) and ``boundaries`` (fp32 ``[2**bits - 1]``) are the Lloyd-Max
     tables of :data:`CENTROID` codes. ``rotation`` (fp32 ``[D, D]``, or ``None``)
     is the orthogonal matrix the codec applies before coding, as
-    ``stored = x @ rotation``.
+    ``stored = x @ rotation``. ``centre`` (fp32 ``[H_kv, D]``, or ``None``) is
+    what a centred key codec subtracts before coding (``kvtier.quant.fp8``);
+    reads need no correction, only the write kernel uses it.
     """
 
     mode: int
@@ -74,6 +76,7 @@ class PageFormat:
     centroids: torch.Tensor | None = None
     boundaries: torch.Tensor | None = None
     rotation: torch.Tensor | None = None
+    centre: torch.Tensor | None = None
 
     @property
     def num_groups(self) -> int:
@@ -104,7 +107,7 @@ def page_format(
             raise CodecUnsupported(
                 f"fp8 pages need native e4m3 conversions (compute capability 8.9+), this GPU has {cap}"
             )
-        return PageFormat(FLOAT8, D, D, bits=8, group=D, scale=sidecars.get("scale"))
+        return PageFormat(FLOAT8, D, D, bits=8, group=D, scale=sidecars.get("scale"), centre=codec.centre)
     if type(codec) is Q4Codec:
         return PageFormat(AFFINE, D, D // 2, bits=4, offset=-8, group=D, scale=sidecars.get("scale"))
     if type(codec) is GroupQ4Codec:
@@ -166,6 +169,15 @@ def check_format_tensors(fmt: PageFormat, payload: torch.Tensor, what: str) -> N
             raise ValueError(f"{what} sidecar {name!r} must be contiguous, got strides {t.stride()}")
         if t.device != payload.device:
             raise ValueError(f"{what} sidecar {name!r} is on {t.device}, pages on {payload.device}")
+    c = fmt.centre
+    if c is not None and (
+        tuple(c.shape) != (H, fmt.head_dim) or c.dtype != torch.float32 or not c.is_contiguous()
+        or c.device != payload.device
+    ):  # fmt: skip
+        raise ValueError(
+            f"{what} codec's centre must be contiguous float32 [{H}, {fmt.head_dim}] on {payload.device}, "
+            f"got {c.dtype} {tuple(c.shape)} on {c.device}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,6 +446,21 @@ def round_half_even(x):
     tie = (r - x) == 0.5
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
     return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def round_to_dtype(x, dtype: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype`` (fp32, fp16 or bf16) to nearest even, as ``torch``'s
+    ``.to(dtype)``, and returned in fp32. bf16 is rounded on the bits: Triton's interpreter
+    truncates a bf16 conversion, so the cast would store other bytes on the CPU than on a GPU."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536  # keep the high half, ties to even (finite x)
+        return b.to(tl.float32, bitcast=True)
+    elif dtype == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
 
 
 @triton.jit
