@@ -44,6 +44,23 @@ def test_causal_attention_per_row_positions(seed, hq, hkv):
     assert torch.equal(out[2, :, 0], torch.zeros(hq, D)) and out[2, :, 1].abs().sum() > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_that_sees_nothing_gets_zeros_on_every_backend(seed, device, dtype):
+    """SDPA answers a fully masked query with NaN on the CPU and with a mean of the values in
+    some CUDA kernels; the reference gives zeros on both (an empty row beside a full one)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    B, Hq, Hkv, T, S, D = 2, 4, 1, 1, 30, 64
+    q = torch.randn(B, Hq, T, D).to(device, dtype)
+    k, v = (torch.randn(B, Hkv, S, D).to(device, dtype) for _ in range(2))
+    q_start, kv_len = [9, 0], [30, 0]  # row 0 sees keys 0..9, row 1 none
+    out = causal_attention(q, k, v, q_start=torch.tensor(q_start), kv_len=torch.tensor(kv_len))
+    assert torch.equal(out[1].float().cpu(), torch.zeros(Hq, T, D))
+    want = naive_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), q_start, kv_len)
+    torch.testing.assert_close(out.float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_causal_attention_defaults_to_newest_positions_and_scale(seed):
     q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
     expect = naive_attention(q, k, v, [4, 4], [9, 9], scale=0.3)

@@ -53,7 +53,7 @@ import torch
 from kvtier.kernels.dispatch import BACKENDS as BACKENDS  # re-exported: earlier import paths
 from kvtier.kernels.dispatch import KernelDispatch
 from kvtier.kernels.dispatch import resolve_backend as resolve_backend
-from kvtier.kernels.reference import OnlineSoftmax, causal_mask, partial_attention
+from kvtier.kernels.reference import OnlineSoftmax, causal_mask, partial_attention, zero_unseen
 from kvtier.quant.codec import Codec
 
 #: the most bytes of decoded keys one chunk of the reference read path holds (the values
@@ -301,7 +301,7 @@ def masked_attention(
     mg = mask if mask is None or G == 1 else mask.repeat(1, 1, G, 1)  # (B, 1, G*T, S)
     out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
     if mask is not None:
-        out = torch.nan_to_num(out, nan=0.0)  # a query that sees no key
+        out = zero_unseen(out, mg)  # a query that sees no key
     return out.reshape(B, Hq, T, v.shape[3])
 
 

@@ -46,6 +46,13 @@ def causal_mask(
     return mask[:, None]  # (B, 1, T, S)
 
 
+def zero_unseen(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``out`` ``[B, H, T, D]`` with the queries that see no key in ``mask`` ``[B, 1, T, S]`` set
+    to zero. SDPA's answer for them differs by backend (NaN on the CPU, a mean of the values
+    from some CUDA kernels), and such queries are padding or empty rows."""
+    return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+
+
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -82,10 +89,8 @@ def causal_attention(
     # axis instead of expanding K/V (no copy of the cache per call).
     qg = q.reshape(B, Hkv, G * T, D)  # (B, H_kv, G*T, D)
     mg = mask if G == 1 or mask.shape[2] == 1 else mask.repeat(1, 1, G, 1)  # (B, 1, G*T, S)
-    out = sdpa(qg, k, v, attn_mask=mg, scale=scale)
-    out = out.reshape(B, Hq, T, v.shape[3])  # (B, H_q, T, D)
-    # SDPA gives NaN for a query that sees nothing; such queries are padding.
-    return torch.nan_to_num(out, nan=0.0)
+    out = zero_unseen(sdpa(qg, k, v, attn_mask=mg, scale=scale), mg)
+    return out.reshape(B, Hq, T, v.shape[3])  # (B, H_q, T, D)
 
 
 def partial_attention(
