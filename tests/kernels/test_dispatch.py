@@ -16,10 +16,12 @@ from kvtier.kernels.reference import causal_attention
 
 
 def test_resolve_backend():
-    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("auto", "cpu") == "cpu"
+    assert resolve_backend("auto", "meta") == "torch"
     assert resolve_backend("torch", "cpu") == "torch"
     assert resolve_backend("triton", "cpu") == "triton"
-    with pytest.raises(ValueError, match="'cuda' is unknown; accepted: auto, torch, triton"):
+    assert resolve_backend("cpu", "cpu") == "cpu"
+    with pytest.raises(ValueError, match="'cuda' is unknown; accepted: auto, torch, triton, cpu"):
         resolve_backend("cuda", "cpu")
 
 

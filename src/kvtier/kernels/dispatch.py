@@ -1,13 +1,16 @@
-"""One backend dispatch for every kernel: Triton where it serves, the PyTorch reference otherwise.
+"""One backend dispatch for every kernel: Triton or C where they serve, the PyTorch reference otherwise.
 
 The paged read and write paths and the ragged decode path each have a Triton kernel
-beside a PyTorch reference. A cache holds one :class:`KernelDispatch`; the operations
-(:func:`kvtier.kernels.paged.paged_attention`, :func:`~kvtier.kernels.paged.paged_write`,
-:func:`kvtier.kernels.ragged.ragged_attention`) route each call through it. It
+beside a PyTorch reference; the paged read path also has a C kernel for decode steps
+on the CPU (:mod:`kvtier.kernels.cpu_attention`). A cache holds one
+:class:`KernelDispatch`; the operations (:func:`kvtier.kernels.paged.paged_attention`,
+:func:`~kvtier.kernels.paged.paged_write`, :func:`kvtier.kernels.ragged.ragged_attention`)
+route each call through it. It
 
-- picks the backend: ``auto`` (Triton on CUDA when the kernels import, the reference
-  elsewhere), ``torch`` (always the reference) or ``triton`` (always the kernels; on
-  the CPU they need ``TRITON_INTERPRET=1``);
+- picks the backend: ``auto`` (Triton on CUDA when the kernels import, ``cpu`` on the
+  CPU), ``torch`` (always the reference), ``triton`` (always the Triton kernels; on
+  the CPU they need ``TRITON_INTERPRET=1``) or ``cpu`` (the C kernel for the calls it
+  covers, float32 decode steps over full-precision pages, the reference for the rest);
 - falls back to the reference for good when a kernel cannot serve (a missing module,
   a compile or launch error, a codec or shape it does not cover): one warning, and the
   reason kept per operation in ``fallback_reasons``;
@@ -36,7 +39,7 @@ from typing import TypeVar
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 #: what a dispatch routes: the read path and the write path
 OPERATIONS = ("attention", "write")
 #: ``auto`` takes Triton on CUDA when this module (the kernels every path shares) imports
@@ -46,17 +49,21 @@ T = TypeVar("T")
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """The backend a call on ``device`` uses: ``"torch"`` or ``"triton"``.
+    """The backend a call on ``device`` uses: ``"torch"``, ``"triton"`` or ``"cpu"``.
 
     ``"auto"`` picks Triton on CUDA when ``kvtier.kernels.triton_paged`` imports,
-    else the PyTorch reference; ``"triton"`` forces the kernels (on the CPU they
-    need ``TRITON_INTERPRET=1``); ``"torch"`` forces the reference.
+    ``"cpu"`` on the CPU and the PyTorch reference elsewhere; ``"triton"`` forces the
+    kernels (on the CPU they need ``TRITON_INTERPRET=1``); ``"torch"`` forces the
+    reference; ``"cpu"`` takes the C kernel where it covers a call.
     """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
-    if torch.device(device).type != "cuda":
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return "cpu"
+    if kind != "cuda":
         return "torch"
     try:
         importlib.import_module(TRITON_PROBE)
@@ -99,7 +106,7 @@ class KernelDispatch:
         return next(iter(self.fallback_reasons.values()), None)
 
     def backend_for(self, op: str, device: torch.device | str) -> str:
-        """The backend a call of ``op`` on ``device`` uses now: ``"torch"`` or ``"triton"``."""
+        """The backend a call of ``op`` on ``device`` uses now: ``"torch"``, ``"triton"`` or ``"cpu"``."""
         if op in self.fallback_reasons:
             return "torch"
         key = str(device)
@@ -113,23 +120,29 @@ class KernelDispatch:
         device: torch.device,
         kernel: Callable[[], T] | None,
         reference: Callable[[], T],
+        cpu_kernel: Callable[[], T | None] | None = None,
     ) -> T:
-        """``kernel()`` when Triton serves ``op`` on ``device``, else ``reference()``.
+        """``kernel()`` when Triton serves ``op`` on ``device``, ``cpu_kernel()`` when the C
+        kernel does, else ``reference()``.
 
-        ``kernel`` is ``None`` where no kernel covers the call (the reference serves
-        it; that is no fallback). A kernel that raises sends ``op`` to the reference
-        for good; the reference then serves this call too (a write rewrites every
-        slot, so a partial kernel write is harmless).
+        ``kernel`` is ``None`` where no Triton kernel covers the call, ``cpu_kernel``
+        ``None`` where no C kernel exists, and ``cpu_kernel()`` returns ``None`` for a call
+        it does not cover: the reference serves those, and that is no fallback. A kernel
+        that raises sends ``op`` to the reference for good; the reference then serves this
+        call too (a write rewrites every slot, so a partial kernel write is harmless).
         """
         assert op in OPERATIONS, op
-        if kernel is not None and self.backend_for(op, device) == "triton":
+        backend = self.backend_for(op, device)
+        chosen = {"triton": kernel, "cpu": cpu_kernel}.get(backend)
+        if chosen is not None:
             try:
-                out = kernel()
+                out = chosen()
             except Exception as e:  # compile/launch failure or unsupported: serve from the reference
                 self._fall_back(op, e)
             else:
-                self.calls[op]["triton"] += 1
-                return out
+                if backend == "triton" or out is not None:  # a Triton write returns None
+                    self.calls[op][backend] += 1
+                    return out
         self.calls[op]["torch"] += 1
         return reference()
 

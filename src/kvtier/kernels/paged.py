@@ -34,7 +34,7 @@ Example::
     ...     k_sidecars={}, v_sidecars={})
     >>> out.shape
     torch.Size([1, 4, 5, 64])
-    >>> dispatch = KernelDispatch("auto")                       # the reference on the CPU
+    >>> dispatch = KernelDispatch("torch")                      # the reference everywhere
     >>> out = paged_attention(dispatch, torch.randn(1, 4, 1, 64), kp, vp, bt,
     ...     torch.tensor([4]), torch.tensor([5]), k_codec=codec, v_codec=codec,
     ...     k_sidecars={}, v_sidecars={})
@@ -50,6 +50,7 @@ import math
 
 import torch
 
+from kvtier.kernels.cpu_attention import paged_decode_cpu
 from kvtier.kernels.dispatch import BACKENDS as BACKENDS  # re-exported: earlier import paths
 from kvtier.kernels.dispatch import KernelDispatch
 from kvtier.kernels.dispatch import resolve_backend as resolve_backend
@@ -394,12 +395,15 @@ def paged_attention(
     **kw,
 ) -> torch.Tensor:
     """:func:`paged_attention_reference` (arguments, without ``chunk_tokens``, and result
-    ``[B, H_q, T, D]``) through ``dispatch``: Triton's ``paged_attention_triton`` where it serves."""
+    ``[B, H_q, T, D]``) through ``dispatch``: Triton's ``paged_attention_triton`` where it
+    serves, on the CPU the C decode kernel (:func:`~kvtier.kernels.cpu_attention.paged_decode_cpu`)
+    for the calls it covers."""
     args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
     return dispatch.serve(
         "attention", q.device,
         lambda: _import_triton().paged_attention_triton(*args, **kw),
         lambda: paged_attention_reference(*args, **kw),
+        cpu_kernel=lambda: paged_decode_cpu(*args, **kw),
     )
 
 

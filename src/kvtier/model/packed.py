@@ -18,8 +18,8 @@ float32, and it computes with exactly the same weights:
   the weight and calls :func:`kvtier.model.linear.linear`, as the float32 model does,
   which gives its results bit for bit. Only the summation order of decode differs
   from the float32 model.
-- The kernel is compiled once per machine with the system C compiler into the
-  user cache (:func:`kvtier.config.user_cache_dir`); where no compiler works,
+- The kernel is compiled once per machine with the system C compiler
+  (:func:`kvtier.kernels.native.build_library`); where no compiler works,
   :func:`load_kernels` returns ``None`` and nothing is packed.
 
 Example::
@@ -34,17 +34,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
 import subprocess
-import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from kvtier.kernels.native import build_library
 from kvtier.model.linear import linear as dense_linear
 
 BLOCK = 32  # weights per block along the input dimension (GGUF Q4_1 and Q8_0)
@@ -174,19 +170,16 @@ void q8_0_gemv(const float* x, const int8_t* codes, const _Float16* d, const _Fl
   }
 }
 """
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
 class PackedKernels:
     """The compiled ``q4_1_gemv`` / ``q8_0_gemv`` of :data:`_C_SOURCE`, called through ctypes."""
 
-    def __init__(self, path: Path):
-        lib = ctypes.CDLL(str(path))
+    def __init__(self, lib: ctypes.CDLL):
         args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._fns = {"q4_1": lib.q4_1_gemv, "q8_0": lib.q8_0_gemv}
         for fn in self._fns.values():
             fn.argtypes, fn.restype = args, None
-        self.path = path
 
     def gemv(self, fmt: str, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor,
              m: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
@@ -200,42 +193,14 @@ class PackedKernels:
 
 @functools.cache
 def load_kernels() -> PackedKernels | None:
-    """Compile (once per machine, into the user cache) and load the kernels; ``None`` if
+    """Compile (once per machine, :mod:`kvtier.kernels.native`) and load the kernels; ``None`` if
     no C compiler can build them here (a warning says why)."""
-    from kvtier.config import user_cache_dir
-
-    key = hashlib.sha256("|".join([_C_SOURCE, *_CFLAGS, platform.machine(), _cpu_model(),
-                                   torch.__version__]).encode()).hexdigest()[:16]
-    path = user_cache_dir() / "kernels" / f"packed-{key}.so"
     try:
-        if not path.is_file():
-            _compile(path)
-        return PackedKernels(path)
+        return PackedKernels(build_library("packed", _C_SOURCE))
     except (OSError, subprocess.SubprocessError) as e:
         warnings.warn(f"packed CPU kernels unavailable ({e}); weights stay float32",
                       stacklevel=2)
         return None
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _compile(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    compiler = os.environ.get("CC", "cc")
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src, out = Path(tmp) / "packed.c", Path(tmp) / "packed.so"
-        src.write_text(_C_SOURCE, encoding="utf-8")
-        done = subprocess.run([compiler, *_CFLAGS, str(src), "-o", str(out)],
-                              capture_output=True, text=True, timeout=120)
-        if done.returncode:
-            raise OSError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
-        os.replace(out, path)
 
 
 # -- lossless recovery of block codes ---------------------------------------------------------------
