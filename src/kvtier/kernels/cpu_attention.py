@@ -43,9 +43,9 @@ _C_SOURCE = r"""
 #include <math.h>
 /* out[b, h*G + g] = softmax_j(q[b, h*G + g] . k[b, j, h] * scale) @ v[b, j, h] over keys
    j < min(kv_len[b], q_start[b] + 1), pages [num_blocks, bs, Hkv, D] float32. A task is
-   (row b, a run of Hkv / hsplit KV heads). Returns 0, or 1 when a table entry the rows
-   read lies outside [0, num_blocks) or a row is longer than its table (nothing computed),
-   2 when scratch memory ran out. */
+   (row b, a run of Hkv / hsplit KV heads). Returns 0; b + 1 when row b is longer than its
+   table or names a block outside [0, num_blocks) (checked first: nothing is read); -1 when
+   scratch memory ran out. */
 int paged_decode_f32(const float* q, int64_t q_sb, int64_t q_sh, const float* kp, const float* vp,
                      const int32_t* tables, const int64_t* q_start, const int64_t* kv_len,
                      float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
@@ -53,9 +53,9 @@ int paged_decode_f32(const float* q, int64_t q_sb, int64_t q_sh, const float* kp
                      int threads) {
   for (int64_t b = 0; b < B; b++) {
     int64_t n = kv_len[b] < q_start[b] + 1 ? kv_len[b] : q_start[b] + 1;
-    if (n > max_blocks * bs) return 1;
+    if (n > max_blocks * bs) return (int)(b + 1);
     for (int64_t i = 0; i < (n + bs - 1) / bs; i++)
-      if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= num_blocks) return 1;
+      if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= num_blocks) return (int)(b + 1);
   }
   const int64_t G = Hq / Hkv, Hrun = Hkv / hsplit, blk = bs * Hkv * D;
   int failed = 0;
@@ -120,7 +120,7 @@ int paged_decode_f32(const float* q, int64_t q_sb, int64_t q_sh, const float* kp
     }
     free(s);
   }
-  return failed ? 2 : 0;
+  return failed ? -1 : 0;
 }
 """
 
@@ -147,13 +147,16 @@ class CpuAttentionKernels:
             block_tables.data_ptr(), q_start.data_ptr(), kv_len.data_ptr(), out.data_ptr(),
             B, Hq, Hkv, D, bs, block_tables.shape[1], num_blocks, scale, hsplit, threads,
         )  # fmt: skip
-        if bad == 2:
+        if bad < 0:
             raise MemoryError(f"the CPU decode kernel could not allocate its scores ({B} rows)")
         if bad:
+            b = bad - 1
+            n = min(int(kv_len[b]), int(q_start[b]) + 1)
+            used = block_tables[b, : max(0, -(-n // bs))].tolist()
             raise ValueError(
-                f"block_tables must name blocks in [0, {num_blocks}) and hold each row's "
-                f"min(kv_len, q_start + 1) keys; got kv_len {kv_len.tolist()}, q_start {q_start.tolist()}, "
-                f"tables {block_tables.tolist()}"
+                f"row {b} reads {n} keys (kv_len {int(kv_len[b])}, q_start {int(q_start[b])}) from "
+                f"{block_tables.shape[1]} table columns of {bs} tokens: its blocks {used} must lie in "
+                f"[0, {num_blocks}) and number at least ceil({n} / {bs})"
             )
 
 
