@@ -158,7 +158,7 @@ BAD_VALUES = [
     ("KVTIER_PAGED_TURBOQUANT_K_QUANT", "q9_0", "q8_0"),
     ("MTPLX_VLLM_METAL_PAGED_TURBOQUANT_V_QUANT", "q1_0", "q2_0, q3_0"),
     ("KVTIER_PAGED_TURBOQUANT_ROTATE_KEYS", "keys", "1/true/yes/on"),
-    ("KVTIER_ATTENTION_BACKEND", "cuda", "auto, torch, triton, cpu"),
+    ("KVTIER_ATTENTION_BACKEND", "cuda", ("auto", "cpu", "torch", "triton")),
 ]
 
 
