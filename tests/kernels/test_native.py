@@ -45,3 +45,9 @@ def test_a_folder_others_can_write_is_refused(temp_root):
     folder.chmod(0o777)
     with pytest.raises(OSError, match="writable by others; remove it"):
         native.build_library("demo", "int one(void) { return 1; }")
+
+
+def test_load_or_warn_says_why_and_what_happens_instead(temp_root):
+    with pytest.warns(UserWarning, match=r"(?s)broken CPU kernels unavailable \(.*failed.*\); the reference serves"):
+        assert native.load_or_warn("broken", "int f( {", lambda lib: lib, "the reference serves") is None
+    assert native.load_or_warn("demo", "int three(void) { return 3; }", lambda lib: lib.three(), "x") == 3

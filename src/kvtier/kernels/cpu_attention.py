@@ -28,12 +28,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import subprocess
-import warnings
 
 import torch
 
-from kvtier.kernels.native import build_library
+from kvtier.kernels.native import load_or_warn
 from kvtier.quant.codec import Codec, IdentityCodec
 
 _C_SOURCE = r"""
@@ -164,12 +162,7 @@ class CpuAttentionKernels:
 def load_kernels() -> CpuAttentionKernels | None:
     """Compile (once per machine, :mod:`kvtier.kernels.native`) and load the kernel; ``None``
     where no C compiler builds it (a warning says why; the reference then serves every call)."""
-    try:
-        return CpuAttentionKernels(build_library("cpu_attention", _C_SOURCE))
-    except (OSError, subprocess.SubprocessError) as e:
-        warnings.warn(f"CPU decode attention kernel unavailable ({e}); the PyTorch reference serves",
-                      stacklevel=2)
-        return None
+    return load_or_warn("cpu_attention", _C_SOURCE, CpuAttentionKernels, "the PyTorch reference serves")
 
 
 def paged_decode_cpu(

@@ -24,11 +24,16 @@ import os
 import platform
 import subprocess
 import tempfile
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+T = TypeVar("T")
 
 
 def kernel_dir() -> Path:
@@ -55,6 +60,16 @@ def build_library(name: str, source: str, cflags: tuple[str, ...] = CFLAGS) -> c
     return ctypes.CDLL(str(path))
 
 
+def load_or_warn(name: str, source: str, wrap: Callable[[ctypes.CDLL], T], otherwise: str) -> T | None:
+    """``wrap(build_library(name, source))``, or ``None`` with a warning that says why and
+    ``otherwise`` (what the caller does instead) where no compiler builds it."""
+    try:
+        return wrap(build_library(name, source))
+    except (OSError, subprocess.SubprocessError) as e:
+        warnings.warn(f"{name} CPU kernels unavailable ({e}); {otherwise}", stacklevel=3)
+        return None
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -75,4 +90,4 @@ def _compile(source: str, cflags: tuple[str, ...], path: Path) -> None:
         os.replace(out, path)  # atomic: a concurrent build of the same key is harmless
 
 
-__all__ = ["build_library", "kernel_dir", "CFLAGS"]
+__all__ = ["build_library", "load_or_warn", "kernel_dir", "CFLAGS"]

@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
-import warnings
 
 import torch
 from torch import nn
 
-from kvtier.kernels.native import build_library
+from kvtier.kernels.native import load_or_warn
 from kvtier.model.linear import linear as dense_linear
 
 BLOCK = 32  # weights per block along the input dimension (GGUF Q4_1 and Q8_0)
@@ -195,12 +193,7 @@ class PackedKernels:
 def load_kernels() -> PackedKernels | None:
     """Compile (once per machine, :mod:`kvtier.kernels.native`) and load the kernels; ``None`` if
     no C compiler can build them here (a warning says why)."""
-    try:
-        return PackedKernels(build_library("packed", _C_SOURCE))
-    except (OSError, subprocess.SubprocessError) as e:
-        warnings.warn(f"packed CPU kernels unavailable ({e}); weights stay float32",
-                      stacklevel=2)
-        return None
+    return load_or_warn("packed", _C_SOURCE, PackedKernels, "weights stay float32")
 
 
 # -- lossless recovery of block codes ---------------------------------------------------------------
