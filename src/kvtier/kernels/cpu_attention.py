@@ -66,7 +66,11 @@ int paged_decode_f32(const float* q, int64_t q_sb, int64_t q_sh, const float* kp
     const int32_t* tb = tables + b * max_blocks;
     const int64_t nblk = (n + bs - 1) / bs, R = Hrun * G;
     float* s = malloc((R * n + R * D + R) * sizeof(float));  /* scores [R, n], acc [R, D], sums [R] */
-    if (!s) { failed = 1; continue; }
+    if (!s) {
+      #pragma omp atomic write
+      failed = 1;
+      continue;
+    }
     float* acc = s + R * n;
     float* sum = acc + R * D;
     memset(acc, 0, R * D * sizeof(float));
