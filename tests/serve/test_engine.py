@@ -9,6 +9,7 @@ import torch
 
 from kvtier.config import KVCacheConfig
 from kvtier.generate import GenerationConfig, stream_generate
+from kvtier.kernels.cpu_attention import load_kernels
 from kvtier.sampling import SamplingParams
 from kvtier.serve.engine import EngineConfig, LLMEngine
 from kvtier.serve.params import RequestParams
@@ -64,6 +65,9 @@ def test_continuous_batching_equals_each_request_alone(lm) -> None:
         assert tokens == solo(lm, ids, params.max_tokens), rid
     s = engine.stats()
     assert s["free_blocks"] == start and s["running"] == s["waiting"] == 0
+    calls = engine.runner.caches[0].paged_stats()["attention_calls_by_backend"]
+    if load_kernels() is not None:  # decode steps read the pages in place, prompt chunks through SDPA
+        assert calls["cpu"] > 0 and calls["torch"] > 0, calls
 
 
 def test_prefix_cache_reuses_a_long_system_prompt(lm) -> None:
