@@ -1,4 +1,4 @@
-"""The CPU decode attention over float32 pages: the PyTorch reference against the C kernel.
+"""The CPU decode attention over float32 (and q8) pages: the PyTorch reference against the C kernel.
 
     PYTHONPATH=src python3 benchmarks/tools/cpu_decode_attention.py [--threads 2] [--calls 200]
 
@@ -23,6 +23,7 @@ def main() -> None:
     from kvtier.kernels.cpu_attention import paged_decode_cpu
     from kvtier.kernels.paged import paged_attention_reference
     from kvtier.quant.codec import IdentityCodec
+    from kvtier.quant.kv_quant import Q8Codec
 
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
@@ -33,12 +34,15 @@ def main() -> None:
     codec = IdentityCodec(D, torch.float32)
     kw = dict(k_codec=codec, v_codec=codec, k_sidecars={}, v_sidecars={})
     rng = random.Random(0)
-    cases = [("32 rows, 64-576 tokens, shuffled", [rng.randint(64, 576) for _ in range(32)], True),
-             ("4 rows, 384 tokens, shuffled", [384] * 4, True)]
-    cases += [(f"1 row, {n} tokens, in order", [n], False) for n in (128, 384, 1024, 2048)]
+    serving = [rng.randint(64, 576) for _ in range(32)]
+    cases = [("32 rows, 64-576 tokens, shuffled", serving, True, False),
+             ("the same, q8 pages", serving, True, True),
+             ("4 rows, 384 tokens, shuffled", [384] * 4, True, False)]
+    cases += [(f"1 row, {n} tokens, in order", [n], False, False) for n in (128, 384, 1024, 2048)]
+    q8 = Q8Codec(D, torch.float32)
     print(f"{torch.get_num_threads()} threads, {args.calls} calls a round, median of 5 rounds")
     print(f"{'case':<36} {'reference us':>13} {'C kernel us':>12} {'speed-up':>9} {'max diff':>9}")
-    for name, lengths, shuffled in cases:
+    for name, lengths, shuffled, quantised in cases:
         need = [-(-n // bs) for n in lengths]
         ids = list(range(sum(need)))
         if shuffled:
@@ -51,9 +55,13 @@ def main() -> None:
         kp, vp = torch.randn(sum(need), bs, Hkv, D), torch.randn(sum(need), bs, Hkv, D)
         q = torch.randn(len(lengths), Hq, 1, D)
         kv_len = torch.tensor(lengths)
+        pages = kw
+        if quantised:
+            (kp, ks), (vp, vs) = q8.encode(kp), q8.encode(vp)
+            pages = dict(k_codec=q8, v_codec=q8, k_sidecars=ks, v_sidecars=vs)
         call = (q, kp, vp, tables, kv_len - 1, kv_len)
-        ref = functools.partial(paged_attention_reference, *call, **kw)
-        mine = functools.partial(paged_decode_cpu, *call, **kw)
+        ref = functools.partial(paged_attention_reference, *call, **pages)
+        mine = functools.partial(paged_decode_cpu, *call, **pages)
         diff = (ref() - mine()).abs().max().item()
         times = {ref: [], mine: []}
         for _ in range(5):

@@ -12,7 +12,7 @@ from kvtier.kernels.cpu_attention import load_kernels, paged_decode_cpu
 from kvtier.kernels.dispatch import KernelDispatch
 from kvtier.kernels.paged import paged_attention, paged_attention_reference
 from kvtier.quant.codec import IdentityCodec
-from kvtier.quant.kv_quant import Q8Codec
+from kvtier.quant.kv_quant import Q4Codec, Q8Codec
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,6 +46,13 @@ def codecs(D):
     return dict(k_codec=c, v_codec=c, k_sidecars={}, v_sidecars={})
 
 
+def q8_pages(kp, vp):
+    """The same pages coded as ``q8`` (int8 codes, a float32 scale per token and head)."""
+    c = Q8Codec(kp.shape[3], torch.float32)
+    (kq, ks), (vq, vs) = c.encode(kp), c.encode(vp)
+    return kq, vq, dict(k_codec=c, v_codec=c, k_sidecars=ks, v_sidecars=vs)
+
+
 @pytest.mark.parametrize("Hq, Hkv", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("D, bs", [(64, 16), (128, 32), (32, 1)])
 @pytest.mark.parametrize("lengths", [[1], [300], [17, 0, 64, 5], [64 + 16 * i for i in range(32)]])
@@ -60,6 +67,21 @@ def test_decode_matches_the_reference(Hq, Hkv, D, bs, lengths):
     for b, n in enumerate(lengths):
         if n == 0:
             assert torch.equal(out[b], torch.zeros(Hq, 1, D))  # a row with no key: zeros
+
+
+@pytest.mark.parametrize("Hq, Hkv, D", [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("lengths", [[1], [300], [17, 0, 64, 5], [64 + 16 * i for i in range(32)]])
+def test_q8_pages_match_the_reference(Hq, Hkv, D, lengths):
+    """int8 codes read in place, each key's scale on its score and each value's on its weight."""
+    q, kp, vp, tables = paged_rows(lengths, Hq, Hkv, D, 16)
+    kq, vq, kw = q8_pages(kp, vp)
+    kv_len = torch.tensor(lengths)
+    q_start = (kv_len - 1).clamp(min=0)
+    out = paged_decode_cpu(q, kq, vq, tables, q_start, kv_len, **kw)
+    ref = paged_attention_reference(q, kq, vq, tables, q_start, kv_len, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    fp = paged_attention_reference(q, kp, vp, tables, q_start, kv_len, **codecs(D))
+    assert (out - fp).abs().max() < 0.05  # and the codes are close to the float32 pages
 
 
 @settings(max_examples=40, deadline=None)
@@ -97,7 +119,16 @@ def test_calls_it_does_not_cover_return_none():
     assert paged_decode_cpu(q.expand(1, 4, 2, 64).contiguous(), *args, **codecs(64)) is None  # T = 2
     assert paged_decode_cpu(q.bfloat16(), *args, **codecs(64)) is None
     q8 = Q8Codec(64, torch.float32)
-    assert paged_decode_cpu(q, *args, k_codec=q8, v_codec=q8, k_sidecars={}, v_sidecars={}) is None
+    kq, vq, kw = q8_pages(kp, vp)
+    assert paged_decode_cpu(q, kq, vq, tables, kv_len - 1, kv_len, **kw) is not None
+    assert paged_decode_cpu(q, kq, vq, tables, kv_len - 1, kv_len,
+                            k_codec=q8, v_codec=q8, k_sidecars={}, v_sidecars={}) is None  # no scales
+    assert paged_decode_cpu(q, kq, vq, tables, kv_len - 1, kv_len,
+                            **{**kw, "k_codec": Q8Codec(64, torch.bfloat16)}) is None  # decodes to bf16
+    q4 = Q4Codec(64, torch.float32)
+    (k4, s4), (v4, t4) = q4.encode(kp), q4.encode(vp)
+    assert paged_decode_cpu(q, k4, v4, tables, kv_len - 1, kv_len, k_codec=q4, v_codec=q4,
+                            k_sidecars=s4, v_sidecars=t4) is None
     assert paged_decode_cpu(q, kp.transpose(0, 1).contiguous().transpose(0, 1), vp, tables,
                             kv_len - 1, kv_len, **codecs(64)) is None  # pages not contiguous
     assert paged_decode_cpu(q, kp, vp, tables.long(), kv_len - 1, kv_len, **codecs(64)) is None

@@ -1,4 +1,4 @@
-"""Decode attention over float32 pages on the CPU: a small C kernel that reads the pages in place.
+"""Decode attention over float32 or q8 pages on the CPU: a small C kernel that reads the pages in place.
 
 The PyTorch reference (:func:`kvtier.kernels.paged.paged_attention_reference`) gathers
 each row's pages into a contiguous copy and calls SDPA on it; at 32 rows of 64-576
@@ -12,9 +12,11 @@ same attention for a decode step (one query per row) straight from the page tabl
 - two passes: scores of every query head of the KV head's group (``q . k * scale``),
   then softmax weights and the weighted sum of the values, in float32.
 
-Only the order of the float32 sums differs from the reference. The kernel covers
-float32 queries over float32 pages of the lossless codec; anything else returns
-``None`` and the caller serves the reference. Table entries and lengths are checked
+Only the order of the float32 sums differs from the reference (and, for ``q8`` pages,
+that a key's scale multiplies its score instead of each element). The kernel covers
+float32 queries over float32 pages of the lossless codec or ``q8`` pages (int8 codes,
+a float32 scale per token and head); anything else returns ``None`` and the caller
+serves the reference. Table entries and lengths are checked
 inside the kernel, before anything is read: a bad one raises ``ValueError``.
 
 Example::
@@ -33,6 +35,7 @@ import torch
 
 from kvtier.kernels.native import load_or_warn
 from kvtier.quant.codec import Codec, IdentityCodec
+from kvtier.quant.kv_quant import Q8Codec
 
 _C_SOURCE = r"""
 #include <stdint.h>
@@ -40,112 +43,144 @@ _C_SOURCE = r"""
 #include <string.h>
 #include <math.h>
 /* out[b, h*G + g] = softmax_j(q[b, h*G + g] . k[b, j, h] * scale) @ v[b, j, h] over keys
-   j < min(kv_len[b], q_start[b] + 1), pages [num_blocks, bs, Hkv, D] float32. A task is
-   (row b, a run of Hkv / hsplit KV heads). Returns 0; b + 1 when row b is longer than its
-   table or names a block outside [0, num_blocks) (checked first: nothing is read); -1 when
-   scratch memory ran out. */
-int paged_decode_f32(const float* q, int64_t q_sb, int64_t q_sh, const float* kp, const float* vp,
-                     const int32_t* tables, const int64_t* q_start, const int64_t* kv_len,
-                     float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-                     int64_t max_blocks, int64_t num_blocks, float scale, int64_t hsplit,
-                     int threads) {
-  for (int64_t b = 0; b < B; b++) {
-    int64_t n = kv_len[b] < q_start[b] + 1 ? kv_len[b] : q_start[b] + 1;
-    if (n > max_blocks * bs) return (int)(b + 1);
-    for (int64_t i = 0; i < (n + bs - 1) / bs; i++)
-      if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= num_blocks) return (int)(b + 1);
+   j < min(kv_len[b], q_start[b] + 1), pages [num_blocks, bs, Hkv, D]: float32 values, or
+   (Q8) int8 codes with one float32 scale per (token, head), [num_blocks, bs, Hkv, 1], whose
+   key is q . codes * its scale and whose value is codes * its scale. A task is (row b, a
+   run of Hkv / hsplit KV heads). The entry points return 0; b + 1 when row b is longer
+   than its table or names a block outside [0, num_blocks) (checked first: nothing is
+   read); -1 when scratch memory ran out. One task body serves both storages: each entry
+   point's parallel loop inlines it with Q8 a constant, so each gets its own loops. */
+typedef struct {
+  const float* q; int64_t q_sb, q_sh; const void *kp, *vp; const float *ks, *vs;
+  const int32_t* tables; const int64_t *q_start, *kv_len; float* out;
+  int64_t B, Hq, Hkv, D, bs, max_blocks, num_blocks; float scale; int64_t hsplit;
+} Args;
+
+static int check(const Args* a) {
+  for (int64_t b = 0; b < a->B; b++) {
+    const int64_t n = a->kv_len[b] < a->q_start[b] + 1 ? a->kv_len[b] : a->q_start[b] + 1;
+    const int32_t* tb = a->tables + b * a->max_blocks;
+    if (n > a->max_blocks * a->bs) return (int)(b + 1);
+    for (int64_t i = 0; i < (n + a->bs - 1) / a->bs; i++)
+      if (tb[i] < 0 || tb[i] >= a->num_blocks) return (int)(b + 1);
   }
-  const int64_t G = Hq / Hkv, Hrun = Hkv / hsplit, blk = bs * Hkv * D;
-  int failed = 0;
-  #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t task = 0; task < B * hsplit; task++) {
-    const int64_t b = task / hsplit, h0 = (task % hsplit) * Hrun;
-    int64_t n = kv_len[b] < q_start[b] + 1 ? kv_len[b] : q_start[b] + 1;
-    float* o = out + (b * Hq + h0 * G) * D;
-    if (n <= 0) { memset(o, 0, Hrun * G * D * sizeof(float)); continue; }
-    const int32_t* tb = tables + b * max_blocks;
-    const int64_t nblk = (n + bs - 1) / bs, R = Hrun * G;
-    float* s = malloc((R * n + R * D + R) * sizeof(float));  /* scores [R, n], acc [R, D], sums [R] */
-    if (!s) {
-      #pragma omp atomic write
-      failed = 1;
-      continue;
-    }
-    float* acc = s + R * n;
-    float* sum = acc + R * D;
-    memset(acc, 0, R * D * sizeof(float));
-    for (int64_t pass = 0; pass < 2; pass++) {  /* 0: scores from the keys, 1: sum of the values */
-      const float* pages = pass == 0 ? kp : vp;
-      for (int64_t i = 0; i < nblk; i++) {
-        const float* page = pages + (int64_t)tb[i] * blk;
-        if (i + 1 < nblk) {  /* the next block's rows of these heads, while this one is used */
-          const char* next = (const char*)(pages + (int64_t)tb[i + 1] * blk + h0 * D);
-          for (int64_t t = 0; t < bs; t++)
-            for (int64_t c = 0; c < Hrun * D * 4; c += 64) __builtin_prefetch(next + t * Hkv * D * 4 + c);
-        }
-        const int64_t m = n - i * bs < bs ? n - i * bs : bs;
-        for (int64_t t = 0; t < m; t++) {
-          const int64_t j = i * bs + t;
-          for (int64_t h = 0; h < Hrun; h++) {
-            const float* x = page + (t * Hkv + h0 + h) * D;
-            for (int64_t g = 0; g < G; g++) {
-              const int64_t r = h * G + g;
-              if (pass == 0) {
-                const float* qr = q + b * q_sb + ((h0 + h) * G + g) * q_sh;
-                float a = 0.f;
-                #pragma omp simd reduction(+:a)
-                for (int64_t d = 0; d < D; d++) a += qr[d] * x[d];
-                s[r * n + j] = a * scale;
-              } else {
-                const float p = s[r * n + j];
-                float* ar = acc + r * D;
-                #pragma omp simd
-                for (int64_t d = 0; d < D; d++) ar[d] += p * x[d];
-              }
+  return 0;
+}
+
+/* one task; 1 when its scratch could not be allocated */
+static inline __attribute__((always_inline)) int task(const Args* a, int64_t task, const int Q8) {
+  const int64_t Hkv = a->Hkv, D = a->D, bs = a->bs, G = a->Hq / Hkv, Hrun = Hkv / a->hsplit;
+  const int64_t blk = bs * Hkv * D, width = Q8 ? 1 : 4;
+  const int64_t b = task / a->hsplit, h0 = (task % a->hsplit) * Hrun;
+  const int64_t n = a->kv_len[b] < a->q_start[b] + 1 ? a->kv_len[b] : a->q_start[b] + 1;
+  float* o = a->out + (b * a->Hq + h0 * G) * D;
+  if (n <= 0) { memset(o, 0, Hrun * G * D * sizeof(float)); return 0; }
+  const int32_t* tb = a->tables + b * a->max_blocks;
+  const int64_t nblk = (n + bs - 1) / bs, R = Hrun * G;
+  float* s = malloc((R * n + R * D + R) * sizeof(float));  /* scores [R, n], acc [R, D], sums [R] */
+  if (!s) return 1;
+  float* acc = s + R * n;
+  float* sum = acc + R * D;
+  memset(acc, 0, R * D * sizeof(float));
+  for (int64_t pass = 0; pass < 2; pass++) {  /* 0: scores from the keys, 1: sum of the values */
+    const char* pages = pass == 0 ? (const char*)a->kp : (const char*)a->vp;
+    const float* scales = pass == 0 ? a->ks : a->vs;
+    for (int64_t i = 0; i < nblk; i++) {
+      const int64_t at = (int64_t)tb[i] * blk;  /* the block's first element */
+      if (i + 1 < nblk) {  /* the next block's rows of these heads, while this one is used */
+        const char* next = pages + ((int64_t)tb[i + 1] * blk + h0 * D) * width;
+        for (int64_t t = 0; t < bs; t++)
+          for (int64_t c = 0; c < Hrun * D * width; c += 64) __builtin_prefetch(next + t * Hkv * D * width + c);
+      }
+      const int64_t m = n - i * bs < bs ? n - i * bs : bs;
+      for (int64_t t = 0; t < m; t++) {
+        const int64_t j = i * bs + t;
+        for (int64_t h = 0; h < Hrun; h++) {
+          const int64_t row = at + (t * Hkv + h0 + h) * D;  /* the (token, head) vector's element */
+          const float* xf = (const float*)pages + row;
+          const int8_t* xq = (const int8_t*)pages + row;
+          const float xs = Q8 ? scales[row / D] : 1.f;
+          for (int64_t g = 0; g < G; g++) {
+            const int64_t r = h * G + g;
+            if (pass == 0) {
+              const float* qr = a->q + b * a->q_sb + ((h0 + h) * G + g) * a->q_sh;
+              float dot = 0.f;
+              #pragma omp simd reduction(+:dot)
+              for (int64_t d = 0; d < D; d++) dot += qr[d] * (Q8 ? (float)xq[d] : xf[d]);
+              s[r * n + j] = dot * xs * a->scale;
+            } else {
+              const float p = s[r * n + j] * xs;
+              float* ar = acc + r * D;
+              #pragma omp simd
+              for (int64_t d = 0; d < D; d++) ar[d] += p * (Q8 ? (float)xq[d] : xf[d]);
             }
           }
         }
       }
-      if (pass == 0) {  /* scores -> exp(score - max); their sum divides at the end */
-        for (int64_t r = 0; r < R; r++) {
-          float* sr = s + r * n;
-          float mx = sr[0], tot = 0.f;
-          for (int64_t j = 1; j < n; j++) mx = sr[j] > mx ? sr[j] : mx;
-          for (int64_t j = 0; j < n; j++) { sr[j] = expf(sr[j] - mx); tot += sr[j]; }
-          sum[r] = tot;
-        }
+    }
+    if (pass == 0) {  /* scores -> exp(score - max); their sum divides at the end */
+      for (int64_t r = 0; r < R; r++) {
+        float* sr = s + r * n;
+        float mx = sr[0], tot = 0.f;
+        for (int64_t j = 1; j < n; j++) mx = sr[j] > mx ? sr[j] : mx;
+        for (int64_t j = 0; j < n; j++) { sr[j] = expf(sr[j] - mx); tot += sr[j]; }
+        sum[r] = tot;
       }
     }
-    for (int64_t r = 0; r < R; r++) {
-      const float inv = 1.f / sum[r];
-      for (int64_t d = 0; d < D; d++) o[r * D + d] = acc[r * D + d] * inv;
-    }
-    free(s);
   }
-  return failed ? -1 : 0;
+  for (int64_t r = 0; r < R; r++) {
+    const float inv = 1.f / sum[r];
+    for (int64_t d = 0; d < D; d++) o[r * D + d] = acc[r * D + d] * inv;
+  }
+  free(s);
+  return 0;
 }
+
+#define ENTRY(NAME, Q8)                                                                         \
+  int NAME(const float* q, int64_t q_sb, int64_t q_sh, const void* kp, const void* vp,          \
+           const float* ks, const float* vs, const int32_t* tables, const int64_t* q_start,     \
+           const int64_t* kv_len, float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,    \
+           int64_t bs, int64_t max_blocks, int64_t num_blocks, float scale, int64_t hsplit,     \
+           int threads) {                                                                       \
+    const Args a = {q, q_sb, q_sh, kp, vp, ks, vs, tables, q_start, kv_len, out,                \
+                    B, Hq, Hkv, D, bs, max_blocks, num_blocks, scale, hsplit};                  \
+    const int bad = check(&a);                                                                  \
+    if (bad) return bad;                                                                        \
+    int failed = 0;                                                                             \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                        \
+    for (int64_t t = 0; t < B * hsplit; t++)                                                    \
+      if (task(&a, t, Q8)) {                                                                    \
+        _Pragma("omp atomic write")                                                             \
+        failed = 1;                                                                             \
+      }                                                                                         \
+    return failed ? -1 : 0;                                                                     \
+  }
+ENTRY(paged_decode_f32, 0)
+ENTRY(paged_decode_q8, 1)
 """
 
-
 class CpuAttentionKernels:
-    """The compiled ``paged_decode_f32`` of :data:`_C_SOURCE`, called through ctypes."""
+    """The compiled ``paged_decode_f32`` / ``paged_decode_q8`` of :data:`_C_SOURCE`, called through ctypes."""
 
     def __init__(self, lib: ctypes.CDLL):
-        fn = lib.paged_decode_f32
-        fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6
-                       + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int])
-        fn.restype = ctypes.c_int
-        self._decode = fn
+        self._decode = {"fp": lib.paged_decode_f32, "q8": lib.paged_decode_q8}
+        for fn in self._decode.values():
+            fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 8
+                           + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int])
+            fn.restype = ctypes.c_int
 
-    def decode(self, q, key_pages, value_pages, block_tables, q_start, kv_len, scale, out) -> None:
-        """Run the kernel on checked tensors (see :func:`paged_decode_cpu`) into ``out``."""
+    def decode(self, storage, q, key_pages, value_pages, k_scale, v_scale, block_tables, q_start, kv_len,
+               scale, out) -> None:
+        """Run the kernel for ``storage`` (``"fp"`` or ``"q8"``) on checked tensors (see
+        :func:`paged_decode_cpu`) into ``out``; ``k_scale``/``v_scale`` are q8's sidecars."""
         B, Hq = q.shape[:2]
         num_blocks, bs, Hkv, D = key_pages.shape
         threads = torch.get_num_threads()
         few_rows = q.shape[0] < 2 * threads
         hsplit = Hkv if few_rows else 1  # split the rows by KV head too
-        bad = self._decode(
-            q.data_ptr(), q.stride(0), q.stride(1), key_pages.data_ptr(), value_pages.data_ptr(),
+        ks, vs = (None, None) if k_scale is None else (k_scale.data_ptr(), v_scale.data_ptr())
+        bad = self._decode[storage](
+            q.data_ptr(), q.stride(0), q.stride(1), key_pages.data_ptr(), value_pages.data_ptr(), ks, vs,
             block_tables.data_ptr(), q_start.data_ptr(), kv_len.data_ptr(), out.data_ptr(),
             B, Hq, Hkv, D, bs, block_tables.shape[1], num_blocks, scale, hsplit, threads,
         )  # fmt: skip
@@ -187,21 +222,19 @@ def paged_decode_cpu(
 
     Arguments as :func:`kvtier.kernels.paged.paged_attention_reference`: ``q``
     ``[B, H_q, 1, D]`` float32 (last dim contiguous); pages ``[num_blocks, block_size,
-    H_kv, D]`` float32, contiguous, of the lossless codec; ``block_tables`` int32
-    ``[B, max_blocks]``; ``q_start``, ``kv_len`` integer ``[B]``. Row ``b`` attends to
-    keys ``j < min(kv_len[b], q_start[b] + 1)``; a row that sees none gets zeros.
-    ``None`` for anything else (more than one query per row, another dtype or codec, a
-    tensor off the CPU, no C compiler): the reference serves those.
+    H_kv, D]``, contiguous: float32 of the lossless codec, or int8 codes of ``q8`` (both
+    keys and values, codecs of float32) with their ``scale`` sidecars ``[num_blocks,
+    block_size, H_kv, 1]``; ``block_tables`` int32 ``[B, max_blocks]``; ``q_start``,
+    ``kv_len`` integer ``[B]``. Row ``b`` attends to keys ``j < min(kv_len[b],
+    q_start[b] + 1)``; a row that sees none gets zeros. ``None`` for anything else (more
+    than one query per row, another dtype or codec, a tensor off the CPU, no C
+    compiler): the reference serves those.
     """
-    del k_sidecars, v_sidecars  # the lossless codec has none
+    storage = _storage(k_codec, v_codec, key_pages, value_pages, k_sidecars, v_sidecars)
     if (
-        q.dim() != 4 or q.shape[2] != 1 or q.dtype != torch.float32 or q.device.type != "cpu"
-        or q.stride(3) != 1 or type(k_codec) is not IdentityCodec or type(v_codec) is not IdentityCodec
-        or key_pages.dtype != torch.float32 or value_pages.dtype != torch.float32
-        or key_pages.shape != value_pages.shape or key_pages.dim() != 4 or key_pages.shape[3] != q.shape[3]
-        or not key_pages.is_contiguous() or not value_pages.is_contiguous()
-        or key_pages.device.type != "cpu" or value_pages.device.type != "cpu"
-        or q.shape[1] % key_pages.shape[2]
+        storage is None
+        or q.dim() != 4 or q.shape[2] != 1 or q.dtype != torch.float32 or q.device.type != "cpu"
+        or q.stride(3) != 1 or key_pages.shape[3] != q.shape[3] or q.shape[1] % key_pages.shape[2]
         or block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]
         or not block_tables.is_contiguous() or block_tables.device.type != "cpu"
     ):  # fmt: skip
@@ -215,8 +248,29 @@ def paged_decode_cpu(
         raise ValueError(f"q_start and kv_len must be [{B}], got {tuple(q_start.shape)} and {tuple(kv_len.shape)}")
     out = torch.empty(B, q.shape[1], 1, q.shape[3], dtype=torch.float32)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
-    kernels.decode(q, key_pages, value_pages, block_tables, *rows, scale, out)
+    k_scale, v_scale = (k_sidecars["scale"], v_sidecars["scale"]) if storage == "q8" else (None, None)
+    kernels.decode(storage, q, key_pages, value_pages, k_scale, v_scale, block_tables, *rows, scale, out)
     return out
+
+
+def _storage(k_codec, v_codec, key_pages, value_pages, k_sidecars, v_sidecars) -> str | None:
+    """``"fp"`` or ``"q8"`` where the kernel reads these pages, else ``None``."""
+    pages = (key_pages, value_pages)
+    if (
+        key_pages.dim() != 4 or key_pages.shape != value_pages.shape
+        or any(not p.is_contiguous() or p.device.type != "cpu" for p in pages)
+        or type(k_codec) is not type(v_codec) or k_codec.dtype != torch.float32 or v_codec.dtype != torch.float32
+    ):  # fmt: skip
+        return None
+    if type(k_codec) is IdentityCodec and all(p.dtype == torch.float32 for p in pages):
+        return "fp"
+    if type(k_codec) is Q8Codec and all(p.dtype == torch.int8 for p in pages):
+        want = (*key_pages.shape[:3], 1)
+        scales = [side.get("scale") for side in (k_sidecars, v_sidecars)]
+        if all(isinstance(t, torch.Tensor) and tuple(t.shape) == want and t.dtype == torch.float32
+               and t.is_contiguous() and t.device.type == "cpu" for t in scales):
+            return "q8"
+    return None
 
 
 __all__ = ["paged_decode_cpu", "load_kernels", "CpuAttentionKernels"]
