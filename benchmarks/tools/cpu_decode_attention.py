@@ -1,4 +1,4 @@
-"""The CPU decode attention over float32 (and q8) pages: the PyTorch reference against the C kernel.
+"""The CPU decode attention over float32, q8 and fp8 pages: the PyTorch reference against the C kernel.
 
     PYTHONPATH=src python3 benchmarks/tools/cpu_decode_attention.py [--threads 2] [--calls 200]
 
@@ -23,6 +23,7 @@ def main() -> None:
     from kvtier.kernels.cpu_attention import paged_decode_cpu
     from kvtier.kernels.paged import paged_attention_reference
     from kvtier.quant.codec import IdentityCodec
+    from kvtier.quant.fp8 import Fp8Codec
     from kvtier.quant.kv_quant import Q8Codec
 
     p = argparse.ArgumentParser()
@@ -35,14 +36,14 @@ def main() -> None:
     kw = dict(k_codec=codec, v_codec=codec, k_sidecars={}, v_sidecars={})
     rng = random.Random(0)
     serving = [rng.randint(64, 576) for _ in range(32)]
-    cases = [("32 rows, 64-576 tokens, shuffled", serving, True, False),
-             ("the same, q8 pages", serving, True, True),
-             ("4 rows, 384 tokens, shuffled", [384] * 4, True, False)]
-    cases += [(f"1 row, {n} tokens, in order", [n], False, False) for n in (128, 384, 1024, 2048)]
-    q8 = Q8Codec(D, torch.float32)
+    cases = [("32 rows, 64-576 tokens, shuffled", serving, True, None),
+             ("the same, q8 pages", serving, True, Q8Codec(D, torch.float32)),
+             ("the same, fp8 pages", serving, True, Fp8Codec(D, torch.float32)),
+             ("4 rows, 384 tokens, shuffled", [384] * 4, True, None)]
+    cases += [(f"1 row, {n} tokens, in order", [n], False, None) for n in (128, 384, 1024, 2048)]
     print(f"{torch.get_num_threads()} threads, {args.calls} calls a round, median of 5 rounds")
     print(f"{'case':<36} {'reference us':>13} {'C kernel us':>12} {'speed-up':>9} {'max diff':>9}")
-    for name, lengths, shuffled, quantised in cases:
+    for name, lengths, shuffled, coded in cases:
         need = [-(-n // bs) for n in lengths]
         ids = list(range(sum(need)))
         if shuffled:
@@ -56,9 +57,9 @@ def main() -> None:
         q = torch.randn(len(lengths), Hq, 1, D)
         kv_len = torch.tensor(lengths)
         pages = kw
-        if quantised:
-            (kp, ks), (vp, vs) = q8.encode(kp), q8.encode(vp)
-            pages = dict(k_codec=q8, v_codec=q8, k_sidecars=ks, v_sidecars=vs)
+        if coded is not None:
+            (kp, ks), (vp, vs) = coded.encode(kp), coded.encode(vp)
+            pages = dict(k_codec=coded, v_codec=coded, k_sidecars=ks, v_sidecars=vs)
         call = (q, kp, vp, tables, kv_len - 1, kv_len)
         ref = functools.partial(paged_attention_reference, *call, **pages)
         mine = functools.partial(paged_decode_cpu, *call, **pages)

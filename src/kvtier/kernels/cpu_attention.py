@@ -1,4 +1,4 @@
-"""Decode attention over float32 or q8 pages on the CPU: a small C kernel that reads the pages in place.
+"""Decode attention over float32, q8 or fp8 pages on the CPU: a small C kernel that reads the pages in place.
 
 The PyTorch reference (:func:`kvtier.kernels.paged.paged_attention_reference`) gathers
 each row's pages into a contiguous copy and calls SDPA on it; at 32 rows of 64-576
@@ -12,11 +12,12 @@ same attention for a decode step (one query per row) straight from the page tabl
 - two passes: scores of every query head of the KV head's group (``q . k * scale``),
   then softmax weights and the weighted sum of the values, in float32.
 
-Only the order of the float32 sums differs from the reference (and, for ``q8`` pages,
-that a key's scale multiplies its score instead of each element). The kernel covers
-float32 queries over float32 pages of the lossless codec or ``q8`` pages (int8 codes,
-a float32 scale per token and head); anything else returns ``None`` and the caller
-serves the reference. Table entries and lengths are checked
+Only the order of the float32 sums differs from the reference (and, for coded pages,
+that a key's scale multiplies its score instead of each element, and fp8's key centre
+is left out, which the softmax ignores). The kernel covers float32 queries over float32
+pages of the lossless codec, ``q8`` pages (int8 codes) and ``fp8`` pages (e4m3 bytes
+through a 256-entry table), with a float32 scale per token and head; anything else
+returns ``None`` and the caller serves the reference. Table entries and lengths are checked
 inside the kernel, before anything is read: a bad one raises ``ValueError``.
 
 Example::
@@ -35,6 +36,7 @@ import torch
 
 from kvtier.kernels.native import load_or_warn
 from kvtier.quant.codec import Codec, IdentityCodec
+from kvtier.quant.fp8 import FP8_DTYPE, Fp8Codec
 from kvtier.quant.kv_quant import Q8Codec
 
 _C_SOURCE = r"""
@@ -43,15 +45,16 @@ _C_SOURCE = r"""
 #include <string.h>
 #include <math.h>
 /* out[b, h*G + g] = softmax_j(q[b, h*G + g] . k[b, j, h] * scale) @ v[b, j, h] over keys
-   j < min(kv_len[b], q_start[b] + 1), pages [num_blocks, bs, Hkv, D]: float32 values, or
-   (Q8) int8 codes with one float32 scale per (token, head), [num_blocks, bs, Hkv, 1], whose
-   key is q . codes * its scale and whose value is codes * its scale. A task is (row b, a
-   run of Hkv / hsplit KV heads). The entry points return 0; b + 1 when row b is longer
+   j < min(kv_len[b], q_start[b] + 1), pages [num_blocks, bs, Hkv, D]: float32 values (CODE
+   0), or one byte per element with one float32 scale per (token, head), [num_blocks, bs,
+   Hkv, 1]: int8 codes (CODE 1, q8) or codes looked up in a 256-entry table (CODE 2, fp8's
+   e4m3 bytes); a key is q . codes * its scale, a value codes * its scale. A task is (row b,
+   a run of Hkv / hsplit KV heads). The entry points return 0; b + 1 when row b is longer
    than its table or names a block outside [0, num_blocks) (checked first: nothing is
-   read); -1 when scratch memory ran out. One task body serves both storages: each entry
-   point's parallel loop inlines it with Q8 a constant, so each gets its own loops. */
+   read); -1 when scratch memory ran out. One task body serves every storage: each entry
+   point's parallel loop inlines it with CODE a constant, so each gets its own loops. */
 typedef struct {
-  const float* q; int64_t q_sb, q_sh; const void *kp, *vp; const float *ks, *vs;
+  const float* q; int64_t q_sb, q_sh; const void *kp, *vp; const float *ks, *vs, *lut;
   const int32_t* tables; const int64_t *q_start, *kv_len; float* out;
   int64_t B, Hq, Hkv, D, bs, max_blocks, num_blocks; float scale; int64_t hsplit;
 } Args;
@@ -68,9 +71,10 @@ static int check(const Args* a) {
 }
 
 /* one task; 1 when its scratch could not be allocated */
-static inline __attribute__((always_inline)) int task(const Args* a, int64_t task, const int Q8) {
+static inline __attribute__((always_inline)) int task(const Args* a, int64_t task, const int CODE) {
   const int64_t Hkv = a->Hkv, D = a->D, bs = a->bs, G = a->Hq / Hkv, Hrun = Hkv / a->hsplit;
-  const int64_t blk = bs * Hkv * D, width = Q8 ? 1 : 4;
+  const int64_t blk = bs * Hkv * D, width = CODE ? 1 : 4;
+  const float* lut = a->lut;
   const int64_t b = task / a->hsplit, h0 = (task % a->hsplit) * Hrun;
   const int64_t n = a->kv_len[b] < a->q_start[b] + 1 ? a->kv_len[b] : a->q_start[b] + 1;
   float* o = a->out + (b * a->Hq + h0 * G) * D;
@@ -99,20 +103,23 @@ static inline __attribute__((always_inline)) int task(const Args* a, int64_t tas
           const int64_t row = at + (t * Hkv + h0 + h) * D;  /* the (token, head) vector's element */
           const float* xf = (const float*)pages + row;
           const int8_t* xq = (const int8_t*)pages + row;
-          const float xs = Q8 ? scales[row / D] : 1.f;
+          const uint8_t* xb = (const uint8_t*)pages + row;
+          const float xs = CODE ? scales[row / D] : 1.f;
           for (int64_t g = 0; g < G; g++) {
             const int64_t r = h * G + g;
             if (pass == 0) {
               const float* qr = a->q + b * a->q_sb + ((h0 + h) * G + g) * a->q_sh;
               float dot = 0.f;
               #pragma omp simd reduction(+:dot)
-              for (int64_t d = 0; d < D; d++) dot += qr[d] * (Q8 ? (float)xq[d] : xf[d]);
+              for (int64_t d = 0; d < D; d++)
+                dot += qr[d] * (CODE == 0 ? xf[d] : CODE == 1 ? (float)xq[d] : lut[xb[d]]);
               s[r * n + j] = dot * xs * a->scale;
             } else {
               const float p = s[r * n + j] * xs;
               float* ar = acc + r * D;
               #pragma omp simd
-              for (int64_t d = 0; d < D; d++) ar[d] += p * (Q8 ? (float)xq[d] : xf[d]);
+              for (int64_t d = 0; d < D; d++)
+                ar[d] += p * (CODE == 0 ? xf[d] : CODE == 1 ? (float)xq[d] : lut[xb[d]]);
             }
           }
         }
@@ -136,20 +143,21 @@ static inline __attribute__((always_inline)) int task(const Args* a, int64_t tas
   return 0;
 }
 
-#define ENTRY(NAME, Q8)                                                                         \
+#define ENTRY(NAME, CODE)                                                                       \
   int NAME(const float* q, int64_t q_sb, int64_t q_sh, const void* kp, const void* vp,          \
-           const float* ks, const float* vs, const int32_t* tables, const int64_t* q_start,     \
+           const float* ks, const float* vs, const float* lut, const int32_t* tables,           \
+           const int64_t* q_start,                                                              \
            const int64_t* kv_len, float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,    \
            int64_t bs, int64_t max_blocks, int64_t num_blocks, float scale, int64_t hsplit,     \
            int threads) {                                                                       \
-    const Args a = {q, q_sb, q_sh, kp, vp, ks, vs, tables, q_start, kv_len, out,                \
+    const Args a = {q, q_sb, q_sh, kp, vp, ks, vs, lut, tables, q_start, kv_len, out,           \
                     B, Hq, Hkv, D, bs, max_blocks, num_blocks, scale, hsplit};                  \
     const int bad = check(&a);                                                                  \
     if (bad) return bad;                                                                        \
     int failed = 0;                                                                             \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                        \
     for (int64_t t = 0; t < B * hsplit; t++)                                                    \
-      if (task(&a, t, Q8)) {                                                                    \
+      if (task(&a, t, CODE)) {                                                                  \
         _Pragma("omp atomic write")                                                             \
         failed = 1;                                                                             \
       }                                                                                         \
@@ -157,30 +165,34 @@ static inline __attribute__((always_inline)) int task(const Args* a, int64_t tas
   }
 ENTRY(paged_decode_f32, 0)
 ENTRY(paged_decode_q8, 1)
+ENTRY(paged_decode_fp8, 2)
 """
 
 class CpuAttentionKernels:
     """The compiled ``paged_decode_f32`` / ``paged_decode_q8`` of :data:`_C_SOURCE`, called through ctypes."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self._decode = {"fp": lib.paged_decode_f32, "q8": lib.paged_decode_q8}
+        self._decode = {"fp": lib.paged_decode_f32, "q8": lib.paged_decode_q8, "fp8": lib.paged_decode_fp8}
         for fn in self._decode.values():
-            fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 8
+            fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 9
                            + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int])
             fn.restype = ctypes.c_int
+        # fp8's table: the float32 value of every e4m3 byte (NaN for the two NaN codes)
+        self._e4m3 = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float() if FP8_DTYPE else None
 
     def decode(self, storage, q, key_pages, value_pages, k_scale, v_scale, block_tables, q_start, kv_len,
                scale, out) -> None:
-        """Run the kernel for ``storage`` (``"fp"`` or ``"q8"``) on checked tensors (see
-        :func:`paged_decode_cpu`) into ``out``; ``k_scale``/``v_scale`` are q8's sidecars."""
+        """Run the kernel for ``storage`` (``"fp"``, ``"q8"`` or ``"fp8"``) on checked tensors
+        (see :func:`paged_decode_cpu`) into ``out``; ``k_scale``/``v_scale``: the codes' scales."""
         B, Hq = q.shape[:2]
         num_blocks, bs, Hkv, D = key_pages.shape
         threads = torch.get_num_threads()
         few_rows = q.shape[0] < 2 * threads
         hsplit = Hkv if few_rows else 1  # split the rows by KV head too
         ks, vs = (None, None) if k_scale is None else (k_scale.data_ptr(), v_scale.data_ptr())
+        lut = self._e4m3.data_ptr() if storage == "fp8" else None
         bad = self._decode[storage](
-            q.data_ptr(), q.stride(0), q.stride(1), key_pages.data_ptr(), value_pages.data_ptr(), ks, vs,
+            q.data_ptr(), q.stride(0), q.stride(1), key_pages.data_ptr(), value_pages.data_ptr(), ks, vs, lut,
             block_tables.data_ptr(), q_start.data_ptr(), kv_len.data_ptr(), out.data_ptr(),
             B, Hq, Hkv, D, bs, block_tables.shape[1], num_blocks, scale, hsplit, threads,
         )  # fmt: skip
@@ -222,9 +234,10 @@ def paged_decode_cpu(
 
     Arguments as :func:`kvtier.kernels.paged.paged_attention_reference`: ``q``
     ``[B, H_q, 1, D]`` float32 (last dim contiguous); pages ``[num_blocks, block_size,
-    H_kv, D]``, contiguous: float32 of the lossless codec, or int8 codes of ``q8`` (both
-    keys and values, codecs of float32) with their ``scale`` sidecars ``[num_blocks,
-    block_size, H_kv, 1]``; ``block_tables`` int32 ``[B, max_blocks]``; ``q_start``,
+    H_kv, D]``, contiguous: float32 of the lossless codec, or the one-byte codes of ``q8``
+    or ``fp8`` (both keys and values, codecs of float32) with their ``scale`` sidecars
+    ``[num_blocks, block_size, H_kv, 1]`` (fp8's key centre is left out: it shifts every
+    score of a query by the same ``q . c``, which the softmax ignores); ``block_tables`` int32 ``[B, max_blocks]``; ``q_start``,
     ``kv_len`` integer ``[B]``. Row ``b`` attends to keys ``j < min(kv_len[b],
     q_start[b] + 1)``; a row that sees none gets zeros. ``None`` for anything else (more
     than one query per row, another dtype or codec, a tensor off the CPU, no C
@@ -248,13 +261,13 @@ def paged_decode_cpu(
         raise ValueError(f"q_start and kv_len must be [{B}], got {tuple(q_start.shape)} and {tuple(kv_len.shape)}")
     out = torch.empty(B, q.shape[1], 1, q.shape[3], dtype=torch.float32)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
-    k_scale, v_scale = (k_sidecars["scale"], v_sidecars["scale"]) if storage == "q8" else (None, None)
+    k_scale, v_scale = (None, None) if storage == "fp" else (k_sidecars["scale"], v_sidecars["scale"])
     kernels.decode(storage, q, key_pages, value_pages, k_scale, v_scale, block_tables, *rows, scale, out)
     return out
 
 
 def _storage(k_codec, v_codec, key_pages, value_pages, k_sidecars, v_sidecars) -> str | None:
-    """``"fp"`` or ``"q8"`` where the kernel reads these pages, else ``None``."""
+    """``"fp"``, ``"q8"`` or ``"fp8"`` where the kernel reads these pages, else ``None``."""
     pages = (key_pages, value_pages)
     if (
         key_pages.dim() != 4 or key_pages.shape != value_pages.shape
@@ -264,12 +277,14 @@ def _storage(k_codec, v_codec, key_pages, value_pages, k_sidecars, v_sidecars) -
         return None
     if type(k_codec) is IdentityCodec and all(p.dtype == torch.float32 for p in pages):
         return "fp"
-    if type(k_codec) is Q8Codec and all(p.dtype == torch.int8 for p in pages):
-        want = (*key_pages.shape[:3], 1)
-        scales = [side.get("scale") for side in (k_sidecars, v_sidecars)]
-        if all(isinstance(t, torch.Tensor) and tuple(t.shape) == want and t.dtype == torch.float32
-               and t.is_contiguous() and t.device.type == "cpu" for t in scales):
-            return "q8"
+    codes = {Q8Codec: ("q8", torch.int8), Fp8Codec: ("fp8", torch.uint8)}.get(type(k_codec))
+    if codes is None or v_codec.centre is not None or any(p.dtype != codes[1] for p in pages):
+        return None
+    want = (*key_pages.shape[:3], 1)
+    scales = [side.get("scale") for side in (k_sidecars, v_sidecars)]
+    if all(isinstance(t, torch.Tensor) and tuple(t.shape) == want and t.dtype == torch.float32
+           and t.is_contiguous() and t.device.type == "cpu" for t in scales):
+        return codes[0]  # a key centre needs nothing: it moves every score of a query alike
     return None
 
 

@@ -10,8 +10,8 @@ route each call through it. It
 - picks the backend: ``auto`` (Triton on CUDA when the kernels import, ``cpu`` on the
   CPU), ``torch`` (always the reference), ``triton`` (always the Triton kernels; on
   the CPU they need ``TRITON_INTERPRET=1``) or ``cpu`` (the C kernel for the calls it
-  covers, float32 decode steps over full-precision or ``q8`` pages, the reference for the
-  rest);
+  covers, float32 decode steps over full-precision, ``q8`` or ``fp8`` pages, the reference
+  for the rest);
 - falls back to the reference for good when a kernel cannot serve (a missing module,
   a compile or launch error, a codec or shape it does not cover): one warning, and the
   reason kept per operation in ``fallback_reasons``;
