@@ -52,7 +52,9 @@ _C_SOURCE = r"""
    a run of Hkv / hsplit KV heads). The entry points return 0; b + 1 when row b is longer
    than its table or names a block outside [0, num_blocks) (checked first: nothing is
    read); -1 when scratch memory ran out. One task body serves every storage: each entry
-   point's parallel loop inlines it with CODE a constant, so each gets its own loops. */
+   point's parallel loop inlines it with CODE a constant, and with D a constant for head
+   dims 64 and 128, so each gets its own loops (a constant D also drops the vector loops'
+   peeling and remainders, which cost more than the work at D = 64). */
 typedef struct {
   const float* q; int64_t q_sb, q_sh; const void *kp, *vp; const float *ks, *vs, *lut;
   const int32_t* tables; const int64_t *q_start, *kv_len; float* out;
@@ -71,8 +73,9 @@ static int check(const Args* a) {
 }
 
 /* one task; 1 when its scratch could not be allocated */
-static inline __attribute__((always_inline)) int task(const Args* a, int64_t task, const int CODE) {
-  const int64_t Hkv = a->Hkv, D = a->D, bs = a->bs, G = a->Hq / Hkv, Hrun = Hkv / a->hsplit;
+static inline __attribute__((always_inline)) int task(const Args* a, int64_t task, const int CODE,
+                                                     const int64_t DC) {
+  const int64_t Hkv = a->Hkv, D = DC ? DC : a->D, bs = a->bs, G = a->Hq / Hkv, Hrun = Hkv / a->hsplit;
   const int64_t blk = bs * Hkv * D, width = CODE ? 1 : 4;
   const float* lut = a->lut;
   const int64_t b = task / a->hsplit, h0 = (task % a->hsplit) * Hrun;
@@ -105,21 +108,26 @@ static inline __attribute__((always_inline)) int task(const Args* a, int64_t tas
           const int8_t* xq = (const int8_t*)pages + row;
           const uint8_t* xb = (const uint8_t*)pages + row;
           const float xs = CODE ? scales[row / D] : 1.f;
+          float codes[D];  /* the vector's codes as floats, once for the whole query group */
+          const float* x = xf;
+          if (CODE) {
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) codes[d] = CODE == 1 ? (float)xq[d] : lut[xb[d]];
+            x = codes;
+          }
           for (int64_t g = 0; g < G; g++) {
             const int64_t r = h * G + g;
             if (pass == 0) {
               const float* qr = a->q + b * a->q_sb + ((h0 + h) * G + g) * a->q_sh;
               float dot = 0.f;
               #pragma omp simd reduction(+:dot)
-              for (int64_t d = 0; d < D; d++)
-                dot += qr[d] * (CODE == 0 ? xf[d] : CODE == 1 ? (float)xq[d] : lut[xb[d]]);
+              for (int64_t d = 0; d < D; d++) dot += qr[d] * x[d];
               s[r * n + j] = dot * xs * a->scale;
             } else {
               const float p = s[r * n + j] * xs;
               float* ar = acc + r * D;
               #pragma omp simd
-              for (int64_t d = 0; d < D; d++)
-                ar[d] += p * (CODE == 0 ? xf[d] : CODE == 1 ? (float)xq[d] : lut[xb[d]]);
+              for (int64_t d = 0; d < D; d++) ar[d] += p * x[d];
             }
           }
         }
@@ -129,6 +137,7 @@ static inline __attribute__((always_inline)) int task(const Args* a, int64_t tas
       for (int64_t r = 0; r < R; r++) {
         float* sr = s + r * n;
         float mx = sr[0], tot = 0.f;
+        #pragma omp simd reduction(max:mx)
         for (int64_t j = 1; j < n; j++) mx = sr[j] > mx ? sr[j] : mx;
         for (int64_t j = 0; j < n; j++) { sr[j] = expf(sr[j] - mx); tot += sr[j]; }
         sum[r] = tot;
@@ -156,11 +165,14 @@ static inline __attribute__((always_inline)) int task(const Args* a, int64_t tas
     if (bad) return bad;                                                                        \
     int failed = 0;                                                                             \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                        \
-    for (int64_t t = 0; t < B * hsplit; t++)                                                    \
-      if (task(&a, t, CODE)) {                                                                  \
+    for (int64_t t = 0; t < B * hsplit; t++) {                                                  \
+      const int oom = D == 64 ? task(&a, t, CODE, 64) : D == 128 ? task(&a, t, CODE, 128)       \
+                                                                 : task(&a, t, CODE, 0);        \
+      if (oom) {                                                                                \
         _Pragma("omp atomic write")                                                             \
         failed = 1;                                                                             \
       }                                                                                         \
+    }                                                                                           \
     return failed ? -1 : 0;                                                                     \
   }
 ENTRY(paged_decode_f32, 0)
