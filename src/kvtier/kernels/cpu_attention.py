@@ -181,7 +181,8 @@ ENTRY(paged_decode_fp8, 2)
 """
 
 class CpuAttentionKernels:
-    """The compiled ``paged_decode_f32`` / ``paged_decode_q8`` of :data:`_C_SOURCE`, called through ctypes."""
+    """The compiled entry points of :data:`_C_SOURCE` (``paged_decode_f32``, ``_q8``, ``_fp8``),
+    called through ctypes."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._decode = {"fp": lib.paged_decode_f32, "q8": lib.paged_decode_q8, "fp8": lib.paged_decode_fp8}
@@ -249,8 +250,8 @@ def paged_decode_cpu(
     H_kv, D]``, contiguous: float32 of the lossless codec, or the one-byte codes of ``q8``
     or ``fp8`` (both keys and values, codecs of float32) with their ``scale`` sidecars
     ``[num_blocks, block_size, H_kv, 1]`` (fp8's key centre is left out: it shifts every
-    score of a query by the same ``q . c``, which the softmax ignores); ``block_tables`` int32 ``[B, max_blocks]``; ``q_start``,
-    ``kv_len`` integer ``[B]``. Row ``b`` attends to keys ``j < min(kv_len[b],
+    score of a query by the same ``q . c``, which the softmax ignores); ``block_tables``
+    int32 ``[B, max_blocks]``; ``q_start``, ``kv_len`` integer ``[B]``. Row ``b`` attends to keys ``j < min(kv_len[b],
     q_start[b] + 1)``; a row that sees none gets zeros. ``None`` for anything else (more
     than one query per row, another dtype or codec, a tensor off the CPU, no C
     compiler): the reference serves those.

@@ -134,7 +134,7 @@ class KernelDispatch:
         """
         assert op in OPERATIONS, op
         backend = self.backend_for(op, device)
-        chosen = {"triton": kernel, "cpu": cpu_kernel}.get(backend)
+        chosen = kernel if backend == "triton" else cpu_kernel if backend == "cpu" else None
         if chosen is not None:
             try:
                 out = chosen()

@@ -47,16 +47,16 @@ def kernel_dir() -> Path:
     return path
 
 
-def build_library(name: str, source: str, cflags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL:
+def build_library(name: str, source: str) -> ctypes.CDLL:
     """Compile ``source`` (once: the file is kept in :func:`kernel_dir`) and load it.
 
     Raises ``OSError`` (or ``subprocess.SubprocessError``) when the compiler fails or is absent.
     """
-    key = hashlib.sha256("|".join([source, *cflags, platform.machine(), _cpu_flags(),
+    key = hashlib.sha256("|".join([source, *CFLAGS, platform.machine(), _cpu_flags(),
                                    torch.__version__]).encode()).hexdigest()[:16]
     path = kernel_dir() / f"{name}-{key}.so"
     if not path.is_file():
-        _compile(source, cflags, path)
+        _compile(source, path)
     return ctypes.CDLL(str(path))
 
 
@@ -78,12 +78,12 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _compile(source: str, cflags: tuple[str, ...], path: Path) -> None:
+def _compile(source: str, path: Path) -> None:
     compiler = os.environ.get("CC", "cc")
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         src, out = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so"
         src.write_text(source, encoding="utf-8")
-        done = subprocess.run([compiler, *cflags, str(src), "-o", str(out), "-lm"],
+        done = subprocess.run([compiler, *CFLAGS, str(src), "-o", str(out), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
