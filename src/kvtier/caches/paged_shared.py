@@ -50,7 +50,7 @@ from kvtier.caches.base import check_kv, check_queries
 from kvtier.caches.paged import PagedKVCache
 from kvtier.caches.paged_pool import PagedKVGrowthRefused, RowsArg, rows_arg
 from kvtier.caches.step_plan import StepPlan
-from kvtier.kernels.paged import paged_attention
+from kvtier.kernels.paged import paged_attention_packed
 from kvtier.quant.modes import TurboQuantConfig
 
 __all__ = ["PackedPlan", "RowBinding", "SharedBlockPagedKVCache", "chunk_plan", "decode_plan", "packed_plan"]
@@ -147,10 +147,9 @@ class PackedPlan:
 
     Host: ``starts``/``ends`` (each row's length before and after), ``width`` (the
     longest chunk). Device (int64): ``write_start``/``new_offsets`` ``[B]``,
-    ``slots`` ``[N]`` (where each packed token is stored), ``rows``/``cols`` ``[N]``
-    (each packed token's row and its index in the row's chunk), ``positions``
-    ``[1, N]`` (for RoPE) and ``last`` ``[B]`` (each row's last packed token);
-    ``block_tables`` int32 ``[B, W]``.
+    ``slots`` ``[N]`` (where each packed token is stored), ``q_offsets`` ``[B]``
+    (each row's first packed token), ``positions`` ``[1, N]`` (for RoPE) and ``last``
+    ``[B]`` (each row's last packed token); ``block_tables`` int32 ``[B, W]``.
     """
 
     starts: list[int]
@@ -159,8 +158,7 @@ class PackedPlan:
     write_start: torch.Tensor
     new_offsets: torch.Tensor
     slots: torch.Tensor
-    rows: torch.Tensor
-    cols: torch.Tensor
+    q_offsets: torch.Tensor
     positions: torch.Tensor
     last: torch.Tensor
     block_tables: torch.Tensor
@@ -185,18 +183,16 @@ def packed_plan(rows: RowBinding, counts: Sequence[int]) -> PackedPlan:
                          "lists before the step")
     positions = [p for n, e in zip(starts, ends) for p in range(n, e)]
     slots = [b[p // bs] * bs + p % bs for n, e, b in zip(starts, ends, rows.blocks) for p in range(n, e)]
-    row_of = [r for r, c in enumerate(counts) for _ in range(c)]
-    col_of = [i for c in counts for i in range(c)]
-    last, at = [], -1
+    firsts, last, at = [], [], 0
     for c in counts:
+        firsts.append(at)
         at += c
-        last.append(at)
+        last.append(at - 1)
     N = len(slots)
-    host = to_device(torch.tensor([*starts, *ends, *last, *slots, *row_of, *col_of, *positions],
+    host = to_device(torch.tensor([*starts, *ends, *last, *firsts, *slots, *positions],
                                   dtype=torch.long), rows.table.device)  # one copy to the device
-    cut = [B, B, B, N, N, N, N]
-    ws, no, la, sl, ro, co, po = host.split(cut)
-    return PackedPlan(starts, ends, max(counts), ws, no, sl, ro, co, po[None], la, rows.table)
+    ws, no, la, fi, sl, po = host.split([B, B, B, B, N, N])
+    return PackedPlan(starts, ends, max(counts), ws, no, sl, fi, po[None], la, rows.table)
 
 
 class SharedBlockPagedKVCache(PagedKVCache):
@@ -320,14 +316,12 @@ class SharedBlockPagedKVCache(PagedKVCache):
         if queries.shape[0] != 1 or queries.shape[2] != p.total:
             raise ValueError(f"after a packed write, queries must be [1, H_q, {p.total}, D], got "
                              f"{tuple(queries.shape)}")
-        Hq, D = queries.shape[1], queries.shape[3]
-        padded = queries.new_zeros(len(p.starts), Hq, p.width, D)  # (B, H_q, width, D)
-        padded[p.rows, :, p.cols] = queries[0].transpose(0, 1)  # each token to its row and column
         pool = self.pool
-        out = paged_attention(self.dispatch, padded, pool.key_cache, pool.value_cache, p.block_tables,
-                              p.write_start, p.new_offsets, k_codec=codecs.k_codec, v_codec=codecs.v_codec,
-                              k_sidecars=pool.k_sidecars, v_sidecars=pool.v_sidecars, scale=scale)
-        return out[p.rows, :, p.cols].transpose(0, 1)[None]  # (1, H_q, N, D)
+        return paged_attention_packed(
+            self.dispatch, queries, pool.key_cache, pool.value_cache, p.block_tables, p.write_start,
+            p.new_offsets, q_offsets=p.q_offsets, max_q_len=p.width, k_codec=codecs.k_codec,
+            v_codec=codecs.v_codec, k_sidecars=pool.k_sidecars, v_sidecars=pool.v_sidecars, scale=scale,
+        )  # (1, H_q, N, D)
 
     def _owned_elsewhere(self, what: str):
         raise ValueError(f"{what}() on a SharedBlockPagedKVCache: its blocks belong to the block "

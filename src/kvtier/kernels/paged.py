@@ -407,6 +407,64 @@ def paged_attention(
     )
 
 
+def paged_attention_packed_reference(
+    q: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_start: torch.Tensor,
+    kv_len: torch.Tensor,
+    *,
+    q_offsets: torch.Tensor,
+    max_q_len: int,
+    **kw,
+) -> torch.Tensor:
+    """:func:`paged_attention_reference` over packed rows: ``q`` ``[1, H_q, N, D]`` holds row
+    ``b``'s ``kv_len[b] - q_start[b]`` queries from token ``q_offsets[b]``; the result has
+    ``q``'s shape (tokens no row names are zero). Each row's queries go to a padded
+    ``[B, H_q, max_q_len, D]`` batch and back."""
+    B = block_tables.shape[0]
+    counts = (kv_len - q_start).tolist()
+    offsets = q_offsets.tolist()
+    if len(counts) != B or len(offsets) != B or any(c < 0 or c > max_q_len for c in counts) or any(
+            o < 0 or o + c > q.shape[2] for o, c in zip(offsets, counts)):
+        raise ValueError(f"packed rows must name queries inside q's {q.shape[2]} tokens, at most "
+                         f"max_q_len {max_q_len} each: got q_offsets {offsets} and counts {counts}")
+    rows = torch.tensor([r for r, c in enumerate(counts) for _ in range(c)], dtype=torch.long, device=q.device)
+    cols = torch.tensor([i for c in counts for i in range(c)], dtype=torch.long, device=q.device)
+    toks = torch.tensor([o + i for o, c in zip(offsets, counts) for i in range(c)], dtype=torch.long,
+                        device=q.device)
+    padded = q.new_zeros(B, q.shape[1], max_q_len, q.shape[3])  # (B, H_q, max_q_len, D)
+    padded[rows, :, cols] = q[0, :, toks].transpose(0, 1)
+    out = paged_attention_reference(padded, key_pages, value_pages, block_tables, q_start, kv_len, **kw)
+    result = torch.zeros_like(q)
+    result[0, :, toks] = out[rows, :, cols].transpose(0, 1)
+    return result
+
+
+def paged_attention_packed(
+    dispatch: KernelDispatch,
+    q: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_start: torch.Tensor,
+    kv_len: torch.Tensor,
+    *,
+    q_offsets: torch.Tensor,
+    max_q_len: int,
+    **kw,
+) -> torch.Tensor:
+    """:func:`paged_attention_packed_reference` through ``dispatch``: Triton's
+    ``paged_attention_triton`` reads the packed queries in place (no padding, no split)."""
+    args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
+    return dispatch.serve(
+        "attention", q.device,
+        lambda: _import_triton().paged_attention_triton(*args, q_offsets=q_offsets, max_q_len=max_q_len, **kw),
+        lambda: paged_attention_packed_reference(*args, q_offsets=q_offsets, max_q_len=max_q_len, **kw),
+    )
+
+
 def paged_write(
     dispatch: KernelDispatch,
     key_pages: torch.Tensor,

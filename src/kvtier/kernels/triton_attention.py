@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -68,7 +68,7 @@ def _attention_kernel(
     KS, KZ, KC, stride_ksb, stride_ksn, stride_ksh,
     VS, VZ, VC, stride_vsb, stride_vsn, stride_vsh,
     BT, stride_btb, capacity,
-    QSTART, KVLEN,
+    QSTART, KVLEN, QOFF,
     O, stride_ob, stride_oh, stride_ot,
     PO, PL,
     qk_scale, T, H_KV, split_len, num_splits,
@@ -91,6 +91,7 @@ def _attention_kernel(
     V_GROUP: tl.constexpr, V_ZERO: tl.constexpr, V_FACTOR: tl.constexpr, V_SPLIT: tl.constexpr,
     V_DIRECT: tl.constexpr,
     K_PURE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -101,8 +102,16 @@ def _attention_kernel(
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     t = m // G
     hq = hk * G + m % G
-    row_ok = t < T
-    q_off = b * stride_qb + hq * stride_qh + t * stride_qt
+    if VARLEN:
+        # packed rows: row b's T_b = kv_len - q_start queries start at token QOFF[b] of batch 0
+        T_row = (tl.load(KVLEN + b) - tl.load(QSTART + b)).to(tl.int32)
+        tok = tl.load(QOFF + b).to(tl.int32) + t
+        row_ok = t < T_row
+        q_off = hq * stride_qh + tok.to(tl.int64) * stride_qt
+    else:
+        T_row = T
+        row_ok = t < T
+        q_off = b * stride_qb + hq * stride_qh + t * stride_qt
     # the query in the dot's dtype, log2 domain (the softmax runs on exp2); 4-bit keys are
     # scored as two halves, even channels against the low nibbles and odd against the high
     d = tl.arange(0, HEAD_DIM)
@@ -121,8 +130,10 @@ def _attention_kernel(
     kv_len = tl.minimum(kv_len, capacity)  # never read past the table or buffer
     if CAUSAL:
         q_pos = tl.load(QSTART + b).to(tl.int32) + t  # (M,)
-        t_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, G * T - 1) // G
+        t_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, G * T_row - 1) // G
         hi = tl.minimum(kv_len, tl.load(QSTART + b).to(tl.int32) + t_last + 1)
+        if VARLEN:
+            hi = tl.where(pid_m * BLOCK_M < G * T_row, hi, 0)  # a tile past the row's queries reads nothing
     else:
         q_pos = kv_len + t  # sees every key below kv_len
         hi = kv_len
@@ -203,7 +214,10 @@ def _attention_kernel(
     else:
         c = tl.arange(0, VD)
     if not SPLIT:
-        o_off = b * stride_ob + hq * stride_oh + t * stride_ot
+        if VARLEN:
+            o_off = hq * stride_oh + tok.to(tl.int64) * stride_ot
+        else:
+            o_off = b * stride_ob + hq * stride_oh + t * stride_ot
         o_ptr = O + o_off[:, None] + c[None, :]
         tl.store(o_ptr, (acc_a / l_safe[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
         if V_SPLIT:
@@ -390,15 +404,29 @@ def launch_attention(
     scale: float | None,
     out_dtype: torch.dtype,
     config: LaunchConfig | None = None,
+    q_offsets: torch.Tensor | None = None,
+    max_q_len: int = 0,
 ) -> torch.Tensor:
     """Launch the kernel on validated inputs; ``[B, Hq, T, D]`` in ``out_dtype``.
 
     Paged (``block_tables`` given): payloads ``[num_blocks, page, H_kv, D']``.
     Ragged (``block_tables`` ``None``): payloads ``[B, H_kv, capacity, D']``,
     no causal limit beyond ``kv_len`` (``q_start`` ignored).
+
+    Packed (paged only, ``q_offsets`` given): ``q`` is ``[1, Hq, N, D]``, the rows'
+    queries side by side, row ``b``'s ``kv_len[b] - q_start[b]`` (at most ``max_q_len``)
+    from token ``q_offsets[b]``; the result has ``q``'s shape. No split: prompt chunks
+    give the grid programs enough, and a tile past its row's queries reads nothing.
     """
     cfg = config or LaunchConfig()
-    B, Hq, T, D = q.shape
+    varlen = q_offsets is not None
+    if varlen:
+        assert block_tables is not None and q_start is not None and q.shape[0] == 1 and max_q_len >= 1
+        cfg = replace(cfg, num_splits=1)
+        B, T = block_tables.shape[0], max_q_len
+        Hq, D = q.shape[1], q.shape[3]
+    else:
+        B, Hq, T, D = q.shape
     if block_tables is not None:
         H_kv, page = k_payload.shape[2], k_payload.shape[1]
         max_blocks = block_tables.shape[1]
@@ -414,7 +442,7 @@ def launch_attention(
     G = Hq // H_kv
     capacity = max_blocks * page
     quantised = k_fmt.mode != FP or v_fmt.mode != FP
-    if T == 1 and block_tables is not None and uses_cuda_core_decode(k_fmt, v_fmt, k_payload, v_payload, cfg, G):
+    if T == 1 and not varlen and block_tables is not None and uses_cuda_core_decode(k_fmt, v_fmt, k_payload, v_payload, cfg, G):
         out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
         rows, lanes, splits, split_len, num_warps = triton_decode_quant.plan_decode(
             B, H_kv, capacity, D, q.device, cfg
@@ -432,7 +460,7 @@ def launch_attention(
         B, H_kv, G, T, capacity, q.device, cfg, quantised
     )
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out = torch.empty((B, Hq, T, D), dtype=out_dtype, device=q.device)
+    out = torch.empty(q.shape if varlen else (B, Hq, T, D), dtype=out_dtype, device=q.device)
     if splits > 1:
         po = torch.empty((B, Hq, T, splits, D), dtype=torch.float32, device=q.device)
         pl = torch.empty((B, Hq, T, splits), dtype=torch.float32, device=q.device)
@@ -473,13 +501,13 @@ def launch_attention(
         *sidecar_args(k_fmt, k_payload, paged),
         *sidecar_args(v_fmt, v_payload, paged),
         bt, bt_stride, capacity,
-        qs, kv_len,
+        qs, kv_len, q_offsets if varlen else kv_len,
         out, out.stride(0), out.stride(1), out.stride(2),
         po, pl,
         sm_scale * LOG2E, T, H_kv, split_len, splits,
         G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, PAGED=paged,
         CAUSAL=q_start is not None, SPLIT=splits > 1, DOT_FP32=dot_fp32, DT=dot_dtype, FAST=compiled,
-        K_PURE=True,
+        K_PURE=True, VARLEN=varlen,
         NEED_SIDECARS=k_fmt.scale is not None or v_fmt.scale is not None,
         **format_constexprs("K", k_fmt, D, direct), **format_constexprs("V", v_fmt, D, direct),
         num_warps=num_warps, num_stages=num_stages,

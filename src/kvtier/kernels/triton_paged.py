@@ -112,6 +112,8 @@ def paged_attention_triton(
     v_sidecars: dict[str, torch.Tensor],
     scale: float | None = None,
     config: LaunchConfig | None = None,
+    q_offsets: torch.Tensor | None = None,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention over paged K/V: ``[B, H_q, T, D]`` in ``q.dtype``.
 
@@ -122,6 +124,12 @@ def paged_attention_triton(
     ``i`` of row ``b`` sees keys ``j <= q_start[b] + i`` with ``j < kv_len[b]``;
     a query that sees nothing returns zeros. ``config`` overrides tile sizes and
     the split plan (benchmarks, tests).
+
+    Packed rows (prompt chunks of several rows in one forward): ``q`` is
+    ``[1, H_q, N, D]`` with row ``b``'s ``kv_len[b] - q_start[b]`` queries from token
+    ``q_offsets[b]`` (integer ``[B]``, ``B`` the table's rows), each row's count at
+    most ``max_q_len``; the result is ``[1, H_q, N, D]`` and tokens no row names stay
+    unwritten. Nothing is padded: :func:`~kvtier.kernels.paged.paged_attention_packed`.
 
     The caller guarantees that the table entries a row reads name allocated
     blocks and that ``kv_len <= max_blocks * block_size`` (checked on the CPU;
@@ -138,6 +146,16 @@ def paged_attention_triton(
     device = q.device
     check_device(device)
     B, Hq, T, D = q.shape
+    packed = q_offsets is not None
+    if packed:
+        B = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2 else -1
+        if q.shape[0] != 1 or B < 0:
+            raise ValueError(f"packed rows need q [1, H_q, N, D] and a 2-d block table, got q "
+                             f"{tuple(q.shape)} and {block_tables!r:.80}")
+        if isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or not 1 <= max_q_len <= max(T, 1):
+            raise ValueError(f"max_q_len must be an int in [1, {T}] (the longest row's queries), got {max_q_len!r}")
+    elif max_q_len is not None:
+        raise ValueError("max_q_len goes with q_offsets (packed rows); pass both or neither")
     check_head_dim(D)
     if q.stride(3) != 1:
         raise ValueError(f"q needs a contiguous last dim, got strides {q.stride()}")
@@ -157,6 +175,8 @@ def paged_attention_triton(
         raise ValueError(f"block_tables needs a contiguous last dim, got strides {block_tables.stride()}")
     _check_rows("q_start", q_start, B, device)
     _check_rows("kv_len", kv_len, B, device)
+    if packed:
+        _check_rows("q_offsets", q_offsets, B, device)
     k_fmt, v_fmt = _formats(k_codec, v_codec, key_pages, value_pages, k_sidecars, v_sidecars, D)
     if device.type == "cpu":
         cap = block_tables.shape[1] * page
@@ -165,8 +185,15 @@ def paged_attention_triton(
                 f"kv_len must lie in [0, {cap}] (the block table's capacity) and q_start be >= 0, "
                 f"got kv_len {kv_len.tolist()} and q_start {q_start.tolist()}"
             )
+        counts = kv_len - q_start
+        if packed and B and (int(counts.min()) < 0 or int(counts.max()) > max_q_len
+                             or int(q_offsets.min()) < 0 or int((q_offsets + counts).max()) > T):
+            raise ValueError(
+                f"packed rows must name queries inside q's {T} tokens, at most max_q_len {max_q_len} "
+                f"each: got q_offsets {q_offsets.tolist()} and counts (kv_len - q_start) {counts.tolist()}"
+            )
     if B == 0 or T == 0:
-        return q.new_zeros(B, Hq, T, D)
+        return q.new_zeros(q.shape if packed else (B, Hq, T, D))
 
     rotated_q = k_fmt.rotation is not None
     qk = q
@@ -177,6 +204,7 @@ def paged_attention_triton(
         qk, key_pages, value_pages, k_fmt, v_fmt,
         block_tables=block_tables, q_start=q_start, kv_len=kv_len, scale=scale,
         out_dtype=torch.float32 if out_rot else q.dtype, config=config,
+        q_offsets=q_offsets, max_q_len=max_q_len or 0,
     )  # fmt: skip
     if out_rot:
         out = torch.matmul(out, v_fmt.rotation.transpose(0, 1)).to(q.dtype)  # back from the value domain
