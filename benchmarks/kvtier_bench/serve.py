@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kvtier's tokens per step (default: 512 on CPU, 8192 on CUDA)")
     parser.add_argument("--kv-quant", default=None, help="kvtier's page storage (q8, ...)")
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="kvtier schedules a step while the GPU runs the one before (default: on CUDA)")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers contender")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
@@ -169,7 +171,7 @@ def engine_config(args, device: torch.device, prompts: list[list[int]]):
         max_batched_tokens=max(args.max_batched_tokens or (8192 if device.type == "cuda" else 512),
                                args.max_num_seqs or len(prompts)),
         max_waiting=len(prompts), kv_quant=args.kv_quant, cuda_graph=args.cuda_graph,
-        enable_prefix_caching=False)  # random prompts share nothing; no hashing to pay for
+        async_scheduling=args.async_scheduling, enable_prefix_caching=False)  # random prompts share nothing; no hashing to pay for
 
 
 def drive(engine, prompts: list[list[int]], output_len: int, concurrency: int, rate: float, seed: int):

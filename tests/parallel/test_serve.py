@@ -40,3 +40,10 @@ def _failing(engine):
 def test_a_failing_server_stops_the_followers():
     with pytest.raises(TensorParallelError, match="rank 0 of 3: RuntimeError: the server fails"):
         serve_sharded(_failing, 3, config=CONFIG, dtype=torch.float32, timeout_s=60)
+
+
+def test_async_scheduling_is_refused_before_any_rank_starts():
+    import dataclasses
+
+    with pytest.raises(ValueError, match="async_scheduling=True cannot serve sharded"):
+        serve_sharded(_generate, 2, args=([[1, 2]],), config=dataclasses.replace(CONFIG, async_scheduling=True))

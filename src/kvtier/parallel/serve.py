@@ -36,7 +36,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -93,8 +93,13 @@ class BroadcastRunner:
         self.runner, self.group = runner, group
         self.closed = False
 
-    def execute(self, batch) -> torch.Tensor:
-        """Logits ``[n_sampled, vocab]`` (float32) of ``batch``, run on every rank."""
+    def execute(self, batch, pending=None) -> torch.Tensor:
+        """Logits ``[n_sampled, vocab]`` (float32) of ``batch``, run on every rank. Tokens still
+        on rank 0's device (asynchronous scheduling) cannot feed the other ranks: ``pending``
+        must be ``None``."""
+        if pending is not None:
+            raise ValueError("tensor parallel serving runs without asynchronous scheduling; "
+                             "build the engine with async_scheduling=False")
         if self.closed:
             raise ValueError("the other ranks were shut down (close() was called); build a new "
                              "engine to serve again")
@@ -151,6 +156,9 @@ def serve_sharded(
     """
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
+    if getattr(config, "async_scheduling", None):
+        raise ValueError("async_scheduling=True cannot serve sharded: the other ranks need each "
+                         "step's tokens on the host; leave it unset or False")
     return run_ranks(_serve_rank, world_size, args=(serve_fn, args, config, model, dtype, threads),
                      device_type=device_type, timeout_s=timeout_s)
 
@@ -168,9 +176,9 @@ def _serve_rank(tp: TensorParallel, serve_fn, args, config, model, dtype, thread
         dist.broadcast_object_list(spec, src=0, group=group)
         follow(spec[0].build(lm.model), group)
         return None
-    from kvtier.serve.engine import LLMEngine
+    from kvtier.serve.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(lm.model, lm.tokenizer, config)
+    engine = LLMEngine(lm.model, lm.tokenizer, replace(config or EngineConfig(), async_scheduling=False))
     dist.broadcast_object_list([RunnerSpec.of_engine(engine)], src=0, group=group)
     engine.runner = BroadcastRunner(engine.runner, group)
     try:

@@ -21,7 +21,8 @@ import threading
 
 _ABSENT = argparse.SUPPRESS  # a flag not given leaves no attribute: the dataclass default holds
 _ENGINE_FLAGS = ("num_blocks", "kv_memory_gib", "block_size", "max_num_seqs", "max_batched_tokens",
-                 "max_waiting", "max_model_len", "enable_prefix_caching", "kv_quant", "cuda_graph")
+                 "max_waiting", "max_model_len", "enable_prefix_caching", "kv_quant", "cuda_graph",
+                "async_scheduling")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -60,6 +61,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=_ABSENT)
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=_ABSENT)
+    p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
+                   default=_ABSENT, help="schedule the next step while the GPU runs this one "
+                                         "(default: on CUDA only)")
     p.add_argument("--threads", type=int, default=_ABSENT,
                    help="torch CPU threads (of each rank with --tensor-parallel)")
     p.add_argument("--tensor-parallel", dest="tensor_parallel", type=int, metavar="N", default=_ABSENT,

@@ -10,8 +10,19 @@ The engine joins the three parts below the HTTP layer and drives them a step at 
   and seeded generator, detokenises incrementally, holds back text that may begin a
   stop string (:class:`kvtier.generate.RowText`), and ends requests at a stop.
 
-It is synchronous and single-threaded; :class:`kvtier.serve.async_engine.AsyncLLMEngine`
-runs it in a background thread for the server.
+It is single-threaded; :class:`kvtier.serve.async_engine.AsyncLLMEngine` runs it in a
+background thread for the server.
+
+Asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on CUDA). A
+step's host work (scheduling, building the step's inputs, detokenising, stop strings)
+would otherwise wait for the GPU and leave it idle in turn. With it on, :meth:`LLMEngine.step`
+schedules and launches step ``N + 1`` first, feeding each decode row the token step ``N``
+sampled straight from the device (:class:`~kvtier.serve.runner.PendingTokens`), and only
+then waits for step ``N``'s tokens, whose outputs it returns: every output comes one call
+later, and the host work of one step runs while the GPU computes the next. A request that
+stops at step ``N`` (an end-of-sequence token, a stop string) has computed one token too
+many in step ``N + 1``; that token is dropped. The tokens are those of the synchronous
+engine (``tests/serve/test_async_scheduling.py``).
 
 Example::
 
@@ -33,7 +44,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,8 +53,15 @@ from kvtier.quant.modes import TurboQuantConfig, check_kv_quant, check_turboquan
 from kvtier.sampling import make_generator, sample
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.prefix import BlockManager
-from kvtier.serve.runner import ModelRunner, blocks_for_memory
-from kvtier.serve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, StepBatch
+from kvtier.serve.runner import ModelRunner, PendingTokens, blocks_for_memory
+from kvtier.serve.scheduler import (
+    PENDING,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerConfig,
+    StepBatch,
+)
 
 __all__ = ["EngineConfig", "LLMEngine"]
 
@@ -63,7 +81,8 @@ class EngineConfig:
     model's context, capped by what the pool holds). Step limits as in
     :class:`~kvtier.serve.scheduler.SchedulerConfig`. ``kv_quant``, ``turboquant``,
     ``attention_backend`` as for the paged tier; ``cuda_graph`` as for
-    :class:`~kvtier.serve.runner.ModelRunner`.
+    :class:`~kvtier.serve.runner.ModelRunner`. ``async_scheduling``: schedule a step
+    while the previous one runs (see the module docstring; ``None``: on CUDA only).
     """
 
     num_blocks: int | None = None
@@ -78,6 +97,7 @@ class EngineConfig:
     turboquant: TurboQuantConfig | None = None
     attention_backend: str = "auto"
     cuda_graph: bool | None = None
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_memory_gib is not None:
@@ -93,6 +113,8 @@ class EngineConfig:
         check_turboquant(self.turboquant)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
 
 
 class _Live:
@@ -101,6 +123,24 @@ class _Live:
     def __init__(self, request: Request, params: RequestParams, text: RowText, generator, now: float):
         self.request, self.params, self.text, self.generator = request, params, text, generator
         self.arrival, self.first_token = now, None
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step on its way: what it runs, its sampled tokens on the device and their copy
+    coming to the host (``ready`` is recorded after the copy), logprobs likewise."""
+
+    batch: StepBatch
+    requests: tuple[Request, ...]  # of the sampled rows, in row order
+    tokens: torch.Tensor  # (n_sampled,) int64 on the device
+    host: torch.Tensor  # (n_sampled,) its host copy, valid once ready
+    logprobs: dict[str, tuple[torch.Tensor, ...]]  # request id -> host (chosen, top values, top ids)
+    ready: torch.cuda.Event | None
+    slots: list[int | None] = field(default_factory=list)  # where each token goes in its request
+
+    @property
+    def pending(self) -> PendingTokens:
+        return PendingTokens(self.tokens, {r.request_id: i for i, r in enumerate(self.requests)})
 
 
 class LLMEngine:
@@ -132,6 +172,9 @@ class LLMEngine:
             turboquant=config.turboquant, attention_backend=config.attention_backend,
             cuda_graph=config.cuda_graph, max_num_seqs=config.max_num_seqs, max_model_len=context)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._inflight: _Launched | None = None
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self.steps = self.prompt_tokens = self.generation_tokens = 0
@@ -193,42 +236,80 @@ class LLMEngine:
         return self.scheduler.abort(request_id)
 
     def abort_all(self) -> list[str]:
-        """Drop every request (after a failed step); returns their ids."""
-        ids = list(self.scheduler.requests)
+        """Drop every request (after a failed step) and the step in flight; returns their ids."""
+        ids = list(dict.fromkeys([*self.scheduler.requests, *self._live]))
         for rid in ids:
             self.abort(rid)
+        self._inflight = None
         return ids
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is waiting or running, or a step's tokens are still to come."""
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample one step; an output for every request that got a token."""
+        """Schedule and run one step; an output for every request that got a token (with
+        asynchronous scheduling, the tokens of the step before, see the module docstring)."""
         batch = self.scheduler.schedule()
-        if not batch.rows:
-            return []
-        logits = self.runner.execute(batch)  # (n_sampled, V) float32
+        launched = self._launch(batch) if batch.rows else None
+        outputs = self._resolve(self._inflight) if self._inflight is not None else []
+        self._inflight = None
+        if launched is not None:
+            self._book(launched)
+            if self.async_scheduling:
+                self._inflight = launched
+            else:
+                outputs += self._resolve(launched)
+        return outputs
+
+    def _launch(self, batch: StepBatch) -> _Launched:
+        """Run ``batch`` and sample it on the device; the tokens' copy to the host is on its way."""
+        pending = self._inflight.pending if self._inflight is not None else None
+        logits = self.runner.execute(batch, pending)  # (n_sampled, V) float32
+        lives = [self._live[rid] for rid in batch.sampled]
         with torch.inference_mode():
-            tokens, logprobs = self._sample(batch, logits)
-        self.scheduler.update(batch, tokens)
+            tokens, logprobs = self._sample(lives, logits)
+            host = tokens.to("cpu", non_blocking=True)  # pinned on CUDA: the copy does not block
+            logprobs = {rid: tuple(t.to("cpu", non_blocking=True) for t in v) for rid, v in logprobs.items()}
+        ready = None
+        if tokens.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
         self.steps += 1
+        return _Launched(batch, tuple(lv.request for lv in lives), tokens, host, logprobs, ready)
+
+    def _book(self, step: _Launched) -> None:
+        """Book ``step`` in the scheduler, its sampled tokens as :data:`PENDING`."""
+        before = [len(r.token_ids) for r in step.requests]
+        self.scheduler.update(step.batch, dict.fromkeys(step.batch.sampled, PENDING))
+        step.slots = [n if len(r.token_ids) == n + 1 else None for r, n in zip(step.requests, before)]
+
+    def _resolve(self, step: _Launched) -> list[RequestOutput]:
+        """Wait for ``step``'s tokens; fill them in, run stops and text, one output each."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = step.host.tolist()
         now = time.monotonic()
         outputs = []
-        for rid, token in tokens.items():
-            live = self._live[rid]
+        for req, token, slot in zip(step.requests, tokens, step.slots):
+            rid = req.request_id
+            live = self._live.get(rid)
+            if slot is None or live is None or live.request is not req:
+                continue  # it ended while the step ran (a stop, an abort): the token is dropped
+            self.scheduler.set_token(req, slot, token)
             text, reason = self._push(live, token)
-            assert reason is not None or live.request.status is not RequestStatus.FINISHED
+            assert reason is not None or req.status is not RequestStatus.FINISHED
             if reason is not None:
                 self.scheduler.finish(rid)  # a stop (a length finish has freed it already)
                 del self._live[rid]
             live.first_token = live.first_token or now
-            req = live.request
+            lp = step.logprobs.get(rid)
             outputs.append(RequestOutput(
                 rid, text, (token,), reason, req.num_prompt_tokens, req.num_output_tokens,
-                req.num_cached_tokens, logprobs.get(rid), live.arrival, live.first_token,
-                now if reason is not None else None))
-        self.generation_tokens += len(tokens)
+                req.num_cached_tokens, None if lp is None else self._logprobs(token, *lp), live.arrival,
+                live.first_token, now if reason is not None else None))
+        self.generation_tokens += len(outputs)
         return outputs
 
     def _push(self, live: _Live, token: int) -> tuple[str, str | None]:
@@ -238,31 +319,29 @@ class LLMEngine:
             return "", "length" if live.request.num_output_tokens >= live.request.max_tokens else None
         return live.text.push(token)
 
-    def _sample(self, batch: StepBatch, logits: torch.Tensor) -> tuple[dict[str, int], dict]:
-        """One token per sampled row (greedy rows in one argmax), and the logprobs asked for."""
-        ids = batch.sampled
-        if not ids:
-            return {}, {}
-        lives = [self._live[rid] for rid in ids]
+    def _sample(self, lives: Sequence[_Live], logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """One token per sampled row on the device (greedy rows in one argmax), and for the
+        rows that ask, the device tensors of their logprobs: the token's and the top ones."""
+        if not lives:
+            return torch.empty(0, dtype=torch.long, device=logits.device), {}
         # argmax over every row (one kernel, no index tensor); the rows that sample overwrite theirs
         picked = logits.argmax(dim=-1)  # (n_sampled,)
         for i, lv in enumerate(lives):
             if not lv.params.sampling.greedy:
                 picked[i] = sample(logits[i : i + 1], lv.params.sampling, lv.generator)[0]
-        tokens = dict(zip(ids, picked.tolist()))
-        wanted = [i for i, lv in enumerate(lives) if lv.params.logprobs is not None]
-        logprobs = {ids[i]: self._logprobs(logits[i], tokens[ids[i]], lives[i].params.logprobs)
-                    for i in wanted}
-        return tokens, logprobs
+        logprobs = {}
+        for i, lv in enumerate(lives):
+            top = lv.params.logprobs
+            if top is None:
+                continue
+            lp = torch.log_softmax(logits[i].float(), dim=-1)  # (V,)
+            vals, idx = lp.topk(top) if top else (lp[:0], picked[:0])
+            logprobs[lv.request.request_id] = (lp[picked[i]], vals, idx)
+        return picked, logprobs
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[TokenLogprob]:
-        lp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
-        alts = ()
-        if top:
-            vals, idx = lp.topk(top)
-            alts = tuple(zip(idx.tolist(), vals.tolist()))
-        return (TokenLogprob(token, float(lp[token]), alts),)
+    def _logprobs(token: int, chosen: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> tuple[TokenLogprob]:
+        return (TokenLogprob(token, float(chosen), tuple(zip(idx.tolist(), vals.tolist()))),)
 
     # -- figures ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float | str]:

@@ -28,6 +28,7 @@ import torch
 from kvtier.caches.paged_shared import RowBinding, SharedBlockPagedKVCache
 from kvtier.caches.step_plan import StepPlan
 from kvtier.kernels.dispatch import resolve_backend
+from kvtier.serve.runner import PendingTokens, fill_pending
 from kvtier.serve.scheduler import ScheduledRow
 
 __all__ = ["DecodeGraphs", "HostInputs", "graph_buckets", "graphs_unavailable", "reference_inputs"]
@@ -89,7 +90,8 @@ class HostInputs:
     whose list changed are written. :meth:`fill` returns views of buffers it reuses (pinned
     with ``pin``): copy them before the next call.
 
-    >>> from kvtier.serve.scheduler import ScheduledRow
+    >>> from kvtier.serve.runner import PendingTokens, fill_pending
+from kvtier.serve.scheduler import ScheduledRow
     >>> h = HostInputs(4, 8, block_size=16, scratch=99)
     >>> host, table = h.fill([ScheduledRow("a", (7,), 17, (3, 5), True)], bucket=2)
     >>> host.tolist()
@@ -175,11 +177,17 @@ class DecodeGraphs:
             self._copied.synchronize()  # the pinned buffers are about to be rewritten
         return self.host.fill(rows, bucket)
 
-    def run(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
-        """Logits ``[B, V]`` (float32, a view of the graph's buffer) of one decode step of ``rows``."""
+    def run(self, rows: Sequence[ScheduledRow], codes: Sequence[int] | None = None,
+            pending: PendingTokens | None = None) -> torch.Tensor:
+        """Logits ``[B, V]`` (float32, a view of the graph's buffer) of one decode step of ``rows``.
+
+        ``codes``/``pending``: the rows' token ids with tokens still on the device coded as
+        :meth:`~kvtier.serve.runner.PendingTokens.codes` does, and those tokens."""
         B = len(rows)
         bucket = next(b for b in self.buckets if b >= B)
         host, table = self.host_inputs(rows, bucket)
+        if codes is not None:
+            host.numpy()[0, :B] = codes
         w = table.shape[1]
         with torch.inference_mode():
             self.inputs[:, :bucket].copy_(host, non_blocking=True)
@@ -188,6 +196,7 @@ class DecodeGraphs:
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record()
+            fill_pending(self.inputs[0, :B], pending)
             self.graphs[bucket].replay()
         return self.logits[bucket][:B]
 

@@ -20,6 +20,12 @@ positions for each of those rows, so decode rows stay in their own forward.)
 On CUDA, decode forwards can be replayed from CUDA graphs
 (:mod:`kvtier.serve.graphs`), one per batch-size bucket.
 
+Tokens still on the device. With asynchronous scheduling the engine schedules and
+launches a step before the previous step's sampled tokens reach the host: a decode
+row then feeds :data:`~kvtier.serve.scheduler.PENDING`, and :class:`PendingTokens`
+says where in the previous step's token tensor its token is. The step's token input
+is fixed up on the device (:func:`fill_pending`), with no sync.
+
 Example::
 
     >>> runner = ModelRunner(model, num_blocks=256)
@@ -30,7 +36,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -44,9 +51,32 @@ from kvtier.caches.paged_shared import (
     to_device,
 )
 from kvtier.quant.modes import TurboQuantConfig
-from kvtier.serve.scheduler import ScheduledRow, StepBatch
+from kvtier.serve.scheduler import PENDING, ScheduledRow, StepBatch
 
-__all__ = ["ModelRunner", "blocks_for_memory", "kv_bytes_per_block"]
+__all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "fill_pending", "kv_bytes_per_block"]
+
+
+@dataclass(frozen=True)
+class PendingTokens:
+    """The tokens of the step in flight: ``tokens`` ``[n]`` (int64, on the model's device) and
+    the position of each sampled request's token in it, ``index[request_id]``."""
+
+    tokens: torch.Tensor
+    index: Mapping[str, int]
+
+    def codes(self, rows: Sequence[ScheduledRow]) -> list[int]:
+        """Each row's token id, a :data:`PENDING` one as ``-1 - i`` (``i`` its position in
+        :attr:`tokens`); a ``KeyError`` names a pending row the step in flight did not sample."""
+        return [r.token_ids[0] if r.token_ids[0] != PENDING else -1 - self.index[r.request_id] for r in rows]
+
+
+def fill_pending(tokens: torch.Tensor, pending: PendingTokens | None) -> torch.Tensor:
+    """Replace, in place, each code ``-1 - i`` of ``tokens`` by ``pending.tokens[i]`` (on the
+    device, no sync); ``tokens`` itself."""
+    if pending is not None:
+        src = (-1 - tokens).clamp_(min=0)
+        tokens.copy_(torch.where(tokens < 0, pending.tokens[src], tokens))
+    return tokens
 
 
 def kv_bytes_per_block(model_args, dtype: torch.dtype, block_size: int, kv_quant: str | None = None,
@@ -121,17 +151,20 @@ class ModelRunner:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
+    def execute(self, batch: StepBatch, pending: PendingTokens | None = None) -> torch.Tensor:
         """Run ``batch``; logits ``[n_sampled, vocab]`` (float32) of its sampled rows, in row order.
 
-        They may be a view of a CUDA graph's buffer, which the next step overwrites: read
-        them before calling again."""
+        ``pending``: where the decode rows that feed :data:`~kvtier.serve.scheduler.PENDING`
+        find their tokens. The logits may be a view of a CUDA graph's buffer, which the next
+        step overwrites: read them (or launch what reads them) before calling again."""
         decode = [r for r in batch.rows if len(r.token_ids) == 1]
         chunks = [r for r in batch.rows if len(r.token_ids) > 1]
+        if any(PENDING in r.token_ids for r in chunks):
+            raise ValueError("only decode rows may feed a pending token")
         logits: dict[str, torch.Tensor] = {}
         with torch.inference_mode():
             if decode:
-                out = self._decode(decode)  # (B, V)
+                out = self._decode(decode, pending)  # (B, V)
                 if not chunks and all(r.sample for r in decode):
                     return out  # every row sampled, in row order (a graph's buffer: read it now)
                 logits |= {r.request_id: out[i] for i, r in enumerate(decode) if r.sample}
@@ -154,12 +187,16 @@ class ModelRunner:
             c.bind(binding)
         return binding
 
-    def _decode(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
+    def _decode(self, rows: Sequence[ScheduledRow], pending: PendingTokens | None = None) -> torch.Tensor:
         """One forward ``[B, 1]`` over one step plan; logits ``[B, V]``."""
+        codes = pending.codes(rows) if pending is not None else None
+        if codes is None and any(r.token_ids[0] == PENDING for r in rows):
+            raise ValueError("a decode row feeds a pending token but no PendingTokens were given")
         if self.graphs is not None and self.graphs.fits(rows):
-            return self.graphs.run(rows)
+            return self.graphs.run(rows, codes=codes, pending=pending)
         plan = decode_plan(self._bind(rows))
-        tokens = to_device(torch.tensor([r.token_ids for r in rows], dtype=torch.long), self.device)  # (B, 1)
+        ids = codes if codes is not None else [r.token_ids[0] for r in rows]
+        tokens = fill_pending(to_device(torch.tensor(ids, dtype=torch.long), self.device), pending)[:, None]  # (B, 1)
         out = self.model(tokens, self.caches, positions=plan.write_start[:, None],
                          cache_kwargs={"plan": plan, "write_start": plan.write_start}, last_only=True)
         return out[:, -1]  # (B, V)

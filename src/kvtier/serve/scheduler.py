@@ -49,8 +49,12 @@ from dataclasses import dataclass, field
 
 from kvtier.serve.prefix import BlockManager
 
-__all__ = ["QueueFull", "Request", "RequestStatus", "ScheduledRow", "Scheduler", "SchedulerConfig",
-           "StepBatch"]
+__all__ = ["PENDING", "QueueFull", "Request", "RequestStatus", "ScheduledRow", "Scheduler",
+           "SchedulerConfig", "StepBatch"]
+
+#: the token id booked for a sampled row whose token is still on the device (asynchronous
+#: scheduling: the next step is scheduled before this one's tokens reach the host)
+PENDING = -1
 
 
 class QueueFull(RuntimeError):
@@ -138,7 +142,9 @@ class Request:
 @dataclass(frozen=True)
 class ScheduledRow:
     """One row of a step: feed ``token_ids`` at positions ``start, start + 1, ...``, reading and
-    writing the physical ``blocks`` (the row's whole block list); ``sample`` its last position."""
+    writing the physical ``blocks`` (the row's whole block list); ``sample`` its last position.
+    A decode row's token may be :data:`PENDING`: the step in flight samples it, and the runner
+    takes it from that step's tokens on the device."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -257,7 +263,8 @@ class Scheduler:
         return StepBatch(tuple(rows), tuple(preempted))
 
     def update(self, batch: StepBatch, sampled: Mapping[str, int]) -> list[Request]:
-        """Book the step: each row's tokens are computed, sampled rows get ``sampled[id]``.
+        """Book the step: each row's tokens are computed, sampled rows get ``sampled[id]``
+        (:data:`PENDING` while it is on the device: :meth:`set_token` fills it in later).
 
         Returns the requests finished by length (``max_tokens``), whose blocks are
         freed. Rows of requests that ended since :meth:`schedule` are skipped.
@@ -278,6 +285,13 @@ class Scheduler:
                 self.finish(req.request_id)
                 finished.append(req)
         return finished
+
+    @staticmethod
+    def set_token(request: Request, index: int, token: int) -> None:
+        """Fill in the :data:`PENDING` token ``request.token_ids[index]`` once it is known
+        (before a step computes it, so that block hashes never see a placeholder)."""
+        assert request.token_ids[index] == PENDING and token >= 0, (request.request_id, index, token)
+        request.token_ids[index] = token
 
     # -- internals -------------------------------------------------------------------------------
     @staticmethod

@@ -1,0 +1,173 @@
+"""Asynchronous scheduling: the engine schedules and launches step N + 1 before step N's tokens
+reach the host, feeding decode rows their tokens from the device. Every request must get what
+the synchronous engine gives it (tokens, text, finish reason, logprobs, seeded samples), through
+stops found one step late, preemption, prefix caching and aborts, and every block comes back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvtier.model import ModelArgs, build_random
+from kvtier.sampling import SamplingParams
+from kvtier.serve.engine import EngineConfig, LLMEngine
+from kvtier.serve.params import RequestParams
+from kvtier.serve.runner import PendingTokens, fill_pending
+from kvtier.serve.scheduler import PENDING, ScheduledRow
+
+ARGS = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=256,
+                 max_position_embeddings=512)
+CUDA = torch.cuda.is_available()
+
+
+def tiny(device: str = "cpu"):
+    return build_random(ARGS, dtype=torch.float32, device=device, std=0.3)
+
+
+def workload(seed: int = 0, n: int = 14):
+    """Prompts sharing a 40-token prefix or not, and params that stop by length, by stop
+    token (a common id of this random model: some rows stop early), sample with a seed or
+    ask for logprobs."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(256) for _ in range(40)]
+    out = []
+    for i in range(n):
+        tail = [rng.randrange(256) for _ in range(rng.randint(1, 60))]
+        ids = shared + tail if i % 3 == 0 else tail
+        kind = i % 4
+        if kind == 0:
+            p = RequestParams(max_tokens=rng.randint(1, 30))
+        elif kind == 1:
+            p = RequestParams(max_tokens=30, stop_token_ids=tuple(rng.sample(range(256), 40)))
+        elif kind == 2:
+            p = RequestParams(max_tokens=20, sampling=SamplingParams(temperature=0.8, top_k=50, seed=i))
+        else:
+            p = RequestParams(max_tokens=12, logprobs=3, stop_token_ids=tuple(rng.sample(range(256), 20)))
+        out.append((ids, p))
+    return out
+
+
+def drive(engine: LLMEngine, arrivals: dict[int, list], abort_at: dict[int, int] | None = None):
+    """Step ``engine``, adding ``arrivals[step]`` before that step and aborting the
+    ``abort_at[step]``-th request added; outputs per request in order (token ids, text,
+    finish reason, logprobs)."""
+    got: dict[str, list] = {}
+    order: list[str] = []
+    step = 0
+    while engine.has_unfinished() or any(k >= step for k in arrivals):
+        for ids, params in arrivals.get(step, []):
+            rid = engine.add_request(ids, params)
+            order.append(rid)
+            got[rid] = []
+        if abort_at and step in abort_at:
+            engine.abort(order[abort_at[step]])
+        for out in engine.step():
+            got[out.request_id].append(out)
+        step += 1
+        assert step < 1000
+    return {rid: [(o.token_ids, o.text, o.finish_reason,
+                   None if o.logprobs is None else [(lp.token_id, round(lp.logprob, 4),
+                                                     [(t, round(v, 4)) for t, v in lp.top])
+                                                    for lp in o.logprobs]) for o in got[rid]]
+            for rid in order}
+
+
+def both(model, config: EngineConfig, arrivals, abort_at=None):
+    """The same run through the synchronous and the asynchronous engine."""
+    runs = {}
+    for mode in (False, True):
+        engine = LLMEngine(model, None, EngineConfig(**{**config.__dict__, "async_scheduling": mode}))
+        assert engine.async_scheduling is mode
+        start = engine.stats()["free_blocks"]
+        runs[mode] = drive(engine, arrivals, abort_at)
+        s = engine.stats()
+        assert s["running"] == s["waiting"] == 0 and not engine.has_unfinished()
+        assert s["free_blocks"] == start, f"blocks leaked with async_scheduling={mode}"
+        runs[mode, "stats"] = s
+    return runs
+
+
+def test_async_gives_the_synchronous_outputs_of_a_mixed_workload() -> None:
+    reqs = workload()
+    runs = both(tiny(), EngineConfig(num_blocks=64, max_num_seqs=6, max_batched_tokens=48),
+                {0: reqs[:6], 2: reqs[6:9], 5: reqs[9:]})
+    assert runs[True] == runs[False]
+    reasons = [outs[-1][2] for outs in runs[True].values()]
+    assert "stop" in reasons and "length" in reasons  # rows stopped by token, one step late
+    assert runs[True, "stats"]["prefix_hits"] > 0
+    assert runs[True, "stats"]["generation_tokens"] == runs[False, "stats"]["generation_tokens"]
+
+
+def test_async_with_preemption_gives_the_synchronous_outputs() -> None:
+    reqs = [(ids, RequestParams(max_tokens=40)) for ids, _ in workload(1, 8)]
+    need = sum(len(ids) + 40 for ids, _ in reqs) // 16
+    runs = both(tiny(), EngineConfig(num_blocks=need // 2, max_batched_tokens=64, enable_prefix_caching=False),
+                {0: reqs})
+    assert runs[True, "stats"]["preemptions"] > 0
+    assert runs[True] == runs[False]
+
+
+def test_async_abort_of_a_request_in_flight() -> None:
+    reqs = [(ids, RequestParams(max_tokens=25)) for ids, _ in workload(2, 6)]
+    runs = both(tiny(), EngineConfig(num_blocks=64), {0: reqs}, abort_at={4: 1, 9: 3})
+    ids = list(runs[True])
+    for i, rid in enumerate(ids):
+        sync, lagged = runs[False][rid], runs[True][rid]
+        if i in (1, 3):  # aborted: the token of the step in flight is dropped with the request
+            assert lagged == sync[:-1] and len(sync) > 1 and sync[-1][2] is None
+        else:
+            assert lagged == sync
+
+
+def test_outputs_come_one_step_later_and_the_last_with_an_empty_schedule() -> None:
+    engine = LLMEngine(tiny(), None, EngineConfig(num_blocks=16, async_scheduling=True))
+    engine.add_request([1, 2, 3], RequestParams(max_tokens=2))
+    assert engine.step() == []  # the prompt's step is in flight
+    first = engine.step()  # its token; the decode step is in flight
+    assert [len(o.token_ids) for o in first] == [1] and first[0].finish_reason is None
+    assert engine.has_unfinished() and engine.scheduler.num_running == 0  # finished by length, in flight
+    last = engine.step()
+    assert last[0].finish_reason == "length" and not engine.has_unfinished()
+    assert engine.stats()["free_blocks"] == 16
+
+
+def test_pending_tokens_are_filled_on_the_device() -> None:
+    pending = PendingTokens(torch.tensor([11, 22, 33]), {"a": 2, "b": 0})
+    rows = [ScheduledRow("b", (PENDING,), 4, (1,), True), ScheduledRow("c", (7,), 2, (2,), True),
+            ScheduledRow("a", (PENDING,), 9, (3,), True)]
+    codes = pending.codes(rows)
+    assert codes == [-1, 7, -3]
+    assert fill_pending(torch.tensor(codes), pending).tolist() == [11, 7, 33]
+    assert fill_pending(torch.tensor([5, 6]), None).tolist() == [5, 6]
+    with pytest.raises(KeyError):
+        pending.codes([ScheduledRow("z", (PENDING,), 0, (1,), True)])
+
+
+def test_a_pending_token_without_its_step_is_refused() -> None:
+    engine = LLMEngine(tiny(), None, EngineConfig(num_blocks=16))
+    from kvtier.serve.scheduler import StepBatch
+
+    batch = StepBatch((ScheduledRow("x", (PENDING,), 0, (0,), True),))
+    with pytest.raises(ValueError, match="no PendingTokens"):
+        engine.runner.execute(batch)
+    with pytest.raises(ValueError, match="only decode rows"):
+        engine.runner.execute(StepBatch((ScheduledRow("x", (3, PENDING), 0, (0,), True),)))
+
+
+def test_config_refuses_a_non_bool() -> None:
+    with pytest.raises(ValueError, match="async_scheduling must be a bool or None"):
+        EngineConfig(async_scheduling="yes")
+    assert LLMEngine(tiny(), None, EngineConfig(num_blocks=8)).async_scheduling is False  # CPU default
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_async_gives_the_synchronous_outputs(graphs) -> None:
+    reqs = workload(3, 20)
+    config = EngineConfig(num_blocks=64, max_num_seqs=8, max_batched_tokens=64, cuda_graph=graphs)
+    runs = both(tiny("cuda"), config, {0: reqs[:10], 3: reqs[10:]})
+    assert runs[True] == runs[False]
+    assert LLMEngine(tiny("cuda"), None, EngineConfig(num_blocks=8)).async_scheduling is True  # CUDA default
