@@ -243,6 +243,8 @@ def run_packed(mode, counts, lengths, Hq, H_kv, D, page, dtype, *, block_n=None,
     out = paged_attention_triton(q, c["kp"], c["vp"], c["table"], qs, c["kv_len"], q_offsets=qo,
                                  max_q_len=width, config=LaunchConfig(block_n=block_n), **kw)
     assert out.shape == q.shape and out.dtype == dtype
+    if not mode.startswith("turboquant"):  # token-major: the model's (1, N, H_q * D) view is free
+        assert out.transpose(1, 2).is_contiguous()
     tol = TOL[dtype]
     for b, (o, k) in enumerate(zip(offsets, counts)):
         if not k:
@@ -556,3 +558,23 @@ def test_gpu_packed_prompt_chunks(mode):
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 def test_gpu_fp32_decode():
     run_attention("fp", 3, 8, 2, 1, 128, 16, [1, 300, 5000], torch.float32)
+
+
+def test_write_reads_keys_and_values_of_other_strides():
+    """K from one buffer and V a slice of a fused QKV output (the model's layout): no copy needed,
+    the bytes of contiguous copies."""
+    kc, vc = codec_for_mode("q8", 64, torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    B, H, T = 2, 2, 5
+    qkv = torch.randn(B, T, 3 * H, 64, generator=gen).to(DEVICE)  # (B, T, heads of q, k, v, D)
+    keys = torch.randn(B, T, H, 64, generator=gen).to(DEVICE).transpose(1, 2)  # (B, H, T, D)
+    values = qkv[:, :, 2 * H :].transpose(1, 2)  # (B, H, T, D), strides of qkv
+    assert keys.stride() != values.stride()
+    slots = torch.randperm(4 * 16, generator=gen)[: B * T].to(DEVICE)
+    pools = []
+    for k, v in ((keys, values), (keys.contiguous(), values.contiguous())):
+        kp, ks = alloc_pages(kc, 4, 16, H, torch.Generator().manual_seed(0))
+        vp, vs = alloc_pages(vc, 4, 16, H, torch.Generator().manual_seed(1))
+        paged_write_triton(kp, vp, ks, vs, slots, k, v, k_codec=kc, v_codec=vc)
+        pools.append((kp, vp, *ks.values(), *vs.values()))
+    assert all(torch.equal(a, b) for a, b in zip(*pools))

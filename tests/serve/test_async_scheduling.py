@@ -6,6 +6,7 @@ stops found one step late, preemption, prefix caching and aborts, and every bloc
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -166,7 +167,10 @@ def test_config_refuses_a_non_bool() -> None:
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("graphs", [True, False])
 def test_gpu_async_gives_the_synchronous_outputs(graphs) -> None:
-    reqs = workload(3, 20)
+    # no stop tokens: a row that stops runs one wasted step with async scheduling, and on the
+    # GPU another batch size may round the other rows' matmuls differently; by length alone
+    # both engines run the very same batches (stops are compared on the CPU above)
+    reqs = [(ids, replace(p, stop_token_ids=())) for ids, p in workload(3, 20)]
     config = EngineConfig(num_blocks=64, max_num_seqs=8, max_batched_tokens=64, cuda_graph=graphs)
     runs = both(tiny("cuda"), config, {0: reqs[:10], 3: reqs[10:]})
     assert runs[True] == runs[False]

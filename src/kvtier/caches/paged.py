@@ -298,13 +298,7 @@ class PagedKVCache(RowKVCache):
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Encode ``keys``/``values`` ``[B, H_kv, T, D]`` (or ``[1, H_kv, n, D]``) into ``slots``."""
-        if keys.stride() != values.stride():  # the write kernel reads K and V with one set of strides
-            if all(a == b or n == 1 for a, b, n in zip(keys.stride(), values.stride(), keys.shape)):
-                values = values.as_strided(values.shape, keys.stride())  # only size-1 dims differ
-            else:
-                kv = torch.stack((keys, values))  # (2, B, H_kv, T, D)
-                keys, values = kv[0], kv[1]
-        H = keys.shape[1]
+        H = keys.shape[1]  # K and V may have other strides (a fused QKV's slices): no copy
         k_codec, v_codec = self.codecs.k_codec, self.codecs.v_codec
         if k_codec.centres_keys and k_codec.centre is None:
             k_codec.set_centre(keys)  # the first keys fix the centre every key is coded against

@@ -415,7 +415,7 @@ def launch_attention(
 
     Packed (paged only, ``q_offsets`` given): ``q`` is ``[1, Hq, N, D]``, the rows'
     queries side by side, row ``b``'s ``kv_len[b] - q_start[b]`` (at most ``max_q_len``)
-    from token ``q_offsets[b]``; the result has ``q``'s shape. No split: prompt chunks
+    from token ``q_offsets[b]``; the result has ``q``'s shape (token-major in memory). No split: prompt chunks
     give the grid programs enough, and a tile past its row's queries reads nothing.
     """
     cfg = config or LaunchConfig()
@@ -460,7 +460,10 @@ def launch_attention(
         B, H_kv, G, T, capacity, q.device, cfg, quantised
     )
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out = torch.empty(q.shape if varlen else (B, Hq, T, D), dtype=out_dtype, device=q.device)
+    if varlen:  # token-major, so that the caller's (1, N, H_q * D) view of it needs no copy
+        out = torch.empty((1, q.shape[2], Hq, D), dtype=out_dtype, device=q.device).transpose(1, 2)
+    else:
+        out = torch.empty((B, Hq, T, D), dtype=out_dtype, device=q.device)
     if splits > 1:
         po = torch.empty((B, Hq, T, splits, D), dtype=torch.float32, device=q.device)
         pl = torch.empty((B, Hq, T, splits), dtype=torch.float32, device=q.device)

@@ -239,17 +239,15 @@ def paged_write_triton(
     for name, x in (("keys", keys), ("values", values)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in _FLOATS:
             raise ValueError(f"{name} must be a [B, H_kv, T, D] float tensor, got {x!r:.80}")
-    if keys.shape != values.shape or keys.stride() != values.stride():
-        raise ValueError(
-            f"keys {tuple(keys.shape)} {keys.stride()} and values {tuple(values.shape)} "
-            f"{values.stride()} must have the same shape and strides; pass .contiguous() copies"
-        )
+    if keys.shape != values.shape:
+        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must have the same shape")
     device = keys.device
     check_device(device)
     B, H, T, D = keys.shape
     check_head_dim(D)
-    if keys.stride(3) != 1:
-        raise ValueError(f"keys/values need a contiguous last dim, got strides {keys.stride()}")
+    if keys.stride(3) != 1 or values.stride(3) != 1:
+        raise ValueError(f"keys/values need a contiguous last dim, got strides {keys.stride()} and "
+                         f"{values.stride()}; pass .contiguous() copies")
     if values.device != device:
         raise ValueError(f"values are on {values.device}, keys on {device}")
     _check_pages(key_pages, value_pages, device)

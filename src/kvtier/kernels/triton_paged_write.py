@@ -131,7 +131,8 @@ def _write_rows(
 
 @triton.jit
 def _write_kernel(
-    KX, VX, stride_xb, stride_xh, stride_xt,
+    KX, stride_kxb, stride_kxh, stride_kxt,
+    VX, stride_vxb, stride_vxh, stride_vxt,
     SLOTS,
     KP, stride_kpb, stride_kpn, stride_kph,
     VP, stride_vpb, stride_vpn, stride_vph,
@@ -149,12 +150,12 @@ def _write_kernel(
 ):  # fmt: skip
     row0 = tl.program_id(0) * ROWS
     if tl.program_id(1) == 0:
-        _write_rows(KX, stride_xb, stride_xh, stride_xt, SLOTS,
+        _write_rows(KX, stride_kxb, stride_kxh, stride_kxt, SLOTS,
                     KP, stride_kpb, stride_kpn, stride_kph, KS, KZ, stride_ksb, stride_ksn, stride_ksh,
                     KR, KC, KB, k_nbnd, KCTR, row0, n_rows, T, H, PAGE, ROWS, HEAD_DIM,
                     K_MODE, K_BITS, K_OFFSET, K_GROUP, K_ZERO, K_ROTATE, K_QMAX, K_CENTRE)  # fmt: skip
     else:
-        _write_rows(VX, stride_xb, stride_xh, stride_xt, SLOTS,
+        _write_rows(VX, stride_vxb, stride_vxh, stride_vxt, SLOTS,
                     VP, stride_vpb, stride_vpn, stride_vph, VS, VZ, stride_vsb, stride_vsn, stride_vsh,
                     VR, VC, VB, v_nbnd, VCTR, row0, n_rows, T, H, PAGE, ROWS, HEAD_DIM,
                     V_MODE, V_BITS, V_OFFSET, V_GROUP, V_ZERO, V_ROTATE, V_QMAX, V_CENTRE)  # fmt: skip
@@ -190,7 +191,8 @@ def launch_write(
     *,
     rows_per_program: int = 16,
 ) -> None:
-    """Launch the write kernel on validated inputs (``keys``/``values`` with equal strides)."""
+    """Launch the write kernel on validated inputs (``keys``/``values`` of one shape, each with
+    a contiguous last dim)."""
     B, H, T, D = keys.shape
     n_rows = B * H * T
     if n_rows == 0:
@@ -215,7 +217,8 @@ def launch_write(
     vr, vc, vb, v_nbnd, vctr = aux(v_fmt, value_pages)
     grid = (triton.cdiv(n_rows, rows_per_program), 2)
     _write_kernel[grid](
-        keys, values, keys.stride(0), keys.stride(1), keys.stride(2),
+        keys, keys.stride(0), keys.stride(1), keys.stride(2),
+        values, values.stride(0), values.stride(1), values.stride(2),
         slot_mapping,
         key_pages, key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
         value_pages, value_pages.stride(0), value_pages.stride(1), value_pages.stride(2),
