@@ -324,6 +324,42 @@ def test_a_pool_too_small_for_every_request_preempts_and_still_answers_right(tmp
         assert r.choices[0].text == want
 
 
+def test_async_scheduling_server_answers_like_generate(tmp_path, lm) -> None:
+    """``--async-scheduling`` on the CPU: outputs come a step late inside the engine, and the
+    HTTP answers must not show it: concurrent greedy completions with stop strings equal
+    ``generate``, a stream equals its whole answer, a hang-up frees its blocks."""
+    tok = lm.tokenizer
+    prompts = [", ".join(str(n) for n in range(start, start + 6)) + "," for start in (1, 7, 30, 52, 90, 3)]
+    with running_server(tmp_path / "async.log", "--async-scheduling", "--num-blocks", "64",
+                        "--max-num-seqs", "4", "--max-batched-tokens", "64") as url:
+        name = model_name(url)
+
+        async def together():
+            async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+                return await asyncio.gather(*(c.completions.create(
+                    model=name, prompt=p, max_tokens=10 + i, temperature=0, stop=[" 9"])
+                    for i, p in enumerate(prompts)))
+
+        got = asyncio.run(asyncio.wait_for(together(), 300))
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model=name, messages=[{"role": "user", "content": "Name three colours."}],
+                  max_tokens=16, temperature=0)
+        whole = client.chat.completions.create(**kw).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                           if c.choices)
+        body = {"model": name, "prompt": "Write a long story.", "max_tokens": 300, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())  # one event, then hang up
+        h = settle(url)
+        assert h["running"] == h["waiting"] == 0 and h["free_blocks"] == 64
+    assert streamed == whole and whole
+    for i, (p, r) in enumerate(zip(prompts, got)):
+        cfg = GenerationConfig(max_tokens=10 + i, stop=(" 9",))
+        assert r.choices[0].text == generate(lm.model, tok, p, cfg, cache_config=KVCacheConfig()), p
+    assert any(r.choices[0].finish_reason == "stop" for r in got)
+
+
 def model_name(url: str) -> str:
     return httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
 
