@@ -157,6 +157,21 @@ def test_a_pending_token_without_its_step_is_refused() -> None:
         engine.runner.execute(StepBatch((ScheduledRow("x", (3, PENDING), 0, (0,), True),)))
 
 
+def test_pending_tokens_of_a_step_that_sampled_nothing_are_not_read() -> None:
+    """A step in flight that sampled no row (only mid-prompt chunks) leaves an empty token
+    tensor; decode rows whose tokens are all on the host must not index it."""
+    engine = LLMEngine(tiny(), None, EngineConfig(num_blocks=16))
+    from kvtier.serve.scheduler import StepBatch
+
+    rows = (ScheduledRow("x", (5,), 0, (0,), True), ScheduledRow("y", (6,), 0, (1,), True))
+    empty = PendingTokens(torch.empty(0, dtype=torch.long), {})
+    with torch.inference_mode():
+        got = engine.runner.execute(StepBatch(rows), empty)
+    fresh = LLMEngine(tiny(), None, EngineConfig(num_blocks=16))
+    with torch.inference_mode():
+        torch.testing.assert_close(got, fresh.runner.execute(StepBatch(rows)))
+
+
 def test_config_refuses_a_non_bool() -> None:
     with pytest.raises(ValueError, match="async_scheduling must be a bool or None"):
         EngineConfig(async_scheduling="yes")

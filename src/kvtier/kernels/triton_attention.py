@@ -16,6 +16,10 @@ sync and keeps one shape across decode steps (CUDA graphs).
 
 Visibility: query ``i`` of row ``b`` sees key ``j`` when ``j <= q_start[b] + i``
 and ``j < kv_len[b]`` (``kvtier.kernels.reference.causal_attention``).
+
+Packed rows (``VARLEN``): the queries of several rows side by side in ``[1, H_q, N, D]``,
+row ``b``'s ``kv_len[b] - q_start[b]`` of them from token ``q_offsets[b]``, read and
+written in place (the serving engine's prompt chunks).
 """
 
 from __future__ import annotations
@@ -415,8 +419,9 @@ def launch_attention(
 
     Packed (paged only, ``q_offsets`` given): ``q`` is ``[1, Hq, N, D]``, the rows'
     queries side by side, row ``b``'s ``kv_len[b] - q_start[b]`` (at most ``max_q_len``)
-    from token ``q_offsets[b]``; the result has ``q``'s shape (token-major in memory). No split: prompt chunks
-    give the grid programs enough, and a tile past its row's queries reads nothing.
+    from token ``q_offsets[b]``; the result has ``q``'s shape (token-major in memory). No
+    split: prompt chunks give the grid programs enough, and a tile past its row's queries
+    reads nothing.
     """
     cfg = config or LaunchConfig()
     varlen = q_offsets is not None

@@ -192,6 +192,8 @@ class ModelRunner:
         codes = pending.codes(rows) if pending is not None else None
         if codes is None and any(r.token_ids[0] == PENDING for r in rows):
             raise ValueError("a decode row feeds a pending token but no PendingTokens were given")
+        if codes is not None and min(codes) >= 0:  # every token on the host: nothing to fill in
+            codes = pending = None
         if self.graphs is not None and self.graphs.fits(rows):
             return self.graphs.run(rows, codes=codes, pending=pending)
         plan = decode_plan(self._bind(rows))
