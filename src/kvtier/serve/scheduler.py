@@ -288,8 +288,9 @@ class Scheduler:
 
     @staticmethod
     def set_token(request: Request, index: int, token: int) -> None:
-        """Fill in the :data:`PENDING` token ``request.token_ids[index]`` once it is known
-        (before a step computes it, so that block hashes never see a placeholder)."""
+        """Fill in the :data:`PENDING` token ``request.token_ids[index]`` once it is on the
+        host (the engine does it before it books the step that fed the token, so that block
+        hashes never see a placeholder)."""
         assert request.token_ids[index] == PENDING and token >= 0, (request.request_id, index, token)
         request.token_ids[index] = token
 
