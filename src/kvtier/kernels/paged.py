@@ -421,8 +421,8 @@ def paged_attention_packed_reference(
 ) -> torch.Tensor:
     """:func:`paged_attention_reference` over packed rows: ``q`` ``[1, H_q, N, D]`` holds row
     ``b``'s ``kv_len[b] - q_start[b]`` queries from token ``q_offsets[b]``; the result has
-    ``q``'s shape (tokens no row names are zero). Each row's queries go to a padded
-    ``[B, H_q, max_q_len, D]`` batch and back."""
+    ``q``'s shape (tokens no row names are zero). Row by row, each over its own queries
+    (a view of ``q``) and its own blocks: no query is padded to the longest row."""
     B = block_tables.shape[0]
     counts = (kv_len - q_start).tolist()
     offsets = q_offsets.tolist()
@@ -430,15 +430,14 @@ def paged_attention_packed_reference(
             o < 0 or o + c > q.shape[2] for o, c in zip(offsets, counts)):
         raise ValueError(f"packed rows must name queries inside q's {q.shape[2]} tokens, at most "
                          f"max_q_len {max_q_len} each: got q_offsets {offsets} and counts {counts}")
-    rows = torch.tensor([r for r, c in enumerate(counts) for _ in range(c)], dtype=torch.long, device=q.device)
-    cols = torch.tensor([i for c in counts for i in range(c)], dtype=torch.long, device=q.device)
-    toks = torch.tensor([o + i for o, c in zip(offsets, counts) for i in range(c)], dtype=torch.long,
-                        device=q.device)
-    padded = q.new_zeros(B, q.shape[1], max_q_len, q.shape[3])  # (B, H_q, max_q_len, D)
-    padded[rows, :, cols] = q[0, :, toks].transpose(0, 1)
-    out = paged_attention_reference(padded, key_pages, value_pages, block_tables, q_start, kv_len, **kw)
-    result = torch.zeros_like(q)
-    result[0, :, toks] = out[rows, :, cols].transpose(0, 1)
+    firsts = [sum(counts[:b]) for b in range(B)]
+    named = sum(counts) == q.shape[2] and offsets == firsts  # the rows tile q: every token is written
+    result = torch.empty_like(q) if named else torch.zeros_like(q)
+    for b, (o, c) in enumerate(zip(offsets, counts)):
+        if c:
+            result[:, :, o : o + c] = paged_attention_reference(
+                q[:, :, o : o + c], key_pages, value_pages, block_tables[b : b + 1], q_start[b : b + 1],
+                kv_len[b : b + 1], **kw)
     return result
 
 
