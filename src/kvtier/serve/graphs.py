@@ -90,8 +90,7 @@ class HostInputs:
     whose list changed are written. :meth:`fill` returns views of buffers it reuses (pinned
     with ``pin``): copy them before the next call.
 
-    >>> from kvtier.serve.runner import PendingTokens, fill_pending
-from kvtier.serve.scheduler import ScheduledRow
+    >>> from kvtier.serve.scheduler import ScheduledRow
     >>> h = HostInputs(4, 8, block_size=16, scratch=99)
     >>> host, table = h.fill([ScheduledRow("a", (7,), 17, (3, 5), True)], bucket=2)
     >>> host.tolist()
