@@ -279,6 +279,10 @@ def paged_decode_cpu(
     return out
 
 
+#: coded pages the kernel reads: the codec, its storage name and its payload dtype
+_CODED = {Q8Codec: ("q8", torch.int8), Fp8Codec: ("fp8", torch.uint8)}
+
+
 def _storage(k_codec, v_codec, key_pages, value_pages, k_sidecars, v_sidecars) -> str | None:
     """``"fp"``, ``"q8"`` or ``"fp8"`` where the kernel reads these pages, else ``None``."""
     pages = (key_pages, value_pages)
@@ -290,7 +294,7 @@ def _storage(k_codec, v_codec, key_pages, value_pages, k_sidecars, v_sidecars) -
         return None
     if type(k_codec) is IdentityCodec and all(p.dtype == torch.float32 for p in pages):
         return "fp"
-    codes = {Q8Codec: ("q8", torch.int8), Fp8Codec: ("fp8", torch.uint8)}.get(type(k_codec))
+    codes = _CODED.get(type(k_codec))
     if codes is None or v_codec.centre is not None or any(p.dtype != codes[1] for p in pages):
         return None
     want = (*key_pages.shape[:3], 1)

@@ -430,9 +430,7 @@ def paged_attention_packed_reference(
             o < 0 or o + c > q.shape[2] for o, c in zip(offsets, counts)):
         raise ValueError(f"packed rows must name queries inside q's {q.shape[2]} tokens, at most "
                          f"max_q_len {max_q_len} each: got q_offsets {offsets} and counts {counts}")
-    firsts = [sum(counts[:b]) for b in range(B)]
-    named = sum(counts) == q.shape[2] and offsets == firsts  # the rows tile q: every token is written
-    result = torch.empty_like(q) if named else torch.zeros_like(q)
+    result = torch.zeros_like(q)
     for b, (o, c) in enumerate(zip(offsets, counts)):
         if c:
             result[:, :, o : o + c] = paged_attention_reference(

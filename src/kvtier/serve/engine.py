@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -136,7 +136,6 @@ class _Launched:
     host: torch.Tensor  # (n_sampled,) its host copy, valid once ready
     logprobs: dict[str, tuple[torch.Tensor, ...]]  # request id -> host (chosen, top values, top ids)
     ready: torch.cuda.Event | None
-    slots: list[int | None] = field(default_factory=list)  # where each token goes in its request
 
     @property
     def pending(self) -> PendingTokens:
@@ -280,10 +279,9 @@ class LLMEngine:
         return _Launched(batch, tuple(lv.request for lv in lives), tokens, host, logprobs, ready)
 
     def _book(self, step: _Launched) -> None:
-        """Book ``step`` in the scheduler, its sampled tokens as :data:`PENDING`."""
-        before = [len(r.token_ids) for r in step.requests]
+        """Book ``step`` in the scheduler, its sampled tokens as :data:`PENDING` (each one its
+        request's last token until :meth:`_resolve`, which runs before the next booking)."""
         self.scheduler.update(step.batch, dict.fromkeys(step.batch.sampled, PENDING))
-        step.slots = [n if len(r.token_ids) == n + 1 else None for r, n in zip(step.requests, before)]
 
     def _resolve(self, step: _Launched) -> list[RequestOutput]:
         """Wait for ``step``'s tokens; fill them in, run stops and text, one output each."""
@@ -292,12 +290,12 @@ class LLMEngine:
         tokens = step.host.tolist()
         now = time.monotonic()
         outputs = []
-        for req, token, slot in zip(step.requests, tokens, step.slots):
+        for req, token in zip(step.requests, tokens):
             rid = req.request_id
             live = self._live.get(rid)
-            if slot is None or live is None or live.request is not req:
-                continue  # it ended while the step ran (a stop, an abort): the token is dropped
-            self.scheduler.set_token(req, slot, token)
+            if live is None or live.request is not req or req.token_ids[-1] != PENDING:
+                continue  # it ended before its booking or since (a stop, an abort): the token is dropped
+            self.scheduler.set_token(req, token)
             text, reason = self._push(live, token)
             assert reason is not None or req.status is not RequestStatus.FINISHED
             if reason is not None:

@@ -106,9 +106,11 @@ class HostInputs:
         self._inputs = torch.empty(4 * max_rows, dtype=torch.long, pin_memory=pin)
         self._staged = torch.empty(max_rows * width, dtype=torch.int32, pin_memory=pin)
 
-    def fill(self, rows: Sequence[ScheduledRow], bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def fill(self, rows: Sequence[ScheduledRow], bucket: int,
+             tokens: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs ``(4, bucket)`` and block table ``(bucket, w)`` of the decode ``rows`` (one
-        token each) padded to ``bucket`` rows."""
+        token each) padded to ``bucket`` rows; ``tokens``: the rows' token ids, when not
+        their own (tokens still on the device, coded as :meth:`PendingTokens.codes` does)."""
         B, bs = len(rows), self.block_size
         assert 0 < B <= bucket <= self.max_rows
         tab, placed, pad, w = self._table, self._placed, (self.scratch,), 1
@@ -130,7 +132,7 @@ class HostInputs:
         host = self._inputs[: 4 * bucket].view(4, bucket)
         h = host.numpy()
         starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=B)
-        h[0, :B] = [r.token_ids[0] for r in rows]
+        h[0, :B] = tokens if tokens is not None else [r.token_ids[0] for r in rows]
         h[1, :B] = starts
         h[2, :B] = starts + 1
         h[3, :B] = tab[np.arange(B), starts // bs].astype(np.int64) * bs + starts % bs
@@ -169,12 +171,13 @@ class DecodeGraphs:
         """Whether a captured graph can run these decode rows."""
         return len(rows) <= self.buckets[-1] and all(len(r.blocks) <= self.width for r in rows)
 
-    def host_inputs(self, rows: Sequence[ScheduledRow], bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def host_inputs(self, rows: Sequence[ScheduledRow], bucket: int,
+                    tokens: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's inputs ``(4, bucket)`` and block table ``(bucket, w)`` on the host
         (see :meth:`HostInputs.fill`); waits for the previous step's copies first."""
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffers are about to be rewritten
-        return self.host.fill(rows, bucket)
+        return self.host.fill(rows, bucket, tokens)
 
     def run(self, rows: Sequence[ScheduledRow], codes: Sequence[int] | None = None,
             pending: PendingTokens | None = None) -> torch.Tensor:
@@ -184,9 +187,7 @@ class DecodeGraphs:
         :meth:`~kvtier.serve.runner.PendingTokens.codes` does, and those tokens."""
         B = len(rows)
         bucket = next(b for b in self.buckets if b >= B)
-        host, table = self.host_inputs(rows, bucket)
-        if codes is not None:
-            host.numpy()[0, :B] = codes
+        host, table = self.host_inputs(rows, bucket, codes)
         w = table.shape[1]
         with torch.inference_mode():
             self.inputs[:, :bucket].copy_(host, non_blocking=True)

@@ -287,12 +287,12 @@ class Scheduler:
         return finished
 
     @staticmethod
-    def set_token(request: Request, index: int, token: int) -> None:
-        """Fill in the :data:`PENDING` token ``request.token_ids[index]`` once it is on the
-        host (the engine does it before it books the step that fed the token, so that block
-        hashes never see a placeholder)."""
-        assert request.token_ids[index] == PENDING and token >= 0, (request.request_id, index, token)
-        request.token_ids[index] = token
+    def set_token(request: Request, token: int) -> None:
+        """Fill in ``request``'s last token, :data:`PENDING`, once it is on the host (the engine
+        does it before it books the step that fed the token, so that block hashes never see a
+        placeholder)."""
+        assert request.token_ids[-1] == PENDING and token >= 0, (request.request_id, token)
+        request.token_ids[-1] = token
 
     # -- internals -------------------------------------------------------------------------------
     @staticmethod
