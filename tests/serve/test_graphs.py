@@ -81,3 +81,15 @@ def test_graph_decode_gives_the_tokens_of_eager_decode() -> None:
         outs[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
         assert engine.stats()["free_blocks"] == 128
     assert outs[True] == outs[False]
+
+
+def test_host_inputs_take_coded_tokens_for_rows_whose_token_is_on_the_device() -> None:
+    """Asynchronous scheduling: a pending row's token goes in as its code (``-1 - i``), the
+    rest of the inputs as for its own token."""
+    from kvtier.serve.scheduler import PENDING
+
+    rows = [ScheduledRow("a", (PENDING,), 17, (3, 5), True), ScheduledRow("b", (9,), 4, (7,), True)]
+    plain, coded = HostInputs(4, 8, block_size=16, scratch=99), HostInputs(4, 8, block_size=16, scratch=99)
+    want, _ = plain.fill(rows, bucket=2)
+    host, _ = coded.fill(rows, bucket=2, tokens=[-3, 9])
+    assert host[0].tolist() == [-3, 9] and torch.equal(host[1:], want[1:])
