@@ -65,13 +65,18 @@ def main() -> None:
         if profiled[kind] < 1 and len(steps) > 2:
             profiled[kind] += 1
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                        + [torch.profiler.ProfilerActivity.CUDA] * cuda) as prof:
+                                        + [torch.profiler.ProfilerActivity.CUDA] * cuda,
+                                        record_shapes=True) as prof:
                 outs = engine.step()
                 sync()
             ka = prof.key_averages()
+            by_shape = prof.key_averages(group_by_input_shape=True)
+            dev_time = "self_cuda_time_total" if cuda else "self_cpu_time_total"
             (out / f"profile_{kind}.txt").write_text(
                 ka.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30) + "\n\n"
-                + ka.table(sort_by="cpu_time_total", row_limit=30))
+                + ka.table(sort_by="cpu_time_total", row_limit=30) + "\n\n"
+                + by_shape.table(sort_by=dev_time, row_limit=40, max_name_column_width=40,
+                                 max_shapes_column_width=120))
         else:
             outs = engine.step()
         sync()

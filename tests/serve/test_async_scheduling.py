@@ -231,3 +231,29 @@ def test_random_workloads_give_the_synchronous_outputs(data) -> None:
             assert lagged[:n] == sync[:n], rid
         else:
             assert lagged == sync, rid
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_rows_in_prompt_steps_give_the_same_outputs(async_scheduling) -> None:
+    """Decode rows run in the prompt chunks' packed forward (the CUDA default), fed pending
+    tokens under asynchronous scheduling: every output equals the engine's with their own
+    forward (logprobs to float32 rounding: one matmul of N rows rounds as N of 1 may not)."""
+    reqs = workload(4)
+    arrivals = {0: reqs[:5], 3: reqs[5:10], 6: reqs[10:]}
+    runs = []
+    for merged in (False, True):
+        engine = LLMEngine(MODEL, None, EngineConfig(num_blocks=64, max_num_seqs=6, max_batched_tokens=40,
+                                                     async_scheduling=async_scheduling))
+        engine.runner.decode_in_prompt_steps = merged
+        runs.append(drive(engine, arrivals))
+        assert engine.stats()["free_blocks"] == 64
+    assert list(runs[0]) == list(runs[1])
+    for rid, outs in runs[0].items():
+        assert [o[:3] for o in outs] == [o[:3] for o in runs[1][rid]], rid  # tokens, text, finish
+        for a, b in zip(outs, runs[1][rid]):
+            if a[3] is not None:
+                assert [(t, [i for i, _ in top]) for t, _, top in a[3]] == [(t, [i for i, _ in top]) for t, _, top in b[3]]
+                torch.testing.assert_close(torch.tensor([[v, *(x for _, x in top)] for _, v, top in a[3]]),
+                                           torch.tensor([[v, *(x for _, x in top)] for _, v, top in b[3]]),
+                                           rtol=0, atol=2e-4)
+    assert sum(o[3] is not None for outs in runs[0].values() for o in outs) > 0  # logprobs compared

@@ -49,3 +49,36 @@ def test_packed_chunks_equal_each_chunk_alone(device, dtype, tol) -> None:
         for got, want in ((a.key_cache, b.key_cache), (a.value_cache, b.value_cache)):
             want = want.float()
             torch.testing.assert_close(got.float(), want, rtol=10 * tol, atol=10 * tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES, ids=lambda x: str(x))
+def test_decode_rows_in_the_packed_forward_equal_their_own_forward(device, dtype, tol) -> None:
+    """A step with prompt chunks and decode rows, run as one packed forward and as the decode
+    forward beside the chunks' forward: the same logits for every row, in row order."""
+    from kvtier.serve.scheduler import StepBatch
+
+    model = build_random(ARGS, dtype=dtype, device=device, std=0.2)
+    rng = random.Random(1)
+    chunks = rows(rng, 16)
+    decode = [ScheduledRow(f"d{i}", (rng.randrange(512),), start, tuple(range(20 + 4 * i, 24 + 4 * i)), True)
+              for i, start in enumerate((3, 40, 63))]
+    history = [ScheduledRow(r.request_id, tuple(rng.randrange(512) for _ in range(r.start)), 0, r.blocks, True)
+               for r in chunks + decode if r.start]
+    batch = StepBatch((decode[0], *chunks[:2], decode[1], *chunks[2:], decode[2]))
+    got = {}
+    for merged in (True, False):
+        runner = ModelRunner(model, num_blocks=40, block_size=16, cuda_graph=False, decode_in_prompt_steps=merged)
+        assert runner.decode_in_prompt_steps is merged
+        with torch.inference_mode():
+            for h in history:
+                runner._prefill(h)
+            got[merged] = runner.execute(batch)
+    assert got[True].shape == (len(batch.rows), ARGS.vocab_size)
+    torch.testing.assert_close(got[True], got[False], rtol=tol, atol=tol * got[False].abs().max().item())
+
+
+def test_decode_in_prompt_steps_default_and_refusal() -> None:
+    model = build_random(ARGS, dtype=torch.float32, device="cpu", std=0.2)
+    assert ModelRunner(model, num_blocks=8).decode_in_prompt_steps is False  # CPU: own forward
+    with pytest.raises(ValueError, match="decode_in_prompt_steps must be a bool or None"):
+        ModelRunner(model, num_blocks=8, decode_in_prompt_steps=1)

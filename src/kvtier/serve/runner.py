@@ -15,7 +15,11 @@ by side in one row ``[1, N]`` (:func:`~kvtier.caches.paged_shared.packed_plan`),
 every projection multiplies all ``N`` tokens at once and no position is padded;
 only attention puts each chunk back in a row of its own. (A padded ``[B, T_max]``
 forward of a 256-token chunk beside 1-token decode rows would compute 256
-positions for each of those rows, so decode rows stay in their own forward.)
+positions for each of those rows; packed, a decode row is one token among the
+chunks'.) On CUDA a step that has prompt chunks runs its decode rows in the packed
+forward too (``decode_in_prompt_steps``): one pass over the weights instead of two,
+and the decode forward's launch, for a token each in the chunks' matmuls. On the
+CPU they keep their own forward by default, whose attention kernel is made for them.
 
 On CUDA, decode forwards can be replayed from CUDA graphs
 (:mod:`kvtier.serve.graphs`), one per batch-size bucket.
@@ -104,16 +108,21 @@ class ModelRunner:
     ``attention_backend`` as for :class:`~kvtier.caches.paged.PagedKVCache`.
     ``cuda_graph``: replay decode steps from CUDA graphs (``None``: on CUDA when the
     paged kernels are Triton's; ``False``: never); ``max_num_seqs`` and
-    ``max_model_len`` bound the graphs' shapes.
+    ``max_model_len`` bound the graphs' shapes. ``decode_in_prompt_steps``: run a step's
+    decode rows in its packed prompt forward when it has prompt chunks (``None``: on CUDA).
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, kv_quant: str | None = None,
                  turboquant: TurboQuantConfig | None = None, attention_backend: str = "auto",
                  cuda_graph: bool | None = None, max_num_seqs: int = 64,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, decode_in_prompt_steps: bool | None = None):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if decode_in_prompt_steps is not None and not isinstance(decode_in_prompt_steps, bool):
+            raise ValueError(f"decode_in_prompt_steps must be a bool or None, got {decode_in_prompt_steps!r}")
+        self.decode_in_prompt_steps = (self.device.type == "cuda" if decode_in_prompt_steps is None
+                                       else decode_in_prompt_steps)
         a = model.args
         self.block_size, self.num_blocks = block_size, num_blocks
         # one scratch block past the manager's: padding rows of a captured step write there
@@ -161,6 +170,8 @@ class ModelRunner:
         chunks = [r for r in batch.rows if len(r.token_ids) > 1]
         if any(PENDING in r.token_ids for r in chunks):
             raise ValueError("only decode rows may feed a pending token")
+        if chunks and decode and self.decode_in_prompt_steps:
+            decode, chunks = [], list(batch.rows)  # one packed forward for every row
         logits: dict[str, torch.Tensor] = {}
         with torch.inference_mode():
             if decode:
@@ -171,7 +182,9 @@ class ModelRunner:
             if len(chunks) == 1:
                 out = self._prefill(chunks[0])[None]  # (1, V)
             elif chunks:
-                out = self._prefill_packed(chunks)  # (n_chunks, V)
+                out = self._prefill_packed(chunks, pending)  # (n_chunks, V)
+                if len(chunks) == len(batch.rows) and all(r.sample for r in chunks):
+                    return out  # every row sampled, in row order
             for i, r in enumerate(chunks):
                 if r.sample:
                     logits[r.request_id] = out[i]
@@ -203,12 +216,18 @@ class ModelRunner:
                          cache_kwargs={"plan": plan, "write_start": plan.write_start}, last_only=True)
         return out[:, -1]  # (B, V)
 
-    def _prefill_packed(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
-        """The rows' prompt chunks side by side in one forward ``[1, N]``; logits of each
-        chunk's last position ``[len(rows), V]``."""
+    def _prefill_packed(self, rows: Sequence[ScheduledRow], pending: PendingTokens | None = None) -> torch.Tensor:
+        """The rows' tokens (prompt chunks, decode tokens) side by side in one forward ``[1, N]``;
+        logits of each row's last position ``[len(rows), V]``."""
         plan = packed_plan(self._bind(rows), [len(r.token_ids) for r in rows])
         ids = [t for r in rows for t in r.token_ids]
-        tokens = to_device(torch.tensor([ids], dtype=torch.long), self.device)  # (1, N)
+        if PENDING in ids:  # decode rows fed from the step in flight (only they may be pending)
+            if pending is None:
+                raise ValueError("a decode row feeds a pending token but no PendingTokens were given")
+            ids = [t for r in rows for t in (pending.codes([r]) if len(r.token_ids) == 1 else r.token_ids)]
+        else:
+            pending = None
+        tokens = fill_pending(to_device(torch.tensor([ids], dtype=torch.long), self.device), pending)  # (1, N)
         return self.model(tokens, self.caches, positions=plan.positions, cache_kwargs={"plan": plan},
                           select=plan.last)[0]  # (len(rows), V)
 
