@@ -234,7 +234,7 @@ def run_kvtier(model, prompts, args, device) -> Result:
     graphs = "CUDA graphs" if engine.runner.graphs is not None else "eager"
     note = (f"{graphs}, {s['kv_storage']} pages, {s['num_blocks']} blocks, {s['preemptions']} "
             f"preemptions, max_num_seqs {engine.config.max_num_seqs}, "
-            f"max_batched_tokens {engine.config.max_batched_tokens}")
+            f"max_batched_tokens {engine.scheduler.config.max_batched_tokens}")
     return Result("kvtier LLMEngine", len(prompts), sum(map(len, tokens)), duration, ttft, tpot, tokens, note)
 
 

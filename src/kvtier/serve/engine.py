@@ -69,6 +69,9 @@ __all__ = ["EngineConfig", "LLMEngine"]
 DEFAULT_CPU_KV_GIB = 1.0
 #: share of the free device memory (after the model) the pool takes on CUDA by default
 DEFAULT_CUDA_KV_SHARE = 0.8
+#: tokens a step feeds when max_batched_tokens is not given: prompt chunks of a few hundred
+#: tokens already keep two CPU cores busy; a GPU needs thousands to run its matmuls near peak
+DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,9 @@ class EngineConfig:
     ``kv_memory_gib`` (not both; neither: 1 GiB on the CPU, 80% of the free device
     memory on CUDA). ``max_model_len``: tokens of one request at most (default the
     model's context, capped by what the pool holds). Step limits as in
-    :class:`~kvtier.serve.scheduler.SchedulerConfig`. ``kv_quant``, ``turboquant``,
+    :class:`~kvtier.serve.scheduler.SchedulerConfig`; ``max_batched_tokens`` ``None``:
+    :data:`DEFAULT_BATCHED_TOKENS` of the model's device (512 on the CPU, 8192 on CUDA), at
+    least ``max_num_seqs``. ``kv_quant``, ``turboquant``,
     ``attention_backend`` as for the paged tier; ``cuda_graph`` as for
     :class:`~kvtier.serve.runner.ModelRunner`. ``async_scheduling``: schedule a step
     while the previous one runs (see the module docstring; ``None``: on CUDA only).
@@ -89,7 +94,7 @@ class EngineConfig:
     kv_memory_gib: float | None = None
     block_size: int = 16
     max_num_seqs: int = 64
-    max_batched_tokens: int = 512
+    max_batched_tokens: int | None = None
     max_waiting: int = 256
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -161,10 +166,13 @@ class LLMEngine:
                       model.args.max_position_embeddings, num_blocks * config.block_size)
         self.max_model_len = context
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        batched = config.max_batched_tokens
+        if batched is None:
+            batched = max(DEFAULT_BATCHED_TOKENS.get(self.device.type, DEFAULT_BATCHED_TOKENS["cpu"]),
+                          config.max_num_seqs)
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=context, max_num_seqs=config.max_num_seqs,
-                            max_batched_tokens=config.max_batched_tokens,
-                            max_waiting=config.max_waiting),
+                            max_batched_tokens=batched, max_waiting=config.max_waiting),
             self.block_manager)
         self.runner = ModelRunner(
             model, num_blocks=num_blocks, block_size=config.block_size, kv_quant=config.kv_quant,
