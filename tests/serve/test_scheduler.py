@@ -97,6 +97,20 @@ def test_decode_rows_first_then_prefill_with_the_rest_of_the_budget() -> None:
     assert [(r.request_id, len(r.token_ids)) for r in b.rows] == [("a", 1), ("b", 1), ("c", 4)]
 
 
+def test_decode_rows_go_longest_context_first() -> None:
+    """Decode rows come longest context first (the attention kernel starts its programs in
+    row order), oldest first among equals; prompt chunks follow, oldest first."""
+    s = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=5, max_batched_tokens=64),
+                  BlockManager(64, 4))
+    for rid, n in (("a", 3), ("b", 9), ("c", 5), ("d", 9)):
+        s.add(Request(rid, list(range(1, n + 1)), max_tokens=8))
+    b = s.schedule()
+    s.update(b, {rid: 1 for rid in b.sampled})
+    s.add(Request("e", list(range(100, 130)), max_tokens=2))
+    b = s.schedule()
+    assert [(r.request_id, r.start) for r in b.rows] == [("b", 9), ("d", 9), ("c", 5), ("a", 3), ("e", 0)]
+
+
 def test_prefix_hit_skips_the_cached_blocks() -> None:
     bm = BlockManager(32, 4)
     s = Scheduler(SchedulerConfig(max_model_len=64), bm)
