@@ -80,12 +80,15 @@ def drive(engine: LLMEngine, arrivals: dict[int, list], abort_at: dict[int, int]
             for rid in order}
 
 
-def both(model, config: EngineConfig, arrivals, abort_at=None):
-    """The same run through the synchronous and the asynchronous engine."""
+def both(model, config: EngineConfig, arrivals, abort_at=None, decode_in_prompt_steps=None):
+    """The same run through the synchronous and the asynchronous engine (``decode_in_prompt_steps``:
+    the runners' choice, ``None`` the device's default)."""
     runs = {}
     for mode in (False, True):
         engine = LLMEngine(model, None, EngineConfig(**{**config.__dict__, "async_scheduling": mode}))
         assert engine.async_scheduling is mode
+        if decode_in_prompt_steps is not None:
+            engine.runner.decode_in_prompt_steps = decode_in_prompt_steps
         start = engine.stats()["free_blocks"]
         runs[mode] = drive(engine, arrivals, abort_at)
         s = engine.stats()
@@ -200,6 +203,18 @@ def test_gpu_async_gives_the_synchronous_outputs(graphs) -> None:
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_random_workloads_give_the_synchronous_outputs(data) -> None:
+    random_workload(data, None)
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_random_workloads_with_decode_rows_in_prompt_steps(data) -> None:
+    """The same with decode rows in the prompt chunks' forward (the CUDA default), whose
+    pending tokens are filled in inside the packed tokens."""
+    random_workload(data, True)
+
+
+def random_workload(data, decode_in_prompt_steps) -> None:
     """Random arrivals, lengths, stop tokens, seeds, aborts and pool sizes (down to one that
     preempts): every request's outputs equal the synchronous engine's and every block comes
     back. An aborted request's outputs are those of the synchronous engine up to the abort,
@@ -222,7 +237,7 @@ def test_random_workloads_give_the_synchronous_outputs(data) -> None:
     blocks = data.draw(st.sampled_from([6, 7, 64]), label="blocks")  # 6 or 7: preemption likely
     config = EngineConfig(num_blocks=blocks, max_num_seqs=rng.randint(1, 4),
                           max_batched_tokens=rng.choice([8, 24, 64]))
-    runs = both(MODEL, config, arrivals, aborts)
+    runs = both(MODEL, config, arrivals, aborts, decode_in_prompt_steps)
     aborted = {list(runs[False])[k] for k in aborts.values()}
     for rid, sync in runs[False].items():
         lagged = runs[True][rid]
