@@ -57,7 +57,7 @@ from kvtier.caches.paged_shared import (
 from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.scheduler import PENDING, ScheduledRow, StepBatch
 
-__all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "fill_pending", "kv_bytes_per_block"]
+__all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "fed_tokens", "fill_pending", "kv_bytes_per_block"]
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,22 @@ class PendingTokens:
     index: Mapping[str, int]
 
     def codes(self, rows: Sequence[ScheduledRow]) -> list[int]:
-        """Each row's token id, a :data:`PENDING` one as ``-1 - i`` (``i`` its position in
+        """Each decode row's token id, a :data:`PENDING` one as ``-1 - i`` (``i`` its position in
         :attr:`tokens`); a ``KeyError`` names a pending row the step in flight did not sample."""
         return [r.token_ids[0] if r.token_ids[0] != PENDING else -1 - self.index[r.request_id] for r in rows]
+
+
+def fed_tokens(rows: Sequence[ScheduledRow], pending: PendingTokens | None
+               ) -> tuple[list[tuple[int, ...]], PendingTokens | None]:
+    """Each row's token ids, a pending decode token coded as :meth:`PendingTokens.codes` does, and
+    the ``pending`` to fill them in from (``None`` when every token is on the host). Only a
+    request's last token can be pending, so only the rows' last tokens are looked at; a
+    ``ValueError`` when a row is pending and ``pending`` is ``None``."""
+    if not any(r.token_ids[-1] == PENDING for r in rows):
+        return [r.token_ids for r in rows], None
+    if pending is None:
+        raise ValueError("a decode row feeds a pending token but no PendingTokens were given")
+    return [(pending.codes([r])[0],) if r.token_ids[-1] == PENDING else r.token_ids for r in rows], pending
 
 
 def fill_pending(tokens: torch.Tensor, pending: PendingTokens | None) -> torch.Tensor:
@@ -168,7 +181,7 @@ class ModelRunner:
         step overwrites: read them (or launch what reads them) before calling again."""
         decode = [r for r in batch.rows if len(r.token_ids) == 1]
         chunks = [r for r in batch.rows if len(r.token_ids) > 1]
-        if any(PENDING in r.token_ids for r in chunks):
+        if any(r.token_ids[-1] == PENDING for r in chunks):  # pending: only a request's last token
             raise ValueError("only decode rows may feed a pending token")
         if chunks and decode and self.decode_in_prompt_steps:
             decode, chunks = [], list(batch.rows)  # one packed forward for every row
@@ -202,15 +215,11 @@ class ModelRunner:
 
     def _decode(self, rows: Sequence[ScheduledRow], pending: PendingTokens | None = None) -> torch.Tensor:
         """One forward ``[B, 1]`` over one step plan; logits ``[B, V]``."""
-        codes = pending.codes(rows) if pending is not None else None
-        if codes is None and any(r.token_ids[0] == PENDING for r in rows):
-            raise ValueError("a decode row feeds a pending token but no PendingTokens were given")
-        if codes is not None and min(codes) >= 0:  # every token on the host: nothing to fill in
-            codes = pending = None
+        fed, pending = fed_tokens(rows, pending)
+        ids = [t[0] for t in fed]
         if self.graphs is not None and self.graphs.fits(rows):
-            return self.graphs.run(rows, codes=codes, pending=pending)
+            return self.graphs.run(rows, codes=ids if pending is not None else None, pending=pending)
         plan = decode_plan(self._bind(rows))
-        ids = codes if codes is not None else [r.token_ids[0] for r in rows]
         tokens = fill_pending(to_device(torch.tensor(ids, dtype=torch.long), self.device), pending)[:, None]  # (B, 1)
         out = self.model(tokens, self.caches, positions=plan.write_start[:, None],
                          cache_kwargs={"plan": plan, "write_start": plan.write_start}, last_only=True)
@@ -220,13 +229,8 @@ class ModelRunner:
         """The rows' tokens (prompt chunks, decode tokens) side by side in one forward ``[1, N]``;
         logits of each row's last position ``[len(rows), V]``."""
         plan = packed_plan(self._bind(rows), [len(r.token_ids) for r in rows])
-        ids = [t for r in rows for t in r.token_ids]
-        if PENDING in ids:  # decode rows fed from the step in flight (only they may be pending)
-            if pending is None:
-                raise ValueError("a decode row feeds a pending token but no PendingTokens were given")
-            ids = [t for r in rows for t in (pending.codes([r]) if len(r.token_ids) == 1 else r.token_ids)]
-        else:
-            pending = None
+        fed, pending = fed_tokens(rows, pending)  # decode rows may be fed from the step in flight
+        ids = [t for ts in fed for t in ts]
         tokens = fill_pending(to_device(torch.tensor([ids], dtype=torch.long), self.device), pending)  # (1, N)
         return self.model(tokens, self.caches, positions=plan.positions, cache_kwargs={"plan": plan},
                           select=plan.last)[0]  # (len(rows), V)
