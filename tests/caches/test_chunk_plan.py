@@ -64,13 +64,17 @@ def test_a_plan_of_t_tokens_refuses_other_shapes() -> None:
     assert c.lengths == [0]
 
 
+@pytest.mark.parametrize("decode_first", [False, True])
 @pytest.mark.parametrize("kv_quant", [None, "q8"])
-def test_packed_chunks_store_and_attend_as_each_row_alone(kv_quant, seed) -> None:
+def test_packed_chunks_store_and_attend_as_each_row_alone(kv_quant, decode_first, seed) -> None:
     """Three rows' chunks (lengths 5, 1, 7 from positions 3, 0, 6) packed into one write and one
-    attention equal each row written and attended on its own."""
+    attention equal each row written and attended on its own; with the one-token row first
+    (a decode row, as the scheduler orders them) the plan counts it as a single row."""
     from kvtier.caches.paged_shared import packed_plan
 
     blocks, starts, counts = [[1, 2, 3], [4], [5, 6, 7, 8]], [3, 0, 6], [5, 1, 7]
+    order = [1, 0, 2] if decode_first else [0, 1, 2]
+    blocks, starts, counts = ([x[i] for i in order] for x in (blocks, starts, counts))
     packed, single = pair(kv_quant)
     heads = [(torch.randn(1, H, s, D), torch.randn(1, H, s, D)) for s in starts]
     for c in (packed, single):  # the rows' histories, written row by row
@@ -83,11 +87,13 @@ def test_packed_chunks_store_and_attend_as_each_row_alone(kv_quant, seed) -> Non
     qs = [torch.randn(1, HQ, n, D) for n in counts]
     rows = RowBinding.build(blocks, starts, block_size=BS, num_blocks=N)
     plan = packed_plan(rows, counts)
-    assert plan.total == sum(counts) and plan.last.tolist() == [4, 5, 12]
-    assert plan.positions[0].tolist() == [*range(3, 8), 0, *range(6, 13)]
+    assert plan.total == sum(counts) and plan.singles == int(decode_first)
+    assert plan.last.tolist() == ([0, 5, 12] if decode_first else [4, 5, 12])
+    spans = {3: range(3, 8), 0: range(0, 1), 6: range(6, 13)}
+    assert plan.positions[0].tolist() == [p for s in starts for p in spans[s]]
     packed.bind(rows)
     packed.update(torch.cat(ks, 2), torch.cat(vs, 2), plan=plan)
-    assert packed.lengths == [8, 1, 13]
+    assert packed.lengths == [s + n for s, n in zip(starts, counts)]
     got = packed.attention(torch.cat(qs, 2))  # (1, HQ, 13, D)
     at = 0
     for b, s, n, k, v, q in zip(blocks, starts, counts, ks, vs, qs):

@@ -227,10 +227,11 @@ def test_dispatch_serves_from_the_kernel():
 
 
 # -- packed rows (prompt chunks of several rows in one forward) --------------------------------
-def run_packed(mode, counts, lengths, Hq, H_kv, D, page, dtype, *, block_n=None, seed=0):
+def run_packed(mode, counts, lengths, Hq, H_kv, D, page, dtype, *, block_n=None, seed=0, singles=0):
     """Row ``b``'s last ``counts[b]`` tokens as queries, the rows side by side in ``[1, Hq, N, D]``
     (one spare token at the end that no row names); the kernel against each row's SDPA over its
-    gathered K/V and against the padded reference."""
+    gathered K/V and against the padded reference. ``singles``: the leading one-query rows that
+    go to the decode launch (``single_rows``)."""
     c = build_cache(mode, len(lengths), H_kv, D, page, lengths, dtype, seed=seed)
     N = sum(counts)
     q = torch.randn(1, Hq, N + 1, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(DEVICE)
@@ -241,7 +242,8 @@ def run_packed(mode, counts, lengths, Hq, H_kv, D, page, dtype, *, block_n=None,
     kw = dict(k_codec=c["kc"], v_codec=c["vc"], k_sidecars=c["ks"], v_sidecars=c["vs"])
     width = max(1, max(counts))
     out = paged_attention_triton(q, c["kp"], c["vp"], c["table"], qs, c["kv_len"], q_offsets=qo,
-                                 max_q_len=width, config=LaunchConfig(block_n=block_n), **kw)
+                                 max_q_len=width, config=LaunchConfig(block_n=block_n), single_rows=singles,
+                                 **kw)
     assert out.shape == q.shape and out.dtype == dtype
     if not mode.startswith("turboquant"):  # token-major: the model's (1, N, H_q * D) view is free
         assert out.transpose(1, 2).is_contiguous()
@@ -272,6 +274,25 @@ def run_packed(mode, counts, lengths, Hq, H_kv, D, page, dtype, *, block_n=None,
 )
 def test_packed_rows_match_each_row_alone(mode, counts, lengths, Hq, H_kv, D, dtype):
     run_packed(mode, counts, lengths, Hq, H_kv, D, 16, dtype)
+
+
+@pytest.mark.parametrize(
+    "mode, counts, lengths, singles",
+    [
+        ("fp", [1, 1, 5, 7], [40, 1, 8, 13], 2),  # two decode rows, then chunks
+        ("fp", [1, 1, 1], [5, 70, 1], 3),  # decode rows only
+        ("q8", [1, 4, 9], [33, 30, 9], 1),
+        ("fp8", [1, 6], [50, 6], 1),
+        ("turboquant:q8_0,q3_0", [1, 1, 5], [21, 40, 5], 2),
+    ],
+)
+def test_packed_rows_with_decode_rows_first(mode, counts, lengths, singles):
+    """Leading one-query rows as a decode launch into the same token-major result: each row
+    equals its SDPA, and the whole the packed launch of every row."""
+    _, split = run_packed(mode, counts, lengths, 4, 1, 64, 16, torch.bfloat16, singles=singles)
+    _, whole = run_packed(mode, counts, lengths, 4, 1, 64, 16, torch.bfloat16)
+    n = sum(counts)
+    torch.testing.assert_close(split[:, :, :n].float(), whole[:, :, :n].float(), atol=2e-2, rtol=2e-2)
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -319,6 +340,17 @@ def test_packed_rows_reject_bad_input():
                  max_q_len=5, **kw)  # row 1's 5 queries would run past q's 9 tokens
         with pytest.raises(ValueError, match="packed rows must name queries inside"):
             call(q, c["kp"], c["vp"], c["table"], qs, c["kv_len"], q_offsets=qo, max_q_len=4, **kw)
+    for bad in (-1, 3, True, 1.0):
+        with pytest.raises(ValueError, match="single_rows must be an int in"):
+            paged_attention_triton(q, c["kp"], c["vp"], c["table"], qs, c["kv_len"], q_offsets=qo,
+                                   max_q_len=5, single_rows=bad, **kw)
+    with pytest.raises(ValueError, match="single_rows goes with q_offsets"):
+        paged_attention_triton(q[0, :, :2].transpose(0, 1)[:, :, None], c["kp"], c["vp"], c["table"],
+                               qs, c["kv_len"], single_rows=1, **kw)
+    if not ON_GPU:  # row 0 feeds 4 queries: it cannot go to the decode launch
+        with pytest.raises(ValueError, match="must feed one query each"):
+            paged_attention_triton(q, c["kp"], c["vp"], c["table"], qs, c["kv_len"], q_offsets=qo,
+                                   max_q_len=5, single_rows=1, **kw)
 
 
 # -- the write kernel ----------------------------------------------------------------------
@@ -552,6 +584,9 @@ def test_gpu_write_grid(mode, B, T, D, page):
 def test_gpu_packed_prompt_chunks(mode):
     # a step's chunks: a whole prompt, a chunk after 700 tokens of history, a 2-token tail, a long one
     run_packed(mode, [300, 256, 2, 1024], [300, 956, 90, 1024], 32, 8, 128, 16, torch.bfloat16)
+    # a serving step: decode rows first (longest context first), as a decode launch, then chunks
+    run_packed(mode, [1, 1, 1, 300, 256, 2], [1300, 700, 64, 300, 956, 90], 32, 8, 128, 16, torch.bfloat16,
+               singles=3)
 
 
 @pytest.mark.gpu

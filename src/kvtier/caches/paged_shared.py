@@ -149,7 +149,9 @@ class PackedPlan:
     longest chunk). Device (int64): ``write_start``/``new_offsets`` ``[B]``,
     ``slots`` ``[N]`` (where each packed token is stored), ``q_offsets`` ``[B]``
     (each row's first packed token), ``positions`` ``[1, N]`` (for RoPE) and ``last``
-    ``[B]`` (each row's last packed token); ``block_tables`` int32 ``[B, W]``.
+    ``[B]`` (each row's last packed token); ``block_tables`` int32 ``[B, W]``. ``singles``:
+    how many rows lead the step with one token each (decode rows), which attention reads
+    as a decode step.
     """
 
     starts: list[int]
@@ -162,6 +164,7 @@ class PackedPlan:
     positions: torch.Tensor
     last: torch.Tensor
     block_tables: torch.Tensor
+    singles: int = 0
 
     @property
     def total(self) -> int:
@@ -192,7 +195,8 @@ def packed_plan(rows: RowBinding, counts: Sequence[int]) -> PackedPlan:
     host = to_device(torch.tensor([*starts, *ends, *last, *firsts, *slots, *positions],
                                   dtype=torch.long), rows.table.device)  # one copy to the device
     ws, no, la, fi, sl, po = host.split([B, B, B, B, N, N])
-    return PackedPlan(starts, ends, max(counts), ws, no, sl, fi, po[None], la, rows.table)
+    singles = next((r for r, c in enumerate(counts) if c != 1), B)
+    return PackedPlan(starts, ends, max(counts), ws, no, sl, fi, po[None], la, rows.table, singles)
 
 
 class SharedBlockPagedKVCache(PagedKVCache):
@@ -319,7 +323,7 @@ class SharedBlockPagedKVCache(PagedKVCache):
         pool = self.pool
         return paged_attention_packed(
             self.dispatch, queries, pool.key_cache, pool.value_cache, p.block_tables, p.write_start,
-            p.new_offsets, q_offsets=p.q_offsets, max_q_len=p.width, k_codec=codecs.k_codec,
+            p.new_offsets, q_offsets=p.q_offsets, max_q_len=p.width, single_rows=p.singles, k_codec=codecs.k_codec,
             v_codec=codecs.v_codec, k_sidecars=pool.k_sidecars, v_sidecars=pool.v_sidecars, scale=scale,
         )  # (1, H_q, N, D)
 

@@ -450,14 +450,17 @@ def paged_attention_packed(
     *,
     q_offsets: torch.Tensor,
     max_q_len: int,
+    single_rows: int = 0,
     **kw,
 ) -> torch.Tensor:
     """:func:`paged_attention_packed_reference` through ``dispatch``: Triton's
-    ``paged_attention_triton`` reads the packed queries in place (no padding, no split)."""
+    ``paged_attention_triton`` reads the packed queries in place (no padding), the first
+    ``single_rows`` rows (one query each, tokens ``0 .. single_rows - 1``) as a decode launch."""
     args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
     return dispatch.serve(
         "attention", q.device,
-        lambda: _import_triton().paged_attention_triton(*args, q_offsets=q_offsets, max_q_len=max_q_len, **kw),
+        lambda: _import_triton().paged_attention_triton(*args, q_offsets=q_offsets, max_q_len=max_q_len,
+                                                        single_rows=single_rows, **kw),
         lambda: paged_attention_packed_reference(*args, q_offsets=q_offsets, max_q_len=max_q_len, **kw),
     )
 

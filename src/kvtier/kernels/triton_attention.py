@@ -55,6 +55,8 @@ SMALL_GRID, SHORT_SPLITS = 32, 64
 #: programs of the bf16 kernel resident on one multiprocessor (64-key tiles, 4 warps: 111
 #: registers a thread, 25% occupancy); the split plan fills whole waves of these
 RESIDENT_PROGRAMS = 4
+#: query rows (token x GQA head) a tile of packed prompt chunks over full-precision pages
+PACKED_BLOCK_M = 128
 
 
 @triton.jit
@@ -64,7 +66,9 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
+# row offset, table stride and query count change from one serving step to the next: one
+# compiled kernel for all their values, not one per value class (1, multiples of 16, other)
+@triton.jit(do_not_specialize=["stride_btb", "ROW0", "T"])
 def _attention_kernel(
     Q, stride_qb, stride_qh, stride_qt,
     K, stride_kb, stride_kn, stride_kh,
@@ -72,7 +76,7 @@ def _attention_kernel(
     KS, KZ, KC, stride_ksb, stride_ksn, stride_ksh,
     VS, VZ, VC, stride_vsb, stride_vsn, stride_vsh,
     BT, stride_btb, capacity,
-    QSTART, KVLEN, QOFF,
+    QSTART, KVLEN, QOFF, ROW0,
     O, stride_ob, stride_oh, stride_ot,
     PO, PL,
     qk_scale, T, H_KV, split_len, num_splits,
@@ -100,7 +104,7 @@ def _attention_kernel(
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = pid_bh // H_KV
+    b = ROW0 + pid_bh // H_KV  # packed launches may start past the step's first rows
     hk = pid_bh % H_KV
     # query rows (t, g) of this tile
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -269,6 +273,7 @@ class LaunchConfig:
     pages (``None``: the family's entry in :data:`QUANT_DECODE_KERNEL`).
     """
 
+    block_m: int | None = None
     block_n: int | None = None
     num_splits: int | None = None
     num_warps: int | None = None
@@ -315,7 +320,7 @@ def plan_launch(
     never on the lengths.
     """
     rows = G * T
-    block_m = max(16, min(64, _next_pow2(rows)))
+    block_m = cfg.block_m or max(16, min(64, _next_pow2(rows)))
     m_tiles = triton.cdiv(rows, block_m)
     if device.type != "cuda":
         block_n = cfg.block_n or 32
@@ -410,8 +415,12 @@ def launch_attention(
     config: LaunchConfig | None = None,
     q_offsets: torch.Tensor | None = None,
     max_q_len: int = 0,
+    single_rows: int = 0,
+    first_row: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the kernel on validated inputs; ``[B, Hq, T, D]`` in ``out_dtype``.
+    """Launch the kernel on validated inputs; ``[B, Hq, T, D]`` in ``out_dtype`` (into ``out``,
+    a tensor of that shape and dtype with a contiguous last dim, when given).
 
     Paged (``block_tables`` given): payloads ``[num_blocks, page, H_kv, D']``.
     Ragged (``block_tables`` ``None``): payloads ``[B, H_kv, capacity, D']``,
@@ -421,14 +430,24 @@ def launch_attention(
     queries side by side, row ``b``'s ``kv_len[b] - q_start[b]`` (at most ``max_q_len``)
     from token ``q_offsets[b]``; the result has ``q``'s shape (token-major in memory). No
     split: prompt chunks give the grid programs enough, and a tile past its row's queries
-    reads nothing.
+    reads nothing. ``single_rows``: the first rows feed one query each, tokens ``0 ..
+    single_rows - 1`` (a serving step's decode rows); they go to the decode launch (split
+    over their keys, a tile of one token's query heads), the other rows to the packed one.
+    ``first_row`` (packed only): launch rows ``first_row ..`` of the tables, the rows before
+    left alone (no sliced pointers, whose alignment would compile a kernel per class).
     """
     cfg = config or LaunchConfig()
     varlen = q_offsets is not None
+    if varlen and single_rows:
+        return _launch_with_singles(
+            q, k_payload, v_payload, k_fmt, v_fmt, block_tables=block_tables, q_start=q_start,
+            kv_len=kv_len, scale=scale, out_dtype=out_dtype, config=config, q_offsets=q_offsets,
+            max_q_len=max_q_len, single_rows=single_rows, out=out,
+        )  # fmt: skip
     if varlen:
         assert block_tables is not None and q_start is not None and q.shape[0] == 1 and max_q_len >= 1
         cfg = replace(cfg, num_splits=1)
-        B, T = block_tables.shape[0], max_q_len
+        B, T = block_tables.shape[0] - first_row, max_q_len  # rows first_row .. of the tables
         Hq, D = q.shape[1], q.shape[3]
     else:
         B, Hq, T, D = q.shape
@@ -448,7 +467,8 @@ def launch_attention(
     capacity = max_blocks * page
     quantised = k_fmt.mode != FP or v_fmt.mode != FP
     if T == 1 and not varlen and block_tables is not None and uses_cuda_core_decode(k_fmt, v_fmt, k_payload, v_payload, cfg, G):
-        out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
+        if out is None:
+            out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
         rows, lanes, splits, split_len, num_warps = triton_decode_quant.plan_decode(
             B, H_kv, capacity, D, q.device, cfg
         )
@@ -461,13 +481,17 @@ def launch_attention(
         if parts is not None:
             _merge(parts[0], parts[1], out, splits)
         return out
+    if varlen and cfg.block_m is None and not quantised and q.device.type == "cuda":
+        # H200, a prompt step of 27 chunks (15,852 tokens), 32/8 heads: 128 query rows a tile
+        # 0.69 ms against 0.82-0.91 at 64 (benchmarks/RESULTS.md, 2026-12-02)
+        cfg = replace(cfg, block_m=max(16, min(PACKED_BLOCK_M, _next_pow2(G * T))))
     block_m, m_tiles, block_n, splits, split_len, base = plan_launch(
         B, H_kv, G, T, capacity, q.device, cfg, quantised
     )
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if varlen:  # token-major, so that the caller's (1, N, H_q * D) view of it needs no copy
+    if out is None and varlen:  # token-major, so that the caller's (1, N, H_q * D) view of it needs no copy
         out = torch.empty((1, q.shape[2], Hq, D), dtype=out_dtype, device=q.device).transpose(1, 2)
-    else:
+    elif out is None:
         out = torch.empty((B, Hq, T, D), dtype=out_dtype, device=q.device)
     if splits > 1:
         po = torch.empty((B, Hq, T, splits, D), dtype=torch.float32, device=q.device)
@@ -509,7 +533,7 @@ def launch_attention(
         *sidecar_args(k_fmt, k_payload, paged),
         *sidecar_args(v_fmt, v_payload, paged),
         bt, bt_stride, capacity,
-        qs, kv_len, q_offsets if varlen else kv_len,
+        qs, kv_len, q_offsets if varlen else kv_len, first_row,
         out, out.stride(0), out.stride(1), out.stride(2),
         po, pl,
         sm_scale * LOG2E, T, H_kv, split_len, splits,
@@ -526,6 +550,33 @@ def launch_attention(
         # with) differ only by empty trailing splits: one merge tile for every count keeps
         # their sums in one order, and the two bit for bit alike
         _merge(po, pl, out, splits, fixed=base < SMALL_GRID and split_len <= block_n)
+    return out
+
+
+def _launch_with_singles(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, q_start, kv_len, q_offsets,
+                         max_q_len, single_rows, out, **kw) -> torch.Tensor:
+    """:func:`launch_attention` of packed rows whose first ``single_rows`` feed one query each
+    (tokens ``0 .. single_rows - 1``): those as a decode launch of their own, the rest packed,
+    into one token-major result. In the packed launch a decode row's programs queue behind
+    the chunks' and pad its query heads to the chunks' tile; on its own it takes a tile of
+    one token's heads. Unsplit (unless ``config`` says otherwise): a split plan follows each
+    step's table width, and every split count would compile a merge of its own mid-serving."""
+    s, B = single_rows, block_tables.shape[0]
+    cfg = kw.pop("config", None) or LaunchConfig()
+    Hq, N, D = q.shape[1], q.shape[2], q.shape[3]
+    if out is None:
+        out = torch.empty((1, N, Hq, D), dtype=kw["out_dtype"], device=q.device).transpose(1, 2)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # (1, Hq, N, D) -> the single rows' (s, Hq, 1, D)
+        return t[0, :, :s].transpose(0, 1)[:, :, None]
+
+    unsplit = cfg if cfg.num_splits is not None else replace(cfg, num_splits=1)
+    launch_attention(rows(q), k_payload, v_payload, k_fmt, v_fmt, block_tables=block_tables[:s],
+                     q_start=q_start[:s], kv_len=kv_len[:s], out=rows(out), config=unsplit, **kw)
+    if s < B:
+        launch_attention(q, k_payload, v_payload, k_fmt, v_fmt, block_tables=block_tables,
+                         q_start=q_start, kv_len=kv_len, q_offsets=q_offsets, max_q_len=max_q_len,
+                         first_row=s, out=out, config=cfg, **kw)
     return out
 
 

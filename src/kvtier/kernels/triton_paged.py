@@ -114,6 +114,7 @@ def paged_attention_triton(
     config: LaunchConfig | None = None,
     q_offsets: torch.Tensor | None = None,
     max_q_len: int | None = None,
+    single_rows: int = 0,
 ) -> torch.Tensor:
     """Causal GQA attention over paged K/V: ``[B, H_q, T, D]`` in ``q.dtype``.
 
@@ -130,6 +131,8 @@ def paged_attention_triton(
     ``q_offsets[b]`` (integer ``[B]``, ``B`` the table's rows), each row's count at
     most ``max_q_len``; the result is ``[1, H_q, N, D]`` and tokens no row names stay
     unwritten. Nothing is padded: :func:`~kvtier.kernels.paged.paged_attention_packed`.
+    ``single_rows``: the first rows feed one query each, tokens ``0 .. single_rows - 1``
+    (decode rows beside prompt chunks); they run as a decode launch, split over their keys.
 
     The caller guarantees that the table entries a row reads name allocated
     blocks and that ``kv_len <= max_blocks * block_size`` (checked on the CPU;
@@ -156,6 +159,10 @@ def paged_attention_triton(
             raise ValueError(f"max_q_len must be an int in [1, {T}] (the longest row's queries), got {max_q_len!r}")
     elif max_q_len is not None:
         raise ValueError("max_q_len goes with q_offsets (packed rows); pass both or neither")
+    if isinstance(single_rows, bool) or not isinstance(single_rows, int) or not 0 <= single_rows <= max(B, 0):
+        raise ValueError(f"single_rows must be an int in [0, {max(B, 0)}] (rows of one query), got {single_rows!r}")
+    if single_rows and not packed:
+        raise ValueError("single_rows goes with q_offsets (packed rows)")
     check_head_dim(D)
     if q.stride(3) != 1:
         raise ValueError(f"q needs a contiguous last dim, got strides {q.stride()}")
@@ -192,6 +199,10 @@ def paged_attention_triton(
                 f"packed rows must name queries inside q's {T} tokens, at most max_q_len {max_q_len} "
                 f"each: got q_offsets {q_offsets.tolist()} and counts (kv_len - q_start) {counts.tolist()}"
             )
+        s = single_rows
+        if s and (counts[:s].ne(1).any() or q_offsets[:s].ne(torch.arange(s)).any()):
+            raise ValueError(f"the first single_rows={s} rows must feed one query each from tokens 0 .. {s - 1}; "
+                             f"got q_offsets {q_offsets[:s].tolist()} and counts {counts[:s].tolist()}")
     if B == 0 or T == 0:
         return q.new_zeros(q.shape if packed else (B, Hq, T, D))
 
@@ -204,7 +215,7 @@ def paged_attention_triton(
         qk, key_pages, value_pages, k_fmt, v_fmt,
         block_tables=block_tables, q_start=q_start, kv_len=kv_len, scale=scale,
         out_dtype=torch.float32 if out_rot else q.dtype, config=config,
-        q_offsets=q_offsets, max_q_len=max_q_len or 0,
+        q_offsets=q_offsets, max_q_len=max_q_len or 0, single_rows=single_rows,
     )  # fmt: skip
     if out_rot:
         out = torch.matmul(out, v_fmt.rotation.transpose(0, 1)).to(q.dtype)  # back from the value domain
