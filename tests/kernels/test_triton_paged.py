@@ -318,6 +318,21 @@ def test_packed_dispatch_serves_from_the_kernel_and_the_reference_alike():
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_packed_rows_any_query_tile(block_m):
+    """The packed launch's result does not depend on its query tile (``LaunchConfig.block_m``)."""
+    c = build_cache("fp", 2, 1, 64, 16, [40, 9], torch.float32)
+    kw = dict(k_codec=c["kc"], v_codec=c["vc"], k_sidecars=c["ks"], v_sidecars=c["vs"])
+    qs, qo = torch.tensor([10, 0], device=DEVICE), torch.tensor([0, 30], device=DEVICE)
+    q = torch.randn(1, 4, 39, 64, device=DEVICE)
+    outs = [paged_attention_triton(q, c["kp"], c["vp"], c["table"], qs, c["kv_len"], q_offsets=qo, max_q_len=30,
+                                   config=LaunchConfig(block_m=m), **kw) for m in (block_m, None)]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    for bad in (0, 8, 48, True, 64.0):
+        with pytest.raises(ValueError, match="block_m must be a power of two"):
+            LaunchConfig(block_m=bad)
+
+
 def test_packed_rows_reject_bad_input():
     c = build_cache("fp", 2, 1, 64, 16, [12, 5], torch.float32)
     kw = dict(k_codec=c["kc"], v_codec=c["vc"], k_sidecars=c["ks"], v_sidecars=c["vs"])

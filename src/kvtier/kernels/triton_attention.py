@@ -269,8 +269,11 @@ def _merge_kernel(
 class LaunchConfig:
     """Tile sizes and split plan of one attention launch (``None``: chosen by the heuristics).
 
-    ``decode_kernel``: ``"cuda_core"`` or ``"mma"`` for a decode step over quantised
-    pages (``None``: the family's entry in :data:`QUANT_DECODE_KERNEL`).
+    ``block_m``: query rows (token x GQA head) a tile, a power of two >= 16 (``None``: the
+    rows a launch has, 16-64, and :data:`PACKED_BLOCK_M` for packed prompt chunks over
+    full-precision pages on CUDA). ``decode_kernel``: ``"cuda_core"`` or ``"mma"`` for a
+    decode step over quantised pages (``None``: the family's entry in
+    :data:`QUANT_DECODE_KERNEL`).
     """
 
     block_m: int | None = None
@@ -282,6 +285,9 @@ class LaunchConfig:
     decode_kernel: str | None = None
 
     def __post_init__(self) -> None:
+        m = self.block_m
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 16 or m & (m - 1)):
+            raise ValueError(f"block_m must be a power of two >= 16 (a tensor-core tile) or None, got {m!r}")
         if self.decode_kernel is not None and self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(
                 f"decode_kernel must be one of {DECODE_KERNELS} or None, got {self.decode_kernel!r}"
