@@ -437,8 +437,8 @@ def launch_attention(
     from token ``q_offsets[b]``; the result has ``q``'s shape (token-major in memory). No
     split: prompt chunks give the grid programs enough, and a tile past its row's queries
     reads nothing. ``single_rows``: the first rows feed one query each, tokens ``0 ..
-    single_rows - 1`` (a serving step's decode rows); they go to the decode launch (split
-    over their keys, a tile of one token's query heads), the other rows to the packed one.
+    single_rows - 1`` (a serving step's decode rows); they go to a decode launch of their own
+    (a tile of one token's query heads), the other rows to the packed one.
     ``first_row`` (packed only): launch rows ``first_row ..`` of the tables, the rows before
     left alone (no sliced pointers, whose alignment would compile a kernel per class).
     """

@@ -132,7 +132,7 @@ def paged_attention_triton(
     most ``max_q_len``; the result is ``[1, H_q, N, D]`` and tokens no row names stay
     unwritten. Nothing is padded: :func:`~kvtier.kernels.paged.paged_attention_packed`.
     ``single_rows``: the first rows feed one query each, tokens ``0 .. single_rows - 1``
-    (decode rows beside prompt chunks); they run as a decode launch, split over their keys.
+    (decode rows beside prompt chunks); they run as a decode launch of their own.
 
     The caller guarantees that the table entries a row reads name allocated
     blocks and that ``kv_len <= max_blocks * block_size`` (checked on the CPU;
