@@ -13,7 +13,7 @@ if not torch.cuda.is_available():  # must precede the first import of triton's j
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kvtier.kernels import triton_attention as ta  # noqa: E402
+from kvtier.kernels import launch_plan as ta  # noqa: E402
 
 SMS = 132
 CUDA = torch.device("cuda", 0)
