@@ -102,6 +102,7 @@ def test_fused_forward_matches_pytorch_forward(monkeypatch, batch):
 
     def run(fused: bool):
         monkeypatch.setattr(llama, "fused_kernels", lambda x: fused)
+        monkeypatch.setattr(llama, "cpu_kernels", lambda x: False)  # PyTorch's ops against Triton's
         caches = model.make_caches(batch_size=batch)
         with torch.inference_mode():
             prefill = model(tokens, caches)

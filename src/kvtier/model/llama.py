@@ -203,13 +203,12 @@ class Transformer(nn.Module):
                 return t[:, -1:]  # (B, 1, dim)
             return t if select is None else t[:, select]  # (B, T or k, dim)
 
-        if fused_kernels(x):  # CUDA: each residual add rides with the next RMSNorm
-            from kvtier.kernels.triton_fused import add_rms_norm
-
+        ops = elementwise_ops(x)
+        if ops is not None:  # each residual add rides with the next RMSNorm
             delta = None
             for layer, cache in zip(self.layers[:n], caches):
                 x, delta = layer.forward_fused(x, delta, cos, sin, cache, kwargs)
-            return self.output(add_rms_norm(columns(x), columns(delta), self.norm.weight, self.norm.eps)[1]).float()
+            return self.output(ops.add_rms_norm(columns(x), columns(delta), self.norm.weight, self.norm.eps)[1]).float()
         for layer, cache in zip(self.layers[:n], caches):
             x = layer(x, cos, sin, cache, kwargs)
         return self.output(self.norm(columns(x))).float()
@@ -254,6 +253,29 @@ def fused_kernels(x: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether the C elementwise kernels (:mod:`kvtier.kernels.cpu_fused`) serve ``x``: float32
+    on the CPU, where they built, outside ``torch.compile`` and autograd (they have no
+    backward: a forward that records gradients keeps PyTorch's ops), unless ``KVTIER_FUSED=0``."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and _cpu_fused_available()
+            and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling())
+
+
+def elementwise_ops(x: torch.Tensor):
+    """The module of fused elementwise kernels (``rope``, ``add_rms_norm``, ``silu_mul``) that
+    serves ``x``: :mod:`kvtier.kernels.triton_fused` where :func:`fused_kernels`,
+    :mod:`kvtier.kernels.cpu_fused` where :func:`cpu_kernels`, else ``None`` (PyTorch's ops)."""
+    if fused_kernels(x):
+        from kvtier.kernels import triton_fused
+
+        return triton_fused
+    if cpu_kernels(x):
+        from kvtier.kernels import cpu_fused
+
+        return cpu_fused
+    return None
+
+
 def project(lin: nn.Module, x: torch.Tensor, *, silu_mul: bool = False) -> torch.Tensor:
     """``lin(x)`` (``lin(silu(gate) * up)`` of ``x = [gate, up]`` with ``silu_mul``), through the
     Triton matrix-vector kernel (:mod:`kvtier.kernels.triton_gemv`) where it is faster: one row of
@@ -272,23 +294,35 @@ def project(lin: nn.Module, x: torch.Tensor, *, silu_mul: bool = False) -> torch
         return gemv(x, lin.weight, silu_mul=silu_mul)
     if not silu_mul:
         return lin(x)
-    if fused:
-        from kvtier.kernels.triton_fused import silu_mul as fused_silu_mul
-
-        return lin(fused_silu_mul(x))
+    ops = elementwise_ops(x)
+    if ops is not None:
+        return lin(ops.silu_mul(x))
     gate, up = x.split(width, dim=-1)
     return lin(F.silu(gate) * up)
 
 
+def _fused_off() -> bool:
+    return os.environ.get("KVTIER_FUSED", "1").strip().lower() in ("0", "false", "no", "off")
+
+
 @functools.cache
 def _fused_available() -> bool:
-    if os.environ.get("KVTIER_FUSED", "1").strip().lower() in ("0", "false", "no", "off"):
+    if _fused_off():
         return False
     try:
         import kvtier.kernels.triton_fused  # noqa: F401
     except ImportError:  # no Triton: PyTorch's ops
         return False
     return True
+
+
+@functools.cache
+def _cpu_fused_available() -> bool:
+    if _fused_off():
+        return False
+    from kvtier.kernels.cpu_fused import load_kernels
+
+    return load_kernels() is not None  # no compiler: a warning, and PyTorch's ops
 
 
 # -- block ---------------------------------------------------------------------------------
@@ -307,8 +341,7 @@ class TransformerBlock(nn.Module):
     def forward_fused(self, x, delta, cos, sin, cache: KVCache, cache_kwargs: dict):
         """:meth:`forward` of the residual stream ``x + delta`` (``delta`` ``None``: ``x``) through
         the fused kernels; ``(h, ffn_out)``, whose sum is :meth:`forward`'s result."""
-        from kvtier.kernels.triton_fused import add_rms_norm
-
+        add_rms_norm = elementwise_ops(x).add_rms_norm
         norm = self.attention_norm
         h, n = add_rms_norm(x, delta, norm.weight, norm.eps)
         a = self.attention(n, cos, sin, cache, cache_kwargs)
@@ -337,10 +370,9 @@ class Attention(nn.Module):
         qk, v = qkv.split([Hq + Hkv, Hkv], dim=2)  # (B, T, H_q + H_kv, D), (B, T, H_kv, D)
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head of q and of k
             qk = torch.cat([self.q_norm(qk[:, :, :Hq]), self.k_norm(qk[:, :, Hq:])], dim=2)
-        if fused_kernels(x):
-            from kvtier.kernels.triton_fused import rope
-
-            qk = rope(qk, cos, sin).transpose(1, 2)  # (B, H_q + H_kv, T, D): one launch
+        ops = elementwise_ops(x)
+        if ops is not None:
+            qk = ops.rope(qk, cos, sin).transpose(1, 2)  # (B, H_q + H_kv, T, D): one kernel
         else:
             qk = apply_rope(qk, cos, sin).transpose(1, 2)  # (B, H_q + H_kv, T, D): one rotation
         q, k = qk.split([Hq, Hkv], dim=1)  # (B, H_q, T, D), (B, H_kv, T, D)
