@@ -45,8 +45,8 @@ _C_SOURCE = r"""
 
 /* h = x + r (x itself when r is NULL; h may then be x), n = h * rsqrt(mean(h^2) + eps) * w */
 void add_rms_norm(const float* x, const float* r, const float* w, float* h, float* n,
-                  int64_t rows, int64_t dim, float eps) {
-    #pragma omp parallel for if (rows * dim >= 65536)
+                  int64_t rows, int64_t dim, float eps, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) if (rows * dim >= 65536)
     for (int64_t i = 0; i < rows; i++) {
         const float* xi = x + i * dim;
         float* hi = h + i * dim;
@@ -66,9 +66,9 @@ void add_rms_norm(const float* x, const float* r, const float* w, float* h, floa
 /* out[b, t, h] = x * cos + rotate_half(x) * sin, x [B, T, H, D] strided (last dim contiguous),
    cos/sin [B, T, 1, D] with strides (cb, ct), out contiguous */
 void rope(const float* x, int64_t sb, int64_t st, int64_t sh, const float* cs, const float* sn,
-          int64_t cb, int64_t ct, float* out, int64_t B, int64_t T, int64_t H, int64_t D) {
+          int64_t cb, int64_t ct, float* out, int64_t B, int64_t T, int64_t H, int64_t D, int nthreads) {
     const int64_t half = D / 2;
-    #pragma omp parallel for collapse(2) if (B * T * H * D >= 65536)
+    #pragma omp parallel for collapse(2) num_threads(nthreads) if (B * T * H * D >= 65536)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t t = 0; t < T; t++) {
             const float* c = cs + b * cb + t * ct;
@@ -88,8 +88,8 @@ void rope(const float* x, int64_t sb, int64_t st, int64_t sh, const float* cs, c
 }
 
 /* out[i, j] = silu(x[i, j]) * x[i, H + j], x [rows, 2H] contiguous */
-void silu_mul(const float* x, float* out, int64_t rows, int64_t H) {
-    #pragma omp parallel for if (rows * H >= 65536)
+void silu_mul(const float* x, float* out, int64_t rows, int64_t H, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) if (rows * H >= 65536)
     for (int64_t i = 0; i < rows; i++) {
         const float* g = x + i * 2 * H;
         const float* u = g + H;
@@ -109,9 +109,10 @@ class CpuFusedKernels:
     def __init__(self, lib: ctypes.CDLL):
         p, i = ctypes.c_void_p, ctypes.c_int64
         self.add_rms_norm, self.rope, self.silu_mul = lib.add_rms_norm, lib.rope, lib.silu_mul
-        self.add_rms_norm.argtypes = [p] * 5 + [i, i, ctypes.c_float]
-        self.rope.argtypes = [p, i, i, i, p, p, i, i, p, i, i, i, i]
-        self.silu_mul.argtypes = [p, p, i, i]
+        n = ctypes.c_int  # threads: PyTorch's (torch.get_num_threads()), for large prompt steps
+        self.add_rms_norm.argtypes = [p] * 5 + [i, i, ctypes.c_float, n]
+        self.rope.argtypes = [p, i, i, i, p, p, i, i, p, i, i, i, i, n]
+        self.silu_mul.argtypes = [p, p, i, i, n]
         for fn in (self.add_rms_norm, self.rope, self.silu_mul):
             fn.restype = None
 
@@ -150,7 +151,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     out = torch.empty((B, T, H, D), dtype=x.dtype)
     if out.numel():
         _kernels().rope(x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), cos.data_ptr(), sin.data_ptr(),
-                        cos.stride(0), cos.stride(1), out.data_ptr(), B, T, H, D)
+                        cos.stride(0), cos.stride(1), out.data_ptr(), B, T, H, D, torch.get_num_threads())
     return out
 
 
@@ -170,7 +171,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     rows = x.numel() // N if N else 0
     if rows:
         _kernels().add_rms_norm(x.data_ptr(), None if r is None else r.data_ptr(), weight.data_ptr(),
-                                h.data_ptr(), n.data_ptr(), rows, N, float(eps))
+                                h.data_ptr(), n.data_ptr(), rows, N, float(eps), torch.get_num_threads())
     return h, n
 
 
@@ -184,5 +185,5 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*x.shape[:-1], H), dtype=x.dtype)
     rows = x.numel() // (2 * H) if H else 0
     if rows:
-        _kernels().silu_mul(x.data_ptr(), out.data_ptr(), rows, H)
+        _kernels().silu_mul(x.data_ptr(), out.data_ptr(), rows, H, torch.get_num_threads())
     return out
