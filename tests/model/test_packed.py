@@ -97,6 +97,24 @@ def test_packed_linear_equals_f_linear_on_the_float32_weight(kernels, fmt, rows,
         assert ((y.double() - exact).abs() <= 1e-5 * scale).all()
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_the_c_dequantiser_and_pytorchs_ops_give_the_same_weight(kernels, monkeypatch, fmt):
+    """``PackedLinear.weight``: the C pass (fp16 scales on the CPU) and PyTorch's ops (which serve
+    elsewhere, e.g. scales converted to float32) both give the original weight bit for bit."""
+    w = q4_1_weight(64, 256)[0] if fmt == "q4_1" else q8_0_weight(64, 256)[0]
+    lin = nn.Linear(256, 64, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    packed = PackedLinear.from_linear(lin, fmt, kernels)
+    calls = []
+    dequant = kernels.dequant
+    monkeypatch.setattr(kernels, "dequant", lambda *a: calls.append(a[0]) or dequant(*a))
+    assert torch.equal(packed.weight, w) and calls == [fmt]
+    with torch.no_grad():
+        packed.d.data = packed.d.data.float()  # not the kernel's fp16: PyTorch's ops
+    assert torch.equal(packed.weight, w) and calls == [fmt]
+
+
 def test_random_float32_weights_stay_float32(kernels):
     from kvtier.model import ModelArgs, build_random
 
