@@ -42,7 +42,7 @@ if [ "$WHAT" = all ] || [ "$WHAT" = tests ]; then
     PARALLEL=()
     "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)
     step tests 130 "$OUT/tests.log" "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider "${PARALLEL[@]}" \
-        tests/kernels/test_triton_paged.py tests/kernels/test_triton_decode_quant.py \
+        tests/kernels/test_triton_paged.py tests/kernels/test_triton_packed.py tests/kernels/test_triton_decode_quant.py \
         tests/kernels/test_triton_ragged.py tests/quant/test_fp8.py
 fi
 
