@@ -10,14 +10,9 @@ import torch.nn.functional as F
 from kvtier.kernels import cpu_fused
 from kvtier.model import llama
 from kvtier.model.llama import ModelArgs, Transformer, apply_rope
+from numerics_support import assert_within_ulps
 
 pytestmark = pytest.mark.skipif(cpu_fused.load_kernels() is None, reason="no C compiler builds the kernels here")
-
-
-def within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int) -> bool:
-    """Each element of ``got`` within ``ulps`` float32 units in the last place of ``want``."""
-    ulp = torch.finfo(torch.float32).eps * want.abs().clamp_min(torch.finfo(torch.float32).tiny)
-    return bool(((got - want).abs() <= ulps * ulp).all())
 
 
 @pytest.mark.parametrize("B, T", [(1, 1), (2, 5), (3, 300)])  # 3 x 300: the threaded branch
@@ -39,15 +34,16 @@ def test_add_rms_norm_matches_pytorch(rows):
     w = torch.rand(576, generator=g) + 0.5
     h, n = cpu_fused.add_rms_norm(x, r, w, 1e-5)
     assert torch.equal(h, x + r)  # one rounding of one sum
-    assert within_ulps(n, F.rms_norm(x + r, (576,), w, 1e-5), 4)
+    assert_within_ulps(n, F.rms_norm(x + r, (576,), w, 1e-5), 4)
     h0, n0 = cpu_fused.add_rms_norm(x, None, w, 1e-5)
-    assert h0.data_ptr() == x.data_ptr() and within_ulps(n0, F.rms_norm(x, (576,), w, 1e-5), 4)
+    assert h0.data_ptr() == x.data_ptr()
+    assert_within_ulps(n0, F.rms_norm(x, (576,), w, 1e-5), 4)
 
 
 def test_silu_mul_matches_pytorch():
     y = torch.randn(3, 1, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4
     gate, up = y.split(1536, dim=-1)
-    assert within_ulps(cpu_fused.silu_mul(y), F.silu(gate) * up, 4)
+    assert_within_ulps(cpu_fused.silu_mul(y), F.silu(gate) * up, 4)
 
 
 def test_bad_input_is_refused():

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from numerics_support import assert_within_ulps
 from triton_support import needs_interpreter_mark
 
 ON_GPU = torch.cuda.is_available()
@@ -139,17 +140,6 @@ def test_half_precision_results_equal_pytorch_ops(dtype):
     h, n = add_rms_norm(a, r, w, 1e-5)
     assert torch.equal(h, a + r)  # one rounding of one sum: nothing to reorder
     assert_within_ulps(n, reference_norm(a + r, w, 1e-5), 2)
-
-
-def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int, scale: torch.Tensor | None = None) -> None:
-    """Each element within ``ulps`` units in the last place (of ``want``'s dtype) of ``scale``
-    (default ``|want|``): a product may be contracted into a fused multiply-add, a sum taken in
-    another order."""
-    assert got.dtype == want.dtype and got.shape == want.shape
-    scale = want.float().abs() if scale is None else scale
-    ulp = torch.finfo(want.dtype).eps * scale.clamp_min(torch.finfo(want.dtype).tiny)
-    bad = (got.float() - want.float()).abs() > ulps * ulp + torch.finfo(want.dtype).tiny
-    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} elements differ by more than {ulps} ulp"
 
 
 @gpu

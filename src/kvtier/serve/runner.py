@@ -68,10 +68,14 @@ class PendingTokens:
     tokens: torch.Tensor
     index: Mapping[str, int]
 
-    def codes(self, rows: Sequence[ScheduledRow]) -> list[int]:
-        """Each decode row's token id, a :data:`PENDING` one as ``-1 - i`` (``i`` its position in
+    def code(self, row: ScheduledRow) -> int:
+        """A decode row's token id, a :data:`PENDING` one as ``-1 - i`` (``i`` its position in
         :attr:`tokens`); a ``KeyError`` names a pending row the step in flight did not sample."""
-        return [r.token_ids[0] if r.token_ids[0] != PENDING else -1 - self.index[r.request_id] for r in rows]
+        return row.token_ids[0] if row.token_ids[0] != PENDING else -1 - self.index[row.request_id]
+
+    def codes(self, rows: Sequence[ScheduledRow]) -> list[int]:
+        """:meth:`code` of each decode row."""
+        return [self.code(r) for r in rows]
 
 
 def fed_tokens(rows: Sequence[ScheduledRow], pending: PendingTokens | None
@@ -84,7 +88,7 @@ def fed_tokens(rows: Sequence[ScheduledRow], pending: PendingTokens | None
         return [r.token_ids for r in rows], None
     if pending is None:
         raise ValueError("a decode row feeds a pending token but no PendingTokens were given")
-    return [(pending.codes([r])[0],) if r.token_ids[-1] == PENDING else r.token_ids for r in rows], pending
+    return [(pending.code(r),) if r.token_ids[-1] == PENDING else r.token_ids for r in rows], pending
 
 
 def fill_pending(tokens: torch.Tensor, pending: PendingTokens | None) -> torch.Tensor:
