@@ -3,6 +3,8 @@ F.linear on the float32 weight, and the default model packed against the float32
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -95,6 +97,33 @@ def test_packed_linear_equals_f_linear_on_the_float32_weight(kernels, fmt, rows,
     scale = F.linear(x.double().abs(), w.double().abs()) + (0 if b is None else b.double().abs())
     for y in (got, want):
         assert ((y.double() - exact).abs() <= 1e-5 * scale).all()
+
+
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2",)], ids=["avx2", "plain"])
+def test_each_vector_path_of_the_kernel_equals_the_exact_product(kernels, flags):
+    """The kernel's narrower paths, built on purpose (where the CPU has AVX-512 the default
+    build never runs them): the AVX2 one and the plain loops, each against the exact product."""
+    import platform
+
+    from kvtier.kernels.native import build_library
+    from kvtier.model.packed import _C_SOURCE, PackedKernels
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 vector flags")
+    narrow = PackedKernels(build_library("packed", _C_SOURCE, flags))
+    for fmt, (w, *_), n_out in (("q4_1", q4_1_weight(201, 1536), 201), ("q8_0", q8_0_weight(200, 576), 200)):
+        lin = nn.Linear(w.shape[1], n_out, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        packed = PackedLinear.from_linear(lin, fmt, narrow)
+        x = torch.randn(3, w.shape[1])
+        got = packed(x)
+        exact = F.linear(x.double(), w.double())
+        scale = F.linear(x.double().abs(), w.double().abs())
+        assert ((got.double() - exact).abs() <= 1e-5 * scale).all(), fmt
+    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    has_avx2 = all(f" {f}" in cpu for f in ("avx2", "fma", "f16c"))
+    assert narrow.lanes == (8 if flags == ("-mno-avx512f",) and has_avx2 else 1)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])

@@ -47,16 +47,19 @@ def kernel_dir() -> Path:
     return path
 
 
-def build_library(name: str, source: str) -> ctypes.CDLL:
+def build_library(name: str, source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Compile ``source`` (once: the file is kept in :func:`kernel_dir`) and load it.
+    ``extra_flags`` follow :data:`CFLAGS` (tests build the narrower vector paths with
+    ``-mno-avx512f`` or ``-mno-avx2``).
 
     Raises ``OSError`` (or ``subprocess.SubprocessError``) when the compiler fails or is absent.
     """
-    key = hashlib.sha256("|".join([source, *CFLAGS, platform.machine(), _cpu_flags(),
+    flags = (*CFLAGS, *extra_flags)
+    key = hashlib.sha256("|".join([source, *flags, platform.machine(), _cpu_flags(),
                                    torch.__version__]).encode()).hexdigest()[:16]
     path = kernel_dir() / f"{name}-{key}.so"
     if not path.is_file():
-        _compile(source, path)
+        _compile(source, path, flags)
     return ctypes.CDLL(str(path))
 
 
@@ -78,12 +81,12 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _compile(source: str, path: Path) -> None:
+def _compile(source: str, path: Path, flags: tuple[str, ...] = CFLAGS) -> None:
     compiler = os.environ.get("CC", "cc")
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         src, out = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so"
         src.write_text(source, encoding="utf-8")
-        done = subprocess.run([compiler, *CFLAGS, str(src), "-o", str(out), "-lm"],
+        done = subprocess.run([compiler, *flags, str(src), "-o", str(out), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-400:]}")

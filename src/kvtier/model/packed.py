@@ -63,6 +63,16 @@ static inline float hsum8(__m256 v) {
 static inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 static inline __m256 s8x8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
 #endif
+/* float32 lanes of the vector path this build took (16 AVX-512, 8 AVX2, 1 plain loops) */
+int kernel_lanes(void) {
+#if defined(__AVX512F__)
+  return 16;
+#elif defined(KV_AVX2)
+  return 8;
+#else
+  return 1;
+#endif
+}
 /* y[r, n] = sum_k x[r, k] w[n, k], weights in blocks of 32 along k, d and m fp16 [N, K/32].
    q4_1: w = code * d + m; 16 bytes per block, low nibble of byte j is element j, high j+16.
    q8_0: w = code * d; 32 int8 per block. code * d is exact in float32, so w is the
@@ -275,6 +285,9 @@ class PackedKernels:
         lib.q8_0_dequant.argtypes = [p] * 3 + [i] * 2 + [ctypes.c_int]
         for fn in self._dequant.values():
             fn.restype = None
+        lib.kernel_lanes.restype = ctypes.c_int
+        #: float32 lanes of the vector path this build took: 16 (AVX-512), 8 (AVX2), 1 (plain C)
+        self.lanes = lib.kernel_lanes()
 
     def dequant(self, fmt: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                 out: torch.Tensor) -> torch.Tensor:
