@@ -3,7 +3,7 @@ F.linear on the float32 weight, and the default model packed against the float32
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,7 +121,7 @@ def test_each_vector_path_of_the_kernel_equals_the_exact_product(kernels, flags)
         exact = F.linear(x.double(), w.double())
         scale = F.linear(x.double().abs(), w.double().abs())
         assert ((got.double() - exact).abs() <= 1e-5 * scale).all(), fmt
-    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     has_avx2 = all(f" {f}" in cpu for f in ("avx2", "fma", "f16c"))
     assert narrow.lanes == (8 if flags == ("-mno-avx512f",) and has_avx2 else 1)
 
