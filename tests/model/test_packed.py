@@ -121,9 +121,20 @@ def test_each_vector_path_of_the_kernel_equals_the_exact_product(kernels, flags)
         exact = F.linear(x.double(), w.double())
         scale = F.linear(x.double().abs(), w.double().abs())
         assert ((got.double() - exact).abs() <= 1e-5 * scale).all(), fmt
+    assert narrow.lanes == (8 if flags == ("-mno-avx512f",) and _cpu_has("avx2", "fma", "f16c") else 1)
+
+
+def _cpu_has(*features: str) -> bool:
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    has_avx2 = all(f" {f}" in cpu for f in ("avx2", "fma", "f16c"))
-    assert narrow.lanes == (8 if flags == ("-mno-avx512f",) and has_avx2 else 1)
+    flags = next((ln.split() for ln in cpu.splitlines() if ln.startswith("flags")), [])
+    return all(f in flags for f in features)
+
+
+def test_the_default_build_takes_the_widest_path_the_cpu_has(kernels):
+    if not Path("/proc/cpuinfo").exists():
+        pytest.skip("no /proc/cpuinfo to compare with")
+    want = 16 if _cpu_has("avx512f") else 8 if _cpu_has("avx2", "fma", "f16c") else 1
+    assert kernels.lanes == want
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
