@@ -81,7 +81,7 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _compile(source: str, path: Path, flags: tuple[str, ...] = CFLAGS) -> None:
+def _compile(source: str, path: Path, flags: tuple[str, ...]) -> None:
     compiler = os.environ.get("CC", "cc")
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         src, out = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so"
