@@ -159,6 +159,12 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
+    def _apply(self, fn, recurse=True):
+        from kvtier.model.cpu_step import forget
+
+        forget(self)  # the one-call decode step's pointers would be stale
+        return super()._apply(fn, recurse)
+
     def make_caches(self, config=None, batch_size: int = 1) -> list[KVCache]:
         """One fresh cache per layer, of the tier ``config`` (default: the environment) selects."""
         from kvtier.config import make_caches
@@ -193,6 +199,15 @@ class Transformer(nn.Module):
         """
         n = self._check_forward(tokens, caches, positions, num_layers)
         kwargs = cache_kwargs or {}
+        if tokens.shape == (1, 1) and positions is None and not kwargs and select is None \
+                and tokens.device.type == "cpu" and cpu_kernels(self.tok_embeddings.weight):
+            # one token of one sequence on the CPU: one C call where it can (kvtier.model.cpu_step)
+            from kvtier.model.cpu_step import plan_for
+
+            step = plan_for(self)
+            logits = None if step is None else step.run(tokens, caches, n)
+            if logits is not None:
+                return logits
         if positions is None:
             positions = self._positions_from_cache(tokens, caches[0], kwargs)
         positions = positions.to(tokens.device)  # (B, T)

@@ -82,14 +82,14 @@ int kernel_lanes(void) {
    4.9 ms a token). Without AVX-512 but with AVX2, FMA and F16C the same loops run 8 lanes
    wide with intrinsics: the plain loops left to the compiler took SmolLM2's linears 38 ms
    a token on a 2-core AVX2 box (Zen 3), these 11 ms. */
-void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _Float16* mn,
-               float* y, int64_t M, int64_t N, int64_t K, int threads) {
+static inline void q4_1_task(const float* x, const uint8_t* codes, const _Float16* d,
+                             const _Float16* mn, float* y, int64_t M, int64_t N, int64_t K, int64_t task) {
   const int64_t G = K / 32;
 #ifdef __AVX512F__
   /* two output rows at a time: each tile of x is loaded once for both, and their scales and
      minima are converted to float32 16 at a time before the loop */
-  #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n2 = 0; n2 < (N + 1) / 2; n2++) {
+  {
+    const int64_t n2 = task;
     const int64_t n = 2 * n2;
     const int two = n + 1 < N;
     float df[2][G + 16], mf[2][G + 16];
@@ -131,8 +131,8 @@ void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _F
 #elif defined(KV_AVX2)
   /* AVX2: two output rows at a time, as above, 8 lanes; bytes 0-7 and 8-15 of a block give
      elements 0-7 and 8-15 (low nibbles) and 16-23 and 24-31 (high nibbles) */
-  #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n2 = 0; n2 < (N + 1) / 2; n2++) {
+  {
+    const int64_t n2 = task;
     const int64_t n = 2 * n2, n1 = n + 1 < N ? n + 1 : n;
     const uint8_t* cs[2] = {codes + n * G * 16, codes + n1 * G * 16};
     const _Float16* ds[2] = {d + n * G, d + n1 * G};
@@ -166,8 +166,8 @@ void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _F
     }
   }
 #else
-  #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n = 0; n < N; n++) {
+  {
+    const int64_t n = task;
     for (int64_t r = 0; r < M; r++) {
       const float* xr = x + r * K;
       const uint8_t* c = codes + n * G * 16;
@@ -187,6 +187,22 @@ void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _F
     }
   }
 #endif
+}
+
+/* the tasks of q4_1_task: pairs of outputs on the vector paths, single outputs otherwise */
+static inline int64_t q4_1_tasks(int64_t N) {
+#if defined(__AVX512F__) || defined(KV_AVX2)
+  return (N + 1) / 2;
+#else
+  return N;
+#endif
+}
+
+void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _Float16* mn,
+               float* y, int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t tasks = q4_1_tasks(N);
+  #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t t = 0; t < tasks; t++) q4_1_task(x, codes, d, mn, y, M, N, K, t);
 }
 
 /* The float32 weight [N, K], bit for bit: code * d is exact (4 or 8 bits times an fp16's 11),
@@ -222,12 +238,11 @@ void q8_0_dequant(const int8_t* codes, const _Float16* d, float* w, int64_t N, i
   }
 }
 
-void q8_0_gemv(const float* x, const int8_t* codes, const _Float16* d, const _Float16* unused,
-               float* y, int64_t M, int64_t N, int64_t K, int threads) {
+static inline void q8_0_task(const float* x, const int8_t* codes, const _Float16* d, float* y,
+                             int64_t M, int64_t N, int64_t K, int64_t task) {
   const int64_t G = K / 32;
-  (void)unused;
-  #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n = 0; n < N; n++) {
+  {
+    const int64_t n = task;
     for (int64_t r = 0; r < M; r++) {
       const float* xr = x + r * K;
       const int8_t* c = codes + n * K;
@@ -267,6 +282,13 @@ void q8_0_gemv(const float* x, const int8_t* codes, const _Float16* d, const _Fl
 #endif
     }
   }
+}
+
+void q8_0_gemv(const float* x, const int8_t* codes, const _Float16* d, const _Float16* unused,
+               float* y, int64_t M, int64_t N, int64_t K, int threads) {
+  (void)unused;
+  #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n++) q8_0_task(x, codes, d, y, M, N, K, n);
 }
 """
 

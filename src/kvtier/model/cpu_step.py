@@ -1,0 +1,372 @@
+"""A whole decode step of one sequence on the CPU in one C call.
+
+At one token the default model's decode step is 30 layers of small operations: four
+matrix-vector products, two RMSNorms, RoPE, the cache write, attention and the SiLU
+product each. The products read the weights (about 97 MB of block codes, the step's
+real work); everything else is microseconds of PyTorch dispatch and Python per op,
+which on the 2-core box added up to more than the products themselves. :class:`DecodeStep`
+runs the same arithmetic for every layer, the final norm and the LM head inside one
+OpenMP parallel region of a C function:
+
+- the products are the packed kernels' own task bodies (:mod:`kvtier.model.packed`:
+  Q4_1 and Q8_0 codes, bit for bit the same outputs as :class:`PackedLinear`), or a
+  float32 dot product for a layer that stayed float32; the threads share each product
+  and meet at a barrier after it, instead of starting a parallel region per product;
+- the add-and-RMSNorm, RoPE and SiLU product are the C kernels of
+  :mod:`kvtier.kernels.cpu_fused` (the layered path's own arithmetic);
+- the new key and value are written into the :class:`~kvtier.caches.tail_owned.TailOwnedKVCache`
+  buffers at each layer's offset, and attention reads them in place: one task per query
+  head, scores, softmax, weighted sum of the values, in float32.
+
+So the logits differ from the layered forward only in attention's summation order.
+
+It serves :meth:`kvtier.model.llama.Transformer.forward` for one sequence and one token on
+the CPU in float32, without gradients and outside ``torch.compile``, when every layer's
+cache is a tail-tier cache of that sequence and every projection is a
+:class:`PackedLinear` or a float32 :class:`~kvtier.model.linear.Linear` (Llama, Mistral
+and Qwen2 shapes; Qwen3's q/k norms keep the layered path). Anything else, and
+``KVTIER_FUSED=0`` or ``KVTIER_DECODE_STEP=0``, takes the layered forward. The plan of
+pointers is built once per model and rebuilt when a layer's modules or tensors change.
+
+Example::
+
+    >>> lm = load_model()                                # the default model, packed  # doctest: +SKIP
+    >>> caches = lm.model.make_caches()                  # tail tier by default
+    >>> lm.model(prompt_ids, caches)                     # prefill: the layered forward
+    >>> lm.model(torch.tensor([[token]]), caches)        # one token: one C call
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import weakref
+
+import torch
+from torch import nn
+
+from kvtier.caches.tail_owned import TailOwnedKVCache
+from kvtier.kernels import cpu_fused
+from kvtier.kernels.native import load_or_warn
+from kvtier.model import packed
+from kvtier.model.linear import Linear
+
+__all__ = ["DecodeStep", "decode_step_enabled", "forget", "load_kernels", "plan_for"]
+
+_STEP_SOURCE = r"""
+#include <string.h>
+#include <math.h>
+
+typedef struct {       /* one projection: y = W x (+ bias) */
+  int64_t fmt;         /* 0 float32 weight [N, K], 1 Q4_1 codes, 2 Q8_0 codes */
+  const void* w; const void* d; const void* m; const float* bias;
+  int64_t N, K;
+} Lin;
+
+typedef struct {
+  const float* attn_norm; const float* ffn_norm;
+  Lin wqkv, wo, w13, w2;
+  float* k; float* v;  /* the cache's buffers [H_kv, cap, D] */
+  int64_t offset, cap; /* the write position, the buffers' length */
+} Layer;
+
+/* y = W x (+ bias) of one row; the tasks are shared by the threads of the enclosing region,
+   which meet at the barrier after them */
+static void linear_row(const Lin* l, const float* x, float* y) {
+  const int64_t N = l->N, K = l->K;
+  if (l->fmt == 1) {
+    const int64_t tasks = q4_1_tasks(N);
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; t++) q4_1_task(x, l->w, l->d, l->m, y, 1, N, K, t);
+  } else if (l->fmt == 2) {
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) q8_0_task(x, l->w, l->d, y, 1, N, K, n);
+  } else {
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+      const float* w = (const float*)l->w + n * K;
+      float s = 0.f;
+      #pragma omp simd reduction(+:s)
+      for (int64_t k = 0; k < K; k++) s += x[k] * w[k];
+      y[n] = s;
+    }
+  }
+  if (l->bias) {
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) y[n] += l->bias[n];
+  }
+}
+
+/* out = softmax(q . K[j] * scale over j < n) @ V, K and V [n, D] rows of one head; s: n floats */
+static inline __attribute__((always_inline)) void attend(const float* q, const float* K, const float* V,
+    int64_t n, const int64_t DC, int64_t Dv, float scale, float* s, float* out) {
+  const int64_t D = DC ? DC : Dv;
+  float mx = -INFINITY, tot = 0.f;
+  for (int64_t j = 0; j < n; j++) {
+    const float* kj = K + j * D;
+    float dot = 0.f;
+    #pragma omp simd reduction(+:dot)
+    for (int64_t d = 0; d < D; d++) dot += q[d] * kj[d];
+    s[j] = dot * scale;
+    mx = s[j] > mx ? s[j] : mx;
+  }
+  for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - mx); tot += s[j]; }
+  float acc[D];
+  for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
+  for (int64_t j = 0; j < n; j++) {
+    const float p = s[j];
+    const float* vj = V + j * D;
+    #pragma omp simd
+    for (int64_t d = 0; d < D; d++) acc[d] += p * vj[d];
+  }
+  const float inv = 1.f / tot;
+  for (int64_t d = 0; d < D; d++) out[d] = acc[d] * inv;
+}
+
+/* One token through n_layers layers, the final norm and the LM head: logits [V]. x0 is the
+   token's embedding [dim], cos/sin [D] its rotation; scratch holds dim * 4 + (3 Hq + 3 Hkv) D
+   + 3 hidden + Hq * score_stride floats, score_stride at least every layer's offset + 1. */
+void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const float* norm_w,
+                 const float* x0, const float* cos, const float* sin, int64_t dim, int64_t Hq,
+                 int64_t Hkv, int64_t D, int64_t hidden, float eps, float scale, float* scratch,
+                 int64_t score_stride, float* logits, int threads) {
+  float* h = scratch;                      /* the residual stream [dim] */
+  float* nrm = h + dim;                    /* its RMSNorm [dim] */
+  float* delta = nrm + dim;                /* the MLP's output [dim] */
+  float* a = delta + dim;                  /* attention's projection [dim] */
+  float* qkv = a + dim;                    /* [Hq + 2 Hkv, D] */
+  float* qk = qkv + (Hq + 2 * Hkv) * D;    /* q and k rotated [Hq + Hkv, D] */
+  float* att = qk + (Hq + Hkv) * D;        /* attention's output [Hq, D] */
+  float* ff = att + Hq * D;                /* gate and up [2 hidden] */
+  float* act = ff + 2 * hidden;            /* silu(gate) * up [hidden] */
+  float* scores = act + hidden;            /* [Hq, score_stride] */
+  const int64_t group = Hq / Hkv;
+  memcpy(h, x0, dim * sizeof(float));
+  #pragma omp parallel num_threads(threads)
+  {
+    for (int64_t l = 0; l < n_layers; l++) {
+      const Layer* ly = layers + l;
+      const int64_t off = ly->offset, cap = ly->cap;
+      #pragma omp single
+      add_rms_norm(h, l ? delta : NULL, ly->attn_norm, h, nrm, 1, dim, eps, 1);
+      linear_row(&ly->wqkv, nrm, qkv);
+      #pragma omp single
+      {
+        rope(qkv, 0, 0, D, cos, sin, 0, 0, qk, 1, 1, Hq + Hkv, D, 1);
+        for (int64_t kh = 0; kh < Hkv; kh++) {
+          memcpy(ly->k + (kh * cap + off) * D, qk + (Hq + kh) * D, D * sizeof(float));
+          memcpy(ly->v + (kh * cap + off) * D, qkv + (Hq + Hkv + kh) * D, D * sizeof(float));
+        }
+      }
+      #pragma omp for schedule(static)
+      for (int64_t hq = 0; hq < Hq; hq++) {
+        const float* K = ly->k + (hq / group) * cap * D;
+        const float* V = ly->v + (hq / group) * cap * D;
+        float* s = scores + hq * score_stride;
+        if (D == 64) attend(qk + hq * D, K, V, off + 1, 64, D, scale, s, att + hq * D);
+        else if (D == 128) attend(qk + hq * D, K, V, off + 1, 128, D, scale, s, att + hq * D);
+        else attend(qk + hq * D, K, V, off + 1, 0, D, scale, s, att + hq * D);
+      }
+      linear_row(&ly->wo, att, a);
+      #pragma omp single
+      add_rms_norm(h, a, ly->ffn_norm, h, nrm, 1, dim, eps, 1);
+      linear_row(&ly->w13, nrm, ff);
+      #pragma omp single
+      silu_mul(ff, act, 1, hidden, 1);
+      linear_row(&ly->w2, act, delta);
+    }
+    #pragma omp single
+    add_rms_norm(h, delta, norm_w, h, nrm, 1, dim, eps, 1);
+    linear_row(head, nrm, logits);
+  }
+}
+"""
+
+_FORMATS = {"float32": 0, "q4_1": 1, "q8_0": 2}
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int64), ("w", ctypes.c_void_p), ("d", ctypes.c_void_p),
+                ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64),
+                ("K", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("wqkv", _Lin),
+                ("wo", _Lin), ("w13", _Lin), ("w2", _Lin), ("k", ctypes.c_void_p),
+                ("v", ctypes.c_void_p), ("offset", ctypes.c_int64), ("cap", ctypes.c_int64)]
+
+
+class _Kernels:
+    def __init__(self, lib: ctypes.CDLL):
+        self.decode_step = lib.decode_step
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self.decode_step.argtypes = ([p, i, p, p, p, p, p] + [i] * 5 + [ctypes.c_float] * 2
+                                     + [p, i, p, ctypes.c_int])
+        self.decode_step.restype = None
+
+
+@functools.cache
+def load_kernels() -> _Kernels | None:
+    """Compile (once per machine) and load the step; ``None`` with a warning where no C compiler
+    builds it."""
+    source = packed._C_SOURCE + cpu_fused._C_SOURCE + _STEP_SOURCE
+    return load_or_warn("cpu_step", source, _Kernels, "decode steps take the layered forward")
+
+
+def decode_step_enabled() -> bool:
+    """Whether the environment allows the one-call step (``KVTIER_FUSED`` and
+    ``KVTIER_DECODE_STEP`` not ``0``/``false``/``no``/``off``)."""
+    off = ("0", "false", "no", "off")
+    return all(os.environ.get(v, "1").strip().lower() not in off
+               for v in ("KVTIER_FUSED", "KVTIER_DECODE_STEP"))
+
+
+def _cpu_f32(t: torch.Tensor | None) -> bool:
+    return t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
+
+
+def _linear_entry(lin: nn.Module, keep: list) -> _Lin | None:
+    """The C description of one projection, or ``None`` when the step cannot run it."""
+    if type(lin) not in (packed.PackedLinear, Linear):  # (tensor-parallel shards, adapters, ...)
+        return None
+    bias = lin.bias
+    if not _cpu_f32(bias):
+        return None
+    if type(lin) is packed.PackedLinear:
+        ts = (lin.codes, lin.d, lin.m)
+        if any(t is not None and (t.device.type != "cpu" or not t.is_contiguous()) for t in ts) \
+                or lin.d.dtype != torch.float16 or (lin.m is not None and lin.m.dtype != torch.float16):
+            return None
+        fmt, w, d, m = _FORMATS[lin.fmt], lin.codes, lin.d, lin.m
+    elif type(lin) is Linear:
+        if not _cpu_f32(lin.weight):
+            return None
+        fmt, w, d, m = 0, lin.weight, None, None
+    keep.extend(t for t in (w, d, m, bias) if t is not None)  # (the plan holds what it points at)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    return _Lin(fmt, ptr(w), ptr(d), ptr(m), ptr(bias), lin.out_features, lin.in_features)
+
+
+class DecodeStep:
+    """The pointer plan of one :class:`~kvtier.model.llama.Transformer` for :func:`decode_step`.
+
+    :meth:`build` returns ``None`` when the model does not qualify; :meth:`run` runs one token,
+    or returns ``None`` (nothing touched) when the caches do not qualify.
+    """
+
+    def __init__(self, model, kernels: _Kernels, layers, head: _Lin, keep: list, key: tuple):
+        a = model.args
+        self.model, self.kernels, self.key = model, kernels, key
+        self.layers, self.head, self._keep = layers, head, keep
+        self.dims = (a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim)
+        self.eps = float(model.norm.eps)
+        self.scale = float(model.layers[0].attention.scale)
+        self._scratch = torch.empty(0)
+        self.needs_grad = any(t.requires_grad for t in keep if isinstance(t, torch.Tensor))
+
+    @staticmethod
+    def key_objects(model) -> list:
+        """What the plan's pointers depend on: every layer's modules and norms (the plan keeps
+        them, so that no other object takes their ids while it lives)."""
+        objs = [model.tok_embeddings.weight, model.norm.weight, model.output]
+        for layer in model.layers:
+            at, ff = layer.attention, layer.feed_forward
+            objs += [layer.attention_norm.weight, layer.ffn_norm.weight, at.wqkv, at.wo, ff.w13, ff.w2]
+        return objs
+
+    @classmethod
+    def build(cls, model) -> DecodeStep | None:
+        kernels = load_kernels()
+        a = model.args
+        if kernels is None or a.qk_norm or a.n_heads % a.n_kv_heads:
+            return None
+        keep: list = []
+        layers = (_Layer * a.n_layers)()
+        for i, layer in enumerate(model.layers):
+            at, ff = layer.attention, layer.feed_forward
+            norms = (layer.attention_norm.weight, layer.ffn_norm.weight)
+            lins = [_linear_entry(at.wqkv, keep), _linear_entry(at.wo, keep),
+                    _linear_entry(ff.w13, keep), _linear_entry(ff.w2, keep)]
+            if any(x is None for x in lins) or not all(_cpu_f32(n) for n in norms):
+                return None
+            keep.extend(norms)
+            layers[i].attn_norm, layers[i].ffn_norm = norms[0].data_ptr(), norms[1].data_ptr()
+            layers[i].wqkv, layers[i].wo, layers[i].w13, layers[i].w2 = lins
+        head = _linear_entry(model.output, keep)
+        if head is None or not _cpu_f32(model.norm.weight) or not _cpu_f32(model.tok_embeddings.weight):
+            return None
+        keep += [model.norm.weight, model.tok_embeddings.weight]
+        objs = cls.key_objects(model)
+        return cls(model, kernels, layers, head, keep + objs, tuple(map(id, objs)))
+
+    def run(self, tokens: torch.Tensor, caches, n: int) -> torch.Tensor | None:
+        """Logits ``[1, 1, vocab]`` of one token (``tokens`` ``[1, 1]``) through the first ``n``
+        layers, each writing into its cache; ``None``, with nothing changed, when a cache is not a
+        tail-tier cache of one row in float32 of the model's shape, or the token is out of range
+        (the layered forward then serves it, and raises what it raises)."""
+        dim, Hq, Hkv, D, hidden = self.dims
+        if torch.is_grad_enabled() and self.needs_grad:
+            return None
+        token = int(tokens[0, 0])
+        vocab = self.model.args.vocab_size
+        if not 0 <= token < vocab:
+            return None
+        used = caches[:n]
+        for c in used:
+            if type(c) is not TailOwnedKVCache:
+                return None
+            k, v = c.keys, c.values
+            if k is not None and not (k.shape[0] == 1 and k.shape[1] == Hkv and k.shape[3] == D
+                                      and v.shape == k.shape and _cpu_f32(k) and _cpu_f32(v)):
+                return None
+        like = None
+        for layer, c in zip(self.layers, used):  # everything is checked: from here on it writes
+            end = c._offset + 1
+            if end > c.capacity:
+                like = torch.empty(1, Hkv, 1, D) if like is None else like
+                c._grow(end, like, like)
+            layer.k, layer.v = c.keys.data_ptr(), c.values.data_ptr()
+            layer.offset, layer.cap = c._offset, c.capacity
+        cos, sin = self.model.rope(torch.tensor([[caches[0].offset]]), torch.float32)  # (1, 1, 1, D)
+        stride = max(c.capacity for c in used)
+        need = dim * 4 + (3 * Hq + 3 * Hkv) * D + 3 * hidden + Hq * stride
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need)
+        logits = torch.empty(1, 1, vocab)
+        emb = self.model.tok_embeddings.weight
+        self.kernels.decode_step(self.layers, n, ctypes.byref(self.head), self.model.norm.weight.data_ptr(),
+                                 emb.data_ptr() + token * dim * 4, cos.data_ptr(), sin.data_ptr(),
+                                 dim, Hq, Hkv, D, hidden, self.eps, self.scale, self._scratch.data_ptr(),
+                                 stride, logits.data_ptr(), torch.get_num_threads())
+        written = 2 * Hkv * D * 4
+        for c in used:
+            c._offset += 1
+            c.copy_stats.updates += 1
+            c.copy_stats.bytes += written
+        return logits
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def plan_for(model) -> DecodeStep | None:
+    """The model's :class:`DecodeStep` (built on first use, rebuilt when its layers' modules or
+    norms change), or ``None`` when the model does not qualify or the environment turns it off."""
+    if not decode_step_enabled() or torch.compiler.is_compiling():
+        return None
+    emb = model.tok_embeddings.weight
+    if emb.device.type != "cpu" or emb.dtype != torch.float32:
+        return None
+    key = tuple(map(id, DecodeStep.key_objects(model)))
+    entry = _PLANS.get(model)
+    if entry is None or entry[0] != key:
+        entry = (key, DecodeStep.build(model))
+        _PLANS[model] = entry
+    return entry[1]
+
+
+def forget(model) -> None:
+    """Drop the model's plan (its tensors moved: ``Module._apply``)."""
+    _PLANS.pop(model, None)

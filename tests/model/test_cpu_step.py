@@ -1,0 +1,176 @@
+"""The one-call CPU decode step (kvtier.model.cpu_step) against the layered forward.
+
+Each test runs the same prompt and tokens twice, once through the step and once with
+``KVTIER_DECODE_STEP=0`` (the layered forward with its C elementwise kernels), and
+compares logits, greedy tokens, the caches' contents and their counters. Only attention's
+summation order differs between the two, so logits agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_packed import q4_1_weight, q8_0_weight
+from torch import nn
+
+from kvtier.caches.ragged import RaggedBatchKVCache
+from kvtier.caches.tail_owned import TailOwnedKVCache
+from kvtier.model import cpu_step
+from kvtier.model.llama import ModelArgs, Transformer
+from kvtier.model.packed import PackedLinear, pack_model
+
+PROMPT = [[3, 17, 42, 8, 99, 5, 61, 23, 7]]
+
+
+@pytest.fixture(autouse=True)
+def _needs_kernels():
+    if cpu_step.load_kernels() is None:
+        pytest.skip("no C compiler builds the decode step here")
+
+
+def small_model(*, packed: bool = True, seed: int = 0, **kw) -> Transformer:
+    """A 3-layer model; with ``packed`` its projections are exact Q4_1 (wqkv, w13, w2) and
+    Q8_0 (wo, LM head) weights, packed as the default model is, except layer 1's ``w2``,
+    which stays float32 (a layer the GGUF left unquantised)."""
+    torch.manual_seed(seed)
+    args = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=128)
+    model = Transformer(ModelArgs(**{**args, **kw})).eval()
+    with torch.no_grad():
+        for i, (name, lin) in enumerate(n for n in model.named_modules() if isinstance(n[1], nn.Linear)):
+            if not packed or name == "layers.1.feed_forward.w2":
+                continue
+            N, K = lin.weight.shape
+            q8 = name.endswith(("wo", "output"))
+            lin.weight.copy_(q8_0_weight(N, K, seed=i)[0] if q8 else q4_1_weight(N, K, seed=i)[0] * 4)
+        for p in model.parameters():
+            p.requires_grad_(False)
+    if packed:
+        stats = pack_model(model)
+        assert stats["packed"] == {"q4_1": 8, "q8_0": 4} and stats["float32"] == 1
+    return model
+
+
+def decode(model, steps: int = 12, *, step_on: bool, monkeypatch, caches=None, num_layers=None):
+    """Prefill PROMPT, then ``steps`` greedy tokens one at a time: (logits [steps, V], caches)."""
+    monkeypatch.setenv("KVTIER_DECODE_STEP", "1" if step_on else "0")
+    caches = model.make_caches() if caches is None else caches
+    out = []
+    with torch.inference_mode():
+        logits = model(torch.tensor(PROMPT), caches, last_only=True, num_layers=num_layers)
+        for _ in range(steps):
+            token = logits[0, -1].argmax().view(1, 1)
+            logits = model(token, caches, num_layers=num_layers)
+            assert logits.shape == (1, 1, model.args.vocab_size) and logits.dtype == torch.float32
+            out.append(logits[0, -1].clone())
+    return torch.stack(out), caches
+
+
+def assert_same_decode(model, monkeypatch, **kw):
+    want, want_caches = decode(model, step_on=False, monkeypatch=monkeypatch, **kw)
+    got, got_caches = decode(model, step_on=True, monkeypatch=monkeypatch, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for g, w in zip(got_caches, want_caches):
+        assert g.offset == w.offset
+        if not w.offset:  # a layer past num_layers
+            assert g.keys is None
+            continue
+        for a, b in zip(g.fetch(), w.fetch()):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        gs, ws = g.stats(), w.stats()
+        for k in ("updates", "bytes", "grow_events", "capacity"):
+            assert gs[k] == ws[k], k
+    return got
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "float32"])
+def test_the_step_gives_the_layered_forwards_logits_tokens_and_caches(packed, monkeypatch):
+    model = small_model(packed=packed)
+    assert cpu_step.plan_for(model) is not None
+    assert_same_decode(model, monkeypatch)
+
+
+def test_the_step_grows_the_caches_across_their_capacity(monkeypatch):
+    """Tail caches of step 4: the step itself grows them (9 prompt tokens, then 12 more)."""
+    model = small_model()
+    assert_same_decode(model, monkeypatch, caches=None)
+    want, wc = decode(model, step_on=False, monkeypatch=monkeypatch,
+                      caches=[TailOwnedKVCache(step=4) for _ in range(3)])
+    got, gc = decode(model, step_on=True, monkeypatch=monkeypatch,
+                     caches=[TailOwnedKVCache(step=4) for _ in range(3)])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert [c.capacity for c in gc] == [24, 24, 24] and gc[0].stats()["grow_events"] == wc[0].stats()["grow_events"]
+
+
+def test_qkv_bias_and_early_exit_take_the_step(monkeypatch):
+    assert_same_decode(small_model(qkv_bias=True, arch="qwen2"), monkeypatch)
+    assert_same_decode(small_model(), monkeypatch, num_layers=2)
+
+
+def test_what_the_step_does_not_serve_takes_the_layered_forward(monkeypatch):
+    model = small_model()
+    step = cpu_step.plan_for(model)
+    token = torch.tensor([[5]])
+    with torch.inference_mode():
+        ragged = [RaggedBatchKVCache(batch_size=1) for _ in range(3)]
+        model(torch.tensor(PROMPT), ragged)
+        assert step.run(token, ragged, 3) is None  # not the tail tier
+        two_rows = model.make_caches(batch_size=2)
+        model(torch.tensor(PROMPT * 2), two_rows)
+        assert step.run(token, two_rows, 3) is None  # a cache of two rows
+        before = [c.offset for c in two_rows]
+        assert model(torch.tensor([[5], [6]]), two_rows).shape == (2, 1, 128)  # layered, two rows
+        assert [c.offset for c in two_rows] == [b + 1 for b in before]
+    assert cpu_step.plan_for(small_model(qk_norm=True, arch="qwen3")) is None  # q/k norms
+    monkeypatch.setenv("KVTIER_DECODE_STEP", "0")
+    assert cpu_step.plan_for(model) is None
+    monkeypatch.setenv("KVTIER_DECODE_STEP", "1")
+    monkeypatch.setenv("KVTIER_FUSED", "0")
+    assert cpu_step.plan_for(model) is None
+
+
+def test_a_token_out_of_range_raises_as_the_layered_forward_does_and_writes_nothing(monkeypatch):
+    model = small_model()
+    caches = model.make_caches()
+    with torch.inference_mode():
+        model(torch.tensor(PROMPT), caches)
+        with pytest.raises(IndexError):
+            model(torch.tensor([[128]]), caches)
+    assert [c.offset for c in caches] == [len(PROMPT[0])] * 3
+
+
+def test_the_plan_follows_replaced_modules_and_moved_tensors(monkeypatch):
+    model = small_model()
+    first = cpu_step.plan_for(model)
+    assert cpu_step.plan_for(model) is first  # built once
+    before = assert_same_decode(model, monkeypatch)
+    with torch.no_grad():  # a new wo in layer 0: the plan must point at it
+        old = model.layers[0].attention.wo
+        model.layers[0].attention.wo = nn.Linear(old.in_features, old.out_features, bias=False)
+        model.layers[0].attention.wo.weight.copy_(old.weight * 0.5)
+    assert not isinstance(model.layers[0].attention.wo, PackedLinear)
+    assert cpu_step.plan_for(model) is None  # a plain nn.Linear: not one the step runs
+    from kvtier.model.linear import Linear
+
+    with torch.no_grad():
+        new = Linear(old.in_features, old.out_features, bias=False)
+        new.weight.copy_(old.weight * 0.5)
+        new.requires_grad_(False)
+    model.layers[0].attention.wo = new
+    assert cpu_step.plan_for(model) not in (None, first)
+    changed = assert_same_decode(model, monkeypatch)
+    assert not torch.allclose(changed, before)
+    model.to(torch.float64).to(torch.float32)  # every tensor reallocated: the plan is dropped
+    assert_same_decode(model, monkeypatch)
+
+
+def test_gradients_keep_the_layered_forward(monkeypatch):
+    model = small_model(packed=False)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    step = cpu_step.plan_for(model)
+    caches = model.make_caches()
+    model(torch.tensor(PROMPT), caches)
+    assert step.run(torch.tensor([[5]]), caches, 3) is None  # would record no graph
+    logits = model(torch.tensor([[5]]), caches)
+    assert logits.requires_grad
