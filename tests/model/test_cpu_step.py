@@ -50,13 +50,14 @@ def small_model(*, packed: bool = True, seed: int = 0, **kw) -> Transformer:
     return model
 
 
-def decode(model, steps: int = 12, *, step_on: bool, monkeypatch, caches=None, num_layers=None):
-    """Prefill PROMPT, then ``steps`` greedy tokens one at a time: (logits [steps, V], caches)."""
+def decode(model, steps: int = 12, *, step_on: bool, monkeypatch, caches=None, num_layers=None,
+           prompt=PROMPT):
+    """Prefill ``prompt``, then ``steps`` greedy tokens one at a time: (logits [steps, V], caches)."""
     monkeypatch.setenv("KVTIER_DECODE_STEP", "1" if step_on else "0")
     caches = model.make_caches() if caches is None else caches
     out = []
     with torch.inference_mode():
-        logits = model(torch.tensor(PROMPT), caches, last_only=True, num_layers=num_layers)
+        logits = model(torch.tensor(prompt), caches, last_only=True, num_layers=num_layers)
         for _ in range(steps):
             token = logits[0, -1].argmax().view(1, 1)
             logits = model(token, caches, num_layers=num_layers)
@@ -100,6 +101,20 @@ def test_the_step_grows_the_caches_across_their_capacity(monkeypatch):
                      caches=[TailOwnedKVCache(step=4) for _ in range(3)])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert [c.capacity for c in gc] == [24, 24, 24] and gc[0].stats()["grow_events"] == wc[0].stats()["grow_events"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_contexts_split_each_kv_heads_keys_and_merge(monkeypatch, threads):
+    """600 keys: attention runs in splits of a KV head's keys (at least 64 each, 4 tasks a thread
+    where the keys allow), each split's softmax parts merged; the vector exp's values too."""
+    model = small_model()
+    prompt = [torch.randint(0, 128, (600,), generator=torch.Generator().manual_seed(1)).tolist()]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_same_decode(model, monkeypatch, prompt=prompt, steps=4)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_qkv_bias_and_early_exit_take_the_step(monkeypatch):

@@ -15,10 +15,15 @@ OpenMP parallel region of a C function:
 - the add-and-RMSNorm, RoPE and SiLU product are the C kernels of
   :mod:`kvtier.kernels.cpu_fused` (the layered path's own arithmetic);
 - the new key and value are written into the :class:`~kvtier.caches.tail_owned.TailOwnedKVCache`
-  buffers at each layer's offset, and attention reads them in place: one task per query
-  head, scores, softmax, weighted sum of the values, in float32.
+  buffers at each layer's offset, and attention reads them in place: one task per KV head
+  and split of its keys (at least 64 keys a split, four tasks a thread where the context
+  allows), which reads each key and value row once for the head's whole query group and
+  leaves its largest score, softmax sum and weighted values; a second pass merges the
+  splits of each query head. Scores, the exponentials (eight at a time with AVX2, a
+  polynomial within 2 units in the last place of ``expf``) and sums are float32.
 
-So the logits differ from the layered forward only in attention's summation order.
+So the logits differ from the layered forward only in attention's arithmetic (summation
+order, the exponential), by float32 rounding.
 
 It serves :meth:`kvtier.model.llama.Transformer.forward` for one sequence and one token on
 the CPU in float32, without gradients and outside ``torch.compile``, when every layer's
@@ -57,6 +62,9 @@ __all__ = ["DecodeStep", "decode_step_enabled", "forget", "load_kernels", "plan_
 _STEP_SOURCE = r"""
 #include <string.h>
 #include <math.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 typedef struct {       /* one projection: y = W x (+ bias) */
   int64_t fmt;         /* 0 float32 weight [N, K], 1 Q4_1 codes, 2 Q8_0 codes */
@@ -98,35 +106,107 @@ static void linear_row(const Lin* l, const float* x, float* y) {
   }
 }
 
-/* out = softmax(q . K[j] * scale over j < n) @ V, K and V [n, D] rows of one head; s: n floats */
-static inline __attribute__((always_inline)) void attend(const float* q, const float* K, const float* V,
-    int64_t n, const int64_t DC, int64_t Dv, float scale, float* s, float* out) {
-  const int64_t D = DC ? DC : Dv;
-  float mx = -INFINITY, tot = 0.f;
-  for (int64_t j = 0; j < n; j++) {
-    const float* kj = K + j * D;
-    float dot = 0.f;
-    #pragma omp simd reduction(+:dot)
-    for (int64_t d = 0; d < D; d++) dot += q[d] * kj[d];
-    s[j] = dot * scale;
-    mx = s[j] > mx ? s[j] : mx;
+/* s[j] = exp(s[j] - mx) for j < n; returns their sum. With AVX2 eight at a time (Cephes'
+   polynomial: within 2 units in the last place of expf, exact 0 below -87), else expf. */
+static inline float exp_shifted(float* s, int64_t n, float mx) {
+  int64_t j = 0;
+  float tot = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 lo = _mm256_set1_ps(-87.f), log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 m = _mm256_set1_ps(mx), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x0 = _mm256_sub_ps(_mm256_loadu_ps(s + j), m);
+    const __m256 x = _mm256_max_ps(x0, lo);
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, half));
+    const __m256 r = _mm256_fnmadd_ps(fx, c2, _mm256_fnmadd_ps(fx, c1, x));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, half);
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), one);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    y = _mm256_and_ps(y, _mm256_cmp_ps(x0, lo, _CMP_GE_OQ));  /* far below the max: 0 */
+    _mm256_storeu_ps(s + j, y);
+    acc = _mm256_add_ps(acc, y);
   }
-  for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - mx); tot += s[j]; }
-  float acc[D];
-  for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
-  for (int64_t j = 0; j < n; j++) {
-    const float p = s[j];
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_hadd_ps(h, h);
+  tot = _mm_cvtss_f32(_mm_hadd_ps(h, h));
+#endif
+  for (; j < n; j++) { s[j] = expf(s[j] - mx); tot += s[j]; }
+  return tot;
+}
+
+/* Attention of the G query heads of one KV head over keys [j0, j1) of its K and V rows [n, D]:
+   each key and value row is read once for the whole group. For each head g it leaves the
+   chunk's largest score, the sum of exp(score - that) and the weighted sum of the values
+   [D] in part[g * (D + 2) ...]; s holds the group's scores, row g at s + g * stride. */
+static inline __attribute__((always_inline)) void attend_chunk(const float* q, const float* K,
+    const float* V, int64_t j0, int64_t j1, int64_t G, const int64_t DC, int64_t Dv, float scale,
+    float* s, int64_t stride, float* part) {
+  const int64_t D = DC ? DC : Dv;
+  for (int64_t j = j0; j < j1; j++) {
+    const float* kj = K + j * D;
+    for (int64_t g = 0; g < G; g++) {
+      const float* qg = q + g * D;
+      float dot = 0.f;
+      #pragma omp simd reduction(+:dot)
+      for (int64_t d = 0; d < D; d++) dot += qg[d] * kj[d];
+      s[g * stride + j] = dot * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; g++) {
+    float* sg = s + g * stride;
+    float mx = -INFINITY;
+    for (int64_t j = j0; j < j1; j++) mx = sg[j] > mx ? sg[j] : mx;
+    float* pg = part + g * (D + 2);
+    pg[0] = mx;
+    pg[1] = exp_shifted(sg + j0, j1 - j0, mx);
+    for (int64_t d = 0; d < D; d++) pg[2 + d] = 0.f;
+  }
+  for (int64_t j = j0; j < j1; j++) {
     const float* vj = V + j * D;
-    #pragma omp simd
-    for (int64_t d = 0; d < D; d++) acc[d] += p * vj[d];
+    for (int64_t g = 0; g < G; g++) {
+      const float p = s[g * stride + j];
+      float* acc = part + g * (D + 2) + 2;
+      #pragma omp simd
+      for (int64_t d = 0; d < D; d++) acc[d] += p * vj[d];
+    }
+  }
+}
+
+/* out [D] of one query head from its splits' parts (largest score, sum, weighted values) */
+static inline void merge_parts(const float* part, int64_t splits, int64_t step, int64_t D, float* out) {
+  float mx = -INFINITY, tot = 0.f;
+  for (int64_t i = 0; i < splits; i++) mx = part[i * step] > mx ? part[i * step] : mx;
+  for (int64_t d = 0; d < D; d++) out[d] = 0.f;
+  for (int64_t i = 0; i < splits; i++) {
+    const float* pi = part + i * step;
+    const float w = splits == 1 ? 1.f : expf(pi[0] - mx);
+    tot += w * pi[1];
+    for (int64_t d = 0; d < D; d++) out[d] += w * pi[2 + d];
   }
   const float inv = 1.f / tot;
-  for (int64_t d = 0; d < D; d++) out[d] = acc[d] * inv;
+  for (int64_t d = 0; d < D; d++) out[d] *= inv;
+}
+
+/* keys a split of attention covers: at least 4 tasks a thread where the keys allow, no split
+   under 64 keys */
+static inline int64_t split_keys(int64_t n, int64_t Hkv, int threads) {
+  const int64_t want = (4 * (int64_t)threads + Hkv - 1) / Hkv;
+  int64_t chunk = (n + want - 1) / want;
+  return chunk < 64 ? 64 : chunk;
 }
 
 /* One token through n_layers layers, the final norm and the LM head: logits [V]. x0 is the
    token's embedding [dim], cos/sin [D] its rotation; scratch holds dim * 4 + (3 Hq + 3 Hkv) D
-   + 3 hidden + Hq * score_stride floats, score_stride at least every layer's offset + 1. */
+   + 3 hidden + Hq * score_stride + Hq * (score_stride / 64 + 1) * (D + 2) floats, score_stride at
+   least every layer's offset + 1. */
 void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const float* norm_w,
                  const float* x0, const float* cos, const float* sin, int64_t dim, int64_t Hq,
                  int64_t Hkv, int64_t D, int64_t hidden, float eps, float scale, float* scratch,
@@ -141,6 +221,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
   float* ff = att + Hq * D;                /* gate and up [2 hidden] */
   float* act = ff + 2 * hidden;            /* silu(gate) * up [hidden] */
   float* scores = act + hidden;            /* [Hq, score_stride] */
+  float* parts = scores + Hq * score_stride;  /* [Hkv, splits, group, D + 2] */
   const int64_t group = Hq / Hkv;
   memcpy(h, x0, dim * sizeof(float));
   #pragma omp parallel num_threads(threads)
@@ -159,14 +240,22 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           memcpy(ly->v + (kh * cap + off) * D, qkv + (Hq + Hkv + kh) * D, D * sizeof(float));
         }
       }
+      const int64_t n = off + 1, chunk = split_keys(n, Hkv, threads), splits = (n + chunk - 1) / chunk;
       #pragma omp for schedule(static)
-      for (int64_t hq = 0; hq < Hq; hq++) {
-        const float* K = ly->k + (hq / group) * cap * D;
-        const float* V = ly->v + (hq / group) * cap * D;
-        float* s = scores + hq * score_stride;
-        if (D == 64) attend(qk + hq * D, K, V, off + 1, 64, D, scale, s, att + hq * D);
-        else if (D == 128) attend(qk + hq * D, K, V, off + 1, 128, D, scale, s, att + hq * D);
-        else attend(qk + hq * D, K, V, off + 1, 0, D, scale, s, att + hq * D);
+      for (int64_t t = 0; t < Hkv * splits; t++) {  /* (KV head, split of its keys) */
+        const int64_t kh = t / splits, j0 = (t % splits) * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
+        const float* K = ly->k + kh * cap * D;
+        const float* V = ly->v + kh * cap * D;
+        float* s = scores + kh * group * score_stride;
+        float* part = parts + t * group * (D + 2);
+        if (D == 64) attend_chunk(qk + kh * group * D, K, V, j0, j1, group, 64, D, scale, s, score_stride, part);
+        else if (D == 128) attend_chunk(qk + kh * group * D, K, V, j0, j1, group, 128, D, scale, s, score_stride, part);
+        else attend_chunk(qk + kh * group * D, K, V, j0, j1, group, 0, D, scale, s, score_stride, part);
+      }
+      #pragma omp for schedule(static)
+      for (int64_t hq = 0; hq < Hq; hq++) {  /* part of head (kh, g), split i: ((kh * splits + i) * group + g) */
+        const int64_t kh = hq / group, g = hq % group;
+        merge_parts(parts + (kh * splits * group + g) * (D + 2), splits, group * (D + 2), D, att + hq * D);
       }
       linear_row(&ly->wo, att, a);
       #pragma omp single
@@ -331,7 +420,7 @@ class DecodeStep:
             layer.offset, layer.cap = c._offset, c.capacity
         cos, sin = self.model.rope(torch.tensor([[caches[0].offset]]), torch.float32)  # (1, 1, 1, D)
         stride = max(c.capacity for c in used)
-        need = dim * 4 + (3 * Hq + 3 * Hkv) * D + 3 * hidden + Hq * stride
+        need = dim * 4 + (3 * Hq + 3 * Hkv) * D + 3 * hidden + Hq * stride + Hq * (stride // 64 + 1) * (D + 2)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need)
         logits = torch.empty(1, 1, vocab)
