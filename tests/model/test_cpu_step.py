@@ -189,3 +189,24 @@ def test_gradients_keep_the_layered_forward(monkeypatch):
     assert step.run(torch.tensor([[5]]), caches, 3) is None  # would record no graph
     logits = model(torch.tensor([[5]]), caches)
     assert logits.requires_grad
+
+
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2",)], ids=["avx2", "plain"])
+def test_each_vector_path_of_the_step_gives_the_layered_forwards_logits(monkeypatch, flags):
+    """The step built on purpose without AVX-512 and without AVX2 (a CPU with AVX-512 never runs
+    those paths of the products and the exponential otherwise), against the layered forward."""
+    import platform
+
+    from kvtier.kernels import cpu_fused
+    from kvtier.kernels.native import build_library
+    from kvtier.model import packed
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 vector flags")
+    source = packed._C_SOURCE + cpu_fused._C_SOURCE + cpu_step._STEP_SOURCE
+    narrow = cpu_step._Kernels(build_library("cpu_step", source, flags))
+    model = small_model()
+    cpu_step.plan_for(model).kernels = narrow
+    prompt = [torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(2)).tolist()]
+    assert_same_decode(model, monkeypatch, prompt=prompt, steps=4)
+    assert cpu_step.plan_for(model).kernels is narrow
