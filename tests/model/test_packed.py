@@ -13,6 +13,7 @@ from torch.nn import functional as F
 from kvtier.model import load_model
 from kvtier.model.linear import linear
 from kvtier.model.packed import (
+    GROUPED_MAX_ROWS,
     MAX_KERNEL_ROWS,
     PackedLinear,
     load_kernels,
@@ -73,7 +74,7 @@ def test_weights_that_are_not_exactly_codes_are_refused(recover):
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, MAX_KERNEL_ROWS, 7])
+@pytest.mark.parametrize("rows", [1, 3, MAX_KERNEL_ROWS, 7, GROUPED_MAX_ROWS, GROUPED_MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n_out, k_in", [(200, 576), (201, 1536)])  # an odd output count: q4_1 pairs outputs
 def test_packed_linear_equals_f_linear_on_the_float32_weight(kernels, fmt, rows, bias, n_out, k_in):
@@ -89,7 +90,7 @@ def test_packed_linear_equals_f_linear_on_the_float32_weight(kernels, fmt, rows,
     want = linear(x, w, b)  # the float32 model's product (kvtier.model.linear)
     got = packed(x)
     assert got.shape == (1, rows, n_out)
-    if rows > MAX_KERNEL_ROWS:  # prefill: the float32 model's linear() on the dequantised weight, bit for bit
+    if rows > kernels.max_rows:  # prefill: the float32 model's linear() on the dequantised weight, bit for bit
         assert torch.equal(got, want)
     # only the order of the float32 sums differs from the exact product
     for y in (got, want):
@@ -120,9 +121,11 @@ def test_each_vector_path_of_the_kernel_equals_the_exact_product(flags, lanes):
         lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
         with torch.no_grad():
             lin.weight.copy_(w)
-        x = torch.randn(3, w.shape[1])
-        assert_near_exact_product(PackedLinear.from_linear(lin, fmt, narrow)(x), x, w)
+        for rows in (1, 3, 6):  # one row; on the AVX2 path rows in groups of four and a remainder
+            x = torch.randn(rows, w.shape[1])
+            assert_near_exact_product(PackedLinear.from_linear(lin, fmt, narrow)(x), x, w)
     assert narrow.lanes == (lanes if _cpu_has("avx2", "fma", "f16c") else 1)
+    assert narrow.max_rows == (GROUPED_MAX_ROWS if narrow.lanes == 8 else MAX_KERNEL_ROWS)
 
 
 def _cpu_has(*features: str) -> bool:
