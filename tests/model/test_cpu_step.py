@@ -210,3 +210,35 @@ def test_each_vector_path_of_the_step_gives_the_layered_forwards_logits(monkeypa
     prompt = [torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(2)).tolist()]
     assert_same_decode(model, monkeypatch, prompt=prompt, steps=4)
     assert cpu_step.plan_for(model).kernels is narrow
+
+
+def test_several_tokens_a_call_give_the_layered_forwards_logits(monkeypatch):
+    """Up to MAX_TOKENS tokens of one sequence in one call (a speculative verification, a short
+    prompt): every token's logits, causal among the new tokens, and ``last_only``; a longer input
+    takes the layered forward."""
+    model = small_model()
+    g = torch.Generator().manual_seed(3)
+    prompt = [torch.randint(0, 128, (40,), generator=g).tolist()]
+    calls = [torch.randint(0, 128, (1, t), generator=g) for t in (2, 5, cpu_step.MAX_TOKENS, 3)]
+
+    def run(step_on: bool):
+        monkeypatch.setenv("KVTIER_DECODE_STEP", "1" if step_on else "0")
+        caches = model.make_caches()
+        with torch.inference_mode():
+            model(torch.tensor(prompt), caches)  # 40 tokens: the layered forward either way
+            out = [model(t, caches) for t in calls]
+            out.append(model(calls[1], caches, last_only=True))
+        return out, caches
+
+    want, want_caches = run(False)
+    got, got_caches = run(True)
+    assert [tuple(x.shape) for x in got] == [(1, t.shape[1], 128) for t in calls] + [(1, 1, 128)]
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
+    for gc, wc in zip(got_caches, want_caches):
+        assert gc.offset == wc.offset == 40 + 2 + 5 + cpu_step.MAX_TOKENS + 3 + 5
+        torch.testing.assert_close(gc.fetch()[0], wc.fetch()[0], rtol=1e-4, atol=1e-5)
+    step = cpu_step.plan_for(model)
+    too_long = torch.zeros(1, cpu_step.MAX_TOKENS + 1, dtype=torch.long)
+    with torch.inference_mode():
+        assert step.run(too_long, got_caches, 3) is None

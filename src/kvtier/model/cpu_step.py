@@ -79,30 +79,34 @@ typedef struct {
   int64_t offset, cap; /* the write position, the buffers' length */
 } Layer;
 
-/* y = W x (+ bias) of one row; the tasks are shared by the threads of the enclosing region,
-   which meet at the barrier after them */
-static void linear_row(const Lin* l, const float* x, float* y) {
+/* y [M, N] = x [M, K] W^T (+ bias); the tasks are shared by the threads of the enclosing
+   region, which meet at the barrier after them */
+static void linear_rows(const Lin* l, const float* x, float* y, int64_t M) {
   const int64_t N = l->N, K = l->K;
   if (l->fmt == 1) {
     const int64_t tasks = q4_1_tasks(N);
     #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tasks; t++) q4_1_task(x, l->w, l->d, l->m, y, 1, N, K, t);
+    for (int64_t t = 0; t < tasks; t++) q4_1_task(x, l->w, l->d, l->m, y, M, N, K, t);
   } else if (l->fmt == 2) {
     #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) q8_0_task(x, l->w, l->d, y, 1, N, K, n);
+    for (int64_t n = 0; n < N; n++) q8_0_task(x, l->w, l->d, y, M, N, K, n);
   } else {
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
       const float* w = (const float*)l->w + n * K;
-      float s = 0.f;
-      #pragma omp simd reduction(+:s)
-      for (int64_t k = 0; k < K; k++) s += x[k] * w[k];
-      y[n] = s;
+      for (int64_t r = 0; r < M; r++) {
+        const float* xr = x + r * K;
+        float s = 0.f;
+        #pragma omp simd reduction(+:s)
+        for (int64_t k = 0; k < K; k++) s += xr[k] * w[k];
+        y[r * N + n] = s;
+      }
     }
   }
   if (l->bias) {
     #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) y[n] += l->bias[n];
+    for (int64_t n = 0; n < N; n++)
+      for (int64_t r = 0; r < M; r++) y[r * N + n] += l->bias[n];
   }
 }
 
@@ -142,41 +146,48 @@ static inline float exp_shifted(float* s, int64_t n, float mx) {
   return tot;
 }
 
-/* Attention of the G query heads of one KV head over keys [j0, j1) of its K and V rows [n, D]:
-   each key and value row is read once for the whole group. For each head g it leaves the
-   chunk's largest score, the sum of exp(score - that) and the weighted sum of the values
-   [D] in part[g * (D + 2) ...]; s holds the group's scores, row g at s + g * stride. */
-static inline __attribute__((always_inline)) void attend_chunk(const float* q, const float* K,
-    const float* V, int64_t j0, int64_t j1, int64_t G, const int64_t DC, int64_t Dv, float scale,
-    float* s, int64_t stride, float* part) {
+/* Attention of the G query heads of one KV head, T new tokens each (token t at position
+   off + t sees keys j <= off + t), over keys [j0, j1) of its K and V rows [n, D]: each key and
+   value row is read once for the whole group. For query (g, t) it leaves the chunk's largest
+   score, the sum of exp(score - that) and the weighted sum of the values [D] in
+   part[(g T + t) (D + 2) ...] (largest -inf and sums 0 where it sees none of the chunk);
+   s holds the scores, row (g, t) at s + (g T + t) stride. q is [T, Hq, D] from the group's
+   first head; qs the stride of its tokens. */
+static inline __attribute__((always_inline)) void attend_chunk(const float* q, int64_t qs,
+    const float* K, const float* V, int64_t j0, int64_t j1, int64_t off, int64_t T, int64_t G,
+    const int64_t DC, int64_t Dv, float scale, float* s, int64_t stride, float* part) {
   const int64_t D = DC ? DC : Dv;
-  for (int64_t j = j0; j < j1; j++) {
+  const int64_t last = j1 < off + T ? j1 : off + T;  /* past the newest token's position: none */
+  for (int64_t j = j0; j < last; j++) {
     const float* kj = K + j * D;
-    for (int64_t g = 0; g < G; g++) {
-      const float* qg = q + g * D;
-      float dot = 0.f;
-      #pragma omp simd reduction(+:dot)
-      for (int64_t d = 0; d < D; d++) dot += qg[d] * kj[d];
-      s[g * stride + j] = dot * scale;
-    }
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t t = j > off ? j - off : 0; t < T; t++) {
+        const float* qg = q + t * qs + g * D;
+        float dot = 0.f;
+        #pragma omp simd reduction(+:dot)
+        for (int64_t d = 0; d < D; d++) dot += qg[d] * kj[d];
+        s[(g * T + t) * stride + j] = dot * scale;
+      }
   }
-  for (int64_t g = 0; g < G; g++) {
-    float* sg = s + g * stride;
+  for (int64_t r = 0; r < G * T; r++) {
+    const int64_t t = r % T, e = j1 < off + t + 1 ? j1 : off + t + 1;
+    float* sr = s + r * stride;
     float mx = -INFINITY;
-    for (int64_t j = j0; j < j1; j++) mx = sg[j] > mx ? sg[j] : mx;
-    float* pg = part + g * (D + 2);
-    pg[0] = mx;
-    pg[1] = exp_shifted(sg + j0, j1 - j0, mx);
-    for (int64_t d = 0; d < D; d++) pg[2 + d] = 0.f;
+    for (int64_t j = j0; j < e; j++) mx = sr[j] > mx ? sr[j] : mx;
+    float* pr = part + r * (D + 2);
+    pr[0] = mx;
+    pr[1] = e > j0 ? exp_shifted(sr + j0, e - j0, mx) : 0.f;
+    for (int64_t d = 0; d < D; d++) pr[2 + d] = 0.f;
   }
-  for (int64_t j = j0; j < j1; j++) {
+  for (int64_t j = j0; j < last; j++) {
     const float* vj = V + j * D;
-    for (int64_t g = 0; g < G; g++) {
-      const float p = s[g * stride + j];
-      float* acc = part + g * (D + 2) + 2;
-      #pragma omp simd
-      for (int64_t d = 0; d < D; d++) acc[d] += p * vj[d];
-    }
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t t = j > off ? j - off : 0; t < T; t++) {
+        const float p = s[(g * T + t) * stride + j];
+        float* acc = part + (g * T + t) * (D + 2) + 2;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) acc[d] += p * vj[d];
+      }
   }
 }
 
@@ -187,6 +198,7 @@ static inline void merge_parts(const float* part, int64_t splits, int64_t step, 
   for (int64_t d = 0; d < D; d++) out[d] = 0.f;
   for (int64_t i = 0; i < splits; i++) {
     const float* pi = part + i * step;
+    if (pi[1] == 0.f) continue;  /* a split past this token's position */
     const float w = splits == 1 ? 1.f : expf(pi[0] - mx);
     tot += w * pi[1];
     for (int64_t d = 0; d < D; d++) out[d] += w * pi[2 + d];
@@ -203,76 +215,86 @@ static inline int64_t split_keys(int64_t n, int64_t Hkv, int threads) {
   return chunk < 64 ? 64 : chunk;
 }
 
-/* One token through n_layers layers, the final norm and the LM head: logits [V]. x0 is the
-   token's embedding [dim], cos/sin [D] its rotation; scratch holds dim * 4 + (3 Hq + 3 Hkv) D
-   + 3 hidden + Hq * score_stride + Hq * (score_stride / 64 + 1) * (D + 2) floats, score_stride at
-   least every layer's offset + 1. */
+/* T tokens of one sequence through n_layers layers, the final norm and the LM head: logits
+   [T, V], or [1, V] of the last token with last_only. x0 holds their embeddings [T, dim],
+   cos/sin [T, D] their rotations; scratch holds T (4 dim + (3 Hq + 3 Hkv) D + 3 hidden) +
+   Hq T score_stride + Hq T (score_stride / 64 + 1) (D + 2) floats, score_stride at least every
+   layer's offset + T. */
 void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const float* norm_w,
-                 const float* x0, const float* cos, const float* sin, int64_t dim, int64_t Hq,
-                 int64_t Hkv, int64_t D, int64_t hidden, float eps, float scale, float* scratch,
-                 int64_t score_stride, float* logits, int threads) {
-  float* h = scratch;                      /* the residual stream [dim] */
-  float* nrm = h + dim;                    /* its RMSNorm [dim] */
-  float* delta = nrm + dim;                /* the MLP's output [dim] */
-  float* a = delta + dim;                  /* attention's projection [dim] */
-  float* qkv = a + dim;                    /* [Hq + 2 Hkv, D] */
-  float* qk = qkv + (Hq + 2 * Hkv) * D;    /* q and k rotated [Hq + Hkv, D] */
-  float* att = qk + (Hq + Hkv) * D;        /* attention's output [Hq, D] */
-  float* ff = att + Hq * D;                /* gate and up [2 hidden] */
-  float* act = ff + 2 * hidden;            /* silu(gate) * up [hidden] */
-  float* scores = act + hidden;            /* [Hq, score_stride] */
-  float* parts = scores + Hq * score_stride;  /* [Hkv, splits, group, D + 2] */
-  const int64_t group = Hq / Hkv;
-  memcpy(h, x0, dim * sizeof(float));
+                 const float* x0, const float* cos, const float* sin, int64_t T, int64_t last_only,
+                 int64_t dim, int64_t Hq, int64_t Hkv, int64_t D, int64_t hidden, float eps,
+                 float scale, float* scratch, int64_t score_stride, float* logits, int threads) {
+  const int64_t QKV = (Hq + 2 * Hkv) * D, QK = (Hq + Hkv) * D;
+  float* h = scratch;                      /* the residual stream [T, dim] */
+  float* nrm = h + T * dim;                /* its RMSNorm [T, dim] */
+  float* delta = nrm + T * dim;            /* the MLP's output [T, dim] */
+  float* a = delta + T * dim;              /* attention's projection [T, dim] */
+  float* qkv = a + T * dim;                /* [T, Hq + 2 Hkv, D] */
+  float* qk = qkv + T * QKV;               /* q and k rotated [T, Hq + Hkv, D] */
+  float* att = qk + T * QK;                /* attention's output [T, Hq, D] */
+  float* ff = att + T * Hq * D;            /* gate and up [T, 2 hidden] */
+  float* act = ff + T * 2 * hidden;        /* silu(gate) * up [T, hidden] */
+  float* scores = act + T * hidden;        /* [Hq, T, score_stride] */
+  float* parts = scores + Hq * T * score_stride;  /* [Hkv, splits, group, T, D + 2] */
+  const int64_t group = Hq / Hkv, gt = group * T;
+  memcpy(h, x0, T * dim * sizeof(float));
   #pragma omp parallel num_threads(threads)
   {
     for (int64_t l = 0; l < n_layers; l++) {
       const Layer* ly = layers + l;
       const int64_t off = ly->offset, cap = ly->cap;
       #pragma omp single
-      add_rms_norm(h, l ? delta : NULL, ly->attn_norm, h, nrm, 1, dim, eps, 1);
-      linear_row(&ly->wqkv, nrm, qkv);
+      add_rms_norm(h, l ? delta : NULL, ly->attn_norm, h, nrm, T, dim, eps, 1);
+      linear_rows(&ly->wqkv, nrm, qkv, T);
       #pragma omp single
       {
-        rope(qkv, 0, 0, D, cos, sin, 0, 0, qk, 1, 1, Hq + Hkv, D, 1);
-        for (int64_t kh = 0; kh < Hkv; kh++) {
-          memcpy(ly->k + (kh * cap + off) * D, qk + (Hq + kh) * D, D * sizeof(float));
-          memcpy(ly->v + (kh * cap + off) * D, qkv + (Hq + Hkv + kh) * D, D * sizeof(float));
-        }
+        rope(qkv, 0, QKV, D, cos, sin, 0, D, qk, 1, T, Hq + Hkv, D, 1);
+        for (int64_t t = 0; t < T; t++)
+          for (int64_t kh = 0; kh < Hkv; kh++) {
+            memcpy(ly->k + (kh * cap + off + t) * D, qk + t * QK + (Hq + kh) * D, D * sizeof(float));
+            memcpy(ly->v + (kh * cap + off + t) * D, qkv + t * QKV + (Hq + Hkv + kh) * D, D * sizeof(float));
+          }
       }
-      const int64_t n = off + 1, chunk = split_keys(n, Hkv, threads), splits = (n + chunk - 1) / chunk;
+      const int64_t n = off + T, chunk = split_keys(n, Hkv, threads), splits = (n + chunk - 1) / chunk;
       #pragma omp for schedule(static)
       for (int64_t t = 0; t < Hkv * splits; t++) {  /* (KV head, split of its keys) */
         const int64_t kh = t / splits, j0 = (t % splits) * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
         const float* K = ly->k + kh * cap * D;
         const float* V = ly->v + kh * cap * D;
-        float* s = scores + kh * group * score_stride;
-        float* part = parts + t * group * (D + 2);
-        if (D == 64) attend_chunk(qk + kh * group * D, K, V, j0, j1, group, 64, D, scale, s, score_stride, part);
-        else if (D == 128) attend_chunk(qk + kh * group * D, K, V, j0, j1, group, 128, D, scale, s, score_stride, part);
-        else attend_chunk(qk + kh * group * D, K, V, j0, j1, group, 0, D, scale, s, score_stride, part);
+        const float* q = qk + kh * group * D;
+        float* s = scores + kh * gt * score_stride;
+        float* part = parts + t * gt * (D + 2);
+        if (D == 64) attend_chunk(q, QK, K, V, j0, j1, off, T, group, 64, D, scale, s, score_stride, part);
+        else if (D == 128) attend_chunk(q, QK, K, V, j0, j1, off, T, group, 128, D, scale, s, score_stride, part);
+        else attend_chunk(q, QK, K, V, j0, j1, off, T, group, 0, D, scale, s, score_stride, part);
       }
       #pragma omp for schedule(static)
-      for (int64_t hq = 0; hq < Hq; hq++) {  /* part of head (kh, g), split i: ((kh * splits + i) * group + g) */
-        const int64_t kh = hq / group, g = hq % group;
-        merge_parts(parts + (kh * splits * group + g) * (D + 2), splits, group * (D + 2), D, att + hq * D);
+      for (int64_t r = 0; r < Hq * T; r++) {  /* query (head hq, token t): parts ((kh splits + i) gt + g T + t) */
+        const int64_t hq = r / T, t = r % T, kh = hq / group, g = hq % group;
+        merge_parts(parts + (kh * splits * gt + g * T + t) * (D + 2), splits, gt * (D + 2), D,
+                    att + (t * Hq + hq) * D);
       }
-      linear_row(&ly->wo, att, a);
+      linear_rows(&ly->wo, att, a, T);
       #pragma omp single
-      add_rms_norm(h, a, ly->ffn_norm, h, nrm, 1, dim, eps, 1);
-      linear_row(&ly->w13, nrm, ff);
+      add_rms_norm(h, a, ly->ffn_norm, h, nrm, T, dim, eps, 1);
+      linear_rows(&ly->w13, nrm, ff, T);
       #pragma omp single
-      silu_mul(ff, act, 1, hidden, 1);
-      linear_row(&ly->w2, act, delta);
+      silu_mul(ff, act, T, hidden, 1);
+      linear_rows(&ly->w2, act, delta, T);
     }
+    const int64_t first = last_only ? T - 1 : 0;
     #pragma omp single
-    add_rms_norm(h, delta, norm_w, h, nrm, 1, dim, eps, 1);
-    linear_row(head, nrm, logits);
+    add_rms_norm(h + first * dim, delta + first * dim, norm_w, h + first * dim, nrm + first * dim,
+                 T - first, dim, eps, 1);
+    linear_rows(head, nrm + first * dim, logits, T - first);
   }
 }
 """
 
 _FORMATS = {"float32": 0, "q4_1": 1, "q8_0": 2}
+#: most tokens one call takes (a speculative verification, a short prompt); longer inputs take the
+#: layered forward, whose prefill multiplies dequantised weights
+MAX_TOKENS = 16
 
 
 class _Lin(ctypes.Structure):
@@ -291,7 +313,7 @@ class _Kernels:
     def __init__(self, lib: ctypes.CDLL):
         self.decode_step = lib.decode_step
         p, i = ctypes.c_void_p, ctypes.c_int64
-        self.decode_step.argtypes = ([p, i, p, p, p, p, p] + [i] * 5 + [ctypes.c_float] * 2
+        self.decode_step.argtypes = ([p, i, p, p, p, p, p] + [i] * 7 + [ctypes.c_float] * 2
                                      + [p, i, p, ctypes.c_int])
         self.decode_step.restype = None
 
@@ -395,17 +417,23 @@ class DecodeStep:
         objs = cls.key_objects(model)
         return cls(model, kernels, layers, head, keep + objs, tuple(map(id, objs)))
 
-    def run(self, tokens: torch.Tensor, caches, n: int) -> torch.Tensor | None:
-        """Logits ``[1, 1, vocab]`` of one token (``tokens`` ``[1, 1]``) through the first ``n``
-        layers, each writing into its cache; ``None``, with nothing changed, when a cache is not a
-        tail-tier cache of one row in float32 of the model's shape, or the token is out of range
-        (the layered forward then serves it, and raises what it raises)."""
+    def run(self, tokens: torch.Tensor, caches, n: int, *, last_only: bool = False) -> torch.Tensor | None:
+        """Logits ``[1, T, vocab]`` (``[1, 1, vocab]`` of the last with ``last_only``) of ``tokens``
+        ``[1, T]``, ``T <= MAX_TOKENS``, through the first ``n`` layers, each writing into its cache;
+        ``None``, with nothing changed, when a cache is not a tail-tier cache of one row in float32
+        of the model's shape, or a token is out of range (the layered forward then serves it, and
+        raises what it raises)."""
         dim, Hq, Hkv, D, hidden = self.dims
-        if torch.is_grad_enabled() and self.needs_grad:
+        T = tokens.shape[1]
+        if (torch.is_grad_enabled() and self.needs_grad) or not 1 <= T <= MAX_TOKENS:
             return None
-        token = int(tokens[0, 0])
         vocab = self.model.args.vocab_size
-        if not 0 <= token < vocab:
+        ids = tokens[0]
+        if T == 1:
+            token = int(ids[0])
+            if not 0 <= token < vocab:
+                return None
+        elif int(ids.min()) < 0 or int(ids.max()) >= vocab:
             return None
         used = caches[:n]
         for c in used:
@@ -417,26 +445,35 @@ class DecodeStep:
                 return None
         like = None
         for layer, c in zip(self.layers, used):  # everything is checked: from here on it writes
-            end = c._offset + 1
+            end = c._offset + T
             if end > c.capacity:
                 like = torch.empty(1, Hkv, 1, D) if like is None else like
                 c._grow(end, like, like)
             layer.k, layer.v = c.keys.data_ptr(), c.values.data_ptr()
             layer.offset, layer.cap = c._offset, c.capacity
-        cos, sin = self.model.rope(torch.tensor([[caches[0].offset]]), torch.float32)  # (1, 1, 1, D)
+        start = caches[0].offset
+        positions = torch.arange(start, start + T).view(1, T)
+        cos, sin = self.model.rope(positions, torch.float32)  # (1, T, 1, D)
         stride = max(c.capacity for c in used)
-        need = dim * 4 + (3 * Hq + 3 * Hkv) * D + 3 * hidden + Hq * stride + Hq * (stride // 64 + 1) * (D + 2)
+        need = T * (dim * 4 + (3 * Hq + 3 * Hkv) * D + 3 * hidden) + Hq * T * stride \
+            + Hq * T * (stride // 64 + 1) * (D + 2)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need)
-        logits = torch.empty(1, 1, vocab)
+        rows = 1 if last_only else T
+        logits = torch.empty(1, rows, vocab)
         emb = self.model.tok_embeddings.weight
+        if T == 1:
+            x0 = emb.data_ptr() + token * dim * 4
+        else:
+            rows_in = emb.index_select(0, ids)  # (T, dim)
+            x0 = rows_in.data_ptr()
         self.kernels.decode_step(self.layers, n, ctypes.byref(self.head), self.model.norm.weight.data_ptr(),
-                                 emb.data_ptr() + token * dim * 4, cos.data_ptr(), sin.data_ptr(),
-                                 dim, Hq, Hkv, D, hidden, self.eps, self.scale, self._scratch.data_ptr(),
-                                 stride, logits.data_ptr(), torch.get_num_threads())
-        written = 2 * Hkv * D * 4
+                                 x0, cos.data_ptr(), sin.data_ptr(), T, int(last_only), dim, Hq, Hkv, D,
+                                 hidden, self.eps, self.scale, self._scratch.data_ptr(), stride,
+                                 logits.data_ptr(), torch.get_num_threads())
+        written = 2 * Hkv * D * 4 * T
         for c in used:
-            c._offset += 1
+            c._offset += T
             c.copy_stats.updates += 1
             c.copy_stats.bytes += written
         return logits

@@ -199,13 +199,13 @@ class Transformer(nn.Module):
         """
         n = self._check_forward(tokens, caches, positions, num_layers)
         kwargs = cache_kwargs or {}
-        if tokens.shape == (1, 1) and positions is None and not kwargs and select is None \
-                and tokens.device.type == "cpu" and cpu_kernels(self.tok_embeddings.weight):
-            # one token of one sequence on the CPU: one C call where it can (kvtier.model.cpu_step)
+        if tokens.shape[0] == 1 and tokens.shape[1] <= 16 and positions is None and not kwargs \
+                and select is None and tokens.device.type == "cpu" and cpu_kernels(self.tok_embeddings.weight):
+            # a few tokens of one sequence on the CPU: one C call where it can (kvtier.model.cpu_step)
             from kvtier.model.cpu_step import plan_for
 
             step = plan_for(self)
-            logits = None if step is None else step.run(tokens, caches, n)
+            logits = None if step is None else step.run(tokens, caches, n, last_only=last_only)
             if logits is not None:
                 return logits
         if positions is None:
