@@ -1,4 +1,4 @@
-"""A whole decode step of one sequence on the CPU in one C call.
+"""A whole decode step of one sequence on the CPU in one C call (or a few tokens of it).
 
 At one token the default model's decode step is 30 layers of small operations: four
 matrix-vector products, two RMSNorms, RoPE, the cache write, attention and the SiLU
@@ -25,8 +25,9 @@ OpenMP parallel region of a C function:
 So the logits differ from the layered forward only in attention's arithmetic (summation
 order, the exponential), by float32 rounding.
 
-It serves :meth:`kvtier.model.llama.Transformer.forward` for one sequence and one token on
-the CPU in float32, without gradients and outside ``torch.compile``, when every layer's
+It serves :meth:`kvtier.model.llama.Transformer.forward` for one sequence and up to
+:data:`MAX_TOKENS` tokens (a decode step, a speculative verification, a short prompt; token
+``t`` of a call attends to the keys up to its own position) on the CPU in float32, without gradients and outside ``torch.compile``, when every layer's
 cache is a tail-tier cache of that sequence and every projection is a
 :class:`PackedLinear` or a float32 :class:`~kvtier.model.linear.Linear` (Llama, Mistral
 and Qwen2 shapes; Qwen3's q/k norms keep the layered path). Anything else, and
@@ -37,8 +38,9 @@ Example::
 
     >>> lm = load_model()                                # the default model, packed  # doctest: +SKIP
     >>> caches = lm.model.make_caches()                  # tail tier by default
-    >>> lm.model(prompt_ids, caches)                     # prefill: the layered forward
+    >>> lm.model(prompt_ids, caches)                     # a long prefill: the layered forward
     >>> lm.model(torch.tensor([[token]]), caches)        # one token: one C call
+    >>> lm.model(torch.tensor([drafts]), caches)         # up to 16 tokens: one C call
 """
 
 from __future__ import annotations
