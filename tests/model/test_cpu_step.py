@@ -242,3 +242,30 @@ def test_several_tokens_a_call_give_the_layered_forwards_logits(monkeypatch):
     too_long = torch.zeros(1, cpu_step.MAX_TOKENS + 1, dtype=torch.long)
     with torch.inference_mode():
         assert step.run(too_long, got_caches, 3) is None
+
+
+def test_two_threads_may_run_one_model_on_two_sequences(monkeypatch):
+    """Each call works on its own copy of the plan and its own scratch, as the layered forward
+    does: two threads decoding two sequences through one model get each sequence's own logits."""
+    import threading
+
+    model = small_model()
+    g = torch.Generator().manual_seed(4)
+    prompts = [[torch.randint(0, 128, (n,), generator=g).tolist()] for n in (30, 70)]
+    want = [decode(model, 24, step_on=True, monkeypatch=monkeypatch, prompt=p)[0] for p in prompts]
+    got, errors = [None, None], []
+
+    def work(i):
+        try:
+            got[i] = decode(model, 24, step_on=True, monkeypatch=monkeypatch, prompt=prompts[i])[0]
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and all(not t.is_alive() for t in threads)
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5)

@@ -376,7 +376,6 @@ class DecodeStep:
         self.dims = (a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim)
         self.eps = float(model.norm.eps)
         self.scale = float(model.layers[0].attention.scale)
-        self._scratch = torch.empty(0)
         self.needs_grad = any(t.requires_grad for t in keep if isinstance(t, torch.Tensor))
 
     @staticmethod
@@ -446,7 +445,10 @@ class DecodeStep:
                                       and v.shape == k.shape and _cpu_f32(k) and _cpu_f32(v)):
                 return None
         like = None
-        for layer, c in zip(self.layers, used):  # everything is checked: from here on it writes
+        # this call's copy of the plan, and its own scratch: two threads may run one model on
+        # two sequences' caches, as the layered forward allows
+        layers = type(self.layers).from_buffer_copy(self.layers)
+        for layer, c in zip(layers, used):  # everything is checked: from here on it writes
             end = c._offset + T
             if end > c.capacity:
                 like = torch.empty(1, Hkv, 1, D) if like is None else like
@@ -459,8 +461,7 @@ class DecodeStep:
         stride = max(c.capacity for c in used)
         need = T * (dim * 4 + (3 * Hq + 3 * Hkv) * D + 3 * hidden) + Hq * T * stride \
             + Hq * T * (stride // 64 + 1) * (D + 2)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
+        scratch = torch.empty(need)
         rows = 1 if last_only else T
         logits = torch.empty(1, rows, vocab)
         emb = self.model.tok_embeddings.weight
@@ -469,9 +470,9 @@ class DecodeStep:
         else:
             rows_in = emb.index_select(0, ids)  # (T, dim)
             x0 = rows_in.data_ptr()
-        self.kernels.decode_step(self.layers, n, ctypes.byref(self.head), self.model.norm.weight.data_ptr(),
+        self.kernels.decode_step(layers, n, ctypes.byref(self.head), self.model.norm.weight.data_ptr(),
                                  x0, cos.data_ptr(), sin.data_ptr(), T, int(last_only), dim, Hq, Hkv, D,
-                                 hidden, self.eps, self.scale, self._scratch.data_ptr(), stride,
+                                 hidden, self.eps, self.scale, scratch.data_ptr(), stride,
                                  logits.data_ptr(), torch.get_num_threads())
         written = 2 * Hkv * D * 4 * T
         for c in used:
