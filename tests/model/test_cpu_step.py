@@ -269,3 +269,15 @@ def test_two_threads_may_run_one_model_on_two_sequences(monkeypatch):
     assert not errors and all(not t.is_alive() for t in threads)
     for g_, w_ in zip(got, want):
         torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5)
+
+
+def test_a_plan_does_not_keep_its_model_alive():
+    import gc
+    import weakref
+
+    model = small_model()
+    assert cpu_step.plan_for(model) is not None
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

@@ -365,18 +365,25 @@ def _linear_entry(lin: nn.Module, keep: list) -> _Lin | None:
 class DecodeStep:
     """The pointer plan of one :class:`~kvtier.model.llama.Transformer` for :func:`decode_step`.
 
-    :meth:`build` returns ``None`` when the model does not qualify; :meth:`run` runs one token,
-    or returns ``None`` (nothing touched) when the caches do not qualify.
+    :meth:`build` returns ``None`` when the model does not qualify; :meth:`run` runs up to
+    :data:`MAX_TOKENS` tokens, or returns ``None`` (nothing touched) when the input or the caches
+    do not qualify. The plan refers to its model weakly: the model's plan is kept in a weak
+    mapping keyed by the model, which must not keep the model alive.
     """
 
     def __init__(self, model, kernels: _Kernels, layers, head: _Lin, keep: list, key: tuple):
         a = model.args
-        self.model, self.kernels, self.key = model, kernels, key
+        self._model = weakref.ref(model)
+        self.kernels, self.key = kernels, key
         self.layers, self.head, self._keep = layers, head, keep
         self.dims = (a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim)
         self.eps = float(model.norm.eps)
         self.scale = float(model.layers[0].attention.scale)
         self.needs_grad = any(t.requires_grad for t in keep if isinstance(t, torch.Tensor))
+
+    @property
+    def model(self):
+        return self._model()
 
     @staticmethod
     def key_objects(model) -> list:

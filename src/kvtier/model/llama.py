@@ -199,8 +199,8 @@ class Transformer(nn.Module):
         """
         n = self._check_forward(tokens, caches, positions, num_layers)
         kwargs = cache_kwargs or {}
-        if tokens.shape[0] == 1 and tokens.shape[1] <= 16 and positions is None and not kwargs \
-                and select is None and tokens.device.type == "cpu" and cpu_kernels(self.tok_embeddings.weight):
+        if tokens.shape[0] == 1 and positions is None and not kwargs and select is None \
+                and tokens.device.type == "cpu" and cpu_kernels(self.tok_embeddings.weight):
             # a few tokens of one sequence on the CPU: one C call where it can (kvtier.model.cpu_step)
             from kvtier.model.cpu_step import plan_for
 
