@@ -13,8 +13,8 @@ float32, and it computes with exactly the same weights:
   rounded: packing is lossless or it does not happen.
 - :class:`PackedLinear` multiplies a float32 input by the packed weight. For up to
   ``kernels.max_rows`` rows (decode, a speculative verification, a short prompt: 64 on
-  the AVX2 path, whose kernels decode each block once for four rows at a time, else
-  :data:`MAX_KERNEL_ROWS`) a small C kernel (AVX-512 or AVX2 where the CPU has them,
+  the AVX-512 and AVX2 paths, whose kernels decode each block once for four rows at a time,
+  else :data:`MAX_KERNEL_ROWS`) a small C kernel (AVX-512 or AVX2 where the CPU has them,
   plain C elsewhere) dequantises in registers and accumulates in float32, with
   the threads of PyTorch's OpenMP runtime; for more rows (prefill) it dequantises
   the weight and calls :func:`kvtier.model.linear.linear`, as the float32 model does,
@@ -46,9 +46,9 @@ from kvtier.model.linear import linear as dense_linear
 BLOCK = 32  # weights per block along the input dimension (GGUF Q4_1 and Q8_0)
 #: inputs of at most this many rows go through the C kernel; more rows dequantise and use linear()
 MAX_KERNEL_ROWS = 4
-#: the same bound for the AVX2 build, whose kernels decode each block once for four rows at a time:
-#: on the 2-core AVX2 box all of SmolLM2's linears took 21.7 ms for 4 rows, 43.7 for 8, 79 for
-#: 16 and 306 for 64, against 165-185 and 437 ms for dequantising and linear()
+#: the same bound for the AVX-512 and AVX2 builds, whose kernels decode each block once for four
+#: rows at a time: on the 2-core AVX2 box all of SmolLM2's linears took 21.7 ms for 4 rows, 43.7
+#: for 8, 79 for 16 and 306 for 64, against 165-185 and 437 ms for dequantising and linear()
 GROUPED_MAX_ROWS = 64
 FORMATS = ("q4_1", "q8_0")
 
@@ -115,6 +115,34 @@ static inline void q4_1_task(const float* x, const uint8_t* codes, const _Float1
     const uint8_t* c0 = codes + n * G * 16;
     const uint8_t* c1 = two ? c0 + G * 16 : c0;  /* an odd last row computes itself twice */
     const __m512i low = _mm512_set1_epi32(15);
+    if (M > 1) {  /* rows four at a time: each block's codes decoded once for all of them */
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int64_t rn = M - r0 < 4 ? M - r0 : 4;
+        __m512 acc[4][2];
+        for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+          const __m512i p = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c0 + g * 16)));
+          const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c1 + g * 16)));
+          const __m512 d0 = _mm512_set1_ps(df[0][g]), m0 = _mm512_set1_ps(mf[0][g]);
+          const __m512 d1 = _mm512_set1_ps(df[1][g]), m1 = _mm512_set1_ps(mf[1][g]);
+          const __m512 wl0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(p, low)), d0, m0);
+          const __m512 wh0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(p, 4)), d0, m0);
+          const __m512 wl1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d1, m1);
+          const __m512 wh1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1);
+          for (int64_t i = 0; i < rn; i++) {
+            const float* xg = x + (r0 + i) * K + g * 32;
+            const __m512 xl = _mm512_loadu_ps(xg), xh = _mm512_loadu_ps(xg + 16);
+            acc[i][0] = _mm512_fmadd_ps(wh0, xh, _mm512_fmadd_ps(wl0, xl, acc[i][0]));
+            acc[i][1] = _mm512_fmadd_ps(wh1, xh, _mm512_fmadd_ps(wl1, xl, acc[i][1]));
+          }
+        }
+        for (int64_t i = 0; i < rn; i++) {
+          y[(r0 + i) * N + n] = _mm512_reduce_add_ps(acc[i][0]);
+          if (two) y[(r0 + i) * N + n + 1] = _mm512_reduce_add_ps(acc[i][1]);
+        }
+      }
+      return;
+    }
     for (int64_t r = 0; r < M; r++) {
       const float* xr = x + r * K;
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -280,7 +308,31 @@ static inline void q8_0_task(const float* x, const int8_t* codes, const _Float16
   const int64_t G = K / 32;
   {
     const int64_t n = task;
-#if defined(KV_AVX2) && !defined(__AVX512F__)
+#if defined(__AVX512F__)
+    if (M > 1) {  /* rows four at a time, each block decoded once for them, two sums a row */
+      const int8_t* c = codes + n * K;
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int64_t rn = M - r0 < 4 ? M - r0 : 4;
+        __m512 acc[4][2];
+        for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+          const __m512 dv = _mm512_set1_ps((float)d[n * G + g]);
+          const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + g * 32)))), dv);
+          const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + g * 32 + 16)))), dv);
+          for (int64_t i = 0; i < rn; i++) {
+            const float* xg = x + (r0 + i) * K + g * 32;
+            acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[i][1]);
+          }
+        }
+        for (int64_t i = 0; i < rn; i++)
+          y[(r0 + i) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+      }
+      return;
+    }
+#elif defined(KV_AVX2)
     if (M > 1) {  /* rows four at a time, each block decoded once for them, two sums a row */
       const int8_t* c = codes + n * K;
       for (int64_t r0 = 0; r0 < M; r0 += 4) {
@@ -369,8 +421,9 @@ class PackedKernels:
         lib.kernel_lanes.restype = ctypes.c_int
         #: float32 lanes of the vector path this build took: 16 (AVX-512), 8 (AVX2), 1 (plain C)
         self.lanes = lib.kernel_lanes()
-        #: rows the kernel takes (:data:`GROUPED_MAX_ROWS` on the AVX2 path, else :data:`MAX_KERNEL_ROWS`)
-        self.max_rows = GROUPED_MAX_ROWS if self.lanes == 8 else MAX_KERNEL_ROWS
+        #: rows the kernel takes (:data:`GROUPED_MAX_ROWS` on the vector paths, which decode each
+        #: block once for four rows at a time, else :data:`MAX_KERNEL_ROWS`)
+        self.max_rows = GROUPED_MAX_ROWS if self.lanes > 1 else MAX_KERNEL_ROWS
 
     def dequant(self, fmt: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                 out: torch.Tensor) -> torch.Tensor:
