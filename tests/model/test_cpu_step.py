@@ -199,11 +199,11 @@ def test_each_vector_path_of_the_step_gives_the_layered_forwards_logits(monkeypa
 
     from kvtier.kernels import cpu_fused
     from kvtier.kernels.native import build_library
-    from kvtier.model import packed
+    from kvtier.model import packed_kernels
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 vector flags")
-    source = packed._C_SOURCE + cpu_fused._C_SOURCE + cpu_step._STEP_SOURCE
+    source = packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + cpu_step._STEP_SOURCE
     narrow = cpu_step._Kernels(build_library("cpu_step", source, flags))
     model = small_model()
     cpu_step.plan_for(model).kernels = narrow

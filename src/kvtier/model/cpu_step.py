@@ -56,7 +56,7 @@ from torch import nn
 from kvtier.caches.tail_owned import TailOwnedKVCache
 from kvtier.kernels import cpu_fused
 from kvtier.kernels.native import load_or_warn
-from kvtier.model import packed
+from kvtier.model import packed, packed_kernels
 from kvtier.model.linear import Linear
 
 __all__ = ["DecodeStep", "decode_step_enabled", "forget", "load_kernels", "plan_for"]
@@ -324,7 +324,7 @@ class _Kernels:
 def load_kernels() -> _Kernels | None:
     """Compile (once per machine) and load the step; ``None`` with a warning where no C compiler
     builds it."""
-    source = packed._C_SOURCE + cpu_fused._C_SOURCE + _STEP_SOURCE
+    source = packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + _STEP_SOURCE
     return load_or_warn("cpu_step", source, _Kernels, "decode steps take the layered forward")
 
 

@@ -1,0 +1,430 @@
+"""The C kernels of the packed linears (:mod:`kvtier.model.packed`): products of float32 rows
+with weights held as GGUF Q4_1 / Q8_0 block codes, and their exact dequantisation.
+
+- ``q4_1_gemv`` / ``q8_0_gemv``: ``y[r, n] = sum_k x[r, k] w[n, k]`` for a few rows. One row
+  keeps several accumulators per output; more rows (on the AVX-512 and AVX2 paths) decode each
+  block of codes once for four rows at a time. The weight is formed as ``code * d (+ m)``,
+  which is the float32 weight bit for bit, so only the order of the float32 sums differs from
+  the float32 product.
+- ``q4_1_task`` / ``q8_0_task``: the per-task bodies of those, which the one-call decode step
+  (:mod:`kvtier.model.cpu_step`) shares among its threads.
+- ``q4_1_dequant`` / ``q8_0_dequant``: the float32 weight, for prefills of many rows.
+
+Paths: AVX-512 (16 lanes), AVX2 with FMA and F16C (8), plain C (1), chosen by the compiler's
+flags (``-march=native``); :attr:`PackedKernels.lanes` reports the one a build took. Compiled
+once per machine (:func:`kvtier.kernels.native.build_library`); :func:`load_kernels` returns
+``None`` with a warning where no compiler builds them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kvtier.kernels.native import load_or_warn
+
+#: inputs of at most this many rows go through the C kernel; more rows dequantise and use linear()
+MAX_KERNEL_ROWS = 4
+#: the same bound for the AVX-512 and AVX2 builds, whose kernels decode each block once for four
+#: rows at a time: on the 2-core AVX2 box all of SmolLM2's linears took 21.7 ms for 4 rows, 43.7
+#: for 8, 79 for 16 and 306 for 64, against 165-185 and 437 ms for dequantising and linear()
+GROUPED_MAX_ROWS = 64
+
+_C_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KV_AVX2 1
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+/* eight bytes at p as int32 (zero-extended), eight int8 codes as float32 */
+static inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+static inline __m256 s8x8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+#endif
+/* float32 lanes of the vector path this build took (16 AVX-512, 8 AVX2, 1 plain loops) */
+int kernel_lanes(void) {
+#if defined(__AVX512F__)
+  return 16;
+#elif defined(KV_AVX2)
+  return 8;
+#else
+  return 1;
+#endif
+}
+/* y[r, n] = sum_k x[r, k] w[n, k], weights in blocks of 32 along k, d and m fp16 [N, K/32].
+   q4_1: w = code * d + m; 16 bytes per block, low nibble of byte j is element j, high j+16.
+   q8_0: w = code * d; 32 int8 per block. code * d is exact in float32, so w is the
+   float32 weight bit for bit. q8_0 keeps four accumulators per output (the dependency
+   chain); with AVX-512, q4_1 takes two outputs at a time, two accumulators each, reading
+   each tile of x once for both (SmolLM2's q4_1 layers on the 2-core AVX-512 box: 5.7 ->
+   4.9 ms a token). Without AVX-512 but with AVX2, FMA and F16C the same loops run 8 lanes
+   wide with intrinsics: the plain loops left to the compiler took SmolLM2's linears 38 ms
+   a token on a 2-core AVX2 box (Zen 3), these 11 ms. */
+static inline void q4_1_task(const float* x, const uint8_t* codes, const _Float16* d,
+                             const _Float16* mn, float* y, int64_t M, int64_t N, int64_t K, int64_t task) {
+  const int64_t G = K / 32;
+#ifdef __AVX512F__
+  /* two output rows at a time: each tile of x is loaded once for both, and their scales and
+     minima are converted to float32 16 at a time before the loop */
+  {
+    const int64_t n2 = task;
+    const int64_t n = 2 * n2;
+    const int two = n + 1 < N;
+    float df[2][G + 16], mf[2][G + 16];
+    for (int q = 0; q < 2; q++) {
+      const _Float16* dn = d + (n + (two ? q : 0)) * G;
+      const _Float16* mnn = mn + (n + (two ? q : 0)) * G;
+      int64_t g0 = 0;
+      for (; g0 + 16 <= G; g0 += 16) {
+        _mm512_storeu_ps(df[q] + g0, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dn + g0))));
+        _mm512_storeu_ps(mf[q] + g0, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mnn + g0))));
+      }
+      for (; g0 < G; g0++) {
+        df[q][g0] = (float)dn[g0];
+        mf[q][g0] = (float)mnn[g0];
+      }
+    }
+    const uint8_t* c0 = codes + n * G * 16;
+    const uint8_t* c1 = two ? c0 + G * 16 : c0;  /* an odd last row computes itself twice */
+    const __m512i low = _mm512_set1_epi32(15);
+    if (M > 1) {  /* rows four at a time: each block's codes decoded once for all of them */
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int64_t rn = M - r0 < 4 ? M - r0 : 4;
+        __m512 acc[4][2];
+        for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+          const __m512i p = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c0 + g * 16)));
+          const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c1 + g * 16)));
+          const __m512 d0 = _mm512_set1_ps(df[0][g]), m0 = _mm512_set1_ps(mf[0][g]);
+          const __m512 d1 = _mm512_set1_ps(df[1][g]), m1 = _mm512_set1_ps(mf[1][g]);
+          const __m512 wl0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(p, low)), d0, m0);
+          const __m512 wh0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(p, 4)), d0, m0);
+          const __m512 wl1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d1, m1);
+          const __m512 wh1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1);
+          for (int64_t i = 0; i < rn; i++) {
+            const float* xg = x + (r0 + i) * K + g * 32;
+            const __m512 xl = _mm512_loadu_ps(xg), xh = _mm512_loadu_ps(xg + 16);
+            acc[i][0] = _mm512_fmadd_ps(wh0, xh, _mm512_fmadd_ps(wl0, xl, acc[i][0]));
+            acc[i][1] = _mm512_fmadd_ps(wh1, xh, _mm512_fmadd_ps(wl1, xl, acc[i][1]));
+          }
+        }
+        for (int64_t i = 0; i < rn; i++) {
+          y[(r0 + i) * N + n] = _mm512_reduce_add_ps(acc[i][0]);
+          if (two) y[(r0 + i) * N + n + 1] = _mm512_reduce_add_ps(acc[i][1]);
+        }
+      }
+      return;
+    }
+    for (int64_t r = 0; r < M; r++) {
+      const float* xr = x + r * K;
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; g++) {
+        const __m512 xl = _mm512_loadu_ps(xr + g * 32), xh = _mm512_loadu_ps(xr + g * 32 + 16);
+        const __m512i p = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c0 + g * 16)));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c1 + g * 16)));
+        const __m512 d0 = _mm512_set1_ps(df[0][g]), m0 = _mm512_set1_ps(mf[0][g]);
+        const __m512 d1 = _mm512_set1_ps(df[1][g]), m1 = _mm512_set1_ps(mf[1][g]);
+        a0 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(p, low)), d0, m0), xl, a0);
+        a1 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(p, 4)), d0, m0), xh, a1);
+        b0 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d1, m1), xl, b0);
+        b1 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1), xh, b1);
+      }
+      y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+      if (two) y[r * N + n + 1] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+    }
+  }
+#elif defined(KV_AVX2)
+  /* AVX2: two output rows at a time, as above, 8 lanes; bytes 0-7 and 8-15 of a block give
+     elements 0-7 and 8-15 (low nibbles) and 16-23 and 24-31 (high nibbles) */
+  {
+    const int64_t n2 = task;
+    const int64_t n = 2 * n2, n1 = n + 1 < N ? n + 1 : n;
+    const uint8_t* cs[2] = {codes + n * G * 16, codes + n1 * G * 16};
+    const _Float16* ds[2] = {d + n * G, d + n1 * G};
+    const _Float16* ms[2] = {mn + n * G, mn + n1 * G};
+    const __m256i low = _mm256_set1_epi32(15);
+    if (M > 1) {  /* rows four at a time: each block's codes decoded once for all of them */
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int64_t rn = M - r0 < 4 ? M - r0 : 4;
+        __m256 acc[4][2];
+        for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+          __m256 w[2][4];
+          for (int q = 0; q < 2; q++) {
+            const __m256 dd = _mm256_set1_ps((float)ds[q][g]), mm = _mm256_set1_ps((float)ms[q][g]);
+            const __m256i b0 = u8x8(cs[q] + g * 16), b1 = u8x8(cs[q] + g * 16 + 8);
+            w[q][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), dd, mm);
+            w[q][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), dd, mm);
+            w[q][2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), dd, mm);
+            w[q][3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), dd, mm);
+          }
+          for (int64_t i = 0; i < rn; i++) {
+            const float* xg = x + (r0 + i) * K + g * 32;
+            for (int j = 0; j < 4; j++) {
+              const __m256 xv = _mm256_loadu_ps(xg + 8 * j);
+              acc[i][0] = _mm256_fmadd_ps(w[0][j], xv, acc[i][0]);
+              acc[i][1] = _mm256_fmadd_ps(w[1][j], xv, acc[i][1]);
+            }
+          }
+        }
+        for (int64_t i = 0; i < rn; i++) {
+          y[(r0 + i) * N + n] = hsum8(acc[i][0]);
+          if (n1 != n) y[(r0 + i) * N + n1] = hsum8(acc[i][1]);
+        }
+      }
+      return;
+    }
+    for (int64_t r = 0; r < M; r++) {
+      const float* xr = x + r * K;
+      __m256 acc[2][4];
+      for (int q = 0; q < 2; q++)
+        for (int j = 0; j < 4; j++) acc[q][j] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; g++) {
+        const float* xg = xr + g * 32;
+        const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+        const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+        for (int q = 0; q < 2; q++) {
+          const __m256 dd = _mm256_set1_ps((float)ds[q][g]), mm = _mm256_set1_ps((float)ms[q][g]);
+          const __m256i b0 = u8x8(cs[q] + g * 16), b1 = u8x8(cs[q] + g * 16 + 8);
+          const __m256 l0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));
+          const __m256 l1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
+          const __m256 h0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+          const __m256 h1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+          acc[q][0] = _mm256_fmadd_ps(_mm256_fmadd_ps(l0, dd, mm), x0, acc[q][0]);
+          acc[q][1] = _mm256_fmadd_ps(_mm256_fmadd_ps(l1, dd, mm), x1, acc[q][1]);
+          acc[q][2] = _mm256_fmadd_ps(_mm256_fmadd_ps(h0, dd, mm), x2, acc[q][2]);
+          acc[q][3] = _mm256_fmadd_ps(_mm256_fmadd_ps(h1, dd, mm), x3, acc[q][3]);
+        }
+      }
+      y[r * N + n] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0][0], acc[0][1]), _mm256_add_ps(acc[0][2], acc[0][3])));
+      if (n1 != n)
+        y[r * N + n1] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[1][0], acc[1][1]), _mm256_add_ps(acc[1][2], acc[1][3])));
+    }
+  }
+#else
+  {
+    const int64_t n = task;
+    for (int64_t r = 0; r < M; r++) {
+      const float* xr = x + r * K;
+      const uint8_t* c = codes + n * G * 16;
+      const _Float16* dn = d + n * G;
+      const _Float16* mnn = mn + n * G;
+      float a0[16] = {0}, a1[16] = {0};
+      for (int64_t g = 0; g < G; g++) {
+        const float dd = (float)dn[g], mm = (float)mnn[g];
+        for (int j = 0; j < 16; j++) {
+          a0[j] += ((float)(c[g * 16 + j] & 15) * dd + mm) * xr[g * 32 + j];
+          a1[j] += ((float)(c[g * 16 + j] >> 4) * dd + mm) * xr[g * 32 + 16 + j];
+        }
+      }
+      float s = 0.f;
+      for (int j = 0; j < 16; j++) s += a0[j] + a1[j];
+      y[r * N + n] = s;
+    }
+  }
+#endif
+}
+
+/* the tasks of q4_1_task: pairs of outputs on the vector paths, single outputs otherwise */
+static inline int64_t q4_1_tasks(int64_t N) {
+#if defined(__AVX512F__) || defined(KV_AVX2)
+  return (N + 1) / 2;
+#else
+  return N;
+#endif
+}
+
+void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _Float16* mn,
+               float* y, int64_t M, int64_t N, int64_t K, int threads) {
+  const int64_t tasks = q4_1_tasks(N);
+  #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t t = 0; t < tasks; t++) q4_1_task(x, codes, d, mn, y, M, N, K, t);
+}
+
+/* The float32 weight [N, K], bit for bit: code * d is exact (4 or 8 bits times an fp16's 11),
+   so the one rounding of + m is the same with or without a fused multiply-add. A prefill
+   (more than a few rows) multiplies it as the float32 model does. */
+void q4_1_dequant(const uint8_t* codes, const _Float16* d, const _Float16* mn, float* w,
+                  int64_t N, int64_t K, int threads) {
+  const int64_t G = K / 32;
+  #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n++) {
+    for (int64_t g = 0; g < G; g++) {
+      const float dd = (float)d[n * G + g], mm = (float)mn[n * G + g];
+      const uint8_t* c = codes + (n * G + g) * 16;
+      float* o = w + n * K + g * 32;
+      for (int j = 0; j < 16; j++) {
+        o[j] = (float)(c[j] & 15) * dd + mm;
+        o[j + 16] = (float)(c[j] >> 4) * dd + mm;
+      }
+    }
+  }
+}
+
+void q8_0_dequant(const int8_t* codes, const _Float16* d, float* w, int64_t N, int64_t K, int threads) {
+  const int64_t G = K / 32;
+  #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n++) {
+    for (int64_t g = 0; g < G; g++) {
+      const float dd = (float)d[n * G + g];
+      const int8_t* c = codes + n * K + g * 32;
+      float* o = w + n * K + g * 32;
+      for (int j = 0; j < 32; j++) o[j] = (float)c[j] * dd;
+    }
+  }
+}
+
+static inline void q8_0_task(const float* x, const int8_t* codes, const _Float16* d, float* y,
+                             int64_t M, int64_t N, int64_t K, int64_t task) {
+  const int64_t G = K / 32;
+  {
+    const int64_t n = task;
+#if defined(__AVX512F__)
+    if (M > 1) {  /* rows four at a time, each block decoded once for them, two sums a row */
+      const int8_t* c = codes + n * K;
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int64_t rn = M - r0 < 4 ? M - r0 : 4;
+        __m512 acc[4][2];
+        for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+          const __m512 dv = _mm512_set1_ps((float)d[n * G + g]);
+          const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + g * 32)))), dv);
+          const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + g * 32 + 16)))), dv);
+          for (int64_t i = 0; i < rn; i++) {
+            const float* xg = x + (r0 + i) * K + g * 32;
+            acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[i][1]);
+          }
+        }
+        for (int64_t i = 0; i < rn; i++)
+          y[(r0 + i) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+      }
+      return;
+    }
+#elif defined(KV_AVX2)
+    if (M > 1) {  /* rows four at a time, each block decoded once for them, two sums a row */
+      const int8_t* c = codes + n * K;
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int64_t rn = M - r0 < 4 ? M - r0 : 4;
+        __m256 acc[4][2];
+        for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+          const __m256 dv = _mm256_set1_ps((float)d[n * G + g]);
+          __m256 w[4];
+          for (int j = 0; j < 4; j++) w[j] = _mm256_mul_ps(s8x8(c + g * 32 + 8 * j), dv);
+          for (int64_t i = 0; i < rn; i++) {
+            const float* xg = x + (r0 + i) * K + g * 32;
+            for (int j = 0; j < 4; j++)
+              acc[i][j & 1] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + 8 * j), acc[i][j & 1]);
+          }
+        }
+        for (int64_t i = 0; i < rn; i++) y[(r0 + i) * N + n] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
+      }
+      return;
+    }
+#endif
+    for (int64_t r = 0; r < M; r++) {
+      const float* xr = x + r * K;
+      const int8_t* c = codes + n * K;
+      const _Float16* dn = d + n * G;
+#ifdef __AVX512F__
+      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+      for (int64_t g = 0; g < G; g++) {
+        const __m512 dv = _mm512_set1_ps((float)dn[g]);
+        const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + g * 32)))), dv);
+        const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + g * 32 + 16)))), dv);
+        const int s = (int)(g & 1) * 2;
+        a[s] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr + g * 32), a[s]);
+        a[s + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + g * 32 + 16), a[s + 1]);
+      }
+      y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]),
+                                                        _mm512_add_ps(a[2], a[3])));
+#elif defined(KV_AVX2)
+      __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t g = 0; g < G; g++) {
+        const __m256 dv = _mm256_set1_ps((float)dn[g]);
+        for (int j = 0; j < 4; j++)
+          a[j] = _mm256_fmadd_ps(_mm256_mul_ps(s8x8(c + g * 32 + 8 * j), dv), _mm256_loadu_ps(xr + g * 32 + 8 * j), a[j]);
+      }
+      y[r * N + n] = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+#else
+      float a0[32] = {0};
+      for (int64_t g = 0; g < G; g++) {
+        const float dd = (float)dn[g];
+        for (int j = 0; j < 32; j++) a0[j] += ((float)c[g * 32 + j] * dd) * xr[g * 32 + j];
+      }
+      float s = 0.f;
+      for (int j = 0; j < 32; j++) s += a0[j];
+      y[r * N + n] = s;
+#endif
+    }
+  }
+}
+
+void q8_0_gemv(const float* x, const int8_t* codes, const _Float16* d, const _Float16* unused,
+               float* y, int64_t M, int64_t N, int64_t K, int threads) {
+  (void)unused;
+  #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n++) q8_0_task(x, codes, d, y, M, N, K, n);
+}
+"""
+
+
+class PackedKernels:
+    """The compiled ``q4_1_gemv`` / ``q8_0_gemv`` and ``q4_1_dequant`` / ``q8_0_dequant`` of
+    :data:`_C_SOURCE`, called through ctypes."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self._fns = {"q4_1": lib.q4_1_gemv, "q8_0": lib.q8_0_gemv}
+        for fn in self._fns.values():
+            fn.argtypes, fn.restype = [p] * 5 + [i] * 3 + [ctypes.c_int], None
+        self._dequant = {"q4_1": lib.q4_1_dequant, "q8_0": lib.q8_0_dequant}
+        lib.q4_1_dequant.argtypes = [p] * 4 + [i] * 2 + [ctypes.c_int]
+        lib.q8_0_dequant.argtypes = [p] * 3 + [i] * 2 + [ctypes.c_int]
+        for fn in self._dequant.values():
+            fn.restype = None
+        lib.kernel_lanes.restype = ctypes.c_int
+        #: float32 lanes of the vector path this build took: 16 (AVX-512), 8 (AVX2), 1 (plain C)
+        self.lanes = lib.kernel_lanes()
+        #: rows the kernel takes (:data:`GROUPED_MAX_ROWS` on the vector paths, which decode each
+        #: block once for four rows at a time, else :data:`MAX_KERNEL_ROWS`)
+        self.max_rows = GROUPED_MAX_ROWS if self.lanes > 1 else MAX_KERNEL_ROWS
+
+    def dequant(self, fmt: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                out: torch.Tensor) -> torch.Tensor:
+        """The float32 weight ``out`` ``[N, K]`` (contiguous) of the block codes, bit for bit."""
+        N, K = out.shape
+        extra = () if fmt == "q8_0" else (m.data_ptr(),)
+        self._dequant[fmt](codes.data_ptr(), d.data_ptr(), *extra, out.data_ptr(), N, K, torch.get_num_threads())
+        return out
+
+    def gemv(self, fmt: str, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor,
+             m: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """``out[r, n] = sum_k x[r, k] w[n, k]``: x float32 ``[M, K]`` contiguous, out ``[M, N]``."""
+        M, K = x.shape
+        self._fns[fmt](x.data_ptr(), codes.data_ptr(), d.data_ptr(),
+                       (m if m is not None else d).data_ptr(), out.data_ptr(),
+                       M, out.shape[1], K, torch.get_num_threads())
+        return out
+
+
+@functools.cache
+def load_kernels() -> PackedKernels | None:
+    """Compile (once per machine, :mod:`kvtier.kernels.native`) and load the kernels; ``None`` if
+    no C compiler can build them here (a warning says why)."""
+    return load_or_warn("packed", _C_SOURCE, PackedKernels, "weights stay float32")
