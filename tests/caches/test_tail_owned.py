@@ -215,3 +215,22 @@ def test_from_cache_converts_a_block_cache(seed):
     for a, b in zip(tail.fetch(), block.fetch()):
         assert torch.equal(a, b)
     assert TailOwnedKVCache.from_cache(BlockOwnedKVCache()).empty()
+
+
+def test_a_write_in_place_after_make_room_is_booked_as_update_books_a_copy():
+    """make_room grows as update() would; keys and values written at the offset by the caller and
+    taken with commit_written give update()'s contents, offset, capacity and counters."""
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(1, 2, 7, 4, generator=g), torch.randn(1, 2, 7, 4, generator=g)
+    copied, in_place = TailOwnedKVCache(step=4), TailOwnedKVCache(step=4)
+    for s, e in ((0, 3), (3, 4), (4, 7)):
+        copied.update(k[:, :, s:e], v[:, :, s:e])
+        in_place.make_room(e - s, k[:, :, :0], v[:, :, :0])
+        in_place.keys[:, :, s:e], in_place.values[:, :, s:e] = k[:, :, s:e], v[:, :, s:e]
+        in_place.commit_written(e - s)
+    assert in_place.offset == copied.offset == 7 and in_place.capacity == copied.capacity == 8
+    for a, b in zip(in_place.fetch(), copied.fetch()):
+        assert torch.equal(a, b)
+    got, want = in_place.stats(), copied.stats()
+    assert {n: got[n] for n in ("updates", "bytes", "grow_events")} == \
+        {n: want[n] for n in ("updates", "bytes", "grow_events")}

@@ -107,12 +107,26 @@ class TailOwnedKVCache(ScalarKVCache):
         keys, values = check_kv(keys, values, self.keys)
         T = keys.shape[2]
         end = self._offset + T
-        if end > self.capacity:
-            self._grow(end, keys, values)
+        self.make_room(T, keys, values)
         with CopyTimer(self.copy_stats, tensor_nbytes(keys, values)):
             self.keys[:, :, self._offset : end] = keys
             self.values[:, :, self._offset : end] = values
         self._offset = end
+
+    def make_room(self, tokens: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        """Grow, as :meth:`update` does, so that ``tokens`` more positions fit; ``like_k`` /
+        ``like_v`` ``[B, H_kv, *, D]`` give the buffers' shape and dtype when there are none yet."""
+        if self._offset + tokens > self.capacity:
+            self._grow(self._offset + tokens, like_k, like_v)
+
+    def commit_written(self, tokens: int) -> None:
+        """Take ``tokens`` positions a caller wrote in place at ``[offset, offset + tokens)`` of
+        :attr:`keys` / :attr:`values` (after :meth:`make_room`; the one-call CPU decode step,
+        :mod:`kvtier.model.cpu_step`), booked as :meth:`update` books a copy, without its time."""
+        B, H, _, D = self.keys.shape
+        self.copy_stats.updates += 1
+        self.copy_stats.bytes += tokens * B * H * (D + self.values.shape[3]) * self.keys.element_size()
+        self._offset += tokens
 
     def fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[B, H_kv, offset, D]`` of the buffers (no copy)."""

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import weakref
 
 import torch
@@ -58,6 +57,7 @@ from kvtier.kernels import cpu_fused
 from kvtier.kernels.native import load_or_warn
 from kvtier.model import packed, packed_kernels
 from kvtier.model.linear import Linear
+from kvtier.model.llama import switched_off
 
 __all__ = ["DecodeStep", "decode_step_enabled", "forget", "load_kernels", "plan_for"]
 
@@ -193,6 +193,15 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
   }
 }
 
+/* attend_chunk with the head dim a constant for 64 and 128 (the loops drop their remainders) */
+static void attend_chunk_d(const float* q, int64_t qs, const float* K, const float* V, int64_t j0,
+    int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D, float scale, float* s, int64_t stride,
+    float* part) {
+  if (D == 64) attend_chunk(q, qs, K, V, j0, j1, off, T, G, 64, D, scale, s, stride, part);
+  else if (D == 128) attend_chunk(q, qs, K, V, j0, j1, off, T, G, 128, D, scale, s, stride, part);
+  else attend_chunk(q, qs, K, V, j0, j1, off, T, G, 0, D, scale, s, stride, part);
+}
+
 /* out [D] of one query head from its splits' parts (largest score, sum, weighted values) */
 static inline void merge_parts(const float* part, int64_t splits, int64_t step, int64_t D, float* out) {
   float mx = -INFINITY, tot = 0.f;
@@ -266,9 +275,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         const float* q = qk + kh * group * D;
         float* s = scores + kh * gt * score_stride;
         float* part = parts + t * gt * (D + 2);
-        if (D == 64) attend_chunk(q, QK, K, V, j0, j1, off, T, group, 64, D, scale, s, score_stride, part);
-        else if (D == 128) attend_chunk(q, QK, K, V, j0, j1, off, T, group, 128, D, scale, s, score_stride, part);
-        else attend_chunk(q, QK, K, V, j0, j1, off, T, group, 0, D, scale, s, score_stride, part);
+        attend_chunk_d(q, QK, K, V, j0, j1, off, T, group, D, scale, s, score_stride, part);
       }
       #pragma omp for schedule(static)
       for (int64_t r = 0; r < Hq * T; r++) {  /* query (head hq, token t): parts ((kh splits + i) gt + g T + t) */
@@ -331,9 +338,7 @@ def load_kernels() -> _Kernels | None:
 def decode_step_enabled() -> bool:
     """Whether the environment allows the one-call step (``KVTIER_FUSED`` and
     ``KVTIER_DECODE_STEP`` not ``0``/``false``/``no``/``off``)."""
-    off = ("0", "false", "no", "off")
-    return all(os.environ.get(v, "1").strip().lower() not in off
-               for v in ("KVTIER_FUSED", "KVTIER_DECODE_STEP"))
+    return not (switched_off("KVTIER_FUSED") or switched_off("KVTIER_DECODE_STEP"))
 
 
 def _cpu_f32(t: torch.Tensor | None) -> bool:
@@ -377,6 +382,7 @@ class DecodeStep:
         self.kernels, self.key = kernels, key
         self.layers, self.head, self._keep = layers, head, keep
         self.dims = (a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim)
+        self._like = torch.empty(1, a.n_kv_heads, 0, a.head_dim)  # the buffers' shape, for empty caches
         self.eps = float(model.norm.eps)
         self.scale = float(model.layers[0].attention.scale)
         self.needs_grad = any(t.requires_grad for t in keep if isinstance(t, torch.Tensor))
@@ -436,12 +442,8 @@ class DecodeStep:
         if (torch.is_grad_enabled() and self.needs_grad) or not 1 <= T <= MAX_TOKENS:
             return None
         vocab = self.model.args.vocab_size
-        ids = tokens[0]
-        if T == 1:
-            token = int(ids[0])
-            if not 0 <= token < vocab:
-                return None
-        elif int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        ids = tokens[0].tolist()
+        if min(ids) < 0 or max(ids) >= vocab:
             return None
         used = caches[:n]
         for c in used:
@@ -451,17 +453,13 @@ class DecodeStep:
             if k is not None and not (k.shape[0] == 1 and k.shape[1] == Hkv and k.shape[3] == D
                                       and v.shape == k.shape and _cpu_f32(k) and _cpu_f32(v)):
                 return None
-        like = None
         # this call's copy of the plan, and its own scratch: two threads may run one model on
         # two sequences' caches, as the layered forward allows
         layers = type(self.layers).from_buffer_copy(self.layers)
         for layer, c in zip(layers, used):  # everything is checked: from here on it writes
-            end = c._offset + T
-            if end > c.capacity:
-                like = torch.empty(1, Hkv, 1, D) if like is None else like
-                c._grow(end, like, like)
+            c.make_room(T, self._like, self._like)
             layer.k, layer.v = c.keys.data_ptr(), c.values.data_ptr()
-            layer.offset, layer.cap = c._offset, c.capacity
+            layer.offset, layer.cap = c.offset, c.capacity
         start = caches[0].offset
         positions = torch.arange(start, start + T).view(1, T)
         cos, sin = self.model.rope(positions, torch.float32)  # (1, T, 1, D)
@@ -471,21 +469,13 @@ class DecodeStep:
         scratch = torch.empty(need)
         rows = 1 if last_only else T
         logits = torch.empty(1, rows, vocab)
-        emb = self.model.tok_embeddings.weight
-        if T == 1:
-            x0 = emb.data_ptr() + token * dim * 4
-        else:
-            rows_in = emb.index_select(0, ids)  # (T, dim)
-            x0 = rows_in.data_ptr()
+        x = self.model.tok_embeddings.weight[ids]  # (T, dim): the tokens' embeddings
         self.kernels.decode_step(layers, n, ctypes.byref(self.head), self.model.norm.weight.data_ptr(),
-                                 x0, cos.data_ptr(), sin.data_ptr(), T, int(last_only), dim, Hq, Hkv, D,
+                                 x.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, int(last_only), dim, Hq, Hkv, D,
                                  hidden, self.eps, self.scale, scratch.data_ptr(), stride,
                                  logits.data_ptr(), torch.get_num_threads())
-        written = 2 * Hkv * D * 4 * T
         for c in used:
-            c._offset += T
-            c.copy_stats.updates += 1
-            c.copy_stats.bytes += written
+            c.commit_written(T)
         return logits
 
 

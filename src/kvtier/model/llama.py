@@ -316,8 +316,13 @@ def project(lin: nn.Module, x: torch.Tensor, *, silu_mul: bool = False) -> torch
     return lin(F.silu(gate) * up)
 
 
+def switched_off(var: str) -> bool:
+    """Whether the environment variable ``var`` turns something off (``0``, ``false``, ``no``, ``off``)."""
+    return os.environ.get(var, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def _fused_off() -> bool:
-    return os.environ.get("KVTIER_FUSED", "1").strip().lower() in ("0", "false", "no", "off")
+    return switched_off("KVTIER_FUSED")
 
 
 @functools.cache
