@@ -179,6 +179,25 @@ def test_the_plan_follows_replaced_modules_and_moved_tensors(monkeypatch):
     assert_same_decode(model, monkeypatch)
 
 
+def test_a_replaced_parameter_rebuilds_the_plan(monkeypatch):
+    """Parameters assigned through ``nn.Module`` (its registration hooks) are seen at once."""
+    model = small_model()
+    first = cpu_step.plan_for(model)
+    assert cpu_step.plan_for(model) is first
+    model.norm.weight = nn.Parameter(model.norm.weight.detach() * 1.5, requires_grad=False)
+    assert cpu_step.plan_for(model) not in (None, first)
+    assert_same_decode(model, monkeypatch, steps=3)
+
+
+def test_rotations_past_the_first_span_of_positions(monkeypatch):
+    """The plan's cos/sin rows cover positions 1,024 at a time: a decode across position 1,024
+    takes its rotations from the grown table."""
+    model = small_model()
+    prompt = [torch.randint(0, 128, (1018,), generator=torch.Generator().manual_seed(2)).tolist()]
+    assert_same_decode(model, monkeypatch, prompt=prompt, steps=12)
+    assert cpu_step.plan_for(model)._rope[0].shape[0] == 2048
+
+
 def test_gradients_keep_the_layered_forward(monkeypatch):
     model = small_model(packed=False)
     for p in model.parameters():

@@ -227,12 +227,12 @@ static inline int64_t split_keys(int64_t n, int64_t Hkv, int threads) {
 }
 
 /* T tokens of one sequence through n_layers layers, the final norm and the LM head: logits
-   [T, V], or [1, V] of the last token with last_only. x0 holds their embeddings [T, dim],
-   cos/sin [T, D] their rotations; scratch holds T (4 dim + (3 Hq + 3 Hkv) D + 3 hidden) +
+   [T, V], or [1, V] of the last token with last_only. ids are the tokens, emb the embedding
+   table [V, dim] (ids in range: the caller checks), cos/sin [T, D] their rotations; scratch holds T (4 dim + (3 Hq + 3 Hkv) D + 3 hidden) +
    Hq T score_stride + Hq T (score_stride / 64 + 1) (D + 2) floats, score_stride at least every
    layer's offset + T. */
 void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const float* norm_w,
-                 const float* x0, const float* cos, const float* sin, int64_t T, int64_t last_only,
+                 const float* emb, const int64_t* ids, const float* cos, const float* sin, int64_t T, int64_t last_only,
                  int64_t dim, int64_t Hq, int64_t Hkv, int64_t D, int64_t hidden, float eps,
                  float scale, float* scratch, int64_t score_stride, float* logits, int threads) {
   const int64_t QKV = (Hq + 2 * Hkv) * D, QK = (Hq + Hkv) * D;
@@ -248,7 +248,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
   float* scores = act + T * hidden;        /* [Hq, T, score_stride] */
   float* parts = scores + Hq * T * score_stride;  /* [Hkv, splits, group, T, D + 2] */
   const int64_t group = Hq / Hkv, gt = group * T;
-  memcpy(h, x0, T * dim * sizeof(float));
+  for (int64_t t = 0; t < T; t++) memcpy(h + t * dim, emb + ids[t] * dim, dim * sizeof(float));
   #pragma omp parallel num_threads(threads)
   {
     for (int64_t l = 0; l < n_layers; l++) {
@@ -322,7 +322,7 @@ class _Kernels:
     def __init__(self, lib: ctypes.CDLL):
         self.decode_step = lib.decode_step
         p, i = ctypes.c_void_p, ctypes.c_int64
-        self.decode_step.argtypes = ([p, i, p, p, p, p, p] + [i] * 7 + [ctypes.c_float] * 2
+        self.decode_step.argtypes = ([p, i, p, p, p, p, p, p] + [i] * 7 + [ctypes.c_float] * 2
                                      + [p, i, p, ctypes.c_int])
         self.decode_step.restype = None
 
@@ -386,6 +386,18 @@ class DecodeStep:
         self.eps = float(model.norm.eps)
         self.scale = float(model.layers[0].attention.scale)
         self.needs_grad = any(t.requires_grad for t in keep if isinstance(t, torch.Tensor))
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope_rows(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin ``[P, D]`` of positions ``[0, P)``, ``P >= end``: the model's rotary module
+        run once for a span of positions (grown 1,024 at a time) rather than every step (its
+        values per position are the same bits either way)."""
+        rope = self._rope  # (read once: another thread may replace it meanwhile)
+        if rope is None or rope[0].shape[0] < end:
+            P = -(-end // 1024) * 1024
+            cos, sin = self.model.rope(torch.arange(P).view(1, P), torch.float32)
+            rope = self._rope = (cos.reshape(P, -1).contiguous(), sin.reshape(P, -1).contiguous())
+        return rope
 
     @property
     def model(self):
@@ -461,17 +473,20 @@ class DecodeStep:
             layer.k, layer.v = c.keys.data_ptr(), c.values.data_ptr()
             layer.offset, layer.cap = c.offset, c.capacity
         start = caches[0].offset
-        positions = torch.arange(start, start + T).view(1, T)
-        cos, sin = self.model.rope(positions, torch.float32)  # (1, T, 1, D)
+        cos, sin = self.rope_rows(start + T)
+        row = start * D * cos.element_size()  # (bytes to the first token's row)
+        if tokens.dtype != torch.int64 or not tokens.is_contiguous():
+            tokens = tokens.to(torch.int64).contiguous()
         stride = max(c.capacity for c in used)
         need = T * (dim * 4 + (3 * Hq + 3 * Hkv) * D + 3 * hidden) + Hq * T * stride \
             + Hq * T * (stride // 64 + 1) * (D + 2)
         scratch = torch.empty(need)
         rows = 1 if last_only else T
         logits = torch.empty(1, rows, vocab)
-        x = self.model.tok_embeddings.weight[ids]  # (T, dim): the tokens' embeddings
-        self.kernels.decode_step(layers, n, ctypes.byref(self.head), self.model.norm.weight.data_ptr(),
-                                 x.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, int(last_only), dim, Hq, Hkv, D,
+        model = self.model
+        self.kernels.decode_step(layers, n, ctypes.byref(self.head), model.norm.weight.data_ptr(),
+                                 model.tok_embeddings.weight.data_ptr(), tokens.data_ptr(),
+                                 cos.data_ptr() + row, sin.data_ptr() + row, T, int(last_only), dim, Hq, Hkv, D,
                                  hidden, self.eps, self.scale, scratch.data_ptr(), stride,
                                  logits.data_ptr(), torch.get_num_threads())
         for c in used:
@@ -490,14 +505,39 @@ def plan_for(model) -> DecodeStep | None:
     emb = model.tok_embeddings.weight
     if emb.device.type != "cpu" or emb.dtype != torch.float32:
         return None
-    key = tuple(map(id, DecodeStep.key_objects(model)))
     entry = _PLANS.get(model)
+    if entry is not None and entry[2] == _registrations[0]:
+        return entry[1]  # no module or parameter was assigned anywhere since the check
+    _watch_registrations()
+    seen = _registrations[0]
+    key = tuple(map(id, DecodeStep.key_objects(model)))
     if entry is None or entry[0] != key:
-        entry = (key, DecodeStep.build(model))
-        _PLANS[model] = entry
+        entry = (key, DecodeStep.build(model), seen)
+    else:
+        entry = (key, entry[1], seen)
+    _PLANS[model] = entry
     return entry[1]
 
 
 def forget(model) -> None:
     """Drop the model's plan (its tensors moved: ``Module._apply``)."""
     _PLANS.pop(model, None)
+
+
+#: modules and parameters assigned to any module since the first plan (``nn.Module.__setattr__``
+#: and ``register_*`` call PyTorch's global registration hooks). A step whose count is unchanged
+#: since its model's last check skips walking the layers: after a step has streamed the
+#: weights through the caches that walk costs about half a millisecond, 4% of a step.
+_registrations = [0]
+
+
+def _count_registration(module, name, value) -> None:
+    _registrations[0] += 1
+
+
+@functools.cache
+def _watch_registrations() -> None:
+    from torch.nn.modules import module as nn_module
+
+    nn_module.register_module_module_registration_hook(_count_registration)
+    nn_module.register_module_parameter_registration_hook(_count_registration)
