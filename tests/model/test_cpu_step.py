@@ -104,10 +104,14 @@ def test_the_step_grows_the_caches_across_their_capacity(monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_long_contexts_split_each_kv_heads_keys_and_merge(monkeypatch, threads):
+@pytest.mark.parametrize("shape", [(64, 4, 2), (256, 4, 2), (256, 2, 1)], ids=["d16", "d64", "d128"])
+def test_long_contexts_split_each_kv_heads_keys_and_merge(monkeypatch, threads, shape):
     """600 keys: attention runs in splits of a KV head's keys (at least 64 each, 4 tasks a thread
-    where the keys allow), each split's softmax parts merged; the vector exp's values too."""
-    model = small_model()
+    where the keys allow), each split's softmax parts merged; the vector exp's values too. Head
+    dims of 64 and 128 take the one-token AVX2 loops (four keys' scores a pass, 64 keys' values
+    a block, keys left over past a multiple of four)."""
+    dim, heads, kv_heads = shape
+    model = small_model(dim=dim, n_heads=heads, n_kv_heads=kv_heads)
     prompt = [torch.randint(0, 128, (600,), generator=torch.Generator().manual_seed(1)).tolist()]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -193,10 +193,85 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
   }
 }
 
-/* attend_chunk with the head dim a constant for 64 and 128 (the loops drop their remainders) */
+#if defined(__AVX2__) && defined(__FMA__)
+/* attend_chunk for one token (a decode step) and a head dim DC of 64 or 128, 8 lanes wide:
+   the scores of four keys a pass for each query head (their four dot products summed across
+   lanes together, not one horizontal sum per key), and the weighted values of 64 keys at a
+   time for one head, 64 channels of sums held in registers (not loaded and stored per key) */
+static inline __attribute__((always_inline)) void attend_one_avx2(const float* q, const float* K,
+    const float* V, int64_t j0, int64_t j1, int64_t off, int64_t G, const int64_t DC, float scale,
+    float* s, int64_t stride, float* part) {
+  const int64_t e = j1 < off + 1 ? j1 : off + 1;  /* the chunk's keys the token sees */
+  const __m128 sc = _mm_set1_ps(scale);
+  int64_t j = j0;
+  for (; j + 4 <= e; j += 4) {
+    const float* k0 = K + j * DC;
+    for (int64_t c = 0; c < 4 * DC; c += 16)  /* the rows 2 KB on, asked for ahead of time */
+      _mm_prefetch((const char*)(k0 + c) + 2048, _MM_HINT_T0);
+    for (int64_t g = 0; g < G; g++) {
+      const float* qg = q + g * DC;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t c = 0; c < DC; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + c);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + DC + c), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * DC + c), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * DC + c), a3);
+      }
+      /* lanes 0-3 of h: the low halves' sums of a0..a3, lanes 4-7 the high halves' */
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      _mm_storeu_ps(s + g * stride + j, _mm_mul_ps(r, sc));
+    }
+  }
+  for (; j < e; j++)
+    for (int64_t g = 0; g < G; g++) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < DC; d++) dot += q[g * DC + d] * K[j * DC + d];
+      s[g * stride + j] = dot * scale;
+    }
+  for (int64_t g = 0; g < G; g++) {
+    float* sr = s + g * stride;
+    float mx = -INFINITY;
+    for (int64_t i = j0; i < e; i++) mx = sr[i] > mx ? sr[i] : mx;
+    float* pr = part + g * (DC + 2);
+    pr[0] = mx;
+    pr[1] = e > j0 ? exp_shifted(sr + j0, e - j0, mx) : 0.f;
+  }
+  for (int64_t h0 = 0; h0 < DC; h0 += 64)  /* 64 channels at a time: 8 registers of sums */
+    for (int64_t b = j0; b < e; b += 64) {
+      const int64_t be = b + 64 < e ? b + 64 : e;
+      if (h0 == 0)
+        for (const float* r = V + b * DC; r < V + be * DC; r += 16)  /* the next block's rows */
+          _mm_prefetch((const char*)r + 64 * DC * sizeof(float), _MM_HINT_T0);
+      for (int64_t g = 0; g < G; g++) {
+        float* acc = part + g * (DC + 2) + 2 + h0;
+        const float* p = s + g * stride;
+        __m256 v[8];
+        for (int i = 0; i < 8; i++) v[i] = b == j0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + 8 * i);
+        for (int64_t i = b; i < be; i++) {
+          const __m256 w = _mm256_broadcast_ss(p + i);
+          const float* vr = V + i * DC + h0;
+          for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), v[c]);
+        }
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, v[i]);
+      }
+    }
+  if (e <= j0)
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t d = 0; d < DC; d++) part[g * (DC + 2) + 2 + d] = 0.f;
+}
+#endif
+
+/* attend_chunk with the head dim a constant for 64 and 128 (the loops drop their remainders);
+   one token (a decode step) with AVX2 takes attend_one_avx2 */
 static void attend_chunk_d(const float* q, int64_t qs, const float* K, const float* V, int64_t j0,
     int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D, float scale, float* s, int64_t stride,
     float* part) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (T == 1 && D == 64) { attend_one_avx2(q, K, V, j0, j1, off, G, 64, scale, s, stride, part); return; }
+  if (T == 1 && D == 128) { attend_one_avx2(q, K, V, j0, j1, off, G, 128, scale, s, stride, part); return; }
+#endif
   if (D == 64) attend_chunk(q, qs, K, V, j0, j1, off, T, G, 64, D, scale, s, stride, part);
   else if (D == 128) attend_chunk(q, qs, K, V, j0, j1, off, T, G, 128, D, scale, s, stride, part);
   else attend_chunk(q, qs, K, V, j0, j1, off, T, G, 0, D, scale, s, stride, part);
@@ -218,10 +293,12 @@ static inline void merge_parts(const float* part, int64_t splits, int64_t step, 
   for (int64_t d = 0; d < D; d++) out[d] *= inv;
 }
 
-/* keys a split of attention covers: at least 4 tasks a thread where the keys allow, no split
-   under 64 keys */
+/* keys a split of attention covers: at least 4 tasks a thread where the keys allow, as many
+   for every thread (3 KV heads on 2 threads: 12 tasks, not 9 split 5 and 4), no split under
+   64 keys */
 static inline int64_t split_keys(int64_t n, int64_t Hkv, int threads) {
-  const int64_t want = (4 * (int64_t)threads + Hkv - 1) / Hkv;
+  int64_t want = (4 * (int64_t)threads + Hkv - 1) / Hkv;
+  while ((Hkv * want) % threads) want++;
   int64_t chunk = (n + want - 1) / want;
   return chunk < 64 ? 64 : chunk;
 }
