@@ -222,12 +222,12 @@ def test_each_vector_path_of_the_step_gives_the_layered_forwards_logits(monkeypa
 
     from kvtier.kernels import cpu_fused
     from kvtier.kernels.native import build_library
-    from kvtier.model import packed_kernels
+    from kvtier.model import packed_kernels, step_kernels
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 vector flags")
-    source = packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + cpu_step._STEP_SOURCE
-    narrow = cpu_step._Kernels(build_library("cpu_step", source, flags))
+    source = packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + step_kernels.STEP_SOURCE
+    narrow = step_kernels.Kernels(build_library("cpu_step", source, flags))
     model = small_model()
     cpu_step.plan_for(model).kernels = narrow
     prompt = [torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(2)).tolist()]

@@ -1,0 +1,368 @@
+"""The C side of :mod:`kvtier.model.cpu_step`: the one-call decode step's source, the ctypes
+structures of its pointer plan, and the compiled library.
+
+``decode_step`` runs up to 16 tokens of one sequence through every layer, the final norm and
+the LM head inside one OpenMP parallel region; the products are the packed kernels' own task
+bodies (:mod:`kvtier.model.packed_kernels`) and the elementwise steps the C kernels of
+:mod:`kvtier.kernels.cpu_fused`, so the library is compiled from the three sources together.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from kvtier.kernels import cpu_fused
+from kvtier.kernels.native import load_or_warn
+from kvtier.model import packed_kernels
+
+__all__ = ["STEP_SOURCE", "Kernels", "Layer", "Lin", "load_kernels"]
+
+STEP_SOURCE = r"""
+#include <string.h>
+#include <math.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef struct {       /* one projection: y = W x (+ bias) */
+  int64_t fmt;         /* 0 float32 weight [N, K], 1 Q4_1 codes, 2 Q8_0 codes */
+  const void* w; const void* d; const void* m; const float* bias;
+  int64_t N, K;
+} Lin;
+
+typedef struct {
+  const float* attn_norm; const float* ffn_norm;
+  Lin wqkv, wo, w13, w2;
+  float* k; float* v;  /* the cache's buffers [H_kv, cap, D] */
+  int64_t offset, cap; /* the write position, the buffers' length */
+} Layer;
+
+/* y [M, N] = x [M, K] W^T (+ bias); the tasks are shared by the threads of the enclosing
+   region, which meet at the barrier after them */
+static void linear_rows(const Lin* l, const float* x, float* y, int64_t M) {
+  const int64_t N = l->N, K = l->K;
+  if (l->fmt == 1) {
+    const int64_t tasks = q4_1_tasks(N);
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; t++) q4_1_task(x, l->w, l->d, l->m, y, M, N, K, t);
+  } else if (l->fmt == 2) {
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) q8_0_task(x, l->w, l->d, y, M, N, K, n);
+  } else {
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+      const float* w = (const float*)l->w + n * K;
+      for (int64_t r = 0; r < M; r++) {
+        const float* xr = x + r * K;
+        float s = 0.f;
+        #pragma omp simd reduction(+:s)
+        for (int64_t k = 0; k < K; k++) s += xr[k] * w[k];
+        y[r * N + n] = s;
+      }
+    }
+  }
+  if (l->bias) {
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+      for (int64_t r = 0; r < M; r++) y[r * N + n] += l->bias[n];
+  }
+}
+
+/* s[j] = exp(s[j] - mx) for j < n; returns their sum. With AVX2 eight at a time (Cephes'
+   polynomial: within 2 units in the last place of expf, exact 0 below -87), else expf. */
+static inline float exp_shifted(float* s, int64_t n, float mx) {
+  int64_t j = 0;
+  float tot = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 lo = _mm256_set1_ps(-87.f), log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 m = _mm256_set1_ps(mx), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.f);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x0 = _mm256_sub_ps(_mm256_loadu_ps(s + j), m);
+    const __m256 x = _mm256_max_ps(x0, lo);
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, half));
+    const __m256 r = _mm256_fnmadd_ps(fx, c2, _mm256_fnmadd_ps(fx, c1, x));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, half);
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), one);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    y = _mm256_and_ps(y, _mm256_cmp_ps(x0, lo, _CMP_GE_OQ));  /* far below the max: 0 */
+    _mm256_storeu_ps(s + j, y);
+    acc = _mm256_add_ps(acc, y);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_hadd_ps(h, h);
+  tot = _mm_cvtss_f32(_mm_hadd_ps(h, h));
+#endif
+  for (; j < n; j++) { s[j] = expf(s[j] - mx); tot += s[j]; }
+  return tot;
+}
+
+/* Attention of the G query heads of one KV head, T new tokens each (token t at position
+   off + t sees keys j <= off + t), over keys [j0, j1) of its K and V rows [n, D]: each key and
+   value row is read once for the whole group. For query (g, t) it leaves the chunk's largest
+   score, the sum of exp(score - that) and the weighted sum of the values [D] in
+   part[(g T + t) (D + 2) ...] (largest -inf and sums 0 where it sees none of the chunk);
+   s holds the scores, row (g, t) at s + (g T + t) stride. q is [T, Hq, D] from the group's
+   first head; qs the stride of its tokens. */
+static inline __attribute__((always_inline)) void attend_chunk(const float* q, int64_t qs,
+    const float* K, const float* V, int64_t j0, int64_t j1, int64_t off, int64_t T, int64_t G,
+    const int64_t DC, int64_t Dv, float scale, float* s, int64_t stride, float* part) {
+  const int64_t D = DC ? DC : Dv;
+  const int64_t last = j1 < off + T ? j1 : off + T;  /* past the newest token's position: none */
+  for (int64_t j = j0; j < last; j++) {
+    const float* kj = K + j * D;
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t t = j > off ? j - off : 0; t < T; t++) {
+        const float* qg = q + t * qs + g * D;
+        float dot = 0.f;
+        #pragma omp simd reduction(+:dot)
+        for (int64_t d = 0; d < D; d++) dot += qg[d] * kj[d];
+        s[(g * T + t) * stride + j] = dot * scale;
+      }
+  }
+  for (int64_t r = 0; r < G * T; r++) {
+    const int64_t t = r % T, e = j1 < off + t + 1 ? j1 : off + t + 1;
+    float* sr = s + r * stride;
+    float mx = -INFINITY;
+    for (int64_t j = j0; j < e; j++) mx = sr[j] > mx ? sr[j] : mx;
+    float* pr = part + r * (D + 2);
+    pr[0] = mx;
+    pr[1] = e > j0 ? exp_shifted(sr + j0, e - j0, mx) : 0.f;
+    for (int64_t d = 0; d < D; d++) pr[2 + d] = 0.f;
+  }
+  for (int64_t j = j0; j < last; j++) {
+    const float* vj = V + j * D;
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t t = j > off ? j - off : 0; t < T; t++) {
+        const float p = s[(g * T + t) * stride + j];
+        float* acc = part + (g * T + t) * (D + 2) + 2;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) acc[d] += p * vj[d];
+      }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* attend_chunk for one token (a decode step) and a head dim DC of 64 or 128, 8 lanes wide:
+   the scores of four keys a pass for each query head (their four dot products summed across
+   lanes together, not one horizontal sum per key), and the weighted values of 64 keys at a
+   time for one head, 64 channels of sums held in registers (not loaded and stored per key) */
+static inline __attribute__((always_inline)) void attend_one_avx2(const float* q, const float* K,
+    const float* V, int64_t j0, int64_t j1, int64_t off, int64_t G, const int64_t DC, float scale,
+    float* s, int64_t stride, float* part) {
+  const int64_t e = j1 < off + 1 ? j1 : off + 1;  /* the chunk's keys the token sees */
+  const __m128 sc = _mm_set1_ps(scale);
+  int64_t j = j0;
+  for (; j + 4 <= e; j += 4) {
+    const float* k0 = K + j * DC;
+    for (int64_t c = 0; c < 4 * DC; c += 16)  /* the rows 2 KB on, asked for ahead of time */
+      _mm_prefetch((const char*)(k0 + c) + 2048, _MM_HINT_T0);
+    for (int64_t g = 0; g < G; g++) {
+      const float* qg = q + g * DC;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t c = 0; c < DC; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + c);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + DC + c), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * DC + c), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * DC + c), a3);
+      }
+      /* lanes 0-3 of h: the low halves' sums of a0..a3, lanes 4-7 the high halves' */
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      _mm_storeu_ps(s + g * stride + j, _mm_mul_ps(r, sc));
+    }
+  }
+  for (; j < e; j++)
+    for (int64_t g = 0; g < G; g++) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < DC; d++) dot += q[g * DC + d] * K[j * DC + d];
+      s[g * stride + j] = dot * scale;
+    }
+  for (int64_t g = 0; g < G; g++) {
+    float* sr = s + g * stride;
+    float mx = -INFINITY;
+    for (int64_t i = j0; i < e; i++) mx = sr[i] > mx ? sr[i] : mx;
+    float* pr = part + g * (DC + 2);
+    pr[0] = mx;
+    pr[1] = e > j0 ? exp_shifted(sr + j0, e - j0, mx) : 0.f;
+  }
+  for (int64_t h0 = 0; h0 < DC; h0 += 64)  /* 64 channels at a time: 8 registers of sums */
+    for (int64_t b = j0; b < e; b += 64) {
+      const int64_t be = b + 64 < e ? b + 64 : e;
+      if (h0 == 0)
+        for (const float* r = V + b * DC; r < V + be * DC; r += 16)  /* the next block's rows */
+          _mm_prefetch((const char*)r + 64 * DC * sizeof(float), _MM_HINT_T0);
+      for (int64_t g = 0; g < G; g++) {
+        float* acc = part + g * (DC + 2) + 2 + h0;
+        const float* p = s + g * stride;
+        __m256 v[8];
+        for (int i = 0; i < 8; i++) v[i] = b == j0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + 8 * i);
+        for (int64_t i = b; i < be; i++) {
+          const __m256 w = _mm256_broadcast_ss(p + i);
+          const float* vr = V + i * DC + h0;
+          for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), v[c]);
+        }
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, v[i]);
+      }
+    }
+  if (e <= j0)
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t d = 0; d < DC; d++) part[g * (DC + 2) + 2 + d] = 0.f;
+}
+#endif
+
+/* attend_chunk with the head dim a constant for 64 and 128 (the loops drop their remainders);
+   one token (a decode step) with AVX2 takes attend_one_avx2 */
+static void attend_chunk_d(const float* q, int64_t qs, const float* K, const float* V, int64_t j0,
+    int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D, float scale, float* s, int64_t stride,
+    float* part) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (T == 1 && D == 64) { attend_one_avx2(q, K, V, j0, j1, off, G, 64, scale, s, stride, part); return; }
+  if (T == 1 && D == 128) { attend_one_avx2(q, K, V, j0, j1, off, G, 128, scale, s, stride, part); return; }
+#endif
+  if (D == 64) attend_chunk(q, qs, K, V, j0, j1, off, T, G, 64, D, scale, s, stride, part);
+  else if (D == 128) attend_chunk(q, qs, K, V, j0, j1, off, T, G, 128, D, scale, s, stride, part);
+  else attend_chunk(q, qs, K, V, j0, j1, off, T, G, 0, D, scale, s, stride, part);
+}
+
+/* out [D] of one query head from its splits' parts (largest score, sum, weighted values) */
+static inline void merge_parts(const float* part, int64_t splits, int64_t step, int64_t D, float* out) {
+  float mx = -INFINITY, tot = 0.f;
+  for (int64_t i = 0; i < splits; i++) mx = part[i * step] > mx ? part[i * step] : mx;
+  for (int64_t d = 0; d < D; d++) out[d] = 0.f;
+  for (int64_t i = 0; i < splits; i++) {
+    const float* pi = part + i * step;
+    if (pi[1] == 0.f) continue;  /* a split past this token's position */
+    const float w = splits == 1 ? 1.f : expf(pi[0] - mx);
+    tot += w * pi[1];
+    for (int64_t d = 0; d < D; d++) out[d] += w * pi[2 + d];
+  }
+  const float inv = 1.f / tot;
+  for (int64_t d = 0; d < D; d++) out[d] *= inv;
+}
+
+/* keys a split of attention covers: at least 4 tasks a thread where the keys allow, as many
+   for every thread (3 KV heads on 2 threads: 12 tasks, not 9 split 5 and 4), no split under
+   64 keys */
+static inline int64_t split_keys(int64_t n, int64_t Hkv, int threads) {
+  int64_t want = (4 * (int64_t)threads + Hkv - 1) / Hkv;
+  while ((Hkv * want) % threads) want++;
+  int64_t chunk = (n + want - 1) / want;
+  return chunk < 64 ? 64 : chunk;
+}
+
+/* T tokens of one sequence through n_layers layers, the final norm and the LM head: logits
+   [T, V], or [1, V] of the last token with last_only. ids are the tokens, emb the embedding
+   table [V, dim] (ids in range: the caller checks), cos/sin [T, D] their rotations; scratch holds T (4 dim + (3 Hq + 3 Hkv) D + 3 hidden) +
+   Hq T score_stride + Hq T (score_stride / 64 + 1) (D + 2) floats, score_stride at least every
+   layer's offset + T. */
+void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const float* norm_w,
+                 const float* emb, const int64_t* ids, const float* cos, const float* sin, int64_t T, int64_t last_only,
+                 int64_t dim, int64_t Hq, int64_t Hkv, int64_t D, int64_t hidden, float eps,
+                 float scale, float* scratch, int64_t score_stride, float* logits, int threads) {
+  const int64_t QKV = (Hq + 2 * Hkv) * D, QK = (Hq + Hkv) * D;
+  float* h = scratch;                      /* the residual stream [T, dim] */
+  float* nrm = h + T * dim;                /* its RMSNorm [T, dim] */
+  float* delta = nrm + T * dim;            /* the MLP's output [T, dim] */
+  float* a = delta + T * dim;              /* attention's projection [T, dim] */
+  float* qkv = a + T * dim;                /* [T, Hq + 2 Hkv, D] */
+  float* qk = qkv + T * QKV;               /* q and k rotated [T, Hq + Hkv, D] */
+  float* att = qk + T * QK;                /* attention's output [T, Hq, D] */
+  float* ff = att + T * Hq * D;            /* gate and up [T, 2 hidden] */
+  float* act = ff + T * 2 * hidden;        /* silu(gate) * up [T, hidden] */
+  float* scores = act + T * hidden;        /* [Hq, T, score_stride] */
+  float* parts = scores + Hq * T * score_stride;  /* [Hkv, splits, group, T, D + 2] */
+  const int64_t group = Hq / Hkv, gt = group * T;
+  for (int64_t t = 0; t < T; t++) memcpy(h + t * dim, emb + ids[t] * dim, dim * sizeof(float));
+  #pragma omp parallel num_threads(threads)
+  {
+    for (int64_t l = 0; l < n_layers; l++) {
+      const Layer* ly = layers + l;
+      const int64_t off = ly->offset, cap = ly->cap;
+      #pragma omp single
+      add_rms_norm(h, l ? delta : NULL, ly->attn_norm, h, nrm, T, dim, eps, 1);
+      linear_rows(&ly->wqkv, nrm, qkv, T);
+      #pragma omp single
+      {
+        rope(qkv, 0, QKV, D, cos, sin, 0, D, qk, 1, T, Hq + Hkv, D, 1);
+        for (int64_t t = 0; t < T; t++)
+          for (int64_t kh = 0; kh < Hkv; kh++) {
+            memcpy(ly->k + (kh * cap + off + t) * D, qk + t * QK + (Hq + kh) * D, D * sizeof(float));
+            memcpy(ly->v + (kh * cap + off + t) * D, qkv + t * QKV + (Hq + Hkv + kh) * D, D * sizeof(float));
+          }
+      }
+      const int64_t n = off + T, chunk = split_keys(n, Hkv, threads), splits = (n + chunk - 1) / chunk;
+      #pragma omp for schedule(static)
+      for (int64_t t = 0; t < Hkv * splits; t++) {  /* (KV head, split of its keys) */
+        const int64_t kh = t / splits, j0 = (t % splits) * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
+        const float* K = ly->k + kh * cap * D;
+        const float* V = ly->v + kh * cap * D;
+        const float* q = qk + kh * group * D;
+        float* s = scores + kh * gt * score_stride;
+        float* part = parts + t * gt * (D + 2);
+        attend_chunk_d(q, QK, K, V, j0, j1, off, T, group, D, scale, s, score_stride, part);
+      }
+      #pragma omp for schedule(static)
+      for (int64_t r = 0; r < Hq * T; r++) {  /* query (head hq, token t): parts ((kh splits + i) gt + g T + t) */
+        const int64_t hq = r / T, t = r % T, kh = hq / group, g = hq % group;
+        merge_parts(parts + (kh * splits * gt + g * T + t) * (D + 2), splits, gt * (D + 2), D,
+                    att + (t * Hq + hq) * D);
+      }
+      linear_rows(&ly->wo, att, a, T);
+      #pragma omp single
+      add_rms_norm(h, a, ly->ffn_norm, h, nrm, T, dim, eps, 1);
+      linear_rows(&ly->w13, nrm, ff, T);
+      #pragma omp for schedule(static)
+      for (int64_t c = 0; c < T * 8; c++) {  /* silu_mul's arithmetic, each row in 8 spans */
+        const int64_t t = c / 8, j0 = (c % 8) * hidden / 8, j1 = (c % 8 + 1) * hidden / 8;
+        const float* g = ff + t * 2 * hidden;
+        for (int64_t j = j0; j < j1; j++) act[t * hidden + j] = (g[j] / (1.0f + expf(-g[j]))) * g[hidden + j];
+      }
+      linear_rows(&ly->w2, act, delta, T);
+    }
+    const int64_t first = last_only ? T - 1 : 0;
+    #pragma omp single
+    add_rms_norm(h + first * dim, delta + first * dim, norm_w, h + first * dim, nrm + first * dim,
+                 T - first, dim, eps, 1);
+    linear_rows(head, nrm + first * dim, logits, T - first);
+  }
+}
+"""
+
+
+class Lin(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int64), ("w", ctypes.c_void_p), ("d", ctypes.c_void_p),
+                ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64),
+                ("K", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("wqkv", Lin),
+                ("wo", Lin), ("w13", Lin), ("w2", Lin), ("k", ctypes.c_void_p),
+                ("v", ctypes.c_void_p), ("offset", ctypes.c_int64), ("cap", ctypes.c_int64)]
+
+
+class Kernels:
+    def __init__(self, lib: ctypes.CDLL):
+        self.decode_step = lib.decode_step
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self.decode_step.argtypes = ([p, i, p, p, p, p, p, p] + [i] * 7 + [ctypes.c_float] * 2
+                                     + [p, i, p, ctypes.c_int])
+        self.decode_step.restype = None
+
+
+@functools.cache
+def load_kernels() -> Kernels | None:
+    """Compile (once per machine) and load the step; ``None`` with a warning where no C compiler
+    builds it."""
+    source = packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + STEP_SOURCE
+    return load_or_warn("cpu_step", source, Kernels, "decode steps take the layered forward")
