@@ -8,6 +8,8 @@ summation order differs between the two, so logits agree to float32 rounding.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_packed import q4_1_weight, q8_0_weight
@@ -191,6 +193,17 @@ def test_a_replaced_parameter_rebuilds_the_plan(monkeypatch):
     model.norm.weight = nn.Parameter(model.norm.weight.detach() * 1.5, requires_grad=False)
     assert cpu_step.plan_for(model) not in (None, first)
     assert_same_decode(model, monkeypatch, steps=3)
+
+
+def test_new_rotary_frequencies_reach_the_plans_rotations(monkeypatch):
+    """The plan keeps cos/sin rows; a rotary module recomputed for another base (a buffer
+    assigned) drops them, and the step follows the layered forward."""
+    model = small_model()
+    before = assert_same_decode(model, monkeypatch, steps=3)
+    model.rope.args = dataclasses.replace(model.rope.args, rope_theta=500.0)
+    model.rope.reset()
+    after = assert_same_decode(model, monkeypatch, steps=3)
+    assert not torch.allclose(after, before)
 
 
 def test_rotations_past_the_first_span_of_positions(monkeypatch):

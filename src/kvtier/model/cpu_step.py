@@ -247,7 +247,9 @@ def plan_for(model) -> DecodeStep | None:
     key = tuple(map(id, DecodeStep.key_objects(model)))
     if entry is None or entry[0] != key:
         entry = (key, DecodeStep.build(model), seen)
-    else:
+    else:  # the same modules; a buffer (the rotary module's frequencies) may be new
+        if entry[1] is not None:
+            entry[1]._rope = None
         entry = (key, entry[1], seen)
     _PLANS[model] = entry
     return entry[1]
@@ -258,8 +260,8 @@ def forget(model) -> None:
     _PLANS.pop(model, None)
 
 
-#: modules and parameters assigned to any module since the first plan (``nn.Module.__setattr__``
-#: and ``register_*`` call PyTorch's global registration hooks). A step whose count is unchanged
+#: modules, parameters and buffers assigned to any module since the first plan
+#: (``nn.Module.__setattr__`` and ``register_*`` call PyTorch's global registration hooks). A step whose count is unchanged
 #: since its model's last check skips walking the layers: after a step has streamed the
 #: weights through the caches that walk costs about half a millisecond, 4% of a step.
 _registrations = [0]
@@ -275,3 +277,4 @@ def _watch_registrations() -> None:
 
     nn_module.register_module_module_registration_hook(_count_registration)
     nn_module.register_module_parameter_registration_hook(_count_registration)
+    nn_module.register_module_buffer_registration_hook(_count_registration)
