@@ -120,7 +120,7 @@ class DecodeStep:
         self.eps = float(model.norm.eps)
         self.scale = float(model.layers[0].attention.scale)
         self.needs_grad = any(t.requires_grad for t in keep if isinstance(t, torch.Tensor))
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # cos, sin, inv_freq
 
     def rope_rows(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin ``[P, D]`` of positions ``[0, P)``, ``P >= end``: the model's rotary module
@@ -129,9 +129,11 @@ class DecodeStep:
         rope = self._rope  # (read once: another thread may replace it meanwhile)
         if rope is None or rope[0].shape[0] < end:
             P = -(-end // 1024) * 1024
-            cos, sin = self.model.rope(torch.arange(P).view(1, P), torch.float32)
-            rope = self._rope = (cos.reshape(P, -1).contiguous(), sin.reshape(P, -1).contiguous())
-        return rope
+            module = self.model.rope
+            cos, sin = module(torch.arange(P).view(1, P), torch.float32)
+            rope = self._rope = (cos.reshape(P, -1).contiguous(), sin.reshape(P, -1).contiguous(),
+                                 module.inv_freq)
+        return rope[0], rope[1]
 
     @property
     def model(self):
@@ -247,10 +249,11 @@ def plan_for(model) -> DecodeStep | None:
     key = tuple(map(id, DecodeStep.key_objects(model)))
     if entry is None or entry[0] != key:
         entry = (key, DecodeStep.build(model), seen)
-    else:  # the same modules; a buffer (the rotary module's frequencies) may be new
-        if entry[1] is not None:
-            entry[1]._rope = None
-        entry = (key, entry[1], seen)
+    else:  # the same modules; the rotary module's frequencies (a buffer) may be new
+        plan = entry[1]
+        if plan is not None and plan._rope is not None and plan._rope[2] is not model.rope.inv_freq:
+            plan._rope = None
+        entry = (key, plan, seen)
     _PLANS[model] = entry
     return entry[1]
 

@@ -28,6 +28,7 @@ import functools
 import math
 import os
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from typing import Any
 
 import torch
@@ -221,10 +222,10 @@ class Transformer(nn.Module):
         ops = elementwise_ops(x)
         if ops is not None:  # each residual add rides with the next RMSNorm
             delta = None
-            for layer, cache in zip(self.layers[:n], caches):
+            for layer, cache in zip(islice(self.layers, n), caches):
                 x, delta = layer.forward_fused(x, delta, cos, sin, cache, kwargs)
             return self.output(ops.add_rms_norm(columns(x), columns(delta), self.norm.weight, self.norm.eps)[1]).float()
-        for layer, cache in zip(self.layers[:n], caches):
+        for layer, cache in zip(islice(self.layers, n), caches):
             x = layer(x, cos, sin, cache, kwargs)
         return self.output(self.norm(columns(x))).float()
 
