@@ -55,6 +55,16 @@ static inline float hsum8(__m256 v) {
 static inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 static inline __m256 s8x8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
 #endif
+/* n fp16 values as float32, 16 or 8 at a time where the build has the instructions */
+static inline void halves_to_floats(const _Float16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + i))));
+#elif defined(KV_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+#endif
+  for (; i < n; i++) dst[i] = (float)src[i];
+}
 /* float32 lanes of the vector path this build took (16 AVX-512, 8 AVX2, 1 plain loops) */
 int kernel_lanes(void) {
 #if defined(__AVX512F__)
@@ -86,17 +96,8 @@ static inline void q4_1_task(const float* x, const uint8_t* codes, const _Float1
     const int two = n + 1 < N;
     float df[2][G + 16], mf[2][G + 16];
     for (int q = 0; q < 2; q++) {
-      const _Float16* dn = d + (n + (two ? q : 0)) * G;
-      const _Float16* mnn = mn + (n + (two ? q : 0)) * G;
-      int64_t g0 = 0;
-      for (; g0 + 16 <= G; g0 += 16) {
-        _mm512_storeu_ps(df[q] + g0, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dn + g0))));
-        _mm512_storeu_ps(mf[q] + g0, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(mnn + g0))));
-      }
-      for (; g0 < G; g0++) {
-        df[q][g0] = (float)dn[g0];
-        mf[q][g0] = (float)mnn[g0];
-      }
+      halves_to_floats(d + (n + (two ? q : 0)) * G, df[q], G);
+      halves_to_floats(mn + (n + (two ? q : 0)) * G, mf[q], G);
     }
     const uint8_t* c0 = codes + n * G * 16;
     const uint8_t* c1 = two ? c0 + G * 16 : c0;  /* an odd last row computes itself twice */
@@ -160,17 +161,8 @@ static inline void q4_1_task(const float* x, const uint8_t* codes, const _Float1
     /* scales and minima as float32, converted 8 at a time before the loop */
     float ds[2][G + 8], ms[2][G + 8];
     for (int q = 0; q < 2; q++) {
-      const _Float16* dn = d + (q ? n1 : n) * G;
-      const _Float16* mnn = mn + (q ? n1 : n) * G;
-      int64_t g0 = 0;
-      for (; g0 + 8 <= G; g0 += 8) {
-        _mm256_storeu_ps(ds[q] + g0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dn + g0))));
-        _mm256_storeu_ps(ms[q] + g0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mnn + g0))));
-      }
-      for (; g0 < G; g0++) {
-        ds[q][g0] = (float)dn[g0];
-        ms[q][g0] = (float)mnn[g0];
-      }
+      halves_to_floats(d + (q ? n1 : n) * G, ds[q], G);
+      halves_to_floats(mn + (q ? n1 : n) * G, ms[q], G);
     }
     const __m256i low = _mm256_set1_epi32(15);
     if (M > 1) {  /* rows four at a time: each block's codes decoded once for all of them */

@@ -105,6 +105,15 @@ static inline float exp_shifted(float* s, int64_t n, float mx) {
   return tot;
 }
 
+/* one row's scores sr[j0, e): part[0] their largest, part[1] the sum of exp(score - largest),
+   the scores replaced by those exponentials (no keys: -inf and 0) */
+static inline void softmax_part(float* sr, int64_t j0, int64_t e, float* part) {
+  float mx = -INFINITY;
+  for (int64_t j = j0; j < e; j++) mx = sr[j] > mx ? sr[j] : mx;
+  part[0] = mx;
+  part[1] = e > j0 ? exp_shifted(sr + j0, e - j0, mx) : 0.f;
+}
+
 /* Attention of the G query heads of one KV head, T new tokens each (token t at position
    off + t sees keys j <= off + t), over keys [j0, j1) of its K and V rows [n, D]: each key and
    value row is read once for the whole group. For query (g, t) it leaves the chunk's largest
@@ -130,12 +139,8 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
   }
   for (int64_t r = 0; r < G * T; r++) {
     const int64_t t = r % T, e = j1 < off + t + 1 ? j1 : off + t + 1;
-    float* sr = s + r * stride;
-    float mx = -INFINITY;
-    for (int64_t j = j0; j < e; j++) mx = sr[j] > mx ? sr[j] : mx;
     float* pr = part + r * (D + 2);
-    pr[0] = mx;
-    pr[1] = e > j0 ? exp_shifted(sr + j0, e - j0, mx) : 0.f;
+    softmax_part(s + r * stride, j0, e, pr);
     for (int64_t d = 0; d < D; d++) pr[2 + d] = 0.f;
   }
   for (int64_t j = j0; j < last; j++) {
@@ -187,14 +192,7 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
       for (int64_t d = 0; d < DC; d++) dot += q[g * DC + d] * K[j * DC + d];
       s[g * stride + j] = dot * scale;
     }
-  for (int64_t g = 0; g < G; g++) {
-    float* sr = s + g * stride;
-    float mx = -INFINITY;
-    for (int64_t i = j0; i < e; i++) mx = sr[i] > mx ? sr[i] : mx;
-    float* pr = part + g * (DC + 2);
-    pr[0] = mx;
-    pr[1] = e > j0 ? exp_shifted(sr + j0, e - j0, mx) : 0.f;
-  }
+  for (int64_t g = 0; g < G; g++) softmax_part(s + g * stride, j0, e, part + g * (DC + 2));
   for (int64_t h0 = 0; h0 < DC; h0 += 64)  /* 64 channels at a time: 8 registers of sums */
     for (int64_t b = j0; b < e; b += 64) {
       const int64_t be = b + 64 < e ? b + 64 : e;
