@@ -480,7 +480,8 @@ def _launch_with_singles(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables,
 
 
 #: channels a merge program reduces: 32 (one warp a program, four programs a query row of 128)
-#: took the H200's B=1 / 4k step from 14.0 to 13.4 us against one 4-warp program a row
+#: took the H200's B=1 / 4k step from 13.8-14.0 to 13.1-13.4 us against one 4-warp program a
+#: row (SDPA 12.0; benchmarks/RESULTS.md, 2026-12-02)
 MERGE_BLOCK_D = 32
 #: split partials in the output's 16-bit type (the merged output is rounded to it anyway), else
 #: float32: half the bytes each split stores and the merge reads

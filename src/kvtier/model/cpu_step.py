@@ -243,7 +243,7 @@ def plan_for(model) -> DecodeStep | None:
         return None
     entry = _PLANS.get(model)
     if entry is not None and entry[2] == _registrations[0]:
-        return entry[1]  # no module or parameter was assigned anywhere since the check
+        return entry[1]  # no module, parameter or buffer was assigned anywhere since the check
     _watch_registrations()
     seen = _registrations[0]
     key = tuple(map(id, DecodeStep.key_objects(model)))
@@ -264,9 +264,10 @@ def forget(model) -> None:
 
 
 #: modules, parameters and buffers assigned to any module since the first plan
-#: (``nn.Module.__setattr__`` and ``register_*`` call PyTorch's global registration hooks). A step whose count is unchanged
-#: since its model's last check skips walking the layers: after a step has streamed the
-#: weights through the caches that walk costs about half a millisecond, 4% of a step.
+#: (``nn.Module.__setattr__`` and ``register_*`` call PyTorch's global registration hooks). A
+#: step whose count is unchanged since its model's last check skips walking the layers: after
+#: a step has streamed the weights through the caches that walk costs about half a
+#: millisecond, 4% of a step.
 _registrations = [0]
 
 
