@@ -215,6 +215,35 @@ def test_rotations_past_the_first_span_of_positions(monkeypatch):
     assert cpu_step.plan_for(model)._rope[0].shape[0] == 2048
 
 
+def test_buffers_put_in_a_caches_place_are_checked_and_written(monkeypatch):
+    """The plan skips the checks of buffers it checked before: copies put in their place are
+    written at their own addresses, and float64 ones are refused with nothing changed."""
+    model = small_model()
+    token = torch.tensor([[5]])
+    with torch.inference_mode():
+        monkeypatch.setenv("KVTIER_DECODE_STEP", "0")
+        want = model.make_caches()
+        model(torch.tensor(PROMPT), want)
+        model(token, want)
+        model(token, want)
+        monkeypatch.setenv("KVTIER_DECODE_STEP", "1")
+        got = model.make_caches()
+        model(torch.tensor(PROMPT), got)
+        plan = cpu_step.plan_for(model)
+        assert plan.run(token, got, 3) is not None
+        for c in got:  # copies: the next step must write into them
+            c.keys, c.values = c.keys.clone(), c.values.clone()
+        assert plan.run(token, got, 3) is not None
+        for g, w in zip(got, want):
+            for a, b in zip(g.fetch(), w.fetch()):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        c = got[1]
+        c.keys, c.values = c.keys.double(), c.values.double()
+        offsets = [x.offset for x in got]
+        assert plan.run(token, got, 3) is None
+        assert [x.offset for x in got] == offsets
+
+
 def test_gradients_keep_the_layered_forward(monkeypatch):
     model = small_model(packed=False)
     for p in model.parameters():
