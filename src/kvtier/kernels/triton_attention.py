@@ -483,15 +483,11 @@ def _launch_with_singles(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables,
 #: took the H200's B=1 / 4k step from 13.8-14.0 to 13.1-13.4 us against one 4-warp program a
 #: row (SDPA 12.0; benchmarks/RESULTS.md, 2026-12-02)
 MERGE_BLOCK_D = 32
-#: split partials in the output's 16-bit type (the merged output is rounded to it anyway), else
-#: float32: half the bytes each split stores and the merge reads
-PARTIALS_16BIT = True
-
-
 def partial_dtype(out_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype of the split partials for an output of ``out_dtype`` (float32 under the
-    interpreter, which has no 16-bit arithmetic)."""
-    if PARTIALS_16BIT and device.type == "cuda" and out_dtype in (torch.bfloat16, torch.float16):
+    """The dtype of the split partials for an output of ``out_dtype``: its own 16-bit type on
+    the GPU (the merged output is rounded to it anyway; half the bytes each split stores and
+    the merge reads), else float32 (the interpreter has no 16-bit arithmetic)."""
+    if device.type == "cuda" and out_dtype in (torch.bfloat16, torch.float16):
         return out_dtype
     return torch.float32
 

@@ -110,10 +110,10 @@ class DecodeStep:
     mapping keyed by the model, which must not keep the model alive.
     """
 
-    def __init__(self, model, kernels: _Kernels, layers, head: _Lin, keep: list, key: tuple):
+    def __init__(self, model, kernels: _Kernels, layers, head: _Lin, keep: list):
         a = model.args
         self._model = weakref.ref(model)
-        self.kernels, self.key = kernels, key
+        self.kernels = kernels
         self.layers, self.head, self._keep = layers, head, keep
         self.dims = (a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim)
         self._like = torch.empty(1, a.n_kv_heads, 0, a.head_dim)  # the buffers' shape, for empty caches
@@ -180,8 +180,7 @@ class DecodeStep:
         if head is None or not _cpu_f32(model.norm.weight) or not _cpu_f32(model.tok_embeddings.weight):
             return None
         keep += [model.norm.weight, model.tok_embeddings.weight]
-        objs = cls.key_objects(model)
-        return cls(model, kernels, layers, head, keep + objs, tuple(map(id, objs)))
+        return cls(model, kernels, layers, head, keep + cls.key_objects(model))
 
     def run(self, tokens: torch.Tensor, caches, n: int, *, last_only: bool = False) -> torch.Tensor | None:
         """Logits ``[1, T, vocab]`` (``[1, 1, vocab]`` of the last with ``last_only``) of ``tokens``
@@ -199,15 +198,18 @@ class DecodeStep:
             return None
         used = caches[:n]
         known = self._buffers
+        recs = []  # per cache, what this plan recorded of its current buffers, else None
         for c in used:
             if type(c) is not TailOwnedKVCache:
                 return None
             k, v = c.keys, c.values
             rec = known.get(id(c))
-            if k is None or (rec is not None and rec[0]() is k and rec[1]() is v):
-                continue  # no buffers yet, or the ones this plan checked before
-            if not (k.shape[0] == 1 and k.shape[1] == Hkv and k.shape[3] == D
-                    and v.shape == k.shape and _cpu_f32(k) and _cpu_f32(v)):
+            if rec is not None and (k is None or rec[0]() is not k or rec[1]() is not v):
+                rec = None
+            recs.append(rec)
+            if rec is None and k is not None and not (
+                    k.shape[0] == 1 and k.shape[1] == Hkv and k.shape[3] == D and v.shape == k.shape
+                    and _cpu_f32(k) and _cpu_f32(v)):
                 return None
         # this call's copy of the plan, and its own scratch: two threads may run one model on
         # two sequences' caches, as the layered forward allows
@@ -215,9 +217,9 @@ class DecodeStep:
         stride = 0
         if len(known) > 4096:  # (entries of caches gone)
             known.clear()
-        for layer, c in zip(layers, used):  # everything is checked: from here on it writes
-            off, rec, k = c.offset, known.get(id(c)), c.keys
-            if k is None or rec is None or rec[0]() is not k or rec[1]() is not c.values or off + T > rec[4]:
+        for layer, c, rec in zip(layers, used, recs):  # everything is checked: from here on it writes
+            off = c.offset
+            if rec is None or off + T > rec[4]:
                 c.make_room(T, self._like, self._like)
                 k, v = c.keys, c.values
                 rec = known[id(c)] = (weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(),
@@ -227,8 +229,7 @@ class DecodeStep:
         start = caches[0].offset
         cos, sin = self.rope_rows(start + T)
         row = start * D * cos.element_size()  # (bytes to the first token's row)
-        if tokens.dtype != torch.int64 or not tokens.is_contiguous():
-            tokens = tokens.to(torch.int64).contiguous()
+        tokens = tokens.contiguous()  # (int64: the forward checked)
         need = T * (dim * 4 + (3 * Hq + 3 * Hkv) * D + 3 * hidden) + Hq * T * stride \
             + Hq * T * (stride // 64 + 1) * (D + 2)
         scratch = torch.empty(need)
