@@ -59,6 +59,9 @@ VARIABLES = [
     ("KVTIER_PAGED_KV_QUANT", "MTPLX_VLLM_METAL_PAGED_KV_QUANT", "Q4_G32", "kv_quant", "q4_g32"),
     ("KVTIER_PAGED_TURBOQUANT", "MTPLX_VLLM_METAL_PAGED_TURBOQUANT", "on", "turboquant", TurboQuantConfig()),
     ("KVTIER_ATTENTION_BACKEND", None, "triton", "attention_backend", "triton"),
+    ("KVTIER_OWNED_ATTN_KV_DTYPE", None, "fp16", "kv_dtype", "float16"),
+    ("KVTIER_OWNED_ATTN_KV_DTYPE", None, "BFloat16", "kv_dtype", "bfloat16"),
+    ("KVTIER_OWNED_ATTN_KV_DTYPE", None, "auto", "kv_dtype", None),
 ]
 
 
@@ -159,6 +162,7 @@ BAD_VALUES = [
     ("MTPLX_VLLM_METAL_PAGED_TURBOQUANT_V_QUANT", "q1_0", "q2_0, q3_0"),
     ("KVTIER_PAGED_TURBOQUANT_ROTATE_KEYS", "keys", "1/true/yes/on"),
     ("KVTIER_ATTENTION_BACKEND", "cuda", ("auto", "cpu", "torch", "triton")),
+    ("KVTIER_OWNED_ATTN_KV_DTYPE", "int8", ("auto", "float16", "bfloat16")),
 ]
 
 
@@ -359,3 +363,17 @@ def test_user_cache_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("KVTIER_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert user_cache_dir() == tmp_path / "kvtier"
+
+
+def test_kv_dtype_builds_narrow_tail_caches_and_is_refused_elsewhere():
+    caches = make_caches(2, KVCacheConfig.from_env({"KVTIER_OWNED_ATTN_KV_DTYPE": "float16"}))
+    assert all(type(c) is TailOwnedKVCache and c.kv_dtype == torch.float16 for c in caches)
+    caches[0].update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    assert caches[0].keys.dtype == torch.float16 and caches[0].nbytes == 2 * 2 * 256 * 4 * 2
+    assert KVCacheConfig().tier_params() == {"step": 256}  # unchanged without it
+    with pytest.raises(ValueError, match=r"kv_dtype='float8' is not accepted|kv_dtype 'float8' is unknown"):
+        KVCacheConfig(kv_dtype="float8")
+    with pytest.raises(ValueError, match=r"KVTIER_OWNED_ATTN_KV_DTYPE='int8' is not accepted"):
+        KVCacheConfig.from_env({"KVTIER_OWNED_ATTN_KV_DTYPE": "int8"})
+    with pytest.raises(ValueError, match=r"applies to the tail tier, not paged.*kv_quant"):
+        KVCacheConfig.from_env({"KVTIER_OWNED_ATTN_KV_DTYPE": "float16", "KVTIER_PAGED_ATTN": "1"})

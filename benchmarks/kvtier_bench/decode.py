@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rounds; each contender's median round is reported, with the spread")
     parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
+    parser.add_argument("--kv-dtype", choices=("float16", "bfloat16"), default=None,
+                        help="also run the tail tier with keys and values stored in this dtype "
+                             "(TailOwnedKVCache(kv_dtype=...)), against the model's own dtype")
     parser.add_argument("--plot", default=None, help="write a PNG of decode tokens/s here")
 
 
@@ -97,6 +100,13 @@ def run(args: argparse.Namespace) -> int:
         f"kvtier {args.tier}": lambda: _kvtier_run(model, ids, n, cfg),
     }
     models = {f"kvtier {args.tier}": model}
+    if args.kv_dtype is not None:
+        if args.tier != "tail":
+            raise ValueError(f"--kv-dtype stores the tail tier's keys and values; drop --tier {args.tier}")
+        narrow = f"kvtier tail {args.kv_dtype} KV"
+        half_cfg = KVCacheConfig(tier="tail", kv_dtype=args.kv_dtype)
+        contenders[narrow] = lambda: _kvtier_run(model, ids, n, half_cfg)
+        models[narrow] = model
     if fp32 is not None:
         contenders[f"kvtier {args.tier} float32"] = lambda: _kvtier_run(fp32, ids, n, cfg)
         models[f"kvtier {args.tier} float32"] = fp32
@@ -131,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
     hf_bytes = bytes_per_token(fp32 if fp32 is not None else model)
     roofs = {r.name: bandwidth / per_token.get(r.name, hf_bytes) for r in results}
     _print_table(results, roofs, overhead, bandwidth, per_token, label, args, device)
+    if args.kv_dtype is not None:
+        base, half = results[0], next(r for r in results if r.name.endswith(" KV"))
+        print(f"{half.name} / {base.name}: {half.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x "
+              f"decode tokens/s at a {args.prompt_tokens}-token prompt")
     if args.plot:
         _plot(results, roofs[results[0].name], args.plot, label)
     return 0

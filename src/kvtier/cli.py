@@ -216,6 +216,10 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dynamic", action="store_true", default=_ABSENT,
                    help="let the paged pool grow (about 1.5x at a time) instead of refusing a "
                         "write that does not fit (implies --tier paged)")
+    p.add_argument("--kv-dtype", dest="kv_dtype", choices=("float16", "bfloat16"), default=_ABSENT,
+                   help="store the tail tier's keys and values narrower than the model computes "
+                        "them (half the bytes a step reads at long contexts; default: "
+                        "KVTIER_OWNED_ATTN_KV_DTYPE, else the model's dtype)")
 
 
 # -- entry point ----------------------------------------------------------------------------------------

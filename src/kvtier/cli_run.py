@@ -65,6 +65,8 @@ def cache_config_from_args(args: argparse.Namespace):
         changes["paged_num_blocks"] = given["num_blocks"]
     if "dynamic" in given:
         changes["dynamic_paged"] = True
+    if "kv_dtype" in given:
+        changes["kv_dtype"] = given["kv_dtype"]
     return KVCacheConfig.from_env().replace(**changes)
 
 
@@ -231,8 +233,8 @@ def kv_codec(caches, dtype) -> str:
         return "turboquant " + "/".join(codes)
     if mode not in (None, "fp"):
         return mode
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
-        str(dtype).removeprefix("torch."), str(dtype))
+    name = stats.get("kv_dtype") or str(dtype).removeprefix("torch.")  # (the tail tier's kv_dtype)
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)
 
 
 def cache_summary(caches, dtype=None) -> dict:

@@ -56,6 +56,8 @@ __all__ = [
 ]
 
 TIERS = ("tail", "block", "ragged", "paged")
+#: what kv_dtype accepts: the tail tier's buffers narrower than the model's float32
+KV_DTYPE_NAMES = ("float16", "bfloat16")
 #: the most tokens any size of a config may name (a step, a block, a whole paged pool):
 #: 16M, past every model's context, so 10**12 is refused before anything is allocated
 MAX_TOKENS = 2**24
@@ -76,6 +78,9 @@ class KVCacheConfig:
 
     tier: str = "tail"
     step: int = 256
+    #: the tail tier's stored dtype where it is narrower than the model's ("float16",
+    #: "bfloat16"); None stores keys and values as the model computes them
+    kv_dtype: str | None = None
     owned_block_size: int = 1024
     # paged tier
     paged_block_size: int = 16
@@ -106,6 +111,17 @@ class KVCacheConfig:
                 f"{self.paged_block_size} = {pool} tokens, more than {MAX_TOKENS}; lower "
                 f"{_setting('paged_num_blocks')} or {_setting('paged_block_size')}"
             )
+        if self.kv_dtype is not None:
+            if self.kv_dtype not in KV_DTYPE_NAMES:
+                raise ValueError(
+                    f"kv_dtype {self.kv_dtype!r} is unknown; accepted: {', '.join(KV_DTYPE_NAMES)}, or "
+                    f"None to store what the model computes; set {_setting('kv_dtype')}"
+                )
+            if self.tier != "tail":
+                raise ValueError(
+                    f"kv_dtype={self.kv_dtype} applies to the tail tier, not {self.tier}; the paged "
+                    f"tier stores narrower keys and values through {_setting('kv_quant')}"
+                )
         check_kv_quant(self.kv_quant)
         check_turboquant(self.turboquant)
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -167,6 +183,10 @@ class KVCacheConfig:
     def tier_params(self) -> dict[str, Any]:
         """Constructor arguments of the chosen tier (also reported by configure_kv_cache)."""
         if self.tier == "tail":
+            if self.kv_dtype is not None:
+                import torch
+
+                return {"step": self.step, "kv_dtype": getattr(torch, self.kv_dtype)}
             return {"step": self.step}
         if self.tier == "ragged":
             return {"step": self.step, "attention_backend": self.attention_backend}
@@ -291,7 +311,7 @@ def _check_size(name: str, v: Any, minimum: int, alternative: str = "") -> None:
 
 #: the command-line flag of a field, where there is one
 _FLAGS = {"tier": "--tier", "paged_num_blocks": "--num-blocks", "dynamic_paged": "--dynamic",
-          "kv_quant": "--kv-quant", "turboquant": "--turboquant"}
+          "kv_quant": "--kv-quant", "turboquant": "--turboquant", "kv_dtype": "--kv-dtype"}
 
 
 def _setting(field: str) -> str:
@@ -349,6 +369,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("paged", ("KVTIER_PAGED_ATTN", "MTPLX_VLLM_METAL_PAGED_ATTN"), _flag),
     EnvVar("owned", ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV"), _OWNED),
     EnvVar("step", ("KVTIER_OWNED_ATTN_KV_STEP", "MTPLX_OWNED_ATTN_KV_STEP"), _whole(1)),
+    EnvVar("kv_dtype", ("KVTIER_OWNED_ATTN_KV_DTYPE",),
+           _choice({"float16": "float16", "fp16": "float16", "half": "float16", "bfloat16": "bfloat16",
+                    "bf16": "bfloat16", "auto": None, "none": None})),
     EnvVar("owned_block_size",
            ("KVTIER_OWNED_ATTN_KV_BLOCK_SIZE", "MTPLX_OWNED_ATTN_KV_BLOCK_SIZE"), _whole(1)),
     EnvVar("paged_block_size",

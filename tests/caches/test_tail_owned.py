@@ -234,3 +234,62 @@ def test_a_write_in_place_after_make_room_is_booked_as_update_books_a_copy():
     got, want = in_place.stats(), copied.stats()
     assert {n: got[n] for n in ("updates", "bytes", "grow_events")} == \
         {n: want[n] for n in ("updates", "bytes", "grow_events")}
+
+
+# -- kv_dtype: float16 / bfloat16 buffers behind float32 keys, values and queries ----------------
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_narrow_buffers_hold_the_rounded_keys_and_attend_as_sdpa_over_them(kv_dtype):
+    g = torch.Generator().manual_seed(0)
+    cache = TailOwnedKVCache(step=8, kv_dtype=kv_dtype)
+    ks, vs = [], []
+    for T in (5, 1, 7, 1):  # across two growths
+        k, v = torch.randn(2, 2, T, D, generator=g), torch.randn(2, 2, T, D, generator=g)
+        cache.update(k, v)
+        ks.append(k)
+        vs.append(v)
+        q = torch.randn(2, 4, T, D, generator=g)
+        K, V = torch.cat(ks, 2).to(kv_dtype), torch.cat(vs, 2).to(kv_dtype)
+        got_k, got_v = cache.fetch()
+        assert got_k.dtype == kv_dtype and torch.equal(got_k, K) and torch.equal(got_v, V)
+        out = cache.attention(q)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, sdpa(q, K.float(), V.float()), rtol=1e-5, atol=1e-6)
+    s = cache.stats()
+    assert s["kv_dtype"] == str(kv_dtype).removeprefix("torch.") and s["capacity"] == 16
+    assert cache.nbytes == 2 * 2 * 2 * 16 * D * 2  # (K and V) x B x H x capacity x D x 2 bytes
+    assert s["bytes"] == 2 * 2 * 2 * 14 * D * 2  # the stored bytes of every write
+
+
+def test_narrow_buffers_take_only_the_first_writes_dtype_and_refuse_other_storage():
+    cache = TailOwnedKVCache(kv_dtype=torch.float16)
+    cache.update(torch.ones(1, 1, 2, D), torch.ones(1, 1, 2, D))
+    before = cache.fetch()[0].clone()
+    with pytest.raises(ValueError, match=r"dtype torch.float16 differs from the cache's torch.float32"):
+        cache.update(torch.ones(1, 1, 1, D, dtype=torch.float16), torch.ones(1, 1, 1, D, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"queries dtype torch.float16 differs from the cache's torch.float32"):
+        cache.attention(torch.ones(1, 1, 1, D, dtype=torch.float16))
+    assert cache.offset == 2 and torch.equal(cache.fetch()[0], before)
+    for bad in (torch.float32, torch.int8, "float16"):
+        with pytest.raises(ValueError, match=r"kv_dtype must be None .* or one of torch.float16, torch.bfloat16"):
+            TailOwnedKVCache(kv_dtype=bad)
+
+
+def test_narrow_buffers_survive_state_and_meta_state():
+    g = torch.Generator().manual_seed(1)
+    cache = TailOwnedKVCache(step=4, kv_dtype=torch.float16)
+    cache.update(torch.randn(1, 2, 6, D, generator=g), torch.randn(1, 2, 6, D, generator=g))
+    meta = cache.meta_state
+    assert meta["kv_dtype"] == "float16" and meta["dtype"] == "float32"
+    back = TailOwnedKVCache.from_state(cache.state, meta)
+    assert back.kv_dtype == torch.float16 and back.dtype == torch.float32 and back.offset == 6
+    assert all(torch.equal(a, b) for a, b in zip(back.fetch(), cache.fetch()))
+    q = torch.randn(1, 2, 1, D, generator=g)
+    assert torch.equal(back.attention(q), cache.attention(q))
+    with pytest.raises(ValueError, match=r"names kv_dtype without dtype"):
+        TailOwnedKVCache.from_state(cache.state, {**meta, "dtype": None})
+    with pytest.raises(ValueError, match=r"meta_state dtype='int8' is not a floating-point dtype"):
+        TailOwnedKVCache.from_state(cache.state, {**meta, "dtype": "int8"})
+    with pytest.raises(ValueError, match=r"state holds torch.float16 keys but meta_state says kv_dtype torch.bfloat16"):
+        TailOwnedKVCache.from_state(cache.state, {**meta, "kv_dtype": "bfloat16"})

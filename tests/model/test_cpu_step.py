@@ -346,3 +346,128 @@ def test_a_plan_does_not_keep_its_model_alive():
     del model
     gc.collect()
     assert ref() is None
+
+
+# -- float16 caches (TailOwnedKVCache(kv_dtype=torch.float16)) ---------------------------------------
+
+
+def served_by_the_step(monkeypatch) -> list:
+    """Counts the calls the one-call step served (a ``None`` from ``run`` is the layered forward's)."""
+    served, run = [], cpu_step.DecodeStep.run
+
+    def counting(self, *a, **kw):
+        out = run(self, *a, **kw)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_step.DecodeStep, "run", counting)
+    return served
+
+
+def assert_same_half_decode(model, monkeypatch, kv_dtype=torch.float16, **kw):
+    """The step over float16 caches against the layered forward over float16 caches: logits to
+    float32 rounding; layer 0's stored keys and values bit for bit (both round the same float32
+    keys to nearest even), later layers' within a float16 unit (their inputs differ by float32
+    rounding); the same counters. Returns the logits."""
+    def caches():
+        return [TailOwnedKVCache(kv_dtype=kv_dtype) for _ in range(model.args.n_layers)]
+
+    want, wc = decode(model, step_on=False, monkeypatch=monkeypatch, caches=caches(), **kw)
+    served = served_by_the_step(monkeypatch)
+    got, gc = decode(model, step_on=True, monkeypatch=monkeypatch, caches=caches(), **kw)
+    assert len(served) > 1 and set(served[1:]) == {kv_dtype == torch.float16}  # (the decode steps)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for i, (g, w) in enumerate(zip(gc, wc)):
+        assert g.keys.dtype == kv_dtype and g.offset == w.offset
+        for a, b in zip(g.fetch(), w.fetch()):
+            if i == 0:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a.float(), b.float(), rtol=2e-3, atol=2e-3)
+        for k in ("updates", "bytes", "grow_events", "capacity"):
+            assert g.stats()[k] == w.stats()[k], k
+    return got
+
+
+@pytest.mark.parametrize("shape", [(64, 4, 2), (256, 4, 2), (256, 2, 1)], ids=["d16", "d64", "d128"])
+def test_float16_caches_give_the_layered_forwards_logits(monkeypatch, shape):
+    """Head dims 64 and 128 read the float16 rows in the one-token AVX2 loops (converted as they
+    are loaded), 16 converts a split's rows first; 300 keys, several splits."""
+    dim, heads, kv_heads = shape
+    model = small_model(dim=dim, n_heads=heads, n_kv_heads=kv_heads)
+    prompt = [torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(5)).tolist()]
+    half = assert_same_half_decode(model, monkeypatch, prompt=prompt, steps=4)
+    full, _ = decode(model, 4, step_on=True, monkeypatch=monkeypatch, prompt=prompt)
+    assert 0 < (half - full).abs().max() < 5e-2  # float16 keys and values: near, not equal
+
+
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2", "-mno-f16c")], ids=["avx2", "plain"])
+def test_float16_caches_on_each_vector_path(monkeypatch, flags):
+    """Without AVX2 and F16C the step converts with its own round-to-nearest-even code: layer 0's
+    stored float16 keys and values equal torch's ``.to(float16)`` of the same float32 keys."""
+    import platform
+
+    from kvtier.kernels import cpu_fused
+    from kvtier.kernels.native import build_library
+    from kvtier.model import packed_kernels, step_kernels
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 vector flags")
+    source = packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + step_kernels.STEP_SOURCE
+    narrow = step_kernels.Kernels(build_library("cpu_step", source, flags))
+    model = small_model(dim=256, n_heads=4, n_kv_heads=2)
+    cpu_step.plan_for(model).kernels = narrow
+    prompt = [torch.randint(0, 128, (150,), generator=torch.Generator().manual_seed(6)).tolist()]
+    assert_same_half_decode(model, monkeypatch, prompt=prompt, steps=3)
+    assert cpu_step.plan_for(model).kernels is narrow
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx2", "-mno-f16c")], ids=["native", "plain"])
+def test_the_steps_float16_rounding_is_torchs(flags):
+    """Every float32 the step may store, rounded as torch's ``.to(float16)`` rounds it: ties to
+    even, subnormal halves, overflow to infinity, signed zeros, infinities; NaN stays NaN."""
+    import platform
+
+    from kvtier.kernels import cpu_fused
+    from kvtier.kernels.native import build_library
+    from kvtier.model import packed_kernels, step_kernels
+
+    if flags and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 vector flags")
+    source = packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + step_kernels.STEP_SOURCE
+    kernels = step_kernels.Kernels(build_library("cpu_step", source, flags))
+    g = torch.Generator().manual_seed(7)
+    halves = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    finite = halves[torch.isfinite(halves)]
+    ties = (finite.double() + torch.finfo(torch.float16).eps * finite.abs().double() / 2).float()  # some exact ties
+    x = torch.cat([finite, ties, finite.nextafter(torch.tensor(float("inf"))),
+                   finite.nextafter(torch.tensor(float("-inf"))), torch.randn(20000, generator=g) * 10.0 ** torch.randint(
+                       -9, 6, (20000,), generator=g).float(),
+                   torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, 1e6, -1e6, float("inf"), float("-inf"),
+                                 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-26, -(2.0**-25)])])
+    y = torch.empty(x.numel(), dtype=torch.int16)
+    kernels.round_to_half(x.data_ptr(), y.data_ptr(), x.numel())
+    assert torch.equal(y, x.to(torch.float16).view(torch.int16))
+    nan = torch.tensor([float("nan")] * 4)
+    kernels.round_to_half(nan.data_ptr(), y.data_ptr(), 4)
+    assert torch.isnan(y[:4].view(torch.float16)).all()
+
+
+def test_float16_caches_in_calls_of_several_tokens(monkeypatch):
+    model = small_model(dim=256, n_heads=4, n_kv_heads=2)
+    served = served_by_the_step(monkeypatch)
+    outs = []
+    for step_on in (False, True):
+        monkeypatch.setenv("KVTIER_DECODE_STEP", "1" if step_on else "0")
+        caches = [TailOwnedKVCache(kv_dtype=torch.float16) for _ in range(3)]
+        with torch.inference_mode():
+            model(torch.tensor(PROMPT * 1), caches)
+            outs.append([model(torch.tensor([[5, 9, 11, 2, 7]]), caches), model(torch.tensor([[1, 3]]), caches)])
+    assert served[-2:] == [True, True]
+    for g_, w_ in zip(outs[1], outs[0]):
+        torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_caches_take_the_layered_forward(monkeypatch):
+    assert_same_half_decode(small_model(), monkeypatch, kv_dtype=torch.bfloat16, steps=3)

@@ -68,10 +68,12 @@ def check_kv(
     like: torch.Tensor | None = None,
     *,
     batch: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate a K/V pair ``[B, H_kv, T, D]`` against each other and against the stored
     tensor ``like`` ``[B, H_kv, capacity, D]`` (``None`` on a first write); return them
-    detached (views, no copy), ready to be copied into the cache.
+    detached (views, no copy), ready to be copied into the cache. ``dtype``: the dtype the
+    cache takes, where it stores another (default ``like``'s).
 
     Raises ``ValueError`` naming the offending value and the fix.
     """
@@ -117,10 +119,11 @@ def check_kv(
             raise ValueError(f"kv_heads {keys.shape[1]} differs from the cache's {H}")
         if keys.shape[3] != D:
             raise ValueError(f"head_dim {keys.shape[3]} differs from the cache's {D}")
-        if keys.dtype != like.dtype:
+        want = dtype or like.dtype
+        if keys.dtype != want:
             raise ValueError(
-                f"dtype {keys.dtype} differs from the cache's {like.dtype}; cast with "
-                f".to({like.dtype})"
+                f"dtype {keys.dtype} differs from the cache's {want}; cast with "
+                f".to({want})"
             )
         if keys.device != like.device:
             raise ValueError(

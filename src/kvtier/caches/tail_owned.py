@@ -60,24 +60,54 @@ def check_query_rows(queries: torch.Tensor, batch: int, offset: int) -> None:
         )
 
 
+#: what ``kv_dtype`` may name: keys and values stored narrower than they are computed
+KV_STORAGE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _meta_dtype(meta_state: dict[str, Any], name: str) -> torch.dtype | None:
+    raw = meta_state.get(name)
+    if raw is None:
+        return None
+    dtype = getattr(torch, raw, None) if isinstance(raw, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"meta_state {name}={raw!r} is not a floating-point dtype name such as 'float16'")
+    return dtype
+
+
 class TailOwnedKVCache(ScalarKVCache):
     """Contiguous ``[B, H_kv, capacity, D]`` K and V buffers, capacity a multiple of ``step``.
+
+    ``kv_dtype`` (``torch.float16`` or ``torch.bfloat16``; default ``None``: the dtype of the
+    keys written) stores keys and values narrower than the model computes them: ``update``
+    takes the model's keys and values (float32, say) and rounds them into the buffers,
+    ``attention`` takes queries of that dtype and reads the buffers back in it, and
+    ``fetch`` returns the stored views. Half the bytes a step reads at long contexts on the
+    CPU (the one-call decode step reads float16 rows as they are; ``docs/model.md``).
 
     Example::
 
         cache = TailOwnedKVCache(step=256)
         K, V = cache.update_and_fetch(k, v)   # k, v: (B, H_kv, T, D); K: views (B, H_kv, offset, D)
         out = cache.attention(q)              # q: (B, H_q, T, D)
+        half = TailOwnedKVCache(kv_dtype=torch.float16)  # float32 k, v, q; float16 buffers
     """
 
     tier = "tail"
 
-    def __init__(self, step: int = 256):
+    def __init__(self, step: int = 256, *, kv_dtype: torch.dtype | None = None):
         if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
             raise ValueError(f"step must be a positive int, got {step!r}")
+        if kv_dtype is not None and kv_dtype not in KV_STORAGE_DTYPES:
+            raise ValueError(
+                f"kv_dtype must be None (store what is written) or one of "
+                f"{', '.join(map(str, KV_STORAGE_DTYPES))}, got {kv_dtype!r}"
+            )
         self.step = step
+        self.kv_dtype = kv_dtype
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        #: the dtype of the keys, values and queries the cache takes (the buffers' own unless kv_dtype)
+        self.dtype: torch.dtype | None = None
         self._offset = 0
         self.copy_stats = CopyStats()
 
@@ -93,8 +123,11 @@ class TailOwnedKVCache(ScalarKVCache):
         """
         cap = math.ceil(needed / self.step) * self.step
         B, H, _, Dk = like_k.shape
-        new_k = like_k.new_empty(B, H, cap, Dk)
-        new_v = like_v.new_empty(B, H, cap, like_v.shape[3])
+        if self.dtype is None:
+            self.dtype = like_k.dtype
+        store = self.kv_dtype or like_k.dtype
+        new_k = like_k.new_empty(B, H, cap, Dk, dtype=store)
+        new_v = like_v.new_empty(B, H, cap, like_v.shape[3], dtype=store)
         if self.keys is not None and self._offset:
             new_k[:, :, : self._offset] = self.keys[:, :, : self._offset]
             new_v[:, :, : self._offset] = self.values[:, :, : self._offset]
@@ -104,11 +137,12 @@ class TailOwnedKVCache(ScalarKVCache):
     @exclusive
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append ``keys``/``values`` ``[B, H_kv, T, D]`` (copied; the caller's tensors are not kept)."""
-        keys, values = check_kv(keys, values, self.keys)
+        keys, values = check_kv(keys, values, self.keys, dtype=self.dtype)
         T = keys.shape[2]
         end = self._offset + T
         self.make_room(T, keys, values)
-        with CopyTimer(self.copy_stats, tensor_nbytes(keys, values)):
+        stored = (keys.numel() + values.numel()) * self.keys.element_size()
+        with CopyTimer(self.copy_stats, stored):
             self.keys[:, :, self._offset : end] = keys
             self.values[:, :, self._offset : end] = values
         self._offset = end
@@ -138,9 +172,11 @@ class TailOwnedKVCache(ScalarKVCache):
         """Causal attention ``[B, H_q, T, D]`` of the ``T`` newest positions over the buffer."""
         if self.keys is None:
             raise ValueError("attention() on an empty cache; call update() first")
-        scale = check_queries(queries, self.keys.shape[1], self.keys.shape[3], self.keys.dtype, scale)
+        scale = check_queries(queries, self.keys.shape[1], self.keys.shape[3], self.dtype, scale)
         check_query_rows(queries, self.keys.shape[0], self._offset)
         k, v = self.fetch()
+        if k.dtype != queries.dtype:  # stored narrower (kv_dtype): read back in the queries' dtype
+            k, v = k.to(queries.dtype), v.to(queries.dtype)
         return causal_attention(queries, k, v, scale=scale)
 
     # -- bookkeeping --------------------------------------------------------------
@@ -149,7 +185,7 @@ class TailOwnedKVCache(ScalarKVCache):
         return tensor_nbytes(self.keys, self.values)
 
     def stats(self) -> dict[str, Any]:
-        return {
+        out = {
             "tier": self.tier,
             "offset": self._offset,
             "capacity": self.capacity,
@@ -157,6 +193,9 @@ class TailOwnedKVCache(ScalarKVCache):
             "nbytes": self.nbytes,
             **self.copy_stats.as_dict(),
         }
+        if self.kv_dtype is not None:
+            out["kv_dtype"] = str(self.kv_dtype).removeprefix("torch.")
+        return out
 
     def tail_owner_stats(self) -> dict[str, Any]:
         """The seed's name for the copy counters."""
@@ -179,7 +218,11 @@ class TailOwnedKVCache(ScalarKVCache):
 
     @property
     def meta_state(self) -> dict[str, Any]:
-        return {"tier": self.tier, "step": self.step, "offset": self._offset}
+        meta = {"tier": self.tier, "step": self.step, "offset": self._offset}
+        if self.kv_dtype is not None:  # the stored dtype and the one the cache takes
+            meta["kv_dtype"] = str(self.kv_dtype).removeprefix("torch.")
+            meta["dtype"] = str(self.dtype).removeprefix("torch.")
+        return meta
 
     @classmethod
     def from_state(
@@ -192,9 +235,17 @@ class TailOwnedKVCache(ScalarKVCache):
         """
         check_state_args(state, meta_state, cls.tier)
         step, offset = read_meta_ints(meta_state, "step", "offset")
-        cache = cls(step=step)
+        kv_dtype, dtype = (_meta_dtype(meta_state, n) for n in ("kv_dtype", "dtype"))
+        if (kv_dtype is None) != (dtype is None):
+            raise ValueError("meta_state names kv_dtype without dtype (or dtype alone); save both, "
+                             "as meta_state does")
+        cache = cls(step=step, kv_dtype=kv_dtype)
         k, v = check_state_kv(state, offset)
         if k is not None:
+            if kv_dtype is not None and k.dtype != kv_dtype:
+                raise ValueError(f"state holds {k.dtype} keys but meta_state says kv_dtype {kv_dtype}")
+            if dtype is not None:  # the buffers' values, as the dtype the cache takes (exact)
+                k, v = k.to(dtype), v.to(dtype)
             # storage even when trimmed to 0 tokens: it carries dtype, heads and head_dim
             cache._grow(max(offset, 1), k, v)
             if offset:

@@ -79,6 +79,12 @@ def _cpu_f32(t: torch.Tensor | None) -> bool:
     return t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
 
 
+def _kv_buffers(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the step reads and writes these buffers: float32, or float16 (``kv_dtype``)."""
+    return (k.device.type == "cpu" and k.dtype in (torch.float32, torch.float16) and v.dtype == k.dtype
+            and k.is_contiguous() and v.is_contiguous())
+
+
 def _linear_entry(lin: nn.Module, keep: list) -> _Lin | None:
     """The C description of one projection, or ``None`` when the step cannot run it."""
     if type(lin) not in (packed.PackedLinear, Linear):  # (tensor-parallel shards, adapters, ...)
@@ -185,8 +191,8 @@ class DecodeStep:
     def run(self, tokens: torch.Tensor, caches, n: int, *, last_only: bool = False) -> torch.Tensor | None:
         """Logits ``[1, T, vocab]`` (``[1, 1, vocab]`` of the last with ``last_only``) of ``tokens``
         ``[1, T]``, ``T <= MAX_TOKENS``, through the first ``n`` layers, each writing into its cache;
-        ``None``, with nothing changed, when a cache is not a tail-tier cache of one row in float32
-        of the model's shape, or a token is out of range (the layered forward then serves it, and
+        ``None``, with nothing changed, when a cache is not a tail-tier cache of one row taking
+        float32 (stored as float32 or float16) of the model's shape, or a token is out of range (the layered forward then serves it, and
         raises what it raises)."""
         dim, Hq, Hkv, D, hidden = self.dims
         T = tokens.shape[1]
@@ -209,7 +215,9 @@ class DecodeStep:
             recs.append(rec)
             if rec is None and k is not None and not (
                     k.shape[0] == 1 and k.shape[1] == Hkv and k.shape[3] == D and v.shape == k.shape
-                    and _cpu_f32(k) and _cpu_f32(v)):
+                    and c.dtype == torch.float32 and _kv_buffers(k, v)):
+                return None
+            if rec is None and k is None and c.kv_dtype not in (None, torch.float16):
                 return None
         # this call's copy of the plan, and its own scratch: two threads may run one model on
         # two sequences' caches, as the layered forward allows
@@ -223,8 +231,8 @@ class DecodeStep:
                 c.make_room(T, self._like, self._like)
                 k, v = c.keys, c.values
                 rec = known[id(c)] = (weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(),
-                                      c.capacity)
-            layer.k, layer.v, layer.offset, layer.cap = rec[2], rec[3], off, rec[4]
+                                      c.capacity, int(k.dtype == torch.float16))
+            layer.k, layer.v, layer.offset, layer.cap, layer.half = rec[2], rec[3], off, rec[4], rec[5]
             stride = max(stride, rec[4])
         start = caches[0].offset
         cos, sin = self.rope_rows(start + T)

@@ -20,9 +20,48 @@ __all__ = ["STEP_SOURCE", "Kernels", "Layer", "Lin", "load_kernels"]
 
 STEP_SOURCE = r"""
 #include <string.h>
+#include <stdlib.h>
 #include <math.h>
-#if defined(__AVX2__)
+#include <stdint.h>
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+
+/* float16 keys and values: conversions rounding to nearest even, as torch's .to(float16) */
+#if defined(__F16C__)
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+static inline uint16_t f2h(float f) { return (uint16_t)_cvtss_sh(f, 0); }
+#else
+static inline float h2f(uint16_t h) {
+  uint32_t o = ((uint32_t)h & 0x7fffu) << 13, e = o & (0x7c00u << 13);
+  float f;
+  o += (127u - 15u) << 23;
+  if (e == 0x7c00u << 13) o += (128u - 16u) << 23;  /* inf, nan */
+  else if (e == 0) { o += 1u << 23; memcpy(&f, &o, 4); f -= 6.103515625e-05f; memcpy(&o, &f, 4); }
+  o |= ((uint32_t)h & 0x8000u) << 16;
+  memcpy(&f, &o, 4);
+  return f;
+}
+static inline uint16_t f2h(float f) {
+  uint32_t x, sign, r;
+  uint16_t o;
+  memcpy(&x, &f, 4);
+  sign = x & 0x80000000u;
+  x ^= sign;
+  if (x >= (127u + 16u) << 23) o = x > 255u << 23 ? 0x7e00 : 0x7c00;  /* nan; inf or overflow */
+  else if (x < 113u << 23) {  /* a subnormal half: the float sum rounds it */
+    const uint32_t magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+    float xf, m;
+    memcpy(&xf, &x, 4); memcpy(&m, &magic, 4);
+    xf += m;
+    memcpy(&r, &xf, 4);
+    o = (uint16_t)(r - magic);
+  } else {
+    x += ((uint32_t)(15 - 127) << 23) + 0xfff + ((x >> 13) & 1);
+    o = (uint16_t)(x >> 13);
+  }
+  return o | (uint16_t)(sign >> 16);
+}
 #endif
 
 typedef struct {       /* one projection: y = W x (+ bias) */
@@ -34,8 +73,9 @@ typedef struct {       /* one projection: y = W x (+ bias) */
 typedef struct {
   const float* attn_norm; const float* ffn_norm;
   Lin wqkv, wo, w13, w2;
-  float* k; float* v;  /* the cache's buffers [H_kv, cap, D] */
+  void* k; void* v;   /* the cache's buffers [H_kv, cap, D] */
   int64_t offset, cap; /* the write position, the buffers' length */
+  int64_t half;        /* the buffers hold float16 (else float32) */
 } Layer;
 
 /* y [M, N] = x [M, K] W^T (+ bias); the tasks are shared by the threads of the enclosing
@@ -156,29 +196,48 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+#if defined(__F16C__)
+#define HALF_ROWS 1
+#else
+#define HALF_ROWS 0
+#endif
+/* eight floats from element i of K or V rows, float32 or (half, with F16C) float16 */
+static inline __attribute__((always_inline)) __m256 load8(const void* p, int64_t i, const int half) {
+#if HALF_ROWS
+  if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i)));
+#endif
+  return _mm256_loadu_ps((const float*)p + i);
+}
+
+static inline __attribute__((always_inline)) float load1(const void* p, int64_t i, const int half) {
+  return half ? h2f(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
 /* attend_chunk for one token (a decode step) and a head dim DC of 64 or 128, 8 lanes wide:
    the scores of four keys a pass for each query head (their four dot products summed across
    lanes together, not one horizontal sum per key), and the weighted values of 64 keys at a
-   time for one head, 64 channels of sums held in registers (not loaded and stored per key) */
-static inline __attribute__((always_inline)) void attend_one_avx2(const float* q, const float* K,
-    const float* V, int64_t j0, int64_t j1, int64_t off, int64_t G, const int64_t DC, float scale,
-    float* s, int64_t stride, float* part) {
+   time for one head, 64 channels of sums held in registers (not loaded and stored per key).
+   K and V rows are float32, or float16 with half (converted as they are loaded). */
+static inline __attribute__((always_inline)) void attend_one_avx2(const float* q, const void* K,
+    const void* V, int64_t j0, int64_t j1, int64_t off, int64_t G, const int64_t DC, const int half,
+    float scale, float* s, int64_t stride, float* part) {
   const int64_t e = j1 < off + 1 ? j1 : off + 1;  /* the chunk's keys the token sees */
+  const int64_t es = half ? 2 : 4, line = 64 / es;  /* bytes an element, elements a cache line */
   const __m128 sc = _mm_set1_ps(scale);
   int64_t j = j0;
   for (; j + 4 <= e; j += 4) {
-    const float* k0 = K + j * DC;
-    for (int64_t c = 0; c < 4 * DC; c += 16)  /* the rows 2 KB on, asked for ahead of time */
-      _mm_prefetch((const char*)(k0 + c) + 2048, _MM_HINT_T0);
+    const int64_t k0 = j * DC;
+    for (int64_t c = 0; c < 4 * DC; c += line)  /* the rows 2 KB on, asked for ahead of time */
+      _mm_prefetch((const char*)K + (k0 + c) * es + 2048, _MM_HINT_T0);
     for (int64_t g = 0; g < G; g++) {
       const float* qg = q + g * DC;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t c = 0; c < DC; c += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + c);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + DC + c), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * DC + c), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * DC + c), a3);
+        a0 = _mm256_fmadd_ps(qv, load8(K, k0 + c, half), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(K, k0 + DC + c, half), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(K, k0 + 2 * DC + c, half), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(K, k0 + 3 * DC + c, half), a3);
       }
       /* lanes 0-3 of h: the low halves' sums of a0..a3, lanes 4-7 the high halves' */
       const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -189,7 +248,7 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
   for (; j < e; j++)
     for (int64_t g = 0; g < G; g++) {
       float dot = 0.f;
-      for (int64_t d = 0; d < DC; d++) dot += q[g * DC + d] * K[j * DC + d];
+      for (int64_t d = 0; d < DC; d++) dot += q[g * DC + d] * load1(K, j * DC + d, half);
       s[g * stride + j] = dot * scale;
     }
   for (int64_t g = 0; g < G; g++) softmax_part(s + g * stride, j0, e, part + g * (DC + 2));
@@ -197,8 +256,8 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
     for (int64_t b = j0; b < e; b += 64) {
       const int64_t be = b + 64 < e ? b + 64 : e;
       if (h0 == 0)
-        for (const float* r = V + b * DC; r < V + be * DC; r += 16)  /* the next block's rows */
-          _mm_prefetch((const char*)r + 64 * DC * sizeof(float), _MM_HINT_T0);
+        for (int64_t i = b * DC; i < be * DC; i += line)  /* the next block's rows */
+          _mm_prefetch((const char*)V + (i + 64 * DC) * es, _MM_HINT_T0);
       for (int64_t g = 0; g < G; g++) {
         float* acc = part + g * (DC + 2) + 2 + h0;
         const float* p = s + g * stride;
@@ -206,8 +265,8 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
         for (int i = 0; i < 8; i++) v[i] = b == j0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + 8 * i);
         for (int64_t i = b; i < be; i++) {
           const __m256 w = _mm256_broadcast_ss(p + i);
-          const float* vr = V + i * DC + h0;
-          for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), v[c]);
+          const int64_t vr = i * DC + h0;
+          for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, load8(V, vr + 8 * c, half), v[c]);
         }
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, v[i]);
       }
@@ -219,17 +278,35 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
 #endif
 
 /* attend_chunk with the head dim a constant for 64 and 128 (the loops drop their remainders);
-   one token (a decode step) with AVX2 takes attend_one_avx2 */
-static void attend_chunk_d(const float* q, int64_t qs, const float* K, const float* V, int64_t j0,
-    int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D, float scale, float* s, int64_t stride,
-    float* part) {
+   one token (a decode step) with AVX2 takes attend_one_avx2. float16 rows (half) elsewhere are
+   converted to float32 first, the chunk's rows the token(s) see. */
+static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void* V, int64_t j0,
+    int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D, int64_t half, float scale, float* s,
+    int64_t stride, float* part) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (T == 1 && D == 64) { attend_one_avx2(q, K, V, j0, j1, off, G, 64, scale, s, stride, part); return; }
-  if (T == 1 && D == 128) { attend_one_avx2(q, K, V, j0, j1, off, G, 128, scale, s, stride, part); return; }
+  if (T == 1 && D == 64 && !half) { attend_one_avx2(q, K, V, j0, j1, off, G, 64, 0, scale, s, stride, part); return; }
+  if (T == 1 && D == 128 && !half) { attend_one_avx2(q, K, V, j0, j1, off, G, 128, 0, scale, s, stride, part); return; }
+#if HALF_ROWS
+  if (T == 1 && D == 64) { attend_one_avx2(q, K, V, j0, j1, off, G, 64, 1, scale, s, stride, part); return; }
+  if (T == 1 && D == 128) { attend_one_avx2(q, K, V, j0, j1, off, G, 128, 1, scale, s, stride, part); return; }
 #endif
+#endif
+  float* rows = NULL;
+  if (half) {  /* the same call on float32 copies of keys [j0, last), counted from j0 */
+    const int64_t last = j1 < off + T ? j1 : off + T, n = last > j0 ? last - j0 : 0;
+    rows = (float*)malloc((size_t)(2 * n * D + 1) * sizeof(float));
+    const uint16_t* Kh = (const uint16_t*)K + j0 * D;
+    const uint16_t* Vh = (const uint16_t*)V + j0 * D;
+    for (int64_t i = 0; i < n * D; i++) { rows[i] = h2f(Kh[i]); rows[n * D + i] = h2f(Vh[i]); }
+    K = rows;
+    V = rows + n * D;
+    j1 -= j0; off -= j0; s += j0;
+    j0 = 0;
+  }
   if (D == 64) attend_chunk(q, qs, K, V, j0, j1, off, T, G, 64, D, scale, s, stride, part);
   else if (D == 128) attend_chunk(q, qs, K, V, j0, j1, off, T, G, 128, D, scale, s, stride, part);
   else attend_chunk(q, qs, K, V, j0, j1, off, T, G, 0, D, scale, s, stride, part);
+  free(rows);
 }
 
 /* out [D] of one query head from its splits' parts (largest score, sum, weighted values) */
@@ -256,6 +333,11 @@ static inline int64_t split_keys(int64_t n, int64_t Hkv, int threads) {
   while ((Hkv * want) % threads) want++;
   int64_t chunk = (n + want - 1) / want;
   return chunk < 64 ? 64 : chunk;
+}
+
+/* y[i] = float16 bits of x[i], rounded as the step rounds the keys and values it stores */
+void round_to_half(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t i = 0; i < n; i++) y[i] = f2h(x[i]);
 }
 
 /* T tokens of one sequence through n_layers layers, the final norm and the LM head: logits
@@ -294,20 +376,31 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         rope(qkv, 0, QKV, D, cos, sin, 0, D, qk, 1, T, Hq + Hkv, D, 1);
         for (int64_t t = 0; t < T; t++)
           for (int64_t kh = 0; kh < Hkv; kh++) {
-            memcpy(ly->k + (kh * cap + off + t) * D, qk + t * QK + (Hq + kh) * D, D * sizeof(float));
-            memcpy(ly->v + (kh * cap + off + t) * D, qkv + t * QKV + (Hq + Hkv + kh) * D, D * sizeof(float));
+            const int64_t row = (kh * cap + off + t) * D;
+            const float* kn = qk + t * QK + (Hq + kh) * D;
+            const float* vn = qkv + t * QKV + (Hq + Hkv + kh) * D;
+            if (ly->half)
+              for (int64_t d = 0; d < D; d++) {
+                ((uint16_t*)ly->k)[row + d] = f2h(kn[d]);
+                ((uint16_t*)ly->v)[row + d] = f2h(vn[d]);
+              }
+            else {
+              memcpy((float*)ly->k + row, kn, D * sizeof(float));
+              memcpy((float*)ly->v + row, vn, D * sizeof(float));
+            }
           }
       }
       const int64_t n = off + T, chunk = split_keys(n, Hkv, threads), splits = (n + chunk - 1) / chunk;
       #pragma omp for schedule(static)
       for (int64_t t = 0; t < Hkv * splits; t++) {  /* (KV head, split of its keys) */
         const int64_t kh = t / splits, j0 = (t % splits) * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
-        const float* K = ly->k + kh * cap * D;
-        const float* V = ly->v + kh * cap * D;
+        const int64_t es = ly->half ? 2 : 4;
+        const void* K = (const char*)ly->k + kh * cap * D * es;
+        const void* V = (const char*)ly->v + kh * cap * D * es;
         const float* q = qk + kh * group * D;
         float* s = scores + kh * gt * score_stride;
         float* part = parts + t * gt * (D + 2);
-        attend_chunk_d(q, QK, K, V, j0, j1, off, T, group, D, scale, s, score_stride, part);
+        attend_chunk_d(q, QK, K, V, j0, j1, off, T, group, D, ly->half, scale, s, score_stride, part);
       }
       #pragma omp for schedule(static)
       for (int64_t r = 0; r < Hq * T; r++) {  /* query (head hq, token t): parts ((kh splits + i) gt + g T + t) */
@@ -346,7 +439,8 @@ class Lin(ctypes.Structure):
 class Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("wqkv", Lin),
                 ("wo", Lin), ("w13", Lin), ("w2", Lin), ("k", ctypes.c_void_p),
-                ("v", ctypes.c_void_p), ("offset", ctypes.c_int64), ("cap", ctypes.c_int64)]
+                ("v", ctypes.c_void_p), ("offset", ctypes.c_int64), ("cap", ctypes.c_int64),
+                ("half", ctypes.c_int64)]
 
 
 class Kernels:
@@ -356,6 +450,9 @@ class Kernels:
         self.decode_step.argtypes = ([p, i, p, p, p, p, p, p] + [i] * 7 + [ctypes.c_float] * 2
                                      + [p, i, p, ctypes.c_int])
         self.decode_step.restype = None
+        self.round_to_half = lib.round_to_half  # (the float16 rounding of the stored keys, for tests)
+        self.round_to_half.argtypes = [p, p, i]
+        self.round_to_half.restype = None
 
 
 @functools.cache
