@@ -376,7 +376,8 @@ def assert_same_half_decode(model, monkeypatch, kv_dtype=torch.float16, **kw):
     served = served_by_the_step(monkeypatch)
     got, gc = decode(model, step_on=True, monkeypatch=monkeypatch, caches=caches(), **kw)
     assert len(served) > 1 and set(served[1:]) == {kv_dtype == torch.float16}  # (the decode steps)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # (later layers' keys may sit one float16 unit apart, as below: logits within 2e-3)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     for i, (g, w) in enumerate(zip(gc, wc)):
         assert g.keys.dtype == kv_dtype and g.offset == w.offset
@@ -465,8 +466,10 @@ def test_float16_caches_in_calls_of_several_tokens(monkeypatch):
             model(torch.tensor(PROMPT * 1), caches)
             outs.append([model(torch.tensor([[5, 9, 11, 2, 7]]), caches), model(torch.tensor([[1, 3]]), caches)])
     assert served[-2:] == [True, True]
+    # the second call reads keys each path rounded to float16 from its own float32 keys (equal
+    # to float32 rounding), so a key may sit one float16 unit apart: logits within 2e-3
     for g_, w_ in zip(outs[1], outs[0]):
-        torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(g_, w_, rtol=2e-3, atol=2e-3)
 
 
 def test_bfloat16_caches_take_the_layered_forward(monkeypatch):

@@ -56,6 +56,24 @@ def test_onednn_only_where_it_applies():
         assert onednn_applies(x, wg)
 
 
+@pytest.mark.skipif(not HAVE_ONEDNN, reason="this PyTorch has no oneDNN linear")
+@pytest.mark.parametrize("avx512", [True, False])
+def test_prefill_rows_take_the_blas_without_avx512(monkeypatch, avx512):
+    """From BLAS_MIN_ROWS rows a CPU without AVX-512 multiplies through F.linear (bit for bit its
+    result); fewer rows, or AVX-512, keep oneDNN."""
+    from kvtier.model import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "has_avx512", lambda: avx512)
+    w = torch.randn(16, 8)
+    many, few = torch.randn(linear_module.BLAS_MIN_ROWS, 8), torch.randn(2, linear_module.BLAS_MIN_ROWS // 2 - 1, 8)
+    with torch.inference_mode():
+        assert onednn_applies(few, w)
+        assert onednn_applies(many, w) == avx512
+        assert onednn_applies(many.view(2, -1, 8), w) == avx512  # rows of every leading dim count
+        if not avx512:
+            assert torch.equal(linear(many, w), F.linear(many, w))
+
+
 def test_gradients_flow_through_linear():
     lin = Linear(4, 3)
     x = torch.randn(2, 4, requires_grad=True)

@@ -83,6 +83,13 @@ def causal_attention(
     if newest and T == S:
         # Prefill from empty: plain causal attention.
         return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=G > 1)
+    if newest and q.device.type == "cpu":
+        # A prefill chunk over the cache's earlier keys: every query sees a key (its own), so no
+        # row to zero, and the CPU's flash kernel takes the query heads and the mask as they are
+        # (a 512-token chunk over 2,048 keys: 20 against 23 ms with the heads folded and the
+        # unseen rows zeroed; on CUDA a mask with enable_gqa would leave the fused kernels)
+        mask = causal_mask(B, T, S, S - T, device=q.device)
+        return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=G > 1)
     if mask is None:
         mask = causal_mask(B, T, S, S - T if q_start is None else q_start, kv_len, device=q.device)
     # The G query heads of a KV head share its keys: fold them into the query

@@ -13,7 +13,13 @@ Only the summation order differs, so results agree with ``F.linear`` to float32
 rounding, not bit for bit.
 
 :func:`linear` takes that path for float32 inputs on the CPU when nothing needs a
-gradient and this PyTorch has oneDNN enabled, and ``F.linear`` otherwise; PyTorch's
+gradient and this PyTorch has oneDNN enabled, and ``F.linear`` otherwise. On a CPU
+without AVX-512 (PyTorch's ``get_cpu_capability()`` below ``AVX512``), inputs of
+:data:`BLAS_MIN_ROWS` rows or more (prefills) take ``F.linear`` too: on a 2-core AMD
+EPYC Zen 3 (AVX2), SmolLM2's four projection shapes took 1.05-1.18x longer through oneDNN
+from 512 rows up (0.79-0.98x at 32-256 rows), and a 2,048-token prefill of the default
+model 5.0-5.3 s against transformers' 4.3 s (benchmarks/RESULTS.md, 2026-12-02, sixth
+session). PyTorch's
 own switch turns it off (``torch.backends.mkldnn.flags(enabled=False)``, or
 ``torch.backends.mkldnn.enabled = False``). :class:`Linear` is ``nn.Linear`` through
 it; every projection of :class:`~kvtier.model.llama.Transformer` is one.
@@ -29,12 +35,22 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 #: this build of PyTorch has the oneDNN linear primitive
 HAVE_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+#: rows from which a CPU without AVX-512 multiplies through ``F.linear`` (its BLAS)
+BLAS_MIN_ROWS = 512
+
+
+@functools.cache
+def has_avx512() -> bool:
+    """Whether PyTorch's CPU kernels run at AVX-512 (``AVX512`` or better) on this CPU."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -42,7 +58,8 @@ def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (HAVE_ONEDNN and torch.backends.mkldnn.enabled
             and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and weight.device.type == "cpu" and not weight.is_mkldnn and x.numel() > 0
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and (x.numel() < BLAS_MIN_ROWS * x.shape[-1] or has_avx512()))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
