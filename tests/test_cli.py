@@ -92,6 +92,15 @@ def test_flags_override_the_environment(capsys, monkeypatch):
     assert out["cache"]["tier"] == "paged" and out["cache"]["layer0"]["mode"] == "q8"
 
 
+def test_kv_dtype_stores_float16_and_keeps_the_greedy_answer(capsys):
+    """The default model answers as with float32 keys and values over a short reply."""
+    argv = ("generate", QUESTION, "--max-tokens", "8")
+    full, half = main_json(capsys, *argv), main_json(capsys, *argv, "--kv-dtype", "float16")
+    assert half["cache"]["codec"] == "fp16" and full["cache"]["codec"] == "fp32"
+    assert half["cache"]["nbytes"] * 2 == full["cache"]["nbytes"]
+    assert half["tokens"] == full["tokens"]
+
+
 def test_sampling_flags_with_a_seed_repeat(capsys):
     argv = ("generate", "Tell me a story:", "--raw", "--max-tokens", "5", "--temperature", "0.9",
             "--top-k", "40", "--top-p", "0.9", "--min-p", "0.05", "--seed", "3")
@@ -123,6 +132,7 @@ def test_missing_model_file(capsys, tmp_path):
         (["--turboquant", "q8_0"], "KEY,VALUE"),
         (["--turboquant", "q9_0,q3_0"], "q9_0"),
         (["--kv-quant", "q8", "--tier", "tail"], "paged"),
+        (["--kv-dtype", "float16", "--tier", "block"], "applies to the tail tier, not block"),
     ],
 )
 def test_bad_flag_values_give_a_clear_error(capsys, argv, words):

@@ -371,6 +371,12 @@ def test_kv_dtype_builds_narrow_tail_caches_and_is_refused_elsewhere():
     caches[0].update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
     assert caches[0].keys.dtype == torch.float16 and caches[0].nbytes == 2 * 2 * 256 * 4 * 2
     assert KVCacheConfig().tier_params() == {"step": 256}  # unchanged without it
+    block = BlockOwnedKVCache()
+    block.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    converted = [block]
+    configure_kv_cache(converted, KVCacheConfig(kv_dtype="float16"))  # from another tier
+    assert type(converted[0]) is TailOwnedKVCache and converted[0].kv_dtype == torch.float16
+    assert torch.equal(converted[0].fetch()[0], block.fetch()[0].half())
     with pytest.raises(ValueError, match=r"kv_dtype='float8' is not accepted|kv_dtype 'float8' is unknown"):
         KVCacheConfig(kv_dtype="float8")
     with pytest.raises(ValueError, match=r"KVTIER_OWNED_ATTN_KV_DTYPE='int8' is not accepted"):

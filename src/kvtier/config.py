@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvtier.caches.base import KVCache
 from kvtier.kernels.dispatch import BACKENDS as ATTENTION_BACKENDS
 from kvtier.quant.modes import (
@@ -184,8 +186,6 @@ class KVCacheConfig:
         """Constructor arguments of the chosen tier (also reported by configure_kv_cache)."""
         if self.tier == "tail":
             if self.kv_dtype is not None:
-                import torch
-
                 return {"step": self.step, "kv_dtype": getattr(torch, self.kv_dtype)}
             return {"step": self.step}
         if self.tier == "ragged":

@@ -253,9 +253,11 @@ class TailOwnedKVCache(ScalarKVCache):
         return cache
 
     @classmethod
-    def from_cache(cls, other: KVCache, *, step: int = 256) -> TailOwnedKVCache:
-        """A tail cache holding ``other``'s live tokens (any tier with one length per row)."""
-        cache = cls(step=step)
+    def from_cache(cls, other: KVCache, *, step: int = 256,
+                   kv_dtype: torch.dtype | None = None) -> TailOwnedKVCache:
+        """A tail cache holding ``other``'s live tokens (any tier with one length per row),
+        stored as ``kv_dtype`` when given."""
+        cache = cls(step=step, kv_dtype=kv_dtype)
         kv = live_kv(other)
         if kv is not None:
             cache.update(*kv)

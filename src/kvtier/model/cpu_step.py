@@ -192,8 +192,8 @@ class DecodeStep:
         """Logits ``[1, T, vocab]`` (``[1, 1, vocab]`` of the last with ``last_only``) of ``tokens``
         ``[1, T]``, ``T <= MAX_TOKENS``, through the first ``n`` layers, each writing into its cache;
         ``None``, with nothing changed, when a cache is not a tail-tier cache of one row taking
-        float32 (stored as float32 or float16) of the model's shape, or a token is out of range (the layered forward then serves it, and
-        raises what it raises)."""
+        float32 (stored as float32 or float16) of the model's shape, or a token is out of range
+        (the layered forward then serves it, and raises what it raises)."""
         dim, Hq, Hkv, D, hidden = self.dims
         T = tokens.shape[1]
         if (torch.is_grad_enabled() and self.needs_grad) or not 1 <= T <= MAX_TOKENS:
