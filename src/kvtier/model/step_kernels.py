@@ -20,7 +20,6 @@ __all__ = ["STEP_SOURCE", "Kernels", "Layer", "Lin", "load_kernels"]
 
 STEP_SOURCE = r"""
 #include <string.h>
-#include <stdlib.h>
 #include <math.h>
 #include <stdint.h>
 #if defined(__AVX2__) || defined(__F16C__)
@@ -145,6 +144,16 @@ static inline float exp_shifted(float* s, int64_t n, float mx) {
   return tot;
 }
 
+/* dst[0, D) = the float16 row src as float32 (eight at a time with F16C); returns dst */
+static inline float* half_row(const uint16_t* src, float* dst, int64_t D) {
+  int64_t d = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + d))));
+#endif
+  for (; d < D; d++) dst[d] = h2f(src[d]);
+  return dst;
+}
+
 /* one row's scores sr[j0, e): part[0] their largest, part[1] the sum of exp(score - largest),
    the scores replaced by those exponentials (no keys: -inf and 0) */
 static inline void softmax_part(float* sr, int64_t j0, int64_t e, float* part) {
@@ -162,12 +171,13 @@ static inline void softmax_part(float* sr, int64_t j0, int64_t e, float* part) {
    s holds the scores, row (g, t) at s + (g T + t) stride. q is [T, Hq, D] from the group's
    first head; qs the stride of its tokens. */
 static inline __attribute__((always_inline)) void attend_chunk(const float* q, int64_t qs,
-    const float* K, const float* V, int64_t j0, int64_t j1, int64_t off, int64_t T, int64_t G,
-    const int64_t DC, int64_t Dv, float scale, float* s, int64_t stride, float* part) {
+    const void* K, const void* V, const int half, int64_t j0, int64_t j1, int64_t off, int64_t T,
+    int64_t G, const int64_t DC, int64_t Dv, float scale, float* s, int64_t stride, float* part) {
   const int64_t D = DC ? DC : Dv;
   const int64_t last = j1 < off + T ? j1 : off + T;  /* past the newest token's position: none */
+  float row[half ? D : 1];  /* a float16 row, converted once for its G T uses */
   for (int64_t j = j0; j < last; j++) {
-    const float* kj = K + j * D;
+    const float* kj = half ? half_row((const uint16_t*)K + j * D, row, D) : (const float*)K + j * D;
     for (int64_t g = 0; g < G; g++)
       for (int64_t t = j > off ? j - off : 0; t < T; t++) {
         const float* qg = q + t * qs + g * D;
@@ -184,7 +194,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
     for (int64_t d = 0; d < D; d++) pr[2 + d] = 0.f;
   }
   for (int64_t j = j0; j < last; j++) {
-    const float* vj = V + j * D;
+    const float* vj = half ? half_row((const uint16_t*)V + j * D, row, D) : (const float*)V + j * D;
     for (int64_t g = 0; g < G; g++)
       for (int64_t t = j > off ? j - off : 0; t < T; t++) {
         const float p = s[(g * T + t) * stride + j];
@@ -279,7 +289,7 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
 
 /* attend_chunk with the head dim a constant for 64 and 128 (the loops drop their remainders);
    one token (a decode step) with AVX2 takes attend_one_avx2. float16 rows (half) elsewhere are
-   converted to float32 first, the chunk's rows the token(s) see. */
+   converted a row at a time as the loops reach them. */
 static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void* V, int64_t j0,
     int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D, int64_t half, float scale, float* s,
     int64_t stride, float* part) {
@@ -291,22 +301,15 @@ static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void
   if (T == 1 && D == 128) { attend_one_avx2(q, K, V, j0, j1, off, G, 128, 1, scale, s, stride, part); return; }
 #endif
 #endif
-  float* rows = NULL;
-  if (half) {  /* the same call on float32 copies of keys [j0, last), counted from j0 */
-    const int64_t last = j1 < off + T ? j1 : off + T, n = last > j0 ? last - j0 : 0;
-    rows = (float*)malloc((size_t)(2 * n * D + 1) * sizeof(float));
-    const uint16_t* Kh = (const uint16_t*)K + j0 * D;
-    const uint16_t* Vh = (const uint16_t*)V + j0 * D;
-    for (int64_t i = 0; i < n * D; i++) { rows[i] = h2f(Kh[i]); rows[n * D + i] = h2f(Vh[i]); }
-    K = rows;
-    V = rows + n * D;
-    j1 -= j0; off -= j0; s += j0;
-    j0 = 0;
+  if (half) {
+    if (D == 64) attend_chunk(q, qs, K, V, 1, j0, j1, off, T, G, 64, D, scale, s, stride, part);
+    else if (D == 128) attend_chunk(q, qs, K, V, 1, j0, j1, off, T, G, 128, D, scale, s, stride, part);
+    else attend_chunk(q, qs, K, V, 1, j0, j1, off, T, G, 0, D, scale, s, stride, part);
+  } else {
+    if (D == 64) attend_chunk(q, qs, K, V, 0, j0, j1, off, T, G, 64, D, scale, s, stride, part);
+    else if (D == 128) attend_chunk(q, qs, K, V, 0, j0, j1, off, T, G, 128, D, scale, s, stride, part);
+    else attend_chunk(q, qs, K, V, 0, j0, j1, off, T, G, 0, D, scale, s, stride, part);
   }
-  if (D == 64) attend_chunk(q, qs, K, V, j0, j1, off, T, G, 64, D, scale, s, stride, part);
-  else if (D == 128) attend_chunk(q, qs, K, V, j0, j1, off, T, G, 128, D, scale, s, stride, part);
-  else attend_chunk(q, qs, K, V, j0, j1, off, T, G, 0, D, scale, s, stride, part);
-  free(rows);
 }
 
 /* out [D] of one query head from its splits' parts (largest score, sum, weighted values) */
