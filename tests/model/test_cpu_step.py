@@ -427,7 +427,8 @@ def test_float16_caches_on_each_vector_path(monkeypatch, flags):
 @pytest.mark.parametrize("flags", [(), ("-mno-avx2", "-mno-f16c")], ids=["native", "plain"])
 def test_the_steps_float16_rounding_is_torchs(flags):
     """Every float32 the step may store, rounded as torch's ``.to(float16)`` rounds it: ties to
-    even, subnormal halves, overflow to infinity, signed zeros, infinities; NaN stays NaN."""
+    even, subnormal halves, overflow to infinity, signed zeros, infinities; NaN stays NaN. And
+    every float16 read back as float32 as torch reads it."""
     import platform
 
     from kvtier.kernels import cpu_fused
@@ -453,6 +454,13 @@ def test_the_steps_float16_rounding_is_torchs(flags):
     nan = torch.tensor([float("nan")] * 4)
     kernels.round_to_half(nan.data_ptr(), y.data_ptr(), 4)
     assert torch.isnan(y[:4].view(torch.float16)).all()
+    # and back: every float16 (subnormals, infinities, NaNs) read as torch reads it
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    wide = torch.empty(bits.numel())
+    kernels.widen_half(bits.data_ptr(), wide.data_ptr(), bits.numel())
+    want = bits.view(torch.float16).float()
+    assert torch.equal(torch.isnan(wide), torch.isnan(want))
+    assert torch.equal(wide[~torch.isnan(want)], want[~torch.isnan(want)])
 
 
 def test_float16_caches_in_calls_of_several_tokens(monkeypatch):

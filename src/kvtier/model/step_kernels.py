@@ -343,6 +343,9 @@ void round_to_half(const float* x, uint16_t* y, int64_t n) {
   for (int64_t i = 0; i < n; i++) y[i] = f2h(x[i]);
 }
 
+/* y[i] = the float16 bits h[i] as float32, as the step reads stored rows (for tests) */
+void widen_half(const uint16_t* h, float* y, int64_t n) { half_row(h, y, n); }
+
 /* T tokens of one sequence through n_layers layers, the final norm and the LM head: logits
    [T, V], or [1, V] of the last token with last_only. ids are the tokens, emb the embedding
    table [V, dim] (ids in range: the caller checks), cos/sin [T, D] their rotations; scratch holds T (4 dim + (3 Hq + 3 Hkv) D + 3 hidden) +
@@ -453,9 +456,11 @@ class Kernels:
         self.decode_step.argtypes = ([p, i, p, p, p, p, p, p] + [i] * 7 + [ctypes.c_float] * 2
                                      + [p, i, p, ctypes.c_int])
         self.decode_step.restype = None
-        self.round_to_half = lib.round_to_half  # (the float16 rounding of the stored keys, for tests)
-        self.round_to_half.argtypes = [p, p, i]
-        self.round_to_half.restype = None
+        # (the float16 rounding of the stored keys and its inverse, for tests)
+        self.round_to_half, self.widen_half = lib.round_to_half, lib.widen_half
+        for fn in (self.round_to_half, self.widen_half):
+            fn.argtypes = [p, p, i]
+            fn.restype = None
 
 
 @functools.cache
