@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="kvtier's running requests "
                                                                         "at most (default: all)")
     parser.add_argument("--max-batched-tokens", type=int, default=None,
-                        help="kvtier's tokens per step (default: 512 on CPU, 16384 on CUDA)")
+                        help="kvtier's tokens per step (default: 2048 on CPU, 16384 on CUDA)")
     parser.add_argument("--kv-quant", default=None, help="kvtier's page storage (q8, ...)")
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -168,7 +168,7 @@ def engine_config(args, device: torch.device, prompts: list[list[int]]):
     need = sum(math.ceil((len(p) + args.output_len) / bs) for p in prompts)
     return EngineConfig(
         num_blocks=need + 64, block_size=bs, max_num_seqs=args.max_num_seqs or len(prompts),
-        max_batched_tokens=max(args.max_batched_tokens or (16384 if device.type == "cuda" else 512),
+        max_batched_tokens=max(args.max_batched_tokens or (16384 if device.type == "cuda" else 2048),
                                args.max_num_seqs or len(prompts)),
         max_waiting=len(prompts), kv_quant=args.kv_quant, cuda_graph=args.cuda_graph,
         async_scheduling=args.async_scheduling, enable_prefix_caching=False)  # random prompts share nothing; no hashing to pay for

@@ -275,16 +275,16 @@ def test_decode_rows_in_prompt_steps_give_the_same_outputs(async_scheduling) -> 
 
 
 def test_step_budget_defaults_to_the_device_s() -> None:
-    """No max_batched_tokens: 512 tokens a step on the CPU (8192 on CUDA), never below
+    """No max_batched_tokens: 2048 tokens a step on the CPU (8192 on CUDA), never below
     max_num_seqs (a decode step must fit every running row); a given budget is kept."""
     from kvtier.serve.engine import DEFAULT_BATCHED_TOKENS
 
     def budget(**kw) -> int:
         return LLMEngine(MODEL, None, EngineConfig(num_blocks=8, **kw)).scheduler.config.max_batched_tokens
 
-    assert DEFAULT_BATCHED_TOKENS == {"cpu": 512, "cuda": 8192}
-    assert EngineConfig().max_batched_tokens is None and budget() == 512
-    assert budget(max_num_seqs=600) == 600
+    assert DEFAULT_BATCHED_TOKENS == {"cpu": 2048, "cuda": 8192}
+    assert EngineConfig().max_batched_tokens is None and budget() == 2048
+    assert budget(max_num_seqs=3000) == 3000
     assert budget(max_batched_tokens=48, max_num_seqs=4) == 48
     with pytest.raises(ValueError, match="max_batched_tokens 48 is below max_num_seqs"):
         budget(max_batched_tokens=48, max_num_seqs=64)

@@ -51,7 +51,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=_ABSENT,
                    help="running requests at most")
     p.add_argument("--max-batched-tokens", dest="max_batched_tokens", type=int, default=_ABSENT,
-                   help="tokens per step, decode and prefill chunks together (default: 512 on CPU, "
+                   help="tokens per step, decode and prefill chunks together (default: 2048 on CPU, "
                         "8192 on CUDA)")
     p.add_argument("--max-waiting", dest="max_waiting", type=int, default=_ABSENT,
                    help="queued requests before HTTP 429")
