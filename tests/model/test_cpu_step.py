@@ -262,13 +262,12 @@ def test_each_vector_path_of_the_step_gives_the_layered_forwards_logits(monkeypa
     those paths of the products and the exponential otherwise), against the layered forward."""
     import platform
 
-    from kvtier.kernels import cpu_fused
     from kvtier.kernels.native import build_library
-    from kvtier.model import packed_kernels, step_kernels
+    from kvtier.model import step_kernels
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 vector flags")
-    source = packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + step_kernels.STEP_SOURCE
+    source = step_kernels.step_source()
     narrow = step_kernels.Kernels(build_library("cpu_step", source, flags))
     model = small_model()
     cpu_step.plan_for(model).kernels = narrow
@@ -409,13 +408,12 @@ def test_float16_caches_on_each_vector_path(monkeypatch, flags):
     stored float16 keys and values equal torch's ``.to(float16)`` of the same float32 keys."""
     import platform
 
-    from kvtier.kernels import cpu_fused
     from kvtier.kernels.native import build_library
-    from kvtier.model import packed_kernels, step_kernels
+    from kvtier.model import step_kernels
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 vector flags")
-    source = packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + step_kernels.STEP_SOURCE
+    source = step_kernels.step_source()
     narrow = step_kernels.Kernels(build_library("cpu_step", source, flags))
     model = small_model(dim=256, n_heads=4, n_kv_heads=2)
     cpu_step.plan_for(model).kernels = narrow
@@ -431,13 +429,12 @@ def test_the_steps_float16_rounding_is_torchs(flags):
     every float16 read back as float32 as torch reads it."""
     import platform
 
-    from kvtier.kernels import cpu_fused
     from kvtier.kernels.native import build_library
-    from kvtier.model import packed_kernels, step_kernels
+    from kvtier.model import step_kernels
 
     if flags and platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 vector flags")
-    source = packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + step_kernels.STEP_SOURCE
+    source = step_kernels.step_source()
     kernels = step_kernels.Kernels(build_library("cpu_step", source, flags))
     g = torch.Generator().manual_seed(7)
     halves = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()

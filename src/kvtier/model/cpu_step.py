@@ -54,6 +54,7 @@ from torch import nn
 
 from kvtier.caches.tail_owned import TailOwnedKVCache
 from kvtier.model import packed
+from kvtier.model.act_quant import act_quant_of
 from kvtier.model.linear import Linear
 from kvtier.model.llama import switched_off
 from kvtier.model.step_kernels import Kernels as _Kernels
@@ -198,7 +199,9 @@ class DecodeStep:
         T = tokens.shape[1]
         if (torch.is_grad_enabled() and self.needs_grad) or not 1 <= T <= MAX_TOKENS:
             return None
-        vocab = self.model.args.vocab_size
+        model = self.model
+        act_q8 = act_quant_of(model) == "q8"  # (raises for a bad mode before anything changes)
+        vocab = model.args.vocab_size
         ids = tokens[0].tolist()
         if min(ids) < 0 or max(ids) >= vocab:
             return None
@@ -238,17 +241,17 @@ class DecodeStep:
         cos, sin = self.rope_rows(start + T)
         row = start * D * cos.element_size()  # (bytes to the first token's row)
         tokens = tokens.contiguous()  # (int64: the forward checked)
+        kmax = -(-max(dim, hidden, Hq * D) // 32) * 32
         need = T * (dim * 4 + (3 * Hq + 3 * Hkv) * D + 3 * hidden) + Hq * T * stride \
-            + Hq * T * (stride // 64 + 1) * (D + 2)
+            + Hq * T * (stride // 64 + 1) * (D + 2) + (T * (kmax // 4 + 2 * (kmax // 32)) if act_q8 else 0)
         scratch = torch.empty(need)
         rows = 1 if last_only else T
         logits = torch.empty(1, rows, vocab)
-        model = self.model
         self.kernels.decode_step(layers, n, ctypes.byref(self.head), model.norm.weight.data_ptr(),
                                  model.tok_embeddings.weight.data_ptr(), tokens.data_ptr(),
                                  cos.data_ptr() + row, sin.data_ptr() + row, T, int(last_only), dim, Hq, Hkv, D,
                                  hidden, self.eps, self.scale, scratch.data_ptr(), stride,
-                                 logits.data_ptr(), torch.get_num_threads())
+                                 logits.data_ptr(), int(act_q8), kmax, torch.get_num_threads())
         for c in used:
             c.commit_written(T)
         return logits

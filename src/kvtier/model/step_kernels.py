@@ -3,8 +3,10 @@ structures of its pointer plan, and the compiled library.
 
 ``decode_step`` runs up to 16 tokens of one sequence through every layer, the final norm and
 the LM head inside one OpenMP parallel region; the products are the packed kernels' own task
-bodies (:mod:`kvtier.model.packed_kernels`) and the elementwise steps the C kernels of
-:mod:`kvtier.kernels.cpu_fused`, so the library is compiled from the three sources together.
+bodies (:mod:`kvtier.model.packed_kernels`), or with int8 activations those of
+:mod:`kvtier.model.act_quant`, and the elementwise steps the C kernels of
+:mod:`kvtier.kernels.cpu_fused`, so the library is compiled from the four sources together
+(:func:`step_source`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import functools
 
 from kvtier.kernels import cpu_fused
 from kvtier.kernels.native import load_or_warn
-from kvtier.model import packed_kernels
+from kvtier.model import act_quant, packed_kernels
 
-__all__ = ["STEP_SOURCE", "Kernels", "Layer", "Lin", "load_kernels"]
+__all__ = ["STEP_SOURCE", "Kernels", "Layer", "Lin", "load_kernels", "step_source"]
 
 STEP_SOURCE = r"""
 #include <string.h>
@@ -77,11 +79,27 @@ typedef struct {
   int64_t half;        /* the buffers hold float16 (else float32) */
 } Layer;
 
+/* where int8 activations go (kvtier.model.act_quant): codes [M, K], dx and sx [M, K / 32];
+   NULL for the exact products */
+typedef struct { int8_t* q; float* dx; float* sx; } ActQ8;
+
 /* y [M, N] = x [M, K] W^T (+ bias); the tasks are shared by the threads of the enclosing
-   region, which meet at the barrier after them */
-static void linear_rows(const Lin* l, const float* x, float* y, int64_t M) {
+   region, which meet at the barrier after them. With aq, Q4_1 and Q8_0 weights multiply x
+   quantised to int8 (one thread quantises it, the others wait at the single's barrier). */
+static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const ActQ8* aq) {
   const int64_t N = l->N, K = l->K;
-  if (l->fmt == 1) {
+  if (aq && (l->fmt == 1 || l->fmt == 2)) {
+    #pragma omp single
+    quantize_rows_q8(x, aq->q, aq->dx, aq->sx, M, K);
+    if (l->fmt == 1) {
+      const int64_t tasks = (N + 1) / 2;
+      #pragma omp for schedule(static)
+      for (int64_t t = 0; t < tasks; t++) q4_1_q8_task(aq->q, aq->dx, aq->sx, l->w, l->d, l->m, y, M, N, K, t);
+    } else {
+      #pragma omp for schedule(static)
+      for (int64_t n = 0; n < N; n++) q8_0_q8_task(aq->q, aq->dx, l->w, l->d, y, M, N, K, n);
+    }
+  } else if (l->fmt == 1) {
     const int64_t tasks = q4_1_tasks(N);
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; t++) q4_1_task(x, l->w, l->d, l->m, y, M, N, K, t);
@@ -350,11 +368,13 @@ void widen_half(const uint16_t* h, float* y, int64_t n) { half_row(h, y, n); }
    [T, V], or [1, V] of the last token with last_only. ids are the tokens, emb the embedding
    table [V, dim] (ids in range: the caller checks), cos/sin [T, D] their rotations; scratch holds T (4 dim + (3 Hq + 3 Hkv) D + 3 hidden) +
    Hq T score_stride + Hq T (score_stride / 64 + 1) (D + 2) floats, score_stride at least every
-   layer's offset + T. */
+   layer's offset + T, and with act_q8 (int8 activations for the packed products) T kmax / 4 +
+   2 T kmax / 32 more, kmax the widest input of a product (a multiple of 32). */
 void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const float* norm_w,
                  const float* emb, const int64_t* ids, const float* cos, const float* sin, int64_t T, int64_t last_only,
                  int64_t dim, int64_t Hq, int64_t Hkv, int64_t D, int64_t hidden, float eps,
-                 float scale, float* scratch, int64_t score_stride, float* logits, int threads) {
+                 float scale, float* scratch, int64_t score_stride, float* logits, int64_t act_q8,
+                 int64_t kmax, int threads) {
   const int64_t QKV = (Hq + 2 * Hkv) * D, QK = (Hq + Hkv) * D;
   float* h = scratch;                      /* the residual stream [T, dim] */
   float* nrm = h + T * dim;                /* its RMSNorm [T, dim] */
@@ -368,6 +388,9 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
   float* scores = act + T * hidden;        /* [Hq, T, score_stride] */
   float* parts = scores + Hq * T * score_stride;  /* [Hkv, splits, group, T, D + 2] */
   const int64_t group = Hq / Hkv, gt = group * T;
+  float* aq_end = parts + Hq * T * (score_stride / 64 + 1) * (D + 2);
+  const ActQ8 aq_bufs = {(int8_t*)aq_end, aq_end + T * kmax / 4, aq_end + T * kmax / 4 + T * kmax / 32};
+  const ActQ8* aq = act_q8 ? &aq_bufs : NULL;
   for (int64_t t = 0; t < T; t++) memcpy(h + t * dim, emb + ids[t] * dim, dim * sizeof(float));
   #pragma omp parallel num_threads(threads)
   {
@@ -376,7 +399,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
       const int64_t off = ly->offset, cap = ly->cap;
       #pragma omp single
       add_rms_norm(h, l ? delta : NULL, ly->attn_norm, h, nrm, T, dim, eps, 1);
-      linear_rows(&ly->wqkv, nrm, qkv, T);
+      linear_rows(&ly->wqkv, nrm, qkv, T, aq);
       #pragma omp single
       {
         rope(qkv, 0, QKV, D, cos, sin, 0, D, qk, 1, T, Hq + Hkv, D, 1);
@@ -414,23 +437,23 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         merge_parts(parts + (kh * splits * gt + g * T + t) * (D + 2), splits, gt * (D + 2), D,
                     att + (t * Hq + hq) * D);
       }
-      linear_rows(&ly->wo, att, a, T);
+      linear_rows(&ly->wo, att, a, T, aq);
       #pragma omp single
       add_rms_norm(h, a, ly->ffn_norm, h, nrm, T, dim, eps, 1);
-      linear_rows(&ly->w13, nrm, ff, T);
+      linear_rows(&ly->w13, nrm, ff, T, aq);
       #pragma omp for schedule(static)
       for (int64_t c = 0; c < T * 8; c++) {  /* silu_mul's arithmetic, each row in 8 spans */
         const int64_t t = c / 8, j0 = (c % 8) * hidden / 8, j1 = (c % 8 + 1) * hidden / 8;
         const float* g = ff + t * 2 * hidden;
         for (int64_t j = j0; j < j1; j++) act[t * hidden + j] = (g[j] / (1.0f + expf(-g[j]))) * g[hidden + j];
       }
-      linear_rows(&ly->w2, act, delta, T);
+      linear_rows(&ly->w2, act, delta, T, aq);
     }
     const int64_t first = last_only ? T - 1 : 0;
     #pragma omp single
     add_rms_norm(h + first * dim, delta + first * dim, norm_w, h + first * dim, nrm + first * dim,
                  T - first, dim, eps, 1);
-    linear_rows(head, nrm + first * dim, logits, T - first);
+    linear_rows(head, nrm + first * dim, logits, T - first, aq);
   }
 }
 """
@@ -454,12 +477,20 @@ class Kernels:
         self.decode_step = lib.decode_step
         p, i = ctypes.c_void_p, ctypes.c_int64
         self.decode_step.argtypes = ([p, i, p, p, p, p, p, p] + [i] * 7 + [ctypes.c_float] * 2
-                                     + [p, i, p, ctypes.c_int])
+                                     + [p, i, p, i, i, ctypes.c_int])
         self.decode_step.restype = None
         # (the float16 rounding of the stored keys and its inverse, for tests)
         self.round_to_half, self.widen_half = lib.round_to_half, lib.widen_half
         for fn in (self.round_to_half, self.widen_half):
             fn.argtypes = [p, p, i]
+            fn.restype = None
+        # (the int8 activations' quantiser and products on their own, for tests)
+        self.quantize_rows_q8, self.q4_1_q8_gemv, self.q8_0_q8_gemv = (
+            lib.quantize_rows_q8, lib.q4_1_q8_gemv, lib.q8_0_q8_gemv)
+        self.quantize_rows_q8.argtypes = [p] * 4 + [i] * 2
+        self.q4_1_q8_gemv.argtypes = [p] * 7 + [i] * 3 + [ctypes.c_int]
+        self.q8_0_q8_gemv.argtypes = [p] * 5 + [i] * 3 + [ctypes.c_int]
+        for fn in (self.quantize_rows_q8, self.q4_1_q8_gemv, self.q8_0_q8_gemv):
             fn.restype = None
 
 
@@ -467,5 +498,10 @@ class Kernels:
 def load_kernels() -> Kernels | None:
     """Compile (once per machine) and load the step; ``None`` with a warning where no C compiler
     builds it."""
-    source = packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + STEP_SOURCE
-    return load_or_warn("cpu_step", source, Kernels, "decode steps take the layered forward")
+    return load_or_warn("cpu_step", step_source(), Kernels, "decode steps take the layered forward")
+
+
+def step_source() -> str:
+    """The library's whole C source: the packed products, the elementwise kernels, the int8
+    activations' products (:mod:`kvtier.model.act_quant`) and the step."""
+    return packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + act_quant._C_SOURCE + STEP_SOURCE

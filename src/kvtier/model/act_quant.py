@@ -1,0 +1,280 @@
+"""Activations as int8 codes for the CPU's packed products: ``KVTIER_ACT_QUANT=q8`` (opt-in).
+
+The packed products (:mod:`kvtier.model.packed_kernels`) multiply float32 activations by the
+exact float32 weights, converting every 4- or 8-bit code to a float first. On a CPU without
+AVX-512 that conversion, not memory, bounds a decode step: the Q4_1 loop spends about 20
+vector instructions a block of 32 weights. Quantising the activations too, as llama.cpp does
+(its ``Q8_0``/``Q8_1`` activation blocks), lets integer multiply-adds do the work: a block is
+a handful of instructions (``maddubs``, ``madd``, one conversion, one multiply-add) and the
+loop streams the codes at close to the memory's speed.
+
+What it computes. Each row of activations ``x`` is cut in blocks of 32; a block's scale is
+``dx = max|x| / 127`` and its codes ``qx = round(x * 127 / max|x|)`` (to nearest even),
+``sx = dx * sum(qx)``. Then
+
+- Q4_1 weights (``w = d * c + m``): ``y = sum_blocks (d * dx) * sum(c * qx) + m * sx``;
+- Q8_0 weights (``w = d * c``): ``y = sum_blocks (d * dx) * sum(c * qx)``;
+
+with the integer sums exact, so the only change from the exact product is the rounding of
+the activations (about 0.3% of a product's size, relative: :func:`reference_product` and
+the tests measure it). This is an approximation of the model's arithmetic, which is why it
+is off by default; prefill (many rows) keeps the exact float32 products either way.
+
+Where it applies: the one-call decode step (:mod:`kvtier.model.cpu_step`) of a packed model,
+for every Q4_1 and Q8_0 projection and the LM head. Select it with the environment
+(``KVTIER_ACT_QUANT=q8``), ``kvtier generate --act-quant q8``, or per model
+(``model.act_quant = "q8"``, which the environment does not override); ``none`` turns it off.
+
+Example::
+
+    >>> lm = load_model()                                    # doctest: +SKIP
+    >>> lm.model.act_quant = "q8"                            # doctest: +SKIP
+    >>> generate(lm, "The capital of France is", max_new_tokens=16)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["ACT_QUANT_MODES", "ENV_VAR", "act_quant_of", "parse_act_quant", "quantize_rows_reference",
+           "reference_product"]
+
+#: what ``act_quant`` accepts: ``none`` (the exact float32 products) or ``q8``
+ACT_QUANT_MODES = ("none", "q8")
+ENV_VAR = "KVTIER_ACT_QUANT"
+
+
+def parse_act_quant(value: str | None, *, source: str = "act_quant") -> str:
+    """``value`` checked and normalised (``None`` and ``""`` are ``none``); ``ValueError``
+    naming it and the accepted modes otherwise."""
+    mode = (value or "none").strip().lower()
+    if mode not in ACT_QUANT_MODES:
+        raise ValueError(f"{source}={value!r} is unknown; accepted: {', '.join(ACT_QUANT_MODES)} "
+                         f"(q8: activations as int8 codes in the CPU decode step's products)")
+    return mode
+
+
+def act_quant_of(model) -> str:
+    """The mode for ``model``: its own ``act_quant`` attribute when set, else ``$KVTIER_ACT_QUANT``."""
+    own = model.__dict__.get("act_quant")  # (a plain attribute: no nn.Module lookup)
+    if own is not None:
+        return parse_act_quant(own)
+    return parse_act_quant(os.environ.get(ENV_VAR), source=ENV_VAR)
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The C quantiser's result in PyTorch: ``x`` float32 ``[M, K]`` (``K % 32 == 0``) to codes
+    int8 ``[M, K]``, scales ``dx`` and ``sx = dx * sum(codes)`` float32 ``[M, K / 32]``."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv)  # (half to even, as the C rounding)
+    dx = (amax / 127.0)[..., 0]
+    return q.to(torch.int8).reshape(x.shape), dx, dx * q.sum(-1)
+
+
+def reference_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with ``x`` rounded as :func:`quantize_rows_reference` rounds it (the
+    weights exact): what the int8 products compute, up to the order of float32 sums."""
+    q, dx, _ = quantize_rows_reference(x)
+    xq = (q.float().reshape(x.shape[0], -1, 32) * dx[..., None]).reshape(x.shape)
+    return xq.double() @ weight.double().T
+
+
+_C_SOURCE = r"""
+/* ---- int8 activations (kvtier.model.act_quant) ---- */
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define AQ_AVX2 1
+static inline float aq_hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+/* the 32 codes of a Q4_1 block as bytes: low nibbles (elements 0-15), then high (16-31) */
+static inline __m256i aq_nibbles(const uint8_t* p) {
+  const __m128i c = _mm_loadu_si128((const __m128i*)p);
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), _mm256_set1_epi8(15));
+}
+/* eight int32 sums of pairs of pairs of u8 x s8 products, as floats */
+static inline __m256 aq_dot(__m256i u, __m256i s) {
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+
+/* x [M, K] -> codes qx [M, K], dx and sx [M, K / 32]: per block of 32, dx = max|x| / 127,
+   qx = round(x * (127 / max|x|)) to nearest even (0 for a block of zeros), sx = dx * sum(qx) */
+void quantize_rows_q8(const float* x, int8_t* qx, float* dx, float* sx, int64_t M, int64_t K) {
+  const int64_t G = K / 32;
+  for (int64_t b = 0; b < M * G; b++) {
+    const float* xg = x + b * 32;
+#if defined(AQ_AVX2)
+    __m256 v[4], mx = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int j = 0; j < 4; j++) {
+      v[j] = _mm256_loadu_ps(xg + 8 * j);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i q[4];
+    for (int j = 0; j < 4; j++)
+      q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    /* (the packs interleave the 128-bit halves: dwords back in order) */
+    _mm256_storeu_si256((__m256i*)(qx + b * 32),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const int sum = _mm_cvtsi128_si32(s4);
+#else
+    float amax = 0.f;
+    for (int j = 0; j < 32; j++) amax = fabsf(xg[j]) > amax ? fabsf(xg[j]) : amax;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+      const int c = (int)nearbyintf(xg[j] * inv);
+      qx[b * 32 + j] = (int8_t)c;
+      sum += c;
+    }
+#endif
+    dx[b] = amax / 127.f;
+    sx[b] = dx[b] * (float)sum;
+  }
+}
+
+/* outputs 2 task and 2 task + 1 of y [M, N] from int8 activations and Q4_1 codes: per block
+   (d dx) * sum(c qx) + m sx, the integer sums exact. One row: the two outputs' scales
+   times dx and their minima's sums against sx first (eight blocks at a time), then one pass
+   over the codes; several rows: each block's codes unpacked once for four rows at a time. */
+static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* sx, const uint8_t* codes,
+                                const _Float16* d, const _Float16* mn, float* y, int64_t M, int64_t N,
+                                int64_t K, int64_t task) {
+  const int64_t G = K / 32, n = 2 * task, n1 = n + 1 < N ? n + 1 : n;
+  const int64_t rows[2] = {n, n1};
+#if defined(AQ_AVX2)
+  const uint8_t* cs[2] = {codes + n * G * 16, codes + n1 * G * 16};
+  for (int64_t r0 = 0; r0 < M; r0 += 4) {
+    const int64_t rn = M - r0 < 4 ? M - r0 : 4;
+    float sc[4][2][G + 8], msum[4][2];
+    for (int64_t i = 0; i < rn; i++)
+      for (int q = 0; q < 2; q++) {
+        const _Float16* dq = d + rows[q] * G;
+        const _Float16* mq = mn + rows[q] * G;
+        const float* dxr = dx + (r0 + i) * G;
+        const float* sxr = sx + (r0 + i) * G;
+        __m256 sv = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8) {
+          _mm256_storeu_ps(sc[i][q] + g, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dq + g))),
+                                                      _mm256_loadu_ps(dxr + g)));
+          sv = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mq + g))), _mm256_loadu_ps(sxr + g), sv);
+        }
+        float s = aq_hsum(sv);
+        for (; g < G; g++) {
+          sc[i][q][g] = (float)dq[g] * dxr[g];
+          s += (float)mq[g] * sxr[g];
+        }
+        msum[i][q] = s;
+      }
+    if (rn == 1) {
+      const int8_t* xr = qx + r0 * K;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; g++) {
+        if (!(g & 1)) KV_PREFETCH(cs[0] + g * 32);
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + g * 32));
+        a0 = _mm256_fmadd_ps(aq_dot(aq_nibbles(cs[0] + g * 16), xv), _mm256_broadcast_ss(&sc[0][0][g]), a0);
+        a1 = _mm256_fmadd_ps(aq_dot(aq_nibbles(cs[1] + g * 16), xv), _mm256_broadcast_ss(&sc[0][1][g]), a1);
+      }
+      y[r0 * N + n] = aq_hsum(a0) + msum[0][0];
+      if (n1 != n) y[r0 * N + n1] = aq_hsum(a1) + msum[0][1];
+      continue;
+    }
+    __m256 acc[4][2];
+    for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+      if (!(g & 1)) KV_PREFETCH(cs[0] + g * 32);
+      const __m256i w0 = aq_nibbles(cs[0] + g * 16), w1 = aq_nibbles(cs[1] + g * 16);
+      for (int64_t i = 0; i < rn; i++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(qx + (r0 + i) * K + g * 32));
+        acc[i][0] = _mm256_fmadd_ps(aq_dot(w0, xv), _mm256_broadcast_ss(&sc[i][0][g]), acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(aq_dot(w1, xv), _mm256_broadcast_ss(&sc[i][1][g]), acc[i][1]);
+      }
+    }
+    for (int64_t i = 0; i < rn; i++) {
+      y[(r0 + i) * N + n] = aq_hsum(acc[i][0]) + msum[i][0];
+      if (n1 != n) y[(r0 + i) * N + n1] = aq_hsum(acc[i][1]) + msum[i][1];
+    }
+  }
+#else
+  for (int64_t r = 0; r < M; r++)
+    for (int q = 0; q < (n1 != n ? 2 : 1); q++) {
+      const uint8_t* c = codes + rows[q] * G * 16;
+      float s = 0.f;
+      for (int64_t g = 0; g < G; g++) {
+        const int8_t* xg = qx + r * K + g * 32;
+        int is = 0;
+        for (int j = 0; j < 16; j++) is += (c[g * 16 + j] & 15) * xg[j] + (c[g * 16 + j] >> 4) * xg[16 + j];
+        s += (float)d[rows[q] * G + g] * dx[r * G + g] * (float)is + (float)mn[rows[q] * G + g] * sx[r * G + g];
+      }
+      y[r * N + rows[q]] = s;
+    }
+#endif
+}
+
+/* output n of y [M, N] from int8 activations and Q8_0 codes: per block (d dx) * sum(c qx) */
+static inline void q8_0_q8_task(const int8_t* qx, const float* dx, const int8_t* codes, const _Float16* d,
+                                float* y, int64_t M, int64_t N, int64_t K, int64_t n) {
+  const int64_t G = K / 32;
+  const int8_t* c = codes + n * K;
+  for (int64_t r = 0; r < M; r++) {
+    const int8_t* xr = qx + r * K;
+    const float* dxr = dx + r * G;
+#if defined(AQ_AVX2)
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+      if (!(g & 1)) KV_PREFETCH(c + g * 32);
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(c + g * 32));
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + g * 32));
+      /* |w| as unsigned, the sign moved onto the activations (codes are within +-127) */
+      const __m256 p = aq_dot(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+      const __m256 s = _mm256_set1_ps((float)d[n * G + g] * dxr[g]);
+      if (g & 1) a1 = _mm256_fmadd_ps(p, s, a1);
+      else a0 = _mm256_fmadd_ps(p, s, a0);
+    }
+    y[r * N + n] = aq_hsum(_mm256_add_ps(a0, a1));
+#else
+    float s = 0.f;
+    for (int64_t g = 0; g < G; g++) {
+      int is = 0;
+      for (int j = 0; j < 32; j++) is += c[g * 32 + j] * xr[g * 32 + j];
+      s += (float)d[n * G + g] * dxr[g] * (float)is;
+    }
+    y[r * N + n] = s;
+#endif
+  }
+}
+
+/* the two products whole, for tests: y [M, N] = quantised x [M, K] against the codes */
+void q4_1_q8_gemv(const int8_t* qx, const float* dx, const float* sx, const uint8_t* codes, const _Float16* d,
+                  const _Float16* mn, float* y, int64_t M, int64_t N, int64_t K, int threads) {
+  #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t t = 0; t < (N + 1) / 2; t++) q4_1_q8_task(qx, dx, sx, codes, d, mn, y, M, N, K, t);
+}
+
+void q8_0_q8_gemv(const int8_t* qx, const float* dx, const int8_t* codes, const _Float16* d, float* y,
+                  int64_t M, int64_t N, int64_t K, int threads) {
+  #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n++) q8_0_q8_task(qx, dx, codes, d, y, M, N, K, n);
+}
+"""
