@@ -30,6 +30,7 @@ def loaded_once(lm, monkeypatch):
         return lm if path is None else real(path, **kw)
 
     monkeypatch.setattr(kvtier.model, "load_model", load)
+    monkeypatch.setattr(lm.model, "act_quant", None, raising=False)  # (--act-quant sets it)
     for name in [k for k in os.environ if k.startswith(("KVTIER_", "MTPLX_"))]:
         monkeypatch.delenv(name)
 
@@ -99,6 +100,32 @@ def test_kv_dtype_stores_float16_and_keeps_the_greedy_answer(capsys):
     assert half["cache"]["codec"] == "fp16" and full["cache"]["codec"] == "fp32"
     assert half["cache"]["nbytes"] * 2 == full["cache"]["nbytes"]
     assert half["tokens"] == full["tokens"]
+
+
+def test_act_quant_q8_decodes_with_int8_activations_and_still_answers(capsys, monkeypatch, lm):
+    """An approximation: on a prompt whose next token is clear it gives the same answer (on a
+    near tie, such as the chat question's first token, it may not)."""
+    argv = ("generate", "The capital of France is", "--raw", "--max-tokens", "4")
+    exact = main_json(capsys, *argv)
+    int8 = main_json(capsys, *argv, "--act-quant", "q8")
+    assert exact["act_quant"] == "none" and int8["act_quant"] == "q8"
+    assert int8["text"].startswith(" Paris") and exact["text"].startswith(" Paris")
+    monkeypatch.setenv("KVTIER_ACT_QUANT", "q8")
+    assert main_json(capsys, *argv, "--act-quant", "none")["act_quant"] == "none"  # the flag wins
+    lm.model.act_quant = None  # (a fresh process's model: the environment decides)
+    assert cli.main(list(argv)) == 0
+    assert "int8 activations (q8)" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert main_json(capsys, "info", "--act-quant", "q8")["act_quant"] == "q8"
+    monkeypatch.setenv("KVTIER_ACT_QUANT", "int4")
+    assert cli.main(["generate", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert "KVTIER_ACT_QUANT='int4' is unknown; accepted: none, q8" in err and "Traceback" not in err
+
+
+def test_bench_decode_refuses_act_quant_outside_the_cpu_step(capsys):
+    assert cli.main(["bench", "decode", "--act-quant", "q8", "--tier", "paged", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--act-quant acts in the CPU decode step over the tail tier" in err and "Traceback" not in err
 
 
 def test_sampling_flags_with_a_seed_repeat(capsys):

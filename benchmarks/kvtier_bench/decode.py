@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=("float16", "bfloat16"), default=None,
                         help="also run the tail tier with keys and values stored in this dtype "
                              "(TailOwnedKVCache(kv_dtype=...)), against the model's own dtype")
+    parser.add_argument("--act-quant", dest="act_quant", choices=("q8",), default=None,
+                        help="also run the tail tier with int8 activations in the CPU decode step "
+                             "(KVTIER_ACT_QUANT=q8), against the exact products (the first row)")
     parser.add_argument("--plot", default=None, help="write a PNG of decode tokens/s here")
 
 
@@ -89,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.prompt_tokens < 2 or args.new_tokens < 2:
         raise ValueError("--prompt-tokens and --new-tokens must be at least 2")
+    if args.act_quant is not None and (device.type != "cpu" or args.tier != "tail"):
+        raise ValueError(f"--act-quant acts in the CPU decode step over the tail tier, not {device.type} "
+                         f"with --tier {args.tier}; use --device cpu and --tier tail")
     fp32 = None
     if device.type == "cuda" or args.arch is not None:
         model, hf, ids, label = _random_models(args, device)
@@ -107,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
         half_cfg = KVCacheConfig(tier="tail", kv_dtype=args.kv_dtype)
         contenders[narrow] = lambda: _kvtier_run(model, ids, n, half_cfg)
         models[narrow] = model
+    if args.act_quant is not None:
+        int8 = "kvtier tail int8 activations"
+        contenders[f"kvtier {args.tier}"] = lambda: _with_act_quant(model, "none", ids, n, cfg)
+        contenders[int8] = lambda: _with_act_quant(model, args.act_quant, ids, n, cfg)
+        models[int8] = model
     if fp32 is not None:
         contenders[f"kvtier {args.tier} float32"] = lambda: _kvtier_run(fp32, ids, n, cfg)
         models[f"kvtier {args.tier} float32"] = fp32
@@ -145,9 +156,24 @@ def run(args: argparse.Namespace) -> int:
         base, half = results[0], next(r for r in results if r.name.endswith(" KV"))
         print(f"{half.name} / {base.name}: {half.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x "
               f"decode tokens/s at a {args.prompt_tokens}-token prompt")
+    if args.act_quant is not None:
+        base, int8 = results[0], next(r for r in results if r.name.endswith("int8 activations"))
+        same = sum(a == b for a, b in zip(int8.tokens, base.tokens))
+        print(f"{int8.name} / {base.name}: {int8.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x "
+              f"decode tokens/s; {same}/{len(base.tokens)} greedy tokens equal")
     if args.plot:
         _plot(results, roofs[results[0].name], args.plot, label)
     return 0
+
+
+def _with_act_quant(model, mode: str, ids, n: int, cfg):
+    """:func:`_kvtier_run` with ``model.act_quant`` set to ``mode`` for the run."""
+    before = model.__dict__.get("act_quant")
+    model.act_quant = mode
+    try:
+        return _kvtier_run(model, ids, n, cfg)
+    finally:
+        model.act_quant = before
 
 
 # -- the models -------------------------------------------------------------------------------------

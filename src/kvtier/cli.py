@@ -198,6 +198,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=_ABSENT,
                    help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default=_ABSENT, help="cpu, cuda, cuda:1, ... (default: cuda if present)")
+    p.add_argument("--act-quant", dest="act_quant", choices=("none", "q8"), default=_ABSENT,
+                   help="q8: the CPU decode step multiplies packed weights by int8 codes of the "
+                        "activations (faster, approximate; default: KVTIER_ACT_QUANT, else none)")
 
 
 def _cache_flags(p: argparse.ArgumentParser) -> None:

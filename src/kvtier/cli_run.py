@@ -137,7 +137,10 @@ def _load(args: argparse.Namespace):
     kw = {"device": parse_device(args.device)} if hasattr(args, "device") else {}
     if hasattr(args, "dtype"):
         kw["dtype"] = getattr(torch, args.dtype)
-    return load_model(getattr(args, "model", None), progress=sys.stderr.isatty(), **kw)
+    lm = load_model(getattr(args, "model", None), progress=sys.stderr.isatty(), **kw)
+    if hasattr(args, "act_quant"):
+        lm.model.act_quant = args.act_quant  # (the model's own setting: the environment's is the default)
+    return lm
 
 
 # -- text in -------------------------------------------------------------------------------------
@@ -257,8 +260,10 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     """``kvtier generate``; ``lm``: a model already loaded (one rank's shard), else the flags'."""
     from kvtier.config import configure_kv_cache
     from kvtier.generate import stream_generate
+    from kvtier.model.act_quant import ENV_VAR, act_quant_of, parse_act_quant
 
     gen_config = generation_config_from_args(args)  # bad flag values fail before the model loads
+    parse_act_quant(os.environ.get(ENV_VAR), source=ENV_VAR)
     cache_config = cache_config_from_args(args)
     spec = speculative_config_from_args(args)
     if hasattr(args, "device"):
@@ -310,11 +315,13 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
             last = r
     stats = last.stats
     cache = cache_summary(caches, next(lm.model.parameters()).dtype)
+    # int8 activations act in the CPU decode step only
+    int8 = act_quant_of(lm.model) == "q8" and next(lm.model.parameters()).device.type == "cpu"
     if args.json:
         out = {
             "prompt_tokens": ids, "tokens": tokens, "text": "".join(text),
             "finish_reason": last.finish_reason, "timings": stats.as_dict(), "cache": cache,
-            "model": str(lm.source),
+            "model": str(lm.source), "act_quant": "q8" if int8 else "none",
         }
         if spec is not None:
             out["speculative"] = last.speculative.as_dict()
@@ -326,7 +333,8 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
         f"[kvtier] prompt {stats.prompt_tokens} tokens ({stats.prompt_cache_tokens_reused} reused), "
         f"generated {stats.generation_tokens} | prefill {stats.prefill_tokens_per_s:.1f} tok/s, "
         f"decode {stats.decode_tokens_per_s:.1f} tok/s | tier {cache['tier']} {cache['codec']}, "
-        f"KV {cache['nbytes'] / 2**20:.2f} MiB, grow events {cache['grow_events']}",
+        f"KV {cache['nbytes'] / 2**20:.2f} MiB, grow events {cache['grow_events']}"
+        + (" | int8 activations (q8)" if int8 else ""),
         file=sys.stderr,
     )
     if spec is not None:
@@ -403,6 +411,8 @@ class Progress:
 def run_info(args: argparse.Namespace) -> int:
     import torch
 
+    from kvtier.model.act_quant import act_quant_of
+
     cache_config = cache_config_from_args(args)
     lm = _load(args)
     param = next(lm.model.parameters())
@@ -426,6 +436,7 @@ def run_info(args: argparse.Namespace) -> int:
         "triton": triton_version,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "threads": torch.get_num_threads(),
+        "act_quant": act_quant_of(lm.model),
     }
     if args.json:
         print(json.dumps(out, default=str))

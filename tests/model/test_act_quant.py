@@ -125,11 +125,17 @@ def forced(model, tokens, monkeypatch, *, step_on: bool = True):
     return out, caches
 
 
-def test_the_step_with_int8_activations_is_the_model_with_rounded_activations(monkeypatch):
+#: model shapes: head dim 16 and hidden 96 (wo's and w2's inputs quantised on their own), head
+#: dim 64 and hidden 256 (quantised block by block where the merge and the SiLU write them)
+SHAPES = {"apart": {}, "in_place": dict(dim=128, n_heads=2, n_kv_heads=1, hidden_dim=256)}
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_the_step_with_int8_activations_is_the_model_with_rounded_activations(monkeypatch, shape):
     """The step with ``q8`` gives the layered forward's logits when every packed product's input
     is rounded as the reference quantiser rounds it (float32 summation order apart), and stays
     near the exact step's."""
-    model = small_model()
+    model = small_model(**shape)
     monkeypatch.delenv(act_quant.ENV_VAR, raising=False)
     tokens = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(4)).tolist()
     exact, exact_caches = forced(model, tokens, monkeypatch)
@@ -162,10 +168,11 @@ def test_the_step_with_int8_activations_is_the_model_with_rounded_activations(mo
     assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.75
 
 
-def test_several_tokens_a_call_with_int8_activations(monkeypatch):
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_several_tokens_a_call_with_int8_activations(monkeypatch, shape):
     """A call of several tokens (a verification) quantises each row on its own: the same logits
     as one token a call, up to float32 summation order."""
-    model = small_model()
+    model = small_model(**shape)
     model.act_quant = "q8"
     monkeypatch.setenv("KVTIER_DECODE_STEP", "1")
     tokens = [11, 29, 3, 77, 64]

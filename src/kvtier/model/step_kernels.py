@@ -83,14 +83,20 @@ typedef struct {
    NULL for the exact products */
 typedef struct { int8_t* q; float* dx; float* sx; } ActQ8;
 
+/* whether a product takes int8 activations: a Q4_1 or Q8_0 weight, with aq */
+static inline int takes_q8(const Lin* l, const ActQ8* aq) { return aq && (l->fmt == 1 || l->fmt == 2); }
+
 /* y [M, N] = x [M, K] W^T (+ bias); the tasks are shared by the threads of the enclosing
    region, which meet at the barrier after them. With aq, Q4_1 and Q8_0 weights multiply x
-   quantised to int8 (one thread quantises it, the others wait at the single's barrier). */
-static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const ActQ8* aq) {
+   quantised to int8: the codes are in aq already when ready (quantised where x was made),
+   else one thread quantises x here while the others wait at the single's barrier. */
+static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const ActQ8* aq, int ready) {
   const int64_t N = l->N, K = l->K;
-  if (aq && (l->fmt == 1 || l->fmt == 2)) {
-    #pragma omp single
-    quantize_rows_q8(x, aq->q, aq->dx, aq->sx, M, K);
+  if (takes_q8(l, aq)) {
+    if (!ready) {
+      #pragma omp single
+      quantize_rows_q8(x, aq->q, aq->dx, aq->sx, M, K);
+    }
     if (l->fmt == 1) {
       const int64_t tasks = (N + 1) / 2;
       #pragma omp for schedule(static)
@@ -397,9 +403,14 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
     for (int64_t l = 0; l < n_layers; l++) {
       const Layer* ly = layers + l;
       const int64_t off = ly->offset, cap = ly->cap;
+      const int q_qkv = takes_q8(&ly->wqkv, aq), q_wo = takes_q8(&ly->wo, aq) && D % 32 == 0;
+      const int q_w13 = takes_q8(&ly->w13, aq), q_w2 = takes_q8(&ly->w2, aq) && hidden % 256 == 0;
       #pragma omp single
-      add_rms_norm(h, l ? delta : NULL, ly->attn_norm, h, nrm, T, dim, eps, 1);
-      linear_rows(&ly->wqkv, nrm, qkv, T, aq);
+      {
+        add_rms_norm(h, l ? delta : NULL, ly->attn_norm, h, nrm, T, dim, eps, 1);
+        if (q_qkv) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, T, dim);
+      }
+      linear_rows(&ly->wqkv, nrm, qkv, T, aq, q_qkv);
       #pragma omp single
       {
         rope(qkv, 0, QKV, D, cos, sin, 0, D, qk, 1, T, Hq + Hkv, D, 1);
@@ -436,24 +447,39 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         const int64_t hq = r / T, t = r % T, kh = hq / group, g = hq % group;
         merge_parts(parts + (kh * splits * gt + g * T + t) * (D + 2), splits, gt * (D + 2), D,
                     att + (t * Hq + hq) * D);
+        if (q_wo) {  /* this head's whole blocks of wo's input row t */
+          const int64_t b = (t * Hq + hq) * D / 32;
+          quantize_rows_q8(att + (t * Hq + hq) * D, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, D);
+        }
       }
-      linear_rows(&ly->wo, att, a, T, aq);
+      linear_rows(&ly->wo, att, a, T, aq, q_wo);
       #pragma omp single
-      add_rms_norm(h, a, ly->ffn_norm, h, nrm, T, dim, eps, 1);
-      linear_rows(&ly->w13, nrm, ff, T, aq);
+      {
+        add_rms_norm(h, a, ly->ffn_norm, h, nrm, T, dim, eps, 1);
+        if (q_w13) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, T, dim);
+      }
+      linear_rows(&ly->w13, nrm, ff, T, aq, q_w13);
       #pragma omp for schedule(static)
       for (int64_t c = 0; c < T * 8; c++) {  /* silu_mul's arithmetic, each row in 8 spans */
         const int64_t t = c / 8, j0 = (c % 8) * hidden / 8, j1 = (c % 8 + 1) * hidden / 8;
         const float* g = ff + t * 2 * hidden;
         for (int64_t j = j0; j < j1; j++) act[t * hidden + j] = (g[j] / (1.0f + expf(-g[j]))) * g[hidden + j];
+        if (q_w2) {  /* the span's whole blocks of w2's input row t (hidden / 8 a multiple of 32) */
+          const int64_t b = (t * hidden + j0) / 32;
+          quantize_rows_q8(act + t * hidden + j0, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, j1 - j0);
+        }
       }
-      linear_rows(&ly->w2, act, delta, T, aq);
+      linear_rows(&ly->w2, act, delta, T, aq, q_w2);
     }
     const int64_t first = last_only ? T - 1 : 0;
+    const int q_head = takes_q8(head, aq);
     #pragma omp single
-    add_rms_norm(h + first * dim, delta + first * dim, norm_w, h + first * dim, nrm + first * dim,
-                 T - first, dim, eps, 1);
-    linear_rows(head, nrm + first * dim, logits, T - first, aq);
+    {
+      add_rms_norm(h + first * dim, delta + first * dim, norm_w, h + first * dim, nrm + first * dim,
+                   T - first, dim, eps, 1);
+      if (q_head) quantize_rows_q8(nrm + first * dim, aq->q, aq->dx, aq->sx, T - first, dim);
+    }
+    linear_rows(head, nrm + first * dim, logits, T - first, aq, q_head);
   }
 }
 """
