@@ -38,8 +38,8 @@ import os
 
 import torch
 
-__all__ = ["ACT_QUANT_MODES", "ENV_VAR", "act_quant_of", "parse_act_quant", "quantize_rows_reference",
-           "reference_product"]
+__all__ = ["ACT_QUANT_MODES", "ENV_VAR", "act_quant_of", "pair_layout", "parse_act_quant",
+           "quantize_rows_reference", "reference_product"]
 
 #: what ``act_quant`` accepts: ``none`` (the exact float32 products) or ``q8``
 ACT_QUANT_MODES = ("none", "q8")
@@ -75,6 +75,17 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q.to(torch.int8).reshape(x.shape), dx, dx * q.sum(-1)
 
 
+def pair_layout(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[M, K]`` in order, rearranged as Q4_1 products read them: blocks ``2p`` and
+    ``2p + 1`` of a row share 64 bytes, elements 0-15 of each, then 16-31 of each; a last odd
+    block stays as it is."""
+    M, K = codes.shape
+    G = K // 32
+    paired = (G // 2) * 64
+    head = codes[:, :paired].reshape(M, G // 2, 2, 2, 16).transpose(2, 3)  # (M, p, half, block, 16)
+    return torch.cat([head.reshape(M, paired), codes[:, paired:]], dim=1)
+
+
 def reference_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` with ``x`` rounded as :func:`quantize_rows_reference` rounds it (the
     weights exact): what the int8 products compute, up to the order of float32 sums."""
@@ -108,12 +119,25 @@ static inline __m256 aq_dot(__m256i u, __m256i s) {
 }
 #endif
 
+/* Where element j of block g of a row of G blocks goes in the pair layout that Q4_1 products
+   read: blocks 2p and 2p + 1 share 64 bytes, [elements 0-15 of 2p, 0-15 of 2p + 1, 16-31 of 2p,
+   16-31 of 2p + 1] (so that one 32-byte load of the two blocks' codes, masked and shifted,
+   lines up with two 32-byte loads of activations); a last odd block stays as it is. */
+static inline int64_t aq_pair_pos(int64_t G, int64_t g, int64_t j) {
+  if ((G & 1) && g == G - 1) return g * 32 + j;
+  return (g & ~(int64_t)1) * 32 + (j >= 16 ? 32 : 0) + (g & 1) * 16 + (j & 15);
+}
+
 /* x [M, K] -> codes qx [M, K], dx and sx [M, K / 32]: per block of 32, dx = max|x| / 127,
-   qx = round(x * (127 / max|x|)) to nearest even (0 for a block of zeros), sx = dx * sum(qx) */
-void quantize_rows_q8(const float* x, int8_t* qx, float* dx, float* sx, int64_t M, int64_t K) {
+   qx = round(x * (127 / max|x|)) to nearest even (0 for a block of zeros), sx = dx * sum(qx).
+   pairs: the codes of each row in the pair layout (aq_pair_pos) for Q4_1 products, else in
+   order (Q8_0). */
+void quantize_rows_q8(const float* x, int8_t* qx, float* dx, float* sx, int64_t M, int64_t K, int pairs) {
   const int64_t G = K / 32;
   for (int64_t b = 0; b < M * G; b++) {
     const float* xg = x + b * 32;
+    const int64_t r = b / G, g = b % G;
+    int8_t* row = qx + r * K;
 #if defined(AQ_AVX2)
     __m256 v[4], mx = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -134,8 +158,14 @@ void quantize_rows_q8(const float* x, int8_t* qx, float* dx, float* sx, int64_t 
     s4 = _mm_hadd_epi32(s4, s4);
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     /* (the packs interleave the 128-bit halves: dwords back in order) */
-    _mm256_storeu_si256((__m256i*)(qx + b * 32),
-                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i codes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (pairs && !((G & 1) && g == G - 1)) {
+      int8_t* o = row + aq_pair_pos(G, g, 0);
+      _mm_storeu_si128((__m128i*)o, _mm256_castsi256_si128(codes));
+      _mm_storeu_si128((__m128i*)(o + 32), _mm256_extracti128_si256(codes, 1));
+    } else {
+      _mm256_storeu_si256((__m256i*)(row + g * 32), codes);
+    }
     const int sum = _mm_cvtsi128_si32(s4);
 #else
     float amax = 0.f;
@@ -144,7 +174,7 @@ void quantize_rows_q8(const float* x, int8_t* qx, float* dx, float* sx, int64_t 
     int sum = 0;
     for (int j = 0; j < 32; j++) {
       const int c = (int)nearbyintf(xg[j] * inv);
-      qx[b * 32 + j] = (int8_t)c;
+      row[pairs ? aq_pair_pos(G, g, j) : g * 32 + j] = (int8_t)c;
       sum += c;
     }
 #endif
@@ -153,10 +183,13 @@ void quantize_rows_q8(const float* x, int8_t* qx, float* dx, float* sx, int64_t 
   }
 }
 
-/* outputs 2 task and 2 task + 1 of y [M, N] from int8 activations and Q4_1 codes: per block
-   (d dx) * sum(c qx) + m sx, the integer sums exact. One row: the two outputs' scales
-   times dx and their minima's sums against sx first (eight blocks at a time), then one pass
-   over the codes; several rows: each block's codes unpacked once for four rows at a time. */
+/* outputs 2 task and 2 task + 1 of y [M, N] from int8 activations (pair layout) and Q4_1 codes:
+   per block (d dx) * sum(c qx) + m sx, the integer sums exact. First, per row, the two
+   outputs' scales times dx and their minima's sums against sx (eight blocks at a time); then
+   one pass over the codes, two blocks a load: their low and high nibbles against the pair
+   layout's two activation loads, summed in 16 bits (at most 2 * 2 * 15 * 127), each block's
+   four lanes scaled by its own d dx. Several rows: each pair of blocks unpacked once for four
+   rows at a time. */
 static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* sx, const uint8_t* codes,
                                 const _Float16* d, const _Float16* mn, float* y, int64_t M, int64_t N,
                                 int64_t K, int64_t task) {
@@ -164,6 +197,8 @@ static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* 
   const int64_t rows[2] = {n, n1};
 #if defined(AQ_AVX2)
   const uint8_t* cs[2] = {codes + n * G * 16, codes + n1 * G * 16};
+  const int64_t G2 = G & ~(int64_t)1;  /* blocks in pairs */
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   for (int64_t r0 = 0; r0 < M; r0 += 4) {
     const int64_t rn = M - r0 < 4 ? M - r0 : 4;
     float sc[4][2][G + 8], msum[4][2];
@@ -187,14 +222,30 @@ static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* 
         }
         msum[i][q] = s;
       }
-    if (rn == 1) {
+    if (rn == 1) {  /* one row (a decode step): the two sums in registers */
       const int8_t* xr = qx + r0 * K;
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      for (int64_t g = 0; g < G; g++) {
-        if (!(g & 1)) KV_PREFETCH(cs[0] + g * 32);
-        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + g * 32));
-        a0 = _mm256_fmadd_ps(aq_dot(aq_nibbles(cs[0] + g * 16), xv), _mm256_broadcast_ss(&sc[0][0][g]), a0);
-        a1 = _mm256_fmadd_ps(aq_dot(aq_nibbles(cs[1] + g * 16), xv), _mm256_broadcast_ss(&sc[0][1][g]), a1);
+      for (int64_t g = 0; g < G2; g += 2) {
+        KV_PREFETCH(cs[0] + g * 32);  /* (64 bytes of the two rows an iteration) */
+        const __m256i xa = _mm256_loadu_si256((const __m256i*)(xr + g * 32));
+        const __m256i xb = _mm256_loadu_si256((const __m256i*)(xr + g * 32 + 32));
+        const __m256i c0 = _mm256_loadu_si256((const __m256i*)(cs[0] + g * 16));
+        const __m256i c1 = _mm256_loadu_si256((const __m256i*)(cs[1] + g * 16));
+        const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(c0, low), xa),
+                                            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c0, 4), low), xb));
+        const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(c1, low), xa),
+                                            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c1, 4), low), xb));
+        const __m256 g0 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&sc[0][0][g])),
+                                               _mm_broadcast_ss(&sc[0][0][g + 1]), 1);
+        const __m256 g1 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&sc[0][1][g])),
+                                               _mm_broadcast_ss(&sc[0][1][g + 1]), 1);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones)), g0, a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones)), g1, a1);
+      }
+      if (G2 < G) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + G2 * 32));
+        a0 = _mm256_fmadd_ps(aq_dot(aq_nibbles(cs[0] + G2 * 16), xv), _mm256_broadcast_ss(&sc[0][0][G2]), a0);
+        a1 = _mm256_fmadd_ps(aq_dot(aq_nibbles(cs[1] + G2 * 16), xv), _mm256_broadcast_ss(&sc[0][1][G2]), a1);
       }
       y[r0 * N + n] = aq_hsum(a0) + msum[0][0];
       if (n1 != n) y[r0 * N + n1] = aq_hsum(a1) + msum[0][1];
@@ -202,15 +253,31 @@ static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* 
     }
     __m256 acc[4][2];
     for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-      if (!(g & 1)) KV_PREFETCH(cs[0] + g * 32);
-      const __m256i w0 = aq_nibbles(cs[0] + g * 16), w1 = aq_nibbles(cs[1] + g * 16);
+    for (int64_t g = 0; g < G2; g += 2) {
+      KV_PREFETCH(cs[0] + g * 32);  /* (64 bytes of the two rows an iteration) */
+      __m256i lo[2], hi[2];
+      for (int q = 0; q < 2; q++) {
+        const __m256i c = _mm256_loadu_si256((const __m256i*)(cs[q] + g * 16));
+        lo[q] = _mm256_and_si256(c, low);
+        hi[q] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+      }
       for (int64_t i = 0; i < rn; i++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i*)(qx + (r0 + i) * K + g * 32));
-        acc[i][0] = _mm256_fmadd_ps(aq_dot(w0, xv), _mm256_broadcast_ss(&sc[i][0][g]), acc[i][0]);
-        acc[i][1] = _mm256_fmadd_ps(aq_dot(w1, xv), _mm256_broadcast_ss(&sc[i][1][g]), acc[i][1]);
+        const int8_t* xr = qx + (r0 + i) * K + g * 32;
+        const __m256i xa = _mm256_loadu_si256((const __m256i*)xr), xb = _mm256_loadu_si256((const __m256i*)(xr + 32));
+        for (int q = 0; q < 2; q++) {
+          const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[q], xa), _mm256_maddubs_epi16(hi[q], xb));
+          const __m256 sg = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&sc[i][q][g])),
+                                                 _mm_broadcast_ss(&sc[i][q][g + 1]), 1);
+          acc[i][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)), sg, acc[i][q]);
+        }
       }
     }
+    if (G2 < G)  /* a last odd block, in order */
+      for (int64_t i = 0; i < rn; i++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(qx + (r0 + i) * K + G2 * 32));
+        for (int q = 0; q < 2; q++)
+          acc[i][q] = _mm256_fmadd_ps(aq_dot(aq_nibbles(cs[q] + G2 * 16), xv), _mm256_broadcast_ss(&sc[i][q][G2]), acc[i][q]);
+      }
     for (int64_t i = 0; i < rn; i++) {
       y[(r0 + i) * N + n] = aq_hsum(acc[i][0]) + msum[i][0];
       if (n1 != n) y[(r0 + i) * N + n1] = aq_hsum(acc[i][1]) + msum[i][1];
@@ -220,11 +287,12 @@ static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* 
   for (int64_t r = 0; r < M; r++)
     for (int q = 0; q < (n1 != n ? 2 : 1); q++) {
       const uint8_t* c = codes + rows[q] * G * 16;
+      const int8_t* xr = qx + r * K;
       float s = 0.f;
       for (int64_t g = 0; g < G; g++) {
-        const int8_t* xg = qx + r * K + g * 32;
         int is = 0;
-        for (int j = 0; j < 16; j++) is += (c[g * 16 + j] & 15) * xg[j] + (c[g * 16 + j] >> 4) * xg[16 + j];
+        for (int j = 0; j < 16; j++)
+          is += (c[g * 16 + j] & 15) * xr[aq_pair_pos(G, g, j)] + (c[g * 16 + j] >> 4) * xr[aq_pair_pos(G, g, j + 16)];
         s += (float)d[rows[q] * G + g] * dx[r * G + g] * (float)is + (float)mn[rows[q] * G + g] * sx[r * G + g];
       }
       y[r * N + rows[q]] = s;
@@ -265,7 +333,8 @@ static inline void q8_0_q8_task(const int8_t* qx, const float* dx, const int8_t*
   }
 }
 
-/* the two products whole, for tests: y [M, N] = quantised x [M, K] against the codes */
+/* the two products whole, for tests: y [M, N] = quantised x [M, K] (pair layout for Q4_1)
+   against the codes */
 void q4_1_q8_gemv(const int8_t* qx, const float* dx, const float* sx, const uint8_t* codes, const _Float16* d,
                   const _Float16* mn, float* y, int64_t M, int64_t N, int64_t K, int threads) {
   #pragma omp parallel for schedule(static) num_threads(threads)

@@ -95,7 +95,7 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
   if (takes_q8(l, aq)) {
     if (!ready) {
       #pragma omp single
-      quantize_rows_q8(x, aq->q, aq->dx, aq->sx, M, K);
+      quantize_rows_q8(x, aq->q, aq->dx, aq->sx, M, K, l->fmt == 1);
     }
     if (l->fmt == 1) {
       const int64_t tasks = (N + 1) / 2;
@@ -403,12 +403,15 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
     for (int64_t l = 0; l < n_layers; l++) {
       const Layer* ly = layers + l;
       const int64_t off = ly->offset, cap = ly->cap;
-      const int q_qkv = takes_q8(&ly->wqkv, aq), q_wo = takes_q8(&ly->wo, aq) && D % 32 == 0;
-      const int q_w13 = takes_q8(&ly->w13, aq), q_w2 = takes_q8(&ly->w2, aq) && hidden % 256 == 0;
+      /* (wo's and w2's inputs are quantised in place when each head's, each SiLU span's, blocks
+         start and end where the product's blocks do: pairs of blocks for Q4_1's layout) */
+      const int q_qkv = takes_q8(&ly->wqkv, aq), q_w13 = takes_q8(&ly->w13, aq);
+      const int q_wo = takes_q8(&ly->wo, aq) && D % (ly->wo.fmt == 1 ? 64 : 32) == 0;
+      const int q_w2 = takes_q8(&ly->w2, aq) && hidden % (ly->w2.fmt == 1 ? 512 : 256) == 0;
       #pragma omp single
       {
         add_rms_norm(h, l ? delta : NULL, ly->attn_norm, h, nrm, T, dim, eps, 1);
-        if (q_qkv) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, T, dim);
+        if (q_qkv) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, T, dim, ly->wqkv.fmt == 1);
       }
       linear_rows(&ly->wqkv, nrm, qkv, T, aq, q_qkv);
       #pragma omp single
@@ -449,14 +452,14 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
                     att + (t * Hq + hq) * D);
         if (q_wo) {  /* this head's whole blocks of wo's input row t */
           const int64_t b = (t * Hq + hq) * D / 32;
-          quantize_rows_q8(att + (t * Hq + hq) * D, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, D);
+          quantize_rows_q8(att + (t * Hq + hq) * D, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, D, ly->wo.fmt == 1);
         }
       }
       linear_rows(&ly->wo, att, a, T, aq, q_wo);
       #pragma omp single
       {
         add_rms_norm(h, a, ly->ffn_norm, h, nrm, T, dim, eps, 1);
-        if (q_w13) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, T, dim);
+        if (q_w13) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, T, dim, ly->w13.fmt == 1);
       }
       linear_rows(&ly->w13, nrm, ff, T, aq, q_w13);
       #pragma omp for schedule(static)
@@ -464,9 +467,9 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         const int64_t t = c / 8, j0 = (c % 8) * hidden / 8, j1 = (c % 8 + 1) * hidden / 8;
         const float* g = ff + t * 2 * hidden;
         for (int64_t j = j0; j < j1; j++) act[t * hidden + j] = (g[j] / (1.0f + expf(-g[j]))) * g[hidden + j];
-        if (q_w2) {  /* the span's whole blocks of w2's input row t (hidden / 8 a multiple of 32) */
+        if (q_w2) {  /* the span's whole blocks (or pairs of blocks) of w2's input row t */
           const int64_t b = (t * hidden + j0) / 32;
-          quantize_rows_q8(act + t * hidden + j0, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, j1 - j0);
+          quantize_rows_q8(act + t * hidden + j0, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, j1 - j0, ly->w2.fmt == 1);
         }
       }
       linear_rows(&ly->w2, act, delta, T, aq, q_w2);
@@ -477,7 +480,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
     {
       add_rms_norm(h + first * dim, delta + first * dim, norm_w, h + first * dim, nrm + first * dim,
                    T - first, dim, eps, 1);
-      if (q_head) quantize_rows_q8(nrm + first * dim, aq->q, aq->dx, aq->sx, T - first, dim);
+      if (q_head) quantize_rows_q8(nrm + first * dim, aq->q, aq->dx, aq->sx, T - first, dim, head->fmt == 1);
     }
     linear_rows(head, nrm + first * dim, logits, T - first, aq, q_head);
   }
@@ -513,7 +516,7 @@ class Kernels:
         # (the int8 activations' quantiser and products on their own, for tests)
         self.quantize_rows_q8, self.q4_1_q8_gemv, self.q8_0_q8_gemv = (
             lib.quantize_rows_q8, lib.q4_1_q8_gemv, lib.q8_0_q8_gemv)
-        self.quantize_rows_q8.argtypes = [p] * 4 + [i] * 2
+        self.quantize_rows_q8.argtypes = [p] * 4 + [i] * 2 + [ctypes.c_int]
         self.q4_1_q8_gemv.argtypes = [p] * 7 + [i] * 3 + [ctypes.c_int]
         self.q8_0_q8_gemv.argtypes = [p] * 5 + [i] * 3 + [ctypes.c_int]
         for fn in (self.quantize_rows_q8, self.q4_1_q8_gemv, self.q8_0_q8_gemv):
