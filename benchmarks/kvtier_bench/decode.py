@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(TailOwnedKVCache(kv_dtype=...)), against the model's own dtype")
     parser.add_argument("--act-quant", dest="act_quant", choices=("q8",), default=None,
                         help="also run the tail tier with int8 activations in the CPU decode step "
-                             "(KVTIER_ACT_QUANT=q8), against the exact products (the first row)")
+                             "(KVTIER_ACT_QUANT=q8), against the exact products (the first row); "
+                             "with --kv-dtype, the two together as well")
     parser.add_argument("--plot", default=None, help="write a PNG of decode tokens/s here")
 
 
@@ -118,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
         contenders[f"kvtier {args.tier}"] = lambda: _with_act_quant(model, "none", ids, n, cfg)
         contenders[int8] = lambda: _with_act_quant(model, args.act_quant, ids, n, cfg)
         models[int8] = model
+        if args.kv_dtype is not None:  # both: the float16 row exact, and the two together
+            contenders[narrow] = lambda: _with_act_quant(model, "none", ids, n, half_cfg)
+            both = f"kvtier tail int8 activations, {args.kv_dtype} KV"
+            contenders[both] = lambda: _with_act_quant(model, args.act_quant, ids, n, half_cfg)
+            models[both] = model
     if fp32 is not None:
         contenders[f"kvtier {args.tier} float32"] = lambda: _kvtier_run(fp32, ids, n, cfg)
         models[f"kvtier {args.tier} float32"] = fp32
@@ -157,10 +163,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{half.name} / {base.name}: {half.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x "
               f"decode tokens/s at a {args.prompt_tokens}-token prompt")
     if args.act_quant is not None:
-        base, int8 = results[0], next(r for r in results if r.name.endswith("int8 activations"))
-        same = sum(a == b for a, b in zip(int8.tokens, base.tokens))
-        print(f"{int8.name} / {base.name}: {int8.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x "
-              f"decode tokens/s; {same}/{len(base.tokens)} greedy tokens equal")
+        base = results[0]
+        for int8 in (r for r in results if "int8 activations" in r.name):
+            same = sum(a == b for a, b in zip(int8.tokens, base.tokens))
+            print(f"{int8.name} / {base.name}: {int8.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x "
+                  f"decode tokens/s; {same}/{len(base.tokens)} greedy tokens equal")
     if args.plot:
         _plot(results, roofs[results[0].name], args.plot, label)
     return 0
