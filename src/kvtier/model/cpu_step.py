@@ -23,7 +23,9 @@ OpenMP parallel region of a C function (:mod:`kvtier.model.step_kernels`):
   polynomial within 2 units in the last place of ``expf``) and sums are float32.
 
 So the logits differ from the layered forward only in attention's arithmetic (summation
-order, the exponential), by float32 rounding.
+order, the exponential), by float32 rounding. With int8 activations (``KVTIER_ACT_QUANT=q8``,
+``model.act_quant``; :mod:`kvtier.model.act_quant`) the packed products multiply int8 codes of
+their inputs instead: faster, and an approximation.
 
 It serves :meth:`kvtier.model.llama.Transformer.forward` for one sequence and up to
 :data:`MAX_TOKENS` tokens (a decode step, a speculative verification, a short prompt; token
