@@ -189,13 +189,86 @@ void quantize_rows_q8(const float* x, int8_t* qx, float* dx, float* sx, int64_t 
   }
 }
 
+#if defined(AQ_AVX2)
+/* sc[g] = d[g] dx[g] for one output's G blocks against one row of activations (eight blocks at a
+   time); returns the minima's sum over blocks of m[g] sx[g] */
+static inline float aq_scales(const _Float16* dq, const _Float16* mq, const float* dxr, const float* sxr,
+                              int64_t G, float* sc) {
+  __m256 sv = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) {
+    _mm256_storeu_ps(sc + g, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dq + g))),
+                                           _mm256_loadu_ps(dxr + g)));
+    sv = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mq + g))), _mm256_loadu_ps(sxr + g), sv);
+  }
+  float s = aq_hsum(sv);
+  for (; g < G; g++) {
+    sc[g] = (float)dq[g] * dxr[g];
+    s += (float)mq[g] * sxr[g];
+  }
+  return s;
+}
+
+/* two outputs' dots (codes c0 and c1, scales sc0 and sc1) with one row of activations xr in the
+   pair layout: two blocks a load, their low and high nibbles against the layout's two
+   activation loads, summed in 16 bits (at most 2 * 2 * 15 * 127), each block's four lanes
+   scaled by its own d dx */
+static inline void aq_q4_1_row(const int8_t* xr, const uint8_t* c0p, const uint8_t* c1p, const float* sc0,
+                               const float* sc1, int64_t G, float* out0, float* out1) {
+  const int64_t G2 = G & ~(int64_t)1;  /* blocks in pairs */
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G2; g += 2) {
+    KV_PREFETCH(c0p + g * 32);  /* (64 bytes of the two outputs' rows an iteration) */
+    const __m256i xa = _mm256_loadu_si256((const __m256i*)(xr + g * 32));
+    const __m256i xb = _mm256_loadu_si256((const __m256i*)(xr + g * 32 + 32));
+    const __m256i c0 = _mm256_loadu_si256((const __m256i*)(c0p + g * 16));
+    const __m256i c1 = _mm256_loadu_si256((const __m256i*)(c1p + g * 16));
+    const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(c0, low), xa),
+                                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c0, 4), low), xb));
+    const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(c1, low), xa),
+                                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c1, 4), low), xb));
+    const __m256 g0 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sc0 + g)), _mm_broadcast_ss(sc0 + g + 1), 1);
+    const __m256 g1 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sc1 + g)), _mm_broadcast_ss(sc1 + g + 1), 1);
+    a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones)), g0, a0);
+    a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones)), g1, a1);
+  }
+  if (G2 < G) {  /* a last odd block, in order */
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + G2 * 32));
+    a0 = _mm256_fmadd_ps(aq_dot(aq_nibbles(c0p + G2 * 16), xv), _mm256_broadcast_ss(sc0 + G2), a0);
+    a1 = _mm256_fmadd_ps(aq_dot(aq_nibbles(c1p + G2 * 16), xv), _mm256_broadcast_ss(sc1 + G2), a1);
+  }
+  *out0 = aq_hsum(a0);
+  *out1 = aq_hsum(a1);
+}
+#endif
+
+static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* sx, const uint8_t* codes,
+                                const _Float16* d, const _Float16* mn, float* y, int64_t M, int64_t N,
+                                int64_t K, int64_t task);
+
+/* q4_1_q8_task for one row (a decode step), in a loop of its own: callers branch on the row
+   count outside their task loop (one function for both, with the count known only at run
+   time, made a decode step's Q4_1 products about 30% slower) */
+static inline void q4_1_q8_task1(const int8_t* qx, const float* dx, const float* sx, const uint8_t* codes,
+                                 const _Float16* d, const _Float16* mn, float* y, int64_t N, int64_t K,
+                                 int64_t task) {
+  const int64_t G = K / 32, n = 2 * task, n1 = n + 1 < N ? n + 1 : n;
+#if defined(AQ_AVX2)
+  float sc0[G + 8], sc1[G + 8], o0, o1;
+  const float m0 = aq_scales(d + n * G, mn + n * G, dx, sx, G, sc0);
+  const float m1 = aq_scales(d + n1 * G, mn + n1 * G, dx, sx, G, sc1);
+  aq_q4_1_row(qx, codes + n * G * 16, codes + n1 * G * 16, sc0, sc1, G, &o0, &o1);
+  y[n] = o0 + m0;
+  if (n1 != n) y[n1] = o1 + m1;
+#else
+  q4_1_q8_task(qx, dx, sx, codes, d, mn, y, 1, N, K, task);
+#endif
+}
+
 /* outputs 2 task and 2 task + 1 of y [M, N] from int8 activations (pair layout) and Q4_1 codes:
-   per block (d dx) * sum(c qx) + m sx, the integer sums exact. First, per row, the two
-   outputs' scales times dx and their minima's sums against sx (eight blocks at a time); then
-   one pass over the codes, two blocks a load: their low and high nibbles against the pair
-   layout's two activation loads, summed in 16 bits (at most 2 * 2 * 15 * 127), each block's
-   four lanes scaled by its own d dx. Several rows: each pair of blocks unpacked once for four
-   rows at a time. */
+   per block (d dx) * sum(c qx) + m sx, the integer sums exact. Rows in groups of up to four
+   unpack each pair of blocks once for the group; a single row takes aq_q4_1_row. */
 static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* sx, const uint8_t* codes,
                                 const _Float16* d, const _Float16* mn, float* y, int64_t M, int64_t N,
                                 int64_t K, int64_t task) {
@@ -207,60 +280,23 @@ static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* 
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   for (int64_t r0 = 0; r0 < M; r0 += 4) {
     const int64_t rn = M - r0 < 4 ? M - r0 : 4;
-    float sc[4][2][G + 8], msum[4][2];
-    for (int64_t i = 0; i < rn; i++)
-      for (int q = 0; q < 2; q++) {
-        const _Float16* dq = d + rows[q] * G;
-        const _Float16* mq = mn + rows[q] * G;
-        const float* dxr = dx + (r0 + i) * G;
-        const float* sxr = sx + (r0 + i) * G;
-        __m256 sv = _mm256_setzero_ps();
-        int64_t g = 0;
-        for (; g + 8 <= G; g += 8) {
-          _mm256_storeu_ps(sc[i][q] + g, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dq + g))),
-                                                      _mm256_loadu_ps(dxr + g)));
-          sv = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mq + g))), _mm256_loadu_ps(sxr + g), sv);
-        }
-        float s = aq_hsum(sv);
-        for (; g < G; g++) {
-          sc[i][q][g] = (float)dq[g] * dxr[g];
-          s += (float)mq[g] * sxr[g];
-        }
-        msum[i][q] = s;
-      }
-    if (rn == 1) {  /* one row (a decode step): the two sums in registers */
-      const int8_t* xr = qx + r0 * K;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      for (int64_t g = 0; g < G2; g += 2) {
-        KV_PREFETCH(cs[0] + g * 32);  /* (64 bytes of the two rows an iteration) */
-        const __m256i xa = _mm256_loadu_si256((const __m256i*)(xr + g * 32));
-        const __m256i xb = _mm256_loadu_si256((const __m256i*)(xr + g * 32 + 32));
-        const __m256i c0 = _mm256_loadu_si256((const __m256i*)(cs[0] + g * 16));
-        const __m256i c1 = _mm256_loadu_si256((const __m256i*)(cs[1] + g * 16));
-        const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(c0, low), xa),
-                                            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c0, 4), low), xb));
-        const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(c1, low), xa),
-                                            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c1, 4), low), xb));
-        const __m256 g0 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&sc[0][0][g])),
-                                               _mm_broadcast_ss(&sc[0][0][g + 1]), 1);
-        const __m256 g1 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&sc[0][1][g])),
-                                               _mm_broadcast_ss(&sc[0][1][g + 1]), 1);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones)), g0, a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones)), g1, a1);
-      }
-      if (G2 < G) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + G2 * 32));
-        a0 = _mm256_fmadd_ps(aq_dot(aq_nibbles(cs[0] + G2 * 16), xv), _mm256_broadcast_ss(&sc[0][0][G2]), a0);
-        a1 = _mm256_fmadd_ps(aq_dot(aq_nibbles(cs[1] + G2 * 16), xv), _mm256_broadcast_ss(&sc[0][1][G2]), a1);
-      }
-      y[r0 * N + n] = aq_hsum(a0) + msum[0][0];
-      if (n1 != n) y[r0 * N + n1] = aq_hsum(a1) + msum[0][1];
+    if (rn == 1) {
+      float sc0[G + 8], sc1[G + 8], o0, o1;
+      const float m0 = aq_scales(d + n * G, mn + n * G, dx + r0 * G, sx + r0 * G, G, sc0);
+      const float m1 = aq_scales(d + n1 * G, mn + n1 * G, dx + r0 * G, sx + r0 * G, G, sc1);
+      aq_q4_1_row(qx + r0 * K, cs[0], cs[1], sc0, sc1, G, &o0, &o1);
+      y[r0 * N + n] = o0 + m0;
+      if (n1 != n) y[r0 * N + n1] = o1 + m1;
       continue;
     }
+    float sc[4][2][G + 8], msum[4][2];
+    for (int64_t i = 0; i < rn; i++)
+      for (int q = 0; q < 2; q++)
+        msum[i][q] = aq_scales(d + rows[q] * G, mn + rows[q] * G, dx + (r0 + i) * G, sx + (r0 + i) * G, G, sc[i][q]);
     __m256 acc[4][2];
     for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G2; g += 2) {
-      KV_PREFETCH(cs[0] + g * 32);  /* (64 bytes of the two rows an iteration) */
+      KV_PREFETCH(cs[0] + g * 32);
       __m256i lo[2], hi[2];
       for (int q = 0; q < 2; q++) {
         const __m256i c = _mm256_loadu_si256((const __m256i*)(cs[q] + g * 16));
@@ -343,8 +379,13 @@ static inline void q8_0_q8_task(const int8_t* qx, const float* dx, const int8_t*
    against the codes */
 void q4_1_q8_gemv(const int8_t* qx, const float* dx, const float* sx, const uint8_t* codes, const _Float16* d,
                   const _Float16* mn, float* y, int64_t M, int64_t N, int64_t K, int threads) {
-  #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t t = 0; t < (N + 1) / 2; t++) q4_1_q8_task(qx, dx, sx, codes, d, mn, y, M, N, K, t);
+  if (M == 1) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < (N + 1) / 2; t++) q4_1_q8_task1(qx, dx, sx, codes, d, mn, y, N, K, t);
+  } else {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < (N + 1) / 2; t++) q4_1_q8_task(qx, dx, sx, codes, d, mn, y, M, N, K, t);
+  }
 }
 
 void q8_0_q8_gemv(const int8_t* qx, const float* dx, const int8_t* codes, const _Float16* d, float* y,

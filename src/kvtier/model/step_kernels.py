@@ -97,18 +97,28 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
       #pragma omp single
       quantize_rows_q8(x, aq->q, aq->dx, aq->sx, M, K, l->fmt == 1);
     }
-    if (l->fmt == 1) {
-      const int64_t tasks = (N + 1) / 2;
+    const int64_t tasks = (N + 1) / 2;
+    if (l->fmt == 1 && M == 1) {  /* (a loop of its own: see q4_1_q8_task1) */
+      #pragma omp for schedule(static)
+      for (int64_t t = 0; t < tasks; t++) q4_1_q8_task1(aq->q, aq->dx, aq->sx, l->w, l->d, l->m, y, N, K, t);
+    } else if (l->fmt == 1) {
       #pragma omp for schedule(static)
       for (int64_t t = 0; t < tasks; t++) q4_1_q8_task(aq->q, aq->dx, aq->sx, l->w, l->d, l->m, y, M, N, K, t);
     } else {
       #pragma omp for schedule(static)
       for (int64_t n = 0; n < N; n++) q8_0_q8_task(aq->q, aq->dx, l->w, l->d, y, M, N, K, n);
     }
+  } else if (l->fmt == 1 && M == 1) {  /* (the row count a constant: see q4_1_q8_task1) */
+    const int64_t tasks = q4_1_tasks(N);
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; t++) q4_1_task(x, l->w, l->d, l->m, y, 1, N, K, t);
   } else if (l->fmt == 1) {
     const int64_t tasks = q4_1_tasks(N);
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; t++) q4_1_task(x, l->w, l->d, l->m, y, M, N, K, t);
+  } else if (l->fmt == 2 && M == 1) {
+    #pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) q8_0_task(x, l->w, l->d, y, 1, N, K, n);
   } else if (l->fmt == 2) {
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) q8_0_task(x, l->w, l->d, y, M, N, K, n);
