@@ -241,6 +241,48 @@ static inline void aq_q4_1_row(const int8_t* xr, const uint8_t* c0p, const uint8
   *out0 = aq_hsum(a0);
   *out1 = aq_hsum(a1);
 }
+
+/* rows [0, rn) (rn <= 4; x0 their first, K apart) of outputs n and n1 of a Q4_1 product, each
+   pair of blocks unpacked once for the group; sc and msum from aq_scales, per row and output;
+   y0 the group's first row of y [*, N] */
+static inline __attribute__((always_inline)) void aq_q4_1_group(
+    const int8_t* x0, int64_t K, const uint8_t* c0p, const uint8_t* c1p, int64_t G, float sc[][2][G + 8],
+    float msum[][2], const int64_t rn, float* y0, int64_t N, int64_t n, int64_t n1) {
+  const int64_t G2 = G & ~(int64_t)1;
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const uint8_t* cs[2] = {c0p, c1p};
+  __m256 acc[4][2];
+  for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G2; g += 2) {
+    KV_PREFETCH(cs[0] + g * 32);
+    __m256i lo[2], hi[2];
+    for (int q = 0; q < 2; q++) {
+      const __m256i c = _mm256_loadu_si256((const __m256i*)(cs[q] + g * 16));
+      lo[q] = _mm256_and_si256(c, low);
+      hi[q] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+    }
+    for (int64_t i = 0; i < rn; i++) {
+      const int8_t* xr = x0 + i * K + g * 32;
+      const __m256i xa = _mm256_loadu_si256((const __m256i*)xr), xb = _mm256_loadu_si256((const __m256i*)(xr + 32));
+      for (int q = 0; q < 2; q++) {
+        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[q], xa), _mm256_maddubs_epi16(hi[q], xb));
+        const __m256 sg = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&sc[i][q][g])),
+                                               _mm_broadcast_ss(&sc[i][q][g + 1]), 1);
+        acc[i][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)), sg, acc[i][q]);
+      }
+    }
+  }
+  if (G2 < G)  /* a last odd block, in order */
+    for (int64_t i = 0; i < rn; i++) {
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(x0 + i * K + G2 * 32));
+      for (int q = 0; q < 2; q++)
+        acc[i][q] = _mm256_fmadd_ps(aq_dot(aq_nibbles(cs[q] + G2 * 16), xv), _mm256_broadcast_ss(&sc[i][q][G2]), acc[i][q]);
+    }
+  for (int64_t i = 0; i < rn; i++) {
+    y0[i * N + n] = aq_hsum(acc[i][0]) + msum[i][0];
+    if (n1 != n) y0[i * N + n1] = aq_hsum(acc[i][1]) + msum[i][1];
+  }
+}
 #endif
 
 static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* sx, const uint8_t* codes,
@@ -276,8 +318,6 @@ static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* 
   const int64_t rows[2] = {n, n1};
 #if defined(AQ_AVX2)
   const uint8_t* cs[2] = {codes + n * G * 16, codes + n1 * G * 16};
-  const int64_t G2 = G & ~(int64_t)1;  /* blocks in pairs */
-  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   for (int64_t r0 = 0; r0 < M; r0 += 4) {
     const int64_t rn = M - r0 < 4 ? M - r0 : 4;
     if (rn == 1) {
@@ -293,37 +333,10 @@ static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* 
     for (int64_t i = 0; i < rn; i++)
       for (int q = 0; q < 2; q++)
         msum[i][q] = aq_scales(d + rows[q] * G, mn + rows[q] * G, dx + (r0 + i) * G, sx + (r0 + i) * G, G, sc[i][q]);
-    __m256 acc[4][2];
-    for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G2; g += 2) {
-      KV_PREFETCH(cs[0] + g * 32);
-      __m256i lo[2], hi[2];
-      for (int q = 0; q < 2; q++) {
-        const __m256i c = _mm256_loadu_si256((const __m256i*)(cs[q] + g * 16));
-        lo[q] = _mm256_and_si256(c, low);
-        hi[q] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
-      }
-      for (int64_t i = 0; i < rn; i++) {
-        const int8_t* xr = qx + (r0 + i) * K + g * 32;
-        const __m256i xa = _mm256_loadu_si256((const __m256i*)xr), xb = _mm256_loadu_si256((const __m256i*)(xr + 32));
-        for (int q = 0; q < 2; q++) {
-          const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[q], xa), _mm256_maddubs_epi16(hi[q], xb));
-          const __m256 sg = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&sc[i][q][g])),
-                                                 _mm_broadcast_ss(&sc[i][q][g + 1]), 1);
-          acc[i][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)), sg, acc[i][q]);
-        }
-      }
-    }
-    if (G2 < G)  /* a last odd block, in order */
-      for (int64_t i = 0; i < rn; i++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i*)(qx + (r0 + i) * K + G2 * 32));
-        for (int q = 0; q < 2; q++)
-          acc[i][q] = _mm256_fmadd_ps(aq_dot(aq_nibbles(cs[q] + G2 * 16), xv), _mm256_broadcast_ss(&sc[i][q][G2]), acc[i][q]);
-      }
-    for (int64_t i = 0; i < rn; i++) {
-      y[(r0 + i) * N + n] = aq_hsum(acc[i][0]) + msum[i][0];
-      if (n1 != n) y[(r0 + i) * N + n1] = aq_hsum(acc[i][1]) + msum[i][1];
-    }
+    if (rn == 4)  /* (a constant group: the sums stay in registers) */
+      aq_q4_1_group(qx + r0 * K, K, cs[0], cs[1], G, sc, msum, 4, y + r0 * N, N, n, n1);
+    else
+      aq_q4_1_group(qx + r0 * K, K, cs[0], cs[1], G, sc, msum, rn, y + r0 * N, N, n, n1);
   }
 #else
   for (int64_t r = 0; r < M; r++)
@@ -342,28 +355,51 @@ static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* 
 #endif
 }
 
-/* output n of y [M, N] from int8 activations and Q8_0 codes: per block (d dx) * sum(c qx) */
+#if defined(AQ_AVX2)
+/* rows [0, rn) (rn <= 4; x0 their first, K apart, dx0 their scales, G apart) of output n of a
+   Q8_0 product: each block's |codes| computed once for the group (the signs moved onto each
+   row's activations; codes are within +-127) */
+static inline __attribute__((always_inline)) void aq_q8_0_group(
+    const int8_t* x0, const float* dx0, const int8_t* c, const _Float16* dn, int64_t K, const int64_t rn,
+    float* y0, int64_t N, int64_t n) {
+  const int64_t G = K / 32;
+  __m256 acc[4][2];
+  for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g += 2) {  /* two blocks an iteration, two chains of sums */
+    KV_PREFETCH(c + g * 32);
+    for (int h = 0; h < 2 && g + h < G; h++) {
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(c + (g + h) * 32));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      const float dd = (float)dn[g + h];
+      for (int64_t i = 0; i < rn; i++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(x0 + i * K + (g + h) * 32));
+        const __m256 p = aq_dot(aw, _mm256_sign_epi8(xv, w));
+        acc[i][h] = _mm256_fmadd_ps(p, _mm256_set1_ps(dd * dx0[i * G + g + h]), acc[i][h]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < rn; i++) y0[i * N + n] = aq_hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+#endif
+
+/* output n of y [M, N] from int8 activations and Q8_0 codes: per block (d dx) * sum(c qx); rows
+   in groups of four share each block's load */
 static inline void q8_0_q8_task(const int8_t* qx, const float* dx, const int8_t* codes, const _Float16* d,
                                 float* y, int64_t M, int64_t N, int64_t K, int64_t n) {
   const int64_t G = K / 32;
   const int8_t* c = codes + n * K;
+#if defined(AQ_AVX2)
+  for (int64_t r0 = 0; r0 < M; r0 += 4) {
+    const int64_t rn = M - r0 < 4 ? M - r0 : 4;
+    if (rn == 4)  /* (a constant group: the sums stay in registers) */
+      aq_q8_0_group(qx + r0 * K, dx + r0 * G, c, d + n * G, K, 4, y + r0 * N, N, n);
+    else
+      aq_q8_0_group(qx + r0 * K, dx + r0 * G, c, d + n * G, K, rn, y + r0 * N, N, n);
+  }
+#else
   for (int64_t r = 0; r < M; r++) {
     const int8_t* xr = qx + r * K;
     const float* dxr = dx + r * G;
-#if defined(AQ_AVX2)
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-      if (!(g & 1)) KV_PREFETCH(c + g * 32);
-      const __m256i w = _mm256_loadu_si256((const __m256i*)(c + g * 32));
-      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + g * 32));
-      /* |w| as unsigned, the sign moved onto the activations (codes are within +-127) */
-      const __m256 p = aq_dot(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
-      const __m256 s = _mm256_set1_ps((float)d[n * G + g] * dxr[g]);
-      if (g & 1) a1 = _mm256_fmadd_ps(p, s, a1);
-      else a0 = _mm256_fmadd_ps(p, s, a0);
-    }
-    y[r * N + n] = aq_hsum(_mm256_add_ps(a0, a1));
-#else
     float s = 0.f;
     for (int64_t g = 0; g < G; g++) {
       int is = 0;
@@ -371,8 +407,18 @@ static inline void q8_0_q8_task(const int8_t* qx, const float* dx, const int8_t*
       s += (float)d[n * G + g] * dxr[g] * (float)is;
     }
     y[r * N + n] = s;
-#endif
   }
+#endif
+}
+
+/* q8_0_q8_task for one row, in a loop of its own (see q4_1_q8_task1) */
+static inline void q8_0_q8_task1(const int8_t* qx, const float* dx, const int8_t* codes, const _Float16* d,
+                                 float* y, int64_t N, int64_t K, int64_t n) {
+#if defined(AQ_AVX2)
+  aq_q8_0_group(qx, dx, codes + n * K, d + n * (K / 32), K, 1, y, N, n);
+#else
+  q8_0_q8_task(qx, dx, codes, d, y, 1, N, K, n);
+#endif
 }
 
 /* the two products whole, for tests: y [M, N] = quantised x [M, K] (pair layout for Q4_1)
@@ -390,7 +436,12 @@ void q4_1_q8_gemv(const int8_t* qx, const float* dx, const float* sx, const uint
 
 void q8_0_q8_gemv(const int8_t* qx, const float* dx, const int8_t* codes, const _Float16* d, float* y,
                   int64_t M, int64_t N, int64_t K, int threads) {
-  #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n = 0; n < N; n++) q8_0_q8_task(qx, dx, codes, d, y, M, N, K, n);
+  if (M == 1) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) q8_0_q8_task1(qx, dx, codes, d, y, N, K, n);
+  } else {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) q8_0_q8_task(qx, dx, codes, d, y, M, N, K, n);
+  }
 }
 """

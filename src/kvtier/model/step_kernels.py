@@ -104,6 +104,9 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
     } else if (l->fmt == 1) {
       #pragma omp for schedule(static)
       for (int64_t t = 0; t < tasks; t++) q4_1_q8_task(aq->q, aq->dx, aq->sx, l->w, l->d, l->m, y, M, N, K, t);
+    } else if (M == 1) {
+      #pragma omp for schedule(static)
+      for (int64_t n = 0; n < N; n++) q8_0_q8_task1(aq->q, aq->dx, l->w, l->d, y, N, K, n);
     } else {
       #pragma omp for schedule(static)
       for (int64_t n = 0; n < N; n++) q8_0_q8_task(aq->q, aq->dx, l->w, l->d, y, M, N, K, n);
