@@ -122,6 +122,18 @@ def test_act_quant_q8_decodes_with_int8_activations_and_still_answers(capsys, mo
     assert "KVTIER_ACT_QUANT='int4' is unknown; accepted: none, q8" in err and "Traceback" not in err
 
 
+def test_act_quant_outside_the_cpu_step_warns_and_stays_exact(capsys):
+    argv = ("generate", "The capital of France is", "--raw", "--max-tokens", "3", "--tier", "paged")
+    exact = main_json(capsys, *argv)
+    assert cli.main([*argv, "--act-quant", "q8", "--json"]) == 0
+    out, err = capsys.readouterr()
+    warnings_ = [line for line in err.splitlines() if line.startswith("kvtier: warning:")]
+    assert warnings_ == ["kvtier: warning: --act-quant q8 (KVTIER_ACT_QUANT) has no effect with --tier paged: "
+                         "int8 activations act in the CPU decode step over the tail tier; the products stay exact"]
+    int8 = json.loads(out)
+    assert int8["act_quant"] == "none" and int8["tokens"] == exact["tokens"]
+
+
 def test_bench_decode_refuses_act_quant_outside_the_cpu_step(capsys):
     assert cli.main(["bench", "decode", "--act-quant", "q8", "--tier", "paged", "--device", "cpu"]) == 2
     err = capsys.readouterr().err

@@ -284,6 +284,13 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     drafts = 0 if spec is None else spec.draft_tokens + 1
     cache_config = sized_for_request(cache_config, args, len(ids) + gen_config.max_tokens + drafts)
     check_caches_fit(cache_config, lm)
+    # int8 activations act in the CPU decode step, which serves the tail tier only
+    on_cpu = next(lm.model.parameters()).device.type == "cpu"
+    int8 = act_quant_of(lm.model) == "q8" and on_cpu and cache_config.tier == "tail"
+    if act_quant_of(lm.model) == "q8" and not int8:
+        where = "on CUDA" if not on_cpu else f"with --tier {cache_config.tier}"
+        warnings.warn(f"--act-quant q8 (KVTIER_ACT_QUANT) has no effect {where}: int8 activations act "
+                      "in the CPU decode step over the tail tier; the products stay exact", stacklevel=2)
     caches, pc = None, None
     if hasattr(args, "prompt_cache"):
         from kvtier.prompt_cache import PromptCache
@@ -315,8 +322,6 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
             last = r
     stats = last.stats
     cache = cache_summary(caches, next(lm.model.parameters()).dtype)
-    # int8 activations act in the CPU decode step only
-    int8 = act_quant_of(lm.model) == "q8" and next(lm.model.parameters()).device.type == "cpu"
     if args.json:
         out = {
             "prompt_tokens": ids, "tokens": tokens, "text": "".join(text),
