@@ -33,9 +33,12 @@ for every Q4_1 and Q8_0 projection and the LM head. Select it with the environme
 
 Example::
 
+    >>> from kvtier.generate import GenerationConfig, generate
+    >>> from kvtier.model import load_model
     >>> lm = load_model()                                    # doctest: +SKIP
     >>> lm.model.act_quant = "q8"                            # doctest: +SKIP
-    >>> generate(lm, "The capital of France is", max_new_tokens=16)  # doctest: +SKIP
+    >>> generate(lm.model, lm.tokenizer, "The capital of France is", GenerationConfig(max_tokens=2))  # doctest: +SKIP
+    ' Paris.'
 """
 
 from __future__ import annotations
