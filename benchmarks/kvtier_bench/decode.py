@@ -165,9 +165,9 @@ def run(args: argparse.Namespace) -> int:
     if args.act_quant is not None:
         base = results[0]
         for int8 in (r for r in results if "int8 activations" in r.name):
-            same = sum(a == b for a, b in zip(int8.tokens, base.tokens))
+            same = next((i for i, (a, b) in enumerate(zip(int8.tokens, base.tokens)) if a != b), len(base.tokens))
             print(f"{int8.name} / {base.name}: {int8.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x "
-                  f"decode tokens/s; {same}/{len(base.tokens)} greedy tokens equal")
+                  f"decode tokens/s; the first {same}/{len(base.tokens)} greedy tokens equal")
     if args.plot:
         _plot(results, roofs[results[0].name], args.plot, label)
     return 0
