@@ -239,11 +239,11 @@ def test_the_mode_comes_from_the_model_else_the_environment(monkeypatch):
     assert act_quant.act_quant_of(model) == "q8"
     monkeypatch.setenv(act_quant.ENV_VAR, "")
     assert act_quant.act_quant_of(model) == "none"
-    env_on, _ = decode(model, steps=3, step_on=True, monkeypatch=monkeypatch)
+    exact, _ = decode(model, steps=3, step_on=True, monkeypatch=monkeypatch)  # (the environment: off)
     monkeypatch.setenv(act_quant.ENV_VAR, "q8")
     model.act_quant = None
     q8, _ = decode(model, steps=3, step_on=True, monkeypatch=monkeypatch)
-    assert not torch.equal(env_on, q8)
+    assert not torch.equal(exact, q8)  # (the environment: q8)
 
 
 def test_a_bad_mode_is_refused_before_anything_is_written(monkeypatch):
