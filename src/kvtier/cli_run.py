@@ -286,8 +286,9 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     check_caches_fit(cache_config, lm)
     # int8 activations act in the CPU decode step, which serves the tail tier only
     on_cpu = next(lm.model.parameters()).device.type == "cpu"
-    int8 = act_quant_of(lm.model) == "q8" and on_cpu and cache_config.tier == "tail"
-    if act_quant_of(lm.model) == "q8" and not int8:
+    asked = act_quant_of(lm.model) == "q8"
+    int8 = asked and on_cpu and cache_config.tier == "tail"
+    if asked and not int8:
         where = "on CUDA" if not on_cpu else f"with --tier {cache_config.tier}"
         warnings.warn(f"--act-quant q8 (KVTIER_ACT_QUANT) has no effect {where}: int8 activations act "
                       "in the CPU decode step over the tail tier; the products stay exact", stacklevel=2)

@@ -112,11 +112,6 @@ _C_SOURCE = r"""
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define AQ_AVX2 1
-static inline float aq_hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
 /* the 32 codes of a Q4_1 block as bytes: low nibbles (elements 0-15), then high (16-31) */
 static inline __m256i aq_nibbles(const uint8_t* p) {
   const __m128i c = _mm_loadu_si128((const __m128i*)p);
@@ -204,12 +199,23 @@ static inline float aq_scales(const _Float16* dq, const _Float16* mq, const floa
                                            _mm256_loadu_ps(dxr + g)));
     sv = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mq + g))), _mm256_loadu_ps(sxr + g), sv);
   }
-  float s = aq_hsum(sv);
+  float s = hsum8(sv);
   for (; g < G; g++) {
     sc[g] = (float)dq[g] * dxr[g];
     s += (float)mq[g] * sxr[g];
   }
   return s;
+}
+
+/* aq_scales for outputs n and n1 against rows [0, rn) of activations (dx0, sx0 their scales, G
+   apart): sc[i][q] and msum[i][q] */
+static inline __attribute__((always_inline)) void aq_q4_1_scales(
+    const _Float16* d, const _Float16* mn, const float* dx0, const float* sx0, int64_t G, int64_t n,
+    int64_t n1, const int64_t rn, float sc[][2][G + 8], float msum[][2]) {
+  for (int64_t i = 0; i < rn; i++) {
+    msum[i][0] = aq_scales(d + n * G, mn + n * G, dx0 + i * G, sx0 + i * G, G, sc[i][0]);
+    msum[i][1] = aq_scales(d + n1 * G, mn + n1 * G, dx0 + i * G, sx0 + i * G, G, sc[i][1]);
+  }
 }
 
 /* two outputs' dots (codes c0 and c1, scales sc0 and sc1) with one row of activations xr in the
@@ -241,13 +247,29 @@ static inline void aq_q4_1_row(const int8_t* xr, const uint8_t* c0p, const uint8
     a0 = _mm256_fmadd_ps(aq_dot(aq_nibbles(c0p + G2 * 16), xv), _mm256_broadcast_ss(sc0 + G2), a0);
     a1 = _mm256_fmadd_ps(aq_dot(aq_nibbles(c1p + G2 * 16), xv), _mm256_broadcast_ss(sc1 + G2), a1);
   }
-  *out0 = aq_hsum(a0);
-  *out1 = aq_hsum(a1);
+  *out0 = hsum8(a0);
+  *out1 = hsum8(a1);
 }
 
-/* rows [0, rn) (rn <= 4; x0 their first, K apart) of outputs n and n1 of a Q4_1 product, each
-   pair of blocks unpacked once for the group; sc and msum from aq_scales, per row and output;
-   y0 the group's first row of y [*, N] */
+/* outputs n and n1 of one row of y (y_row) from one row of activations (xr, its scales dxr and
+   sxr): a decode step's products, kept apart from the groups of rows, which ran slower for one */
+static inline void aq_q4_1_one(const int8_t* xr, const float* dxr, const float* sxr, const uint8_t* codes,
+                               const _Float16* d, const _Float16* mn, int64_t G, int64_t n, int64_t n1,
+                               float* y_row) {
+  float sc0[G + 8], sc1[G + 8], o0, o1;
+  const float m0 = aq_scales(d + n * G, mn + n * G, dxr, sxr, G, sc0);
+  const float m1 = aq_scales(d + n1 * G, mn + n1 * G, dxr, sxr, G, sc1);
+  aq_q4_1_row(xr, codes + n * G * 16, codes + n1 * G * 16, sc0, sc1, G, &o0, &o1);
+  y_row[n] = o0 + m0;
+  if (n1 != n) y_row[n1] = o1 + m1;
+}
+
+/* rows [0, rn) (rn <= 4; x0 their first, K apart) of outputs n and n1 of a Q4_1 product, with
+   activations in the pair layout: two blocks a load, their low and high nibbles against the
+   layout's two activation loads, summed in 16 bits (at most 2 * 2 * 15 * 127), each block's four
+   lanes scaled by its own d dx; each pair of blocks unpacked once for the group. sc and msum
+   come from aq_q4_1_scales; y0 is the group's first row of y [*, N]. Called with rn a constant
+   (4) the sums stay in registers. */
 static inline __attribute__((always_inline)) void aq_q4_1_group(
     const int8_t* x0, int64_t K, const uint8_t* c0p, const uint8_t* c1p, int64_t G, float sc[][2][G + 8],
     float msum[][2], const int64_t rn, float* y0, int64_t N, int64_t n, int64_t n1) {
@@ -282,8 +304,8 @@ static inline __attribute__((always_inline)) void aq_q4_1_group(
         acc[i][q] = _mm256_fmadd_ps(aq_dot(aq_nibbles(cs[q] + G2 * 16), xv), _mm256_broadcast_ss(&sc[i][q][G2]), acc[i][q]);
     }
   for (int64_t i = 0; i < rn; i++) {
-    y0[i * N + n] = aq_hsum(acc[i][0]) + msum[i][0];
-    if (n1 != n) y0[i * N + n1] = aq_hsum(acc[i][1]) + msum[i][1];
+    y0[i * N + n] = hsum8(acc[i][0]) + msum[i][0];
+    if (n1 != n) y0[i * N + n1] = hsum8(acc[i][1]) + msum[i][1];
   }
 }
 #endif
@@ -300,48 +322,36 @@ static inline void q4_1_q8_task1(const int8_t* qx, const float* dx, const float*
                                  int64_t task) {
   const int64_t G = K / 32, n = 2 * task, n1 = n + 1 < N ? n + 1 : n;
 #if defined(AQ_AVX2)
-  float sc0[G + 8], sc1[G + 8], o0, o1;
-  const float m0 = aq_scales(d + n * G, mn + n * G, dx, sx, G, sc0);
-  const float m1 = aq_scales(d + n1 * G, mn + n1 * G, dx, sx, G, sc1);
-  aq_q4_1_row(qx, codes + n * G * 16, codes + n1 * G * 16, sc0, sc1, G, &o0, &o1);
-  y[n] = o0 + m0;
-  if (n1 != n) y[n1] = o1 + m1;
+  aq_q4_1_one(qx, dx, sx, codes, d, mn, G, n, n1, y);
 #else
   q4_1_q8_task(qx, dx, sx, codes, d, mn, y, 1, N, K, task);
 #endif
 }
 
 /* outputs 2 task and 2 task + 1 of y [M, N] from int8 activations (pair layout) and Q4_1 codes:
-   per block (d dx) * sum(c qx) + m sx, the integer sums exact. Rows in groups of up to four
-   unpack each pair of blocks once for the group; a single row takes aq_q4_1_row. */
+   per block (d dx) * sum(c qx) + m sx, the integer sums exact, rows in groups of up to four
+   (aq_q4_1_group), a row alone through aq_q4_1_one. */
 static inline void q4_1_q8_task(const int8_t* qx, const float* dx, const float* sx, const uint8_t* codes,
                                 const _Float16* d, const _Float16* mn, float* y, int64_t M, int64_t N,
                                 int64_t K, int64_t task) {
   const int64_t G = K / 32, n = 2 * task, n1 = n + 1 < N ? n + 1 : n;
-  const int64_t rows[2] = {n, n1};
 #if defined(AQ_AVX2)
   const uint8_t* cs[2] = {codes + n * G * 16, codes + n1 * G * 16};
   for (int64_t r0 = 0; r0 < M; r0 += 4) {
     const int64_t rn = M - r0 < 4 ? M - r0 : 4;
     if (rn == 1) {
-      float sc0[G + 8], sc1[G + 8], o0, o1;
-      const float m0 = aq_scales(d + n * G, mn + n * G, dx + r0 * G, sx + r0 * G, G, sc0);
-      const float m1 = aq_scales(d + n1 * G, mn + n1 * G, dx + r0 * G, sx + r0 * G, G, sc1);
-      aq_q4_1_row(qx + r0 * K, cs[0], cs[1], sc0, sc1, G, &o0, &o1);
-      y[r0 * N + n] = o0 + m0;
-      if (n1 != n) y[r0 * N + n1] = o1 + m1;
+      aq_q4_1_one(qx + r0 * K, dx + r0 * G, sx + r0 * G, codes, d, mn, G, n, n1, y + r0 * N);
       continue;
     }
     float sc[4][2][G + 8], msum[4][2];
-    for (int64_t i = 0; i < rn; i++)
-      for (int q = 0; q < 2; q++)
-        msum[i][q] = aq_scales(d + rows[q] * G, mn + rows[q] * G, dx + (r0 + i) * G, sx + (r0 + i) * G, G, sc[i][q]);
+    aq_q4_1_scales(d, mn, dx + r0 * G, sx + r0 * G, G, n, n1, rn, sc, msum);
     if (rn == 4)  /* (a constant group: the sums stay in registers) */
       aq_q4_1_group(qx + r0 * K, K, cs[0], cs[1], G, sc, msum, 4, y + r0 * N, N, n, n1);
     else
       aq_q4_1_group(qx + r0 * K, K, cs[0], cs[1], G, sc, msum, rn, y + r0 * N, N, n, n1);
   }
 #else
+  const int64_t rows[2] = {n, n1};
   for (int64_t r = 0; r < M; r++)
     for (int q = 0; q < (n1 != n ? 2 : 1); q++) {
       const uint8_t* c = codes + rows[q] * G * 16;
@@ -381,7 +391,7 @@ static inline __attribute__((always_inline)) void aq_q8_0_group(
       }
     }
   }
-  for (int64_t i = 0; i < rn; i++) y0[i * N + n] = aq_hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+  for (int64_t i = 0; i < rn; i++) y0[i * N + n] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
 }
 #endif
 

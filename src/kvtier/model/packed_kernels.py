@@ -44,13 +44,16 @@ _C_SOURCE = r"""
 #define KV_AHEAD 2048
 #define KV_PREFETCH(p) _mm_prefetch((const char*)(p) + KV_AHEAD, _MM_HINT_T0)
 #endif
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KV_AVX2 1
+#if defined(__AVX2__)
+/* the sum of a vector's eight floats */
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KV_AVX2 1
 /* eight bytes at p as int32 (zero-extended), eight int8 codes as float32 */
 static inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 static inline __m256 s8x8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
