@@ -162,3 +162,17 @@ class OnlineSoftmax:
         """The merged output ``[B, H, T, D]`` in ``dtype``."""
         assert self.out is not None, "no chunk was added"
         return self.out.to(dtype)
+
+
+def round_queries_int8(q: torch.Tensor) -> torch.Tensor:
+    """The queries the Triton kernel scores q8 keys with, in fp32: each query row (the last
+    dim) as int8 codes with the scale ``max|q| / 127``, rounded to nearest even, times the scale.
+
+    >>> q = torch.tensor([[1.0, -0.5, 0.25, 0.0]])
+    >>> round_queries_int8(q) * 127
+    tensor([[127., -64.,  32.,   0.]])
+    """
+    qf = q.float()
+    s = qf.abs().amax(-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(qf / s) * s

@@ -41,7 +41,15 @@ from kvtier.kernels.launch_plan import (  # noqa: F401  (LaunchConfig, plan_laun
     _next_pow2,
     plan_launch,
 )
-from kvtier.kernels.triton_quant import AFFINE, CENTROID, FLOAT8, FP, PageFormat, kv_tile
+from kvtier.kernels.triton_quant import (
+    AFFINE,
+    CENTROID,
+    FLOAT8,
+    FP,
+    PageFormat,
+    kv_tile,
+    round_half_even,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -56,6 +64,12 @@ LOG2E = 1.4426950408889634
 #: TurboQuant K8/V3 1111 us on CUDA cores against 1651 us on the MMA kernel; q8, q4, q4_g32
 #: and fp8 read straight into fp16 operands on the MMA kernel (q8 382 us, bf16 489 us).
 QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "cuda_core"}
+#: Score q8 keys with int8 queries (each query row's codes at the scale ``max|q| / 127``) on
+#: compiled launches of bf16/fp16 queries; ``LaunchConfig.int8_queries`` overrides. The key tile
+#: goes from shared memory into an integer dot as stored: no conversion. H200, B=64 / 8k, 32/8
+#: heads: 358 against 385 us; SmolLM2 perplexity with q8 pages +0.133% against +0.124%
+#: (benchmarks/RESULTS.md, 2026-12-03).
+INT8_QUERIES = True
 
 
 @triton.jit
@@ -99,6 +113,7 @@ def _attention_kernel(
     V_DIRECT: tl.constexpr,
     K_PURE: tl.constexpr,
     VARLEN: tl.constexpr,
+    K_INT8: tl.constexpr = False,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -128,6 +143,14 @@ def _attention_kernel(
         qb = tl.load(Q + q_off[:, None] + 2 * d2[None, :] + 1, mask=row_ok[:, None], other=0.0)
         qa = (qa.to(tl.float32) * qk_scale).to(DT)
         qb = (qb.to(tl.float32) * qk_scale).to(DT)
+    elif K_INT8:
+        # q8 keys: int8 queries, one scale a query row, scored by integer dots with the codes as
+        # stored (the key tile needs no conversion, and half the tensor-core instructions of fp16)
+        qa = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+        q_max = tl.max(tl.abs(qa), axis=1)
+        q_sc = tl.where(q_max > 0.0, q_max / 127.0, 1.0)
+        qa = round_half_even(qa / q_sc[:, None]).to(tl.int8)
+        qb = qa
     else:
         qa = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
         qa = (qa.to(tl.float32) * qk_scale).to(DT)
@@ -183,6 +206,9 @@ def _attention_kernel(
         if K_MODE == 0:  # inline: a helper call costs the interpreter more than the tile
             ka = tl.load(K + k_rows[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(DT)
             s = _dot(qa, tl.trans(ka), None, DOT_FP32)  # (M, N)
+        elif K_INT8:  # signed bytes straight into the integer dot; the key scale below
+            ka = tl.load(K + k_rows[:, None] + d[None, :], mask=n_ok[:, None], other=0)
+            s = tl.dot(qa, tl.trans(ka), out_dtype=tl.int32).to(tl.float32) * q_sc[:, None]
         else:
             ka, kb = kv_tile(K, KS, KZ, KC, k_rows, ks_rows, n_ok, BLOCK_N, HEAD_DIM, K_MODE, K_BITS,
                              K_SIGNED, K_OFFSET, K_GROUP, K_ZERO, K_FACTOR, K_SPLIT, K_DIRECT, FAST, DT, K_PURE)  # fmt: skip
@@ -279,6 +305,13 @@ def direct_format(fmt: PageFormat, head_dim: int) -> bool:
     return fmt.mode == AFFINE and (
         (fmt.bits == 8 and fmt.signed and per_row) or (fmt.bits == 4 and (per_row or fmt.group == 32))
     )
+
+
+def int8_key_format(fmt: PageFormat, head_dim: int) -> bool:
+    """Whether keys of ``fmt`` are scored as integer dots with int8 queries: q8 (signed bytes,
+    one scale per token and head). 4-bit keys were slower so on the H200 (their nibbles become
+    int8 in the operand layout), so they keep the fp16 operands."""
+    return fmt.mode == AFFINE and fmt.bits == 8 and fmt.signed and fmt.group == head_dim and fmt.zero is None
 
 
 def format_constexprs(prefix: str, fmt: PageFormat, head_dim: int, direct: bool = False) -> dict[str, object]:
@@ -414,6 +447,9 @@ def launch_attention(
     compiled = q.device.type == "cuda"
     direct = quantised and direct_format(k_fmt, D) and direct_format(v_fmt, D)
     dot_fp32 = not compiled or q.dtype == torch.float32
+    # by default only where the dot is in 16 bits anyway (compiled, bf16/fp16 queries)
+    int8_q = INT8_QUERIES and not dot_fp32 if cfg.int8_queries is None else cfg.int8_queries
+    int8_q = int8_q and direct and int8_key_format(k_fmt, D)
     if dot_fp32:
         dot_dtype = tl.float32
     elif direct:
@@ -438,7 +474,7 @@ def launch_attention(
         sm_scale * LOG2E, T, H_kv, split_len, splits,
         G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, PAGED=paged,
         CAUSAL=q_start is not None, SPLIT=splits > 1, DOT_FP32=dot_fp32, DT=dot_dtype, FAST=compiled,
-        K_PURE=True, VARLEN=varlen,
+        K_PURE=True, VARLEN=varlen, K_INT8=int8_q,
         NEED_SIDECARS=k_fmt.scale is not None or v_fmt.scale is not None,
         **format_constexprs("K", k_fmt, D, direct), **format_constexprs("V", v_fmt, D, direct),
         num_warps=num_warps, num_stages=num_stages,
