@@ -21,6 +21,7 @@ from test_triton_paged import (  # the same cache builder and references as the 
 
 from kvtier.kernels.dispatch import KernelDispatch
 from kvtier.kernels.paged import paged_attention_packed, paged_attention_packed_reference
+from kvtier.kernels.reference import round_queries_int8
 from kvtier.kernels.triton_paged import LaunchConfig, paged_attention_triton
 from triton_support import in_this_process_or_a_fresh_one
 
@@ -49,6 +50,8 @@ def run_packed(mode, counts, lengths, Hq, H_kv, D, page, dtype, *, block_n=None,
     if not mode.startswith("turboquant"):  # token-major: the model's (1, N, H_q * D) view is free
         assert out.transpose(1, 2).is_contiguous()
     tol = TOL[dtype]
+    if mode == "q8" and ON_GPU and dtype != torch.float32:  # the kernel scores q8 keys with int8 queries
+        q = round_queries_int8(q).to(dtype)
     for b, (o, k) in enumerate(zip(offsets, counts)):
         if not k:
             continue
