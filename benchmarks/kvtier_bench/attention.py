@@ -125,6 +125,20 @@ def time_calls(fns: list[Callable[[], object]], iters: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def write_report(out: str | None, name: str, lines: list[str], data) -> None:
+    """``lines`` as ``OUT/NAME.md`` and ``data`` as ``OUT/NAME.json`` (the folder made if need be);
+    nothing when ``out`` is ``None``."""
+    if out is None:
+        return
+    import json
+    from pathlib import Path
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (folder / f"{name}.json").write_text(json.dumps(data, indent=1))
+
+
 def copies_for(nbytes: int) -> int:
     """How many replicas keep a cycled working set at 4x the L2 cache."""
     return max(1, min(16, math.ceil(4 * L2_BYTES / max(1, nbytes))))

@@ -14,9 +14,7 @@ three calls and nothing else, for ``ncu``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -24,7 +22,7 @@ import torch
 
 def main() -> None:
     from kvtier.kernels.triton_attention import LaunchConfig
-    from kvtier_bench.attention import build_paged, copies_for, time_calls
+    from kvtier_bench.attention import build_paged, copies_for, time_calls, write_report
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -95,11 +93,7 @@ def main() -> None:
             del reps, base
             if dev == "cuda":
                 torch.cuda.empty_cache()
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "int8_query_ab.md").write_text("\n".join(lines) + "\n")
-        (out / "int8_query_ab.json").write_text(json.dumps(results, indent=1))
+    write_report(args.out, "int8_query_ab", lines, results)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ calls over replicas that keep the working set beyond 4x the L2.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -22,7 +20,7 @@ import torch
 
 def main() -> None:
     from kvtier.kernels.triton_attention import LaunchConfig
-    from kvtier_bench.attention import build_paged, copies_for, time_calls
+    from kvtier_bench.attention import build_paged, copies_for, time_calls, write_report
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -74,11 +72,7 @@ def main() -> None:
                 print(lines[-1], flush=True)
         del reps, base
         torch.cuda.empty_cache()
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "serve_attention.md").write_text("\n".join(lines) + "\n")
-        (out / "serve_attention.json").write_text(json.dumps(results, indent=1))
+    write_report(args.out, "serve_attention", lines, results)
 
 
 if __name__ == "__main__":
