@@ -309,7 +309,7 @@ def direct_format(fmt: PageFormat, head_dim: int) -> bool:
 
 def int8_key_format(fmt: PageFormat, head_dim: int) -> bool:
     """Whether keys of ``fmt`` are scored as integer dots with int8 queries: q8 (signed bytes,
-    one scale per token and head). 4-bit keys were slower so on the H200 (their nibbles become
+    one scale per token and head). 4-bit keys were slower this way on the H200 (their nibbles become
     int8 in the operand layout), so they keep the fp16 operands."""
     return fmt.mode == AFFINE and fmt.bits == 8 and fmt.signed and fmt.group == head_dim and fmt.zero is None
 
