@@ -88,6 +88,21 @@ def test_batch_1_greedy_equals_the_no_cache_reference(lm, prompt_ids, reference,
         assert steps(lm.model, [ids], caches, N_NEW, prefill_chunk=7) == [ref]
 
 
+@pytest.mark.parametrize("rows, chunk, forwards", [(1, None, 1), (1, 512, 2), (2, None, 1), (4, None, 2)])
+def test_default_prefill_chunk_shares_2048_tokens_among_the_rows(lm, rows, chunk, forwards):
+    """Prompts of 701 tokens (700 prefilled): one forward for one or two rows (2,048 and 1,024
+    tokens a row), two for four rows (512 a row, the floor) or an explicit chunk of 512."""
+    ids = (lm.tokenizer.encode(" ".join(PROMPTS)) * 40)[:701]
+    calls = []
+    caches = lm.model.make_caches(KVCacheConfig(tier="tail"), batch_size=rows)
+    g = generate_step(lm.model, [ids] * rows, caches, prefill_chunk=chunk,
+                      on_progress=lambda done, total: calls.append((done, total)))
+    next(g)
+    g.close()
+    assert len(calls) == forwards and calls[-1] == (700, 700)
+    assert caches[0].offset == 701  # the prompt and the first decode step's token
+
+
 @pytest.mark.parametrize("tier", ("ragged", "paged"))
 def test_batch_of_different_lengths_in_one_cache_equals_batch_1(lm, prompt_ids, reference, tier):
     cfg = tier_config(tier)

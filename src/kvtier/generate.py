@@ -53,6 +53,11 @@ ProgressFn = Callable[[int, int], None]
 #: a step function of :func:`stream_steps`: ``steps(rows, caches, *, generator, stop_ids,
 #: on_progress, on_prefilled)`` yields, per forward, the new tokens of each row (``B`` lists)
 StepFn = Callable[..., Generator[list[list[int]], None, None]]
+#: prompt tokens of all rows a prefill forward by default (at least 512 a row). A packed model
+#: dequantises its weights once a forward: a 2,048-token prompt on the 2-core CPU took 4.3-4.9 s
+#: (median 4.52) in one forward against 4.8-6.5 s (4.97) in chunks of 512, eight alternated
+#: rounds (benchmarks/RESULTS.md, 2026-12-03)
+PREFILL_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -65,8 +70,9 @@ class GenerationConfig:
     #: token ids that end a row, besides the tokenizer's end-of-sequence ids
     stop_token_ids: tuple[int, ...] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    #: prompt tokens per prefill forward (bounds the activation memory of long prompts)
-    prefill_chunk: int = 512
+    #: prompt tokens a row per prefill forward (bounds the activation memory of long prompts);
+    #: None: ``max(512, PREFILL_TOKENS // rows)``
+    prefill_chunk: int | None = None
     #: replay decode steps from a CUDA graph (ragged and paged tiers on CUDA; the caches are
     #: frozen for max_tokens steps); None: whenever it can serve, False: never
     cuda_graph: bool | None = None
@@ -86,8 +92,8 @@ class GenerationConfig:
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         c = self.prefill_chunk
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ValueError(f"prefill_chunk must be an int >= 1, got {c!r}")
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"prefill_chunk must be None (auto) or an int >= 1, got {c!r}")
         if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
             raise ValueError(f"cuda_graph must be None (auto), True or False, got {self.cuda_graph!r}")
 
@@ -101,7 +107,7 @@ def generate_step(
     caches: list[KVCache],
     *,
     params: SamplingParams | None = None,
-    prefill_chunk: int = GenerationConfig.prefill_chunk,
+    prefill_chunk: int | None = GenerationConfig.prefill_chunk,
     generator: torch.Generator | None = None,
     on_progress: ProgressFn | None = None,
     on_prefilled: Callable[[], None] | None = None,
@@ -191,9 +197,21 @@ def check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     return rows
 
 
+def prefill_chunk_for(rows: int) -> int:
+    """The default prefill chunk of ``rows`` prompts: :data:`PREFILL_TOKENS` in all, at least 512 a row.
+
+    >>> prefill_chunk_for(1), prefill_chunk_for(2), prefill_chunk_for(8)
+    (2048, 1024, 512)
+    """
+    return max(512, PREFILL_TOKENS // max(1, rows))
+
+
 def prefill(model, rows, caches, chunk, device, on_progress) -> None:
     """Write every prompt but its last token: row by row on the ragged and paged tiers
-    (:func:`prefill_rows`), in lock step on the others (:func:`prefill_lockstep`)."""
+    (:func:`prefill_rows`), in lock step on the others (:func:`prefill_lockstep`), ``chunk``
+    tokens a row a forward (``None``: :func:`prefill_chunk_for`)."""
+    if chunk is None:
+        chunk = prefill_chunk_for(len(rows))
     if isinstance(caches[0], RowKVCache):
         prefill_rows(model, rows, caches, chunk, device, on_progress)
     else:

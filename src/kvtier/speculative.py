@@ -366,7 +366,7 @@ def speculative_generate_step(
     speculative: SpeculativeConfig | None = None,
     max_tokens: int | None = None,
     stop_token_ids: frozenset[int] = frozenset(),
-    prefill_chunk: int = GenerationConfig.prefill_chunk,
+    prefill_chunk: int | None = GenerationConfig.prefill_chunk,
     generator: torch.Generator | None = None,
     stats: SpeculativeStats | None = None,
     on_progress: ProgressFn | None = None,
