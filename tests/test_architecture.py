@@ -21,6 +21,7 @@ LAYERS = {
     "kvtier.integrations": 4,
     "kvtier.sampling": 5,
     "kvtier.generate": 5,
+    "kvtier.prefill": 5,
     "kvtier.speculative": 5,
     "kvtier.drafters": 5,
     "kvtier.cuda_graph": 5,
