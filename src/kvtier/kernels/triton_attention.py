@@ -449,7 +449,7 @@ def launch_attention(
     dot_fp32 = not compiled or q.dtype == torch.float32
     # by default only where the dot is in 16 bits anyway (compiled, bf16/fp16 queries)
     int8_q = INT8_QUERIES and not dot_fp32 if cfg.int8_queries is None else cfg.int8_queries
-    int8_q = int8_q and direct and int8_key_format(k_fmt, D)
+    int8_q = int8_q and int8_key_format(k_fmt, D)
     if dot_fp32:
         dot_dtype = tl.float32
     elif direct:

@@ -252,7 +252,9 @@ static inline void aq_q4_1_row(const int8_t* xr, const uint8_t* c0p, const uint8
 }
 
 /* outputs n and n1 of one row of y (y_row) from one row of activations (xr, its scales dxr and
-   sxr): a decode step's products, kept apart from the groups of rows, which ran slower for one */
+   sxr): a decode step's products, kept apart from the groups of rows, which ran slower for one
+   (aq_q4_1_group with one row a constant: SmolLM2's Q4_1 layers 3.6-4.1 against 3.3-3.9 ms,
+   2 threads, alternated, the same bits) */
 static inline void aq_q4_1_one(const int8_t* xr, const float* dxr, const float* sxr, const uint8_t* codes,
                                const _Float16* d, const _Float16* mn, int64_t G, int64_t n, int64_t n1,
                                float* y_row) {
