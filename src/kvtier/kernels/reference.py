@@ -176,3 +176,42 @@ def round_queries_int8(q: torch.Tensor) -> torch.Tensor:
     s = qf.abs().amax(-1, keepdim=True) / 127.0
     s = torch.where(s > 0, s, torch.ones_like(s))
     return torch.round(qf / s) * s
+
+
+def int8_probs_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    v_scale: torch.Tensor,
+    *,
+    q_start: int | torch.Tensor,
+    kv_len: int | torch.Tensor,
+    scale: float | None = None,
+    tile: int = 128,
+) -> torch.Tensor:
+    """Causal attention ``[B, H_q, T, D]`` (fp32) as the Triton kernel weighs q8 values with int8
+    probabilities: in each tile of ``tile`` keys (from key 0), a query row's weights
+    ``w = p * s_v`` become ``floor(w * 127 / max(w) + 0.5)`` at the scale ``max(w) / 127``.
+
+    ``k``, ``v`` ``[B, H_kv, L, D]`` decoded, ``v_scale`` ``[B, H_kv, L]`` the values' q8 scales.
+    The rounding is relative to each tile's largest weight, so neither the softmax's running
+    maximum nor a split of the keys changes it.
+
+    >>> q, k, v = torch.ones(1, 1, 1, 2), torch.ones(1, 1, 3, 2), torch.tensor([[[[1.0, 2], [0, 0], [1, 2]]]])
+    >>> int8_probs_attention(q, k, v, v.abs().amax(-1) / 127, q_start=2, kv_len=3)   # weights 1, 0, 1
+    tensor([[[[0.6667, 1.3333]]]])
+    """
+    B, Hq, T, D = q.shape
+    L = k.shape[2]
+    g = Hq // k.shape[1]
+    k, v, s_v = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1), v_scale.float().repeat_interleave(g, 1)
+    sc = 1.0 / math.sqrt(D) if scale is None else scale
+    s = (q.float() @ k.transpose(-1, -2)) * sc  # (B, Hq, T, L)
+    s = s.masked_fill(~causal_mask(B, T, L, q_start, kv_len, device=q.device), float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True).clamp_min(-1e30))
+    pad = -L % tile
+    w = torch.nn.functional.pad(p * s_v[:, :, None, :], (0, pad)).reshape(B, Hq, T, -1, tile)
+    w_max = w.amax(-1, keepdim=True)
+    wq = torch.floor(w * torch.where(w_max > 0, 127.0 / w_max, 0.0) + 0.5) * (w_max / 127.0)
+    weights = wq.reshape(B, Hq, T, L + pad)[..., :L] / torch.where(s_v > 0, s_v, 1.0)[:, :, None, :]
+    return (weights @ v) / p.sum(-1, keepdim=True).clamp_min(1e-30)

@@ -149,6 +149,44 @@ def _lloyd_max_tables(bits: int, device: torch.device) -> tuple[torch.Tensor, to
     return q.centroids_tensor(device, torch.float32), q.boundaries_tensor(device, torch.float32)
 
 
+def direct_format(fmt: PageFormat, head_dim: int) -> bool:
+    """Whether the kernel reads ``fmt`` straight into fp16 operands (``kv_tile``'s direct
+    branches): e4m3, signed bytes with a scale per row (q8), and nibbles with a scale per row
+    (q4) or a scale and zero per 32 channels (q4_g32, 4-bit keys). Other formats are
+    dequantised in fp32 (:func:`~kvtier.kernels.triton_quant.dequant_tile`)."""
+    per_row = fmt.group == head_dim and fmt.zero is None
+    if fmt.mode == FLOAT8:
+        return True
+    return fmt.mode == AFFINE and (
+        (fmt.bits == 8 and fmt.signed and per_row) or (fmt.bits == 4 and (per_row or fmt.group == 32))
+    )
+
+
+def int8_key_format(fmt: PageFormat, head_dim: int) -> bool:
+    """Whether keys of ``fmt`` are scored as integer dots with int8 queries: q8 (signed bytes,
+    one scale per token and head). 4-bit keys were slower this way on the H200 (their nibbles become
+    int8 in the operand layout), so they keep the fp16 operands."""
+    return fmt.mode == AFFINE and fmt.bits == 8 and fmt.signed and fmt.group == head_dim and fmt.zero is None
+
+
+def format_constexprs(prefix: str, fmt: PageFormat, head_dim: int, direct: bool = False) -> dict[str, object]:
+    """The kernel's compile-time arguments for one of K (``prefix="K"``) or V; ``direct``: the
+    pair of formats is read straight into fp16 (both :func:`direct_format`)."""
+    factor = fmt.mode in (AFFINE, FLOAT8) and fmt.group == head_dim and fmt.zero is None
+    return {
+        f"{prefix}_MODE": fmt.mode,
+        f"{prefix}_BITS": fmt.bits,
+        f"{prefix}_SIGNED": fmt.signed,
+        f"{prefix}_OFFSET": fmt.offset,
+        f"{prefix}_GROUP": fmt.group or head_dim,
+        f"{prefix}_ZERO": fmt.zero is not None,
+        f"{prefix}_FACTOR": factor,
+        # 4-bit codes in two halves (low and high nibbles)
+        f"{prefix}_SPLIT": direct and fmt.mode == AFFINE and fmt.bits == 4,
+        f"{prefix}_DIRECT": direct,
+    }
+
+
 def check_format_tensors(fmt: PageFormat, payload: torch.Tensor, what: str) -> None:
     """Raise ``ValueError`` when ``payload`` or the sidecars do not match ``fmt``."""
     nb, bs, H, Dp = payload.shape
@@ -157,8 +195,11 @@ def check_format_tensors(fmt: PageFormat, payload: torch.Tensor, what: str) -> N
             f"{what} pages have last dim {Dp} but the codec packs head_dim {fmt.head_dim} "
             f"into {fmt.packed_dim}; allocate pages with codec.packed_dim()"
         )
-    if payload.stride(-1) != 1:
-        raise ValueError(f"{what} pages need a contiguous last dim, got strides {payload.stride()}")
+    # keys-major pages (a page's keys side by side) hold whole-byte codes with one scale a vector
+    keys_major = payload.stride(1) == 1 and payload.stride(3) == bs and fmt.mode == AFFINE and fmt.bits == 8
+    if payload.stride(-1) != 1 and not keys_major:
+        raise ValueError(f"{what} pages need a contiguous last dim (or q8 codes keys-major), got strides "
+                         f"{payload.stride()}")
     for name, t in (("scale", fmt.scale), ("zero", fmt.zero)):
         if t is None:
             continue
@@ -380,7 +421,7 @@ def kv_tile(
     ``FACTOR`` (one scale per row, no zero) the tile holds ``code + offset`` (e4m3
     values for :data:`FLOAT8`) and the caller applies the scale to scores or
     probabilities. ``DIRECT``: the format is read straight into fp16 (see
-    ``triton_attention.direct_format``); else it goes through :func:`dequant_tile` in
+    :func:`direct_format`); else it goes through :func:`dequant_tile` in
     fp32. ``FAST``: the inline-assembly conversions (compiled kernels); else plain
     conversions (the interpreter). ``PURE``: the conversion may move into the dot's
     operand layout (keys, whose bytes need no transposition: the raw codes go from shared
@@ -472,11 +513,13 @@ def store_codes(
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BITS: tl.constexpr,
+    stride_d=1,
 ):
-    """Pack int32 codes ``u`` ``[ROWS, HEAD_DIM]`` (each in ``[0, 2**BITS)``, or int8 for 8 bits) into bytes."""
+    """Pack int32 codes ``u`` ``[ROWS, HEAD_DIM]`` (each in ``[0, 2**BITS)``, or int8 for 8 bits) into
+    bytes; whole bytes ``stride_d`` apart (keys-major pages), narrower codes side by side."""
     if BITS == 8:
         d = tl.arange(0, HEAD_DIM)
-        tl.store(P + rows[:, None] + d[None, :], u.to(P.dtype.element_ty), mask=mask_r[:, None])
+        tl.store(P + rows[:, None] + d[None, :] * stride_d, u.to(P.dtype.element_ty), mask=mask_r[:, None])
     else:
         NCH: tl.constexpr = HEAD_DIM // 8
         BP: tl.constexpr = 8 if BITS > 4 else 4
