@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -30,7 +29,6 @@ def main() -> None:
     p.add_argument("--modes", default="q8,fp8,q4")
     p.add_argument("--quick", action="store_true", help="B=64 / 8k only")
     p.add_argument("--plans", action="store_true", help="also other tiles, stages and warps with int8 queries")
-    p.add_argument("--probs", action="store_true", help="also int8 probabilities against the value codes")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
     p.add_argument("--profile", default=None, metavar="MODE[:int8]",
                    help="three calls at B=64 / 8k and nothing else (for ncu)")
@@ -49,9 +47,6 @@ def main() -> None:
     if dev != "cuda":
         shapes = [(2, 64)]
     plans = {"fp16 operands": LaunchConfig(int8_queries=False), "int8 queries": LaunchConfig(int8_queries=True)}
-    if args.probs:
-        plans["int8 queries and probs"] = LaunchConfig(int8_queries=True, int8_probs=True)
-        plans["int8 q and p, keys-major values"] = LaunchConfig(int8_queries=True, int8_probs=True)
     if args.plans and dev == "cuda":  # tile plans (none beat the default on the H200, 2026-12-03)
         plans |= {
             "int8, 3 stages": LaunchConfig(int8_queries=True, num_stages=3),
@@ -83,16 +78,12 @@ def main() -> None:
             for plan, cfg in plans.items():
                 if mode in ("fp", "fp8", "q4") and plan != "fp16 operands":
                     continue  # int8 queries serve q8 keys only
-                runs = reps
-                if "keys-major" in plan:
-                    runs = [replace(r, vp=keys_major(r.vp)) for r in reps]
                 try:
-                    t = time_calls([lambda r=r, cfg=cfg: r.attention(cfg) for r in runs], 20, 10)
+                    t = time_calls([lambda r=r, cfg=cfg: r.attention(cfg) for r in reps], 20, 10)
                 except Exception as e:  # a plan that does not fit (shared memory)
                     print(label, mode, plan, type(e).__name__, str(e)[:120], flush=True)
                     continue
-                diff = (runs[0].attention(cfg).float() - ref).abs().max().item()
-                del runs
+                diff = (base.attention(cfg).float() - ref).abs().max().item()
                 if mode == "fp" and plan == "fp16 operands":
                     bf16_t = t
                 ratio = bf16_t / t if bf16_t else float("nan")
@@ -103,11 +94,6 @@ def main() -> None:
             if dev == "cuda":
                 torch.cuda.empty_cache()
     write_report(args.out, "int8_query_ab", lines, results)
-
-
-def keys_major(pages: torch.Tensor) -> torch.Tensor:
-    """``pages`` ``[N, page, H, D]`` stored as ``[N, H, D, page]`` (a page's keys side by side), the same view."""
-    return pages.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 
 
 if __name__ == "__main__":

@@ -23,17 +23,6 @@ from kvtier.quant.codec import Codec
 
 RowsArg = int | Sequence[int] | torch.Tensor | None
 
-#: q8 value pages on CUDA stored keys-major: ``[num_blocks, H_kv, D, block_size]`` in memory, the
-#: usual ``[num_blocks, block_size, H_kv, D]`` as a view, so that a page's keys lie side by side
-#: and the paged kernel weighs the codes with int8 probabilities straight from shared memory
-#: (``kvtier.kernels.triton_attention``). Every reader indexes the view; only strides differ.
-Q8_VALUES_KEYS_MAJOR = False
-
-
-def keys_major_values(codec: Codec, device) -> bool:
-    """Whether value pages of ``codec`` on ``device`` are allocated keys-major."""
-    return Q8_VALUES_KEYS_MAJOR and torch.device(device).type == "cuda" and codec.name == "q8"
-
 
 def dynamic_paged_num_blocks(
     block_size: int,
@@ -256,10 +245,7 @@ class BlockPool:
         bs = self.block_size
         out = []
         for codec in (k_codec, v_codec):
-            shape, order = (n, bs, heads, codec.packed_dim()), (0, 1, 2, 3)
-            if codec is v_codec and keys_major_values(codec, device):
-                shape, order = (n, heads, codec.packed_dim(), bs), (0, 3, 1, 2)
-            pages = torch.zeros(shape, dtype=codec.payload_dtype, device=device).permute(order)
+            pages = torch.zeros(n, bs, heads, codec.packed_dim(), dtype=codec.payload_dtype, device=device)
             side = {
                 s.name: torch.zeros(n, bs, heads, s.groups, dtype=s.dtype, device=device)
                 for s in codec.sidecar_specs()

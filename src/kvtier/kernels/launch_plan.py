@@ -52,7 +52,6 @@ class LaunchConfig:
     min_split_tokens: int = 512
     decode_kernel: str | None = None
     int8_queries: bool | None = None
-    int8_probs: bool | None = None
 
     def __post_init__(self) -> None:
         m = self.block_m

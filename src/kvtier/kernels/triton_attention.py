@@ -71,7 +71,6 @@ QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "cuda_core"}
 #: heads: 358 against 385 us; SmolLM2 perplexity with q8 pages +0.133% against +0.124%
 #: (benchmarks/RESULTS.md, 2026-12-03).
 INT8_QUERIES = True
-INT8_PROBS = False
 
 
 @triton.jit
@@ -116,8 +115,6 @@ def _attention_kernel(
     K_PURE: tl.constexpr,
     VARLEN: tl.constexpr,
     K_INT8: tl.constexpr = False,
-    V_INT8: tl.constexpr = False,
-    V_KM: tl.constexpr = False,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -233,24 +230,11 @@ def _attention_kernel(
 
         if V_FACTOR:
             p = p * tl.load(VS + vs_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if V_INT8:  # weights p * scale as int8 codes, one scale a row and tile, against the codes as stored
-            w_max = tl.max(p, axis=1)
-            pw = (p * tl.where(w_max > 0.0, 127.0 / w_max, 0.0)[:, None] + 0.5).to(tl.int8)
-            w_sc = w_max / 127.0
-            if V_KM:  # keys-major pages: runs of a page's keys, whole 16-byte copies; key rows past the
-                # row's end read page 0 (the table's masked entries) or the page's tail, weighed 0
-                RUN: tl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
-                v_off = tl.max_contiguous(tl.multiple_of(v_rows[:, None] + d[None, :] * PAGE, (RUN, 1)), (RUN, 1))
-                va = tl.load(V + v_off)
-            else:
-                va = tl.load(V + v_rows[:, None] + d[None, :], mask=n_ok[:, None], other=0)
-            acc_a = acc_a * alpha[:, None] + tl.dot(pw, va, out_dtype=tl.int32).to(tl.float32) * w_sc[:, None]
-        elif V_MODE == 0:
-            p = p.to(DT)
+        p = p.to(DT)
+        if V_MODE == 0:
             va = tl.load(V + v_rows[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(DT)
             acc_a = _dot(p, va, acc_a * alpha[:, None], DOT_FP32)
         else:
-            p = p.to(DT)
             va, vb = kv_tile(V, VS, VZ, VC, v_rows, vs_rows, n_ok, BLOCK_N, HEAD_DIM, V_MODE, V_BITS,
                              V_SIGNED, V_OFFSET, V_GROUP, V_ZERO, V_FACTOR, V_SPLIT, V_DIRECT, FAST, DT, False)  # fmt: skip
             acc_a = _dot(p, va, acc_a * alpha[:, None], DOT_FP32)
@@ -429,13 +413,6 @@ def launch_attention(
     # by default only where the dot is in 16 bits anyway (compiled, bf16/fp16 queries)
     int8_q = INT8_QUERIES and not dot_fp32 if cfg.int8_queries is None else cfg.int8_queries
     int8_q = int8_q and int8_key_format(k_fmt, D)
-    # keys-major value pages (q8 only: check_format_tensors) are read with int8 probabilities alone
-    v_km = paged and v_payload.stride(3) != 1
-    if v_km and cfg.int8_probs is False:
-        raise ValueError("keys-major q8 value pages are weighed with int8 probabilities only; "
-                         "LaunchConfig(int8_probs=False) needs value pages with a contiguous last dim")
-    int8_p = INT8_PROBS and not dot_fp32 if cfg.int8_probs is None else cfg.int8_probs
-    int8_p = v_km or int8_p and int8_key_format(v_fmt, D)
     if dot_fp32:
         dot_dtype = tl.float32
     elif direct:
@@ -460,7 +437,7 @@ def launch_attention(
         sm_scale * LOG2E, T, H_kv, split_len, splits,
         G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, PAGED=paged,
         CAUSAL=q_start is not None, SPLIT=splits > 1, DOT_FP32=dot_fp32, DT=dot_dtype, FAST=compiled,
-        K_PURE=True, VARLEN=varlen, K_INT8=int8_q, V_INT8=int8_p, V_KM=v_km,
+        K_PURE=True, VARLEN=varlen, K_INT8=int8_q,
         NEED_SIDECARS=k_fmt.scale is not None or v_fmt.scale is not None,
         **format_constexprs("K", k_fmt, D, direct), **format_constexprs("V", v_fmt, D, direct),
         num_warps=num_warps, num_stages=num_stages,
@@ -528,6 +505,7 @@ def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, splits: int, f
     )  # fmt: skip
 
 
+
 def decode_family(k_fmt: PageFormat, v_fmt: PageFormat) -> str:
     """The :data:`QUANT_DECODE_KERNEL` key of a pair of page formats."""
     return "turboquant" if v_fmt.mode == CENTROID else "kv_quant"  # TurboQuant values are centroids
@@ -553,8 +531,6 @@ def uses_cuda_core_decode(
     else:
         choice = QUANT_DECODE_KERNEL[decode_family(k_fmt, v_fmt)]
     if choice != "cuda_core" or not triton_decode_quant.decode_supported(k_fmt, v_fmt, k_fmt.head_dim):
-        return False
-    if v_payload.stride(3) != 1:  # keys-major q8 values: the MMA kernel's int8 probabilities
         return False
     for fmt, payload in ((k_fmt, k_payload), (v_fmt, v_payload)):
         # 3-bit codes are read as 16-bit halfwords

@@ -29,7 +29,7 @@ from kvtier.kernels.triton_quant import (
 def _write_rows(
     X, stride_xb, stride_xh, stride_xt,
     SLOTS,
-    P, stride_pb, stride_pn, stride_ph, stride_pd,
+    P, stride_pb, stride_pn, stride_ph,
     S, Z, stride_sb, stride_sn, stride_sh,
     R, CEN, BND, n_bnd, CTR,
     row0, n_rows, T, H,
@@ -126,7 +126,7 @@ def _write_rows(
             q = idx.to(tl.float32)
         tl.store(S + s_ptr, scale, mask=ok[:, None])
         u = tl.reshape(q, (ROWS, HEAD_DIM)).to(tl.int32)
-        store_codes(P, p_rows, ok, u, ROWS, HEAD_DIM, BITS, stride_pd)
+        store_codes(P, p_rows, ok, u, ROWS, HEAD_DIM, BITS)
 
 
 @triton.jit
@@ -134,8 +134,8 @@ def _write_kernel(
     KX, stride_kxb, stride_kxh, stride_kxt,
     VX, stride_vxb, stride_vxh, stride_vxt,
     SLOTS,
-    KP, stride_kpb, stride_kpn, stride_kph, stride_kpd,
-    VP, stride_vpb, stride_vpn, stride_vph, stride_vpd,
+    KP, stride_kpb, stride_kpn, stride_kph,
+    VP, stride_vpb, stride_vpn, stride_vph,
     KS, KZ, stride_ksb, stride_ksn, stride_ksh,
     VS, VZ, stride_vsb, stride_vsn, stride_vsh,
     KR, VR, KC, VC, KB, VB, k_nbnd, v_nbnd, KCTR, VCTR,
@@ -151,12 +151,12 @@ def _write_kernel(
     row0 = tl.program_id(0) * ROWS
     if tl.program_id(1) == 0:
         _write_rows(KX, stride_kxb, stride_kxh, stride_kxt, SLOTS,
-                    KP, stride_kpb, stride_kpn, stride_kph, stride_kpd, KS, KZ, stride_ksb, stride_ksn, stride_ksh,
+                    KP, stride_kpb, stride_kpn, stride_kph, KS, KZ, stride_ksb, stride_ksn, stride_ksh,
                     KR, KC, KB, k_nbnd, KCTR, row0, n_rows, T, H, PAGE, ROWS, HEAD_DIM,
                     K_MODE, K_BITS, K_OFFSET, K_GROUP, K_ZERO, K_ROTATE, K_QMAX, K_CENTRE)  # fmt: skip
     else:
         _write_rows(VX, stride_vxb, stride_vxh, stride_vxt, SLOTS,
-                    VP, stride_vpb, stride_vpn, stride_vph, stride_vpd, VS, VZ, stride_vsb, stride_vsn, stride_vsh,
+                    VP, stride_vpb, stride_vpn, stride_vph, VS, VZ, stride_vsb, stride_vsn, stride_vsh,
                     VR, VC, VB, v_nbnd, VCTR, row0, n_rows, T, H, PAGE, ROWS, HEAD_DIM,
                     V_MODE, V_BITS, V_OFFSET, V_GROUP, V_ZERO, V_ROTATE, V_QMAX, V_CENTRE)  # fmt: skip
 
@@ -192,7 +192,7 @@ def launch_write(
     rows_per_program: int = 16,
 ) -> None:
     """Launch the write kernel on validated inputs (``keys``/``values`` of one shape, each with
-    a contiguous last dim; pages with a contiguous last dim, or keys-major q8 pages)."""
+    a contiguous last dim)."""
     B, H, T, D = keys.shape
     n_rows = B * H * T
     if n_rows == 0:
@@ -220,8 +220,8 @@ def launch_write(
         keys, keys.stride(0), keys.stride(1), keys.stride(2),
         values, values.stride(0), values.stride(1), values.stride(2),
         slot_mapping,
-        key_pages, *key_pages.stride(),
-        value_pages, *value_pages.stride(),
+        key_pages, key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
+        value_pages, value_pages.stride(0), value_pages.stride(1), value_pages.stride(2),
         *side(k_fmt, key_pages), *side(v_fmt, value_pages),
         kr, vr, kc, vc, kb, vb, k_nbnd, v_nbnd, kctr, vctr,
         n_rows, T, H,

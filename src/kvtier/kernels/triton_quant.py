@@ -195,11 +195,8 @@ def check_format_tensors(fmt: PageFormat, payload: torch.Tensor, what: str) -> N
             f"{what} pages have last dim {Dp} but the codec packs head_dim {fmt.head_dim} "
             f"into {fmt.packed_dim}; allocate pages with codec.packed_dim()"
         )
-    # keys-major pages (a page's keys side by side) hold whole-byte codes with one scale a vector
-    keys_major = payload.stride(1) == 1 and payload.stride(3) == bs and fmt.mode == AFFINE and fmt.bits == 8
-    if payload.stride(-1) != 1 and not keys_major:
-        raise ValueError(f"{what} pages need a contiguous last dim (or q8 codes keys-major), got strides "
-                         f"{payload.stride()}")
+    if payload.stride(-1) != 1:
+        raise ValueError(f"{what} pages need a contiguous last dim, got strides {payload.stride()}")
     for name, t in (("scale", fmt.scale), ("zero", fmt.zero)):
         if t is None:
             continue
@@ -513,13 +510,11 @@ def store_codes(
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BITS: tl.constexpr,
-    stride_d=1,
 ):
-    """Pack int32 codes ``u`` ``[ROWS, HEAD_DIM]`` (each in ``[0, 2**BITS)``, or int8 for 8 bits) into
-    bytes; whole bytes ``stride_d`` apart (keys-major pages), narrower codes side by side."""
+    """Pack int32 codes ``u`` ``[ROWS, HEAD_DIM]`` (each in ``[0, 2**BITS)``, or int8 for 8 bits) into bytes."""
     if BITS == 8:
         d = tl.arange(0, HEAD_DIM)
-        tl.store(P + rows[:, None] + d[None, :] * stride_d, u.to(P.dtype.element_ty), mask=mask_r[:, None])
+        tl.store(P + rows[:, None] + d[None, :], u.to(P.dtype.element_ty), mask=mask_r[:, None])
     else:
         NCH: tl.constexpr = HEAD_DIM // 8
         BP: tl.constexpr = 8 if BITS > 4 else 4
