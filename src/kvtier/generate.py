@@ -46,7 +46,7 @@ from kvtier.caches.base import KVCache, RowKVCache
 from kvtier.config import KVCacheConfig, make_caches
 from kvtier.cuda_graph import make_decoder
 from kvtier.limits import context_room
-from kvtier.prefill import PREFILL_TOKENS, prefill, prefill_chunk_for  # noqa: F401  (this module's API too)
+from kvtier.prefill import prefill
 from kvtier.sampling import SamplingParams, make_generator, sample
 
 Prompt = str | Sequence[int]
@@ -67,7 +67,7 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
     #: prompt tokens a row per prefill forward (bounds the activation memory of long prompts);
-    #: None: ``max(512, PREFILL_TOKENS // rows)``
+    #: None: ``kvtier.prefill.prefill_chunk_for(rows)``, 2,048 tokens shared by the rows, at least 512 a row
     prefill_chunk: int | None = None
     #: replay decode steps from a CUDA graph (ragged and paged tiers on CUDA; the caches are
     #: frozen for max_tokens steps); None: whenever it can serve, False: never

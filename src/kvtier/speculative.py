@@ -56,10 +56,10 @@ from kvtier.generate import (
     Prompt,
     check_prompts,
     model_device,
-    prefill,
     stream_steps,
 )
 from kvtier.limits import context_room
+from kvtier.prefill import prefill
 from kvtier.sampling import SamplingParams, process_logits
 
 

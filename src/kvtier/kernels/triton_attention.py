@@ -505,7 +505,6 @@ def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, splits: int, f
     )  # fmt: skip
 
 
-
 def decode_family(k_fmt: PageFormat, v_fmt: PageFormat) -> str:
     """The :data:`QUANT_DECODE_KERNEL` key of a pair of page formats."""
     return "turboquant" if v_fmt.mode == CENTROID else "kv_quant"  # TurboQuant values are centroids

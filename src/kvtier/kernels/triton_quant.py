@@ -153,7 +153,7 @@ def direct_format(fmt: PageFormat, head_dim: int) -> bool:
     """Whether the kernel reads ``fmt`` straight into fp16 operands (``kv_tile``'s direct
     branches): e4m3, signed bytes with a scale per row (q8), and nibbles with a scale per row
     (q4) or a scale and zero per 32 channels (q4_g32, 4-bit keys). Other formats are
-    dequantised in fp32 (:func:`~kvtier.kernels.triton_quant.dequant_tile`)."""
+    dequantised in fp32 (:func:`dequant_tile`)."""
     per_row = fmt.group == head_dim and fmt.zero is None
     if fmt.mode == FLOAT8:
         return True
