@@ -4,7 +4,9 @@ A GGUF carries no ``tokenizer.json``: it stores the vocabulary, the merges, the
 token types and the special ids under llama.cpp's key names. For byte-level BPE
 vocabularies (``tokenizer.ggml.model == "gpt2"``: SmolLM2, Llama 3, Qwen) this
 module rebuilds the equivalent ``tokenizers`` pipeline, choosing the
-pre-tokenizer from ``tokenizer.ggml.pre`` the way llama.cpp does.
+pre-tokenizer from ``tokenizer.ggml.pre`` with llama.cpp's split patterns; for
+SmolLM it is the pre-tokenizer of the model's own ``tokenizer.json`` (every numeric
+character on its own), which transformers' GGUF import leaves out.
 
 Example::
 
@@ -40,8 +42,6 @@ _QWEN2_SPLIT = (
 _PRE_SPLITS: dict[str, list[str]] = {
     "default": [_GPT2_SPLIT],
     "gpt2": [_GPT2_SPLIT],
-    # SmolLM: every digit on its own, then GPT-2's pattern
-    "smollm": [r"\p{N}", _GPT2_SPLIT],
     "llama3": [_LLAMA3_SPLIT],
     "llama-v3": [_LLAMA3_SPLIT],
     "llama-bpe": [_LLAMA3_SPLIT],
@@ -50,6 +50,22 @@ _PRE_SPLITS: dict[str, list[str]] = {
     "deepseek-r1-qwen": [_QWEN2_SPLIT],
 }
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer of a GGUF's ``tokenizer.ggml.pre`` value (GPT-2's for unknown values)."""
+    if pre == "smollm":
+        # SmolLM's own tokenizer.json: every numeric character on its own (any Unicode number,
+        # "¼" and "²" too, not only 0-9), then GPT-2's split inside the byte-level step
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    splits = _PRE_SPLITS.get(pre, _PRE_SPLITS["default"])
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
 
 
 class Tokenizer:
@@ -183,12 +199,7 @@ class Tokenizer:
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
         vocab = {t: i for i, t in enumerate(tokens)}
         backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        pre = meta.get("tokenizer.ggml.pre") or "default"
-        splits = _PRE_SPLITS.get(pre, _PRE_SPLITS["default"])
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
+        backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre") or "default")
         backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens(
             [AddedToken(t, special=True, normalized=False)
