@@ -261,7 +261,8 @@ def bench_quant(args, gen) -> tuple[list[dict], list[dict]]:
             p = build_paged(mode, B, L, args, gen)
             ps = [p] + [build_paged(mode, B, L, args, gen) for _ in range(copies_for(p.nbytes) - 1)]
             times = {}
-            for kernel in ("mma", "cuda_core"):
+            # q8 pages: also the pipelined Gluon kernel (their default decode kernel on CUDA)
+            for kernel in ("mma", "cuda_core") + (("gluon",) if mode == "q8" and args.device == "cuda" else ()):
                 cfg = _kernel_cfg(kernel)
                 times[kernel] = time_calls([lambda x=x, cfg=cfg: x.attention(cfg) for x in ps], args.iters, args.reps)
             diff = (p.attention(_kernel_cfg("mma")).float() - p.attention(_kernel_cfg("cuda_core")).float())
@@ -361,7 +362,8 @@ def decode_verdict(rows: list[dict]) -> list[list[str]]:
     for mode, t in best.items():
         if {"mma", "cuda_core"} <= set(t):
             win = min(t, key=t.get)
-            out.append([mode, f"{t['mma'] * 1e6:.1f}", f"{t['cuda_core'] * 1e6:.1f}", win])
+            gluon = f"{t['gluon'] * 1e6:.1f}" if "gluon" in t else "-"
+            out.append([mode, f"{t['mma'] * 1e6:.1f}", f"{t['cuda_core'] * 1e6:.1f}", gluon, win])
     return out
 
 
@@ -429,7 +431,7 @@ def run(args) -> int:
         emit(
             f"quantised decode: the faster kernel per mode ({which}; "
             f"kvtier.kernels.triton_attention.QUANT_DECODE_KERNEL is {QUANT_DECODE_KERNEL})",
-            ["mode", "mma best us", "cuda_core best us", "faster"],
+            ["mode", "mma best us", "cuda_core best us", "gluon best us", "faster"],
             decode_verdict(rows),
         )
 
@@ -446,12 +448,14 @@ def run(args) -> int:
         emit(
             f"quantised paged decode at B={args.quant_batch} vs our bf16 kernel, both decode kernels "
             "(TB/s of stored bytes, best kernel)",
-            ["mode", "context", "stored MB", "mma us", "cuda_core us", "TB/s", "mma vs bf16", "cuda_core vs bf16",
-             "max abs diff"],
+            ["mode", "context", "stored MB", "mma us", "cuda_core us", "gluon us", "TB/s", "mma vs bf16",
+             "cuda_core vs bf16", "gluon vs bf16", "max abs diff"],
             [[x["mode"], str(x["L"]), f"{x['mb']:.0f}", f"{x['t']['mma'] * 1e6:.1f}",
               f"{x['t']['cuda_core'] * 1e6:.1f}" if "cuda_core" in x["t"] else "-",
+              f"{x['t']['gluon'] * 1e6:.1f}" if "gluon" in x["t"] else "-",
               f"{x['mb'] / 1e6 / min(x['t'].values()):.2f}", f"{x['t_bf16'] / x['t']['mma']:.2f}x",
               f"{x['t_bf16'] / x['t']['cuda_core']:.2f}x" if "cuda_core" in x["t"] else "-",
+              f"{x['t_bf16'] / x['t']['gluon']:.2f}x" if "gluon" in x["t"] else "-",
               f"{x['diff']:.1e}"] for x in q],
         )  # fmt: skip
         emit_verdict("default plans", q)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-DECODE_KERNELS = ("cuda_core", "mma")
+DECODE_KERNELS = ("cuda_core", "mma", "gluon")
 #: launches of fewer (row, kv head) programs than this split short: B=1 with 8 kv heads
 #: leaves most multiprocessors idle at 512-key splits
 SMALL_GRID, SHORT_SPLITS = 32, 64
@@ -39,7 +39,8 @@ class LaunchConfig:
     rows a launch has, 16-64, and :data:`PACKED_BLOCK_M` for packed prompt chunks over
     full-precision pages on CUDA). ``decode_kernel``: ``"cuda_core"`` or ``"mma"`` for a
     decode step over quantised pages (``None``: the family's entry in
-    :data:`QUANT_DECODE_KERNEL`). ``int8_queries``: the MMA kernel scores q8 keys as
+    :data:`QUANT_DECODE_KERNEL`), ``"gluon"`` for the pipelined q8 kernel of
+    :mod:`kvtier.kernels.gluon_decode`. ``int8_queries``: the MMA kernel scores q8 keys as
     integer dots of int8 queries (one scale a query row) with the stored codes (``None``:
     ``INT8_QUERIES`` of :mod:`kvtier.kernels.triton_attention`).
     """

@@ -24,14 +24,16 @@ written in place (the serving engine's prompt chunks).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kvtier.kernels import triton_decode_quant
+from kvtier.kernels import gluon_decode, triton_decode_quant
 from kvtier.kernels.launch_plan import (  # noqa: F401  (LaunchConfig, plan_launch: this module's API too)
     DECODE_KERNELS,
     PACKED_BLOCK_M,
@@ -71,6 +73,12 @@ QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "cuda_core"}
 #: heads: 358 against 385 us; SmolLM2 perplexity with q8 pages +0.133% against +0.124%
 #: (benchmarks/RESULTS.md, 2026-12-03).
 INT8_QUERIES = True
+#: decode steps over these pages (``"q8"``, ``"fp"``) go to the pipelined Gluon kernel
+#: (:mod:`kvtier.kernels.gluon_decode`) where it runs, unless ``LaunchConfig.decode_kernel`` says otherwise
+GLUON_DECODE: frozenset[str] = frozenset({"q8"})
+#: Launch the split merge as a programmatic dependent launch on compute capability 9.0+: its
+#: programs are scheduled while the attention programs finish, and wait for their results.
+MERGE_PDL = True
 
 
 @triton.jit
@@ -115,6 +123,7 @@ def _attention_kernel(
     K_PURE: tl.constexpr,
     VARLEN: tl.constexpr,
     K_INT8: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -241,6 +250,8 @@ def _attention_kernel(
             if V_SPLIT:
                 acc_b = _dot(p, vb, acc_b * alpha[:, None], DOT_FP32)
 
+    if SPLIT and PDL:
+        gdc_launch_dependents()  # the merge's programs may start; they wait for these results
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     # output channels of acc_a (and acc_b): all of them, or the even (and odd) ones
     if V_SPLIT:
@@ -273,9 +284,13 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Log-sum-exp merge of the splits of one query row ``r = (b, hq, t)``, channels
-    ``[program_id(1) * BLOCK_D, + BLOCK_D)``."""
+    ``[program_id(1) * BLOCK_D, + BLOCK_D)``. ``PDL``: launched as a programmatic dependent
+    launch, so it first waits for the attention grid's results."""
+    if PDL:
+        gdc_wait()
     r = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_D
     t = r % T
@@ -376,6 +391,12 @@ def launch_attention(
         if parts is not None:
             _merge(parts[0], parts[1], out, splits)
         return out
+    gluon = cfg.decode_kernel == "gluon" or (
+        cfg.decode_kernel is None and GLUON_DECODE and gluon_decode.pages_kind(k_fmt, v_fmt, q, k_payload) in GLUON_DECODE
+        and gluon_decode.supported(k_fmt, v_fmt, q, G, k_payload) is None)
+    if T == 1 and not varlen and block_tables is not None and gluon:
+        return gluon_decode.decode(q, k_payload, v_payload, k_fmt, v_fmt, block_tables=block_tables, kv_len=kv_len,
+                                   capacity=capacity, scale=scale, out=out, out_dtype=out_dtype, cfg=cfg)
     if varlen and cfg.block_m is None and not quantised and q.device.type == "cuda":
         # H200, a prompt step of 27 chunks (15,852 tokens), 32/8 heads: 128 query rows a tile
         # 0.69 ms against 0.82-0.91 at 64 (benchmarks/RESULTS.md, 2026-12-02)
@@ -440,7 +461,7 @@ def launch_attention(
         K_PURE=True, VARLEN=varlen, K_INT8=int8_q,
         NEED_SIDECARS=k_fmt.scale is not None or v_fmt.scale is not None,
         **format_constexprs("K", k_fmt, D, direct), **format_constexprs("V", v_fmt, D, direct),
-        num_warps=num_warps, num_stages=num_stages,
+        PDL=splits > 1 and bool(_pdl(q.device)), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
         # a small grid's splits are one tile each whatever the table's width, so an eager step
@@ -501,8 +522,21 @@ def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, splits: int, f
     block_d = min(D, MERGE_BLOCK_D)
     _merge_kernel[(B * Hq * T, D // block_d)](
         po, pl, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, splits,
-        HEAD_DIM=D, SPLITS_P2=tile, BLOCK_D=block_d, num_warps=1,
+        HEAD_DIM=D, SPLITS_P2=tile, BLOCK_D=block_d, num_warps=1, **_pdl(out.device),
     )  # fmt: skip
+
+
+def _pdl(device: torch.device) -> dict[str, bool]:
+    """The merge's launch options: a programmatic dependent launch where :data:`MERGE_PDL` and the
+    GPU has it (compute capability 9.0+), nothing elsewhere (the interpreter)."""
+    if not MERGE_PDL or device.type != "cuda" or not _has_pdl(device.index if device.index is not None else torch.cuda.current_device()):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@functools.cache
+def _has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def decode_family(k_fmt: PageFormat, v_fmt: PageFormat) -> str:

@@ -1,0 +1,285 @@
+"""q8 paged decode as a Gluon kernel: the copies of the next tiles in flight while a tile is scored.
+
+Triton's pipeliner gives the MMA kernel (:mod:`kvtier.kernels.triton_attention`) one buffer a
+tile: the copies of tile ``i + 1`` are issued after tile ``i``'s shared-memory reads, so inside a
+program nothing overlaps the loads, and at half the bytes a tile (q8) three programs a
+multiprocessor cannot keep the DRAM busy. This kernel, written in Gluon (Triton's explicit
+layout and memory language), keeps a ring of ``NS`` stages in shared memory and issues the
+asynchronous copies of tile ``i + NS - 1`` before it scores tile ``i``.
+
+One program per (row, kv head, split) of a decode step (one query a row), the ``G`` query heads
+of the kv head padded to 16 rows. Keys and values are q8 codes with a float32 scale per token
+and head. As in the MMA kernel: the query is rounded to int8 (one scale a row) and scored
+against the key codes by an integer dot; the softmax runs on exp2; each key's value scale is
+applied to the probabilities, and the value codes (exact in fp16) meet them in an fp16 dot.
+Splits write the same partials and log-sum-exp as the MMA kernel, merged by its merge kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - Triton without Gluon
+    HAVE_GLUON = False
+
+
+#: a register cap for the kernel (``None``: the compiler's choice), for sweeps
+MAXNREG: int | None = None
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _round_half_even(x):
+        r = gl.floor(x + 0.5)
+        tie = (r - x) == 0.5
+        odd = (r - 2.0 * gl.floor(r * 0.5)) != 0.0
+        return gl.where(tie & odd, r - 1.0, r)
+
+    @gluon.jit
+    def _issue_tile(
+        K, V, KS, VS, BT, k_smem, v_smem, ks_smem, vs_smem, stage, n0, hi, bt_row, hk,
+        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
+        BLOCK_N: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, CP: gl.constexpr, SC: gl.constexpr,
+        QUANT: gl.constexpr,
+    ):  # fmt: skip
+        """Asynchronous copies of the tile of keys ``n0 ..`` (codes and, ``QUANT``, scales) into ``stage``."""
+        n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CP))
+        ok = n < hi
+        blk = gl.load(bt_row + n // PAGE, mask=ok, other=0).to(gl.int64)
+        pos = n % PAGE
+        d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, CP)), 0)
+        ok2 = gl.expand_dims(ok, 1)
+        k_rows = gl.expand_dims(blk * stride_kb + (pos * stride_kn + hk * stride_kh), 1)
+        v_rows = gl.expand_dims(blk * stride_vb + (pos * stride_vn + hk * stride_vh), 1)
+        cp.async_copy_global_to_shared(k_smem.index(stage), K + k_rows + d, mask=ok2)
+        cp.async_copy_global_to_shared(v_smem.index(stage), V + v_rows + d, mask=ok2)
+        if QUANT:
+            ns = n0 + gl.arange(0, BLOCK_N, layout=SC)
+            oks = ns < hi
+            blks = gl.load(bt_row + ns // PAGE, mask=oks, other=0).to(gl.int64)
+            poss = ns % PAGE
+            ks_ptr = KS + blks * stride_ksb + (poss * stride_ksn + hk * stride_ksh)
+            vs_ptr = VS + blks * stride_vsb + (poss * stride_vsn + hk * stride_vsh)
+            cp.async_copy_global_to_shared(ks_smem.index(stage), ks_ptr, mask=oks)
+            cp.async_copy_global_to_shared(vs_smem.index(stage), vs_ptr, mask=oks)
+        cp.commit_group()
+
+    @gluon.jit
+    def _decode_kernel(
+        Q, stride_qb, stride_qh,
+        K, stride_kb, stride_kn, stride_kh,
+        V, stride_vb, stride_vn, stride_vh,
+        KS, stride_ksb, stride_ksn, stride_ksh,
+        VS, stride_vsb, stride_vsn, stride_vsh,
+        BT, stride_btb, capacity, KVLEN,
+        OUT, stride_ob, stride_oh, PO, PL,
+        qk_scale, H_KV, split_len, num_splits,
+        G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr,
+        SPLIT: gl.constexpr, QUANT: gl.constexpr,
+    ):  # fmt: skip
+        # QUANT: q8 codes (one byte) and a scale a token; else 16-bit keys and values
+        VEC: gl.constexpr = 16 if QUANT else 8  # elements of a 16-byte copy
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+        KW: gl.constexpr = 4 if QUANT else 2  # elements a 32-bit register holds along the dot's depth
+        QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=KW)
+        KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=KW)
+        PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        VB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        # 16-byte copies, a row of D elements across D // VEC threads
+        CP: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (D // VEC), D // VEC], [4, 1], [1, 0])
+        SC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        QL: gl.constexpr = gl.BlockedLayout([1, D // 16], [2, 16], [4, 1], [1, 0])
+        TILE: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC, per_phase=1, max_phase=8, order=[1, 0])
+        FLAT: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+        COLS: gl.constexpr = gl.SliceLayout(0, MMA)
+
+        pid_bh = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = pid_bh // H_KV
+        hk = pid_bh % H_KV
+
+        # the query rows of this kv head (log2 domain); q8: int8 codes, one scale a row
+        mq = gl.arange(0, 16, layout=gl.SliceLayout(1, QL))
+        dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+        q_ptr = Q + b * stride_qb + gl.expand_dims((hk * G + mq) * stride_qh, 1) + gl.expand_dims(dq, 0)
+        q = gl.load(q_ptr, mask=gl.expand_dims(mq < G, 1), other=0.0).to(gl.float32) * qk_scale
+        if QUANT:
+            q_max = gl.max(gl.abs(q), axis=1)
+            q_sc = gl.where(q_max > 0.0, q_max / 127.0, 1.0)
+            qa = gl.convert_layout(_round_half_even(q / gl.expand_dims(q_sc, 1)).to(gl.int8), QA)
+            q_sc = gl.convert_layout(q_sc, ROWS)
+        else:
+            qa = gl.convert_layout(q.to(K.dtype.element_ty), QA)
+
+        kv_len = gl.minimum(gl.load(KVLEN + b).to(gl.int32), capacity)
+        lo = pid_s * split_len
+        hi = gl.minimum(kv_len, lo + split_len)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        bt_row = BT + b * stride_btb
+
+        k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NS, BLOCK_N, D], TILE)
+        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NS, BLOCK_N, D], TILE)
+        if QUANT:
+            ks_smem = gl.allocate_shared_memory(gl.float32, [NS, BLOCK_N], FLAT)
+            vs_smem = gl.allocate_shared_memory(gl.float32, [NS, BLOCK_N], FLAT)
+        else:  # no scales: never touched
+            ks_smem = k_smem
+            vs_smem = v_smem
+        for j in gl.static_range(NS - 1):
+            _issue_tile(K, V, KS, VS, BT, k_smem, v_smem, ks_smem, vs_smem, j, lo + j * BLOCK_N, hi, bt_row, hk,
+                        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                        stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
+                        BLOCK_N, D, PAGE, CP, SC, QUANT)  # fmt: skip
+
+        m_i = gl.full([16], float("-inf"), gl.float32, ROWS)
+        l_i = gl.zeros([16], gl.float32, ROWS)
+        acc = gl.zeros([16, D], gl.float32, MMA)
+        for i in range(n_tiles):
+            cp.wait_group(NS - 2)  # this thread's copies of tile i have landed
+            gl.thread_barrier()  # everyone's have, and everyone is done with tile i - 1's stage
+            _issue_tile(K, V, KS, VS, BT, k_smem, v_smem, ks_smem, vs_smem, (i + NS - 1) % NS,
+                        lo + (i + NS - 1) * BLOCK_N, hi, bt_row, hk,
+                        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                        stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
+                        BLOCK_N, D, PAGE, CP, SC, QUANT)  # fmt: skip
+            st = i % NS
+            kt = k_smem.index(st).permute((1, 0)).load(KB)  # (D, BLOCK_N)
+            if QUANT:
+                s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.int32, MMA))
+                s = s.to(gl.float32) * gl.expand_dims(q_sc, 1) * gl.expand_dims(ks_smem.index(st).load(COLS), 0)
+            else:
+                s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.float32, MMA))
+            n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=COLS)
+            s = gl.where(gl.expand_dims(n < hi, 0), s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            if QUANT:
+                p = p * gl.expand_dims(vs_smem.index(st).load(COLS), 0)
+                pa = gl.convert_layout(p.to(gl.float16), PA)
+                vt = v_smem.index(st).load(VB).to(gl.float16)  # (BLOCK_N, D) codes, exact in fp16
+            else:
+                pa = gl.convert_layout(p.to(V.dtype.element_ty), PA)
+                vt = v_smem.index(st).load(VB)
+            acc = mma_v2(pa, vt, acc * gl.expand_dims(alpha, 1))
+        cp.wait_group(0)
+
+        rows = gl.arange(0, 16, layout=ROWS)
+        cols = gl.expand_dims(gl.arange(0, D, layout=COLS), 0)
+        row_ok = rows < G
+        hq = hk * G + rows
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / gl.expand_dims(l_safe, 1)
+        if SPLIT:
+            r = b * (H_KV * G) + hq  # (B, Hq, T=1, splits, D) partials, (B, Hq, 1, splits) lse
+            lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+            gl.store(PL + r * num_splits + pid_s, lse, mask=row_ok)
+            po = PO + gl.expand_dims((r * num_splits + pid_s) * D, 1) + cols
+            gl.store(po, out.to(PO.dtype.element_ty), mask=gl.expand_dims(row_ok, 1))
+        else:
+            o = OUT + b * stride_ob + gl.expand_dims(hq * stride_oh, 1) + cols
+            gl.store(o, out.to(OUT.dtype.element_ty), mask=gl.expand_dims(row_ok, 1))
+
+
+def launch_decode(
+    q: torch.Tensor, k_payload: torch.Tensor, v_payload: torch.Tensor, k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None, block_tables: torch.Tensor, kv_len: torch.Tensor, capacity: int,
+    out: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, *, qk_scale: float, splits: int, split_len: int,
+    block_n: int = 64, stages: int = 4,
+) -> None:
+    """Launch on validated inputs: ``q`` ``[B, Hq, 1, D]``, payloads ``[num_blocks, page, H_kv, D]``
+    (int8 codes with scales ``[num_blocks, page, H_kv, 1]`` float32, or 16-bit values with
+    ``None``); partials into ``po``/``pl`` when ``splits > 1`` (merged by the caller), else the
+    output into ``out``."""
+    B, Hq, _, D = q.shape
+    H_kv, page = k_payload.shape[2], k_payload.shape[1]
+    quant = k_scale is not None
+    ks, vs = (k_scale, v_scale) if quant else (k_payload, v_payload)
+    _decode_kernel[(B * H_kv, splits)](
+        q, q.stride(0), q.stride(1),
+        k_payload, k_payload.stride(0), k_payload.stride(1), k_payload.stride(2),
+        v_payload, v_payload.stride(0), v_payload.stride(1), v_payload.stride(2),
+        ks, ks.stride(0), ks.stride(1), ks.stride(2),
+        vs, vs.stride(0), vs.stride(1), vs.stride(2),
+        block_tables, block_tables.stride(0), capacity, kv_len,
+        out, out.stride(0), out.stride(1), po, pl,
+        qk_scale, H_kv, split_len, splits,
+        G=Hq // H_kv, D=D, BLOCK_N=block_n, PAGE=page, NS=stages, SPLIT=splits > 1, QUANT=quant,
+        num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG else {}),
+    )  # fmt: skip
+
+
+def pages_kind(k_fmt, v_fmt, q: torch.Tensor, k_payload: torch.Tensor | None = None) -> str | None:
+    """``"q8"`` (signed bytes, one scale a token and head, keys and values), ``"fp"`` (pages
+    in the queries' dtype) or ``None``: the pages this kernel reads."""
+    from kvtier.kernels.triton_quant import FP, int8_key_format
+
+    D = q.shape[-1]
+    if int8_key_format(k_fmt, D) and int8_key_format(v_fmt, D):
+        return "q8"
+    if k_fmt.mode == FP and v_fmt.mode == FP and (k_payload is None or k_payload.dtype == q.dtype):
+        return "fp"
+    return None
+
+
+def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor | None = None) -> str | None:
+    """Why this kernel cannot take a decode step over these pages (``None``: it can)."""
+    D = q.shape[-1]
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "it needs a CUDA GPU of compute capability 8.0+"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes fp16 or bf16 queries, not {q.dtype}"
+    if pages_kind(k_fmt, v_fmt, q, k_payload) is None:
+        return "it reads q8 keys and values (signed bytes, one scale a token and head) or pages in the queries' dtype"
+    if D not in (64, 128) or group > 16:
+        return f"it takes head_dim 64 or 128 and up to 16 query heads a kv head, not {D} and {group}"
+    return None
+
+
+def decode(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, capacity, scale, out, out_dtype, cfg):
+    """A decode step (``q`` ``[B, Hq, 1, D]``) through this kernel; ``cfg``'s ``block_n``
+    (default 64 keys for q8 pages, 32 for 16-bit ones) and ``num_stages`` (default 2) set the
+    tile and the ring."""
+    import math
+    from dataclasses import replace
+
+    from kvtier.kernels.launch_plan import SMALL_GRID, plan_launch
+    from kvtier.kernels.triton_attention import LOG2E, _merge, partial_dtype
+
+    B, Hq, _, D = q.shape
+    H_kv = k_payload.shape[2]
+    why = supported(k_fmt, v_fmt, q, Hq // H_kv, k_payload)
+    if why is not None:
+        raise ValueError(f"decode_kernel='gluon' cannot take this step: {why}; leave decode_kernel unset")
+    quant = k_fmt.scale is not None
+    block_n = cfg.block_n or (64 if quant else 32)
+    stages = cfg.num_stages or 2
+    plan_cfg = replace(cfg, block_n=block_n)
+    *_, splits, split_len, base = plan_launch(B, H_kv, Hq // H_kv, 1, capacity, q.device, plan_cfg, quant)
+    if out is None:
+        out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
+    if splits > 1:
+        po = torch.empty((B, Hq, 1, splits, D), dtype=partial_dtype(out.dtype, q.device), device=q.device)
+        pl = torch.empty((B, Hq, 1, splits), dtype=torch.float32, device=q.device)
+    else:
+        po = pl = out
+    sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, capacity, out, po, pl,
+                  qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages)
+    if splits > 1:  # as the MMA kernel's launch: an eager step and a CUDA graph merge alike
+        _merge(po, pl, out, splits, fixed=base < SMALL_GRID and split_len <= block_n)
+    return out

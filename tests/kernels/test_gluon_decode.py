@@ -1,0 +1,111 @@
+"""The pipelined decode kernel (``LaunchConfig(decode_kernel="gluon")``,
+:mod:`kvtier.kernels.gluon_decode`) against SDPA over the decoded pages (q8 pages: with the
+queries rounded as the kernel rounds them) and against the MMA kernel's launch of the same step.
+
+Gluon kernels compile for GPUs only (no interpreter): off the GPU the tests check the refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_paged import DEVICE, IN_PROCESS, ON_GPU, TOL, build_cache, gathered_reference
+
+from kvtier.kernels.reference import round_queries_int8
+from triton_support import in_this_process_or_a_fresh_one
+
+if IN_PROCESS:
+    from kvtier.kernels import gluon_decode
+    from kvtier.kernels.triton_paged import LaunchConfig, paged_attention_triton
+    from kvtier.kernels.triton_quant import page_format
+
+_kernels_in_this_process, test_in_a_fresh_process = in_this_process_or_a_fresh_one(IN_PROCESS, __file__)
+
+
+def _case(mode, B, Hq, H_kv, D, lengths, dtype, seed=0):
+    c = build_cache(mode, B, H_kv, D, 16, lengths, dtype, seed=seed)
+    q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(DEVICE)
+    return c, q, c["kv_len"] - 1
+
+
+def _attend(c, q, qs, **cfg):
+    kw = dict(k_codec=c["kc"], v_codec=c["vc"], k_sidecars=c["ks"], v_sidecars=c["vs"])
+    return paged_attention_triton(q, c["kp"], c["vp"], c["table"], qs, c["kv_len"], config=LaunchConfig(**cfg), **kw)
+
+
+def _formats(c):
+    return page_format(c["kc"], c["kp"], c["ks"]), page_format(c["vc"], c["vp"], c["vs"])
+
+
+@pytest.mark.parametrize("mode", ["q4", "fp8", "turboquant:q8_0,q3_0"])
+def test_only_q8_and_16_bit_pages_are_taken(mode):
+    c, q, _ = _case(mode, 1, 4, 1, 64, [20], torch.float16)
+    why = gluon_decode.supported(*_formats(c), q, 4, c["kp"])
+    assert why is not None and ("q8" in why or "GPU" in why)
+
+
+def test_asking_for_it_where_it_cannot_run_names_the_reason():
+    c, q, qs = _case("q8", 2, 4, 1, 64, [20, 7], torch.float16 if ON_GPU else torch.float32)
+    if ON_GPU:  # 32 query heads a kv head: more than the tile's 16 rows
+        c, q, qs = _case("q8", 1, 32, 1, 64, [20], torch.bfloat16)
+    with pytest.raises(ValueError, match="decode_kernel='gluon' cannot take this step: .*leave decode_kernel unset"):
+        _attend(c, q, qs, decode_kernel="gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize(
+    "B, Hq, H_kv, D, lengths, splits",
+    [
+        (3, 4, 1, 64, [1, 17, 45], None),  # one key, a page edge + 1, a few pages
+        (2, 8, 2, 128, [70, 33], 3),  # GQA 4, three splits merged
+        (2, 16, 1, 128, [300, 129], 2),  # 16 query heads a kv head (the tile's rows)
+        (3, 12, 4, 64, [5, 200, 64], 4),  # GQA 3 (rows padded), a split past a row's end
+    ],
+)
+@pytest.mark.parametrize("block_n, stages", [(64, 4), (32, 2), (128, 3)])
+@pytest.mark.parametrize("mode, dtype", [("q8", torch.bfloat16), ("fp", torch.bfloat16), ("fp", torch.float16)])
+def test_gpu_matches_the_reference(B, Hq, H_kv, D, lengths, splits, block_n, stages, mode, dtype):
+    c, q, qs = _case(mode, B, Hq, H_kv, D, lengths, dtype)
+    if mode == "fp" and block_n == 128:
+        stages = 2  # 16-bit tiles of 128 keys: three stages would not fit a multiprocessor's shared memory
+    out = _attend(c, q, qs, decode_kernel="gluon", num_splits=splits, block_n=block_n, num_stages=stages)
+    tol = TOL[dtype]
+    seen = round_queries_int8(q) if mode == "q8" else q
+    torch.testing.assert_close(out.float(), gathered_reference(c, seen, qs), atol=tol, rtol=tol)
+    mma = _attend(c, q, qs, decode_kernel="mma", num_splits=splits)
+    torch.testing.assert_close(out.float(), mma.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("B, L, splits", [(64, 8192, None), (8, 16384, None), (1, 4096, None), (4, 3000, 5)])
+@pytest.mark.parametrize("mode", ["q8", "fp"])
+def test_gpu_long_rows(B, L, splits, mode):
+    """The H200's shapes (32/8 heads, head_dim 128), rows of unequal lengths."""
+    lengths = [L - 37 * b for b in range(B)]
+    c, q, qs = _case(mode, B, 32, 8, 128, lengths, torch.bfloat16)
+    out = _attend(c, q, qs, decode_kernel="gluon", num_splits=splits)
+    tol = TOL[torch.bfloat16]
+    seen = round_queries_int8(q) if mode == "q8" else q
+    torch.testing.assert_close(out.float(), gathered_reference(c, seen, qs), atol=tol, rtol=tol)
+    mma = _attend(c, q, qs, decode_kernel="mma", num_splits=splits)
+    torch.testing.assert_close(out.float(), mma.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_gpu_replays_in_a_cuda_graph():
+    c, q, qs = _case("q8", 4, 32, 8, 128, [4000, 3000, 17, 1], torch.bfloat16)
+    eager = _attend(c, q, qs, decode_kernel="gluon")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _attend(c, q, qs, decode_kernel="gluon")
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = _attend(c, q, qs, decode_kernel="gluon")
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
