@@ -33,6 +33,16 @@ def _attend(c, q, qs, **cfg):
     return paged_attention_triton(q, c["kp"], c["vp"], c["table"], qs, c["kv_len"], config=LaunchConfig(**cfg), **kw)
 
 
+def _check_against_references(c, q, qs, mode, tol, *, num_splits, **plan):
+    """The Gluon launch against SDPA over the decoded pages (q8: the queries rounded as the
+    kernel rounds them) and against the MMA kernel's launch of the same step."""
+    out = _attend(c, q, qs, decode_kernel="gluon", num_splits=num_splits, **plan)
+    seen = round_queries_int8(q) if mode == "q8" else q
+    torch.testing.assert_close(out.float(), gathered_reference(c, seen, qs), atol=tol, rtol=tol)
+    mma = _attend(c, q, qs, decode_kernel="mma", num_splits=num_splits)
+    torch.testing.assert_close(out.float(), mma.float(), atol=tol, rtol=tol)
+
+
 def _formats(c):
     return page_format(c["kc"], c["kp"], c["ks"]), page_format(c["vc"], c["vp"], c["vs"])
 
@@ -69,12 +79,7 @@ def test_gpu_matches_the_reference(B, Hq, H_kv, D, lengths, splits, block_n, sta
     c, q, qs = _case(mode, B, Hq, H_kv, D, lengths, dtype)
     if mode == "fp" and block_n == 128:
         stages = 2  # 16-bit tiles of 128 keys: three stages would not fit a multiprocessor's shared memory
-    out = _attend(c, q, qs, decode_kernel="gluon", num_splits=splits, block_n=block_n, num_stages=stages)
-    tol = TOL[dtype]
-    seen = round_queries_int8(q) if mode == "q8" else q
-    torch.testing.assert_close(out.float(), gathered_reference(c, seen, qs), atol=tol, rtol=tol)
-    mma = _attend(c, q, qs, decode_kernel="mma", num_splits=splits)
-    torch.testing.assert_close(out.float(), mma.float(), atol=tol, rtol=tol)
+    _check_against_references(c, q, qs, mode, TOL[dtype], num_splits=splits, block_n=block_n, num_stages=stages)
 
 
 @pytest.mark.gpu
@@ -85,12 +90,7 @@ def test_gpu_long_rows(B, L, splits, mode):
     """The H200's shapes (32/8 heads, head_dim 128), rows of unequal lengths."""
     lengths = [L - 37 * b for b in range(B)]
     c, q, qs = _case(mode, B, 32, 8, 128, lengths, torch.bfloat16)
-    out = _attend(c, q, qs, decode_kernel="gluon", num_splits=splits)
-    tol = TOL[torch.bfloat16]
-    seen = round_queries_int8(q) if mode == "q8" else q
-    torch.testing.assert_close(out.float(), gathered_reference(c, seen, qs), atol=tol, rtol=tol)
-    mma = _attend(c, q, qs, decode_kernel="mma", num_splits=splits)
-    torch.testing.assert_close(out.float(), mma.float(), atol=tol, rtol=tol)
+    _check_against_references(c, q, qs, mode, TOL[torch.bfloat16], num_splits=splits)
 
 
 @pytest.mark.gpu

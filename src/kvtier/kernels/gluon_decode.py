@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.kernels.triton_quant import round_half_even
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -34,13 +36,6 @@ except ImportError:  # pragma: no cover - Triton without Gluon
 MAXNREG: int | None = None
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _round_half_even(x):
-        r = gl.floor(x + 0.5)
-        tie = (r - x) == 0.5
-        odd = (r - 2.0 * gl.floor(r * 0.5)) != 0.0
-        return gl.where(tie & odd, r - 1.0, r)
 
     @gluon.jit
     def _issue_tile(
@@ -115,7 +110,7 @@ if HAVE_GLUON:
         if QUANT:
             q_max = gl.max(gl.abs(q), axis=1)
             q_sc = gl.where(q_max > 0.0, q_max / 127.0, 1.0)
-            qa = gl.convert_layout(_round_half_even(q / gl.expand_dims(q_sc, 1)).to(gl.int8), QA)
+            qa = gl.convert_layout(round_half_even(q / gl.expand_dims(q_sc, 1)).to(gl.int8), QA)
             q_sc = gl.convert_layout(q_sc, ROWS)
         else:
             qa = gl.convert_layout(q.to(K.dtype.element_ty), QA)
