@@ -1,0 +1,93 @@
+"""The decode kernels side by side: the MMA kernel and the pipelined Gluon kernel
+(:mod:`kvtier.kernels.gluon_decode`) over bf16 and q8 pages, at its defaults and other tiles,
+register caps and split counts, on the shapes of issue 15 and a serving step.
+
+    PYTHONPATH=src:benchmarks python3 benchmarks/tools/decode_kernel_ab.py [--out DIR]
+
+Times: medians of CUDA-graph replays over replicas beyond 4x the L2
+(``kvtier_bench.attention.time_calls``); the last column is the largest difference from the
+MMA kernel's output. ``--device cpu`` is a smoke run of the MMA rows under
+``TRITON_INTERPRET=1`` (Gluon kernels run on GPUs only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from types import SimpleNamespace
+
+import torch
+
+
+def plans(mode: str, B, cuda: bool) -> dict:
+    from kvtier.kernels.launch_plan import LaunchConfig
+
+    def gluon(bn, ns=2, splits=None, maxnreg=None):
+        return maxnreg, LaunchConfig(decode_kernel="gluon", block_n=bn, num_stages=ns, num_splits=splits)
+
+    out = {"mma": (None, LaunchConfig(decode_kernel="mma"))}
+    if not cuda:
+        return out
+    if mode == "fp":
+        return out | {"gluon 32x2": gluon(32), "gluon 64x2": gluon(64)}
+    out |= {"default": (None, None), "gluon 128x2": gluon(128), "gluon 32x2": gluon(32),
+            "gluon 64x2 r80": gluon(64, maxnreg=80), "gluon 64x2 r72": gluon(64, maxnreg=72)}
+    if B != "serve" and B >= 8:
+        out |= {f"gluon 64x2 s{s}": gluon(64, 2, s) for s in (2, 4, 6, 8, 12, 16)}
+    return out
+
+
+def main() -> None:
+    from kvtier.kernels import gluon_decode
+    from kvtier.kernels.launch_plan import LaunchConfig
+    from kvtier_bench.attention import build_paged, copies_for, time_calls, write_report
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
+    args = p.parse_args()
+    dev = args.device
+    cuda = dev == "cuda"
+    shape = SimpleNamespace(kv_heads=8, heads=32, head_dim=128, page=16, device=dev)
+    if not cuda:
+        shape = SimpleNamespace(kv_heads=2, heads=8, head_dim=64, page=16, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shapes = [(64, 8192), (8, 16384), (8, 4096), (1, 4096), (1, 16384), (32, 4096), ("serve", 1280)]
+    if not cuda:
+        shapes = [(2, 64)]
+    name = torch.cuda.get_device_name() if cuda else dev
+    lines = [f"{time.strftime('%Y-%m-%d %H:%M')} {name}, torch {torch.__version__}, "
+             f"{shape.heads}/{shape.kv_heads} heads, head_dim {shape.head_dim}, pages of 16",
+             "", "| shape | pages | plan | us | max diff vs mma |", "|---|---|---|---|---|"]
+    results = []
+    for B, L in shapes:
+        serve = B == "serve"
+        rows = 256 if serve else B
+        gen_lens = torch.Generator().manual_seed(0)
+        lens = torch.randint(64, L + 1, (rows,), generator=gen_lens).sort(descending=True).values if serve else torch.full((rows,), L)
+        label = "serving step" if serve else f"B={B} / {L}"
+        for mode in ("fp", "q8"):
+            base = build_paged(mode, rows, L, shape, gen)
+            n = copies_for(int(lens.sum()) * (base.nbytes // (rows * L))) if cuda else 1
+            reps = [base] + [build_paged(mode, rows, L, shape, gen) for _ in range(n - 1)]
+            for r in reps:
+                r.kv_len = lens.to(dev)
+            ref = base.attention(LaunchConfig(decode_kernel="mma")).float()
+            for plan, (maxnreg, cfg) in plans(mode, B, cuda).items():
+                gluon_decode.MAXNREG = maxnreg
+                try:
+                    t = time_calls([lambda r=r, cfg=cfg: r.attention(cfg) for r in reps], 20, 10)
+                    diff = (base.attention(cfg).float() - ref).abs().max().item()
+                finally:
+                    gluon_decode.MAXNREG = None
+                results.append(dict(shape=label, pages=mode, plan=plan, us=t * 1e6, max_diff=diff))
+                lines.append(f"| {label} | {mode} | {plan} | {t * 1e6:.2f} | {diff:.1e} |")
+                print(lines[-1], flush=True)
+            del reps, base
+            if cuda:
+                torch.cuda.empty_cache()
+    write_report(args.out, "decode_kernel_ab", lines, results)
+
+
+if __name__ == "__main__":
+    main()
