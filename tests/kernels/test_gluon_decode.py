@@ -62,6 +62,13 @@ def test_asking_for_it_where_it_cannot_run_names_the_reason():
         _attend(c, q, qs, decode_kernel="gluon")
 
 
+@pytest.mark.parametrize("plan", [dict(num_stages=1), dict(block_n=16), dict(block_n=256)])
+def test_a_plan_it_cannot_run_is_refused_by_name(plan):
+    c, q, qs = _case("q8", 2, 4, 1, 64, [20, 7], torch.bfloat16 if ON_GPU else torch.float32)
+    with pytest.raises(ValueError, match=r"takes block_n 32, 64 or 128 and num_stages >= 2.*leave them unset"):
+        _attend(c, q, qs, decode_kernel="gluon", **plan)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize(

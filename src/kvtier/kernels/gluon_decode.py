@@ -1,25 +1,32 @@
-"""q8 paged decode as a Gluon kernel: the copies of the next tiles in flight while a tile is scored.
+"""Paged decode as a Gluon kernel: the copies of the next tile in flight while a tile is scored.
 
 Triton's pipeliner gives the MMA kernel (:mod:`kvtier.kernels.triton_attention`) one buffer a
 tile: the copies of tile ``i + 1`` are issued after tile ``i``'s shared-memory reads, so inside a
 program nothing overlaps the loads, and at half the bytes a tile (q8) three programs a
 multiprocessor cannot keep the DRAM busy. This kernel, written in Gluon (Triton's explicit
 layout and memory language), keeps a ring of ``NS`` stages in shared memory and issues the
-asynchronous copies of tile ``i + NS - 1`` before it scores tile ``i``.
+asynchronous copies of tile ``i + NS - 1`` before it scores tile ``i``. Two stages (the
+default) were the fastest on the H200: 96 registers and 35 KB of shared memory a program
+let five programs share a multiprocessor (benchmarks/RESULTS.md, 2026-12-03, tenth session).
 
 One program per (row, kv head, split) of a decode step (one query a row), the ``G`` query heads
-of the kv head padded to 16 rows. Keys and values are q8 codes with a float32 scale per token
-and head. As in the MMA kernel: the query is rounded to int8 (one scale a row) and scored
-against the key codes by an integer dot; the softmax runs on exp2; each key's value scale is
-applied to the probabilities, and the value codes (exact in fp16) meet them in an fp16 dot.
+of the kv head padded to 16 rows. q8 pages (codes with a float32 scale per token and head), as
+in the MMA kernel: the query is rounded to int8 (one scale a row) and scored against the key
+codes by an integer dot; the softmax runs on exp2; each key's value scale is applied to the
+probabilities, and the value codes (exact in fp16), read from shared memory straight into the
+dot's operand layout, meet them in an fp16 dot. 16-bit pages: the same loop in bf16/fp16.
 Splits write the same partials and log-sum-exp as the MMA kernel, merged by its merge kernel.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import torch
 
-from kvtier.kernels.triton_quant import round_half_even
+from kvtier.kernels.launch_plan import SMALL_GRID, plan_launch
+from kvtier.kernels.triton_quant import FP, int8_key_format, round_half_even
 
 try:
     from triton.experimental import gluon
@@ -192,7 +199,7 @@ def launch_decode(
     q: torch.Tensor, k_payload: torch.Tensor, v_payload: torch.Tensor, k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None, block_tables: torch.Tensor, kv_len: torch.Tensor, capacity: int,
     out: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, *, qk_scale: float, splits: int, split_len: int,
-    block_n: int = 64, stages: int = 4,
+    block_n: int = 64, stages: int = 2,
 ) -> None:
     """Launch on validated inputs: ``q`` ``[B, Hq, 1, D]``, payloads ``[num_blocks, page, H_kv, D]``
     (int8 codes with scales ``[num_blocks, page, H_kv, 1]`` float32, or 16-bit values with
@@ -219,8 +226,6 @@ def launch_decode(
 def pages_kind(k_fmt, v_fmt, q: torch.Tensor, k_payload: torch.Tensor | None = None) -> str | None:
     """``"q8"`` (signed bytes, one scale a token and head, keys and values), ``"fp"`` (pages
     in the queries' dtype) or ``None``: the pages this kernel reads."""
-    from kvtier.kernels.triton_quant import FP, int8_key_format
-
     D = q.shape[-1]
     if int8_key_format(k_fmt, D) and int8_key_format(v_fmt, D):
         return "q8"
@@ -249,14 +254,17 @@ def decode(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, capac
     """A decode step (``q`` ``[B, Hq, 1, D]``) through this kernel; ``cfg``'s ``block_n``
     (default 64 keys for q8 pages, 32 for 16-bit ones) and ``num_stages`` (default 2) set the
     tile and the ring."""
-    import math
-    from dataclasses import replace
-
-    from kvtier.kernels.launch_plan import SMALL_GRID, plan_launch
+    # that module imports this one
     from kvtier.kernels.triton_attention import LOG2E, _merge, partial_dtype
 
     B, Hq, _, D = q.shape
     H_kv = k_payload.shape[2]
+    if cfg.block_n not in (None, 32, 64, 128) or (cfg.num_stages is not None and cfg.num_stages < 2):
+        raise ValueError(
+            f"decode_kernel='gluon' takes block_n 32, 64 or 128 and num_stages >= 2 (a tile in flight "
+            f"while one is scored), got block_n={cfg.block_n}, num_stages={cfg.num_stages}; leave them unset "
+            "for the defaults"
+        )
     why = supported(k_fmt, v_fmt, q, Hq // H_kv, k_payload)
     if why is not None:
         raise ValueError(f"decode_kernel='gluon' cannot take this step: {why}; leave decode_kernel unset")
