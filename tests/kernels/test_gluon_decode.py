@@ -15,7 +15,7 @@ from kvtier.kernels.reference import round_queries_int8
 from triton_support import in_this_process_or_a_fresh_one
 
 if IN_PROCESS:
-    from kvtier.kernels import gluon_decode
+    from kvtier.kernels import gluon_decode, triton_attention
     from kvtier.kernels.triton_paged import LaunchConfig, paged_attention_triton
     from kvtier.kernels.triton_quant import page_format
 
@@ -67,6 +67,30 @@ def test_a_plan_it_cannot_run_is_refused_by_name(plan):
     c, q, qs = _case("q8", 2, 4, 1, 64, [20, 7], torch.bfloat16 if ON_GPU else torch.float32)
     with pytest.raises(ValueError, match=r"takes block_n 32, 64 or 128 and num_stages >= 2.*leave them unset"):
         _attend(c, q, qs, decode_kernel="gluon", **plan)
+
+
+def test_a_default_launch_that_fails_hands_its_pages_to_the_mma_kernel(monkeypatch):
+    """Where the kernel compiles or launches badly (another GPU, another Triton), q8 decode steps
+    go on on the MMA kernel: one warning, the same result as asking for that kernel, never tried again."""
+    c, q, qs = _case("q8", 2, 8, 2, 64, [40, 17], torch.bfloat16 if ON_GPU else torch.float32)
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(triton_attention, "GLUON_DECODE", frozenset({"q8"}))
+    monkeypatch.setattr(gluon_decode, "FAILED", {})
+    monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)  # as on a GPU it can run on
+    monkeypatch.setattr(gluon_decode, "decode", broken)
+    with pytest.warns(RuntimeWarning, match="Gluon decode kernel failed on q8 pages .*out of resources"):
+        out = _attend(c, q, qs)
+    torch.testing.assert_close(out, _attend(c, q, qs, decode_kernel="mma"), atol=0, rtol=0)
+    assert calls == [1] and "RuntimeError" in gluon_decode.FAILED["q8"]
+    _attend(c, q, qs)  # no second attempt, no second warning
+    assert calls == [1]
+    with pytest.raises(RuntimeError, match="out of resources"):  # asked for by name: the error itself
+        _attend(c, q, qs, decode_kernel="gluon")
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ Splits write the same partials and log-sum-exp as the MMA kernel, merged by its 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import replace
 
 import torch
@@ -248,6 +249,33 @@ def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor
     if D not in (64, 128) or group > 16:
         return f"it takes head_dim 64 or 128 and up to 16 query heads a kv head, not {D} and {group}"
     return None
+
+
+#: page kinds whose default launch failed in this process, and why (the MMA kernel takes them)
+FAILED: dict[str, str] = {}
+
+
+def takes_by_default(kinds, k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor) -> bool:
+    """Whether a decode step over these pages goes here when no kernel is asked for: its kind is
+    in ``kinds`` (``triton_attention.GLUON_DECODE``), the kernel can run it, and has not failed."""
+    kind = pages_kind(k_fmt, v_fmt, q, k_payload)
+    return kind in kinds and kind not in FAILED and supported(k_fmt, v_fmt, q, group, k_payload) is None
+
+
+def try_decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw) -> torch.Tensor | None:
+    """:func:`decode`, or ``None`` when it fails on this GPU (a compile or launch error): then this
+    kind of pages is put in :data:`FAILED`, with one warning, and the caller's other kernel takes
+    this step and the next ones."""
+    try:
+        return decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
+    except Exception as e:  # any failure of an optional kernel: the MMA kernel serves
+        kind = pages_kind(k_fmt, v_fmt, q, k_payload)
+        FAILED[kind] = f"{type(e).__name__}: {e}"
+        warnings.warn(
+            f"the Gluon decode kernel failed on {kind} pages ({FAILED[kind][:200]}); their decode steps "
+            "go to the MMA kernel from now on", RuntimeWarning, stacklevel=3,
+        )
+        return None
 
 
 def decode(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, capacity, scale, out, out_dtype, cfg):

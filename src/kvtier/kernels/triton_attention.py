@@ -391,12 +391,15 @@ def launch_attention(
         if parts is not None:
             _merge(parts[0], parts[1], out, splits)
         return out
-    gluon = cfg.decode_kernel == "gluon" or (
-        cfg.decode_kernel is None and GLUON_DECODE and gluon_decode.pages_kind(k_fmt, v_fmt, q, k_payload) in GLUON_DECODE
-        and gluon_decode.supported(k_fmt, v_fmt, q, G, k_payload) is None)
-    if T == 1 and not varlen and block_tables is not None and gluon:
-        return gluon_decode.decode(q, k_payload, v_payload, k_fmt, v_fmt, block_tables=block_tables, kv_len=kv_len,
-                                   capacity=capacity, scale=scale, out=out, out_dtype=out_dtype, cfg=cfg)
+    if T == 1 and not varlen and block_tables is not None and cfg.decode_kernel in (None, "gluon"):
+        kw = dict(block_tables=block_tables, kv_len=kv_len, capacity=capacity, scale=scale, out=out,
+                  out_dtype=out_dtype, cfg=cfg)
+        if cfg.decode_kernel == "gluon":
+            return gluon_decode.decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
+        if GLUON_DECODE and gluon_decode.takes_by_default(GLUON_DECODE, k_fmt, v_fmt, q, G, k_payload):
+            done = gluon_decode.try_decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
+            if done is not None:  # else it failed here (and is not tried again): the MMA kernel below
+                return done
     if varlen and cfg.block_m is None and not quantised and q.device.type == "cuda":
         # H200, a prompt step of 27 chunks (15,852 tokens), 32/8 heads: 128 query rows a tile
         # 0.69 ms against 0.82-0.91 at 64 (benchmarks/RESULTS.md, 2026-12-02)
