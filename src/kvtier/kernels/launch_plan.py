@@ -39,8 +39,9 @@ class LaunchConfig:
     rows a launch has, 16-64, and :data:`PACKED_BLOCK_M` for packed prompt chunks over
     full-precision pages on CUDA). ``decode_kernel``: ``"cuda_core"`` or ``"mma"`` for a
     decode step over quantised pages (``None``: the family's entry in
-    :data:`QUANT_DECODE_KERNEL`), ``"gluon"`` for the pipelined q8 kernel of
-    :mod:`kvtier.kernels.gluon_decode`. ``int8_queries``: the MMA kernel scores q8 keys as
+    :data:`QUANT_DECODE_KERNEL`), ``"gluon"`` for the pipelined kernel of
+    :mod:`kvtier.kernels.gluon_decode` (q8 or 16-bit pages; by default it takes the page
+    kinds in ``GLUON_DECODE`` of :mod:`kvtier.kernels.triton_attention`). ``int8_queries``: the MMA kernel scores q8 keys as
     integer dots of int8 queries (one scale a query row) with the stored codes (``None``:
     ``INT8_QUERIES`` of :mod:`kvtier.kernels.triton_attention`).
     """
