@@ -76,7 +76,8 @@ INT8_QUERIES = True
 #: decode steps over these pages (``"q8"``, ``"fp"``) go to the pipelined Gluon kernel
 #: (:mod:`kvtier.kernels.gluon_decode`) where it runs, unless ``LaunchConfig.decode_kernel`` says
 #: otherwise. H200, 32/8 heads: q8 at B=64 / 8k 331 against 357 us, a serving step 107 against
-#: 128 us; 16-bit pages only gained at B=1 and lost 3-5% at B >= 8 with 16k (RESULTS, 2026-12-03).
+#: 128 us; 16-bit pages gained at B=1, B=8 / 4k and a serving step but lost 3-5% at B=8 / 16k,
+#: B=32 / 4k and B=64 / 8k (benchmarks/RESULTS.md, 2026-12-03, tenth session).
 GLUON_DECODE: frozenset[str] = frozenset({"q8"})
 #: Launch the split merge as a programmatic dependent launch on compute capability 9.0+: its
 #: programs are scheduled while the attention programs finish, and wait for their results.
