@@ -35,6 +35,10 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+    # Triton 3.6 names the asynchronous copy async_copy_global_to_shared and the CTA barrier
+    # thread_barrier; 3.9 async_load and barrier
+    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
@@ -62,8 +66,8 @@ if HAVE_GLUON:
         ok2 = gl.expand_dims(ok, 1)
         k_rows = gl.expand_dims(blk * stride_kb + (pos * stride_kn + hk * stride_kh), 1)
         v_rows = gl.expand_dims(blk * stride_vb + (pos * stride_vn + hk * stride_vh), 1)
-        cp.async_copy_global_to_shared(k_smem.index(stage), K + k_rows + d, mask=ok2)
-        cp.async_copy_global_to_shared(v_smem.index(stage), V + v_rows + d, mask=ok2)
+        _async_load(k_smem.index(stage), K + k_rows + d, mask=ok2)
+        _async_load(v_smem.index(stage), V + v_rows + d, mask=ok2)
         if QUANT:
             ns = n0 + gl.arange(0, BLOCK_N, layout=SC)
             oks = ns < hi
@@ -71,8 +75,8 @@ if HAVE_GLUON:
             poss = ns % PAGE
             ks_ptr = KS + blks * stride_ksb + (poss * stride_ksn + hk * stride_ksh)
             vs_ptr = VS + blks * stride_vsb + (poss * stride_vsn + hk * stride_vsh)
-            cp.async_copy_global_to_shared(ks_smem.index(stage), ks_ptr, mask=oks)
-            cp.async_copy_global_to_shared(vs_smem.index(stage), vs_ptr, mask=oks)
+            _async_load(ks_smem.index(stage), ks_ptr, mask=oks)
+            _async_load(vs_smem.index(stage), vs_ptr, mask=oks)
         cp.commit_group()
 
     @gluon.jit
@@ -148,7 +152,7 @@ if HAVE_GLUON:
         acc = gl.zeros([16, D], gl.float32, MMA)
         for i in range(n_tiles):
             cp.wait_group(NS - 2)  # this thread's copies of tile i have landed
-            gl.thread_barrier()  # everyone's have, and everyone is done with tile i - 1's stage
+            _barrier()  # everyone's have, and everyone is done with tile i - 1's stage
             _issue_tile(K, V, KS, VS, BT, k_smem, v_smem, ks_smem, vs_smem, (i + NS - 1) % NS,
                         lo + (i + NS - 1) * BLOCK_N, hi, bt_row, hk,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
