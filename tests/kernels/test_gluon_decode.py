@@ -126,6 +126,20 @@ def test_gpu_long_rows(B, L, splits, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["q8", "fp"])
+def test_gpu_a_query_inside_the_cache_sees_only_the_keys_up_to_its_place(mode):
+    """``q_start`` below ``kv_len - 1``: the query at position q_start sees keys 0 .. q_start."""
+    c, q, _ = _case(mode, 3, 8, 2, 128, [300, 64, 200], torch.bfloat16)
+    qs = torch.tensor([9, 63, 150], dtype=torch.int64, device=DEVICE)
+    _check_against_references(c, q, qs, mode, TOL[torch.bfloat16], num_splits=3)
+    whole = _attend(c, q, c["kv_len"] - 1, decode_kernel="gluon", num_splits=3)
+    limited = _attend(c, q, qs, decode_kernel="gluon", num_splits=3)
+    assert (whole[0] - limited[0]).abs().max() > 1e-2  # the limit is there, and this test can see it
+    torch.testing.assert_close(whole[1], limited[1], atol=0, rtol=0)  # row 1's query is at its end
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_gpu_replays_in_a_cuda_graph():
     c, q, qs = _case("q8", 4, 32, 8, 128, [4000, 3000, 17, 1], torch.bfloat16)
     eager = _attend(c, q, qs, decode_kernel="gluon")

@@ -86,11 +86,11 @@ if HAVE_GLUON:
         V, stride_vb, stride_vn, stride_vh,
         KS, stride_ksb, stride_ksn, stride_ksh,
         VS, stride_vsb, stride_vsn, stride_vsh,
-        BT, stride_btb, capacity, KVLEN,
+        BT, stride_btb, capacity, KVLEN, QSTART,
         OUT, stride_ob, stride_oh, PO, PL,
         qk_scale, H_KV, split_len, num_splits,
         G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr,
-        SPLIT: gl.constexpr, QUANT: gl.constexpr,
+        SPLIT: gl.constexpr, QUANT: gl.constexpr, CAUSAL: gl.constexpr,
     ):  # fmt: skip
         # QUANT: q8 codes (one byte) and a scale a token; else 16-bit keys and values
         VEC: gl.constexpr = 16 if QUANT else 8  # elements of a 16-byte copy
@@ -128,6 +128,8 @@ if HAVE_GLUON:
             qa = gl.convert_layout(q.to(K.dtype.element_ty), QA)
 
         kv_len = gl.minimum(gl.load(KVLEN + b).to(gl.int32), capacity)
+        if CAUSAL:  # the query sits at q_start: it sees keys 0 .. q_start
+            kv_len = gl.minimum(kv_len, gl.load(QSTART + b).to(gl.int32) + 1)
         lo = pid_s * split_len
         hi = gl.minimum(kv_len, lo + split_len)
         n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
@@ -202,14 +204,15 @@ if HAVE_GLUON:
 
 def launch_decode(
     q: torch.Tensor, k_payload: torch.Tensor, v_payload: torch.Tensor, k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None, block_tables: torch.Tensor, kv_len: torch.Tensor, capacity: int,
-    out: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, *, qk_scale: float, splits: int, split_len: int,
+    v_scale: torch.Tensor | None, block_tables: torch.Tensor, kv_len: torch.Tensor, q_start: torch.Tensor | None,
+    capacity: int, out: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, *, qk_scale: float, splits: int, split_len: int,
     block_n: int = 64, stages: int = 2,
 ) -> None:
     """Launch on validated inputs: ``q`` ``[B, Hq, 1, D]``, payloads ``[num_blocks, page, H_kv, D]``
     (int8 codes with scales ``[num_blocks, page, H_kv, 1]`` float32, or 16-bit values with
-    ``None``); partials into ``po``/``pl`` when ``splits > 1`` (merged by the caller), else the
-    output into ``out``."""
+    ``None``); the query of row ``b`` sees keys ``0 .. min(kv_len[b], q_start[b] + 1) - 1``
+    (``q_start`` ``None``: every key below ``kv_len``); partials into ``po``/``pl`` when
+    ``splits > 1`` (merged by the caller), else the output into ``out``."""
     B, Hq, _, D = q.shape
     H_kv, page = k_payload.shape[2], k_payload.shape[1]
     quant = k_scale is not None
@@ -220,11 +223,11 @@ def launch_decode(
         v_payload, v_payload.stride(0), v_payload.stride(1), v_payload.stride(2),
         ks, ks.stride(0), ks.stride(1), ks.stride(2),
         vs, vs.stride(0), vs.stride(1), vs.stride(2),
-        block_tables, block_tables.stride(0), capacity, kv_len,
+        block_tables, block_tables.stride(0), capacity, kv_len, q_start if q_start is not None else kv_len,
         out, out.stride(0), out.stride(1), po, pl,
         qk_scale, H_kv, split_len, splits,
         G=Hq // H_kv, D=D, BLOCK_N=block_n, PAGE=page, NS=stages, SPLIT=splits > 1, QUANT=quant,
-        num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG else {}),
+        CAUSAL=q_start is not None, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG else {}),
     )  # fmt: skip
 
 
@@ -282,7 +285,8 @@ def try_decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw) -> torch.Tensor | No
         return None
 
 
-def decode(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, capacity, scale, out, out_dtype, cfg):
+def decode(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, q_start, capacity, scale, out, out_dtype,
+           cfg):
     """A decode step (``q`` ``[B, Hq, 1, D]``) through this kernel; ``cfg``'s ``block_n``
     (default 64 keys for q8 pages, 32 for 16-bit ones) and ``num_stages`` (default 2) set the
     tile and the ring."""
@@ -313,7 +317,7 @@ def decode(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, capac
     else:
         po = pl = out
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, capacity, out, po, pl,
+    launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, q_start, capacity, out, po, pl,
                   qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages)
     if splits > 1:  # as the MMA kernel's launch: an eager step and a CUDA graph merge alike
         _merge(po, pl, out, splits, fixed=base < SMALL_GRID and split_len <= block_n)

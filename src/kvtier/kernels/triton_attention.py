@@ -395,8 +395,8 @@ def launch_attention(
             _merge(parts[0], parts[1], out, splits)
         return out
     if T == 1 and not varlen and block_tables is not None and cfg.decode_kernel in (None, "gluon"):
-        kw = dict(block_tables=block_tables, kv_len=kv_len, capacity=capacity, scale=scale, out=out,
-                  out_dtype=out_dtype, cfg=cfg)
+        kw = dict(block_tables=block_tables, kv_len=kv_len, q_start=q_start, capacity=capacity, scale=scale,
+                  out=out, out_dtype=out_dtype, cfg=cfg)
         if cfg.decode_kernel == "gluon":
             return gluon_decode.decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
         if GLUON_DECODE and gluon_decode.takes_by_default(GLUON_DECODE, k_fmt, v_fmt, q, G, k_payload):
