@@ -40,19 +40,20 @@ def main() -> None:
         mode, _, int8 = args.profile.partition(":")
         pages = build_paged(mode, 64, 8192, shape, gen)
         for _ in range(3):
-            pages.attention(LaunchConfig(int8_queries=int8 == "int8"))
+            pages.attention(LaunchConfig(decode_kernel="mma", int8_queries=int8 == "int8"))
         torch.cuda.synchronize()
         return
     shapes = [(64, 8192)] if args.quick else [(64, 8192), (8, 16384), (8, 4096), ("serve", 1280)]
     if dev != "cuda":
         shapes = [(2, 64)]
-    plans = {"fp16 operands": LaunchConfig(int8_queries=False), "int8 queries": LaunchConfig(int8_queries=True)}
+    mma = dict(decode_kernel="mma")  # q8 decode steps go to the Gluon kernel unless told
+    plans = {"fp16 operands": LaunchConfig(int8_queries=False, **mma), "int8 queries": LaunchConfig(int8_queries=True, **mma)}
     if args.plans and dev == "cuda":  # tile plans (none beat the default on the H200, 2026-12-03)
         plans |= {
-            "int8, 3 stages": LaunchConfig(int8_queries=True, num_stages=3),
-            "int8, 64 keys": LaunchConfig(int8_queries=True, block_n=64),
-            "int8, 256 keys": LaunchConfig(int8_queries=True, block_n=256),
-            "int8, 8 warps": LaunchConfig(int8_queries=True, num_warps=8),
+            "int8, 3 stages": LaunchConfig(int8_queries=True, num_stages=3, **mma),
+            "int8, 64 keys": LaunchConfig(int8_queries=True, block_n=64, **mma),
+            "int8, 256 keys": LaunchConfig(int8_queries=True, block_n=256, **mma),
+            "int8, 8 warps": LaunchConfig(int8_queries=True, num_warps=8, **mma),
         }
     name = torch.cuda.get_device_name() if dev == "cuda" else dev
     lines = [f"{time.strftime('%Y-%m-%d %H:%M')} {name}, torch {torch.__version__}, 32/8 heads, head_dim 128, pages of 16",
@@ -74,7 +75,7 @@ def main() -> None:
             reps = [base] + [build_paged(mode, rows, L, shape, gen) for _ in range(n - 1)]
             for r in reps:
                 r.kv_len = lens.to(dev)
-            ref = base.attention(LaunchConfig(int8_queries=False)).float()
+            ref = base.attention(LaunchConfig(int8_queries=False, **mma)).float()
             for plan, cfg in plans.items():
                 if mode in ("fp", "fp8", "q4") and plan != "fp16 operands":
                     continue  # int8 queries serve q8 keys only

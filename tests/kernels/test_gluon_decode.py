@@ -82,7 +82,7 @@ def test_a_default_launch_that_fails_hands_its_pages_to_the_mma_kernel(monkeypat
     monkeypatch.setattr(triton_attention, "GLUON_DECODE", frozenset({"q8"}))
     monkeypatch.setattr(gluon_decode, "FAILED", {})
     monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)  # as on a GPU it can run on
-    monkeypatch.setattr(gluon_decode, "decode", broken)
+    monkeypatch.setattr(gluon_decode, "_step", broken)
     with pytest.warns(RuntimeWarning, match="Gluon decode kernel failed on q8 pages .*out of resources"):
         out = _attend(c, q, qs)
     torch.testing.assert_close(out, _attend(c, q, qs, decode_kernel="mma"), atol=0, rtol=0)
@@ -91,6 +91,21 @@ def test_a_default_launch_that_fails_hands_its_pages_to_the_mma_kernel(monkeypat
     assert calls == [1]
     with pytest.raises(RuntimeError, match="out of resources"):  # asked for by name: the error itself
         _attend(c, q, qs, decode_kernel="gluon")
+
+
+@pytest.mark.parametrize("plan", [dict(block_n=128), dict(num_stages=3), dict(num_warps=8), dict(block_m=32),
+                                  dict(int8_queries=False), dict(decode_kernel="mma")])
+def test_a_config_with_the_mma_kernels_settings_stays_on_it(monkeypatch, plan):
+    """Tiles, stages, warps or fp16 operands set in a LaunchConfig are the MMA kernel's: such a
+    launch is not sent here by default; one that sets only splits is."""
+    c, q, qs = _case("q8", 2, 4, 1, 64, [20, 7], torch.bfloat16 if ON_GPU else torch.float32)
+    calls = []
+    monkeypatch.setattr(triton_attention, "GLUON_DECODE", frozenset({"q8"}))
+    monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
+    monkeypatch.setattr(gluon_decode, "_step", lambda *a, **k: calls.append(1) or torch.zeros_like(q))
+    _attend(c, q, qs, **plan)
+    assert calls == []
+    assert (_attend(c, q, qs, num_splits=2) == 0).all() and calls == [1]
 
 
 @pytest.mark.gpu

@@ -20,13 +20,14 @@ Splits write the same partials and log-sum-exp as the MMA kernel, merged by its 
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import replace
 
 import torch
 
-from kvtier.kernels.launch_plan import SMALL_GRID, plan_launch
+from kvtier.kernels.launch_plan import plan_launch
 from kvtier.kernels.triton_quant import FP, int8_key_format, round_half_even
 
 try:
@@ -247,7 +248,7 @@ def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor
     D = q.shape[-1]
     if not HAVE_GLUON:
         return "this Triton has no Gluon (triton.experimental.gluon)"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) < (8, 0):
+    if q.device.type != "cuda" or not _capable(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return "it needs a CUDA GPU of compute capability 8.0+"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"it takes fp16 or bf16 queries, not {q.dtype}"
@@ -258,23 +259,31 @@ def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor
     return None
 
 
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
 #: page kinds whose default launch failed in this process, and why (the MMA kernel takes them)
 FAILED: dict[str, str] = {}
 
 
-def takes_by_default(kinds, k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor) -> bool:
-    """Whether a decode step over these pages goes here when no kernel is asked for: its kind is
-    in ``kinds`` (``triton_attention.GLUON_DECODE``), the kernel can run it, and has not failed."""
+def takes_by_default(kinds, cfg, k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor) -> bool:
+    """Whether a decode step over these pages goes here when ``cfg`` names no kernel: its kind is
+    in ``kinds`` (``triton_attention.GLUON_DECODE``), ``cfg`` sets nothing of the MMA kernel's (a
+    tile, stages, warps, int8 queries off), the kernel can run it, and it has not failed here."""
+    if cfg.block_m or cfg.block_n or cfg.num_stages or cfg.num_warps or cfg.int8_queries is False:
+        return False
     kind = pages_kind(k_fmt, v_fmt, q, k_payload)
     return kind in kinds and kind not in FAILED and supported(k_fmt, v_fmt, q, group, k_payload) is None
 
 
 def try_decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw) -> torch.Tensor | None:
-    """:func:`decode`, or ``None`` when it fails on this GPU (a compile or launch error): then this
-    kind of pages is put in :data:`FAILED`, with one warning, and the caller's other kernel takes
-    this step and the next ones."""
+    """A step that :func:`takes_by_default` sent here, or ``None`` when the kernel fails on this
+    GPU (a compile or launch error): then this kind of pages is put in :data:`FAILED`, with one
+    warning, and the caller's other kernel takes this step and the next ones."""
     try:
-        return decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
+        return _step(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
     except Exception as e:  # any failure of an optional kernel: the MMA kernel serves
         kind = pages_kind(k_fmt, v_fmt, q, k_payload)
         FAILED[kind] = f"{type(e).__name__}: {e}"
@@ -285,25 +294,29 @@ def try_decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw) -> torch.Tensor | No
         return None
 
 
-def decode(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, q_start, capacity, scale, out, out_dtype,
-           cfg):
-    """A decode step (``q`` ``[B, Hq, 1, D]``) through this kernel; ``cfg``'s ``block_n``
+def decode(q, k_payload, v_payload, k_fmt, v_fmt, *, cfg, **kw) -> torch.Tensor:
+    """A decode step (``q`` ``[B, Hq, 1, D]``) asked of this kernel by name; ``cfg``'s ``block_n``
     (default 64 keys for q8 pages, 32 for 16-bit ones) and ``num_stages`` (default 2) set the
-    tile and the ring."""
-    # that module imports this one
-    from kvtier.kernels.triton_attention import LOG2E, _merge, partial_dtype
-
-    B, Hq, _, D = q.shape
-    H_kv = k_payload.shape[2]
+    tile and the ring. Raises ``ValueError`` naming what it cannot run."""
     if cfg.block_n not in (None, 32, 64, 128) or (cfg.num_stages is not None and cfg.num_stages < 2):
         raise ValueError(
             f"decode_kernel='gluon' takes block_n 32, 64 or 128 and num_stages >= 2 (a tile in flight "
             f"while one is scored), got block_n={cfg.block_n}, num_stages={cfg.num_stages}; leave them unset "
             "for the defaults"
         )
-    why = supported(k_fmt, v_fmt, q, Hq // H_kv, k_payload)
+    why = supported(k_fmt, v_fmt, q, q.shape[1] // k_payload.shape[2], k_payload)
     if why is not None:
         raise ValueError(f"decode_kernel='gluon' cannot take this step: {why}; leave decode_kernel unset")
+    return _step(q, k_payload, v_payload, k_fmt, v_fmt, cfg=cfg, **kw)
+
+
+def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, q_start, capacity, scale, out, out_dtype,
+          cfg) -> torch.Tensor:
+    # that module imports this one
+    from kvtier.kernels.triton_attention import LOG2E, merge_splits, split_partials
+
+    B, Hq, _, D = q.shape
+    H_kv = k_payload.shape[2]
     quant = k_fmt.scale is not None
     block_n = cfg.block_n or (64 if quant else 32)
     stages = cfg.num_stages or 2
@@ -311,14 +324,9 @@ def decode(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, q_sta
     *_, splits, split_len, base = plan_launch(B, H_kv, Hq // H_kv, 1, capacity, q.device, plan_cfg, quant)
     if out is None:
         out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
-    if splits > 1:
-        po = torch.empty((B, Hq, 1, splits, D), dtype=partial_dtype(out.dtype, q.device), device=q.device)
-        pl = torch.empty((B, Hq, 1, splits), dtype=torch.float32, device=q.device)
-    else:
-        po = pl = out
+    po, pl = split_partials(out, splits)
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, q_start, capacity, out, po, pl,
                   qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages)
-    if splits > 1:  # as the MMA kernel's launch: an eager step and a CUDA graph merge alike
-        _merge(po, pl, out, splits, fixed=base < SMALL_GRID and split_len <= block_n)
+    merge_splits(po, pl, out, splits, base, split_len, block_n)  # as the MMA kernel's launch
     return out

@@ -74,8 +74,8 @@ QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "cuda_core"}
 #: (benchmarks/RESULTS.md, 2026-12-03).
 INT8_QUERIES = True
 #: decode steps over these pages (``"q8"``, ``"fp"``) go to the pipelined Gluon kernel
-#: (:mod:`kvtier.kernels.gluon_decode`) where it runs, unless ``LaunchConfig.decode_kernel`` says
-#: otherwise. H200, 32/8 heads: q8 at B=64 / 8k 331 against 357 us, a serving step 107 against
+#: (:mod:`kvtier.kernels.gluon_decode`) where it runs, unless the ``LaunchConfig`` names a kernel,
+#: a tile, stages or warps (the MMA kernel's settings) or turns int8 queries off. H200, 32/8 heads: q8 at B=64 / 8k 331 against 357 us, a serving step 107 against
 #: 128 us; 16-bit pages gained at B=1, B=8 / 4k and a serving step but lost 3-5% at B=8 / 16k,
 #: B=32 / 4k and B=64 / 8k (benchmarks/RESULTS.md, 2026-12-03, tenth session).
 GLUON_DECODE: frozenset[str] = frozenset({"q8"})
@@ -399,7 +399,7 @@ def launch_attention(
                   out=out, out_dtype=out_dtype, cfg=cfg)
         if cfg.decode_kernel == "gluon":
             return gluon_decode.decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
-        if GLUON_DECODE and gluon_decode.takes_by_default(GLUON_DECODE, k_fmt, v_fmt, q, G, k_payload):
+        if GLUON_DECODE and gluon_decode.takes_by_default(GLUON_DECODE, cfg, k_fmt, v_fmt, q, G, k_payload):
             done = gluon_decode.try_decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
             if done is not None:  # else it failed here (and is not tried again): the MMA kernel below
                 return done
@@ -415,11 +415,7 @@ def launch_attention(
         out = torch.empty((1, q.shape[2], Hq, D), dtype=out_dtype, device=q.device).transpose(1, 2)
     elif out is None:
         out = torch.empty((B, Hq, T, D), dtype=out_dtype, device=q.device)
-    if splits > 1:
-        po = torch.empty((B, Hq, T, splits, D), dtype=partial_dtype(out.dtype, q.device), device=q.device)
-        pl = torch.empty((B, Hq, T, splits), dtype=torch.float32, device=q.device)
-    else:
-        po = pl = out
+    po, pl = split_partials(out, splits)
 
     def sidecar_args(fmt: PageFormat, payload: torch.Tensor, paged: bool):
         s = fmt.scale if fmt.scale is not None else payload
@@ -469,13 +465,29 @@ def launch_attention(
         **format_constexprs("K", k_fmt, D, direct), **format_constexprs("V", v_fmt, D, direct),
         PDL=splits > 1 and bool(_pdl(q.device)), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if splits > 1:
-        # a small grid's splits are one tile each whatever the table's width, so an eager step
-        # (planned on the width its rows hold) and a CUDA graph (on the width it was captured
-        # with) differ only by empty trailing splits: one merge tile for every count keeps
-        # their sums in one order, and the two bit for bit alike
-        _merge(po, pl, out, splits, fixed=base < SMALL_GRID and split_len <= block_n)
+    merge_splits(po, pl, out, splits, base, split_len, block_n)
     return out
+
+
+def split_partials(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a launch of ``splits`` splits writes for ``out`` ``[B, Hq, T, D]``: partials
+    ``[B, Hq, T, splits, D]`` (in :func:`partial_dtype`) and base-2 lse ``[B, Hq, T, splits]``;
+    ``out`` itself, twice, when unsplit."""
+    if splits == 1:
+        return out, out
+    B, Hq, T, D = out.shape
+    po = torch.empty((B, Hq, T, splits, D), dtype=partial_dtype(out.dtype, out.device), device=out.device)
+    return po, torch.empty((B, Hq, T, splits), dtype=torch.float32, device=out.device)
+
+
+def merge_splits(po, pl, out, splits: int, base: int, split_len: int, block_n: int) -> None:
+    """Merge a launch's split partials into ``out`` (nothing when unsplit). A small grid's splits
+    are one tile each whatever the table's width, so an eager step (planned on the width its rows
+    hold) and a CUDA graph (on the width it was captured with) differ only by empty trailing
+    splits: one merge tile for every count keeps their sums in one order, and the two bit for
+    bit alike."""
+    if splits > 1:
+        _merge(po, pl, out, splits, fixed=base < SMALL_GRID and split_len <= block_n)
 
 
 def _launch_with_singles(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, q_start, kv_len, q_offsets,

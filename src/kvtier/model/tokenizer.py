@@ -39,9 +39,14 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+#: SmolLM's own tokenizer.json splits every numeric character off first (any Unicode number, "¼"
+#: and "²" too, not only 0-9); transformers' GGUF import leaves that step out
+_DIGITS = "digits"
+# the split steps of each ``tokenizer.ggml.pre`` value: regex patterns, or _DIGITS
 _PRE_SPLITS: dict[str, list[str]] = {
     "default": [_GPT2_SPLIT],
     "gpt2": [_GPT2_SPLIT],
+    "smollm": [_DIGITS, _GPT2_SPLIT],
     "llama3": [_LLAMA3_SPLIT],
     "llama-v3": [_LLAMA3_SPLIT],
     "llama-bpe": [_LLAMA3_SPLIT],
@@ -53,19 +58,14 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer of a GGUF's ``tokenizer.ggml.pre`` value (GPT-2's for unknown values)."""
-    if pre == "smollm":
-        # SmolLM's own tokenizer.json: every numeric character on its own (any Unicode number,
-        # "¼" and "²" too, not only 0-9), then GPT-2's split inside the byte-level step
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    splits = _PRE_SPLITS.get(pre, _PRE_SPLITS["default"])
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
+    """The pre-tokenizer of a GGUF's ``tokenizer.ggml.pre`` value (GPT-2's for unknown values):
+    its split steps, then the byte-level mapping."""
+    steps = [
+        pre_tokenizers.Digits(individual_digits=True) if s == _DIGITS
+        else pre_tokenizers.Split(Regex(s), behavior="isolated")
+        for s in _PRE_SPLITS.get(pre, _PRE_SPLITS["default"])
+    ]
+    return pre_tokenizers.Sequence(steps + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 class Tokenizer:
