@@ -1,6 +1,6 @@
 """The decode kernels side by side: the MMA kernel and the pipelined Gluon kernel
-(:mod:`kvtier.kernels.gluon_decode`) over bf16 and q8 pages, at its defaults and other tiles,
-register caps and split counts, on the shapes of issue 15 and a serving step.
+(:mod:`kvtier.kernels.gluon_decode`) over bf16, q8, q4 and fp8 pages, at the defaults and other
+tiles, with and without the block table read ahead, on the shapes of issue 15 and a serving step.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/tools/decode_kernel_ab.py [--out DIR]
 
@@ -20,20 +20,19 @@ import torch
 
 
 def plans(mode: str, B, cuda: bool) -> dict:
+    """``{name: (maxnreg, prefetch, config)}``: the MMA kernel, the default and Gluon plans."""
     from kvtier.kernels.launch_plan import LaunchConfig
 
-    def gluon(bn, ns=2, splits=None, maxnreg=None):
-        return maxnreg, LaunchConfig(decode_kernel="gluon", block_n=bn, num_stages=ns, num_splits=splits)
+    def gluon(bn, ns=2, splits=None, maxnreg=None, prefetch=True):
+        return maxnreg, prefetch, LaunchConfig(decode_kernel="gluon", block_n=bn, num_stages=ns, num_splits=splits)
 
-    out = {"mma": (None, LaunchConfig(decode_kernel="mma"))}
+    out = {"mma": (None, True, LaunchConfig(decode_kernel="mma")), "default": (None, True, None)}
     if not cuda:
         return out
     if mode == "fp":
         return out | {"gluon 32x2": gluon(32), "gluon 64x2": gluon(64)}
-    out |= {"default": (None, None), "gluon 128x2": gluon(128), "gluon 32x2": gluon(32),
-            "gluon 64x2 r80": gluon(64, maxnreg=80), "gluon 64x2 r72": gluon(64, maxnreg=72)}
-    if B != "serve" and B >= 8:
-        out |= {f"gluon 64x2 s{s}": gluon(64, 2, s) for s in (2, 4, 6, 8, 12, 16)}
+    out |= {"gluon 64x2": gluon(64), "gluon 64x2 no prefetch": gluon(64, prefetch=False),
+            "gluon 128x2": gluon(128), "gluon 64x2 r96": gluon(64, maxnreg=96)}
     return out
 
 
@@ -45,6 +44,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
+    p.add_argument("--modes", default="fp,q8,q4,fp8", help="page kinds, comma-separated")
     args = p.parse_args()
     dev = args.device
     cuda = dev == "cuda"
@@ -66,20 +66,20 @@ def main() -> None:
         gen_lens = torch.Generator().manual_seed(0)
         lens = torch.randint(64, L + 1, (rows,), generator=gen_lens).sort(descending=True).values if serve else torch.full((rows,), L)
         label = "serving step" if serve else f"B={B} / {L}"
-        for mode in ("fp", "q8"):
+        for mode in args.modes.split(","):
             base = build_paged(mode, rows, L, shape, gen)
             n = copies_for(int(lens.sum()) * (base.nbytes // (rows * L))) if cuda else 1
             reps = [base] + [build_paged(mode, rows, L, shape, gen) for _ in range(n - 1)]
             for r in reps:
                 r.kv_len = lens.to(dev)
             ref = base.attention(LaunchConfig(decode_kernel="mma")).float()
-            for plan, (maxnreg, cfg) in plans(mode, B, cuda).items():
-                gluon_decode.MAXNREG = maxnreg
+            for plan, (maxnreg, prefetch, cfg) in plans(mode, B, cuda).items():
+                gluon_decode.MAXNREG, gluon_decode.PREFETCH = maxnreg, prefetch
                 try:
                     t = time_calls([lambda r=r, cfg=cfg: r.attention(cfg) for r in reps], 20, 10)
                     diff = (base.attention(cfg).float() - ref).abs().max().item()
                 finally:
-                    gluon_decode.MAXNREG = None
+                    gluon_decode.MAXNREG, gluon_decode.PREFETCH = None, True
                 results.append(dict(shape=label, pages=mode, plan=plan, us=t * 1e6, max_diff=diff))
                 lines.append(f"| {label} | {mode} | {plan} | {t * 1e6:.2f} | {diff:.1e} |")
                 print(lines[-1], flush=True)

@@ -47,11 +47,19 @@ def _formats(c):
     return page_format(c["kc"], c["kp"], c["ks"]), page_format(c["vc"], c["vp"], c["vs"])
 
 
-@pytest.mark.parametrize("mode", ["q4", "fp8", "turboquant:q8_0,q3_0"])
-def test_only_q8_and_16_bit_pages_are_taken(mode):
+@pytest.mark.parametrize("mode", ["q4_g32", "turboquant:q8_0,q3_0", "turboquant:q4_0,q8_0"])
+def test_only_q8_q4_fp8_and_16_bit_pages_are_taken(mode):
     c, q, _ = _case(mode, 1, 4, 1, 64, [20], torch.float16)
     why = gluon_decode.supported(*_formats(c), q, 4, c["kp"])
-    assert why is not None and ("q8" in why or "GPU" in why)
+    assert why is not None and ("q8, q4 or fp8" in why or "GPU" in why)
+    assert gluon_decode.pages_kind(*_formats(c), q, c["kp"]) is None
+
+
+@pytest.mark.parametrize("mode, kind", [("q8", "q8"), ("q4", "q4"), ("fp8", "fp8"), ("fp", "fp")])
+def test_the_kinds_it_reads(mode, kind):
+    c, q, _ = _case(mode, 1, 4, 1, 64, [20], torch.float16)
+    assert gluon_decode.pages_kind(*_formats(c), q, c["kp"]) == kind
+    assert gluon_decode.pages_kind(*_formats(c), q.float(), c["kp"]) == (None if mode == "fp" else kind)
 
 
 def test_asking_for_it_where_it_cannot_run_names_the_reason():
@@ -120,7 +128,11 @@ def test_a_config_with_the_mma_kernels_settings_stays_on_it(monkeypatch, plan):
     ],
 )
 @pytest.mark.parametrize("block_n, stages", [(64, 4), (32, 2), (128, 3)])
-@pytest.mark.parametrize("mode, dtype", [("q8", torch.bfloat16), ("fp", torch.bfloat16), ("fp", torch.float16)])
+@pytest.mark.parametrize(
+    "mode, dtype",
+    [("q8", torch.bfloat16), ("q4", torch.bfloat16), ("fp8", torch.bfloat16), ("fp", torch.bfloat16),
+     ("fp", torch.float16), ("q4", torch.float16)],
+)  # fmt: skip
 def test_gpu_matches_the_reference(B, Hq, H_kv, D, lengths, splits, block_n, stages, mode, dtype):
     c, q, qs = _case(mode, B, Hq, H_kv, D, lengths, dtype)
     if mode == "fp" and block_n == 128:
@@ -131,7 +143,7 @@ def test_gpu_matches_the_reference(B, Hq, H_kv, D, lengths, splits, block_n, sta
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("B, L, splits", [(64, 8192, None), (8, 16384, None), (1, 4096, None), (4, 3000, 5)])
-@pytest.mark.parametrize("mode", ["q8", "fp"])
+@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "fp"])
 def test_gpu_long_rows(B, L, splits, mode):
     """The H200's shapes (32/8 heads, head_dim 128), rows of unequal lengths."""
     lengths = [L - 37 * b for b in range(B)]
@@ -141,7 +153,7 @@ def test_gpu_long_rows(B, L, splits, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["q8", "fp"])
+@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "fp"])
 def test_gpu_a_query_inside_the_cache_sees_only_the_keys_up_to_its_place(mode):
     """``q_start`` below ``kv_len - 1``: the query at position q_start sees keys 0 .. q_start."""
     c, q, _ = _case(mode, 3, 8, 2, 128, [300, 64, 200], torch.bfloat16)
@@ -155,8 +167,9 @@ def test_gpu_a_query_inside_the_cache_sees_only_the_keys_up_to_its_place(mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-def test_gpu_replays_in_a_cuda_graph():
-    c, q, qs = _case("q8", 4, 32, 8, 128, [4000, 3000, 17, 1], torch.bfloat16)
+@pytest.mark.parametrize("mode", ["q8", "q4"])
+def test_gpu_replays_in_a_cuda_graph(mode):
+    c, q, qs = _case(mode, 4, 32, 8, 128, [4000, 3000, 17, 1], torch.bfloat16)
     eager = _attend(c, q, qs, decode_kernel="gluon")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

@@ -28,7 +28,14 @@ from dataclasses import replace
 import torch
 
 from kvtier.kernels.launch_plan import plan_launch
-from kvtier.kernels.triton_quant import FP, int8_key_format, round_half_even
+from kvtier.kernels.triton_quant import (
+    AFFINE,
+    FLOAT8,
+    FP,
+    NIBBLES_M8_PAIRS_ASM,
+    int8_key_format,
+    round_half_even,
+)
 
 try:
     from triton.experimental import gluon
@@ -51,34 +58,91 @@ MAXNREG: int | None = None
 if HAVE_GLUON:
 
     @gluon.jit
+    def _tile_pages(BT, bt_row, n0, hi, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, CP: gl.constexpr, SC: gl.constexpr,
+                    QUANT: gl.constexpr):  # fmt: skip
+        """The pages of the tile of keys ``n0 ..`` from the block table, in the layouts of the
+        copies of its rows (``CP``) and of its scales (``SC``; ``QUANT`` only)."""
+        n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CP))
+        blk = gl.load(bt_row + n.to(gl.uint32) // PAGE, mask=n < hi, other=0)
+        if QUANT:
+            ns = n0 + gl.arange(0, BLOCK_N, layout=SC)
+            blks = gl.load(bt_row + ns.to(gl.uint32) // PAGE, mask=ns < hi, other=0)
+        else:
+            blks = blk
+        return blk, blks
+
+    @gluon.jit
     def _issue_tile(
-        K, V, KS, VS, BT, k_smem, v_smem, ks_smem, vs_smem, stage, n0, hi, bt_row, hk,
+        K, V, KS, VS, blk, blks, k_smem, v_smem, ks_smem, vs_smem, stage, n0, hi, hk,
         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
-        BLOCK_N: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, CP: gl.constexpr, SC: gl.constexpr,
-        QUANT: gl.constexpr,
+        BLOCK_N: gl.constexpr, DP: gl.constexpr, PAGE: gl.constexpr, CP: gl.constexpr, SC: gl.constexpr,
+        QUANT: gl.constexpr, LIKE: gl.constexpr,
     ):  # fmt: skip
-        """Asynchronous copies of the tile of keys ``n0 ..`` (codes and, ``QUANT``, scales) into ``stage``."""
+        """Asynchronous copies of the tile of keys ``n0 ..`` (on pages ``blk``; codes and,
+        ``QUANT``, scales on pages ``blks``) into ``stage``. ``LIKE``: the values' (and their
+        scales') strides are the keys': one offset a row serves both."""
         n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CP))
-        ok = n < hi
-        blk = gl.load(bt_row + n // PAGE, mask=ok, other=0).to(gl.int64)
-        pos = n % PAGE
-        d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, CP)), 0)
-        ok2 = gl.expand_dims(ok, 1)
-        k_rows = gl.expand_dims(blk * stride_kb + (pos * stride_kn + hk * stride_kh), 1)
-        v_rows = gl.expand_dims(blk * stride_vb + (pos * stride_vn + hk * stride_vh), 1)
-        _async_load(k_smem.index(stage), K + k_rows + d, mask=ok2)
-        _async_load(v_smem.index(stage), V + v_rows + d, mask=ok2)
+        ok2 = gl.expand_dims(n < hi, 1)
+        pos = n.to(gl.uint32) % PAGE
+        d = gl.expand_dims(gl.arange(0, DP, layout=gl.SliceLayout(0, CP)), 0)
+        k_rows = gl.expand_dims(blk.to(gl.int64) * stride_kb + (pos * stride_kn + hk * stride_kh), 1) + d
+        if LIKE:
+            v_rows = k_rows
+        else:
+            v_rows = gl.expand_dims(blk.to(gl.int64) * stride_vb + (pos * stride_vn + hk * stride_vh), 1) + d
+        _async_load(k_smem.index(stage), K + k_rows, mask=ok2)
+        _async_load(v_smem.index(stage), V + v_rows, mask=ok2)
         if QUANT:
             ns = n0 + gl.arange(0, BLOCK_N, layout=SC)
             oks = ns < hi
-            blks = gl.load(bt_row + ns // PAGE, mask=oks, other=0).to(gl.int64)
-            poss = ns % PAGE
-            ks_ptr = KS + blks * stride_ksb + (poss * stride_ksn + hk * stride_ksh)
-            vs_ptr = VS + blks * stride_vsb + (poss * stride_vsn + hk * stride_vsh)
+            poss = ns.to(gl.uint32) % PAGE
+            ks_rows = blks.to(gl.int64) * stride_ksb + (poss * stride_ksn + hk * stride_ksh)
+            if LIKE:
+                vs_rows = ks_rows
+            else:
+                vs_rows = blks.to(gl.int64) * stride_vsb + (poss * stride_vsn + hk * stride_vsh)
+            ks_ptr = KS + ks_rows
+            vs_ptr = VS + vs_rows
             _async_load(ks_smem.index(stage), ks_ptr, mask=oks)
             _async_load(vs_smem.index(stage), vs_ptr, mask=oks)
         cp.commit_group()
+
+    @gluon.jit
+    def _nibble_quads(x):
+        """fp16 ``(c0, c1, c2, c3) - 8`` of the int16 elements ``x``: four q4 channels of one key,
+        the nibbles low to high. A register holds two keys' elements; as :func:`_byte_pairs`."""
+        return gl.inline_asm_elementwise(
+            NIBBLES_M8_PAIRS_ASM, "=r,=r,=r,=r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2
+        )
+
+    @gluon.jit
+    def _byte_pairs(x, E4M3: gl.constexpr):
+        """fp16 ``(low byte, high byte)`` of the int16 elements ``x``: two channels of one key
+        (q8 codes, or e4m3 bytes with ``E4M3``). A register holds the pair of two keys, and a
+        byte permutation puts the two keys' bytes of one channel side by side: the fp16
+        operands of the probabilities' dot come from 16-bit shared-memory loads, not from one
+        byte load and one conversion an element."""
+        if E4M3:
+            asm: gl.constexpr = """{
+            .reg .b32 t;
+            .reg .b16 a, b;
+            prmt.b32 t, $2, 0, 0x3120;
+            mov.b32 {a, b}, t;
+            cvt.rn.f16x2.e4m3x2 $0, a;
+            cvt.rn.f16x2.e4m3x2 $1, b;
+            }"""
+        else:  # code + 128 slid under the exponent byte 0x64 is the fp16 1152 + code
+            asm: gl.constexpr = """{
+            .reg .b32 t, m;
+            mov.b32 m, 0x64806480;
+            xor.b32 t, $2, 0x80808080;
+            prmt.b32 $0, t, 0x64646464, 0x7270;
+            prmt.b32 $1, t, 0x64646464, 0x7371;
+            sub.f16x2 $0, $0, m;
+            sub.f16x2 $1, $1, m;
+            }"""
+        return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
 
     @gluon.jit
     def _decode_kernel(
@@ -91,21 +155,34 @@ if HAVE_GLUON:
         OUT, stride_ob, stride_oh, PO, PL,
         qk_scale, H_KV, split_len, num_splits,
         G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr,
-        SPLIT: gl.constexpr, QUANT: gl.constexpr, CAUSAL: gl.constexpr,
+        SPLIT: gl.constexpr, KIND: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH: gl.constexpr, LIKE: gl.constexpr,
     ):  # fmt: skip
-        # QUANT: q8 codes (one byte) and a scale a token; else 16-bit keys and values
-        VEC: gl.constexpr = 16 if QUANT else 8  # elements of a 16-byte copy
+        # KIND: the pages (KINDS); all but 16-bit ones hold one byte an element and a scale a token
+        QUANT: gl.constexpr = KIND != 0
+        DP: gl.constexpr = D // 2 if KIND == 2 else D  # stored elements a row (q4: two nibbles a byte)
+        # one-byte codes are read as int16 (a key's two bytes an element) and become PARTS
+        # operands of interleaved channels (channel PARTS c + i in part i): two, four for q4
+        PARTS: gl.constexpr = 4 if KIND == 2 else (2 if QUANT else 1)
+        QP: gl.constexpr = PARTS if KIND >= 2 else 1  # the query's parts (q8 keys: an int8 dot)
+        # elements of a 16-byte copy; 8-byte ones where 16-byte ones would cover more rows than
+        # the tile has (q4 at head_dim 64 and 32 keys)
+        VEC16: gl.constexpr = 16 if QUANT else 8
+        VEC: gl.constexpr = VEC16 if 128 * VEC16 <= BLOCK_N * DP else VEC16 // 2
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
-        KW: gl.constexpr = 4 if QUANT else 2  # elements a 32-bit register holds along the dot's depth
+        KW: gl.constexpr = 4 if KIND == 1 else 2  # elements a 32-bit register holds along the dot's depth
         QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=KW)
         KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=KW)
         PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         VB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        # 16-byte copies, a row of D elements across D // VEC threads
-        CP: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (D // VEC), D // VEC], [4, 1], [1, 0])
+        # 16-byte copies, a row of DP elements across DP // VEC threads
+        CP: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (DP // VEC), DP // VEC], [4, 1], [1, 0])
         SC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        QL: gl.constexpr = gl.BlockedLayout([1, D // 16], [2, 16], [4, 1], [1, 0])
+        QD: gl.constexpr = D // QP  # query channels a dot operand
+        QL: gl.constexpr = gl.BlockedLayout([1, QD // 16], [2, 16], [4, 1], [1, 0])
         TILE: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC, per_phase=1, max_phase=8, order=[1, 0])
+        # one-byte tiles seen as int16, the same bytes
+        TILE16: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC // 2, per_phase=1, max_phase=8, order=[1, 0])
+        AC: gl.constexpr = D // PARTS  # accumulator columns
         FLAT: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
         COLS: gl.constexpr = gl.SliceLayout(0, MMA)
@@ -115,18 +192,28 @@ if HAVE_GLUON:
         b = pid_bh // H_KV
         hk = pid_bh % H_KV
 
-        # the query rows of this kv head (log2 domain); q8: int8 codes, one scale a row
+        # the query rows of this kv head (log2 domain). q8: int8 codes, one scale a row; q4 and
+        # fp8: the QP parts in fp16
         mq = gl.arange(0, 16, layout=gl.SliceLayout(1, QL))
-        dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-        q_ptr = Q + b * stride_qb + gl.expand_dims((hk * G + mq) * stride_qh, 1) + gl.expand_dims(dq, 0)
-        q = gl.load(q_ptr, mask=gl.expand_dims(mq < G, 1), other=0.0).to(gl.float32) * qk_scale
-        if QUANT:
-            q_max = gl.max(gl.abs(q), axis=1)
-            q_sc = gl.where(q_max > 0.0, q_max / 127.0, 1.0)
-            qa = gl.convert_layout(round_half_even(q / gl.expand_dims(q_sc, 1)).to(gl.int8), QA)
-            q_sc = gl.convert_layout(q_sc, ROWS)
+        dq = gl.arange(0, QD, layout=gl.SliceLayout(0, QL))
+        q_ptr = Q + b * stride_qb + gl.expand_dims((hk * G + mq) * stride_qh, 1)
+        q_ptr = q_ptr + gl.expand_dims(dq * QP, 0)
+        q_ok = gl.expand_dims(mq < G, 1)
+        if KIND >= 2:
+            qa = gl.convert_layout((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
+            qb = gl.convert_layout((gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
+            if KIND == 2:
+                qc = gl.convert_layout((gl.load(q_ptr + 2, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
+                qd = gl.convert_layout((gl.load(q_ptr + 3, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
         else:
-            qa = gl.convert_layout(q.to(K.dtype.element_ty), QA)
+            q = gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale
+            if KIND == 1:
+                q_max = gl.max(gl.abs(q), axis=1)
+                q_sc = gl.where(q_max > 0.0, q_max / 127.0, 1.0)
+                qa = gl.convert_layout(round_half_even(q / gl.expand_dims(q_sc, 1)).to(gl.int8), QA)
+                q_sc = gl.convert_layout(q_sc, ROWS)
+            else:
+                qa = gl.convert_layout(q.to(K.dtype.element_ty), QA)
 
         kv_len = gl.minimum(gl.load(KVLEN + b).to(gl.int32), capacity)
         if CAUSAL:  # the query sits at q_start: it sees keys 0 .. q_start
@@ -136,8 +223,8 @@ if HAVE_GLUON:
         n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
         bt_row = BT + b * stride_btb
 
-        k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NS, BLOCK_N, D], TILE)
-        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NS, BLOCK_N, D], TILE)
+        k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NS, BLOCK_N, DP], TILE)
+        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NS, BLOCK_N, DP], TILE)
         if QUANT:
             ks_smem = gl.allocate_shared_memory(gl.float32, [NS, BLOCK_N], FLAT)
             vs_smem = gl.allocate_shared_memory(gl.float32, [NS, BLOCK_N], FLAT)
@@ -145,29 +232,52 @@ if HAVE_GLUON:
             ks_smem = k_smem
             vs_smem = v_smem
         for j in gl.static_range(NS - 1):
-            _issue_tile(K, V, KS, VS, BT, k_smem, v_smem, ks_smem, vs_smem, j, lo + j * BLOCK_N, hi, bt_row, hk,
+            blk, blks = _tile_pages(BT, bt_row, lo + j * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
+            _issue_tile(K, V, KS, VS, blk, blks, k_smem, v_smem, ks_smem, vs_smem, j, lo + j * BLOCK_N, hi, hk,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
-                        BLOCK_N, D, PAGE, CP, SC, QUANT)  # fmt: skip
+                        BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE)  # fmt: skip
+        # PREFETCH: the pages of the tile to copy next are read from the block table an
+        # iteration early, so the copies never wait on that load
+        blk, blks = _tile_pages(BT, bt_row, lo + (NS - 1) * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
 
         m_i = gl.full([16], float("-inf"), gl.float32, ROWS)
         l_i = gl.zeros([16], gl.float32, ROWS)
-        acc = gl.zeros([16, D], gl.float32, MMA)
+        acc = gl.zeros([16, AC], gl.float32, MMA)  # channels PARTS c + 0, 1, 2, 3
+        acc1 = gl.zeros([16, AC], gl.float32, MMA)
+        acc2 = gl.zeros([16, AC], gl.float32, MMA)
+        acc3 = gl.zeros([16, AC], gl.float32, MMA)
         for i in range(n_tiles):
             cp.wait_group(NS - 2)  # this thread's copies of tile i have landed
             _barrier()  # everyone's have, and everyone is done with tile i - 1's stage
-            _issue_tile(K, V, KS, VS, BT, k_smem, v_smem, ks_smem, vs_smem, (i + NS - 1) % NS,
-                        lo + (i + NS - 1) * BLOCK_N, hi, bt_row, hk,
+            n_next = lo + (i + NS - 1) * BLOCK_N
+            if not PREFETCH:
+                blk, blks = _tile_pages(BT, bt_row, n_next, hi, BLOCK_N, PAGE, CP, SC, QUANT)
+            _issue_tile(K, V, KS, VS, blk, blks, k_smem, v_smem, ks_smem, vs_smem, (i + NS - 1) % NS, n_next, hi, hk,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
-                        BLOCK_N, D, PAGE, CP, SC, QUANT)  # fmt: skip
+                        BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE)  # fmt: skip
+            if PREFETCH:
+                blk, blks = _tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
             st = i % NS
-            kt = k_smem.index(st).permute((1, 0)).load(KB)  # (D, BLOCK_N)
-            if QUANT:
+            if KIND >= 2:  # (D / PARTS, BLOCK_N) int16
+                kt = k_smem.index(st)._reinterpret(gl.int16, [BLOCK_N, D // PARTS], TILE16).permute((1, 0)).load(KB)
+            else:
+                kt = k_smem.index(st).permute((1, 0)).load(KB)  # (DP, BLOCK_N)
+            if KIND == 1:
                 s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.int32, MMA))
-                s = s.to(gl.float32) * gl.expand_dims(q_sc, 1) * gl.expand_dims(ks_smem.index(st).load(COLS), 0)
+                s = s.to(gl.float32) * gl.expand_dims(q_sc, 1)
+            elif KIND == 2:
+                k0, k1, k2, k3 = _nibble_quads(kt)
+                s = mma_v2(qa, k0, gl.zeros([16, BLOCK_N], gl.float32, MMA))
+                s = mma_v2(qd, k3, mma_v2(qc, k2, mma_v2(qb, k1, s)))
+            elif KIND == 3:
+                k_even, k_odd = _byte_pairs(kt, True)
+                s = mma_v2(qb, k_odd, mma_v2(qa, k_even, gl.zeros([16, BLOCK_N], gl.float32, MMA)))
             else:
                 s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.float32, MMA))
+            if QUANT:  # the keys' scales
+                s = s * gl.expand_dims(ks_smem.index(st).load(COLS), 0)
             n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=COLS)
             s = gl.where(gl.expand_dims(n < hi, 0), s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -176,48 +286,69 @@ if HAVE_GLUON:
             p = gl.exp2(s - gl.expand_dims(m_safe, 1))
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            if QUANT:
+            if QUANT:  # the values' scales on the probabilities; the codes (exact in fp16) as operands
                 p = p * gl.expand_dims(vs_smem.index(st).load(COLS), 0)
                 pa = gl.convert_layout(p.to(gl.float16), PA)
-                vt = v_smem.index(st).load(VB).to(gl.float16)  # (BLOCK_N, D) codes, exact in fp16
+                vt = v_smem.index(st)._reinterpret(gl.int16, [BLOCK_N, D // PARTS], TILE16).load(VB)
+                a2 = gl.expand_dims(alpha, 1)
+                if KIND == 2:
+                    v0, v1, v2, v3 = _nibble_quads(vt)
+                    acc2 = mma_v2(pa, v2, acc2 * a2)
+                    acc3 = mma_v2(pa, v3, acc3 * a2)
+                else:
+                    v0, v1 = _byte_pairs(vt, KIND == 3)
+                acc = mma_v2(pa, v0, acc * a2)
+                acc1 = mma_v2(pa, v1, acc1 * a2)
             else:
                 pa = gl.convert_layout(p.to(V.dtype.element_ty), PA)
-                vt = v_smem.index(st).load(VB)
-            acc = mma_v2(pa, vt, acc * gl.expand_dims(alpha, 1))
+                acc = mma_v2(pa, v_smem.index(st).load(VB), acc * gl.expand_dims(alpha, 1))
         cp.wait_group(0)
 
         rows = gl.arange(0, 16, layout=ROWS)
-        cols = gl.expand_dims(gl.arange(0, D, layout=COLS), 0)
-        row_ok = rows < G
+        # the output's channels of the accumulators' columns: PARTS c + i in acc i
+        cols = gl.expand_dims(gl.arange(0, AC, layout=COLS), 0) * PARTS
+        row_ok = gl.expand_dims(rows < G, 1)
         hq = hk * G + rows
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / gl.expand_dims(l_safe, 1)
+        l_safe = gl.expand_dims(gl.where(l_i == 0.0, 1.0, l_i), 1)
         if SPLIT:
             r = b * (H_KV * G) + hq  # (B, Hq, T=1, splits, D) partials, (B, Hq, 1, splits) lse
-            lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
-            gl.store(PL + r * num_splits + pid_s, lse, mask=row_ok)
-            po = PO + gl.expand_dims((r * num_splits + pid_s) * D, 1) + cols
-            gl.store(po, out.to(PO.dtype.element_ty), mask=gl.expand_dims(row_ok, 1))
+            lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
+            gl.store(PL + r * num_splits + pid_s, lse, mask=rows < G)
+            o = PO + gl.expand_dims((r * num_splits + pid_s) * D, 1) + cols
         else:
             o = OUT + b * stride_ob + gl.expand_dims(hq * stride_oh, 1) + cols
-            gl.store(o, out.to(OUT.dtype.element_ty), mask=gl.expand_dims(row_ok, 1))
+        gl.store(o, (acc / l_safe).to(o.dtype.element_ty), mask=row_ok)
+        if PARTS >= 2:
+            gl.store(o + 1, (acc1 / l_safe).to(o.dtype.element_ty), mask=row_ok)
+        if PARTS == 4:
+            gl.store(o + 2, (acc2 / l_safe).to(o.dtype.element_ty), mask=row_ok)
+            gl.store(o + 3, (acc3 / l_safe).to(o.dtype.element_ty), mask=row_ok)
+
+
+#: the page kinds the kernel reads, by its ``KIND``: 16-bit values; q8 (signed bytes), q4
+#: (offset-8 nibbles, the low one the even channel) and fp8 (e4m3 bytes), each with one float32
+#: scale a token and head
+KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3}
+#: the block table read an iteration ahead of the copies (a knob for sweeps)
+PREFETCH = True
 
 
 def launch_decode(
     q: torch.Tensor, k_payload: torch.Tensor, v_payload: torch.Tensor, k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None, block_tables: torch.Tensor, kv_len: torch.Tensor, q_start: torch.Tensor | None,
-    capacity: int, out: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, *, qk_scale: float, splits: int, split_len: int,
-    block_n: int = 64, stages: int = 2,
+    capacity: int, out: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, *, kind: str, qk_scale: float, splits: int,
+    split_len: int, block_n: int = 64, stages: int = 2,
 ) -> None:
-    """Launch on validated inputs: ``q`` ``[B, Hq, 1, D]``, payloads ``[num_blocks, page, H_kv, D]``
-    (int8 codes with scales ``[num_blocks, page, H_kv, 1]`` float32, or 16-bit values with
-    ``None``); the query of row ``b`` sees keys ``0 .. min(kv_len[b], q_start[b] + 1) - 1``
-    (``q_start`` ``None``: every key below ``kv_len``); partials into ``po``/``pl`` when
-    ``splits > 1`` (merged by the caller), else the output into ``out``."""
+    """Launch on validated inputs: ``q`` ``[B, Hq, 1, D]``, payloads ``[num_blocks, page, H_kv, D']``
+    of ``kind`` (:data:`KINDS`; one-byte codes with scales ``[num_blocks, page, H_kv, 1]``
+    float32, or 16-bit values with ``None``); the query of row ``b`` sees keys
+    ``0 .. min(kv_len[b], q_start[b] + 1) - 1`` (``q_start`` ``None``: every key below
+    ``kv_len``); partials into ``po``/``pl`` when ``splits > 1`` (merged by the caller), else
+    the output into ``out``."""
     B, Hq, _, D = q.shape
     H_kv, page = k_payload.shape[2], k_payload.shape[1]
-    quant = k_scale is not None
-    ks, vs = (k_scale, v_scale) if quant else (k_payload, v_payload)
+    ks, vs = (k_scale, v_scale) if k_scale is not None else (k_payload, v_payload)
+    like = k_payload.stride()[:3] == v_payload.stride()[:3] and ks.stride()[:3] == vs.stride()[:3]
     _decode_kernel[(B * H_kv, splits)](
         q, q.stride(0), q.stride(1),
         k_payload, k_payload.stride(0), k_payload.stride(1), k_payload.stride(2),
@@ -227,20 +358,30 @@ def launch_decode(
         block_tables, block_tables.stride(0), capacity, kv_len, q_start if q_start is not None else kv_len,
         out, out.stride(0), out.stride(1), po, pl,
         qk_scale, H_kv, split_len, splits,
-        G=Hq // H_kv, D=D, BLOCK_N=block_n, PAGE=page, NS=stages, SPLIT=splits > 1, QUANT=quant,
-        CAUSAL=q_start is not None, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG else {}),
+        G=Hq // H_kv, D=D, BLOCK_N=block_n, PAGE=page, NS=stages, SPLIT=splits > 1, KIND=KINDS[kind],
+        CAUSAL=q_start is not None, PREFETCH=PREFETCH, LIKE=like, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG else {}),
     )  # fmt: skip
 
 
-def pages_kind(k_fmt, v_fmt, q: torch.Tensor, k_payload: torch.Tensor | None = None) -> str | None:
-    """``"q8"`` (signed bytes, one scale a token and head, keys and values), ``"fp"`` (pages
-    in the queries' dtype) or ``None``: the pages this kernel reads."""
-    D = q.shape[-1]
-    if int8_key_format(k_fmt, D) and int8_key_format(v_fmt, D):
-        return "q8"
-    if k_fmt.mode == FP and v_fmt.mode == FP and (k_payload is None or k_payload.dtype == q.dtype):
+def _kind(fmt, head_dim: int) -> str | None:
+    if fmt.mode == FP:
         return "fp"
-    return None
+    if fmt.group != head_dim or fmt.zero is not None or fmt.scale is None:
+        return None
+    if int8_key_format(fmt, head_dim):
+        return "q8"
+    if fmt.mode == AFFINE and fmt.bits == 4 and fmt.offset == -8 and not fmt.signed:
+        return "q4"
+    return "fp8" if fmt.mode == FLOAT8 else None
+
+
+def pages_kind(k_fmt, v_fmt, q: torch.Tensor, k_payload: torch.Tensor | None = None) -> str | None:
+    """The kind of pages (:data:`KINDS`) of keys and values alike, or ``None``: pages this
+    kernel does not read. ``"fp"`` pages hold the queries' dtype."""
+    kind = _kind(k_fmt, q.shape[-1])
+    if kind != _kind(v_fmt, q.shape[-1]) or (kind == "fp" and k_payload is not None and k_payload.dtype != q.dtype):
+        return None
+    return kind
 
 
 def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor | None = None) -> str | None:
@@ -253,7 +394,10 @@ def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"it takes fp16 or bf16 queries, not {q.dtype}"
     if pages_kind(k_fmt, v_fmt, q, k_payload) is None:
-        return "it reads q8 keys and values (signed bytes, one scale a token and head) or pages in the queries' dtype"
+        return (
+            "it reads keys and values of one kind: q8, q4 or fp8 codes with one scale a token and head, "
+            "or pages in the queries' dtype"
+        )
     if D not in (64, 128) or group > 16:
         return f"it takes head_dim 64 or 128 and up to 16 query heads a kv head, not {D} and {group}"
     return None
@@ -317,7 +461,8 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, q_star
 
     B, Hq, _, D = q.shape
     H_kv = k_payload.shape[2]
-    quant = k_fmt.scale is not None
+    kind = pages_kind(k_fmt, v_fmt, q, k_payload)
+    quant = kind != "fp"
     block_n = cfg.block_n or (64 if quant else 32)
     stages = cfg.num_stages or 2
     plan_cfg = replace(cfg, block_n=block_n)
@@ -327,6 +472,6 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, q_star
     po, pl = split_partials(out, splits)
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, q_start, capacity, out, po, pl,
-                  qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages)
+                  kind=kind, qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages)
     merge_splits(po, pl, out, splits, base, split_len, block_n)  # as the MMA kernel's launch
     return out

@@ -341,6 +341,39 @@ def _asm_int8_to_f16(x, PURE: tl.constexpr):
     )  # fmt: skip
 
 
+def _nibbles_asm(offset: int, pairs: bool = False) -> str:
+    """PTX for :func:`_asm_nibbles_to_f16`: four bytes ``b0 b1 b2 b3`` in ``$4``, the fp16
+    pairs of their low nibbles in ``$0 $1`` and of their high ones in ``$2 $3``, each plus
+    ``offset`` (-8 or 0). ``pairs`` (the Gluon decode kernel: two int16 elements ``b0 b1`` and
+    ``b2 b3``): the pairs of ``b0 b2`` low, ``b0 b2`` high, ``b1 b3`` low, ``b1 b3`` high in
+    ``$0 .. $3``."""
+    lo, hi = {-8: ("0x64086408", "0xD480D480"), 0: ("0x64006400", "0xD400D400")}[offset]
+    sel_y, sel_z, out = ("0x4240", "0x4341", "$0 $2 $1 $3") if pairs else ("0x4140", "0x4342", "$0 $1 $2 $3")
+    o = out.split()
+    return f"""{{
+        .reg .b32 y, z, t, lo, hi, sc;
+        mov.b32 lo, {lo};
+        mov.b32 hi, {hi};
+        mov.b32 sc, 0x2C002C00;
+        prmt.b32 y, $4, 0, {sel_y};
+        prmt.b32 z, $4, 0, {sel_z};
+        lop3.b32 t, y, 0x000F000F, 0x64006400, 0xEA;
+        sub.f16x2 {o[0]}, t, lo;
+        lop3.b32 t, z, 0x000F000F, 0x64006400, 0xEA;
+        sub.f16x2 {o[1]}, t, lo;
+        lop3.b32 t, y, 0x00F000F0, 0x64006400, 0xEA;
+        fma.rn.f16x2 {o[2]}, t, sc, hi;
+        lop3.b32 t, z, 0x00F000F0, 0x64006400, 0xEA;
+        fma.rn.f16x2 {o[3]}, t, sc, hi;
+        }}"""
+
+
+#: the nibble conversions' PTX: offset -8 (q4's signed codes) and 0, and q4's in pairs
+NIBBLES_M8_ASM = tl.constexpr(_nibbles_asm(-8))
+NIBBLES_ASM = tl.constexpr(_nibbles_asm(0))
+NIBBLES_M8_PAIRS_ASM = tl.constexpr(_nibbles_asm(-8, pairs=True))
+
+
 @triton.jit
 def _asm_nibbles_to_f16(byte, OFFSET: tl.constexpr, PURE: tl.constexpr):
     """fp16 ``(low nibble + OFFSET, high nibble + OFFSET)`` of uint8 ``byte``, four bytes a call.
@@ -349,39 +382,9 @@ def _asm_nibbles_to_f16(byte, OFFSET: tl.constexpr, PURE: tl.constexpr):
     exponent ``0x64`` a low nibble is the fp16 ``1024 + n``, a high one ``1024 + 16 n``.
     """
     if OFFSET == -8:
-        asm: tl.constexpr = """{
-        .reg .b32 y, z, t, lo, hi, sc;
-        mov.b32 lo, 0x64086408;
-        mov.b32 hi, 0xD480D480;
-        mov.b32 sc, 0x2C002C00;
-        prmt.b32 y, $4, 0, 0x4140;
-        prmt.b32 z, $4, 0, 0x4342;
-        lop3.b32 t, y, 0x000F000F, 0x64006400, 0xEA;
-        sub.f16x2 $0, t, lo;
-        lop3.b32 t, z, 0x000F000F, 0x64006400, 0xEA;
-        sub.f16x2 $1, t, lo;
-        lop3.b32 t, y, 0x00F000F0, 0x64006400, 0xEA;
-        fma.rn.f16x2 $2, t, sc, hi;
-        lop3.b32 t, z, 0x00F000F0, 0x64006400, 0xEA;
-        fma.rn.f16x2 $3, t, sc, hi;
-        }"""
+        asm: tl.constexpr = NIBBLES_M8_ASM
     else:
-        asm: tl.constexpr = """{
-        .reg .b32 y, z, t, lo, hi, sc;
-        mov.b32 lo, 0x64006400;
-        mov.b32 hi, 0xD400D400;
-        mov.b32 sc, 0x2C002C00;
-        prmt.b32 y, $4, 0, 0x4140;
-        prmt.b32 z, $4, 0, 0x4342;
-        lop3.b32 t, y, 0x000F000F, 0x64006400, 0xEA;
-        sub.f16x2 $0, t, lo;
-        lop3.b32 t, z, 0x000F000F, 0x64006400, 0xEA;
-        sub.f16x2 $1, t, lo;
-        lop3.b32 t, y, 0x00F000F0, 0x64006400, 0xEA;
-        fma.rn.f16x2 $2, t, sc, hi;
-        lop3.b32 t, z, 0x00F000F0, 0x64006400, 0xEA;
-        fma.rn.f16x2 $3, t, sc, hi;
-        }"""
+        asm: tl.constexpr = NIBBLES_ASM
     return tl.inline_asm_elementwise(
         asm, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=PURE, pack=4
     )
