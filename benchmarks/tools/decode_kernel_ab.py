@@ -1,6 +1,7 @@
 """The decode kernels side by side: the MMA kernel and the pipelined Gluon kernel
 (:mod:`kvtier.kernels.gluon_decode`) over bf16, q8, q4 and fp8 pages, at the defaults and other
-tiles, with and without the block table read ahead, on the shapes of issue 15 and a serving step.
+tiles, split plans and split counts, register caps, with and without the block table read ahead,
+on the shapes of issue 15 and a serving step.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/tools/decode_kernel_ab.py [--out DIR]
 
@@ -20,19 +21,22 @@ import torch
 
 
 def plans(mode: str, B, cuda: bool) -> dict:
-    """``{name: (maxnreg, prefetch, config)}``: the MMA kernel, the default and Gluon plans."""
+    """``{name: (knobs, config)}``: the MMA kernel, the default and Gluon plans; ``knobs`` set
+    module attributes of :mod:`kvtier.kernels.gluon_decode` for the plan's launches."""
     from kvtier.kernels.launch_plan import LaunchConfig
 
-    def gluon(bn, ns=2, splits=None, maxnreg=None, prefetch=True):
-        return maxnreg, prefetch, LaunchConfig(decode_kernel="gluon", block_n=bn, num_stages=ns, num_splits=splits)
+    def gluon(bn=64, splits=None, **knobs):
+        return knobs, LaunchConfig(decode_kernel="gluon", block_n=bn, num_splits=splits)
 
-    out = {"mma": (None, True, LaunchConfig(decode_kernel="mma")), "default": (None, True, None)}
+    out = {"mma": ({}, LaunchConfig(decode_kernel="mma")), "default": ({}, None)}
     if not cuda:
         return out
     if mode == "fp":
-        return out | {"gluon 32x2": gluon(32), "gluon 64x2": gluon(64)}
-    out |= {"gluon 64x2": gluon(64), "gluon 64x2 no prefetch": gluon(64, prefetch=False),
-            "gluon 128x2": gluon(128), "gluon 64x2 r96": gluon(64, maxnreg=96)}
+        return out | {"gluon 32": gluon(32), "gluon 32 mma plan": gluon(32, RESIDENT=None)}
+    out |= {"gluon 64 mma plan": gluon(RESIDENT=None), "gluon 64 no prefetch": gluon(PREFETCH=False),
+            "gluon 128": gluon(128), "gluon 64 r96": gluon(MAXNREG=96)}
+    if B != "serve" and B >= 8:
+        out |= {f"gluon 64 s{s}": gluon(splits=s) for s in (2, 4, 6, 8)}
     return out
 
 
@@ -73,13 +77,16 @@ def main() -> None:
             for r in reps:
                 r.kv_len = lens.to(dev)
             ref = base.attention(LaunchConfig(decode_kernel="mma")).float()
-            for plan, (maxnreg, prefetch, cfg) in plans(mode, B, cuda).items():
-                gluon_decode.MAXNREG, gluon_decode.PREFETCH = maxnreg, prefetch
+            for plan, (knobs, cfg) in plans(mode, B, cuda).items():
+                saved = {k: getattr(gluon_decode, k) for k in knobs}
+                for k, v in knobs.items():
+                    setattr(gluon_decode, k, v)
                 try:
                     t = time_calls([lambda r=r, cfg=cfg: r.attention(cfg) for r in reps], 20, 10)
                     diff = (base.attention(cfg).float() - ref).abs().max().item()
                 finally:
-                    gluon_decode.MAXNREG, gluon_decode.PREFETCH = None, True
+                    for k, v in saved.items():
+                        setattr(gluon_decode, k, v)
                 results.append(dict(shape=label, pages=mode, plan=plan, us=t * 1e6, max_diff=diff))
                 lines.append(f"| {label} | {mode} | {plan} | {t * 1e6:.2f} | {diff:.1e} |")
                 print(lines[-1], flush=True)

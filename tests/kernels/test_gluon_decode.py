@@ -116,6 +116,21 @@ def test_a_config_with_the_mma_kernels_settings_stays_on_it(monkeypatch, plan):
     assert (_attend(c, q, qs, num_splits=2) == 0).all() and calls == [1]
 
 
+@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "fp"])
+def test_the_default_kinds_and_16_bit_pages_only_in_small_launches(monkeypatch, mode):
+    """q8, q4 and fp8 decode steps go here by default; 16-bit ones only while the launch has at
+    most GLUON_FP_PAIRS (row, kv head) pairs (it lost to the MMA kernel at B=64 / 8k)."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    calls = []
+    monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
+    monkeypatch.setattr(gluon_decode, "_step", lambda q, *a, **k: calls.append(q.shape[0]) or torch.zeros_like(q))
+    monkeypatch.setattr(triton_attention, "GLUON_FP_PAIRS", 4)
+    for B in (2, 3):  # 4 and 6 pairs
+        c, q, qs = _case(mode, B, 4, 2, 64, [20] * B, dtype)
+        _attend(c, q, qs)
+    assert calls == ([2] if mode == "fp" else [2, 3])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize(

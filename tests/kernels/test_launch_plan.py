@@ -52,6 +52,24 @@ def test_short_and_quantised_plans_unchanged(h200):
     assert splits(64, 8192, quantised=True) == math.ceil(8 * SMS / (64 * 8))
 
 
+def test_a_given_residency_fills_whole_waves_of_it(h200):
+    """The Gluon decode kernel's quantised launches (four programs an SM): whole waves of 4 x 132."""
+
+    def plan(B, capacity):
+        return ta.plan_launch(B, 8, 4, 1, capacity, CUDA, ta.LaunchConfig(block_n=64), True, 4)[3]
+
+    # one wave of 512 programs (the H200: B=32 / 4k 73.5 us, against 78.5 at 4 splits and 87.5
+    # at the program-count plan's 5, whose 1,280 programs fill 2.42 waves); B=8 / 16k alike
+    assert plan(32, 4096) == 2
+    assert plan(8, 16384) == 8
+    assert plan(64, 8192) == 2  # never one split
+    for B in (8, 16, 32, 48, 64, 128):
+        for capacity in (4096, 16384):
+            s = plan(B, capacity)
+            assert last_wave(B, s) >= 0.9 or s == capacity // 512, (B, capacity, s)
+    assert plan(1, 4096) == ta.SHORT_SPLITS  # small grids keep one tile a split
+
+
 def test_given_split_count_wins(h200):
     cfg = ta.LaunchConfig(num_splits=5)
     assert ta.plan_launch(32, 8, 4, 1, 4096, CUDA, cfg)[3] == 5

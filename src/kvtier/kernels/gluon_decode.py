@@ -331,6 +331,9 @@ if HAVE_GLUON:
 KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3}
 #: the block table read an iteration ahead of the copies (a knob for sweeps)
 PREFETCH = True
+#: programs resident on a multiprocessor, whose whole waves the split plan fills (``None``: the
+#: plan of the MMA kernel's quantised launches); 116-128 registers a thread allow four
+RESIDENT: int | None = 4
 
 
 def launch_decode(
@@ -466,7 +469,7 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, q_star
     block_n = cfg.block_n or (64 if quant else 32)
     stages = cfg.num_stages or 2
     plan_cfg = replace(cfg, block_n=block_n)
-    *_, splits, split_len, base = plan_launch(B, H_kv, Hq // H_kv, 1, capacity, q.device, plan_cfg, quant)
+    *_, splits, split_len, base = plan_launch(B, H_kv, Hq // H_kv, 1, capacity, q.device, plan_cfg, quant, RESIDENT)
     if out is None:
         out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
     po, pl = split_partials(out, splits)

@@ -84,7 +84,7 @@ def _multiprocessors(index: int) -> int:
 
 def plan_launch(
     B: int, H_kv: int, G: int, T: int, capacity: int, device: torch.device, cfg: LaunchConfig,
-    quantised: bool = False,
+    quantised: bool = False, resident: int | None = None,
 ) -> tuple[int, int, int, int, int, int]:
     """``(block_m, m_tiles, block_n, num_splits, split_len, programs_per_split)`` of one launch.
 
@@ -93,8 +93,9 @@ def plan_launch(
     fewer than :data:`SMALL_GRID` (row, kv head) pairs share the launch) and a whole
     number of ``block_n`` tiles. On CUDA, full-precision launches of at least
     :data:`SMALL_GRID` pairs then take the split count near that whose last wave of programs
-    is full (:func:`_whole_waves`). The plan depends on the capacity (table width x page),
-    never on the lengths.
+    is full (:func:`_whole_waves`), waves of :data:`RESIDENT_PROGRAMS` a multiprocessor, or of
+    ``resident`` where given (any launch: the Gluon decode kernel's). The plan depends on the
+    capacity (table width x page), never on the lengths.
     """
     rows = G * T
     block_m = cfg.block_m or max(16, min(64, _next_pow2(rows)))
@@ -116,19 +117,24 @@ def plan_launch(
             want = min(want, SHORT_SPLITS)
         most = max(1, _cdiv(capacity, max(min_split, block_n)))
         splits = max(1, min(want, most))
-        if device.type == "cuda" and not quantised and base >= SMALL_GRID:
+        if device.type == "cuda" and (resident or not quantised) and base >= SMALL_GRID:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            splits = _whole_waves(base, splits, most, capacity, block_n, RESIDENT_PROGRAMS * _multiprocessors(index))
+            slots = (resident or RESIDENT_PROGRAMS) * _multiprocessors(index)
+            # the Gluon kernel's launches (resident given) may halve their splits twice: one
+            # full wave of long splits beat more waves of short ones (H200, B=32 / 4k q8: 2
+            # splits 73.5 us, 4 splits 78.5; B=8 / 16k: 8 splits 72.1, 16 splits 76.4)
+            low = max(2, _cdiv(splits, 4)) if resident else _cdiv(splits, 2)
+            splits = _whole_waves(base, splits, most, capacity, block_n, slots, low)
     split_len = _cdiv(_cdiv(capacity, splits), block_n) * block_n
     splits = max(1, _cdiv(capacity, split_len))
     return block_m, m_tiles, block_n, splits, split_len, base
 
 
 @functools.lru_cache(maxsize=1024)
-def _whole_waves(base: int, want: int, most: int, capacity: int, block_n: int, slots: int) -> int:
-    """The fewest splits in ``[ceil(want / 2), min(2 want, most)]`` whose programs fill their last
-    wave of ``slots`` (``RESIDENT_PROGRAMS`` per multiprocessor) within 3% of the best such
-    count, else ``want``. Cached: an eager decode step plans every layer's launch alike.
+def _whole_waves(base: int, want: int, most: int, capacity: int, block_n: int, slots: int, low: int) -> int:
+    """The fewest splits in ``[low, min(2 want, most)]`` whose programs fill their last wave of
+    ``slots`` (resident programs x multiprocessors) within 3% of the best such count, else
+    ``want``. Cached: an eager decode step plans every layer's launch alike.
 
     H200, bf16, 32/8 heads (``benchmarks/tools/split_sweep.py``): at B=32 (256 programs a split)
     5 splits fill 2.4 waves of 528 and reach 85-90% of SDPA, 2, 4, 6 or 8 splits 91-97%; B=64
@@ -139,7 +145,7 @@ def _whole_waves(base: int, want: int, most: int, capacity: int, block_n: int, s
         waves = base * s / slots
         return waves / math.ceil(waves)
 
-    fills = {s: fill(s) for s in range(max(1, _cdiv(want, 2)), min(2 * want, most) + 1)}
+    fills = {s: fill(s) for s in range(max(1, low), min(2 * want, most) + 1)}
     if not fills:
         return want
     best = max(fills.values())

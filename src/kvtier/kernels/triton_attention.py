@@ -73,12 +73,15 @@ QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "cuda_core"}
 #: heads: 358 against 385 us; SmolLM2 perplexity with q8 pages +0.133% against +0.124%
 #: (benchmarks/RESULTS.md, 2026-12-03).
 INT8_QUERIES = True
-#: decode steps over these pages (``"q8"``, ``"fp"``) go to the pipelined Gluon kernel
-#: (:mod:`kvtier.kernels.gluon_decode`) where it runs, unless the ``LaunchConfig`` names a kernel,
-#: a tile, stages or warps (the MMA kernel's settings) or turns int8 queries off. H200, 32/8 heads: q8 at B=64 / 8k 331 against 357 us, a serving step 107 against
-#: 128 us; 16-bit pages gained at B=1, B=8 / 4k and a serving step but lost 3-5% at B=8 / 16k,
-#: B=32 / 4k and B=64 / 8k (benchmarks/RESULTS.md, 2026-12-03, tenth session).
-GLUON_DECODE: frozenset[str] = frozenset({"q8"})
+#: decode steps over these pages (``"q8"``, ``"q4"``, ``"fp8"``, ``"fp"``) go to the pipelined
+#: Gluon kernel (:mod:`kvtier.kernels.gluon_decode`) where it runs, unless the ``LaunchConfig``
+#: names a kernel, a tile, stages or warps (the MMA kernel's settings) or turns int8 queries off;
+#: 16-bit pages only in launches of at most ``GLUON_FP_PAIRS`` (row, kv head) pairs. H200, 32/8
+#: heads, B=64 / 8k: q8 264 against 355 us on the MMA kernel, q4 239 against 325, fp8 266
+#: against 371 (bf16 488); 16-bit pages: B=1 / 4k 11.9 against 13.2 us, B=8 / 4k 39.0 against
+#: 41.0, but B=64 / 8k 500 against 488 (benchmarks/RESULTS.md, 2026-12-03, eleventh session).
+GLUON_DECODE: frozenset[str] = frozenset({"q8", "q4", "fp8", "fp"})
+GLUON_FP_PAIRS = 64
 #: Launch the split merge as a programmatic dependent launch on compute capability 9.0+: its
 #: programs are scheduled while the attention programs finish, and wait for their results.
 MERGE_PDL = True
@@ -399,7 +402,8 @@ def launch_attention(
                   out=out, out_dtype=out_dtype, cfg=cfg)
         if cfg.decode_kernel == "gluon":
             return gluon_decode.decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
-        if GLUON_DECODE and gluon_decode.takes_by_default(GLUON_DECODE, cfg, k_fmt, v_fmt, q, G, k_payload):
+        kinds = GLUON_DECODE if B * H_kv <= GLUON_FP_PAIRS else GLUON_DECODE - {"fp"}
+        if kinds and gluon_decode.takes_by_default(kinds, cfg, k_fmt, v_fmt, q, G, k_payload):
             done = gluon_decode.try_decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
             if done is not None:  # else it failed here (and is not tried again): the MMA kernel below
                 return done
