@@ -47,6 +47,8 @@ try:
     # thread_barrier; 3.9 async_load and barrier
     _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # and a shared-memory view of another dtype _reinterpret, 3.9 reinterpret
+    _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
@@ -115,6 +117,14 @@ if HAVE_GLUON:
         return gl.inline_asm_elementwise(
             NIBBLES_M8_PAIRS_ASM, "=r,=r,=r,=r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2
         )
+
+    @gluon.jit
+    def _as_int16(tile, shape: gl.constexpr, layout: gl.constexpr):
+        """``tile`` (one-byte codes in shared memory) seen as int16 of ``shape``."""
+        if _NEW_REINTERPRET:
+            return tile.reinterpret(gl.int16, shape, layout)
+        else:
+            return tile._reinterpret(gl.int16, shape, layout)
 
     @gluon.jit
     def _byte_pairs(x, E4M3: gl.constexpr):
@@ -261,7 +271,7 @@ if HAVE_GLUON:
                 blk, blks = _tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
             st = i % NS
             if KIND >= 2:  # (D / PARTS, BLOCK_N) int16
-                kt = k_smem.index(st)._reinterpret(gl.int16, [BLOCK_N, D // PARTS], TILE16).permute((1, 0)).load(KB)
+                kt = _as_int16(k_smem.index(st), [BLOCK_N, D // PARTS], TILE16).permute((1, 0)).load(KB)
             else:
                 kt = k_smem.index(st).permute((1, 0)).load(KB)  # (DP, BLOCK_N)
             if KIND == 1:
@@ -289,7 +299,7 @@ if HAVE_GLUON:
             if QUANT:  # the values' scales on the probabilities; the codes (exact in fp16) as operands
                 p = p * gl.expand_dims(vs_smem.index(st).load(COLS), 0)
                 pa = gl.convert_layout(p.to(gl.float16), PA)
-                vt = v_smem.index(st)._reinterpret(gl.int16, [BLOCK_N, D // PARTS], TILE16).load(VB)
+                vt = _as_int16(v_smem.index(st), [BLOCK_N, D // PARTS], TILE16).load(VB)
                 a2 = gl.expand_dims(alpha, 1)
                 if KIND == 2:
                     v0, v1, v2, v3 = _nibble_quads(vt)
