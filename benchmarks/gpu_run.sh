@@ -63,7 +63,7 @@ PARALLEL=()
 PYTEST=("$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider "${PARALLEL[@]}")
 mapfile -t TIER_TESTS < <(grep -rl "mark.gpu" tests --include="test_*.py" | grep -v "tests/kernels/test_triton_")
 mapfile -t KERNEL_TESTS < <(grep -l "mark.gpu" tests/kernels/test_triton_*.py)
-step tests 120 "$OUT/gpu_tests.log" "${PYTEST[@]}" "${TIER_TESTS[@]}"
+step tests 200 "$OUT/gpu_tests.log" "${PYTEST[@]}" "${TIER_TESTS[@]}"
 step kernels 90 "$OUT/gpu_tests.log" "${PYTEST[@]}" "${KERNEL_TESTS[@]}"
 
 # (b) paged decode attention against SDPA, quantised pages, the write kernel (tables written
