@@ -6,16 +6,24 @@ program nothing overlaps the loads, and at half the bytes a tile (q8) three prog
 multiprocessor cannot keep the DRAM busy. This kernel, written in Gluon (Triton's explicit
 layout and memory language), keeps a ring of ``NS`` stages in shared memory and issues the
 asynchronous copies of tile ``i + NS - 1`` before it scores tile ``i``. Two stages (the
-default) were the fastest on the H200: 96 registers and 35 KB of shared memory a program
-let five programs share a multiprocessor (benchmarks/RESULTS.md, 2026-12-03, tenth session).
+default) were the fastest on the H200 (benchmarks/RESULTS.md, 2026-12-03).
 
 One program per (row, kv head, split) of a decode step (one query a row), the ``G`` query heads
-of the kv head padded to 16 rows. q8 pages (codes with a float32 scale per token and head), as
-in the MMA kernel: the query is rounded to int8 (one scale a row) and scored against the key
-codes by an integer dot; the softmax runs on exp2; each key's value scale is applied to the
-probabilities, and the value codes (exact in fp16), read from shared memory straight into the
-dot's operand layout, meet them in an fp16 dot. 16-bit pages: the same loop in bf16/fp16.
-Splits write the same partials and log-sum-exp as the MMA kernel, merged by its merge kernel.
+of the kv head padded to 16 rows; the softmax runs on exp2. Pages (:data:`KINDS`):
+
+- q8 (signed bytes, a float32 scale per token and head), as in the MMA kernel: the query is
+  rounded to int8 (one scale a row) and scored against the key codes by an integer dot;
+- q4 (offset-8 nibbles) and fp8 (e4m3 bytes), a float32 scale per token and head: fp16 dots,
+  the query split into the channel parts below;
+- 16-bit pages: the same loop in bf16/fp16.
+
+One-byte tiles are read from shared memory as int16 (two bytes of one key an element): the
+dot operands hold pairs along their depth, for values two keys of one channel, which a
+transposing 16-bit load brings into one register and a byte permutation turns into the fp16
+pairs of two channels (four for q4). Channel ``PARTS c + i`` lands in part ``i``, each with
+its own accumulator; the output is stored interleaved back. Scales go on scores (keys) and
+probabilities (values). Splits write the same partials and log-sum-exp as the MMA kernel,
+merged by its merge kernel.
 """
 
 from __future__ import annotations
