@@ -40,6 +40,7 @@ from kvtier.kernels.triton_quant import (
     AFFINE,
     FLOAT8,
     FP,
+    INT8_PAIRS_ASM,
     NIBBLES_M8_PAIRS_ASM,
     int8_key_format,
     round_half_even,
@@ -150,16 +151,8 @@ if HAVE_GLUON:
             cvt.rn.f16x2.e4m3x2 $0, a;
             cvt.rn.f16x2.e4m3x2 $1, b;
             }"""
-        else:  # code + 128 slid under the exponent byte 0x64 is the fp16 1152 + code
-            asm: gl.constexpr = """{
-            .reg .b32 t, m;
-            mov.b32 m, 0x64806480;
-            xor.b32 t, $2, 0x80808080;
-            prmt.b32 $0, t, 0x64646464, 0x7270;
-            prmt.b32 $1, t, 0x64646464, 0x7371;
-            sub.f16x2 $0, $0, m;
-            sub.f16x2 $1, $1, m;
-            }"""
+        else:  # q8 (triton_quant._int8_asm)
+            asm: gl.constexpr = INT8_PAIRS_ASM
         return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
 
     @gluon.jit

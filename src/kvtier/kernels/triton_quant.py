@@ -323,22 +323,32 @@ def codes_to_float(u, BITS: tl.constexpr, SIGNED: tl.constexpr, OFFSET: tl.const
     return (x | 0x4B000000).to(tl.float32, bitcast=True) - bias
 
 
-@triton.jit
-def _asm_int8_to_f16(x, PURE: tl.constexpr):
-    """fp16 of int8 codes ``x``, four a call: ``code + 128`` slid under the exponent byte
-    ``0x64`` is the fp16 ``1152 + code``, and one packed subtraction leaves the code."""
-    return tl.inline_asm_elementwise(
-        """{
+def _int8_asm(pairs: bool = False) -> str:
+    """PTX for :func:`_asm_int8_to_f16`: four int8 codes ``b0 b1 b2 b3`` in ``$2``, the fp16
+    pairs of ``b0 b1`` and ``b2 b3`` in ``$0 $1``; ``pairs`` (the Gluon decode kernel: two int16
+    elements ``b0 b1`` and ``b2 b3``): of ``b0 b2`` and ``b1 b3``. ``code + 128`` slid under the
+    exponent byte ``0x64`` is the fp16 ``1152 + code``, and one packed subtraction leaves the code."""
+    first, second = ("0x7270", "0x7371") if pairs else ("0x7170", "0x7372")
+    return f"""{{
         .reg .b32 t, m;
         mov.b32 m, 0x64806480;
         xor.b32 t, $2, 0x80808080;
-        prmt.b32 $0, t, 0x64646464, 0x7170;
-        prmt.b32 $1, t, 0x64646464, 0x7372;
+        prmt.b32 $0, t, 0x64646464, {first};
+        prmt.b32 $1, t, 0x64646464, {second};
         sub.f16x2 $0, $0, m;
         sub.f16x2 $1, $1, m;
-        }""",
-        "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4,
-    )  # fmt: skip
+        }}"""
+
+
+#: int8 codes to fp16, four a call, and in pairs of int16 elements
+INT8_ASM = tl.constexpr(_int8_asm())
+INT8_PAIRS_ASM = tl.constexpr(_int8_asm(pairs=True))
+
+
+@triton.jit
+def _asm_int8_to_f16(x, PURE: tl.constexpr):
+    """fp16 of int8 codes ``x``, four a call (:func:`_int8_asm`)."""
+    return tl.inline_asm_elementwise(INT8_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4)
 
 
 def _nibbles_asm(offset: int, pairs: bool = False) -> str:
