@@ -1,7 +1,7 @@
 """The decode kernels side by side: the MMA kernel and the pipelined Gluon kernel
 (:mod:`kvtier.kernels.gluon_decode`) over bf16, q8, q4 and fp8 pages, at the defaults and other
-tiles, split plans and split counts, register caps, with and without the block table read ahead,
-on the shapes of issue 15 and a serving step.
+tiles, split plans and split counts and register caps, on the shapes of issue 15 and a serving
+step.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/tools/decode_kernel_ab.py [--out DIR]
 
@@ -33,8 +33,7 @@ def plans(mode: str, B, cuda: bool) -> dict:
         return out
     if mode == "fp":
         return out | {"gluon 32": gluon(32), "gluon 32 mma plan": gluon(32, RESIDENT=None)}
-    out |= {"gluon 64 mma plan": gluon(RESIDENT=None), "gluon 64 no prefetch": gluon(PREFETCH=False),
-            "gluon 128": gluon(128), "gluon 64 r96": gluon(MAXNREG=96)}
+    out |= {"gluon 64 mma plan": gluon(RESIDENT=None), "gluon 128": gluon(128), "gluon 64 r96": gluon(MAXNREG=96)}
     if B != "serve" and B >= 8:
         out |= {f"gluon 64 s{s}": gluon(splits=s) for s in (2, 4, 6, 8)}
     return out

@@ -87,7 +87,7 @@ def test_a_default_launch_that_fails_hands_its_pages_to_the_mma_kernel(monkeypat
         calls.append(1)
         raise RuntimeError("out of resources: shared memory")
 
-    monkeypatch.setattr(triton_attention, "GLUON_DECODE", frozenset({"q8"}))
+    monkeypatch.setattr(triton_attention, "GLUON_DECODE", {"q8": None})
     monkeypatch.setattr(gluon_decode, "FAILED", {})
     monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)  # as on a GPU it can run on
     monkeypatch.setattr(gluon_decode, "_step", broken)
@@ -108,7 +108,7 @@ def test_a_config_with_the_mma_kernels_settings_stays_on_it(monkeypatch, plan):
     launch is not sent here by default; one that sets only splits is."""
     c, q, qs = _case("q8", 2, 4, 1, 64, [20, 7], torch.bfloat16 if ON_GPU else torch.float32)
     calls = []
-    monkeypatch.setattr(triton_attention, "GLUON_DECODE", frozenset({"q8"}))
+    monkeypatch.setattr(triton_attention, "GLUON_DECODE", {"q8": None})
     monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
     monkeypatch.setattr(gluon_decode, "_step", lambda *a, **k: calls.append(1) or torch.zeros_like(q))
     _attend(c, q, qs, **plan)
@@ -119,12 +119,12 @@ def test_a_config_with_the_mma_kernels_settings_stays_on_it(monkeypatch, plan):
 @pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "fp"])
 def test_the_default_kinds_and_16_bit_pages_only_in_small_launches(monkeypatch, mode):
     """q8, q4 and fp8 decode steps go here by default; 16-bit ones only while the launch has at
-    most GLUON_FP_PAIRS (row, kv head) pairs (it lost to the MMA kernel at B=64 / 8k)."""
+    most GLUON_DECODE["fp"] (row, kv head) pairs (it lost to the MMA kernel at B=64 / 8k)."""
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     calls = []
     monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
     monkeypatch.setattr(gluon_decode, "_step", lambda q, *a, **k: calls.append(q.shape[0]) or torch.zeros_like(q))
-    monkeypatch.setattr(triton_attention, "GLUON_FP_PAIRS", 4)
+    monkeypatch.setitem(triton_attention.GLUON_DECODE, "fp", 4)
     for B in (2, 3):  # 4 and 6 pairs
         c, q, qs = _case(mode, B, 4, 2, 64, [20] * B, dtype)
         _attend(c, q, qs)

@@ -28,14 +28,13 @@ merged by its merge kernel.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from dataclasses import replace
 
 import torch
 
-from kvtier.kernels.launch_plan import plan_launch
+from kvtier.kernels.launch_plan import capability, plan_launch
 from kvtier.kernels.triton_quant import (
     AFFINE,
     FLOAT8,
@@ -166,7 +165,7 @@ if HAVE_GLUON:
         OUT, stride_ob, stride_oh, PO, PL,
         qk_scale, H_KV, split_len, num_splits,
         G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr,
-        SPLIT: gl.constexpr, KIND: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH: gl.constexpr, LIKE: gl.constexpr,
+        SPLIT: gl.constexpr, KIND: gl.constexpr, CAUSAL: gl.constexpr, LIKE: gl.constexpr,
     ):  # fmt: skip
         # KIND: the pages (KINDS); all but 16-bit ones hold one byte an element and a scale a token
         QUANT: gl.constexpr = KIND != 0
@@ -248,8 +247,8 @@ if HAVE_GLUON:
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
                         BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE)  # fmt: skip
-        # PREFETCH: the pages of the tile to copy next are read from the block table an
-        # iteration early, so the copies never wait on that load
+        # the pages of the tile to copy next are read from the block table an iteration early,
+        # so the copies never wait on that load (1-3% on the H200)
         blk, blks = _tile_pages(BT, bt_row, lo + (NS - 1) * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
 
         m_i = gl.full([16], float("-inf"), gl.float32, ROWS)
@@ -262,14 +261,11 @@ if HAVE_GLUON:
             cp.wait_group(NS - 2)  # this thread's copies of tile i have landed
             _barrier()  # everyone's have, and everyone is done with tile i - 1's stage
             n_next = lo + (i + NS - 1) * BLOCK_N
-            if not PREFETCH:
-                blk, blks = _tile_pages(BT, bt_row, n_next, hi, BLOCK_N, PAGE, CP, SC, QUANT)
             _issue_tile(K, V, KS, VS, blk, blks, k_smem, v_smem, ks_smem, vs_smem, (i + NS - 1) % NS, n_next, hi, hk,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
                         BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE)  # fmt: skip
-            if PREFETCH:
-                blk, blks = _tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
+            blk, blks = _tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
             st = i % NS
             if KIND >= 2:  # (D / PARTS, BLOCK_N) int16
                 kt = _as_int16(k_smem.index(st), [BLOCK_N, D // PARTS], TILE16).permute((1, 0)).load(KB)
@@ -340,8 +336,6 @@ if HAVE_GLUON:
 #: (offset-8 nibbles, the low one the even channel) and fp8 (e4m3 bytes), each with one float32
 #: scale a token and head
 KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3}
-#: the block table read an iteration ahead of the copies (a knob for sweeps)
-PREFETCH = True
 #: programs resident on a multiprocessor, whose whole waves the split plan fills (``None``: the
 #: plan of the MMA kernel's quantised launches); 116-128 registers a thread allow four
 RESIDENT: int | None = 4
@@ -373,7 +367,7 @@ def launch_decode(
         out, out.stride(0), out.stride(1), po, pl,
         qk_scale, H_kv, split_len, splits,
         G=Hq // H_kv, D=D, BLOCK_N=block_n, PAGE=page, NS=stages, SPLIT=splits > 1, KIND=KINDS[kind],
-        CAUSAL=q_start is not None, PREFETCH=PREFETCH, LIKE=like, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG else {}),
+        CAUSAL=q_start is not None, LIKE=like, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG else {}),
     )  # fmt: skip
 
 
@@ -398,16 +392,18 @@ def pages_kind(k_fmt, v_fmt, q: torch.Tensor, k_payload: torch.Tensor | None = N
     return kind
 
 
-def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor | None = None) -> str | None:
-    """Why this kernel cannot take a decode step over these pages (``None``: it can)."""
+def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor | None = None, *,
+              kind: str | None = None) -> str | None:
+    """Why this kernel cannot take a decode step over these pages (``None``: it can); ``kind``:
+    their :func:`pages_kind`, where the caller has it."""
     D = q.shape[-1]
     if not HAVE_GLUON:
         return "this Triton has no Gluon (triton.experimental.gluon)"
-    if q.device.type != "cuda" or not _capable(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+    if capability(q.device) < (8, 0):
         return "it needs a CUDA GPU of compute capability 8.0+"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"it takes fp16 or bf16 queries, not {q.dtype}"
-    if pages_kind(k_fmt, v_fmt, q, k_payload) is None:
+    if (kind or pages_kind(k_fmt, v_fmt, q, k_payload)) is None:
         return (
             "it reads keys and values of one kind: q8, q4 or fp8 codes with one scale a token and head, "
             "or pages in the queries' dtype"
@@ -417,33 +413,33 @@ def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor
     return None
 
 
-@functools.cache
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 0)
-
-
 #: page kinds whose default launch failed in this process, and why (the MMA kernel takes them)
 FAILED: dict[str, str] = {}
 
 
-def takes_by_default(kinds, cfg, k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor) -> bool:
-    """Whether a decode step over these pages goes here when ``cfg`` names no kernel: its kind is
-    in ``kinds`` (``triton_attention.GLUON_DECODE``), ``cfg`` sets nothing of the MMA kernel's (a
-    tile, stages, warps, int8 queries off), the kernel can run it, and it has not failed here."""
+def takes_by_default(kinds, cfg, k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor,
+                     pairs: int) -> str | None:
+    """The kind of pages of a decode step that goes here when ``cfg`` names no kernel, else
+    ``None``: its kind is in ``kinds`` (``triton_attention.GLUON_DECODE``) and the launch's
+    ``pairs`` (rows x kv heads) within that kind's limit, ``cfg`` sets nothing of the MMA
+    kernel's (a tile, stages, warps, int8 queries off), the kernel can run it, and it has not
+    failed here."""
     if cfg.block_m or cfg.block_n or cfg.num_stages or cfg.num_warps or cfg.int8_queries is False:
-        return False
+        return None
     kind = pages_kind(k_fmt, v_fmt, q, k_payload)
-    return kind in kinds and kind not in FAILED and supported(k_fmt, v_fmt, q, group, k_payload) is None
+    if kind not in kinds or kind in FAILED or (kinds[kind] is not None and pairs > kinds[kind]):
+        return None
+    return kind if supported(k_fmt, v_fmt, q, group, k_payload, kind=kind) is None else None
 
 
-def try_decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw) -> torch.Tensor | None:
-    """A step that :func:`takes_by_default` sent here, or ``None`` when the kernel fails on this
-    GPU (a compile or launch error): then this kind of pages is put in :data:`FAILED`, with one
-    warning, and the caller's other kernel takes this step and the next ones."""
+def try_decode(q, k_payload, v_payload, k_fmt, v_fmt, *, kind: str, **kw) -> torch.Tensor | None:
+    """A step over pages of ``kind`` that :func:`takes_by_default` sent here, or ``None`` when the
+    kernel fails on this GPU (a compile or launch error): then this kind of pages is put in
+    :data:`FAILED`, with one warning, and the caller's other kernel takes this step and the next
+    ones."""
     try:
-        return _step(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
+        return _step(q, k_payload, v_payload, k_fmt, v_fmt, kind=kind, **kw)
     except Exception as e:  # any failure of an optional kernel: the MMA kernel serves
-        kind = pages_kind(k_fmt, v_fmt, q, k_payload)
         FAILED[kind] = f"{type(e).__name__}: {e}"
         warnings.warn(
             f"the Gluon decode kernel failed on {kind} pages ({FAILED[kind][:200]}); their decode steps "
@@ -462,20 +458,20 @@ def decode(q, k_payload, v_payload, k_fmt, v_fmt, *, cfg, **kw) -> torch.Tensor:
             f"while one is scored), got block_n={cfg.block_n}, num_stages={cfg.num_stages}; leave them unset "
             "for the defaults"
         )
-    why = supported(k_fmt, v_fmt, q, q.shape[1] // k_payload.shape[2], k_payload)
+    kind = pages_kind(k_fmt, v_fmt, q, k_payload)
+    why = supported(k_fmt, v_fmt, q, q.shape[1] // k_payload.shape[2], k_payload, kind=kind)
     if why is not None:
         raise ValueError(f"decode_kernel='gluon' cannot take this step: {why}; leave decode_kernel unset")
-    return _step(q, k_payload, v_payload, k_fmt, v_fmt, cfg=cfg, **kw)
+    return _step(q, k_payload, v_payload, k_fmt, v_fmt, kind=kind, cfg=cfg, **kw)
 
 
-def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables, kv_len, q_start, capacity, scale, out, out_dtype,
-          cfg) -> torch.Tensor:
+def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, q_start, capacity, scale, out,
+          out_dtype, cfg) -> torch.Tensor:
     # that module imports this one
     from kvtier.kernels.triton_attention import LOG2E, merge_splits, split_partials
 
     B, Hq, _, D = q.shape
     H_kv = k_payload.shape[2]
-    kind = pages_kind(k_fmt, v_fmt, q, k_payload)
     quant = kind != "fp"
     block_n = cfg.block_n or (64 if quant else 32)
     stages = cfg.num_stages or 2

@@ -24,7 +24,7 @@ RESIDENT_PROGRAMS = 4
 PACKED_BLOCK_M = 128
 
 __all__ = ["DECODE_KERNELS", "PACKED_BLOCK_M", "RESIDENT_PROGRAMS", "SHORT_SPLITS", "SMALL_GRID", "LaunchConfig",
-           "plan_launch"]
+           "capability", "plan_launch"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -80,6 +80,18 @@ def _target_programs(device: torch.device) -> int:
 @functools.cache
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA ``device`` (``(0, 0)`` off CUDA), asked of the driver once."""
+    if device.type != "cuda":
+        return (0, 0)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def plan_launch(

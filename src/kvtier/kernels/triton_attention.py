@@ -24,7 +24,6 @@ written in place (the serving engine's prompt chunks).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import replace
 
@@ -41,6 +40,7 @@ from kvtier.kernels.launch_plan import (  # noqa: F401  (LaunchConfig, plan_laun
     SMALL_GRID,
     LaunchConfig,
     _next_pow2,
+    capability,
     plan_launch,
 )
 from kvtier.kernels.triton_quant import (
@@ -74,14 +74,13 @@ QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "cuda_core"}
 #: (benchmarks/RESULTS.md, 2026-12-03).
 INT8_QUERIES = True
 #: decode steps over these pages (``"q8"``, ``"q4"``, ``"fp8"``, ``"fp"``) go to the pipelined
-#: Gluon kernel (:mod:`kvtier.kernels.gluon_decode`) where it runs, unless the ``LaunchConfig``
-#: names a kernel, a tile, stages or warps (the MMA kernel's settings) or turns int8 queries off;
-#: 16-bit pages only in launches of at most ``GLUON_FP_PAIRS`` (row, kv head) pairs. H200, 32/8
+#: Gluon kernel (:mod:`kvtier.kernels.gluon_decode`) where it runs, in launches of at most the
+#: kind's number of (row, kv head) pairs (``None``: any), unless the ``LaunchConfig`` names a
+#: kernel, a tile, stages or warps (the MMA kernel's settings) or turns int8 queries off. H200, 32/8
 #: heads, B=64 / 8k: q8 264 against 355 us on the MMA kernel, q4 239 against 325, fp8 266
 #: against 371 (bf16 488); 16-bit pages: B=1 / 4k 11.9 against 13.2 us, B=8 / 4k 39.0 against
 #: 41.0, but B=64 / 8k 500 against 488 (benchmarks/RESULTS.md, 2026-12-03, eleventh session).
-GLUON_DECODE: frozenset[str] = frozenset({"q8", "q4", "fp8", "fp"})
-GLUON_FP_PAIRS = 64
+GLUON_DECODE: dict[str, int | None] = {"q8": None, "q4": None, "fp8": None, "fp": 64}
 #: Launch the split merge as a programmatic dependent launch on compute capability 9.0+: its
 #: programs are scheduled while the attention programs finish, and wait for their results.
 MERGE_PDL = True
@@ -402,9 +401,9 @@ def launch_attention(
                   out=out, out_dtype=out_dtype, cfg=cfg)
         if cfg.decode_kernel == "gluon":
             return gluon_decode.decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
-        kinds = GLUON_DECODE if B * H_kv <= GLUON_FP_PAIRS else GLUON_DECODE - {"fp"}
-        if kinds and gluon_decode.takes_by_default(kinds, cfg, k_fmt, v_fmt, q, G, k_payload):
-            done = gluon_decode.try_decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
+        kind = gluon_decode.takes_by_default(GLUON_DECODE, cfg, k_fmt, v_fmt, q, G, k_payload, B * H_kv)
+        if kind is not None:
+            done = gluon_decode.try_decode(q, k_payload, v_payload, k_fmt, v_fmt, kind=kind, **kw)
             if done is not None:  # else it failed here (and is not tried again): the MMA kernel below
                 return done
     if varlen and cfg.block_m is None and not quantised and q.device.type == "cuda":
@@ -551,14 +550,9 @@ def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, splits: int, f
 def _pdl(device: torch.device) -> dict[str, bool]:
     """The merge's launch options: a programmatic dependent launch where :data:`MERGE_PDL` and the
     GPU has it (compute capability 9.0+), nothing elsewhere (the interpreter)."""
-    if not MERGE_PDL or device.type != "cuda" or not _has_pdl(device.index if device.index is not None else torch.cuda.current_device()):
+    if not MERGE_PDL or capability(device) < (9, 0):
         return {}
     return {"PDL": True, "launch_pdl": True}
-
-
-@functools.cache
-def _has_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def decode_family(k_fmt: PageFormat, v_fmt: PageFormat) -> str:

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtier.kernels.launch_plan import capability
 from kvtier.quant.codec import Codec, CodecUnsupported, IdentityCodec
 from kvtier.quant.fp8 import Fp8Codec
 from kvtier.quant.hadamard import HadamardRotation
@@ -102,8 +103,8 @@ def page_format(
     if type(codec) is Q8Codec:
         return PageFormat(AFFINE, D, D, bits=8, signed=True, group=D, scale=sidecars.get("scale"))
     if type(codec) is Fp8Codec:
-        if payload.device.type == "cuda" and torch.cuda.get_device_capability(payload.device) < FP8_MIN_CAPABILITY:
-            cap = ".".join(map(str, torch.cuda.get_device_capability(payload.device)))
+        if payload.device.type == "cuda" and capability(payload.device) < FP8_MIN_CAPABILITY:
+            cap = ".".join(map(str, capability(payload.device)))
             raise CodecUnsupported(
                 f"fp8 pages need native e4m3 conversions (compute capability 8.9+), this GPU has {cap}"
             )
