@@ -1,7 +1,6 @@
 """The decode kernels side by side: the MMA kernel and the pipelined Gluon kernel
-(:mod:`kvtier.kernels.gluon_decode`) over bf16, q8, q4 and fp8 pages, at the defaults and other
-tiles, split plans and split counts and register caps, on the shapes of issue 15 and a serving
-step.
+(:mod:`kvtier.kernels.gluon_decode`) over bf16, q8, q4, fp8 and q4_g32 pages, at the defaults
+and other tiles, warps a program and split counts, on the shapes of issue 15 and a serving step.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/tools/decode_kernel_ab.py [--out DIR]
 
@@ -25,17 +24,22 @@ def plans(mode: str, B, cuda: bool) -> dict:
     module attributes of :mod:`kvtier.kernels.gluon_decode` for the plan's launches."""
     from kvtier.kernels.launch_plan import LaunchConfig
 
-    def gluon(bn=64, splits=None, **knobs):
-        return knobs, LaunchConfig(decode_kernel="gluon", block_n=bn, num_splits=splits)
+    def gluon(bn=64, splits=None, stages=None, **knobs):
+        return knobs, LaunchConfig(decode_kernel="gluon", block_n=bn, num_splits=splits, num_stages=stages)
 
     out = {"mma": ({}, LaunchConfig(decode_kernel="mma")), "default": ({}, None)}
     if not cuda:
         return out
+    # warps a program: 1 or 2 leave each warp more of the tile and fewer barriers to wait at,
+    # at more registers a thread (programs resident a multiprocessor from the sm_90 build)
+    out |= {"gluon 32 w1": gluon(32, WARPS=1, RESIDENT=9), "gluon 16 w1": gluon(16, WARPS=1, RESIDENT=12),
+            "gluon 16 w1 ns4": gluon(16, stages=4, WARPS=1, RESIDENT=12),
+            "gluon 32 w2": gluon(32, WARPS=2, RESIDENT=7)}
     if mode == "fp":
-        return out | {"gluon 32": gluon(32), "gluon 32 mma plan": gluon(32, RESIDENT=None)}
-    out |= {"gluon 64 mma plan": gluon(RESIDENT=None), "gluon 128": gluon(128), "gluon 64 r96": gluon(MAXNREG=96)}
+        return out | {"gluon 32": gluon(32)}
+    out |= {"gluon 64": gluon(64), "gluon 64 w2": gluon(64, WARPS=2, RESIDENT=6), "gluon 32": gluon(32)}
     if B != "serve" and B >= 8:
-        out |= {f"gluon 64 s{s}": gluon(splits=s) for s in (2, 4, 6, 8)}
+        out |= {f"gluon 32 w1 s{s}": gluon(32, splits=s, WARPS=1, RESIDENT=9) for s in (4, 8, 16)}
     return out
 
 
@@ -47,7 +51,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
-    p.add_argument("--modes", default="fp,q8,q4,fp8", help="page kinds, comma-separated")
+    p.add_argument("--modes", default="fp,q8,q4,fp8,q4_g32", help="page kinds, comma-separated")
     args = p.parse_args()
     dev = args.device
     cuda = dev == "cuda"

@@ -47,15 +47,15 @@ def _formats(c):
     return page_format(c["kc"], c["kp"], c["ks"]), page_format(c["vc"], c["vp"], c["vs"])
 
 
-@pytest.mark.parametrize("mode", ["q4_g32", "turboquant:q8_0,q3_0", "turboquant:q4_0,q8_0"])
-def test_only_q8_q4_fp8_and_16_bit_pages_are_taken(mode):
+@pytest.mark.parametrize("mode", ["turboquant:q8_0,q3_0", "turboquant:q4_0,q8_0", "turboquant:q4_0,q4_0"])
+def test_turboquant_pages_are_not_taken(mode):
     c, q, _ = _case(mode, 1, 4, 1, 64, [20], torch.float16)
     why = gluon_decode.supported(*_formats(c), q, 4, c["kp"])
     assert why is not None and ("q8, q4 or fp8" in why or "GPU" in why)
     assert gluon_decode.pages_kind(*_formats(c), q, c["kp"]) is None
 
 
-@pytest.mark.parametrize("mode, kind", [("q8", "q8"), ("q4", "q4"), ("fp8", "fp8"), ("fp", "fp")])
+@pytest.mark.parametrize("mode, kind", [("q8", "q8"), ("q4", "q4"), ("fp8", "fp8"), ("q4_g32", "q4_g32"), ("fp", "fp")])
 def test_the_kinds_it_reads(mode, kind):
     c, q, _ = _case(mode, 1, 4, 1, 64, [20], torch.float16)
     assert gluon_decode.pages_kind(*_formats(c), q, c["kp"]) == kind
@@ -70,10 +70,11 @@ def test_asking_for_it_where_it_cannot_run_names_the_reason():
         _attend(c, q, qs, decode_kernel="gluon")
 
 
-@pytest.mark.parametrize("plan", [dict(num_stages=1), dict(block_n=16), dict(block_n=256)])
+@pytest.mark.parametrize("plan", [dict(num_stages=1), dict(block_n=8), dict(block_n=256), dict(num_warps=8)])
 def test_a_plan_it_cannot_run_is_refused_by_name(plan):
     c, q, qs = _case("q8", 2, 4, 1, 64, [20, 7], torch.bfloat16 if ON_GPU else torch.float32)
-    with pytest.raises(ValueError, match=r"takes block_n 32, 64 or 128 and num_stages >= 2.*leave them unset"):
+    with pytest.raises(ValueError, match=r"takes block_n 16, 32, 64 or 128, num_stages >= 2 .* and num_warps 1, 2 "
+                                         r"or 4, got .*leave them unset"):
         _attend(c, q, qs, decode_kernel="gluon", **plan)
 
 
@@ -142,23 +143,25 @@ def test_the_default_kinds_and_16_bit_pages_only_in_small_launches(monkeypatch, 
         (3, 12, 4, 64, [5, 200, 64], 4),  # GQA 3 (rows padded), a split past a row's end
     ],
 )
-@pytest.mark.parametrize("block_n, stages", [(64, 4), (32, 2), (128, 3)])
+@pytest.mark.parametrize("block_n, stages, warps", [(64, 4, 4), (32, 2, 4), (128, 3, 4), (16, 3, 1), (32, 2, 1),
+                                                     (32, 2, 2), (64, 2, 2)])
 @pytest.mark.parametrize(
     "mode, dtype",
-    [("q8", torch.bfloat16), ("q4", torch.bfloat16), ("fp8", torch.bfloat16), ("fp", torch.bfloat16),
-     ("fp", torch.float16), ("q4", torch.float16)],
+    [("q8", torch.bfloat16), ("q4", torch.bfloat16), ("fp8", torch.bfloat16), ("q4_g32", torch.bfloat16),
+     ("fp", torch.bfloat16), ("fp", torch.float16), ("q4", torch.float16), ("q4_g32", torch.float16)],
 )  # fmt: skip
-def test_gpu_matches_the_reference(B, Hq, H_kv, D, lengths, splits, block_n, stages, mode, dtype):
+def test_gpu_matches_the_reference(B, Hq, H_kv, D, lengths, splits, block_n, stages, warps, mode, dtype):
     c, q, qs = _case(mode, B, Hq, H_kv, D, lengths, dtype)
     if mode == "fp" and block_n == 128:
         stages = 2  # 16-bit tiles of 128 keys: three stages would not fit a multiprocessor's shared memory
-    _check_against_references(c, q, qs, mode, TOL[dtype], num_splits=splits, block_n=block_n, num_stages=stages)
+    _check_against_references(c, q, qs, mode, TOL[dtype], num_splits=splits, block_n=block_n, num_stages=stages,
+                              num_warps=warps)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("B, L, splits", [(64, 8192, None), (8, 16384, None), (1, 4096, None), (4, 3000, 5)])
-@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "fp"])
+@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp"])
 def test_gpu_long_rows(B, L, splits, mode):
     """The H200's shapes (32/8 heads, head_dim 128), rows of unequal lengths."""
     lengths = [L - 37 * b for b in range(B)]
@@ -168,7 +171,7 @@ def test_gpu_long_rows(B, L, splits, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "fp"])
+@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp"])
 def test_gpu_a_query_inside_the_cache_sees_only_the_keys_up_to_its_place(mode):
     """``q_start`` below ``kv_len - 1``: the query at position q_start sees keys 0 .. q_start."""
     c, q, _ = _case(mode, 3, 8, 2, 128, [300, 64, 200], torch.bfloat16)
@@ -182,7 +185,7 @@ def test_gpu_a_query_inside_the_cache_sees_only_the_keys_up_to_its_place(mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["q8", "q4"])
+@pytest.mark.parametrize("mode", ["q8", "q4", "q4_g32"])
 def test_gpu_replays_in_a_cuda_graph(mode):
     c, q, qs = _case(mode, 4, 32, 8, 128, [4000, 3000, 17, 1], torch.bfloat16)
     eager = _attend(c, q, qs, decode_kernel="gluon")

@@ -40,6 +40,7 @@ from kvtier.kernels.triton_quant import (
     FLOAT8,
     FP,
     INT8_PAIRS_ASM,
+    NIBBLES_ASM,
     NIBBLES_M8_PAIRS_ASM,
     int8_key_format,
     round_half_even,
@@ -64,6 +65,8 @@ except ImportError:  # pragma: no cover - Triton without Gluon
 
 #: a register cap for the kernel (``None``: the compiler's choice), for sweeps
 MAXNREG: int | None = None
+#: warps a program (1, 2 or 4) where the launch's config names none
+WARPS = 4
 
 if HAVE_GLUON:
 
@@ -83,15 +86,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _issue_tile(
-        K, V, KS, VS, blk, blks, k_smem, v_smem, ks_smem, vs_smem, stage, n0, hi, hk,
+        K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vz_smem, stage, n0, hi, hk,
         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
         BLOCK_N: gl.constexpr, DP: gl.constexpr, PAGE: gl.constexpr, CP: gl.constexpr, SC: gl.constexpr,
-        QUANT: gl.constexpr, LIKE: gl.constexpr,
+        QUANT: gl.constexpr, LIKE: gl.constexpr, NG: gl.constexpr, SG: gl.constexpr,
     ):  # fmt: skip
         """Asynchronous copies of the tile of keys ``n0 ..`` (on pages ``blk``; codes and,
         ``QUANT``, scales on pages ``blks``) into ``stage``. ``LIKE``: the values' (and their
-        scales') strides are the keys': one offset a row serves both."""
+        scales') strides are the keys': one offset a row serves both. ``NG`` > 0: ``NG`` scales
+        and zeros a token (``KZ``, ``VZ``, with the scales' strides), in the layout ``SG``."""
         n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CP))
         ok2 = gl.expand_dims(n < hi, 1)
         pos = n.to(gl.uint32) % PAGE
@@ -112,10 +116,15 @@ if HAVE_GLUON:
                 vs_rows = ks_rows
             else:
                 vs_rows = blks.to(gl.int64) * stride_vsb + (poss * stride_vsn + hk * stride_vsh)
-            ks_ptr = KS + ks_rows
-            vs_ptr = VS + vs_rows
-            _async_load(ks_smem.index(stage), ks_ptr, mask=oks)
-            _async_load(vs_smem.index(stage), vs_ptr, mask=oks)
+            if NG > 0:  # (BLOCK_N, NG) scales and zeros
+                g = gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, SG)), 0)
+                ks_rows = gl.expand_dims(ks_rows, 1) + g
+                vs_rows = gl.expand_dims(vs_rows, 1) + g
+                oks = gl.expand_dims(oks, 1)
+                _async_load(kz_smem.index(stage), KZ + ks_rows, mask=oks)
+                _async_load(vz_smem.index(stage), VZ + vs_rows, mask=oks)
+            _async_load(ks_smem.index(stage), KS + ks_rows, mask=oks)
+            _async_load(vs_smem.index(stage), VS + vs_rows, mask=oks)
         cp.commit_group()
 
     @gluon.jit
@@ -155,40 +164,65 @@ if HAVE_GLUON:
         return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
 
     @gluon.jit
+    def _dequant_groups(codes, scales, zeros, stage, BLOCK_N: gl.constexpr, D: gl.constexpr, NG: gl.constexpr,
+                        DQ2: gl.constexpr, DQ3: gl.constexpr):  # fmt: skip
+        """``zero + scale * code`` in fp16 of a tile of q4_g32 codes (nibbles, the low one the
+        even channel; an fp16 scale and zero a group of 32 channels, ``NG`` groups) stored into
+        the fp16 tile ``stage``: a thread holds one group of one key, 16 bytes, at a time."""
+        x = gl.convert_layout(codes.load(DQ2).reshape([BLOCK_N, NG, 16]), DQ3, assert_trivial=True)
+        lo, hi = gl.inline_asm_elementwise(
+            NIBBLES_ASM, "=r,=r,=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=4
+        )
+        sc = gl.expand_dims(scales.load(gl.SliceLayout(2, DQ3)), 2)
+        z = gl.expand_dims(zeros.load(gl.SliceLayout(2, DQ3)), 2)
+        stage.store(gl.join(lo * sc + z, hi * sc + z).reshape([BLOCK_N, D]))
+
+    @gluon.jit
     def _decode_kernel(
         Q, stride_qb, stride_qh,
         K, stride_kb, stride_kn, stride_kh,
         V, stride_vb, stride_vn, stride_vh,
         KS, stride_ksb, stride_ksn, stride_ksh,
-        VS, stride_vsb, stride_vsn, stride_vsh,
+        VS, stride_vsb, stride_vsn, stride_vsh, KZ, VZ,
         BT, stride_btb, capacity, KVLEN, QSTART,
         OUT, stride_ob, stride_oh, PO, PL,
         qk_scale, H_KV, split_len, num_splits,
         G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr,
-        SPLIT: gl.constexpr, KIND: gl.constexpr, CAUSAL: gl.constexpr, LIKE: gl.constexpr,
+        SPLIT: gl.constexpr, KIND: gl.constexpr, CAUSAL: gl.constexpr, LIKE: gl.constexpr, W: gl.constexpr,
     ):  # fmt: skip
+        # W warps split the tile's keys (scores) and the output's channels (values)
         # KIND: the pages (KINDS); all but 16-bit ones hold one byte an element and a scale a token
         QUANT: gl.constexpr = KIND != 0
-        DP: gl.constexpr = D // 2 if KIND == 2 else D  # stored elements a row (q4: two nibbles a byte)
+        # q4_g32 (a scale and zero a group of NG): each tile dequantised into fp16 tiles, then
+        # the loop of 16-bit pages
+        GROUPED: gl.constexpr = KIND == 4
+        NG: gl.constexpr = D // 32 if GROUPED else 0
+        NG1: gl.constexpr = NG if GROUPED else 1
+        DP: gl.constexpr = D // 2 if (KIND == 2 or GROUPED) else D  # stored elements a row (nibbles: two a byte)
         # one-byte codes are read as int16 (a key's two bytes an element) and become PARTS
         # operands of interleaved channels (channel PARTS c + i in part i): two, four for q4
-        PARTS: gl.constexpr = 4 if KIND == 2 else (2 if QUANT else 1)
-        QP: gl.constexpr = PARTS if KIND >= 2 else 1  # the query's parts (q8 keys: an int8 dot)
+        PARTS: gl.constexpr = 4 if KIND == 2 else (2 if (KIND == 1 or KIND == 3) else 1)
+        QP: gl.constexpr = PARTS if (KIND == 2 or KIND == 3) else 1  # the query's parts (q8 keys: an int8 dot)
         # elements of a 16-byte copy; 8-byte ones where 16-byte ones would cover more rows than
         # the tile has (q4 at head_dim 64 and 32 keys)
         VEC16: gl.constexpr = 16 if QUANT else 8
-        VEC: gl.constexpr = VEC16 if 128 * VEC16 <= BLOCK_N * DP else VEC16 // 2
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+        VEC: gl.constexpr = VEC16 if 32 * W * VEC16 <= BLOCK_N * DP else VEC16 // 2
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, W], instr_shape=[16, 8])
         KW: gl.constexpr = 4 if KIND == 1 else 2  # elements a 32-bit register holds along the dot's depth
         QA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=KW)
         KB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=KW)
         PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         VB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         # 16-byte copies, a row of DP elements across DP // VEC threads
-        CP: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (DP // VEC), DP // VEC], [4, 1], [1, 0])
-        SC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        CP: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (DP // VEC), DP // VEC], [W, 1], [1, 0])
+        # the scales: one a token (SC), or NG of each of scales and zeros (SG)
+        SG: gl.constexpr = gl.BlockedLayout([1, NG1], [32, 1], [W, 1], [1, 0])
+        SC: gl.constexpr = gl.SliceLayout(1, SG) if GROUPED else gl.BlockedLayout([1], [32], [W], [0])
+        # q4_g32 codes a thread dequantises: one group of one key
+        DQ2: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NG1, NG1], [W, 1], [1, 0])
+        DQ3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [32 // NG1, NG1, 1], [W, 1, 1], [2, 1, 0])
         QD: gl.constexpr = D // QP  # query channels a dot operand
-        QL: gl.constexpr = gl.BlockedLayout([1, QD // 16], [2, 16], [4, 1], [1, 0])
+        QL: gl.constexpr = gl.BlockedLayout([1, QD // 16], [2, 16], [W, 1], [1, 0])
         TILE: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC, per_phase=1, max_phase=8, order=[1, 0])
         # one-byte tiles seen as int16, the same bytes
         TILE16: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC // 2, per_phase=1, max_phase=8, order=[1, 0])
@@ -209,7 +243,7 @@ if HAVE_GLUON:
         q_ptr = Q + b * stride_qb + gl.expand_dims((hk * G + mq) * stride_qh, 1)
         q_ptr = q_ptr + gl.expand_dims(dq * QP, 0)
         q_ok = gl.expand_dims(mq < G, 1)
-        if KIND >= 2:
+        if QP > 1:
             qa = gl.convert_layout((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
             qb = gl.convert_layout((gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
             if KIND == 2:
@@ -223,7 +257,7 @@ if HAVE_GLUON:
                 qa = gl.convert_layout(round_half_even(q / gl.expand_dims(q_sc, 1)).to(gl.int8), QA)
                 q_sc = gl.convert_layout(q_sc, ROWS)
             else:
-                qa = gl.convert_layout(q.to(K.dtype.element_ty), QA)
+                qa = gl.convert_layout(q.to(gl.float16 if GROUPED else K.dtype.element_ty), QA)
 
         kv_len = gl.minimum(gl.load(KVLEN + b).to(gl.int32), capacity)
         if CAUSAL:  # the query sits at q_start: it sees keys 0 .. q_start
@@ -235,18 +269,33 @@ if HAVE_GLUON:
 
         k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NS, BLOCK_N, DP], TILE)
         v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NS, BLOCK_N, DP], TILE)
-        if QUANT:
+        if GROUPED:
+            FLAT2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+            ks_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
+            vs_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
+            kz_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
+            vz_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
+            # the dequantised tile being scored
+            STG: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+            k_fp = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], STG)
+            v_fp = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], STG)
+        elif QUANT:
             ks_smem = gl.allocate_shared_memory(gl.float32, [NS, BLOCK_N], FLAT)
             vs_smem = gl.allocate_shared_memory(gl.float32, [NS, BLOCK_N], FLAT)
+            kz_smem = ks_smem  # no zeros: never touched
+            vz_smem = vs_smem
         else:  # no scales: never touched
             ks_smem = k_smem
             vs_smem = v_smem
+            kz_smem = k_smem
+            vz_smem = v_smem
         for j in gl.static_range(NS - 1):
             blk, blks = _tile_pages(BT, bt_row, lo + j * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
-            _issue_tile(K, V, KS, VS, blk, blks, k_smem, v_smem, ks_smem, vs_smem, j, lo + j * BLOCK_N, hi, hk,
+            _issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vz_smem, j,
+                        lo + j * BLOCK_N, hi, hk,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
-                        BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE)  # fmt: skip
+                        BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG)  # fmt: skip
         # the pages of the tile to copy next are read from the block table an iteration early,
         # so the copies never wait on that load (1-3% on the H200)
         blk, blks = _tile_pages(BT, bt_row, lo + (NS - 1) * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
@@ -261,13 +310,19 @@ if HAVE_GLUON:
             cp.wait_group(NS - 2)  # this thread's copies of tile i have landed
             _barrier()  # everyone's have, and everyone is done with tile i - 1's stage
             n_next = lo + (i + NS - 1) * BLOCK_N
-            _issue_tile(K, V, KS, VS, blk, blks, k_smem, v_smem, ks_smem, vs_smem, (i + NS - 1) % NS, n_next, hi, hk,
+            _issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vz_smem,
+                        (i + NS - 1) % NS, n_next, hi, hk,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
-                        BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE)  # fmt: skip
+                        BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG)  # fmt: skip
             blk, blks = _tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
             st = i % NS
-            if KIND >= 2:  # (D / PARTS, BLOCK_N) int16
+            if GROUPED:  # everyone is done with the last tile's fp16 tiles (the barrier above)
+                _dequant_groups(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), k_fp, BLOCK_N, D, NG, DQ2, DQ3)
+                _dequant_groups(v_smem.index(st), vs_smem.index(st), vz_smem.index(st), v_fp, BLOCK_N, D, NG, DQ2, DQ3)
+                _barrier()
+                kt = k_fp.permute((1, 0)).load(KB)
+            elif KIND >= 2:  # (D / PARTS, BLOCK_N) int16
                 kt = _as_int16(k_smem.index(st), [BLOCK_N, D // PARTS], TILE16).permute((1, 0)).load(KB)
             else:
                 kt = k_smem.index(st).permute((1, 0)).load(KB)  # (DP, BLOCK_N)
@@ -283,7 +338,7 @@ if HAVE_GLUON:
                 s = mma_v2(qb, k_odd, mma_v2(qa, k_even, gl.zeros([16, BLOCK_N], gl.float32, MMA)))
             else:
                 s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.float32, MMA))
-            if QUANT:  # the keys' scales
+            if PARTS > 1 or KIND == 1:  # the keys' scales
                 s = s * gl.expand_dims(ks_smem.index(st).load(COLS), 0)
             n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=COLS)
             s = gl.where(gl.expand_dims(n < hi, 0), s, float("-inf"))
@@ -293,7 +348,7 @@ if HAVE_GLUON:
             p = gl.exp2(s - gl.expand_dims(m_safe, 1))
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            if QUANT:  # the values' scales on the probabilities; the codes (exact in fp16) as operands
+            if PARTS > 1 or KIND == 1:  # the values' scales on the probabilities; the codes (exact in fp16) as operands
                 p = p * gl.expand_dims(vs_smem.index(st).load(COLS), 0)
                 pa = gl.convert_layout(p.to(gl.float16), PA)
                 vt = _as_int16(v_smem.index(st), [BLOCK_N, D // PARTS], TILE16).load(VB)
@@ -306,6 +361,9 @@ if HAVE_GLUON:
                     v0, v1 = _byte_pairs(vt, KIND == 3)
                 acc = mma_v2(pa, v0, acc * a2)
                 acc1 = mma_v2(pa, v1, acc1 * a2)
+            elif GROUPED:
+                pa = gl.convert_layout(p.to(gl.float16), PA)
+                acc = mma_v2(pa, v_fp.load(VB), acc * gl.expand_dims(alpha, 1))
             else:
                 pa = gl.convert_layout(p.to(V.dtype.element_ty), PA)
                 acc = mma_v2(pa, v_smem.index(st).load(VB), acc * gl.expand_dims(alpha, 1))
@@ -335,7 +393,7 @@ if HAVE_GLUON:
 #: the page kinds the kernel reads, by its ``KIND``: 16-bit values; q8 (signed bytes), q4
 #: (offset-8 nibbles, the low one the even channel) and fp8 (e4m3 bytes), each with one float32
 #: scale a token and head
-KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3}
+KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3, "q4_g32": 4}
 #: programs resident on a multiprocessor, whose whole waves the split plan fills (``None``: the
 #: plan of the MMA kernel's quantised launches); 116-128 registers a thread allow four
 RESIDENT: int | None = 4
@@ -345,7 +403,8 @@ def launch_decode(
     q: torch.Tensor, k_payload: torch.Tensor, v_payload: torch.Tensor, k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None, block_tables: torch.Tensor, kv_len: torch.Tensor, q_start: torch.Tensor | None,
     capacity: int, out: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, *, kind: str, qk_scale: float, splits: int,
-    split_len: int, block_n: int = 64, stages: int = 2,
+    split_len: int, block_n: int = 64, stages: int = 2, warps: int = 4, k_zero: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None,
 ) -> None:
     """Launch on validated inputs: ``q`` ``[B, Hq, 1, D]``, payloads ``[num_blocks, page, H_kv, D']``
     of ``kind`` (:data:`KINDS`; one-byte codes with scales ``[num_blocks, page, H_kv, 1]``
@@ -356,24 +415,30 @@ def launch_decode(
     B, Hq, _, D = q.shape
     H_kv, page = k_payload.shape[2], k_payload.shape[1]
     ks, vs = (k_scale, v_scale) if k_scale is not None else (k_payload, v_payload)
+    kz, vz = (k_zero, v_zero) if k_zero is not None else (ks, vs)
+    if kz.stride() != ks.stride() or vz.stride() != vs.stride():
+        raise ValueError("the zeros must have their scales' strides: they share one row offset in the kernel")
     like = k_payload.stride()[:3] == v_payload.stride()[:3] and ks.stride()[:3] == vs.stride()[:3]
     _decode_kernel[(B * H_kv, splits)](
         q, q.stride(0), q.stride(1),
         k_payload, k_payload.stride(0), k_payload.stride(1), k_payload.stride(2),
         v_payload, v_payload.stride(0), v_payload.stride(1), v_payload.stride(2),
         ks, ks.stride(0), ks.stride(1), ks.stride(2),
-        vs, vs.stride(0), vs.stride(1), vs.stride(2),
+        vs, vs.stride(0), vs.stride(1), vs.stride(2), kz, vz,
         block_tables, block_tables.stride(0), capacity, kv_len, q_start if q_start is not None else kv_len,
         out, out.stride(0), out.stride(1), po, pl,
         qk_scale, H_kv, split_len, splits,
         G=Hq // H_kv, D=D, BLOCK_N=block_n, PAGE=page, NS=stages, SPLIT=splits > 1, KIND=KINDS[kind],
-        CAUSAL=q_start is not None, LIKE=like, num_warps=4, **({"maxnreg": MAXNREG} if MAXNREG else {}),
+        CAUSAL=q_start is not None, LIKE=like, W=warps, num_warps=warps, **({"maxnreg": MAXNREG} if MAXNREG else {}),
     )  # fmt: skip
 
 
 def _kind(fmt, head_dim: int) -> str | None:
     if fmt.mode == FP:
         return "fp"
+    if (fmt.mode == AFFINE and fmt.bits == 4 and fmt.group == 32 and fmt.offset == 0 and fmt.zero is not None
+            and fmt.scale is not None and fmt.rotation is None and head_dim % 32 == 0):
+        return "q4_g32"
     if fmt.group != head_dim or fmt.zero is not None or fmt.scale is None:
         return None
     if int8_key_format(fmt, head_dim):
@@ -406,7 +471,7 @@ def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor
     if (kind or pages_kind(k_fmt, v_fmt, q, k_payload)) is None:
         return (
             "it reads keys and values of one kind: q8, q4 or fp8 codes with one scale a token and head, "
-            "or pages in the queries' dtype"
+            "q4_g32 codes, or pages in the queries' dtype"
         )
     if D not in (64, 128) or group > 16:
         return f"it takes head_dim 64 or 128 and up to 16 query heads a kv head, not {D} and {group}"
@@ -450,13 +515,15 @@ def try_decode(q, k_payload, v_payload, k_fmt, v_fmt, *, kind: str, **kw) -> tor
 
 def decode(q, k_payload, v_payload, k_fmt, v_fmt, *, cfg, **kw) -> torch.Tensor:
     """A decode step (``q`` ``[B, Hq, 1, D]``) asked of this kernel by name; ``cfg``'s ``block_n``
-    (default 64 keys for q8 pages, 32 for 16-bit ones) and ``num_stages`` (default 2) set the
-    tile and the ring. Raises ``ValueError`` naming what it cannot run."""
-    if cfg.block_n not in (None, 32, 64, 128) or (cfg.num_stages is not None and cfg.num_stages < 2):
+    (default 64 keys for one-byte pages, 32 for 16-bit ones), ``num_stages`` (default 2) and
+    ``num_warps`` (default :data:`WARPS`) set the tile, the ring and the warps a program.
+    Raises ``ValueError`` naming what it cannot run."""
+    if (cfg.block_n not in (None, 16, 32, 64, 128) or (cfg.num_stages is not None and cfg.num_stages < 2)
+            or cfg.num_warps not in (None, 1, 2, 4)):
         raise ValueError(
-            f"decode_kernel='gluon' takes block_n 32, 64 or 128 and num_stages >= 2 (a tile in flight "
-            f"while one is scored), got block_n={cfg.block_n}, num_stages={cfg.num_stages}; leave them unset "
-            "for the defaults"
+            f"decode_kernel='gluon' takes block_n 16, 32, 64 or 128, num_stages >= 2 (a tile in flight "
+            f"while one is scored) and num_warps 1, 2 or 4, got block_n={cfg.block_n}, "
+            f"num_stages={cfg.num_stages}, num_warps={cfg.num_warps}; leave them unset for the defaults"
         )
     kind = pages_kind(k_fmt, v_fmt, q, k_payload)
     why = supported(k_fmt, v_fmt, q, q.shape[1] // k_payload.shape[2], k_payload, kind=kind)
@@ -475,6 +542,7 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     quant = kind != "fp"
     block_n = cfg.block_n or (64 if quant else 32)
     stages = cfg.num_stages or 2
+    warps = cfg.num_warps or WARPS
     plan_cfg = replace(cfg, block_n=block_n)
     *_, splits, split_len, base = plan_launch(B, H_kv, Hq // H_kv, 1, capacity, q.device, plan_cfg, quant, RESIDENT)
     if out is None:
@@ -482,6 +550,7 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     po, pl = split_partials(out, splits)
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, q_start, capacity, out, po, pl,
-                  kind=kind, qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages)
+                  kind=kind, qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages,
+                  warps=warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero)
     merge_splits(po, pl, out, splits, base, split_len, block_n)  # as the MMA kernel's launch
     return out
