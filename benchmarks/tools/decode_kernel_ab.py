@@ -30,16 +30,17 @@ def plans(mode: str, B, cuda: bool) -> dict:
     out = {"mma": ({}, LaunchConfig(decode_kernel="mma")), "default": ({}, None)}
     if not cuda:
         return out
-    # warps a program: 1 or 2 leave each warp more of the tile and fewer barriers to wait at,
-    # at more registers a thread (programs resident a multiprocessor from the sm_90 build)
-    out |= {"gluon 32 w1": gluon(32, WARPS=1, RESIDENT=9), "gluon 16 w1": gluon(16, WARPS=1, RESIDENT=12),
-            "gluon 16 w1 ns4": gluon(16, stages=4, WARPS=1, RESIDENT=12),
-            "gluon 32 w2": gluon(32, WARPS=2, RESIDENT=7)}
+    # warps a program (the default by page kind: gluon_decode.TILING): one warp holds the whole
+    # tile's softmax and accumulator, no barrier across warps in the loop, at 180-218 registers a
+    # thread (eight programs an SM: RESIDENT)
+    w1 = dict(WARPS=1, RESIDENT=8)
+    out |= {"gluon 32 w4": gluon(32, WARPS=4, RESIDENT=4), "gluon 32 w1": gluon(32, **w1),
+            "gluon 16 w1": gluon(16, WARPS=1, RESIDENT=12)}
     if mode == "fp":
-        return out | {"gluon 32": gluon(32)}
-    out |= {"gluon 64": gluon(64), "gluon 64 w2": gluon(64, WARPS=2, RESIDENT=6), "gluon 32": gluon(32)}
+        return out
+    out |= {"gluon 64 w4": gluon(64, WARPS=4, RESIDENT=4), "gluon 32 w1 ns3": gluon(32, stages=3, **w1)}
     if B != "serve" and B >= 8:
-        out |= {f"gluon 32 w1 s{s}": gluon(32, splits=s, WARPS=1, RESIDENT=9) for s in (4, 8, 16)}
+        out |= {f"gluon 32 w1 s{s}": gluon(32, splits=s, **w1) for s in (8, 16)}
     return out
 
 
@@ -96,6 +97,12 @@ def main() -> None:
             del reps, base
             if cuda:
                 torch.cuda.empty_cache()
+    if cuda:  # what each compiled variant of the Gluon kernel holds: registers, spills, shared memory
+        lines += ["", "| Gluon kernel variant | registers | spills | shared bytes |", "|---|---|---|---|"]
+        for cache in getattr(gluon_decode._decode_kernel, "device_caches", {}).values():
+            for key, k in cache[0].items():
+                lines.append(f"| {str(key)[-160:]} | {getattr(k, 'n_regs', '?')} | {getattr(k, 'n_spills', '?')} | "
+                             f"{k.metadata.shared} |")
     write_report(args.out, "decode_kernel_ab", lines, results)
 
 

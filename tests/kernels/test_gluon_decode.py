@@ -117,9 +117,9 @@ def test_a_config_with_the_mma_kernels_settings_stays_on_it(monkeypatch, plan):
     assert (_attend(c, q, qs, num_splits=2) == 0).all() and calls == [1]
 
 
-@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "fp"])
+@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp"])
 def test_the_default_kinds_and_16_bit_pages_only_in_small_launches(monkeypatch, mode):
-    """q8, q4 and fp8 decode steps go here by default; 16-bit ones only while the launch has at
+    """q8, q4, fp8 and q4_g32 decode steps go here by default; 16-bit ones only while the launch has at
     most GLUON_DECODE["fp"] (row, kv head) pairs (it lost to the MMA kernel at B=64 / 8k)."""
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     calls = []

@@ -68,6 +68,24 @@ def test_a_given_residency_fills_whole_waves_of_it(h200):
             s = plan(B, capacity)
             assert last_wave(B, s) >= 0.9 or s == capacity // 512, (B, capacity, s)
     assert plan(1, 4096) == ta.SHORT_SPLITS  # small grids keep one tile a split
+    # a serving step (256 rows: 2,048 programs want one split) keeps one, with no merge (q8 96.8 us
+    # against 128.3 at the two a floor of 2 gave)
+    assert plan(256, 1280) == 1
+
+
+def test_one_warp_programs_plan_in_waves_of_eight(h200):
+    """The Gluon kernel's one-warp launches (q4: eight programs an SM, splits down to 256 keys):
+    the split counts the H200 sweep found fastest."""
+
+    def plan(B, capacity):
+        cfg = ta.LaunchConfig(block_n=32, min_split_tokens=256)
+        return ta.plan_launch(B, 8, 4, 1, capacity, CUDA, cfg, True, 8)[3]
+
+    assert plan(8, 16384) == 16  # 53.0 us against 72-73 at 18 splits (a second wave)
+    assert plan(8, 4096) == 16  # 20.4 against 23.3 at 8
+    assert plan(32, 4096) == 4
+    assert plan(64, 8192) == 2
+    assert plan(256, 1280) == 1
 
 
 def test_given_split_count_wins(h200):

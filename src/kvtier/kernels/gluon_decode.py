@@ -34,7 +34,7 @@ from dataclasses import replace
 
 import torch
 
-from kvtier.kernels.launch_plan import capability, plan_launch
+from kvtier.kernels.launch_plan import LaunchConfig, capability, plan_launch
 from kvtier.kernels.triton_quant import (
     AFFINE,
     FLOAT8,
@@ -63,10 +63,11 @@ except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
 
 
-#: a register cap for the kernel (``None``: the compiler's choice), for sweeps
+#: for sweeps: a register cap for the kernel (``None``: the compiler's choice), and the warps a
+#: program and programs a wave of the split plan in place of :data:`TILING`'s (``None``: its)
 MAXNREG: int | None = None
-#: warps a program (1, 2 or 4) where the launch's config names none
-WARPS = 4
+WARPS: int | None = None
+RESIDENT: int | None = None
 
 if HAVE_GLUON:
 
@@ -116,10 +117,10 @@ if HAVE_GLUON:
                 vs_rows = ks_rows
             else:
                 vs_rows = blks.to(gl.int64) * stride_vsb + (poss * stride_vsn + hk * stride_vsh)
-            if NG > 0:  # (BLOCK_N, NG) scales and zeros
+            if NG > 0:  # (BLOCK_N, NG) scales and zeros, NG a row: copies of 2 NG bytes
                 g = gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, SG)), 0)
-                ks_rows = gl.expand_dims(ks_rows, 1) + g
-                vs_rows = gl.expand_dims(vs_rows, 1) + g
+                ks_rows = gl.expand_dims(gl.multiple_of(ks_rows, NG), 1) + g
+                vs_rows = gl.expand_dims(gl.multiple_of(vs_rows, NG), 1) + g
                 oks = gl.expand_dims(oks, 1)
                 _async_load(kz_smem.index(stage), KZ + ks_rows, mask=oks)
                 _async_load(vz_smem.index(stage), VZ + vs_rows, mask=oks)
@@ -392,11 +393,14 @@ if HAVE_GLUON:
 
 #: the page kinds the kernel reads, by its ``KIND``: 16-bit values; q8 (signed bytes), q4
 #: (offset-8 nibbles, the low one the even channel) and fp8 (e4m3 bytes), each with one float32
-#: scale a token and head
+#: scale a token and head; q4_g32 (nibbles, an fp16 scale and zero a group of 32 channels)
 KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3, "q4_g32": 4}
-#: programs resident on a multiprocessor, whose whole waves the split plan fills (``None``: the
-#: plan of the MMA kernel's quantised launches); 116-128 registers a thread allow four
-RESIDENT: int | None = 4
+#: a default launch by page kind: (keys a tile, warps a program, programs resident a
+#: multiprocessor, whose whole waves the split plan fills). Four warps at 96-128 registers a
+#: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 180-218
+#: registers: two a quarter of the register file, eight programs; q4_g32's 16-key tiles were
+#: fastest planned in waves of twelve (H200 sweeps, benchmarks/RESULTS.md 2026-12-03)
+TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (16, 1, 12)}
 
 
 def launch_decode(
@@ -515,8 +519,8 @@ def try_decode(q, k_payload, v_payload, k_fmt, v_fmt, *, kind: str, **kw) -> tor
 
 def decode(q, k_payload, v_payload, k_fmt, v_fmt, *, cfg, **kw) -> torch.Tensor:
     """A decode step (``q`` ``[B, Hq, 1, D]``) asked of this kernel by name; ``cfg``'s ``block_n``
-    (default 64 keys for one-byte pages, 32 for 16-bit ones), ``num_stages`` (default 2) and
-    ``num_warps`` (default :data:`WARPS`) set the tile, the ring and the warps a program.
+    (default by page kind, :data:`TILING`), ``num_stages`` (default 2) and ``num_warps`` (default
+    :data:`TILING`'s) set the tile, the ring and the warps a program.
     Raises ``ValueError`` naming what it cannot run."""
     if (cfg.block_n not in (None, 16, 32, 64, 128) or (cfg.num_stages is not None and cfg.num_stages < 2)
             or cfg.num_warps not in (None, 1, 2, 4)):
@@ -539,12 +543,17 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
 
     B, Hq, _, D = q.shape
     H_kv = k_payload.shape[2]
-    quant = kind != "fp"
-    block_n = cfg.block_n or (64 if quant else 32)
+    tile, warps, resident = TILING[kind]
+    block_n = cfg.block_n or tile
     stages = cfg.num_stages or 2
-    warps = cfg.num_warps or WARPS
-    plan_cfg = replace(cfg, block_n=block_n)
-    *_, splits, split_len, base = plan_launch(B, H_kv, Hq // H_kv, 1, capacity, q.device, plan_cfg, quant, RESIDENT)
+    if cfg.num_warps or WARPS:
+        warps = cfg.num_warps or WARPS
+        resident = {4: 4, 2: 6, 1: 8}[warps]
+    # one-warp programs: splits down to 256 keys (B=8 / 4k q4: 16 splits 20.4 us, 8 splits 23.3)
+    short = warps == 1 and cfg.min_split_tokens == LaunchConfig.min_split_tokens
+    plan_cfg = replace(cfg, block_n=block_n, min_split_tokens=256 if short else cfg.min_split_tokens)
+    *_, splits, split_len, base = plan_launch(B, H_kv, Hq // H_kv, 1, capacity, q.device, plan_cfg, kind != "fp",
+                                              RESIDENT or resident)
     if out is None:
         out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
     po, pl = split_partials(out, splits)
