@@ -262,7 +262,7 @@ def bench_quant(args, gen) -> tuple[list[dict], list[dict]]:
             ps = [p] + [build_paged(mode, B, L, args, gen) for _ in range(copies_for(p.nbytes) - 1)]
             times = {}
             # q8, q4 and fp8 pages: also the pipelined Gluon kernel (their default decode kernel on CUDA)
-            gluon = mode in ("q8", "q4", "fp8") and args.device == "cuda"
+            gluon = mode in ("q8", "q4", "fp8", "q4_g32") and args.device == "cuda"
             for kernel in ("mma", "cuda_core") + (("gluon",) if gluon else ()):
                 cfg = _kernel_cfg(kernel)
                 times[kernel] = time_calls([lambda x=x, cfg=cfg: x.attention(cfg) for x in ps], args.iters, args.reps)
