@@ -15,7 +15,15 @@ of the kv head padded to 16 rows; the softmax runs on exp2. Pages (:data:`KINDS`
   rounded to int8 (one scale a row) and scored against the key codes by an integer dot;
 - q4 (offset-8 nibbles) and fp8 (e4m3 bytes), a float32 scale per token and head: fp16 dots,
   the query split into the channel parts below;
+- q4_g32 (nibbles, an fp16 scale and zero a group of 32 channels): the scales vary along the
+  dots' depth, so each tile is dequantised into fp16 tiles in shared memory first (a thread one
+  group of one key), then scored as 16-bit pages are;
 - 16-bit pages: the same loop in bf16/fp16.
+
+``W`` warps a program (:data:`TILING` by page kind): four split a tile's keys for the scores and
+the output's channels for the values, and meet at barriers for the row maximum, the row sum and
+the probabilities' change of layout; one holds the whole tile and needs no barrier across warps,
+at about twice the registers a thread.
 
 One-byte tiles are read from shared memory as int16 (two bytes of one key an element): the
 dot operands hold pairs along their depth, for values two keys of one channel, which a
@@ -192,7 +200,7 @@ if HAVE_GLUON:
         SPLIT: gl.constexpr, KIND: gl.constexpr, CAUSAL: gl.constexpr, LIKE: gl.constexpr, W: gl.constexpr,
     ):  # fmt: skip
         # W warps split the tile's keys (scores) and the output's channels (values)
-        # KIND: the pages (KINDS); all but 16-bit ones hold one byte an element and a scale a token
+        # KIND: the pages (KINDS); all but 16-bit ones hold one-byte codes (or two nibbles a byte)
         QUANT: gl.constexpr = KIND != 0
         # q4_g32 (a scale and zero a group of NG): each tile dequantised into fp16 tiles, then
         # the loop of 16-bit pages
@@ -203,6 +211,7 @@ if HAVE_GLUON:
         # one-byte codes are read as int16 (a key's two bytes an element) and become PARTS
         # operands of interleaved channels (channel PARTS c + i in part i): two, four for q4
         PARTS: gl.constexpr = 4 if KIND == 2 else (2 if (KIND == 1 or KIND == 3) else 1)
+        TOKEN_SCALES: gl.constexpr = QUANT and not GROUPED  # one scale a token, on scores and probabilities
         QP: gl.constexpr = PARTS if (KIND == 2 or KIND == 3) else 1  # the query's parts (q8 keys: an int8 dot)
         # elements of a 16-byte copy; 8-byte ones where 16-byte ones would cover more rows than
         # the tile has (q4 at head_dim 64 and 32 keys)
@@ -339,7 +348,7 @@ if HAVE_GLUON:
                 s = mma_v2(qb, k_odd, mma_v2(qa, k_even, gl.zeros([16, BLOCK_N], gl.float32, MMA)))
             else:
                 s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.float32, MMA))
-            if PARTS > 1 or KIND == 1:  # the keys' scales
+            if TOKEN_SCALES:  # the keys' scales
                 s = s * gl.expand_dims(ks_smem.index(st).load(COLS), 0)
             n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=COLS)
             s = gl.where(gl.expand_dims(n < hi, 0), s, float("-inf"))
@@ -349,7 +358,7 @@ if HAVE_GLUON:
             p = gl.exp2(s - gl.expand_dims(m_safe, 1))
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            if PARTS > 1 or KIND == 1:  # the values' scales on the probabilities; the codes (exact in fp16) as operands
+            if TOKEN_SCALES:  # the values' scales on the probabilities; the codes (exact in fp16) as operands
                 p = p * gl.expand_dims(vs_smem.index(st).load(COLS), 0)
                 pa = gl.convert_layout(p.to(gl.float16), PA)
                 vt = _as_int16(v_smem.index(st), [BLOCK_N, D // PARTS], TILE16).load(VB)
@@ -397,9 +406,9 @@ if HAVE_GLUON:
 KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3, "q4_g32": 4}
 #: a default launch by page kind: (keys a tile, warps a program, programs resident a
 #: multiprocessor, whose whole waves the split plan fills). Four warps at 96-128 registers a
-#: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 180-218
-#: registers: two a quarter of the register file, eight programs; q4_g32's 16-key tiles were
-#: fastest planned in waves of twelve (H200 sweeps, benchmarks/RESULTS.md 2026-12-03)
+#: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 205-218
+#: registers: two a quarter of the register file, eight programs; q4_g32's 16-key tiles at 168
+#: registers: twelve (H200 sweeps, benchmarks/RESULTS.md 2026-12-03)
 TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (16, 1, 12)}
 
 
@@ -412,10 +421,11 @@ def launch_decode(
 ) -> None:
     """Launch on validated inputs: ``q`` ``[B, Hq, 1, D]``, payloads ``[num_blocks, page, H_kv, D']``
     of ``kind`` (:data:`KINDS`; one-byte codes with scales ``[num_blocks, page, H_kv, 1]``
-    float32, or 16-bit values with ``None``); the query of row ``b`` sees keys
-    ``0 .. min(kv_len[b], q_start[b] + 1) - 1`` (``q_start`` ``None``: every key below
-    ``kv_len``); partials into ``po``/``pl`` when ``splits > 1`` (merged by the caller), else
-    the output into ``out``."""
+    float32; q4_g32 nibbles with fp16 scales and zeros ``[num_blocks, page, H_kv, D / 32]`` of
+    equal strides; or 16-bit values with ``None``) on ``warps`` warps a program; the query of
+    row ``b`` sees keys ``0 .. min(kv_len[b], q_start[b] + 1) - 1`` (``q_start`` ``None``: every
+    key below ``kv_len``); partials into ``po``/``pl`` when ``splits > 1`` (merged by the
+    caller), else the output into ``out``."""
     B, Hq, _, D = q.shape
     H_kv, page = k_payload.shape[2], k_payload.shape[1]
     ks, vs = (k_scale, v_scale) if k_scale is not None else (k_payload, v_payload)
