@@ -118,18 +118,20 @@ def test_a_config_with_the_mma_kernels_settings_stays_on_it(monkeypatch, plan):
 
 
 @pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp"])
-def test_the_default_kinds_and_16_bit_pages_only_in_small_launches(monkeypatch, mode):
-    """q8, q4, fp8 and q4_g32 decode steps go here by default; 16-bit ones only while the launch has at
-    most GLUON_DECODE["fp"] (row, kv head) pairs (it lost to the MMA kernel at B=64 / 8k)."""
+def test_the_default_kinds_and_limited_ones_only_in_small_launches(monkeypatch, mode):
+    """q8, q4, fp8 and q4_g32 decode steps go here by default; 16-bit and q4_g32 ones only while
+    the launch has at most GLUON_DECODE[kind] (row, kv head) pairs (16-bit pages lost to the MMA
+    kernel at B=64 / 8k, q4_g32 pages at a serving step's 2,048 pairs)."""
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     calls = []
     monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
     monkeypatch.setattr(gluon_decode, "_step", lambda q, *a, **k: calls.append(q.shape[0]) or torch.zeros_like(q))
     monkeypatch.setitem(triton_attention.GLUON_DECODE, "fp", 4)
+    monkeypatch.setitem(triton_attention.GLUON_DECODE, "q4_g32", 4)
     for B in (2, 3):  # 4 and 6 pairs
         c, q, qs = _case(mode, B, 4, 2, 64, [20] * B, dtype)
         _attend(c, q, qs)
-    assert calls == ([2] if mode == "fp" else [2, 3])
+    assert calls == ([2] if mode in ("fp", "q4_g32") else [2, 3])
 
 
 @pytest.mark.gpu
