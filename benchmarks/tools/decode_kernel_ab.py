@@ -44,6 +44,25 @@ def plans(mode: str, B, cuda: bool) -> dict:
     return out
 
 
+def summary(results: list[dict]) -> list[str]:
+    """A table of each shape and page kind: the default plan's time and the fastest plan's, each
+    as a ratio to the 16-bit pages' default time of that shape (where the run has them)."""
+    times: dict[tuple, dict[str, float]] = {}
+    for r in results:
+        times.setdefault((r["shape"], r["pages"]), {})[r["plan"]] = r["us"]
+    out = ["", "| shape | pages | default us | vs bf16 | fastest plan | us | vs bf16 |", "|---|---|---|---|---|---|---|"]
+    for (shape, pages), t in times.items():
+        base = times.get((shape, "fp"), {}).get("default")
+        best = min(t, key=t.get)
+
+        def ratio(us, base=base):
+            return f"{base / us:.2f}x" if base else "-"
+
+        out.append(f"| {shape} | {pages} | {t['default']:.2f} | {ratio(t['default'])} | {best} | {t[best]:.2f} | "
+                   f"{ratio(t[best])} |")
+    return out
+
+
 def main() -> None:
     from kvtier.kernels import gluon_decode
     from kvtier.kernels.launch_plan import LaunchConfig
@@ -97,6 +116,7 @@ def main() -> None:
             del reps, base
             if cuda:
                 torch.cuda.empty_cache()
+    lines += summary(results)
     if cuda:  # what each compiled variant of the Gluon kernel holds: registers, spills, shared memory
         lines += ["", "| Gluon kernel variant | registers | spills | shared bytes |", "|---|---|---|---|"]
         for cache in getattr(gluon_decode._decode_kernel, "device_caches", {}).values():
