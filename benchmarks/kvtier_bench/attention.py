@@ -242,6 +242,7 @@ def _kernel_cfg(kernel: str, **kw):
 
 def bench_quant(args, gen) -> tuple[list[dict], list[dict]]:
     """Each mode through both quantised decode kernels (MMA and CUDA-core, default plans) against bf16."""
+    from kvtier.kernels import gluon_decode
     from kvtier.kernels.triton_attention import QUANT_DECODE_KERNEL
     from kvtier.kernels.triton_paged import paged_write_triton
 
@@ -261,8 +262,8 @@ def bench_quant(args, gen) -> tuple[list[dict], list[dict]]:
             p = build_paged(mode, B, L, args, gen)
             ps = [p] + [build_paged(mode, B, L, args, gen) for _ in range(copies_for(p.nbytes) - 1)]
             times = {}
-            # q8, q4 and fp8 pages: also the pipelined Gluon kernel (their default decode kernel on CUDA)
-            gluon = mode in ("q8", "q4", "fp8", "q4_g32") and args.device == "cuda"
+            # the pages the pipelined Gluon kernel reads: it too (their default decode kernel on CUDA)
+            gluon = mode in gluon_decode.KINDS and args.device == "cuda"
             for kernel in ("mma", "cuda_core") + (("gluon",) if gluon else ()):
                 cfg = _kernel_cfg(kernel)
                 times[kernel] = time_calls([lambda x=x, cfg=cfg: x.attention(cfg) for x in ps], args.iters, args.reps)

@@ -410,6 +410,8 @@ KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3, "q4_g32": 4}
 #: registers: two a quarter of the register file, eight programs; q4_g32's 16-key tiles at 168
 #: registers: twelve (H200 sweeps, benchmarks/RESULTS.md 2026-12-03)
 TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (16, 1, 12)}
+#: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
+RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
 
 
 def launch_decode(
@@ -558,7 +560,7 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     stages = cfg.num_stages or 2
     if cfg.num_warps or WARPS:
         warps = cfg.num_warps or WARPS
-        resident = {4: 4, 2: 6, 1: 8}[warps]
+        resident = RESIDENT_BY_WARPS[warps]
     # one-warp programs: splits down to 256 keys (B=8 / 4k q4: 16 splits 20.4 us, 8 splits 23.3)
     short = warps == 1 and cfg.min_split_tokens == LaunchConfig.min_split_tokens
     plan_cfg = replace(cfg, block_n=block_n, min_split_tokens=256 if short else cfg.min_split_tokens)
