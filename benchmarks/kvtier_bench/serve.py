@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -223,13 +224,17 @@ def warmup_prompts(prompts: list[list[int]], device: torch.device) -> list[list[
 
 
 def run_kvtier(model, prompts, args, device) -> Result:
-    from kvtier.serve.engine import LLMEngine
+    from kvtier.serve.engine import LLMEngine, freeze_startup_heap
 
     engine = LLMEngine(model, None, engine_config(args, device, prompts))
     concurrency = args.concurrency or len(prompts)
     drive(engine, warmup_prompts(prompts, device), 4, concurrency, math.inf, args.seed)  # warm-up
-    duration, ttft, tpot, tokens = drive(engine, prompts, args.output_len, concurrency,
-                                         args.request_rate, args.seed)
+    freeze_startup_heap()  # as `kvtier serve` does once it has started
+    try:
+        duration, ttft, tpot, tokens = drive(engine, prompts, args.output_len, concurrency,
+                                             args.request_rate, args.seed)
+    finally:
+        gc.unfreeze()  # the engine can be collected once it is done; the contender runs next
     s = engine.stats()
     graphs = "CUDA graphs" if engine.runner.graphs is not None else "eager"
     note = (f"{graphs}, {s['kv_storage']} pages, {s['num_blocks']} blocks, {s['preemptions']} "

@@ -285,7 +285,7 @@ def _attention_kernel(
             tl.store(po + 1, acc_b / l_safe[:, None], mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_splits"])  # one variant for every query count and split count
 def _merge_kernel(
     PO, PL, O, stride_ob, stride_oh, stride_ot, T, HQ, num_splits,
     HEAD_DIM: tl.constexpr,

@@ -32,7 +32,7 @@ import triton.language as tl
 __all__ = ["add_rms_norm", "rope", "silu_mul", "silu_times"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # a step's token count: one variant for every count
 def _rope_kernel(
     X, stride_xb, stride_xt, stride_xh, C, S, stride_cb, stride_ct, O, T, H,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr,

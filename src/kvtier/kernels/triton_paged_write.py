@@ -129,7 +129,9 @@ def _write_rows(
         store_codes(P, p_rows, ok, u, ROWS, HEAD_DIM, BITS)
 
 
-@triton.jit
+# the token counts of a step vary from step to step: specialising on them (a count of 1, or a
+# multiple of 16) would compile another variant mid-serving, hundreds of milliseconds of a stall
+@triton.jit(do_not_specialize=["n_rows", "T"])
 def _write_kernel(
     KX, stride_kxb, stride_kxh, stride_kxt,
     VX, stride_vxb, stride_vxh, stride_vxt,

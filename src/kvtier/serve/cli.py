@@ -145,12 +145,14 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
 
     from kvtier.serve.api import build_app
     from kvtier.serve.async_engine import AsyncLLMEngine
+    from kvtier.serve.engine import freeze_startup_heap
 
     if engine.tokenizer is None:
         raise ValueError("the model has no tokenizer (tokenizer.json next to its weights); the server "
                          "needs one to read prompts and write text")
     name = server_config.served_model_name or model_name
     app = build_app(AsyncLLMEngine(engine), engine.tokenizer, name, server_config)
+    freeze_startup_heap()  # no full collection of the start-up heap between two steps later
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                            log_level=log_level))
     s = engine.stats()
