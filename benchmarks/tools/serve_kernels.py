@@ -51,6 +51,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     serve.add_arguments(p)
     p.add_argument("--top", type=int, default=12, help="heaviest kernels listed a phase")
+    p.add_argument("--cpu-trace", action="store_true",
+                   help="also trace the host (CUDA runtime calls, aten ops) and print its heaviest calls "
+                        "by their own time: where a step waits for the GPU (best on a short workload)")
     p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                    help="leave the start-up heap to the garbage collector (bench serve freezes it)")
     args = p.parse_args()
@@ -99,7 +102,8 @@ def main() -> None:
     first: dict[str, float] = {}
     steps = {"prompt": 0, "decode": 0}
     marked, produced = None, 0
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CUDA] + [torch.profiler.ProfilerActivity.CPU] * args.cpu_trace
+    with torch.profiler.profile(activities=activities) as prof:
         t0 = time.perf_counter()
         while engine.has_unfinished():
             ts = time.perf_counter()
@@ -181,6 +185,10 @@ def main() -> None:
     print(f"{len(compiles)} Triton compilations or cache loads inside the timed run")
     for t, r in compiles[:20]:
         print(f"  {t:8.3f} s  {r[:150]}")
+    if args.cpu_trace:
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+        report["cpu_table"] = table
+        print(table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
