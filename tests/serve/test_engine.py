@@ -169,3 +169,24 @@ def test_bad_requests_are_refused_and_change_nothing(lm) -> None:
     engine.step()
     assert engine.abort(rid) and not engine.has_unfinished()
     assert engine.stats()["free_blocks"] == 8
+
+
+def test_the_startup_heap_is_frozen_out_of_collections(lm) -> None:
+    """After freeze_startup_heap a full collection walks none of the objects alive at start-up
+    (the model's among them), and an engine still serves."""
+    import gc
+
+    from kvtier.serve.engine import freeze_startup_heap
+
+    engine = LLMEngine(lm.model, lm.tokenizer, EngineConfig(num_blocks=32))
+    try:
+        freeze_startup_heap()
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # torch, the model, the engine: all of it
+        assert not any(o is engine for o in gc.get_objects(generation=2))
+        ids = lm.tokenizer.encode("The capital of France is")
+        out = engine.generate([ids], RequestParams(max_tokens=3))[0]
+        assert list(out.token_ids) == solo(lm, ids, 3)
+        assert gc.get_freeze_count() == frozen  # serving froze nothing more
+    finally:
+        gc.unfreeze()  # the rest of this test process collects as usual
