@@ -71,14 +71,16 @@ def freeze_startup_heap() -> None:
     """Leave every object alive now (the model, the tokenizer, CUDA graphs, compiled kernels,
     the libraries' modules) out of the garbage collector's later passes.
 
-    A full collection walks every tracked object. In a process that holds torch and a model
+    A full collection walks every tracked object. In a process that holds torch and a model,
     that takes 100 ms or more, and no step is launched meanwhile: a decode step of a few
     milliseconds waits for it (a 133 ms gap between two steps of ``kvtier bench serve`` on the
     H200). Frozen objects are never collected, so call this once, after start-up and warm-up,
-    in a process that serves one engine (``kvtier serve`` and ``kvtier bench serve`` do).
+    in a process that serves one engine (``kvtier serve`` and ``kvtier bench serve`` do);
+    ``gc.unfreeze()`` undoes it.
     """
     gc.collect()
     gc.freeze()
+
 
 #: keys and values on the CPU when neither num_blocks nor kv_memory_gib is given
 DEFAULT_CPU_KV_GIB = 1.0
