@@ -100,7 +100,6 @@ def main() -> None:
     ids = [engine.add_request(q, params) for q in prompts]
     walls: list[tuple[str, float]] = []
     first: dict[str, float] = {}
-    steps = {"prompt": 0, "decode": 0}
     marked, produced = None, 0
     activities = [torch.profiler.ProfilerActivity.CUDA] + [torch.profiler.ProfilerActivity.CPU] * args.cpu_trace
     with torch.profiler.profile(activities=activities) as prof:
@@ -108,7 +107,6 @@ def main() -> None:
         while engine.has_unfinished():
             ts = time.perf_counter()
             outs = engine.step()
-            steps["decode" if marked else "prompt"] += 1
             walls.append(("decode" if marked else "prompt", 1e3 * (time.perf_counter() - ts)))
             for o in outs:
                 first.setdefault(o.request_id, time.perf_counter() - t0)
@@ -119,6 +117,7 @@ def main() -> None:
         torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
     gc.callbacks.remove(on_gc)
+    steps = {phase: sum(k == phase for k, _ in walls) for phase in ("prompt", "decode")}
 
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
