@@ -82,3 +82,38 @@ def test_decode_in_prompt_steps_default_and_refusal() -> None:
     assert ModelRunner(model, num_blocks=8).decode_in_prompt_steps is False  # CPU: own forward
     with pytest.raises(ValueError, match="decode_in_prompt_steps must be a bool or None"):
         ModelRunner(model, num_blocks=8, decode_in_prompt_steps=1)
+
+
+def test_packed_lm_head_rows_padded_to_a_graph_bucket() -> None:
+    """With ``pad_logit_rows`` the LM head of a packed forward multiplies a bucket of rows (7 rows:
+    8), and the rows' logits are those of the unpadded head; CPU default: no padding."""
+    from kvtier.serve.scheduler import StepBatch
+
+    model = build_random(ARGS, dtype=torch.float32, device="cpu", std=0.2)
+    rng = random.Random(2)
+    chunks = rows(rng, 16)
+    decode = [ScheduledRow(f"d{i}", (rng.randrange(512),), start, tuple(range(20 + 4 * i, 24 + 4 * i)), True)
+              for i, start in enumerate((3, 40, 63))]
+    history = [ScheduledRow(r.request_id, tuple(rng.randrange(512) for _ in range(r.start)), 0, r.blocks, True)
+               for r in chunks + decode if r.start]
+    batch = StepBatch((decode[0], *chunks[:2], decode[1], *chunks[2:], decode[2]))  # 7 rows
+    seen: list[int] = []
+    hook = model.output.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[-2]))
+    got = {}
+    try:
+        for pad in (True, False):
+            runner = ModelRunner(model, num_blocks=40, block_size=16, cuda_graph=False,
+                                 decode_in_prompt_steps=True, pad_logit_rows=pad, max_num_seqs=100)
+            with torch.inference_mode():
+                for h in history:
+                    runner._prefill(h)
+                seen.clear()
+                got[pad] = runner.execute(batch)
+            assert seen == [8 if pad else 7]
+    finally:
+        hook.remove()
+    assert got[True].shape == (7, ARGS.vocab_size)
+    torch.testing.assert_close(got[True], got[False], rtol=1e-6, atol=1e-6 * got[False].abs().max().item())
+    assert ModelRunner(model, num_blocks=8).logit_buckets == []
+    with pytest.raises(ValueError, match="pad_logit_rows must be a bool or None"):
+        ModelRunner(model, num_blocks=8, pad_logit_rows="yes")

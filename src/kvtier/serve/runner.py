@@ -38,6 +38,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -127,12 +128,18 @@ class ModelRunner:
     paged kernels are Triton's; ``False``: never); ``max_num_seqs`` and
     ``max_model_len`` bound the graphs' shapes. ``decode_in_prompt_steps``: run a step's
     decode rows in its packed prompt forward when it has prompt chunks (``None``: on CUDA).
+    ``pad_logit_rows``: the LM head of a packed forward multiplies its rows padded to a
+    decode-graph bucket (:func:`~kvtier.serve.graphs.graph_buckets` of ``max_num_seqs``), the
+    padding dropped after (``None``: on CUDA). A row count the GEMM library has not met can
+    load a kernel module on first use, which waits for the GPU to drain; the graphs' capture
+    has met every bucket.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, kv_quant: str | None = None,
                  turboquant: TurboQuantConfig | None = None, attention_backend: str = "auto",
                  cuda_graph: bool | None = None, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, decode_in_prompt_steps: bool | None = None):
+                 max_model_len: int | None = None, decode_in_prompt_steps: bool | None = None,
+                 pad_logit_rows: bool | None = None):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -140,6 +147,12 @@ class ModelRunner:
             raise ValueError(f"decode_in_prompt_steps must be a bool or None, got {decode_in_prompt_steps!r}")
         self.decode_in_prompt_steps = (self.device.type == "cuda" if decode_in_prompt_steps is None
                                        else decode_in_prompt_steps)
+        if pad_logit_rows is not None and not isinstance(pad_logit_rows, bool):
+            raise ValueError(f"pad_logit_rows must be a bool or None, got {pad_logit_rows!r}")
+        from kvtier.serve.graphs import graph_buckets  # (graphs imports this module)
+
+        pad = self.device.type == "cuda" if pad_logit_rows is None else pad_logit_rows
+        self.logit_buckets = graph_buckets(max_num_seqs) if pad else []
         a = model.args
         self.block_size, self.num_blocks = block_size, num_blocks
         # one scratch block past the manager's: padding rows of a captured step write there
@@ -236,8 +249,12 @@ class ModelRunner:
         fed, pending = fed_tokens(rows, pending)  # decode rows may be fed from the step in flight
         ids = [t for ts in fed for t in ts]
         tokens = fill_pending(to_device(torch.tensor([ids], dtype=torch.long), self.device), pending)  # (1, N)
+        select, k = plan.last, len(rows)
+        at = bisect.bisect_left(self.logit_buckets, k)
+        if at < len(self.logit_buckets) and self.logit_buckets[at] > k:  # the last row again as padding
+            select = torch.cat([select, select[-1:].expand(self.logit_buckets[at] - k)])
         return self.model(tokens, self.caches, positions=plan.positions, cache_kwargs={"plan": plan},
-                          select=plan.last)[0]  # (len(rows), V)
+                          select=select)[0, :k]  # (len(rows), V)
 
     def _prefill(self, row: ScheduledRow) -> torch.Tensor:
         """One forward ``[1, T]`` of a prompt chunk; logits of its last position ``[V]``."""
