@@ -72,12 +72,16 @@ def running_server(log: Path, *flags: str):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """Base URL of the module's ``kvtier serve``."""
-    log = Path(tmp_path_factory.mktemp("serve")) / "serve.log"
-    with running_server(log, "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),
+def server_log(tmp_path_factory) -> Path:
+    return Path(tmp_path_factory.mktemp("serve")) / "serve.log"
+
+
+@pytest.fixture(scope="module")
+def server(server_log):
+    """Base URL of the module's ``kvtier serve`` (warmed up, as it is by default on CUDA)."""
+    with running_server(server_log, "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),
                         "--max-waiting", str(MAX_WAITING), "--max-batched-tokens", "256",
-                        "--max-request-mb", str(MAX_REQUEST_MB)) as url:
+                        "--max-request-mb", str(MAX_REQUEST_MB), "--warmup") as url:
         yield url
 
 
@@ -118,6 +122,18 @@ def test_models_and_health(server, model) -> None:
     assert model == "SmolLM2-135M-Instruct.Q4_1"
     listed = httpx.get(f"{server}/v1/models").json()["data"][0]
     assert listed["max_model_len"] == h["max_model_len"] == NUM_BLOCKS * 16
+
+
+def test_warm_up_leaves_nothing_behind(server, server_log) -> None:
+    """The start-up warm-up ran its made-up requests (a prompt chunked over two steps of 256
+    tokens among them) and left every block free, no prefix cached, no token counted."""
+    line = next(x for x in server_log.read_text().splitlines() if "warmed up" in x)
+    assert "7 made-up requests" in line, line
+    h = httpx.get(f"{server}/health").json()
+    assert h["free_blocks"] == NUM_BLOCKS and h["cached_blocks"] == 0 and h["running"] == h["waiting"] == 0
+    m = metrics(server)  # these four are the engine's own counters
+    assert m["kvtier_prompt_tokens_total"] == m["kvtier_prefix_cache_queries_total"] == 0
+    assert m["kvtier_prefix_cache_hits_total"] == m["kvtier_preemptions_total"] == 0
 
 
 def test_completion_text_usage_and_stop(client, model, lm) -> None:

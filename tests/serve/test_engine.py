@@ -4,6 +4,8 @@ each request the tokens it gets alone through kvtier.generate (the library behin
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -189,3 +191,49 @@ def test_the_startup_heap_is_frozen_out_of_collections(lm) -> None:
         assert list(out.token_ids) == solo(lm, ids, 3)
     finally:
         gc.unfreeze()  # the rest of this test process collects as usual
+
+
+def test_warm_up_runs_every_kind_of_step_and_leaves_the_engine_as_it_found_it() -> None:
+    """A warm-up chunks a prompt over two steps, packs short prompts beside decode rows and
+    reuses a cached prefix; afterwards the engine's stats are a fresh engine's and it serves
+    the same tokens."""
+    from kvtier.model import ModelArgs, build_random
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=300,
+                     max_position_embeddings=512)
+    model = build_random(args, dtype=torch.float32, device="cpu", std=0.2)
+    config = EngineConfig(num_blocks=48, block_size=16, max_num_seqs=4, max_batched_tokens=64)
+    warm, fresh = LLMEngine(model, None, config), LLMEngine(model, None, config)
+    seen = {"rows": set(), "hits": None}
+    execute = warm.runner.execute
+
+    def spy(batch, pending=None):
+        seen["rows"].add(tuple(sorted({len(r.token_ids) > 1 for r in batch.rows})))
+        return execute(batch, pending)
+
+    reset = warm.block_manager.reset_prefix_cache
+
+    def spy_reset():
+        seen["hits"] = warm.block_manager.prefix_hits
+        return reset()
+
+    warm.runner.execute, warm.block_manager.reset_prefix_cache = spy, spy_reset
+    report = warm.warm_up()
+    assert report["requests"] == 7 and report["prompt_tokens"] > 64 and report["steps"] > 4
+    assert {(False,), (False, True)} <= seen["rows"]  # decode-only steps and mixed ones
+    assert seen["hits"] >= 16  # the last request found its first block cached
+    assert warm.stats() == fresh.stats()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (5, 70, 33)]
+    params = RequestParams(max_tokens=6, ignore_eos=True)
+    got = [o.token_ids for o in warm.generate(prompts, params)]
+    assert got == [o.token_ids for o in fresh.generate(prompts, params)]
+    steps = warm.stats()["steps"]
+    warm.warm_up(new_tokens=2)  # after serving: its counters stand, its cached prefixes go
+    assert warm.stats()["steps"] == steps and warm.stats()["cached_blocks"] == 0
+    rid = warm.add_request([1, 2, 3], params)
+    with pytest.raises(ValueError, match="warm_up\\(\\) runs before any request"):
+        warm.warm_up()
+    assert warm.has_unfinished() and warm.abort(rid)
+    with pytest.raises(ValueError, match="new_tokens must be an int >= 1"):
+        warm.warm_up(new_tokens=0)

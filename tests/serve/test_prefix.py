@@ -86,6 +86,21 @@ def test_errors_change_nothing() -> None:
     assert bm.num_free_blocks == 2
 
 
+def test_reset_prefix_cache_forgets_every_prefix_only_when_no_block_is_held() -> None:
+    bm = BlockManager(8, BS)
+    prompt = list(range(10))
+    a = bm.allocate(10)
+    bm.cache_full_blocks(a, prompt, 10)
+    with pytest.raises(ValueError, match="3 blocks are held by requests"):
+        bm.reset_prefix_cache()
+    assert bm.num_cached_blocks == 2 and bm.prefix_queries == 10  # nothing changed
+    bm.free(a)
+    assert bm.reset_prefix_cache() == 2
+    assert (bm.num_cached_blocks, bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits) == (0, 8, 0, 0)
+    assert bm.match_prefix(prompt) == []
+    assert sorted(bm.allocate(8 * BS)) == list(range(8))  # every block handed out again
+
+
 def test_prefix_caching_off_never_shares() -> None:
     bm = BlockManager(4, BS, enable_prefix_caching=False)
     prompt = list(range(9))

@@ -72,7 +72,9 @@ class ServerConfig:
 
     ``served_model_name``: the ``model`` the API reports and accepts (default: the
     model file's name); ``retry_after_s``: the ``Retry-After`` of a 429;
-    ``max_request_bytes``: the largest request body read (larger: HTTP 413).
+    ``max_request_bytes``: the largest request body read (larger: HTTP 413); ``warmup``:
+    run :meth:`~kvtier.serve.engine.LLMEngine.warm_up` before listening (``None``: when the
+    model is on CUDA, whose first steps compile kernels).
     """
 
     host: str = "127.0.0.1"
@@ -80,6 +82,7 @@ class ServerConfig:
     served_model_name: str | None = None
     retry_after_s: int = 1
     max_request_bytes: int = 4 * 2**20
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -88,6 +91,8 @@ class ServerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.warmup is not None and not isinstance(self.warmup, bool):
+            raise ValueError(f"warmup must be a bool or None, got {self.warmup!r}")
 
 
 def encode_bounded(tokenizer, text: str, max_tokens: int, *, add_bos: bool | None = None) -> list[int]:

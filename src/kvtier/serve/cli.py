@@ -70,6 +70,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", dest="tensor_parallel", type=int, metavar="N", default=_ABSENT,
                    help="shard the model over N ranks: one GPU each (NCCL) or N CPU processes (gloo); "
                         "spawns its workers, or is one of them under torchrun; rank 0 serves HTTP")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=_ABSENT,
+                   help="run made-up requests through each kind of step before listening, so the "
+                        "first users do not wait for kernels to compile (default: on CUDA only)")
     p.add_argument("--log-level", dest="log_level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(_run=run_serve)
@@ -84,7 +87,7 @@ def configs_from_args(args: argparse.Namespace):
     engine = {n: getattr(args, n) for n in _ENGINE_FLAGS if hasattr(args, n)}
     if engine.get("kv_quant") == "off":
         engine["kv_quant"] = None
-    server = {n: getattr(args, n) for n in ("host", "port", "served_model_name") if hasattr(args, n)}
+    server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup") if hasattr(args, n)}
     if hasattr(args, "max_request_mb"):
         if not args.max_request_mb > 0:
             raise ValueError(f"--max-request-mb must be > 0, got {args.max_request_mb}")
@@ -151,6 +154,11 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
         raise ValueError("the model has no tokenizer (tokenizer.json next to its weights); the server "
                          "needs one to read prompts and write text")
     name = server_config.served_model_name or model_name
+    warmup = server_config.warmup
+    if warmup or (warmup is None and engine.device.type == "cuda"):
+        w = engine.warm_up()
+        print(f"[kvtier] warmed up: {w['requests']} made-up requests, {w['steps']} steps, "
+              f"{w['seconds']:.1f} s", file=sys.stderr, flush=True)
     app = build_app(AsyncLLMEngine(engine), engine.tokenizer, name, server_config)
     freeze_startup_heap()  # no full collection of the start-up heap between two steps later
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -366,6 +367,52 @@ class LLMEngine:
     @staticmethod
     def _logprobs(token: int, chosen: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> tuple[TokenLogprob]:
         return (TokenLogprob(token, float(chosen), tuple(zip(idx.tolist(), vals.tolist()))),)
+
+    # -- start-up -----------------------------------------------------------------------------------
+    def warm_up(self, new_tokens: int = 4) -> dict[str, int | float]:
+        """Run made-up requests through each kind of step the engine takes, then forget them.
+
+        On CUDA the first step of each kind compiles or loads its kernels (Triton's, the GEMM
+        library's), which would otherwise fall on the first users' requests. The requests:
+        random token ids, greedy, ``new_tokens`` each with end-of-sequence ignored; a prompt
+        longer than one step's token budget (chunked, its second chunk over a history),
+        shorter ones packed beside it and beside decode rows, and, with prefix caching on,
+        one that starts with a cached prefix. Afterwards every block is free, the prefix cache
+        is empty (so a warm-up after serving forgets the cached prefixes too) and the counters
+        of :meth:`stats` are as before; what was compiled stays. A ``ValueError`` when a
+        request is live (warm up before serving). Returns ``requests``, ``steps``,
+        ``prompt_tokens`` and ``seconds``.
+        """
+        if self.has_unfinished():
+            raise ValueError("warm_up() runs before any request: finish or abort the live ones first")
+        if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+            raise ValueError(f"new_tokens must be an int >= 1, got {new_tokens!r}")
+        t0, rng = time.perf_counter(), random.Random(0)
+        room = self.max_model_len - new_tokens
+        if room < 1:
+            raise ValueError(f"the context of {self.max_model_len} tokens leaves no room for a prompt "
+                             f"and {new_tokens} new tokens; lower new_tokens")
+        bs, budget = self.config.block_size, self.scheduler.config.max_batched_tokens
+        lengths = sorted({min(n, room) for n in (budget + bs + 1, 1, 3, 17, 100, 300)}, reverse=True)
+        prompts = [[rng.randrange(self.model.args.vocab_size) for _ in range(n)] for n in lengths]
+        if self.block_manager.enable_prefix_caching and len(prompts[0]) > bs:
+            prompts.append(prompts[0][:bs] + prompts[-1])  # its first block is cached by then
+        params = RequestParams(max_tokens=new_tokens, ignore_eos=True)
+        ids, bm, done = itertools.count(), self.block_manager, 0
+        counters = (self.steps, self.prompt_tokens, self.generation_tokens, self.scheduler.num_preemptions,
+                    bm.prefix_queries, bm.prefix_hits)
+        for group in (prompts[:len(lengths)], prompts[len(lengths):]):  # the shared prefix after its owner
+            for p in group:
+                self.add_request(p, params, request_id=f"warm-up-{next(ids)}")
+            while self.has_unfinished():
+                self.step()
+            done += len(group)
+        report = {"requests": done, "steps": self.steps - counters[0],
+                  "prompt_tokens": sum(map(len, prompts)), "seconds": time.perf_counter() - t0}
+        bm.reset_prefix_cache()
+        (self.steps, self.prompt_tokens, self.generation_tokens, self.scheduler.num_preemptions,
+         bm.prefix_queries, bm.prefix_hits) = counters
+        return report
 
     # -- figures ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float | str]:

@@ -221,6 +221,21 @@ class BlockManager:
             self._hash[b] = h
             self._by_hash.setdefault(h, b)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (the blocks go back to the free list) and zero
+        ``prefix_queries`` / ``prefix_hits``; returns how many blocks were cached. Only when
+        no request holds a block: a ``ValueError`` names how many are held, and nothing changes."""
+        if self.num_used_blocks:
+            raise ValueError(f"{self.num_used_blocks} blocks are held by requests; reset the prefix "
+                             "cache when none runs (finish or abort them first)")
+        cached = len(self._by_hash)
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._evictable.clear()
+        self._by_hash.clear()
+        self._hash = [None] * self.num_blocks
+        self.prefix_queries = self.prefix_hits = 0
+        return cached
+
     # -- internals -------------------------------------------------------------------------------
     def _check_fits(self, needed: int) -> None:
         if needed > self.num_free_blocks:
