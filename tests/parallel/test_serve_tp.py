@@ -68,7 +68,7 @@ def server(tiny, tmp_path_factory):
     log = Path(tmp_path_factory.mktemp("serve-tp")) / "serve.log"
     cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--model", str(tiny), "--tensor-parallel", "2",
            "--device", "cpu", "--port", str(port), "--threads", "1", "--num-blocks", "64",
-           "--block-size", "8", "--max-num-seqs", "4", "--max-batched-tokens", "16"]
+           "--block-size", "8", "--max-num-seqs", "4", "--max-batched-tokens", "16", "--warmup"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -143,3 +143,4 @@ def test_two_ranks_serve_the_greedy_tokens_of_one_process_then_stop(server, tiny
     assert not alive, [p.pid for p in alive]
     text = log.read_text()
     assert "Traceback" not in text and "tensor parallel over 2 ranks" in text, text
+    assert "warmed up: 7 made-up requests" in text, text  # its steps were broadcast to rank 1 too

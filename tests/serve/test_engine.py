@@ -237,3 +237,15 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_the_engine_as_it_found_it() 
     assert warm.has_unfinished() and warm.abort(rid)
     with pytest.raises(ValueError, match="new_tokens must be an int >= 1"):
         warm.warm_up(new_tokens=0)
+    calls = []
+
+    def failing(batch, pending=None):  # the third step fails: no made-up request is left behind
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a step failed")
+        return execute(batch, pending)
+
+    warm.runner.execute = failing
+    with pytest.raises(RuntimeError, match="a step failed"):
+        warm.warm_up()
+    assert not warm.has_unfinished() and warm.stats()["free_blocks"] == 48

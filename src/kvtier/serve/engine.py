@@ -401,12 +401,16 @@ class LLMEngine:
         ids, bm, done = itertools.count(), self.block_manager, 0
         counters = (self.steps, self.prompt_tokens, self.generation_tokens, self.scheduler.num_preemptions,
                     bm.prefix_queries, bm.prefix_hits)
-        for group in (prompts[:len(lengths)], prompts[len(lengths):]):  # the shared prefix after its owner
-            for p in group:
-                self.add_request(p, params, request_id=f"warm-up-{next(ids)}")
-            while self.has_unfinished():
-                self.step()
-            done += len(group)
+        try:
+            for group in (prompts[:len(lengths)], prompts[len(lengths):]):  # the shared prefix after its owner
+                for p in group:
+                    self.add_request(p, params, request_id=f"warm-up-{next(ids)}")
+                while self.has_unfinished():
+                    self.step()
+                done += len(group)
+        except BaseException:
+            self.abort_all()  # no made-up request outlives a failed warm-up
+            raise
         report = {"requests": done, "steps": self.steps - counters[0],
                   "prompt_tokens": sum(map(len, prompts)), "seconds": time.perf_counter() - t0}
         bm.reset_prefix_cache()

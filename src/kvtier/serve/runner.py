@@ -130,9 +130,9 @@ class ModelRunner:
     decode rows in its packed prompt forward when it has prompt chunks (``None``: on CUDA).
     ``pad_logit_rows``: the LM head of a packed forward multiplies its rows padded to a
     decode-graph bucket (:func:`~kvtier.serve.graphs.graph_buckets` of ``max_num_seqs``), the
-    padding dropped after (``None``: on CUDA). A row count the GEMM library has not met can
-    load a kernel module on first use, which waits for the GPU to drain; the graphs' capture
-    has met every bucket.
+    padding dropped after (``None``: on CUDA). On the H200 a row count new to the process
+    kept the host in the GEMM's launch until the GPU had drained (benchmarks/RESULTS.md,
+    2026-12-03); the graphs' capture has run every bucket.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, kv_quant: str | None = None,
