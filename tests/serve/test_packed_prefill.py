@@ -10,7 +10,7 @@ import torch
 
 from kvtier.model import ModelArgs, build_random
 from kvtier.serve.runner import ModelRunner
-from kvtier.serve.scheduler import ScheduledRow
+from kvtier.serve.scheduler import ScheduledRow, StepBatch
 
 ARGS = ModelArgs(dim=256, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=512, vocab_size=512,
                  max_position_embeddings=1024)
@@ -29,6 +29,17 @@ def rows(rng: random.Random, block_size: int) -> list[ScheduledRow]:
         next_block += need
         out.append(ScheduledRow(f"r{i}", tuple(rng.randrange(512) for _ in range(n)), start, blocks, True))
     return out
+
+
+def mixed_step(rng: random.Random) -> tuple[list[ScheduledRow], StepBatch]:
+    """A step of :func:`rows`' four chunks and three decode rows, interleaved (7 rows), and the
+    histories (from position 0) of the rows that continue one."""
+    chunks = rows(rng, 16)
+    decode = [ScheduledRow(f"d{i}", (rng.randrange(512),), start, tuple(range(20 + 4 * i, 24 + 4 * i)), True)
+              for i, start in enumerate((3, 40, 63))]
+    history = [ScheduledRow(r.request_id, tuple(rng.randrange(512) for _ in range(r.start)), 0, r.blocks, True)
+               for r in chunks + decode if r.start]
+    return history, StepBatch((decode[0], *chunks[:2], decode[1], *chunks[2:], decode[2]))
 
 
 @pytest.mark.parametrize("device,dtype,tol", DEVICES, ids=lambda x: str(x))
@@ -55,16 +66,8 @@ def test_packed_chunks_equal_each_chunk_alone(device, dtype, tol) -> None:
 def test_decode_rows_in_the_packed_forward_equal_their_own_forward(device, dtype, tol) -> None:
     """A step with prompt chunks and decode rows, run as one packed forward and as the decode
     forward beside the chunks' forward: the same logits for every row, in row order."""
-    from kvtier.serve.scheduler import StepBatch
-
     model = build_random(ARGS, dtype=dtype, device=device, std=0.2)
-    rng = random.Random(1)
-    chunks = rows(rng, 16)
-    decode = [ScheduledRow(f"d{i}", (rng.randrange(512),), start, tuple(range(20 + 4 * i, 24 + 4 * i)), True)
-              for i, start in enumerate((3, 40, 63))]
-    history = [ScheduledRow(r.request_id, tuple(rng.randrange(512) for _ in range(r.start)), 0, r.blocks, True)
-               for r in chunks + decode if r.start]
-    batch = StepBatch((decode[0], *chunks[:2], decode[1], *chunks[2:], decode[2]))
+    history, batch = mixed_step(random.Random(1))
     got = {}
     for merged in (True, False):
         runner = ModelRunner(model, num_blocks=40, block_size=16, cuda_graph=False, decode_in_prompt_steps=merged)
@@ -87,16 +90,8 @@ def test_decode_in_prompt_steps_default_and_refusal() -> None:
 def test_packed_lm_head_rows_padded_to_a_graph_bucket() -> None:
     """With ``pad_logit_rows`` the LM head of a packed forward multiplies a bucket of rows (7 rows:
     8), and the rows' logits are those of the unpadded head; CPU default: no padding."""
-    from kvtier.serve.scheduler import StepBatch
-
     model = build_random(ARGS, dtype=torch.float32, device="cpu", std=0.2)
-    rng = random.Random(2)
-    chunks = rows(rng, 16)
-    decode = [ScheduledRow(f"d{i}", (rng.randrange(512),), start, tuple(range(20 + 4 * i, 24 + 4 * i)), True)
-              for i, start in enumerate((3, 40, 63))]
-    history = [ScheduledRow(r.request_id, tuple(rng.randrange(512) for _ in range(r.start)), 0, r.blocks, True)
-               for r in chunks + decode if r.start]
-    batch = StepBatch((decode[0], *chunks[:2], decode[1], *chunks[2:], decode[2]))  # 7 rows
+    history, batch = mixed_step(random.Random(2))  # 7 rows
     seen: list[int] = []
     hook = model.output.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[-2]))
     got = {}
