@@ -5,7 +5,10 @@ warm-up) runs once under torch.profiler with CUDA activity only. A marker kernel
 after the step in which the last prompt finished its prefill, which splits the kernels into
 a prompt phase and a decode phase. For each phase the tool prints the GPU time of each kind
 of kernel (matmuls, paged attention, the split merge, KV writes, norms, RoPE, SiLU-mul,
-sampling, the rest) and the heaviest kernels by name, and writes them as JSON.
+sampling, the rest) and the heaviest kernels by name, and writes them as JSON. It also times
+the host in ``ModelRunner.execute`` each step: a step far over the median waited there for the
+GPU (the host launches only), as the LM head's first row count of a kind did before
+the engine padded it.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/tools/serve_kernels.py --device cuda \
         --num-requests 256 --input-len 64,1024 --output-len 256 --kv-quant q8 --json q8.json
@@ -82,7 +85,6 @@ def main() -> None:
         elif "t" in started:
             collections.append((now - t0, info["generation"], 1e3 * (now - started.pop("t"))))
 
-    gc.callbacks.append(on_gc)
 
     compiles: list[tuple[float, str]] = []  # kernels Triton compiles (or loads) inside the timed run
     t0 = time.perf_counter()
@@ -96,6 +98,18 @@ def main() -> None:
         triton.knobs.runtime.jit_cache_hook = record_compile
     except (ImportError, AttributeError):
         pass
+    launches: list[tuple[int, int, int, float]] = []  # (step, rows, tokens, ms in execute) of each step
+    execute = engine.runner.execute
+
+    def timed_execute(batch, pending=None):
+        ts = time.perf_counter()
+        try:
+            return execute(batch, pending)
+        finally:
+            launches.append((len(launches) + 1, len(batch.rows), batch.num_tokens,
+                             1e3 * (time.perf_counter() - ts)))
+
+    engine.runner.execute = timed_execute
     params = RequestParams(max_tokens=args.output_len, ignore_eos=True)
     ids = [engine.add_request(q, params) for q in prompts]
     walls: list[tuple[str, float]] = []
@@ -104,6 +118,7 @@ def main() -> None:
     activities = [torch.profiler.ProfilerActivity.CUDA] + [torch.profiler.ProfilerActivity.CPU] * args.cpu_trace
     with torch.profiler.profile(activities=activities) as prof:
         t0 = time.perf_counter()
+        gc.callbacks.append(on_gc)  # the timed run's collections only, not the profiler's start
         while engine.has_unfinished():
             ts = time.perf_counter()
             outs = engine.step()
@@ -116,7 +131,7 @@ def main() -> None:
                 torch.cuda._sleep(1000)  # the phase marker: a kernel named spin_kernel
         torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
-    gc.callbacks.remove(on_gc)
+        gc.callbacks.remove(on_gc)  # before the profiler's own work on leaving
     steps = {phase: sum(k == phase for k, _ in walls) for phase in ("prompt", "decode")}
 
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
@@ -176,6 +191,13 @@ def main() -> None:
         if ws:
             print(f"  host wall a step: median {sorted(ws)[len(ws) // 2]:.1f} ms, max {max(ws):.1f}; "
                   f"the first ten {[round(w, 1) for w in ws[:10]]}")
+    # the host only launches in execute; a step far over the median waited for the GPU there
+    median = sorted(ms for *_, ms in launches)[len(launches) // 2]
+    blocked = [x for x in launches if x[3] > max(3 * median, median + 20)]
+    report["blocked_launches"] = [{"step": a, "rows": b, "tokens": c, "ms": d} for a, b, c, d in blocked]
+    print(f"\nhost time in ModelRunner.execute: median {median:.1f} ms a step; {len(blocked)} steps over "
+          f"3x that (the host waited inside the forward): {[(a, b, c, round(d, 1)) for a, b, c, d in blocked[:12]]} "
+          "(step, rows, tokens, ms)")
     slow = sorted(collections, key=lambda c: -c[2])[:5]
     print(f"\n{len(collections)} garbage collections inside the timed run "
           f"({sum(c[1] == 2 for c in collections)} of generation 2), {sum(c[2] for c in collections):.1f} ms "
