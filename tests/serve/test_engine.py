@@ -237,6 +237,9 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_the_engine_as_it_found_it() 
     assert warm.has_unfinished() and warm.abort(rid)
     with pytest.raises(ValueError, match="new_tokens must be an int >= 1"):
         warm.warm_up(new_tokens=0)
+    short = LLMEngine(model, None, EngineConfig(num_blocks=4, block_size=16, max_model_len=3))
+    assert short.warm_up()["prompt_tokens"] == 1 and short.stats() == LLMEngine(
+        model, None, EngineConfig(num_blocks=4, block_size=16, max_model_len=3)).stats()
     calls = []
 
     def failing(batch, pending=None):  # the third step fails: no made-up request is left behind

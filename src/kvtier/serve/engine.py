@@ -374,7 +374,8 @@ class LLMEngine:
 
         On CUDA the first step of each kind compiles or loads its kernels (Triton's, the GEMM
         library's), which would otherwise fall on the first users' requests. The requests:
-        random token ids, greedy, ``new_tokens`` each with end-of-sequence ignored; a prompt
+        random token ids, greedy, ``new_tokens`` each (fewer in a context too short for them)
+        with end-of-sequence ignored; a prompt
         longer than one step's token budget (chunked, its second chunk over a history),
         shorter ones packed beside it and beside decode rows, and, with prefix caching on,
         one that starts with a cached prefix. Afterwards every block is free, the prefix cache
@@ -387,11 +388,12 @@ class LLMEngine:
             raise ValueError("warm_up() runs before any request: finish or abort the live ones first")
         if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
             raise ValueError(f"new_tokens must be an int >= 1, got {new_tokens!r}")
+        if self.max_model_len < 2:
+            raise ValueError(f"a context of {self.max_model_len} token holds no prompt and new token; "
+                             "raise max_model_len (or the pool's blocks)")
         t0, rng = time.perf_counter(), random.Random(0)
+        new_tokens = min(new_tokens, self.max_model_len - 1)  # a short context: shorter made-up requests
         room = self.max_model_len - new_tokens
-        if room < 1:
-            raise ValueError(f"the context of {self.max_model_len} tokens leaves no room for a prompt "
-                             f"and {new_tokens} new tokens; lower new_tokens")
         bs, budget = self.config.block_size, self.scheduler.config.max_batched_tokens
         lengths = sorted({min(n, room) for n in (budget + bs + 1, 1, 3, 17, 100, 300)}, reverse=True)
         prompts = [[rng.randrange(self.model.args.vocab_size) for _ in range(n)] for n in lengths]
