@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvtier.serve.graphs import HostInputs, graph_buckets, reference_inputs
+from kvtier.serve.runner import smallest_bucket
 from kvtier.serve.scheduler import ScheduledRow
 
 CUDA = torch.cuda.is_available()
@@ -19,6 +20,10 @@ def test_buckets_cover_every_batch_size() -> None:
         b = graph_buckets(n)
         assert b[-1] == n and b == sorted(set(b))
         assert all(any(x >= k for x in b) for k in range(1, n + 1))
+        for k in range(1, n + 1):  # the smallest bucket that holds k rows; none past the largest
+            got = smallest_bucket(b, k)
+            assert got in b and got >= k and all(x < k for x in b if x < got)
+        assert smallest_bucket(b, n + 5) == n + 5
 
 
 def test_host_inputs_equal_the_list_built_ones_step_after_step() -> None:

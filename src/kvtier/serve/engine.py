@@ -375,10 +375,9 @@ class LLMEngine:
         On CUDA the first step of each kind compiles or loads its kernels (Triton's, the GEMM
         library's), which would otherwise fall on the first users' requests. The requests:
         random token ids, greedy, ``new_tokens`` each (fewer in a context too short for them)
-        with end-of-sequence ignored; a prompt
-        longer than one step's token budget (chunked, its second chunk over a history),
-        shorter ones packed beside it and beside decode rows, and, with prefix caching on,
-        one that starts with a cached prefix. Afterwards every block is free, the prefix cache
+        with end-of-sequence ignored; a prompt longer than one step's token budget (chunked,
+        its second chunk over a history), shorter ones packed beside it and beside decode
+        rows, and, with prefix caching on, one that starts with a cached prefix. Afterwards every block is free, the prefix cache
         is empty (so a warm-up after serving forgets the cached prefixes too) and the counters
         of :meth:`stats` are as before; what was compiled stays. A ``ValueError`` when a
         request is live (warm up before serving). Returns ``requests``, ``steps``,
@@ -400,20 +399,19 @@ class LLMEngine:
         if self.block_manager.enable_prefix_caching and len(prompts[0]) > bs:
             prompts.append(prompts[0][:bs] + prompts[-1])  # its first block is cached by then
         params = RequestParams(max_tokens=new_tokens, ignore_eos=True)
-        ids, bm, done = itertools.count(), self.block_manager, 0
+        bm = self.block_manager
         counters = (self.steps, self.prompt_tokens, self.generation_tokens, self.scheduler.num_preemptions,
                     bm.prefix_queries, bm.prefix_hits)
-        try:
-            for group in (prompts[:len(lengths)], prompts[len(lengths):]):  # the shared prefix after its owner
-                for p in group:
-                    self.add_request(p, params, request_id=f"warm-up-{next(ids)}")
+        try:  # the shared prefix after its owner has run
+            for group in (range(len(lengths)), range(len(lengths), len(prompts))):
+                for i in group:
+                    self.add_request(prompts[i], params, request_id=f"warm-up-{i}")
                 while self.has_unfinished():
                     self.step()
-                done += len(group)
         except BaseException:
             self.abort_all()  # no made-up request outlives a failed warm-up
             raise
-        report = {"requests": done, "steps": self.steps - counters[0],
+        report = {"requests": len(prompts), "steps": self.steps - counters[0],
                   "prompt_tokens": sum(map(len, prompts)), "seconds": time.perf_counter() - t0}
         bm.reset_prefix_cache()
         (self.steps, self.prompt_tokens, self.generation_tokens, self.scheduler.num_preemptions,

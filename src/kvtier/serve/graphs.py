@@ -28,7 +28,7 @@ import torch
 from kvtier.caches.paged_shared import RowBinding, SharedBlockPagedKVCache
 from kvtier.caches.step_plan import StepPlan
 from kvtier.kernels.dispatch import resolve_backend
-from kvtier.serve.runner import PendingTokens, fill_pending
+from kvtier.serve.runner import PendingTokens, fill_pending, smallest_bucket
 from kvtier.serve.scheduler import ScheduledRow
 
 __all__ = ["DecodeGraphs", "HostInputs", "graph_buckets", "graphs_unavailable", "reference_inputs"]
@@ -186,7 +186,7 @@ class DecodeGraphs:
         ``codes``/``pending``: the rows' token ids with tokens still on the device coded as
         :meth:`~kvtier.serve.runner.PendingTokens.codes` does, and those tokens."""
         B = len(rows)
-        bucket = next(b for b in self.buckets if b >= B)
+        bucket = smallest_bucket(self.buckets, B)  # fits(): B is at most the largest
         host, table = self.host_inputs(rows, bucket, codes)
         w = table.shape[1]
         with torch.inference_mode():

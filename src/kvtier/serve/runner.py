@@ -38,7 +38,6 @@ Example::
 
 from __future__ import annotations
 
-import bisect
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -58,7 +57,8 @@ from kvtier.caches.paged_shared import (
 from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.scheduler import PENDING, ScheduledRow, StepBatch
 
-__all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "fed_tokens", "fill_pending", "kv_bytes_per_block"]
+__all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "fed_tokens", "fill_pending", "kv_bytes_per_block",
+           "smallest_bucket"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,11 @@ def fill_pending(tokens: torch.Tensor, pending: PendingTokens | None) -> torch.T
         src = (-1 - tokens).clamp_(min=0)
         tokens.copy_(torch.where(tokens < 0, pending.tokens[src], tokens))
     return tokens
+
+
+def smallest_bucket(buckets: Sequence[int], n: int) -> int:
+    """The smallest of ``buckets`` (ascending) that holds ``n`` rows; ``n`` itself past the largest."""
+    return next((b for b in buckets if b >= n), n)
 
 
 def kv_bytes_per_block(model_args, dtype: torch.dtype, block_size: int, kv_quant: str | None = None,
@@ -250,9 +255,9 @@ class ModelRunner:
         ids = [t for ts in fed for t in ts]
         tokens = fill_pending(to_device(torch.tensor([ids], dtype=torch.long), self.device), pending)  # (1, N)
         select, k = plan.last, len(rows)
-        at = bisect.bisect_left(self.logit_buckets, k)
-        if at < len(self.logit_buckets) and self.logit_buckets[at] > k:  # the last row again as padding
-            select = torch.cat([select, select[-1:].expand(self.logit_buckets[at] - k)])
+        pad = smallest_bucket(self.logit_buckets, k) - k
+        if pad:  # the last row again as padding
+            select = torch.cat([select, select[-1:].expand(pad)])
         return self.model(tokens, self.caches, positions=plan.positions, cache_kwargs={"plan": plan},
                           select=select)[0, :k]  # (len(rows), V)
 
