@@ -158,6 +158,12 @@ class Paged:
     vc: object
     nbytes: int
 
+    def formats(self) -> tuple:
+        """How the kernels see the key and the value pages (``triton_quant.PageFormat``)."""
+        from kvtier.kernels.triton_quant import page_format
+
+        return page_format(self.kc, self.kp, self.ks), page_format(self.vc, self.vp, self.vs)
+
     def attention(self, config=None) -> torch.Tensor:
         from kvtier.kernels.triton_paged import paged_attention_triton
 
@@ -263,7 +269,7 @@ def bench_quant(args, gen) -> tuple[list[dict], list[dict]]:
             ps = [p] + [build_paged(mode, B, L, args, gen) for _ in range(copies_for(p.nbytes) - 1)]
             times = {}
             # the pages the pipelined Gluon kernel reads: it too (their default decode kernel on CUDA)
-            gluon = mode in gluon_decode.KINDS and args.device == "cuda"
+            gluon = args.device == "cuda" and gluon_decode.pages_kind(*p.formats(), p.q, p.kp) is not None
             for kernel in ("mma", "cuda_core") + (("gluon",) if gluon else ()):
                 cfg = _kernel_cfg(kernel)
                 times[kernel] = time_calls([lambda x=x, cfg=cfg: x.attention(cfg) for x in ps], args.iters, args.reps)
@@ -271,7 +277,8 @@ def bench_quant(args, gen) -> tuple[list[dict], list[dict]]:
             rows.append(dict(mode=mode, L=L, mb=p.nbytes / 1e6, t=times, diff=diff.abs().max().item(), t_bf16=t_bf16))
             if max(_ints(args.quant_contexts)) == L and "write" not in args.skip:
                 family = "turboquant" if mode.startswith("turboquant") else "kv_quant"
-                writes.append(bench_write(mode, p, times[QUANT_DECODE_KERNEL[family]], args, gen, paged_write_triton))
+                default = "gluon" if gluon else QUANT_DECODE_KERNEL[family]  # the kernel a step takes by default
+                writes.append(bench_write(mode, p, times[default], args, gen, paged_write_triton))
             del p, ps
             torch.cuda.empty_cache()
     for r in rows:

@@ -1,5 +1,6 @@
 """The decode kernels side by side: the MMA kernel and the pipelined Gluon kernel
-(:mod:`kvtier.kernels.gluon_decode`) over bf16, q8, q4, fp8 and q4_g32 pages, at the defaults
+(:mod:`kvtier.kernels.gluon_decode`) over bf16, q8, q4, fp8, q4_g32 and TurboQuant pages (and
+TurboQuant's CUDA-core kernel), at the defaults
 and other tiles, warps a program and split counts, on the shapes of issue 15 and a serving step.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/tools/decode_kernel_ab.py [--out DIR]
@@ -18,6 +19,9 @@ from types import SimpleNamespace
 
 import torch
 
+#: TurboQuant's default pages (8-bit keys, 3-bit values), ``tq`` in ``--modes``
+TQ = "turboquant:q8_0,q3_0"
+
 
 def plans(mode: str, B, cuda: bool) -> dict:
     """``{name: (knobs, config)}``: the MMA kernel, the default and Gluon plans; ``knobs`` set
@@ -28,6 +32,8 @@ def plans(mode: str, B, cuda: bool) -> dict:
         return knobs, LaunchConfig(decode_kernel="gluon", block_n=bn, num_splits=splits, num_stages=stages)
 
     out = {"mma": ({}, LaunchConfig(decode_kernel="mma")), "default": ({}, None)}
+    if mode == TQ:  # its kernel before the Gluon kernel took it
+        out["cuda_core"] = ({}, LaunchConfig(decode_kernel="cuda_core"))
     if not cuda:
         return out
     # warps a program (the default by page kind: gluon_decode.TILING): one warp holds the whole
@@ -38,6 +44,8 @@ def plans(mode: str, B, cuda: bool) -> dict:
             "gluon 16 w1": gluon(16, WARPS=1, RESIDENT=12)}
     if mode == "fp":
         return out
+    if mode == TQ:  # 16-key tiles at 191 registers: eight programs an SM
+        out["gluon 16 w1 r8"] = gluon(16, WARPS=1, RESIDENT=8)
     out |= {"gluon 64 w4": gluon(64, WARPS=4, RESIDENT=4), "gluon 32 w1 ns3": gluon(32, stages=3, **w1)}
     if B != "serve" and B >= 8:
         out |= {f"gluon 32 w1 s{s}": gluon(32, splits=s, **w1) for s in (8, 16)}
@@ -71,7 +79,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
-    p.add_argument("--modes", default="fp,q8,q4,fp8,q4_g32", help="page kinds, comma-separated")
+    p.add_argument("--modes", default="fp,q8,q4,fp8,q4_g32,tq",
+                   help="page kinds, comma-separated (tq: TurboQuant's 8-bit keys and 3-bit values)")
     args = p.parse_args()
     dev = args.device
     cuda = dev == "cuda"
@@ -93,7 +102,7 @@ def main() -> None:
         gen_lens = torch.Generator().manual_seed(0)
         lens = torch.randint(64, L + 1, (rows,), generator=gen_lens).sort(descending=True).values if serve else torch.full((rows,), L)
         label = "serving step" if serve else f"B={B} / {L}"
-        for mode in args.modes.split(","):
+        for mode in (TQ if m == "tq" else m for m in args.modes.split(",")):
             base = build_paged(mode, rows, L, shape, gen)
             n = copies_for(int(lens.sum()) * (base.nbytes // (rows * L))) if cuda else 1
             reps = [base] + [build_paged(mode, rows, L, shape, gen) for _ in range(n - 1)]

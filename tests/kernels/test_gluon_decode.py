@@ -47,15 +47,31 @@ def _formats(c):
     return page_format(c["kc"], c["kp"], c["ks"]), page_format(c["vc"], c["vp"], c["vs"])
 
 
-@pytest.mark.parametrize("mode", ["turboquant:q8_0,q3_0", "turboquant:q4_0,q8_0", "turboquant:q4_0,q4_0"])
-def test_turboquant_pages_are_not_taken(mode):
+#: TurboQuant's default pages: 8-bit keys, 3-bit values (the kernel's kind "tq")
+TQ = "turboquant:q8_0,q3_0"
+
+
+@pytest.mark.parametrize("mode", ["turboquant:q4_0,q8_0", "turboquant:q4_0,q4_0", "turboquant:q8_0,q4_0",
+                                  "turboquant:q5_0,q3_0"])
+def test_other_turboquant_pages_are_not_taken(mode):
     c, q, _ = _case(mode, 1, 4, 1, 64, [20], torch.float16)
     why = gluon_decode.supported(*_formats(c), q, 4, c["kp"])
     assert why is not None and ("q8, q4 or fp8" in why or "GPU" in why)
     assert gluon_decode.pages_kind(*_formats(c), q, c["kp"]) is None
 
 
-@pytest.mark.parametrize("mode, kind", [("q8", "q8"), ("q4", "q4"), ("fp8", "fp8"), ("q4_g32", "q4_g32"), ("fp", "fp")])
+def test_turboquant_halves_are_not_taken_beside_other_pages():
+    """TurboQuant's keys (or values) beside pages of another kind: not a kind of this kernel."""
+    tq, q8 = _case(TQ, 1, 4, 1, 64, [20], torch.float16)[0], _case("q8", 1, 4, 1, 64, [20], torch.float16)[0]
+    q = torch.randn(1, 4, 1, 64, dtype=torch.float16)
+    (tk, tv), (k8, v8) = _formats(tq), _formats(q8)
+    assert gluon_decode.pages_kind(tk, tv, q) == "tq"
+    assert gluon_decode.pages_kind(tk, v8, q) is None and gluon_decode.pages_kind(k8, tv, q) is None
+    assert gluon_decode.pages_kind(tk, tk, q) is None and gluon_decode.pages_kind(tv, tv, q) is None
+
+
+@pytest.mark.parametrize("mode, kind", [("q8", "q8"), ("q4", "q4"), ("fp8", "fp8"), ("q4_g32", "q4_g32"), ("fp", "fp"),
+                                        (TQ, "tq"), ("turboquant:q8_0r,q3_0", "tq")])
 def test_the_kinds_it_reads(mode, kind):
     c, q, _ = _case(mode, 1, 4, 1, 64, [20], torch.float16)
     assert gluon_decode.pages_kind(*_formats(c), q, c["kp"]) == kind
@@ -117,15 +133,18 @@ def test_a_config_with_the_mma_kernels_settings_stays_on_it(monkeypatch, plan):
     assert (_attend(c, q, qs, num_splits=2) == 0).all() and calls == [1]
 
 
-@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp"])
+@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp", TQ])
 def test_the_default_kinds_and_limited_ones_only_in_small_launches(monkeypatch, mode):
-    """q8, q4, fp8 and q4_g32 decode steps go here by default; 16-bit and q4_g32 ones only while
+    """q8, q4, fp8, q4_g32 and TurboQuant decode steps go here by default; 16-bit and q4_g32 ones only while
     the launch has at most GLUON_DECODE[kind] (row, kv head) pairs (16-bit pages lost to the MMA
     kernel at B=64 / 8k, q4_g32 pages at a serving step's 2,048 pairs)."""
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     calls = []
     monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
-    monkeypatch.setattr(gluon_decode, "_step", lambda q, *a, **k: calls.append(q.shape[0]) or torch.zeros_like(q))
+    def step(q, *a, out_dtype, **k):  # TurboQuant's output is float32 until it leaves the rotated domain
+        return calls.append(q.shape[0]) or torch.zeros(q.shape, dtype=out_dtype, device=q.device)
+
+    monkeypatch.setattr(gluon_decode, "_step", step)
     monkeypatch.setitem(triton_attention.GLUON_DECODE, "fp", 4)
     monkeypatch.setitem(triton_attention.GLUON_DECODE, "q4_g32", 4)
     for B in (2, 3):  # 4 and 6 pairs
@@ -162,8 +181,25 @@ def test_gpu_matches_the_reference(B, Hq, H_kv, D, lengths, splits, block_n, sta
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize(
+    "B, Hq, H_kv, D, lengths, splits",
+    [(3, 4, 1, 64, [1, 17, 45], None), (2, 8, 2, 128, [70, 33], 3), (2, 16, 1, 128, [300, 129], 2),
+     (3, 12, 4, 64, [5, 200, 64], 4)],
+)
+@pytest.mark.parametrize("block_n, stages, warps, dtype", [(16, 2, 1, torch.bfloat16), (64, 3, 4, torch.bfloat16),
+                                                            (32, 2, 1, torch.float16)])
+def test_gpu_turboquant_matches_the_reference(B, Hq, H_kv, D, lengths, splits, block_n, stages, warps, dtype):
+    """TurboQuant's default pages (8-bit keys; 3-bit values, whose groups of 32 codes straddle
+    int32 words) on the shapes above, at its default tile and others."""
+    c, q, qs = _case(TQ, B, Hq, H_kv, D, lengths, dtype)
+    _check_against_references(c, q, qs, TQ, TOL[dtype], num_splits=splits, block_n=block_n, num_stages=stages,
+                              num_warps=warps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("B, L, splits", [(64, 8192, None), (8, 16384, None), (1, 4096, None), (4, 3000, 5)])
-@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp"])
+@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp", TQ])
 def test_gpu_long_rows(B, L, splits, mode):
     """The H200's shapes (32/8 heads, head_dim 128), rows of unequal lengths."""
     lengths = [L - 37 * b for b in range(B)]
@@ -173,7 +209,7 @@ def test_gpu_long_rows(B, L, splits, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp"])
+@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp", TQ, "turboquant:q8_0r,q3_0"])
 def test_gpu_a_query_inside_the_cache_sees_only_the_keys_up_to_its_place(mode):
     """``q_start`` below ``kv_len - 1``: the query at position q_start sees keys 0 .. q_start."""
     c, q, _ = _case(mode, 3, 8, 2, 128, [300, 64, 200], torch.bfloat16)
@@ -187,7 +223,7 @@ def test_gpu_a_query_inside_the_cache_sees_only_the_keys_up_to_its_place(mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["q8", "q4", "q4_g32"])
+@pytest.mark.parametrize("mode", ["q8", "q4", "q4_g32", TQ])
 def test_gpu_replays_in_a_cuda_graph(mode):
     c, q, qs = _case(mode, 4, 32, 8, 128, [4000, 3000, 17, 1], torch.bfloat16)
     eager = _attend(c, q, qs, decode_kernel="gluon")

@@ -45,11 +45,9 @@ import torch
 from kvtier.kernels.launch_plan import LaunchConfig, capability, plan_launch
 from kvtier.kernels.triton_quant import (
     AFFINE,
+    CENTROID,
     FLOAT8,
     FP,
-    INT8_PAIRS_ASM,
-    NIBBLES_ASM,
-    NIBBLES_M8_PAIRS_ASM,
     int8_key_format,
     round_half_even,
 )
@@ -64,8 +62,16 @@ try:
     # thread_barrier; 3.9 async_load and barrier
     _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    # and a shared-memory view of another dtype _reinterpret, 3.9 reinterpret
-    _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+    from kvtier.kernels.gluon_codes import (
+        as_int16,
+        byte_pairs,
+        dequant_byte_groups,
+        dequant_centroid_groups,
+        dequant_nibble_groups,
+        nibble_quads,
+    )
+
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
@@ -99,23 +105,35 @@ if HAVE_GLUON:
         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
         BLOCK_N: gl.constexpr, DP: gl.constexpr, PAGE: gl.constexpr, CP: gl.constexpr, SC: gl.constexpr,
-        QUANT: gl.constexpr, LIKE: gl.constexpr, NG: gl.constexpr, SG: gl.constexpr,
+        QUANT: gl.constexpr, LIKE: gl.constexpr, NG: gl.constexpr, SG: gl.constexpr, TQ: gl.constexpr,
+        CPV: gl.constexpr,
     ):  # fmt: skip
         """Asynchronous copies of the tile of keys ``n0 ..`` (on pages ``blk``; codes and,
         ``QUANT``, scales on pages ``blks``) into ``stage``. ``LIKE``: the values' (and their
         scales') strides are the keys': one offset a row serves both. ``NG`` > 0: ``NG`` scales
-        and zeros a token (``KZ``, ``VZ``, with the scales' strides), in the layout ``SG``."""
+        and zeros a token (``KZ``, ``VZ``, with the scales' strides), in the layout ``SG``.
+        ``TQ``: TurboQuant's values (int32 words, three a group of 3-bit codes, each group copied
+        into a slot of four in the layout ``CPV``) and no zeros of theirs."""
         n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CP))
         ok2 = gl.expand_dims(n < hi, 1)
         pos = n.to(gl.uint32) % PAGE
         d = gl.expand_dims(gl.arange(0, DP, layout=gl.SliceLayout(0, CP)), 0)
         k_rows = gl.expand_dims(blk.to(gl.int64) * stride_kb + (pos * stride_kn + hk * stride_kh), 1) + d
-        if LIKE:
-            v_rows = k_rows
-        else:
-            v_rows = gl.expand_dims(blk.to(gl.int64) * stride_vb + (pos * stride_vn + hk * stride_vh), 1) + d
         _async_load(k_smem.index(stage), K + k_rows, mask=ok2)
-        _async_load(v_smem.index(stage), V + v_rows, mask=ok2)
+        if TQ:  # the same rows in CPV: word j of a row's copy is word 3 (j / 4) + j % 4 of its page row
+            ROWV: gl.constexpr = gl.SliceLayout(1, CPV)
+            j = gl.expand_dims(gl.arange(0, 4 * NG, layout=gl.SliceLayout(0, CPV)), 0)
+            rows = gl.convert_layout(blk.to(gl.int64) * stride_vb + (pos * stride_vn + hk * stride_vh), ROWV,
+                                     assert_trivial=True)  # fmt: skip
+            okv = gl.convert_layout(n < hi, ROWV, assert_trivial=True)
+            v_rows = gl.expand_dims(rows, 1) + ((j // 4) * 3 + j % 4)
+            _async_load(v_smem.index(stage), V + v_rows, mask=gl.expand_dims(okv, 1) & (j % 4 < 3))
+        else:
+            if LIKE:
+                v_rows = k_rows
+            else:
+                v_rows = gl.expand_dims(blk.to(gl.int64) * stride_vb + (pos * stride_vn + hk * stride_vh), 1) + d
+            _async_load(v_smem.index(stage), V + v_rows, mask=ok2)
         if QUANT:
             ns = n0 + gl.arange(0, BLOCK_N, layout=SC)
             oks = ns < hi
@@ -131,60 +149,11 @@ if HAVE_GLUON:
                 vs_rows = gl.expand_dims(gl.multiple_of(vs_rows, NG), 1) + g
                 oks = gl.expand_dims(oks, 1)
                 _async_load(kz_smem.index(stage), KZ + ks_rows, mask=oks)
-                _async_load(vz_smem.index(stage), VZ + vs_rows, mask=oks)
+                if not TQ:
+                    _async_load(vz_smem.index(stage), VZ + vs_rows, mask=oks)
             _async_load(ks_smem.index(stage), KS + ks_rows, mask=oks)
             _async_load(vs_smem.index(stage), VS + vs_rows, mask=oks)
         cp.commit_group()
-
-    @gluon.jit
-    def _nibble_quads(x):
-        """fp16 ``(c0, c1, c2, c3) - 8`` of the int16 elements ``x``: four q4 channels of one key,
-        the nibbles low to high. A register holds two keys' elements; as :func:`_byte_pairs`."""
-        return gl.inline_asm_elementwise(
-            NIBBLES_M8_PAIRS_ASM, "=r,=r,=r,=r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2
-        )
-
-    @gluon.jit
-    def _as_int16(tile, shape: gl.constexpr, layout: gl.constexpr):
-        """``tile`` (one-byte codes in shared memory) seen as int16 of ``shape``."""
-        if _NEW_REINTERPRET:
-            return tile.reinterpret(gl.int16, shape, layout)
-        else:
-            return tile._reinterpret(gl.int16, shape, layout)
-
-    @gluon.jit
-    def _byte_pairs(x, E4M3: gl.constexpr):
-        """fp16 ``(low byte, high byte)`` of the int16 elements ``x``: two channels of one key
-        (q8 codes, or e4m3 bytes with ``E4M3``). A register holds the pair of two keys, and a
-        byte permutation puts the two keys' bytes of one channel side by side: the fp16
-        operands of the probabilities' dot come from 16-bit shared-memory loads, not from one
-        byte load and one conversion an element."""
-        if E4M3:
-            asm: gl.constexpr = """{
-            .reg .b32 t;
-            .reg .b16 a, b;
-            prmt.b32 t, $2, 0, 0x3120;
-            mov.b32 {a, b}, t;
-            cvt.rn.f16x2.e4m3x2 $0, a;
-            cvt.rn.f16x2.e4m3x2 $1, b;
-            }"""
-        else:  # q8 (triton_quant._int8_asm)
-            asm: gl.constexpr = INT8_PAIRS_ASM
-        return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-
-    @gluon.jit
-    def _dequant_groups(codes, scales, zeros, stage, BLOCK_N: gl.constexpr, D: gl.constexpr, NG: gl.constexpr,
-                        DQ2: gl.constexpr, DQ3: gl.constexpr):  # fmt: skip
-        """``zero + scale * code`` in fp16 of a tile of q4_g32 codes (nibbles, the low one the
-        even channel; an fp16 scale and zero a group of 32 channels, ``NG`` groups) stored into
-        the fp16 tile ``stage``: a thread holds one group of one key, 16 bytes, at a time."""
-        x = gl.convert_layout(codes.load(DQ2).reshape([BLOCK_N, NG, 16]), DQ3, assert_trivial=True)
-        lo, hi = gl.inline_asm_elementwise(
-            NIBBLES_ASM, "=r,=r,=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=4
-        )
-        sc = gl.expand_dims(scales.load(gl.SliceLayout(2, DQ3)), 2)
-        z = gl.expand_dims(zeros.load(gl.SliceLayout(2, DQ3)), 2)
-        stage.store(gl.join(lo * sc + z, hi * sc + z).reshape([BLOCK_N, D]))
 
     @gluon.jit
     def _decode_kernel(
@@ -202,12 +171,13 @@ if HAVE_GLUON:
         # W warps split the tile's keys (scores) and the output's channels (values)
         # KIND: the pages (KINDS); all but 16-bit ones hold one-byte codes (or two nibbles a byte)
         QUANT: gl.constexpr = KIND != 0
-        # q4_g32 (a scale and zero a group of NG): each tile dequantised into fp16 tiles, then
-        # the loop of 16-bit pages
-        GROUPED: gl.constexpr = KIND == 4
+        # q4_g32 and TurboQuant (a scale, and a zero, a group of NG): each tile dequantised into
+        # fp16 tiles, then the loop of 16-bit pages
+        GROUPED: gl.constexpr = KIND == 4 or KIND == 5
+        TQ: gl.constexpr = KIND == 5  # TurboQuant: 8-bit keys, 3-bit values (int32 words)
         NG: gl.constexpr = D // 32 if GROUPED else 0
         NG1: gl.constexpr = NG if GROUPED else 1
-        DP: gl.constexpr = D // 2 if (KIND == 2 or GROUPED) else D  # stored elements a row (nibbles: two a byte)
+        DP: gl.constexpr = D // 2 if (KIND == 2 or KIND == 4) else D  # stored elements a row (nibbles: two a byte)
         # one-byte codes are read as int16 (a key's two bytes an element) and become PARTS
         # operands of interleaved channels (channel PARTS c + i in part i): two, four for q4
         PARTS: gl.constexpr = 4 if KIND == 2 else (2 if (KIND == 1 or KIND == 3) else 1)
@@ -228,9 +198,16 @@ if HAVE_GLUON:
         # the scales: one a token (SC), or NG of each of scales and zeros (SG)
         SG: gl.constexpr = gl.BlockedLayout([1, NG1], [32, 1], [W, 1], [1, 0])
         SC: gl.constexpr = gl.SliceLayout(1, SG) if GROUPED else gl.BlockedLayout([1], [32], [W], [0])
-        # q4_g32 codes a thread dequantises: one group of one key
-        DQ2: gl.constexpr = gl.BlockedLayout([1, 16], [32 // NG1, NG1], [W, 1], [1, 0])
-        DQ3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [32 // NG1, NG1, 1], [W, 1, 1], [2, 1, 0])
+        # the codes a thread dequantises: one group of one key (q4_g32 16 bytes, TurboQuant keys
+        # 32, its values four words)
+        DQE: gl.constexpr = 32 if TQ else 16
+        DQ2: gl.constexpr = gl.BlockedLayout([1, DQE], [32 // NG1, NG1], [W, 1], [1, 0])
+        DQ3: gl.constexpr = gl.BlockedLayout([1, 1, DQE], [32 // NG1, NG1, 1], [W, 1, 1], [2, 1, 0])
+        DQW2: gl.constexpr = gl.BlockedLayout([1, 4], [32 // NG1, NG1], [W, 1], [1, 0])
+        DQW3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NG1, NG1, 1], [W, 1, 1], [2, 1, 0])
+        # TurboQuant's value words copied with the key rows' threads (4 NG words a row)
+        TPR: gl.constexpr = DP // VEC
+        CPV: gl.constexpr = gl.BlockedLayout([1, 4 * NG // TPR], [32 // TPR, TPR], [W, 1], [1, 0]) if TQ else CP
         QD: gl.constexpr = D // QP  # query channels a dot operand
         QL: gl.constexpr = gl.BlockedLayout([1, QD // 16], [2, 16], [W, 1], [1, 0])
         TILE: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC, per_phase=1, max_phase=8, order=[1, 0])
@@ -277,10 +254,13 @@ if HAVE_GLUON:
         n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
         bt_row = BT + b * stride_btb
 
+        FLAT2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NS, BLOCK_N, DP], TILE)
-        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NS, BLOCK_N, DP], TILE)
+        if TQ:
+            v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NS, BLOCK_N, 4 * NG], FLAT2)
+        else:
+            v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NS, BLOCK_N, DP], TILE)
         if GROUPED:
-            FLAT2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
             ks_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
             vs_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
             kz_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
@@ -305,7 +285,7 @@ if HAVE_GLUON:
                         lo + j * BLOCK_N, hi, hk,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
-                        BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG)  # fmt: skip
+                        BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG, TQ, CPV)  # fmt: skip
         # the pages of the tile to copy next are read from the block table an iteration early,
         # so the copies never wait on that load (1-3% on the H200)
         blk, blks = _tile_pages(BT, bt_row, lo + (NS - 1) * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
@@ -324,27 +304,32 @@ if HAVE_GLUON:
                         (i + NS - 1) % NS, n_next, hi, hk,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
-                        BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG)  # fmt: skip
+                        BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG, TQ, CPV)  # fmt: skip
             blk, blks = _tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
             st = i % NS
-            if GROUPED:  # everyone is done with the last tile's fp16 tiles (the barrier above)
-                _dequant_groups(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), k_fp, BLOCK_N, D, NG, DQ2, DQ3)
-                _dequant_groups(v_smem.index(st), vs_smem.index(st), vz_smem.index(st), v_fp, BLOCK_N, D, NG, DQ2, DQ3)
+            if TQ:  # everyone is done with the last tile's fp16 tiles (the barrier above)
+                dequant_byte_groups(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), k_fp, BLOCK_N, D, NG, DQ2, DQ3)
+                dequant_centroid_groups(v_smem.index(st), vs_smem.index(st), v_fp, BLOCK_N, D, NG, DQW2, DQW3)
+                _barrier()
+                kt = k_fp.permute((1, 0)).load(KB)
+            elif GROUPED:
+                dequant_nibble_groups(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), k_fp, BLOCK_N, D, NG, DQ2, DQ3)
+                dequant_nibble_groups(v_smem.index(st), vs_smem.index(st), vz_smem.index(st), v_fp, BLOCK_N, D, NG, DQ2, DQ3)
                 _barrier()
                 kt = k_fp.permute((1, 0)).load(KB)
             elif KIND >= 2:  # (D / PARTS, BLOCK_N) int16
-                kt = _as_int16(k_smem.index(st), [BLOCK_N, D // PARTS], TILE16).permute((1, 0)).load(KB)
+                kt = as_int16(k_smem.index(st), [BLOCK_N, D // PARTS], TILE16).permute((1, 0)).load(KB)
             else:
                 kt = k_smem.index(st).permute((1, 0)).load(KB)  # (DP, BLOCK_N)
             if KIND == 1:
                 s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.int32, MMA))
                 s = s.to(gl.float32) * gl.expand_dims(q_sc, 1)
             elif KIND == 2:
-                k0, k1, k2, k3 = _nibble_quads(kt)
+                k0, k1, k2, k3 = nibble_quads(kt)
                 s = mma_v2(qa, k0, gl.zeros([16, BLOCK_N], gl.float32, MMA))
                 s = mma_v2(qd, k3, mma_v2(qc, k2, mma_v2(qb, k1, s)))
             elif KIND == 3:
-                k_even, k_odd = _byte_pairs(kt, True)
+                k_even, k_odd = byte_pairs(kt, True)
                 s = mma_v2(qb, k_odd, mma_v2(qa, k_even, gl.zeros([16, BLOCK_N], gl.float32, MMA)))
             else:
                 s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.float32, MMA))
@@ -361,14 +346,14 @@ if HAVE_GLUON:
             if TOKEN_SCALES:  # the values' scales on the probabilities; the codes (exact in fp16) as operands
                 p = p * gl.expand_dims(vs_smem.index(st).load(COLS), 0)
                 pa = gl.convert_layout(p.to(gl.float16), PA)
-                vt = _as_int16(v_smem.index(st), [BLOCK_N, D // PARTS], TILE16).load(VB)
+                vt = as_int16(v_smem.index(st), [BLOCK_N, D // PARTS], TILE16).load(VB)
                 a2 = gl.expand_dims(alpha, 1)
                 if KIND == 2:
-                    v0, v1, v2, v3 = _nibble_quads(vt)
+                    v0, v1, v2, v3 = nibble_quads(vt)
                     acc2 = mma_v2(pa, v2, acc2 * a2)
                     acc3 = mma_v2(pa, v3, acc3 * a2)
                 else:
-                    v0, v1 = _byte_pairs(vt, KIND == 3)
+                    v0, v1 = byte_pairs(vt, KIND == 3)
                 acc = mma_v2(pa, v0, acc * a2)
                 acc1 = mma_v2(pa, v1, acc1 * a2)
             elif GROUPED:
@@ -402,14 +387,20 @@ if HAVE_GLUON:
 
 #: the page kinds the kernel reads, by its ``KIND``: 16-bit values; q8 (signed bytes), q4
 #: (offset-8 nibbles, the low one the even channel) and fp8 (e4m3 bytes), each with one float32
-#: scale a token and head; q4_g32 (nibbles, an fp16 scale and zero a group of 32 channels)
-KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3, "q4_g32": 4}
+#: scale a token and head; q4_g32 (nibbles, an fp16 scale and zero a group of 32 channels);
+#: TurboQuant's default (keys unsigned 8-bit codes, an fp16 scale and zero a group of 32
+#: channels; values 3-bit Lloyd-Max codes, an fp16 scale a group; both in the rotated domain,
+#: which the caller enters and leaves)
+KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3, "q4_g32": 4, "tq": 5}
 #: a default launch by page kind: (keys a tile, warps a program, programs resident a
 #: multiprocessor, whose whole waves the split plan fills). Four warps at 96-128 registers a
 #: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 205-218
 #: registers: two a quarter of the register file, eight programs; q4_g32's 16-key tiles at 168
-#: registers: twelve (H200 sweeps, benchmarks/RESULTS.md 2026-12-03)
-TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (16, 1, 12)}
+#: registers: twelve (H200 sweeps, benchmarks/RESULTS.md 2026-12-03). TurboQuant's 16-key tiles
+#: at 191 registers: eight (B=64 / 8k 498.0 us in waves of eight, 528.7 of twelve; 32-key tiles
+#: on one warp 646.1, on four 584.1; benchmarks/RESULTS.md 2026-12-04)
+TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (16, 1, 12),
+          "tq": (16, 1, 8)}
 #: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
 RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
 
@@ -431,7 +422,10 @@ def launch_decode(
     B, Hq, _, D = q.shape
     H_kv, page = k_payload.shape[2], k_payload.shape[1]
     ks, vs = (k_scale, v_scale) if k_scale is not None else (k_payload, v_payload)
-    kz, vz = (k_zero, v_zero) if k_zero is not None else (ks, vs)
+    kz = k_zero if k_zero is not None else ks
+    vz = v_zero if v_zero is not None else vs
+    if kind == "tq":  # the 3-bit values are read as int32 words (a group of 32 codes is 12 bytes)
+        v_payload = v_payload.view(torch.int32)
     if kz.stride() != ks.stride() or vz.stride() != vs.stride():
         raise ValueError("the zeros must have their scales' strides: they share one row offset in the kernel")
     like = k_payload.stride()[:3] == v_payload.stride()[:3] and ks.stride()[:3] == vs.stride()[:3]
@@ -452,6 +446,11 @@ def launch_decode(
 def _kind(fmt, head_dim: int) -> str | None:
     if fmt.mode == FP:
         return "fp"
+    if fmt.group == 32 and fmt.scale is not None and head_dim % 32 == 0:  # TurboQuant's default halves
+        if fmt.mode == AFFINE and fmt.bits == 8 and fmt.offset == 0 and not fmt.signed and fmt.zero is not None:
+            return "tq_keys"
+        if fmt.mode == CENTROID and fmt.bits == 3 and fmt.zero is None:
+            return "tq_values"
     if (fmt.mode == AFFINE and fmt.bits == 4 and fmt.group == 32 and fmt.offset == 0 and fmt.zero is not None
             and fmt.scale is not None and fmt.rotation is None and head_dim % 32 == 0):
         return "q4_g32"
@@ -465,12 +464,15 @@ def _kind(fmt, head_dim: int) -> str | None:
 
 
 def pages_kind(k_fmt, v_fmt, q: torch.Tensor, k_payload: torch.Tensor | None = None) -> str | None:
-    """The kind of pages (:data:`KINDS`) of keys and values alike, or ``None``: pages this
-    kernel does not read. ``"fp"`` pages hold the queries' dtype."""
-    kind = _kind(k_fmt, q.shape[-1])
-    if kind != _kind(v_fmt, q.shape[-1]) or (kind == "fp" and k_payload is not None and k_payload.dtype != q.dtype):
+    """The kind of pages (:data:`KINDS`) of keys and values alike (``"tq"``: TurboQuant's 8-bit
+    keys with its 3-bit values), or ``None``: pages this kernel does not read. ``"fp"`` pages
+    hold the queries' dtype."""
+    kind, v_kind = _kind(k_fmt, q.shape[-1]), _kind(v_fmt, q.shape[-1])
+    if (kind, v_kind) == ("tq_keys", "tq_values"):
+        return "tq"
+    if kind != v_kind or kind in ("tq_keys", "tq_values"):
         return None
-    return kind
+    return None if kind == "fp" and k_payload is not None and k_payload.dtype != q.dtype else kind
 
 
 def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor | None = None, *,
@@ -487,7 +489,7 @@ def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor
     if (kind or pages_kind(k_fmt, v_fmt, q, k_payload)) is None:
         return (
             "it reads keys and values of one kind: q8, q4 or fp8 codes with one scale a token and head, "
-            "q4_g32 codes, or pages in the queries' dtype"
+            "q4_g32 codes, or pages in the queries' dtype; or TurboQuant's 8-bit keys with 3-bit values"
         )
     if D not in (64, 128) or group > 16:
         return f"it takes head_dim 64 or 128 and up to 16 query heads a kv head, not {D} and {group}"

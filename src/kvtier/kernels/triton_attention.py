@@ -73,7 +73,8 @@ QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "cuda_core"}
 #: heads: 358 against 385 us; SmolLM2 perplexity with q8 pages +0.133% against +0.124%
 #: (benchmarks/RESULTS.md, 2026-12-03).
 INT8_QUERIES = True
-#: decode steps over these pages (``"q8"``, ``"q4"``, ``"fp8"``, ``"q4_g32"``, ``"fp"``) go to the
+#: decode steps over these pages (``"q8"``, ``"q4"``, ``"fp8"``, ``"q4_g32"``, ``"fp"``, ``"tq"``:
+#: TurboQuant's 8-bit keys and 3-bit values, ahead of its CUDA-core kernel) go to the
 #: pipelined Gluon kernel (:mod:`kvtier.kernels.gluon_decode`) where it runs, in launches of at
 #: most the kind's number of (row, kv head) pairs (``None``: any), unless the ``LaunchConfig``
 #: names a kernel, a tile, stages or warps (the MMA kernel's settings) or turns int8 queries off.
@@ -82,7 +83,7 @@ INT8_QUERIES = True
 #: 13.2 us, B=8 / 4k 39.0 against 41.0, but B=64 / 8k 500 against 488. q4_g32 up to 1,024 pairs:
 #: at a serving step's 2,048 it took 174.0 us against the MMA kernel's 169.9 (benchmarks/RESULTS.md,
 #: 2026-12-03).
-GLUON_DECODE: dict[str, int | None] = {"q8": None, "q4": None, "fp8": None, "q4_g32": 1024, "fp": 64}
+GLUON_DECODE: dict[str, int | None] = {"q8": None, "q4": None, "fp8": None, "q4_g32": 1024, "fp": 64, "tq": None}
 #: Launch the split merge as a programmatic dependent launch on compute capability 9.0+: its
 #: programs are scheduled while the attention programs finish, and wait for their results.
 MERGE_PDL = True
@@ -383,6 +384,16 @@ def launch_attention(
     G = Hq // H_kv
     capacity = max_blocks * page
     quantised = k_fmt.mode != FP or v_fmt.mode != FP
+    if T == 1 and not varlen and block_tables is not None and cfg.decode_kernel in (None, "gluon"):
+        kw = dict(block_tables=block_tables, kv_len=kv_len, q_start=q_start, capacity=capacity, scale=scale,
+                  out=out, out_dtype=out_dtype, cfg=cfg)
+        if cfg.decode_kernel == "gluon":
+            return gluon_decode.decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
+        kind = gluon_decode.takes_by_default(GLUON_DECODE, cfg, k_fmt, v_fmt, q, G, k_payload, B * H_kv)
+        if kind is not None:
+            done = gluon_decode.try_decode(q, k_payload, v_payload, k_fmt, v_fmt, kind=kind, **kw)
+            if done is not None:  # else it failed here (and is not tried again): the kernels below
+                return done
     if T == 1 and not varlen and block_tables is not None and uses_cuda_core_decode(k_fmt, v_fmt, k_payload, v_payload, cfg, G):
         if out is None:
             out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
@@ -398,16 +409,6 @@ def launch_attention(
         if parts is not None:
             _merge(parts[0], parts[1], out, splits)
         return out
-    if T == 1 and not varlen and block_tables is not None and cfg.decode_kernel in (None, "gluon"):
-        kw = dict(block_tables=block_tables, kv_len=kv_len, q_start=q_start, capacity=capacity, scale=scale,
-                  out=out, out_dtype=out_dtype, cfg=cfg)
-        if cfg.decode_kernel == "gluon":
-            return gluon_decode.decode(q, k_payload, v_payload, k_fmt, v_fmt, **kw)
-        kind = gluon_decode.takes_by_default(GLUON_DECODE, cfg, k_fmt, v_fmt, q, G, k_payload, B * H_kv)
-        if kind is not None:
-            done = gluon_decode.try_decode(q, k_payload, v_payload, k_fmt, v_fmt, kind=kind, **kw)
-            if done is not None:  # else it failed here (and is not tried again): the MMA kernel below
-                return done
     if varlen and cfg.block_m is None and not quantised and q.device.type == "cuda":
         # H200, a prompt step of 27 chunks (15,852 tokens), 32/8 heads: 128 query rows a tile
         # 0.69 ms against 0.82-0.91 at 64 (benchmarks/RESULTS.md, 2026-12-02)

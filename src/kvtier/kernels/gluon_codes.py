@@ -1,0 +1,165 @@
+"""Codes to fp16 for the Gluon decode kernel (:mod:`kvtier.kernels.gluon_decode`).
+
+Two ways a tile of codes meets the tensor cores:
+
+- as dot operands straight from shared memory (q8, q4, fp8: one scale a token and head, which
+  goes on the scores and the probabilities): one-byte tiles are read as int16, two bytes of one
+  key an element, and a byte permutation turns a register into the fp16 pairs of two channels
+  (:func:`byte_pairs`, :func:`nibble_quads`);
+- dequantised into an fp16 tile in shared memory first, where the scales vary along the dots'
+  depth (a scale, and a zero, a group of 32 channels): a thread holds one group of one key at a
+  time. q4_g32 nibbles (:func:`dequant_nibble_groups`); TurboQuant's 8-bit keys
+  (:func:`dequant_byte_groups`) and 3-bit Lloyd-Max values (:func:`dequant_centroid_groups`),
+  whose centroids are looked up four at a time by two byte permutations.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from kvtier.kernels.triton_quant import INT8_PAIRS_ASM, NIBBLES_ASM, NIBBLES_M8_PAIRS_ASM
+from kvtier.quant.lloyd_max import lloyd_max_quantizer
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    # Triton 3.6 names a shared-memory view of another dtype _reinterpret, 3.9 reinterpret
+    _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - Triton without Gluon
+    HAVE_GLUON = False
+
+
+def _centroids_asm(bits: int = 3) -> str:
+    """PTX: the fp16 pairs (``$0 $1``) of the Lloyd-Max centroids of N(0, 1) of four codes
+    (``bits`` <= 3) given as a byte selector in ``$2``, a code a nibble (``$3 .. $5`` unused: the
+    call takes four int32 elements). One permutation picks the centroids' low bytes out of the
+    eight held in two registers, one their high bytes, and two more interleave them."""
+    table = torch.tensor(lloyd_max_quantizer(bits).centroids, dtype=torch.float16).view(torch.int16)
+    half = [int(v) & 0xFFFF for v in table.tolist()] + [0] * (8 - len(table))
+
+    def word(shift: int, first: int) -> str:
+        return hex(sum(((half[first + k] >> shift) & 0xFF) << (8 * k) for k in range(4)))
+
+    return f"""{{
+        .reg .b32 lo, hi, l0, l1, h0, h1;
+        mov.b32 l0, {word(0, 0)};
+        mov.b32 l1, {word(0, 4)};
+        mov.b32 h0, {word(8, 0)};
+        mov.b32 h1, {word(8, 4)};
+        prmt.b32 lo, l0, l1, $2;
+        prmt.b32 hi, h0, h1, $2;
+        prmt.b32 $0, lo, hi, 0x5140;
+        prmt.b32 $1, lo, hi, 0x7362;
+        }}"""
+
+
+#: unsigned bytes ``b0 b1 b2 b3`` (``$2``) to the fp16 pairs of ``b0 b1`` and ``b2 b3`` (``$0 $1``):
+#: slid under the exponent byte ``0x64`` a byte is the fp16 ``1024 + b``, and one packed
+#: subtraction leaves ``b``
+UINT8_ASM = tl.constexpr("""{
+        .reg .b32 m;
+        mov.b32 m, 0x64006400;
+        prmt.b32 $0, $2, 0x64646464, 0x5140;
+        prmt.b32 $1, $2, 0x64646464, 0x7362;
+        sub.f16x2 $0, $0, m;
+        sub.f16x2 $1, $1, m;
+        }""")
+#: 3-bit codes to their centroids (the default TurboQuant values, ``q3_0``)
+CENTROIDS3_ASM = tl.constexpr(_centroids_asm(3))
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def nibble_quads(x):
+        """fp16 ``(c0, c1, c2, c3) - 8`` of the int16 elements ``x``: four q4 channels of one key,
+        the nibbles low to high. A register holds two keys' elements; as :func:`byte_pairs`."""
+        return gl.inline_asm_elementwise(
+            NIBBLES_M8_PAIRS_ASM, "=r,=r,=r,=r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2
+        )
+
+    @gluon.jit
+    def as_int16(tile, shape: gl.constexpr, layout: gl.constexpr):
+        """``tile`` (one-byte codes in shared memory) seen as int16 of ``shape``."""
+        if _NEW_REINTERPRET:
+            return tile.reinterpret(gl.int16, shape, layout)
+        else:
+            return tile._reinterpret(gl.int16, shape, layout)
+
+    @gluon.jit
+    def byte_pairs(x, E4M3: gl.constexpr):
+        """fp16 ``(low byte, high byte)`` of the int16 elements ``x``: two channels of one key
+        (q8 codes, or e4m3 bytes with ``E4M3``). A register holds the pair of two keys, and a
+        byte permutation puts the two keys' bytes of one channel side by side: the fp16
+        operands of the probabilities' dot come from 16-bit shared-memory loads, not from one
+        byte load and one conversion an element."""
+        if E4M3:
+            asm: gl.constexpr = """{
+            .reg .b32 t;
+            .reg .b16 a, b;
+            prmt.b32 t, $2, 0, 0x3120;
+            mov.b32 {a, b}, t;
+            cvt.rn.f16x2.e4m3x2 $0, a;
+            cvt.rn.f16x2.e4m3x2 $1, b;
+            }"""
+        else:  # q8 (triton_quant._int8_asm)
+            asm: gl.constexpr = INT8_PAIRS_ASM
+        return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+
+    @gluon.jit
+    def dequant_nibble_groups(codes, scales, zeros, stage, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                              NG: gl.constexpr, DQ2: gl.constexpr, DQ3: gl.constexpr):  # fmt: skip
+        """``zero + scale * code`` in fp16 of a tile of q4_g32 codes (nibbles, the low one the
+        even channel; an fp16 scale and zero a group of 32 channels, ``NG`` groups) stored into
+        the fp16 tile ``stage``: a thread holds one group of one key, 16 bytes, at a time."""
+        x = gl.convert_layout(codes.load(DQ2).reshape([BLOCK_N, NG, 16]), DQ3, assert_trivial=True)
+        lo, hi = gl.inline_asm_elementwise(
+            NIBBLES_ASM, "=r,=r,=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=4
+        )
+        sc = gl.expand_dims(scales.load(gl.SliceLayout(2, DQ3)), 2)
+        z = gl.expand_dims(zeros.load(gl.SliceLayout(2, DQ3)), 2)
+        stage.store(gl.join(lo * sc + z, hi * sc + z).reshape([BLOCK_N, D]))
+
+    @gluon.jit
+    def dequant_byte_groups(codes, scales, zeros, stage, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                            NG: gl.constexpr, DQ2: gl.constexpr, DQ3: gl.constexpr):  # fmt: skip
+        """``zero + scale * code`` in fp16 of a tile of unsigned 8-bit codes (TurboQuant keys; an
+        fp16 scale and zero a group of 32 channels) stored into the fp16 tile ``stage``: a thread
+        holds one group of one key, 32 bytes, at a time."""
+        x = gl.convert_layout(codes.load(DQ2).reshape([BLOCK_N, NG, 32]), DQ3, assert_trivial=True)
+        u = gl.inline_asm_elementwise(UINT8_ASM, "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
+        sc = gl.expand_dims(scales.load(gl.SliceLayout(2, DQ3)), 2)
+        z = gl.expand_dims(zeros.load(gl.SliceLayout(2, DQ3)), 2)
+        stage.store((u * sc + z).reshape([BLOCK_N, D]))
+
+    @gluon.jit
+    def dequant_centroid_groups(words, scales, stage, BLOCK_N: gl.constexpr, D: gl.constexpr, NG: gl.constexpr,
+                                DQ2: gl.constexpr, DQ3: gl.constexpr):  # fmt: skip
+        """``scale * centroid[code]`` in fp16 of a tile of 3-bit codes (TurboQuant values, the
+        bit stream of :mod:`kvtier.quant.bitpack`; an fp16 scale a group of 32 channels) stored
+        into the fp16 tile ``stage``. ``words``: a group's 12 bytes as three int32 words in a
+        slot of four; a thread holds one group of one key at a time. Codes ``4 k .. 4 k + 3``
+        are the 12 bits at bit ``12 k`` (every shift is known where they are; ``k`` = 2 and 5
+        straddle two words), spread into the nibbles of the byte selector of
+        :data:`CENTROIDS3_ASM`, which takes four elements of which the first holds it."""
+        x = gl.convert_layout(words.load(DQ2).reshape([BLOCK_N, NG, 4]), DQ3, assert_trivial=True)
+        x = x.to(gl.uint32, bitcast=True)
+        AXIS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, DQ3))
+        w = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=AXIS), 0), 0)
+        a = gl.expand_dims(gl.sum(gl.where(w == 0, x, 0), axis=2), 2)
+        b = gl.expand_dims(gl.sum(gl.where(w == 1, x, 0), axis=2), 2)
+        c = gl.expand_dims(gl.sum(gl.where(w == 2, x, 0), axis=2), 2)
+        i = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=AXIS), 0), 0)
+        bit = 12 * (i // 4)
+        at = bit // 32
+        sh = (bit % 32).to(gl.uint32)
+        f = gl.where(at == 0, a, gl.where(at == 1, b, c)) >> sh
+        spill = gl.where(at == 0, b, c) << ((32 - sh) & 31)  # the bits past the word's end
+        f = gl.where(sh > 20, f | spill, f)
+        sel = (f & 7) | ((f << 1) & 0x70) | ((f << 2) & 0x700) | ((f << 3) & 0x7000)
+        sel = gl.where(i % 4 == 0, sel, 0).to(gl.int32, bitcast=True)
+        v = gl.inline_asm_elementwise(CENTROIDS3_ASM, "=r,=r,r,r,r,r", [sel], dtype=gl.float16, is_pure=True,
+                                      pack=4)  # fmt: skip
+        stage.store((v * gl.expand_dims(scales.load(gl.SliceLayout(2, DQ3)), 2)).reshape([BLOCK_N, D]))
