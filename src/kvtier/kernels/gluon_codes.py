@@ -32,13 +32,13 @@ except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
 
 
-def _centroids_asm(bits: int = 3) -> str:
-    """PTX: the fp16 pairs (``$0 $1``) of the Lloyd-Max centroids of N(0, 1) of four codes
-    (``bits`` <= 3) given as a byte selector in ``$2``, a code a nibble (``$3 .. $5`` unused: the
-    call takes four int32 elements). One permutation picks the centroids' low bytes out of the
-    eight held in two registers, one their high bytes, and two more interleave them."""
-    table = torch.tensor(lloyd_max_quantizer(bits).centroids, dtype=torch.float16).view(torch.int16)
-    half = [int(v) & 0xFFFF for v in table.tolist()] + [0] * (8 - len(table))
+def _centroids3_asm() -> str:
+    """PTX: the fp16 pairs (``$0 $1``) of the 3-bit Lloyd-Max centroids of N(0, 1) of four codes
+    given as a byte selector in ``$2``, a code a nibble (``$3 .. $5`` unused: the call takes four
+    int32 elements). One permutation picks the centroids' low bytes out of the eight held in two
+    registers, one their high bytes, and two more interleave them."""
+    table = torch.tensor(lloyd_max_quantizer(3).centroids, dtype=torch.float16).view(torch.int16)
+    half = [int(v) & 0xFFFF for v in table.tolist()]
 
     def word(shift: int, first: int) -> str:
         return hex(sum(((half[first + k] >> shift) & 0xFF) << (8 * k) for k in range(4)))
@@ -68,7 +68,7 @@ UINT8_ASM = tl.constexpr("""{
         sub.f16x2 $1, $1, m;
         }""")
 #: 3-bit codes to their centroids (the default TurboQuant values, ``q3_0``)
-CENTROIDS3_ASM = tl.constexpr(_centroids_asm(3))
+CENTROIDS3_ASM = tl.constexpr(_centroids3_asm())
 
 if HAVE_GLUON:
 

@@ -18,6 +18,9 @@ of the kv head padded to 16 rows; the softmax runs on exp2. Pages (:data:`KINDS`
 - q4_g32 (nibbles, an fp16 scale and zero a group of 32 channels): the scales vary along the
   dots' depth, so each tile is dequantised into fp16 tiles in shared memory first (a thread one
   group of one key), then scored as 16-bit pages are;
+- TurboQuant's default pages (unsigned 8-bit keys with an fp16 scale and zero a group of 32
+  channels, 3-bit Lloyd-Max values with an fp16 scale a group; :mod:`kvtier.kernels.gluon_codes`):
+  dequantised alike, the values copied as 4-byte words (12 bytes a group of codes);
 - 16-bit pages: the same loop in bf16/fp16.
 
 ``W`` warps a program (:data:`TILING` by page kind): four split a tile's keys for the scores and
@@ -307,14 +310,16 @@ if HAVE_GLUON:
                         BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG, TQ, CPV)  # fmt: skip
             blk, blks = _tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
             st = i % NS
-            if TQ:  # everyone is done with the last tile's fp16 tiles (the barrier above)
-                dequant_byte_groups(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), k_fp, BLOCK_N, D, NG, DQ2, DQ3)
-                dequant_centroid_groups(v_smem.index(st), vs_smem.index(st), v_fp, BLOCK_N, D, NG, DQW2, DQW3)
-                _barrier()
-                kt = k_fp.permute((1, 0)).load(KB)
-            elif GROUPED:
-                dequant_nibble_groups(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), k_fp, BLOCK_N, D, NG, DQ2, DQ3)
-                dequant_nibble_groups(v_smem.index(st), vs_smem.index(st), vz_smem.index(st), v_fp, BLOCK_N, D, NG, DQ2, DQ3)
+            if GROUPED:  # everyone is done with the last tile's fp16 tiles (the barrier above)
+                if TQ:
+                    dequant_byte_groups(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), k_fp, BLOCK_N, D, NG,
+                                        DQ2, DQ3)  # fmt: skip
+                    dequant_centroid_groups(v_smem.index(st), vs_smem.index(st), v_fp, BLOCK_N, D, NG, DQW2, DQW3)
+                else:
+                    dequant_nibble_groups(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), k_fp, BLOCK_N, D,
+                                          NG, DQ2, DQ3)  # fmt: skip
+                    dequant_nibble_groups(v_smem.index(st), vs_smem.index(st), vz_smem.index(st), v_fp, BLOCK_N, D,
+                                          NG, DQ2, DQ3)  # fmt: skip
                 _barrier()
                 kt = k_fp.permute((1, 0)).load(KB)
             elif KIND >= 2:  # (D / PARTS, BLOCK_N) int16
