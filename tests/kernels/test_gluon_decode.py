@@ -238,3 +238,17 @@ def test_gpu_replays_in_a_cuda_graph(mode):
     g.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("plan, cap", [({}, 168), (dict(num_splits=2), 168), (dict(block_n=32), None),
+                                       (dict(num_warps=4), None)])
+def test_turboquant_default_tiles_are_launched_under_their_register_cap(monkeypatch, plan, cap):
+    """TurboQuant's 16-key one-warp programs are compiled at most 168 registers a thread (twelve
+    programs a multiprocessor, as its plan assumes); another tile or other warps asked by name
+    are not capped."""
+    c, q, qs = _case(TQ, 2, 8, 2, 64, [40, 17], torch.bfloat16)
+    seen = []
+    monkeypatch.setattr(gluon_decode, "launch_decode", lambda *a, **k: seen.append(k))
+    monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
+    _attend(c, q, qs, decode_kernel="gluon", **plan)
+    assert [k["maxnreg"] for k in seen] == [cap]

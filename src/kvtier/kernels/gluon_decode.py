@@ -402,10 +402,15 @@ KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3, "q4_g32": 4, "tq": 5}
 #: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 205-218
 #: registers: two a quarter of the register file, eight programs; q4_g32's 16-key tiles at 168
 #: registers: twelve (H200 sweeps, benchmarks/RESULTS.md 2026-12-03). TurboQuant's 16-key tiles
-#: at 191 registers: eight (B=64 / 8k 498.0 us in waves of eight, 528.7 of twelve; 32-key tiles
-#: on one warp 646.1, on four 584.1; benchmarks/RESULTS.md 2026-12-04)
+#: on one warp: twelve, at the register cap below (32-key tiles on one warp and on four were
+#: slower; benchmarks/RESULTS.md 2026-12-04)
 TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (16, 1, 12),
-          "tq": (16, 1, 8)}
+          "tq": (16, 1, 12)}
+#: a register cap by page kind, for launches of its :data:`TILING` tile and warps. TurboQuant's
+#: 16-key one-warp programs take 191 registers a thread uncapped, two a quarter of the register
+#: file; at 168 (no spills, sm_90 under Triton 3.6) three. H200, B=64 / 8k: 458.2 us capped in
+#: waves of twelve, 501.4 uncapped in waves of eight (benchmarks/RESULTS.md, 2026-12-04)
+MAXNREG_BY_KIND = {"tq": 168}
 #: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
 RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
 
@@ -415,7 +420,7 @@ def launch_decode(
     v_scale: torch.Tensor | None, block_tables: torch.Tensor, kv_len: torch.Tensor, q_start: torch.Tensor | None,
     capacity: int, out: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, *, kind: str, qk_scale: float, splits: int,
     split_len: int, block_n: int = 64, stages: int = 2, warps: int = 4, k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None,
+    v_zero: torch.Tensor | None = None, maxnreg: int | None = None,
 ) -> None:
     """Launch on validated inputs: ``q`` ``[B, Hq, 1, D]``, payloads ``[num_blocks, page, H_kv, D']``
     of ``kind`` (:data:`KINDS`; one-byte codes with scales ``[num_blocks, page, H_kv, 1]``
@@ -423,7 +428,8 @@ def launch_decode(
     equal strides; or 16-bit values with ``None``) on ``warps`` warps a program; the query of
     row ``b`` sees keys ``0 .. min(kv_len[b], q_start[b] + 1) - 1`` (``q_start`` ``None``: every
     key below ``kv_len``); partials into ``po``/``pl`` when ``splits > 1`` (merged by the
-    caller), else the output into ``out``."""
+    caller), else the output into ``out``. ``maxnreg``: a cap on the registers a thread
+    (:data:`MAXNREG`, set for a sweep, wins; neither: the compiler's choice)."""
     B, Hq, _, D = q.shape
     H_kv, page = k_payload.shape[2], k_payload.shape[1]
     ks, vs = (k_scale, v_scale) if k_scale is not None else (k_payload, v_payload)
@@ -434,6 +440,7 @@ def launch_decode(
     if kz.stride() != ks.stride() or vz.stride() != vs.stride():
         raise ValueError("the zeros must have their scales' strides: they share one row offset in the kernel")
     like = k_payload.stride()[:3] == v_payload.stride()[:3] and ks.stride()[:3] == vs.stride()[:3]
+    cap = MAXNREG or maxnreg
     _decode_kernel[(B * H_kv, splits)](
         q, q.stride(0), q.stride(1),
         k_payload, k_payload.stride(0), k_payload.stride(1), k_payload.stride(2),
@@ -444,7 +451,7 @@ def launch_decode(
         out, out.stride(0), out.stride(1), po, pl,
         qk_scale, H_kv, split_len, splits,
         G=Hq // H_kv, D=D, BLOCK_N=block_n, PAGE=page, NS=stages, SPLIT=splits > 1, KIND=KINDS[kind],
-        CAUSAL=q_start is not None, LIKE=like, W=warps, num_warps=warps, **({"maxnreg": MAXNREG} if MAXNREG else {}),
+        CAUSAL=q_start is not None, LIKE=like, W=warps, num_warps=warps, **({"maxnreg": cap} if cap else {}),
     )  # fmt: skip
 
 
@@ -568,6 +575,7 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     if cfg.num_warps or WARPS:
         warps = cfg.num_warps or WARPS
         resident = RESIDENT_BY_WARPS[warps]
+    maxnreg = MAXNREG_BY_KIND.get(kind) if (block_n, warps) == TILING[kind][:2] else None
     # one-warp programs: splits down to 256 keys (B=8 / 4k q4: 16 splits 20.4 us, 8 splits 23.3)
     short = warps == 1 and cfg.min_split_tokens == LaunchConfig.min_split_tokens
     plan_cfg = replace(cfg, block_n=block_n, min_split_tokens=256 if short else cfg.min_split_tokens)
@@ -579,6 +587,6 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, q_start, capacity, out, po, pl,
                   kind=kind, qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages,
-                  warps=warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero)
+                  warps=warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero, maxnreg=maxnreg)
     merge_splits(po, pl, out, splits, base, split_len, block_n)  # as the MMA kernel's launch
     return out
