@@ -44,8 +44,9 @@ def plans(mode: str, B, cuda: bool) -> dict:
             "gluon 16 w1": gluon(16, WARPS=1, RESIDENT=12)}
     if mode == "fp":
         return out
-    if mode == TQ:  # 16-key tiles at 191 registers: eight programs an SM
+    if mode == TQ:  # 16-key tiles capped at 168 registers (the default) in waves of eight; uncapped (191)
         out["gluon 16 w1 r8"] = gluon(16, WARPS=1, RESIDENT=8)
+        out["gluon 16 w1 r8 uncapped"] = gluon(16, WARPS=1, RESIDENT=8, MAXNREG=255)
     out |= {"gluon 64 w4": gluon(64, WARPS=4, RESIDENT=4), "gluon 32 w1 ns3": gluon(32, stages=3, **w1)}
     if B != "serve" and B >= 8:
         out |= {f"gluon 32 w1 s{s}": gluon(32, splits=s, **w1) for s in (8, 16)}
