@@ -252,3 +252,16 @@ def test_turboquant_default_tiles_are_launched_under_their_register_cap(monkeypa
     monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
     _attend(c, q, qs, decode_kernel="gluon", **plan)
     assert [k["maxnreg"] for k in seen] == [cap]
+
+
+def test_turboquant_pages_left_out_of_gluon_decode_go_to_their_family_kernel(monkeypatch):
+    """GLUON_DECODE comes before QUANT_DECODE_KERNEL: without "tq" in it, TurboQuant's steps go
+    to the family's kernel (the CUDA-core one), with its exact result."""
+    c, q, qs = _case(TQ, 2, 8, 2, 64, [40, 17], torch.bfloat16 if ON_GPU else torch.float32)
+    calls = []
+    monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
+    monkeypatch.setattr(gluon_decode, "_step", lambda *a, **k: calls.append(1))
+    monkeypatch.delitem(triton_attention.GLUON_DECODE, "tq")
+    out = _attend(c, q, qs)
+    assert calls == []
+    torch.testing.assert_close(out, _attend(c, q, qs, decode_kernel="cuda_core"), atol=0, rtol=0)

@@ -57,7 +57,8 @@ from kvtier.kernels.triton_quant import (
 LOG2E = 1.4426950408889634
 
 #: Which kernel serves a decode step (one query token per row) over quantised pages
-#: when ``LaunchConfig.decode_kernel`` is ``None``, per storage family: ``"kv_quant"``
+#: when ``LaunchConfig.decode_kernel`` is ``None`` and the pipelined Gluon kernel does not take
+#: it (:data:`GLUON_DECODE` comes first), per storage family: ``"kv_quant"``
 #: (q8, q4, q4_g32, fp8) and ``"turboquant"`` (Lloyd-Max values). ``"mma"`` is the general
 #: kernel below, on the tensor cores; ``"cuda_core"`` the dot-free kernel of
 #: :mod:`kvtier.kernels.triton_decode_quant`. ``kvtier bench attention --quant-sweep``
