@@ -3,7 +3,8 @@
 TurboQuant's CUDA-core kernel), at the defaults
 and other tiles, warps a program and split counts, on the shapes of issue 15 and a serving step.
 
-    PYTHONPATH=src:benchmarks python3 benchmarks/tools/decode_kernel_ab.py [--out DIR]
+    PYTHONPATH=src:benchmarks python3 benchmarks/tools/decode_kernel_ab.py [--out DIR] [--modes fp,tq]
+        [--shapes 64x8192,serve]
 
 Times: medians of CUDA-graph replays over replicas beyond 4x the L2
 (``kvtier_bench.attention.time_calls``); the last column is the largest difference from the
@@ -53,6 +54,20 @@ def plans(mode: str, B, cuda: bool) -> dict:
     return out
 
 
+def parse_shapes(text: str) -> list[tuple] | None:
+    """``"64x8192,serve"`` as ``[(64, 8192), ("serve", 1280)]``; ``None`` where an item is neither."""
+    out = []
+    for item in text.split(","):
+        b, _, l_ = item.strip().partition("x")
+        if item.strip() == "serve":
+            out.append(("serve", 1280))
+        elif b.isdigit() and l_.isdigit() and int(b) > 0 and int(l_) > 0:
+            out.append((int(b), int(l_)))
+        else:
+            return None
+    return out
+
+
 def summary(results: list[dict]) -> list[str]:
     """A table of each shape and page kind: the default plan's time and the fastest plan's, each
     as a ratio to the 16-bit pages' default time of that shape (where the run has them)."""
@@ -82,14 +97,20 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
     p.add_argument("--modes", default="fp,q8,q4,fp8,q4_g32,tq",
                    help="page kinds, comma-separated (tq: TurboQuant's 8-bit keys and 3-bit values)")
+    p.add_argument("--shapes", default="64x8192,8x16384,8x4096,1x4096,1x16384,32x4096,serve",
+                   help="BxL, comma-separated; serve: a serving step (256 rows of 64-1,280 keys); "
+                        "the CPU smoke run takes 2x64")
     args = p.parse_args()
+    wanted = parse_shapes(args.shapes)
+    if wanted is None:
+        p.error(f"--shapes takes BxL items (or serve), comma-separated, such as 64x8192,serve; got {args.shapes!r}")
     dev = args.device
     cuda = dev == "cuda"
     shape = SimpleNamespace(kv_heads=8, heads=32, head_dim=128, page=16, device=dev)
     if not cuda:
         shape = SimpleNamespace(kv_heads=2, heads=8, head_dim=64, page=16, device=dev)
     gen = torch.Generator(device=dev).manual_seed(0)
-    shapes = [(64, 8192), (8, 16384), (8, 4096), (1, 4096), (1, 16384), (32, 4096), ("serve", 1280)]
+    shapes = wanted
     if not cuda:
         shapes = [(2, 64)]
     name = torch.cuda.get_device_name() if cuda else dev
