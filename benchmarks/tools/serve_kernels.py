@@ -85,7 +85,6 @@ def main() -> None:
         elif "t" in started:
             collections.append((now - t0, info["generation"], 1e3 * (now - started.pop("t"))))
 
-
     compiles: list[tuple[float, str]] = []  # kernels Triton compiles (or loads) inside the timed run
     t0 = time.perf_counter()
     try:

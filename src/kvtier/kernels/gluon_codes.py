@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from kvtier.kernels.triton_quant import INT8_PAIRS_ASM, NIBBLES_ASM, NIBBLES_M8_PAIRS_ASM
+from kvtier.kernels.triton_quant import INT8_PAIRS_ASM, NIBBLES_ASM, NIBBLES_M8_PAIRS_ASM, UINT8_ASM
 from kvtier.quant.lloyd_max import lloyd_max_quantizer
 
 try:
@@ -56,17 +56,6 @@ def _centroids3_asm() -> str:
         }}"""
 
 
-#: unsigned bytes ``b0 b1 b2 b3`` (``$2``) to the fp16 pairs of ``b0 b1`` and ``b2 b3`` (``$0 $1``):
-#: slid under the exponent byte ``0x64`` a byte is the fp16 ``1024 + b``, and one packed
-#: subtraction leaves ``b``
-UINT8_ASM = tl.constexpr("""{
-        .reg .b32 m;
-        mov.b32 m, 0x64006400;
-        prmt.b32 $0, $2, 0x64646464, 0x5140;
-        prmt.b32 $1, $2, 0x64646464, 0x7362;
-        sub.f16x2 $0, $0, m;
-        sub.f16x2 $1, $1, m;
-        }""")
 #: 3-bit codes to their centroids (the default TurboQuant values, ``q3_0``)
 CENTROIDS3_ASM = tl.constexpr(_centroids3_asm())
 

@@ -324,16 +324,18 @@ def codes_to_float(u, BITS: tl.constexpr, SIGNED: tl.constexpr, OFFSET: tl.const
     return (x | 0x4B000000).to(tl.float32, bitcast=True) - bias
 
 
-def _int8_asm(pairs: bool = False) -> str:
+def _int8_asm(pairs: bool = False, signed: bool = True) -> str:
     """PTX for :func:`_asm_int8_to_f16`: four int8 codes ``b0 b1 b2 b3`` in ``$2``, the fp16
     pairs of ``b0 b1`` and ``b2 b3`` in ``$0 $1``; ``pairs`` (the Gluon decode kernel: two int16
     elements ``b0 b1`` and ``b2 b3``): of ``b0 b2`` and ``b1 b3``. ``code + 128`` slid under the
-    exponent byte ``0x64`` is the fp16 ``1152 + code``, and one packed subtraction leaves the code."""
+    exponent byte ``0x64`` is the fp16 ``1152 + code``, and one packed subtraction leaves the code.
+    ``signed=False``: unsigned bytes, slid under it as they are (``1024 + code``)."""
     first, second = ("0x7270", "0x7371") if pairs else ("0x7170", "0x7372")
+    bias, to_unsigned = ("0x64806480", "xor.b32 t, $2, 0x80808080;") if signed else ("0x64006400", "mov.b32 t, $2;")
     return f"""{{
         .reg .b32 t, m;
-        mov.b32 m, 0x64806480;
-        xor.b32 t, $2, 0x80808080;
+        mov.b32 m, {bias};
+        {to_unsigned}
         prmt.b32 $0, t, 0x64646464, {first};
         prmt.b32 $1, t, 0x64646464, {second};
         sub.f16x2 $0, $0, m;
@@ -341,9 +343,10 @@ def _int8_asm(pairs: bool = False) -> str:
         }}"""
 
 
-#: int8 codes to fp16, four a call, and in pairs of int16 elements
+#: int8 codes to fp16, four a call, and in pairs of int16 elements; unsigned bytes, four a call
 INT8_ASM = tl.constexpr(_int8_asm())
 INT8_PAIRS_ASM = tl.constexpr(_int8_asm(pairs=True))
+UINT8_ASM = tl.constexpr(_int8_asm(signed=False))
 
 
 @triton.jit
