@@ -7,6 +7,8 @@ Gluon kernels compile for GPUs only (no interpreter): off the GPU the tests chec
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_triton_paged import DEVICE, IN_PROCESS, ON_GPU, TOL, build_cache, gathered_reference
@@ -219,6 +221,33 @@ def test_gpu_a_query_inside_the_cache_sees_only_the_keys_up_to_its_place(mode):
     limited = _attend(c, q, qs, decode_kernel="gluon", num_splits=3)
     assert (whole[0] - limited[0]).abs().max() > 1e-2  # the limit is there, and this test can see it
     torch.testing.assert_close(whole[1], limited[1], atol=0, rtol=0)  # row 1's query is at its end
+
+
+def _grown_keys(mode, factor, *, jump=7, pages=20):
+    """One row of ``pages`` pages whose keys from page ``jump`` on are ``factor`` times larger (their
+    scales and zeros; 16-bit pages themselves), and how far each query head's highest score (log2
+    units, as the kernel's) rises past its highest before the jump."""
+    c, q, qs = _case(mode, 1, 8, 2, 128, [16 * pages], torch.bfloat16)
+    ids = c["table"][0, jump:pages].long()
+    if mode == "fp":
+        c["kp"][ids] *= factor
+    for t in c["ks"].values():  # scales and zeros
+        t[ids] *= factor
+    K = torch.cat([c["kc"].decode(c["kp"][i], {n: t[i] for n, t in c["ks"].items()}) for i in c["table"][0].long()])
+    s = torch.einsum("hgd,lhd->hgl", q[0, :, 0].float().view(2, 4, 128), K.float()) / (math.log(2) * 128**0.5)
+    return c, q, qs, (s.amax(-1) - s[..., : 16 * jump].amax(-1)).flatten()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp", TQ])
+def test_gpu_a_maximum_that_grows_mid_row_rescales_what_came_before(mode):
+    """Keys three times larger from page 7 of 20 on: some query heads' highest scores rise by 2^9 or
+    more mid-row, others by less than 2^8 (the tile's rows rescale together), and the keys before
+    the rise still weigh in. One split: the rise lands inside a program's loop."""
+    c, q, qs, rise = _grown_keys(mode, 3.0)
+    assert rise.max() > 9 and rise.min() < 8
+    _check_against_references(c, q, qs, mode, TOL[torch.bfloat16], num_splits=1)
 
 
 @pytest.mark.gpu
