@@ -27,6 +27,7 @@ from kvtier.kernels import triton_attention
 from kvtier.kernels.triton_attention import LaunchConfig, launch_attention
 from kvtier.kernels.triton_paged_write import launch_write
 from kvtier.kernels.triton_quant import PageFormat, check_format_tensors, page_format
+from kvtier.kernels.triton_rotate import rotate_back
 from kvtier.quant.codec import Codec, CodecUnsupported
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -217,8 +218,8 @@ def paged_attention_triton(
         out_dtype=torch.float32 if out_rot else q.dtype, config=config,
         q_offsets=q_offsets, max_q_len=max_q_len or 0, single_rows=single_rows,
     )  # fmt: skip
-    if out_rot:
-        out = torch.matmul(out, v_fmt.rotation.transpose(0, 1)).to(q.dtype)  # back from the value domain
+    if out_rot:  # back from the values' domain
+        out = rotate_back(out, v_fmt.rotation, q.dtype)
     return out
 
 
