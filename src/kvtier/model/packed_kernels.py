@@ -104,7 +104,11 @@ static inline void q4_1_task(const float* x, const uint8_t* codes, const _Float1
     }
     const uint8_t* c0 = codes + n * G * 16;
     const uint8_t* c1 = two ? c0 + G * 16 : c0;  /* an odd last row computes itself twice */
-    const __m512i low = _mm512_set1_epi32(15);
+    /* a block's 16 weights k * d + m (k = 0..15) as a table, looked up by the nibbles: vpermps
+       reads only the low 4 bits of an index, so the low nibbles need no mask, and the weights
+       are those of code * d + m, bit for bit (in place of a mask, a conversion and an FMA a
+       vector: 0.99-1.32x a call, 1.10x the median, on the 2-core AVX-512 box; RESULTS 2026-12-04) */
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     if (M > 1) {  /* rows four at a time: each block's codes decoded once for all of them */
       for (int64_t r0 = 0; r0 < M; r0 += 4) {
         const int64_t rn = M - r0 < 4 ? M - r0 : 4;
@@ -114,12 +118,10 @@ static inline void q4_1_task(const float* x, const uint8_t* codes, const _Float1
           if (!(g & 1)) KV_PREFETCH(c0 + g * 32);
           const __m512i p = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c0 + g * 16)));
           const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c1 + g * 16)));
-          const __m512 d0 = _mm512_set1_ps(df[0][g]), m0 = _mm512_set1_ps(mf[0][g]);
-          const __m512 d1 = _mm512_set1_ps(df[1][g]), m1 = _mm512_set1_ps(mf[1][g]);
-          const __m512 wl0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(p, low)), d0, m0);
-          const __m512 wh0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(p, 4)), d0, m0);
-          const __m512 wl1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d1, m1);
-          const __m512 wh1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1);
+          const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(df[0][g]), _mm512_set1_ps(mf[0][g]));
+          const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(df[1][g]), _mm512_set1_ps(mf[1][g]));
+          const __m512 wl0 = _mm512_permutexvar_ps(p, t0), wh0 = _mm512_permutexvar_ps(_mm512_srli_epi32(p, 4), t0);
+          const __m512 wl1 = _mm512_permutexvar_ps(q, t1), wh1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t1);
           for (int64_t i = 0; i < rn; i++) {
             const float* xg = x + (r0 + i) * K + g * 32;
             const __m512 xl = _mm512_loadu_ps(xg), xh = _mm512_loadu_ps(xg + 16);
@@ -143,12 +145,12 @@ static inline void q4_1_task(const float* x, const uint8_t* codes, const _Float1
         const __m512 xl = _mm512_loadu_ps(xr + g * 32), xh = _mm512_loadu_ps(xr + g * 32 + 16);
         const __m512i p = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c0 + g * 16)));
         const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c1 + g * 16)));
-        const __m512 d0 = _mm512_set1_ps(df[0][g]), m0 = _mm512_set1_ps(mf[0][g]);
-        const __m512 d1 = _mm512_set1_ps(df[1][g]), m1 = _mm512_set1_ps(mf[1][g]);
-        a0 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(p, low)), d0, m0), xl, a0);
-        a1 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(p, 4)), d0, m0), xh, a1);
-        b0 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d1, m1), xl, b0);
-        b1 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1), xh, b1);
+        const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(df[0][g]), _mm512_set1_ps(mf[0][g]));
+        const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(df[1][g]), _mm512_set1_ps(mf[1][g]));
+        a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(p, t0), xl, a0);
+        a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(p, 4), t0), xh, a1);
+        b0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, t1), xl, b0);
+        b1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t1), xh, b1);
       }
       y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
       if (two) y[r * N + n + 1] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
