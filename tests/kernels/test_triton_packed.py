@@ -47,7 +47,7 @@ def run_packed(mode, counts, lengths, Hq, H_kv, D, page, dtype, *, block_n=None,
                                  max_q_len=width, config=LaunchConfig(block_n=block_n), single_rows=singles,
                                  **kw)
     assert out.shape == q.shape and out.dtype == dtype
-    # token-major (TurboQuant's too, rotated back by the merge): the model's (1, N, H_q * D) view is free
+    # token-major (TurboQuant's too, as rotate_back keeps it): the model's (1, N, H_q * D) view is free
     assert out.transpose(1, 2).is_contiguous()
     tol = TOL[dtype]
     if mode == "q8" and ON_GPU and dtype != torch.float32:  # the kernel scores q8 keys with int8 queries
