@@ -267,7 +267,10 @@ if HAVE_GLUON:
             ks_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
             vs_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
             kz_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
-            vz_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
+            if TQ:  # TurboQuant's values have no zeros: never touched
+                vz_smem = vs_smem
+            else:
+                vz_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
             # the dequantised tile being scored
             STG: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
             k_fp = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], STG)

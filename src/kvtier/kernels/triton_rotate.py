@@ -53,10 +53,9 @@ def rotate_back(x: torch.Tensor, rotation: torch.Tensor, dtype: torch.dtype) -> 
     ``[D, D]`` of any strides, D a multiple of 32."""
     B, Hq, T, D = x.shape
     out = torch.empty_like(x, dtype=dtype)
-    block_j = min(D, BLOCK_J)
-    _rotate_kernel[(B * T, triton.cdiv(Hq, BLOCK_H), D // block_j)](
+    _rotate_kernel[(B * T, triton.cdiv(Hq, BLOCK_H), D // BLOCK_J)](
         x, x.stride(0), x.stride(1), x.stride(2), rotation, rotation.stride(0), rotation.stride(1),
         out, out.stride(0), out.stride(1), out.stride(2), T, Hq,
-        HEAD_DIM=D, BLOCK_H=BLOCK_H, BLOCK_J=block_j, BLOCK_C=min(D, 32), num_warps=4,
+        HEAD_DIM=D, BLOCK_H=BLOCK_H, BLOCK_J=BLOCK_J, BLOCK_C=32, num_warps=4,
     )  # fmt: skip
     return out
