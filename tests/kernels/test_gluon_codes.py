@@ -1,6 +1,7 @@
 """The PTX of the Gluon decode kernel's code conversions (:mod:`kvtier.kernels.gluon_codes`),
 run by a small interpreter of the instructions it uses (``mov``, ``prmt``, ``sub.f16x2``), so
-that its tables and byte selectors are checked off the GPU against the codecs' own decoding.
+that its tables and byte selectors are checked off the GPU against the codecs' own decoding;
+and the banks its fp16 staging tile's stores and reads meet, on a model of shared memory.
 The kernel's results on the GPU: ``test_gluon_decode.py``."""
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from kvtier.quant import bitpack
 from kvtier.quant.lloyd_max import lloyd_max_quantizer
 
 if IN_PROCESS:
-    from kvtier.kernels.gluon_codes import CENTROIDS3_ASM, UINT8_ASM
+    from kvtier.kernels.gluon_codes import CENTROIDS3_ASM, HAVE_GLUON, UINT8_ASM
+
+    if HAVE_GLUON:
+        from kvtier.kernels.gluon_codes import staging_bases
 
 pytestmark = pytest.mark.skipif(not IN_PROCESS, reason="Triton's modules are imported in another process here")
 
@@ -99,3 +103,55 @@ def test_three_bit_codes_become_their_centroids():
             r = _run(CENTROIDS3_ASM, {"$2": sel, "$3": 0, "$4": 0, "$5": 0})
             got += list(_f16x2(r["$0"])) + list(_f16x2(r["$1"]))
         assert got == table[row.long()].tolist()
+
+
+def _offsets(bases: list[list[int]], block_n: int, d: int) -> dict[tuple[int, int], int]:
+    """``{(key, channel): offset}`` of a shared linear layout's ``offset_bases``."""
+    out = {}
+    for o in range(block_n * d):
+        n = c = 0
+        for b, (bn, bc) in enumerate(bases):
+            if o >> b & 1:
+                n, c = n ^ bn, c ^ bc
+        out[(n, c)] = o
+    return out
+
+
+def _wavefronts(offsets: dict, chunks: list[tuple[int, int]]) -> int:
+    """Shared-memory wavefronts of 16-byte accesses (fp16 chunks ``(key, channel)``, a lane
+    each): eight lanes a phase, a phase as many wavefronts as the most lines one of the eight
+    16-byte bank groups of a 128-byte line is asked for."""
+    total = 0
+    for p in range(0, len(chunks), 8):
+        lines: dict[int, set[int]] = {}
+        for chunk in chunks[p : p + 8]:
+            byte = 2 * offsets[chunk]
+            lines.setdefault(byte // 16 % 8, set()).add(byte // 128)
+        total += max(len(v) for v in lines.values())
+    return total
+
+
+def _swizzled(block_n: int, d: int) -> list[list[int]]:
+    """``SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8)``: the chunk XORed with the key alone."""
+    chunks = [[0, 1 << b] for b in range(d.bit_length() - 1)]
+    return chunks + [[1 << i, 8 << i if i < 3 and 8 << i < d else 0] for i in range(block_n.bit_length() - 1)]
+
+
+@pytest.mark.skipif(not IN_PROCESS or not HAVE_GLUON, reason="needs Gluon")
+@pytest.mark.parametrize("block_n, d", [(16, 64), (16, 128), (32, 128), (64, 128), (16, 256), (16, 512), (32, 256)])
+def test_the_staging_tile_takes_its_stores_and_reads_without_bank_conflicts(block_n, d):
+    offsets = _offsets(staging_bases(block_n, d), block_n, d)
+    assert sorted(offsets.values()) == list(range(block_n * d)), "every place of the tile once"
+    ng = d // 32
+    # the dequantising stores: lane = key * ng + group; a thread's four 16-byte stores j
+    stores = [[(k0 + lane // ng, lane % ng * 32 + 8 * j) for lane in range(32)]
+              for k0 in range(0, block_n, 32 // ng) for j in range(4)]  # fmt: skip
+    # ldmatrix (transposed or not): eight keys of one 16-byte chunk a phase
+    reads = [[(k0 + i, c) for i in range(8)] for k0 in range(0, block_n, 8) for c in range(0, d, 8)]
+    assert sum(_wavefronts(offsets, s) for s in stores) == 4 * len(stores)  # 512 bytes: four at least
+    assert sum(_wavefronts(offsets, r) for r in reads) == len(reads)
+    # the premise: the key's swizzle alone puts a store phase's groups g and g + 2 in one bank
+    if d >= 128:
+        plain = _offsets(_swizzled(block_n, d), block_n, d)
+        assert sum(_wavefronts(plain, s) for s in stores) >= 8 * len(stores)
+        assert sum(_wavefronts(plain, r) for r in reads) == len(reads)

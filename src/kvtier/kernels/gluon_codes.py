@@ -59,7 +59,36 @@ def _centroids3_asm() -> str:
 #: 3-bit codes to their centroids (the default TurboQuant values, ``q3_0``)
 CENTROIDS3_ASM = tl.constexpr(_centroids3_asm())
 
+
 if HAVE_GLUON:
+
+    @gluon.constexpr_function
+    def staging_bases(block_n: int, d: int) -> list[list[int]]:
+        """The fp16 tile ``[block_n, d]`` a tile of grouped codes is dequantised into, as the
+        ``offset_bases`` of a shared linear layout: bit ``b`` of an element's offset in memory
+        contributes ``bases[b]`` (``[key, channel]``, XORed together) to its place in the tile.
+
+        Rows of ``d`` channels, 16-byte chunks of 8 channels, the chunk's low three bits XORed with
+        the key's (the usual swizzle, so the eight keys of one chunk that a transposing ``ldmatrix``
+        reads lie in eight banks), and for ``d >= 128`` with the chunk's higher bits too: a thread
+        stores the 32 channels of one group of one key (four 16-byte stores), and the eight threads
+        of a store's phase hold ``8 / (d / 32)`` keys and all of a row's ``d / 32`` groups, whose
+        chunks ``4 g + j`` repeat every 128 bytes. Without the higher bits the groups ``g`` and
+        ``g + 2`` met in one bank, two (d = 128) to four (d = 256) ways."""
+        ng = d // 32
+        shift = max(0, 3 - (ng.bit_length() - 1))  # bits of the chunk taken by a phase's keys (d = 128: 1)
+        bases = [[0, 1], [0, 2], [0, 4]]  # the eight channels of a chunk
+        for k in range((d // 8).bit_length() - 1):  # the chunk
+            at = shift + k - 3  # the higher chunk bits XORed in at bit ``at``
+            bases.append([0, (8 << k) ^ (8 << at if k >= 3 and at < 3 else 0)])
+        for i in range(block_n.bit_length() - 1):  # the key
+            bases.append([1 << i, 8 << i if i < 3 and 8 << i < d else 0])
+        return bases
+
+    @gluon.constexpr_function
+    def staging_layout(block_n, d):
+        """:func:`staging_bases` as a Gluon shared layout."""
+        return gl.SharedLinearLayout(staging_bases(block_n, d))
 
     @gluon.jit
     def nibble_quads(x):

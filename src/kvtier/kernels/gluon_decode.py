@@ -73,6 +73,7 @@ try:
         dequant_centroid_groups,
         dequant_nibble_groups,
         nibble_quads,
+        staging_layout,
     )
 
     HAVE_GLUON = True
@@ -272,7 +273,7 @@ if HAVE_GLUON:
             else:
                 vz_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
             # the dequantised tile being scored
-            STG: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+            STG: gl.constexpr = staging_layout(BLOCK_N, D)
             k_fp = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], STG)
             v_fp = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], STG)
         elif QUANT:
