@@ -68,7 +68,7 @@ KERNEL_GLOB=(tests/kernels/test_triton_*.py tests/kernels/test_specialization.py
 mapfile -t TIER_TESTS < <(grep -rl "mark.gpu" tests --include="test_*.py" \
     | grep -v -e "tests/kernels/test_triton_" -e "tests/kernels/test_specialization.py")
 mapfile -t KERNEL_TESTS < <(grep -l "mark.gpu" "${KERNEL_GLOB[@]}")
-step tests 260 "$OUT/gpu_tests.log" "${PYTEST[@]}" "${TIER_TESTS[@]}"
+step tests 260 "$OUT/gpu_tests.log" "${PYTEST[@]}" --durations=12 "${TIER_TESTS[@]}"
 step kernels 90 "$OUT/gpu_tests.log" "${PYTEST[@]}" "${KERNEL_TESTS[@]}"
 
 # (b) paged decode attention against SDPA, quantised pages, the write kernel (tables written

@@ -5,12 +5,14 @@ Two ways a tile of codes meets the tensor cores:
 - as dot operands straight from shared memory (q8, q4, fp8: one scale a token and head, which
   goes on the scores and the probabilities): one-byte tiles are read as int16, two bytes of one
   key an element, and a byte permutation turns a register into the fp16 pairs of two channels
-  (:func:`byte_pairs`, :func:`nibble_quads`);
-- dequantised into an fp16 tile in shared memory first, where the scales vary along the dots'
-  depth (a scale, and a zero, a group of 32 channels): a thread holds one group of one key at a
-  time. q4_g32 nibbles (:func:`dequant_nibble_groups`); TurboQuant's 8-bit keys
-  (:func:`dequant_byte_groups`) and 3-bit Lloyd-Max values (:func:`dequant_centroid_groups`),
-  whose centroids are looked up four at a time by two byte permutations.
+  (:func:`byte_pairs`, :func:`nibble_quads`). q4_g32's nibbles alike, and its scale and zero a
+  group of 32 channels, which vary along the dots' depth, go on the operands in registers
+  (:func:`grouped_quads`);
+- dequantised into an fp16 tile in shared memory first (TurboQuant): a thread holds one group
+  of 32 channels of one key at a time, its 8-bit keys (:func:`dequant_byte_groups`) and 3-bit
+  Lloyd-Max values (:func:`dequant_centroid_groups`), whose centroids are looked up four at a
+  time by two byte permutations; the tile's layout (:func:`staging_bases`) keeps its stores and
+  reads clear of bank conflicts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from kvtier.kernels.triton_quant import INT8_PAIRS_ASM, NIBBLES_ASM, NIBBLES_M8_PAIRS_ASM, UINT8_ASM
+from kvtier.kernels.triton_quant import (
+    INT8_PAIRS_ASM,
+    NIBBLES_M8_PAIRS_ASM,
+    NIBBLES_PAIRS_ASM,
+    UINT8_ASM,
+)
 from kvtier.quant.lloyd_max import lloyd_max_quantizer
 
 try:
@@ -91,12 +98,42 @@ if HAVE_GLUON:
         return gl.SharedLinearLayout(staging_bases(block_n, d))
 
     @gluon.jit
-    def nibble_quads(x):
-        """fp16 ``(c0, c1, c2, c3) - 8`` of the int16 elements ``x``: four q4 channels of one key,
-        the nibbles low to high. A register holds two keys' elements; as :func:`byte_pairs`."""
-        return gl.inline_asm_elementwise(
-            NIBBLES_M8_PAIRS_ASM, "=r,=r,=r,=r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2
-        )
+    def nibble_quads(x, SIGNED: gl.constexpr = True):
+        """fp16 ``(c0, c1, c2, c3) - 8`` (``SIGNED``, q4) or ``(c0, c1, c2, c3)`` (q4_g32) of the
+        int16 elements ``x``: four channels of one key, the nibbles low to high. A register holds
+        two elements; as :func:`byte_pairs`."""
+        if SIGNED:
+            asm: gl.constexpr = NIBBLES_M8_PAIRS_ASM
+        else:
+            asm: gl.constexpr = NIBBLES_PAIRS_ASM
+        return gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
+
+    @gluon.jit
+    def grouped_quads(x, scales, zeros, NG: gl.constexpr, KEYS_LAST: gl.constexpr):
+        """:func:`nibble_quads` of q4_g32 codes (unsigned nibbles), each channel part times its
+        group's scale plus its zero (one fp16 FMA). ``x``: ``[D / 4, keys]`` (``KEYS_LAST``, the
+        keys' operand) or ``[keys, D / 4]`` (the values'), whose element ``c`` holds channels
+        ``4 c .. 4 c + 3``, in group ``c // 8``; ``scales``, ``zeros``: ``[keys, NG]`` in shared
+        memory. Each part is seen as three axes, the group, its eight elements and the keys, in
+        the dot operand's own layout: a thread loads the few scales its elements take, and
+        nothing moves between threads."""
+        if KEYS_LAST:
+            shape: gl.constexpr = [NG, x.shape[0] // NG, x.shape[1]]
+            sl: gl.constexpr = gl.SliceLayout(1, x.reshape(shape).type.layout)
+            s = gl.expand_dims(scales.permute((1, 0)).load(sl), 1)
+            z = gl.expand_dims(zeros.permute((1, 0)).load(sl), 1)
+        else:
+            shape: gl.constexpr = [x.shape[0], NG, x.shape[1] // NG]
+            sl: gl.constexpr = gl.SliceLayout(2, x.reshape(shape).type.layout)
+            s = gl.expand_dims(scales.load(sl), 2)
+            z = gl.expand_dims(zeros.load(sl), 2)
+        c0, c1, c2, c3 = nibble_quads(x, False)
+        lay: gl.constexpr = c0.type.layout
+        c0 = gl.convert_layout((c0.reshape(shape) * s + z).reshape(c0.shape), lay, assert_trivial=True)
+        c1 = gl.convert_layout((c1.reshape(shape) * s + z).reshape(c1.shape), lay, assert_trivial=True)
+        c2 = gl.convert_layout((c2.reshape(shape) * s + z).reshape(c2.shape), lay, assert_trivial=True)
+        c3 = gl.convert_layout((c3.reshape(shape) * s + z).reshape(c3.shape), lay, assert_trivial=True)
+        return c0, c1, c2, c3
 
     @gluon.jit
     def as_int16(tile, shape: gl.constexpr, layout: gl.constexpr):
@@ -125,20 +162,6 @@ if HAVE_GLUON:
         else:  # q8 (triton_quant._int8_asm)
             asm: gl.constexpr = INT8_PAIRS_ASM
         return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-
-    @gluon.jit
-    def dequant_nibble_groups(codes, scales, zeros, stage, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                              NG: gl.constexpr, DQ2: gl.constexpr, DQ3: gl.constexpr):  # fmt: skip
-        """``zero + scale * code`` in fp16 of a tile of q4_g32 codes (nibbles, the low one the
-        even channel; an fp16 scale and zero a group of 32 channels, ``NG`` groups) stored into
-        the fp16 tile ``stage``: a thread holds one group of one key, 16 bytes, at a time."""
-        x = gl.convert_layout(codes.load(DQ2).reshape([BLOCK_N, NG, 16]), DQ3, assert_trivial=True)
-        lo, hi = gl.inline_asm_elementwise(
-            NIBBLES_ASM, "=r,=r,=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=4
-        )
-        sc = gl.expand_dims(scales.load(gl.SliceLayout(2, DQ3)), 2)
-        z = gl.expand_dims(zeros.load(gl.SliceLayout(2, DQ3)), 2)
-        stage.store(gl.join(lo * sc + z, hi * sc + z).reshape([BLOCK_N, D]))
 
     @gluon.jit
     def dequant_byte_groups(codes, scales, zeros, stage, BLOCK_N: gl.constexpr, D: gl.constexpr,

@@ -16,11 +16,12 @@ of the kv head padded to 16 rows; the softmax runs on exp2. Pages (:data:`KINDS`
 - q4 (offset-8 nibbles) and fp8 (e4m3 bytes), a float32 scale per token and head: fp16 dots,
   the query split into the channel parts below;
 - q4_g32 (nibbles, an fp16 scale and zero a group of 32 channels): the scales vary along the
-  dots' depth, so each tile is dequantised into fp16 tiles in shared memory first (a thread one
-  group of one key), then scored as 16-bit pages are;
+  dots' depth, so they go on the operands: the codes become fp16 channel parts in registers as
+  q4's do, and each takes its group's scale and zero in one FMA before the dots;
 - TurboQuant's default pages (unsigned 8-bit keys with an fp16 scale and zero a group of 32
   channels, 3-bit Lloyd-Max values with an fp16 scale a group; :mod:`kvtier.kernels.gluon_codes`):
-  dequantised alike, the values copied as 4-byte words (12 bytes a group of codes);
+  each tile is dequantised into fp16 tiles in shared memory first (a thread one group of one key),
+  then scored as 16-bit pages are; the values copied as 4-byte words (12 bytes a group of codes);
 - 16-bit pages: the same loop in bf16/fp16.
 
 ``W`` warps a program (:data:`TILING` by page kind): four split a tile's keys for the scores and
@@ -71,7 +72,7 @@ try:
         byte_pairs,
         dequant_byte_groups,
         dequant_centroid_groups,
-        dequant_nibble_groups,
+        grouped_quads,
         nibble_quads,
         staging_layout,
     )
@@ -175,8 +176,8 @@ if HAVE_GLUON:
         # W warps split the tile's keys (scores) and the output's channels (values)
         # KIND: the pages (KINDS); all but 16-bit ones hold one-byte codes (or two nibbles a byte)
         QUANT: gl.constexpr = KIND != 0
-        # q4_g32 and TurboQuant (a scale, and a zero, a group of NG): each tile dequantised into
-        # fp16 tiles, then the loop of 16-bit pages
+        # q4_g32 and TurboQuant: a scale, and a zero, a group of NG (q4_g32's on its operands in
+        # registers; TurboQuant's tiles dequantised into fp16 tiles, then the loop of 16-bit pages)
         GROUPED: gl.constexpr = KIND == 4 or KIND == 5
         TQ: gl.constexpr = KIND == 5  # TurboQuant: 8-bit keys, 3-bit values (int32 words)
         NG: gl.constexpr = D // 32 if GROUPED else 0
@@ -184,9 +185,9 @@ if HAVE_GLUON:
         DP: gl.constexpr = D // 2 if (KIND == 2 or KIND == 4) else D  # stored elements a row (nibbles: two a byte)
         # one-byte codes are read as int16 (a key's two bytes an element) and become PARTS
         # operands of interleaved channels (channel PARTS c + i in part i): two, four for q4
-        PARTS: gl.constexpr = 4 if KIND == 2 else (2 if (KIND == 1 or KIND == 3) else 1)
+        PARTS: gl.constexpr = 4 if (KIND == 2 or KIND == 4) else (2 if (KIND == 1 or KIND == 3) else 1)
         TOKEN_SCALES: gl.constexpr = QUANT and not GROUPED  # one scale a token, on scores and probabilities
-        QP: gl.constexpr = PARTS if (KIND == 2 or KIND == 3) else 1  # the query's parts (q8 keys: an int8 dot)
+        QP: gl.constexpr = PARTS if KIND >= 2 else 1  # the query's parts (q8 keys: an int8 dot; TurboQuant: 1)
         # elements of a 16-byte copy; 8-byte ones where 16-byte ones would cover more rows than
         # the tile has (q4 at head_dim 64 and 32 keys)
         VEC16: gl.constexpr = 16 if QUANT else 8
@@ -237,7 +238,7 @@ if HAVE_GLUON:
         if QP > 1:
             qa = gl.convert_layout((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
             qb = gl.convert_layout((gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
-            if KIND == 2:
+            if PARTS == 4:
                 qc = gl.convert_layout((gl.load(q_ptr + 2, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
                 qd = gl.convert_layout((gl.load(q_ptr + 3, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
         else:
@@ -272,10 +273,10 @@ if HAVE_GLUON:
                 vz_smem = vs_smem
             else:
                 vz_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
-            # the dequantised tile being scored
-            STG: gl.constexpr = staging_layout(BLOCK_N, D)
-            k_fp = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], STG)
-            v_fp = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], STG)
+            if TQ:  # the dequantised tile being scored
+                STG: gl.constexpr = staging_layout(BLOCK_N, D)
+                k_fp = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], STG)
+                v_fp = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], STG)
         elif QUANT:
             ks_smem = gl.allocate_shared_memory(gl.float32, [NS, BLOCK_N], FLAT)
             vs_smem = gl.allocate_shared_memory(gl.float32, [NS, BLOCK_N], FLAT)
@@ -314,27 +315,24 @@ if HAVE_GLUON:
                         BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG, TQ, CPV)  # fmt: skip
             blk, blks = _tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
             st = i % NS
-            if GROUPED:  # everyone is done with the last tile's fp16 tiles (the barrier above)
-                if TQ:
-                    dequant_byte_groups(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), k_fp, BLOCK_N, D, NG,
-                                        DQ2, DQ3)  # fmt: skip
-                    dequant_centroid_groups(v_smem.index(st), vs_smem.index(st), v_fp, BLOCK_N, D, NG, DQW2, DQW3)
-                else:
-                    dequant_nibble_groups(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), k_fp, BLOCK_N, D,
-                                          NG, DQ2, DQ3)  # fmt: skip
-                    dequant_nibble_groups(v_smem.index(st), vs_smem.index(st), vz_smem.index(st), v_fp, BLOCK_N, D,
-                                          NG, DQ2, DQ3)  # fmt: skip
+            if TQ:  # everyone is done with the last tile's fp16 tiles (the barrier above)
+                dequant_byte_groups(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), k_fp, BLOCK_N, D, NG,
+                                    DQ2, DQ3)  # fmt: skip
+                dequant_centroid_groups(v_smem.index(st), vs_smem.index(st), v_fp, BLOCK_N, D, NG, DQW2, DQW3)
                 _barrier()
                 kt = k_fp.permute((1, 0)).load(KB)
-            elif KIND >= 2:  # (D / PARTS, BLOCK_N) int16
+            elif KIND >= 2:  # (D / PARTS, BLOCK_N) int16 (q4, fp8, q4_g32)
                 kt = as_int16(k_smem.index(st), [BLOCK_N, D // PARTS], TILE16).permute((1, 0)).load(KB)
             else:
                 kt = k_smem.index(st).permute((1, 0)).load(KB)  # (DP, BLOCK_N)
             if KIND == 1:
                 s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.int32, MMA))
                 s = s.to(gl.float32) * gl.expand_dims(q_sc, 1)
-            elif KIND == 2:
-                k0, k1, k2, k3 = nibble_quads(kt)
+            elif PARTS == 4:
+                if KIND == 4:  # q4_g32: the keys' groups' scales and zeros on the operands
+                    k0, k1, k2, k3 = grouped_quads(kt, ks_smem.index(st), kz_smem.index(st), NG, True)
+                else:
+                    k0, k1, k2, k3 = nibble_quads(kt)
                 s = mma_v2(qa, k0, gl.zeros([16, BLOCK_N], gl.float32, MMA))
                 s = mma_v2(qd, k3, mma_v2(qc, k2, mma_v2(qb, k1, s)))
             elif KIND == 3:
@@ -352,13 +350,17 @@ if HAVE_GLUON:
             p = gl.exp2(s - gl.expand_dims(m_safe, 1))
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            if TOKEN_SCALES:  # the values' scales on the probabilities; the codes (exact in fp16) as operands
-                p = p * gl.expand_dims(vs_smem.index(st).load(COLS), 0)
+            if PARTS > 1:  # one-byte codes as operands: q8, q4 and fp8 (exact in fp16) and q4_g32's
+                if TOKEN_SCALES:  # the values' scales on the probabilities
+                    p = p * gl.expand_dims(vs_smem.index(st).load(COLS), 0)
                 pa = gl.convert_layout(p.to(gl.float16), PA)
                 vt = as_int16(v_smem.index(st), [BLOCK_N, D // PARTS], TILE16).load(VB)
                 a2 = gl.expand_dims(alpha, 1)
-                if KIND == 2:
-                    v0, v1, v2, v3 = nibble_quads(vt)
+                if PARTS == 4:
+                    if KIND == 4:
+                        v0, v1, v2, v3 = grouped_quads(vt, vs_smem.index(st), vz_smem.index(st), NG, False)
+                    else:
+                        v0, v1, v2, v3 = nibble_quads(vt)
                     acc2 = mma_v2(pa, v2, acc2 * a2)
                     acc3 = mma_v2(pa, v3, acc3 * a2)
                 else:
@@ -403,12 +405,13 @@ if HAVE_GLUON:
 KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3, "q4_g32": 4, "tq": 5}
 #: a default launch by page kind: (keys a tile, warps a program, programs resident a
 #: multiprocessor, whose whole waves the split plan fills). Four warps at 96-128 registers a
-#: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 205-218
-#: registers: two a quarter of the register file, eight programs; q4_g32's 16-key tiles at 168
-#: registers: twelve (H200 sweeps, benchmarks/RESULTS.md 2026-12-03). TurboQuant's 16-key tiles
-#: on one warp: twelve, at the register cap below (32-key tiles on one warp and on four were
-#: slower; benchmarks/RESULTS.md 2026-12-04)
-TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (16, 1, 12),
+#: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 205-240
+#: registers: two a quarter of the register file, eight programs (H200 sweeps,
+#: benchmarks/RESULTS.md 2026-12-03; q4_g32's 32-key tiles 3-10% faster than its 16-key ones at
+#: 167 registers in waves of twelve, 2026-12-04). TurboQuant's 16-key tiles on one warp: twelve,
+#: at the register cap below (32-key tiles on one warp and on four were slower;
+#: benchmarks/RESULTS.md 2026-12-04)
+TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (32, 1, 8),
           "tq": (16, 1, 12)}
 #: a register cap by page kind, for launches of its :data:`TILING` tile and warps. TurboQuant's
 #: 16-key one-warp programs take 191 registers a thread uncapped, two a quarter of the register

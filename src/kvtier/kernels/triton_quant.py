@@ -382,10 +382,11 @@ def _nibbles_asm(offset: int, pairs: bool = False) -> str:
         }}"""
 
 
-#: the nibble conversions' PTX: offset -8 (q4's signed codes) and 0, and q4's in pairs
+#: the nibble conversions' PTX: offset -8 (q4's signed codes) and 0, and both in pairs
 NIBBLES_M8_ASM = tl.constexpr(_nibbles_asm(-8))
 NIBBLES_ASM = tl.constexpr(_nibbles_asm(0))
 NIBBLES_M8_PAIRS_ASM = tl.constexpr(_nibbles_asm(-8, pairs=True))
+NIBBLES_PAIRS_ASM = tl.constexpr(_nibbles_asm(0, pairs=True))
 
 
 @triton.jit
