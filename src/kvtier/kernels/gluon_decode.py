@@ -203,8 +203,8 @@ if HAVE_GLUON:
         # the scales: one a token (SC), or NG of each of scales and zeros (SG)
         SG: gl.constexpr = gl.BlockedLayout([1, NG1], [32, 1], [W, 1], [1, 0])
         SC: gl.constexpr = gl.SliceLayout(1, SG) if GROUPED else gl.BlockedLayout([1], [32], [W], [0])
-        # the codes a thread dequantises: one group of one key (q4_g32 16 bytes, TurboQuant keys
-        # 32, its values four words)
+        # the codes a thread dequantises (TurboQuant only): one group of one key, 32 key bytes or
+        # four value words
         DQE: gl.constexpr = 32 if TQ else 16
         DQ2: gl.constexpr = gl.BlockedLayout([1, DQE], [32 // NG1, NG1], [W, 1], [1, 0])
         DQ3: gl.constexpr = gl.BlockedLayout([1, 1, DQE], [32 // NG1, NG1, 1], [W, 1, 1], [2, 1, 0])
