@@ -405,7 +405,7 @@ if HAVE_GLUON:
 KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3, "q4_g32": 4, "tq": 5}
 #: a default launch by page kind: (keys a tile, warps a program, programs resident a
 #: multiprocessor, whose whole waves the split plan fills). Four warps at 96-128 registers a
-#: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 205-240
+#: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 205-242
 #: registers: two a quarter of the register file, eight programs (H200 sweeps,
 #: benchmarks/RESULTS.md 2026-12-03; q4_g32's 32-key tiles 3-10% faster than its 16-key ones at
 #: 167 registers in waves of twelve, 2026-12-04). TurboQuant's 16-key tiles on one warp: twelve,
