@@ -106,12 +106,14 @@ def test_the_step_grows_the_caches_across_their_capacity(monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("shape", [(64, 4, 2), (256, 4, 2), (256, 2, 1)], ids=["d16", "d64", "d128"])
+@pytest.mark.parametrize("shape", [(64, 4, 2), (256, 4, 2), (128, 2, 2), (192, 3, 1), (256, 4, 1), (256, 2, 1)],
+                         ids=["d16", "d64", "d64-g1", "d64-g3", "d64-g4", "d128"])
 def test_long_contexts_split_each_kv_heads_keys_and_merge(monkeypatch, threads, shape):
     """600 keys: attention runs in splits of a KV head's keys (at least 64 each, 4 tasks a thread
     where the keys allow), each split's softmax parts merged; the vector exp's values too. Head
     dims of 64 and 128 take the one-token AVX2 loops (four keys' scores a pass, 64 keys' values
-    a block, keys left over past a multiple of four)."""
+    a block, keys left over past a multiple of four); with AVX-512, a head dim of 64 weighs the
+    values of a group of one to four query heads in one pass."""
     dim, heads, kv_heads = shape
     model = small_model(dim=dim, n_heads=heads, n_kv_heads=kv_heads)
     prompt = [torch.randint(0, 128, (600,), generator=torch.Generator().manual_seed(1)).tolist()]
@@ -390,7 +392,8 @@ def assert_same_half_decode(model, monkeypatch, kv_dtype=torch.float16, **kw):
     return got
 
 
-@pytest.mark.parametrize("shape", [(64, 4, 2), (256, 4, 2), (256, 2, 1)], ids=["d16", "d64", "d128"])
+@pytest.mark.parametrize("shape", [(64, 4, 2), (256, 4, 2), (128, 2, 2), (192, 3, 1), (256, 4, 1), (256, 2, 1)],
+                         ids=["d16", "d64", "d64-g1", "d64-g3", "d64-g4", "d128"])
 def test_float16_caches_give_the_layered_forwards_logits(monkeypatch, shape):
     """Head dims 64 and 128 read the float16 rows in the one-token AVX2 loops (converted as they
     are loaded), 16 converts a split's rows first; 300 keys, several splits."""

@@ -260,6 +260,34 @@ static inline __attribute__((always_inline)) float load1(const void* p, int64_t 
   return half ? h2f(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
 
+#if defined(__AVX512F__)
+/* the weighted values of attend_one_avx2 for a head dim of 64 and its G (at most 4) query heads
+   together: each value row is loaded once, four 16-lane registers, for all of them (the 8-lane
+   loop reads it once a head), G x 4 registers of sums. Each sum takes its keys in the same order
+   with the same multiply-adds, so the same bits. */
+static inline __attribute__((always_inline)) void values64_512(const float* s, int64_t stride, const void* V,
+    const int half, int64_t j0, int64_t e, const int64_t G, float* part, int64_t pstride) {
+  const int64_t es = half ? 2 : 4;
+  __m512 v[4][4];
+  for (int g = 0; g < 4; g++)
+    for (int c = 0; c < 4; c++) v[g][c] = _mm512_setzero_ps();
+  for (int64_t i = j0; i < e; i++) {
+    for (int64_t c = 0; c < 64 * es; c += 64)  /* the row 16 keys on, asked for ahead of time */
+      _mm_prefetch((const char*)V + (i + 16) * 64 * es + c, _MM_HINT_T0);
+    __m512 r[4];
+    for (int c = 0; c < 4; c++)
+      r[c] = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)V + i * 64 + 16 * c)))
+                  : _mm512_loadu_ps((const float*)V + i * 64 + 16 * c);
+    for (int64_t g = 0; g < G; g++) {
+      const __m512 w = _mm512_set1_ps(s[g * stride + i]);
+      for (int c = 0; c < 4; c++) v[g][c] = _mm512_fmadd_ps(w, r[c], v[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < G; g++)
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(part + g * pstride + 2 + 16 * c, v[g][c]);
+}
+#endif
+
 /* attend_chunk for one token (a decode step) and a head dim DC of 64 or 128, 8 lanes wide:
    the scores of four keys a pass for each query head (their four dot products summed across
    lanes together, not one horizontal sum per key), and the weighted values of 64 keys at a
@@ -299,6 +327,14 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
       s[g * stride + j] = dot * scale;
     }
   for (int64_t g = 0; g < G; g++) softmax_part(s + g * stride, j0, e, part + g * pstride);
+#if defined(__AVX512F__)
+  if (DC == 64 && G <= 4) {  /* (a constant group: the sums stay in registers) */
+    if (G == 1) values64_512(s, stride, V, half, j0, e, 1, part, pstride);
+    else if (G == 2) values64_512(s, stride, V, half, j0, e, 2, part, pstride);
+    else if (G == 3) values64_512(s, stride, V, half, j0, e, 3, part, pstride);
+    else values64_512(s, stride, V, half, j0, e, 4, part, pstride);
+  } else
+#endif
   for (int64_t h0 = 0; h0 < DC; h0 += 64)  /* 64 channels at a time: 8 registers of sums */
     for (int64_t b = j0; b < e; b += 64) {
       const int64_t be = b + 64 < e ? b + 64 : e;
