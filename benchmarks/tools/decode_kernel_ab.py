@@ -4,7 +4,7 @@ TurboQuant's CUDA-core kernel), at the defaults
 and other tiles, warps a program and split counts, on the shapes of issue 15 and a serving step.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/tools/decode_kernel_ab.py [--out DIR] [--modes fp,tq]
-        [--shapes 64x8192,serve]
+        [--shapes 64x8192,serve] [--plans "default,gluon 32 w1"]
 
 Times: medians of CUDA-graph replays over replicas beyond 4x the L2
 (``kvtier_bench.attention.time_calls``); the last column is the largest difference from the
@@ -82,8 +82,9 @@ def summary(results: list[dict]) -> list[str]:
         def ratio(us, base=base):
             return f"{base / us:.2f}x" if base else "-"
 
-        out.append(f"| {shape} | {pages} | {t['default']:.2f} | {ratio(t['default'])} | {best} | {t[best]:.2f} | "
-                   f"{ratio(t[best])} |")
+        d = t.get("default")  # (a run of other plans only has none)
+        default = f"{d:.2f} | {ratio(d)}" if d else "- | -"
+        out.append(f"| {shape} | {pages} | {default} | {best} | {t[best]:.2f} | {ratio(t[best])} |")
     return out
 
 
@@ -100,7 +101,10 @@ def main() -> None:
     p.add_argument("--shapes", default="64x8192,8x16384,8x4096,1x4096,1x16384,32x4096,serve",
                    help="BxL, comma-separated; serve: a serving step (256 rows of 64-1,280 keys); "
                         "the CPU smoke run takes 2x64")
+    p.add_argument("--plans", default=None,
+                   help="only these plans, comma-separated by name (default, mma, gluon 32 w1, ...); all by default")
     args = p.parse_args()
+    only = None if args.plans is None else {n.strip() for n in args.plans.split(",")}
     wanted = parse_shapes(args.shapes)
     if wanted is None:
         p.error(f"--shapes takes BxL items (or serve), comma-separated, such as 64x8192,serve; got {args.shapes!r}")
@@ -132,6 +136,8 @@ def main() -> None:
                 r.kv_len = lens.to(dev)
             ref = base.attention(LaunchConfig(decode_kernel="mma")).float()
             for plan, (knobs, cfg) in plans(mode, B, cuda).items():
+                if only is not None and plan not in only:
+                    continue
                 saved = {k: getattr(gluon_decode, k) for k in knobs}
                 for k, v in knobs.items():
                     setattr(gluon_decode, k, v)

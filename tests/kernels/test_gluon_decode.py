@@ -135,11 +135,14 @@ def test_a_config_with_the_mma_kernels_settings_stays_on_it(monkeypatch, plan):
     assert (_attend(c, q, qs, num_splits=2) == 0).all() and calls == [1]
 
 
+TQ_KIND = {TQ: "tq"}
+
+
 @pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp", TQ])
 def test_the_default_kinds_and_limited_ones_only_in_small_launches(monkeypatch, mode):
-    """q8, q4, fp8, q4_g32 and TurboQuant decode steps go here by default; 16-bit and q4_g32 ones only while
-    the launch has at most GLUON_DECODE[kind] (row, kv head) pairs (16-bit pages lost to the MMA
-    kernel at B=64 / 8k, q4_g32 pages at a serving step's 2,048 pairs)."""
+    """q8, q4, fp8, q4_g32 and TurboQuant decode steps go here by default, whatever the launch's
+    size; 16-bit ones only while the launch has at most GLUON_DECODE["fp"] (row, kv head) pairs
+    (they lost to the MMA kernel at B=64 / 8k)."""
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     calls = []
     monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
@@ -147,12 +150,12 @@ def test_the_default_kinds_and_limited_ones_only_in_small_launches(monkeypatch, 
         return calls.append(q.shape[0]) or torch.zeros(q.shape, dtype=out_dtype, device=q.device)
 
     monkeypatch.setattr(gluon_decode, "_step", step)
+    assert triton_attention.GLUON_DECODE[TQ_KIND.get(mode, mode)] is None or mode == "fp"
     monkeypatch.setitem(triton_attention.GLUON_DECODE, "fp", 4)
-    monkeypatch.setitem(triton_attention.GLUON_DECODE, "q4_g32", 4)
     for B in (2, 3):  # 4 and 6 pairs
         c, q, qs = _case(mode, B, 4, 2, 64, [20] * B, dtype)
         _attend(c, q, qs)
-    assert calls == ([2] if mode in ("fp", "q4_g32") else [2, 3])
+    assert calls == ([2] if mode == "fp" else [2, 3])
 
 
 @pytest.mark.gpu

@@ -7,12 +7,12 @@ Two ways a tile of codes meets the tensor cores:
   key an element, and a byte permutation turns a register into the fp16 pairs of two channels
   (:func:`byte_pairs`, :func:`nibble_quads`). q4_g32's nibbles alike, and its scale and zero a
   group of 32 channels, which vary along the dots' depth, go on the operands in registers
-  (:func:`grouped_quads`);
-- dequantised into an fp16 tile in shared memory first (TurboQuant): a thread holds one group
-  of 32 channels of one key at a time, its 8-bit keys (:func:`dequant_byte_groups`) and 3-bit
-  Lloyd-Max values (:func:`dequant_centroid_groups`), whose centroids are looked up four at a
-  time by two byte permutations; the tile's layout (:func:`staging_bases`) keeps its stores and
-  reads clear of bank conflicts.
+  (:func:`grouped_quads`), and TurboQuant's 8-bit keys likewise in two parts
+  (:func:`grouped_pairs`);
+- dequantised into an fp16 tile in shared memory first (TurboQuant's 3-bit Lloyd-Max values,
+  :func:`dequant_centroid_groups`): a thread holds one group of 32 channels of one key at a
+  time, whose centroids are looked up four at a time by two byte permutations; the tile's layout
+  (:func:`staging_bases`) keeps its stores and reads clear of bank conflicts.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvtier.kernels.triton_quant import (
     INT8_PAIRS_ASM,
     NIBBLES_M8_PAIRS_ASM,
     NIBBLES_PAIRS_ASM,
-    UINT8_ASM,
+    UINT8_PAIRS_ASM,
 )
 from kvtier.quant.lloyd_max import lloyd_max_quantizer
 
@@ -108,32 +108,55 @@ if HAVE_GLUON:
             asm: gl.constexpr = NIBBLES_PAIRS_ASM
         return gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
 
+    @gluon.constexpr_function
+    def _group_shape(shape, ng, keys_last):
+        """``shape`` (``[depth, keys]``, ``keys_last``, or ``[keys, depth]``) with its depth split
+        into ``ng`` groups."""
+        return [ng, shape[0] // ng, shape[1]] if keys_last else [shape[0], ng, shape[1] // ng]
+
+    @gluon.jit
+    def _group_scales(x, scales, zeros, shape: gl.constexpr, KEYS_LAST: gl.constexpr):
+        """``scales`` and ``zeros`` (``[keys, NG]`` in shared memory) loaded to broadcast over
+        ``x`` seen as ``shape`` (:func:`_group_shape`), in the slice of ``x``'s own layout seen
+        so: a thread loads the few scales its elements take, and nothing moves between threads."""
+        if KEYS_LAST:
+            sl: gl.constexpr = gl.SliceLayout(1, x.reshape(shape).type.layout)
+            s = gl.expand_dims(scales.permute((1, 0)).load(sl), 1)
+            z = gl.expand_dims(zeros.permute((1, 0)).load(sl), 1)
+        else:
+            sl: gl.constexpr = gl.SliceLayout(2, x.reshape(shape).type.layout)
+            s = gl.expand_dims(scales.load(sl), 2)
+            z = gl.expand_dims(zeros.load(sl), 2)
+        return s, z
+
+    @gluon.jit
+    def _affine(c, s, z, shape: gl.constexpr):
+        """``c * s + z`` (one fp16 FMA) with ``c`` seen as ``shape``, back in ``c``'s layout."""
+        return gl.convert_layout((c.reshape(shape) * s + z).reshape(c.shape), c.type.layout, assert_trivial=True)
+
     @gluon.jit
     def grouped_quads(x, scales, zeros, NG: gl.constexpr, KEYS_LAST: gl.constexpr):
         """:func:`nibble_quads` of q4_g32 codes (unsigned nibbles), each channel part times its
         group's scale plus its zero (one fp16 FMA). ``x``: ``[D / 4, keys]`` (``KEYS_LAST``, the
         keys' operand) or ``[keys, D / 4]`` (the values'), whose element ``c`` holds channels
         ``4 c .. 4 c + 3``, in group ``c // 8``; ``scales``, ``zeros``: ``[keys, NG]`` in shared
-        memory. Each part is seen as three axes, the group, its eight elements and the keys, in
-        the dot operand's own layout: a thread loads the few scales its elements take, and
-        nothing moves between threads."""
-        if KEYS_LAST:
-            shape: gl.constexpr = [NG, x.shape[0] // NG, x.shape[1]]
-            sl: gl.constexpr = gl.SliceLayout(1, x.reshape(shape).type.layout)
-            s = gl.expand_dims(scales.permute((1, 0)).load(sl), 1)
-            z = gl.expand_dims(zeros.permute((1, 0)).load(sl), 1)
-        else:
-            shape: gl.constexpr = [x.shape[0], NG, x.shape[1] // NG]
-            sl: gl.constexpr = gl.SliceLayout(2, x.reshape(shape).type.layout)
-            s = gl.expand_dims(scales.load(sl), 2)
-            z = gl.expand_dims(zeros.load(sl), 2)
+        memory (:func:`_group_scales`)."""
+        shape: gl.constexpr = _group_shape(x.shape, NG, KEYS_LAST)
+        s, z = _group_scales(x, scales, zeros, shape, KEYS_LAST)
         c0, c1, c2, c3 = nibble_quads(x, False)
-        lay: gl.constexpr = c0.type.layout
-        c0 = gl.convert_layout((c0.reshape(shape) * s + z).reshape(c0.shape), lay, assert_trivial=True)
-        c1 = gl.convert_layout((c1.reshape(shape) * s + z).reshape(c1.shape), lay, assert_trivial=True)
-        c2 = gl.convert_layout((c2.reshape(shape) * s + z).reshape(c2.shape), lay, assert_trivial=True)
-        c3 = gl.convert_layout((c3.reshape(shape) * s + z).reshape(c3.shape), lay, assert_trivial=True)
-        return c0, c1, c2, c3
+        return _affine(c0, s, z, shape), _affine(c1, s, z, shape), _affine(c2, s, z, shape), _affine(c3, s, z, shape)
+
+    @gluon.jit
+    def grouped_pairs(x, scales, zeros, NG: gl.constexpr):
+        """The keys' operands of TurboQuant's unsigned 8-bit codes: ``x`` ``[D / 2, keys]``
+        int16, element ``c`` channels ``2 c`` and ``2 c + 1`` of one key (group ``c // 16``); the
+        fp16 pairs of two keys of one channel as :func:`byte_pairs` makes them, each times its
+        group's scale plus its zero (one fp16 FMA)."""
+        shape: gl.constexpr = _group_shape(x.shape, NG, True)
+        s, z = _group_scales(x, scales, zeros, shape, True)
+        c0, c1 = gl.inline_asm_elementwise(UINT8_PAIRS_ASM, "=r,=r,r", [x], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=2)  # fmt: skip
+        return _affine(c0, s, z, shape), _affine(c1, s, z, shape)
 
     @gluon.jit
     def as_int16(tile, shape: gl.constexpr, layout: gl.constexpr):
@@ -162,18 +185,6 @@ if HAVE_GLUON:
         else:  # q8 (triton_quant._int8_asm)
             asm: gl.constexpr = INT8_PAIRS_ASM
         return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-
-    @gluon.jit
-    def dequant_byte_groups(codes, scales, zeros, stage, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                            NG: gl.constexpr, DQ2: gl.constexpr, DQ3: gl.constexpr):  # fmt: skip
-        """``zero + scale * code`` in fp16 of a tile of unsigned 8-bit codes (TurboQuant keys; an
-        fp16 scale and zero a group of 32 channels) stored into the fp16 tile ``stage``: a thread
-        holds one group of one key, 32 bytes, at a time."""
-        x = gl.convert_layout(codes.load(DQ2).reshape([BLOCK_N, NG, 32]), DQ3, assert_trivial=True)
-        u = gl.inline_asm_elementwise(UINT8_ASM, "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
-        sc = gl.expand_dims(scales.load(gl.SliceLayout(2, DQ3)), 2)
-        z = gl.expand_dims(zeros.load(gl.SliceLayout(2, DQ3)), 2)
-        stage.store((u * sc + z).reshape([BLOCK_N, D]))
 
     @gluon.jit
     def dequant_centroid_groups(words, scales, stage, BLOCK_N: gl.constexpr, D: gl.constexpr, NG: gl.constexpr,

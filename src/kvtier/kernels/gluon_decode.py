@@ -20,8 +20,10 @@ of the kv head padded to 16 rows; the softmax runs on exp2. Pages (:data:`KINDS`
   q4's do, and each takes its group's scale and zero in one FMA before the dots;
 - TurboQuant's default pages (unsigned 8-bit keys with an fp16 scale and zero a group of 32
   channels, 3-bit Lloyd-Max values with an fp16 scale a group; :mod:`kvtier.kernels.gluon_codes`):
-  each tile is dequantised into fp16 tiles in shared memory first (a thread one group of one key),
-  then scored as 16-bit pages are; the values copied as 4-byte words (12 bytes a group of codes);
+  the keys become two channel parts in registers as fp8's bytes do, each taking its group's
+  scale and zero as q4_g32's; the values are dequantised into an fp16 tile in shared memory
+  first (a thread one group of one key, copied as 4-byte words: 12 bytes a group of codes),
+  then weighed as 16-bit pages are;
 - 16-bit pages: the same loop in bf16/fp16.
 
 ``W`` warps a program (:data:`TILING` by page kind): four split a tile's keys for the scores and
@@ -70,8 +72,8 @@ try:
     from kvtier.kernels.gluon_codes import (
         as_int16,
         byte_pairs,
-        dequant_byte_groups,
         dequant_centroid_groups,
+        grouped_pairs,
         grouped_quads,
         nibble_quads,
         staging_layout,
@@ -186,8 +188,10 @@ if HAVE_GLUON:
         # one-byte codes are read as int16 (a key's two bytes an element) and become PARTS
         # operands of interleaved channels (channel PARTS c + i in part i): two, four for q4
         PARTS: gl.constexpr = 4 if (KIND == 2 or KIND == 4) else (2 if (KIND == 1 or KIND == 3) else 1)
+        # the keys' parts: PARTS, and TurboQuant's 8-bit keys two (its values dequantised, one)
+        KPARTS: gl.constexpr = 2 if TQ else PARTS
         TOKEN_SCALES: gl.constexpr = QUANT and not GROUPED  # one scale a token, on scores and probabilities
-        QP: gl.constexpr = PARTS if KIND >= 2 else 1  # the query's parts (q8 keys: an int8 dot; TurboQuant: 1)
+        QP: gl.constexpr = KPARTS if KIND >= 2 else 1  # the query's parts (q8 keys: an int8 dot)
         # elements of a 16-byte copy; 8-byte ones where 16-byte ones would cover more rows than
         # the tile has (q4 at head_dim 64 and 32 keys)
         VEC16: gl.constexpr = 16 if QUANT else 8
@@ -203,11 +207,7 @@ if HAVE_GLUON:
         # the scales: one a token (SC), or NG of each of scales and zeros (SG)
         SG: gl.constexpr = gl.BlockedLayout([1, NG1], [32, 1], [W, 1], [1, 0])
         SC: gl.constexpr = gl.SliceLayout(1, SG) if GROUPED else gl.BlockedLayout([1], [32], [W], [0])
-        # the codes a thread dequantises (TurboQuant only): one group of one key, 32 key bytes or
-        # four value words
-        DQE: gl.constexpr = 32 if TQ else 16
-        DQ2: gl.constexpr = gl.BlockedLayout([1, DQE], [32 // NG1, NG1], [W, 1], [1, 0])
-        DQ3: gl.constexpr = gl.BlockedLayout([1, 1, DQE], [32 // NG1, NG1, 1], [W, 1, 1], [2, 1, 0])
+        # the codes a thread dequantises (TurboQuant's values): one group of one key, four words
         DQW2: gl.constexpr = gl.BlockedLayout([1, 4], [32 // NG1, NG1], [W, 1], [1, 0])
         DQW3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NG1, NG1, 1], [W, 1, 1], [2, 1, 0])
         # TurboQuant's value words copied with the key rows' threads (4 NG words a row)
@@ -273,9 +273,8 @@ if HAVE_GLUON:
                 vz_smem = vs_smem
             else:
                 vz_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
-            if TQ:  # the dequantised tile being scored
+            if TQ:  # the dequantised values of the tile being scored
                 STG: gl.constexpr = staging_layout(BLOCK_N, D)
-                k_fp = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], STG)
                 v_fp = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], STG)
         elif QUANT:
             ks_smem = gl.allocate_shared_memory(gl.float32, [NS, BLOCK_N], FLAT)
@@ -315,14 +314,11 @@ if HAVE_GLUON:
                         BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG, TQ, CPV)  # fmt: skip
             blk, blks = _tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
             st = i % NS
-            if TQ:  # everyone is done with the last tile's fp16 tiles (the barrier above)
-                dequant_byte_groups(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), k_fp, BLOCK_N, D, NG,
-                                    DQ2, DQ3)  # fmt: skip
+            if TQ:  # everyone is done with the last tile's fp16 values (the barrier above)
                 dequant_centroid_groups(v_smem.index(st), vs_smem.index(st), v_fp, BLOCK_N, D, NG, DQW2, DQW3)
                 _barrier()
-                kt = k_fp.permute((1, 0)).load(KB)
-            elif KIND >= 2:  # (D / PARTS, BLOCK_N) int16 (q4, fp8, q4_g32)
-                kt = as_int16(k_smem.index(st), [BLOCK_N, D // PARTS], TILE16).permute((1, 0)).load(KB)
+            if KIND >= 2:  # (D / KPARTS, BLOCK_N) int16 (q4, fp8, q4_g32, TurboQuant)
+                kt = as_int16(k_smem.index(st), [BLOCK_N, D // KPARTS], TILE16).permute((1, 0)).load(KB)
             else:
                 kt = k_smem.index(st).permute((1, 0)).load(KB)  # (DP, BLOCK_N)
             if KIND == 1:
@@ -335,6 +331,9 @@ if HAVE_GLUON:
                     k0, k1, k2, k3 = nibble_quads(kt)
                 s = mma_v2(qa, k0, gl.zeros([16, BLOCK_N], gl.float32, MMA))
                 s = mma_v2(qd, k3, mma_v2(qc, k2, mma_v2(qb, k1, s)))
+            elif TQ:  # the keys' groups' scales and zeros on the operands
+                k_even, k_odd = grouped_pairs(kt, ks_smem.index(st), kz_smem.index(st), NG)
+                s = mma_v2(qb, k_odd, mma_v2(qa, k_even, gl.zeros([16, BLOCK_N], gl.float32, MMA)))
             elif KIND == 3:
                 k_even, k_odd = byte_pairs(kt, True)
                 s = mma_v2(qb, k_odd, mma_v2(qa, k_even, gl.zeros([16, BLOCK_N], gl.float32, MMA)))

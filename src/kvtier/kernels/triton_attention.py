@@ -81,10 +81,10 @@ INT8_QUERIES = True
 #: names a kernel, a tile, stages or warps (the MMA kernel's settings) or turns int8 queries off.
 #: H200, 32/8 heads, B=64 / 8k: q8 264 against 355 us on the MMA kernel, q4 190 against 327, fp8
 #: 266 against 371, q4_g32 374 against 479 (bf16 488-498); 16-bit pages: B=1 / 4k 11.9 against
-#: 13.2 us, B=8 / 4k 39.0 against 41.0, but B=64 / 8k 500 against 488. q4_g32 up to 1,024 pairs:
-#: at a serving step's 2,048 it took 174.0 us against the MMA kernel's 169.9 (benchmarks/RESULTS.md,
-#: 2026-12-03).
-GLUON_DECODE: dict[str, int | None] = {"q8": None, "q4": None, "fp8": None, "q4_g32": 1024, "fp": 64, "tq": None}
+#: 13.2 us, B=8 / 4k 39.0 against 41.0, but B=64 / 8k 500 against 488 (benchmarks/RESULTS.md,
+#: 2026-12-03). q4_g32 at a serving step's 2,048 pairs, with its codes as operands in registers:
+#: 101.0 against the MMA kernel's 170.5 us (2026-12-04; 174.0 against 169.9 on dequantised tiles).
+GLUON_DECODE: dict[str, int | None] = {"q8": None, "q4": None, "fp8": None, "q4_g32": None, "fp": 64, "tq": None}
 #: Launch the split merge as a programmatic dependent launch on compute capability 9.0+: its
 #: programs are scheduled while the attention programs finish, and wait for their results.
 MERGE_PDL = True

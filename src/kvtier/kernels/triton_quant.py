@@ -343,10 +343,10 @@ def _int8_asm(pairs: bool = False, signed: bool = True) -> str:
         }}"""
 
 
-#: int8 codes to fp16, four a call, and in pairs of int16 elements; unsigned bytes, four a call
+#: int8 codes to fp16, four a call, and in pairs of int16 elements; unsigned bytes in pairs
 INT8_ASM = tl.constexpr(_int8_asm())
 INT8_PAIRS_ASM = tl.constexpr(_int8_asm(pairs=True))
-UINT8_ASM = tl.constexpr(_int8_asm(signed=False))
+UINT8_PAIRS_ASM = tl.constexpr(_int8_asm(pairs=True, signed=False))
 
 
 @triton.jit
