@@ -24,6 +24,11 @@ import torch
 TQ = "turboquant:q8_0,q3_0"
 
 
+#: capped plans by page kind: (keys a tile, warps, programs a wave, registers a thread)
+CAPPED = {"q8": [(64, 4, 5, 96)], "fp8": [(64, 4, 5, 100)], "q4": [(32, 1, 10, 200), (32, 1, 11, 184)],
+          "q4_g32": [(32, 1, 10, 204), (32, 1, 11, 184)], TQ: [(16, 1, 13, 152), (16, 1, 14, 144)]}
+
+
 def plans(mode: str, B, cuda: bool) -> dict:
     """``{name: (knobs, config)}``: the MMA kernel, the default and Gluon plans; ``knobs`` set
     module attributes of :mod:`kvtier.kernels.gluon_decode` for the plan's launches."""
@@ -49,6 +54,10 @@ def plans(mode: str, B, cuda: bool) -> dict:
         out["gluon 16 w1 r8"] = gluon(16, WARPS=1, RESIDENT=8)
         out["gluon 16 w1 r8 uncapped"] = gluon(16, WARPS=1, RESIDENT=8, MAXNREG=255)
     out |= {"gluon 64 w4": gluon(64, WARPS=4, RESIDENT=4), "gluon 32 w1 ns3": gluon(32, stages=3, **w1)}
+    # the default tiles under a register cap, for more programs a multiprocessor (each cap is the
+    # lowest whose sm_90 loop, compiled offline under Triton 3.9, kept no spills)
+    for bn, w, r, cap in CAPPED.get(mode, []):
+        out[f"gluon {bn} w{w} r{r} c{cap}"] = gluon(bn, WARPS=w, RESIDENT=r, MAXNREG=cap)
     if B != "serve" and B >= 8:
         out |= {f"gluon 32 w1 s{s}": gluon(32, splits=s, **w1) for s in (8, 16)}
     return out
