@@ -63,7 +63,9 @@ PARALLEL=()
 PYTEST=("$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider "${PARALLEL[@]}")
 # (the compile-counting tests go with the kernel grids: at 200 s the first step ran out of time
 #  after its last test on 2026-12-03, with them among its 310; on 2026-12-04, with TurboQuant's
-#  Gluon tests, it took 220 s alone and the kernel grids 49; later that day 242 s and 57)
+#  Gluon tests, it took 220 s alone and the kernel grids 49; later that day 242 s and 57, then
+#  ran out of time at 260 s: its long rows were drawn and encoded on the host's cores, up to
+#  174 s a test. On the GPU: 83 s, 328 passed)
 KERNEL_GLOB=(tests/kernels/test_triton_*.py tests/kernels/test_specialization.py)
 mapfile -t TIER_TESTS < <(grep -rl "mark.gpu" tests --include="test_*.py" \
     | grep -v -e "tests/kernels/test_triton_" -e "tests/kernels/test_specialization.py")

@@ -69,8 +69,9 @@ _kernels_in_this_process, test_in_a_fresh_process = in_this_process_or_a_fresh_o
 
 # -- building paged caches ------------------------------------------------------------------
 def alloc_pages(codec: Codec, num_blocks: int, page: int, H: int, gen: torch.Generator):
-    """Pages and sidecars filled with the encoding of random data (never zeros)."""
-    x = torch.randn(num_blocks, page, H, codec.head_dim, generator=gen).to(codec.dtype)
+    """Pages and sidecars filled with the encoding of random data (never zeros), drawn and
+    encoded on ``gen``'s device (a long row's gigabytes took minutes on the host's cores)."""
+    x = torch.randn(num_blocks, page, H, codec.head_dim, generator=gen, device=gen.device).to(codec.dtype)
     payload, side = codec.encode(x)
     return payload.to(DEVICE), {n: t.to(DEVICE) for n, t in side.items()}
 
@@ -82,8 +83,9 @@ def build_cache(mode, B, H_kv, D, page, lengths, dtype, seed=0):
     per_row = [max(1, math.ceil(n / page)) for n in lengths]
     max_blocks = max(per_row)
     num_blocks = sum(per_row) + 2  # two blocks no row owns: their garbage must never leak in
-    kp, ks = alloc_pages(kc, num_blocks, page, H_kv, gen)
-    vp, vs = alloc_pages(vc, num_blocks, page, H_kv, gen)
+    pages_gen = gen if DEVICE.type == "cpu" else torch.Generator(device=DEVICE).manual_seed(seed)
+    kp, ks = alloc_pages(kc, num_blocks, page, H_kv, pages_gen)
+    vp, vs = alloc_pages(vc, num_blocks, page, H_kv, pages_gen)
     perm = torch.randperm(num_blocks, generator=gen)
     table = torch.zeros(B, max_blocks, dtype=torch.int32)
     used = 0
