@@ -415,7 +415,8 @@ TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8
 #: a register cap by page kind, for launches of its :data:`TILING` tile and warps. TurboQuant's
 #: 16-key one-warp programs take 191 registers a thread uncapped, two a quarter of the register
 #: file; at 168 (no spills, sm_90 under Triton 3.6) three. H200, B=64 / 8k: 458.2 us capped in
-#: waves of twelve, 501.4 uncapped in waves of eight (benchmarks/RESULTS.md, 2026-12-04)
+#: waves of twelve, 501.4 uncapped in waves of eight; with its keys in registers 168 and no
+#: spills, 378-382 us (benchmarks/RESULTS.md, 2026-12-04)
 MAXNREG_BY_KIND = {"tq": 168}
 #: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
 RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
