@@ -69,8 +69,8 @@ def _run(asm, args: dict[str, int]) -> dict[str, int]:
 
 def test_unsigned_bytes_become_their_fp16_values():
     """Every byte value (TurboQuant's 8-bit keys), four to a register as two int16 elements
-    ``b0 b1`` and ``b2 b3`` (two channels of one key each), as the fp16 pairs of one channel:
-    ``b0 b2`` and ``b1 b3``."""
+    ``b0 b1`` and ``b2 b3`` (two channels of one key each), as the fp16 pairs of the elements'
+    first channels, ``b0 b2``, and of their second, ``b1 b3``."""
     for first in range(0, 256, 4):
         word = int.from_bytes(bytes(range(first, first + 4)), "little")
         r = _run(UINT8_PAIRS_ASM, {"$2": word})

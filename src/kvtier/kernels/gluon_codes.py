@@ -149,9 +149,11 @@ if HAVE_GLUON:
     @gluon.jit
     def grouped_pairs(x, scales, zeros, NG: gl.constexpr):
         """The keys' operands of TurboQuant's unsigned 8-bit codes: ``x`` ``[D / 2, keys]``
-        int16, element ``c`` channels ``2 c`` and ``2 c + 1`` of one key (group ``c // 16``); the
-        fp16 pairs of two keys of one channel as :func:`byte_pairs` makes them, each times its
-        group's scale plus its zero (one fp16 FMA)."""
+        int16, element ``c`` channels ``2 c`` and ``2 c + 1`` of one key (group ``c // 16``).
+        A register holds two elements along the depth, and one byte permutation makes the fp16
+        pairs of their even channels (part 0) and of their odd ones (part 1), as
+        :func:`byte_pairs` does; each part times its group's scale plus its zero (one fp16
+        FMA, the scale and zero of one key and group for both halves of a register)."""
         shape: gl.constexpr = _group_shape(x.shape, NG, True)
         s, z = _group_scales(x, scales, zeros, shape, True)
         c0, c1 = gl.inline_asm_elementwise(UINT8_PAIRS_ASM, "=r,=r,r", [x], dtype=(gl.float16, gl.float16),
