@@ -88,6 +88,20 @@ def test_asking_for_it_where_it_cannot_run_names_the_reason():
         _attend(c, q, qs, decode_kernel="gluon")
 
 
+@pytest.mark.skipif(IN_PROCESS and not gluon_decode.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("cc, refused", [((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)])
+def test_fp8_pages_need_compute_capability_8_9(monkeypatch, cc, refused):
+    """The kernel's e4m3 pairs' conversion does not assemble for sm_80 (``benchmarks/tools/
+    gluon_offline.py --arch 80``): below 8.9 fp8 pages are refused by name, and go to the MMA
+    kernel without a failed compile; q8 pages are taken on every one of these GPUs."""
+    monkeypatch.setattr(gluon_decode, "capability", lambda device: cc)
+    c, q, _ = _case("fp8", 1, 4, 1, 64, [20], torch.bfloat16)
+    why = gluon_decode.supported(*_formats(c), q, 4, c["kp"])
+    assert (why == f"fp8 pages need compute capability 8.9+ (this GPU: {cc[0]}.{cc[1]})") if refused else why is None
+    c, q, _ = _case("q8", 1, 4, 1, 64, [20], torch.bfloat16)
+    assert gluon_decode.supported(*_formats(c), q, 4, c["kp"]) is None
+
+
 @pytest.mark.parametrize("plan", [dict(num_stages=1), dict(block_n=8), dict(block_n=256), dict(num_warps=8)])
 def test_a_plan_it_cannot_run_is_refused_by_name(plan):
     c, q, qs = _case("q8", 2, 4, 1, 64, [20, 7], torch.bfloat16 if ON_GPU else torch.float32)

@@ -405,18 +405,15 @@ KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3, "q4_g32": 4, "tq": 5}
 #: a default launch by page kind: (keys a tile, warps a program, programs resident a
 #: multiprocessor, whose whole waves the split plan fills). Four warps at 96-128 registers a
 #: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 205-242
-#: registers: two a quarter of the register file, eight programs (H200 sweeps,
-#: benchmarks/RESULTS.md 2026-12-03; q4_g32's 32-key tiles 3-10% faster than its 16-key ones at
-#: 167 registers in waves of twelve, 2026-12-04). TurboQuant's 16-key tiles on one warp: twelve,
-#: at the register cap below (32-key tiles on one warp and on four were slower;
-#: benchmarks/RESULTS.md 2026-12-04)
+#: registers: eight (H200 sweeps, benchmarks/RESULTS.md 2026-12-03; q4_g32's 32-key tiles 3-10%
+#: faster than 16-key ones in waves of twelve, 2026-12-04). TurboQuant's 16-key tiles on one
+#: warp: twelve, at the cap below (32-key tiles on one warp and on four were slower, 2026-12-04)
 TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (32, 1, 8),
           "tq": (16, 1, 12)}
 #: a register cap by page kind, for launches of its :data:`TILING` tile and warps. TurboQuant's
-#: 16-key one-warp programs take 191 registers a thread uncapped, two a quarter of the register
-#: file; at 168 (no spills, sm_90 under Triton 3.6) three. H200, B=64 / 8k: 458.2 us capped in
-#: waves of twelve, 501.4 uncapped in waves of eight; with its keys in registers 168 and no
-#: spills, 378-382 us (benchmarks/RESULTS.md, 2026-12-04)
+#: 16-key one-warp programs took 191 registers a thread uncapped (eight programs), at 168 (no
+#: spills, sm_90, Triton 3.6) twelve: B=64 / 8k 458.2 against 501.4 us; its keys since in
+#: registers, 378-382 us, 168 and no spills (benchmarks/RESULTS.md, 2026-12-04)
 MAXNREG_BY_KIND = {"tq": 168}
 #: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
 RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
@@ -501,11 +498,15 @@ def supported(k_fmt, v_fmt, q: torch.Tensor, group: int, k_payload: torch.Tensor
     D = q.shape[-1]
     if not HAVE_GLUON:
         return "this Triton has no Gluon (triton.experimental.gluon)"
-    if capability(q.device) < (8, 0):
+    cc = capability(q.device)
+    if cc < (8, 0):
         return "it needs a CUDA GPU of compute capability 8.0+"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"it takes fp16 or bf16 queries, not {q.dtype}"
-    if (kind or pages_kind(k_fmt, v_fmt, q, k_payload)) is None:
+    kind = kind or pages_kind(k_fmt, v_fmt, q, k_payload)
+    if kind == "fp8" and cc < (8, 9):  # (its e4m3 pairs' conversion; sm_80 does not assemble it)
+        return f"fp8 pages need compute capability 8.9+ (this GPU: {cc[0]}.{cc[1]})"
+    if kind is None:
         return (
             "it reads keys and values of one kind: q8, q4 or fp8 codes with one scale a token and head, "
             "q4_g32 codes, or pages in the queries' dtype; or TurboQuant's 8-bit keys with 3-bit values"

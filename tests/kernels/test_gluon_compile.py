@@ -1,0 +1,56 @@
+"""The Gluon decode kernel compiled for the GPUs it serves, on a machine without one
+(``benchmarks/tools/gluon_offline.py``, in a fresh process: the tests here run Triton's
+interpreter, which compiles nothing). Every page kind's default launch must assemble for
+sm_90 at head_dim 64 and 128 within its register cap and a multiprocessor's shared memory,
+and for sm_80 all but fp8, which ``gluon_decode.supported`` refuses there. The kernel's
+results on a GPU: ``test_gluon_decode.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "benchmarks" / "tools" / "gluon_offline.py"
+#: shared memory a block may take on sm_80 and sm_90 (227 KB)
+SHARED_LIMIT = 232_448
+KINDS = ["fp", "q8", "q4", "fp8", "q4_g32", "tq"]
+
+
+def _compile(arch: int, head_dims: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, str(TOOL), "--json", "--arch", str(arch), "--head-dims", head_dims],
+                       env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode == 3:
+        pytest.skip(r.stderr.strip())
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])  # (Triton prints a failed assembly's PTX before it)
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    return _compile(90, "64,128")
+
+
+def test_every_kind_assembles_for_sm90_within_its_caps(sm90):
+    from kvtier.kernels.gluon_decode import MAXNREG_BY_KIND
+
+    assert sorted((r["kind"], r["head_dim"]) for r in sm90) == sorted((k, d) for k in KINDS for d in (64, 128))
+    for r in sm90:
+        assert "error" not in r, r
+        assert 0 < r["registers"] <= MAXNREG_BY_KIND.get(r["kind"], 255), r
+        assert r["shared"] <= SHARED_LIMIT, r
+        assert r["loop"] > 0, r
+
+
+def test_sm80_assembles_every_kind_but_fp8():
+    rows = {r["kind"]: r for r in _compile(80, "128")}
+    assert sorted(rows) == sorted(KINDS)
+    for kind, r in rows.items():
+        assert ("error" in r) == (kind == "fp8"), r
