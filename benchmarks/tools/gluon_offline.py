@@ -122,6 +122,7 @@ def main() -> int:
     p.add_argument("--sass", default=None, help="a folder for each variant's assembly")
     p.add_argument("--json", action="store_true", help="one JSON list, the last line on stdout, instead of a table")
     a = p.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)  # (Triton's interpreter compiles nothing; read at its import)
     missing = prerequisites()
     if missing:
         print(f"cannot compile here: {missing}", file=sys.stderr)
