@@ -54,9 +54,9 @@ def plans(mode: str, B, cuda: bool) -> dict:
         out["gluon 16 w1 r8"] = gluon(16, WARPS=1, RESIDENT=8)
         out["gluon 16 w1 r8 uncapped"] = gluon(16, WARPS=1, RESIDENT=8, MAXNREG=255)
     out |= {"gluon 64 w4": gluon(64, WARPS=4, RESIDENT=4), "gluon 32 w1 ns3": gluon(32, stages=3, **w1)}
-    # the default tiles under a register cap, for more programs a multiprocessor (q8's, fp8's, q4's
-    # and q4_g32's caps kept their sm_90 loops free of spills, compiled offline; TurboQuant's spill
-    # 4-8 bytes; all slower at B=64 / 8k on the H200, benchmarks/RESULTS.md 2026-12-04)
+    # the default tiles under a register cap, for more programs a multiprocessor (on the H200,
+    # Triton 3.6: no spills but TurboQuant's 4-8 bytes, and all slower at B=64 / 8k;
+    # benchmarks/RESULTS.md 2026-12-04)
     for bn, w, r, cap in CAPPED.get(mode, []):
         out[f"gluon {bn} w{w} r{r} c{cap}"] = gluon(bn, WARPS=w, RESIDENT=r, MAXNREG=cap)
     if B != "serve" and B >= 8:
