@@ -26,23 +26,21 @@ import subprocess
 import sys
 import tempfile
 
-#: pointer types of (keys, values, scales) by page kind; the rest of the signature is shared
+#: pointer types of (keys, values, scales) by page kind; the kernel's other pointers take one type
 POINTERS = {"fp": ("*bf16", "*bf16", "*bf16"), "q8": ("*i8", "*i8", "*fp32"), "q4": ("*u8", "*u8", "*fp32"),
             "fp8": ("*u8", "*u8", "*fp32"), "q4_g32": ("*u8", "*u8", "*fp16"), "tq": ("*u8", "*i32", "*fp16")}
+OTHER_POINTERS = {"Q": "*bf16", "BT": "*i32", "KVLEN": "*i32", "QSTART": "*i32", "OUT": "*bf16", "PO": "*fp32",
+                  "PL": "*fp32"}
 
 
-def signature(kind: str) -> dict[str, str]:
-    """``_decode_kernel``'s arguments and their types for pages of ``kind``."""
+def signature(fn, kind: str) -> dict[str, str]:
+    """The types of ``fn``'s (``_decode_kernel``'s) arguments, in order, for pages of ``kind``:
+    its pointers by name, ``qk_scale`` fp32, the other values int32 and its constexprs
+    ``constexpr``."""
     k, v, s = POINTERS[kind]
-    sig = {"Q": "*bf16", "stride_qb": "i32", "stride_qh": "i32", "K": k}
-    sig |= dict.fromkeys(("stride_kb", "stride_kn", "stride_kh"), "i32") | {"V": v}
-    sig |= dict.fromkeys(("stride_vb", "stride_vn", "stride_vh"), "i32") | {"KS": s}
-    sig |= dict.fromkeys(("stride_ksb", "stride_ksn", "stride_ksh"), "i32") | {"VS": s}
-    sig |= dict.fromkeys(("stride_vsb", "stride_vsn", "stride_vsh"), "i32") | {"KZ": s, "VZ": s}
-    sig |= {"BT": "*i32", "stride_btb": "i32", "capacity": "i32", "KVLEN": "*i32", "QSTART": "*i32",
-            "OUT": "*bf16", "stride_ob": "i32", "stride_oh": "i32", "PO": "*fp32", "PL": "*fp32",
-            "qk_scale": "fp32", "H_KV": "i32", "split_len": "i32", "num_splits": "i32"}
-    return sig
+    pointers = OTHER_POINTERS | {"K": k, "V": v, "KS": s, "VS": s, "KZ": s, "VZ": s}
+    return {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "fp32" if p.name == "qk_scale" else "i32")
+            for p in fn.params}
 
 
 def prerequisites() -> str | None:
@@ -80,11 +78,10 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
     block_n, warps = block_n or tile, warps or w
     if maxnreg is None and (block_n, warps) == (tile, w):
         maxnreg = gd.MAXNREG_BY_KIND.get(kind)
-    sig = signature(kind)
+    sig = signature(gd._decode_kernel, kind)
     const = dict(G=4, D=head_dim, BLOCK_N=block_n, PAGE=16, NS=2, SPLIT=True, KIND=gd.KINDS[kind], CAUSAL=False,
                  LIKE=True, W=warps)
-    names = list(sig) + list(const)
-    sig |= dict.fromkeys(const, "constexpr")
+    names = list(sig)
     # a cache's pointers and strides are multiples of 16 (Triton specialises on it), but the
     # grouped scales' head stride (head_dim / 32 of them)
     aligned = [i for i, n in enumerate(names) if sig[n].startswith("*")

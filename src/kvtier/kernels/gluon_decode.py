@@ -331,11 +331,11 @@ if HAVE_GLUON:
                     k0, k1, k2, k3 = nibble_quads(kt)
                 s = mma_v2(qa, k0, gl.zeros([16, BLOCK_N], gl.float32, MMA))
                 s = mma_v2(qd, k3, mma_v2(qc, k2, mma_v2(qb, k1, s)))
-            elif TQ:  # the keys' groups' scales and zeros on the operands
-                k_even, k_odd = grouped_pairs(kt, ks_smem.index(st), kz_smem.index(st), NG)
-                s = mma_v2(qb, k_odd, mma_v2(qa, k_even, gl.zeros([16, BLOCK_N], gl.float32, MMA)))
-            elif KIND == 3:
-                k_even, k_odd = byte_pairs(kt, True)
+            elif KPARTS == 2:  # fp8 bytes, or TurboQuant's with their groups' scales and zeros
+                if TQ:
+                    k_even, k_odd = grouped_pairs(kt, ks_smem.index(st), kz_smem.index(st), NG)
+                else:
+                    k_even, k_odd = byte_pairs(kt, True)
                 s = mma_v2(qb, k_odd, mma_v2(qa, k_even, gl.zeros([16, BLOCK_N], gl.float32, MMA)))
             else:
                 s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.float32, MMA))
