@@ -157,6 +157,16 @@ class Paged:
     kc: object
     vc: object
     nbytes: int
+    #: the query's position, ``kv_len - 1``, made once (``set_lengths``) as an engine's decode
+    #: step makes it once for all its layers: a subtraction a call would time a kernel of its own
+    q_start: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.set_lengths(self.kv_len)
+
+    def set_lengths(self, kv_len: torch.Tensor) -> None:
+        """Each row's keys (a tensor ``[B]``) and the query's position, the last of them."""
+        self.kv_len, self.q_start = kv_len, kv_len - 1
 
     def formats(self) -> tuple:
         """How the kernels see the key and the value pages (``triton_quant.PageFormat``)."""
@@ -168,7 +178,7 @@ class Paged:
         from kvtier.kernels.triton_paged import paged_attention_triton
 
         return paged_attention_triton(
-            self.q, self.kp, self.vp, self.table, self.kv_len - 1, self.kv_len,
+            self.q, self.kp, self.vp, self.table, self.q_start, self.kv_len,
             k_codec=self.kc, v_codec=self.vc, k_sidecars=self.ks, v_sidecars=self.vs, config=config,
         )  # fmt: skip
 

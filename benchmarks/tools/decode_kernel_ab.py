@@ -143,7 +143,7 @@ def main() -> None:
             n = copies_for(int(lens.sum()) * (base.nbytes // (rows * L))) if cuda else 1
             reps = [base] + [build_paged(mode, rows, L, shape, gen) for _ in range(n - 1)]
             for r in reps:
-                r.kv_len = lens.to(dev)
+                r.set_lengths(lens.to(dev))
             ref = base.attention(LaunchConfig(decode_kernel="mma")).float()
             for plan, (knobs, cfg) in plans(mode, B, cuda).items():
                 if only is not None and plan not in only:

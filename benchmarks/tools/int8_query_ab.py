@@ -74,7 +74,7 @@ def main() -> None:
             n = copies_for(int(lens.sum()) * per_token) if dev == "cuda" else 1
             reps = [base] + [build_paged(mode, rows, L, shape, gen) for _ in range(n - 1)]
             for r in reps:
-                r.kv_len = lens.to(dev)
+                r.set_lengths(lens.to(dev))
             ref = base.attention(LaunchConfig(int8_queries=False, **mma)).float()
             for plan, cfg in plans.items():
                 if mode in ("fp", "fp8", "q4") and plan != "fp16 operands":

@@ -58,7 +58,7 @@ def main() -> None:
             kv = lens.to(dev)
             nbytes = int(lens.sum()) * per_token
             for r in reps:
-                r.kv_len = kv
+                r.set_lengths(kv)
             for name, cfg in configs.items():
                 if order != "step order" and name != "default":
                     continue
