@@ -54,6 +54,12 @@ def plans(mode: str, B, cuda: bool) -> dict:
         out["gluon 16 w1 r8"] = gluon(16, WARPS=1, RESIDENT=8)
         out["gluon 16 w1 r8 uncapped"] = gluon(16, WARPS=1, RESIDENT=8, MAXNREG=255)
     out |= {"gluon 64 w4": gluon(64, WARPS=4, RESIDENT=4), "gluon 32 w1 ns3": gluon(32, stages=3, **w1)}
+    # two warps a program: at most 167 registers a thread for q4 and q4_g32 at 64 keys (six programs
+    # an SM), 4% more of q4_g32's instructions a key than one warp's 32-key tile at 244 (eight)
+    w2 = dict(WARPS=2, RESIDENT=6)
+    out |= {"gluon 32 w2": gluon(32, **w2), "gluon 64 w2": gluon(64, **w2)}
+    if mode == TQ:  # 178 and 201 registers a thread: five and four programs an SM
+        out |= {"gluon 32 w2 r5": gluon(32, WARPS=2, RESIDENT=5), "gluon 64 w2 r4": gluon(64, WARPS=2, RESIDENT=4)}
     # the default tiles under a register cap, for more programs a multiprocessor (on the H200,
     # Triton 3.6: no spills but TurboQuant's 4-8 bytes, and all slower at B=64 / 8k;
     # benchmarks/RESULTS.md 2026-12-04)

@@ -55,7 +55,8 @@ def main() -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
-    p.add_argument("--modes", default="fp,q8,q4,fp8", help="page kinds, comma-separated")
+    p.add_argument("--modes", default="fp,q8,q4,fp8",
+                   help="page kinds, comma-separated (tq: TurboQuant's 8-bit keys and 3-bit values)")
     p.add_argument("--shapes", default="8x4096,1x4096,8x16384,64x8192", help="BxL, comma-separated")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -69,7 +70,7 @@ def main() -> None:
     results = []
     for item in args.shapes.split(","):
         B, L = (int(x) for x in item.split("x"))
-        for mode in args.modes.split(","):
+        for mode in ("turboquant:q8_0,q3_0" if m == "tq" else m for m in args.modes.split(",")):
             base = build_paged(mode, B, L, shape, gen)
             n = copies_for(base.nbytes)
             reps = [base] + [build_paged(mode, B, L, shape, gen) for _ in range(n - 1)]

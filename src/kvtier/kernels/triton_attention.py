@@ -57,16 +57,12 @@ from kvtier.kernels.triton_quant import (
 LOG2E = 1.4426950408889634
 
 #: Which kernel serves a decode step (one query token per row) over quantised pages
-#: when ``LaunchConfig.decode_kernel`` is ``None`` and the pipelined Gluon kernel does not take
-#: it (:data:`GLUON_DECODE` comes first), per storage family: ``"kv_quant"``
-#: (q8, q4, q4_g32, fp8) and ``"turboquant"`` (Lloyd-Max values). ``"mma"`` is the general
-#: kernel below, on the tensor cores; ``"cuda_core"`` the dot-free kernel of
-#: :mod:`kvtier.kernels.triton_decode_quant`. ``kvtier bench attention --quant-sweep``
-#: times both and names the faster per mode: set the family's entry to it. Formats the
-#: CUDA-core kernel does not read (fp8, 5-bit codes) always use ``"mma"``. Measured on an
-#: H200 at B=64, 32/8 heads, head_dim 128, 8k context (benchmarks/RESULTS.md, 2026-12-01):
-#: TurboQuant K8/V3 1111 us on CUDA cores against 1651 us on the MMA kernel; q8, q4, q4_g32
-#: and fp8 read straight into fp16 operands on the MMA kernel (q8 382 us, bf16 489 us).
+#: when ``LaunchConfig.decode_kernel`` is ``None`` and :data:`GLUON_DECODE` does not take it,
+#: per family: ``"kv_quant"`` (q8, q4, q4_g32, fp8), ``"turboquant"`` (Lloyd-Max values).
+#: ``"mma"``: the kernel below, on the tensor cores; ``"cuda_core"``: the dot-free kernel of
+#: :mod:`kvtier.kernels.triton_decode_quant` (``kvtier bench attention --quant-sweep`` times
+#: both; fp8 and 5-bit codes always ``"mma"``). H200, B=64 / 8k (benchmarks/RESULTS.md,
+#: 2026-12-01): TurboQuant 1111 us on CUDA cores, 1651 on the MMA kernel; q8 382, bf16 489.
 QUANT_DECODE_KERNEL = {"kv_quant": "mma", "turboquant": "cuda_core"}
 #: Score q8 keys with int8 queries (each query row's codes at the scale ``max|q| / 127``) on
 #: compiled launches of bf16/fp16 queries; ``LaunchConfig.int8_queries`` overrides. The key tile
@@ -287,36 +283,41 @@ def _attention_kernel(
             tl.store(po + 1, acc_b / l_safe[:, None], mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["T", "num_splits"])  # one variant for every query count and split count
+@triton.jit(do_not_specialize=["T", "num_splits", "N"])  # one variant for every query count and split count
 def _merge_kernel(
-    PO, PL, O, stride_ob, stride_oh, stride_ot, T, HQ, num_splits,
+    PO, PL, O, stride_ob, stride_oh, stride_ot, T, HQ, num_splits, N,
     HEAD_DIM: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Log-sum-exp merge of the splits of one query row ``r = (b, hq, t)``, channels
-    ``[program_id(1) * BLOCK_D, + BLOCK_D)``. ``PDL``: launched as a programmatic dependent
-    launch, so it first waits for the attention grid's results."""
+    """Log-sum-exp merge of the splits of the query rows ``r = (b, hq, t)`` in ``[program_id(0)
+    * BLOCK_R, + BLOCK_R)`` of ``N``, channels ``[program_id(1) * BLOCK_D, + BLOCK_D)``. ``PDL``:
+    launched as a programmatic dependent launch, so it first waits for the attention grid's
+    results."""
     if PDL:
         gdc_wait()
-    r = tl.program_id(0)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < N
     d0 = tl.program_id(1) * BLOCK_D
     t = r % T
     hq = (r // T) % HQ
     b = r // (T * HQ)
     s = tl.arange(0, SPLITS_P2)
-    s_ok = s < num_splits
-    lse = tl.load(PL + r * num_splits + s, mask=s_ok, other=float("-inf"))
-    mx = tl.max(lse, axis=0)
+    ok = r_ok[:, None] & (s < num_splits)[None, :]
+    at = r[:, None] * num_splits + s[None, :]  # (R, S)
+    lse = tl.load(PL + at, mask=ok, other=float("-inf"))
+    mx = tl.max(lse, axis=1)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - mx))  # (S,)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - mx[:, None]))  # (R, S)
     d = d0 + tl.arange(0, BLOCK_D)
-    part = tl.load(PO + (r * num_splits + s)[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None],
-                   other=0.0).to(tl.float32)
-    total = tl.sum(w, axis=0)
-    out = tl.sum(part * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(O + b * stride_ob + hq * stride_oh + t * stride_ot + d, out.to(O.dtype.element_ty))
+    part = tl.load(PO + (at * HEAD_DIM)[:, :, None] + d[None, None, :], mask=ok[:, :, None],
+                   other=0.0).to(tl.float32)  # fmt: skip
+    total = tl.sum(w, axis=1)
+    out = tl.sum(part * w[:, :, None], axis=1) / tl.where(total == 0.0, 1.0, total)[:, None]
+    o = O + (b * stride_ob + hq * stride_oh + t * stride_ot)[:, None] + d[None, :]
+    tl.store(o, out.to(O.dtype.element_ty), mask=r_ok[:, None])
 
 
 def launch_attention(
@@ -528,6 +529,10 @@ def _launch_with_singles(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables,
 #: took the H200's B=1 / 4k step from 13.8-14.0 to 13.1-13.4 us against one 4-warp program a
 #: row (SDPA 12.0; benchmarks/RESULTS.md, 2026-12-02)
 MERGE_BLOCK_D = 32
+#: launches of at least this many query rows merge :data:`MERGE_ROWS` rows a program on four
+#: warps: a program of one warp a row and 32 channels was bound by the programs' count (H200:
+#: 6.0 us at B=64 x 32 heads, 20.9 us at 256 x 32 heads, 2 splits)
+MERGE_MANY_ROWS, MERGE_ROWS = 1024, 16
 def partial_dtype(out_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of the split partials for an output of ``out_dtype``: its own 16-bit type on
     the GPU (the merged output is rounded to it anyway; half the bytes each split stores and
@@ -545,9 +550,12 @@ def _merge(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, splits: int, f
     B, Hq, T, D = out.shape
     tile = SHORT_SPLITS if fixed and splits <= SHORT_SPLITS else max(2, _next_pow2(splits))
     block_d = min(D, MERGE_BLOCK_D)
-    _merge_kernel[(B * Hq * T, D // block_d)](
-        po, pl, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, splits,
-        HEAD_DIM=D, SPLITS_P2=tile, BLOCK_D=block_d, num_warps=1, **_pdl(out.device),
+    n = B * Hq * T
+    rows = MERGE_ROWS if n >= MERGE_MANY_ROWS else 1
+    _merge_kernel[(triton.cdiv(n, rows), D // block_d)](
+        po, pl, out, out.stride(0), out.stride(1), out.stride(2), T, Hq, splits, n,
+        HEAD_DIM=D, SPLITS_P2=tile, BLOCK_D=block_d, BLOCK_R=rows, num_warps=4 if rows > 1 else 1,
+        **_pdl(out.device),
     )  # fmt: skip
 
 
