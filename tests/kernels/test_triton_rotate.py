@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_paged import DEVICE, IN_PROCESS, ON_GPU
+from test_triton_paged import DEVICE, IN_PROCESS, ON_GPU, run_attention
 
 from triton_support import in_this_process_or_a_fresh_one
 
@@ -57,3 +57,12 @@ def test_gpu_rotate_back_matches_float64(B, Hq, T, dtype):
     out = rotate_back(x.to(DEVICE), R.float().to(DEVICE), dtype)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.cpu().double(), x.double() @ R.T, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_turboquant_decode_comes_back_rotated_at_every_split_count(splits):
+    """TurboQuant's rotated values through the attention launch and :func:`rotate_back`: unsplit,
+    split (merged first), and five splits of one tile each (a small grid's fixed merge tile),
+    all against the reference over the decoded pages."""
+    run_attention("turboquant:q8_0,q3_0", 5, 4, 1, 1, 64, 16, [40 + 23 * b for b in range(5)], torch.bfloat16,
+                  splits=splits)  # fmt: skip
