@@ -525,14 +525,13 @@ def _launch_with_singles(q, k_payload, v_payload, k_fmt, v_fmt, *, block_tables,
     return out
 
 
-#: channels a merge program reduces: 32 (one warp a program, four programs a query row of 128)
-#: took the H200's B=1 / 4k step from 13.8-14.0 to 13.1-13.4 us against one 4-warp program a
-#: row (SDPA 12.0; benchmarks/RESULTS.md, 2026-12-02)
-MERGE_BLOCK_D = 32
-#: launches of at least this many query rows merge :data:`MERGE_ROWS` rows a program on four
-#: warps: a program of one warp a row and 32 channels was bound by the programs' count (H200:
-#: 6.0 us at B=64 x 32 heads, 20.9 us at 256 x 32 heads, 2 splits)
-MERGE_MANY_ROWS, MERGE_ROWS = 1024, 16
+#: channels a merge program reduces: 32 (one warp, four programs a row of 128; H200, B=1 / 4k:
+#: 13.8-14.0 -> 13.1-13.4 us against one 4-warp program a row, benchmarks/RESULTS.md 2026-12-02).
+#: Launches of at least MERGE_MANY_ROWS query rows take MERGE_ROWS rows a program on four warps
+#: (one-warp programs were bound by their count: 6.0 us at 64 x 32 heads, 20.9 at 256 x 32)
+MERGE_BLOCK_D, MERGE_MANY_ROWS, MERGE_ROWS = 32, 1024, 16
+
+
 def partial_dtype(out_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of the split partials for an output of ``out_dtype``: its own 16-bit type on
     the GPU (the merged output is rounded to it anyway; half the bytes each split stores and
