@@ -96,16 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- timing ---------------------------------------------------------------------------------
-def time_calls(fns: list[Callable[[], object]], iters: int, reps: int) -> float:
-    """Median seconds per call of ``fns`` (cycled), from CUDA-graph replays (wall clock on the CPU)."""
-    if not torch.cuda.is_available():  # a smoke run under the interpreter: the figures mean nothing,
-        t0 = time.perf_counter()  # so one call of the first replica (each takes seconds there)
-        fns[0]()
-        return time.perf_counter() - t0
+def graph_of(fns: list[Callable[[], object]], iters: int) -> tuple[torch.cuda.CUDAGraph, torch.cuda.Stream]:
+    """A CUDA graph of ``iters`` calls of ``fns`` (cycled) and the side stream it was captured
+    on (replay it there), each called once before (compile, allocate, warm up), replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for fn in fns:  # compile, allocate, warm up outside the graph
+        for fn in fns:
             fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -114,7 +111,18 @@ def time_calls(fns: list[Callable[[], object]], iters: int, reps: int) -> float:
                 fns[i % len(fns)]()
         graph.replay()
         torch.cuda.synchronize()
-        times = []
+    return graph, stream
+
+
+def time_calls(fns: list[Callable[[], object]], iters: int, reps: int) -> float:
+    """Median seconds per call of ``fns`` (cycled), from CUDA-graph replays (wall clock on the CPU)."""
+    if not torch.cuda.is_available():  # a smoke run under the interpreter: the figures mean nothing,
+        t0 = time.perf_counter()  # so one call of the first replica (each takes seconds there)
+        fns[0]()
+        return time.perf_counter() - t0
+    graph, stream = graph_of(fns, iters)
+    times = []
+    with torch.cuda.stream(stream):
         for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)

@@ -27,22 +27,13 @@ def kernel_times(fns, iters: int = 20) -> dict[str, float]:
     """Microseconds a call of each kernel name of ``fns`` (cycled), from profiled graph replays."""
     from torch.profiler import ProfilerActivity, profile
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
+    from kvtier_bench.attention import graph_of
+
+    graph, stream = graph_of(fns, iters)
+    with torch.cuda.stream(stream), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(iters):
-                fns[i % len(fns)]()
-        graph.replay()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                graph.replay()
-            torch.cuda.synchronize()
     total: dict[str, float] = defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
