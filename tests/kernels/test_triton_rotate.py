@@ -34,6 +34,15 @@ def test_rotate_back_is_the_product_with_the_transpose(B, Hq, T, D, dtype):
     torch.testing.assert_close(out.cpu().double(), x.double() @ R.T, atol=tol, rtol=tol)
 
 
+def test_tf32_products_only_where_the_gpu_has_them(monkeypatch):
+    from kvtier.kernels import triton_rotate
+
+    assert triton_rotate.precision(torch.device("cpu")) == "ieee"
+    for cc, want in (((7, 5), "ieee"), ((8, 0), "tf32x3"), ((9, 0), "tf32x3")):
+        monkeypatch.setattr(triton_rotate, "capability", lambda device, cc=cc: cc)
+        assert triton_rotate.precision(torch.device("cuda")) == want
+
+
 def test_a_token_major_input_gives_a_token_major_result():
     """The packed launches' ``(1, N, Hq, D)`` seen as ``(1, Hq, N, D)``: the model's view of the
     result needs no copy."""

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtier.kernels.launch_plan import capability
+
 #: rows (token x query head) and output channels a program takes, the depth 32 channels at a
 #: time: a decode step of 64 rows x 32 heads is 64 programs of two channel blocks
 BLOCK_R, BLOCK_J, BLOCK_C = 32, 64, 32
@@ -31,8 +33,8 @@ def _rotate_kernel(
     """Output channels ``[program_id(1) * BLOCK_J, + BLOCK_J)`` of the rows ``[program_id(0) *
     BLOCK_R, + BLOCK_R)`` of the ``N`` rows ``r = (b, h, t)``: ``X @ R.T``, ``BLOCK_C`` channels
     of ``X`` at a time, on the tensor cores in three TF32 products a dot where ``PRECISION`` is
-    ``"tf32x3"`` (about float32's error; one ``"ieee"`` float32 dot on the CUDA cores took the
-    H200 76.6 us for 256 rows x 32 heads)."""
+    ``"tf32x3"`` (about float32's error; compute capability 8.0 and up: TF32 tensor cores; one
+    ``"ieee"`` float32 dot on the CUDA cores took the H200 76.6 us for 256 rows x 32 heads)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < N
     t = r % T
@@ -50,6 +52,12 @@ def _rotate_kernel(
     tl.store(o, acc.to(OUT.dtype.element_ty), mask=r_ok[:, None])
 
 
+def precision(device: torch.device) -> str:
+    """The rotation's dot precision on ``device``: three TF32 products where the GPU has TF32
+    tensor cores (compute capability 8.0 and up), else float32 (older GPUs, the interpreter)."""
+    return "tf32x3" if capability(device) >= (8, 0) else "ieee"
+
+
 def rotate_back(x: torch.Tensor, rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x @ rotation.T`` in ``dtype``, laid out as ``x`` (a token-major ``x`` gives a token-major
     result): ``x`` fp32 ``[B, Hq, T, D]`` with a contiguous last dim, ``rotation`` fp32
@@ -62,6 +70,6 @@ def rotate_back(x: torch.Tensor, rotation: torch.Tensor, dtype: torch.dtype) -> 
         x, x.stride(0), x.stride(1), x.stride(2), rotation, rotation.stride(0), rotation.stride(1),
         out, out.stride(0), out.stride(1), out.stride(2), T, Hq, n,
         HEAD_DIM=D, BLOCK_R=BLOCK_R, BLOCK_J=block_j, BLOCK_C=BLOCK_C,
-        PRECISION="tf32x3" if x.is_cuda else "ieee", num_warps=4,
+        PRECISION=precision(x.device), num_warps=4,
     )  # fmt: skip
     return out
