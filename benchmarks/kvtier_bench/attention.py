@@ -39,7 +39,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -153,6 +153,16 @@ def copies_for(nbytes: int) -> int:
 
 
 # -- inputs -------------------------------------------------------------------------------
+#: TurboQuant's default pages (8-bit keys, 3-bit values), ``tq`` in the tools' ``--modes``
+TQ = "turboquant:q8_0,q3_0"
+
+
+def page_modes(text: str) -> list[str]:
+    """A comma-separated ``--modes`` list as cache modes, ``tq`` standing for :data:`TQ` (a mode
+    whose own name holds a comma)."""
+    return [TQ if m.strip() == "tq" else m.strip() for m in text.split(",")]
+
+
 @dataclass
 class Paged:
     q: torch.Tensor
@@ -167,7 +177,7 @@ class Paged:
     nbytes: int
     #: the query's position, ``kv_len - 1``, made once (``set_lengths``) as an engine's decode
     #: step makes it once for all its layers: a subtraction a call would time a kernel of its own
-    q_start: torch.Tensor | None = None
+    q_start: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self.set_lengths(self.kv_len)

@@ -20,9 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-#: TurboQuant's default pages (8-bit keys, 3-bit values), ``tq`` in ``--modes``
-TQ = "turboquant:q8_0,q3_0"
-
+from kvtier_bench.attention import TQ
 
 #: capped plans by page kind: (keys a tile, warps, programs a wave, registers a thread)
 CAPPED = {"q8": [(64, 4, 5, 96)], "fp8": [(64, 4, 5, 100)], "q4": [(32, 1, 10, 200), (32, 1, 11, 184)],
@@ -107,7 +105,7 @@ def summary(results: list[dict]) -> list[str]:
 def main() -> None:
     from kvtier.kernels import gluon_decode
     from kvtier.kernels.launch_plan import LaunchConfig
-    from kvtier_bench.attention import build_paged, copies_for, time_calls, write_report
+    from kvtier_bench.attention import build_paged, copies_for, page_modes, time_calls, write_report
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -144,7 +142,7 @@ def main() -> None:
         gen_lens = torch.Generator().manual_seed(0)
         lens = torch.randint(64, L + 1, (rows,), generator=gen_lens).sort(descending=True).values if serve else torch.full((rows,), L)
         label = "serving step" if serve else f"B={B} / {L}"
-        for mode in (TQ if m == "tq" else m for m in args.modes.split(",")):
+        for mode in page_modes(args.modes):
             base = build_paged(mode, rows, L, shape, gen)
             n = copies_for(int(lens.sum()) * (base.nbytes // (rows * L))) if cuda else 1
             reps = [base] + [build_paged(mode, rows, L, shape, gen) for _ in range(n - 1)]

@@ -42,7 +42,7 @@ def kernel_times(fns, iters: int = 20) -> dict[str, float]:
 
 
 def main() -> None:
-    from kvtier_bench.attention import build_paged, copies_for, time_calls, write_report
+    from kvtier_bench.attention import build_paged, copies_for, page_modes, time_calls, write_report
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -61,7 +61,7 @@ def main() -> None:
     results = []
     for item in args.shapes.split(","):
         B, L = (int(x) for x in item.split("x"))
-        for mode in ("turboquant:q8_0,q3_0" if m == "tq" else m for m in args.modes.split(",")):
+        for mode in page_modes(args.modes):
             base = build_paged(mode, B, L, shape, gen)
             n = copies_for(base.nbytes)
             reps = [base] + [build_paged(mode, B, L, shape, gen) for _ in range(n - 1)]

@@ -149,9 +149,6 @@ def test_a_config_with_the_mma_kernels_settings_stays_on_it(monkeypatch, plan):
     assert (_attend(c, q, qs, num_splits=2) == 0).all() and calls == [1]
 
 
-TQ_KIND = {TQ: "tq"}
-
-
 @pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp", TQ])
 def test_the_default_kinds_and_limited_ones_only_in_small_launches(monkeypatch, mode):
     """q8, q4, fp8, q4_g32 and TurboQuant decode steps go here by default, whatever the launch's
@@ -164,7 +161,7 @@ def test_the_default_kinds_and_limited_ones_only_in_small_launches(monkeypatch, 
         return calls.append(q.shape[0]) or torch.zeros(q.shape, dtype=out_dtype, device=q.device)
 
     monkeypatch.setattr(gluon_decode, "_step", step)
-    assert triton_attention.GLUON_DECODE[TQ_KIND.get(mode, mode)] is None or mode == "fp"
+    assert triton_attention.GLUON_DECODE["tq" if mode == TQ else mode] is None or mode == "fp"
     monkeypatch.setitem(triton_attention.GLUON_DECODE, "fp", 4)
     for B in (2, 3):  # 4 and 6 pairs
         c, q, qs = _case(mode, B, 4, 2, 64, [20] * B, dtype)
