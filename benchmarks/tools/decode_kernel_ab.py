@@ -24,7 +24,7 @@ from kvtier_bench.attention import TQ
 
 #: capped plans by page kind: (keys a tile, warps, programs a wave, registers a thread)
 CAPPED = {"q8": [(64, 4, 5, 96)], "fp8": [(64, 4, 5, 100)], "q4": [(32, 1, 10, 200), (32, 1, 11, 184)],
-          "q4_g32": [(32, 1, 10, 204), (32, 1, 11, 184)], TQ: [(16, 1, 13, 152), (16, 1, 14, 144)]}
+          "q4_g32": [(32, 1, 10, 204), (32, 1, 11, 184), (32, 1, 12, 168)], TQ: [(16, 1, 13, 152), (16, 1, 14, 144)]}
 
 
 def plans(mode: str, B, cuda: bool) -> dict:

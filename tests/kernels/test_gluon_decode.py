@@ -178,6 +178,7 @@ def test_the_default_kinds_and_limited_ones_only_in_small_launches(monkeypatch, 
         (2, 8, 2, 128, [70, 33], 3),  # GQA 4, three splits merged
         (2, 16, 1, 128, [300, 129], 2),  # 16 query heads a kv head (the tile's rows)
         (3, 12, 4, 64, [5, 200, 64], 4),  # GQA 3 (rows padded), a split past a row's end
+        (2, 16, 2, 64, [90, 257], 2),  # GQA 8 at head_dim 64: q4_g32's two groups of 8 heads fill the rows
     ],
 )
 @pytest.mark.parametrize("block_n, stages, warps", [(64, 4, 4), (32, 2, 4), (128, 3, 4), (16, 3, 1), (32, 2, 1),

@@ -147,6 +147,23 @@ if HAVE_GLUON:
         return _affine(c0, s, z, shape), _affine(c1, s, z, shape), _affine(c2, s, z, shape), _affine(c3, s, z, shape)
 
     @gluon.jit
+    def stacked_group_scales(p, scales, zeros, NG: gl.constexpr, G: gl.constexpr):
+        """q4_g32 values' scales and zeros on the probabilities ``p`` (``[16, keys]`` float32, in
+        the scores' layout) of a launch whose 16 rows are its ``G`` query heads once for each of
+        the ``NG`` groups of channels (row ``g G + r``: head ``r``, group ``g``): each row takes
+        its group's scale and zero of each key, ``p s`` and ``p z``. ``scales``, ``zeros``:
+        ``[keys, NG]`` in shared memory, loaded in the slice of ``p``'s own layout seen as
+        ``[NG, G, keys]`` (a thread loads the scales its elements take)."""
+        shape: gl.constexpr = [NG, G, p.shape[1]]
+        p3 = p.reshape(shape)
+        sl: gl.constexpr = gl.SliceLayout(1, p3.type.layout)
+        s = gl.expand_dims(scales.permute((1, 0)).load(sl).to(gl.float32), 1)
+        z = gl.expand_dims(zeros.permute((1, 0)).load(sl).to(gl.float32), 1)
+        ps = gl.convert_layout((p3 * s).reshape(p.shape), p.type.layout, assert_trivial=True)
+        pz = gl.convert_layout((p3 * z).reshape(p.shape), p.type.layout, assert_trivial=True)
+        return ps, pz
+
+    @gluon.jit
     def grouped_pairs(x, scales, zeros, NG: gl.constexpr):
         """The keys' operands of TurboQuant's unsigned 8-bit codes: ``x`` ``[D / 2, keys]``
         int16, element ``c`` channels ``2 c`` and ``2 c + 1`` of one key (group ``c // 16``).

@@ -15,9 +15,15 @@ of the kv head padded to 16 rows; the softmax runs on exp2. Pages (:data:`KINDS`
   rounded to int8 (one scale a row) and scored against the key codes by an integer dot;
 - q4 (offset-8 nibbles) and fp8 (e4m3 bytes), a float32 scale per token and head: fp16 dots,
   the query split into the channel parts below;
-- q4_g32 (nibbles, an fp16 scale and zero a group of 32 channels): the scales vary along the
-  dots' depth, so they go on the operands: the codes become fp16 channel parts in registers as
-  q4's do, and each takes its group's scale and zero in one FMA before the dots;
+- q4_g32 (nibbles, an fp16 scale and zero a group of 32 channels): the keys' scales vary along
+  the dots' depth, so they go on the operands: the codes become fp16 channel parts in registers
+  as q4's do, and each takes its group's scale and zero in one FMA before the dots. Where the
+  ``NG`` groups of ``G`` heads fill the 16 rows (``G NG = 16``, one warp: Llama-3-8B's 4 x 4),
+  row ``g G + r`` scores head ``r`` once more and weighs the values of group ``g``: its
+  probabilities take that group's value scales, a dot with ones sums its zeros, the value
+  codes are operands as they are, and each output column is kept from its group's rows
+  (:func:`~kvtier.kernels.gluon_codes.stacked_group_scales`). Otherwise the values' scales
+  and zeros go on their operands as the keys' do;
 - TurboQuant's default pages (unsigned 8-bit keys with an fp16 scale and zero a group of 32
   channels, 3-bit Lloyd-Max values with an fp16 scale a group; :mod:`kvtier.kernels.gluon_codes`):
   the keys become two channel parts in registers as fp8's bytes do, each taking its group's
@@ -64,9 +70,7 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    # Triton 3.6 names the asynchronous copy async_copy_global_to_shared and the CTA barrier
-    # thread_barrier; 3.9 async_load and barrier
-    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    # Triton 3.6 names the CTA barrier thread_barrier, 3.9 barrier
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     from kvtier.kernels.gluon_codes import (
@@ -76,8 +80,10 @@ try:
         grouped_pairs,
         grouped_quads,
         nibble_quads,
+        stacked_group_scales,
         staging_layout,
     )
+    from kvtier.kernels.gluon_tiles import issue_tile, tile_pages
 
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
@@ -91,76 +97,6 @@ WARPS: int | None = None
 RESIDENT: int | None = None
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _tile_pages(BT, bt_row, n0, hi, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, CP: gl.constexpr, SC: gl.constexpr,
-                    QUANT: gl.constexpr):  # fmt: skip
-        """The pages of the tile of keys ``n0 ..`` from the block table, in the layouts of the
-        copies of its rows (``CP``) and of its scales (``SC``; ``QUANT`` only)."""
-        n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CP))
-        blk = gl.load(bt_row + n.to(gl.uint32) // PAGE, mask=n < hi, other=0)
-        if QUANT:
-            ns = n0 + gl.arange(0, BLOCK_N, layout=SC)
-            blks = gl.load(bt_row + ns.to(gl.uint32) // PAGE, mask=ns < hi, other=0)
-        else:
-            blks = blk
-        return blk, blks
-
-    @gluon.jit
-    def _issue_tile(
-        K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vz_smem, stage, n0, hi, hk,
-        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-        stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
-        BLOCK_N: gl.constexpr, DP: gl.constexpr, PAGE: gl.constexpr, CP: gl.constexpr, SC: gl.constexpr,
-        QUANT: gl.constexpr, LIKE: gl.constexpr, NG: gl.constexpr, SG: gl.constexpr, TQ: gl.constexpr,
-        CPV: gl.constexpr,
-    ):  # fmt: skip
-        """Asynchronous copies of the tile of keys ``n0 ..`` (on pages ``blk``; codes and,
-        ``QUANT``, scales on pages ``blks``) into ``stage``. ``LIKE``: the values' (and their
-        scales') strides are the keys': one offset a row serves both. ``NG`` > 0: ``NG`` scales
-        and zeros a token (``KZ``, ``VZ``, with the scales' strides), in the layout ``SG``.
-        ``TQ``: TurboQuant's values (int32 words, three a group of 3-bit codes, each group copied
-        into a slot of four in the layout ``CPV``) and no zeros of theirs."""
-        n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CP))
-        ok2 = gl.expand_dims(n < hi, 1)
-        pos = n.to(gl.uint32) % PAGE
-        d = gl.expand_dims(gl.arange(0, DP, layout=gl.SliceLayout(0, CP)), 0)
-        k_rows = gl.expand_dims(blk.to(gl.int64) * stride_kb + (pos * stride_kn + hk * stride_kh), 1) + d
-        _async_load(k_smem.index(stage), K + k_rows, mask=ok2)
-        if TQ:  # the same rows in CPV: word j of a row's copy is word 3 (j / 4) + j % 4 of its page row
-            ROWV: gl.constexpr = gl.SliceLayout(1, CPV)
-            j = gl.expand_dims(gl.arange(0, 4 * NG, layout=gl.SliceLayout(0, CPV)), 0)
-            rows = gl.convert_layout(blk.to(gl.int64) * stride_vb + (pos * stride_vn + hk * stride_vh), ROWV,
-                                     assert_trivial=True)  # fmt: skip
-            okv = gl.convert_layout(n < hi, ROWV, assert_trivial=True)
-            v_rows = gl.expand_dims(rows, 1) + ((j // 4) * 3 + j % 4)
-            _async_load(v_smem.index(stage), V + v_rows, mask=gl.expand_dims(okv, 1) & (j % 4 < 3))
-        else:
-            if LIKE:
-                v_rows = k_rows
-            else:
-                v_rows = gl.expand_dims(blk.to(gl.int64) * stride_vb + (pos * stride_vn + hk * stride_vh), 1) + d
-            _async_load(v_smem.index(stage), V + v_rows, mask=ok2)
-        if QUANT:
-            ns = n0 + gl.arange(0, BLOCK_N, layout=SC)
-            oks = ns < hi
-            poss = ns.to(gl.uint32) % PAGE
-            ks_rows = blks.to(gl.int64) * stride_ksb + (poss * stride_ksn + hk * stride_ksh)
-            if LIKE:
-                vs_rows = ks_rows
-            else:
-                vs_rows = blks.to(gl.int64) * stride_vsb + (poss * stride_vsn + hk * stride_vsh)
-            if NG > 0:  # (BLOCK_N, NG) scales and zeros, NG a row: copies of 2 NG bytes
-                g = gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(0, SG)), 0)
-                ks_rows = gl.expand_dims(gl.multiple_of(ks_rows, NG), 1) + g
-                vs_rows = gl.expand_dims(gl.multiple_of(vs_rows, NG), 1) + g
-                oks = gl.expand_dims(oks, 1)
-                _async_load(kz_smem.index(stage), KZ + ks_rows, mask=oks)
-                if not TQ:
-                    _async_load(vz_smem.index(stage), VZ + vs_rows, mask=oks)
-            _async_load(ks_smem.index(stage), KS + ks_rows, mask=oks)
-            _async_load(vs_smem.index(stage), VS + vs_rows, mask=oks)
-        cp.commit_group()
 
     @gluon.jit
     def _decode_kernel(
@@ -183,6 +119,10 @@ if HAVE_GLUON:
         GROUPED: gl.constexpr = KIND == 4 or KIND == 5
         TQ: gl.constexpr = KIND == 5  # TurboQuant: 8-bit keys, 3-bit values (int32 words)
         NG: gl.constexpr = D // 32 if GROUPED else 0
+        # q4_g32 whose NG groups of G heads fill the 16 rows: row g G + r scores head r, and its
+        # probabilities take the values' scales and zeros of group g (stacked_group_scales), which
+        # the rows' output columns in group g keep; the value codes are operands as they are
+        STACK: gl.constexpr = KIND == 4 and G * NG == 16 and W == 1
         NG1: gl.constexpr = NG if GROUPED else 1
         DP: gl.constexpr = D // 2 if (KIND == 2 or KIND == 4) else D  # stored elements a row (nibbles: two a byte)
         # one-byte codes are read as int16 (a key's two bytes an element) and become PARTS
@@ -232,9 +172,10 @@ if HAVE_GLUON:
         # fp8: the QP parts in fp16
         mq = gl.arange(0, 16, layout=gl.SliceLayout(1, QL))
         dq = gl.arange(0, QD, layout=gl.SliceLayout(0, QL))
-        q_ptr = Q + b * stride_qb + gl.expand_dims((hk * G + mq) * stride_qh, 1)
+        mh = mq % G if STACK else mq  # the head of each row
+        q_ptr = Q + b * stride_qb + gl.expand_dims((hk * G + mh) * stride_qh, 1)
         q_ptr = q_ptr + gl.expand_dims(dq * QP, 0)
-        q_ok = gl.expand_dims(mq < G, 1)
+        q_ok = gl.expand_dims(mh < G, 1)
         if QP > 1:
             qa = gl.convert_layout((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
             qb = gl.convert_layout((gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
@@ -287,15 +228,15 @@ if HAVE_GLUON:
             kz_smem = k_smem
             vz_smem = v_smem
         for j in gl.static_range(NS - 1):
-            blk, blks = _tile_pages(BT, bt_row, lo + j * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
-            _issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vz_smem, j,
+            blk, blks = tile_pages(BT, bt_row, lo + j * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
+            issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vz_smem, j,
                         lo + j * BLOCK_N, hi, hk,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
                         BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG, TQ, CPV)  # fmt: skip
         # the pages of the tile to copy next are read from the block table an iteration early,
         # so the copies never wait on that load (1-3% on the H200)
-        blk, blks = _tile_pages(BT, bt_row, lo + (NS - 1) * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
+        blk, blks = tile_pages(BT, bt_row, lo + (NS - 1) * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
 
         m_i = gl.full([16], float("-inf"), gl.float32, ROWS)
         l_i = gl.zeros([16], gl.float32, ROWS)
@@ -303,16 +244,19 @@ if HAVE_GLUON:
         acc1 = gl.zeros([16, AC], gl.float32, MMA)
         acc2 = gl.zeros([16, AC], gl.float32, MMA)
         acc3 = gl.zeros([16, AC], gl.float32, MMA)
+        # STACK: each row's group's zeros weighed, summed over the keys by a dot with ones
+        z_acc = gl.zeros([16, 8], gl.float32, MMA)
+        ones = gl.full([BLOCK_N, 8], 1.0, gl.float16, VB)
         for i in range(n_tiles):
             cp.wait_group(NS - 2)  # this thread's copies of tile i have landed
             _barrier()  # everyone's have, and everyone is done with tile i - 1's stage
             n_next = lo + (i + NS - 1) * BLOCK_N
-            _issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vz_smem,
+            issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vz_smem,
                         (i + NS - 1) % NS, n_next, hi, hk,
                         stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                         stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
                         BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG, TQ, CPV)  # fmt: skip
-            blk, blks = _tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
+            blk, blks = tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
             st = i % NS
             if TQ:  # everyone is done with the last tile's fp16 values (the barrier above)
                 dequant_centroid_groups(v_smem.index(st), vs_smem.index(st), v_fp, BLOCK_N, D, NG, DQW2, DQW3)
@@ -352,14 +296,17 @@ if HAVE_GLUON:
             if PARTS > 1:  # one-byte codes as operands: q8, q4 and fp8 (exact in fp16) and q4_g32's
                 if TOKEN_SCALES:  # the values' scales on the probabilities
                     p = p * gl.expand_dims(vs_smem.index(st).load(COLS), 0)
+                if STACK:
+                    p, pz = stacked_group_scales(p, vs_smem.index(st), vz_smem.index(st), NG, G)
+                    z_acc = mma_v2(gl.convert_layout(pz.to(gl.float16), PA), ones, z_acc * gl.expand_dims(alpha, 1))
                 pa = gl.convert_layout(p.to(gl.float16), PA)
                 vt = as_int16(v_smem.index(st), [BLOCK_N, D // PARTS], TILE16).load(VB)
                 a2 = gl.expand_dims(alpha, 1)
                 if PARTS == 4:
-                    if KIND == 4:
+                    if KIND == 4 and not STACK:
                         v0, v1, v2, v3 = grouped_quads(vt, vs_smem.index(st), vz_smem.index(st), NG, False)
                     else:
-                        v0, v1, v2, v3 = nibble_quads(vt)
+                        v0, v1, v2, v3 = nibble_quads(vt, KIND == 2)
                     acc2 = mma_v2(pa, v2, acc2 * a2)
                     acc3 = mma_v2(pa, v3, acc3 * a2)
                 else:
@@ -377,8 +324,14 @@ if HAVE_GLUON:
         rows = gl.arange(0, 16, layout=ROWS)
         # the output's channels of the accumulators' columns: PARTS c + i in acc i
         cols = gl.expand_dims(gl.arange(0, AC, layout=COLS), 0) * PARTS
-        row_ok = gl.expand_dims(rows < G, 1)
-        hq = hk * G + rows
+        if STACK:  # column c (channels 4 c + i) is in group c // 8: rows g G + r of group g
+            hq = hk * G + rows % G
+            row_ok = gl.expand_dims(rows // G, 1) == gl.expand_dims(gl.arange(0, AC, layout=COLS) // 8, 0)
+            z = gl.expand_dims(gl.max(z_acc, axis=1), 1)  # (its eight columns alike)
+            acc, acc1, acc2, acc3 = acc + z, acc1 + z, acc2 + z, acc3 + z
+        else:
+            hq = hk * G + rows
+            row_ok = gl.expand_dims(rows < G, 1)
         l_safe = gl.expand_dims(gl.where(l_i == 0.0, 1.0, l_i), 1)
         if SPLIT:
             r = b * (H_KV * G) + hq  # (B, Hq, T=1, splits, D) partials, (B, Hq, 1, splits) lse
@@ -406,8 +359,10 @@ KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3, "q4_g32": 4, "tq": 5}
 #: multiprocessor, whose whole waves the split plan fills). Four warps at 96-128 registers a
 #: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 205-242
 #: registers: eight (H200 sweeps, benchmarks/RESULTS.md 2026-12-03; q4_g32's 32-key tiles 3-10%
-#: faster than 16-key ones in waves of twelve, 2026-12-04). TurboQuant's 16-key tiles on one
-#: warp: twelve, at the cap below (32-key tiles on one warp and on four were slower, 2026-12-04)
+#: faster than 16-key ones in waves of twelve, 2026-12-04; at 168 registers with its values'
+#: scales on the probabilities, waves of twelve were 4-7% faster at B >= 8 and contexts >= 4k
+#: but 25% slower on a serving step, 2026-12-04). TurboQuant's 16-key tiles on one warp:
+#: twelve, at the cap below (32-key tiles on one warp and on four were slower, 2026-12-04)
 TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (32, 1, 8),
           "tq": (16, 1, 12)}
 #: a register cap by page kind, for launches of its :data:`TILING` tile and warps. TurboQuant's
