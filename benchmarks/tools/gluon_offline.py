@@ -80,7 +80,7 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
         maxnreg = gd.MAXNREG_BY_KIND.get(kind)
     sig = signature(gd._decode_kernel, kind)
     const = dict(G=4, D=head_dim, BLOCK_N=block_n, PAGE=16, NS=2, SPLIT=True, KIND=gd.KINDS[kind], CAUSAL=False,
-                 LIKE=True, W=warps)
+                 LIKE=True, W=warps, STACK=True)
     names = list(sig)
     # a cache's pointers and strides are multiples of 16 (Triton specialises on it), but the
     # grouped scales' head stride (head_dim / 32 of them)

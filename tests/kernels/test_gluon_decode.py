@@ -80,6 +80,26 @@ def test_the_kinds_it_reads(mode, kind):
     assert gluon_decode.pages_kind(*_formats(c), q.float(), c["kp"]) == (None if mode == "fp" else kind)
 
 
+@pytest.mark.parametrize(
+    "kind, G, D, pairs, block_n, warps, expected",
+    [
+        ("q4_g32", 4, 128, 512, 32, None, (12, 168, True)),  # B=64 x 8 kv heads: fewer than a wave of 12 x 132
+        ("q4_g32", 4, 128, 2048, 32, None, (8, None, True)),  # a serving step: more than that wave
+        ("q4_g32", 8, 64, 64, 32, None, (12, 168, True)),  # two groups of eight heads stack too
+        ("q4_g32", 4, 128, 8, 32, None, (8, None, False)),  # B=1: a small grid
+        ("q4_g32", 3, 64, 64, 32, None, (8, None, False)),  # six rows: the values' scales stay on the operands
+        ("q4_g32", 4, 128, 512, 16, None, (8, None, True)),  # another tile
+        ("q4_g32", 4, 128, 512, 32, 1, (8, None, True)),  # warps asked for
+        ("q4_g32", 4, 128, 512, 32, 4, (4, None, False)),
+        ("tq", 4, 128, 512, 16, None, (12, 168, False)),
+        ("tq", 4, 128, 512, 16, 1, (8, 168, False)),  # TILING's warps asked for: their programs a wave
+        ("q8", 4, 128, 512, 64, 2, (6, None, False)),
+    ],
+)
+def test_programs_resident_register_cap_and_stacking_of_a_launch(kind, G, D, pairs, block_n, warps, expected):
+    assert gluon_decode.programs(kind, G, D, pairs, 132, block_n, warps) == expected
+
+
 def test_asking_for_it_where_it_cannot_run_names_the_reason():
     c, q, qs = _case("q8", 2, 4, 1, 64, [20, 7], torch.float16 if ON_GPU else torch.float32)
     if ON_GPU:  # 32 query heads a kv head: more than the tile's 16 rows
@@ -178,7 +198,6 @@ def test_the_default_kinds_and_limited_ones_only_in_small_launches(monkeypatch, 
         (2, 8, 2, 128, [70, 33], 3),  # GQA 4, three splits merged
         (2, 16, 1, 128, [300, 129], 2),  # 16 query heads a kv head (the tile's rows)
         (3, 12, 4, 64, [5, 200, 64], 4),  # GQA 3 (rows padded), a split past a row's end
-        (2, 16, 2, 64, [90, 257], 2),  # GQA 8 at head_dim 64: q4_g32's two groups of 8 heads fill the rows
     ],
 )
 @pytest.mark.parametrize("block_n, stages, warps", [(64, 4, 4), (32, 2, 4), (128, 3, 4), (16, 3, 1), (32, 2, 1),
@@ -211,6 +230,26 @@ def test_gpu_turboquant_matches_the_reference(B, Hq, H_kv, D, lengths, splits, b
     c, q, qs = _case(TQ, B, Hq, H_kv, D, lengths, dtype)
     _check_against_references(c, q, qs, TQ, TOL[dtype], num_splits=splits, block_n=block_n, num_stages=stages,
                               num_warps=warps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize(
+    "B, Hq, H_kv, D, lengths, splits",
+    [
+        (8, 16, 4, 128, [1, 17, 45, 300, 129, 64, 33, 250], 3),  # GQA 4: four groups of four heads
+        (16, 16, 2, 64, [90, 257, 5, 16] * 4, None),  # GQA 8 at head_dim 64: two groups of eight heads
+    ],
+)
+@pytest.mark.parametrize("plan", [{}, dict(block_n=16, num_stages=3, num_warps=1), dict(block_n=32, num_warps=1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_q4_g32_stacked_rows_match_the_reference(B, Hq, H_kv, D, lengths, splits, plan, dtype):
+    """q4_g32 launches whose groups of channels stack the heads in the rows (32 pairs or more),
+    at the default plan and at one-warp plans asked for."""
+    assert gluon_decode.programs("q4_g32", Hq // H_kv, D, B * H_kv, 132, plan.get("block_n", 32),
+                                 plan.get("num_warps"))[2]  # fmt: skip
+    c, q, qs = _case("q4_g32", B, Hq, H_kv, D, lengths, dtype)
+    _check_against_references(c, q, qs, "q4_g32", TOL[dtype], num_splits=splits, **plan)
 
 
 @pytest.mark.gpu

@@ -54,7 +54,13 @@ from dataclasses import replace
 
 import torch
 
-from kvtier.kernels.launch_plan import LaunchConfig, capability, plan_launch
+from kvtier.kernels.launch_plan import (
+    SMALL_GRID,
+    LaunchConfig,
+    capability,
+    multiprocessors,
+    plan_launch,
+)
 from kvtier.kernels.triton_quant import (
     AFFINE,
     CENTROID,
@@ -110,6 +116,7 @@ if HAVE_GLUON:
         qk_scale, H_KV, split_len, num_splits,
         G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr,
         SPLIT: gl.constexpr, KIND: gl.constexpr, CAUSAL: gl.constexpr, LIKE: gl.constexpr, W: gl.constexpr,
+        STACK: gl.constexpr,
     ):  # fmt: skip
         # W warps split the tile's keys (scores) and the output's channels (values)
         # KIND: the pages (KINDS); all but 16-bit ones hold one-byte codes (or two nibbles a byte)
@@ -119,10 +126,11 @@ if HAVE_GLUON:
         GROUPED: gl.constexpr = KIND == 4 or KIND == 5
         TQ: gl.constexpr = KIND == 5  # TurboQuant: 8-bit keys, 3-bit values (int32 words)
         NG: gl.constexpr = D // 32 if GROUPED else 0
-        # q4_g32 whose NG groups of G heads fill the 16 rows: row g G + r scores head r, and its
-        # probabilities take the values' scales and zeros of group g (stacked_group_scales), which
-        # the rows' output columns in group g keep; the value codes are operands as they are
-        STACK: gl.constexpr = KIND == 4 and G * NG == 16 and W == 1
+        # STACK (asked for, where q4_g32's NG groups of G heads fill the 16 rows of one warp): row
+        # g G + r scores head r, and its probabilities take the values' scales and zeros of group
+        # g (stacked_group_scales), which the rows' output columns in group g keep; the value
+        # codes are operands as they are
+        STACKED: gl.constexpr = STACK and KIND == 4 and G * NG == 16 and W == 1
         NG1: gl.constexpr = NG if GROUPED else 1
         DP: gl.constexpr = D // 2 if (KIND == 2 or KIND == 4) else D  # stored elements a row (nibbles: two a byte)
         # one-byte codes are read as int16 (a key's two bytes an element) and become PARTS
@@ -172,7 +180,7 @@ if HAVE_GLUON:
         # fp8: the QP parts in fp16
         mq = gl.arange(0, 16, layout=gl.SliceLayout(1, QL))
         dq = gl.arange(0, QD, layout=gl.SliceLayout(0, QL))
-        mh = mq % G if STACK else mq  # the head of each row
+        mh = mq % G if STACKED else mq  # the head of each row
         q_ptr = Q + b * stride_qb + gl.expand_dims((hk * G + mh) * stride_qh, 1)
         q_ptr = q_ptr + gl.expand_dims(dq * QP, 0)
         q_ok = gl.expand_dims(mh < G, 1)
@@ -244,7 +252,7 @@ if HAVE_GLUON:
         acc1 = gl.zeros([16, AC], gl.float32, MMA)
         acc2 = gl.zeros([16, AC], gl.float32, MMA)
         acc3 = gl.zeros([16, AC], gl.float32, MMA)
-        # STACK: each row's group's zeros weighed, summed over the keys by a dot with ones
+        # STACKED: each row's group's zeros weighed, summed over the keys by a dot with ones
         z_acc = gl.zeros([16, 8], gl.float32, MMA)
         ones = gl.full([BLOCK_N, 8], 1.0, gl.float16, VB)
         for i in range(n_tiles):
@@ -296,14 +304,14 @@ if HAVE_GLUON:
             if PARTS > 1:  # one-byte codes as operands: q8, q4 and fp8 (exact in fp16) and q4_g32's
                 if TOKEN_SCALES:  # the values' scales on the probabilities
                     p = p * gl.expand_dims(vs_smem.index(st).load(COLS), 0)
-                if STACK:
+                if STACKED:
                     p, pz = stacked_group_scales(p, vs_smem.index(st), vz_smem.index(st), NG, G)
                     z_acc = mma_v2(gl.convert_layout(pz.to(gl.float16), PA), ones, z_acc * gl.expand_dims(alpha, 1))
                 pa = gl.convert_layout(p.to(gl.float16), PA)
                 vt = as_int16(v_smem.index(st), [BLOCK_N, D // PARTS], TILE16).load(VB)
                 a2 = gl.expand_dims(alpha, 1)
                 if PARTS == 4:
-                    if KIND == 4 and not STACK:
+                    if KIND == 4 and not STACKED:
                         v0, v1, v2, v3 = grouped_quads(vt, vs_smem.index(st), vz_smem.index(st), NG, False)
                     else:
                         v0, v1, v2, v3 = nibble_quads(vt, KIND == 2)
@@ -324,7 +332,7 @@ if HAVE_GLUON:
         rows = gl.arange(0, 16, layout=ROWS)
         # the output's channels of the accumulators' columns: PARTS c + i in acc i
         cols = gl.expand_dims(gl.arange(0, AC, layout=COLS), 0) * PARTS
-        if STACK:  # column c (channels 4 c + i) is in group c // 8: rows g G + r of group g
+        if STACKED:  # column c (channels 4 c + i) is in group c // 8: rows g G + r of group g
             hq = hk * G + rows % G
             row_ok = gl.expand_dims(rows // G, 1) == gl.expand_dims(gl.arange(0, AC, layout=COLS) // 8, 0)
             z = gl.expand_dims(gl.max(z_acc, axis=1), 1)  # (its eight columns alike)
@@ -372,6 +380,36 @@ TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8
 MAXNREG_BY_KIND = {"tq": 168}
 #: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
 RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
+#: (programs resident a multiprocessor, registers a thread) of q4_g32 launches at its
+#: :data:`TILING` tile whose groups of channels stack the heads in the rows (``G x D / 32 = 16``:
+#: 168 registers a thread, sm_90, Triton 3.6) and whose (row, kv head) pairs are fewer than
+#: a wave of these: twelve programs at that cap, not eight (H200, 2026-12-04: B=64 / 8k 243.3
+#: against 256.2 us, B=8 / 16k 66.8 against 71.7, B=32 / 4k 67.5 against 70.7; a serving step's
+#: 2,048 pairs, more than a wave, 113.8 against 91.0 in waves of twelve)
+DENSE = {"q4_g32": (12, 168)}
+
+
+def programs(kind: str, G: int, D: int, pairs: int, sms: int, block_n: int,
+             warps: int | None = None) -> tuple[int, int | None, bool]:
+    """``(programs resident a multiprocessor, register cap, stack)`` of a launch of ``pairs``
+    (row, kv head) programs a split, ``G`` query heads a kv head of ``D`` channels, tiles of
+    ``block_n`` keys and ``warps`` warps a program (``None``: :data:`TILING`'s) on ``sms``
+    multiprocessors. ``stack``: q4_g32's groups of channels stack the heads in the rows (``G x
+    D / 32 = 16``, one warp), in launches of :data:`~kvtier.kernels.launch_plan.SMALL_GRID`
+    pairs or more (B=1 / 4k and 16k: 7-9% slower stacked, 2026-12-04); then :data:`DENSE`'s
+    programs and cap at :data:`TILING`'s tile and warps where the pairs are fewer than a wave
+    of them. Else :data:`TILING`'s programs (:data:`RESIDENT_BY_WARPS`' for warps asked for),
+    with :data:`MAXNREG_BY_KIND`'s cap at :data:`TILING`'s tile and warps."""
+    tile, tile_warps, resident = TILING[kind]
+    if warps is not None:
+        resident = RESIDENT_BY_WARPS[warps]
+    default = (block_n, warps or tile_warps) == (tile, tile_warps)
+    cap = MAXNREG_BY_KIND.get(kind) if default else None
+    stack = kind == "q4_g32" and G * (D // 32) == 16 and (warps or tile_warps) == 1 and pairs >= SMALL_GRID
+    dense = DENSE.get(kind)
+    if stack and dense is not None and warps is None and block_n == tile and pairs < dense[0] * sms:
+        return (*dense, stack)
+    return resident, cap, stack
 
 
 def launch_decode(
@@ -379,7 +417,7 @@ def launch_decode(
     v_scale: torch.Tensor | None, block_tables: torch.Tensor, kv_len: torch.Tensor, q_start: torch.Tensor | None,
     capacity: int, out: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, *, kind: str, qk_scale: float, splits: int,
     split_len: int, block_n: int = 64, stages: int = 2, warps: int = 4, k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None, maxnreg: int | None = None,
+    v_zero: torch.Tensor | None = None, maxnreg: int | None = None, stack: bool = False,
 ) -> None:
     """Launch on validated inputs: ``q`` ``[B, Hq, 1, D]``, payloads ``[num_blocks, page, H_kv, D']``
     of ``kind`` (:data:`KINDS`; one-byte codes with scales ``[num_blocks, page, H_kv, 1]``
@@ -410,7 +448,8 @@ def launch_decode(
         out, out.stride(0), out.stride(1), po, pl,
         qk_scale, H_kv, split_len, splits,
         G=Hq // H_kv, D=D, BLOCK_N=block_n, PAGE=page, NS=stages, SPLIT=splits > 1, KIND=KINDS[kind],
-        CAUSAL=q_start is not None, LIKE=like, W=warps, num_warps=warps, **({"maxnreg": cap} if cap else {}),
+        CAUSAL=q_start is not None, LIKE=like, W=warps, STACK=stack, num_warps=warps,
+        **({"maxnreg": cap} if cap else {}),
     )  # fmt: skip
 
 
@@ -532,13 +571,11 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
 
     B, Hq, _, D = q.shape
     H_kv = k_payload.shape[2]
-    tile, warps, resident = TILING[kind]
-    block_n = cfg.block_n or tile
+    block_n = cfg.block_n or TILING[kind][0]
     stages = cfg.num_stages or 2
-    if cfg.num_warps or WARPS:
-        warps = cfg.num_warps or WARPS
-        resident = RESIDENT_BY_WARPS[warps]
-    maxnreg = MAXNREG_BY_KIND.get(kind) if (block_n, warps) == TILING[kind][:2] else None
+    asked = cfg.num_warps or WARPS
+    warps = asked or TILING[kind][1]
+    resident, maxnreg, stack = programs(kind, Hq // H_kv, D, B * H_kv, multiprocessors(q.device), block_n, asked)
     # one-warp programs: splits down to 256 keys (B=8 / 4k q4: 16 splits 20.4 us, 8 splits 23.3)
     short = warps == 1 and cfg.min_split_tokens == LaunchConfig.min_split_tokens
     plan_cfg = replace(cfg, block_n=block_n, min_split_tokens=256 if short else cfg.min_split_tokens)
@@ -550,6 +587,6 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, q_start, capacity, out, po, pl,
                   kind=kind, qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages,
-                  warps=warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero, maxnreg=maxnreg)
+                  warps=warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero, maxnreg=maxnreg, stack=stack)
     merge_splits(po, pl, out, splits, base, split_len, block_n)  # as the MMA kernel's launch
     return out

@@ -24,7 +24,7 @@ RESIDENT_PROGRAMS = 4
 PACKED_BLOCK_M = 128
 
 __all__ = ["DECODE_KERNELS", "PACKED_BLOCK_M", "RESIDENT_PROGRAMS", "SHORT_SPLITS", "SMALL_GRID", "LaunchConfig",
-           "capability", "plan_launch"]
+           "capability", "multiprocessors", "plan_launch"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -75,6 +75,13 @@ def _target_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return 8 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The multiprocessors of a CUDA ``device`` (0 off CUDA), asked of the driver once."""
+    if device.type != "cuda":
+        return 0
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
