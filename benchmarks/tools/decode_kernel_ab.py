@@ -56,6 +56,9 @@ def plans(mode: str, B, cuda: bool) -> dict:
     # an SM), 4% more of q4_g32's instructions a key than one warp's 32-key tile at 244 (eight)
     w2 = dict(WARPS=2, RESIDENT=6)
     out |= {"gluon 32 w2": gluon(32, **w2), "gluon 64 w2": gluon(64, **w2)}
+    if mode in ("q4", "q4_g32"):  # 64-key tiles on one warp: 254 and 219 registers (sm_90, Triton 3.9 offline),
+        # 7-8% fewer instructions a key than the 32-key tile
+        out |= {"gluon 64 w1": gluon(64, **w1), "gluon 64 w1 r9": gluon(64, WARPS=1, RESIDENT=9)}
     if mode == TQ:  # 178 and 201 registers a thread: five and four programs an SM
         out |= {"gluon 32 w2 r5": gluon(32, WARPS=2, RESIDENT=5), "gluon 64 w2 r4": gluon(64, WARPS=2, RESIDENT=4)}
     # the default tiles under a register cap, for more programs a multiprocessor (on the H200,

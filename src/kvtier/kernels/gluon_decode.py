@@ -238,10 +238,10 @@ if HAVE_GLUON:
         for j in gl.static_range(NS - 1):
             blk, blks = tile_pages(BT, bt_row, lo + j * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
             issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vz_smem, j,
-                        lo + j * BLOCK_N, hi, hk,
-                        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                        stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
-                        BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG, TQ, CPV)  # fmt: skip
+                       lo + j * BLOCK_N, hi, hk,
+                       stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                       stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
+                       BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG, TQ, CPV)  # fmt: skip
         # the pages of the tile to copy next are read from the block table an iteration early,
         # so the copies never wait on that load (1-3% on the H200)
         blk, blks = tile_pages(BT, bt_row, lo + (NS - 1) * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
@@ -260,10 +260,10 @@ if HAVE_GLUON:
             _barrier()  # everyone's have, and everyone is done with tile i - 1's stage
             n_next = lo + (i + NS - 1) * BLOCK_N
             issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vz_smem,
-                        (i + NS - 1) % NS, n_next, hi, hk,
-                        stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                        stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
-                        BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG, TQ, CPV)  # fmt: skip
+                       (i + NS - 1) % NS, n_next, hi, hk,
+                       stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                       stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
+                       BLOCK_N, DP, PAGE, CP, SC, QUANT, LIKE, NG, SG, TQ, CPV)  # fmt: skip
             blk, blks = tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
             st = i % NS
             if TQ:  # everyone is done with the last tile's fp16 values (the barrier above)
@@ -396,7 +396,7 @@ def programs(kind: str, G: int, D: int, pairs: int, sms: int, block_n: int,
     ``block_n`` keys and ``warps`` warps a program (``None``: :data:`TILING`'s) on ``sms``
     multiprocessors. ``stack``: q4_g32's groups of channels stack the heads in the rows (``G x
     D / 32 = 16``, one warp), in launches of :data:`~kvtier.kernels.launch_plan.SMALL_GRID`
-    pairs or more (B=1 / 4k and 16k: 7-9% slower stacked, 2026-12-04); then :data:`DENSE`'s
+    pairs or more (B=1 / 4k and 16k, stacked at twelve programs: 7-9% slower, 2026-12-04); then :data:`DENSE`'s
     programs and cap at :data:`TILING`'s tile and warps where the pairs are fewer than a wave
     of them. Else :data:`TILING`'s programs (:data:`RESIDENT_BY_WARPS`' for warps asked for),
     with :data:`MAXNREG_BY_KIND`'s cap at :data:`TILING`'s tile and warps."""

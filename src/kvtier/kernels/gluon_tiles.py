@@ -19,7 +19,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def tile_pages(BT, bt_row, n0, hi, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, CP: gl.constexpr, SC: gl.constexpr,
-                    QUANT: gl.constexpr):  # fmt: skip
+                   QUANT: gl.constexpr):  # fmt: skip
         """The pages of the tile of keys ``n0 ..`` from the block table, in the layouts of the
         copies of its rows (``CP``) and of its scales (``SC``; ``QUANT`` only)."""
         n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CP))
