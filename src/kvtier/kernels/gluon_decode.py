@@ -332,9 +332,9 @@ if HAVE_GLUON:
         rows = gl.arange(0, 16, layout=ROWS)
         # the output's channels of the accumulators' columns: PARTS c + i in acc i
         cols = gl.expand_dims(gl.arange(0, AC, layout=COLS), 0) * PARTS
-        if STACKED:  # column c (channels 4 c + i) is in group c // 8: rows g G + r of group g
+        if STACKED:  # column c (channels 4 c + i) is in group 4 c // 32: rows g G + r of group g
             hq = hk * G + rows % G
-            row_ok = gl.expand_dims(rows // G, 1) == gl.expand_dims(gl.arange(0, AC, layout=COLS) // 8, 0)
+            row_ok = gl.expand_dims(rows // G, 1) == gl.expand_dims(gl.arange(0, AC, layout=COLS) // (32 // PARTS), 0)
             z = gl.expand_dims(gl.max(z_acc, axis=1), 1)  # (its eight columns alike)
             acc, acc1, acc2, acc3 = acc + z, acc1 + z, acc2 + z, acc3 + z
         else:
@@ -380,13 +380,13 @@ TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8
 MAXNREG_BY_KIND = {"tq": 168}
 #: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
 RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
-#: (programs resident a multiprocessor, registers a thread) of q4_g32 launches at its
-#: :data:`TILING` tile whose groups of channels stack the heads in the rows (``G x D / 32 = 16``:
+#: (programs resident a multiprocessor, registers a thread) of stacked q4_g32 launches at its
+#: :data:`TILING` tile and warps, whose groups of channels stack the heads in the rows (``G x D / 32 = 16``:
 #: 168 registers a thread, sm_90, Triton 3.6) and whose (row, kv head) pairs are fewer than
 #: a wave of these: twelve programs at that cap, not eight (H200, 2026-12-04: B=64 / 8k 243.3
 #: against 256.2 us, B=8 / 16k 66.8 against 71.7, B=32 / 4k 67.5 against 70.7; a serving step's
 #: 2,048 pairs, more than a wave, 113.8 against 91.0 in waves of twelve)
-DENSE = {"q4_g32": (12, 168)}
+DENSE = (12, 168)
 
 
 def programs(kind: str, G: int, D: int, pairs: int, sms: int, block_n: int,
@@ -406,9 +406,8 @@ def programs(kind: str, G: int, D: int, pairs: int, sms: int, block_n: int,
     default = (block_n, warps or tile_warps) == (tile, tile_warps)
     cap = MAXNREG_BY_KIND.get(kind) if default else None
     stack = kind == "q4_g32" and G * (D // 32) == 16 and (warps or tile_warps) == 1 and pairs >= SMALL_GRID
-    dense = DENSE.get(kind)
-    if stack and dense is not None and warps is None and block_n == tile and pairs < dense[0] * sms:
-        return (*dense, stack)
+    if stack and warps is None and block_n == tile and pairs < DENSE[0] * sms:
+        return (*DENSE, stack)
     return resident, cap, stack
 
 

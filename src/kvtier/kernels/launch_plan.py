@@ -73,7 +73,7 @@ def _target_programs(device: torch.device) -> int:
     # H200 sweep (benchmarks/results_gpu_attention.md): about 8 programs per multiprocessor
     # (2-3 waves at 3 resident programs each) beat 4 per SM, whose last wave ran part-empty
     if device.type == "cuda":
-        return 8 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+        return 8 * multiprocessors(device)
     return 4
 
 
@@ -137,8 +137,7 @@ def plan_launch(
         most = max(1, _cdiv(capacity, max(min_split, block_n)))
         splits = max(1, min(want, most))
         if device.type == "cuda" and (resident or not quantised) and base >= SMALL_GRID:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            slots = (resident or RESIDENT_PROGRAMS) * _multiprocessors(index)
+            slots = (resident or RESIDENT_PROGRAMS) * multiprocessors(device)
             # the Gluon kernel's launches (resident given) may halve their splits twice: one
             # full wave of long splits beat more waves of short ones (H200, B=32 / 4k q8: 2
             # splits 73.5 us, 4 splits 78.5; B=8 / 16k: 8 splits 72.1, 16 splits 76.4)
