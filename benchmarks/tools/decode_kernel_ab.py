@@ -40,6 +40,16 @@ def plans(mode: str, B, cuda: bool) -> dict:
         out["cuda_core"] = ({}, LaunchConfig(decode_kernel="cuda_core"))
     if not cuda:
         return out
+    # each tile's scores an iteration ahead (gluon_decode.AHEAD, a third stage), at the default plan,
+    # with four stages, and for the kinds whose registers grow past their programs' share: uncapped
+    # in waves of eight (q4_g32, TurboQuant) or capped at four programs' 128 (q8, fp8)
+    ahead = dict(AHEAD=True)
+    out |= {"ahead": (ahead, None), "ahead ns4": (ahead, LaunchConfig(decode_kernel="gluon", num_stages=4)),
+            "not ahead": (dict(AHEAD=False), None)}
+    if mode in ("q4_g32", TQ):
+        out["ahead r8"] = (dict(AHEAD=True, RESIDENT=8, MAXNREG=255), None)
+    if mode in ("q8", "fp8"):
+        out["ahead c128"] = (dict(AHEAD=True, MAXNREG=128), None)
     # warps a program (the default by page kind: gluon_decode.TILING): one warp holds the whole
     # tile's softmax and accumulator, no barrier across warps in the loop, at 180-218 registers a
     # thread (eight programs an SM: RESIDENT)

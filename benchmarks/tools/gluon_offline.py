@@ -67,7 +67,8 @@ def _tool(name: str) -> str:
 
 
 def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = None, warps: int | None = None,
-                    maxnreg: int | None = None, arch: int = 90, sass_dir: str | None = None) -> dict:
+                    maxnreg: int | None = None, arch: int = 90, sass_dir: str | None = None,
+                    ahead: bool | None = None) -> dict:
     """Compile one variant; ``{"kind", "head_dim", "block_n", "warps", "maxnreg", "arch", "registers",
     "stack", "shared", "instructions", "loop"}`` (``loop``: the instructions of the main loop)."""
     import triton
@@ -80,9 +81,11 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
     block_n, warps = block_n or tile, warps or w
     if maxnreg is None and (block_n, warps) == (tile, w):
         maxnreg = gd.MAXNREG_BY_KIND.get(kind)
+    if ahead is None:  # as a launch of a wave or more: programs()
+        ahead = gd.programs(kind, 4, head_dim, 1 << 20, 132, block_n, None if warps == w else warps)[3]
     sig = signature(gd._decode_kernel, kind)
-    const = dict(G=4, D=head_dim, BLOCK_N=block_n, PAGE=16, NS=2, SPLIT=True, KIND=gd.KINDS[kind], CAUSAL=False,
-                 LIKE=True, W=warps, STACK=True)
+    const = dict(G=4, D=head_dim, BLOCK_N=block_n, PAGE=16, NS=3 if ahead else 2, SPLIT=True, KIND=gd.KINDS[kind],
+                 CAUSAL=False, LIKE=True, W=warps, STACK=True, AHEAD=ahead)
     names = list(sig)
     # a cache's pointers and strides are multiples of 16 (Triton specialises on it), but the
     # grouped scales' head stride (head_dim / 32 of them)
@@ -100,13 +103,14 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
         sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
     if sass_dir:
         os.makedirs(sass_dir, exist_ok=True)
-        with open(os.path.join(sass_dir, f"{kind}_d{head_dim}_{block_n}x{warps}_sm{arch}.sass"), "w") as f:
+        name = f"{kind}_d{head_dim}_{block_n}x{warps}{'_ahead' if ahead else ''}_sm{arch}.sass"
+        with open(os.path.join(sass_dir, name), "w") as f:
             f.write(sass)
     field = {m[0]: int(m[1]) for m in re.findall(r"(REG|STACK):(\d+)", usage)}
     line = re.compile(r"^\s+/\*[0-9a-f]{4}\*/", re.M)
     blocks = re.split(r"\n(?=\.L_x_\d+:)", sass)
     loop = max(blocks, key=lambda b: b.count("HMMA") + b.count("IMMA"))
-    return {"kind": kind, "head_dim": head_dim, "block_n": block_n, "warps": warps, "maxnreg": maxnreg,
+    return {"kind": kind, "head_dim": head_dim, "block_n": block_n, "warps": warps, "maxnreg": maxnreg, "ahead": ahead,
             "arch": arch, "registers": field.get("REG"), "stack": field.get("STACK"), "shared": k.metadata.shared,
             "instructions": len(line.findall(sass)), "loop": len(line.findall(loop))}
 
@@ -119,6 +123,9 @@ def main() -> int:
     p.add_argument("--tile", default=None, help="keys a tile and warps a program, such as 32,1 (default: TILING's)")
     p.add_argument("--maxnreg", type=int, default=None, help="a register cap (default: MAXNREG_BY_KIND's)")
     p.add_argument("--sass", default=None, help="a folder for each variant's assembly")
+    p.add_argument("--ahead", choices=("default", "on", "off"), default="default",
+                   help="score each tile one iteration ahead (default: as gluon_decode.programs "
+                        "plans a launch of many pairs)")
     p.add_argument("--json", action="store_true", help="one JSON list, the last line on stdout, instead of a table")
     a = p.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)  # (Triton's interpreter compiles nothing; read at its import)
@@ -137,8 +144,9 @@ def main() -> int:
     for kind in kinds:
         for d in (int(x) for x in a.head_dims.split(",")):
             try:
+                ahead = None if a.ahead == "default" else a.ahead == "on"
                 rows.append(compile_variant(kind, d, block_n=bn, warps=w, maxnreg=a.maxnreg, arch=a.arch,
-                                            sass_dir=a.sass))
+                                            sass_dir=a.sass, ahead=ahead))
             except Exception as e:  # a variant that does not compile is a result here
                 failed = True
                 lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""]
@@ -149,12 +157,14 @@ def main() -> int:
     if a.json:
         print(json.dumps(rows))
     else:
-        print(f"sm_{a.arch} | kind | head_dim | keys a tile x warps | cap | registers | stack | shared | loop / all")
+        print(f"sm_{a.arch} | kind | head_dim | keys a tile x warps | ahead | cap | registers | stack | shared | "
+              "loop / all")
         for r in rows:
             if "error" in r:
                 print(f"{r['kind']} | {r['head_dim']} | did not compile: {r['error']}")
             else:
-                print(f"{r['kind']} | {r['head_dim']} | {r['block_n']} x {r['warps']} | {r['maxnreg'] or '-'} | "
+                print(f"{r['kind']} | {r['head_dim']} | {r['block_n']} x {r['warps']} | {'yes' if r['ahead'] else 'no'} | "
+                      f"{r['maxnreg'] or '-'} | "
                       f"{r['registers']} | {r['stack']} | {r['shared']} | {r['loop']} / {r['instructions']}")
     return 1 if failed else 0
 

@@ -83,20 +83,22 @@ def test_the_kinds_it_reads(mode, kind):
 @pytest.mark.parametrize(
     "kind, G, D, pairs, block_n, warps, expected",
     [
-        ("q4_g32", 4, 128, 512, 32, None, (12, 168, True)),  # B=64 x 8 kv heads: fewer than a wave of 12 x 132
-        ("q4_g32", 4, 128, 2048, 32, None, (8, None, True)),  # a serving step: more than that wave
-        ("q4_g32", 8, 64, 64, 32, None, (12, 168, True)),  # two groups of eight heads stack too
-        ("q4_g32", 4, 128, 8, 32, None, (8, None, False)),  # B=1: a small grid
-        ("q4_g32", 3, 64, 64, 32, None, (8, None, False)),  # six rows: the values' scales stay on the operands
-        ("q4_g32", 4, 128, 512, 16, None, (8, None, True)),  # another tile
-        ("q4_g32", 4, 128, 512, 32, 1, (8, None, True)),  # warps asked for
-        ("q4_g32", 4, 128, 512, 32, 4, (4, None, False)),
-        ("tq", 4, 128, 512, 16, None, (12, 168, False)),
-        ("tq", 4, 128, 512, 16, 1, (8, 168, False)),  # TILING's warps asked for: their programs a wave
-        ("q8", 4, 128, 512, 64, 2, (6, None, False)),
+        ("q4_g32", 4, 128, 512, 32, None, (12, 168, True, False)),  # B=64 x 8 kv heads: fewer than a wave of 12 x 132
+        ("q4_g32", 4, 128, 2048, 32, None, (8, None, True, True)),  # a serving step: a wave or more, scored ahead
+        ("q4_g32", 8, 64, 64, 32, None, (12, 168, True, False)),  # two groups of eight heads stack too
+        ("q4_g32", 4, 128, 8, 32, None, (8, None, False, False)),  # B=1: a small grid
+        ("q4_g32", 3, 64, 64, 32, None, (8, None, False, False)),  # six rows: the values' scales stay on the operands
+        ("q4_g32", 4, 128, 512, 16, None, (8, None, True, False)),  # another tile
+        ("q4_g32", 4, 128, 512, 32, 1, (8, None, True, False)),  # warps asked for
+        ("q4_g32", 4, 128, 512, 32, 4, (4, None, False, False)),
+        ("tq", 4, 128, 512, 16, None, (12, 168, False, False)),
+        ("tq", 4, 128, 2048, 16, None, (12, 168, False, False)),
+        ("tq", 4, 128, 512, 16, 1, (8, 168, False, False)),  # TILING's warps asked for: their programs a wave
+        ("q8", 4, 128, 512, 64, 2, (6, None, False, False)),
     ],
 )
-def test_programs_resident_register_cap_and_stacking_of_a_launch(kind, G, D, pairs, block_n, warps, expected):
+def test_programs_resident_register_cap_stacking_and_scores_ahead_of_a_launch(kind, G, D, pairs, block_n, warps,
+                                                                               expected):  # fmt: skip
     assert gluon_decode.programs(kind, G, D, pairs, 132, block_n, warps) == expected
 
 
@@ -254,6 +256,28 @@ def test_gpu_q4_g32_stacked_rows_match_the_reference(B, Hq, H_kv, D, lengths, sp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize(
+    "B, Hq, H_kv, D, lengths, splits",
+    [
+        (3, 4, 1, 64, [1, 17, 45], None),  # one key (one tile: only the scores before the loop), a few pages
+        (2, 8, 2, 128, [70, 33], 3),  # three splits merged
+        (3, 12, 4, 64, [5, 200, 64], 4),  # GQA 3, a split past a row's end (no tile)
+        (8, 16, 4, 128, [1, 17, 45, 300, 129, 64, 33, 250], 3),  # q4_g32 stacked (32 pairs)
+    ],
+)
+@pytest.mark.parametrize("plan", [{}, dict(num_stages=4), dict(block_n=16, num_stages=3, num_warps=1),
+                                  dict(block_n=64, num_stages=3, num_warps=4)])
+@pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp", TQ])
+def test_gpu_tiles_scored_ahead_match_the_reference(monkeypatch, B, Hq, H_kv, D, lengths, splits, plan, mode):
+    """Each tile's scores computed an iteration ahead (``AHEAD``: the ring's third stage), every
+    page kind, at the default tiles and others."""
+    monkeypatch.setattr(gluon_decode, "AHEAD", True)
+    c, q, qs = _case(mode, B, Hq, H_kv, D, lengths, torch.bfloat16)
+    _check_against_references(c, q, qs, mode, TOL[torch.bfloat16], num_splits=splits, **plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("B, L, splits", [(64, 8192, None), (8, 16384, None), (1, 4096, None), (4, 3000, 5)])
 @pytest.mark.parametrize("mode", ["q8", "q4", "fp8", "q4_g32", "fp", TQ])
 def test_gpu_long_rows(B, L, splits, mode):
@@ -350,3 +374,21 @@ def test_turboquant_pages_left_out_of_gluon_decode_go_to_their_family_kernel(mon
     out = _attend(c, q, qs)
     assert calls == []
     torch.testing.assert_close(out, _attend(c, q, qs, decode_kernel="cuda_core"), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("ahead, plan, launched", [
+    (True, {}, (True, 3)), (True, dict(num_stages=4), (True, 4)), (True, dict(num_stages=2), (False, 2)),
+    (False, {}, (False, 2)), (False, dict(num_stages=3), (False, 3)),
+    (None, {}, (False, 2)),  # q4 pages: not ahead by default (programs())
+])  # fmt: skip
+def test_tiles_scored_ahead_take_a_third_stage(monkeypatch, ahead, plan, launched):
+    """A launch that scores its tiles ahead runs a ring of three stages unless more are asked
+    for; asked for two, it scores each tile in its own iteration."""
+    c, q, qs = _case("q4", 2, 8, 2, 64, [40, 17], torch.bfloat16)
+    seen = []
+    monkeypatch.setattr(gluon_decode, "AHEAD", ahead)
+    monkeypatch.setattr(gluon_decode, "launch_decode", lambda *a, **k: seen.append((k["ahead"], k["stages"])))
+    monkeypatch.setattr(triton_attention, "merge_splits", lambda *a, **k: None)  # no partials were written
+    monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
+    _attend(c, q, qs, decode_kernel="gluon", **plan)
+    assert seen == [launched]

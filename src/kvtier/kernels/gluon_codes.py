@@ -31,6 +31,7 @@ from kvtier.quant.lloyd_max import lloyd_max_quantizer
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     # Triton 3.6 names a shared-memory view of another dtype _reinterpret, 3.9 reinterpret
     _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
@@ -234,3 +235,39 @@ if HAVE_GLUON:
         v = gl.inline_asm_elementwise(CENTROIDS3_ASM, "=r,=r,r,r,r,r", [sel], dtype=gl.float16, is_pure=True,
                                       pack=4)  # fmt: skip
         stage.store((v * gl.expand_dims(scales.load(gl.SliceLayout(2, DQ3)), 2)).reshape([BLOCK_N, D]))
+
+    @gluon.jit
+    def tile_scores(k_tile, ks, kz, qa, qb, qc, qd, q_sc, KIND: gl.constexpr, PARTS: gl.constexpr,
+                    KPARTS: gl.constexpr, NG: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                    TILE16: gl.constexpr, KB: gl.constexpr, MMA: gl.constexpr):  # fmt: skip
+        """The scores ``[16, BLOCK_N]`` (float32, the log2 domain, unmasked) of the query rows
+        (``qa`` .. ``qd``: the query's parts as dot operands; q8: int8 codes and their scales
+        ``q_sc``) against a tile of keys of page kind ``KIND`` (``gluon_decode.KINDS``) in shared
+        memory, ``k_tile``, with its scales ``ks`` (and zeros ``kz``, q4_g32 and TurboQuant):
+        one-byte tiles read as int16 and turned into ``KPARTS`` operands of interleaved channels;
+        one scale a token on the scores, a group's scale and zero on the operands."""
+        if KIND >= 2:  # (D / KPARTS, BLOCK_N) int16 (q4, fp8, q4_g32, TurboQuant)
+            kt = as_int16(k_tile, [BLOCK_N, D // KPARTS], TILE16).permute((1, 0)).load(KB)
+        else:
+            kt = k_tile.permute((1, 0)).load(KB)  # (D, BLOCK_N)
+        if KIND == 1:
+            s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.int32, MMA))
+            s = s.to(gl.float32) * gl.expand_dims(q_sc, 1)
+        elif PARTS == 4:
+            if KIND == 4:  # q4_g32: the keys' groups' scales and zeros on the operands
+                k0, k1, k2, k3 = grouped_quads(kt, ks, kz, NG, True)
+            else:
+                k0, k1, k2, k3 = nibble_quads(kt)
+            s = mma_v2(qa, k0, gl.zeros([16, BLOCK_N], gl.float32, MMA))
+            s = mma_v2(qd, k3, mma_v2(qc, k2, mma_v2(qb, k1, s)))
+        elif KPARTS == 2:  # fp8 bytes, or TurboQuant's with their groups' scales and zeros
+            if KIND == 5:
+                k_even, k_odd = grouped_pairs(kt, ks, kz, NG)
+            else:
+                k_even, k_odd = byte_pairs(kt, True)
+            s = mma_v2(qb, k_odd, mma_v2(qa, k_even, gl.zeros([16, BLOCK_N], gl.float32, MMA)))
+        else:
+            s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.float32, MMA))
+        if KIND == 1 or KIND == 2 or KIND == 3:  # one scale a token
+            s = s * gl.expand_dims(ks.load(gl.SliceLayout(0, MMA)), 0)
+        return s

@@ -35,7 +35,10 @@ of the kv head padded to 16 rows; the softmax runs on exp2. Pages (:data:`KINDS`
 ``W`` warps a program (:data:`TILING` by page kind): four split a tile's keys for the scores and
 the output's channels for the values, and meet at barriers for the row maximum, the row sum and
 the probabilities' change of layout; one holds the whole tile and needs no barrier across warps,
-at about twice the registers a thread.
+at about twice the registers a thread. With ``AHEAD`` (stacked q4_g32 launches of a wave or
+more: :func:`programs`) iteration ``i`` scores tile ``i + 1`` (:func:`~kvtier.kernels.gluon_codes.tile_scores`,
+from a third stage of the ring) beside tile ``i``'s softmax and values, which it scored the
+iteration before.
 
 One-byte tiles are read from shared memory as int16 (two bytes of one key an element): the
 dot operands hold pairs along their depth, for values two keys of one channel, which a
@@ -83,11 +86,11 @@ try:
         as_int16,
         byte_pairs,
         dequant_centroid_groups,
-        grouped_pairs,
         grouped_quads,
         nibble_quads,
         stacked_group_scales,
         staging_layout,
+        tile_scores,
     )
     from kvtier.kernels.gluon_tiles import issue_tile, tile_pages
 
@@ -96,11 +99,13 @@ except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
 
 
-#: for sweeps: a register cap for the kernel (``None``: the compiler's choice), and the warps a
-#: program and programs a wave of the split plan in place of :data:`TILING`'s (``None``: its)
+#: for sweeps: a register cap for the kernel (``None``: the compiler's choice), the warps a
+#: program and programs a wave of the split plan in place of :data:`TILING`'s, and each tile
+#: scored an iteration ahead or not in place of :func:`programs`' choice (``None``: theirs)
 MAXNREG: int | None = None
 WARPS: int | None = None
 RESIDENT: int | None = None
+AHEAD: bool | None = None
 
 if HAVE_GLUON:
 
@@ -116,7 +121,7 @@ if HAVE_GLUON:
         qk_scale, H_KV, split_len, num_splits,
         G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr,
         SPLIT: gl.constexpr, KIND: gl.constexpr, CAUSAL: gl.constexpr, LIKE: gl.constexpr, W: gl.constexpr,
-        STACK: gl.constexpr,
+        STACK: gl.constexpr, AHEAD: gl.constexpr,
     ):  # fmt: skip
         # W warps split the tile's keys (scores) and the output's channels (values)
         # KIND: the pages (KINDS); all but 16-bit ones hold one-byte codes (or two nibbles a byte)
@@ -184,6 +189,7 @@ if HAVE_GLUON:
         q_ptr = Q + b * stride_qb + gl.expand_dims((hk * G + mh) * stride_qh, 1)
         q_ptr = q_ptr + gl.expand_dims(dq * QP, 0)
         q_ok = gl.expand_dims(mh < G, 1)
+        q_sc = qk_scale  # (q8's: the query codes' scales)
         if QP > 1:
             qa = gl.convert_layout((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
             qb = gl.convert_layout((gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
@@ -199,6 +205,11 @@ if HAVE_GLUON:
                 q_sc = gl.convert_layout(q_sc, ROWS)
             else:
                 qa = gl.convert_layout(q.to(gl.float16 if GROUPED else K.dtype.element_ty), QA)
+        if QP < 2:  # (the parts tile_scores does not take)
+            qb = qa
+        if QP < 4:
+            qc = qa
+            qd = qa
 
         kv_len = gl.minimum(gl.load(KVLEN + b).to(gl.int32), capacity)
         if CAUSAL:  # the query sits at q_start: it sees keys 0 .. q_start
@@ -255,8 +266,14 @@ if HAVE_GLUON:
         # STACKED: each row's group's zeros weighed, summed over the keys by a dot with ones
         z_acc = gl.zeros([16, 8], gl.float32, MMA)
         ones = gl.full([BLOCK_N, 8], 1.0, gl.float16, VB)
+        if AHEAD:  # tile 0's scores before the loop, whose iteration i scores tile i + 1 (NS >= 3)
+            cp.wait_group(NS - 2)
+            _barrier()
+            s_next = tile_scores(k_smem.index(0), ks_smem.index(0), kz_smem.index(0), qa, qb, qc, qd, q_sc,
+                                 KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA)  # fmt: skip
         for i in range(n_tiles):
-            cp.wait_group(NS - 2)  # this thread's copies of tile i have landed
+            # this thread's copies of tile i (AHEAD: i + 1) have landed
+            cp.wait_group(NS - 3 if AHEAD else NS - 2)
             _barrier()  # everyone's have, and everyone is done with tile i - 1's stage
             n_next = lo + (i + NS - 1) * BLOCK_N
             issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vz_smem,
@@ -269,30 +286,14 @@ if HAVE_GLUON:
             if TQ:  # everyone is done with the last tile's fp16 values (the barrier above)
                 dequant_centroid_groups(v_smem.index(st), vs_smem.index(st), v_fp, BLOCK_N, D, NG, DQW2, DQW3)
                 _barrier()
-            if KIND >= 2:  # (D / KPARTS, BLOCK_N) int16 (q4, fp8, q4_g32, TurboQuant)
-                kt = as_int16(k_smem.index(st), [BLOCK_N, D // KPARTS], TILE16).permute((1, 0)).load(KB)
+            if AHEAD:  # this tile's scores from the last iteration; the next tile's now
+                s = s_next
+                sa = (i + 1) % NS
+                s_next = tile_scores(k_smem.index(sa), ks_smem.index(sa), kz_smem.index(sa), qa, qb, qc, qd, q_sc,
+                                     KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA)  # fmt: skip
             else:
-                kt = k_smem.index(st).permute((1, 0)).load(KB)  # (DP, BLOCK_N)
-            if KIND == 1:
-                s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.int32, MMA))
-                s = s.to(gl.float32) * gl.expand_dims(q_sc, 1)
-            elif PARTS == 4:
-                if KIND == 4:  # q4_g32: the keys' groups' scales and zeros on the operands
-                    k0, k1, k2, k3 = grouped_quads(kt, ks_smem.index(st), kz_smem.index(st), NG, True)
-                else:
-                    k0, k1, k2, k3 = nibble_quads(kt)
-                s = mma_v2(qa, k0, gl.zeros([16, BLOCK_N], gl.float32, MMA))
-                s = mma_v2(qd, k3, mma_v2(qc, k2, mma_v2(qb, k1, s)))
-            elif KPARTS == 2:  # fp8 bytes, or TurboQuant's with their groups' scales and zeros
-                if TQ:
-                    k_even, k_odd = grouped_pairs(kt, ks_smem.index(st), kz_smem.index(st), NG)
-                else:
-                    k_even, k_odd = byte_pairs(kt, True)
-                s = mma_v2(qb, k_odd, mma_v2(qa, k_even, gl.zeros([16, BLOCK_N], gl.float32, MMA)))
-            else:
-                s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.float32, MMA))
-            if TOKEN_SCALES:  # the keys' scales
-                s = s * gl.expand_dims(ks_smem.index(st).load(COLS), 0)
+                s = tile_scores(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), qa, qb, qc, qd, q_sc,
+                                KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA)  # fmt: skip
             n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=COLS)
             s = gl.where(gl.expand_dims(n < hi, 0), s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -390,25 +391,29 @@ DENSE = (12, 168)
 
 
 def programs(kind: str, G: int, D: int, pairs: int, sms: int, block_n: int,
-             warps: int | None = None) -> tuple[int, int | None, bool]:
-    """``(programs resident a multiprocessor, register cap, stack)`` of a launch of ``pairs``
+             warps: int | None = None) -> tuple[int, int | None, bool, bool]:
+    """``(programs resident a multiprocessor, register cap, stack, ahead)`` of a launch of ``pairs``
     (row, kv head) programs a split, ``G`` query heads a kv head of ``D`` channels, tiles of
     ``block_n`` keys and ``warps`` warps a program (``None``: :data:`TILING`'s) on ``sms``
     multiprocessors. ``stack``: q4_g32's groups of channels stack the heads in the rows (``G x
     D / 32 = 16``, one warp), in launches of :data:`~kvtier.kernels.launch_plan.SMALL_GRID`
     pairs or more (B=1 / 4k and 16k, stacked at twelve programs: 7-9% slower, 2026-12-04); then :data:`DENSE`'s
     programs and cap at :data:`TILING`'s tile and warps where the pairs are fewer than a wave
-    of them. Else :data:`TILING`'s programs (:data:`RESIDENT_BY_WARPS`' for warps asked for),
-    with :data:`MAXNREG_BY_KIND`'s cap at :data:`TILING`'s tile and warps."""
+    of them; where they are a wave or more, ``ahead``: each tile's scores an iteration ahead of
+    its softmax and values, from a third stage of the ring (a serving step's 2,048 pairs: 87.6
+    against 91.5 us, H200, 2026-12-04; every other kind and launch measured was as fast or
+    slower, 1-40%: benchmarks/RESULTS.md). Else :data:`TILING`'s programs
+    (:data:`RESIDENT_BY_WARPS`' for warps asked for), with :data:`MAXNREG_BY_KIND`'s cap at
+    :data:`TILING`'s tile and warps."""
     tile, tile_warps, resident = TILING[kind]
     if warps is not None:
         resident = RESIDENT_BY_WARPS[warps]
     default = (block_n, warps or tile_warps) == (tile, tile_warps)
     cap = MAXNREG_BY_KIND.get(kind) if default else None
     stack = kind == "q4_g32" and G * (D // 32) == 16 and (warps or tile_warps) == 1 and pairs >= SMALL_GRID
-    if stack and warps is None and block_n == tile and pairs < DENSE[0] * sms:
-        return (*DENSE, stack)
-    return resident, cap, stack
+    if stack and warps is None and block_n == tile:
+        return (*DENSE, True, False) if pairs < DENSE[0] * sms else (resident, cap, True, True)
+    return resident, cap, stack, False
 
 
 def launch_decode(
@@ -416,7 +421,7 @@ def launch_decode(
     v_scale: torch.Tensor | None, block_tables: torch.Tensor, kv_len: torch.Tensor, q_start: torch.Tensor | None,
     capacity: int, out: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, *, kind: str, qk_scale: float, splits: int,
     split_len: int, block_n: int = 64, stages: int = 2, warps: int = 4, k_zero: torch.Tensor | None = None,
-    v_zero: torch.Tensor | None = None, maxnreg: int | None = None, stack: bool = False,
+    v_zero: torch.Tensor | None = None, maxnreg: int | None = None, stack: bool = False, ahead: bool = False,
 ) -> None:
     """Launch on validated inputs: ``q`` ``[B, Hq, 1, D]``, payloads ``[num_blocks, page, H_kv, D']``
     of ``kind`` (:data:`KINDS`; one-byte codes with scales ``[num_blocks, page, H_kv, 1]``
@@ -424,7 +429,8 @@ def launch_decode(
     equal strides; or 16-bit values with ``None``) on ``warps`` warps a program; the query of
     row ``b`` sees keys ``0 .. min(kv_len[b], q_start[b] + 1) - 1`` (``q_start`` ``None``: every
     key below ``kv_len``); partials into ``po``/``pl`` when ``splits > 1`` (merged by the
-    caller), else the output into ``out``. ``maxnreg``: a cap on the registers a thread
+    caller), else the output into ``out``. ``ahead``: each tile scored an iteration early
+    (``stages`` >= 3). ``maxnreg``: a cap on the registers a thread
     (:data:`MAXNREG`, set for a sweep, wins; neither: the compiler's choice)."""
     B, Hq, _, D = q.shape
     H_kv, page = k_payload.shape[2], k_payload.shape[1]
@@ -447,7 +453,7 @@ def launch_decode(
         out, out.stride(0), out.stride(1), po, pl,
         qk_scale, H_kv, split_len, splits,
         G=Hq // H_kv, D=D, BLOCK_N=block_n, PAGE=page, NS=stages, SPLIT=splits > 1, KIND=KINDS[kind],
-        CAUSAL=q_start is not None, LIKE=like, W=warps, STACK=stack, num_warps=warps,
+        CAUSAL=q_start is not None, LIKE=like, W=warps, STACK=stack, AHEAD=ahead, num_warps=warps,
         **({"maxnreg": cap} if cap else {}),
     )  # fmt: skip
 
@@ -571,10 +577,12 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     B, Hq, _, D = q.shape
     H_kv = k_payload.shape[2]
     block_n = cfg.block_n or TILING[kind][0]
-    stages = cfg.num_stages or 2
     asked = cfg.num_warps or WARPS
     warps = asked or TILING[kind][1]
-    resident, maxnreg, stack = programs(kind, Hq // H_kv, D, B * H_kv, multiprocessors(q.device), block_n, asked)
+    resident, maxnreg, stack, ahead = programs(kind, Hq // H_kv, D, B * H_kv, multiprocessors(q.device), block_n,
+                                               asked)  # fmt: skip
+    ahead = (ahead if AHEAD is None else AHEAD) and (cfg.num_stages or 3) >= 3  # (it needs a third stage)
+    stages = cfg.num_stages or (3 if ahead else 2)
     # one-warp programs: splits down to 256 keys (B=8 / 4k q4: 16 splits 20.4 us, 8 splits 23.3)
     short = warps == 1 and cfg.min_split_tokens == LaunchConfig.min_split_tokens
     plan_cfg = replace(cfg, block_n=block_n, min_split_tokens=256 if short else cfg.min_split_tokens)
@@ -586,6 +594,6 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, q_start, capacity, out, po, pl,
                   kind=kind, qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages,
-                  warps=warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero, maxnreg=maxnreg, stack=stack)
+                  warps=warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero, maxnreg=maxnreg, stack=stack, ahead=ahead)
     merge_splits(po, pl, out, splits, base, split_len, block_n)  # as the MMA kernel's launch
     return out
