@@ -83,22 +83,26 @@ def test_the_kinds_it_reads(mode, kind):
 @pytest.mark.parametrize(
     "kind, G, D, pairs, block_n, warps, expected",
     [
-        ("q4_g32", 4, 128, 512, 32, None, (12, 168, True, False)),  # B=64 x 8 kv heads: fewer than a wave of 12 x 132
-        ("q4_g32", 4, 128, 2048, 32, None, (8, None, True, True)),  # a serving step: a wave or more, scored ahead
-        ("q4_g32", 8, 64, 64, 32, None, (12, 168, True, False)),  # two groups of eight heads stack too
-        ("q4_g32", 4, 128, 8, 32, None, (8, None, False, False)),  # B=1: a small grid
-        ("q4_g32", 3, 64, 64, 32, None, (8, None, False, False)),  # six rows: the values' scales stay on the operands
-        ("q4_g32", 4, 128, 512, 16, None, (8, None, True, False)),  # another tile
-        ("q4_g32", 4, 128, 512, 32, 1, (8, None, True, False)),  # warps asked for
-        ("q4_g32", 4, 128, 512, 32, 4, (4, None, False, False)),
-        ("tq", 4, 128, 512, 16, None, (12, 168, False, False)),
-        ("tq", 4, 128, 2048, 16, None, (12, 168, False, False)),
-        ("tq", 4, 128, 512, 16, 1, (8, 168, False, False)),  # TILING's warps asked for: their programs a wave
-        ("q8", 4, 128, 512, 64, 2, (6, None, False, False)),
+        ("q4_g32", 4, 128, 512, 32, None, (12, 168, True, False, True)),  # B=64 x 8 kv heads: fewer than a wave
+        ("q4_g32", 4, 128, 2048, 32, None, (8, None, True, True, False)),  # a serving step: a wave or more, ahead
+        ("q4_g32", 8, 64, 64, 32, None, (12, 168, True, False, True)),  # two groups of eight heads stack too
+        ("q4_g32", 4, 128, 8, 32, None, (8, None, False, False, False)),  # B=1: a small grid
+        ("q4_g32", 3, 64, 64, 32, None, (8, None, False, False, False)),  # six rows: the values' scales on the operands
+        ("q4_g32", 4, 128, 512, 16, None, (8, None, True, False, False)),  # another tile
+        ("q4_g32", 4, 128, 512, 32, 1, (8, None, True, False, False)),  # warps asked for
+        ("q4_g32", 4, 128, 512, 32, 4, (4, None, False, False, False)),
+        ("q4", 4, 128, 512, 32, None, (8, None, False, False, True)),  # raw nibbles
+        ("q4", 4, 128, 2048, 32, None, (8, None, False, False, True)),
+        ("q4", 4, 128, 8, 32, None, (8, None, False, False, False)),  # B=1: a small grid
+        ("q4", 4, 128, 512, 64, 4, (4, None, False, False, False)),  # another tile and warps
+        ("tq", 4, 128, 512, 16, None, (12, 168, False, False, False)),
+        ("tq", 4, 128, 2048, 16, None, (12, 168, False, False, False)),
+        ("tq", 4, 128, 512, 16, 1, (8, 168, False, False, False)),  # TILING's warps asked for: their programs a wave
+        ("q8", 4, 128, 512, 64, 2, (6, None, False, False, False)),
     ],
 )
-def test_programs_resident_register_cap_stacking_and_scores_ahead_of_a_launch(kind, G, D, pairs, block_n, warps,
-                                                                               expected):  # fmt: skip
+def test_programs_plan_a_launch(kind, G, D, pairs, block_n, warps, expected):
+    """Programs a multiprocessor, register cap, stacked rows, scores ahead and raw nibbles."""
     assert gluon_decode.programs(kind, G, D, pairs, 132, block_n, warps) == expected
 
 
@@ -274,6 +278,29 @@ def test_gpu_tiles_scored_ahead_match_the_reference(monkeypatch, B, Hq, H_kv, D,
     monkeypatch.setattr(gluon_decode, "AHEAD", True)
     c, q, qs = _case(mode, B, Hq, H_kv, D, lengths, torch.bfloat16)
     _check_against_references(c, q, qs, mode, TOL[torch.bfloat16], num_splits=splits, **plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize(
+    "B, Hq, H_kv, D, lengths, splits",
+    [
+        (3, 4, 1, 64, [1, 17, 45], None),
+        (2, 8, 2, 128, [70, 33], 3),
+        (3, 12, 4, 64, [5, 200, 64], 4),
+        (8, 16, 4, 128, [1, 17, 45, 300, 129, 64, 33, 250], 3),  # q4_g32 stacked (32 pairs)
+        (64, 32, 8, 128, [2000 - 29 * b for b in range(64)], None),  # a wave or more: q4_g32 scored ahead too
+    ],
+)
+@pytest.mark.parametrize("plan", [{}, dict(block_n=16, num_stages=3, num_warps=1), dict(block_n=64, num_warps=4)])
+@pytest.mark.parametrize("mode, dtype", [("q4", torch.bfloat16), ("q4", torch.float16), ("q4_g32", torch.bfloat16),
+                                         ("q4_g32", torch.float16)])
+def test_gpu_raw_nibbles_match_the_reference(monkeypatch, B, Hq, H_kv, D, lengths, splits, plan, mode, dtype):
+    """Nibbles as operands as they lie (fp16 subnormals), the dots scaled back (``RAW``): q4's
+    keys and values, stacked q4_g32's values."""
+    monkeypatch.setattr(gluon_decode, "RAW", True)
+    c, q, qs = _case(mode, B, Hq, H_kv, D, lengths, dtype)
+    _check_against_references(c, q, qs, mode, TOL[dtype], num_splits=splits, **plan)
 
 
 @pytest.mark.gpu

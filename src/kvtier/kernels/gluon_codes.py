@@ -24,6 +24,7 @@ from kvtier.kernels.triton_quant import (
     INT8_PAIRS_ASM,
     NIBBLES_M8_PAIRS_ASM,
     NIBBLES_PAIRS_ASM,
+    NIBBLES_RAW_PAIRS_ASM,
     UINT8_PAIRS_ASM,
 )
 from kvtier.quant.lloyd_max import lloyd_max_quantizer
@@ -99,11 +100,15 @@ if HAVE_GLUON:
         return gl.SharedLinearLayout(staging_bases(block_n, d))
 
     @gluon.jit
-    def nibble_quads(x, SIGNED: gl.constexpr = True):
+    def nibble_quads(x, SIGNED: gl.constexpr = True, RAW: gl.constexpr = False):
         """fp16 ``(c0, c1, c2, c3) - 8`` (``SIGNED``, q4) or ``(c0, c1, c2, c3)`` (q4_g32) of the
         int16 elements ``x``: four channels of one key, the nibbles low to high. A register holds
-        two elements; as :func:`byte_pairs`."""
-        if SIGNED:
+        two elements; as :func:`byte_pairs`. ``RAW``: the nibbles as they lie, ``c0 2^-24, c1 2^-20,
+        c2 2^-24, c3 2^-20`` (fp16 subnormals, exact: no offset, no scale; the caller scales the
+        dots back)."""
+        if RAW:
+            asm: gl.constexpr = NIBBLES_RAW_PAIRS_ASM
+        elif SIGNED:
             asm: gl.constexpr = NIBBLES_M8_PAIRS_ASM
         else:
             asm: gl.constexpr = NIBBLES_PAIRS_ASM
@@ -239,7 +244,7 @@ if HAVE_GLUON:
     @gluon.jit
     def tile_scores(k_tile, ks, kz, qa, qb, qc, qd, q_sc, KIND: gl.constexpr, PARTS: gl.constexpr,
                     KPARTS: gl.constexpr, NG: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                    TILE16: gl.constexpr, KB: gl.constexpr, MMA: gl.constexpr):  # fmt: skip
+                    TILE16: gl.constexpr, KB: gl.constexpr, MMA: gl.constexpr, RAW: gl.constexpr = False):  # fmt: skip
         """The scores ``[16, BLOCK_N]`` (float32, the log2 domain, unmasked) of the query rows
         (``qa`` .. ``qd``: the query's parts as dot operands; q8: int8 codes and their scales
         ``q_sc``) against a tile of keys of page kind ``KIND`` (``gluon_decode.KINDS``) in shared
@@ -257,9 +262,11 @@ if HAVE_GLUON:
             if KIND == 4:  # q4_g32: the keys' groups' scales and zeros on the operands
                 k0, k1, k2, k3 = grouped_quads(kt, ks, kz, NG, True)
             else:
-                k0, k1, k2, k3 = nibble_quads(kt)
+                k0, k1, k2, k3 = nibble_quads(kt, True, RAW)
             s = mma_v2(qa, k0, gl.zeros([16, BLOCK_N], gl.float32, MMA))
             s = mma_v2(qd, k3, mma_v2(qc, k2, mma_v2(qb, k1, s)))
+            if RAW:  # q4's raw nibbles (qb, qd a sixteenth): the dots back to c - 8, q_sc the query's sums
+                s = s * 16777216.0 - 8.0 * gl.expand_dims(q_sc, 1)
         elif KPARTS == 2:  # fp8 bytes, or TurboQuant's with their groups' scales and zeros
             if KIND == 5:
                 k_even, k_odd = grouped_pairs(kt, ks, kz, NG)

@@ -57,13 +57,14 @@ from dataclasses import replace
 
 import torch
 
-from kvtier.kernels.launch_plan import (
-    SMALL_GRID,
-    LaunchConfig,
-    capability,
-    multiprocessors,
-    plan_launch,
+from kvtier.kernels.gluon_plan import (  # noqa: F401 (DENSE, MAXNREG_BY_KIND, RESIDENT_BY_WARPS: read here too)
+    DENSE,
+    MAXNREG_BY_KIND,
+    RESIDENT_BY_WARPS,
+    TILING,
+    programs,
 )
+from kvtier.kernels.launch_plan import LaunchConfig, capability, multiprocessors, plan_launch
 from kvtier.kernels.triton_quant import (
     AFFINE,
     CENTROID,
@@ -101,11 +102,13 @@ except ImportError:  # pragma: no cover - Triton without Gluon
 
 #: for sweeps: a register cap for the kernel (``None``: the compiler's choice), the warps a
 #: program and programs a wave of the split plan in place of :data:`TILING`'s, and each tile
-#: scored an iteration ahead or not in place of :func:`programs`' choice (``None``: theirs)
+#: scored an iteration ahead, and raw nibbles, or not, in place of :func:`programs`' choice
+#: (``None``: theirs)
 MAXNREG: int | None = None
 WARPS: int | None = None
 RESIDENT: int | None = None
 AHEAD: bool | None = None
+RAW: bool | None = None
 
 if HAVE_GLUON:
 
@@ -121,7 +124,7 @@ if HAVE_GLUON:
         qk_scale, H_KV, split_len, num_splits,
         G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr,
         SPLIT: gl.constexpr, KIND: gl.constexpr, CAUSAL: gl.constexpr, LIKE: gl.constexpr, W: gl.constexpr,
-        STACK: gl.constexpr, AHEAD: gl.constexpr,
+        STACK: gl.constexpr, AHEAD: gl.constexpr, RAW: gl.constexpr,
     ):  # fmt: skip
         # W warps split the tile's keys (scores) and the output's channels (values)
         # KIND: the pages (KINDS); all but 16-bit ones hold one-byte codes (or two nibbles a byte)
@@ -136,6 +139,10 @@ if HAVE_GLUON:
         # g (stacked_group_scales), which the rows' output columns in group g keep; the value
         # codes are operands as they are
         STACKED: gl.constexpr = STACK and KIND == 4 and G * NG == 16 and W == 1
+        # RAW: nibbles as operands as they lie (subnormal fp16: nibble_quads), the dots scaled back in
+        # float32: q4's keys (the query's odd parts a sixteenth) and values, stacked q4_g32's values
+        RAWK: gl.constexpr = RAW and KIND == 2
+        RAWV: gl.constexpr = RAW and (KIND == 2 or STACKED)
         NG1: gl.constexpr = NG if GROUPED else 1
         DP: gl.constexpr = D // 2 if (KIND == 2 or KIND == 4) else D  # stored elements a row (nibbles: two a byte)
         # one-byte codes are read as int16 (a key's two bytes an element) and become PARTS
@@ -196,6 +203,16 @@ if HAVE_GLUON:
             if PARTS == 4:
                 qc = gl.convert_layout((gl.load(q_ptr + 2, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
                 qd = gl.convert_layout((gl.load(q_ptr + 3, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
+            if RAWK:  # each row's sum of its fp16 query (c - 8: minus 8 of it), then the odd parts a sixteenth
+                q_sc = gl.zeros([16], gl.float32, gl.SliceLayout(1, QL))
+                for j in gl.static_range(4):
+                    q_sc += gl.sum((gl.load(q_ptr + j, mask=q_ok, other=0.0).to(gl.float32) * qk_scale)
+                                   .to(gl.float16).to(gl.float32), axis=1)  # fmt: skip
+                q_sc = gl.convert_layout(q_sc, ROWS)
+                qb = gl.convert_layout((gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale)
+                                       .to(gl.float16).to(gl.float32) * 0.0625, QA).to(gl.float16)  # fmt: skip
+                qd = gl.convert_layout((gl.load(q_ptr + 3, mask=q_ok, other=0.0).to(gl.float32) * qk_scale)
+                                       .to(gl.float16).to(gl.float32) * 0.0625, QA).to(gl.float16)  # fmt: skip
         else:
             q = gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale
             if KIND == 1:
@@ -270,7 +287,7 @@ if HAVE_GLUON:
             cp.wait_group(NS - 2)
             _barrier()
             s_next = tile_scores(k_smem.index(0), ks_smem.index(0), kz_smem.index(0), qa, qb, qc, qd, q_sc,
-                                 KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA)  # fmt: skip
+                                 KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA, RAWK)  # fmt: skip
         for i in range(n_tiles):
             # this thread's copies of tile i (AHEAD: i + 1) have landed
             cp.wait_group(NS - 3 if AHEAD else NS - 2)
@@ -290,10 +307,10 @@ if HAVE_GLUON:
                 s = s_next
                 sa = (i + 1) % NS
                 s_next = tile_scores(k_smem.index(sa), ks_smem.index(sa), kz_smem.index(sa), qa, qb, qc, qd, q_sc,
-                                     KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA)  # fmt: skip
+                                     KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA, RAWK)  # fmt: skip
             else:
                 s = tile_scores(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), qa, qb, qc, qd, q_sc,
-                                KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA)  # fmt: skip
+                                KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA, RAWK)  # fmt: skip
             n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=COLS)
             s = gl.where(gl.expand_dims(n < hi, 0), s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -309,13 +326,15 @@ if HAVE_GLUON:
                     p, pz = stacked_group_scales(p, vs_smem.index(st), vz_smem.index(st), NG, G)
                     z_acc = mma_v2(gl.convert_layout(pz.to(gl.float16), PA), ones, z_acc * gl.expand_dims(alpha, 1))
                 pa = gl.convert_layout(p.to(gl.float16), PA)
+                if RAWK:  # q4's raw values: the probabilities' sums, for the offset of 8
+                    z_acc = mma_v2(pa, ones, z_acc * gl.expand_dims(alpha, 1))
                 vt = as_int16(v_smem.index(st), [BLOCK_N, D // PARTS], TILE16).load(VB)
                 a2 = gl.expand_dims(alpha, 1)
                 if PARTS == 4:
                     if KIND == 4 and not STACKED:
                         v0, v1, v2, v3 = grouped_quads(vt, vs_smem.index(st), vz_smem.index(st), NG, False)
                     else:
-                        v0, v1, v2, v3 = nibble_quads(vt, KIND == 2)
+                        v0, v1, v2, v3 = nibble_quads(vt, KIND == 2, RAWV)
                     acc2 = mma_v2(pa, v2, acc2 * a2)
                     acc3 = mma_v2(pa, v3, acc3 * a2)
                 else:
@@ -333,6 +352,10 @@ if HAVE_GLUON:
         rows = gl.arange(0, 16, layout=ROWS)
         # the output's channels of the accumulators' columns: PARTS c + i in acc i
         cols = gl.expand_dims(gl.arange(0, AC, layout=COLS), 0) * PARTS
+        if RAWV:  # raw nibbles' dots back to codes (q4: c - 8)
+            zq = gl.expand_dims(gl.max(z_acc, axis=1), 1) * 8.0 if RAWK else 0.0
+            acc, acc1 = acc * 16777216.0 - zq, acc1 * 1048576.0 - zq
+            acc2, acc3 = acc2 * 16777216.0 - zq, acc3 * 1048576.0 - zq
         if STACKED:  # column c (channels 4 c + i) is in group 4 c // 32: rows g G + r of group g
             hq = hk * G + rows % G
             row_ok = gl.expand_dims(rows // G, 1) == gl.expand_dims(gl.arange(0, AC, layout=COLS) // (32 // PARTS), 0)
@@ -364,57 +387,6 @@ if HAVE_GLUON:
 #: channels; values 3-bit Lloyd-Max codes, an fp16 scale a group; both in the rotated domain,
 #: which the caller enters and leaves)
 KINDS = {"fp": 0, "q8": 1, "q4": 2, "fp8": 3, "q4_g32": 4, "tq": 5}
-#: a default launch by page kind: (keys a tile, warps a program, programs resident a
-#: multiprocessor, whose whole waves the split plan fills). Four warps at 96-128 registers a
-#: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 205-242
-#: registers: eight (H200 sweeps, benchmarks/RESULTS.md 2026-12-03; q4_g32's 32-key tiles 3-10%
-#: faster than 16-key ones in waves of twelve, 2026-12-04; at 168 registers with its values'
-#: scales on the probabilities, waves of twelve were 4-7% faster at B >= 8 and contexts >= 4k
-#: but 25% slower on a serving step, 2026-12-04). TurboQuant's 16-key tiles on one warp:
-#: twelve, at the cap below (32-key tiles on one warp and on four were slower, 2026-12-04)
-TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (32, 1, 8),
-          "tq": (16, 1, 12)}
-#: a register cap by page kind, for launches of its :data:`TILING` tile and warps. TurboQuant's
-#: 16-key one-warp programs took 191 registers a thread uncapped (eight programs), at 168 (no
-#: spills, sm_90, Triton 3.6) twelve: B=64 / 8k 458.2 against 501.4 us; its keys since in
-#: registers, 378-382 us, 168 and no spills (benchmarks/RESULTS.md, 2026-12-04)
-MAXNREG_BY_KIND = {"tq": 168}
-#: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
-RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
-#: (programs resident a multiprocessor, registers a thread) of stacked q4_g32 launches at its
-#: :data:`TILING` tile and warps, whose groups of channels stack the heads in the rows (``G x D / 32 = 16``:
-#: 168 registers a thread, sm_90, Triton 3.6) and whose (row, kv head) pairs are fewer than
-#: a wave of these: twelve programs at that cap, not eight (H200, 2026-12-04: B=64 / 8k 243.3
-#: against 256.2 us, B=8 / 16k 66.8 against 71.7, B=32 / 4k 67.5 against 70.7; a serving step's
-#: 2,048 pairs, more than a wave, 113.8 against 91.0 in waves of twelve)
-DENSE = (12, 168)
-
-
-def programs(kind: str, G: int, D: int, pairs: int, sms: int, block_n: int,
-             warps: int | None = None) -> tuple[int, int | None, bool, bool]:
-    """``(programs resident a multiprocessor, register cap, stack, ahead)`` of a launch of ``pairs``
-    (row, kv head) programs a split, ``G`` query heads a kv head of ``D`` channels, tiles of
-    ``block_n`` keys and ``warps`` warps a program (``None``: :data:`TILING`'s) on ``sms``
-    multiprocessors. ``stack``: q4_g32's groups of channels stack the heads in the rows (``G x
-    D / 32 = 16``, one warp), in launches of :data:`~kvtier.kernels.launch_plan.SMALL_GRID`
-    pairs or more (B=1 / 4k and 16k, stacked at twelve programs: 7-9% slower, 2026-12-04); then :data:`DENSE`'s
-    programs and cap at :data:`TILING`'s tile and warps where the pairs are fewer than a wave
-    of them; where they are a wave or more, ``ahead``: each tile's scores an iteration ahead of
-    its softmax and values, from a third stage of the ring (a serving step's 2,048 pairs: 87.6
-    against 91.5 us, H200, 2026-12-04; every other kind and launch measured was as fast or
-    slower, 1-40%: benchmarks/RESULTS.md). Else :data:`TILING`'s programs
-    (:data:`RESIDENT_BY_WARPS`' for warps asked for), with :data:`MAXNREG_BY_KIND`'s cap at
-    :data:`TILING`'s tile and warps."""
-    tile, tile_warps, resident = TILING[kind]
-    if warps is not None:
-        resident = RESIDENT_BY_WARPS[warps]
-    default = (block_n, warps or tile_warps) == (tile, tile_warps)
-    cap = MAXNREG_BY_KIND.get(kind) if default else None
-    stack = kind == "q4_g32" and G * (D // 32) == 16 and (warps or tile_warps) == 1 and pairs >= SMALL_GRID
-    if stack and warps is None and block_n == tile:
-        return (*DENSE, True, False) if pairs < DENSE[0] * sms else (resident, cap, True, True)
-    return resident, cap, stack, False
-
 
 def launch_decode(
     q: torch.Tensor, k_payload: torch.Tensor, v_payload: torch.Tensor, k_scale: torch.Tensor | None,
@@ -422,6 +394,7 @@ def launch_decode(
     capacity: int, out: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, *, kind: str, qk_scale: float, splits: int,
     split_len: int, block_n: int = 64, stages: int = 2, warps: int = 4, k_zero: torch.Tensor | None = None,
     v_zero: torch.Tensor | None = None, maxnreg: int | None = None, stack: bool = False, ahead: bool = False,
+    raw: bool = False,
 ) -> None:
     """Launch on validated inputs: ``q`` ``[B, Hq, 1, D]``, payloads ``[num_blocks, page, H_kv, D']``
     of ``kind`` (:data:`KINDS`; one-byte codes with scales ``[num_blocks, page, H_kv, 1]``
@@ -430,7 +403,7 @@ def launch_decode(
     row ``b`` sees keys ``0 .. min(kv_len[b], q_start[b] + 1) - 1`` (``q_start`` ``None``: every
     key below ``kv_len``); partials into ``po``/``pl`` when ``splits > 1`` (merged by the
     caller), else the output into ``out``. ``ahead``: each tile scored an iteration early
-    (``stages`` >= 3). ``maxnreg``: a cap on the registers a thread
+    (``stages`` >= 3); ``raw``: nibbles as operands as they lie (:func:`programs`). ``maxnreg``: a cap on the registers a thread
     (:data:`MAXNREG`, set for a sweep, wins; neither: the compiler's choice)."""
     B, Hq, _, D = q.shape
     H_kv, page = k_payload.shape[2], k_payload.shape[1]
@@ -453,7 +426,7 @@ def launch_decode(
         out, out.stride(0), out.stride(1), po, pl,
         qk_scale, H_kv, split_len, splits,
         G=Hq // H_kv, D=D, BLOCK_N=block_n, PAGE=page, NS=stages, SPLIT=splits > 1, KIND=KINDS[kind],
-        CAUSAL=q_start is not None, LIKE=like, W=warps, STACK=stack, AHEAD=ahead, num_warps=warps,
+        CAUSAL=q_start is not None, LIKE=like, W=warps, STACK=stack, AHEAD=ahead, RAW=raw, num_warps=warps,
         **({"maxnreg": cap} if cap else {}),
     )  # fmt: skip
 
@@ -579,9 +552,10 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     block_n = cfg.block_n or TILING[kind][0]
     asked = cfg.num_warps or WARPS
     warps = asked or TILING[kind][1]
-    resident, maxnreg, stack, ahead = programs(kind, Hq // H_kv, D, B * H_kv, multiprocessors(q.device), block_n,
-                                               asked)  # fmt: skip
+    resident, maxnreg, stack, ahead, raw = programs(kind, Hq // H_kv, D, B * H_kv, multiprocessors(q.device),
+                                                    block_n, asked)  # fmt: skip
     ahead = (ahead if AHEAD is None else AHEAD) and (cfg.num_stages or 3) >= 3  # (it needs a third stage)
+    raw = raw if RAW is None else RAW
     stages = cfg.num_stages or (3 if ahead else 2)
     # one-warp programs: splits down to 256 keys (B=8 / 4k q4: 16 splits 20.4 us, 8 splits 23.3)
     short = warps == 1 and cfg.min_split_tokens == LaunchConfig.min_split_tokens
@@ -594,6 +568,7 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, q_start, capacity, out, po, pl,
                   kind=kind, qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages,
-                  warps=warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero, maxnreg=maxnreg, stack=stack, ahead=ahead)
+                  warps=warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero, maxnreg=maxnreg, stack=stack, ahead=ahead,
+                  raw=raw)
     merge_splits(po, pl, out, splits, base, split_len, block_n)  # as the MMA kernel's launch
     return out

@@ -387,6 +387,17 @@ NIBBLES_M8_ASM = tl.constexpr(_nibbles_asm(-8))
 NIBBLES_ASM = tl.constexpr(_nibbles_asm(0))
 NIBBLES_M8_PAIRS_ASM = tl.constexpr(_nibbles_asm(-8, pairs=True))
 NIBBLES_PAIRS_ASM = tl.constexpr(_nibbles_asm(0, pairs=True))
+#: the pairs' nibbles as they lie, each the fp16 bits of a subnormal: a low nibble ``n`` is
+#: ``n 2^-24``, a high one ``n 2^-20`` (exact; the Gluon decode kernel's raw operands, whose
+#: dots it scales back in float32), in the order of :data:`NIBBLES_PAIRS_ASM`
+NIBBLES_RAW_PAIRS_ASM = tl.constexpr("""{
+        .reg .b32 z;
+        shr.b32 z, $4, 8;
+        and.b32 $0, $4, 0x000F000F;
+        and.b32 $1, $4, 0x00F000F0;
+        and.b32 $2, z, 0x000F000F;
+        and.b32 $3, z, 0x00F000F0;
+        }""")
 
 
 @triton.jit
