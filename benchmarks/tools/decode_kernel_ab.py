@@ -47,7 +47,8 @@ def plans(mode: str, B, cuda: bool) -> dict:
     out |= {"ahead": (ahead, None), "ahead ns4": (ahead, LaunchConfig(decode_kernel="gluon", num_stages=4)),
             "not ahead": (dict(AHEAD=False), None)}
     # nibbles as they lie (subnormal fp16 operands), the dots scaled back (gluon_plan.programs' raw), or not
-    out |= {"raw": (dict(RAW=True), None), "not raw": (dict(RAW=False), None)}
+    out |= {"raw": (dict(RAW=True), None), "not raw": (dict(RAW=False), None),
+            "raw r8": (dict(RAW=True, RESIDENT=8, MAXNREG=255), None)}
     if mode in ("q4_g32", TQ):
         out["ahead r8"] = (dict(AHEAD=True, RESIDENT=8, MAXNREG=255), None)
     if mode in ("q8", "fp8"):

@@ -84,6 +84,7 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
     if ahead is None:  # as a launch of a wave or more: programs()
         ahead = gd.programs(kind, 4, head_dim, 1 << 20, 132, block_n, None if warps == w else warps).ahead
     raw = gd.programs(kind, 4, head_dim, 512 if not ahead else 1 << 20, 132, block_n, None if warps == w else warps).raw
+    raw = raw if gd.RAW is None else gd.RAW  # (gluon_decode.RAW, set for a sweep, wins)
     sig = signature(gd._decode_kernel, kind)
     const = dict(G=4, D=head_dim, BLOCK_N=block_n, PAGE=16, NS=3 if ahead else 2, SPLIT=True, KIND=gd.KINDS[kind],
                  CAUSAL=False, LIKE=True, W=warps, STACK=True, AHEAD=ahead, RAW=raw)

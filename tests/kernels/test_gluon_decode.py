@@ -83,9 +83,9 @@ def test_the_kinds_it_reads(mode, kind):
 @pytest.mark.parametrize(
     "kind, G, D, pairs, block_n, warps, expected",
     [
-        ("q4_g32", 4, 128, 512, 32, None, (12, 168, True, False, True)),  # B=64 x 8 kv heads: fewer than a wave
-        ("q4_g32", 4, 128, 2048, 32, None, (8, None, True, True, False)),  # a serving step: a wave or more, ahead
-        ("q4_g32", 8, 64, 64, 32, None, (12, 168, True, False, True)),  # two groups of eight heads stack too
+        ("q4_g32", 4, 128, 512, 32, None, (8, None, True, False, True)),  # B=64 x 8 kv heads: raw codes
+        ("q4_g32", 4, 128, 2048, 32, None, (8, None, True, True, False)),  # a serving step: 12 an SM or more, ahead
+        ("q4_g32", 8, 64, 64, 32, None, (8, None, True, False, True)),  # two groups of eight heads stack too
         ("q4_g32", 4, 128, 8, 32, None, (8, None, False, False, False)),  # B=1: a small grid
         ("q4_g32", 3, 64, 64, 32, None, (8, None, False, False, False)),  # six rows: the values' scales on the operands
         ("q4_g32", 4, 128, 512, 16, None, (8, None, True, False, False)),  # another tile

@@ -170,6 +170,23 @@ if HAVE_GLUON:
         return ps, pz
 
     @gluon.jit
+    def stacked_key_scores(s, scales, zeros, qsum, NG: gl.constexpr, G: gl.constexpr):
+        """q4_g32 keys' scales and zeros on the scores of stacked rows (as
+        :func:`stacked_group_scales`, row ``g G + r`` head ``r`` and group ``g``), whose query
+        kept only group ``g``'s channels: ``s`` ``[16, keys]`` float32, each row's dot with the raw
+        codes (``c 2^-24``, :func:`nibble_quads`), ``qsum`` ``[16]`` each row's query sum. A row's
+        part of its head's score is ``2^24 s scale + zero qsum`` (its group's scale and zero of
+        each key); a head's score, the sum of its ``NG`` rows', is left in each of them."""
+        shape: gl.constexpr = [NG, G, s.shape[1]]
+        s3 = s.reshape(shape)
+        sl: gl.constexpr = gl.SliceLayout(1, s3.type.layout)
+        sc = gl.expand_dims(scales.permute((1, 0)).load(sl).to(gl.float32), 1) * 16777216.0
+        zc = gl.expand_dims(zeros.permute((1, 0)).load(sl).to(gl.float32), 1)
+        q3 = gl.broadcast(gl.expand_dims(qsum, 1), s)[0].reshape(shape)
+        head = gl.expand_dims(gl.sum(s3 * sc + q3 * zc, axis=0), 0)  # [1, G, keys]: a head's score
+        return gl.convert_layout(gl.broadcast(head, s3)[0].reshape(s.shape), s.type.layout, assert_trivial=True)
+
+    @gluon.jit
     def grouped_pairs(x, scales, zeros, NG: gl.constexpr):
         """The keys' operands of TurboQuant's unsigned 8-bit codes: ``x`` ``[D / 2, keys]``
         int16, element ``c`` channels ``2 c`` and ``2 c + 1`` of one key (group ``c // 16``).
@@ -244,7 +261,8 @@ if HAVE_GLUON:
     @gluon.jit
     def tile_scores(k_tile, ks, kz, qa, qb, qc, qd, q_sc, KIND: gl.constexpr, PARTS: gl.constexpr,
                     KPARTS: gl.constexpr, NG: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                    TILE16: gl.constexpr, KB: gl.constexpr, MMA: gl.constexpr, RAW: gl.constexpr = False):  # fmt: skip
+                    TILE16: gl.constexpr, KB: gl.constexpr, MMA: gl.constexpr, RAW: gl.constexpr = False,
+                    G: gl.constexpr = 1):  # fmt: skip
         """The scores ``[16, BLOCK_N]`` (float32, the log2 domain, unmasked) of the query rows
         (``qa`` .. ``qd``: the query's parts as dot operands; q8: int8 codes and their scales
         ``q_sc``) against a tile of keys of page kind ``KIND`` (``gluon_decode.KINDS``) in shared
@@ -259,13 +277,17 @@ if HAVE_GLUON:
             s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.int32, MMA))
             s = s.to(gl.float32) * gl.expand_dims(q_sc, 1)
         elif PARTS == 4:
-            if KIND == 4:  # q4_g32: the keys' groups' scales and zeros on the operands
+            if KIND == 4 and RAW:  # stacked q4_g32: raw codes, scales and zeros on the scores
+                k0, k1, k2, k3 = nibble_quads(kt, False, True)
+            elif KIND == 4:  # q4_g32: the keys' groups' scales and zeros on the operands
                 k0, k1, k2, k3 = grouped_quads(kt, ks, kz, NG, True)
             else:
                 k0, k1, k2, k3 = nibble_quads(kt, True, RAW)
             s = mma_v2(qa, k0, gl.zeros([16, BLOCK_N], gl.float32, MMA))
             s = mma_v2(qd, k3, mma_v2(qc, k2, mma_v2(qb, k1, s)))
-            if RAW:  # q4's raw nibbles (qb, qd a sixteenth): the dots back to c - 8, q_sc the query's sums
+            if RAW and KIND == 4:  # (qb, qd a sixteenth; q_sc each row's query sum)
+                s = stacked_key_scores(s, ks, kz, q_sc, NG, G)
+            elif RAW:  # q4's raw nibbles (qb, qd a sixteenth): the dots back to c - 8, q_sc the query's sums
                 s = s * 16777216.0 - 8.0 * gl.expand_dims(q_sc, 1)
         elif KPARTS == 2:  # fp8 bytes, or TurboQuant's with their groups' scales and zeros
             if KIND == 5:
