@@ -48,7 +48,7 @@ def plans(mode: str, B, cuda: bool) -> dict:
             "not ahead": (dict(AHEAD=False), None)}
     # nibbles as they lie (subnormal fp16 operands), the dots scaled back (gluon_plan.programs' raw), or not
     out |= {"raw": (dict(RAW=True), None), "not raw": (dict(RAW=False), None),
-            "raw r8": (dict(RAW=True, RESIDENT=8, MAXNREG=255), None)}
+            "raw r8": (dict(RAW=True, RESIDENT=8, MAXNREG=255), None), "raw not ahead": (dict(RAW=True, AHEAD=False), None)}
     if mode in ("q4_g32", TQ):
         out["ahead r8"] = (dict(AHEAD=True, RESIDENT=8, MAXNREG=255), None)
     if mode in ("q8", "fp8"):
