@@ -81,9 +81,8 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
     block_n, warps = block_n or tile, warps or w
     if maxnreg is None and (block_n, warps) == (tile, w):
         maxnreg = gd.MAXNREG_BY_KIND.get(kind)
-    if ahead is None:  # as a launch of a wave or more: programs()
-        ahead = gd.programs(kind, 4, head_dim, 1 << 20, 132, block_n, None if warps == w else warps).ahead
-    raw = gd.programs(kind, 4, head_dim, 512 if not ahead else 1 << 20, 132, block_n, None if warps == w else warps).raw
+    ahead = bool(gd.AHEAD) if ahead is None else ahead
+    raw = gd.programs(kind, 4, head_dim, 512, block_n, None if warps == w else warps).raw
     raw = raw if gd.RAW is None else gd.RAW  # (gluon_decode.RAW, set for a sweep, wins)
     sig = signature(gd._decode_kernel, kind)
     const = dict(G=4, D=head_dim, BLOCK_N=block_n, PAGE=16, NS=3 if ahead else 2, SPLIT=True, KIND=gd.KINDS[kind],
@@ -126,8 +125,7 @@ def main() -> int:
     p.add_argument("--maxnreg", type=int, default=None, help="a register cap (default: MAXNREG_BY_KIND's)")
     p.add_argument("--sass", default=None, help="a folder for each variant's assembly")
     p.add_argument("--ahead", choices=("default", "on", "off"), default="default",
-                   help="score each tile one iteration ahead (default: as gluon_decode.programs "
-                        "plans a launch of many pairs)")
+                   help="score each tile one iteration ahead (default: gluon_decode.AHEAD, off)")
     p.add_argument("--json", action="store_true", help="one JSON list, the last line on stdout, instead of a table")
     a = p.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)  # (Triton's interpreter compiles nothing; read at its import)

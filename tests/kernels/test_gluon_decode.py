@@ -83,27 +83,27 @@ def test_the_kinds_it_reads(mode, kind):
 @pytest.mark.parametrize(
     "kind, G, D, pairs, block_n, warps, expected",
     [
-        ("q4_g32", 4, 128, 512, 32, None, (8, None, True, False, True)),  # B=64 x 8 kv heads: raw codes
-        ("q4_g32", 4, 128, 2048, 32, None, (8, None, True, True, False)),  # a serving step: 12 an SM or more, ahead
-        ("q4_g32", 8, 64, 64, 32, None, (8, None, True, False, True)),  # two groups of eight heads stack too
-        ("q4_g32", 4, 128, 8, 32, None, (8, None, False, False, False)),  # B=1: a small grid
-        ("q4_g32", 3, 64, 64, 32, None, (8, None, False, False, False)),  # six rows: the values' scales on the operands
-        ("q4_g32", 4, 128, 512, 16, None, (8, None, True, False, False)),  # another tile
-        ("q4_g32", 4, 128, 512, 32, 1, (8, None, True, False, False)),  # warps asked for
-        ("q4_g32", 4, 128, 512, 32, 4, (4, None, False, False, False)),
-        ("q4", 4, 128, 512, 32, None, (8, None, False, False, True)),  # raw nibbles
-        ("q4", 4, 128, 2048, 32, None, (8, None, False, False, True)),
-        ("q4", 4, 128, 8, 32, None, (8, None, False, False, False)),  # B=1: a small grid
-        ("q4", 4, 128, 512, 64, 4, (4, None, False, False, False)),  # another tile and warps
-        ("tq", 4, 128, 512, 16, None, (12, 168, False, False, False)),
-        ("tq", 4, 128, 2048, 16, None, (12, 168, False, False, False)),
-        ("tq", 4, 128, 512, 16, 1, (8, 168, False, False, False)),  # TILING's warps asked for: their programs a wave
-        ("q8", 4, 128, 512, 64, 2, (6, None, False, False, False)),
+        ("q4_g32", 4, 128, 512, 32, None, (8, None, True, True)),  # B=64 x 8 kv heads: raw codes
+        ("q4_g32", 4, 128, 2048, 32, None, (8, None, True, True)),  # a serving step
+        ("q4_g32", 8, 64, 64, 32, None, (8, None, True, True)),  # two groups of eight heads stack too
+        ("q4_g32", 4, 128, 8, 32, None, (8, None, False, False)),  # B=1: a small grid
+        ("q4_g32", 3, 64, 64, 32, None, (8, None, False, False)),  # six rows: the values' scales on the operands
+        ("q4_g32", 4, 128, 512, 16, None, (8, None, True, False)),  # another tile
+        ("q4_g32", 4, 128, 512, 32, 1, (8, None, True, False)),  # warps asked for
+        ("q4_g32", 4, 128, 512, 32, 4, (4, None, False, False)),
+        ("q4", 4, 128, 512, 32, None, (8, None, False, True)),  # raw nibbles
+        ("q4", 4, 128, 2048, 32, None, (8, None, False, True)),
+        ("q4", 4, 128, 8, 32, None, (8, None, False, False)),  # B=1: a small grid
+        ("q4", 4, 128, 512, 64, 4, (4, None, False, False)),  # another tile and warps
+        ("tq", 4, 128, 512, 16, None, (12, 168, False, False)),
+        ("tq", 4, 128, 2048, 16, None, (12, 168, False, False)),
+        ("tq", 4, 128, 512, 16, 1, (8, 168, False, False)),  # TILING's warps asked for: their programs a wave
+        ("q8", 4, 128, 512, 64, 2, (6, None, False, False)),
     ],
 )
 def test_programs_plan_a_launch(kind, G, D, pairs, block_n, warps, expected):
     """Programs a multiprocessor, register cap, stacked rows, scores ahead and raw nibbles."""
-    assert gluon_decode.programs(kind, G, D, pairs, 132, block_n, warps) == expected
+    assert gluon_decode.programs(kind, G, D, pairs, block_n, warps) == expected
 
 
 def test_asking_for_it_where_it_cannot_run_names_the_reason():
@@ -252,7 +252,7 @@ def test_gpu_turboquant_matches_the_reference(B, Hq, H_kv, D, lengths, splits, b
 def test_gpu_q4_g32_stacked_rows_match_the_reference(B, Hq, H_kv, D, lengths, splits, plan, dtype):
     """q4_g32 launches whose groups of channels stack the heads in the rows (32 pairs or more),
     at the default plan and at one-warp plans asked for."""
-    assert gluon_decode.programs("q4_g32", Hq // H_kv, D, B * H_kv, 132, plan.get("block_n", 32),
+    assert gluon_decode.programs("q4_g32", Hq // H_kv, D, B * H_kv, plan.get("block_n", 32),
                                  plan.get("num_warps"))[2]  # fmt: skip
     c, q, qs = _case("q4_g32", B, Hq, H_kv, D, lengths, dtype)
     _check_against_references(c, q, qs, "q4_g32", TOL[dtype], num_splits=splits, **plan)
@@ -289,7 +289,7 @@ def test_gpu_tiles_scored_ahead_match_the_reference(monkeypatch, B, Hq, H_kv, D,
         (2, 8, 2, 128, [70, 33], 3),
         (3, 12, 4, 64, [5, 200, 64], 4),
         (8, 16, 4, 128, [1, 17, 45, 300, 129, 64, 33, 250], 3),  # q4_g32 stacked (32 pairs)
-        (64, 32, 8, 128, [2000 - 29 * b for b in range(64)], None),  # a wave or more: q4_g32 scored ahead too
+        (64, 32, 8, 128, [2000 - 29 * b for b in range(64)], None),  # B=64, the H200 shape
     ],
 )
 @pytest.mark.parametrize("plan", [{}, dict(block_n=16, num_stages=3, num_warps=1), dict(block_n=64, num_warps=4)])
@@ -406,7 +406,7 @@ def test_turboquant_pages_left_out_of_gluon_decode_go_to_their_family_kernel(mon
 @pytest.mark.parametrize("ahead, plan, launched", [
     (True, {}, (True, 3)), (True, dict(num_stages=4), (True, 4)), (True, dict(num_stages=2), (False, 2)),
     (False, {}, (False, 2)), (False, dict(num_stages=3), (False, 3)),
-    (None, {}, (False, 2)),  # q4 pages: not ahead by default (programs())
+    (None, {}, (False, 2)),  # not ahead by default
 ])  # fmt: skip
 def test_tiles_scored_ahead_take_a_third_stage(monkeypatch, ahead, plan, launched):
     """A launch that scores its tiles ahead runs a ring of three stages unless more are asked

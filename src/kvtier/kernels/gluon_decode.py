@@ -35,10 +35,16 @@ of the kv head padded to 16 rows; the softmax runs on exp2. Pages (:data:`KINDS`
 ``W`` warps a program (:data:`TILING` by page kind): four split a tile's keys for the scores and
 the output's channels for the values, and meet at barriers for the row maximum, the row sum and
 the probabilities' change of layout; one holds the whole tile and needs no barrier across warps,
-at about twice the registers a thread. With ``AHEAD`` (stacked q4_g32 launches of a wave or
-more: :func:`programs`) iteration ``i`` scores tile ``i + 1`` (:func:`~kvtier.kernels.gluon_codes.tile_scores`,
-from a third stage of the ring) beside tile ``i``'s softmax and values, which it scored the
-iteration before.
+at about twice the registers a thread. With ``AHEAD`` (a sweep's: no default launch takes it,
+benchmarks/RESULTS.md 2026-12-04) iteration ``i`` scores tile ``i + 1``
+(:func:`~kvtier.kernels.gluon_codes.tile_scores`, from a third stage of the ring) beside tile
+``i``'s softmax and values, which it scored the iteration before.
+
+Raw codes (``RAW``, :func:`~kvtier.kernels.gluon_plan.programs`): q4's nibbles and stacked
+q4_g32's go to the tensor cores as they lie, each the bits of an fp16 subnormal (``c 2^-24``,
+a high nibble ``c 2^-20``: the query's parts of odd channels take a sixteenth), exact, and the
+dots are scaled back in float32; q4's offset of 8 comes off with each row's query sum (keys)
+and probabilities' sum (values, a dot with ones).
 
 One-byte tiles are read from shared memory as int16 (two bytes of one key an element): the
 dot operands hold pairs along their depth, for values two keys of one channel, which a
@@ -63,7 +69,7 @@ from kvtier.kernels.gluon_plan import (  # noqa: F401 (MAXNREG_BY_KIND, RESIDENT
     TILING,
     programs,
 )
-from kvtier.kernels.launch_plan import LaunchConfig, capability, multiprocessors, plan_launch
+from kvtier.kernels.launch_plan import LaunchConfig, capability, plan_launch
 from kvtier.kernels.triton_quant import (
     AFFINE,
     CENTROID,
@@ -100,9 +106,9 @@ except ImportError:  # pragma: no cover - Triton without Gluon
 
 
 #: for sweeps: a register cap for the kernel (``None``: the compiler's choice), the warps a
-#: program and programs a wave of the split plan in place of :data:`TILING`'s, and each tile
-#: scored an iteration ahead, and raw nibbles, or not, in place of :func:`programs`' choice
-#: (``None``: theirs)
+#: program and programs a wave of the split plan in place of :data:`TILING`'s, each tile scored
+#: an iteration ahead (``None``: not), and raw codes or not in place of :func:`programs`' choice
+#: (``None``: its)
 MAXNREG: int | None = None
 WARPS: int | None = None
 RESIDENT: int | None = None
@@ -553,9 +559,8 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     block_n = cfg.block_n or TILING[kind][0]
     asked = cfg.num_warps or WARPS
     warps = asked or TILING[kind][1]
-    resident, maxnreg, stack, ahead, raw = programs(kind, Hq // H_kv, D, B * H_kv, multiprocessors(q.device),
-                                                    block_n, asked)  # fmt: skip
-    ahead = (ahead if AHEAD is None else AHEAD) and (cfg.num_stages or 3) >= 3  # (it needs a third stage)
+    resident, maxnreg, stack, raw = programs(kind, Hq // H_kv, D, B * H_kv, block_n, asked)
+    ahead = bool(AHEAD) and (cfg.num_stages or 3) >= 3  # (it needs a third stage)
     raw = raw if RAW is None else RAW
     stages = cfg.num_stages or (3 if ahead else 2)
     # one-warp programs: splits down to 256 keys (B=8 / 4k q4: 16 splits 20.4 us, 8 splits 23.3)

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from kvtier.kernels.launch_plan import SMALL_GRID
 
-__all__ = ["AHEAD_PAIRS_PER_SM", "MAXNREG_BY_KIND", "RESIDENT_BY_WARPS", "TILING", "Launch", "programs"]
+__all__ = ["MAXNREG_BY_KIND", "RESIDENT_BY_WARPS", "TILING", "Launch", "programs"]
 
 #: a default launch by page kind: (keys a tile, warps a program, programs resident a
 #: multiprocessor, whose whole waves the split plan fills). Four warps at 96-128 registers a
@@ -27,50 +27,38 @@ TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8
 MAXNREG_BY_KIND = {"tq": 168}
 #: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
 RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
-#: stacked q4_g32 launches (at :data:`TILING`'s tile and warps) of this many (row, kv head) pairs a
-#: multiprocessor or more score each tile ahead with converted codes; fewer, raw codes. H200,
-#: 2026-12-04: at B=64 / 8k (3.9 a multiprocessor) raw codes in eight programs 220.5 us against
-#: 239.4 converted (twelve programs at 168 registers); a serving step's 2,048 pairs (15.5)
-#: scored ahead 87.6 us, raw 94.7
-AHEAD_PAIRS_PER_SM = 12
-
-
 class Launch(NamedTuple):
     """What :func:`programs` plans for a launch of the kernel (:mod:`kvtier.kernels.gluon_decode`)."""
 
     resident: int  # programs resident a multiprocessor: the split plan fills whole waves of them
     maxnreg: int | None  # a cap on the registers a thread (None: the compiler's choice)
     stack: bool  # q4_g32's groups of channels stack the heads in the rows
-    ahead: bool  # each tile's scores an iteration ahead (a third stage of the ring)
-    raw: bool  # nibbles as operands as they lie, the dots scaled back
+    raw: bool  # codes as operands as they lie, the dots scaled back
 
 
-def programs(kind: str, G: int, D: int, pairs: int, sms: int, block_n: int, warps: int | None = None) -> Launch:
-    """``(programs resident a multiprocessor, register cap, stack, ahead, raw)`` of a launch of ``pairs``
+def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | None = None) -> Launch:
+    """``(programs resident a multiprocessor, register cap, stack, raw)`` of a launch of ``pairs``
     (row, kv head) programs a split, ``G`` query heads a kv head of ``D`` channels, tiles of
-    ``block_n`` keys and ``warps`` warps a program (``None``: :data:`TILING`'s) on ``sms``
-    multiprocessors. ``stack``: q4_g32's groups of channels stack the heads in the rows (``G x
-    D / 32 = 16``, one warp), in launches of :data:`~kvtier.kernels.launch_plan.SMALL_GRID`
-    pairs or more (B=1 / 4k and 16k, stacked: 7-9% slower, 2026-12-04); at :data:`TILING`'s tile and
-    warps, launches of :data:`AHEAD_PAIRS_PER_SM` pairs a multiprocessor or more ``ahead``: each
-    tile's scores an iteration ahead of its softmax and values, from a third stage of the ring (a
-    serving step's 2,048 pairs: 87.6 against 91.5 us, H200, 2026-12-04; every other kind and
-    launch measured was as fast or slower, 1-40%: benchmarks/RESULTS.md), fewer ``raw`` (below).
-    Else :data:`TILING`'s programs (:data:`RESIDENT_BY_WARPS`' for warps asked for), with
-    :data:`MAXNREG_BY_KIND`'s cap at :data:`TILING`'s tile and warps. ``raw``: codes go to the
-    tensor cores as they lie, fp16 subnormals (``c 2^-24``), and their dots are scaled back in
-    float32: no conversion a nibble. q4's keys and values in launches of ``SMALL_GRID`` pairs or
-    more at :data:`TILING`'s tile and warps (H200, 2026-12-04: B=64 / 8k 187.2 -> 172.3 us, a
-    serving step 69.6 -> 63.8; B=1 / 4k, a small grid, 8.4 -> 9.0); stacked q4_g32's values, and
-    its keys with each row's query cut to its group's channels and the keys' scales and zeros on
-    the scores (:func:`~kvtier.kernels.gluon_codes.stacked_key_scores`)."""
+    ``block_n`` keys and ``warps`` warps a program (``None``: :data:`TILING`'s): :data:`TILING`'s programs (:data:`RESIDENT_BY_WARPS`' for warps asked for),
+    with :data:`MAXNREG_BY_KIND`'s cap at :data:`TILING`'s tile and warps.
+
+    ``stack``: q4_g32's groups of channels stack the heads in the rows (``G x D / 32 = 16``, one
+    warp), in launches of :data:`~kvtier.kernels.launch_plan.SMALL_GRID` pairs or more (B=1 / 4k
+    and 16k, stacked: 7-9% slower, 2026-12-04).
+
+    ``raw``: codes go to the tensor cores as they lie, fp16 subnormals (``c 2^-24``), and their
+    dots are scaled back in float32: no conversion a nibble. q4's keys and values, in launches of
+    ``SMALL_GRID`` pairs or more at :data:`TILING`'s tile and warps (H200, 2026-12-04: B=64 / 8k
+    187.2 -> 172.3 us, a serving step 69.6 -> 63.8; B=1 / 4k, a small grid, 8.4 -> 9.0). Stacked
+    q4_g32's values, and its keys with each row's query cut to its group's channels and the keys'
+    scales and zeros on the scores (:func:`~kvtier.kernels.gluon_codes.stacked_key_scores`), at
+    :data:`TILING`'s tile and warps (B=64 / 8k 239.4 -> 220.1 us at eight uncapped programs
+    against twelve at 168 registers, a serving step 88.6 -> 80.6)."""
     tile, tile_warps, resident = TILING[kind]
     if warps is not None:
         resident = RESIDENT_BY_WARPS[warps]
     default = (block_n, warps or tile_warps) == (tile, tile_warps)
     cap = MAXNREG_BY_KIND.get(kind) if default else None
     stack = kind == "q4_g32" and G * (D // 32) == 16 and (warps or tile_warps) == 1 and pairs >= SMALL_GRID
-    if stack and warps is None and block_n == tile:
-        ahead = pairs >= AHEAD_PAIRS_PER_SM * sms
-        return Launch(resident, cap, True, ahead, not ahead)
-    return Launch(resident, cap, stack, False, kind == "q4" and default and pairs >= SMALL_GRID)
+    raw = (stack and warps is None and block_n == tile) or (kind == "q4" and default and pairs >= SMALL_GRID)
+    return Launch(resident, cap, stack, raw)
