@@ -53,7 +53,7 @@ def plans(mode: str, B, cuda: bool) -> dict:
         out["ahead r8"] = (dict(AHEAD=True, RESIDENT=8, MAXNREG=255), None)
     if mode in ("q8", "fp8"):
         out["ahead c128"] = (dict(AHEAD=True, MAXNREG=128), None)
-    # warps a program (the default by page kind: gluon_decode.TILING): one warp holds the whole
+    # warps a program (the default by page kind: gluon_plan.TILING): one warp holds the whole
     # tile's softmax and accumulator, no barrier across warps in the loop, at 180-218 registers a
     # thread (eight programs an SM: RESIDENT)
     w1 = dict(WARPS=1, RESIDENT=8)

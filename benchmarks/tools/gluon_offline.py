@@ -4,12 +4,12 @@ registers, spills, shared memory and the main loop's size in the GPU's assembly,
     PYTHONPATH=src python3 benchmarks/tools/gluon_offline.py [--kinds fp,q8,q4,fp8,q4_g32,tq]
         [--head-dims 64,128] [--arch 90] [--tile 32,1] [--maxnreg 184] [--sass DIR] [--json]
 
-Each kind is compiled at its default launch (``gluon_decode.TILING``'s keys a tile and warps,
+Each kind is compiled at its default launch (``gluon_plan.TILING``'s keys a tile and warps,
 ``MAXNREG_BY_KIND``'s register cap) unless ``--tile`` and ``--maxnreg`` name others, for
 compute capability ``--arch`` (90: H100/H200, 80: A100), with 32 query heads on 8 kv heads,
 pages of 16 and bf16 queries, the strides specialised as a cache's are (multiples of 16), and
 q4_g32's heads stacked by group of channels where they fill the rows (head_dim 128, as
-launches of 32 pairs or more run; ``gluon_decode.programs``), uncapped. It
+launches of 32 pairs or more run; ``gluon_plan.programs``; raw codes where it plans them), uncapped. It
 needs Triton's NVIDIA backend and its bundled ``ptxas``, ``cuobjdump`` and ``nvdisasm``, not a
 GPU or a driver; where those are missing it says why and exits with status 3. The loop is the
 basic block of the assembly with the most tensor-core instructions; ``stack`` is the bytes a

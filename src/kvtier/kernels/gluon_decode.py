@@ -145,9 +145,9 @@ if HAVE_GLUON:
         # codes are operands as they are
         STACKED: gl.constexpr = STACK and KIND == 4 and G * NG == 16 and W == 1
         # RAW: nibbles as operands as they lie (subnormal fp16: nibble_quads), the dots scaled back in
-        # float32: q4's keys (the query's odd parts a sixteenth) and values, stacked q4_g32's values
-        RAWK: gl.constexpr = RAW and (KIND == 2 or STACKED)  # (stacked q4_g32's keys: stacked_key_scores)
-        RAWV: gl.constexpr = RAW and (KIND == 2 or STACKED)
+        # float32 (the query's odd parts a sixteenth): q4's keys and values, stacked q4_g32's (its
+        # keys' scales and zeros on the scores: stacked_key_scores)
+        RAWC: gl.constexpr = RAW and (KIND == 2 or STACKED)
         NG1: gl.constexpr = NG if GROUPED else 1
         DP: gl.constexpr = D // 2 if (KIND == 2 or KIND == 4) else D  # stored elements a row (nibbles: two a byte)
         # one-byte codes are read as int16 (a key's two bytes an element) and become PARTS
@@ -203,14 +203,14 @@ if HAVE_GLUON:
         q_ok = gl.expand_dims(mh < G, 1)
         q_sc = qk_scale  # (q8's: the query codes' scales)
         if QP > 1:
-            if RAWK and STACKED:  # row g G + r: its group g's channels only (4 c + i: group c // 8)
+            if RAWC and STACKED:  # row g G + r: its group g's channels only (4 c + i: group c // 8)
                 q_ok = q_ok & (gl.expand_dims(dq // (32 // QP), 0) == gl.expand_dims(mq // G, 1))
             qa = gl.convert_layout((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
             qb = gl.convert_layout((gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
             if PARTS == 4:
                 qc = gl.convert_layout((gl.load(q_ptr + 2, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
                 qd = gl.convert_layout((gl.load(q_ptr + 3, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
-            if RAWK:  # each row's sum of its fp16 query (q4's c - 8: minus 8 of it), then the odd parts a sixteenth
+            if RAWC:  # each row's sum of its fp16 query (q4's c - 8: minus 8 of it), then the odd parts a sixteenth
                 q_sc = gl.zeros([16], gl.float32, gl.SliceLayout(1, QL))
                 for j in gl.static_range(4):
                     q_sc += gl.sum((gl.load(q_ptr + j, mask=q_ok, other=0.0).to(gl.float32) * qk_scale)
@@ -294,7 +294,7 @@ if HAVE_GLUON:
             cp.wait_group(NS - 2)
             _barrier()
             s_next = tile_scores(k_smem.index(0), ks_smem.index(0), kz_smem.index(0), qa, qb, qc, qd, q_sc,
-                                 KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA, RAWK, G)  # fmt: skip
+                                 KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA, RAWC, G)  # fmt: skip
         for i in range(n_tiles):
             # this thread's copies of tile i (AHEAD: i + 1) have landed
             cp.wait_group(NS - 3 if AHEAD else NS - 2)
@@ -314,10 +314,10 @@ if HAVE_GLUON:
                 s = s_next
                 sa = (i + 1) % NS
                 s_next = tile_scores(k_smem.index(sa), ks_smem.index(sa), kz_smem.index(sa), qa, qb, qc, qd, q_sc,
-                                     KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA, RAWK, G)  # fmt: skip
+                                     KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA, RAWC, G)  # fmt: skip
             else:
                 s = tile_scores(k_smem.index(st), ks_smem.index(st), kz_smem.index(st), qa, qb, qc, qd, q_sc,
-                                KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA, RAWK, G)  # fmt: skip
+                                KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA, RAWC, G)  # fmt: skip
             n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=COLS)
             s = gl.where(gl.expand_dims(n < hi, 0), s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -333,7 +333,7 @@ if HAVE_GLUON:
                     p, pz = stacked_group_scales(p, vs_smem.index(st), vz_smem.index(st), NG, G)
                     z_acc = mma_v2(gl.convert_layout(pz.to(gl.float16), PA), ones, z_acc * gl.expand_dims(alpha, 1))
                 pa = gl.convert_layout(p.to(gl.float16), PA)
-                if RAWV and KIND == 2:  # q4's raw values: the probabilities' sums, for the offset of 8
+                if RAWC and KIND == 2:  # q4's raw values: the probabilities' sums, for the offset of 8
                     z_acc = mma_v2(pa, ones, z_acc * gl.expand_dims(alpha, 1))
                 vt = as_int16(v_smem.index(st), [BLOCK_N, D // PARTS], TILE16).load(VB)
                 a2 = gl.expand_dims(alpha, 1)
@@ -341,7 +341,7 @@ if HAVE_GLUON:
                     if KIND == 4 and not STACKED:
                         v0, v1, v2, v3 = grouped_quads(vt, vs_smem.index(st), vz_smem.index(st), NG, False)
                     else:
-                        v0, v1, v2, v3 = nibble_quads(vt, KIND == 2, RAWV)
+                        v0, v1, v2, v3 = nibble_quads(vt, KIND == 2, RAWC)
                     acc2 = mma_v2(pa, v2, acc2 * a2)
                     acc3 = mma_v2(pa, v3, acc3 * a2)
                 else:
@@ -359,7 +359,7 @@ if HAVE_GLUON:
         rows = gl.arange(0, 16, layout=ROWS)
         # the output's channels of the accumulators' columns: PARTS c + i in acc i
         cols = gl.expand_dims(gl.arange(0, AC, layout=COLS), 0) * PARTS
-        if RAWV:  # raw nibbles' dots back to codes (q4: c - 8)
+        if RAWC:  # raw nibbles' dots back to codes (q4: c - 8)
             zq = gl.expand_dims(gl.max(z_acc, axis=1), 1) * 8.0 if KIND == 2 else 0.0
             acc, acc1 = acc * 16777216.0 - zq, acc1 * 1048576.0 - zq
             acc2, acc3 = acc2 * 16777216.0 - zq, acc3 * 1048576.0 - zq
