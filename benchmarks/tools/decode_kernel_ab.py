@@ -40,15 +40,15 @@ def plans(mode: str, B, cuda: bool) -> dict:
         out["cuda_core"] = ({}, LaunchConfig(decode_kernel="cuda_core"))
     if not cuda:
         return out
-    # each tile's scores an iteration ahead (gluon_decode.AHEAD, a third stage), at the default plan,
-    # with four stages, and for the kinds whose registers grow past their programs' share: uncapped
-    # in waves of eight (q4_g32, TurboQuant) or capped at four programs' 128 (q8, fp8)
+    # each tile's scores an iteration ahead (gluon_decode.AHEAD, a third stage; no default takes it),
+    # at the default plan, with four stages, and for the kinds whose registers grow past their
+    # programs' share: uncapped in waves of eight (q4_g32, TurboQuant) or capped at four programs'
+    # 128 (q8, fp8)
     ahead = dict(AHEAD=True)
-    out |= {"ahead": (ahead, None), "ahead ns4": (ahead, LaunchConfig(decode_kernel="gluon", num_stages=4)),
-            "not ahead": (dict(AHEAD=False), None)}
-    # nibbles as they lie (subnormal fp16 operands), the dots scaled back (gluon_plan.programs' raw), or not
+    out |= {"ahead": (ahead, None), "ahead ns4": (ahead, LaunchConfig(decode_kernel="gluon", num_stages=4))}
+    # codes as they lie (subnormal fp16 operands), the dots scaled back (gluon_plan.programs' raw), or not
     out |= {"raw": (dict(RAW=True), None), "not raw": (dict(RAW=False), None),
-            "raw r8": (dict(RAW=True, RESIDENT=8, MAXNREG=255), None), "raw not ahead": (dict(RAW=True, AHEAD=False), None)}
+            "raw r8": (dict(RAW=True, RESIDENT=8, MAXNREG=255), None)}
     if mode in ("q4_g32", TQ):
         out["ahead r8"] = (dict(AHEAD=True, RESIDENT=8, MAXNREG=255), None)
     if mode in ("q8", "fp8"):

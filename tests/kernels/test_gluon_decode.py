@@ -102,7 +102,7 @@ def test_the_kinds_it_reads(mode, kind):
     ],
 )
 def test_programs_plan_a_launch(kind, G, D, pairs, block_n, warps, expected):
-    """Programs a multiprocessor, register cap, stacked rows, scores ahead and raw nibbles."""
+    """Programs a multiprocessor, register cap, stacked rows and raw codes."""
     assert gluon_decode.programs(kind, G, D, pairs, block_n, warps) == expected
 
 
@@ -296,8 +296,8 @@ def test_gpu_tiles_scored_ahead_match_the_reference(monkeypatch, B, Hq, H_kv, D,
 @pytest.mark.parametrize("mode, dtype", [("q4", torch.bfloat16), ("q4", torch.float16), ("q4_g32", torch.bfloat16),
                                          ("q4_g32", torch.float16)])
 def test_gpu_raw_nibbles_match_the_reference(monkeypatch, B, Hq, H_kv, D, lengths, splits, plan, mode, dtype):
-    """Nibbles as operands as they lie (fp16 subnormals), the dots scaled back (``RAW``): q4's
-    keys and values, stacked q4_g32's values."""
+    """Codes as operands as they lie (fp16 subnormals), the dots scaled back (``RAW``): q4's
+    keys and values, stacked q4_g32's keys and values."""
     monkeypatch.setattr(gluon_decode, "RAW", True)
     c, q, qs = _case(mode, B, Hq, H_kv, D, lengths, dtype)
     _check_against_references(c, q, qs, mode, TOL[dtype], num_splits=splits, **plan)

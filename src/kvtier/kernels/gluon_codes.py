@@ -153,6 +153,16 @@ if HAVE_GLUON:
         return _affine(c0, s, z, shape), _affine(c1, s, z, shape), _affine(c2, s, z, shape), _affine(c3, s, z, shape)
 
     @gluon.jit
+    def _stacked_scales(x3, scales, zeros):
+        """``scales`` and ``zeros`` (``[keys, NG]`` fp16 in shared memory) in float32, to broadcast
+        over ``x3`` (``[NG, G, keys]``, stacked rows seen by group) in the slice of its own layout:
+        a thread loads the scales its elements take."""
+        sl: gl.constexpr = gl.SliceLayout(1, x3.type.layout)
+        s = gl.expand_dims(scales.permute((1, 0)).load(sl).to(gl.float32), 1)
+        z = gl.expand_dims(zeros.permute((1, 0)).load(sl).to(gl.float32), 1)
+        return s, z
+
+    @gluon.jit
     def stacked_group_scales(p, scales, zeros, NG: gl.constexpr, G: gl.constexpr):
         """q4_g32 values' scales and zeros on the probabilities ``p`` (``[16, keys]`` float32, in
         the scores' layout) of a launch whose 16 rows are its ``G`` query heads once for each of
@@ -160,11 +170,8 @@ if HAVE_GLUON:
         its group's scale and zero of each key, ``p s`` and ``p z``. ``scales``, ``zeros``:
         ``[keys, NG]`` in shared memory, loaded in the slice of ``p``'s own layout seen as
         ``[NG, G, keys]`` (a thread loads the scales its elements take)."""
-        shape: gl.constexpr = [NG, G, p.shape[1]]
-        p3 = p.reshape(shape)
-        sl: gl.constexpr = gl.SliceLayout(1, p3.type.layout)
-        s = gl.expand_dims(scales.permute((1, 0)).load(sl).to(gl.float32), 1)
-        z = gl.expand_dims(zeros.permute((1, 0)).load(sl).to(gl.float32), 1)
+        p3 = p.reshape([NG, G, p.shape[1]])
+        s, z = _stacked_scales(p3, scales, zeros)
         ps = gl.convert_layout((p3 * s).reshape(p.shape), p.type.layout, assert_trivial=True)
         pz = gl.convert_layout((p3 * z).reshape(p.shape), p.type.layout, assert_trivial=True)
         return ps, pz
@@ -179,11 +186,9 @@ if HAVE_GLUON:
         each key); a head's score, the sum of its ``NG`` rows', is left in each of them."""
         shape: gl.constexpr = [NG, G, s.shape[1]]
         s3 = s.reshape(shape)
-        sl: gl.constexpr = gl.SliceLayout(1, s3.type.layout)
-        sc = gl.expand_dims(scales.permute((1, 0)).load(sl).to(gl.float32), 1) * 16777216.0
-        zc = gl.expand_dims(zeros.permute((1, 0)).load(sl).to(gl.float32), 1)
+        sc, zc = _stacked_scales(s3, scales, zeros)
         q3 = gl.broadcast(gl.expand_dims(qsum, 1), s)[0].reshape(shape)
-        head = gl.expand_dims(gl.sum(s3 * sc + q3 * zc, axis=0), 0)  # [1, G, keys]: a head's score
+        head = gl.expand_dims(gl.sum(s3 * (sc * 16777216.0) + q3 * zc, axis=0), 0)  # [1, G, keys]: a head's score
         return gl.convert_layout(gl.broadcast(head, s3)[0].reshape(s.shape), s.type.layout, assert_trivial=True)
 
     @gluon.jit
@@ -277,12 +282,10 @@ if HAVE_GLUON:
             s = mma_v2(qa, kt, gl.zeros([16, BLOCK_N], gl.int32, MMA))
             s = s.to(gl.float32) * gl.expand_dims(q_sc, 1)
         elif PARTS == 4:
-            if KIND == 4 and RAW:  # stacked q4_g32: raw codes, scales and zeros on the scores
-                k0, k1, k2, k3 = nibble_quads(kt, False, True)
-            elif KIND == 4:  # q4_g32: the keys' groups' scales and zeros on the operands
+            if KIND == 4 and not RAW:  # q4_g32: the keys' groups' scales and zeros on the operands
                 k0, k1, k2, k3 = grouped_quads(kt, ks, kz, NG, True)
-            else:
-                k0, k1, k2, k3 = nibble_quads(kt, True, RAW)
+            else:  # q4 (c - 8), or raw codes (stacked q4_g32's: scales and zeros on the scores)
+                k0, k1, k2, k3 = nibble_quads(kt, KIND == 2, RAW)
             s = mma_v2(qa, k0, gl.zeros([16, BLOCK_N], gl.float32, MMA))
             s = mma_v2(qd, k3, mma_v2(qc, k2, mma_v2(qb, k1, s)))
             if RAW and KIND == 4:  # (qb, qd a sixteenth; q_sc each row's query sum)

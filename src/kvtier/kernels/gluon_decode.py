@@ -202,24 +202,29 @@ if HAVE_GLUON:
         q_ptr = q_ptr + gl.expand_dims(dq * QP, 0)
         q_ok = gl.expand_dims(mh < G, 1)
         q_sc = qk_scale  # (q8's: the query codes' scales)
-        if QP > 1:
+        if QP > 1:  # the query's parts in fp16 (channel QP c + j in part j)
             if RAWC and STACKED:  # row g G + r: its group g's channels only (4 c + i: group c // 8)
                 q_ok = q_ok & (gl.expand_dims(dq // (32 // QP), 0) == gl.expand_dims(mq // G, 1))
-            qa = gl.convert_layout((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
-            qb = gl.convert_layout((gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
+            q0 = (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+            q1 = (gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+            q2 = q0
+            q3 = q0
             if PARTS == 4:
-                qc = gl.convert_layout((gl.load(q_ptr + 2, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
-                qd = gl.convert_layout((gl.load(q_ptr + 3, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16), QA)
-            if RAWC:  # each row's sum of its fp16 query (q4's c - 8: minus 8 of it), then the odd parts a sixteenth
-                q_sc = gl.zeros([16], gl.float32, gl.SliceLayout(1, QL))
-                for j in gl.static_range(4):
-                    q_sc += gl.sum((gl.load(q_ptr + j, mask=q_ok, other=0.0).to(gl.float32) * qk_scale)
-                                   .to(gl.float16).to(gl.float32), axis=1)  # fmt: skip
-                q_sc = gl.convert_layout(q_sc, ROWS)
-                qb = gl.convert_layout((gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale)
-                                       .to(gl.float16).to(gl.float32) * 0.0625, QA).to(gl.float16)  # fmt: skip
-                qd = gl.convert_layout((gl.load(q_ptr + 3, mask=q_ok, other=0.0).to(gl.float32) * qk_scale)
-                                       .to(gl.float16).to(gl.float32) * 0.0625, QA).to(gl.float16)  # fmt: skip
+                q2 = (gl.load(q_ptr + 2, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+                q3 = (gl.load(q_ptr + 3, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+            if RAWC:  # each row's query sum (q4's c - 8: minus 8 of it), then the odd parts a sixteenth
+                q_sc = gl.convert_layout(gl.sum(q0.to(gl.float32), axis=1) + gl.sum(q1.to(gl.float32), axis=1)
+                                         + gl.sum(q2.to(gl.float32), axis=1) + gl.sum(q3.to(gl.float32), axis=1),
+                                         ROWS)  # fmt: skip
+                q1 = (q1.to(gl.float32) * 0.0625).to(gl.float16)
+                q3 = (q3.to(gl.float32) * 0.0625).to(gl.float16)
+            qa = gl.convert_layout(q0, QA)
+            qb = gl.convert_layout(q1, QA)
+            qc = qa  # (the parts tile_scores takes for four)
+            qd = qa
+            if PARTS == 4:
+                qc = gl.convert_layout(q2, QA)
+                qd = gl.convert_layout(q3, QA)
         else:
             q = gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale
             if KIND == 1:
@@ -231,7 +236,6 @@ if HAVE_GLUON:
                 qa = gl.convert_layout(q.to(gl.float16 if GROUPED else K.dtype.element_ty), QA)
         if QP < 2:  # (the parts tile_scores does not take)
             qb = qa
-        if QP < 4:
             qc = qa
             qd = qa
 

@@ -39,8 +39,9 @@ class Launch(NamedTuple):
 def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | None = None) -> Launch:
     """``(programs resident a multiprocessor, register cap, stack, raw)`` of a launch of ``pairs``
     (row, kv head) programs a split, ``G`` query heads a kv head of ``D`` channels, tiles of
-    ``block_n`` keys and ``warps`` warps a program (``None``: :data:`TILING`'s): :data:`TILING`'s programs (:data:`RESIDENT_BY_WARPS`' for warps asked for),
-    with :data:`MAXNREG_BY_KIND`'s cap at :data:`TILING`'s tile and warps.
+    ``block_n`` keys and ``warps`` warps a program (``None``: :data:`TILING`'s): :data:`TILING`'s
+    programs (:data:`RESIDENT_BY_WARPS`' for warps asked for), with :data:`MAXNREG_BY_KIND`'s cap
+    at :data:`TILING`'s tile and warps.
 
     ``stack``: q4_g32's groups of channels stack the heads in the rows (``G x D / 32 = 16``, one
     warp), in launches of :data:`~kvtier.kernels.launch_plan.SMALL_GRID` pairs or more (B=1 / 4k
@@ -60,5 +61,5 @@ def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | N
     default = (block_n, warps or tile_warps) == (tile, tile_warps)
     cap = MAXNREG_BY_KIND.get(kind) if default else None
     stack = kind == "q4_g32" and G * (D // 32) == 16 and (warps or tile_warps) == 1 and pairs >= SMALL_GRID
-    raw = (stack and warps is None and block_n == tile) or (kind == "q4" and default and pairs >= SMALL_GRID)
+    raw = default and pairs >= SMALL_GRID and (kind == "q4" or (stack and warps is None))
     return Launch(resident, cap, stack, raw)
