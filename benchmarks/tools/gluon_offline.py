@@ -21,6 +21,7 @@ it on the CPU.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -70,7 +71,8 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
                     maxnreg: int | None = None, arch: int = 90, sass_dir: str | None = None,
                     ahead: bool | None = None) -> dict:
     """Compile one variant; ``{"kind", "head_dim", "block_n", "warps", "maxnreg", "arch", "registers",
-    "stack", "shared", "instructions", "loop"}`` (``loop``: the instructions of the main loop)."""
+    "stack", "shared", "instructions", "loop", "loop_ops"}`` (``loop``: the instructions of the main
+    loop; ``loop_ops``: how many of each opcode, with its modifiers, such as ``LDS.U16``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -113,7 +115,9 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
     loop = max(blocks, key=lambda b: b.count("HMMA") + b.count("IMMA"))
     return {"kind": kind, "head_dim": head_dim, "block_n": block_n, "warps": warps, "maxnreg": maxnreg, "ahead": ahead,
             "arch": arch, "registers": field.get("REG"), "stack": field.get("STACK"), "shared": k.metadata.shared,
-            "instructions": len(line.findall(sass)), "loop": len(line.findall(loop))}
+            "instructions": len(line.findall(sass)), "loop": len(line.findall(loop)),
+            "loop_ops": dict(collections.Counter(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)",
+                                                            loop, re.M)))}
 
 
 def main() -> int:

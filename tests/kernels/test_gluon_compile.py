@@ -55,3 +55,16 @@ def test_sm80_assembles_every_kind_but_fp8():
     assert sorted(rows) == sorted(KINDS)
     for kind, r in rows.items():
         assert ("error" in r) == (kind == "fp8"), r
+
+
+def test_stacked_q4_g32_loop_converts_each_scale_once(sm90):
+    """Stacked q4_g32 (head_dim 128, raw codes) stages a tile's scales and zeros in float32 once
+    (``gluon_codes.stage_group_scales``: a thread converts one key's ``4 NG``), and its rows load
+    them two keys a 64-bit load: no 16-bit shared-memory load in the loop, and no more
+    conversions than the staging's (it took one load and one conversion an element before)."""
+    r = next(r for r in sm90 if r["kind"] == "q4_g32" and r["head_dim"] == 128)
+    ops = r["loop_ops"]
+    assert sum(ops.values()) == r["loop"], r
+    assert not [op for op in ops if op.startswith("LDS.U16")], ops
+    assert ops.get("HADD2.F32", 0) <= 4 * (128 // 32), ops
+    assert ops.get("LDS.64", 0) >= 32, ops  # the keys' and the values' scales and zeros, two keys a load

@@ -154,12 +154,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _stacked_scales(x3, scales, zeros):
-        """``scales`` and ``zeros`` (``[keys, NG]`` fp16 in shared memory) in float32, to broadcast
-        over ``x3`` (``[NG, G, keys]``, stacked rows seen by group) in the slice of its own layout:
-        a thread loads the scales its elements take."""
+        """``scales`` and ``zeros`` (``[keys, NG]`` fp16 in shared memory), to broadcast over ``x3``
+        (``[NG, G, keys]``, stacked rows seen by group), in ``x3``'s dtype and the slice of its own
+        layout: a thread loads the scales its elements take."""
         sl: gl.constexpr = gl.SliceLayout(1, x3.type.layout)
-        s = gl.expand_dims(scales.permute((1, 0)).load(sl).to(gl.float32), 1)
-        z = gl.expand_dims(zeros.permute((1, 0)).load(sl).to(gl.float32), 1)
+        s = gl.expand_dims(scales.permute((1, 0)).load(sl).to(x3.dtype), 1)
+        z = gl.expand_dims(zeros.permute((1, 0)).load(sl).to(x3.dtype), 1)
         return s, z
 
     @gluon.jit
@@ -167,10 +167,11 @@ if HAVE_GLUON:
         """q4_g32 values' scales and zeros on the probabilities ``p`` (``[16, keys]`` float32, in
         the scores' layout) of a launch whose 16 rows are its ``G`` query heads once for each of
         the ``NG`` groups of channels (row ``g G + r``: head ``r``, group ``g``): each row takes
-        its group's scale and zero of each key, ``p s`` and ``p z``. ``scales``, ``zeros``:
+        its group's scale and zero of each key, ``p s`` and ``p z``, in fp16 (two keys an
+        instruction; the value dot takes them in fp16). ``scales``, ``zeros``:
         ``[keys, NG]`` in shared memory, loaded in the slice of ``p``'s own layout seen as
         ``[NG, G, keys]`` (a thread loads the scales its elements take)."""
-        p3 = p.reshape([NG, G, p.shape[1]])
+        p3 = p.to(gl.float16).reshape([NG, G, p.shape[1]])
         s, z = _stacked_scales(p3, scales, zeros)
         ps = gl.convert_layout((p3 * s).reshape(p.shape), p.type.layout, assert_trivial=True)
         pz = gl.convert_layout((p3 * z).reshape(p.shape), p.type.layout, assert_trivial=True)
@@ -181,14 +182,15 @@ if HAVE_GLUON:
         """q4_g32 keys' scales and zeros on the scores of stacked rows (as
         :func:`stacked_group_scales`, row ``g G + r`` head ``r`` and group ``g``), whose query
         kept only group ``g``'s channels: ``s`` ``[16, keys]`` float32, each row's dot with the raw
-        codes (``c 2^-24``, :func:`nibble_quads`), ``qsum`` ``[16]`` each row's query sum. A row's
-        part of its head's score is ``2^24 s scale + zero qsum`` (its group's scale and zero of
-        each key); a head's score, the sum of its ``NG`` rows', is left in each of them."""
+        codes (``c 2^-24``, :func:`nibble_quads`), ``qsum`` ``[16]`` each row's query sum times
+        2^-24. A row's part of its head's score is ``2^24 (s scale + zero qsum)`` (its group's
+        scale and zero of each key); a head's score, the sum of its ``NG`` rows', is left in each
+        of them, less the factor 2^24 (the caller's exponent takes it)."""
         shape: gl.constexpr = [NG, G, s.shape[1]]
         s3 = s.reshape(shape)
         sc, zc = _stacked_scales(s3, scales, zeros)
         q3 = gl.broadcast(gl.expand_dims(qsum, 1), s)[0].reshape(shape)
-        head = gl.expand_dims(gl.sum(s3 * (sc * 16777216.0) + q3 * zc, axis=0), 0)  # [1, G, keys]: a head's score
+        head = gl.expand_dims(gl.sum(s3 * sc + q3 * zc, axis=0), 0)  # [1, G, keys]: a head's score
         return gl.convert_layout(gl.broadcast(head, s3)[0].reshape(s.shape), s.type.layout, assert_trivial=True)
 
     @gluon.jit
@@ -288,7 +290,7 @@ if HAVE_GLUON:
                 k0, k1, k2, k3 = nibble_quads(kt, KIND == 2, RAW)
             s = mma_v2(qa, k0, gl.zeros([16, BLOCK_N], gl.float32, MMA))
             s = mma_v2(qd, k3, mma_v2(qc, k2, mma_v2(qb, k1, s)))
-            if RAW and KIND == 4:  # (qb, qd a sixteenth; q_sc each row's query sum)
+            if RAW and KIND == 4:  # (qb, qd a sixteenth; q_sc each row's query sum 2^-24: 2^-24 scores)
                 s = stacked_key_scores(s, ks, kz, q_sc, NG, G)
             elif RAW:  # q4's raw nibbles (qb, qd a sixteenth): the dots back to c - 8, q_sc the query's sums
                 s = s * 16777216.0 - 8.0 * gl.expand_dims(q_sc, 1)

@@ -218,6 +218,8 @@ if HAVE_GLUON:
                                          ROWS)  # fmt: skip
                 q1 = (q1.to(gl.float32) * 0.0625).to(gl.float16)
                 q3 = (q3.to(gl.float32) * 0.0625).to(gl.float16)
+                if STACKED:  # its scores come 2^-24 of the head's (stacked_key_scores): exp2 scales them back
+                    q_sc = q_sc * 5.9604644775390625e-08
             qa = gl.convert_layout(q0, QA)
             qb = gl.convert_layout(q1, QA)
             qc = qa  # (the parts tile_scores takes for four)
@@ -286,6 +288,7 @@ if HAVE_GLUON:
         blk, blks = tile_pages(BT, bt_row, lo + (NS - 1) * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, QUANT)
 
         m_i = gl.full([16], float("-inf"), gl.float32, ROWS)
+        SX: gl.constexpr = 16777216.0 if RAWC and STACKED else 1.0  # the scores' factor, in exp2's FMA
         l_i = gl.zeros([16], gl.float32, ROWS)
         acc = gl.zeros([16, AC], gl.float32, MMA)  # channels PARTS c + 0, 1, 2, 3
         acc1 = gl.zeros([16, AC], gl.float32, MMA)
@@ -324,10 +327,10 @@ if HAVE_GLUON:
                                 KIND, PARTS, KPARTS, NG, BLOCK_N, D, TILE16, KB, MMA, RAWC, G)  # fmt: skip
             n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=COLS)
             s = gl.where(gl.expand_dims(n < hi, 0), s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * SX)
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+            p = gl.exp2(s * SX - gl.expand_dims(m_safe, 1))
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
             if PARTS > 1:  # one-byte codes as operands: q8, q4 and fp8 (exact in fp16) and q4_g32's
