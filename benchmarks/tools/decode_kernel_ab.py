@@ -49,6 +49,9 @@ def plans(mode: str, B, cuda: bool) -> dict:
     # codes as they lie (subnormal fp16 operands), the dots scaled back (gluon_plan.programs' raw), or not
     out |= {"raw": (dict(RAW=True), None), "not raw": (dict(RAW=False), None),
             "raw r8": (dict(RAW=True, RESIDENT=8, MAXNREG=255), None)}
+    if mode == "q4":  # the kernel of swapped roles (gluon_decode.SWAP, kvtier.kernels.gluon_swap): keys and
+        # channels down the dots' rows, 128 registers a thread; in waves of eight or twelve programs
+        out |= {"swap": (dict(SWAP=True), None), "swap r12": (dict(SWAP=True, RESIDENT=12), None)}
     if mode in ("q4_g32", TQ):
         out["ahead r8"] = (dict(AHEAD=True, RESIDENT=8, MAXNREG=255), None)
     if mode in ("q8", "fp8"):

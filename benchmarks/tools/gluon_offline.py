@@ -2,7 +2,7 @@
 registers, spills, shared memory and the main loop's size in the GPU's assembly, per page kind.
 
     PYTHONPATH=src python3 benchmarks/tools/gluon_offline.py [--kinds fp,q8,q4,fp8,q4_g32,tq]
-        [--head-dims 64,128] [--arch 90] [--tile 32,1] [--maxnreg 184] [--sass DIR] [--json]
+        [--head-dims 64,128] [--arch 90] [--tile 32,1] [--maxnreg 184] [--sass DIR] [--swap] [--json]
 
 Each kind is compiled at its default launch (``gluon_plan.TILING``'s keys a tile and warps,
 ``MAXNREG_BY_KIND``'s register cap) unless ``--tile`` and ``--maxnreg`` name others, for
@@ -69,10 +69,11 @@ def _tool(name: str) -> str:
 
 def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = None, warps: int | None = None,
                     maxnreg: int | None = None, arch: int = 90, sass_dir: str | None = None,
-                    ahead: bool | None = None) -> dict:
+                    ahead: bool | None = None, swap: bool = False) -> dict:
     """Compile one variant; ``{"kind", "head_dim", "block_n", "warps", "maxnreg", "arch", "registers",
     "stack", "shared", "instructions", "loop", "loop_ops"}`` (``loop``: the instructions of the main
-    loop; ``loop_ops``: how many of each opcode, with its modifiers, such as ``LDS.U16``)."""
+    loop; ``loop_ops``: how many of each opcode, with its modifiers, such as ``LDS.U16``). ``swap``:
+    q4 on the kernel of swapped roles (:mod:`kvtier.kernels.gluon_swap`) instead."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -86,7 +87,10 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
     ahead = bool(gd.AHEAD) if ahead is None else ahead
     raw = gd.programs(kind, 4, head_dim, 512, block_n, None if warps == w else warps).raw
     raw = raw if gd.RAW is None else gd.RAW  # (gluon_decode.RAW, set for a sweep, wins)
-    sig = signature(gd._decode_kernel, kind)
+    fn = gd.gluon_swap.swap_decode_kernel if swap else gd._decode_kernel
+    if swap and not gd.gluon_swap.takes(kind, raw, warps, ahead, 4):
+        raise ValueError(f"the swapped kernel does not take {kind} at {warps} warps (raw={raw}, ahead={ahead})")
+    sig = signature(fn, kind)
     const = dict(G=4, D=head_dim, BLOCK_N=block_n, PAGE=16, NS=3 if ahead else 2, SPLIT=True, KIND=gd.KINDS[kind],
                  CAUSAL=False, LIKE=True, W=warps, STACK=True, AHEAD=ahead, RAW=raw)
     names = list(sig)
@@ -94,7 +98,7 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
     # grouped scales' head stride (head_dim / 32 of them)
     aligned = [i for i, n in enumerate(names) if sig[n].startswith("*")
                or (n.startswith("stride") and n not in ("stride_ksh", "stride_vsh"))]
-    src = GluonASTSource(gd._decode_kernel, sig, const, {(i,): [["tt.divisibility", 16]] for i in aligned})
+    src = GluonASTSource(fn, sig, const, {(i,): [["tt.divisibility", 16]] for i in aligned})
     opts = {"num_warps": warps} | ({"maxnreg": maxnreg} if maxnreg else {})
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,7 +110,7 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
         sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
     if sass_dir:
         os.makedirs(sass_dir, exist_ok=True)
-        name = f"{kind}_d{head_dim}_{block_n}x{warps}{'_ahead' if ahead else ''}_sm{arch}.sass"
+        name = f"{kind}_d{head_dim}_{block_n}x{warps}{'_ahead' if ahead else ''}{'_swap' if swap else ''}_sm{arch}.sass"
         with open(os.path.join(sass_dir, name), "w") as f:
             f.write(sass)
     field = {m[0]: int(m[1]) for m in re.findall(r"(REG|STACK):(\d+)", usage)}
@@ -114,6 +118,7 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
     blocks = re.split(r"\n(?=\.L_x_\d+:)", sass)
     loop = max(blocks, key=lambda b: b.count("HMMA") + b.count("IMMA"))
     return {"kind": kind, "head_dim": head_dim, "block_n": block_n, "warps": warps, "maxnreg": maxnreg, "ahead": ahead,
+            "swap": swap,
             "arch": arch, "registers": field.get("REG"), "stack": field.get("STACK"), "shared": k.metadata.shared,
             "instructions": len(line.findall(sass)), "loop": len(line.findall(loop)),
             "loop_ops": dict(collections.Counter(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)",
@@ -130,6 +135,8 @@ def main() -> int:
     p.add_argument("--sass", default=None, help="a folder for each variant's assembly")
     p.add_argument("--ahead", choices=("default", "on", "off"), default="default",
                    help="score each tile one iteration ahead (default: gluon_decode.AHEAD, off)")
+    p.add_argument("--swap", action="store_true",
+                   help="q4 on the kernel of swapped roles (kvtier.kernels.gluon_swap), the other kinds as ever")
     p.add_argument("--json", action="store_true", help="one JSON list, the last line on stdout, instead of a table")
     a = p.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)  # (Triton's interpreter compiles nothing; read at its import)
@@ -150,7 +157,7 @@ def main() -> int:
             try:
                 ahead = None if a.ahead == "default" else a.ahead == "on"
                 rows.append(compile_variant(kind, d, block_n=bn, warps=w, maxnreg=a.maxnreg, arch=a.arch,
-                                            sass_dir=a.sass, ahead=ahead))
+                                            sass_dir=a.sass, ahead=ahead, swap=a.swap and kind == "q4"))
             except Exception as e:  # a variant that does not compile is a result here
                 failed = True
                 lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""]
@@ -165,9 +172,9 @@ def main() -> int:
               "loop / all")
         for r in rows:
             if "error" in r:
-                print(f"{r['kind']} | {r['head_dim']} | did not compile: {r['error']}")
+                print(f"{r['kind']}{' (swap)' if r['swap'] else ''} | {r['head_dim']} | did not compile: {r['error']}")
             else:
-                print(f"{r['kind']} | {r['head_dim']} | {r['block_n']} x {r['warps']} | {'yes' if r['ahead'] else 'no'} | "
+                print(f"{r['kind']}{' (swap)' if r['swap'] else ''} | {r['head_dim']} | {r['block_n']} x {r['warps']} | {'yes' if r['ahead'] else 'no'} | "
                       f"{r['maxnreg'] or '-'} | "
                       f"{r['registers']} | {r['stack']} | {r['shared']} | {r['loop']} / {r['instructions']}")
     return 1 if failed else 0

@@ -21,10 +21,10 @@ TOOL = ROOT / "benchmarks" / "tools" / "gluon_offline.py"
 SHARED_LIMIT = 232_448
 
 
-def _compile(arch: int, head_dims: str) -> list[dict]:
+def _compile(arch: int, head_dims: str, *more: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, str(TOOL), "--json", "--arch", str(arch), "--head-dims", head_dims],
+    r = subprocess.run([sys.executable, str(TOOL), "--json", "--arch", str(arch), "--head-dims", head_dims, *more],
                        env=env, capture_output=True, text=True, timeout=600)
     if r.returncode == 3:
         pytest.skip(r.stderr.strip())
@@ -57,14 +57,29 @@ def test_sm80_assembles_every_kind_but_fp8():
         assert ("error" in r) == (kind == "fp8"), r
 
 
-def test_stacked_q4_g32_loop_converts_each_scale_once(sm90):
-    """Stacked q4_g32 (head_dim 128, raw codes) stages a tile's scales and zeros in float32 once
-    (``gluon_codes.stage_group_scales``: a thread converts one key's ``4 NG``), and its rows load
-    them two keys a 64-bit load: no 16-bit shared-memory load in the loop, and no more
-    conversions than the staging's (it took one load and one conversion an element before)."""
+def test_stacked_q4_g32_weighs_values_in_fp16_pairs(sm90):
+    """Stacked q4_g32 (head_dim 128, raw codes) puts the values' scales and zeros on the
+    probabilities in fp16, two keys an instruction (``HMUL2``; ``gluon_codes.stacked_group_scales``),
+    and converts only the keys' scales and zeros to float32: a thread's 8 keys of 2 groups, a
+    scale and a zero each (before: 64 conversions a tile, no ``HMUL2``)."""
     r = next(r for r in sm90 if r["kind"] == "q4_g32" and r["head_dim"] == 128)
     ops = r["loop_ops"]
     assert sum(ops.values()) == r["loop"], r
-    assert not [op for op in ops if op.startswith("LDS.U16")], ops
-    assert ops.get("HADD2.F32", 0) <= 4 * (128 // 32), ops
-    assert ops.get("LDS.64", 0) >= 32, ops  # the keys' and the values' scales and zeros, two keys a load
+    assert ops.get("HMUL2", 0) >= 16, ops
+    assert ops.get("HADD2.F32", 0) <= 32, ops
+
+
+def test_swapped_q4_takes_half_the_tensor_core_steps_in_fewer_registers(sm90):
+    """q4 on the kernel of swapped roles (``gluon_swap``): the dots' 16 rows are keys and
+    channels, not a kv head's 4 query rows padded to 16, so a tile takes half the tensor-core
+    instructions (the decode kernel's q4 adds two for its probabilities' sums) and the
+    accumulators half the registers."""
+    for r in _compile(90, "64,128", "--kinds", "q4", "--swap"):
+        base = next(x for x in sm90 if x["kind"] == "q4" and x["head_dim"] == r["head_dim"])
+        assert "error" not in r and r["swap"] and not base["swap"], r
+
+        def hmma(x):
+            return sum(n for op, n in x["loop_ops"].items() if op.startswith("HMMA"))
+
+        assert 2 * hmma(r) <= hmma(base) + 2 and hmma(r) > 0, (r["loop_ops"], base["loop_ops"])
+        assert r["registers"] < base["registers"] and r["loop"] < base["loop"], (r, base)

@@ -303,6 +303,74 @@ def test_gpu_raw_nibbles_match_the_reference(monkeypatch, B, Hq, H_kv, D, length
     _check_against_references(c, q, qs, mode, TOL[dtype], num_splits=splits, **plan)
 
 
+class _Launches:
+    """Stands in for a Gluon kernel: counts its launches and passes them on."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize(
+    "B, Hq, H_kv, D, lengths, splits",
+    [
+        (3, 4, 1, 64, [1, 17, 45], None),
+        (2, 8, 2, 128, [70, 33], 3),
+        (3, 12, 4, 64, [5, 200, 64], 4),  # three heads a kv head
+        (4, 32, 4, 128, [300, 1, 129, 64], 3),  # eight heads a kv head
+        (64, 32, 8, 128, [2000 - 29 * b for b in range(64)], None),  # B=64, the H200 shape
+    ],
+)
+@pytest.mark.parametrize("plan", [{}, dict(block_n=16, num_stages=3, num_warps=1), dict(block_n=64, num_warps=1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_swapped_roles_match_the_reference(monkeypatch, B, Hq, H_kv, D, lengths, splits, plan, dtype):
+    """q4 on the kernel of swapped roles (``SWAP``, :mod:`kvtier.kernels.gluon_swap`: keys and
+    channels down the dots' rows, query rows across), raw codes, one warp: against SDPA over the
+    decoded pages and the MMA kernel, and it is that kernel that ran."""
+    from kvtier.kernels import gluon_swap
+
+    monkeypatch.setattr(gluon_decode, "SWAP", True)
+    monkeypatch.setattr(gluon_decode, "RAW", True)
+    launches = _Launches(gluon_swap.swap_decode_kernel)
+    monkeypatch.setattr(gluon_swap, "swap_decode_kernel", launches)
+    c, q, qs = _case("q4", B, Hq, H_kv, D, lengths, dtype)
+    _check_against_references(c, q, qs, "q4", TOL[dtype], num_splits=splits, **plan)
+    assert launches.count > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_gpu_swapped_roles_see_only_the_keys_up_to_the_query(monkeypatch):
+    """``q_start`` below ``kv_len - 1`` on the kernel of swapped roles."""
+    monkeypatch.setattr(gluon_decode, "SWAP", True)
+    monkeypatch.setattr(gluon_decode, "RAW", True)
+    c, q, _ = _case("q4", 3, 8, 2, 128, [300, 64, 200], torch.bfloat16)
+    qs = torch.tensor([9, 63, 150], dtype=torch.int64, device=DEVICE)
+    _check_against_references(c, q, qs, "q4", TOL[torch.bfloat16], num_splits=3)
+
+
+def test_the_swapped_kernel_refuses_what_it_does_not_take():
+    """Only q4's raw one-warp launches of up to 8 heads a kv head: anything else asked of it is
+    refused before a launch, naming it."""
+    from kvtier.kernels import gluon_swap
+
+    assert gluon_swap.takes("q4", True, 1, False, 4) and gluon_swap.takes("q4", True, 1, False, 8)
+    for args in [("q8", True, 1, False, 4), ("q4", False, 1, False, 4), ("q4", True, 4, False, 4),
+                 ("q4", True, 1, True, 4), ("q4", True, 1, False, 16), ("q4_g32", True, 1, False, 4)]:
+        assert not gluon_swap.takes(*args), args
+    q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+    pages, scales = torch.zeros(2, 16, 1, 64, dtype=torch.uint8), torch.zeros(2, 16, 1, 1)
+    with pytest.raises(ValueError, match="swapped kernel takes q4's raw one-warp launches.*q8 pages"):
+        gluon_decode.launch_decode(q, pages, pages, scales, scales, torch.zeros(1, 2, dtype=torch.int32),
+                                   torch.ones(1, dtype=torch.int32), None, 32, q, q, q, kind="q8", qk_scale=1.0,
+                                   splits=1, split_len=32, block_n=32, warps=1, raw=True, swap=True)  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("B, L, splits", [(64, 8192, None), (8, 16384, None), (1, 4096, None), (4, 3000, 5)])

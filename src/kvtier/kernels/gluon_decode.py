@@ -63,6 +63,7 @@ from dataclasses import replace
 
 import torch
 
+from kvtier.kernels import gluon_swap
 from kvtier.kernels.gluon_plan import (  # noqa: F401 (MAXNREG_BY_KIND, RESIDENT_BY_WARPS: read here too)
     MAXNREG_BY_KIND,
     RESIDENT_BY_WARPS,
@@ -107,13 +108,15 @@ except ImportError:  # pragma: no cover - Triton without Gluon
 
 #: for sweeps: a register cap for the kernel (``None``: the compiler's choice), the warps a
 #: program and programs a wave of the split plan in place of :data:`TILING`'s, each tile scored
-#: an iteration ahead (``None``: not), and raw codes or not in place of :func:`programs`' choice
-#: (``None``: its)
+#: an iteration ahead (``None``: not), raw codes or not in place of :func:`programs`' choice
+#: (``None``: its), and q4's raw one-warp launches on the kernel of swapped roles
+#: (:mod:`kvtier.kernels.gluon_swap`; ``None``: not)
 MAXNREG: int | None = None
 WARPS: int | None = None
 RESIDENT: int | None = None
 AHEAD: bool | None = None
 RAW: bool | None = None
+SWAP: bool | None = None
 
 if HAVE_GLUON:
 
@@ -408,7 +411,7 @@ def launch_decode(
     capacity: int, out: torch.Tensor, po: torch.Tensor, pl: torch.Tensor, *, kind: str, qk_scale: float, splits: int,
     split_len: int, block_n: int = 64, stages: int = 2, warps: int = 4, k_zero: torch.Tensor | None = None,
     v_zero: torch.Tensor | None = None, maxnreg: int | None = None, stack: bool = False, ahead: bool = False,
-    raw: bool = False,
+    raw: bool = False, swap: bool = False,
 ) -> None:
     """Launch on validated inputs: ``q`` ``[B, Hq, 1, D]``, payloads ``[num_blocks, page, H_kv, D']``
     of ``kind`` (:data:`KINDS`; one-byte codes with scales ``[num_blocks, page, H_kv, 1]``
@@ -417,7 +420,9 @@ def launch_decode(
     row ``b`` sees keys ``0 .. min(kv_len[b], q_start[b] + 1) - 1`` (``q_start`` ``None``: every
     key below ``kv_len``); partials into ``po``/``pl`` when ``splits > 1`` (merged by the
     caller), else the output into ``out``. ``ahead``: each tile scored an iteration early
-    (``stages`` >= 3); ``raw``: nibbles as operands as they lie (:func:`programs`). ``maxnreg``: a cap on the registers a thread
+    (``stages`` >= 3); ``raw``: nibbles as operands as they lie (:func:`programs`); ``swap``: q4's
+    raw one-warp launch on :func:`~kvtier.kernels.gluon_swap.swap_decode_kernel`, whose arguments
+    these are too. ``maxnreg``: a cap on the registers a thread
     (:data:`MAXNREG`, set for a sweep, wins; neither: the compiler's choice)."""
     B, Hq, _, D = q.shape
     H_kv, page = k_payload.shape[2], k_payload.shape[1]
@@ -430,7 +435,11 @@ def launch_decode(
         raise ValueError("the zeros must have their scales' strides: they share one row offset in the kernel")
     like = k_payload.stride()[:3] == v_payload.stride()[:3] and ks.stride()[:3] == vs.stride()[:3]
     cap = MAXNREG or maxnreg
-    _decode_kernel[(B * H_kv, splits)](
+    if swap and not gluon_swap.takes(kind, raw, warps, ahead, Hq // H_kv):
+        raise ValueError(f"the swapped kernel takes q4's raw one-warp launches of up to 8 query heads a kv head, "
+                         f"not {kind} pages (raw={raw}, warps={warps}, ahead={ahead}, {Hq // H_kv} heads)")
+    kernel = gluon_swap.swap_decode_kernel if swap else _decode_kernel
+    kernel[(B * H_kv, splits)](
         q, q.stride(0), q.stride(1),
         k_payload, k_payload.stride(0), k_payload.stride(1), k_payload.stride(2),
         v_payload, v_payload.stride(0), v_payload.stride(1), v_payload.stride(2),
@@ -582,6 +591,6 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, q_start, capacity, out, po, pl,
                   kind=kind, qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages,
                   warps=warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero, maxnreg=maxnreg, stack=stack, ahead=ahead,
-                  raw=raw)
+                  raw=raw, swap=bool(SWAP) and gluon_swap.takes(kind, raw, warps, ahead, Hq // H_kv))
     merge_splits(po, pl, out, splits, base, split_len, block_n)  # as the MMA kernel's launch
     return out

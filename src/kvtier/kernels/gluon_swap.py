@@ -1,0 +1,203 @@
+"""q4 paged decode with the tensor cores' roles swapped, for one-warp programs (a sweep's
+kernel: :data:`kvtier.kernels.gluon_decode.SWAP`).
+
+The decode kernel (:mod:`kvtier.kernels.gluon_decode`) puts a kv head's ``G`` query rows in
+the 16 rows of an ``m16n8k16`` dot: at ``G = 4`` three quarters of every score, probability and
+accumulator register hold padding. Here the keys (for the scores) and the output's channels (for
+the values) are the dot's 16-row side and the query rows its 8 columns, as in small-batch GEMM
+kernels that swap A and B:
+
+- scores ``S^T = K Q^T`` (``[keys, 8]``): the key codes are the A operand, straight from shared
+  memory (q4's raw nibbles, :func:`~kvtier.kernels.gluon_codes.nibble_quads`), the query's four
+  channel parts the B operands;
+- the softmax runs down the keys (axis 0), one maximum and sum a query row;
+- values ``O^T = V^T P^T``: the value codes, read transposed, are the A operand, the
+  probabilities (each key's value scale on them) the B operand, and each channel part has a
+  ``[D / 4, 8]`` accumulator: 32 float32 registers a thread at head_dim 128, half the other
+  kernel's.
+
+Half the tensor-core instructions a tile (32 against 66 at 32 keys) and 128 registers against
+187 (sm_90, Triton 3.9 offline). The copies, the split plan and the partials are the decode
+kernel's; only q4 pages (offset-8 nibbles, a float32 scale a token) with raw codes, one warp a
+program and up to 8 query heads a kv head (:func:`kvtier.kernels.gluon_decode.launch_decode`
+routes them here). The arguments are :func:`~kvtier.kernels.gluon_decode._decode_kernel`'s, so
+one launch serves either (``STACK``, ``AHEAD``, ``RAW``, ``W`` and ``KIND`` are taken as q4's
+raw one-warp launch).
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    from kvtier.kernels.gluon_codes import as_int16, nibble_quads
+    from kvtier.kernels.gluon_tiles import issue_tile, tile_pages
+
+    # Triton 3.6 names the CTA barrier thread_barrier, 3.9 barrier
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - Triton without Gluon
+    HAVE_GLUON = False
+
+
+def takes(kind: str, raw: bool, warps: int, ahead: bool, group: int) -> bool:
+    """Whether a launch of the decode kernel with these settings can run here instead: q4 pages,
+    raw codes, one warp a program, no tile scored ahead, up to 8 query heads a kv head."""
+    return kind == "q4" and raw and warps == 1 and not ahead and group <= 8
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def swap_decode_kernel(
+        Q, stride_qb, stride_qh,
+        K, stride_kb, stride_kn, stride_kh,
+        V, stride_vb, stride_vn, stride_vh,
+        KS, stride_ksb, stride_ksn, stride_ksh,
+        VS, stride_vsb, stride_vsn, stride_vsh, KZ, VZ,
+        BT, stride_btb, capacity, KVLEN, QSTART,
+        OUT, stride_ob, stride_oh, PO, PL,
+        qk_scale, H_KV, split_len, num_splits,
+        G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr,
+        SPLIT: gl.constexpr, KIND: gl.constexpr, CAUSAL: gl.constexpr, LIKE: gl.constexpr, W: gl.constexpr,
+        STACK: gl.constexpr, AHEAD: gl.constexpr, RAW: gl.constexpr,
+    ):  # fmt: skip
+        N: gl.constexpr = 8  # the query rows, the dots' columns (G <= 8)
+        DP: gl.constexpr = D // 2  # bytes a key row (two nibbles a byte)
+        C: gl.constexpr = D // 4  # int16 elements a key row: channels 4 c .. 4 c + 3, one a part
+        VEC: gl.constexpr = 16  # bytes a copy
+        # the dots: [16, 8] tiles of one warp; A operands (codes) hold pairs along the depth, as
+        # B operands do in the decode kernel, so nibble_quads serves both
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        # the copies of a tile as the decode kernel's (gluon_tiles): rows of codes, a scale a token
+        CP: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (DP // VEC), DP // VEC], [1, 1], [1, 0])
+        SC: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        SG: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 1], [1, 0])  # (no groups: unused)
+        TILE: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC, per_phase=1, max_phase=8, order=[1, 0])
+        TILE16: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC // 2, per_phase=1, max_phase=8, order=[1, 0])
+        FLAT: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        KEYS: gl.constexpr = gl.SliceLayout(1, MMA)  # down the dots' rows: keys, or channel elements
+        ROWS: gl.constexpr = gl.SliceLayout(0, MMA)  # across their columns: query rows
+        QL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 1], [0, 1])  # the query as loaded, [C, N]
+
+        pid_bh = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = pid_bh // H_KV
+        hk = pid_bh % H_KV
+
+        # the query (log2 domain) as four B operands [C, N], part i channels 4 c + i of each row,
+        # the odd parts a sixteenth (a high nibble's raw code is c 2^-20); q4's offset of 8 comes
+        # off the scores as 8 x each row's query sum
+        cq = gl.arange(0, C, layout=gl.SliceLayout(1, QL))
+        nq = gl.arange(0, N, layout=gl.SliceLayout(0, QL))
+        q_ptr = Q + b * stride_qb + gl.expand_dims((hk * G + nq) * stride_qh, 0) + gl.expand_dims(cq * 4, 1)
+        q_ok = gl.expand_dims(nq < G, 0)
+        q0 = (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+        q1 = (gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+        q2 = (gl.load(q_ptr + 2, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+        q3 = (gl.load(q_ptr + 3, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+        qsum = gl.convert_layout(gl.sum(q0.to(gl.float32), axis=0) + gl.sum(q1.to(gl.float32), axis=0)
+                                 + gl.sum(q2.to(gl.float32), axis=0) + gl.sum(q3.to(gl.float32), axis=0),
+                                 ROWS)  # fmt: skip
+        q1 = (q1.to(gl.float32) * 0.0625).to(gl.float16)
+        q3 = (q3.to(gl.float32) * 0.0625).to(gl.float16)
+        qa = gl.convert_layout(q0, OPB)
+        qb = gl.convert_layout(q1, OPB)
+        qc = gl.convert_layout(q2, OPB)
+        qd = gl.convert_layout(q3, OPB)
+        q8 = gl.expand_dims(8.0 * qsum, 0)
+
+        kv_len = gl.minimum(gl.load(KVLEN + b).to(gl.int32), capacity)
+        if CAUSAL:
+            kv_len = gl.minimum(kv_len, gl.load(QSTART + b).to(gl.int32) + 1)
+        lo = pid_s * split_len
+        hi = gl.minimum(kv_len, lo + split_len)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        bt_row = BT + b * stride_btb
+
+        k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NS, BLOCK_N, DP], TILE)
+        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NS, BLOCK_N, DP], TILE)
+        ks_smem = gl.allocate_shared_memory(gl.float32, [NS, BLOCK_N], FLAT)
+        vs_smem = gl.allocate_shared_memory(gl.float32, [NS, BLOCK_N], FLAT)
+        for j in gl.static_range(NS - 1):
+            blk, blks = tile_pages(BT, bt_row, lo + j * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, True)
+            issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, ks_smem, vs_smem, j,
+                       lo + j * BLOCK_N, hi, hk,
+                       stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                       stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
+                       BLOCK_N, DP, PAGE, CP, SC, True, LIKE, 0, SG, False, CP)
+        blk, blks = tile_pages(BT, bt_row, lo + (NS - 1) * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, True)
+
+        m_i = gl.full([N], float("-inf"), gl.float32, ROWS)
+        l_i = gl.zeros([N], gl.float32, ROWS)
+        z_i = gl.zeros([N], gl.float32, ROWS)  # each row's probabilities times scales, summed: the offset
+        # channels 4 c + i of each row in acc i, [C, N]
+        acc0 = gl.zeros([C, N], gl.float32, MMA)
+        acc1 = gl.zeros([C, N], gl.float32, MMA)
+        acc2 = gl.zeros([C, N], gl.float32, MMA)
+        acc3 = gl.zeros([C, N], gl.float32, MMA)
+        for i in range(n_tiles):
+            cp.wait_group(NS - 2)  # this thread's copies of tile i have landed
+            _barrier()  # everyone's have, and everyone is done with tile i - 1's stage
+            n_next = lo + (i + NS - 1) * BLOCK_N
+            issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, ks_smem, vs_smem,
+                       (i + NS - 1) % NS, n_next, hi, hk,
+                       stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                       stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
+                       BLOCK_N, DP, PAGE, CP, SC, True, LIKE, 0, SG, False, CP)
+            blk, blks = tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, True)
+            st = i % NS
+            # the scores, keys down and rows across: [BLOCK_N, N]
+            kt = as_int16(k_smem.index(st), [BLOCK_N, C], TILE16).load(OPA)
+            k0, k1, k2, k3 = nibble_quads(kt, True, True)
+            s = mma_v2(k0, qa, gl.zeros([BLOCK_N, N], gl.float32, MMA))
+            s = mma_v2(k3, qd, mma_v2(k2, qc, mma_v2(k1, qb, s)))
+            ks = gl.expand_dims(ks_smem.index(st).load(KEYS), 1)
+            s = (s * 16777216.0 - q8) * ks  # raw dots back to c - 8, each key's scale
+            n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=KEYS)
+            s = gl.where(gl.expand_dims(n < hi, 1), s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=0))  # the softmax down the keys
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - gl.expand_dims(m_safe, 0))
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            p = p * gl.expand_dims(vs_smem.index(st).load(KEYS), 1)
+            z_i = z_i * alpha + gl.sum(p, axis=0)
+            pb = gl.convert_layout(p.to(gl.float16), OPB)  # (keys now the depth)
+            vt = as_int16(v_smem.index(st), [BLOCK_N, C], TILE16).permute((1, 0)).load(OPA)  # [C, keys]
+            v0, v1, v2, v3 = nibble_quads(vt, True, True)
+            a2 = gl.expand_dims(alpha, 0)
+            acc0 = mma_v2(v0, pb, acc0 * a2)
+            acc1 = mma_v2(v1, pb, acc1 * a2)
+            acc2 = mma_v2(v2, pb, acc2 * a2)
+            acc3 = mma_v2(v3, pb, acc3 * a2)
+        cp.wait_group(0)
+
+        rows = gl.arange(0, N, layout=ROWS)
+        # raw dots back to codes less 8 (the scaled probabilities' sum), over the row's sum
+        zq = gl.expand_dims(z_i * 8.0, 0)
+        l_safe = gl.expand_dims(gl.where(l_i == 0.0, 1.0, l_i), 0)
+        acc0 = (acc0 * 16777216.0 - zq) / l_safe
+        acc1 = (acc1 * 1048576.0 - zq) / l_safe
+        acc2 = (acc2 * 16777216.0 - zq) / l_safe
+        acc3 = (acc3 * 1048576.0 - zq) / l_safe
+        hq = hk * G + rows
+        row_ok = gl.expand_dims(rows < G, 0)
+        cc = gl.expand_dims(gl.arange(0, C, layout=KEYS), 1) * 4  # channel 4 c + i of acc i
+        if SPLIT:  # (B, Hq, T=1, splits, D) partials, (B, Hq, 1, splits) lse, as the decode kernel's
+            r = b * (H_KV * G) + hq
+            lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
+            gl.store(PL + r * num_splits + pid_s, lse, mask=rows < G)
+            o = PO + gl.expand_dims((r * num_splits + pid_s) * D, 0) + cc
+        else:
+            o = OUT + b * stride_ob + gl.expand_dims(hq * stride_oh, 0) + cc
+        gl.store(o, acc0.to(o.dtype.element_ty), mask=row_ok)
+        gl.store(o + 1, acc1.to(o.dtype.element_ty), mask=row_ok)
+        gl.store(o + 2, acc2.to(o.dtype.element_ty), mask=row_ok)
+        gl.store(o + 3, acc3.to(o.dtype.element_ty), mask=row_ok)
