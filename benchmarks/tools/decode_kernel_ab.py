@@ -49,8 +49,8 @@ def plans(mode: str, B, cuda: bool) -> dict:
     # codes as they lie (subnormal fp16 operands), the dots scaled back (gluon_plan.programs' raw), or not
     out |= {"raw": (dict(RAW=True), None), "not raw": (dict(RAW=False), None),
             "raw r8": (dict(RAW=True, RESIDENT=8, MAXNREG=255), None)}
-    if mode == "q4":  # the kernel of swapped roles (gluon_decode.SWAP, kvtier.kernels.gluon_swap): keys and
-        # channels down the dots' rows, 128 registers a thread; in waves of eight or twelve programs
+    if mode == "q4":  # the kernel of swapped roles (gluon_decode.SWAP, kvtier.kernels.gluon_swap; TurboQuant's
+        # default): keys and channels down the dots' rows, 128 registers a thread; in waves of eight or twelve
         out |= {"swap": (dict(SWAP=True), None), "swap r12": (dict(SWAP=True, RESIDENT=12), None)}
     if mode in ("q4_g32", TQ):
         out["ahead r8"] = (dict(AHEAD=True, RESIDENT=8, MAXNREG=255), None)
@@ -64,9 +64,11 @@ def plans(mode: str, B, cuda: bool) -> dict:
             "gluon 16 w1": gluon(16, WARPS=1, RESIDENT=12)}
     if mode == "fp":
         return out
-    if mode == TQ:  # 16-key tiles capped at 168 registers (the default) in waves of eight; uncapped (191)
+    if mode == TQ:  # 16-key tiles on the swapped kernel (the default: 128 registers, waves of sixteen) in
+        # waves of eight, uncapped (164), and at 168 in waves of twelve; the decode kernel's (168, twelve)
         out["gluon 16 w1 r8"] = gluon(16, WARPS=1, RESIDENT=8)
         out["gluon 16 w1 r8 uncapped"] = gluon(16, WARPS=1, RESIDENT=8, MAXNREG=255)
+        out |= {"swap c168 r12": (dict(MAXNREG=168, RESIDENT=12), None), "not swap": (dict(SWAP=False), None)}
     out |= {"gluon 64 w4": gluon(64, WARPS=4, RESIDENT=4), "gluon 32 w1 ns3": gluon(32, stages=3, **w1)}
     # two warps a program: at most 167 registers a thread for q4 and q4_g32 at 64 keys (six programs
     # an SM), 4% more of q4_g32's instructions a key than one warp's 32-key tile at 244 (eight)

@@ -2,7 +2,7 @@
 registers, spills, shared memory and the main loop's size in the GPU's assembly, per page kind.
 
     PYTHONPATH=src python3 benchmarks/tools/gluon_offline.py [--kinds fp,q8,q4,fp8,q4_g32,tq]
-        [--head-dims 64,128] [--arch 90] [--tile 32,1] [--maxnreg 184] [--sass DIR] [--swap] [--json]
+        [--head-dims 64,128] [--arch 90] [--tile 32,1] [--maxnreg 184] [--sass DIR] [--swap on|off] [--json]
 
 Each kind is compiled at its default launch (``gluon_plan.TILING``'s keys a tile and warps,
 ``MAXNREG_BY_KIND``'s register cap) unless ``--tile`` and ``--maxnreg`` name others, for
@@ -67,13 +67,20 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def _decode_kernel_of(gd, kind: str):
+    """The kernel of swapped roles for ``kind``."""
+    return gd.gluon_swap.swap_q4_kernel if kind == "q4" else gd.gluon_swap.swap_tq_kernel
+
+
 def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = None, warps: int | None = None,
                     maxnreg: int | None = None, arch: int = 90, sass_dir: str | None = None,
-                    ahead: bool | None = None, swap: bool = False) -> dict:
-    """Compile one variant; ``{"kind", "head_dim", "block_n", "warps", "maxnreg", "arch", "registers",
-    "stack", "shared", "instructions", "loop", "loop_ops"}`` (``loop``: the instructions of the main
-    loop; ``loop_ops``: how many of each opcode, with its modifiers, such as ``LDS.U16``). ``swap``:
-    q4 on the kernel of swapped roles (:mod:`kvtier.kernels.gluon_swap`) instead."""
+                    ahead: bool | None = None, swap: bool | None = None) -> dict:
+    """Compile one variant; ``{"kind", "head_dim", "block_n", "warps", "maxnreg", "arch", "swap",
+    "registers", "stack", "shared", "instructions", "loop", "loop_ops"}`` (``loop``: the
+    instructions of the main loop; ``loop_ops``: how many of each opcode, with its modifiers, such
+    as ``LDS.U16``). ``swap``: on the kernel of swapped roles (:mod:`kvtier.kernels.gluon_swap`)
+    where it takes the kind (True), never (False), or as the launch plan has it (``None``:
+    TurboQuant's default launch)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -82,14 +89,16 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
 
     tile, w, _ = gd.TILING[kind]
     block_n, warps = block_n or tile, warps or w
-    if maxnreg is None and (block_n, warps) == (tile, w):
-        maxnreg = gd.MAXNREG_BY_KIND.get(kind)
     ahead = bool(gd.AHEAD) if ahead is None else ahead
-    raw = gd.programs(kind, 4, head_dim, 512, block_n, None if warps == w else warps).raw
-    raw = raw if gd.RAW is None else gd.RAW  # (gluon_decode.RAW, set for a sweep, wins)
-    fn = gd.gluon_swap.swap_decode_kernel if swap else gd._decode_kernel
-    if swap and not gd.gluon_swap.takes(kind, raw, warps, ahead, 4):
+    plan = gd.programs(kind, 4, head_dim, 512, block_n, None if warps == w else warps, False if ahead else swap)
+    if maxnreg is None and (block_n, warps) == (tile, w):
+        maxnreg = plan.maxnreg
+    raw = plan.raw if gd.RAW is None else gd.RAW  # (gluon_decode.RAW, set for a sweep, wins)
+    takes = gd.gluon_swap.takes(kind, raw, warps, ahead, 4)
+    if swap and not takes:
         raise ValueError(f"the swapped kernel does not take {kind} at {warps} warps (raw={raw}, ahead={ahead})")
+    swap = takes and (plan.swap or bool(swap))
+    fn = _decode_kernel_of(gd, kind) if swap else gd._decode_kernel
     sig = signature(fn, kind)
     const = dict(G=4, D=head_dim, BLOCK_N=block_n, PAGE=16, NS=3 if ahead else 2, SPLIT=True, KIND=gd.KINDS[kind],
                  CAUSAL=False, LIKE=True, W=warps, STACK=True, AHEAD=ahead, RAW=raw)
@@ -135,8 +144,9 @@ def main() -> int:
     p.add_argument("--sass", default=None, help="a folder for each variant's assembly")
     p.add_argument("--ahead", choices=("default", "on", "off"), default="default",
                    help="score each tile one iteration ahead (default: gluon_decode.AHEAD, off)")
-    p.add_argument("--swap", action="store_true",
-                   help="q4 on the kernel of swapped roles (kvtier.kernels.gluon_swap), the other kinds as ever")
+    p.add_argument("--swap", choices=("default", "on", "off"), default="default",
+                   help="the kernel of swapped roles (kvtier.kernels.gluon_swap) where it takes the kind (on: q4, "
+                        "TurboQuant), never (off), or as the launch plan has it (default: TurboQuant's)")
     p.add_argument("--json", action="store_true", help="one JSON list, the last line on stdout, instead of a table")
     a = p.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)  # (Triton's interpreter compiles nothing; read at its import)
@@ -157,7 +167,8 @@ def main() -> int:
             try:
                 ahead = None if a.ahead == "default" else a.ahead == "on"
                 rows.append(compile_variant(kind, d, block_n=bn, warps=w, maxnreg=a.maxnreg, arch=a.arch,
-                                            sass_dir=a.sass, ahead=ahead, swap=a.swap and kind == "q4"))
+                                            sass_dir=a.sass, ahead=ahead,
+                                            swap=None if a.swap == "default" else (a.swap == "on" and kind in ("q4", "tq"))))
             except Exception as e:  # a variant that does not compile is a result here
                 failed = True
                 lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""]

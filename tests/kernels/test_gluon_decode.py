@@ -83,27 +83,41 @@ def test_the_kinds_it_reads(mode, kind):
 @pytest.mark.parametrize(
     "kind, G, D, pairs, block_n, warps, expected",
     [
-        ("q4_g32", 4, 128, 512, 32, None, (8, None, True, True)),  # B=64 x 8 kv heads: raw codes
-        ("q4_g32", 4, 128, 2048, 32, None, (8, None, True, True)),  # a serving step
-        ("q4_g32", 8, 64, 64, 32, None, (8, None, True, True)),  # two groups of eight heads stack too
-        ("q4_g32", 4, 128, 8, 32, None, (8, None, False, False)),  # B=1: a small grid
-        ("q4_g32", 3, 64, 64, 32, None, (8, None, False, False)),  # six rows: the values' scales on the operands
-        ("q4_g32", 4, 128, 512, 16, None, (8, None, True, False)),  # another tile
-        ("q4_g32", 4, 128, 512, 32, 1, (8, None, True, False)),  # warps asked for
-        ("q4_g32", 4, 128, 512, 32, 4, (4, None, False, False)),
-        ("q4", 4, 128, 512, 32, None, (8, None, False, True)),  # raw nibbles
-        ("q4", 4, 128, 2048, 32, None, (8, None, False, True)),
-        ("q4", 4, 128, 8, 32, None, (8, None, False, False)),  # B=1: a small grid
-        ("q4", 4, 128, 512, 64, 4, (4, None, False, False)),  # another tile and warps
-        ("tq", 4, 128, 512, 16, None, (12, 168, False, False)),
-        ("tq", 4, 128, 2048, 16, None, (12, 168, False, False)),
-        ("tq", 4, 128, 512, 16, 1, (8, 168, False, False)),  # TILING's warps asked for: their programs a wave
-        ("q8", 4, 128, 512, 64, 2, (6, None, False, False)),
+        ("q4_g32", 4, 128, 512, 32, None, (8, None, True, True, False)),  # B=64 x 8 kv heads: raw codes
+        ("q4_g32", 4, 128, 2048, 32, None, (8, None, True, True, False)),  # a serving step
+        ("q4_g32", 8, 64, 64, 32, None, (8, None, True, True, False)),  # two groups of eight heads stack too
+        ("q4_g32", 4, 128, 8, 32, None, (8, None, False, False, False)),  # B=1: a small grid
+        ("q4_g32", 3, 64, 64, 32, None, (8, None, False, False, False)),  # six rows: the values' scales on the operands
+        ("q4_g32", 4, 128, 512, 16, None, (8, None, True, False, False)),  # another tile
+        ("q4_g32", 4, 128, 512, 32, 1, (8, None, True, False, False)),  # warps asked for
+        ("q4_g32", 4, 128, 512, 32, 4, (4, None, False, False, False)),
+        ("q4", 4, 128, 512, 32, None, (8, None, False, True, False)),  # raw nibbles
+        ("q4", 4, 128, 2048, 32, None, (8, None, False, True, False)),
+        ("q4", 4, 128, 8, 32, None, (8, None, False, False, False)),  # B=1: a small grid
+        ("q4", 4, 128, 512, 64, 4, (4, None, False, False, False)),  # another tile and warps
+        ("tq", 4, 128, 512, 16, None, (16, 128, False, False, True)),  # the kernel of swapped roles
+        ("tq", 4, 128, 2048, 16, None, (16, 128, False, False, True)),
+        ("tq", 4, 128, 512, 16, 1, (8, 128, False, False, True)),  # TILING's warps asked for: their programs a wave
+        ("tq", 16, 128, 512, 16, None, (12, 168, False, False, False)),  # 16 heads a kv head: the decode kernel
+        ("tq", 4, 128, 512, 32, None, (12, None, False, False, False)),  # another tile: the decode kernel
+        ("q8", 4, 128, 512, 64, 2, (6, None, False, False, False)),
     ],
 )
 def test_programs_plan_a_launch(kind, G, D, pairs, block_n, warps, expected):
-    """Programs a multiprocessor, register cap, stacked rows and raw codes."""
+    """Programs a multiprocessor, register cap, stacked rows, raw codes and the kernel of
+    swapped roles."""
     assert gluon_decode.programs(kind, G, D, pairs, block_n, warps) == expected
+
+
+def test_programs_plan_the_swapped_kernel_where_asked():
+    """``swap`` True: wherever the kernel of swapped roles takes the launch (q4's raw one-warp
+    ones too); False: nowhere, TurboQuant's default launch back on the decode kernel's cap and
+    programs."""
+    assert gluon_decode.programs("q4", 4, 128, 512, 32, None, True).swap
+    assert not gluon_decode.programs("q4", 4, 128, 8, 32, None, True).swap  # B=1: not raw
+    assert not gluon_decode.programs("q8", 4, 128, 512, 64, None, True).swap
+    assert gluon_decode.programs("tq", 4, 128, 512, 16, None, False) == (12, 168, False, False, False)
+    assert gluon_decode.programs("tq", 4, 128, 512, 16, None, True) == (16, 128, False, False, True)
 
 
 def test_asking_for_it_where_it_cannot_run_names_the_reason():
@@ -336,8 +350,8 @@ def test_gpu_swapped_roles_match_the_reference(monkeypatch, B, Hq, H_kv, D, leng
 
     monkeypatch.setattr(gluon_decode, "SWAP", True)
     monkeypatch.setattr(gluon_decode, "RAW", True)
-    launches = _Launches(gluon_swap.swap_decode_kernel)
-    monkeypatch.setattr(gluon_swap, "swap_decode_kernel", launches)
+    launches = _Launches(gluon_swap.swap_q4_kernel)
+    monkeypatch.setattr(gluon_swap, "swap_q4_kernel", launches)
     c, q, qs = _case("q4", B, Hq, H_kv, D, lengths, dtype)
     _check_against_references(c, q, qs, "q4", TOL[dtype], num_splits=splits, **plan)
     assert launches.count > 0
@@ -354,18 +368,46 @@ def test_gpu_swapped_roles_see_only_the_keys_up_to_the_query(monkeypatch):
     _check_against_references(c, q, qs, "q4", TOL[torch.bfloat16], num_splits=3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("swap", [None, False])
+@pytest.mark.parametrize(
+    "B, Hq, H_kv, D, lengths, splits",
+    [
+        (3, 4, 1, 64, [1, 17, 45], None),
+        (3, 12, 4, 64, [5, 200, 64], 4),  # three heads a kv head
+        (4, 32, 4, 128, [300, 1, 129, 64], 3),  # eight heads a kv head
+        (64, 32, 8, 128, [2000 - 29 * b for b in range(64)], None),  # B=64, the H200 shape
+    ],
+)
+def test_gpu_turboquant_runs_on_the_swapped_kernel_by_default(monkeypatch, B, Hq, H_kv, D, lengths, splits, swap):
+    """TurboQuant's default launch runs on the kernel of swapped roles (``SWAP`` ``None``), and
+    on the decode kernel when it is turned off (``False``); both against SDPA over the decoded
+    pages and the MMA kernel."""
+    from kvtier.kernels import gluon_swap
+
+    monkeypatch.setattr(gluon_decode, "SWAP", swap)
+    launches = _Launches(gluon_swap.swap_tq_kernel)
+    monkeypatch.setattr(gluon_swap, "swap_tq_kernel", launches)
+    c, q, qs = _case(TQ, B, Hq, H_kv, D, lengths, torch.bfloat16)
+    _check_against_references(c, q, qs, TQ, TOL[torch.bfloat16], num_splits=splits)
+    assert (launches.count > 0) == (swap is None)
+
+
 def test_the_swapped_kernel_refuses_what_it_does_not_take():
-    """Only q4's raw one-warp launches of up to 8 heads a kv head: anything else asked of it is
-    refused before a launch, naming it."""
+    """Only q4's raw and TurboQuant's one-warp launches of up to 8 heads a kv head: anything else
+    asked of it is refused before a launch, naming it."""
     from kvtier.kernels import gluon_swap
 
     assert gluon_swap.takes("q4", True, 1, False, 4) and gluon_swap.takes("q4", True, 1, False, 8)
+    assert gluon_swap.takes("tq", False, 1, False, 4)
     for args in [("q8", True, 1, False, 4), ("q4", False, 1, False, 4), ("q4", True, 4, False, 4),
-                 ("q4", True, 1, True, 4), ("q4", True, 1, False, 16), ("q4_g32", True, 1, False, 4)]:
+                 ("q4", True, 1, True, 4), ("q4", True, 1, False, 16), ("q4_g32", True, 1, False, 4),
+                 ("tq", False, 4, False, 4), ("tq", False, 1, True, 4), ("tq", False, 1, False, 16)]:
         assert not gluon_swap.takes(*args), args
     q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
     pages, scales = torch.zeros(2, 16, 1, 64, dtype=torch.uint8), torch.zeros(2, 16, 1, 1)
-    with pytest.raises(ValueError, match="swapped kernel takes q4's raw one-warp launches.*q8 pages"):
+    with pytest.raises(ValueError, match="swapped kernel takes q4's raw and TurboQuant's one-warp launches.*q8 pages"):
         gluon_decode.launch_decode(q, pages, pages, scales, scales, torch.zeros(1, 2, dtype=torch.int32),
                                    torch.ones(1, dtype=torch.int32), None, 32, q, q, q, kind="q8", qk_scale=1.0,
                                    splits=1, split_len=32, block_n=32, warps=1, raw=True, swap=True)  # fmt: skip
@@ -442,12 +484,16 @@ def test_gpu_replays_in_a_cuda_graph(mode):
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("plan, cap", [({}, 168), (dict(num_splits=2), 168), (dict(block_n=32), None),
-                                       (dict(num_warps=4), None)])
-def test_turboquant_default_tiles_are_launched_under_their_register_cap(monkeypatch, plan, cap):
-    """TurboQuant's 16-key one-warp programs are compiled at most 168 registers a thread (twelve
-    programs a multiprocessor, as its plan assumes); another tile or other warps asked by name
-    are not capped."""
+@pytest.mark.parametrize("plan, swap, cap, swapped", [
+    ({}, None, 128, True), (dict(num_splits=2), None, 128, True),
+    ({}, False, 168, False),  # the decode kernel's programs
+    (dict(block_n=32), None, None, False), (dict(num_warps=4), None, None, False)])
+def test_turboquant_default_tiles_are_launched_under_their_register_cap(monkeypatch, plan, swap, cap, swapped):
+    """TurboQuant's 16-key one-warp programs run on the kernel of swapped roles, compiled at most
+    128 registers a thread (sixteen programs a multiprocessor, as its plan assumes), or on the
+    decode kernel at 168 (twelve) when that is turned off; another tile or other warps asked by
+    name are not capped and not swapped."""
+    monkeypatch.setattr(gluon_decode, "SWAP", swap)
     c, q, qs = _case(TQ, 2, 8, 2, 64, [40, 17], torch.bfloat16)
     seen = []
     monkeypatch.setattr(gluon_decode, "launch_decode", lambda *a, **k: seen.append(k))
@@ -455,7 +501,7 @@ def test_turboquant_default_tiles_are_launched_under_their_register_cap(monkeypa
     monkeypatch.setattr(triton_paged, "rotate_back", lambda x, rotation, dtype: x.to(dtype))  # nor an output
     monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
     _attend(c, q, qs, decode_kernel="gluon", **plan)
-    assert [k["maxnreg"] for k in seen] == [cap]
+    assert [(k["maxnreg"], k["swap"]) for k in seen] == [(cap, swapped)]
 
 
 def test_turboquant_pages_left_out_of_gluon_decode_go_to_their_family_kernel(monkeypatch):

@@ -29,7 +29,8 @@ of the kv head padded to 16 rows; the softmax runs on exp2. Pages (:data:`KINDS`
   the keys become two channel parts in registers as fp8's bytes do, each taking its group's
   scale and zero as q4_g32's; the values are dequantised into an fp16 tile in shared memory
   first (a thread one group of one key, copied as 4-byte words: 12 bytes a group of codes),
-  then weighed as 16-bit pages are;
+  then weighed as 16-bit pages are (its default launch: on the kernel of swapped roles,
+  :mod:`kvtier.kernels.gluon_swap`);
 - 16-bit pages: the same loop in bf16/fp16.
 
 ``W`` warps a program (:data:`TILING` by page kind): four split a tile's keys for the scores and
@@ -109,8 +110,8 @@ except ImportError:  # pragma: no cover - Triton without Gluon
 #: for sweeps: a register cap for the kernel (``None``: the compiler's choice), the warps a
 #: program and programs a wave of the split plan in place of :data:`TILING`'s, each tile scored
 #: an iteration ahead (``None``: not), raw codes or not in place of :func:`programs`' choice
-#: (``None``: its), and q4's raw one-warp launches on the kernel of swapped roles
-#: (:mod:`kvtier.kernels.gluon_swap`; ``None``: not)
+#: (``None``: its), and the kernel of swapped roles (:mod:`kvtier.kernels.gluon_swap`) wherever
+#: it can run a launch, or nowhere, in place of :func:`programs`' choice (``None``: its)
 MAXNREG: int | None = None
 WARPS: int | None = None
 RESIDENT: int | None = None
@@ -420,9 +421,9 @@ def launch_decode(
     row ``b`` sees keys ``0 .. min(kv_len[b], q_start[b] + 1) - 1`` (``q_start`` ``None``: every
     key below ``kv_len``); partials into ``po``/``pl`` when ``splits > 1`` (merged by the
     caller), else the output into ``out``. ``ahead``: each tile scored an iteration early
-    (``stages`` >= 3); ``raw``: nibbles as operands as they lie (:func:`programs`); ``swap``: q4's
-    raw one-warp launch on :func:`~kvtier.kernels.gluon_swap.swap_decode_kernel`, whose arguments
-    these are too. ``maxnreg``: a cap on the registers a thread
+    (``stages`` >= 3); ``raw``: nibbles as operands as they lie (:func:`programs`); ``swap``: the
+    launch on the kernel of swapped roles (:mod:`kvtier.kernels.gluon_swap`: q4's raw one-warp
+    launches, TurboQuant's one-warp ones), whose arguments these are too. ``maxnreg``: a cap on the registers a thread
     (:data:`MAXNREG`, set for a sweep, wins; neither: the compiler's choice)."""
     B, Hq, _, D = q.shape
     H_kv, page = k_payload.shape[2], k_payload.shape[1]
@@ -436,9 +437,10 @@ def launch_decode(
     like = k_payload.stride()[:3] == v_payload.stride()[:3] and ks.stride()[:3] == vs.stride()[:3]
     cap = MAXNREG or maxnreg
     if swap and not gluon_swap.takes(kind, raw, warps, ahead, Hq // H_kv):
-        raise ValueError(f"the swapped kernel takes q4's raw one-warp launches of up to 8 query heads a kv head, "
-                         f"not {kind} pages (raw={raw}, warps={warps}, ahead={ahead}, {Hq // H_kv} heads)")
-    kernel = gluon_swap.swap_decode_kernel if swap else _decode_kernel
+        raise ValueError(f"the swapped kernel takes q4's raw and TurboQuant's one-warp launches of up to 8 query "
+                         f"heads a kv head, not {kind} pages (raw={raw}, warps={warps}, ahead={ahead}, "
+                         f"{Hq // H_kv} heads)")  # fmt: skip
+    kernel = (gluon_swap.swap_q4_kernel if kind == "q4" else gluon_swap.swap_tq_kernel) if swap else _decode_kernel
     kernel[(B * H_kv, splits)](
         q, q.stride(0), q.stride(1),
         k_payload, k_payload.stride(0), k_payload.stride(1), k_payload.stride(2),
@@ -575,9 +577,11 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     block_n = cfg.block_n or TILING[kind][0]
     asked = cfg.num_warps or WARPS
     warps = asked or TILING[kind][1]
-    resident, maxnreg, stack, raw = programs(kind, Hq // H_kv, D, B * H_kv, block_n, asked)
     ahead = bool(AHEAD) and (cfg.num_stages or 3) >= 3  # (it needs a third stage)
+    resident, maxnreg, stack, raw, swap = programs(kind, Hq // H_kv, D, B * H_kv, block_n, asked,
+                                                   False if ahead else SWAP)  # fmt: skip
     raw = raw if RAW is None else RAW
+    swap = (swap or bool(SWAP)) and gluon_swap.takes(kind, raw, warps, ahead, Hq // H_kv)
     stages = cfg.num_stages or (3 if ahead else 2)
     # one-warp programs: splits down to 256 keys (B=8 / 4k q4: 16 splits 20.4 us, 8 splits 23.3)
     short = warps == 1 and cfg.min_split_tokens == LaunchConfig.min_split_tokens
@@ -591,6 +595,6 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, q_start, capacity, out, po, pl,
                   kind=kind, qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages,
                   warps=warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero, maxnreg=maxnreg, stack=stack, ahead=ahead,
-                  raw=raw, swap=bool(SWAP) and gluon_swap.takes(kind, raw, warps, ahead, Hq // H_kv))
+                  raw=raw, swap=swap)
     merge_splits(po, pl, out, splits, base, split_len, block_n)  # as the MMA kernel's launch
     return out

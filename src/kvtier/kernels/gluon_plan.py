@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from kvtier.kernels import gluon_swap
 from kvtier.kernels.launch_plan import SMALL_GRID
 
-__all__ = ["MAXNREG_BY_KIND", "RESIDENT_BY_WARPS", "TILING", "Launch", "programs"]
+__all__ = ["MAXNREG_BY_KIND", "RESIDENT_BY_WARPS", "TILING", "TQ_UNSWAPPED", "Launch", "programs"]
 
 #: a default launch by page kind: (keys a tile, warps a program, programs resident a
 #: multiprocessor, whose whole waves the split plan fills). Four warps at 96-128 registers a
@@ -16,15 +17,22 @@ __all__ = ["MAXNREG_BY_KIND", "RESIDENT_BY_WARPS", "TILING", "Launch", "programs
 #: registers: eight (H200 sweeps, benchmarks/RESULTS.md 2026-12-03; q4_g32's 32-key tiles 3-10%
 #: faster than 16-key ones in waves of twelve, 2026-12-04; at 168 registers with its values'
 #: scales on the probabilities, waves of twelve were 4-7% faster at B >= 8 and contexts >= 4k
-#: but 25% slower on a serving step, 2026-12-04). TurboQuant's 16-key tiles on one warp:
-#: twelve, at the cap below (32-key tiles on one warp and on four were slower, 2026-12-04)
+#: but 25% slower on a serving step, 2026-12-04). TurboQuant's 16-key tiles on one warp, on the
+#: kernel of swapped roles (:mod:`kvtier.kernels.gluon_swap`) at the cap below: sixteen (32-key
+#: tiles on one warp and on four were slower, 2026-12-04; swapped, in waves of twelve at 168
+#: registers and of eight uncapped too, twenty-third session)
 TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (32, 1, 8),
-          "tq": (16, 1, 12)}
+          "tq": (16, 1, 16)}
 #: a register cap by page kind, for launches of its :data:`TILING` tile and warps. TurboQuant's
-#: 16-key one-warp programs took 191 registers a thread uncapped (eight programs), at 168 (no
-#: spills, sm_90, Triton 3.6) twelve: B=64 / 8k 458.2 against 501.4 us; its keys since in
-#: registers, 378-382 us, 168 and no spills (benchmarks/RESULTS.md, 2026-12-04)
-MAXNREG_BY_KIND = {"tq": 168}
+#: swapped 16-key one-warp programs take 164 registers a thread uncapped, 128 capped (no spills,
+#: sm_90): sixteen programs, B=64 / 8k 332.7 us against 351.3 at 168 in waves of twelve
+#: (benchmarks/RESULTS.md, twenty-third session)
+MAXNREG_BY_KIND = {"tq": 128}
+#: TurboQuant's launches on the decode kernel, where the swapped one does not take them (more
+#: than 8 query heads a kv head, another tile, or not asked): its cap at :data:`TILING`'s tile
+#: and warps, and its programs a multiprocessor (191 registers uncapped, eight programs: B=64 / 8k 458.2 against
+#: 501.4 us at 168 in waves of twelve, 2026-12-04)
+TQ_UNSWAPPED = (168, 12)
 #: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
 RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
 class Launch(NamedTuple):
@@ -34,10 +42,12 @@ class Launch(NamedTuple):
     maxnreg: int | None  # a cap on the registers a thread (None: the compiler's choice)
     stack: bool  # q4_g32's groups of channels stack the heads in the rows
     raw: bool  # codes as operands as they lie, the dots scaled back
+    swap: bool  # the kernel of swapped roles (gluon_swap) runs it
 
 
-def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | None = None) -> Launch:
-    """``(programs resident a multiprocessor, register cap, stack, raw)`` of a launch of ``pairs``
+def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | None = None,
+             swap: bool | None = None) -> Launch:
+    """``(programs resident a multiprocessor, register cap, stack, raw, swap)`` of a launch of ``pairs``
     (row, kv head) programs a split, ``G`` query heads a kv head of ``D`` channels, tiles of
     ``block_n`` keys and ``warps`` warps a program (``None``: :data:`TILING`'s): :data:`TILING`'s
     programs (:data:`RESIDENT_BY_WARPS`' for warps asked for), with :data:`MAXNREG_BY_KIND`'s cap
@@ -54,7 +64,14 @@ def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | N
     q4_g32's values, and its keys with each row's query cut to its group's channels and the keys'
     scales and zeros on the scores (:func:`~kvtier.kernels.gluon_codes.stacked_key_scores`), at
     :data:`TILING`'s tile and warps (B=64 / 8k 239.4 -> 220.1 us at eight uncapped programs
-    against twelve at 168 registers, a serving step 88.6 -> 80.6)."""
+    against twelve at 168 registers, a serving step 88.6 -> 80.6).
+
+    ``swap``: the kernel of swapped roles (:mod:`kvtier.kernels.gluon_swap`) runs the launch,
+    where it can (:func:`~kvtier.kernels.gluon_swap.takes`): TurboQuant's at :data:`TILING`'s
+    tile and warps (H200, twenty-third session: B=64 / 8k 356.3 -> 332.7 us, B=8 / 16k 101.1 ->
+    94.8, B=32 / 4k 100.4 -> 94.6, a serving step 149.4 -> 148.5; B=1 within 2.5%), q4's only when asked (``swap``
+    True: 4-7% faster on whole batches, 4% slower on a serving step). ``swap`` False: never.
+    TurboQuant's default launches the swapped kernel cannot take get :data:`TQ_UNSWAPPED`."""
     tile, tile_warps, resident = TILING[kind]
     if warps is not None:
         resident = RESIDENT_BY_WARPS[warps]
@@ -62,4 +79,8 @@ def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | N
     cap = MAXNREG_BY_KIND.get(kind) if default else None
     stack = kind == "q4_g32" and G * (D // 32) == 16 and (warps or tile_warps) == 1 and pairs >= SMALL_GRID
     raw = default and pairs >= SMALL_GRID and (kind == "q4" or (stack and warps is None))
-    return Launch(resident, cap, stack, raw)
+    can = gluon_swap.takes(kind, raw, warps or tile_warps, False, G)
+    swap = can and (kind == "tq" and default if swap is None else swap)
+    if kind == "tq" and not swap:  # the decode kernel's TurboQuant programs
+        cap, resident = TQ_UNSWAPPED[0] if default else cap, TQ_UNSWAPPED[1] if warps is None else resident
+    return Launch(resident, cap, stack, raw, swap)

@@ -1,5 +1,6 @@
-"""q4 paged decode with the tensor cores' roles swapped, for one-warp programs (a sweep's
-kernel: :data:`kvtier.kernels.gluon_decode.SWAP`).
+"""Paged decode with the tensor cores' roles swapped, for one-warp programs: q4 pages (a sweep's
+kernel, :data:`kvtier.kernels.gluon_decode.SWAP`) and TurboQuant's default pages (the default
+for them, :func:`kvtier.kernels.gluon_plan.programs`).
 
 The decode kernel (:mod:`kvtier.kernels.gluon_decode`) puts a kv head's ``G`` query rows in
 the 16 rows of an ``m16n8k16`` dot: at ``G = 4`` three quarters of every score, probability and
@@ -7,22 +8,22 @@ accumulator register hold padding. Here the keys (for the scores) and the output
 the values) are the dot's 16-row side and the query rows its 8 columns, as in small-batch GEMM
 kernels that swap A and B:
 
-- scores ``S^T = K Q^T`` (``[keys, 8]``): the key codes are the A operand, straight from shared
-  memory (q4's raw nibbles, :func:`~kvtier.kernels.gluon_codes.nibble_quads`), the query's four
-  channel parts the B operands;
+- scores ``S^T = K Q^T`` (``[keys, 8]``): the key codes are the A operand (q4's raw nibbles,
+  :func:`~kvtier.kernels.gluon_codes.nibble_quads`; TurboQuant's bytes with their groups'
+  scales and zeros), the query's channel parts the B operands;
 - the softmax runs down the keys (axis 0), one maximum and sum a query row;
-- values ``O^T = V^T P^T``: the value codes, read transposed, are the A operand, the
-  probabilities (each key's value scale on them) the B operand, and each channel part has a
-  ``[D / 4, 8]`` accumulator: 32 float32 registers a thread at head_dim 128, half the other
-  kernel's.
+- values ``O^T = V^T P^T``: the value codes (q4), or TurboQuant's values dequantised into an
+  fp16 tile (:func:`~kvtier.kernels.gluon_codes.dequant_centroid_groups`), read transposed, are
+  the A operand, the probabilities the B operand; an accumulator ``[channels, 8]`` holds half
+  the decode kernel's registers.
 
-Half the tensor-core instructions a tile (32 against 66 at 32 keys) and 128 registers against
-187 (sm_90, Triton 3.9 offline). The copies, the split plan and the partials are the decode
-kernel's; only q4 pages (offset-8 nibbles, a float32 scale a token) with raw codes, one warp a
-program and up to 8 query heads a kv head (:func:`kvtier.kernels.gluon_decode.launch_decode`
-routes them here). The arguments are :func:`~kvtier.kernels.gluon_decode._decode_kernel`'s, so
-one launch serves either (``STACK``, ``AHEAD``, ``RAW``, ``W`` and ``KIND`` are taken as q4's
-raw one-warp launch).
+A register of two int16 code elements is a pair along the dot's depth for an A operand as for a
+B operand, so the decode kernel's conversions of codes serve both. Half the tensor-core
+instructions a tile; at head_dim 128 (sm_90, Triton 3.9 offline) q4 takes 128 registers against
+187 and 553 loop instructions against 645, TurboQuant 128 registers (capped, no spills) against
+168 and 719 against 769. The copies, the split plan and the partials are the decode kernel's.
+The arguments are :func:`~kvtier.kernels.gluon_decode._decode_kernel`'s, so one launch serves
+any of them (``STACK``, ``AHEAD``, ``RAW``, ``W`` and ``KIND`` are taken as :func:`takes` says).
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from kvtier.kernels.gluon_codes import as_int16, nibble_quads
+    from kvtier.kernels.gluon_codes import (
+        UINT8_PAIRS_ASM,
+        _affine,
+        _group_scales,
+        as_int16,
+        dequant_centroid_groups,
+        nibble_quads,
+        staging_layout,
+    )
     from kvtier.kernels.gluon_tiles import issue_tile, tile_pages
 
     # Triton 3.6 names the CTA barrier thread_barrier, 3.9 barrier
@@ -44,15 +53,16 @@ except ImportError:  # pragma: no cover - Triton without Gluon
 
 
 def takes(kind: str, raw: bool, warps: int, ahead: bool, group: int) -> bool:
-    """Whether a launch of the decode kernel with these settings can run here instead: q4 pages,
-    raw codes, one warp a program, no tile scored ahead, up to 8 query heads a kv head."""
-    return kind == "q4" and raw and warps == 1 and not ahead and group <= 8
+    """Whether a launch of the decode kernel with these settings can run here instead: q4 pages
+    with raw codes or TurboQuant's default pages (``"tq"``), one warp a program, no tile scored
+    ahead, up to 8 query heads a kv head."""
+    return (kind == "tq" or (kind == "q4" and raw)) and warps == 1 and not ahead and group <= 8
 
 
 if HAVE_GLUON:
 
     @gluon.jit
-    def swap_decode_kernel(
+    def swap_q4_kernel(
         Q, stride_qb, stride_qh,
         K, stride_kb, stride_kn, stride_kh,
         V, stride_vb, stride_vn, stride_vh,
@@ -201,3 +211,137 @@ if HAVE_GLUON:
         gl.store(o + 1, acc1.to(o.dtype.element_ty), mask=row_ok)
         gl.store(o + 2, acc2.to(o.dtype.element_ty), mask=row_ok)
         gl.store(o + 3, acc3.to(o.dtype.element_ty), mask=row_ok)
+
+    @gluon.jit
+    def swap_tq_kernel(
+        Q, stride_qb, stride_qh,
+        K, stride_kb, stride_kn, stride_kh,
+        V, stride_vb, stride_vn, stride_vh,
+        KS, stride_ksb, stride_ksn, stride_ksh,
+        VS, stride_vsb, stride_vsn, stride_vsh, KZ, VZ,
+        BT, stride_btb, capacity, KVLEN, QSTART,
+        OUT, stride_ob, stride_oh, PO, PL,
+        qk_scale, H_KV, split_len, num_splits,
+        G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, NS: gl.constexpr,
+        SPLIT: gl.constexpr, KIND: gl.constexpr, CAUSAL: gl.constexpr, LIKE: gl.constexpr, W: gl.constexpr,
+        STACK: gl.constexpr, AHEAD: gl.constexpr, RAW: gl.constexpr,
+    ):  # fmt: skip
+        """TurboQuant's default pages (8-bit keys with an fp16 scale and zero a group of 32
+        channels, 3-bit Lloyd-Max values with an fp16 scale a group, in the rotated domain),
+        the roles swapped: the keys' operands take their groups' scales and zeros in one fp16
+        FMA (as the decode kernel's ``grouped_pairs``, keys first), the values go through the
+        decode kernel's fp16 tile and are read from it transposed."""
+        N: gl.constexpr = 8  # the query rows, the dots' columns (G <= 8)
+        NG: gl.constexpr = D // 32  # groups of channels
+        DP: gl.constexpr = D  # key bytes a row
+        C: gl.constexpr = D // 2  # int16 elements a key row: channels 2 c and 2 c + 1, one a part
+        VEC: gl.constexpr = 16  # bytes a copy
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        # the copies of a tile as the decode kernel's (gluon_tiles): key rows, value words in slots
+        # of four (CPV), NG scales and zeros a token (SG), and the value codes dequantised (DQW)
+        CP: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (DP // VEC), DP // VEC], [1, 1], [1, 0])
+        SG: gl.constexpr = gl.BlockedLayout([1, NG], [32, 1], [1, 1], [1, 0])
+        SC: gl.constexpr = gl.SliceLayout(1, SG)
+        DQW2: gl.constexpr = gl.BlockedLayout([1, 4], [32 // NG, NG], [1, 1], [1, 0])
+        DQW3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // NG, NG, 1], [1, 1, 1], [2, 1, 0])
+        TPR: gl.constexpr = DP // VEC
+        CPV: gl.constexpr = gl.BlockedLayout([1, 4 * NG // TPR], [32 // TPR, TPR], [1, 1], [1, 0])
+        TILE: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC, per_phase=1, max_phase=8, order=[1, 0])
+        TILE16: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC // 2, per_phase=1, max_phase=8, order=[1, 0])
+        FLAT2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        STG: gl.constexpr = staging_layout(BLOCK_N, D)
+        KEYS: gl.constexpr = gl.SliceLayout(1, MMA)
+        ROWS: gl.constexpr = gl.SliceLayout(0, MMA)
+        QL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [1, 1], [0, 1])  # the query as loaded, [C, N]
+
+        pid_bh = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = pid_bh // H_KV
+        hk = pid_bh % H_KV
+
+        # the query (log2 domain) as two B operands [C, N]: its even channels, its odd ones
+        cq = gl.arange(0, C, layout=gl.SliceLayout(1, QL))
+        nq = gl.arange(0, N, layout=gl.SliceLayout(0, QL))
+        q_ptr = Q + b * stride_qb + gl.expand_dims((hk * G + nq) * stride_qh, 0) + gl.expand_dims(cq * 2, 1)
+        q_ok = gl.expand_dims(nq < G, 0)
+        qa = gl.convert_layout((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16),
+                               OPB)  # fmt: skip
+        qb = gl.convert_layout((gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16),
+                               OPB)  # fmt: skip
+
+        kv_len = gl.minimum(gl.load(KVLEN + b).to(gl.int32), capacity)
+        if CAUSAL:
+            kv_len = gl.minimum(kv_len, gl.load(QSTART + b).to(gl.int32) + 1)
+        lo = pid_s * split_len
+        hi = gl.minimum(kv_len, lo + split_len)
+        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        bt_row = BT + b * stride_btb
+
+        k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NS, BLOCK_N, DP], TILE)
+        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NS, BLOCK_N, 4 * NG], FLAT2)
+        ks_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
+        vs_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
+        kz_smem = gl.allocate_shared_memory(gl.float16, [NS, BLOCK_N, NG], FLAT2)
+        v_fp = gl.allocate_shared_memory(gl.float16, [BLOCK_N, D], STG)  # the tile's values dequantised
+        for j in gl.static_range(NS - 1):
+            blk, blks = tile_pages(BT, bt_row, lo + j * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, True)
+            issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vs_smem, j,
+                       lo + j * BLOCK_N, hi, hk,
+                       stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                       stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
+                       BLOCK_N, DP, PAGE, CP, SC, True, LIKE, NG, SG, True, CPV)
+        blk, blks = tile_pages(BT, bt_row, lo + (NS - 1) * BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, True)
+
+        m_i = gl.full([N], float("-inf"), gl.float32, ROWS)
+        l_i = gl.zeros([N], gl.float32, ROWS)
+        acc = gl.zeros([D, N], gl.float32, MMA)
+        KSHAPE: gl.constexpr = [BLOCK_N, NG, C // NG]  # a key tile's elements by group
+        for i in range(n_tiles):
+            cp.wait_group(NS - 2)  # this thread's copies of tile i have landed
+            _barrier()  # everyone's have, and everyone is done with tile i - 1's stage and values
+            n_next = lo + (i + NS - 1) * BLOCK_N
+            issue_tile(K, V, KS, VS, KZ, VZ, blk, blks, k_smem, v_smem, ks_smem, vs_smem, kz_smem, vs_smem,
+                       (i + NS - 1) % NS, n_next, hi, hk,
+                       stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                       stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
+                       BLOCK_N, DP, PAGE, CP, SC, True, LIKE, NG, SG, True, CPV)
+            blk, blks = tile_pages(BT, bt_row, n_next + BLOCK_N, hi, BLOCK_N, PAGE, CP, SC, True)
+            st = i % NS
+            dequant_centroid_groups(v_smem.index(st), vs_smem.index(st), v_fp, BLOCK_N, D, NG, DQW2, DQW3)
+            _barrier()
+            # the scores, keys down and rows across: each part's codes times its group's scale plus zero
+            kt = as_int16(k_smem.index(st), [BLOCK_N, C], TILE16).load(OPA)
+            s_, z_ = _group_scales(kt, ks_smem.index(st), kz_smem.index(st), KSHAPE, False)
+            c0, c1 = gl.inline_asm_elementwise(UINT8_PAIRS_ASM, "=r,=r,r", [kt], dtype=(gl.float16, gl.float16),
+                                               is_pure=True, pack=2)  # fmt: skip
+            k0 = _affine(c0, s_, z_, KSHAPE)
+            k1 = _affine(c1, s_, z_, KSHAPE)
+            s = mma_v2(k1, qb, mma_v2(k0, qa, gl.zeros([BLOCK_N, N], gl.float32, MMA)))
+            n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=KEYS)
+            s = gl.where(gl.expand_dims(n < hi, 1), s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=0))  # the softmax down the keys
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - gl.expand_dims(m_safe, 0))
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            pb = gl.convert_layout(p.to(gl.float16), OPB)  # (keys now the depth)
+            va = v_fp.permute((1, 0)).load(OPA)  # [D, keys]
+            acc = mma_v2(va, pb, acc * gl.expand_dims(alpha, 0))
+        cp.wait_group(0)
+
+        rows = gl.arange(0, N, layout=ROWS)
+        l_safe = gl.expand_dims(gl.where(l_i == 0.0, 1.0, l_i), 0)
+        hq = hk * G + rows
+        row_ok = gl.expand_dims(rows < G, 0)
+        dd = gl.expand_dims(gl.arange(0, D, layout=KEYS), 1)
+        if SPLIT:  # (B, Hq, T=1, splits, D) partials, (B, Hq, 1, splits) lse, as the decode kernel's
+            r = b * (H_KV * G) + hq
+            lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
+            gl.store(PL + r * num_splits + pid_s, lse, mask=rows < G)
+            o = PO + gl.expand_dims((r * num_splits + pid_s) * D, 0) + dd
+        else:
+            o = OUT + b * stride_ob + gl.expand_dims(hq * stride_oh, 0) + dd
+        gl.store(o, (acc / l_safe).to(o.dtype.element_ty), mask=row_ok)
