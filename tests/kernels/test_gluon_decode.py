@@ -51,6 +51,13 @@ def _formats(c):
 
 #: TurboQuant's default pages: 8-bit keys, 3-bit values (the kernel's kind "tq")
 TQ = "turboquant:q8_0,q3_0"
+#: launches from one kv head to the H200's: (B, Hq, H_kv, D, lengths, splits)
+SHAPES = [
+    (3, 4, 1, 64, [1, 17, 45], None),
+    (2, 8, 2, 128, [70, 33], 3),
+    (3, 12, 4, 64, [5, 200, 64], 4),  # three heads a kv head
+    (64, 32, 8, 128, [2000 - 29 * b for b in range(64)], None),  # B=64, the H200 shape
+]
 
 
 @pytest.mark.parametrize("mode", ["turboquant:q4_0,q8_0", "turboquant:q4_0,q4_0", "turboquant:q8_0,q4_0",
@@ -298,13 +305,7 @@ def test_gpu_tiles_scored_ahead_match_the_reference(monkeypatch, B, Hq, H_kv, D,
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize(
     "B, Hq, H_kv, D, lengths, splits",
-    [
-        (3, 4, 1, 64, [1, 17, 45], None),
-        (2, 8, 2, 128, [70, 33], 3),
-        (3, 12, 4, 64, [5, 200, 64], 4),
-        (8, 16, 4, 128, [1, 17, 45, 300, 129, 64, 33, 250], 3),  # q4_g32 stacked (32 pairs)
-        (64, 32, 8, 128, [2000 - 29 * b for b in range(64)], None),  # B=64, the H200 shape
-    ],
+    SHAPES + [(8, 16, 4, 128, [1, 17, 45, 300, 129, 64, 33, 250], 3)],  # q4_g32 stacked (32 pairs)
 )
 @pytest.mark.parametrize("plan", [{}, dict(block_n=16, num_stages=3, num_warps=1), dict(block_n=64, num_warps=4)])
 @pytest.mark.parametrize("mode, dtype", [("q4", torch.bfloat16), ("q4", torch.float16), ("q4_g32", torch.bfloat16),
@@ -332,13 +333,7 @@ class _Launches:
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize(
     "B, Hq, H_kv, D, lengths, splits",
-    [
-        (3, 4, 1, 64, [1, 17, 45], None),
-        (2, 8, 2, 128, [70, 33], 3),
-        (3, 12, 4, 64, [5, 200, 64], 4),  # three heads a kv head
-        (4, 32, 4, 128, [300, 1, 129, 64], 3),  # eight heads a kv head
-        (64, 32, 8, 128, [2000 - 29 * b for b in range(64)], None),  # B=64, the H200 shape
-    ],
+    SHAPES + [(4, 32, 4, 128, [300, 1, 129, 64], 3)],  # eight heads a kv head
 )
 @pytest.mark.parametrize("plan", [{}, dict(block_n=16, num_stages=3, num_warps=1), dict(block_n=64, num_warps=1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -373,12 +368,7 @@ def test_gpu_swapped_roles_see_only_the_keys_up_to_the_query(monkeypatch):
 @pytest.mark.parametrize("swap", [None, False])
 @pytest.mark.parametrize(
     "B, Hq, H_kv, D, lengths, splits",
-    [
-        (3, 4, 1, 64, [1, 17, 45], None),
-        (3, 12, 4, 64, [5, 200, 64], 4),  # three heads a kv head
-        (4, 32, 4, 128, [300, 1, 129, 64], 3),  # eight heads a kv head
-        (64, 32, 8, 128, [2000 - 29 * b for b in range(64)], None),  # B=64, the H200 shape
-    ],
+    SHAPES + [(4, 32, 4, 128, [300, 1, 129, 64], 3)],  # eight heads a kv head
 )
 def test_gpu_turboquant_runs_on_the_swapped_kernel_by_default(monkeypatch, B, Hq, H_kv, D, lengths, splits, swap):
     """TurboQuant's default launch runs on the kernel of swapped roles (``SWAP`` ``None``), and

@@ -100,7 +100,7 @@ try:
         staging_layout,
         tile_scores,
     )
-    from kvtier.kernels.gluon_tiles import issue_tile, tile_pages
+    from kvtier.kernels.gluon_tiles import issue_tile, split_keys, tile_pages
 
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
@@ -245,12 +245,7 @@ if HAVE_GLUON:
             qc = qa
             qd = qa
 
-        kv_len = gl.minimum(gl.load(KVLEN + b).to(gl.int32), capacity)
-        if CAUSAL:  # the query sits at q_start: it sees keys 0 .. q_start
-            kv_len = gl.minimum(kv_len, gl.load(QSTART + b).to(gl.int32) + 1)
-        lo = pid_s * split_len
-        hi = gl.minimum(kv_len, lo + split_len)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        lo, hi, n_tiles = split_keys(KVLEN, QSTART, capacity, b, pid_s, split_len, BLOCK_N, CAUSAL)
         bt_row = BT + b * stride_btb
 
         FLAT2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])

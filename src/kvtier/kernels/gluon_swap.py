@@ -43,7 +43,7 @@ try:
         nibble_quads,
         staging_layout,
     )
-    from kvtier.kernels.gluon_tiles import issue_tile, tile_pages
+    from kvtier.kernels.gluon_tiles import issue_tile, split_keys, tile_pages
 
     # Triton 3.6 names the CTA barrier thread_barrier, 3.9 barrier
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -122,12 +122,7 @@ if HAVE_GLUON:
         qd = gl.convert_layout(q3, OPB)
         q8 = gl.expand_dims(8.0 * qsum, 0)
 
-        kv_len = gl.minimum(gl.load(KVLEN + b).to(gl.int32), capacity)
-        if CAUSAL:
-            kv_len = gl.minimum(kv_len, gl.load(QSTART + b).to(gl.int32) + 1)
-        lo = pid_s * split_len
-        hi = gl.minimum(kv_len, lo + split_len)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        lo, hi, n_tiles = split_keys(KVLEN, QSTART, capacity, b, pid_s, split_len, BLOCK_N, CAUSAL)
         bt_row = BT + b * stride_btb
 
         k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NS, BLOCK_N, DP], TILE)
@@ -271,12 +266,7 @@ if HAVE_GLUON:
         qb = gl.convert_layout((gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16),
                                OPB)  # fmt: skip
 
-        kv_len = gl.minimum(gl.load(KVLEN + b).to(gl.int32), capacity)
-        if CAUSAL:
-            kv_len = gl.minimum(kv_len, gl.load(QSTART + b).to(gl.int32) + 1)
-        lo = pid_s * split_len
-        hi = gl.minimum(kv_len, lo + split_len)
-        n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+        lo, hi, n_tiles = split_keys(KVLEN, QSTART, capacity, b, pid_s, split_len, BLOCK_N, CAUSAL)
         bt_row = BT + b * stride_btb
 
         k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NS, BLOCK_N, DP], TILE)

@@ -1,6 +1,7 @@
 """The asynchronous copies of a tile of paged keys and values into shared memory, for the Gluon
-decode kernel (:mod:`kvtier.kernels.gluon_decode`): the tile's pages from the block table, then
-its rows of codes (or 16-bit values) and, for quantised pages, their scales and zeros."""
+decode kernels (:mod:`kvtier.kernels.gluon_decode`, :mod:`kvtier.kernels.gluon_swap`): a
+split's keys, the tile's pages from the block table, then its rows of codes (or 16-bit values)
+and, for quantised pages, their scales and zeros."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
 
 if HAVE_GLUON:
+
+    @gluon.jit
+    def split_keys(KVLEN, QSTART, capacity, b, pid_s, split_len, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """The keys ``lo .. hi - 1`` of row ``b`` that split ``pid_s`` (of ``split_len`` keys)
+        attends to, and their tiles of ``BLOCK_N``: the row's keys below its length (at most
+        ``capacity``; ``CAUSAL``: up to its query's place, ``QSTART``)."""
+        kv_len = gl.minimum(gl.load(KVLEN + b).to(gl.int32), capacity)
+        if CAUSAL:  # the query sits at q_start: it sees keys 0 .. q_start
+            kv_len = gl.minimum(kv_len, gl.load(QSTART + b).to(gl.int32) + 1)
+        lo = pid_s * split_len
+        hi = gl.minimum(kv_len, lo + split_len)
+        return lo, hi, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
     @gluon.jit
     def tile_pages(BT, bt_row, n0, hi, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, CP: gl.constexpr, SC: gl.constexpr,
