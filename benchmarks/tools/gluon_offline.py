@@ -90,14 +90,14 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
     tile, w, _ = gd.TILING[kind]
     block_n, warps = block_n or tile, warps or w
     ahead = bool(gd.AHEAD) if ahead is None else ahead
-    plan = gd.programs(kind, 4, head_dim, 512, block_n, None if warps == w else warps, False if ahead else swap)
+    # (gluon_decode.RAW, set for a sweep, wins over the plan's raw codes)
+    plan = gd.programs(kind, 4, head_dim, 512, block_n, None if warps == w else warps, False if ahead else swap,
+                       gd.RAW)  # fmt: skip
+    if swap and not plan.swap:
+        raise ValueError(f"the swapped kernel does not take {kind} at {warps} warps (raw={plan.raw}, ahead={ahead})")
     if maxnreg is None and (block_n, warps) == (tile, w):
         maxnreg = plan.maxnreg
-    raw = plan.raw if gd.RAW is None else gd.RAW  # (gluon_decode.RAW, set for a sweep, wins)
-    takes = gd.gluon_swap.takes(kind, raw, warps, ahead, 4)
-    if swap and not takes:
-        raise ValueError(f"the swapped kernel does not take {kind} at {warps} warps (raw={raw}, ahead={ahead})")
-    swap = takes and (plan.swap or bool(swap))
+    raw, swap = plan.raw, plan.swap
     fn = _decode_kernel_of(gd, kind) if swap else gd._decode_kernel
     sig = signature(fn, kind)
     const = dict(G=4, D=head_dim, BLOCK_N=block_n, PAGE=16, NS=3 if ahead else 2, SPLIT=True, KIND=gd.KINDS[kind],

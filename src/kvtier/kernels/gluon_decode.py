@@ -574,9 +574,7 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     warps = asked or TILING[kind][1]
     ahead = bool(AHEAD) and (cfg.num_stages or 3) >= 3  # (it needs a third stage)
     resident, maxnreg, stack, raw, swap = programs(kind, Hq // H_kv, D, B * H_kv, block_n, asked,
-                                                   False if ahead else SWAP)  # fmt: skip
-    raw = raw if RAW is None else RAW
-    swap = (swap or bool(SWAP)) and gluon_swap.takes(kind, raw, warps, ahead, Hq // H_kv)
+                                                   False if ahead else SWAP, RAW)  # fmt: skip
     stages = cfg.num_stages or (3 if ahead else 2)
     # one-warp programs: splits down to 256 keys (B=8 / 4k q4: 16 splits 20.4 us, 8 splits 23.3)
     short = warps == 1 and cfg.min_split_tokens == LaunchConfig.min_split_tokens

@@ -46,7 +46,7 @@ class Launch(NamedTuple):
 
 
 def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | None = None,
-             swap: bool | None = None) -> Launch:
+             swap: bool | None = None, raw: bool | None = None) -> Launch:
     """``(programs resident a multiprocessor, register cap, stack, raw, swap)`` of a launch of ``pairs``
     (row, kv head) programs a split, ``G`` query heads a kv head of ``D`` channels, tiles of
     ``block_n`` keys and ``warps`` warps a program (``None``: :data:`TILING`'s): :data:`TILING`'s
@@ -71,14 +71,17 @@ def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | N
     tile and warps (H200, twenty-third session: B=64 / 8k 356.3 -> 332.7 us, B=8 / 16k 101.1 ->
     94.8, B=32 / 4k 100.4 -> 94.6, a serving step 149.4 -> 148.5; B=1 within 2.5%), q4's only when asked (``swap``
     True: 4-7% faster on whole batches, 4% slower on a serving step). ``swap`` False: never.
-    TurboQuant's default launches the swapped kernel cannot take get :data:`TQ_UNSWAPPED`."""
+    TurboQuant's default launches the swapped kernel cannot take get :data:`TQ_UNSWAPPED`.
+    ``raw`` True or False (a sweep's) in place of the choice above; the swapped kernel takes q4
+    only with raw codes."""
     tile, tile_warps, resident = TILING[kind]
     if warps is not None:
         resident = RESIDENT_BY_WARPS[warps]
     default = (block_n, warps or tile_warps) == (tile, tile_warps)
     cap = MAXNREG_BY_KIND.get(kind) if default else None
     stack = kind == "q4_g32" and G * (D // 32) == 16 and (warps or tile_warps) == 1 and pairs >= SMALL_GRID
-    raw = default and pairs >= SMALL_GRID and (kind == "q4" or (stack and warps is None))
+    if raw is None:
+        raw = default and pairs >= SMALL_GRID and (kind == "q4" or (stack and warps is None))
     can = gluon_swap.takes(kind, raw, warps or tile_warps, False, G)
     swap = can and (kind == "tq" and default if swap is None else swap)
     if kind == "tq" and not swap:  # the decode kernel's TurboQuant programs

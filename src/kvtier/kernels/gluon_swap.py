@@ -62,6 +62,36 @@ def takes(kind: str, raw: bool, warps: int, ahead: bool, group: int) -> bool:
 if HAVE_GLUON:
 
     @gluon.jit
+    def _softmax_down_keys(s, m_i, l_i):
+        """One tile's step of the online softmax down the keys (axis 0) of the scores ``s``
+        (``[keys, N]``, log2 domain, keys past the row's end at -inf), from each row's maximum
+        ``m_i`` and sum ``l_i``: ``(p, alpha, m_new, l_new)``, ``alpha`` the factor that rescales
+        what came before."""
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 0))
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=0)
+
+    @gluon.jit
+    def _outputs(OUT, stride_ob, stride_oh, PO, PL, m_i, l_i, b, hk, pid_s, H_KV, num_splits, channels,
+                 G: gl.constexpr, D: gl.constexpr, N: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+        """Where the rows' outputs go, as the decode kernel's: ``SPLIT``, its partials
+        ``(B, Hq, T=1, splits, D)`` (each row's log-sum-exp stored into ``(B, Hq, 1, splits)``
+        here), else the output. Returns the pointers ``[channels, N]`` at channel offsets
+        ``channels`` (``[channels, 1]``) and their mask (the rows below ``G``)."""
+        rows = gl.arange(0, N, layout=ROWS)
+        hq = hk * G + rows
+        if SPLIT:
+            r = b * (H_KV * G) + hq
+            lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
+            gl.store(PL + r * num_splits + pid_s, lse, mask=rows < G)
+            o = PO + gl.expand_dims((r * num_splits + pid_s) * D, 0) + channels
+        else:
+            o = OUT + b * stride_ob + gl.expand_dims(hq * stride_oh, 0) + channels
+        return o, gl.expand_dims(rows < G, 0)
+
+    @gluon.jit
     def swap_q4_kernel(
         Q, stride_qb, stride_qh,
         K, stride_kb, stride_kn, stride_kh,
@@ -166,12 +196,7 @@ if HAVE_GLUON:
             s = (s * 16777216.0 - q8) * ks  # raw dots back to c - 8, each key's scale
             n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=KEYS)
             s = gl.where(gl.expand_dims(n < hi, 1), s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=0))  # the softmax down the keys
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 0))
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            m_i = m_new
+            p, alpha, m_i, l_i = _softmax_down_keys(s, m_i, l_i)
             p = p * gl.expand_dims(vs_smem.index(st).load(KEYS), 1)
             z_i = z_i * alpha + gl.sum(p, axis=0)
             pb = gl.convert_layout(p.to(gl.float16), OPB)  # (keys now the depth)
@@ -184,7 +209,6 @@ if HAVE_GLUON:
             acc3 = mma_v2(v3, pb, acc3 * a2)
         cp.wait_group(0)
 
-        rows = gl.arange(0, N, layout=ROWS)
         # raw dots back to codes less 8 (the scaled probabilities' sum), over the row's sum
         zq = gl.expand_dims(z_i * 8.0, 0)
         l_safe = gl.expand_dims(gl.where(l_i == 0.0, 1.0, l_i), 0)
@@ -192,16 +216,9 @@ if HAVE_GLUON:
         acc1 = (acc1 * 1048576.0 - zq) / l_safe
         acc2 = (acc2 * 16777216.0 - zq) / l_safe
         acc3 = (acc3 * 1048576.0 - zq) / l_safe
-        hq = hk * G + rows
-        row_ok = gl.expand_dims(rows < G, 0)
         cc = gl.expand_dims(gl.arange(0, C, layout=KEYS), 1) * 4  # channel 4 c + i of acc i
-        if SPLIT:  # (B, Hq, T=1, splits, D) partials, (B, Hq, 1, splits) lse, as the decode kernel's
-            r = b * (H_KV * G) + hq
-            lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
-            gl.store(PL + r * num_splits + pid_s, lse, mask=rows < G)
-            o = PO + gl.expand_dims((r * num_splits + pid_s) * D, 0) + cc
-        else:
-            o = OUT + b * stride_ob + gl.expand_dims(hq * stride_oh, 0) + cc
+        o, row_ok = _outputs(OUT, stride_ob, stride_oh, PO, PL, m_i, l_i, b, hk, pid_s, H_KV, num_splits, cc,
+                             G, D, N, ROWS, SPLIT)  # fmt: skip
         gl.store(o, acc0.to(o.dtype.element_ty), mask=row_ok)
         gl.store(o + 1, acc1.to(o.dtype.element_ty), mask=row_ok)
         gl.store(o + 2, acc2.to(o.dtype.element_ty), mask=row_ok)
@@ -311,27 +328,14 @@ if HAVE_GLUON:
             s = mma_v2(k1, qb, mma_v2(k0, qa, gl.zeros([BLOCK_N, N], gl.float32, MMA)))
             n = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=KEYS)
             s = gl.where(gl.expand_dims(n < hi, 1), s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=0))  # the softmax down the keys
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 0))
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            m_i = m_new
+            p, alpha, m_i, l_i = _softmax_down_keys(s, m_i, l_i)
             pb = gl.convert_layout(p.to(gl.float16), OPB)  # (keys now the depth)
             va = v_fp.permute((1, 0)).load(OPA)  # [D, keys]
             acc = mma_v2(va, pb, acc * gl.expand_dims(alpha, 0))
         cp.wait_group(0)
 
-        rows = gl.arange(0, N, layout=ROWS)
         l_safe = gl.expand_dims(gl.where(l_i == 0.0, 1.0, l_i), 0)
-        hq = hk * G + rows
-        row_ok = gl.expand_dims(rows < G, 0)
         dd = gl.expand_dims(gl.arange(0, D, layout=KEYS), 1)
-        if SPLIT:  # (B, Hq, T=1, splits, D) partials, (B, Hq, 1, splits) lse, as the decode kernel's
-            r = b * (H_KV * G) + hq
-            lse = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
-            gl.store(PL + r * num_splits + pid_s, lse, mask=rows < G)
-            o = PO + gl.expand_dims((r * num_splits + pid_s) * D, 0) + dd
-        else:
-            o = OUT + b * stride_ob + gl.expand_dims(hq * stride_oh, 0) + dd
+        o, row_ok = _outputs(OUT, stride_ob, stride_oh, PO, PL, m_i, l_i, b, hk, pid_s, H_KV, num_splits, dd,
+                             G, D, N, ROWS, SPLIT)  # fmt: skip
         gl.store(o, (acc / l_safe).to(o.dtype.element_ty), mask=row_ok)
