@@ -49,9 +49,11 @@ def plans(mode: str, B, cuda: bool) -> dict:
     # codes as they lie (subnormal fp16 operands), the dots scaled back (gluon_plan.programs' raw), or not
     out |= {"raw": (dict(RAW=True), None), "not raw": (dict(RAW=False), None),
             "raw r8": (dict(RAW=True, RESIDENT=8, MAXNREG=255), None)}
-    if mode == "q4":  # the kernel of swapped roles (gluon_decode.SWAP, kvtier.kernels.gluon_swap; TurboQuant's
-        # default): keys and channels down the dots' rows, 128 registers a thread; in waves of eight or twelve
-        out |= {"swap": (dict(SWAP=True), None), "swap r12": (dict(SWAP=True, RESIDENT=12), None)}
+    if mode in ("q4", "q4_g32"):  # the kernel of swapped roles (gluon_decode.SWAP, kvtier.kernels.gluon_swap;
+        # TurboQuant's default): keys and channels down the dots' rows, 128-129 registers a thread; in waves of
+        # eight or twelve, or capped at 128 in waves of sixteen
+        out |= {"swap": (dict(SWAP=True), None), "swap r12": (dict(SWAP=True, RESIDENT=12), None),
+                "swap c128 r16": (dict(SWAP=True, RESIDENT=16, MAXNREG=128), None)}
     if mode in ("q4_g32", TQ):
         out["ahead r8"] = (dict(AHEAD=True, RESIDENT=8, MAXNREG=255), None)
     if mode in ("q8", "fp8"):

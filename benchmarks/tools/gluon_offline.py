@@ -67,11 +67,6 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def _decode_kernel_of(gd, kind: str):
-    """The kernel of swapped roles for ``kind``."""
-    return gd.gluon_swap.swap_q4_kernel if kind == "q4" else gd.gluon_swap.swap_tq_kernel
-
-
 def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = None, warps: int | None = None,
                     maxnreg: int | None = None, arch: int = 90, sass_dir: str | None = None,
                     ahead: bool | None = None, swap: bool | None = None) -> dict:
@@ -98,7 +93,7 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
     if maxnreg is None and (block_n, warps) == (tile, w):
         maxnreg = plan.maxnreg
     raw, swap = plan.raw, plan.swap
-    fn = _decode_kernel_of(gd, kind) if swap else gd._decode_kernel
+    fn = gd.gluon_swap.kernel(kind) if swap else gd._decode_kernel
     sig = signature(fn, kind)
     const = dict(G=4, D=head_dim, BLOCK_N=block_n, PAGE=16, NS=3 if ahead else 2, SPLIT=True, KIND=gd.KINDS[kind],
                  CAUSAL=False, LIKE=True, W=warps, STACK=True, AHEAD=ahead, RAW=raw)
@@ -145,7 +140,7 @@ def main() -> int:
     p.add_argument("--ahead", choices=("default", "on", "off"), default="default",
                    help="score each tile one iteration ahead (default: gluon_decode.AHEAD, off)")
     p.add_argument("--swap", choices=("default", "on", "off"), default="default",
-                   help="the kernel of swapped roles (kvtier.kernels.gluon_swap) where it takes the kind (on: q4, "
+                   help="the kernel of swapped roles (kvtier.kernels.gluon_swap) where it takes the kind (on: q4, q4_g32, "
                         "TurboQuant), never (off), or as the launch plan has it (default: TurboQuant's)")
     p.add_argument("--json", action="store_true", help="one JSON list, the last line on stdout, instead of a table")
     a = p.parse_args()
@@ -168,7 +163,7 @@ def main() -> int:
                 ahead = None if a.ahead == "default" else a.ahead == "on"
                 rows.append(compile_variant(kind, d, block_n=bn, warps=w, maxnreg=a.maxnreg, arch=a.arch,
                                             sass_dir=a.sass, ahead=ahead,
-                                            swap=None if a.swap == "default" else (a.swap == "on" and kind in ("q4", "tq"))))
+                                            swap=None if a.swap == "default" else (a.swap == "on" and kind in ("q4", "q4_g32", "tq"))))
             except Exception as e:  # a variant that does not compile is a result here
                 failed = True
                 lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""]
@@ -183,7 +178,7 @@ def main() -> int:
               "loop / all")
         for r in rows:
             if "error" in r:
-                print(f"{r['kind']}{' (swap)' if r['swap'] else ''} | {r['head_dim']} | did not compile: {r['error']}")
+                print(f"{r['kind']} | {r['head_dim']} | did not compile: {r['error']}")
             else:
                 print(f"{r['kind']}{' (swap)' if r['swap'] else ''} | {r['head_dim']} | {r['block_n']} x {r['warps']} | {'yes' if r['ahead'] else 'no'} | "
                       f"{r['maxnreg'] or '-'} | "

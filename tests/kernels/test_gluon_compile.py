@@ -69,12 +69,13 @@ def test_stacked_q4_g32_weighs_values_in_fp16_pairs(sm90):
     assert ops.get("HADD2.F32", 0) <= 32, ops
 
 
-@pytest.mark.parametrize("kind", ["q4", "tq"])
+@pytest.mark.parametrize("kind", ["q4", "q4_g32", "tq"])
 def test_the_swapped_kernel_takes_half_the_tensor_core_steps_in_fewer_registers(sm90, kind):
-    """q4 and TurboQuant on the kernel of swapped roles (``gluon_swap``): the dots' 16 rows are
-    keys and channels, not a kv head's 4 query rows padded to 16, so a tile takes half the
-    tensor-core instructions (the decode kernel's q4 adds two for its probabilities' sums) in
-    fewer registers. TurboQuant's default launch is the swapped one, within its cap."""
+    """q4, q4_g32 and TurboQuant on the kernels of swapped roles (``gluon_swap``): the dots' 16
+    rows are keys and channels, not a kv head's 4 query rows padded to 16, so a tile takes half
+    the tensor-core instructions (the decode kernel's q4 adds two for its probabilities' sums;
+    the swapped q4_g32 two for each half's zeros a 16 keys) in fewer registers. TurboQuant's
+    default launch (here, 512 pairs) is the swapped one, within its cap."""
     swapped = _compile(90, "64,128", "--kinds", kind, "--swap", "on")
     unswapped = _compile(90, "64,128", "--kinds", kind, "--swap", "off")
     for r, base in zip(swapped, unswapped, strict=True):
@@ -83,7 +84,8 @@ def test_the_swapped_kernel_takes_half_the_tensor_core_steps_in_fewer_registers(
         def hmma(x):
             return sum(n for op, n in x["loop_ops"].items() if op.startswith("HMMA"))
 
-        assert 2 * hmma(r) <= hmma(base) + 2 and hmma(r) > 0, (r["loop_ops"], base["loop_ops"])
+        extra = 8 if kind == "q4_g32" else 2
+        assert 2 * hmma(r) <= hmma(base) + extra and hmma(r) > 0, (r["loop_ops"], base["loop_ops"])
         assert r["registers"] < base["registers"] and r["loop"] < base["loop"] and r["stack"] == 0, (r, base)
         default = next(x for x in sm90 if x["kind"] == kind and x["head_dim"] == r["head_dim"])
         assert default["swap"] == (kind == "tq"), default

@@ -93,7 +93,10 @@ def test_the_kinds_it_reads(mode, kind):
         ("q4_g32", 4, 128, 512, 32, None, (8, None, True, True, False)),  # B=64 x 8 kv heads: raw codes
         ("q4_g32", 4, 128, 2048, 32, None, (8, None, True, True, False)),  # a serving step
         ("q4_g32", 8, 64, 64, 32, None, (8, None, True, True, False)),  # two groups of eight heads stack too
-        ("q4_g32", 4, 128, 8, 32, None, (8, None, False, False, False)),  # B=1: a small grid
+        ("q4_g32", 4, 128, 8, 32, None, (16, 128, False, True, True)),  # B=1: a small grid, swapped roles
+        ("q4_g32", 4, 128, 8, 32, 1, (8, 128, False, True, True)),  # TILING's warps asked for
+        ("q4_g32", 8, 128, 8, 32, None, (8, None, False, False, False)),  # eight heads a kv head: the decode kernel
+        ("q4_g32", 4, 128, 8, 16, None, (8, None, False, False, False)),  # another tile: the decode kernel
         ("q4_g32", 3, 64, 64, 32, None, (8, None, False, False, False)),  # six rows: the values' scales on the operands
         ("q4_g32", 4, 128, 512, 16, None, (8, None, True, False, False)),  # another tile
         ("q4_g32", 4, 128, 512, 32, 1, (8, None, True, False, False)),  # warps asked for
@@ -118,13 +121,15 @@ def test_programs_plan_a_launch(kind, G, D, pairs, block_n, warps, expected):
 
 def test_programs_plan_the_swapped_kernel_where_asked():
     """``swap`` True: wherever the kernel of swapped roles takes the launch (q4's raw one-warp
-    ones too); False: nowhere, TurboQuant's default launch back on the decode kernel's cap and
-    programs."""
+    ones too, and q4_g32's of any grid); False: nowhere, TurboQuant's default launch back on the
+    decode kernel's cap and programs, q4_g32's small grids on the decode kernel."""
     assert gluon_decode.programs("q4", 4, 128, 512, 32, None, True).swap
     assert not gluon_decode.programs("q4", 4, 128, 8, 32, None, True).swap  # B=1: not raw
     assert not gluon_decode.programs("q8", 4, 128, 512, 64, None, True).swap
     assert gluon_decode.programs("tq", 4, 128, 512, 16, None, False) == (12, 168, False, False, False)
     assert gluon_decode.programs("tq", 4, 128, 512, 16, None, True) == (16, 128, False, False, True)
+    assert gluon_decode.programs("q4_g32", 4, 128, 512, 32, None, True) == (16, 128, False, True, True)
+    assert gluon_decode.programs("q4_g32", 4, 128, 8, 32, None, False) == (8, None, False, False, False)
 
 
 def test_asking_for_it_where_it_cannot_run_names_the_reason():
@@ -337,30 +342,34 @@ class _Launches:
 )
 @pytest.mark.parametrize("plan", [{}, dict(block_n=16, num_stages=3, num_warps=1), dict(block_n=64, num_warps=1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_swapped_roles_match_the_reference(monkeypatch, B, Hq, H_kv, D, lengths, splits, plan, dtype):
-    """q4 on the kernel of swapped roles (``SWAP``, :mod:`kvtier.kernels.gluon_swap`: keys and
-    channels down the dots' rows, query rows across), raw codes, one warp: against SDPA over the
-    decoded pages and the MMA kernel, and it is that kernel that ran."""
+@pytest.mark.parametrize("mode", ["q4", "q4_g32"])
+def test_gpu_swapped_roles_match_the_reference(monkeypatch, B, Hq, H_kv, D, lengths, splits, plan, dtype, mode):
+    """q4 and q4_g32 on the kernels of swapped roles (``SWAP``, :mod:`kvtier.kernels.gluon_swap`:
+    keys and channels down the dots' rows, query rows across), raw codes, one warp: against SDPA
+    over the decoded pages and the MMA kernel, and it is that kernel that ran (q4_g32: up to four
+    heads a kv head; eight go to the decode kernel)."""
     from kvtier.kernels import gluon_swap
 
     monkeypatch.setattr(gluon_decode, "SWAP", True)
     monkeypatch.setattr(gluon_decode, "RAW", True)
-    launches = _Launches(gluon_swap.swap_q4_kernel)
-    monkeypatch.setattr(gluon_swap, "swap_q4_kernel", launches)
-    c, q, qs = _case("q4", B, Hq, H_kv, D, lengths, dtype)
-    _check_against_references(c, q, qs, "q4", TOL[dtype], num_splits=splits, **plan)
-    assert launches.count > 0
+    name = {"q4": "swap_q4_kernel", "q4_g32": "swap_q4g32_kernel"}[mode]
+    launches = _Launches(getattr(gluon_swap, name))
+    monkeypatch.setattr(gluon_swap, name, launches)
+    c, q, qs = _case(mode, B, Hq, H_kv, D, lengths, dtype)
+    _check_against_references(c, q, qs, mode, TOL[dtype], num_splits=splits, **plan)
+    assert (launches.count > 0) == (mode == "q4" or Hq // H_kv <= 4)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-def test_gpu_swapped_roles_see_only_the_keys_up_to_the_query(monkeypatch):
-    """``q_start`` below ``kv_len - 1`` on the kernel of swapped roles."""
+@pytest.mark.parametrize("mode", ["q4", "q4_g32"])
+def test_gpu_swapped_roles_see_only_the_keys_up_to_the_query(monkeypatch, mode):
+    """``q_start`` below ``kv_len - 1`` on the kernels of swapped roles."""
     monkeypatch.setattr(gluon_decode, "SWAP", True)
     monkeypatch.setattr(gluon_decode, "RAW", True)
-    c, q, _ = _case("q4", 3, 8, 2, 128, [300, 64, 200], torch.bfloat16)
+    c, q, _ = _case(mode, 3, 8, 2, 128, [300, 64, 200], torch.bfloat16)
     qs = torch.tensor([9, 63, 150], dtype=torch.int64, device=DEVICE)
-    _check_against_references(c, q, qs, "q4", TOL[torch.bfloat16], num_splits=3)
+    _check_against_references(c, q, qs, mode, TOL[torch.bfloat16], num_splits=3)
 
 
 @pytest.mark.gpu
@@ -384,15 +393,42 @@ def test_gpu_turboquant_runs_on_the_swapped_kernel_by_default(monkeypatch, B, Hq
     assert (launches.count > 0) == (swap is None)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("swap", [None, False])
+@pytest.mark.parametrize(
+    "B, Hq, H_kv, D, lengths, splits",
+    SHAPES[:3] + [(1, 32, 8, 128, [4000], None), (2, 16, 2, 128, [300, 1], 3)],  # (fewer than 32 pairs)
+)
+def test_gpu_q4_g32_small_grids_run_on_the_swapped_kernel_by_default(monkeypatch, B, Hq, H_kv, D, lengths, splits,
+                                                                     swap):  # fmt: skip
+    """q4_g32's default launches of fewer than ``SMALL_GRID`` pairs run on the kernel of swapped
+    roles (``SWAP`` ``None``; eight heads a kv head on the decode kernel), and on the decode
+    kernel when it is turned off (``False``); both against SDPA over the decoded pages and the
+    MMA kernel."""
+    from kvtier.kernels import gluon_swap
+
+    monkeypatch.setattr(gluon_decode, "SWAP", swap)
+    launches = _Launches(gluon_swap.swap_q4g32_kernel)
+    monkeypatch.setattr(gluon_swap, "swap_q4g32_kernel", launches)
+    c, q, qs = _case("q4_g32", B, Hq, H_kv, D, lengths, torch.bfloat16)
+    _check_against_references(c, q, qs, "q4_g32", TOL[torch.bfloat16], num_splits=splits)
+    assert (launches.count > 0) == (swap is None and Hq // H_kv <= 4)
+
+
 def test_the_swapped_kernel_refuses_what_it_does_not_take():
-    """Only q4's raw and TurboQuant's one-warp launches of up to 8 heads a kv head: anything else
-    asked of it is refused before a launch, naming it."""
+    """Only q4's raw and TurboQuant's one-warp launches of up to 8 heads a kv head, and q4_g32's
+    of up to 4 at head_dim 64 or 128: anything else asked of it is refused before a launch,
+    naming it."""
     from kvtier.kernels import gluon_swap
 
     assert gluon_swap.takes("q4", True, 1, False, 4) and gluon_swap.takes("q4", True, 1, False, 8)
     assert gluon_swap.takes("tq", False, 1, False, 4)
+    assert gluon_swap.takes("q4_g32", False, 1, False, 4) and gluon_swap.takes("q4_g32", True, 1, False, 3, 64)
     for args in [("q8", True, 1, False, 4), ("q4", False, 1, False, 4), ("q4", True, 4, False, 4),
-                 ("q4", True, 1, True, 4), ("q4", True, 1, False, 16), ("q4_g32", True, 1, False, 4),
+                 ("q4", True, 1, True, 4), ("q4", True, 1, False, 16), ("q4_g32", True, 1, False, 8),
+                 ("q4_g32", True, 1, False, 4, 32), ("q4_g32", True, 1, False, 4, 256), ("q4_g32", True, 2, False, 4),
+                 ("q4_g32", True, 1, True, 4),
                  ("tq", False, 4, False, 4), ("tq", False, 1, True, 4), ("tq", False, 1, False, 16)]:
         assert not gluon_swap.takes(*args), args
     q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)

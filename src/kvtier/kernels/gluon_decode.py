@@ -100,7 +100,7 @@ try:
         staging_layout,
         tile_scores,
     )
-    from kvtier.kernels.gluon_tiles import issue_tile, split_keys, tile_pages
+    from kvtier.kernels.gluon_tiles import issue_tile, split_keys, tile_layout, tile_pages
 
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - Triton without Gluon
@@ -184,9 +184,9 @@ if HAVE_GLUON:
         CPV: gl.constexpr = gl.BlockedLayout([1, 4 * NG // TPR], [32 // TPR, TPR], [W, 1], [1, 0]) if TQ else CP
         QD: gl.constexpr = D // QP  # query channels a dot operand
         QL: gl.constexpr = gl.BlockedLayout([1, QD // 16], [2, 16], [W, 1], [1, 0])
-        TILE: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC, per_phase=1, max_phase=8, order=[1, 0])
+        TILE: gl.constexpr = tile_layout(VEC, DP, 1 if QUANT else 2)
         # one-byte tiles seen as int16, the same bytes
-        TILE16: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC // 2, per_phase=1, max_phase=8, order=[1, 0])
+        TILE16: gl.constexpr = tile_layout(VEC // 2, DP // 2, 2)
         AC: gl.constexpr = D // PARTS  # accumulator columns
         FLAT: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -431,11 +431,11 @@ def launch_decode(
         raise ValueError("the zeros must have their scales' strides: they share one row offset in the kernel")
     like = k_payload.stride()[:3] == v_payload.stride()[:3] and ks.stride()[:3] == vs.stride()[:3]
     cap = MAXNREG or maxnreg
-    if swap and not gluon_swap.takes(kind, raw, warps, ahead, Hq // H_kv):
+    if swap and not gluon_swap.takes(kind, raw, warps, ahead, Hq // H_kv, D):
         raise ValueError(f"the swapped kernel takes q4's raw and TurboQuant's one-warp launches of up to 8 query "
-                         f"heads a kv head, not {kind} pages (raw={raw}, warps={warps}, ahead={ahead}, "
-                         f"{Hq // H_kv} heads)")  # fmt: skip
-    kernel = (gluon_swap.swap_q4_kernel if kind == "q4" else gluon_swap.swap_tq_kernel) if swap else _decode_kernel
+                         f"heads a kv head and q4_g32's of up to 4 at head_dim 64 or 128, not {kind} pages "
+                         f"(raw={raw}, warps={warps}, ahead={ahead}, {Hq // H_kv} heads, head_dim {D})")  # fmt: skip
+    kernel = gluon_swap.kernel(kind) if swap else _decode_kernel
     kernel[(B * H_kv, splits)](
         q, q.stride(0), q.stride(1),
         k_payload, k_payload.stride(0), k_payload.stride(1), k_payload.stride(2),

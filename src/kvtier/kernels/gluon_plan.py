@@ -9,7 +9,7 @@ from typing import NamedTuple
 from kvtier.kernels import gluon_swap
 from kvtier.kernels.launch_plan import SMALL_GRID
 
-__all__ = ["MAXNREG_BY_KIND", "RESIDENT_BY_WARPS", "TILING", "TQ_UNSWAPPED", "Launch", "programs"]
+__all__ = ["G32_SWAPPED", "MAXNREG_BY_KIND", "RESIDENT_BY_WARPS", "TILING", "TQ_UNSWAPPED", "Launch", "programs"]
 
 #: a default launch by page kind: (keys a tile, warps a program, programs resident a
 #: multiprocessor, whose whole waves the split plan fills). Four warps at 96-128 registers a
@@ -33,6 +33,10 @@ MAXNREG_BY_KIND = {"tq": 128}
 #: and warps, and its programs a multiprocessor (191 registers uncapped, eight programs: B=64 / 8k 458.2 against
 #: 501.4 us at 168 in waves of twelve, 2026-12-04)
 TQ_UNSWAPPED = (168, 12)
+#: q4_g32's default launches on the swapped kernel (small grids, :func:`programs`): its cap and its
+#: programs a multiprocessor (129 registers uncapped, 128 capped without spills, sm_90; H200: B=1 /
+#: 16k 16.71 -> 14.58 us against the decode kernel, 16.21 uncapped in waves of eight)
+G32_SWAPPED = (128, 16)
 #: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
 RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
 class Launch(NamedTuple):
@@ -69,11 +73,14 @@ def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | N
     ``swap``: the kernel of swapped roles (:mod:`kvtier.kernels.gluon_swap`) runs the launch,
     where it can (:func:`~kvtier.kernels.gluon_swap.takes`): TurboQuant's at :data:`TILING`'s
     tile and warps (H200, twenty-third session: B=64 / 8k 356.3 -> 332.7 us, B=8 / 16k 101.1 ->
-    94.8, B=32 / 4k 100.4 -> 94.6, a serving step 149.4 -> 148.5; B=1 within 2.5%), q4's only when asked (``swap``
-    True: 4-7% faster on whole batches, 4% slower on a serving step). ``swap`` False: never.
-    TurboQuant's default launches the swapped kernel cannot take get :data:`TQ_UNSWAPPED`.
+    94.8, B=32 / 4k 100.4 -> 94.6, a serving step 149.4 -> 148.5; B=1 within 2.5%); q4_g32's at
+    that tile and warps in launches of fewer than ``SMALL_GRID`` pairs, under :data:`G32_SWAPPED`
+    (twenty-fourth session: B=1 / 4k 9.32 -> 8.87 us, B=1 / 16k 16.71 -> 14.58; at B >= 8 and on a
+    serving step 5-20% slower than the stacked rows); q4's only when asked (``swap`` True: 4-7%
+    faster on whole batches, 4% slower on a serving step). ``swap`` False: never. TurboQuant's
+    default launches the swapped kernel cannot take get :data:`TQ_UNSWAPPED`.
     ``raw`` True or False (a sweep's) in place of the choice above; the swapped kernel takes q4
-    only with raw codes."""
+    only with raw codes, and its q4_g32 codes are always raw."""
     tile, tile_warps, resident = TILING[kind]
     if warps is not None:
         resident = RESIDENT_BY_WARPS[warps]
@@ -82,8 +89,13 @@ def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | N
     stack = kind == "q4_g32" and G * (D // 32) == 16 and (warps or tile_warps) == 1 and pairs >= SMALL_GRID
     if raw is None:
         raw = default and pairs >= SMALL_GRID and (kind == "q4" or (stack and warps is None))
-    can = gluon_swap.takes(kind, raw, warps or tile_warps, False, G)
-    swap = can and (kind == "tq" and default if swap is None else swap)
+    can = gluon_swap.takes(kind, raw, warps or tile_warps, False, G, D)
+    by_default = default and (kind == "tq" or (kind == "q4_g32" and pairs < SMALL_GRID))
+    swap = can and (by_default if swap is None else swap)
     if kind == "tq" and not swap:  # the decode kernel's TurboQuant programs
         cap, resident = TQ_UNSWAPPED[0] if default else cap, TQ_UNSWAPPED[1] if warps is None else resident
+    if kind == "q4_g32" and swap:  # (its codes raw, its rows its own way)
+        stack, raw = False, True
+        if default:
+            cap, resident = G32_SWAPPED[0], G32_SWAPPED[1] if warps is None else resident
     return Launch(resident, cap, stack, raw, swap)

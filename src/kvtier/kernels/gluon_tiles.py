@@ -16,7 +16,22 @@ try:
 except ImportError:  # pragma: no cover - Triton without Gluon
     HAVE_GLUON = False
 
+
 if HAVE_GLUON:
+
+    @gluon.constexpr_function
+    def tile_layout(vec, row, elem_bytes):
+        """The swizzled shared layout of a tile of rows of ``row`` elements of ``elem_bytes``
+        bytes, copied ``vec`` elements a chunk, so that eight rows' chunks read together (one
+        8 x 16-byte matrix of ``ldmatrix``) fall on distinct banks: rows share a phase while they
+        fit in one 128-byte bank line, and the phases cycle over the chunks a line holds (64-byte
+        rows, q4's at head_dim 128: two rows a phase, four phases; one row a phase and eight were
+        a two-way conflict). The same bytes seen with other elements
+        (:func:`~kvtier.kernels.gluon_codes.as_int16`) take the same swizzle."""
+        row_bytes, vec_bytes = row * elem_bytes, vec * elem_bytes
+        per_phase = max(1, 128 // row_bytes)
+        max_phase = max(1, min(8 // per_phase, row_bytes // vec_bytes))
+        return gl.SwizzledSharedLayout(vec=vec, per_phase=per_phase, max_phase=max_phase, order=[1, 0])
 
     @gluon.jit
     def split_keys(KVLEN, QSTART, capacity, b, pid_s, split_len, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
