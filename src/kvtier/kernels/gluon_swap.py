@@ -1,6 +1,6 @@
 """Paged decode with the tensor cores' roles swapped, for one-warp programs: q4 pages (a sweep's
-kernel, :data:`kvtier.kernels.gluon_decode.SWAP`) and TurboQuant's default pages (the default
-for them, :func:`kvtier.kernels.gluon_plan.programs`).
+kernel, :data:`kvtier.kernels.gluon_decode.SWAP`), q4_g32 pages (the default in small grids) and
+TurboQuant's default pages (the default for them; both :func:`kvtier.kernels.gluon_plan.programs`).
 
 The decode kernel (:mod:`kvtier.kernels.gluon_decode`) puts a kv head's ``G`` query rows in
 the 16 rows of an ``m16n8k16`` dot: at ``G = 4`` three quarters of every score, probability and
@@ -21,7 +21,8 @@ A register of two int16 code elements is a pair along the dot's depth for an A o
 B operand, so the decode kernel's conversions of codes serve both. Half the tensor-core
 instructions a tile; at head_dim 128 (sm_90, Triton 3.9 offline) q4 takes 128 registers against
 187 and 553 loop instructions against 645, TurboQuant 128 registers (capped, no spills) against
-168 and 719 against 769. The copies, the split plan and the partials are the decode kernel's.
+168 and 719 against 769. q4_g32's groups need the query rows twice in the 8 columns
+(:func:`swap_q4g32_kernel`). The copies, the split plan and the partials are the decode kernel's.
 The arguments are :func:`~kvtier.kernels.gluon_decode._decode_kernel`'s, so one launch serves
 any of them (``STACK``, ``AHEAD``, ``RAW``, ``W`` and ``KIND`` are taken as :func:`takes` says).
 """
