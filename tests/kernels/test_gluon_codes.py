@@ -158,3 +158,51 @@ def test_the_staging_tile_takes_its_stores_and_reads_without_bank_conflicts(bloc
         plain = _offsets(_swizzled(block_n, d), block_n, d)
         assert sum(_wavefronts(plain, s) for s in stores) >= 8 * len(stores)
         assert sum(_wavefronts(plain, r) for r in reads) == len(reads)
+
+
+def _byte_offsets(rows: int, row_bytes: int, vec: int, per_phase: int, max_phase: int) -> dict[tuple[int, int], int]:
+    """``{(row, byte): offset}`` of a ``SwizzledSharedLayout(vec, per_phase, max_phase)`` tile of
+    one-byte elements, as its linear layout: row bit ``i`` XORs the chunk with
+    ``(2^i // per_phase) % max_phase``, and a XOR past the row's chunks is dropped."""
+    bases = [[0, 1 << b] for b in range(row_bytes.bit_length() - 1)]
+    for i in range(rows.bit_length() - 1):
+        x = ((1 << i) // per_phase % max_phase) * vec
+        bases.append([1 << i, x if x < row_bytes else 0])
+    out = {}
+    for o in range(rows * row_bytes):
+        r = c = 0
+        for b, (br, bc) in enumerate(bases):
+            if o >> b & 1:
+                r, c = r ^ br, c ^ bc
+        out[(r, c)] = o
+    return out
+
+
+@pytest.mark.skipif(not IN_PROCESS or not HAVE_GLUON, reason="needs Gluon")
+@pytest.mark.parametrize("row_bytes", [32, 64, 128, 256])
+def test_tiles_of_codes_take_ldmatrix_reads_without_bank_conflicts(row_bytes):
+    """``gluon_tiles.tile_layout`` swizzles a tile of rows of codes so that the eight rows of a
+    16-byte chunk one ``ldmatrix`` phase reads fall in the eight 16-byte bank groups of a line:
+    one wavefront a phase, for q4's 32- and 64-byte rows as for 128 bytes and more. The premise:
+    one row a phase over eight phases, the old swizzle, split a 64-byte tile's phase in two."""
+    from kvtier.kernels.gluon_tiles import tile_layout
+
+    layout = tile_layout(16, row_bytes, 1)
+    assert layout.max_phase <= row_bytes // 16, "no XOR past the row's chunks"
+    rows = 64
+    reads = [[(r0 + i, 16 * c) for i in range(8)] for r0 in range(0, rows, 8) for c in range(row_bytes // 16)]
+
+    def wavefronts(offsets):
+        total = 0
+        for phase in reads:
+            lines: dict[int, set[int]] = {}
+            for chunk in phase:
+                lines.setdefault(offsets[chunk] // 16 % 8, set()).add(offsets[chunk] // 128)
+            total += max(len(v) for v in lines.values())
+        return total
+
+    offsets = _byte_offsets(rows, row_bytes, 16, layout.per_phase, layout.max_phase)
+    assert sorted(offsets.values()) == list(range(rows * row_bytes)), "every place of the tile once"
+    assert wavefronts(offsets) == len(reads)
+    if row_bytes == 64:
+        assert wavefronts(_byte_offsets(rows, row_bytes, 16, 1, 8)) == 2 * len(reads)
