@@ -5,7 +5,7 @@ registers, spills, shared memory and the main loop's size in the GPU's assembly,
         [--head-dims 64,128] [--arch 90] [--tile 32,1] [--maxnreg 184] [--sass DIR] [--swap on|off] [--json]
 
 Each kind is compiled at its default launch (``gluon_plan.TILING``'s keys a tile and warps,
-``MAXNREG_BY_KIND``'s register cap) unless ``--tile`` and ``--maxnreg`` name others, for
+the plan's register cap, ``MAXNREG_BY_KIND``'s or ``SWAPPED``'s) unless ``--tile`` and ``--maxnreg`` name others, for
 compute capability ``--arch`` (90: H100/H200, 80: A100), with 32 query heads on 8 kv heads,
 pages of 16 and bf16 queries, the strides specialised as a cache's are (multiples of 16), and
 q4_g32's heads stacked by group of channels where they fill the rows (head_dim 128, as
@@ -135,7 +135,7 @@ def main() -> int:
     p.add_argument("--head-dims", default="128", help="comma-separated: 64, 128")
     p.add_argument("--arch", type=int, default=90, help="compute capability as one number: 90, 80, 89")
     p.add_argument("--tile", default=None, help="keys a tile and warps a program, such as 32,1 (default: TILING's)")
-    p.add_argument("--maxnreg", type=int, default=None, help="a register cap (default: MAXNREG_BY_KIND's)")
+    p.add_argument("--maxnreg", type=int, default=None, help="a register cap (default: the plan's, gluon_plan.MAXNREG_BY_KIND or SWAPPED)")
     p.add_argument("--sass", default=None, help="a folder for each variant's assembly")
     p.add_argument("--ahead", choices=("default", "on", "off"), default="default",
                    help="score each tile one iteration ahead (default: gluon_decode.AHEAD, off)")

@@ -120,15 +120,16 @@ def _offsets(bases: list[list[int]], block_n: int, d: int) -> dict[tuple[int, in
     return out
 
 
-def _wavefronts(offsets: dict, chunks: list[tuple[int, int]]) -> int:
-    """Shared-memory wavefronts of 16-byte accesses (fp16 chunks ``(key, channel)``, a lane
-    each): eight lanes a phase, a phase as many wavefronts as the most lines one of the eight
-    16-byte bank groups of a 128-byte line is asked for."""
+def _wavefronts(offsets: dict, chunks: list[tuple[int, int]], elem_bytes: int = 2) -> int:
+    """Shared-memory wavefronts of 16-byte accesses (chunks ``(key, channel)`` of elements of
+    ``elem_bytes``, fp16 by default, a lane each): eight lanes a phase, a phase as many
+    wavefronts as the most lines one of the eight 16-byte bank groups of a 128-byte line is
+    asked for."""
     total = 0
     for p in range(0, len(chunks), 8):
         lines: dict[int, set[int]] = {}
         for chunk in chunks[p : p + 8]:
-            byte = 2 * offsets[chunk]
+            byte = elem_bytes * offsets[chunk]
             lines.setdefault(byte // 16 % 8, set()).add(byte // 128)
         total += max(len(v) for v in lines.values())
     return total
@@ -168,14 +169,7 @@ def _byte_offsets(rows: int, row_bytes: int, vec: int, per_phase: int, max_phase
     for i in range(rows.bit_length() - 1):
         x = ((1 << i) // per_phase % max_phase) * vec
         bases.append([1 << i, x if x < row_bytes else 0])
-    out = {}
-    for o in range(rows * row_bytes):
-        r = c = 0
-        for b, (br, bc) in enumerate(bases):
-            if o >> b & 1:
-                r, c = r ^ br, c ^ bc
-        out[(r, c)] = o
-    return out
+    return _offsets(bases, rows, row_bytes)
 
 
 @pytest.mark.skipif(not IN_PROCESS or not HAVE_GLUON, reason="needs Gluon")
@@ -190,19 +184,12 @@ def test_tiles_of_codes_take_ldmatrix_reads_without_bank_conflicts(row_bytes):
     layout = tile_layout(16, row_bytes, 1)
     assert layout.max_phase <= row_bytes // 16, "no XOR past the row's chunks"
     rows = 64
-    reads = [[(r0 + i, 16 * c) for i in range(8)] for r0 in range(0, rows, 8) for c in range(row_bytes // 16)]
-
-    def wavefronts(offsets):
-        total = 0
-        for phase in reads:
-            lines: dict[int, set[int]] = {}
-            for chunk in phase:
-                lines.setdefault(offsets[chunk] // 16 % 8, set()).add(offsets[chunk] // 128)
-            total += max(len(v) for v in lines.values())
-        return total
+    # eight rows of one 16-byte chunk a phase
+    reads = [(r0 + i, 16 * c) for r0 in range(0, rows, 8) for c in range(row_bytes // 16) for i in range(8)]
 
     offsets = _byte_offsets(rows, row_bytes, 16, layout.per_phase, layout.max_phase)
     assert sorted(offsets.values()) == list(range(rows * row_bytes)), "every place of the tile once"
-    assert wavefronts(offsets) == len(reads)
+    phases = len(reads) // 8
+    assert _wavefronts(offsets, reads, 1) == phases
     if row_bytes == 64:
-        assert wavefronts(_byte_offsets(rows, row_bytes, 16, 1, 8)) == 2 * len(reads)
+        assert _wavefronts(_byte_offsets(rows, row_bytes, 16, 1, 8), reads, 1) == 2 * phases

@@ -65,12 +65,7 @@ from dataclasses import replace
 import torch
 
 from kvtier.kernels import gluon_swap
-from kvtier.kernels.gluon_plan import (  # noqa: F401 (MAXNREG_BY_KIND, RESIDENT_BY_WARPS: read here too)
-    MAXNREG_BY_KIND,
-    RESIDENT_BY_WARPS,
-    TILING,
-    programs,
-)
+from kvtier.kernels.gluon_plan import TILING, programs
 from kvtier.kernels.launch_plan import LaunchConfig, capability, plan_launch
 from kvtier.kernels.triton_quant import (
     AFFINE,

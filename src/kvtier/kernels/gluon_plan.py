@@ -9,36 +9,33 @@ from typing import NamedTuple
 from kvtier.kernels import gluon_swap
 from kvtier.kernels.launch_plan import SMALL_GRID
 
-__all__ = ["G32_SWAPPED", "MAXNREG_BY_KIND", "RESIDENT_BY_WARPS", "TILING", "TQ_UNSWAPPED", "Launch", "programs"]
+__all__ = ["MAXNREG_BY_KIND", "RESIDENT_BY_WARPS", "SWAPPED", "TILING", "Launch", "programs"]
 
-#: a default launch by page kind: (keys a tile, warps a program, programs resident a
-#: multiprocessor, whose whole waves the split plan fills). Four warps at 96-128 registers a
-#: thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop) at 205-242
-#: registers: eight (H200 sweeps, benchmarks/RESULTS.md 2026-12-03; q4_g32's 32-key tiles 3-10%
-#: faster than 16-key ones in waves of twelve, 2026-12-04; at 168 registers with its values'
-#: scales on the probabilities, waves of twelve were 4-7% faster at B >= 8 and contexts >= 4k
-#: but 25% slower on a serving step, 2026-12-04). TurboQuant's 16-key tiles on one warp, on the
-#: kernel of swapped roles (:mod:`kvtier.kernels.gluon_swap`) at the cap below: sixteen (32-key
-#: tiles on one warp and on four were slower, 2026-12-04; swapped, in waves of twelve at 168
-#: registers and of eight uncapped too, twenty-third session)
+#: a default launch by page kind on the decode kernel: (keys a tile, warps a program, programs
+#: resident a multiprocessor, whose whole waves the split plan fills). Four warps at 96-128
+#: registers a thread: four programs. One warp (q4, q4_g32; no barrier across warps in the loop)
+#: at 205-242 registers: eight (H200 sweeps, benchmarks/RESULTS.md 2026-12-03; q4_g32's 32-key
+#: tiles 3-10% faster than 16-key ones in waves of twelve, 2026-12-04; at 168 registers with its
+#: values' scales on the probabilities, waves of twelve were 4-7% faster at B >= 8 and contexts
+#: >= 4k but 25% slower on a serving step, 2026-12-04). TurboQuant's 16-key tiles on one warp at
+#: the cap below: twelve (32-key tiles on one warp and on four were slower, 2026-12-04); on the
+#: kernel of swapped roles, :data:`SWAPPED`'s
 TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (32, 1, 8),
-          "tq": (16, 1, 16)}
-#: a register cap by page kind, for launches of its :data:`TILING` tile and warps. TurboQuant's
-#: swapped 16-key one-warp programs take 164 registers a thread uncapped, 128 capped (no spills,
-#: sm_90): sixteen programs, B=64 / 8k 332.7 us against 351.3 at 168 in waves of twelve
-#: (benchmarks/RESULTS.md, twenty-third session)
-MAXNREG_BY_KIND = {"tq": 128}
-#: TurboQuant's launches on the decode kernel, where the swapped one does not take them (more
-#: than 8 query heads a kv head, another tile, or not asked): its cap at :data:`TILING`'s tile
-#: and warps, and its programs a multiprocessor (191 registers uncapped, eight programs: B=64 / 8k 458.2 against
-#: 501.4 us at 168 in waves of twelve, 2026-12-04)
-TQ_UNSWAPPED = (168, 12)
-#: q4_g32's default launches on the swapped kernel (small grids, :func:`programs`): its cap and its
-#: programs a multiprocessor (129 registers uncapped, 128 capped without spills, sm_90; H200: B=1 /
-#: 16k 16.71 -> 14.58 us against the decode kernel, 16.21 uncapped in waves of eight)
-G32_SWAPPED = (128, 16)
+          "tq": (16, 1, 12)}
+#: a register cap by page kind, for the decode kernel's launches of its :data:`TILING` tile and
+#: warps: TurboQuant's take 191 registers a thread uncapped, eight programs (B=64 / 8k 458.2 us at
+#: 168 in waves of twelve against 501.4, 2026-12-04)
+MAXNREG_BY_KIND = {"tq": 168}
+#: launches of :data:`TILING`'s tile and warps on the kernel of swapped roles
+#: (:mod:`kvtier.kernels.gluon_swap`), by page kind: (register cap, programs a multiprocessor).
+#: TurboQuant's take 164 registers a thread uncapped, 128 capped (no spills, sm_90): B=64 / 8k
+#: 332.7 us against 351.3 at 168 in waves of twelve (twenty-third session; 32-key tiles and eight
+#: uncapped programs were slower too). q4_g32's take 129 uncapped, 128 capped: B=1 / 16k 14.58 us
+#: against 16.21 uncapped in waves of eight (twenty-fourth session)
+SWAPPED = {"tq": (128, 16), "q4_g32": (128, 16)}
 #: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
 RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
+
 class Launch(NamedTuple):
     """What :func:`programs` plans for a launch of the kernel (:mod:`kvtier.kernels.gluon_decode`)."""
 
@@ -55,7 +52,8 @@ def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | N
     (row, kv head) programs a split, ``G`` query heads a kv head of ``D`` channels, tiles of
     ``block_n`` keys and ``warps`` warps a program (``None``: :data:`TILING`'s): :data:`TILING`'s
     programs (:data:`RESIDENT_BY_WARPS`' for warps asked for), with :data:`MAXNREG_BY_KIND`'s cap
-    at :data:`TILING`'s tile and warps.
+    at :data:`TILING`'s tile and warps, or :data:`SWAPPED`'s cap and programs on the kernel of
+    swapped roles.
 
     ``stack``: q4_g32's groups of channels stack the heads in the rows (``G x D / 32 = 16``, one
     warp), in launches of :data:`~kvtier.kernels.launch_plan.SMALL_GRID` pairs or more (B=1 / 4k
@@ -74,11 +72,10 @@ def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | N
     where it can (:func:`~kvtier.kernels.gluon_swap.takes`): TurboQuant's at :data:`TILING`'s
     tile and warps (H200, twenty-third session: B=64 / 8k 356.3 -> 332.7 us, B=8 / 16k 101.1 ->
     94.8, B=32 / 4k 100.4 -> 94.6, a serving step 149.4 -> 148.5; B=1 within 2.5%); q4_g32's at
-    that tile and warps in launches of fewer than ``SMALL_GRID`` pairs, under :data:`G32_SWAPPED`
-    (twenty-fourth session: B=1 / 4k 9.32 -> 8.87 us, B=1 / 16k 16.71 -> 14.58; at B >= 8 and on a
-    serving step 5-20% slower than the stacked rows); q4's only when asked (``swap`` True: 4-7%
-    faster on whole batches, 4% slower on a serving step). ``swap`` False: never. TurboQuant's
-    default launches the swapped kernel cannot take get :data:`TQ_UNSWAPPED`.
+    that tile and warps in launches of fewer than ``SMALL_GRID`` pairs (twenty-fourth session:
+    B=1 / 4k 9.32 -> 8.87 us, B=1 / 16k 16.71 -> 14.58; at B >= 8 and on a serving step 5-20%
+    slower than the stacked rows); q4's only when asked (``swap`` True: 4-7% faster on whole
+    batches, 4% slower on a serving step). ``swap`` False: never.
     ``raw`` True or False (a sweep's) in place of the choice above; the swapped kernel takes q4
     only with raw codes, and its q4_g32 codes are always raw."""
     tile, tile_warps, resident = TILING[kind]
@@ -92,10 +89,8 @@ def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | N
     can = gluon_swap.takes(kind, raw, warps or tile_warps, False, G, D)
     by_default = default and (kind == "tq" or (kind == "q4_g32" and pairs < SMALL_GRID))
     swap = can and (by_default if swap is None else swap)
-    if kind == "tq" and not swap:  # the decode kernel's TurboQuant programs
-        cap, resident = TQ_UNSWAPPED[0] if default else cap, TQ_UNSWAPPED[1] if warps is None else resident
+    if swap and default and kind in SWAPPED:
+        cap, resident = SWAPPED[kind][0], SWAPPED[kind][1] if warps is None else resident
     if kind == "q4_g32" and swap:  # (its codes raw, its rows its own way)
         stack, raw = False, True
-        if default:
-            cap, resident = G32_SWAPPED[0], G32_SWAPPED[1] if warps is None else resident
     return Launch(resident, cap, stack, raw, swap)

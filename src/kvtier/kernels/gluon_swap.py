@@ -105,6 +105,24 @@ if HAVE_GLUON:
         return o, gl.expand_dims(rows % R < G, 0)
 
     @gluon.jit
+    def _raw_query(q_ptr, ok, qk_scale, OPB: gl.constexpr, ROWS: gl.constexpr, SUM_SCALE: gl.constexpr = 1.0):
+        """The query (log2 domain) at ``q_ptr`` (``[channels, N]`` pointers to channel ``4 c`` of
+        each column's row, ``ok`` its mask) as four fp16 B operands for raw nibbles, part ``i``
+        channels ``4 c + i``, the odd parts a sixteenth (a high nibble's raw code is ``c 2^-20``);
+        and each column's query sum (``[N]``, before that sixteenth) times ``SUM_SCALE``."""
+        q0 = (gl.load(q_ptr, mask=ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+        q1 = (gl.load(q_ptr + 1, mask=ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+        q2 = (gl.load(q_ptr + 2, mask=ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+        q3 = (gl.load(q_ptr + 3, mask=ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
+        qsum = gl.convert_layout((gl.sum(q0.to(gl.float32), axis=0) + gl.sum(q1.to(gl.float32), axis=0)
+                                  + gl.sum(q2.to(gl.float32), axis=0) + gl.sum(q3.to(gl.float32), axis=0))
+                                 * SUM_SCALE, ROWS)  # fmt: skip
+        q1 = (q1.to(gl.float32) * 0.0625).to(gl.float16)
+        q3 = (q3.to(gl.float32) * 0.0625).to(gl.float16)
+        return (gl.convert_layout(q0, OPB), gl.convert_layout(q1, OPB), gl.convert_layout(q2, OPB),
+                gl.convert_layout(q3, OPB), qsum)  # fmt: skip
+
+    @gluon.jit
     def swap_q4_kernel(
         Q, stride_qb, stride_qh,
         K, stride_kb, stride_kn, stride_kh,
@@ -143,26 +161,12 @@ if HAVE_GLUON:
         b = pid_bh // H_KV
         hk = pid_bh % H_KV
 
-        # the query (log2 domain) as four B operands [C, N], part i channels 4 c + i of each row,
-        # the odd parts a sixteenth (a high nibble's raw code is c 2^-20); q4's offset of 8 comes
-        # off the scores as 8 x each row's query sum
+        # the query as four B operands [C, N] (_raw_query); q4's offset of 8 comes off the scores as
+        # 8 x each row's query sum
         cq = gl.arange(0, C, layout=gl.SliceLayout(1, QL))
         nq = gl.arange(0, N, layout=gl.SliceLayout(0, QL))
         q_ptr = Q + b * stride_qb + gl.expand_dims((hk * G + nq) * stride_qh, 0) + gl.expand_dims(cq * 4, 1)
-        q_ok = gl.expand_dims(nq < G, 0)
-        q0 = (gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        q1 = (gl.load(q_ptr + 1, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        q2 = (gl.load(q_ptr + 2, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        q3 = (gl.load(q_ptr + 3, mask=q_ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        qsum = gl.convert_layout(gl.sum(q0.to(gl.float32), axis=0) + gl.sum(q1.to(gl.float32), axis=0)
-                                 + gl.sum(q2.to(gl.float32), axis=0) + gl.sum(q3.to(gl.float32), axis=0),
-                                 ROWS)  # fmt: skip
-        q1 = (q1.to(gl.float32) * 0.0625).to(gl.float16)
-        q3 = (q3.to(gl.float32) * 0.0625).to(gl.float16)
-        qa = gl.convert_layout(q0, OPB)
-        qb = gl.convert_layout(q1, OPB)
-        qc = gl.convert_layout(q2, OPB)
-        qd = gl.convert_layout(q3, OPB)
+        qa, qb, qc, qd, qsum = _raw_query(q_ptr, gl.expand_dims(nq < G, 0), qk_scale, OPB, ROWS)
         q8 = gl.expand_dims(8.0 * qsum, 0)
 
         lo, hi, n_tiles = split_keys(KVLEN, QSTART, capacity, b, pid_s, split_len, BLOCK_N, CAUSAL)
@@ -357,25 +361,16 @@ if HAVE_GLUON:
     def _g32_query(Q, b, hk, stride_qb, stride_qh, qk_scale, t: gl.constexpr, G: gl.constexpr, N: gl.constexpr,
                    QL: gl.constexpr, OPB: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
         """Half ``t`` of the query (int16 elements ``16 t ..``, channels ``64 t ..``), stacked for
-        q4_g32's raw keys: four B operands ``[16, N]``, part ``i`` channels ``4 c + i``; column
-        ``h N/2 + r`` holds head ``r``'s channels of group ``2 t + h`` (elements ``c`` with
-        ``c // 8 % 2 == h``), zeros elsewhere; the odd parts a sixteenth (a high nibble's raw code
-        is ``c 2^-20``). Also each column's query sum, times 2^-24 (the raw dots' unit)."""
+        q4_g32's raw keys (:func:`_raw_query`): four B operands ``[16, N]``, part ``i`` channels
+        ``4 c + i``; column ``h N/2 + r`` holds head ``r``'s channels of group ``2 t + h``
+        (elements ``c`` with ``c // 8 % 2 == h``), zeros elsewhere. Also each column's query sum,
+        times 2^-24 (the raw dots' unit)."""
         cq = gl.arange(0, 16, layout=gl.SliceLayout(1, QL))
         nq = gl.arange(0, N, layout=gl.SliceLayout(0, QL))
         r = nq % (N // 2)
         q_ptr = Q + b * stride_qb + gl.expand_dims((hk * G + r) * stride_qh, 0) + gl.expand_dims((16 * t + cq) * 4, 1)
         ok = gl.expand_dims(r < G, 0) & (gl.expand_dims(cq // 8, 1) == gl.expand_dims(nq // (N // 2), 0))
-        q0 = (gl.load(q_ptr, mask=ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        q1 = (gl.load(q_ptr + 1, mask=ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        q2 = (gl.load(q_ptr + 2, mask=ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        q3 = (gl.load(q_ptr + 3, mask=ok, other=0.0).to(gl.float32) * qk_scale).to(gl.float16)
-        qs = (gl.sum(q0.to(gl.float32), axis=0) + gl.sum(q1.to(gl.float32), axis=0) + gl.sum(q2.to(gl.float32), axis=0)
-              + gl.sum(q3.to(gl.float32), axis=0)) * 5.9604644775390625e-08  # fmt: skip
-        q1 = (q1.to(gl.float32) * 0.0625).to(gl.float16)
-        q3 = (q3.to(gl.float32) * 0.0625).to(gl.float16)
-        return (gl.convert_layout(q0, OPB), gl.convert_layout(q1, OPB), gl.convert_layout(q2, OPB),
-                gl.convert_layout(q3, OPB), gl.convert_layout(qs, ROWS))  # fmt: skip
+        return _raw_query(q_ptr, ok, qk_scale, OPB, ROWS, 5.9604644775390625e-08)
 
     @gluon.jit
     def _g32_half_scores(k16, ks, kz, qa, qb, qc, qd, qs, t: gl.constexpr, BLOCK_N: gl.constexpr, N: gl.constexpr,
