@@ -5,7 +5,8 @@ with weights held as GGUF Q4_1 / Q8_0 block codes, and their exact dequantisatio
   keeps several accumulators per output; more rows (on the AVX-512 and AVX2 paths) decode each
   block of codes once for four rows at a time. The weight is formed as ``code * d (+ m)``,
   which is the float32 weight bit for bit, so only the order of the float32 sums differs from
-  the float32 product.
+  the float32 product. With AVX512-VNNI one row's Q4_1 products take the row as integer
+  digits instead (:mod:`kvtier.model.packed_digits`), their sums exact.
 - ``q4_1_task`` / ``q8_0_task``: the per-task bodies of those, which the one-call decode step
   (:mod:`kvtier.model.cpu_step`) shares among its threads.
 - ``q4_1_dequant`` / ``q8_0_dequant``: the float32 weight, for prefills of many rows.
@@ -24,6 +25,7 @@ import functools
 import torch
 
 from kvtier.kernels.native import load_or_warn
+from kvtier.model import packed_digits
 
 #: inputs of at most this many rows go through the C kernel; more rows dequantise and use linear()
 MAX_KERNEL_ROWS = 4
@@ -35,6 +37,14 @@ GROUPED_MAX_ROWS = 64
 _C_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
+/* no multiply-add the compiler fuses on its own (the intrinsics' are explicit): the plain loops
+   compute the same bits in this library and in the decode step's, which is compiled with
+   kvtier.kernels.cpu_fused's source and its pragma after this one */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 /* the codes a loop reads KV_AHEAD bytes from now, asked for ahead of time: one core alone keeps
@@ -78,6 +88,7 @@ int kernel_lanes(void) {
   return 1;
 #endif
 }
+""" + packed_digits._C_SOURCE + r"""
 #if defined(__AVX512F__)
 /* rows [0, rn) (rn <= 4; x0 their first, K apart) of outputs n and n + 1 (two) of a Q4_1 product,
    codes c0 and c1, scales and minima as float32 (df0, mf0; df1, mf1): each block's weights formed
@@ -144,9 +155,17 @@ static inline __attribute__((always_inline)) void q8_0_group512(
    4.9 ms a token). Without AVX-512 but with AVX2, FMA and F16C the same loops run 8 lanes
    wide with intrinsics: the plain loops left to the compiler took SmolLM2's linears 38 ms
    a token on a 2-core AVX2 box (Zen 3), these 11 ms. */
-static inline void q4_1_task(const float* x, const uint8_t* codes, const _Float16* d,
+static inline void q4_1_task(const float* x, const Q4Row* row, const uint8_t* codes, const _Float16* d,
                              const _Float16* mn, float* y, int64_t M, int64_t N, int64_t K, int64_t task) {
   const int64_t G = K / 32;
+#if defined(KV_DIGITS)
+  if (M == 1 && row && row->digits) {  /* one row as digits (kvtier.model.packed_digits) */
+    const int64_t n = 2 * task, n1 = n + 1 < N ? n + 1 : n;
+    q4_1_row_digits(row->digits, row->scales, row->sums, codes + n * G * 16, codes + n1 * G * 16, d + n * G,
+                    d + n1 * G, mn + n * G, mn + n1 * G, G, y + n, n1 != n ? y + n1 : NULL);
+    return;
+  }
+#endif
 #ifdef __AVX512F__
   /* two output rows at a time: each tile of x is loaded once for both, and their scales and
      minima are converted to float32 16 at a time before the loop */
@@ -306,8 +325,11 @@ static inline int64_t q4_1_tasks(int64_t N) {
 void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _Float16* mn,
                float* y, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t tasks = q4_1_tasks(N);
+  int8_t digits[M == 1 ? 3 * K : 1];
+  float scales[M == 1 ? 5 * (K / 32) : 1];
+  const Q4Row row = M == 1 ? q4_1_row(x, K, digits, scales) : (Q4Row){NULL, NULL, NULL};
   #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t t = 0; t < tasks; t++) q4_1_task(x, codes, d, mn, y, M, N, K, t);
+  for (int64_t t = 0; t < tasks; t++) q4_1_task(x, &row, codes, d, mn, y, M, N, K, t);
 }
 
 /* The float32 weight [N, K], bit for bit: code * d is exact (4 or 8 bits times an fp16's 11),
@@ -461,6 +483,19 @@ class PackedKernels:
         #: rows the kernel takes (:data:`GROUPED_MAX_ROWS` on the vector paths, which decode each
         #: block once for four rows at a time, else :data:`MAX_KERNEL_ROWS`)
         self.max_rows = GROUPED_MAX_ROWS if self.lanes > 1 else MAX_KERNEL_ROWS
+        lib.kernel_digits.restype = ctypes.c_int
+        #: whether one-row Q4_1 products take the row as integer digits
+        #: (:mod:`kvtier.model.packed_digits`, AVX512-VNNI), else float32
+        self.digits = bool(lib.kernel_digits())
+        self._digits_back = lib.q4_1_digits_back
+        self._digits_back.argtypes, self._digits_back.restype = [p, i, p], ctypes.c_int
+
+    def digits_back(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` (float32 ``[K]``) as the digits hold it, back in float32; ``None`` where the build
+        has no digits (for tests)."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        return out if self._digits_back(x.data_ptr(), x.numel(), out.data_ptr()) else None
 
     def dequant(self, fmt: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                 out: torch.Tensor) -> torch.Tensor:

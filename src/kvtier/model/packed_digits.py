@@ -1,0 +1,183 @@
+"""One row of activations as integer digits for the Q4_1 products of a decode step (AVX512-VNNI).
+
+A decode step multiplies one row ``x`` by each Q4_1 weight, ``w = d * c + m`` per block of 32
+(``c`` a 4-bit code). In float32 that costs, per block and output, the codes turned into
+floats and three multiply-adds, and on the 2-core AVX-512 box it is those instructions, not
+memory, that bound the products: about 20-23 GB/s on two cores, where a loop that only reads
+the same codes streams 31-40 GB/s.
+
+Where the CPU has AVX512-VNNI the one-row products take ``x`` as integers instead, exactly
+enough to stand in for float32. Each block of ``x`` gets the scale ``s = max|x| / 127``, and
+``v = x / s`` (within +-127) is written as three signed base-256 digits::
+
+    v ~= X0 + X1 / 256 + X2 / 65536        X0 in [-127, 127], X1 and X2 in [-128, 127]
+
+each digit rounded to nearest (a digit that rounds to 128 becomes -128 and carries one into
+the digit above it), so ``x`` is held to within ``2^-24`` of its block's largest ``|x|``, float32's
+own resolution at that value. ``vpdpbusd`` multiplies the unsigned codes by each digit and
+adds four products a 32-bit lane; a block's lanes take the three digits with two shifts in one
+int32 (at most about ``2^30``: eight products of at most ``15 * 128`` a digit), exactly. Then
+
+    y = sum_g d_g s_g 2^-16 S_g + sum_g m_g sum(x in block g)
+
+with ``S_g`` the block's integer sum, converted to float once. The digits of SmolLM2's own
+inputs to its 121 packed linears, multiplied in float64 (float64 products of the inputs as
+the reference; a scratch emulation), have a relative error of
+1.3e-7 at the median and 2.5e-7 at the worst, against 2.0e-7 and 6.4e-7 for the float32 product
+of the same exact weights: the integer sums are exact, and the only roundings are the digits'
+and a few float32 operations a block. (The digits' resolution is relative to each block's
+largest value, so in short products of few terms, where float32 accumulates little error, it
+is the larger: 3.6x the float32 product's error at 96 terms in the tests.) It is not the int8
+approximation of :mod:`kvtier.model.act_quant` (one digit, about 1% error), which stays opt-in.
+
+The digits are laid out as a group of four blocks' codes is read: blocks in groups of four
+(the last may be shorter, ``nb`` blocks); group ``q`` at byte ``384 q``, digit ``k`` of it at
+``32 k nb``: the low halves of its blocks (elements 0-15, 16 bytes a block), then the high
+halves (16-31), as a Q4_1 block's byte ``j`` holds elements ``j`` (low nibble) and ``j + 16``.
+
+Compiled into :mod:`kvtier.model.packed_kernels`' source; without AVX512-VNNI (or AVX512-BW and
+-VL) the build keeps the float32 products, and ``PackedKernels.digits`` says which a build took.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
+
+_C_SOURCE = r"""
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define KV_DIGITS 1
+/* x [K] (K / 32 blocks) as three digits a value in the group layout (the module's docstring):
+   digits [3 K] bytes, scales [4 G] floats (each block's s 2^-16, once for each of its four
+   32-bit lanes), sums [G] the blocks' float32 sums */
+static inline void q4_1_digits(const float* x, int64_t K, int8_t* digits, float* scales, float* sums) {
+  const int64_t G = K / 32;
+  const __m512 base = _mm512_set1_ps(256.f);
+  const __m512i i128 = _mm512_set1_epi32(128), i256 = _mm512_set1_epi32(256), one = _mm512_set1_epi32(1);
+  for (int64_t g = 0; g < G; g++) {
+    const __m512 x0 = _mm512_loadu_ps(x + g * 32), x1 = _mm512_loadu_ps(x + g * 32 + 16);
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+    const int64_t nb = G - g / 4 * 4 < 4 ? G - g / 4 * 4 : 4;  /* blocks in this group */
+    int8_t* at = digits + g / 4 * 384 + g % 4 * 16;
+    for (int h = 0; h < 2; h++) {  /* elements 0-15, then 16-31 */
+      const __m512 v = _mm512_mul_ps(h ? x1 : x0, inv);
+      /* (each remainder is exact: v - round(v) and the power-of-two scalings) */
+      const __m512 f0 = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 r0 = _mm512_mul_ps(_mm512_sub_ps(v, f0), base);
+      const __m512 f1 = _mm512_roundscale_ps(r0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 r1 = _mm512_mul_ps(_mm512_sub_ps(r0, f1), base);
+      __m512i d0 = _mm512_cvtps_epi32(f0), d1 = _mm512_cvtps_epi32(f1), d2 = _mm512_cvtps_epi32(r1);
+      __mmask16 c = _mm512_cmpeq_epi32_mask(d2, i128);  /* 128 = 256 - 128: carry one up */
+      d2 = _mm512_mask_sub_epi32(d2, c, d2, i256);
+      d1 = _mm512_mask_add_epi32(d1, c, d1, one);
+      c = _mm512_cmpeq_epi32_mask(d1, i128);
+      d1 = _mm512_mask_sub_epi32(d1, c, d1, i256);
+      d0 = _mm512_mask_add_epi32(d0, c, d0, one);  /* (never past 127: v is within +-127) */
+      int8_t* half = at + h * nb * 16;
+      _mm_storeu_si128((__m128i*)half, _mm512_cvtepi32_epi8(d0));
+      _mm_storeu_si128((__m128i*)(half + nb * 32), _mm512_cvtepi32_epi8(d1));
+      _mm_storeu_si128((__m128i*)(half + 2 * nb * 32), _mm512_cvtepi32_epi8(d2));
+    }
+    _mm_storeu_ps(scales + 4 * g, _mm_set1_ps(mx / 127.f * (1.f / 65536.f)));
+    sums[g] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+  }
+}
+
+/* Two outputs' Q4_1 rows c0 and c1 (G blocks; scales d0, d1 and minima m0, m1 fp16) against
+   one row's digits (q4_1_digits: digits, scales, sums): *y0, and *y1 unless it is NULL. Four
+   blocks a step (a last group of fewer through masks), each 32-bit lane's integer sum of its
+   four codes' products with the three digits accumulated with shifts (|S| < 2^30), exactly;
+   then S as float times d s 2^-16, and the minima against the blocks' sums. */
+static inline void q4_1_row_digits(const int8_t* digits, const float* scales, const float* sums,
+                                   const uint8_t* c0, const uint8_t* c1, const _Float16* d0,
+                                   const _Float16* d1, const _Float16* m0, const _Float16* m1,
+                                   int64_t G, float* y0, float* y1) {
+  const __m512i low = _mm512_set1_epi8(15);
+  const __m256i rep4 = _mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const uint8_t* cs[2] = {c0, c1};
+  const _Float16* ds[2] = {d0, d1};
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t g = 0; g < G; g += 4) {
+    const int64_t nb = G - g < 4 ? G - g : 4;
+    const __mmask64 mb = nb == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (nb * 16)) - 1;  /* a half's bytes */
+    const __mmask16 ml = (__mmask16)(nb == 4 ? 0xffff : (1u << (nb * 4)) - 1);         /* its lanes */
+    KV_PREFETCH(c0 + g * 32);  /* (128 bytes of the two outputs' neighbouring rows a step) */
+    KV_PREFETCH(c0 + g * 32 + 64);
+    const int8_t* xq = digits + g * 96;
+    __m512i X[3][2];
+    for (int k = 0; k < 3; k++)
+      for (int h = 0; h < 2; h++) X[k][h] = _mm512_maskz_loadu_epi8(mb, xq + (2 * k + h) * nb * 16);
+    const __m512 se = _mm512_maskz_loadu_ps(ml, scales + 4 * g);
+    for (int q = 0; q < 2; q++) {
+      const __m512i cz = _mm512_maskz_loadu_epi8(mb, cs[q] + g * 16);
+      const __m512i lo = _mm512_and_si512(cz, low), hi = _mm512_and_si512(_mm512_srli_epi16(cz, 4), low);
+      __m512i S = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, X[0][0]), hi, X[0][1]);
+      S = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(S, 8), lo, X[1][0]), hi, X[1][1]);
+      S = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(S, 8), lo, X[2][0]), hi, X[2][1]);
+      /* the group's scales d, each repeated for its block's four lanes */
+      const __m128i dh = _mm_maskz_loadu_epi16((__mmask8)((1u << nb) - 1), ds[q] + g);
+      const __m512 dd = _mm512_cvtph_ps(_mm256_permutexvar_epi16(rep4, _mm256_castsi128_si256(dh)));
+      acc[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(dd, se), acc[q]);
+    }
+  }
+  __m512 mt[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  /* the minima's terms, 16 blocks a step */
+  const _Float16* ms[2] = {m0, m1};
+  for (int64_t k = 0; k < G; k += 16) {
+    const __mmask16 mk = (__mmask16)(G - k >= 16 ? 0xffff : (1u << (G - k)) - 1);
+    const __m512 sx = _mm512_maskz_loadu_ps(mk, sums + k);
+    for (int q = 0; q < 2; q++)
+      mt[q] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, ms[q] + k)), sx, mt[q]);
+  }
+  *y0 = _mm512_reduce_add_ps(acc[0]) + _mm512_reduce_add_ps(mt[0]);
+  if (y1) *y1 = _mm512_reduce_add_ps(acc[1]) + _mm512_reduce_add_ps(mt[1]);
+}
+#endif
+
+/* One row x [K] of a decode step prepared for q4_1_task: with KV_DIGITS its digits, and NULL
+   digits (the float32 products) otherwise. The caller's buffers: digits 3 K bytes, scales and
+   sums 5 K / 32 floats. */
+typedef struct { const int8_t* digits; const float* scales; const float* sums; } Q4Row;
+
+static inline Q4Row q4_1_row(const float* x, int64_t K, int8_t* digits, float* scales) {
+#if defined(KV_DIGITS)
+  q4_1_digits(x, K, digits, scales, scales + 4 * (K / 32));
+  return (Q4Row){digits, scales, scales + 4 * (K / 32)};
+#else
+  (void)x; (void)K; (void)digits; (void)scales;
+  return (Q4Row){NULL, NULL, NULL};
+#endif
+}
+
+/* whether this build's one-row Q4_1 products take the digits (for tests and reports) */
+int kernel_digits(void) {
+#if defined(KV_DIGITS)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+/* x [K] and its digits, back (for tests): xhat [K] = s (X0 + X1 / 256 + X2 / 65536) of each value;
+   0 without KV_DIGITS */
+int q4_1_digits_back(const float* x, int64_t K, float* xhat) {
+#if defined(KV_DIGITS)
+  const int64_t G = K / 32;
+  int8_t digits[3 * K + 64];
+  float scales[5 * G + 16];
+  q4_1_digits(x, K, digits, scales, scales + 4 * G);
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t nb = G - g / 4 * 4 < 4 ? G - g / 4 * 4 : 4;
+    const int8_t* at = digits + g / 4 * 384 + g % 4 * 16;
+    for (int64_t j = 0; j < 32; j++) {
+      const int8_t* e = at + (j >= 16) * nb * 16 + (j & 15);
+      xhat[g * 32 + j] = (float)((double)scales[4 * g] * ((double)e[0] * 65536 + (double)e[nb * 32] * 256
+                                                           + (double)e[2 * nb * 32]));
+    }
+  }
+  return 1;
+#else
+  (void)x; (void)K; (void)xhat;
+  return 0;
+#endif
+}
+"""

@@ -1,0 +1,119 @@
+"""One row as integer digits for the one-row Q4_1 products (kvtier.model.packed_digits).
+
+The digits against the values they stand for (float32's resolution at each block's largest
+value, the carries of a digit that rounds to 128), the products against float64 (as close as
+the float32 product of the same weights), every tail of a group of four blocks, and which
+builds take them: AVX512-VNNI ones, and no other.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+from test_packed import _cpu_has, assert_near_exact_product, q4_1_weight
+from torch import nn
+
+from kvtier.model.packed import PackedLinear, load_kernels
+
+VNNI = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_kernels()
+    if k is None:
+        pytest.skip("no C compiler here")
+    return k
+
+
+@pytest.fixture(scope="module")
+def digits(kernels):
+    if not kernels.digits:
+        pytest.skip("this CPU has no AVX512-VNNI: the one-row products stay float32")
+    return kernels
+
+
+def awkward_row(K: int, seed: int = 0) -> torch.Tensor:
+    """Random blocks, and blocks of zeros, one value, a single huge value among tiny ones, and
+    (block scale exactly 1: max |x| = 127) values whose second digit rounds to 128 and carries,
+    and whose third digit carries through the second."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(K, generator=g) * torch.logspace(-4, 3, K // 32).repeat_interleave(32)
+    if K >= 128:
+        x[:32] = 0.0
+        x[32:64] = -2.5
+        x[64:96] = torch.randn(32, generator=g) * 1e-6
+        x[70] = 3e4
+    if K >= 160:
+        b = x[128:160]
+        b[:] = torch.arange(32) - 16.0
+        b[0] = 127.0  # the block's scale: 1
+        b[1] = 3 + 127.75 / 256  # second digit 127.75 -> 128: carry
+        b[2] = -(3 + 127.75 / 256)
+        b[3] = 126.5  # a tie of the first digit, then the second 128: carry
+        b[4] = 3 + (127 + 127.5 / 256) / 256  # third digit 127.5 -> 128, carried through the second
+    return x
+
+
+@pytest.mark.parametrize("K", [32, 64, 96, 160, 544, 576, 608, 1536])
+def test_the_digits_hold_each_value_to_float32s_resolution_at_its_blocks_largest(digits, K):
+    x = awkward_row(K, seed=K)
+    back = digits.digits_back(x)
+    top = x.abs().reshape(-1, 32).amax(-1).repeat_interleave(32).double()
+    err = (back.double() - x.double()).abs()
+    # 2^-17 of the first digit's unit (2^-24 of the block's largest), v's rounding, the cast back
+    assert (err <= 2.0 ** -22 * top).all(), (err / top.clamp_min(1e-30)).max()
+    if K >= 128:
+        assert torch.equal(back[:32], torch.zeros(32)) and torch.equal(back[32:64], x[32:64])
+    if K >= 160:
+        assert torch.equal(back[128:132], x[128:132])  # a carry: each of these exactly
+        # two carries: 3 + 127/256 + 128/65536, the third digit's rounding (half its unit) away
+        assert back[132] - x[132] == 2.0 ** -17
+
+
+@pytest.mark.parametrize("N", [1, 2, 7, 64])
+@pytest.mark.parametrize("K", [32, 64, 96, 128, 160, 544, 576, 608, 1536])
+def test_one_row_products_are_the_exact_product_to_float32_rounding(kernels, N, K):
+    """Every tail of a group of four blocks (K / 32 = 4 q + 0..3) and an odd last output; within
+    the float32 product's own bound and, over 64 outputs of a model's widths (K >= 512), no
+    further from float64 than the float32 product of the same weights (0.3-0.8x its error here;
+    at K = 96 the digits' resolution, relative to each block's largest value, dominates: 3.6x)."""
+    w = q4_1_weight(N, K, seed=N + K)[0]
+    lin = nn.Linear(K, N, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    packed = PackedLinear.from_linear(lin, "q4_1", kernels)
+    x = awkward_row(K, seed=K + 1).view(1, K) if K >= 160 else torch.randn(1, K)
+    y = packed(x)
+    assert_near_exact_product(y, x, w)
+    exact = x.double() @ w.double().T
+    f32 = (x @ w.T).double()
+    if N == 64 and K >= 512:
+        assert (y.double() - exact).norm() <= 1.5 * (f32 - exact).norm()
+
+
+def test_the_default_build_takes_the_digits_where_the_cpu_has_vnni(kernels):
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 flags")
+    assert kernels.digits == _cpu_has(*VNNI)
+
+
+def test_a_build_without_vnni_keeps_the_float32_products(kernels):
+    """``-mno-avx512vnni``: the AVX-512 float32 loop, no digits (digits_back says so), the same
+    products to float32 rounding."""
+    from kvtier.kernels.native import build_library
+    from kvtier.model.packed import _C_SOURCE, PackedKernels
+
+    if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx512f"):
+        pytest.skip("an AVX-512 build")
+    plain = PackedKernels(build_library("packed", _C_SOURCE, ("-mno-avx512vnni",)))
+    assert not plain.digits and plain.lanes == 16
+    assert plain.digits_back(torch.randn(64)) is None
+    w = q4_1_weight(33, 576)[0]
+    lin = nn.Linear(576, 33, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    x = torch.randn(1, 576)
+    assert_near_exact_product(PackedLinear.from_linear(lin, "q4_1", plain)(x), x, w)
