@@ -83,53 +83,95 @@ static inline void q4_1_digits(const float* x, int64_t K, int8_t* digits, float*
   }
 }
 
-/* Two outputs' Q4_1 rows c0 and c1 (G blocks; scales d0, d1 and minima m0, m1 fp16) against
-   one row's digits (q4_1_digits: digits, scales, sums): *y0, and *y1 unless it is NULL. Four
-   blocks a step (a last group of fewer through masks), each 32-bit lane's integer sum of its
-   four codes' products with the three digits accumulated with shifts (|S| < 2^30), exactly;
-   then S as float times d s 2^-16, and the minima against the blocks' sums. */
-static inline void q4_1_row_digits(const int8_t* digits, const float* scales, const float* sums,
-                                   const uint8_t* c0, const uint8_t* c1, const _Float16* d0,
-                                   const _Float16* d1, const _Float16* m0, const _Float16* m1,
-                                   int64_t G, float* y0, float* y1) {
+/* Blocks [g, g + nb) (nb <= 4; full: nb == 4, plain loads) of two outputs' rows (cs, ds)
+   against the row's digits xq of that group and its scales sc, into acc: each 32-bit lane's
+   integer sum of its four codes' products with the three digits, accumulated with shifts
+   (|S| < 2^30), exactly; then S as float times d s 2^-16. */
+static inline __attribute__((always_inline)) void q4_1_group_digits(
+    const int8_t* xq, const float* sc, const uint8_t* const* cs, const _Float16* const* ds, int64_t g, int64_t nb,
+    const int full, __m512* acc) {
   const __m512i low = _mm512_set1_epi8(15);
   const __m256i rep4 = _mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __mmask64 mb = full ? ~(__mmask64)0 : ((__mmask64)1 << (nb * 16)) - 1;
+  const __mmask16 ml = (__mmask16)(full ? 0xffff : (1u << (nb * 4)) - 1);
+  __m512i X[3][2];
+  for (int k = 0; k < 3; k++)
+    for (int h = 0; h < 2; h++)
+      X[k][h] = full ? _mm512_loadu_si512(xq + (2 * k + h) * 64) : _mm512_maskz_loadu_epi8(mb, xq + (2 * k + h) * nb * 16);
+  const __m512 se = full ? _mm512_loadu_ps(sc + 4 * g) : _mm512_maskz_loadu_ps(ml, sc + 4 * g);
+  for (int q = 0; q < 2; q++) {
+    const __m512i cz = full ? _mm512_loadu_si512(cs[q] + g * 16) : _mm512_maskz_loadu_epi8(mb, cs[q] + g * 16);
+    const __m512i lo = _mm512_and_si512(cz, low), hi = _mm512_and_si512(_mm512_srli_epi16(cz, 4), low);
+    __m512i S = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, X[0][0]), hi, X[0][1]);
+    S = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(S, 8), lo, X[1][0]), hi, X[1][1]);
+    S = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(S, 8), lo, X[2][0]), hi, X[2][1]);
+    const __m128i dh = full ? _mm_loadl_epi64((const __m128i*)(ds[q] + g)) : _mm_maskz_loadu_epi16((__mmask8)((1u << nb) - 1), ds[q] + g);
+    const __m512 dd = _mm512_cvtph_ps(_mm256_permutexvar_epi16(rep4, _mm256_castsi128_si256(dh)));
+    acc[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(dd, se), acc[q]);
+  }
+}
+
+/* q4_1_group_digits for the last one or two blocks of a row (G % 4 of 1 or 2), 256 bits wide:
+   a masked 512-bit step cost as much as a whole group (the default model's K = 576 products
+   7-8% slower a block) */
+static inline void q4_1_tail_digits(const int8_t* xq, const float* sc, const uint8_t* const* cs,
+                                    const _Float16* const* ds, int64_t g, int64_t nb, __m256* acc) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m128i rep4 = _mm_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1);
+  const __mmask32 mb = nb == 2 ? ~(__mmask32)0 : (__mmask32)0xffff;
+  __m256i X[3][2];
+  for (int k = 0; k < 3; k++)
+    for (int h = 0; h < 2; h++) X[k][h] = _mm256_maskz_loadu_epi8(mb, xq + (2 * k + h) * nb * 16);
+  const __m256 se = _mm256_maskz_loadu_ps((__mmask8)(nb == 2 ? 0xff : 0x0f), sc + 4 * g);
+  for (int q = 0; q < 2; q++) {
+    const __m256i cz = _mm256_maskz_loadu_epi8(mb, cs[q] + g * 16);
+    const __m256i lo = _mm256_and_si256(cz, low), hi = _mm256_and_si256(_mm256_srli_epi16(cz, 4), low);
+    __m256i S = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, X[0][0]), hi, X[0][1]);
+    S = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_slli_epi32(S, 8), lo, X[1][0]), hi, X[1][1]);
+    S = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_slli_epi32(S, 8), lo, X[2][0]), hi, X[2][1]);
+    const __m128i dh = _mm_maskz_loadu_epi16((__mmask8)((1u << nb) - 1), ds[q] + g);
+    const __m256 dd = _mm256_cvtph_ps(_mm_permutexvar_epi16(rep4, dh));
+    acc[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(dd, se), acc[q]);
+  }
+}
+
+/* Two outputs' Q4_1 rows c0 and c1 (G blocks; scales d0, d1 and minima m0, m1 fp16) against
+   one row's digits (q4_1_digits: digits, scales, sums): *y0, and *y1 unless it is NULL; the
+   minima against the blocks' float32 sums. Inlined into its caller (a call of its own made the
+   decode step 4% slower), and every line of the codes asked for ahead of time, the tail's too
+   (its last line missed made the step 5% slower). */
+static inline __attribute__((always_inline)) void q4_1_row_digits(
+    const int8_t* digits, const float* scales, const float* sums, const uint8_t* c0, const uint8_t* c1,
+    const _Float16* d0, const _Float16* d1, const _Float16* m0, const _Float16* m1, int64_t G, float* y0,
+    float* y1) {
   const uint8_t* cs[2] = {c0, c1};
   const _Float16* ds[2] = {d0, d1};
   __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  for (int64_t g = 0; g < G; g += 4) {
-    const int64_t nb = G - g < 4 ? G - g : 4;
-    const __mmask64 mb = nb == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (nb * 16)) - 1;  /* a half's bytes */
-    const __mmask16 ml = (__mmask16)(nb == 4 ? 0xffff : (1u << (nb * 4)) - 1);         /* its lanes */
-    KV_PREFETCH(c0 + g * 32);  /* (128 bytes of the two outputs' neighbouring rows a step) */
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) {
+    KV_PREFETCH(c0 + g * 32);
     KV_PREFETCH(c0 + g * 32 + 64);
-    const int8_t* xq = digits + g * 96;
-    __m512i X[3][2];
-    for (int k = 0; k < 3; k++)
-      for (int h = 0; h < 2; h++) X[k][h] = _mm512_maskz_loadu_epi8(mb, xq + (2 * k + h) * nb * 16);
-    const __m512 se = _mm512_maskz_loadu_ps(ml, scales + 4 * g);
-    for (int q = 0; q < 2; q++) {
-      const __m512i cz = _mm512_maskz_loadu_epi8(mb, cs[q] + g * 16);
-      const __m512i lo = _mm512_and_si512(cz, low), hi = _mm512_and_si512(_mm512_srli_epi16(cz, 4), low);
-      __m512i S = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, X[0][0]), hi, X[0][1]);
-      S = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(S, 8), lo, X[1][0]), hi, X[1][1]);
-      S = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(S, 8), lo, X[2][0]), hi, X[2][1]);
-      /* the group's scales d, each repeated for its block's four lanes */
-      const __m128i dh = _mm_maskz_loadu_epi16((__mmask8)((1u << nb) - 1), ds[q] + g);
-      const __m512 dd = _mm512_cvtph_ps(_mm256_permutexvar_epi16(rep4, _mm256_castsi128_si256(dh)));
-      acc[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(dd, se), acc[q]);
-    }
+    q4_1_group_digits(digits + g * 96, scales, cs, ds, g, 4, 1, acc);
   }
-  __m512 mt[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  /* the minima's terms, 16 blocks a step */
+  if (g < G) {  /* (the tail's codes too, as the loop's) */
+    KV_PREFETCH(c0 + g * 32);
+    KV_PREFETCH(c0 + g * 32 + 64);
+  }
+  if (G - g == 3) q4_1_group_digits(digits + g * 96, scales, cs, ds, g, 3, 0, acc);
+  else if (g < G) {
+    __m256 t[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    q4_1_tail_digits(digits + g * 96, scales, cs, ds, g, G - g, t);
+    for (int q = 0; q < 2; q++) acc[q] = _mm512_add_ps(acc[q], _mm512_zextps256_ps512(t[q]));
+  }
   const _Float16* ms[2] = {m0, m1};
   for (int64_t k = 0; k < G; k += 16) {
     const __mmask16 mk = (__mmask16)(G - k >= 16 ? 0xffff : (1u << (G - k)) - 1);
     const __m512 sx = _mm512_maskz_loadu_ps(mk, sums + k);
     for (int q = 0; q < 2; q++)
-      mt[q] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, ms[q] + k)), sx, mt[q]);
+      acc[q] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, ms[q] + k)), sx, acc[q]);
   }
-  *y0 = _mm512_reduce_add_ps(acc[0]) + _mm512_reduce_add_ps(mt[0]);
-  if (y1) *y1 = _mm512_reduce_add_ps(acc[1]) + _mm512_reduce_add_ps(mt[1]);
+  *y0 = _mm512_reduce_add_ps(acc[0]);
+  if (y1) *y1 = _mm512_reduce_add_ps(acc[1]);
 }
 #endif
 
