@@ -302,6 +302,14 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
   const int64_t e = j1 < off + 1 ? j1 : off + 1;  /* the chunk's keys the token sees */
   const int64_t es = half ? 2 : 4, line = 64 / es;  /* bytes an element, elements a cache line */
   const __m128 sc = _mm_set1_ps(scale);
+  {  /* the chunk's first 4 KB of keys and values, which the loops' own prefetches do not reach
+       (a step at a 1,024-token context 1.4-1.9% faster, two alternated runs) */
+    const int64_t first = (e - j0) * DC * es < 4096 ? (e - j0) * DC * es : 4096;
+    for (int64_t i = 0; i < first; i += 64) {
+      _mm_prefetch((const char*)K + j0 * DC * es + i, _MM_HINT_T0);
+      _mm_prefetch((const char*)V + j0 * DC * es + i, _MM_HINT_T0);
+    }
+  }
   int64_t j = j0;
   for (; j + 4 <= e; j += 4) {
     const int64_t k0 = j * DC;
