@@ -117,3 +117,17 @@ def test_a_build_without_vnni_keeps_the_float32_products(kernels):
         lin.weight.copy_(w)
     x = torch.randn(1, 576)
     assert_near_exact_product(PackedLinear.from_linear(lin, "q4_1", plain)(x), x, w)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_value_that_is_not_finite_is_not_lost(kernels, bad):
+    """A NaN or an infinity in the row makes every output non-finite, as in float32 (an infinity
+    comes out as NaN through the digits: its block's scale is infinite, its digits 0)."""
+    w = q4_1_weight(8, 576)[0]
+    lin = nn.Linear(576, 8, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    x = torch.randn(1, 576)
+    x[0, 100] = bad
+    y = PackedLinear.from_linear(lin, "q4_1", kernels)(x)
+    assert not torch.isfinite(y).any()
