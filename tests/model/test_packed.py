@@ -16,20 +16,11 @@ from kvtier.model.packed import (
     GROUPED_MAX_ROWS,
     MAX_KERNEL_ROWS,
     PackedLinear,
-    load_kernels,
     pack_model,
     packed_state,
     recover_q4_1,
     recover_q8_0,
 )
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_kernels()
-    if k is None:
-        pytest.skip("no C compiler builds the packed kernels here")
-    return k
 
 
 def q4_1_weight(N: int, K: int, seed: int = 0):

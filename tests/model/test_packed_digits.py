@@ -15,17 +15,9 @@ import torch
 from test_packed import _cpu_has, assert_near_exact_product, q4_1_weight
 from torch import nn
 
-from kvtier.model.packed import PackedLinear, load_kernels
+from kvtier.model.packed import PackedLinear
 
 VNNI = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_kernels()
-    if k is None:
-        pytest.skip("no C compiler here")
-    return k
 
 
 @pytest.fixture(scope="module")
