@@ -206,6 +206,13 @@ def test_info(capsys, monkeypatch):
     assert out["tier"] == "paged" and out["cache_config"]["tier"] == "paged"
     assert out["torch"] == torch.__version__
     assert out["model_args"]["n_layers"] == 30 and out["dtype"] == "float32"
+    from kvtier.model.packed import load_kernels
+
+    kernels = load_kernels()
+    if kernels is not None:  # the packed products' loops and where the weights went
+        assert out["cpu_products"] == {"lanes": kernels.lanes, "digits": kernels.digits}
+        assert out["packing"]["packed"] == {"q4_1": 120, "q8_0": 1}
+        assert out["packing"]["huge_pages"] in (0, out["packing"]["bytes_after"])  # (no bias: all moved)
     out = main_json(capsys, "info", "--tier", "block")
     assert out["tier"] == "block"
 

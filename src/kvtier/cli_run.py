@@ -418,10 +418,12 @@ def run_info(args: argparse.Namespace) -> int:
     import torch
 
     from kvtier.model.act_quant import act_quant_of
+    from kvtier.model.packed import load_kernels as packed_kernels
 
     cache_config = cache_config_from_args(args)
     lm = _load(args)
     param = next(lm.model.parameters())
+    kernels = packed_kernels() if param.device.type == "cpu" else None
     try:
         import triton
 
@@ -443,6 +445,9 @@ def run_info(args: argparse.Namespace) -> int:
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "threads": torch.get_num_threads(),
         "act_quant": act_quant_of(lm.model),
+        # what load_model packed (and placed on huge pages), and which loops the packed products take
+        "packing": lm.packing,
+        "cpu_products": None if kernels is None else {"lanes": kernels.lanes, "digits": kernels.digits},
     }
     if args.json:
         print(json.dumps(out, default=str))
