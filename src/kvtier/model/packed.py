@@ -21,7 +21,7 @@ float32, and it computes with exactly the same weights:
   which gives its results bit for bit. Only the summation order of decode differs
   from the float32 model, and where the CPU has AVX512-VNNI one row's q4_1 products take the
   row as integer digits that hold it to float32's resolution (:mod:`kvtier.model.packed_digits`:
-  integer sums, exact; as close to the float64 product as the float32 product is).
+  integer sums, exact; the logits within float32 rounding of the float32 products').
 - The kernels (:mod:`kvtier.model.packed_kernels`, whose names this module re-exports) are
   compiled once per machine with the system C compiler
   (:func:`kvtier.kernels.native.build_library`); where no compiler works,

@@ -20,15 +20,22 @@ int32 (at most about ``2^30``: eight products of at most ``15 * 128`` a digit), 
 
     y = sum_g d_g s_g 2^-16 S_g + sum_g m_g sum(x in block g)
 
-with ``S_g`` the block's integer sum, converted to float once. The digits of SmolLM2's own
-inputs to its 121 packed linears, multiplied in float64 (float64 products of the inputs as
-the reference; a scratch emulation), have a relative error of
-1.3e-7 at the median and 2.5e-7 at the worst, against 2.0e-7 and 6.4e-7 for the float32 product
-of the same exact weights: the integer sums are exact, and the only roundings are the digits'
-and a few float32 operations a block. (The digits' resolution is relative to each block's
-largest value, so in short products of few terms, where float32 accumulates little error, it
-is the larger: 3.6x the float32 product's error at 96 terms in the tests.) It is not the int8
-approximation of :mod:`kvtier.model.act_quant` (one digit, about 1% error), which stays opt-in.
+with ``S_g`` the block's integer sum, converted to float once. The integer sums are exact; the
+roundings are the digits' and a few float32 operations a block. How close that is:
+
+- one product against float64, in the tests: 0.3-0.8x the float32 product's error at a model's
+  widths (K >= 512, random codes and inputs), 3.6x at 96 terms (few terms, where float32
+  accumulates little error and the digits' resolution, relative to each block's largest value,
+  is the larger);
+- the default model's logits, 48 tokens teacher-forced through the step, against float64 logits
+  of the same weights: 1.2e-5 rms and 5.9e-5 at most, against 4.6e-6 and 3.4e-5 for the float32
+  products, with every argmax the same. Its Q4_1 blocks centre their codes (``m`` about ``-8 d``),
+  so ``d s S`` and ``m sum(x)`` are large terms that cancel, each rounded in float32. Centring the
+  codes in the integer sums (``c - 8``) brought that to 6.6e-6 rms, 3.5e-5 at most, but made the
+  step 5-7% slower, and was not kept (benchmarks/RESULTS.md, 2026-12-04, twenty-fifth session).
+
+It is not the int8 approximation of :mod:`kvtier.model.act_quant` (one digit, about 1% error),
+which stays opt-in.
 
 The digits are laid out as a group of four blocks' codes is read: blocks in groups of four
 (the last may be shorter, ``nb`` blocks); group ``q`` at byte ``384 q``, digit ``k`` of it at
