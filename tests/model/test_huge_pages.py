@@ -103,3 +103,18 @@ def test_nothing_moves_where_the_kernel_gives_no_huge_pages(monkeypatch):
     assert huge_pages.place_on_huge_pages(model) == 0
     assert [p.data_ptr() for p in packed_tensors(model)] == where
     assert huge_pages.place_on_huge_pages(torch.nn.Linear(4, 4)) == 0  # nothing packed: nothing to do
+
+
+def test_a_mapping_that_cannot_be_made_leaves_the_tensors(monkeypatch):
+    """No memory for the mapping (``mmap`` raises): 0, and the model as it was."""
+    if huge_pages.thp_mode() not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages are {huge_pages.thp_mode()!r} here")
+    model = unplaced_small_model(monkeypatch)
+    where = [p.data_ptr() for p in packed_tensors(model)]
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    assert huge_pages.place_on_huge_pages(model) == 0
+    assert [p.data_ptr() for p in packed_tensors(model)] == where

@@ -50,7 +50,8 @@ def thp_mode() -> str | None:
 def place_on_huge_pages(model: nn.Module) -> int:
     """Move every packed linear's codes, scales and minima (CPU parameters) of ``model`` into one
     mapping backed by huge pages; returns the bytes moved (0: nothing moved, because there was
-    nothing to move, the system is not Linux or its kernel refused huge pages)."""
+    nothing to move, the system is not Linux, its kernel refused huge pages or the mapping could
+    not be made)."""
     from kvtier.model.packed import PackedLinear
 
     params = [(mod, name, p) for mod in model.modules() if isinstance(mod, PackedLinear)
@@ -60,7 +61,10 @@ def place_on_huge_pages(model: nn.Module) -> int:
     if not total or platform.system() != "Linux" or thp_mode() not in ("always", "madvise"):
         return 0
     length = -(-total // HUGE_PAGE) * HUGE_PAGE
-    buf = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # (no memory for a second copy now: the tensors stay where they are)
+        return 0
     arena = torch.frombuffer(buf, dtype=torch.uint8)  # (keeps buf alive)
     start = -arena.data_ptr() % HUGE_PAGE
     libc = ctypes.CDLL(None, use_errno=True)
