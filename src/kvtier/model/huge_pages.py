@@ -7,7 +7,9 @@ moves the codes, scales and minima of every :class:`~kvtier.model.packed.PackedL
 model into one anonymous mapping, 2 MB aligned, that it asks the kernel to back with huge pages
 (``madvise(MADV_HUGEPAGE)``: it works where ``/sys/kernel/mm/transparent_hugepage/enabled`` is
 ``always`` or ``madvise``). The values do not change, only where they live. On the 2-core Zen 4
-box a decode step took 10-14% less time (two copies of the model in one process, steps
+box a decode step took 10-14% less time than with the tensors in 4 KB anonymous memory (as after
+a first load, which finds the codes) and 2-3% less than in the private mapping of the codes'
+cache file, where later loads leave them (two copies of the model in one process, steps
 alternated; benchmarks/RESULTS.md, 2026-12-04, twenty-fifth session).
 
 :func:`~kvtier.model.packed.pack_model` calls it (``huge_pages=False`` to leave the tensors where
@@ -17,7 +19,7 @@ Example::
 
     >>> lm = load_model()                       # packed, and placed  # doctest: +SKIP
     >>> lm.packing["huge_pages"]                # bytes on huge pages  # doctest: +SKIP
-    96337920
+    96436224
 """
 
 from __future__ import annotations
