@@ -124,6 +124,18 @@ def test_processed_rows_are_distributions_and_draws_are_supported(
     assert (probs.gather(1, tokens[:, None]) > 0).all()
 
 
+def test_top_k_keeps_k_tokens_where_low_temperatures_make_probabilities_subnormal():
+    """seed 33, temperature 0.1, top_k 33: the 33rd and 34th tokens of row 1 have logits 0.22 apart,
+    and their probabilities (about 1e-39) rounded to one subnormal value; ranked by probability both
+    were kept (34 tokens). Ranked by logit, 33."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(33)) * 3
+    params = SamplingParams(temperature=0.1, top_k=33, seed=33)
+    probs = process_logits(logits, params)
+    assert ((probs > 0).sum(-1) <= 33).all()
+    kept = (logits / 0.1 >= torch.topk(logits / 0.1, 33, dim=-1).values[:, -1:])
+    assert not (probs > 0)[~kept].any()  # nothing outside the 33 largest logits
+
+
 @pytest.mark.parametrize(
     "kwargs, word",
     [

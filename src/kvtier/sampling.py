@@ -93,10 +93,14 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.greedy:
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         return probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # (B, V)
+    scaled = logits.float() / params.temperature
+    probs = torch.softmax(scaled, dim=-1)  # (B, V)
     if 0 < params.top_k < probs.shape[-1]:
-        kth = torch.topk(probs, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
-        probs = _renormalise(probs.masked_fill(probs < kth, 0.0))
+        # (ranked by logit: at a low temperature the far tokens' probabilities reach float32's
+        # subnormals, where different logits round to one value and a rank by probability
+        # would keep more than top_k)
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
+        probs = _renormalise(probs.masked_fill(scaled < kth, 0.0))
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         # drop a token when the tokens before it already reach top_p (the first is always kept)
