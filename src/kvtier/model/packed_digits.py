@@ -183,9 +183,11 @@ static inline __attribute__((always_inline)) void q4_1_row_digits(
 #endif
 
 /* One row x [K] of a decode step prepared for q4_1_task: with KV_DIGITS its digits, and NULL
-   digits (the float32 products) otherwise. The caller's buffers: digits 3 K bytes, scales and
-   sums 5 K / 32 floats. */
+   digits (the float32 products) otherwise, into the caller's buffers of Q4_ROW_DIGITS(K) bytes
+   and Q4_ROW_FLOATS(K) floats (scales, then sums). */
 typedef struct { const int8_t* digits; const float* scales; const float* sums; } Q4Row;
+#define Q4_ROW_DIGITS(K) (3 * (K))
+#define Q4_ROW_FLOATS(K) (5 * ((K) / 32))
 
 static inline Q4Row q4_1_row(const float* x, int64_t K, int8_t* digits, float* scales) {
 #if defined(KV_DIGITS)
@@ -211,8 +213,8 @@ int kernel_digits(void) {
 int q4_1_digits_back(const float* x, int64_t K, float* xhat) {
 #if defined(KV_DIGITS)
   const int64_t G = K / 32;
-  int8_t digits[3 * K + 64];
-  float scales[5 * G + 16];
+  int8_t digits[Q4_ROW_DIGITS(K)];
+  float scales[Q4_ROW_FLOATS(K)];
   q4_1_digits(x, K, digits, scales, scales + 4 * G);
   for (int64_t g = 0; g < G; g++) {
     const int64_t nb = G - g / 4 * 4 < 4 ? G - g / 4 * 4 : 4;

@@ -325,8 +325,8 @@ static inline int64_t q4_1_tasks(int64_t N) {
 void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _Float16* mn,
                float* y, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t tasks = q4_1_tasks(N);
-  int8_t digits[M == 1 ? 3 * K : 1];
-  float scales[M == 1 ? 5 * (K / 32) : 1];
+  int8_t digits[M == 1 ? Q4_ROW_DIGITS(K) : 1];
+  float scales[M == 1 ? Q4_ROW_FLOATS(K) : 1];
   const Q4Row row = M == 1 ? q4_1_row(x, K, digits, scales) : (Q4Row){NULL, NULL, NULL};
   #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < tasks; t++) q4_1_task(x, &row, codes, d, mn, y, M, N, K, t);

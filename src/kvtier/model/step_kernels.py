@@ -77,8 +77,8 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
     }
   } else if (l->fmt == 1 && M == 1) {  /* (the row count a constant: see q4_1_q8_task1) */
     const int64_t tasks = q4_1_tasks(N);
-    int8_t digits[3 * K];  /* (each thread makes the row's digits itself: no wait) */
-    float scales[5 * (K / 32)];
+    int8_t digits[Q4_ROW_DIGITS(K)];  /* (each thread makes the row's digits itself: no wait) */
+    float scales[Q4_ROW_FLOATS(K)];
     const Q4Row row = q4_1_row(x, K, digits, scales);
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; t++) q4_1_task(x, &row, l->w, l->d, l->m, y, 1, N, K, t);
