@@ -25,9 +25,13 @@ them alike); each contender's median round is reported, with the slowest and fas
 ``transformers``, the first token's time comes from a streamer); the prefill
 column is the time to the first new token. Also reported:
 
-- roofline: measured memory bandwidth (the best of several copies of a 1 GiB
-  tensor each round, read + write bytes) over the weight bytes one token reads (every
-  parameter once; a tied embedding once), and the percentage kvtier reaches;
+- roofline: measured memory bandwidth over the bytes one decoded token reads, and the
+  percentage each contender reaches. The bandwidth is the larger of two measured each
+  round, the best of several passes over a 1 GiB tensor: a copy (read + write bytes) and
+  a sum (read bytes). The bytes are the weights (every parameter once; a tied embedding
+  once) and the keys and values the step attends over, every layer's, at the decode's mean
+  context (the prompt and half the new tokens), in the dtype the contender stores them in
+  (as ``decode_gpu``'s roofline counts every row's keys and values);
 - overhead: the share of a kvtier decode step spent outside the model's forward
   (sampling, cache bookkeeping, the generator, reading the token), measured each
   round in a further kvtier run whose forward is timed (synchronised on CUDA); the
@@ -139,9 +143,10 @@ def run(args: argparse.Namespace) -> int:
             fn()  # warm-up with the same shapes (and compilation, for the static cache)
         # rounds interleave the contenders, so a busy machine slows them alike; keep each one's best
         runs: dict[str, list] = {name: [] for name in contenders}
-        bandwidth, overheads = 0.0, []
+        copy_bw, read_bw, overheads = 0.0, 0.0, []
         for i in range(args.repeats):
-            bandwidth = max(bandwidth, measure_bandwidth(device, sync))
+            copy_bw = max(copy_bw, measure_bandwidth(device, sync))
+            read_bw = max(read_bw, measure_read_bandwidth(device, sync))
             for name, fn in contenders.items():
                 bar.advance(f"round {i + 1}/{args.repeats}, {name}")
                 runs[name].append(fn())
@@ -153,11 +158,16 @@ def run(args: argparse.Namespace) -> int:
         results.append(Result(name, min(r[0] for r in rs), rates[len(rates) // 2],
                               (rates[0], rates[-1]), rs[0][2]))
     overhead = sorted(overheads)[len(overheads) // 2]
-    # each kvtier model's own bytes per token; HF reads what the float32 model reads
+    # each kvtier model's own weight bytes per token; HF reads what the float32 model reads.
+    # Keys and values: the model's dtype, or the narrow dtype the contender stores them in
+    context = args.prompt_tokens + args.new_tokens / 2
     per_token = {name: bytes_per_token(m) for name, m in models.items()}
     hf_bytes = bytes_per_token(fp32 if fp32 is not None else model)
-    roofs = {r.name: bandwidth / per_token.get(r.name, hf_bytes) for r in results}
-    _print_table(results, roofs, overhead, bandwidth, per_token, label, args, device)
+    wide = torch.empty((), dtype=model.tok_embeddings.weight.dtype).element_size()
+    kv = {r.name: kv_bytes_per_token(model, context, 2 if " KV" in r.name else wide) for r in results}
+    bandwidth = max(copy_bw, read_bw)
+    roofs = {r.name: bandwidth / (per_token.get(r.name, hf_bytes) + kv[r.name]) for r in results}
+    _print_table(results, roofs, overhead, (copy_bw, read_bw), per_token, kv, context, label, args, device)
     if args.kv_dtype is not None:
         base, half = results[0], next(r for r in results if r.name.endswith(" KV"))
         print(f"{half.name} / {base.name}: {half.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x "
@@ -287,6 +297,26 @@ def measure_bandwidth(device: torch.device, sync: Callable[[], None], nbytes: in
     return 2 * nbytes / best
 
 
+def measure_read_bandwidth(device: torch.device, sync: Callable[[], None], nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a large tensor's sum (read only), the best of several."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(6):
+        sync()
+        t0 = time.perf_counter()
+        src.sum()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def kv_bytes_per_token(model, context: float, itemsize: int) -> float:
+    """Key and value bytes one decoded token's attention reads at ``context`` positions:
+    every layer's keys and values, ``itemsize`` bytes an element."""
+    a = model.args
+    return a.n_layers * 2 * a.n_kv_heads * a.head_dim * itemsize * context
+
+
 def unique_param_bytes(model) -> int:
     """Bytes of every parameter once (a tied embedding and LM head count once)."""
     seen, total = set(), 0
@@ -393,7 +423,7 @@ def _hf_run(hf, ids, n, sync, **gen_kwargs) -> tuple[float, float, list[int]]:
 # -- output ---------------------------------------------------------------------------------------------
 
 
-def _print_table(results, roofs, overhead, bandwidth, per_token, label, args, device) -> None:
+def _print_table(results, roofs, overhead, bandwidths, per_token, kv, context, label, args, device) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -417,9 +447,13 @@ def _print_table(results, roofs, overhead, bandwidth, per_token, label, args, de
         )
     console = Console(width=120)
     console.print(table)
+    kv_mb = sorted({round(v / 1e6, 1) for v in kv.values()})
     console.print(
-        f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (copy) | weights read per token: "
+        f"memory bandwidth {bandwidths[0] / 1e9:.1f} GB/s (copy), {bandwidths[1] / 1e9:.1f} GB/s (sum); "
+        f"the roofline takes the larger | weights read per token: "
         + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in per_token.items())
+        + f" | keys and values read per token at the mean context ({context:.0f}): "
+        + " or ".join(f"{v:g} MB" for v in kv_mb)
         + f" | kvtier step outside the forward: "
         f"{100 * overhead:.1f}% | device {device}"
     )

@@ -1,0 +1,38 @@
+"""The CPU decode benchmark's roofline arithmetic (benchmarks/kvtier_bench/decode.py): the bytes a
+decoded token reads, against the tensors a model and its caches really hold."""
+
+import pytest
+import torch
+
+from kvtier.config import KVCacheConfig
+from kvtier.model import ModelArgs, build_random
+
+decode = pytest.importorskip("kvtier_bench.decode")
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float16"])
+def test_kv_bytes_per_token_are_the_bytes_the_caches_store(kv_dtype):
+    # a head dim other than dim / n_heads, so the count must take the model's own
+    args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=128,
+                     head_dim=24)
+    model = build_random(args, seed=1)
+    caches = model.make_caches(KVCacheConfig(tier="tail", kv_dtype=kv_dtype))
+    with torch.inference_mode():
+        model(torch.arange(1, 12).unsqueeze(0), caches)
+    stored = sum(c.keys[:, :, :11].nbytes + c.values[:, :, :11].nbytes for c in caches)
+    itemsize = caches[0].keys.element_size()
+    assert itemsize == (2 if kv_dtype else 4)
+    assert decode.kv_bytes_per_token(model, 11, itemsize) == stored
+    # a mean context need not be whole
+    assert decode.kv_bytes_per_token(model, 11.5, itemsize) == pytest.approx(stored * 11.5 / 11)
+
+
+def test_bytes_per_token_counts_a_tied_head_once_and_one_embedding_row_otherwise():
+    base = dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64, vocab_size=100)
+    tied = build_random(ModelArgs(**base, tie_embeddings=True))
+    untied = build_random(ModelArgs(**base, tie_embeddings=False))
+    table = 100 * 32 * 4
+    assert decode.bytes_per_token(tied) == decode.unique_param_bytes(tied)
+    assert decode.bytes_per_token(untied) == decode.unique_param_bytes(untied) - table + 32 * 4
+    assert decode.unique_param_bytes(untied) - decode.unique_param_bytes(tied) == table
+
