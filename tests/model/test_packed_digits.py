@@ -1,9 +1,9 @@
-"""One row as integer digits for the one-row Q4_1 products (kvtier.model.packed_digits).
+"""One row as integer digits for the one-row Q4_1 and Q8_0 products (kvtier.model.packed_digits).
 
 The digits against the values they stand for (float32's resolution at each block's largest
-value, the carries of a digit that rounds to 128), the products against float64 (as close as
-the float32 product of the same weights), every tail of a group of four blocks, and which
-builds take them: AVX512-VNNI ones, and no other.
+value, the carries of a digit that rounds up past its range), the products against float64 (as
+close as the float32 product of the same weights), every tail of a group of four blocks (Q4_1)
+and of a pair (Q8_0), and which builds take them: AVX512-VNNI ones, and no other.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import platform
 
 import pytest
 import torch
-from test_packed import _cpu_has, assert_near_exact_product, q4_1_weight
+from test_packed import _cpu_has, assert_near_exact_product, q4_1_weight, q8_0_weight
 from torch import nn
 
 from kvtier.model.packed import PackedLinear
@@ -86,6 +86,55 @@ def test_one_row_products_are_the_exact_product_to_float32_rounding(kernels, N, 
         assert (y.double() - exact).norm() <= 1.5 * (f32 - exact).norm()
 
 
+def q8_awkward_row(K: int, seed: int = 0) -> torch.Tensor:
+    """awkward_row with Q8_0's carries in the block of scale 1: a third digit that rounds to 256
+    and carries through the second into the first, and values whose digits are exact (a
+    negative one: the first digit floor(v), the others what lies above it)."""
+    x = awkward_row(K, seed)
+    if K >= 160:
+        b = x[128:160]
+        b[1] = 3 + 255 / 256 + 255.75 / 65536  # U2 255.75 -> 256, U1 256: X0 becomes 4
+        b[2] = -(3 + 127.75 / 256)  # X0 -4, U1 128, U2 64
+        b[3] = 126.5  # X0 126, U1 128
+        b[4] = -127.0
+    return x
+
+
+@pytest.mark.parametrize("K", [32, 64, 96, 160, 544, 576, 608, 1536])
+def test_q8_0s_digits_hold_each_value_to_float32s_resolution_at_its_blocks_largest(digits, K):
+    x = q8_awkward_row(K, seed=K)
+    back = digits.digits_back(x, "q8_0")
+    top = x.abs().reshape(-1, 32).amax(-1).repeat_interleave(32).double()
+    err = (back.double() - x.double()).abs()
+    assert (err <= 2.0 ** -22 * top).all(), (err / top.clamp_min(1e-30)).max()
+    if K >= 128:
+        assert torch.equal(back[:32], torch.zeros(32)) and torch.equal(back[32:64], x[32:64])
+    if K >= 160:
+        assert torch.equal(back[128:129], x[128:129]) and torch.equal(back[130:133], x[130:133])
+        assert back[129] == 4.0 and back[129] - x[129] == 2.0 ** -18  # both carries, U2's rounding
+
+
+@pytest.mark.parametrize("N", [1, 2, 7, 64])
+@pytest.mark.parametrize("K", [32, 64, 96, 160, 544, 576, 608, 1536])
+def test_one_row_q8_0_products_are_the_exact_product_to_float32_rounding(kernels, N, K):
+    """Whole pairs of blocks and an odd last block (K / 32 odd), an odd last output; within the
+    float32 product's own bound and, over 64 outputs of a model's widths, no further from float64
+    than 1.5 times the float32 product of the same weights (1.0-1.5x here: Q8_0 blocks do not
+    cancel as Q4_1's centred ones do)."""
+    w = q8_0_weight(N, K, seed=N + K)[0]
+    lin = nn.Linear(K, N, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    packed = PackedLinear.from_linear(lin, "q8_0", kernels)
+    x = q8_awkward_row(K, seed=K + 1).view(1, K) if K >= 160 else torch.randn(1, K)
+    y = packed(x)
+    assert_near_exact_product(y, x, w)
+    exact = x.double() @ w.double().T
+    f32 = (x @ w.T).double()
+    if N == 64 and K >= 512:
+        assert (y.double() - exact).norm() <= 1.5 * (f32 - exact).norm()
+
+
 def test_the_default_build_takes_the_digits_where_the_cpu_has_vnni(kernels):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 flags")
@@ -102,24 +151,27 @@ def test_a_build_without_vnni_keeps_the_float32_products(kernels):
         pytest.skip("an AVX-512 build")
     plain = PackedKernels(build_library("packed", _C_SOURCE, ("-mno-avx512vnni",)))
     assert not plain.digits and plain.lanes == 16
-    assert plain.digits_back(torch.randn(64)) is None
-    w = q4_1_weight(33, 576)[0]
-    lin = nn.Linear(576, 33, bias=False)
-    with torch.no_grad():
-        lin.weight.copy_(w)
+    assert plain.digits_back(torch.randn(64)) is None and plain.digits_back(torch.randn(64), "q8_0") is None
     x = torch.randn(1, 576)
-    assert_near_exact_product(PackedLinear.from_linear(lin, "q4_1", plain)(x), x, w)
+    for fmt, w in (("q4_1", q4_1_weight(33, 576)[0]), ("q8_0", q8_0_weight(33, 576)[0])):
+        lin = nn.Linear(576, 33, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        assert_near_exact_product(PackedLinear.from_linear(lin, fmt, plain)(x), x, w)
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_a_value_that_is_not_finite_is_not_lost(kernels, bad):
+def test_a_value_that_is_not_finite_is_not_lost(kernels, bad, fmt):
     """A NaN or an infinity in the row makes every output non-finite, as in float32 (an infinity
-    comes out as NaN through the digits: its block's scale is infinite, its digits 0)."""
-    w = q4_1_weight(8, 576)[0]
+    comes out as NaN through the digits: its block's scale is infinite, its digits 0). The NaN
+    sits beside the block's largest value, which the block's maximum then keeps."""
+    w = (q4_1_weight if fmt == "q4_1" else q8_0_weight)(8, 576)[0]
     lin = nn.Linear(576, 8, bias=False)
     with torch.no_grad():
         lin.weight.copy_(w)
     x = torch.randn(1, 576)
+    x[0, 101] = 50.0
     x[0, 100] = bad
-    y = PackedLinear.from_linear(lin, "q4_1", kernels)(x)
+    y = PackedLinear.from_linear(lin, fmt, kernels)(x)
     assert not torch.isfinite(y).any()

@@ -5,7 +5,7 @@ with weights held as GGUF Q4_1 / Q8_0 block codes, and their exact dequantisatio
   keeps several accumulators per output; more rows (on the AVX-512 and AVX2 paths) decode each
   block of codes once for four rows at a time. The weight is formed as ``code * d (+ m)``,
   which is the float32 weight bit for bit, so only the order of the float32 sums differs from
-  the float32 product. With AVX512-VNNI one row's Q4_1 products take the row as integer
+  the float32 product. With AVX512-VNNI one row's Q4_1 and Q8_0 products take the row as integer
   digits instead (:mod:`kvtier.model.packed_digits`), their sums exact.
 - ``q4_1_task`` / ``q8_0_task``: the per-task bodies of those, which the one-call decode step
   (:mod:`kvtier.model.cpu_step`) shares among its threads.
@@ -365,9 +365,17 @@ void q8_0_dequant(const int8_t* codes, const _Float16* d, float* w, int64_t N, i
   }
 }
 
-static inline void q8_0_task(const float* x, const int8_t* codes, const _Float16* d, float* y,
-                             int64_t M, int64_t N, int64_t K, int64_t task) {
+static inline void q8_0_task(const float* x, const Q8Row* row, const int8_t* codes, const _Float16* d,
+                             float* y, int64_t M, int64_t N, int64_t K, int64_t task) {
   const int64_t G = K / 32;
+#if defined(KV_DIGITS)
+  if (M == 1 && row && row->digits) {  /* one row as digits, two outputs a task (q8_0_tasks) */
+    const int64_t n = 2 * task, n1 = n + 1 < N ? n + 1 : n;
+    q8_0_row_digits(row->digits, row->starts, row->scales, codes + n * K, codes + n1 * K, d + n * G, d + n1 * G,
+                    G, y + n, n1 != n ? y + n1 : NULL);
+    return;
+  }
+#endif
   {
     const int64_t n = task;
 #if defined(__AVX512F__)
@@ -457,8 +465,13 @@ static inline void q8_0_task(const float* x, const int8_t* codes, const _Float16
 void q8_0_gemv(const float* x, const int8_t* codes, const _Float16* d, const _Float16* unused,
                float* y, int64_t M, int64_t N, int64_t K, int threads) {
   (void)unused;
+  int8_t digits[M == 1 ? Q8_ROW_DIGITS(K) : 1];
+  int32_t starts[M == 1 ? Q8_ROW_LANES(K) : 1];
+  float scales[M == 1 ? Q8_ROW_LANES(K) : 1];
+  const Q8Row row = M == 1 ? q8_0_row(x, K, digits, starts, scales) : (Q8Row){NULL, NULL, NULL};
+  const int64_t tasks = q8_0_tasks(N, &row);
   #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n = 0; n < N; n++) q8_0_task(x, codes, d, y, M, N, K, n);
+  for (int64_t t = 0; t < tasks; t++) q8_0_task(x, &row, codes, d, y, M, N, K, t);
 }
 """
 
@@ -484,18 +497,19 @@ class PackedKernels:
         #: block once for four rows at a time, else :data:`MAX_KERNEL_ROWS`)
         self.max_rows = GROUPED_MAX_ROWS if self.lanes > 1 else MAX_KERNEL_ROWS
         lib.kernel_digits.restype = ctypes.c_int
-        #: whether one-row Q4_1 products take the row as integer digits
+        #: whether one-row Q4_1 and Q8_0 products take the row as integer digits
         #: (:mod:`kvtier.model.packed_digits`, AVX512-VNNI), else float32
         self.digits = bool(lib.kernel_digits())
-        self._digits_back = lib.q4_1_digits_back
-        self._digits_back.argtypes, self._digits_back.restype = [p, i, p], ctypes.c_int
+        self._digits_back = {"q4_1": lib.q4_1_digits_back, "q8_0": lib.q8_0_digits_back}
+        for fn in self._digits_back.values():
+            fn.argtypes, fn.restype = [p, i, p], ctypes.c_int
 
-    def digits_back(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x`` (float32 ``[K]``) as the digits hold it, back in float32; ``None`` where the build
-        has no digits (for tests)."""
+    def digits_back(self, x: torch.Tensor, fmt: str = "q4_1") -> torch.Tensor | None:
+        """``x`` (float32 ``[K]``) as the digits of ``fmt``'s one-row products hold it, back in
+        float32; ``None`` where the build has no digits (for tests)."""
         x = x.contiguous()
         out = torch.empty_like(x)
-        return out if self._digits_back(x.data_ptr(), x.numel(), out.data_ptr()) else None
+        return out if self._digits_back[fmt](x.data_ptr(), x.numel(), out.data_ptr()) else None
 
     def dequant(self, fmt: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                 out: torch.Tensor) -> torch.Tensor:

@@ -87,11 +87,16 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; t++) q4_1_task(x, NULL, l->w, l->d, l->m, y, M, N, K, t);
   } else if (l->fmt == 2 && M == 1) {
+    int8_t digits[Q8_ROW_DIGITS(K)];  /* (as Q4_1's: each thread its own) */
+    int32_t starts[Q8_ROW_LANES(K)];
+    float scales[Q8_ROW_LANES(K)];
+    const Q8Row row = q8_0_row(x, K, digits, starts, scales);
+    const int64_t tasks = q8_0_tasks(N, &row);
     #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) q8_0_task(x, l->w, l->d, y, 1, N, K, n);
+    for (int64_t t = 0; t < tasks; t++) q8_0_task(x, &row, l->w, l->d, y, 1, N, K, t);
   } else if (l->fmt == 2) {
     #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) q8_0_task(x, l->w, l->d, y, M, N, K, n);
+    for (int64_t n = 0; n < N; n++) q8_0_task(x, NULL, l->w, l->d, y, M, N, K, n);
   } else {
     #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
