@@ -36,3 +36,19 @@ def test_bytes_per_token_counts_a_tied_head_once_and_one_embedding_row_otherwise
     assert decode.bytes_per_token(untied) == decode.unique_param_bytes(untied) - table + 32 * 4
     assert decode.unique_param_bytes(untied) - decode.unique_param_bytes(tied) == table
 
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_cpu_products_counts_the_bytes_its_weights_hold(fmt):
+    products = pytest.importorskip("kvtier_bench.cpu_products")
+    codes, d, m = products.weight(fmt, 40, 576)
+    held = codes.nbytes + d.nbytes + (m.nbytes if m is not None else 0)
+    assert held == 40 * 576 // 32 * products.BYTES_A_BLOCK[fmt]
+
+
+@pytest.mark.parametrize("argv, named", [(["--k", "100"], "--k 100"), (["--sizes", "64", "0"], "--sizes")])
+def test_cpu_products_refuses_bad_sizes_before_measuring(capsys, argv, named):
+    from kvtier import cli
+
+    assert cli.main(["bench", "cpu_products", *argv]) == 2
+    assert named in capsys.readouterr().err
