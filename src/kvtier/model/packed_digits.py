@@ -279,8 +279,14 @@ static inline __attribute__((always_inline)) void q8_0_row_digits(
       const __m512i A = _mm512_dpbusd_epi32(st, _mm512_xor_si512(c, flip), X0);
       const __m512i B = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), U1, c), 8), U2, c);
       const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), unit, _mm512_cvtepi32_ps(B));
-      const __m128i dh = full ? _mm_cvtsi32_si128(*(const int*)(ds[r] + 2 * q))
-                              : _mm_maskz_loadu_epi16((__mmask8)1, ds[r] + 2 * q);
+      __m128i dh;
+      if (full) {  /* (the pair's two scales as one 32-bit load) */
+        int32_t pair;
+        memcpy(&pair, ds[r] + 2 * q, 4);
+        dh = _mm_cvtsi32_si128(pair);
+      } else {
+        dh = _mm_maskz_loadu_epi16((__mmask8)1, ds[r] + 2 * q);
+      }
       const __m512 dd = _mm512_cvtph_ps(_mm256_permutexvar_epi16(rep8, _mm256_castsi128_si256(dh)));
       acc[r] = _mm512_fmadd_ps(a, _mm512_mul_ps(dd, se), acc[r]);
     }
