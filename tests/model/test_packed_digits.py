@@ -108,6 +108,26 @@ def test_one_row_products_are_the_exact_product_to_float32_rounding(kernels, fmt
         assert (y.double() - exact).norm() <= 1.5 * (f32 - exact).norm()
 
 
+@pytest.mark.parametrize("scale", [1e-20, 1e-31, 1e-36, 1e-40, 1e30])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_rows_of_tiny_or_huge_values_keep_float32s_precision(kernels, fmt, scale):
+    """A row whose values are all tiny: its blocks' scales would fall among float32's subnormals
+    (and 127 / max past its largest float), so the digits take the row at 2^64 times and the
+    products at 2^-64 (before, a row of 1e-36s came out 34% wrong, of 1e-37s 100%). Huge rows
+    as they are. Against float64, within the float32 product's own bound."""
+    w = (q4_1_weight if fmt == "q4_1" else q8_0_weight)(16, 576)[0]
+    lin = nn.Linear(576, 16, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(7)) * scale
+    y = PackedLinear.from_linear(lin, fmt, kernels)(x)
+    assert_near_exact_product(y, x, w)
+    if kernels.digits and scale >= 1e-37:  # (1e-40s are subnormal: the digits hold them as they are)
+        back = kernels.digits_back(x[0], fmt)
+        top = x[0].abs().reshape(-1, 32).amax(-1).repeat_interleave(32).double()
+        assert ((back.double() - x[0].double()).abs() <= 2.0 ** -22 * top).all()
+
+
 def test_the_default_build_takes_the_digits_where_the_cpu_has_vnni(kernels):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 flags")

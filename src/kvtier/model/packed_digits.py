@@ -35,6 +35,11 @@ roundings are the digits' and a few float32 operations a block. How close that i
   codes in the integer sums (``c - 8``) brought that to 6.6e-6 rms, 3.5e-5 at most, but made the
   step 5-7% slower, and was not kept (benchmarks/RESULTS.md, 2026-12-04, twenty-fifth session).
 
+A row whose values are all below ``2^-64`` is taken at ``2^64`` times its values and its
+products at ``2^-64`` (exact powers of two): otherwise its blocks' scales ``s 2^-16`` would fall
+among float32's subnormals, and a row of ``1e-36`` came out 34% wrong (of ``1e-37``: 100%). Such
+rows now keep float32's precision; ordinary rows' digits are the same bits.
+
 It is not the int8 approximation of :mod:`kvtier.model.act_quant` (one digit, about 1% error),
 which stays opt-in.
 
@@ -68,15 +73,28 @@ __all__: list[str] = []
 _C_SOURCE = r"""
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define KV_DIGITS 1
+/* The factor a row is taken at before its digits: 2^64 where its largest |x| is below 2^-64, else
+   1. A tiny row's blocks would otherwise get scales s 2^-16 among float32's subnormals (or 127 / max
+   past its largest float), and lose their precision; the products are multiplied by 2^-64 at the
+   end, exactly (as float32 rounds, where they are subnormal). */
+static inline float row_factor(const float* x, int64_t K) {
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+  return _mm512_reduce_max_ps(m) < 0x1p-64f ? 0x1p64f : 1.f;
+}
+
 /* x [K] (K / 32 blocks) as three digits a value in the group layout (the module's docstring):
    digits [3 K] bytes, scales [4 G] floats (each block's s 2^-16, once for each of its four
-   32-bit lanes), sums [G] the blocks' float32 sums */
-static inline void q4_1_digits(const float* x, int64_t K, int8_t* digits, float* scales, float* sums) {
+   32-bit lanes), sums [G] the blocks' float32 sums, all of x times row_factor; returns the factor's
+   inverse, which the products take at the end */
+static inline float q4_1_digits(const float* x, int64_t K, int8_t* digits, float* scales, float* sums) {
   const int64_t G = K / 32;
+  const float f = row_factor(x, K);
+  const __m512 fv = _mm512_set1_ps(f);
   const __m512 base = _mm512_set1_ps(256.f);
   const __m512i i128 = _mm512_set1_epi32(128), i256 = _mm512_set1_epi32(256), one = _mm512_set1_epi32(1);
   for (int64_t g = 0; g < G; g++) {
-    const __m512 x0 = _mm512_loadu_ps(x + g * 32), x1 = _mm512_loadu_ps(x + g * 32 + 16);
+    const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(x + g * 32), fv), x1 = _mm512_mul_ps(_mm512_loadu_ps(x + g * 32 + 16), fv);
     const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
     const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
     const int64_t nb = G - g / 4 * 4 < 4 ? G - g / 4 * 4 : 4;  /* blocks in this group */
@@ -103,6 +121,7 @@ static inline void q4_1_digits(const float* x, int64_t K, int8_t* digits, float*
     _mm_storeu_ps(scales + 4 * g, _mm_set1_ps(mx / 127.f * (1.f / 65536.f)));
     sums[g] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
   }
+  return 1.f / f;
 }
 
 /* Blocks [g, g + nb) (nb <= 4; full: nb == 4, plain loads) of two outputs' rows (cs, ds)
@@ -164,8 +183,8 @@ static inline void q4_1_tail_digits(const int8_t* xq, const float* sc, const uin
    (its last line missed made the step 5% slower). */
 static inline __attribute__((always_inline)) void q4_1_row_digits(
     const int8_t* digits, const float* scales, const float* sums, const uint8_t* c0, const uint8_t* c1,
-    const _Float16* d0, const _Float16* d1, const _Float16* m0, const _Float16* m1, int64_t G, float* y0,
-    float* y1) {
+    const _Float16* d0, const _Float16* d1, const _Float16* m0, const _Float16* m1, int64_t G, float unscale,
+    float* y0, float* y1) {
   const uint8_t* cs[2] = {c0, c1};
   const _Float16* ds[2] = {d0, d1};
   __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -192,8 +211,8 @@ static inline __attribute__((always_inline)) void q4_1_row_digits(
     for (int q = 0; q < 2; q++)
       acc[q] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, ms[q] + k)), sx, acc[q]);
   }
-  *y0 = _mm512_reduce_add_ps(acc[0]);
-  if (y1) *y1 = _mm512_reduce_add_ps(acc[1]);
+  *y0 = _mm512_reduce_add_ps(acc[0]) * unscale;
+  if (y1) *y1 = _mm512_reduce_add_ps(acc[1]) * unscale;
 }
 
 /* x [K] (G = K / 32 blocks) for Q8_0's one-row products, in pairs of blocks (chunks of 64
@@ -201,9 +220,12 @@ static inline __attribute__((always_inline)) void q4_1_row_digits(
    signed first digit X0 = floor(v) (within +-127) and the unsigned U1 and U2 in [0, 255]
    (v = X0 + U1 / 256 + U2 / 65536, U2 rounded to nearest, 256 carried up); its 16 lanes of
    starts[16 q ...] (-128 times the sum of each lane's four X0) and of scales (the block's
-   s 2^-16, a NaN where the block holds a NaN or an infinity). Empty halves: zeros. */
-static inline void q8_0_digits(const float* x, int64_t K, int8_t* digits, int32_t* starts, float* scales) {
+   s 2^-16, a NaN where the block holds a NaN or an infinity). Empty halves: zeros. All of x times
+   row_factor; returns the factor's inverse, as q4_1_digits. */
+static inline float q8_0_digits(const float* x, int64_t K, int8_t* digits, int32_t* starts, float* scales) {
   const int64_t G = K / 32;
+  const float f = row_factor(x, K);
+  const __m512 fv = _mm512_set1_ps(f);
   const __m512 base = _mm512_set1_ps(256.f);
   const __m512i i256 = _mm512_set1_epi32(256), one = _mm512_set1_epi32(1);
   const __m512i b128 = _mm512_set1_epi8((char)0x80);
@@ -216,7 +238,7 @@ static inline void q8_0_digits(const float* x, int64_t K, int8_t* digits, int32_
         _mm256_storeu_ps(scales + 16 * q + 8, _mm256_setzero_ps());
         break;
       }
-      const __m512 x0 = _mm512_loadu_ps(x + g * 32), x1 = _mm512_loadu_ps(x + g * 32 + 16);
+      const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(x + g * 32), fv), x1 = _mm512_mul_ps(_mm512_loadu_ps(x + g * 32 + 16), fv);
       const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
       const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
       for (int h = 0; h < 2; h++) {
@@ -247,6 +269,7 @@ static inline void q8_0_digits(const float* x, int64_t K, int8_t* digits, int32_
     _mm512_storeu_si512(starts + 16 * q, _mm512_sub_epi32(_mm512_setzero_si512(),
                                                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), b128, x0s)));
   }
+  return 1.f / f;
 }
 
 /* Two outputs' Q8_0 rows c0 and c1 (G blocks of 32 int8 codes; scales d0, d1 fp16) against one
@@ -256,7 +279,7 @@ static inline void q8_0_digits(const float* x, int64_t K, int8_t* digits, int32_
    shifted together (at most about 2^25); then the two as floats, times d s 2^-16. */
 static inline __attribute__((always_inline)) void q8_0_row_digits(
     const int8_t* digits, const int32_t* starts, const float* scales, const int8_t* c0, const int8_t* c1,
-    const _Float16* d0, const _Float16* d1, int64_t G, float* y0, float* y1) {
+    const _Float16* d0, const _Float16* d1, int64_t G, float unscale, float* y0, float* y1) {
   const int8_t* cs[2] = {c0, c1};
   const _Float16* ds[2] = {d0, d1};
   const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -291,42 +314,42 @@ static inline __attribute__((always_inline)) void q8_0_row_digits(
       acc[r] = _mm512_fmadd_ps(a, _mm512_mul_ps(dd, se), acc[r]);
     }
   }
-  *y0 = _mm512_reduce_add_ps(acc[0]);
-  if (y1) *y1 = _mm512_reduce_add_ps(acc[1]);
+  *y0 = _mm512_reduce_add_ps(acc[0]) * unscale;
+  if (y1) *y1 = _mm512_reduce_add_ps(acc[1]) * unscale;
 }
 #endif
 
 /* One row x [K] of a decode step prepared for q4_1_task: with KV_DIGITS its digits, and NULL
    digits (the float32 products) otherwise, into the caller's buffers of Q4_ROW_DIGITS(K) bytes
    and Q4_ROW_FLOATS(K) floats (scales, then sums). */
-typedef struct { const int8_t* digits; const float* scales; const float* sums; } Q4Row;
+typedef struct { const int8_t* digits; const float* scales; const float* sums; float unscale; } Q4Row;
 #define Q4_ROW_DIGITS(K) (3 * (K))
 #define Q4_ROW_FLOATS(K) (5 * ((K) / 32))
 
 static inline Q4Row q4_1_row(const float* x, int64_t K, int8_t* digits, float* scales) {
 #if defined(KV_DIGITS)
-  q4_1_digits(x, K, digits, scales, scales + 4 * (K / 32));
-  return (Q4Row){digits, scales, scales + 4 * (K / 32)};
+  const float unscale = q4_1_digits(x, K, digits, scales, scales + 4 * (K / 32));
+  return (Q4Row){digits, scales, scales + 4 * (K / 32), unscale};
 #else
   (void)x; (void)K; (void)digits; (void)scales;
-  return (Q4Row){NULL, NULL, NULL};
+  return (Q4Row){NULL, NULL, NULL, 1.f};
 #endif
 }
 
 /* One row x [K] of a decode step prepared for q8_0_task, as Q4Row for q4_1_task: with KV_DIGITS
    its digits (q8_0_digits) in the caller's buffers of Q8_ROW_DIGITS(K) bytes and Q8_ROW_LANES(K)
    starts and scales, and NULL digits otherwise. */
-typedef struct { const int8_t* digits; const int32_t* starts; const float* scales; } Q8Row;
+typedef struct { const int8_t* digits; const int32_t* starts; const float* scales; float unscale; } Q8Row;
 #define Q8_ROW_DIGITS(K) (192 * (((K) / 32 + 1) / 2))
 #define Q8_ROW_LANES(K) (16 * (((K) / 32 + 1) / 2))
 
 static inline Q8Row q8_0_row(const float* x, int64_t K, int8_t* digits, int32_t* starts, float* scales) {
 #if defined(KV_DIGITS)
-  q8_0_digits(x, K, digits, starts, scales);
-  return (Q8Row){digits, starts, scales};
+  const float unscale = q8_0_digits(x, K, digits, starts, scales);
+  return (Q8Row){digits, starts, scales, unscale};
 #else
   (void)x; (void)K; (void)digits; (void)starts; (void)scales;
-  return (Q8Row){NULL, NULL, NULL};
+  return (Q8Row){NULL, NULL, NULL, 1.f};
 #endif
 }
 
@@ -349,14 +372,14 @@ int q4_1_digits_back(const float* x, int64_t K, float* xhat) {
   const int64_t G = K / 32;
   int8_t digits[Q4_ROW_DIGITS(K)];
   float scales[Q4_ROW_FLOATS(K)];
-  q4_1_digits(x, K, digits, scales, scales + 4 * G);
+  const double unscale = q4_1_digits(x, K, digits, scales, scales + 4 * G);
   for (int64_t g = 0; g < G; g++) {
     const int64_t nb = G - g / 4 * 4 < 4 ? G - g / 4 * 4 : 4;
     const int8_t* at = digits + g / 4 * 384 + g % 4 * 16;
     for (int64_t j = 0; j < 32; j++) {
       const int8_t* e = at + (j >= 16) * nb * 16 + (j & 15);
-      xhat[g * 32 + j] = (float)((double)scales[4 * g] * ((double)e[0] * 65536 + (double)e[nb * 32] * 256
-                                                           + (double)e[2 * nb * 32]));
+      xhat[g * 32 + j] = (float)(unscale * scales[4 * g] * ((double)e[0] * 65536 + (double)e[nb * 32] * 256
+                                                            + (double)e[2 * nb * 32]));
     }
   }
   return 1;
@@ -373,10 +396,10 @@ int q8_0_digits_back(const float* x, int64_t K, float* xhat) {
   int8_t digits[Q8_ROW_DIGITS(K)];
   int32_t starts[Q8_ROW_LANES(K)];
   float scales[Q8_ROW_LANES(K)];
-  q8_0_digits(x, K, digits, starts, scales);
+  const double unscale = q8_0_digits(x, K, digits, starts, scales);
   for (int64_t i = 0; i < K; i++) {
     const int8_t* e = digits + i / 64 * 192 + i % 64;
-    xhat[i] = (float)((double)scales[i / 64 * 16 + i % 64 / 4] * ((double)e[0] * 65536
+    xhat[i] = (float)(unscale * scales[i / 64 * 16 + i % 64 / 4] * ((double)e[0] * 65536
                       + (double)(uint8_t)e[64] * 256 + (double)(uint8_t)e[128]));
   }
   return 1;

@@ -162,7 +162,7 @@ static inline void q4_1_task(const float* x, const Q4Row* row, const uint8_t* co
   if (M == 1 && row && row->digits) {  /* one row as digits (kvtier.model.packed_digits) */
     const int64_t n = 2 * task, n1 = n + 1 < N ? n + 1 : n;
     q4_1_row_digits(row->digits, row->scales, row->sums, codes + n * G * 16, codes + n1 * G * 16, d + n * G,
-                    d + n1 * G, mn + n * G, mn + n1 * G, G, y + n, n1 != n ? y + n1 : NULL);
+                    d + n1 * G, mn + n * G, mn + n1 * G, G, row->unscale, y + n, n1 != n ? y + n1 : NULL);
     return;
   }
 #endif
@@ -327,7 +327,7 @@ void q4_1_gemv(const float* x, const uint8_t* codes, const _Float16* d, const _F
   const int64_t tasks = q4_1_tasks(N);
   int8_t digits[M == 1 ? Q4_ROW_DIGITS(K) : 1];
   float scales[M == 1 ? Q4_ROW_FLOATS(K) : 1];
-  const Q4Row row = M == 1 ? q4_1_row(x, K, digits, scales) : (Q4Row){NULL, NULL, NULL};
+  const Q4Row row = M == 1 ? q4_1_row(x, K, digits, scales) : (Q4Row){NULL, NULL, NULL, 1.f};
   #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < tasks; t++) q4_1_task(x, &row, codes, d, mn, y, M, N, K, t);
 }
@@ -372,7 +372,7 @@ static inline void q8_0_task(const float* x, const Q8Row* row, const int8_t* cod
   if (M == 1 && row && row->digits) {  /* one row as digits, two outputs a task (q8_0_tasks) */
     const int64_t n = 2 * task, n1 = n + 1 < N ? n + 1 : n;
     q8_0_row_digits(row->digits, row->starts, row->scales, codes + n * K, codes + n1 * K, d + n * G, d + n1 * G,
-                    G, y + n, n1 != n ? y + n1 : NULL);
+                    G, row->unscale, y + n, n1 != n ? y + n1 : NULL);
     return;
   }
 #endif
@@ -468,7 +468,7 @@ void q8_0_gemv(const float* x, const int8_t* codes, const _Float16* d, const _Fl
   int8_t digits[M == 1 ? Q8_ROW_DIGITS(K) : 1];
   int32_t starts[M == 1 ? Q8_ROW_LANES(K) : 1];
   float scales[M == 1 ? Q8_ROW_LANES(K) : 1];
-  const Q8Row row = M == 1 ? q8_0_row(x, K, digits, starts, scales) : (Q8Row){NULL, NULL, NULL};
+  const Q8Row row = M == 1 ? q8_0_row(x, K, digits, starts, scales) : (Q8Row){NULL, NULL, NULL, 1.f};
   const int64_t tasks = q8_0_tasks(N, &row);
   #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t t = 0; t < tasks; t++) q8_0_task(x, &row, codes, d, y, M, N, K, t);
