@@ -8,10 +8,13 @@ and of a pair (Q8_0), and which builds take them: AVX512-VNNI ones, and no other
 
 from __future__ import annotations
 
+import os
 import platform
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from test_packed import _cpu_has, assert_near_exact_product, q4_1_weight, q8_0_weight
 from torch import nn
 
@@ -168,3 +171,27 @@ def test_a_value_that_is_not_finite_is_not_lost(kernels, bad, fmt):
     x[0, 100] = bad
     y = PackedLinear.from_linear(lin, fmt, kernels)(x)
     assert not torch.isfinite(y).any()
+
+
+@settings(max_examples=int(os.environ.get("KVTIER_DIGITS_EXAMPLES", "40")), deadline=None)
+@given(fmt=st.sampled_from(["q4_1", "q8_0"]), groups=st.integers(1, 20), n=st.integers(1, 9),
+       exponents=st.lists(st.floats(-45, 35), min_size=20, max_size=20), zeros=st.lists(st.booleans(), min_size=20, max_size=20),
+       seed=st.integers(0, 2**16))
+def test_one_row_products_hold_float32s_bound_at_any_magnitude(kernels, fmt, groups, n, exponents, zeros, seed):
+    """Property: any widths, any mix of block magnitudes from subnormal to 1e35, blocks of zeros:
+    the one-row product within the float32 product's own bound of float64's (where float64's
+    terms stay inside float32's range)."""
+    K = 32 * groups
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.0 if z else 10.0 ** e for e, z in zip(exponents[:groups], zeros[:groups])])
+    x = (torch.randn(K, generator=g) * scale.repeat_interleave(32)).view(1, K)
+    w = (q4_1_weight if fmt == "q4_1" else q8_0_weight)(n, K, seed=seed)[0]
+    exact = x.double() @ w.double().T
+    assume(bool(torch.isfinite(x).all()) and float((x.double().abs() @ w.double().abs().T).max()) < 1e37)
+    lin = nn.Linear(K, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    y = PackedLinear.from_linear(lin, fmt, kernels)(x)
+    scale = x.double().abs() @ w.double().abs().T
+    # float32's bound, and its smallest subnormal's worth of rounding per term where terms are tiny
+    assert ((y.double() - exact).abs() <= 1e-5 * scale + K * 2.0 ** -149).all()
