@@ -2,6 +2,8 @@
 # The H200 run in one go: GPU tests, the attention kernels, end-to-end decode, transformers.
 #
 #   OUT=/path/to/results bash benchmarks/gpu_run.sh        # from the repository root
+#   OUT=... STEPS="tests kernels" bash benchmarks/gpu_run.sh  # only these steps (a machine
+#                                 # whose commands are limited in time runs it in two calls)
 #
 # Uses the machine's python3 (torch, triton, transformers, rich, pytest) with src/ (the
 # library) and benchmarks/ (kvtier_bench, behind `kvtier bench`) on PYTHONPATH, so nothing
@@ -24,9 +26,20 @@ SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 START=$(date +%s)
 
+STEPS=${STEPS:-tests kernels attention decode_gpu hf}
+for s in $STEPS; do
+    case " tests kernels attention decode_gpu hf " in
+        *" $s "*) ;;
+        *) echo "gpu_run.sh: unknown step '$s' in STEPS; the steps are: tests kernels attention decode_gpu hf" >&2
+           exit 2 ;;
+    esac
+done
+
 # step NAME SECONDS LOG COMMAND...: run COMMAND under a time limit, append its output to LOG
+# (a step not in STEPS is skipped)
 step() {
     local name=$1 limit=$2 log=$3
+    case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
     shift 3
     local t0 rc what
     t0=$(date +%s)
