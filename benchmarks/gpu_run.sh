@@ -99,5 +99,5 @@ step hf 60 "$OUT/bench.log" "$PY" -m kvtier.cli bench hf --model llama3-8b --dev
     --contenders dynamic,paged,paged-q8 --plot "" --json "$OUT/hf.json"
 
 echo "total $(($(date +%s) - START))s" >>"$SUMMARY"
-grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 4 >>"$SUMMARY" 2>/dev/null
+[ -f "$OUT/gpu_tests.log" ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 4 >>"$SUMMARY"
 cat "$SUMMARY"
