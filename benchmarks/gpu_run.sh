@@ -18,14 +18,6 @@
 #   summary.txt      one line per step: outcome, seconds, command
 set -u
 OUT=${OUT:?set OUT to the folder the results go to}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-START=$(date +%s)
-
 STEPS=${STEPS:-tests kernels attention decode_gpu hf}
 for s in $STEPS; do
     case " tests kernels attention decode_gpu hf " in
@@ -34,6 +26,14 @@ for s in $STEPS; do
            exit 2 ;;
     esac
 done
+
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+START=$(date +%s)
 
 # step NAME SECONDS LOG COMMAND...: run COMMAND under a time limit, append its output to LOG
 # (a step not in STEPS is skipped)
