@@ -23,12 +23,11 @@ Example::
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from kvtier_bench._progress import BenchProgress
-from kvtier_bench.decode import measure_bandwidth, measure_read_bandwidth
+from kvtier_bench.decode import best_seconds, measure_bandwidth, measure_read_bandwidth
 
 BYTES_A_BLOCK = {"q4_1": 20, "q8_0": 34}  # codes, scale (and minimum) of 32 weights
 
@@ -59,15 +58,12 @@ def time_product(kernels, fmt: str, n: int, k: int, calls: int) -> float:
     """Seconds a call, the best of five batches of ``calls``."""
     codes, d, m = weight(fmt, n, k)
     x, y = torch.randn(1, k), torch.empty(1, n)
-    for _ in range(3):
-        kernels.gemv(fmt, x, codes, d, m, y)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    def batch(count: int) -> None:
+        for _ in range(count):
             kernels.gemv(fmt, x, codes, d, m, y)
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
+
+    batch(3)
+    return best_seconds(lambda: batch(calls), lambda: None, passes=5) / calls
 
 
 def run(args: argparse.Namespace) -> int:

@@ -283,31 +283,29 @@ def hf_llama_sharing(model):
 # -- measurements ------------------------------------------------------------------------------------
 
 
+def best_seconds(fn: Callable[[], object], sync: Callable[[], None], passes: int = 6) -> float:
+    """The fastest of ``passes`` timed calls of ``fn``, synchronised around each."""
+    best = float("inf")
+    for _ in range(passes):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def measure_bandwidth(device: torch.device, sync: Callable[[], None], nbytes: int = 1 << 30) -> float:
     """Bytes per second of a large tensor copy (read + write), the best of several."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(6):
-        sync()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
+    return 2 * nbytes / best_seconds(lambda: dst.copy_(src), sync)
 
 
 def measure_read_bandwidth(device: torch.device, sync: Callable[[], None], nbytes: int = 1 << 30) -> float:
     """Bytes per second of a large tensor's sum (read only), the best of several."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(6):
-        sync()
-        t0 = time.perf_counter()
-        src.sum()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    return nbytes / best_seconds(src.sum, sync)
 
 
 def kv_bytes_per_token(model, context: float, itemsize: int) -> float:

@@ -40,7 +40,7 @@ import torch
 
 from kvtier.config import KVCacheConfig
 from kvtier.generate import generate_step
-from kvtier_bench.decode import hf_llama_config, hf_llama_weights
+from kvtier_bench.decode import hf_llama_config, hf_llama_weights, kv_bytes_per_token
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     # the peers' compilation comes late: the figures the issue asks for first
     sections = [lambda: batch1(model, args, roof)]
     if not args.skip_big:
-        sections.append(lambda: big_batch(model, args, bandwidth, weights, kv_bytes_per_token(model)))
+        sections.append(lambda: big_batch(model, args, bandwidth, weights, kv_bytes_per_token(model, 1, 2)))  # (bf16)
     if not args.skip_hf:
         sections.append(lambda: hf_contenders(model, args, roof, static=False))
         if not args.skip_static:
@@ -136,12 +136,6 @@ def weight_bytes(model) -> int:
     """Bytes of every parameter once (tied weights once): what one decode step reads."""
     seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     return sum(seen.values())
-
-
-def kv_bytes_per_token(model) -> int:
-    """Key and value bytes one token holds over all layers (bf16)."""
-    a = model.args
-    return a.n_layers * 2 * a.n_kv_heads * a.head_dim * 2
 
 
 def _random_ids(n: int, vocab: int, seed: int) -> list[int]:
