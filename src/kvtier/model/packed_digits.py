@@ -73,6 +73,26 @@ __all__: list[str] = []
 _C_SOURCE = r"""
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define KV_DIGITS 1
+/* v (16 values within +-127) as three base-256 digits d0 + d1 / 256 + d2 / 65536 (__m512i):
+   ROUND the rounding of the first two (the Q4_1 digits to nearest, Q8_0's down), the third to
+   nearest; a lower digit that reaches TOP (128 when signed, 256 when not) becomes TOP - 256 and
+   carries one up (the first never passes 127, as v does not). Each remainder is exact: v less
+   a whole number, and the power-of-two scalings. (A macro: an inline function in its place made
+   the decode step 1.3-2.4% slower, this 0.996-1.008 of the two loops written out.) */
+#define KV_BASE256_DIGITS(v, ROUND, TOP, d0, d1, d2) do {                                        \
+    const __m512 f0_ = _mm512_roundscale_ps((v), (ROUND) | _MM_FROUND_NO_EXC);                    \
+    const __m512 r0_ = _mm512_mul_ps(_mm512_sub_ps((v), f0_), _mm512_set1_ps(256.f));              \
+    const __m512 f1_ = _mm512_roundscale_ps(r0_, (ROUND) | _MM_FROUND_NO_EXC);                    \
+    const __m512 r1_ = _mm512_mul_ps(_mm512_sub_ps(r0_, f1_), _mm512_set1_ps(256.f));              \
+    const __m512i top_ = _mm512_set1_epi32(TOP), i256_ = _mm512_set1_epi32(256), one_ = _mm512_set1_epi32(1); \
+    d0 = _mm512_cvtps_epi32(f0_); d1 = _mm512_cvtps_epi32(f1_); d2 = _mm512_cvtps_epi32(r1_);    \
+    __mmask16 c_ = _mm512_cmpeq_epi32_mask(d2, top_);                                             \
+    d2 = _mm512_mask_sub_epi32(d2, c_, d2, i256_);                                                \
+    d1 = _mm512_mask_add_epi32(d1, c_, d1, one_);                                                 \
+    c_ = _mm512_cmpeq_epi32_mask(d1, top_);                                                       \
+    d1 = _mm512_mask_sub_epi32(d1, c_, d1, i256_);                                                \
+    d0 = _mm512_mask_add_epi32(d0, c_, d0, one_);                                                 \
+  } while (0)
 /* The factor a row is taken at before its digits: 2^64 where its largest |x| is below 2^-64, else
    1. A tiny row's blocks would otherwise get scales s 2^-16 among float32's subnormals (or 127 / max
    past its largest float), and lose their precision; the products are multiplied by 2^-64 at the
@@ -91,8 +111,6 @@ static inline float q4_1_digits(const float* x, int64_t K, int8_t* digits, float
   const int64_t G = K / 32;
   const float f = row_factor(x, K);
   const __m512 fv = _mm512_set1_ps(f);
-  const __m512 base = _mm512_set1_ps(256.f);
-  const __m512i i128 = _mm512_set1_epi32(128), i256 = _mm512_set1_epi32(256), one = _mm512_set1_epi32(1);
   for (int64_t g = 0; g < G; g++) {
     const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(x + g * 32), fv), x1 = _mm512_mul_ps(_mm512_loadu_ps(x + g * 32 + 16), fv);
     const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
@@ -100,19 +118,8 @@ static inline float q4_1_digits(const float* x, int64_t K, int8_t* digits, float
     const int64_t nb = G - g / 4 * 4 < 4 ? G - g / 4 * 4 : 4;  /* blocks in this group */
     int8_t* at = digits + g / 4 * 384 + g % 4 * 16;
     for (int h = 0; h < 2; h++) {  /* elements 0-15, then 16-31 */
-      const __m512 v = _mm512_mul_ps(h ? x1 : x0, inv);
-      /* (each remainder is exact: v - round(v) and the power-of-two scalings) */
-      const __m512 f0 = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512 r0 = _mm512_mul_ps(_mm512_sub_ps(v, f0), base);
-      const __m512 f1 = _mm512_roundscale_ps(r0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512 r1 = _mm512_mul_ps(_mm512_sub_ps(r0, f1), base);
-      __m512i d0 = _mm512_cvtps_epi32(f0), d1 = _mm512_cvtps_epi32(f1), d2 = _mm512_cvtps_epi32(r1);
-      __mmask16 c = _mm512_cmpeq_epi32_mask(d2, i128);  /* 128 = 256 - 128: carry one up */
-      d2 = _mm512_mask_sub_epi32(d2, c, d2, i256);
-      d1 = _mm512_mask_add_epi32(d1, c, d1, one);
-      c = _mm512_cmpeq_epi32_mask(d1, i128);
-      d1 = _mm512_mask_sub_epi32(d1, c, d1, i256);
-      d0 = _mm512_mask_add_epi32(d0, c, d0, one);  /* (never past 127: v is within +-127) */
+      __m512i d0, d1, d2;
+      KV_BASE256_DIGITS(_mm512_mul_ps(h ? x1 : x0, inv), _MM_FROUND_TO_NEAREST_INT, 128, d0, d1, d2);
       int8_t* half = at + h * nb * 16;
       _mm_storeu_si128((__m128i*)half, _mm512_cvtepi32_epi8(d0));
       _mm_storeu_si128((__m128i*)(half + nb * 32), _mm512_cvtepi32_epi8(d1));
@@ -226,8 +233,6 @@ static inline float q8_0_digits(const float* x, int64_t K, int8_t* digits, int32
   const int64_t G = K / 32;
   const float f = row_factor(x, K);
   const __m512 fv = _mm512_set1_ps(f);
-  const __m512 base = _mm512_set1_ps(256.f);
-  const __m512i i256 = _mm512_set1_epi32(256), one = _mm512_set1_epi32(1);
   const __m512i b128 = _mm512_set1_epi8((char)0x80);
   for (int64_t q = 0; 2 * q < G; q++) {
     int8_t* at = digits + q * 192;
@@ -242,19 +247,8 @@ static inline float q8_0_digits(const float* x, int64_t K, int8_t* digits, int32
       const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
       const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
       for (int h = 0; h < 2; h++) {
-        const __m512 v = _mm512_mul_ps(h ? x1 : x0, inv);
-        /* (each remainder is exact: v - floor(v) and the power-of-two scalings) */
-        const __m512 f0 = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        const __m512 r0 = _mm512_mul_ps(_mm512_sub_ps(v, f0), base);
-        const __m512 f1 = _mm512_roundscale_ps(r0, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        const __m512 r1 = _mm512_mul_ps(_mm512_sub_ps(r0, f1), base);
-        __m512i d0 = _mm512_cvtps_epi32(f0), d1 = _mm512_cvtps_epi32(f1), d2 = _mm512_cvtps_epi32(r1);
-        __mmask16 c = _mm512_cmpeq_epi32_mask(d2, i256);  /* 256: carry one up */
-        d2 = _mm512_mask_sub_epi32(d2, c, d2, i256);
-        d1 = _mm512_mask_add_epi32(d1, c, d1, one);
-        c = _mm512_cmpeq_epi32_mask(d1, i256);
-        d1 = _mm512_mask_sub_epi32(d1, c, d1, i256);
-        d0 = _mm512_mask_add_epi32(d0, c, d0, one);  /* (never past 127: v is within +-127) */
+        __m512i d0, d1, d2;
+        KV_BASE256_DIGITS(_mm512_mul_ps(h ? x1 : x0, inv), _MM_FROUND_TO_NEG_INF, 256, d0, d1, d2);
         int8_t* e = at + 32 * b + 16 * h;
         _mm_storeu_si128((__m128i*)e, _mm512_cvtepi32_epi8(d0));
         _mm_storeu_si128((__m128i*)(e + 64), _mm512_cvtepi32_epi8(d1));
