@@ -27,9 +27,37 @@ CAPPED = {"q8": [(64, 4, 5, 96)], "fp8": [(64, 4, 5, 100)], "q4": [(32, 1, 10, 2
           "q4_g32": [(32, 1, 10, 204), (32, 1, 11, 184), (32, 1, 12, 168)], TQ: [(16, 1, 13, 152), (16, 1, 14, 144)]}
 
 
-def plans(mode: str, B, cuda: bool) -> dict:
-    """``{name: (knobs, config)}``: the MMA kernel, the default and Gluon plans; ``knobs`` set
-    module attributes of :mod:`kvtier.kernels.gluon_decode` for the plan's launches."""
+#: the Gluon kernel's page kind (:data:`kvtier.kernels.gluon_decode.KINDS`) of each mode
+KIND = {"fp": "fp", "q8": "q8", "q4": "q4", "fp8": "fp8", "q4_g32": "q4_g32", TQ: "tq"}
+
+
+def around_default(mode: str, rows: int, L: int, device: str) -> dict:
+    """Plans around the default launch of ``rows`` rows of ``L`` keys (32/8 heads, head_dim 128):
+    twice and half its splits, a ring of three stages, and two more programs a multiprocessor at
+    its splits (under the register cap they fit in)."""
+    from kvtier.kernels import gluon_plan
+    from kvtier.kernels.launch_plan import LaunchConfig
+
+    p = gluon_plan.plan(KIND[mode], rows, 32, 8, 128, L, torch.device(device), LaunchConfig())
+    more = p.launch.resident + 2
+    cap = 65536 // (more * 32 * p.warps) // 8 * 8
+
+    def gluon(**kw):
+        return LaunchConfig(decode_kernel="gluon", **kw)
+
+    print(f"# {mode}, {rows} rows of {L} keys: the default launch {p.splits} splits of {p.split_len} keys, "
+          f"{p.launch.resident} programs a multiprocessor; '+2 programs': {more} at {cap} registers", flush=True)
+    out = {"splits x2": ({}, gluon(num_splits=2 * p.splits)), "ring 3": ({}, gluon(num_stages=3)),
+           "+2 programs": (dict(RESIDENT=more, MAXNREG=cap), gluon(num_splits=p.splits))}
+    if p.splits > 1:
+        out["splits /2"] = ({}, gluon(num_splits=p.splits // 2))
+    return out
+
+
+def plans(mode: str, B, cuda: bool, L: int = 0) -> dict:
+    """``{name: (knobs, config)}``: the MMA kernel, the default and Gluon plans (``L``: the rows'
+    keys, for the plans around the default's); ``knobs`` set module attributes of
+    :mod:`kvtier.kernels.gluon_decode` for the plan's launches."""
     from kvtier.kernels.launch_plan import LaunchConfig
 
     def gluon(bn=64, splits=None, stages=None, **knobs):
@@ -40,6 +68,7 @@ def plans(mode: str, B, cuda: bool) -> dict:
         out["cuda_core"] = ({}, LaunchConfig(decode_kernel="cuda_core"))
     if not cuda:
         return out
+    out |= around_default(mode, 256 if B == "serve" else B, L, "cuda")
     # each tile's scores an iteration ahead (gluon_decode.AHEAD, a third stage; no default takes it),
     # at the default plan, with four stages, and for the kinds whose registers grow past their
     # programs' share: uncapped in waves of eight (q4_g32, TurboQuant) or capped at four programs'
@@ -172,7 +201,7 @@ def main() -> None:
             for r in reps:
                 r.set_lengths(lens.to(dev))
             ref = base.attention(LaunchConfig(decode_kernel="mma")).float()
-            for plan, (knobs, cfg) in plans(mode, B, cuda).items():
+            for plan, (knobs, cfg) in plans(mode, B, cuda, L).items():
                 if only is not None and plan not in only:
                     continue
                 saved = {k: getattr(gluon_decode, k) for k in knobs}

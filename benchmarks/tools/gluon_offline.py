@@ -81,13 +81,14 @@ def compile_variant(kind: str, head_dim: int = 128, *, block_n: int | None = Non
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kvtier.kernels import gluon_decode as gd
+    from kvtier.kernels import gluon_plan
 
-    tile, w, _ = gd.TILING[kind]
+    tile, w, _ = gluon_plan.TILING[kind]
     block_n, warps = block_n or tile, warps or w
     ahead = bool(gd.AHEAD) if ahead is None else ahead
     # (gluon_decode.RAW, set for a sweep, wins over the plan's raw codes)
-    plan = gd.programs(kind, 4, head_dim, 512, block_n, None if warps == w else warps, False if ahead else swap,
-                       gd.RAW)  # fmt: skip
+    plan = gluon_plan.programs(kind, 4, head_dim, 512, block_n, None if warps == w else warps, False if ahead else swap,
+                               gd.RAW)  # fmt: skip
     if swap and not plan.swap:
         raise ValueError(f"the swapped kernel does not take {kind} at {warps} warps (raw={plan.raw}, ahead={ahead})")
     if maxnreg is None and (block_n, warps) == (tile, w):

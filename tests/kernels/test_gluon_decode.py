@@ -17,7 +17,7 @@ from kvtier.kernels.reference import round_queries_int8
 from triton_support import in_this_process_or_a_fresh_one
 
 if IN_PROCESS:
-    from kvtier.kernels import gluon_decode, triton_attention, triton_paged
+    from kvtier.kernels import gluon_decode, gluon_plan, triton_attention, triton_paged
     from kvtier.kernels.triton_paged import LaunchConfig, paged_attention_triton
     from kvtier.kernels.triton_quant import page_format
 
@@ -116,20 +116,20 @@ def test_the_kinds_it_reads(mode, kind):
 def test_programs_plan_a_launch(kind, G, D, pairs, block_n, warps, expected):
     """Programs a multiprocessor, register cap, stacked rows, raw codes and the kernel of
     swapped roles."""
-    assert gluon_decode.programs(kind, G, D, pairs, block_n, warps) == expected
+    assert gluon_plan.programs(kind, G, D, pairs, block_n, warps) == expected
 
 
 def test_programs_plan_the_swapped_kernel_where_asked():
     """``swap`` True: wherever the kernel of swapped roles takes the launch (q4's raw one-warp
     ones too, and q4_g32's of any grid); False: nowhere, TurboQuant's default launch back on the
     decode kernel's cap and programs, q4_g32's small grids on the decode kernel."""
-    assert gluon_decode.programs("q4", 4, 128, 512, 32, None, True).swap
-    assert not gluon_decode.programs("q4", 4, 128, 8, 32, None, True).swap  # B=1: not raw
-    assert not gluon_decode.programs("q8", 4, 128, 512, 64, None, True).swap
-    assert gluon_decode.programs("tq", 4, 128, 512, 16, None, False) == (12, 168, False, False, False)
-    assert gluon_decode.programs("tq", 4, 128, 512, 16, None, True) == (16, 128, False, False, True)
-    assert gluon_decode.programs("q4_g32", 4, 128, 512, 32, None, True) == (16, 128, False, True, True)
-    assert gluon_decode.programs("q4_g32", 4, 128, 8, 32, None, False) == (8, None, False, False, False)
+    assert gluon_plan.programs("q4", 4, 128, 512, 32, None, True).swap
+    assert not gluon_plan.programs("q4", 4, 128, 8, 32, None, True).swap  # B=1: not raw
+    assert not gluon_plan.programs("q8", 4, 128, 512, 64, None, True).swap
+    assert gluon_plan.programs("tq", 4, 128, 512, 16, None, False) == (12, 168, False, False, False)
+    assert gluon_plan.programs("tq", 4, 128, 512, 16, None, True) == (16, 128, False, False, True)
+    assert gluon_plan.programs("q4_g32", 4, 128, 512, 32, None, True) == (16, 128, False, True, True)
+    assert gluon_plan.programs("q4_g32", 4, 128, 8, 32, None, False) == (8, None, False, False, False)
 
 
 def test_asking_for_it_where_it_cannot_run_names_the_reason():
@@ -278,7 +278,7 @@ def test_gpu_turboquant_matches_the_reference(B, Hq, H_kv, D, lengths, splits, b
 def test_gpu_q4_g32_stacked_rows_match_the_reference(B, Hq, H_kv, D, lengths, splits, plan, dtype):
     """q4_g32 launches whose groups of channels stack the heads in the rows (32 pairs or more),
     at the default plan and at one-warp plans asked for."""
-    assert gluon_decode.programs("q4_g32", Hq // H_kv, D, B * H_kv, plan.get("block_n", 32),
+    assert gluon_plan.programs("q4_g32", Hq // H_kv, D, B * H_kv, plan.get("block_n", 32),
                                  plan.get("num_warps"))[2]  # fmt: skip
     c, q, qs = _case("q4_g32", B, Hq, H_kv, D, lengths, dtype)
     _check_against_references(c, q, qs, "q4_g32", TOL[dtype], num_splits=splits, **plan)
@@ -559,3 +559,25 @@ def test_tiles_scored_ahead_take_a_third_stage(monkeypatch, ahead, plan, launche
     monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
     _attend(c, q, qs, decode_kernel="gluon", **plan)
     assert seen == [launched]
+
+
+@pytest.mark.parametrize("mode, plan", [("q4", {}), ("q8", dict(num_splits=3)), ("q4_g32", dict(block_n=16)),
+                                        (TQ, {})])
+def test_a_step_launches_and_merges_its_plan(monkeypatch, mode, plan):
+    """A step's launch and split merge take :func:`gluon_plan.plan`'s tile, warps, ring, splits and
+    variant for its shape."""
+    c, q, qs = _case(mode, 2, 8, 2, 64, [40, 17], torch.bfloat16)
+    seen = {}
+    monkeypatch.setattr(gluon_decode, "launch_decode", lambda *a, **k: seen.update(launch=(a[8], k)))
+    monkeypatch.setattr(triton_attention, "merge_splits", lambda *a: seen.update(merge=a[3:]))
+    monkeypatch.setattr(triton_paged, "rotate_back", lambda x, rotation, dtype: x.to(dtype))
+    monkeypatch.setattr(gluon_decode, "supported", lambda *a, **k: None)
+    _attend(c, q, qs, decode_kernel="gluon", **plan)
+    capacity, k = seen["launch"]
+    kind = "tq" if mode == TQ else mode
+    p = gluon_plan.plan(kind, 2, 8, 2, 64, capacity, q.device, LaunchConfig(decode_kernel="gluon", **plan))
+    assert (k["splits"], k["split_len"], k["block_n"], k["stages"], k["warps"], k["ahead"]) == (
+        p.splits, p.split_len, p.block_n, p.stages, p.warps, p.ahead)
+    assert (k["maxnreg"], k["stack"], k["raw"], k["swap"]) == (p.launch.maxnreg, p.launch.stack, p.launch.raw,
+                                                               p.launch.swap)
+    assert seen["merge"] == (p.splits, p.base, p.split_len, p.block_n)

@@ -95,3 +95,36 @@ def test_given_split_count_wins(h200):
 
 def test_cpu_plans_unchanged():
     assert splits(32, 4096, device=torch.device("cpu")) == 1  # 4 programs wanted: no split
+
+
+@pytest.mark.parametrize(
+    "kind, B, capacity, expected",
+    [  # (keys a tile, warps, stages, programs a multiprocessor, splits, keys a split)
+        ("fp", 64, 8192, (32, 4, 2, 4, 2, 4096)),
+        ("q8", 8, 16384, (64, 4, 2, 4, 8, 2048)),
+        ("fp8", 8, 4096, (64, 4, 2, 4, 8, 512)),
+        ("q4", 8, 4096, (32, 1, 2, 8, 16, 256)),  # one-warp programs split down to 256 keys
+        ("q4_g32", 32, 4096, (32, 1, 2, 8, 4, 1024)),
+        ("tq", 64, 8192, (16, 1, 2, 16, 4, 2048)),  # the kernel of swapped roles: sixteen programs
+    ],
+)
+def test_the_decode_kernels_whole_launch(h200, kind, B, capacity, expected):
+    """``gluon_plan.plan``: the tile, warps, ring, programs a multiprocessor and split plan of a
+    default launch (Llama-3-8B's 32 query heads on 8 kv heads), as the H200 runs them."""
+    from kvtier.kernels import gluon_plan
+
+    p = gluon_plan.plan(kind, B, 32, 8, 128, capacity, CUDA, ta.LaunchConfig())
+    assert (p.block_n, p.warps, p.stages, p.launch.resident, p.splits, p.split_len) == expected
+    assert p.base == B * 8 and p.splits * p.split_len >= capacity > (p.splits - 1) * p.split_len
+
+
+def test_the_decode_kernels_launch_takes_a_sweeps_settings(h200):
+    """A sweep's warps and programs a multiprocessor, and a configuration's tile, ring and splits,
+    in place of the defaults; scoring ahead takes a third stage."""
+    from kvtier.kernels import gluon_plan
+
+    cfg = ta.LaunchConfig(block_n=32, num_splits=3)
+    p = gluon_plan.plan("q8", 64, 32, 8, 128, 8192, CUDA, cfg, warps=1, resident=8)
+    assert (p.block_n, p.warps, p.launch.resident, p.splits) == (32, 1, 8, 3)
+    assert gluon_plan.plan("q8", 64, 32, 8, 128, 8192, CUDA, ta.LaunchConfig(), ahead=True).stages == 3
+    assert gluon_plan.plan("q8", 64, 32, 8, 128, 8192, CUDA, ta.LaunchConfig(num_stages=2), ahead=True).ahead is False

@@ -60,13 +60,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import replace
 
 import torch
 
 from kvtier.kernels import gluon_swap
-from kvtier.kernels.gluon_plan import TILING, programs
-from kvtier.kernels.launch_plan import LaunchConfig, capability, plan_launch
+from kvtier.kernels.gluon_plan import plan
+from kvtier.kernels.launch_plan import capability
 from kvtier.kernels.triton_quant import (
     AFFINE,
     CENTROID,
@@ -563,26 +562,16 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     from kvtier.kernels.triton_attention import LOG2E, merge_splits, split_partials
 
     B, Hq, _, D = q.shape
-    H_kv = k_payload.shape[2]
-    block_n = cfg.block_n or TILING[kind][0]
-    asked = cfg.num_warps or WARPS
-    warps = asked or TILING[kind][1]
-    ahead = bool(AHEAD) and (cfg.num_stages or 3) >= 3  # (it needs a third stage)
-    resident, maxnreg, stack, raw, swap = programs(kind, Hq // H_kv, D, B * H_kv, block_n, asked,
-                                                   False if ahead else SWAP, RAW)  # fmt: skip
-    stages = cfg.num_stages or (3 if ahead else 2)
-    # one-warp programs: splits down to 256 keys (B=8 / 4k q4: 16 splits 20.4 us, 8 splits 23.3)
-    short = warps == 1 and cfg.min_split_tokens == LaunchConfig.min_split_tokens
-    plan_cfg = replace(cfg, block_n=block_n, min_split_tokens=256 if short else cfg.min_split_tokens)
-    *_, splits, split_len, base = plan_launch(B, H_kv, Hq // H_kv, 1, capacity, q.device, plan_cfg, kind != "fp",
-                                              RESIDENT or resident)
+    p = plan(kind, B, Hq, k_payload.shape[2], D, capacity, q.device, cfg, warps=WARPS, resident=RESIDENT, ahead=AHEAD,
+             swap=SWAP, raw=RAW)
+    splits = p.splits
     if out is None:
         out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
     po, pl = split_partials(out, splits)
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, q_start, capacity, out, po, pl,
-                  kind=kind, qk_scale=sm_scale * LOG2E, splits=splits, split_len=split_len, block_n=block_n, stages=stages,
-                  warps=warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero, maxnreg=maxnreg, stack=stack, ahead=ahead,
-                  raw=raw, swap=swap)
-    merge_splits(po, pl, out, splits, base, split_len, block_n)  # as the MMA kernel's launch
+                  kind=kind, qk_scale=sm_scale * LOG2E, splits=splits, split_len=p.split_len, block_n=p.block_n,
+                  stages=p.stages, warps=p.warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero, maxnreg=p.launch.maxnreg,
+                  stack=p.launch.stack, ahead=p.ahead, raw=p.launch.raw, swap=p.launch.swap)
+    merge_splits(po, pl, out, splits, p.base, p.split_len, p.block_n)  # as the MMA kernel's launch
     return out

@@ -4,12 +4,15 @@ kernel's variants a launch takes (:func:`programs`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
-from kvtier.kernels import gluon_swap
-from kvtier.kernels.launch_plan import SMALL_GRID
+import torch
 
-__all__ = ["MAXNREG_BY_KIND", "RESIDENT_BY_WARPS", "SWAPPED", "TILING", "Launch", "programs"]
+from kvtier.kernels import gluon_swap
+from kvtier.kernels.launch_plan import SMALL_GRID, LaunchConfig, plan_launch
+
+__all__ = ["MAXNREG_BY_KIND", "RESIDENT_BY_WARPS", "SWAPPED", "TILING", "Launch", "Plan", "plan", "programs"]
 
 #: a default launch by page kind on the decode kernel: (keys a tile, warps a program, programs
 #: resident a multiprocessor, whose whole waves the split plan fills). Four warps at 96-128
@@ -94,3 +97,38 @@ def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | N
     if kind == "q4_g32" and swap:  # (its codes raw, its rows its own way)
         stack, raw = False, True
     return Launch(resident, cap, stack, raw, swap)
+
+
+class Plan(NamedTuple):
+    """A whole launch of the decode kernel, as :func:`plan` makes it."""
+
+    block_n: int  # keys a tile
+    warps: int  # warps a program
+    stages: int  # tiles in the ring of shared memory
+    ahead: bool  # each tile scored an iteration ahead (a third stage)
+    launch: Launch  # programs resident, register cap and variant (:func:`programs`)
+    splits: int  # splits of each row's keys
+    split_len: int  # keys a split
+    base: int  # programs a split: (row, kv head) pairs
+
+
+def plan(kind: str, B: int, Hq: int, H_kv: int, D: int, capacity: int, device: torch.device, cfg: LaunchConfig, *,
+         warps: int | None = None, resident: int | None = None, ahead: bool | None = None, swap: bool | None = None,
+         raw: bool | None = None) -> Plan:
+    """The launch of a decode step over ``B`` rows of ``Hq`` query heads on ``H_kv`` kv heads of
+    ``D`` channels, pages of ``kind``, ``capacity`` keys a row at most: ``cfg``'s tile, ring and
+    warps where set (else :data:`TILING`'s and two stages), :func:`programs`' variant, and the
+    split plan (:func:`~kvtier.kernels.launch_plan.plan_launch`, whole waves of the programs a
+    multiprocessor holds; one-warp programs split down to 256 keys: B=8 / 4k q4, 16 splits 20.4
+    us, 8 splits 23.3). ``warps``, ``resident``, ``ahead``, ``swap`` and ``raw``: a sweep's
+    settings in place of the defaults (``None``: the defaults; ``ahead`` needs three stages)."""
+    block_n = cfg.block_n or TILING[kind][0]
+    asked = cfg.num_warps or warps
+    w = asked or TILING[kind][1]
+    ahead = bool(ahead) and (cfg.num_stages or 3) >= 3
+    launch = programs(kind, Hq // H_kv, D, B * H_kv, block_n, asked, False if ahead else swap, raw)
+    short = w == 1 and cfg.min_split_tokens == LaunchConfig.min_split_tokens
+    plan_cfg = replace(cfg, block_n=block_n, min_split_tokens=256 if short else cfg.min_split_tokens)
+    *_, splits, split_len, base = plan_launch(B, H_kv, Hq // H_kv, 1, capacity, device, plan_cfg, kind != "fp",
+                                              resident or launch.resident)
+    return Plan(block_n, w, cfg.num_stages or (3 if ahead else 2), ahead, launch, splits, split_len, base)
