@@ -62,7 +62,7 @@ def test_a_given_residency_fills_whole_waves_of_it(h200):
     # at the program-count plan's 5, whose 1,280 programs fill 2.42 waves); B=8 / 16k alike
     assert plan(32, 4096) == 2
     assert plan(8, 16384) == 8
-    assert plan(64, 8192) == 2  # never one split
+    assert plan(64, 8192) == 1  # 512 programs in 528 slots: one wave, no merge (q8 251.3 us against 261.3 at 2)
     for B in (8, 16, 32, 48, 64, 128):
         for capacity in (4096, 16384):
             s = plan(B, capacity)
@@ -100,7 +100,7 @@ def test_cpu_plans_unchanged():
 @pytest.mark.parametrize(
     "kind, B, capacity, expected",
     [  # (keys a tile, warps, stages, programs a multiprocessor, splits, keys a split)
-        ("fp", 64, 8192, (32, 4, 2, 4, 2, 4096)),
+        ("fp", 64, 8192, (32, 4, 2, 4, 1, 8192)),  # one split fills the wave
         ("q8", 8, 16384, (64, 4, 2, 4, 8, 2048)),
         ("fp8", 8, 4096, (64, 4, 2, 4, 8, 512)),
         ("q4", 8, 4096, (32, 1, 2, 8, 16, 256)),  # one-warp programs split down to 256 keys

@@ -140,11 +140,12 @@ def plan_launch(
             slots = (resident or RESIDENT_PROGRAMS) * multiprocessors(device)
             # the Gluon kernel's launches (resident given) may halve their splits twice: one
             # full wave of long splits beat more waves of short ones (H200, B=32 / 4k q8: 2
-            # splits 73.5 us, 4 splits 78.5; B=8 / 16k: 8 splits 72.1, 16 splits 76.4)
-            # (not below 2 where the launch wants more than one: at B=64 / 8k one split fills 97%
-            # of a wave with programs of 8k keys; a serving step's 2,048 pairs want one split,
-            # q8 96.8 us against 128.3 at two)
-            low = max(min(2, splits), _cdiv(splits, 4)) if resident else _cdiv(splits, 2)
+            # splits 73.5 us, 4 splits 78.5; B=8 / 16k: 8 splits 72.1, 16 splits 76.4), down to
+            # one split where that fills its wave as well as more (no merge: a serving step's
+            # 2,048 pairs, q8 96.8 us against 128.3 at two; B=64 / 8k on four programs a
+            # multiprocessor, 512 programs in 528 slots, q8 251.3 against 261.3 at two,
+            # 2026-12-05)
+            low = _cdiv(splits, 4) if resident else _cdiv(splits, 2)
             splits = _whole_waves(base, splits, most, capacity, block_n, slots, low)
     split_len = _cdiv(_cdiv(capacity, splits), block_n) * block_n
     splits = max(1, _cdiv(capacity, split_len))
