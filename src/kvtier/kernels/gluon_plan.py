@@ -22,8 +22,11 @@ __all__ = ["MAXNREG_BY_KIND", "RESIDENT_BY_WARPS", "SWAPPED", "TILING", "Launch"
 #: values' scales on the probabilities, waves of twelve were 4-7% faster at B >= 8 and contexts
 #: >= 4k but 25% slower on a serving step, 2026-12-04). TurboQuant's 16-key tiles on one warp at
 #: the cap below: twelve (32-key tiles on one warp and on four were slower, 2026-12-04); on the
-#: kernel of swapped roles, :data:`SWAPPED`'s
-TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (64, 4, 4), "q4": (32, 1, 8), "q4_g32": (32, 1, 8),
+#: kernel of swapped roles, :data:`SWAPPED`'s. fp8 on one warp (204 registers, eight programs;
+#: 2026-12-05 against 64 keys on four warps at their best split plans: a serving step 89.2 against
+#: 95.6 us, B=128 / 8k 512.3 against 555.2, B=64 / 16k 516.4 against 567.4; within 1% at B <= 32,
+#: 1.6% slower at B=64 / 8k)
+TILING = {"fp": (32, 4, 4), "q8": (64, 4, 4), "fp8": (32, 1, 8), "q4": (32, 1, 8), "q4_g32": (32, 1, 8),
           "tq": (16, 1, 12)}
 #: a register cap by page kind, for the decode kernel's launches of its :data:`TILING` tile and
 #: warps: TurboQuant's take 191 registers a thread uncapped, eight programs (B=64 / 8k 458.2 us at
