@@ -111,6 +111,8 @@ def test_the_kinds_it_reads(mode, kind):
         ("tq", 16, 128, 512, 16, None, (12, 168, False, False, False)),  # 16 heads a kv head: the decode kernel
         ("tq", 4, 128, 512, 32, None, (12, None, False, False, False)),  # another tile: the decode kernel
         ("q8", 4, 128, 512, 64, 2, (6, None, False, False, False)),
+        ("fp8", 4, 128, 512, 32, None, (8, None, False, False, False)),  # one-warp programs
+        ("fp8", 4, 128, 8, 64, None, (4, None, False, False, False)),  # a small grid: four warps
     ],
 )
 def test_programs_plan_a_launch(kind, G, D, pairs, block_n, warps, expected):

@@ -104,6 +104,7 @@ def test_cpu_plans_unchanged():
         ("q8", 8, 16384, (64, 4, 2, 4, 8, 2048)),
         ("fp8", 8, 4096, (32, 1, 2, 8, 16, 256)),  # one-warp programs, as q4
         ("fp8", 64, 8192, (32, 1, 2, 8, 2, 4096)),
+        ("fp8", 1, 16384, (64, 4, 2, 4, ta.SHORT_SPLITS, 16384 // ta.SHORT_SPLITS)),  # a small grid: four warps
         ("q8", 64, 8192, (64, 4, 2, 4, 1, 8192)),  # one split fills the wave of four programs
         ("q4", 8, 4096, (32, 1, 2, 8, 16, 256)),  # one-warp programs split down to 256 keys
         ("q4_g32", 32, 4096, (32, 1, 2, 8, 4, 1024)),
