@@ -8,21 +8,23 @@
 # Uses the machine's python3 (torch, triton, transformers, rich, pytest) with src/ (the
 # library) and benchmarks/ (kvtier_bench, behind `kvtier bench`) on PYTHONPATH, so nothing
 # is installed. Every step has a time limit and the script goes
-# on past a failure; the whole run stays under about 9 minutes. Files under $OUT (7):
+# on past a failure; the whole run stays under about 9 minutes. Files under $OUT (9):
 #   env.txt          device, driver, versions
 #   gpu_tests.log    pytest -m gpu over every test file with GPU-marked tests
 #   attention.md     kvtier bench attention (paged decode vs SDPA, quantised pages, write kernel)
+#   decode_kernel_ab.md, .json   the decode kernels' default launches on every page kind and
+#                    shape of issue 15 and a serving step, against bf16 (benchmarks/tools)
 #   decode_gpu.md    kvtier bench decode_gpu (batch 1 vs HF generate, batch 64 at 8k)
 #   hf.json          kvtier bench hf, CUDA: KVTierCache inside transformers generate
-#   bench.log        everything the three benchmarks printed
+#   bench.log        everything the benchmarks printed
 #   summary.txt      one line per step: outcome, seconds, command
 set -u
 OUT=${OUT:?set OUT to the folder the results go to}
-STEPS=${STEPS:-tests kernels attention decode_gpu hf}
+STEPS=${STEPS:-tests kernels attention decode_kernels decode_gpu hf}
 for s in $STEPS; do
-    case " tests kernels attention decode_gpu hf " in
+    case " tests kernels attention decode_kernels decode_gpu hf " in
         *" $s "*) ;;
-        *) echo "gpu_run.sh: unknown step '$s' in STEPS; the steps are: tests kernels attention decode_gpu hf" >&2
+        *) echo "gpu_run.sh: unknown step '$s' in STEPS; the steps are: tests kernels attention decode_kernels decode_gpu hf" >&2
            exit 2 ;;
     esac
 done
@@ -89,6 +91,11 @@ step kernels 90 "$OUT/gpu_tests.log" "${PYTEST[@]}" "${KERNEL_TESTS[@]}"
 # (b) paged decode attention against SDPA, quantised pages, the write kernel (tables written
 #     as they finish, so a cut run keeps what it measured)
 step attention 110 "$OUT/bench.log" "$PY" -m kvtier.cli bench attention --quant-sweep --out "$OUT/attention.md"
+
+# (b2) every decode kernel at its default launch on the shapes of issue 15, a serving step and
+#      B=128 / 8k, against bf16 (the README's table)
+step decode_kernels 120 "$OUT/bench.log" "$PY" benchmarks/tools/decode_kernel_ab.py --out "$OUT" --plans mma,default \
+    --shapes 64x8192,32x4096,8x16384,8x4096,1x4096,1x16384,128x8192,serve
 
 # (c) end to end: batch 1 against HF generate (DynamicCache, compiled StaticCache), batch 64
 #     at 8k against the roofline; the Markdown is rewritten after every section

@@ -17,7 +17,7 @@ def run(tmp_path: Path, steps: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
-@pytest.mark.parametrize("steps", ["attention", "attention hf", "decode_gpu"])
+@pytest.mark.parametrize("steps", ["attention", "attention hf", "decode_gpu", "decode_kernels"])
 def test_only_the_chosen_steps_run(tmp_path, steps):
     done = run(tmp_path, steps)
     assert done.returncode == 0, done.stderr
@@ -30,5 +30,5 @@ def test_only_the_chosen_steps_run(tmp_path, steps):
 def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
     done = run(tmp_path, "attention benchmark")
     assert done.returncode == 2
-    assert "unknown step 'benchmark'" in done.stderr and "tests kernels attention decode_gpu hf" in done.stderr
+    assert "unknown step 'benchmark'" in done.stderr and "tests kernels attention decode_kernels decode_gpu hf" in done.stderr
     assert not (tmp_path / "out").exists()
