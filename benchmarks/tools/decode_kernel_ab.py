@@ -33,8 +33,9 @@ KIND = {"fp": "fp", "q8": "q8", "q4": "q4", "fp8": "fp8", "q4_g32": "q4_g32", TQ
 
 def around_default(mode: str, rows: int, L: int, device: str) -> dict:
     """Plans around the default launch of ``rows`` rows of ``L`` keys (32/8 heads, head_dim 128):
-    twice and half its splits, a ring of three stages, and two more programs a multiprocessor at
-    its splits (under the register cap they fit in)."""
+    twice and half its splits, a ring of three stages, and its splits under the register cap at
+    which two more programs fit a multiprocessor (the split count fixed, the cap alone changes the
+    launch: how many programs a multiprocessor holds follows from the registers)."""
     from kvtier.kernels import gluon_plan
     from kvtier.kernels.launch_plan import LaunchConfig
 
@@ -48,7 +49,7 @@ def around_default(mode: str, rows: int, L: int, device: str) -> dict:
     print(f"# {mode}, {rows} rows of {L} keys: the default launch {p.splits} splits of {p.split_len} keys, "
           f"{p.launch.resident} programs a multiprocessor; '+2 programs': {more} at {cap} registers", flush=True)
     out = {"splits x2": ({}, gluon(num_splits=2 * p.splits)), "ring 3": ({}, gluon(num_stages=3)),
-           "+2 programs": (dict(RESIDENT=more, MAXNREG=cap), gluon(num_splits=p.splits))}
+           "+2 programs": (dict(MAXNREG=cap), gluon(num_splits=p.splits))}
     if p.splits > 1:
         out["splits /2"] = ({}, gluon(num_splits=p.splits // 2))
     return out

@@ -564,14 +564,13 @@ def _step(q, k_payload, v_payload, k_fmt, v_fmt, *, kind, block_tables, kv_len, 
     B, Hq, _, D = q.shape
     p = plan(kind, B, Hq, k_payload.shape[2], D, capacity, q.device, cfg, warps=WARPS, resident=RESIDENT, ahead=AHEAD,
              swap=SWAP, raw=RAW)
-    splits = p.splits
     if out is None:
         out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
-    po, pl = split_partials(out, splits)
+    po, pl = split_partials(out, p.splits)
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     launch_decode(q, k_payload, v_payload, k_fmt.scale, v_fmt.scale, block_tables, kv_len, q_start, capacity, out, po, pl,
-                  kind=kind, qk_scale=sm_scale * LOG2E, splits=splits, split_len=p.split_len, block_n=p.block_n,
+                  kind=kind, qk_scale=sm_scale * LOG2E, splits=p.splits, split_len=p.split_len, block_n=p.block_n,
                   stages=p.stages, warps=p.warps, k_zero=k_fmt.zero, v_zero=v_fmt.zero, maxnreg=p.launch.maxnreg,
                   stack=p.launch.stack, ahead=p.ahead, raw=p.launch.raw, swap=p.launch.swap)
-    merge_splits(po, pl, out, splits, p.base, p.split_len, p.block_n)  # as the MMA kernel's launch
+    merge_splits(po, pl, out, p.splits, p.base, p.split_len, p.block_n)  # as the MMA kernel's launch
     return out
