@@ -239,6 +239,9 @@ def test_prefix_cache_hits_show_in_metrics(client, model, server) -> None:
     ({"prompt": "a\ud800b"}, 400, "prompt"),  # a lone surrogate: valid (escaped) JSON, not Unicode
     ("", 400, None),
     ("null", 400, None),
+    ('{"prompt": "hi", "temperature": NaN}', 400, "temperature"),  # JSON that Python's parser takes
+    ('{"prompt": "hi", "top_p": -Infinity}', 400, "top_p"),
+    ('{"prompt": "hi", "min_p": Infinity}', 400, "min_p"),
 ])
 def test_malformed_completions_get_openai_errors(server, body, status, param) -> None:
     content = body if isinstance(body, str) else json.dumps(body)
@@ -249,6 +252,8 @@ def test_malformed_completions_get_openai_errors(server, body, status, param) ->
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if param is not None:
         assert err["param"] == param
+    if "NaN" in content or "Infinity" in content:
+        assert "finite" in err["message"], err
 
 
 def test_malformed_chat_and_routes(server, client, model) -> None:

@@ -86,7 +86,8 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # NaN and infinities (JSON that Python's parser takes) are refused as not finite
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
