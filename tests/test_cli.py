@@ -83,6 +83,28 @@ def test_prompt_from_stdin(capsys, lm, monkeypatch):
     assert len(out["tokens"]) == 3
 
 
+def test_prompt_flag_is_the_argument(capsys, lm):
+    argv = ("--raw", "--max-tokens", "3")
+    by_argument = main_json(capsys, "generate", "The capital of France is", *argv)
+    assert by_argument["prompt_tokens"] == lm.tokenizer.encode("The capital of France is")
+    for flag in ("--prompt", "-p"):
+        by_flag = main_json(capsys, "generate", flag, "The capital of France is", *argv)
+        assert (by_flag["prompt_tokens"], by_flag["tokens"]) == (by_argument["prompt_tokens"], by_argument["tokens"])
+    assert cli.main(["generate", "one", "--prompt", "two"]) == 2
+    assert "two prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt-c", "f.st", "hi"], ["generate", "hi", "--max-tok", "3"],
+                                  ["serve", "--po", "1"], ["eval", "ppl", "--cont", "64"]])
+def test_abbreviated_flags_are_refused(capsys, tmp_path, monkeypatch, argv):
+    """``--prompt-c`` is not ``--prompt-cache`` (which would write a file), nor ``--po`` ``--port``."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
 def test_flags_override_the_environment(capsys, monkeypatch):
     monkeypatch.setenv("KVTIER_OWNED_ATTN_KV", "block")
     out = main_json(capsys, "generate", "Hi", "--raw", "--max-tokens", "2")

@@ -262,6 +262,10 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     from kvtier.generate import stream_generate
     from kvtier.model.act_quant import ENV_VAR, act_quant_of, parse_act_quant
 
+    if hasattr(args, "prompt_option"):
+        if hasattr(args, "prompt"):
+            raise ValueError("two prompts: give the prompt as the argument or with --prompt, not both")
+        args.prompt = vars(args).pop("prompt_option")  # (a rank of --tensor-parallel comes back here)
     gen_config = generation_config_from_args(args)  # bad flag values fail before the model loads
     parse_act_quant(os.environ.get(ENV_VAR), source=ENV_VAR)
     cache_config = cache_config_from_args(args)

@@ -29,7 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``serve`` on the ``kvtier`` subparsers ``sub``."""
     from kvtier.quant.modes import KV_QUANT_MODES
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching",
+    p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching", allow_abbrev=False,
                        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
                                    "/v1/models, /health, /metrics) over the paged tier.")
     p.add_argument("--model", metavar="PATH", default=_ABSENT,
