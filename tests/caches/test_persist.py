@@ -97,11 +97,20 @@ def test_a_failed_save_leaves_the_old_file_and_no_temp(tmp_path, seed, monkeypat
         ([object()], None, "list"),
         ([TailOwnedKVCache()], {"bad": object()}, "JSON"),
         ([TailOwnedKVCache()], ["not", "a", "dict"], "dict"),
+        (TailOwnedKVCache(), None, r"one TailOwnedKVCache; pass \[cache\]"),
     ],
 )
 def test_bad_arguments_to_save_raise_before_writing(tmp_path, caches, metadata, match):
     with pytest.raises(ValueError, match=match):
         save_cache(tmp_path / "c.safetensors", caches, metadata=metadata)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_arguments_of_save_swapped_name_the_order(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for caches in ([TailOwnedKVCache()], TailOwnedKVCache()):
+        with pytest.raises(ValueError, match="the path comes first"):
+            save_cache(caches, "c.safetensors")
     assert list(tmp_path.iterdir()) == []
 
 

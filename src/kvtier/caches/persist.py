@@ -120,7 +120,13 @@ def save_cache(
     rename). A temporary file left by a killed save is reused; a second process
     saving to the same path at the same moment gets a ``ValueError``.
     """
+    if isinstance(path, KVCache | list | tuple):
+        raise ValueError(f"save_cache(path, caches): the path comes first, got a {type(path).__name__} "
+                         "in its place")
     target = check_save_path(path)
+    if isinstance(caches, KVCache):
+        raise ValueError(f"caches must be a list of KVCache objects, one per layer, got one "
+                         f"{type(caches).__name__}; pass [cache] for a single layer")
     if not isinstance(caches, list | tuple) or not all(isinstance(c, KVCache) for c in caches):
         raise ValueError("caches must be a list of KVCache objects, one per layer")
     metadata = {} if metadata is None else metadata
