@@ -194,14 +194,14 @@ def test_decode_plans_end_at_crop_and_resume_exactly(tier):
         for cache in (ours, ref):
             model.set_attn_implementation(ATTENTION_NAME if cache is ours else "sdpa")
             logits, m = [], mask
-            out = model(input_ids=ids, attention_mask=m, past_key_values=cache)
+            out = model(input_ids=ids, attention_mask=m, **{cache_kwarg(model): cache})
             for step in range(7):
                 if step == 3:
                     cache.crop(-2)
                     m = m[:, :-2]
                 tok = out.logits[:, -1:].argmax(-1)
                 m = torch.cat([m, torch.ones_like(tok)], dim=1)
-                out = model(input_ids=tok, attention_mask=m, past_key_values=cache)
+                out = model(input_ids=tok, attention_mask=m, **{cache_kwarg(model): cache})
                 logits.append(out.logits)
             outs.append(torch.cat(logits, 1))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

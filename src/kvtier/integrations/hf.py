@@ -72,8 +72,9 @@ register_attention()
 
 
 def cache_kwarg(model) -> str:
-    """The keyword under which ``model.generate`` takes a cache: ``"cache"`` in recent
-    transformers 5.x, ``"past_key_values"`` before (still accepted, with a warning, until 6.0)."""
+    """The keyword under which ``model.generate`` and the model's forward take a cache:
+    ``"cache"`` from transformers 5.24, ``"past_key_values"`` before (still accepted there
+    with a ``FutureWarning``: by ``generate`` until 6.0, by a model's forward until 5.40)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
