@@ -41,6 +41,7 @@ def test_non_contiguous_inputs_and_weights():
 
 
 @pytest.mark.skipif(not HAVE_ONEDNN, reason="this PyTorch has no oneDNN linear")
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # (torch's flags() on a CPU build)
 def test_onednn_only_where_it_applies():
     w, x = torch.randn(8, 4), torch.randn(3, 4)
     with torch.inference_mode():
@@ -82,6 +83,7 @@ def test_gradients_flow_through_linear():
     torch.testing.assert_close(lin.weight.grad, x.detach().sum(0).expand(3, 4))
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # (torch's flags() on a CPU build)
 def test_the_model_projections_use_it_and_agree_with_f_linear():
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=96)
     model = build_random(args, dtype=torch.float32)
