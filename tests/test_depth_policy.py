@@ -5,8 +5,10 @@ measured draft and verification costs, and batches paced by their slowest row.""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvtier.speculative import DepthPolicy
+from kvtier.speculative import MAX_DRAFT_TOKENS, DepthPolicy, SpeculativeConfig
 
 
 def test_depth_policy_backs_off_and_probes_again():
@@ -113,3 +115,46 @@ def test_depth_policy_follows_the_slowest_row_of_a_batch():
         weak.observe([6, 6], [6, 6], [6, 1])
     k_weak = weak._best([weak.alpha(1)])
     assert 0 < k_weak < 6 and weak.depths() == [k_weak, k_weak]
+
+
+def _best_by_definition(policy: DepthPolicy, alphas, limits) -> int:
+    """``DepthPolicy._best`` as its docstring defines it, each expectation summed anew."""
+    best_k, best = 0, 1.0
+    for k in range(1, max(limits, default=0) + 1):
+        expected = min(sum(a**i for i in range(min(k, lim) + 1)) for a, lim in zip(alphas, limits))
+        if expected / policy.cycle_cost(k) > best:
+            best_k, best = k, expected / policy.cycle_cost(k)
+    return best_k
+
+
+@settings(max_examples=300, deadline=None)
+@given(alphas=st.lists(st.floats(0.0, 0.999), min_size=1, max_size=4), data=st.data(),
+       verify_cost=st.floats(0.0, 0.5), draft_cost=st.floats(0.0, 0.5))
+def test_best_depth_equals_its_definition(alphas, data, verify_cost, draft_cost):
+    policy = DepthPolicy(len(alphas), 24, verify_cost=verify_cost, draft_cost=draft_cost)
+    limits = data.draw(st.lists(st.integers(0, 24), min_size=len(alphas), max_size=len(alphas)))
+    assert policy._best(alphas, limits) == _best_by_definition(policy, alphas, limits)
+    assert policy._best(alphas) == _best_by_definition(policy, alphas, [24] * len(alphas))
+
+
+def test_the_deepest_policy_plans_in_linear_time():
+    """At MAX_DRAFT_TOKENS the depth search takes one power of each row's acceptance a
+    depth (it summed each expectation anew: quadratic, minutes a step at a depth of 100,000)."""
+    powers = []
+
+    class Alpha(float):  # counts the powers taken of it
+        def __pow__(self, n):
+            powers.append(n)
+            return float(self) ** n
+
+    policy = DepthPolicy(2, MAX_DRAFT_TOKENS, verify_cost=0.0, draft_cost=0.0)
+    assert policy._best([Alpha(0.99), Alpha(0.999)]) == MAX_DRAFT_TOKENS  # free drafts: as deep as allowed
+    assert len(powers) == 2 * MAX_DRAFT_TOKENS
+    policy.hits, policy.judged = [50.0, 50.0], [50.0, 50.0]  # every draft accepted so far
+    assert policy.depths() == [MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS]
+
+
+@pytest.mark.parametrize("k", [-1, MAX_DRAFT_TOKENS + 1, 100_000, True, 2.0])
+def test_draft_tokens_out_of_range_is_refused(k):
+    with pytest.raises(ValueError, match=f"draft_tokens must be an int in \\[0, {MAX_DRAFT_TOKENS}\\]"):
+        SpeculativeConfig(draft_tokens=k)

@@ -62,6 +62,9 @@ from kvtier.limits import context_room
 from kvtier.prefill import prefill
 from kvtier.sampling import SamplingParams, process_logits
 
+#: the most drafts a row may verify in one forward (``SpeculativeConfig.draft_tokens``)
+MAX_DRAFT_TOKENS = 256
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -91,8 +94,9 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         k = self.draft_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"draft_tokens must be an int >= 0 (0 = plain decoding), got {k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be an int in [0, {MAX_DRAFT_TOKENS}] (0 = plain decoding; "
+                             f"a verification forward takes 1 + draft_tokens tokens a row), got {k!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
         for name in ("verify_cost", "draft_cost"):
@@ -241,9 +245,10 @@ class DepthPolicy:
         """The depth ``K`` maximising ``min_r E_r(min(K, limits[r])) / (1 + cost K)``."""
         limits = [self.max_k] * len(alphas) if limits is None else limits
         best_k, best = 0, 1.0
+        sums = [1.0] * len(alphas)  # E_r(min(k, limits[r])): a^0 + ... in that order, k by k
         for k in range(1, max(limits, default=0) + 1):
-            expected = min(sum(a**i for i in range(min(k, lim) + 1)) for a, lim in zip(alphas, limits))
-            rate = expected / self.cycle_cost(k)
+            sums = [e + a**k if k <= lim else e for e, a, lim in zip(sums, alphas, limits)]
+            rate = min(sums) / self.cycle_cost(k)
             if rate > best:
                 best_k, best = k, rate
         return best_k
