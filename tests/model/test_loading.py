@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtier.model import load_model
-from kvtier.model.loading import conversion_cache_dir, default_model_path
+from kvtier.model.loading import conversion_cache_dir, default_model_path, model_args
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -197,6 +197,7 @@ def test_float_gguf_equals_the_source_model(tmp_path, kind, arch):
     assert lm.args.qkv_bias == (arch == "qwen2") and lm.args.qk_norm == (arch == "qwen3")
     assert (lm.args.rope_scaling or {}).get("factor") == (8.0 if kind == "llama3.1" else None)
     assert (logits_of(lm) - hf(TOKENS).logits).abs().max().item() <= 1e-4
+    assert model_args(path) == lm.args  # the header alone gives the same shape
 
 
 @torch.no_grad()
@@ -292,6 +293,7 @@ def test_sharded_hf_folder_and_dtype(tmp_path):
     assert lm.tokenizer is None and not lm.from_cache and lm.source == tmp_path
     assert {p.dtype for p in lm.model.parameters()} == {torch.float32}  # CPU default
     assert (logits_of(lm) - hf(TOKENS).logits).abs().max().item() <= 1e-4
+    assert model_args(tmp_path) == lm.args  # config.json alone
     half = load_model(tmp_path, device="cpu", dtype=torch.bfloat16, progress=False)
     assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
     assert (logits_of(half) - hf(TOKENS).logits).abs().max().item() < 0.1
@@ -391,3 +393,9 @@ def test_cache_write_failure_only_warns(tmp_path, monkeypatch):
         warnings.simplefilter("always")
         lm = load_model(path, device="cpu", progress=False)
     assert not lm.from_cache and any("conversion cache" in str(w.message) for w in caught)
+
+
+def test_the_default_models_shape_without_its_weights(lm):
+    assert model_args() == lm.args
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        model_args("/nowhere/model.gguf")

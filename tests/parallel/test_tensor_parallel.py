@@ -78,6 +78,23 @@ def test_kv_heads_that_do_not_divide_are_refused():
         check_shardable(smollm2, 0)
 
 
+@pytest.mark.parametrize("world", [2, 99])
+def test_an_unshardable_split_is_refused_before_a_rank_starts(monkeypatch, world):
+    """run_sharded and serve_sharded read the model's shape from its header first (99 ranks
+    each loading the model would take minutes before the first of them refused)."""
+    from kvtier.parallel import launch, run, serve
+
+    def no_ranks(*a, **k):
+        raise AssertionError("a rank was started")
+
+    for module in (launch, run, serve):
+        monkeypatch.setattr(module, "run_ranks", no_ranks, raising=False)
+    with pytest.raises(ValueError, match=f"size {world} does not divide the 3 KV heads"):
+        run.run_sharded(print, world)
+    with pytest.raises(ValueError, match=f"size {world} does not divide the 3 KV heads"):
+        serve.serve_sharded(print, world)
+
+
 def test_world_refusals():
     with pytest.raises(ValueError, match="size must be an int >= 1, got 0"):
         check_world(0, "cpu")

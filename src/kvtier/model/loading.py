@@ -40,7 +40,7 @@ from kvtier.config import user_cache_dir
 from kvtier.model.llama import ModelArgs, Transformer
 from kvtier.model.packed import pack_model, packed_state
 from kvtier.model.tokenizer import Tokenizer
-from kvtier.model.weights import read_gguf, read_hf_dir
+from kvtier.model.weights import gguf_args, hf_dir_args, read_gguf, read_hf_dir
 
 #: bump when the converted layout changes; old cache entries are then ignored
 CONVERTER_VERSION = 1
@@ -199,6 +199,22 @@ def read_packed_cache(folder: Path) -> dict[str, torch.Tensor] | None:
                       stacklevel=3)
         return None
     return state
+
+
+def model_args(path: str | os.PathLike | None = None) -> ModelArgs:
+    """The shape of the model at ``path`` (as :func:`load_model` takes it; ``None``: the
+    embedded default) without its weights: a Hugging Face folder's ``config.json``, or a
+    GGUF file's header. Raises as :func:`load_model` does for a path it cannot read."""
+    source = default_model_path() if path is None else _resolve(Path(path))
+    if source.is_dir():
+        return hf_dir_args(source)
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(source))
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"{str(source)!r} cannot be read as a GGUF file ({e})") from None
+    return gguf_args(reader)
 
 
 def _resolve(path: Path) -> Path:

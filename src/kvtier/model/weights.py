@@ -182,23 +182,27 @@ def fit_llama3_scaling(rope_freqs: torch.Tensor, head_dim: int, base: float) -> 
     raise ValueError("the GGUF rope_freqs tensor matches no known Llama-3 rope scaling")
 
 
+def gguf_args(reader) -> ModelArgs:
+    """The model's shape from an open ``gguf.GGUFReader``: its metadata and tensor shapes
+    (its tensors stay memory-mapped, unread, but for ``rope_freqs``)."""
+    meta = gguf_meta(reader)
+    shapes = {t.name: tuple(reversed([int(x) for x in t.shape])) for t in reader.tensors}
+    if "blk.0.attn_q.weight" not in shapes or "token_embd.weight" not in shapes:
+        raise ValueError("the GGUF file holds no Llama-family attention/embedding tensors")
+    rope_freqs = next((torch.from_numpy(np.array(t.data, np.float32)) for t in reader.tensors
+                       if t.name == "rope_freqs.weight"), None)
+    return args_from_gguf(meta, shapes, rope_freqs)
+
+
 def read_gguf(reader, progress: Callable[[Iterable], Iterable] = iter
               ) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """Dequantise every tensor of an open ``gguf.GGUFReader`` into the fused float32 state dict."""
     import gguf
 
-    meta = gguf_meta(reader)
-    shapes = {t.name: tuple(reversed([int(x) for x in t.shape])) for t in reader.tensors}
-    by_name = {t.name: t for t in reader.tensors}
-    if "blk.0.attn_q.weight" not in shapes or "token_embd.weight" not in shapes:
-        raise ValueError("the GGUF file holds no Llama-family attention/embedding tensors")
-    rope_freqs = None
-    if "rope_freqs.weight" in by_name:
-        rope_freqs = torch.from_numpy(np.array(by_name["rope_freqs.weight"].data, np.float32))
-    args = args_from_gguf(meta, shapes, rope_freqs)
+    args = gguf_args(reader)
     tensors: dict[str, torch.Tensor] = {}
     for t in progress([t for t in reader.tensors if t.name != "rope_freqs.weight"]):
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[t.name])
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
         w = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
         if args.arch in _PERMUTED_ARCHES and ".attn_q." in t.name:
             w = unpermute_qk(w, args.n_heads)
@@ -269,10 +273,8 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
     )
 
 
-def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """Read ``config.json`` and every ``*.safetensors`` shard of a Hugging Face folder."""
-    from safetensors.torch import load_file
-
+def hf_dir_args(path: Path) -> ModelArgs:
+    """The model's shape from a Hugging Face folder's ``config.json`` (no weights read)."""
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found; a Hugging Face folder needs config.json")
@@ -284,6 +286,14 @@ def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         args = args_from_hf_config(cfg)
     except (TypeError, ValueError) as e:  # TypeError: a value of the wrong type
         raise ValueError(f"{cfg_path}: {e}") from None
+    return args
+
+
+def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Read ``config.json`` and every ``*.safetensors`` shard of a Hugging Face folder."""
+    from safetensors.torch import load_file
+
+    args = hf_dir_args(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:

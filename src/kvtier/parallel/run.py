@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvtier.model.loading import LoadedModel, default_dtype, load_model
+from kvtier.model.loading import LoadedModel, default_dtype, load_model, model_args
 from kvtier.parallel.group import DEFAULT_TIMEOUT_S, TensorParallel
 from kvtier.parallel.launch import run_ranks
 from kvtier.parallel.shard import check_shardable, shard_model
@@ -63,6 +63,7 @@ def run_sharded(
     ``fn`` and ``args`` must be picklable when spawning. A ``ValueError`` raised on
     any rank (an unshardable model, a bad flag) reaches the caller as a ``ValueError``.
     """
+    check_shardable(model_args(model), world_size)  # before a rank starts (and loads the weights)
     return run_ranks(_sharded_rank, world_size, args=(fn, model, dtype, args),
                      device_type=device_type, timeout_s=timeout_s)
 

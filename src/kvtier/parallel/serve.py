@@ -42,9 +42,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvtier.model.loading import model_args
 from kvtier.parallel.group import DEFAULT_TIMEOUT_S, TensorParallel
 from kvtier.parallel.launch import run_ranks
 from kvtier.parallel.run import load_sharded
+from kvtier.parallel.shard import check_shardable
 
 #: how long a follower waits for the next batch (an idle server sends none)
 IDLE_WAIT = datetime.timedelta(days=365)
@@ -159,6 +161,7 @@ def serve_sharded(
     if getattr(config, "async_scheduling", None):
         raise ValueError("async_scheduling=True cannot serve sharded: the other ranks need each "
                          "step's tokens on the host; leave it unset or False")
+    check_shardable(model_args(model), world_size)  # before a rank starts (and loads the weights)
     return run_ranks(_serve_rank, world_size, args=(serve_fn, args, config, model, dtype, threads),
                      device_type=device_type, timeout_s=timeout_s)
 
