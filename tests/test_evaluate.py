@@ -161,3 +161,11 @@ def test_encode_text_stops_at_max_tokens(lm):
 def test_too_little_text(lm):
     with pytest.raises(ValueError, match="at least 2"):
         evaluate_modes(lm.model, [5], EvalConfig(modes=("fp",)))
+
+
+def test_a_window_longer_than_the_models_positions_is_refused(lm, tokens):
+    limit = lm.model.args.max_position_embeddings
+    with pytest.raises(ValueError, match=f"context {limit + 1} is longer than the model's {limit} positions"):
+        evaluate_modes(lm.model, tokens, EvalConfig(context=limit + 1, modes=("fp",)))
+    short = evaluate_modes(lm.model, tokens[:40], EvalConfig(context=limit, modes=("fp",)))
+    assert short[0].tokens == 39  # one window of the whole text

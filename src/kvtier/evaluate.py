@@ -184,11 +184,15 @@ def evaluate_modes(
     tokens = list(tokens)[: config.max_tokens]
     if len(tokens) < 2:
         raise ValueError(f"the text holds {len(tokens)} tokens; perplexity needs at least 2")
+    limit = model.args.max_position_embeddings
+    if config.context > limit:
+        raise ValueError(f"context {config.context} is longer than the model's {limit} positions; "
+                         f"pass a context of {limit} or less (--context)")
     ref = next((m for m in config.modes if is_full_precision(m)), FULL_PRECISION_ALIAS)
     modes = (ref,) + tuple(m for m in config.modes if m != ref)
     base = KVCacheConfig() if base is None else base
     # a paged pool of exactly one window (the default 1024 blocks would be mostly idle)
-    blocks = math.ceil(config.context / base.paged_block_size)
+    blocks = math.ceil(min(config.context, len(tokens)) / base.paged_block_size)
     cfgs = {m: mode_config(m, base.replace(paged_num_blocks=blocks), fp_tier=config.tier) for m in modes}
     acc = {m: _Acc() for m in modes}
     device = next(model.parameters()).device
