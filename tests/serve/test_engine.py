@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from kvtier import cli
 from kvtier.config import KVCacheConfig
 from kvtier.generate import GenerationConfig, stream_generate
 from kvtier.kernels.cpu_attention import load_kernels
@@ -105,6 +106,29 @@ def test_quantised_pages_share_their_prefix(lm) -> None:
     assert shared.token_ids == fresh.generate([ids], params)[0].token_ids
     if load_kernels() is not None:  # q8 pages too are read in place by the CPU decode kernel
         assert warm.runner.caches[0].paged_stats()["attention_calls_by_backend"]["cpu"] > 0
+
+
+def test_turboquant_pages_serve_as_generate_reads_them(lm) -> None:
+    """`kvtier serve --turboquant K,V`: the engine's pages take the codec, and each request
+    (alone: the same matmul shapes) gets the tokens generate gives over the same pages."""
+    from kvtier.quant.modes import parse_turboquant
+    from kvtier.serve.cli import configs_from_args
+
+    args = cli.build_parser().parse_args(["serve", "--turboquant", "q8_0,q3_0", "--num-blocks", "64"])
+    config, _ = configs_from_args(args)
+    tq = parse_turboquant("q8_0,q3_0")
+    assert config.turboquant == tq and config.kv_quant is None
+    engine = LLMEngine(lm.model, lm.tokenizer, config)
+    cache = KVCacheConfig(tier="paged", turboquant=tq, paged_num_blocks=64)
+    for i in (1, 5):
+        ids = prompt(lm.tokenizer, i)
+        got = engine.generate([ids], RequestParams(max_tokens=6))[0]
+        ref = [r.token for r in stream_generate(lm.model, lm.tokenizer, ids, GenerationConfig(max_tokens=6),
+                                                cache_config=cache)]
+        assert list(got.token_ids) == ref
+    assert engine.stats()["kv_storage"].startswith("turboquant"), engine.stats()["kv_storage"]
+    with pytest.raises(ValueError, match="drop one of them"):
+        configs_from_args(cli.build_parser().parse_args(["serve", "--turboquant", "q8_0,q3_0", "--kv-quant", "q8"]))
 
 
 def test_preemption_with_a_small_pool_still_gives_correct_outputs(lm) -> None:

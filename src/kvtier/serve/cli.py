@@ -42,6 +42,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the model name the API reports and accepts (default: the model file's name)")
     p.add_argument("--kv-quant", dest="kv_quant", choices=("off",) + KV_QUANT_MODES, default=_ABSENT,
                    help="quantised pages")
+    p.add_argument("--turboquant", metavar="K,V", default=_ABSENT,
+                   help="TurboQuant pages: key,value codes, e.g. q8_0,q3_0 or q5_0r,q4_0 (not with --kv-quant)")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", dest="num_blocks", type=int, default=_ABSENT,
                       help="blocks in the KV pool")
@@ -87,6 +89,13 @@ def configs_from_args(args: argparse.Namespace):
     engine = {n: getattr(args, n) for n in _ENGINE_FLAGS if hasattr(args, n)}
     if engine.get("kv_quant") == "off":
         engine["kv_quant"] = None
+    if hasattr(args, "turboquant"):
+        from kvtier.quant.modes import parse_turboquant
+
+        if engine.get("kv_quant") is not None:
+            raise ValueError(f"--kv-quant {engine['kv_quant']} and --turboquant {args.turboquant} each name the "
+                             "pages' storage, and TurboQuant is its own codec; drop one of them")
+        engine["turboquant"] = parse_turboquant(args.turboquant)
     server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup") if hasattr(args, n)}
     if hasattr(args, "max_request_mb"):
         if not args.max_request_mb > 0:
