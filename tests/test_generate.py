@@ -159,6 +159,22 @@ def test_bad_prompts(lm):
         steps(lm.model, [1, 2, 3], caches, 1)
     with pytest.raises(ValueError, match="prompts must be"):
         generate(lm.model, lm.tokenizer, [])
+    with pytest.raises(ValueError, match="prompts must be.*got None"):
+        generate(lm.model, lm.tokenizer, None)
+    for bad in (torch.tensor([1.0, 2.0]), torch.zeros(1, 1, 2, dtype=torch.long), torch.tensor([True])):
+        with pytest.raises(ValueError, match="integer token ids, \\[T\\] or \\[B, T\\]"):
+            generate(lm.model, lm.tokenizer, bad)
+    with pytest.raises(ValueError, match=r"GenerationConfig, got dict; build one with GenerationConfig\(\*\*config\)"):
+        generate(lm.model, lm.tokenizer, "hi", {"max_tokens": 2})
+
+
+def test_token_id_tensors_are_prompts(lm, prompt_ids):
+    config = GenerationConfig(max_tokens=4)
+    ids = prompt_ids[0]
+    one = generate(lm.model, lm.tokenizer, ids, config)
+    assert generate(lm.model, lm.tokenizer, torch.tensor(ids), config) == one  # [T]: one prompt
+    batch = generate(lm.model, lm.tokenizer, torch.tensor([ids, ids], dtype=torch.int32), config)
+    assert batch == [one, one]  # [B, T]: a batch
 
 
 def test_stream_text_is_the_decoded_tokens_and_stats_count_them(lm, prompt_ids, reference):

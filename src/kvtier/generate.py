@@ -285,6 +285,9 @@ def stream_generate(
     are taken as already restored by the caller (``prompt_cache.restore``).
     """
     config = GenerationConfig() if config is None else config
+    if not isinstance(config, GenerationConfig):
+        raise ValueError(f"config must be a GenerationConfig, got {type(config).__name__}"
+                         + ("; build one with GenerationConfig(**config)" if isinstance(config, dict) else ""))
     kw = {"cache_config": cache_config, "caches": caches, "prompt_cache": prompt_cache,
           "on_progress": on_progress}
     if drafter is not None:  # speculative decoding builds on this module: imported when asked for
@@ -494,14 +497,30 @@ def resolve_rows(tokenizer, prompts, caches, cache_config, prompt_cache):
     return rows, cache_config, per_row
 
 
-def encode_prompts(tokenizer, prompts) -> list[list[int]]:
+def as_prompts(prompts):
+    """``prompts`` checked, an integer tensor as its list (``[T]``: one prompt, ``[B, T]``: a
+    batch); raises ``ValueError`` for anything that is not a string, a token-id list or a
+    non-empty list of them."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.is_floating_point() or prompts.is_complex() or prompts.dtype == torch.bool \
+                or prompts.dim() not in (1, 2):
+            raise ValueError(f"a tensor of prompts must hold integer token ids, [T] or [B, T]; got "
+                             f"{prompts.dtype} of shape {tuple(prompts.shape)}")
+        prompts = prompts.tolist()
     if isinstance(prompts, str):
-        return [tokenizer.encode(prompts)]
-    if not isinstance(prompts, Sequence) or isinstance(prompts, torch.Tensor) or not prompts:
+        return prompts
+    if not isinstance(prompts, Sequence) or not prompts:
         raise ValueError(
             f"prompts must be a string, a token-id list, or a non-empty list of them; got "
             f"{prompts!r:.60}"
         )
+    return prompts
+
+
+def encode_prompts(tokenizer, prompts) -> list[list[int]]:
+    prompts = as_prompts(prompts)
+    if isinstance(prompts, str):
+        return [tokenizer.encode(prompts)]
     if all(isinstance(t, int) for t in prompts):
         return [list(prompts)]
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -522,9 +541,8 @@ def generate(
     Takes the arguments of :func:`stream_generate`; with ``drafter=`` (and optionally
     ``speculative=``) the text comes from speculative decoding.
     """
-    single = isinstance(prompts, str) or (
-        isinstance(prompts, Sequence) and bool(prompts) and all(isinstance(t, int) for t in prompts)
-    )
+    prompts = as_prompts(prompts)
+    single = isinstance(prompts, str) or all(isinstance(t, int) for t in prompts)
     n = 1 if single else len(prompts)
     texts = [""] * n
     for r in stream_generate(model, tokenizer, prompts, config, **kwargs):
