@@ -184,6 +184,11 @@ def test_the_command_line_warns_and_recomputes_or_refuses_the_path(lm, tmp_path,
     assert cli.main([*argv, str(tmp_path / "fifo")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtier: error: ") and "is a FIFO" in err and len(err.splitlines()) == 1
+    notes = tmp_path / "notes.txt"  # --prompt-cache pointed at a file of something else
+    notes.write_text("my notes")
+    assert cli.main([*argv, str(notes)]) == 2
+    assert "not a kvtier cache file; saving would overwrite it" in capsys.readouterr().err
+    assert notes.read_text() == "my notes"
 
 
 def test_prompt_cache_serves_one_prompt(lm, tmp_path):

@@ -106,6 +106,25 @@ def test_bad_arguments_to_save_raise_before_writing(tmp_path, caches, metadata, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_file_of_something_else_is_never_overwritten(tmp_path):
+    notes = tmp_path / "notes.txt"
+    other = tmp_path / "weights.safetensors"  # a safetensors file, but not a cache
+    notes.write_text("my notes")
+    save_file({"w": torch.ones(2)}, str(other), metadata={"format": "pt"})
+    before = {p: p.read_bytes() for p in (notes, other)}
+    for path in before:
+        with pytest.raises(ValueError, match="not a kvtier cache file; saving would overwrite it"):
+            save_cache(path, [TailOwnedKVCache()])
+    assert {p: p.read_bytes() for p in before} == before
+    empty = tmp_path / "empty.safetensors"
+    empty.touch()
+    save_cache(empty, [TailOwnedKVCache()])  # an empty file holds nothing to lose
+    old = tmp_path / "old.safetensors"  # a cache of another version (or damaged past its header)
+    save_file({"x": torch.zeros(1)}, str(old), metadata={"format": "kvtier.cache", "format_version": "1"})
+    save_cache(old, [TailOwnedKVCache()])
+    assert len(load_cache(old)[0]) == 1 and len(load_cache(empty)[0]) == 1
+
+
 def test_the_arguments_of_save_swapped_name_the_order(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for caches in ([TailOwnedKVCache()], TailOwnedKVCache()):

@@ -74,12 +74,28 @@ def _header_crc(header: dict[str, str]) -> str:
     return str(zlib.crc32(json.dumps({k: header[k] for k in HEADER_FIELDS}, sort_keys=True).encode()))
 
 
+def is_cache_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` opens as a safetensors file whose header names this format (of any
+    version; its tensors and checksums are not read)."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= min(os.fstat(f.fileno()).st_size - 8, 1 << 30):
+                return False
+            header = json.loads(f.read(size))
+        return header.get("__metadata__", {}).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):  # (UnicodeDecodeError and JSON errors are ValueErrors)
+        return False
+
+
 def check_save_path(path: str | os.PathLike) -> Path:
     """The regular file that saving to ``path`` replaces: ``path``, or the file its symlink names.
 
     Raises ``ValueError`` (and touches nothing) when ``path`` names a directory, a
     device, a FIFO or a socket, or a symlink to one; when it is a dangling symlink;
-    and when its folder is missing or not writable (folders are never created).
+    when it is a file of something else (not empty and not a kvtier cache of any
+    version: :func:`is_cache_file`), which saving would overwrite; and when its folder
+    is missing or not writable (folders are never created).
     """
     path = Path(path)
     try:
@@ -97,6 +113,9 @@ def check_save_path(path: str | os.PathLike) -> Path:
         raise ValueError(f"{path} is a {kind}{via}, not a regular file; caches are saved only to "
                          "regular files: pass a file path such as prompt.safetensors")
     target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    if st is not None and st.st_size > 0 and not is_cache_file(target):
+        raise ValueError(f"{path} exists and is not a kvtier cache file; saving would overwrite it: "
+                         "pass another path, or delete the file first")
     folder = target.parent
     if not folder.is_dir():
         raise ValueError(f"{path}: its folder {folder} does not exist; create it first "
