@@ -52,3 +52,24 @@ def test_cpu_products_refuses_bad_sizes_before_measuring(capsys, argv, named):
 
     assert cli.main(["bench", "cpu_products", *argv]) == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["decode", "--repeats", "0"], "--repeats must be at least 1"),
+    (["serve", "--input-len", "abc"], "--input-len takes MIN,MAX prompt tokens"),
+    (["serve", "--input-len", "64"], "got '64'"),
+    (["serve", "--input-len", "10,5"], "got --input-len 10,5"),
+    (["serve", "--num-requests", "0"], "--num-requests 0"),
+])
+def test_bench_flags_are_refused_before_a_model_loads(capsys, monkeypatch, argv, named):
+    from kvtier import cli
+    from kvtier_bench import serve
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("kvtier.model.load_model", no_model)  # (decode imports it when it runs)
+    monkeypatch.setattr(serve, "load", no_model)
+    assert cli.main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err, err

@@ -97,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.prompt_tokens < 2 or args.new_tokens < 2:
         raise ValueError("--prompt-tokens and --new-tokens must be at least 2")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1 (timed rounds), got {args.repeats}")
     if args.act_quant is not None and (device.type != "cpu" or args.tier != "tail"):
         raise ValueError(f"--act-quant acts in the CPU decode step over the tail tier, not {device.type} "
                          f"with --tier {args.tier}; use --device cpu and --tier tail")

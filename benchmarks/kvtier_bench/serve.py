@@ -113,9 +113,15 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    lo, hi = (int(x) for x in args.input_len.split(","))
+    try:
+        lo, hi = (int(x) for x in args.input_len.split(","))
+    except ValueError:
+        raise ValueError(f"--input-len takes MIN,MAX prompt tokens, two whole numbers such as 64,512; "
+                         f"got {args.input_len!r}") from None
     if not 1 <= lo <= hi or args.output_len < 1 or args.num_requests < 1:
-        raise ValueError("--input-len MIN,MAX needs 1 <= MIN <= MAX; --output-len and --num-requests >= 1")
+        raise ValueError(f"--input-len MIN,MAX needs 1 <= MIN <= MAX; --output-len and --num-requests >= 1; "
+                         f"got --input-len {lo},{hi} --output-len {args.output_len} "
+                         f"--num-requests {args.num_requests}")
     model, label = load(args, device)
     rng = random.Random(args.seed)
     vocab = model.args.vocab_size
