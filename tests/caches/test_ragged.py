@@ -231,6 +231,24 @@ def test_freeze_before_first_write_and_reserve():
     assert grown.stats()["grow_events"] == 2  # the seed's allocation and the reservation
 
 
+def test_a_reservation_that_cannot_be_allocated_is_a_capacity_error_and_changes_nothing(monkeypatch):
+    cache = seeded(step=8)
+    before = frozen_state(cache)
+    real = torch.Tensor.new_zeros
+
+    def refuse_large(self, *size, **kw):  # as the allocator refuses 10^12 positions
+        if size[2] > 1000:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real(self, *size, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "new_zeros", refuse_large)
+    with pytest.raises(RaggedCapacityError, match="allocating 1000000000008 positions of 3 rows failed .* the "
+                                                  "cache is unchanged"):
+        cache.reserve(10**12)
+    assert_unchanged(cache, before)
+    cache.reserve(16)  # what fits still does
+
+
 def test_seeded_host_bound_writes_never_read_the_device(monkeypatch):
     torch.manual_seed(2)
     tail = TailOwnedKVCache(step=8)

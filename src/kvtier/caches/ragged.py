@@ -142,11 +142,13 @@ class RaggedBatchKVCache(RowKVCache):
     def _reallocate(self, cap: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         """Zeroed ``cap``-slot buffers holding the live prefix. Zeroed, not empty: masked
         slots still enter the matmuls, and garbage there could be NaN."""
-        B, H, _, Dk = like_k.shape
-        dev = like_k.device
+        (B, H, _, Dk), dev = like_k.shape, like_k.device
+        try:
+            new_k, new_v = like_k.new_zeros(B, H, cap, Dk), like_v.new_zeros(B, H, cap, like_v.shape[3])
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise RaggedCapacityError(f"allocating {cap} positions of {B} rows failed ({str(e)[:160]}); the "
+                                      "cache is unchanged: reserve or write less, or filter out rows") from e
         self._changed()
-        new_k = like_k.new_zeros(B, H, cap, Dk)
-        new_v = like_v.new_zeros(B, H, cap, like_v.shape[3])
         if self.keys is not None:
             n = min(self._live(), cap)
             new_k[:, :, :n], new_v[:, :, :n] = self.keys[:, :, :n], self.values[:, :, :n]
