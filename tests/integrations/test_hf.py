@@ -429,8 +429,11 @@ def test_transformers_version_check():
 
 
 def test_bad_arguments_raise_and_leave_the_cache_unchanged():
-    with pytest.raises(ValueError, match="KVCacheConfig"):
+    with pytest.raises(ValueError, match=r"KVCacheConfig or None, got dict; build one \(KVCacheConfig\("):
         KVTierCache({"tier": "paged"})
+    with pytest.raises(ValueError, match=r"model_config must be a transformers model config \(model.config\)"
+                                         " or None, got str"):
+        KVTierCache(model_config="llama")
     layer = layer_for("tail")
     layer.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
     with pytest.raises(ValueError, match="crop"):

@@ -105,9 +105,13 @@ class KVTierCache(Cache):
         config = KVCacheConfig.from_env() if config is None else config
         if not isinstance(config, KVCacheConfig):
             raise ValueError(
-                f"config must be a kvtier KVCacheConfig or None, got {type(config).__name__}; "
-                "pass the model's config as model_config=model.config"
+                f"config must be a kvtier KVCacheConfig or None, got {type(config).__name__}; build "
+                "one (KVCacheConfig(tier='paged', ...)), and pass the model's own config as "
+                "model_config=model.config"
             )
+        if model_config is not None and not hasattr(model_config, "get_text_config"):
+            raise ValueError(f"model_config must be a transformers model config (model.config) or None, "
+                             f"got {type(model_config).__name__}")
         self.kv_config = config
         self.model_config = model_config
         self._text_config = None
