@@ -10,8 +10,12 @@ The engine joins the three parts below the HTTP layer and drives them a step at 
   and seeded generator, detokenises incrementally, holds back text that may begin a
   stop string (:class:`kvtier.generate.RowText`), and ends requests at a stop.
 
-It is single-threaded; :class:`kvtier.serve.async_engine.AsyncLLMEngine` runs it in a
-background thread for the server.
+Its calls may come from several threads: each runs alone (one lock), and a
+:meth:`LLMEngine.generate` call runs its prompts to completion before another call starts.
+Requests queued with ``add_request`` and stepped by hand belong to one thread (a ``generate``
+call steps them too, and drops their outputs). For many concurrent streams,
+:class:`kvtier.serve.async_engine.AsyncLLMEngine` runs the engine in a background thread,
+as the server does.
 
 Asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on CUDA). A
 step's host work (scheduling, building the step's inputs, detokenising, stop strings)
@@ -41,9 +45,11 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import random
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -166,6 +172,17 @@ class _Launched:
         return PendingTokens(self.tokens, {r.request_id: i for i, r in enumerate(self.requests)})
 
 
+def _serialised(method):
+    """``method`` of :class:`LLMEngine` under the engine's lock: one call at a time."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class LLMEngine:
     """Continuous-batching engine over the paged tier (see the module docstring).
 
@@ -202,6 +219,7 @@ class LLMEngine:
                                  else config.async_scheduling)
         self._inflight: _Launched | None = None
         self._live: dict[str, _Live] = {}
+        self._lock = threading.RLock()  # one call at a time (module docstring)
         self._ids = itertools.count()
         self.steps = self.prompt_tokens = self.generation_tokens = 0
 
@@ -215,6 +233,7 @@ class LLMEngine:
                                  c.turboquant)
 
     # -- requests ---------------------------------------------------------------------------------
+    @_serialised
     def add_request(self, prompt_token_ids: Sequence[int], params: RequestParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request; returns its id (``request_id`` or a fresh one).
@@ -256,11 +275,13 @@ class LLMEngine:
         self.prompt_tokens += len(ids)
         return rid
 
+    @_serialised
     def abort(self, request_id: str) -> bool:
         """Drop a request, waiting or running; its blocks are freed. False if it was not live."""
         self._live.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
+    @_serialised
     def abort_all(self) -> list[str]:
         """Drop every request (after a failed step) and the step in flight; returns their ids."""
         ids = list(dict.fromkeys([*self.scheduler.requests, *self._live]))
@@ -274,6 +295,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- one step ---------------------------------------------------------------------------------
+    @_serialised
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; an output for every request that got a token (with
         asynchronous scheduling, the tokens of the step before, see the module docstring)."""
@@ -369,6 +391,7 @@ class LLMEngine:
         return (TokenLogprob(token, float(chosen), tuple(zip(idx.tolist(), vals.tolist()))),)
 
     # -- start-up -----------------------------------------------------------------------------------
+    @_serialised
     def warm_up(self, new_tokens: int = 4) -> dict[str, int | float]:
         """Run made-up requests through each kind of step the engine takes, then forget them.
 
@@ -442,6 +465,7 @@ class LLMEngine:
         }
 
     # -- convenience -----------------------------------------------------------------------------------
+    @_serialised
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: RequestParams | Sequence[RequestParams] | None = None) -> list[RequestOutput]:
         """Run ``prompts`` (token-id lists) to completion together; one merged output per prompt
