@@ -134,28 +134,16 @@ def test_turboquant_pages_serve_as_generate_reads_them(lm) -> None:
 def test_generate_from_several_threads_runs_each_call_alone(lm) -> None:
     """Four threads call generate() at once: each gets its prompts' tokens (the calls
     interleaved inside the engine before, failing on each other's rows)."""
-    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     tok = lm.tokenizer
     engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=128))
     prompts = [prompt(tok, i) for i in range(4)]
     params = RequestParams(max_tokens=5)
     want = [list(engine.generate([p], params)[0].token_ids) for p in prompts]
-    got: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
-
-    def call(i: int) -> None:
-        try:
-            got[i] = list(engine.generate([prompts[i]], params)[0].token_ids)
-        except BaseException as e:  # noqa: BLE001 (reported below)
-            errors.append(e)
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors and [got.get(i) for i in range(4)] == want
+    with ThreadPoolExecutor(4) as pool:  # (a call's error is raised here)
+        got = list(pool.map(lambda p: list(engine.generate([p], params)[0].token_ids), prompts, timeout=120))
+    assert got == want
     s = engine.stats()
     assert s["running"] == s["waiting"] == 0 and s["free_blocks"] == 128
 
