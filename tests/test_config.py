@@ -383,3 +383,21 @@ def test_kv_dtype_builds_narrow_tail_caches_and_is_refused_elsewhere():
         KVCacheConfig.from_env({"KVTIER_OWNED_ATTN_KV_DTYPE": "int8"})
     with pytest.raises(ValueError, match=r"applies to the tail tier, not paged.*kv_quant"):
         KVCacheConfig.from_env({"KVTIER_OWNED_ATTN_KV_DTYPE": "float16", "KVTIER_PAGED_ATTN": "1"})
+
+
+@pytest.mark.parametrize("env, tier", [({"KVTIER_PAGED_KV_QUANT": "q8"}, "tail"),
+                                       ({"KVTIER_PAGED_TURBOQUANT": "1", "KVTIER_OWNED_ATTN_KV": "block"}, "block")])
+def test_quantised_storage_without_the_paged_tier_warns_where_caches_are_built(env, tier, recwarn):
+    """The storage variables name the paged tier's pages: set beside another tier they store
+    nothing, and building caches says so (the environment may switch KVTIER_PAGED_ATTN alone)."""
+    config = KVCacheConfig.from_env(env)
+    assert config.tier == tier
+    with pytest.warns(UserWarning, match=f"stores the paged tier's pages, but the tier is {tier}.*KVTIER_PAGED_ATTN=1"):
+        caches = make_caches(2, config)
+    assert all(c.tier == tier for c in caches)
+    with pytest.warns(UserWarning, match="stays in full precision|stay in full precision"):
+        configure_kv_cache([TailOwnedKVCache()], config)
+    paged = KVCacheConfig.from_env({**env, "KVTIER_PAGED_ATTN": "1"})
+    assert paged.unused_storage() is None and KVCacheConfig().unused_storage() is None
+    make_caches(1, paged)
+    assert not [w for w in recwarn if "paged tier's pages" in str(w.message)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +141,16 @@ class KVCacheConfig:
 
     def replace(self, **changes: Any) -> KVCacheConfig:
         return dataclasses.replace(self, **changes)
+
+    def unused_storage(self) -> str | None:
+        """Why ``kv_quant`` / ``turboquant`` store nothing here (set with another tier than
+        paged, as an environment that switches ``KVTIER_PAGED_ATTN`` may leave them), or
+        ``None``; :func:`make_caches` and :func:`configure_kv_cache` warn with it."""
+        field = "turboquant" if self.turboquant is not None else "kv_quant" if self.kv_quant else None
+        if field is None or self.tier == "paged" or not self.enabled:
+            return None
+        return (f"{_setting(field)} stores the paged tier's pages, but the tier is {self.tier}: keys and "
+                "values stay in full precision; set KVTIER_PAGED_ATTN=1 (tier='paged') to store them so")
 
     @property
     def per_row(self) -> bool:
@@ -459,6 +470,8 @@ def make_caches(
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
         raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
     config = KVCacheConfig.from_env() if config is None else config
+    if (why := config.unused_storage()) is not None:
+        warnings.warn(why, UserWarning, stacklevel=2)
     cls = _tier_class(config.tier)
     params = config.tier_params()
     if config.tier in ("ragged", "paged"):
@@ -490,6 +503,8 @@ def configure_kv_cache(caches: list, config: KVCacheConfig | None = None) -> dic
     if not config.enabled:
         stats["skipped"] = len(caches)
         return stats
+    if (why := config.unused_storage()) is not None:
+        warnings.warn(why, UserWarning, stacklevel=2)
     cls = _tier_class(config.tier)
     params = config.tier_params()
     converted = []
