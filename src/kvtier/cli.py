@@ -78,7 +78,7 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     for name in package.names():
         module = importlib.import_module(f"kvtier_bench.{name}")
         help_text = (module.__doc__ or name).splitlines()[0].rstrip(".")
-        p = bsub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
+        p = bsub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
 
@@ -90,17 +90,25 @@ def _benchmarks_missing(args: argparse.Namespace) -> int:
     )
 
 
+class WholeNamesParser(argparse.ArgumentParser):
+    """Flags by their whole names only (``--prompt`` is not ``--prompt-cache``); subcommands'
+    parsers are of their parent's class, so every ``kvtier`` command takes this."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvtier.evaluate import EvalConfig
     from kvtier.generate import GenerationConfig
     from kvtier.sampling import SamplingParams
     from kvtier.speculative import SpeculativeConfig
 
-    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = WholeNamesParser(prog="kvtier", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text with a model over any cache tier", allow_abbrev=False)
+    gen = sub.add_parser("generate", help="generate text with a model over any cache tier")
     gen.add_argument("prompt", nargs="?", default=_ABSENT, help="the prompt (default: read stdin)")
     gen.add_argument("-p", "--prompt", dest="prompt_option", metavar="TEXT", default=_ABSENT,
                      help="the prompt, as a flag (in place of the argument)")
@@ -149,18 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "(gloo); spawns its workers, or is one of them under torchrun")
     gen.set_defaults(_run=cli_run.run_generate)
 
-    info = sub.add_parser("info", help="model, device, dtype and the resolved cache configuration",
-                          allow_abbrev=False)
+    info = sub.add_parser("info", help="model, device, dtype and the resolved cache configuration")
     _model_flags(info)
     _cache_flags(info)
     info.add_argument("--json", action="store_true")
     info.set_defaults(_run=cli_run.run_info)
 
-    ev = sub.add_parser("eval", help="quality of cache modes against full precision", allow_abbrev=False)
+    ev = sub.add_parser("eval", help="quality of cache modes against full precision")
     esub = ev.add_subparsers(dest="metric", required=True)
     for metric, text in (("ppl", "perplexity of each mode"),
                          ("kl", "KL divergence and top-1 agreement of each mode against fp")):
-        p = esub.add_parser(metric, help=text, description=text, allow_abbrev=False)
+        p = esub.add_parser(metric, help=text, description=text)
         p.add_argument("--file", default=_ABSENT,
                        help="UTF-8 text file (default: Python's pydoc_data.topics)")
         p.add_argument("--context", type=int, default=_ABSENT,
@@ -180,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         _model_flags(p)
         p.set_defaults(_run=cli_run.run_eval)
 
-    _bench_parsers(sub.add_parser("bench", help="run a benchmark and print its table", allow_abbrev=False))
+    _bench_parsers(sub.add_parser("bench", help="run a benchmark and print its table"))
     from kvtier.serve.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)  # kvtier serve (its _run is kvtier.serve.cli.run_serve)

@@ -35,19 +35,10 @@ def _given(args: argparse.Namespace, *names: str) -> dict:
 def cache_config_from_args(args: argparse.Namespace):
     """``KVCacheConfig.from_env()`` with the flags' changes applied (flags win)."""
     from kvtier.config import KVCacheConfig
-    from kvtier.quant.modes import parse_kv_quant, parse_turboquant
+    from kvtier.quant.modes import parse_storage_flags
 
     given = vars(args)
-    changes = {}
-    if "kv_quant" in given:
-        changes["kv_quant"] = parse_kv_quant(given["kv_quant"])
-    if "turboquant" in given:
-        if changes.get("kv_quant") is not None:
-            raise ValueError(
-                f"--kv-quant {given['kv_quant']} and --turboquant {given['turboquant']} each name "
-                "the paged tier's storage, and TurboQuant is its own codec; drop one of them"
-            )
-        changes["turboquant"] = parse_turboquant(given["turboquant"])
+    changes = parse_storage_flags(given.get("kv_quant"), given.get("turboquant"))
     quant = changes.get("kv_quant") is not None or "turboquant" in changes
     if "tier" in given:
         if quant and given["tier"] != "paged":

@@ -76,7 +76,8 @@ def _header_crc(header: dict[str, str]) -> str:
 
 def is_cache_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` opens as a safetensors file whose header names this format (of any
-    version; its tensors and checksums are not read)."""
+    version; its tensors and checksums are not read). The header is read by hand: ``safe_open``
+    also checks the tensors' extent, and a cache cut short past its header is still one."""
     try:
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")

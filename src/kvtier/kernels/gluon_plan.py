@@ -4,7 +4,6 @@ kernel's variants a launch takes (:func:`programs`)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -145,7 +144,7 @@ def plan(kind: str, B: int, Hq: int, H_kv: int, D: int, capacity: int, device: t
     ahead = bool(ahead) and (cfg.num_stages or 3) >= 3
     launch = programs(kind, Hq // H_kv, D, B * H_kv, block_n, asked, False if ahead else swap, raw)
     short = w == 1 and cfg.min_split_tokens == LaunchConfig.min_split_tokens
-    plan_cfg = replace(cfg, block_n=block_n, min_split_tokens=256 if short else cfg.min_split_tokens)
-    *_, splits, split_len, base = plan_launch(B, H_kv, Hq // H_kv, 1, capacity, device, plan_cfg, kind != "fp",
-                                              resident or launch.resident)
+    *_, splits, split_len, base = plan_launch(B, H_kv, Hq // H_kv, 1, capacity, device, cfg, kind != "fp",
+                                              resident or launch.resident, block_n=block_n,
+                                              min_split_tokens=256 if short else None)
     return Plan(block_n, w, cfg.num_stages or (3 if ahead else 2), ahead, launch, splits, split_len, base)

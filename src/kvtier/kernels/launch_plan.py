@@ -103,9 +103,11 @@ def _capability(index: int) -> tuple[int, int]:
 
 def plan_launch(
     B: int, H_kv: int, G: int, T: int, capacity: int, device: torch.device, cfg: LaunchConfig,
-    quantised: bool = False, resident: int | None = None,
+    quantised: bool = False, resident: int | None = None, *, block_n: int | None = None,
+    min_split_tokens: int | None = None,
 ) -> tuple[int, int, int, int, int, int]:
-    """``(block_m, m_tiles, block_n, num_splits, split_len, programs_per_split)`` of one launch.
+    """``(block_m, m_tiles, block_n, num_splits, split_len, programs_per_split)`` of one launch
+    (``block_n``, ``min_split_tokens``: in place of ``cfg``'s, without a new config a step).
 
     Splits: enough programs for ``8 x`` the multiprocessors, each split at least
     ``min_split_tokens`` long (one tile, and at most :data:`SHORT_SPLITS` splits, when
@@ -120,10 +122,10 @@ def plan_launch(
     block_m = cfg.block_m or max(16, min(64, _next_pow2(rows)))
     m_tiles = _cdiv(rows, block_m)
     if device.type != "cuda":
-        block_n = cfg.block_n or 32
+        block_n = block_n or cfg.block_n or 32
     else:
         # H200 sweep: bf16 pages 64 keys a tile; quantised pages 128 (twice the bytes in flight)
-        block_n = cfg.block_n or (128 if quantised else 64)
+        block_n = block_n or cfg.block_n or (128 if quantised else 64)
     base = B * H_kv * m_tiles
     if cfg.num_splits is not None:
         splits = max(1, cfg.num_splits)
@@ -131,7 +133,7 @@ def plan_launch(
         want = _cdiv(_target_programs(device), base)
         # a small grid (B=1: 8 kv heads) splits down to one tile per split, at most SHORT_SPLITS
         # splits (H200, B=1: 4k context 21.8 -> 13.8 us, 16k 30.4 -> 26.2 us; B=8 keeps 512 keys)
-        min_split = cfg.min_split_tokens if base >= SMALL_GRID else block_n
+        min_split = (min_split_tokens or cfg.min_split_tokens) if base >= SMALL_GRID else block_n
         if base < SMALL_GRID:
             want = min(want, SHORT_SPLITS)
         most = max(1, _cdiv(capacity, max(min_split, block_n)))

@@ -182,11 +182,16 @@ def fit_llama3_scaling(rope_freqs: torch.Tensor, head_dim: int, base: float) -> 
     raise ValueError("the GGUF rope_freqs tensor matches no known Llama-3 rope scaling")
 
 
+def _gguf_shape(t) -> tuple[int, ...]:
+    """A GGUF tensor's shape in torch's order (GGUF lists the fastest dimension first)."""
+    return tuple(reversed([int(x) for x in t.shape]))
+
+
 def gguf_args(reader) -> ModelArgs:
     """The model's shape from an open ``gguf.GGUFReader``: its metadata and tensor shapes
     (its tensors stay memory-mapped, unread, but for ``rope_freqs``)."""
     meta = gguf_meta(reader)
-    shapes = {t.name: tuple(reversed([int(x) for x in t.shape])) for t in reader.tensors}
+    shapes = {t.name: _gguf_shape(t) for t in reader.tensors}
     if "blk.0.attn_q.weight" not in shapes or "token_embd.weight" not in shapes:
         raise ValueError("the GGUF file holds no Llama-family attention/embedding tensors")
     rope_freqs = next((torch.from_numpy(np.array(t.data, np.float32)) for t in reader.tensors
@@ -202,7 +207,7 @@ def read_gguf(reader, progress: Callable[[Iterable], Iterable] = iter
     args = gguf_args(reader)
     tensors: dict[str, torch.Tensor] = {}
     for t in progress([t for t in reader.tensors if t.name != "rope_freqs.weight"]):
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(x) for x in t.shape])))
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(_gguf_shape(t))
         w = torch.from_numpy(np.array(w, dtype=np.float32))  # own, writable copy
         if args.arch in _PERMUTED_ARCHES and ".attn_q." in t.name:
             w = unpermute_qk(w, args.n_heads)

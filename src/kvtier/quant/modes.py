@@ -143,6 +143,21 @@ def parse_turboquant(spec: str) -> TurboQuantConfig:
     return TurboQuantConfig(key_quant=key, value_quant=value, rotate_keys=rotate)
 
 
+def parse_storage_flags(kv_quant: str | None, turboquant: str | None) -> dict:
+    """The pages' storage from the ``--kv-quant`` and ``--turboquant`` flags as text (``None``:
+    not given): ``{"kv_quant": ...}`` and ``{"turboquant": TurboQuantConfig}`` for those given.
+    Both naming a codec is a ``ValueError``: TurboQuant is its own codec."""
+    out: dict = {} if kv_quant is None else {"kv_quant": parse_kv_quant(kv_quant)}
+    if turboquant is not None:
+        if out.get("kv_quant") is not None:
+            raise ValueError(
+                f"--kv-quant {kv_quant} and --turboquant {turboquant} each name the paged tier's "
+                "storage, and TurboQuant is its own codec; drop one of them"
+            )
+        out["turboquant"] = parse_turboquant(turboquant)
+    return out
+
+
 def parse_mode(name: str) -> tuple[str | None, TurboQuantConfig | None]:
     """A mode name (grammar in the module docstring) -> ``(kv_quant, turboquant)``,
     the arguments :func:`kvtier.quant.make_codecs` and the paged tier take;

@@ -29,7 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``serve`` on the ``kvtier`` subparsers ``sub``."""
     from kvtier.quant.modes import KV_QUANT_MODES
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching", allow_abbrev=False,
+    p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching",
                        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
                                    "/v1/models, /health, /metrics) over the paged tier.")
     p.add_argument("--model", metavar="PATH", default=_ABSENT,
@@ -83,19 +83,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def configs_from_args(args: argparse.Namespace):
     """``(EngineConfig, ServerConfig)`` from the flags that were given."""
+    from kvtier.quant.modes import parse_storage_flags
     from kvtier.serve.api import ServerConfig
     from kvtier.serve.engine import EngineConfig
 
     engine = {n: getattr(args, n) for n in _ENGINE_FLAGS if hasattr(args, n)}
-    if engine.get("kv_quant") == "off":
-        engine["kv_quant"] = None
-    if hasattr(args, "turboquant"):
-        from kvtier.quant.modes import parse_turboquant
-
-        if engine.get("kv_quant") is not None:
-            raise ValueError(f"--kv-quant {engine['kv_quant']} and --turboquant {args.turboquant} each name the "
-                             "pages' storage, and TurboQuant is its own codec; drop one of them")
-        engine["turboquant"] = parse_turboquant(args.turboquant)
+    engine |= parse_storage_flags(getattr(args, "kv_quant", None), getattr(args, "turboquant", None))
     server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup") if hasattr(args, n)}
     if hasattr(args, "max_request_mb"):
         if not args.max_request_mb > 0:
