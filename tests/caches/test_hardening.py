@@ -20,7 +20,7 @@ import weakref
 import pytest
 import torch
 
-from kvtier.caches.base import CopyTimer, RowKVCache
+from kvtier.caches.base import CacheCapacityError, CopyTimer, RowKVCache
 from kvtier.caches.block_owned import BlockOwnedKVCache
 from kvtier.caches.checks import ConcurrentCacheUse
 from kvtier.caches.paged import PagedKVCache
@@ -113,6 +113,32 @@ def test_a_bad_write_is_refused_and_changes_nothing(tier, mistake, first):
         assert cache.pool.allocated == allocated and (cache.codecs is None) == (not allocated)
     cache.update(*kv(3, seed=1))  # and the cache still takes a good write
     assert cache.size() == (3 if first else 6)
+
+
+@pytest.mark.parametrize("tier", ["tail", "block", "ragged"])
+def test_storage_the_allocator_refuses_is_a_capacity_error_and_changes_nothing(tier, monkeypatch):
+    cache = TIERS[tier]()
+    cache.update(*kv(3))
+    before = snapshot(cache)
+    real = {name: getattr(torch.Tensor, name) for name in ("new_empty", "new_zeros")}
+    calls = []
+
+    def refusing(name):
+        def alloc(self, *size, **kw):  # the write's second buffer is refused, its first was made
+            calls.append(name)
+            if len(calls) > 1:
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+            return real[name](self, *size, **kw)
+        return alloc
+
+    with monkeypatch.context() as m:
+        for name in real:
+            m.setattr(torch.Tensor, name, refusing(name))
+        with pytest.raises(CacheCapacityError, match="allocating .* failed .* the cache is unchanged"):
+            cache.update(*kv(20, seed=1))
+    assert_same(before, snapshot(cache))
+    cache.update(*kv(20, seed=1))  # with memory again, the same write lands whole
+    assert torch.equal(live(cache)[0][:, :, 3:], kv(20, seed=1)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.bool, torch.complex64])

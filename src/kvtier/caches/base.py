@@ -62,7 +62,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -77,6 +78,19 @@ from kvtier.caches.checks import exclusive as exclusive
 
 class CacheCapacityError(MemoryError):
     """A write would pass a capacity the cache must not exceed (frozen or fixed)."""
+
+
+@contextmanager
+def allocating(what: str, fix: str, error: type[CacheCapacityError] = CacheCapacityError) -> Iterator[None]:
+    """Allocate a tier's new storage inside: the allocator's refusal (``torch.OutOfMemoryError``
+    is a ``RuntimeError``) leaves as ``error``, a capacity error naming ``what`` and ``fix``.
+    The tier allocates everything it needs inside and changes itself only after."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:
+        if isinstance(e, CacheCapacityError):
+            raise
+        raise error(f"allocating {what} failed ({str(e)[:160]}); the cache is unchanged: {fix}") from e
 
 
 @dataclass

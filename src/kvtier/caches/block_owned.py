@@ -17,6 +17,7 @@ from kvtier.caches.base import (
     CopyTimer,
     KVCache,
     ScalarKVCache,
+    allocating,
     check_kv,
     check_queries,
     exclusive,
@@ -66,10 +67,15 @@ class BlockOwnedKVCache(ScalarKVCache):
     def _ensure_capacity_for(self, end: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         """Allocate blocks until positions ``[0, end)`` have storage (one grow event each)."""
         B, H, _, Dk = like_k.shape
-        while self.capacity < end:
-            self.key_blocks.append(like_k.new_empty(B, H, self.block_size, Dk))
-            self.value_blocks.append(like_v.new_empty(B, H, self.block_size, like_v.shape[3]))
-            self.copy_stats.grow_events += 1
+        n = math.ceil(end / self.block_size) - self.num_blocks
+        if n <= 0:
+            return
+        with allocating(f"{n} blocks of {self.block_size} positions", "write fewer tokens, or free memory"):
+            keys = [like_k.new_empty(B, H, self.block_size, Dk) for _ in range(n)]
+            values = [like_v.new_empty(B, H, self.block_size, like_v.shape[3]) for _ in range(n)]
+        self.key_blocks += keys
+        self.value_blocks += values
+        self.copy_stats.grow_events += n
 
     @exclusive
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> None:

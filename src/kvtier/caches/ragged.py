@@ -25,6 +25,7 @@ from kvtier.caches.base import (
     CopyTimer,
     KVCache,
     RowKVCache,
+    allocating,
     check_indices,
     check_kv,
     check_queries,
@@ -143,11 +144,9 @@ class RaggedBatchKVCache(RowKVCache):
         """Zeroed ``cap``-slot buffers holding the live prefix. Zeroed, not empty: masked
         slots still enter the matmuls, and garbage there could be NaN."""
         (B, H, _, Dk), dev = like_k.shape, like_k.device
-        try:
+        with allocating(f"{cap} positions of {B} rows", "reserve or write less, or filter out rows",
+                        RaggedCapacityError):
             new_k, new_v = like_k.new_zeros(B, H, cap, Dk), like_v.new_zeros(B, H, cap, like_v.shape[3])
-        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            raise RaggedCapacityError(f"allocating {cap} positions of {B} rows failed ({str(e)[:160]}); the "
-                                      "cache is unchanged: reserve or write less, or filter out rows") from e
         self._changed()
         if self.keys is not None:
             n = min(self._live(), cap)

@@ -16,6 +16,7 @@ from kvtier.caches.base import (
     CopyTimer,
     KVCache,
     ScalarKVCache,
+    allocating,
     check_kv,
     check_queries,
     exclusive,
@@ -126,8 +127,9 @@ class TailOwnedKVCache(ScalarKVCache):
         if self.dtype is None:
             self.dtype = like_k.dtype
         store = self.kv_dtype or like_k.dtype
-        new_k = like_k.new_empty(B, H, cap, Dk, dtype=store)
-        new_v = like_v.new_empty(B, H, cap, like_v.shape[3], dtype=store)
+        with allocating(f"{cap} positions", "write fewer tokens, or free memory"):
+            new_k = like_k.new_empty(B, H, cap, Dk, dtype=store)
+            new_v = like_v.new_empty(B, H, cap, like_v.shape[3], dtype=store)
         if self.keys is not None and self._offset:
             new_k[:, :, : self._offset] = self.keys[:, :, : self._offset]
             new_v[:, :, : self._offset] = self.values[:, :, : self._offset]
