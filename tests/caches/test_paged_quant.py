@@ -231,6 +231,30 @@ def test_fp8_cache_codes_keys_against_the_first_keys_mean(seed, tmp_path):
     assert torch.equal(copy.fetch()[0], K)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_key_in_one_row_leaves_the_fp8_centre_and_other_rows_finite(seed, tmp_path, bad):
+    """The centre is the mean of the first write's finite keys: one row's NaN or inf (a float16
+    overflow in one request) stays in that row, as with every other codec, and the cache saves
+    and loads."""
+    g = torch.Generator().manual_seed(1)
+    k1, v1 = torch.randn(2, H, 5, D, generator=g) + 2, torch.randn(2, H, 5, D, generator=g)
+    k1[0, 0, 2, 3] = bad
+    cache = PagedKVCache(4, 32, batch_size=2, kv_quant="fp8")
+    cache.update(k1, v1)
+    good = torch.isfinite(k1)
+    expected = torch.where(good, k1, 0).sum(dim=(0, 2)) / good.sum(dim=(0, 2))
+    torch.testing.assert_close(cache.codecs.k_codec.centre, expected)
+    k2 = torch.randn(2, H, 3, D, generator=g) + 2
+    cache.update(k2, torch.randn(2, H, 3, D, generator=g))
+    K, _ = cache.fetch()
+    assert torch.isfinite(K[1]).all() and torch.isfinite(K[0, 1:]).all()
+    assert relative_mse(K[1], torch.cat([k1, k2], 2)[1]) < 1e-3
+    assert torch.isfinite(cache.attention(torch.randn(2, 4, 3, D, generator=g))[1]).all()
+    save_cache(tmp_path / "kv.safetensors", [cache])
+    (copy,), _ = load_cache(tmp_path / "kv.safetensors")
+    assert torch.equal(copy.fetch()[0][1], K[1])
+
+
 def test_fp8_caches_with_other_centres_do_not_extend(seed):
     a = PagedKVCache(4, 16, kv_quant="fp8")
     b = PagedKVCache(4, 16, kv_quant="fp8")

@@ -95,8 +95,10 @@ class Codec(ABC):
 
     def set_centre(self, keys: torch.Tensor) -> None:
         """Fix the centre from the first keys ``[B, H, T, D]`` a cache writes: their mean per
-        (head, channel); zeros inside a CUDA graph capture (a mean taken there would be
-        recomputed at every replay). Once set it never changes."""
+        (head, channel) over the finite values (a NaN or inf in one row's keys must not reach
+        every row's codes; a channel with none is centred on 0); zeros inside a CUDA graph
+        capture (a mean taken there would be recomputed at every replay). Once set it never
+        changes."""
         if self.centre is not None:
             raise ValueError(f"{self.name}: the key centre is already set; a cache codes every key against one")
         if keys.dim() != 4 or keys.shape[3] != self.head_dim:
@@ -105,7 +107,10 @@ class Codec(ABC):
         if keys.is_cuda and torch.cuda.is_current_stream_capturing():
             self.centre = torch.zeros(keys.shape[1], self.head_dim, dtype=torch.float32, device=keys.device)
         else:
-            self.centre = keys.float().mean(dim=(0, 2))  # (H, D)
+            k = keys.float()
+            finite = torch.isfinite(k)
+            total = torch.where(finite, k, 0.0).sum(dim=(0, 2))
+            self.centre = total / finite.sum(dim=(0, 2)).clamp_min(1)  # (H, D)
 
     def centred(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., H, D]`` minus the centre, rounded back to ``x``'s dtype (``x`` itself
