@@ -188,6 +188,28 @@ def test_make_mask_shape_is_static_and_values_follow_rows():
     assert cache.make_mask(1, q_start=[0, 0])[:, 0, 0].sum(-1).tolist() == [1, 1]
 
 
+@pytest.mark.parametrize("pad", [float("nan"), float("inf")])
+def test_padding_a_write_does_not_commit_never_reaches_attention(pad):
+    """A padded prefill: row 1 commits 2 of the chunk's 4 tokens, its padding holds NaN or inf
+    (``torch.empty`` garbage). Masked slots still enter the matmuls, so the cache stores what a
+    write does not commit as zeros, and row 1 sees its own 2 keys only."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = kv(2, 4, gen)
+    k[1, :, 2:], v[1, :, 2:] = pad, pad
+    cache = RaggedBatchKVCache(step=STEP)
+    cache.update(k, v, new_offsets=[4, 2])
+    q = torch.randn(2, HQ, 4, D, generator=gen)
+    out = cache.attention(q)
+    torch.testing.assert_close(out[1, :, :2], causal_attention(q[1:, :, :2], k[1:, :, :2], v[1:, :, :2])[0])
+    torch.testing.assert_close(out[0], causal_attention(q[:1], k[:1], v[:1])[0])
+    k2, v2 = kv(2, 1, gen)
+    cache.update(k2, v2, write_start=[4, 2])  # row 1's next token lands on its first padding slot
+    out = cache.attention(q[:, :, :1])
+    want = causal_attention(q[1:, :, :1], torch.cat([k[1:, :, :2], k2[1:]], 2), torch.cat([v[1:, :, :2], v2[1:]], 2),
+                            q_start=2)
+    torch.testing.assert_close(out[1], want[0])
+
+
 # -- capacity ------------------------------------------------------------------------------------
 def seeded(batch: int = 3, tokens: int = 5, step: int = 16) -> RaggedBatchKVCache:
     tail = TailOwnedKVCache(step=step)

@@ -85,13 +85,11 @@ class RaggedBatchKVCache(RowKVCache):
         self.batch_size = None if batch_size is None else check_int(batch_size, "batch_size", 1)
         self.keys = self.values = None  # (B, H_kv, capacity, D) each, from the first write
         self._offsets: torch.Tensor | None = None  # (B,) int64, the row lengths
-        self._last_ws: torch.Tensor | None = None  # (B,) write_start of the last update
-        self._has_last_write = False
+        self._last_ws, self._has_last_write = None, False  # (B,) write_start of the last update
         self._lengths: list[int] | None = None  # exact row lengths, while the host knows them
         self._bound = 0  # host upper bound on the longest row
         self._frozen, self._target = False, 0  # _target: capacity of the first allocation
-        self._pos: torch.Tensor | None = None  # (B, capacity) scratch for scatter positions
-        self._arange: torch.Tensor | None = None  # (capacity,)
+        self._pos = self._arange = None  # (B, capacity) scratch for scatter positions; (capacity,)
         self._plan: StepPlan | None = None  # the step plan the last writes followed
         self.copy_stats = CopyStats()
         if keys is None or values is None:
@@ -213,6 +211,9 @@ class RaggedBatchKVCache(RowKVCache):
         start = self._offsets if ws is None else ws
         if on_device:
             self._assert_rows(start, no, q)
+        if no is not None:  # what is not committed is stored as zeros: masked slots still enter the matmuls
+            kept = (self._arange[:q] < (no - start)[:, None])[:, None, :, None]
+            keys, values = keys.where(kept, 0), values.where(kept, 0)
         with CopyTimer(self.copy_stats, tensor_nbytes(keys, values)):
             self._last_ws.copy_(start)
             pos = self._pos[:, :q]
