@@ -147,11 +147,28 @@ def test_top_k_keeps_k_tokens_where_low_temperatures_make_probabilities_subnorma
         ({"min_p": -0.1}, "min_p"),
         ({"seed": -1}, "seed"),
         ({"seed": 1.5}, "seed"),
+        ({"seed": 2**64}, r"seed must be an int in \[0, 2\*\*64\)"),
     ],
 )
 def test_bad_params_raise_value_error_naming_the_field(kwargs, word):
     with pytest.raises(ValueError, match=word):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-6),
+                                    SamplingParams(temperature=1.0, top_p=1e-300)],
+                         ids=["temperature_1e-40", "temperature_1e-6", "top_p_1e-300"])
+def test_extreme_params_keep_the_most_likely_token(params):
+    """A temperature that overflows float32 logits decodes greedily, and a top_p that rounds to
+    0 in float32 keeps the first token: before, both gave NaN rows and token 0."""
+    logits = torch.tensor([[1.0, 2.0, 5.0], [3.0, -1.0, 0.5]])
+    probs = process_logits(logits, params)
+    assert torch.equal(probs, torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]))
+    assert sample(logits, params, torch.Generator().manual_seed(0)).tolist() == [2, 0]
+
+
+def test_seeds_up_to_the_generators_range_are_taken():
+    make_generator(SamplingParams(temperature=1.0, seed=2**64 - 1), "cpu")
 
 
 def test_bad_logits_shape():

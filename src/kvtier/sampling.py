@@ -29,9 +29,15 @@ from dataclasses import dataclass
 import torch
 
 
+#: temperatures below this decode greedily, as vLLM's do: logits divided by a smaller one can
+#: overflow float32 (1e-40 made every probability NaN), and above it a sample is all but greedy
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token. ``temperature == 0`` is greedy (the filters do not apply).
+    """How to pick the next token. ``temperature`` 0 (or below :data:`GREEDY_BELOW`) is
+    greedy (the filters do not apply).
 
     ``top_k == 0`` keeps every token, ``top_p == 1`` and ``min_p == 0`` disable
     their filters; ``seed`` makes sampling reproducible (``None``: torch's global RNG).
@@ -57,12 +63,12 @@ class SamplingParams:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {m!r}")
         s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
-            raise ValueError(f"seed must be an int >= 0 or None, got {s!r}")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**64):
+            raise ValueError(f"seed must be an int in [0, 2**64) or None, got {s!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -105,6 +111,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         # drop a token when the tokens before it already reach top_p (the first is always kept)
         drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= params.top_p
+        drop_sorted[:, 0] = False  # also where top_p rounds to 0 in float32 (below 1.4e-45)
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         probs = _renormalise(probs.masked_fill(drop, 0.0))
     if params.min_p > 0.0:

@@ -214,6 +214,30 @@ def test_bad_requests_are_refused_and_change_nothing(lm) -> None:
     assert engine.stats()["free_blocks"] == 8
 
 
+def test_a_refused_call_queues_nothing(lm, monkeypatch) -> None:
+    """A request whose set-up fails after its checks, and a batch with one bad prompt, leave
+    nothing queued: before, the orphan made every later step raise KeyError, or ran unseen."""
+    engine = LLMEngine(lm.model, lm.tokenizer, EngineConfig(num_blocks=8))
+    with monkeypatch.context() as m:
+        def refuse(*args):
+            raise RuntimeError("no generator on this device")
+        m.setattr("kvtier.serve.engine.make_generator", refuse)
+        with pytest.raises(RuntimeError, match="no generator"):
+            engine.add_request([1, 2, 3])
+    assert engine.stats()["waiting"] == 0 and not engine.has_unfinished()
+    with pytest.raises(ValueError, match="non-empty list"):
+        engine.generate([[1, 2, 3], [4, 5], []], RequestParams(max_tokens=4))
+    assert engine.stats()["waiting"] == 0 and not engine.has_unfinished()
+    (out,) = engine.generate([[1, 2, 3]], RequestParams(max_tokens=2))
+    assert len(out.token_ids) == 2 and engine.stats()["generation_tokens"] == 2
+
+
+@pytest.mark.parametrize("gib", [0, -1, float("inf"), float("nan"), True, "1"])
+def test_kv_memory_must_be_a_positive_number(gib) -> None:
+    with pytest.raises(ValueError, match="kv_memory_gib must be a number of GiB > 0"):
+        EngineConfig(kv_memory_gib=gib)
+
+
 def test_the_startup_heap_is_frozen_out_of_collections(lm) -> None:
     """After freeze_startup_heap a full collection walks none of the objects alive at start-up
     (the model's among them), and an engine still serves."""

@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
+import math
 import random
 import threading
 import time
@@ -139,6 +140,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= 1 or None, got {v!r}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        gib = self.kv_memory_gib
+        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float))
+                                or not 0 < gib < math.inf):
+            raise ValueError(f"kv_memory_gib must be a number of GiB > 0 or None (the default), got {gib!r}")
         check_kv_quant(self.kv_quant)
         check_turboquant(self.turboquant)
         if not isinstance(self.enable_prefix_caching, bool):
@@ -229,8 +234,8 @@ class LLMEngine:
         if gib is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             gib = DEFAULT_CUDA_KV_SHARE * free / 2**30
-        return blocks_for_memory(gib or DEFAULT_CPU_KV_GIB, args, dtype, c.block_size, c.kv_quant,
-                                 c.turboquant)
+        return blocks_for_memory(DEFAULT_CPU_KV_GIB if gib is None else gib, args, dtype, c.block_size,
+                                 c.kv_quant, c.turboquant)
 
     # -- requests ---------------------------------------------------------------------------------
     @_serialised
@@ -266,12 +271,12 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use; ids must be unique")
         max_tokens = params.max_tokens or room
         request = Request(rid, ids, max_tokens)
-        self.scheduler.add(request)  # the last check (queue bound): after it, nothing can fail
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer else None
         text = RowText(decoder, GenerationConfig(max_tokens=max_tokens, stop=params.stop), stop_ids)
-        self._live[rid] = _Live(request, params, text, make_generator(params.sampling, self.device),
-                                time.monotonic())
+        live = _Live(request, params, text, make_generator(params.sampling, self.device), time.monotonic())
+        self.scheduler.add(request)  # the last check (queue bound): after it, nothing can fail
+        self._live[rid] = live
         self.prompt_tokens += len(ids)
         return rid
 
@@ -473,7 +478,14 @@ class LLMEngine:
         many = isinstance(params, Sequence)
         if many and len(params) != len(prompts):
             raise ValueError(f"{len(params)} params for {len(prompts)} prompts; give one or one each")
-        rids = [self.add_request(p, params[i] if many else params) for i, p in enumerate(prompts)]
+        rids: list[str] = []
+        try:
+            for i, p in enumerate(prompts):
+                rids.append(self.add_request(p, params[i] if many else params))
+        except BaseException:  # all or nothing: a refused prompt leaves none of the others queued
+            for rid in rids:
+                self.abort(rid)
+            raise
         merged: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
