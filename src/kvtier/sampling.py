@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 #: temperatures below this decode greedily, as vLLM's do: logits divided by a smaller one can
 #: overflow float32 (1e-40 made every probability NaN), and above it a sample is all but greedy
 GREEDY_BELOW = 1e-5

@@ -222,6 +222,30 @@ def test_meta_state_that_disagrees_with_the_tensors(tmp_path, seed):
     _expect_refusal(path, "layer 0 .*cannot be rebuilt")
 
 
+def test_a_capacity_the_memory_cannot_hold_is_the_files_problem(tmp_path, monkeypatch):
+    """A crafted ragged file (valid checksums) whose capacity the allocator refuses: load_cache
+    raises its ValueError, not the tier's capacity error (a MemoryError)."""
+    path = tmp_path / "r.safetensors"
+    cache = RaggedBatchKVCache(batch_size=1, step=1)
+    cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+    save_cache(path, [cache])
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        header = dict(f.metadata())
+    layers = json.loads(header["layers"])
+    layers[0]["meta_state"]["capacity"] = 2**31 - 1
+    _rewrite(path, tensors, header, layers=json.dumps(layers))
+    real = torch.Tensor.new_zeros
+
+    def refuse_large(self, *size, **kw):  # as the allocator refuses 2**31 positions
+        if size[2] > 1000:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real(self, *size, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "new_zeros", refuse_large)
+    _expect_refusal(path, "layer 0 .*cannot be rebuilt: allocating 2147483647 positions")
+
+
 def test_missing_file_is_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_cache(tmp_path / "nothing.safetensors")

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvtier.caches.block_owned import BlockOwnedKVCache
 from kvtier.caches.tail_owned import TailOwnedKVCache
+from kvtier.kernels.reference import causal_attention
 
 D = 4  # small head_dim keeps the property tests fast
 
@@ -274,6 +275,26 @@ def test_narrow_buffers_take_only_the_first_writes_dtype_and_refuse_other_storag
     for bad in (torch.float32, torch.int8, "float16"):
         with pytest.raises(ValueError, match=r"kv_dtype must be None .* or one of torch.float16, torch.bfloat16"):
             TailOwnedKVCache(kv_dtype=bad)
+
+
+@pytest.mark.parametrize("tier", ["tail", "block", "ragged", "paged"])
+def test_a_narrow_tail_converts_to_a_cache_that_takes_the_models_dtype(tier):
+    """from_cache (and configure_kv_cache) widen a float16 tail's tokens back to the float32 the
+    model writes, exactly; before, the new cache took float16 and refused the model's keys."""
+    from kvtier import KVCacheConfig, configure_kv_cache
+
+    g = torch.Generator().manual_seed(2)
+    cache = TailOwnedKVCache(step=4, kv_dtype=torch.float16)
+    cache.update(torch.randn(1, 2, 5, D, generator=g), torch.randn(1, 2, 5, D, generator=g))
+    caches = [cache]
+    configure_kv_cache(caches, KVCacheConfig(tier=tier, step=4, paged_block_size=4))
+    new = caches[0]
+    k, v = torch.randn(1, 2, 1, D, generator=g), torch.randn(1, 2, 1, D, generator=g)
+    new.update(k, v)
+    K, V = cache.fetch()
+    want_k, want_v = torch.cat([K.float(), k], 2), torch.cat([V.float(), v], 2)
+    q = torch.randn(1, 4, 1, D, generator=g)
+    torch.testing.assert_close(new.attention(q), causal_attention(q, want_k, want_v), atol=1e-6, rtol=1e-6)
 
 
 def test_narrow_buffers_survive_state_and_meta_state():

@@ -138,6 +138,24 @@ def test_tiny_models_greedy_equals_dynamic_cache(model_name, tier, batch, side):
     assert stats["planned_steps"] == (9 if rows_in_place else 0)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["gathered", "in_place"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_tail_storing_float16_serves_a_float32_model(in_place, batch):
+    """``kv_dtype`` float16 halves the tail's bytes; transformers' attention takes the model's
+    dtype, so what the layer hands it is widened back (before: a dtype error at the first
+    forward). Scores stay within float16's rounding of the keys and values."""
+    model = tiny("llama")
+    inputs = tiny_batch(batch, "left")
+    kw = dict(max_new_tokens=6, output_scores=True, return_dict_in_generate=True)
+    ref = generate(model, inputs, DynamicCache(), **kw)
+    cache = KVTierCache(KVCacheConfig(tier="tail", step=8, kv_dtype="float16"), model_config=model.config)
+    out = generate(model, inputs, cache, in_place, **kw)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    for got, want in zip(out.scores, ref.scores):
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+    assert cache.layers[0].tier.keys.dtype == torch.float16
+
+
 def test_gemma2_sliding_layers_stay_transformers_layers():
     model = tiny("gemma2")
     cache = KVTierCache(KVCacheConfig(tier="paged", paged_num_blocks=16), model_config=model.config)

@@ -127,6 +127,14 @@ def tensor_nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def fetch_taken(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache.fetch()`` in the dtype the cache takes from its caller: a tail cache storing
+    ``kv_dtype`` widens back (exactly), so a cache converted from it takes the model's dtype."""
+    k, v = cache.fetch()
+    dtype = getattr(cache, "dtype", None)
+    return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
+
+
 def check_indices(name: str, idx: Any, batch: int) -> list[int]:
     """Validate distinct row indices in ``[0, batch)`` (ints, or an integer tensor)."""
     rows = idx.tolist() if isinstance(idx, torch.Tensor) else idx

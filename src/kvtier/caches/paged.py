@@ -57,6 +57,7 @@ from kvtier.caches.base import (
     check_queries,
     check_trim,
     exclusive,
+    fetch_taken,
 )
 from kvtier.caches.paged_codecs import CodecChoice, select_codecs
 from kvtier.caches.paged_pool import (
@@ -572,7 +573,7 @@ class PagedKVCache(RowKVCache):
                   turboquant=turboquant, attention_backend=attention_backend)
         if other.size() == 0:
             return cls(block_size, num_blocks, batch_size=len(lengths) if lengths else 1, **kw)
-        K, V = other.fetch()
+        K, V = fetch_taken(other)
         n = other.size()
         K, V = K[:, :, :n], V[:, :, :n]  # (B, H_kv, n, D)
         cache = cls(block_size, num_blocks, batch_size=K.shape[0], **kw)

@@ -301,8 +301,9 @@ def _load(path: Path, device: torch.device) -> tuple[list[KVCache], dict[str, An
                 state[name] = t.to(device)
             try:
                 caches.append(cls.from_state(state, layer["meta_state"]))
-            # every from_state checks its fields; the others are a net (and a failed allocation)
-            except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+            # every from_state checks its fields; the others are a net, and a capacity the memory
+            # cannot hold (a MemoryError, or torch's RuntimeError) is the file's problem too
+            except (ValueError, KeyError, TypeError, IndexError, RuntimeError, MemoryError) as e:
                 raise ValueError(f"layer {i} ({cls.__name__}) cannot be rebuilt: {e}") from e
     return caches, header["metadata"]
 

@@ -31,6 +31,7 @@ from kvtier.caches.base import (
     check_queries,
     check_trim,
     exclusive,
+    fetch_taken,
     tensor_nbytes,
 )
 from kvtier.caches.ragged_rows import (
@@ -121,6 +122,10 @@ class RaggedBatchKVCache(RowKVCache):
     def host_bound(self) -> int:
         """Host upper bound on the longest row; reading it never syncs."""
         return self._bound
+
+    def _require_rows(self) -> None:
+        if self._offsets is None:
+            raise ValueError("the batch size is unknown until the first update()")
 
     def _live(self) -> int:
         return min(self.capacity, max(self._bound, 1))
@@ -262,8 +267,7 @@ class RaggedBatchKVCache(RowKVCache):
         is visible to query ``i`` of row ``b``: ``j <= q_start[b] + i`` and ``j < offset[b]``.
         ``q_start`` defaults to the last update's ``write_start`` (before any, ``offset - q_len``).
         The shape never depends on the offsets."""
-        if self._offsets is None:
-            raise ValueError("the batch size is unknown until the first update()")
+        self._require_rows()
         key_len = self.capacity if key_len is None else key_len
         return causal_mask(self.batch_size, q_len, key_len, self._query_starts(q_len, q_start),
                            self._offsets, device=self._offsets.device)
@@ -340,8 +344,7 @@ class RaggedBatchKVCache(RowKVCache):
     # -- rollback -------------------------------------------------------------------------------
     def snapshot(self) -> RaggedSnapshot:
         """Owned copies of every row's live prefix, the offsets and the host bookkeeping."""
-        if self._offsets is None:
-            raise ValueError("nothing to snapshot: the batch size is unknown until the first update()")
+        self._require_rows()
         n, held = self._live(), self.keys is not None
         return RaggedSnapshot(self.keys[:, :, :n].clone() if held else None,
                               self.values[:, :, :n].clone() if held else None,
@@ -398,8 +401,7 @@ class RaggedBatchKVCache(RowKVCache):
     # -- batch ----------------------------------------------------------------------------------
     def release(self, rows: Any) -> None:
         """Empty ``rows`` (distinct indices): their lengths become 0; the buffers keep their size."""
-        if self._offsets is None:
-            raise ValueError("the batch size is unknown until the first update()")
+        self._require_rows()
         gone = set(check_indices("rows", rows, self.batch_size))
         lengths = [0 if r in gone else n for r, n in enumerate(self._host_lengths())]
         if gone:
@@ -407,8 +409,7 @@ class RaggedBatchKVCache(RowKVCache):
 
     def filter(self, indices: Any) -> None:
         """Keep the rows ``indices`` (ints or an integer tensor; order kept, repeats allowed)."""
-        if self._offsets is None:
-            raise ValueError("the batch size is unknown until the first update()")
+        self._require_rows()
         n = len(indices) if isinstance(indices, list | tuple | torch.Tensor) else 0
         idx = host_row_values(indices, "indices", n) if n else []
         if not idx or max(idx) >= self.batch_size:
@@ -576,7 +577,7 @@ class RaggedBatchKVCache(RowKVCache):
         kw = {"step": step, "attention_backend": attention_backend}
         if cache.size() == 0:
             return cls(batch_size=batch_size, **kw)
-        k, v = (t[:, :, : cache.offset] for t in cache.fetch())  # (B', H_kv, offset, D)
+        k, v = (t[:, :, : cache.offset] for t in fetch_taken(cache))  # (B', H_kv, offset, D)
         if batch_size is not None and k.shape[0] != batch_size:
             if k.shape[0] != 1:
                 raise ValueError(f"batch_size {batch_size} needs a cache of 1 or {batch_size} rows, "

@@ -20,6 +20,7 @@ from kvtier.caches.base import (
     check_kv,
     check_queries,
     exclusive,
+    fetch_taken,
     tensor_nbytes,
 )
 from kvtier.caches.state_checks import check_state_args, check_state_kv, read_meta_ints
@@ -27,7 +28,8 @@ from kvtier.kernels.reference import causal_attention
 
 
 def live_kv(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The live K/V ``[B, H_kv, n, D]`` of a cache of any tier, or ``None`` when it holds nothing.
+    """The live K/V ``[B, H_kv, n, D]`` of a cache of any tier, or ``None`` when it holds nothing,
+    in the dtype the cache takes (a tail cache's ``kv_dtype`` storage widened back, exactly).
 
     Tiers with per-row lengths (``offset`` a ``[B]`` tensor) qualify only when
     every row holds the same ``n`` tokens; otherwise a ``ValueError`` says so,
@@ -46,7 +48,7 @@ def live_kv(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
         n = int(off)
     if n == 0:
         return None
-    k, v = cache.fetch()
+    k, v = fetch_taken(cache)
     return k[:, :, :n], v[:, :, :n]
 
 

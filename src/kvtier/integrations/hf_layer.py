@@ -221,8 +221,15 @@ class KVTierLayer(CacheLayerMixin):
             return PendingKeys.wrap(key_states, self), value_states
         return self._gathered()
 
-    def _gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tier's ``fetch()`` in the dtypes the model wrote (a tail tier with ``kv_dtype``
+        stores float16 under a float32 or bfloat16 model, whose attention takes its own dtype)."""
         k, v = self.tier.fetch()
+        (_, _, kt), (_, _, vt) = self._heads
+        return k.to(kt), v.to(vt)
+
+    def _gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self._fetch()
         if self.rows:  # (B, H_kv, >= length, D): rows move in lock step on this path
             k, v = k[:, :, : self.length], v[:, :, : self.length]
         return k, v
@@ -310,7 +317,7 @@ class KVTierLayer(CacheLayerMixin):
         if self._pending is None:  # scalar tiers stored the tokens in update()
             if mask is None and softcap is None:
                 return self.tier.attention(query, scale=scaling)
-            k, v = self.tier.fetch()
+            k, v = self._fetch()
             return dense_attention(query, k, v, mask, scaling=scaling, softcap=softcap)
         keys, values = self._pending
         self._pending = None
@@ -328,7 +335,7 @@ class KVTierLayer(CacheLayerMixin):
         except Exception:
             self.length -= T  # nothing reached the tier (it validates before it writes)
             raise
-        k, v = self.tier.fetch()  # (B, H_kv, max row length, D)
+        k, v = self._fetch()  # (B, H_kv, max row length, D)
         visible = torch.arange(k.shape[2], device=k.device) <= pos[:, :, None]  # (B, T, S)
         return dense_attention(query, k, v, visible[:, None], scaling=scaling, softcap=softcap)
 
@@ -383,7 +390,7 @@ class KVTierLayer(CacheLayerMixin):
         elif self.length == 0:
             self.tier = self._new_tier(len(picked))
         else:
-            k, v = self.tier.fetch()
+            k, v = self._fetch()
             rows = rows.to(k.device)
             tier = self._new_tier(len(picked))
             if self.rows:
