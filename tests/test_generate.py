@@ -166,6 +166,15 @@ def test_bad_prompts(lm):
             generate(lm.model, lm.tokenizer, bad)
     with pytest.raises(ValueError, match=r"GenerationConfig, got dict; build one with GenerationConfig\(\*\*config\)"):
         generate(lm.model, lm.tokenizer, "hi", {"max_tokens": 2})
+    with pytest.raises(ValueError, match=r"prompts are bytes, not text or token ids; decode them first"):
+        generate(lm.model, lm.tokenizer, b"hello")  # before: read as the ids 104, 101, 108, ...
+    for bad in ([1, [2, 3]], ["hi", b"there"], [[1, 2], [3.5]]):
+        with pytest.raises(ValueError, match=r"prompt 0|prompt 1 must be a string or a list of int token ids"):
+            generate(lm.model, lm.tokenizer, bad)
+    with pytest.raises(ValueError, match=r"cache_config must be a KVCacheConfig"):
+        generate(lm.model, lm.tokenizer, "hi", cache_config="paged")
+    with pytest.raises(ValueError, match=r"caches must be a non-empty list"):
+        generate(lm.model, lm.tokenizer, "hi", caches=[])
 
 
 def test_token_id_tensors_are_prompts(lm, prompt_ids):
@@ -175,6 +184,10 @@ def test_token_id_tensors_are_prompts(lm, prompt_ids):
     assert generate(lm.model, lm.tokenizer, torch.tensor(ids), config) == one  # [T]: one prompt
     batch = generate(lm.model, lm.tokenizer, torch.tensor([ids, ids], dtype=torch.int32), config)
     assert batch == [one, one]  # [B, T]: a batch
+    numpy = pytest.importorskip("numpy")
+    as_numpy = list(numpy.array(ids))  # numpy integers, as tokenizers' arrays give them
+    assert generate(lm.model, lm.tokenizer, as_numpy, config) == one
+    assert generate(lm.model, lm.tokenizer, [as_numpy, list(torch.tensor(ids))], config) == [one, one]
 
 
 def test_stream_text_is_the_decoded_tokens_and_stats_count_them(lm, prompt_ids, reference):

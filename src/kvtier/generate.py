@@ -39,6 +39,7 @@ import functools
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import torch
 
@@ -486,6 +487,12 @@ def resolve_rows(tokenizer, prompts, caches, cache_config, prompt_cache):
     tier); without caches or a config, the environment picks the tier.
     """
     rows = encode_prompts(tokenizer, prompts)
+    if cache_config is not None and not isinstance(cache_config, KVCacheConfig):
+        raise ValueError(f"cache_config must be a KVCacheConfig (e.g. KVCacheConfig(tier='paged')), got "
+                         f"{cache_config!r:.60}")
+    if caches is not None and (not isinstance(caches, list | tuple) or not caches):
+        raise ValueError(f"caches must be a non-empty list, one cache a layer (make_caches), got "
+                         f"{caches!r:.60}")
     if prompt_cache is not None and (len(rows) != 1 or cache_config is None):
         raise ValueError(
             "a prompt cache serves one prompt and needs cache_config (it records the tier); "
@@ -497,24 +504,46 @@ def resolve_rows(tokenizer, prompts, caches, cache_config, prompt_cache):
     return rows, cache_config, per_row
 
 
+def _integer_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()
+                                                or t.dtype == torch.bool)
+
+
+def _token_id(t) -> bool:
+    """An int, a numpy integer or a 0-d integer tensor (not a bool)."""
+    return not isinstance(t, bool) and (isinstance(t, Integral) or (_integer_tensor(t) and t.dim() == 0))
+
+
 def as_prompts(prompts):
-    """``prompts`` checked, an integer tensor as its list (``[T]``: one prompt, ``[B, T]``: a
-    batch); raises ``ValueError`` for anything that is not a string, a token-id list or a
-    non-empty list of them."""
+    """``prompts`` checked and normalised: a string; one prompt's ids as a list of ints (from a
+    list of ints, numpy integers or 0-d tensors, or a ``[T]`` tensor); or a batch, a list of
+    strings and int lists (a ``[B, T]`` tensor gives one). Raises ``ValueError`` for anything
+    else (bytes included: decode them first)."""
     if isinstance(prompts, torch.Tensor):
-        if prompts.is_floating_point() or prompts.is_complex() or prompts.dtype == torch.bool \
-                or prompts.dim() not in (1, 2):
+        if not _integer_tensor(prompts) or prompts.dim() not in (1, 2):
             raise ValueError(f"a tensor of prompts must hold integer token ids, [T] or [B, T]; got "
                              f"{prompts.dtype} of shape {tuple(prompts.shape)}")
         prompts = prompts.tolist()
     if isinstance(prompts, str):
         return prompts
+    if isinstance(prompts, bytes | bytearray):
+        raise ValueError(f"prompts are {type(prompts).__name__}, not text or token ids; decode them "
+                         "first (prompts.decode('utf-8'))")
     if not isinstance(prompts, Sequence) or not prompts:
         raise ValueError(
             f"prompts must be a string, a token-id list, or a non-empty list of them; got "
             f"{prompts!r:.60}"
         )
-    return prompts
+    if all(_token_id(t) for t in prompts):
+        return [int(t) for t in prompts]
+    rows = []
+    for r, p in enumerate(prompts):
+        p = p.tolist() if _integer_tensor(p) and p.dim() == 1 else p
+        if not isinstance(p, str) and (isinstance(p, bytes | bytearray) or not isinstance(p, Sequence)
+                                       or not all(_token_id(t) for t in p)):
+            raise ValueError(f"prompt {r} must be a string or a list of int token ids, got {p!r:.60}")
+        rows.append(p if isinstance(p, str) else [int(t) for t in p])
+    return rows
 
 
 def encode_prompts(tokenizer, prompts) -> list[list[int]]:
@@ -522,8 +551,8 @@ def encode_prompts(tokenizer, prompts) -> list[list[int]]:
     if isinstance(prompts, str):
         return [tokenizer.encode(prompts)]
     if all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return [prompts]
+    return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
 
 # -- layer 3: text ------------------------------------------------------------------------
