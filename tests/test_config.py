@@ -278,6 +278,9 @@ def test_make_caches_from_the_environment(monkeypatch):
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="num_layers"):
             make_caches(bad, KVCacheConfig())
+    for bad in (-3, 0, 2.0, True):  # before: taken by the tiers that do not use it, silently
+        with pytest.raises(ValueError, match=f"batch_size must be an int >= 1, got {bad!r}"):
+            make_caches(2, KVCacheConfig(tier="tail"), batch_size=bad)
 
 
 def _filled_tails(n: int) -> list:

@@ -469,6 +469,8 @@ def make_caches(
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
         raise ValueError(f"num_layers must be an int >= 0, got {num_layers!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     config = KVCacheConfig.from_env() if config is None else config
     if (why := config.unused_storage()) is not None:
         warnings.warn(why, UserWarning, stacklevel=2)

@@ -189,6 +189,27 @@ def test_attention_after_a_rewrite_and_partial_commit_sees_committed_tokens_only
         torch.testing.assert_close(out[b : b + 1], expect, atol=1e-5, rtol=1e-5)
 
 
+def test_changing_the_offset_a_caller_got_changes_nothing(seed):
+    """``pos = cache.offset; pos += 1`` (positions for the next token, in place) must not move
+    the lengths attention reads: before, row 1 then read another row's block."""
+    cache, _, _ = prefix_cache([5, 2], block_size=4)
+    q = torch.randn(2, 4, 1, D)
+    before = cache.attention(q, q_start=[4, 1])
+    pos = cache.offset
+    pos += 4
+    assert cache.offset.tolist() == [5, 2] and cache.lengths == [5, 2]
+    torch.testing.assert_close(cache.attention(q, q_start=[4, 1]), before, atol=0, rtol=0)
+
+
+def test_can_reserve_refuses_what_reserve_refuses(seed):
+    cache, _, _ = prefix_cache([5, 2], block_size=4)
+    for bad in (-100, 1.5, True, "4"):  # before: can_reserve said True to each
+        for method in (cache.reserve, cache.can_reserve):
+            with pytest.raises(ValueError, match=r"reserve\(tokens\) takes an int >= 0"):
+                method(bad)
+    assert cache.can_reserve(4)
+
+
 def test_released_row_attends_to_nothing_and_others_are_unaffected(seed):
     cache, kref, vref = prefix_cache([5, 7], block_size=4)
     k, v = torch.randn(2, H, 1, D), torch.randn(2, H, 1, D)

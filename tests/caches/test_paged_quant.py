@@ -266,3 +266,8 @@ def test_fp8_caches_with_other_centres_do_not_extend(seed):
     state["k_centre"] = state["k_centre"][:1]
     with pytest.raises(ValueError, match="k_centre"):
         PagedKVCache.from_state(state, a.meta_state)
+    del state["k_centre"]  # keys without the centre they were coded against: decoded wrongly before
+    with pytest.raises(ValueError, match="state holds fp8 keys but no k_centre"):
+        PagedKVCache.from_state(state, a.meta_state)
+    unwritten = PagedKVCache(4, 16, kv_quant="fp8")  # no keys yet, so no centre: still loads
+    assert PagedKVCache.from_state(unwritten.state, unwritten.meta_state).size() == 0

@@ -237,6 +237,20 @@ def test_a_write_in_place_after_make_room_is_booked_as_update_books_a_copy():
         {n: want[n] for n in ("updates", "bytes", "grow_events")}
 
 
+def test_commit_written_takes_only_the_room_make_room_left():
+    cache = TailOwnedKVCache(step=4)
+    k = torch.zeros(1, 2, 0, 4)
+    with pytest.raises(ValueError, match=r"commit_written\(1\) takes an int in \[1, 0\].*make_room\(\) first"):
+        cache.commit_written(1)  # before: AttributeError on the missing buffers
+    cache.make_room(3, k, k)
+    for bad in (5, 0, -4, 2.0, True):  # before: an offset past the capacity, or negative
+        with pytest.raises(ValueError, match=r"takes an int in \[1, 4\]"):
+            cache.commit_written(bad)
+    assert cache.offset == 0
+    cache.commit_written(4)
+    assert cache.offset == 4 == cache.capacity
+
+
 # -- kv_dtype: float16 / bfloat16 buffers behind float32 keys, values and queries ----------------
 
 

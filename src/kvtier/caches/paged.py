@@ -84,6 +84,11 @@ __all__ = [
     "select_codecs",
 ]
 
+def _check_tokens(method: str, tokens: Any) -> None:
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"{method}(tokens) takes an int >= 0, got {tokens!r}")
+
+
 def _positive_int(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -180,8 +185,9 @@ class PagedKVCache(RowKVCache):
 
     @property
     def offset(self) -> torch.Tensor:
-        """Committed length of each row, int64 ``[B]`` on the cache's device."""
-        return self._rows_tensor("lengths", self._lengths)
+        """Committed length of each row, int64 ``[B]`` on the cache's device: a copy, since the
+        tensor attention reads is kept (a caller's ``pos += 1`` must not move the rows)."""
+        return self._rows_tensor("lengths", self._lengths).clone()
 
     def size(self) -> int:
         return max(self._lengths, default=0)
@@ -335,7 +341,7 @@ class PagedKVCache(RowKVCache):
         for compatibility; :meth:`attention` does not need it.
         """
         self._require_storage("fetch()")
-        lengths, n = self.offset, self.size()
+        lengths, n = self._rows_tensor("lengths", self._lengths), self.size()
         p = self.pool
         return (
             gather_rows(p.key_cache, p.k_sidecars, p.block_tables, lengths, n, codec=self.codecs.k_codec),
@@ -371,7 +377,7 @@ class PagedKVCache(RowKVCache):
             q_start_t = (self._rows_tensor("write_start", qs) if q_start is None
                          else torch.tensor(qs, device=self._device))
             width = max(1, max(len(r) for r in p.rows))  # kernels plan their split on the width
-            kv_len, tables = self.offset, p.block_tables[:, :width]
+            kv_len, tables = self._rows_tensor("lengths", self._lengths), p.block_tables[:, :width]
         return paged_attention(
             self.dispatch, queries, p.key_cache, p.value_cache, tables, q_start_t, kv_len,
             k_codec=self.codecs.k_codec, v_codec=self.codecs.v_codec,
@@ -461,8 +467,7 @@ class PagedKVCache(RowKVCache):
         """Give every row blocks for ``tokens`` positions past its length now (growing the
         pool if it may). With the pool then frozen, writes there assign nothing on the
         host: what a CUDA graph needs. :class:`PagedKVGrowthRefused` leaves it unchanged."""
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"reserve(tokens) takes an int >= 0, got {tokens!r}")
+        _check_tokens("reserve", tokens)
         self._require_storage("reserve()")
         extra = self.pool.extra_blocks([n + tokens for n in self._lengths])
         if sum(extra):
@@ -472,6 +477,7 @@ class PagedKVCache(RowKVCache):
 
     def can_reserve(self, tokens: int) -> bool:
         """Whether :meth:`reserve` of ``tokens`` fits the free blocks or the pool may grow."""
+        _check_tokens("can_reserve", tokens)
         need = sum(self.pool.extra_blocks([n + tokens for n in self._lengths]))
         return need <= len(self.pool.free) or (self.dynamic and not self.frozen)
 

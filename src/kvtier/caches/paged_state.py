@@ -138,6 +138,9 @@ def _check_books(state: dict[str, torch.Tensor], k: Codec, v: Codec, block_size:
         raise ValueError(f"state['key_cache'] {tuple(kc.shape)} is not [num_blocks, {block_size}, "
                          "kv_heads, head_dim']")
     centre = state.get("k_centre")
+    if centre is None and k.centres_keys and "lengths" in state and bool(state["lengths"].any()):
+        raise ValueError(f"state holds {k.name} keys but no k_centre, the centre they were coded against "
+                         "(a file written before keys were centred, or altered); save the cache again")
     if centre is not None and (centre.shape != (kc.shape[2], k.head_dim) or centre.dtype != torch.float32
                                or not bool(torch.isfinite(centre).all())):
         raise ValueError(f"state['k_centre'] {tuple(centre.shape)} {centre.dtype} is not finite float32 "

@@ -160,7 +160,12 @@ class TailOwnedKVCache(ScalarKVCache):
     def commit_written(self, tokens: int) -> None:
         """Take ``tokens`` positions a caller wrote in place at ``[offset, offset + tokens)`` of
         :attr:`keys` / :attr:`values` (after :meth:`make_room`; the one-call CPU decode step,
-        :mod:`kvtier.model.cpu_step`), booked as :meth:`update` books a copy, without its time."""
+        :mod:`kvtier.model.cpu_step`), booked as :meth:`update` books a copy, without its time.
+        ``ValueError`` for a count that is not an int in ``[1, capacity - offset]``."""
+        room = self.capacity - self._offset
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= room:
+            raise ValueError(f"commit_written({tokens!r}) takes an int in [1, {room}], the positions "
+                             "make_room() left past the offset; call make_room() first")
         B, H, _, D = self.keys.shape
         self.copy_stats.updates += 1
         self.copy_stats.bytes += tokens * B * H * (D + self.values.shape[3]) * self.keys.element_size()
