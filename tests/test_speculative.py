@@ -480,8 +480,12 @@ def test_bad_input_is_refused(lm):
     for bad in ("ngram:3", "early-exit:", "early-exit:0", "model:", "lookahead"):
         with pytest.raises(ValueError, match="not understood"):
             parse_drafter_spec(bad)
-    with pytest.raises(ValueError, match="below the model's"):
-        EarlyExitDrafter(lm.model, lm.args.n_layers)
+    top = lm.args.n_layers - 1
+    for bad in (0, lm.args.n_layers, 2.0, True):  # one message for each, naming the one range
+        with pytest.raises(ValueError, match=rf"num_layers must be an int in \[1, {top}\] \(below the model's"):
+            EarlyExitDrafter(lm.model, bad)
+    with pytest.raises(ValueError, match=r"drafter must be a kvtier.drafters.Drafter .*got 'ngram'"):
+        generate(lm.model, lm.tokenizer, "hi", drafter="ngram")  # before: AttributeError
     with pytest.raises(ValueError, match="num_layers"):
         ModelDrafter(lm.model, num_layers=0)
     assert isinstance(make_drafter("ngram", lm), NgramDrafter)

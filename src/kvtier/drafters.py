@@ -279,10 +279,10 @@ class EarlyExitDrafter(ModelDrafter):
     """Self-speculation: the target's first ``num_layers`` layers, final norm and LM head."""
 
     def __init__(self, model, num_layers: int, *, cache_config: KVCacheConfig | None = None):
-        if isinstance(num_layers, int) and not isinstance(num_layers, bool) and \
-                num_layers >= model.args.n_layers:
-            raise ValueError(f"num_layers {num_layers} must be below the model's "
-                             f"{model.args.n_layers} layers to save anything")
+        n = model.args.n_layers
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < n:
+            raise ValueError(f"num_layers must be an int in [1, {n - 1}] (below the model's {n} layers, "
+                             f"to save anything), got {num_layers!r}")
         super().__init__(model, num_layers=num_layers, cache_config=cache_config)
 
 

@@ -294,6 +294,10 @@ def stream_generate(
     if drafter is not None:  # speculative decoding builds on this module: imported when asked for
         from kvtier.speculative import stream_speculative
 
+        if not all(callable(getattr(drafter, m, None)) for m in ("propose", "reset", "cost")):
+            raise ValueError(f"drafter must be a kvtier.drafters.Drafter (NgramDrafter(), "
+                             f"EarlyExitDrafter(model, 8), ModelDrafter(small)), got {drafter!r:.60}")
+
         return stream_speculative(model, tokenizer, prompts, config, drafter=drafter,
                                   speculative=speculative, **kw)
     if speculative is not None:

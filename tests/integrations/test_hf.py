@@ -25,6 +25,7 @@ from kvtier.integrations.hf import (  # noqa: E402
     cache_kwarg,
 )
 from kvtier.integrations.hf_attention import dense_attention  # noqa: E402
+from kvtier.integrations.hf_layer import DecodePlans, PaddingProbe  # noqa: E402
 from kvtier.integrations.hf_version import TransformersVersionError, require_transformers  # noqa: E402
 
 # (config, reads in place): small steps, blocks and pages so that short runs cross boundaries
@@ -164,6 +165,26 @@ def test_gemma2_sliding_layers_stay_transformers_layers():
     stats = cache.stats()
     assert stats["hf_layers"] == {0: "sliding_attention", 2: "sliding_attention"}
     assert "layers [0, 2] are sliding_attention" in stats["notes"][0]
+
+
+def test_a_model_with_no_full_attention_layer_is_told_its_tier_stores_nothing():
+    config = transformers.MistralConfig(**{**COMMON, "num_hidden_layers": 2, "sliding_window": 16})
+    with pytest.warns(UserWarning, match=r"no layer of this model is full attention \(its layers are "
+                                         r"sliding_attention\).* the paged tier stores nothing"):
+        cache = KVTierCache(KVCacheConfig(tier="paged", kv_quant="q8"), model_config=config)
+    config._attn_implementation = ATTENTION_NAME
+    for idle in (cache, KVTierCache(KVCacheConfig(enabled=False), model_config=config)):
+        assert idle.stats()["kvtier_layers"] == 0
+        assert idle.stats()["attention"] == "gathered K/V"  # before: "in place", with no layer to read
+
+
+def test_keys_and_values_of_different_head_sizes_are_refused_by_name():
+    """Multi-head latent attention (DeepSeek-V2/V3) caches keys wider than values; no tier
+    stores that, and the refusal says so rather than blaming the caller's tensors."""
+    layer = KVTierLayer(KVCacheConfig(tier="tail"), lambda: False, PaddingProbe(), DecodePlans(list))
+    with pytest.raises(ValueError, match=r"different head sizes \(16 and 8.*use transformers' DynamicCache"):
+        layer.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 8))
+    assert not layer.is_initialized
 
 
 def test_without_model_config_every_layer_is_kvtier_and_gemma2_still_matches():

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -132,6 +133,12 @@ class KVTierCache(Cache):
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
                 self.hf_layer_types[i] = kind
+        if config.enabled and not any(isinstance(layer, KVTierLayer) for layer in layers):
+            kinds = ", ".join(sorted(set(types)))
+            warnings.warn(f"no layer of this model is full attention (its layers are {kinds}), so every "
+                          f"layer stays transformers' own and the {config.tier} tier stores nothing; "
+                          "without model_config every layer would be a kvtier layer (sliding layers "
+                          "then keep their whole history)", UserWarning, stacklevel=2)
         super().__init__(layers=layers)
 
     def _new_layer(self) -> KVTierLayer:
@@ -231,7 +238,7 @@ class KVTierCache(Cache):
                 "no model_config: every layer is a kvtier layer and attention reads gathered K/V; "
                 "pass model_config=model.config to keep sliding/linear layers and read in place"
             )
-        in_place = any(layer.in_place for layer in mine) or (not mine and self._reads_in_place())
+        in_place = bool(mine) and (any(layer.in_place for layer in mine) or self._reads_in_place())
         counters = {"updates": 0, "bytes": 0, "time_s": 0.0, "grow_events": 0, "trimmed": 0}
         for layer in mine:
             s = layer.stats()

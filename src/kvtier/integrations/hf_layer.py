@@ -177,6 +177,10 @@ class KVTierLayer(CacheLayerMixin):
         return make_caches(1, self.config, batch_size=batch_size)[0]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dim() == value_states.dim() == 4 and key_states.shape[3] != value_states.shape[3]:
+            raise ValueError(f"this model's keys and values have different head sizes ({key_states.shape[3]} "
+                             f"and {value_states.shape[3]}, as in multi-head latent attention); kvtier's tiers "
+                             "store one head size for both: use transformers' DynamicCache for this model")
         self.device = key_states.device
         self.batch_size = key_states.shape[0]
         self._heads = tuple((t.shape[1], t.shape[3], t.dtype) for t in (key_states, value_states))
