@@ -141,6 +141,37 @@ def test_storage_the_allocator_refuses_is_a_capacity_error_and_changes_nothing(t
     assert torch.equal(live(cache)[0][:, :, 3:], kv(20, seed=1)[0])
 
 
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_a_cache_written_under_inference_mode_takes_writes_outside_it(tier):
+    """An inference_mode prefill, then a no_grad decode: the storage is inference tensors, which
+    change in place only inside that mode, so the cache writes inside it (before: a RuntimeError
+    after part of the write, the cache changed)."""
+    cache = TIERS[tier]()
+    with torch.inference_mode():
+        cache.update(*kv(3))
+    with torch.no_grad():
+        cache.update(*kv(2, seed=1))
+        if isinstance(cache, RowKVCache) and tier != "shared":
+            cache.reserve(4)
+            cache.filter([1, 0])
+            cache.filter([1, 0])
+        cache.trim(1)
+        cache.update(*kv(1, seed=2))
+    want_k, want_v = (torch.cat([a[:, :, :4], b], 2) for a, b in zip(
+        (torch.cat([x, y], 2) for x, y in zip(kv(3), kv(2, seed=1))), kv(1, seed=2)))
+    K, V = live(cache)
+    assert torch.equal(K, want_k) and torch.equal(V, want_v)
+    q = torch.randn(B, HQ, 1, D)
+    torch.testing.assert_close(cache.attention(q), causal_attention(q, want_k, want_v), atol=1e-5, rtol=1e-5)
+
+
+def test_a_ragged_cache_built_under_inference_mode_takes_writes_outside_it():
+    with torch.inference_mode():
+        cache = RaggedBatchKVCache(step=8, keys=kv(3)[0], values=kv(3)[1])
+    cache.update(*kv(1, seed=1))
+    assert cache.offset.tolist() == [4, 4]
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.bool, torch.complex64])
 def test_shared_block_cache_refuses_a_dtype_before_allocating(dtype):
     cache = SharedBlockPagedKVCache(block_size=4, num_blocks=8)

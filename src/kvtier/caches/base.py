@@ -186,6 +186,13 @@ class KVCache(ABC):
     tier: str = ""
     #: the thread inside an exclusive method (kvtier.caches.checks.exclusive), else None
     _owner: int | None = None
+    #: built or written under torch.inference_mode(): mutating methods run inside it (exclusive)
+    _inference: bool = False
+
+    def __new__(cls, *args, **kwargs):
+        cache = super().__new__(cls)
+        cache._inference = torch.is_inference_mode_enabled()  # tensors the constructor makes
+        return cache
 
     # -- writes and reads ---------------------------------------------------
     @abstractmethod

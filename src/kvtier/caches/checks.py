@@ -41,7 +41,12 @@ def exclusive(method: Method) -> Method:
     """Mark a method that mutates a cache: a second thread entering any such method of the
     same cache while one is inside raises :class:`ConcurrentCacheUse` (nested calls from
     the thread inside are fine). A plain attribute check, not a lock: it catches the
-    overlaps it sees, it does not serialise them."""
+    overlaps it sees, it does not serialise them.
+
+    Once a cache is built or written under ``torch.inference_mode()``, its tensors may be
+    inference tensors, which only change in place inside that mode: from then on its
+    mutating methods run inside it whatever mode the caller is in (an ``inference_mode``
+    prefill, then a ``no_grad`` decode)."""
 
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
@@ -55,6 +60,11 @@ def exclusive(method: Method) -> Method:
             )
         self._owner = me
         try:
+            if torch.is_inference_mode_enabled():
+                self._inference = True
+            elif self._inference:
+                with torch.inference_mode():
+                    return method(self, *args, **kwargs)
             return method(self, *args, **kwargs)
         finally:
             self._owner = None

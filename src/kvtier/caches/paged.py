@@ -394,6 +394,7 @@ class PagedKVCache(RowKVCache):
         self._changed()
         return n
 
+    @exclusive
     def release(self, rows: RowsArg) -> None:
         """Return the blocks of ``rows`` to the free list; those rows become empty (length 0)."""
         rows = check_indices("rows", rows, self.batch_size)
@@ -403,6 +404,7 @@ class PagedKVCache(RowKVCache):
         self._write_start = [0 if r in gone else n for r, n in enumerate(self._write_start)]
         self._changed()
 
+    @exclusive
     def filter(self, indices: RowsArg) -> None:
         """Keep rows ``indices`` (in that order); the other rows' blocks return to the free list."""
         keep = check_indices("indices", indices, self.batch_size)
@@ -432,6 +434,7 @@ class PagedKVCache(RowKVCache):
                     "from its first keys); copy the rows through fetch() and update() instead")
         return None
 
+    @exclusive
     def extend(self, other: PagedKVCache) -> None:
         """Append ``other``'s rows after this cache's, copying their blocks (exact, no re-encoding).
 
@@ -463,6 +466,7 @@ class PagedKVCache(RowKVCache):
         self._write_start = self._write_start + list(other._lengths)
         self._changed()
 
+    @exclusive
     def reserve(self, tokens: int) -> None:
         """Give every row blocks for ``tokens`` positions past its length now (growing the
         pool if it may). With the pool then frozen, writes there assign nothing on the

@@ -46,6 +46,7 @@ from kvtier.caches.ragged_rows import (
 )
 from kvtier.caches.ragged_snapshot import (
     RaggedSnapshot,
+    check_snapshot,
     layout,
     restore_ragged_caches,
     restore_ragged_caches_masked,
@@ -301,6 +302,7 @@ class RaggedBatchKVCache(RowKVCache):
                                 self._offsets, scale=scale, decode_len=known)
 
     # -- capacity -------------------------------------------------------------------------------
+    @exclusive
     def reserve(self, tokens: int) -> None:
         """Grow now so writes reaching ``tokens`` positions past the longest row need no growth."""
         needed = self._bound + check_int(tokens, "reserve(tokens)", 0)
@@ -312,6 +314,7 @@ class RaggedBatchKVCache(RowKVCache):
         elif needed > self.capacity:
             self._reallocate(round_up(needed, self.step), self.keys, self.values)
 
+    @exclusive
     def freeze_capacity(self, capacity: int) -> None:
         """Pin the buffers at ``capacity`` rounded up to ``step``: no update allocates after this
         (before the first write, the first write allocates exactly that). A write past it
@@ -351,16 +354,6 @@ class RaggedBatchKVCache(RowKVCache):
                               self._offsets.clone(), self._last_ws.clone(), self._has_last_write,
                               None if self._lengths is None else tuple(self._lengths), self._bound)
 
-    def _check_snapshot(self, snap: RaggedSnapshot) -> None:
-        if not isinstance(snap, RaggedSnapshot):
-            raise ValueError(f"expected a RaggedSnapshot, got {type(snap).__name__}")
-        if snap.offsets.shape[0] != self.batch_size:
-            raise ValueError(f"the snapshot holds {snap.offsets.shape[0]} rows, the cache {self.batch_size}")
-        held = [(c.keys, c.values) for c in (snap, self) if c.keys is not None]
-        if len({layout(k, v) for k, v in held}) > 1:
-            raise ValueError("the snapshot's heads, head_dim, dtype or device differ from the cache's")
-        self._check_fits(0 if snap.keys is None else snap.keys.shape[2])
-
     def _restore(self, snap: RaggedSnapshot, m: torch.Tensor | None) -> None:
         """Revert the rows where ``m`` (bool ``[B]`` on the device) is True, or all (``None``)."""
         self._changed()
@@ -375,18 +368,20 @@ class RaggedBatchKVCache(RowKVCache):
             saved = saved.to(buf.device)
             buf.copy_(saved if m is None else torch.where(m, saved, buf))
 
+    @exclusive
     def restore(self, snap: RaggedSnapshot) -> None:
         """Return every row to ``snap`` exactly, in place (frozen buffers keep their address)."""
-        self._check_snapshot(snap)
+        check_snapshot(self, snap)
         self._restore(snap, None)
         self._has_last_write = snap.has_last_write
         self._lengths = None if snap.lengths is None else list(snap.lengths)
         self._bound = snap.bound
 
+    @exclusive
     def restore_masked(self, snap: RaggedSnapshot, row_mask: Any) -> None:
         """Return the rows where ``row_mask`` (``[B]`` bools) is True to ``snap`` exactly (content
         and offset; a snapshot at a smaller capacity is fine); the others keep theirs."""
-        self._check_snapshot(snap)
+        check_snapshot(self, snap)
         mask = check_row_mask(row_mask, self.batch_size)
         dev = self._offsets.device  # the CPU while nothing was written
         m = mask.to(dev) if isinstance(mask, torch.Tensor) else to_device(mask, torch.bool, dev)
@@ -399,6 +394,7 @@ class RaggedBatchKVCache(RowKVCache):
             self._lengths, self._bound = None, max(self._bound, snap.bound)
 
     # -- batch ----------------------------------------------------------------------------------
+    @exclusive
     def release(self, rows: Any) -> None:
         """Empty ``rows`` (distinct indices): their lengths become 0; the buffers keep their size."""
         self._require_rows()
@@ -407,6 +403,7 @@ class RaggedBatchKVCache(RowKVCache):
         if gone:
             self._set_lengths(lengths)
 
+    @exclusive
     def filter(self, indices: Any) -> None:
         """Keep the rows ``indices`` (ints or an integer tensor; order kept, repeats allowed)."""
         self._require_rows()
@@ -424,6 +421,7 @@ class RaggedBatchKVCache(RowKVCache):
             self._lengths = [self._lengths[i] for i in idx]
             self._bound = max(self._lengths)
 
+    @exclusive
     def extend(self, other: RaggedBatchKVCache) -> None:
         """Append ``other``'s rows after this cache's; capacities are aligned by zero padding."""
         if not isinstance(other, RaggedBatchKVCache):

@@ -37,6 +37,18 @@ def layout(k: torch.Tensor, v: torch.Tensor) -> tuple:
     return (k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
 
 
+def check_snapshot(cache: RaggedBatchKVCache, snap: RaggedSnapshot) -> None:
+    """``snap`` can be restored into ``cache``: its rows, layout and length fit."""
+    if not isinstance(snap, RaggedSnapshot):
+        raise ValueError(f"expected a RaggedSnapshot, got {type(snap).__name__}")
+    if snap.offsets.shape[0] != cache.batch_size:
+        raise ValueError(f"the snapshot holds {snap.offsets.shape[0]} rows, the cache {cache.batch_size}")
+    held = [(c.keys, c.values) for c in (snap, cache) if c.keys is not None]
+    if len({layout(k, v) for k, v in held}) > 1:
+        raise ValueError("the snapshot's heads, head_dim, dtype or device differ from the cache's")
+    cache._check_fits(0 if snap.keys is None else snap.keys.shape[2])
+
+
 def snapshot_ragged_caches(caches: list[RaggedBatchKVCache]) -> list[RaggedSnapshot]:
     """One :meth:`~kvtier.caches.ragged.RaggedBatchKVCache.snapshot` per layer."""
     return [c.snapshot() for c in caches]
@@ -46,7 +58,7 @@ def _check_pairs(caches: list, snaps: list, row_mask: Any = None) -> None:
     if len(caches) != len(snaps):
         raise ValueError(f"{len(caches)} caches but {len(snaps)} snapshots")
     for c, s in zip(caches, snaps):
-        c._check_snapshot(s)
+        check_snapshot(c, s)
         if row_mask is not None:
             check_row_mask(row_mask, c.batch_size)
 

@@ -151,6 +151,7 @@ class TailOwnedKVCache(ScalarKVCache):
             self.values[:, :, self._offset : end] = values
         self._offset = end
 
+    @exclusive
     def make_room(self, tokens: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         """Grow, as :meth:`update` does, so that ``tokens`` more positions fit; ``like_k`` /
         ``like_v`` ``[B, H_kv, *, D]`` give the buffers' shape and dtype when there are none yet."""
