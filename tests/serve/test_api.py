@@ -122,6 +122,34 @@ def test_models_and_health(server, model) -> None:
     assert model == "SmolLM2-135M-Instruct.Q4_1"
     listed = httpx.get(f"{server}/v1/models").json()["data"][0]
     assert listed["max_model_len"] == h["max_model_len"] == NUM_BLOCKS * 16
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    assert client.models.retrieve(model).model_dump(exclude_none=True) == listed  # before: 404
+    with pytest.raises(NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-9")
+    assert httpx.head(f"{server}/health").status_code == 200  # load balancers' probe; before: 405
+
+
+def test_the_banner_names_the_port_it_listens_on_and_a_taken_port_is_refused(server, server_log) -> None:
+    from kvtier.serve.cli import _listen
+
+    port = server.rsplit(":", 1)[1]
+    assert f"on http://127.0.0.1:{port}/v1" in server_log.read_text()
+    with _listen("127.0.0.1", 0) as sock:  # port 0: the system's pick, which the banner shows
+        assert sock.getsockname()[1] > 0
+    with pytest.raises(ValueError, match=rf"cannot listen on 127.0.0.1:{port} \(.*\); choose another --port"):
+        _listen("127.0.0.1", int(port))  # before: the banner said serving, then uvicorn exited 3
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-request-mb", "inf"], "--max-request-mb must be a finite number > 0, got inf"),  # was OverflowError
+    (["--max-waiting", "0"], "max_waiting must be an int >= 1, got 0"),  # was a server answering only 429
+])
+def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
+    port = str(free_port())  # a process of its own, bounded in time: a server that starts is a failure
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port", port, *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("kvtier: error:") and words in done.stderr and "Traceback" not in done.stderr
 
 
 def test_warm_up_leaves_nothing_behind(server, server_log) -> None:
@@ -184,6 +212,52 @@ def test_logprobs_shapes(client, model) -> None:
     assert len(content) == r.usage.completion_tokens
     for item in content:
         assert len(item.top_logprobs) == 2 and item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+
+
+def test_logprobs_of_tokens_holding_part_of_a_character(server, client, model) -> None:
+    """Byte-level tokens of an emoji: each token's bytes are its own (joined, they are the text),
+    written bytes:\\x.. where they are no character alone; completions' top_logprobs keep
+    their N entries and the chosen token's own logprob (before: every such token was U+FFFD,
+    the dict lost entries and showed another token's logprob, the offsets ran past the text)."""
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Emoji: 🎉🎉🎉 🍕"}],
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    text, content = r.choices[0].message.content, r.choices[0].logprobs.content
+    assert bytes(b for item in content for b in item.bytes).decode("utf-8") == text
+    assert any(item.token.startswith("bytes:\\x") for item in content)
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "Emoji: 🎉🎉🎉 🍕", "max_tokens": 6,
+                                                      "temperature": 0, "logprobs": 5}, timeout=60).json()
+    choice = r["choices"][0]
+    lp = choice["logprobs"]
+    assert [len(top) for top in lp["top_logprobs"]] == [5] * 6
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] == pytest.approx(logprob)  # greedy: the chosen token is among the top
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] <= len(choice["text"])
+
+
+def test_null_takes_the_default_as_openai_reads_it(server, client, model) -> None:
+    """OpenAI types these fields "or null" and the official client sends null for a None
+    argument: each takes its default (before: 400 for temperature, top_p, n, stream, ...)."""
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty"))
+    body = {"prompt": "Hi", "seed": 3, "ignore_eos": True}
+    got = httpx.post(f"{server}/v1/completions", json={**body, **nulls, "echo": None, "max_tokens": None},
+                     timeout=60).json()
+    want = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    assert got["usage"]["completion_tokens"] == 16  # completions' max_tokens: null is 16, as OpenAI's
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       temperature=None, top_p=None, logprobs=None, stream=None, n=None)
+    assert r.usage.completion_tokens <= 2
+
+
+def test_vllm_sampling_fields_are_served_or_refused(server, lm) -> None:
+    paris, dot = lm.tokenizer.encode(" Paris.")
+    body = {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0}
+    r = httpx.post(f"{server}/v1/completions", json={**body, "stop_token_ids": [dot]}, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 2
+    assert r["choices"][0]["text"] == " Paris"
+    for field, value in (("repetition_penalty", 1.3), ("min_tokens", 2), ("include_stop_str_in_output", True)):
+        r = httpx.post(f"{server}/v1/completions", json={**body, field: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field  # before: ignored
 
 
 def test_sixteen_concurrent_greedy_requests_equal_generate(server, model, lm) -> None:

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -55,6 +56,16 @@ _PRE_SPLITS: dict[str, list[str]] = {
     "deepseek-r1-qwen": [_QWEN2_SPLIT],
 }
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): the character each byte is written as in a
+    vocabulary, mapped back to the byte. Printable bytes stand for themselves; the others
+    take the characters from U+0100 on, in byte order."""
+    own = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in own]
+    return {**{chr(b): b for b in own}, **{chr(256 + n): b for n, b in enumerate(moved)}}
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -125,6 +136,23 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self.backend.id_to_token(i)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` stands for. A byte-level piece may hold part of a character
+        (an emoji's first two bytes), which ``decode([i])`` can only show as U+FFFD: its
+        bytes come from the vocabulary's byte alphabet, or from a ``<0xNN>`` byte-fallback
+        piece; special tokens and other pieces give their text's UTF-8 (``▁`` as a space)."""
+        piece = self.backend.id_to_token(i)
+        if piece is None:
+            raise ValueError(f"token id {i} is outside [0, {self.vocab_size})")
+        if i not in self.backend.get_added_tokens_decoder():
+            alphabet = _byte_level_alphabet()
+            if isinstance(self.backend.decoder, decoders.ByteLevel) and all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            piece = piece.replace("\u2581", " ")
+        return piece.encode("utf-8")
 
     def stream_decoder(self, *, skip_special_tokens: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)

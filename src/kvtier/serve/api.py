@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP layer: FastAPI routes that translate and stream, nothing more.
 
-Routes: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``,
+Routes: ``GET`` (and ``HEAD``) ``/health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``
+(and ``/v1/models/{id}``),
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers
 with server-sent events ending in ``data: [DONE]``). The app holds no cache state:
 requests go to an :class:`~kvtier.serve.async_engine.AsyncLLMEngine`.
@@ -33,6 +34,7 @@ tokenized whole.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import time
@@ -186,7 +188,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         return fail(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
     # -- info ----------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD too
     async def health():
         s = engine.stats
         return {"status": "ok", **{k: s[k] for k in ("running", "waiting", "num_blocks", "free_blocks",
@@ -196,21 +198,31 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "kvtier",
+                "max_model_len": engine.stats["max_model_len"]}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "kvtier",
-                                            "max_model_len": engine.stats["max_model_len"]}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")  # the official client's models.retrieve(name)
+    async def one_model(name: str):
+        check_model(name)
+        return model_card()
 
     # -- generation ----------------------------------------------------------------------------
     def refused(e: ValueError, prompt_param: str) -> APIError:
         code = "context_length_exceeded" if "context" in str(e) else None
         return APIError(400, str(e), param=prompt_param, code=code)
 
-    def check(req) -> None:
-        if req.model is not None and req.model != model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{model_name!r}", param="model", code="model_not_found", type="not_found_error")
+
+    def check(req) -> None:
+        check_model(req.model)
 
     async def start(ids: list[int], params: RequestParams, prompt_param: str) -> str:
         try:
@@ -289,7 +301,8 @@ class _Completion:
     def __init__(self, tokenizer, model: str, rid: str, chat: bool):
         self.tokenizer, self.model, self.id, self.chat = tokenizer, model, rid, chat
         self.created = int(time.time())
-        self.offset = 0  # text offset of the next token (completions' logprobs)
+        self.offset = 0  # text offset of the next token (completions' logprobs): characters so far
+        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")  # of the tokens' bytes
 
     def _envelope(self, choices: list, chunk: bool) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
@@ -302,23 +315,31 @@ class _Completion:
                 "total_tokens": last.prompt_tokens + last.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
 
-    def _token(self, i: int) -> str:
-        return self.tokenizer.decode([i])
+    def _token(self, i: int) -> tuple[str, bytes]:
+        """A token's text and bytes. A token holding part of a character (byte-level pieces of
+        an emoji) is written ``bytes:\\xf0\\x9f``, as vLLM writes it: its bytes stay distinct
+        where each such piece alone would decode to U+FFFD."""
+        b = self.tokenizer.token_bytes(i)
+        try:
+            return b.decode("utf-8"), b
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{c:02x}" for c in b), b
 
     def logprobs(self, items: list[TokenLogprob], text: str) -> dict | None:
         if self.chat:
             def entry(t, lp):
-                s = self._token(t)
-                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+                s, b = self._token(t)
+                return {"token": s, "logprob": lp, "bytes": list(b)}
             return {"content": [{**entry(x.token_id, x.logprob),
                                  "top_logprobs": [entry(t, lp) for t, lp in x.top]} for x in items]}
-        tokens = [self._token(x.token_id) for x in items]
-        offsets = []
-        for s in tokens:
-            offsets.append(self.offset)
-            self.offset += len(s)
+        tokens, offsets = [], []
+        for x in items:
+            s, b = self._token(x.token_id)
+            tokens.append(s)
+            offsets.append(self.offset)  # the characters the tokens before it complete
+            self.offset += len(self._chars.decode(b))
         return {"tokens": tokens, "token_logprobs": [x.logprob for x in items],
-                "top_logprobs": [{self._token(t): lp for t, lp in x.top} for x in items],
+                "top_logprobs": [{self._token(t)[0]: lp for t, lp in x.top} for x in items],
                 "text_offset": offsets}
 
     def _choice(self, text: str, finish: str | None, items, chunk: bool) -> dict:

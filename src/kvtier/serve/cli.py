@@ -14,8 +14,10 @@ rank 0 also stops when its launcher dies.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -91,8 +93,8 @@ def configs_from_args(args: argparse.Namespace):
     engine |= parse_storage_flags(getattr(args, "kv_quant", None), getattr(args, "turboquant", None))
     server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup") if hasattr(args, n)}
     if hasattr(args, "max_request_mb"):
-        if not args.max_request_mb > 0:
-            raise ValueError(f"--max-request-mb must be > 0, got {args.max_request_mb}")
+        if not 0 < args.max_request_mb < math.inf:
+            raise ValueError(f"--max-request-mb must be a finite number > 0, got {args.max_request_mb}")
         server["max_request_bytes"] = max(1, round(args.max_request_mb * 2**20))
     return EngineConfig(**engine), ServerConfig(**server)
 
@@ -165,9 +167,10 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
     freeze_startup_heap()  # no full collection of the start-up heap between two steps later
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                            log_level=log_level))
+    sock = _listen(server_config.host, server_config.port)  # bound before the banner says so
     s = engine.stats()
     sharded = f", tensor parallel over {ranks} ranks (pages of rank 0)" if ranks > 1 else ""
-    print(f"[kvtier] serving {name} on http://{server_config.host}:{server_config.port}/v1 | "
+    print(f"[kvtier] serving {name} on http://{server_config.host}:{sock.getsockname()[1]}/v1 | "
           f"{s['num_blocks']} blocks of {s['block_size']} ({s['kv_storage']}, "
           f"{s['kv_bytes'] / 2**30:.2f} GiB{sharded}), context {s['max_model_len']} tokens",
           file=sys.stderr, flush=True)
@@ -177,11 +180,29 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         threading.Thread(target=_stop_when_orphaned, args=(server, os.getppid()), daemon=True).start()
-    server.run()
+    server.run(sockets=[sock])
     if not server.started:
         raise ValueError(f"the server could not start on {server_config.host}:{server_config.port} "
                          "(the error is above); choose another --port or --host")
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (``port`` 0: one the system picks); a ``ValueError`` that
+    says why where it cannot be (the port taken, the host unknown)."""
+    sock = None
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port "
+                         "or --host") from None
+    return sock
 
 
 def _stop_when_orphaned(server, parent: int, poll_s: float = 0.5) -> None:

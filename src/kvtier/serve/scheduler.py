@@ -93,9 +93,9 @@ class SchedulerConfig:
     max_waiting: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_batched_tokens"):
+        # max_waiting 0 would refuse every request: each one waits at least until the next step
+        for name in ("max_model_len", "max_num_seqs", "max_batched_tokens", "max_waiting"):
             _int_at_least(name, getattr(self, name), 1)
-        _int_at_least("max_waiting", self.max_waiting, 0)
         if self.max_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_batched_tokens {self.max_batched_tokens} is below max_num_seqs "
                              f"{self.max_num_seqs}: a step could not decode every running request; "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_LOGPROBS, RequestParams
@@ -28,6 +28,11 @@ __all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequ
 
 #: stop strings one request may give, and their characters in all
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 128, 4096
+
+#: fields OpenAI's reference types "... or null": null takes the field's default
+NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "stream", "ignore_eos", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_tokens", "include_stop_str_in_output",
+                   "echo", "logprobs", "max_tokens")
 #: what a field of several accepted shapes takes, for the 400 when none of them fits
 _SHAPES = {
     "prompt": "a string, a list of token ids, or a list holding one of those",
@@ -103,12 +108,28 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # vLLM's extensions: stop_token_ids is served; the others are refused, never ignored
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+
+    @field_validator(*NULL_IS_DEFAULT, mode="before", check_fields=False)
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's reference types these fields "or null", null meaning the default (the
+        official client sends null for a None argument)."""
+        return cls.model_fields[info.field_name].get_default() if value is None else value
 
     def check_supported(self) -> None:
         """400 for a field the engine cannot honour, or a stop list beyond the bounds."""
         refused = (("n", self.n != 1, "n > 1 is not supported; send n requests (with different seeds)"),
                    ("presence_penalty", self.presence_penalty != 0, "penalties are not supported"),
                    ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported"),
+                   ("repetition_penalty", self.repetition_penalty != 1, "penalties are not supported"),
+                   ("min_tokens", self.min_tokens != 0, "min_tokens is not supported"),
+                   ("include_stop_str_in_output", self.include_stop_str_in_output,
+                    "include_stop_str_in_output is not supported: stop strings are cut from the text"),
                    ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"))
         for param, bad, message in refused:
             if bad:
@@ -125,7 +146,7 @@ class CompletionRequest(_Common):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1)  # null: 16, OpenAI's default here (not the rest of the context)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -212,6 +233,7 @@ def request_params(req: CompletionRequest | ChatCompletionRequest) -> RequestPar
         sampling = SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                                   min_p=req.min_p, seed=req.seed)
         return RequestParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
-                             ignore_eos=req.ignore_eos, logprobs=logprobs)
+                             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                             logprobs=logprobs)
     except ValueError as e:  # the dataclasses' messages start with the field's name
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
