@@ -212,6 +212,26 @@ def test_a_bad_query_or_scale_gets_one_error_in_every_tier(tier, mistake):
     assert_same(before, snapshot(cache))
 
 
+@pytest.mark.parametrize("calls", ["fewer_queries", "after_trim"])
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_queries_sit_at_the_newest_positions_in_every_tier(tier, calls):
+    """The contract: query i sits at offset - T + i. The row tiers place a write's own queries at
+    its start; other queries (fewer than it wrote, or any after a trim) at the rows' newest
+    positions, as the tail and block tiers do (before: at the last write's start)."""
+    cache = TIERS[tier]()
+    k, v = kv(5)
+    cache.update(k, v)
+    n, T = (5, 1) if calls == "fewer_queries" else (3, 2)
+    if calls == "after_trim":
+        cache.trim(2)
+    q = torch.randn(B, HQ, T, D, generator=torch.Generator().manual_seed(6))
+    want = causal_attention(q, k[:, :, :n], v[:, :, :n])
+    torch.testing.assert_close(cache.attention(q), want, rtol=1e-5, atol=1e-5)
+    for bad in (0, n + 1):  # no query (block raised a RuntimeError), more than any row holds
+        with pytest.raises(ValueError, match="no token|queries"):
+            cache.attention(torch.randn(B, HQ, bad, D))
+
+
 @pytest.mark.parametrize("scale", [None, 0.5, 2])
 @pytest.mark.parametrize("tier", list(TIERS))
 def test_a_good_scale_reaches_the_attention(tier, scale):

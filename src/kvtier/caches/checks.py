@@ -170,6 +170,8 @@ def check_queries(
         raise ValueError(
             f"q_heads {queries.shape[1]} is not a multiple of the cache's kv_heads {kv_heads}"
         )
+    if queries.shape[2] == 0:
+        raise ValueError("queries hold no token (T = 0); attention needs at least one query")
     if queries.shape[3] != head_dim:
         raise ValueError(f"queries head_dim {queries.shape[3]} differs from the cache's {head_dim}")
     if queries.dtype != dtype:

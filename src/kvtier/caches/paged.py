@@ -140,6 +140,7 @@ class PagedKVCache(RowKVCache):
         self.codecs: CodecChoice | None = None
         self._lengths = [0] * batch_size  # committed tokens per row
         self._write_start = [0] * batch_size
+        self._last_q = 0  # tokens of the last update (0: none since a trim); see attention()
         self._dev: dict[str, torch.Tensor] = {}  # device copies of the host lists, rebuilt on change
         self._plan: StepPlan | None = None  # the step plan the books follow (kvtier.caches.step_plan)
         self.copy_stats = CopyStats()
@@ -198,7 +199,7 @@ class PagedKVCache(RowKVCache):
         return list(self._lengths)
 
     def _set_lengths(self, lengths: list[int]) -> None:
-        self._lengths = lengths  # as trim: the blocks behind dropped tokens stay with their row
+        self._lengths, self._last_q = lengths, 0  # as trim: the blocks behind dropped tokens stay
         self._changed()
 
     @property
@@ -291,7 +292,7 @@ class PagedKVCache(RowKVCache):
         self._grow_for(sum(extra), keys.shape[1], choice, keys.device)
         self.pool.assign(extra)
         self._store(keys, values, ws, [n - w for n, w in zip(new, ws)])
-        self._lengths, self._write_start = new, ws
+        self._lengths, self._write_start, self._last_q = new, ws, T
         self._changed()
 
     def _update_planned(self, keys, values, plan: StepPlan, write_start, new_offsets) -> None:
@@ -302,6 +303,7 @@ class PagedKVCache(RowKVCache):
                              "with kvtier.caches.step_plan.StepPlanner")
         self._write(keys, values, plan.slots)
         self._lengths, self._write_start, self._dev, self._plan = plan.ends, plan.starts, plan.memo, plan
+        self._last_q = 1
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Encode ``keys``/``values`` ``[B, H_kv, T, D]`` (or ``[1, H_kv, n, D]``) into ``slots``."""
@@ -354,7 +356,9 @@ class PagedKVCache(RowKVCache):
         """Causal attention ``[B, H_q, T, D]`` of ``queries`` ``[B, H_q, T, D]`` over each row's pages.
 
         Query ``i`` of row ``r`` sits at ``q_start[r] + i`` (default: the
-        ``write_start`` of the last update) and sees the row's committed keys
+        ``write_start`` of the last update when the queries are its tokens, as many and no
+        trim since; otherwise ``offset[r] - T``, the row's newest positions, as every tier
+        places them, and 0 for a shorter row) and sees the row's committed keys
         ``j <= q_start[r] + i``, ``j < offset[r]``. Rows that see nothing
         (released rows) return zeros. After a planned update the positions,
         lengths and block table are the plan's device tensors (no host work).
@@ -367,14 +371,18 @@ class PagedKVCache(RowKVCache):
                 f"queries batch {queries.shape[0]} on {queries.device} must match the cache's "
                 f"batch {self.batch_size} on {self._device}"
             )
-        p, plan = self.pool, self._plan
-        if plan is not None and plan.valid and q_start is None:
+        p, plan, T = self.pool, self._plan, queries.shape[2]
+        last = q_start is None and self._last_q == T  # the last update's tokens, at its starts
+        if plan is not None and plan.valid and last:
             q_start_t, kv_len, tables = plan.write_start, plan.new_offsets, plan.block_tables
         else:
-            qs = rows_arg(self.batch_size, "q_start", q_start, self._write_start)
+            newest = None if q_start is not None or last else [max(0, n - T) for n in self._lengths]
+            if newest is not None and max(self._lengths) < T:
+                raise ValueError(f"{T} queries but rows of {self._lengths} tokens; give q_start")
+            qs = rows_arg(self.batch_size, "q_start", q_start, newest or self._write_start)
             if any(q < 0 for q in qs):
                 raise ValueError(f"q_start {qs} must be >= 0 per row")
-            q_start_t = (self._rows_tensor("write_start", qs) if q_start is None
+            q_start_t = (self._rows_tensor("write_start", qs) if last
                          else torch.tensor(qs, device=self._device))
             width = max(1, max(len(r) for r in p.rows))  # kernels plan their split on the width
             kv_len, tables = self._rows_tensor("lengths", self._lengths), p.block_tables[:, :width]
@@ -390,7 +398,7 @@ class PagedKVCache(RowKVCache):
         """Drop the newest ``n`` tokens of every row (a shorter row empties); returns
         ``min(n, size())``. The rows keep their blocks (see the module docstring)."""
         n = min(check_trim(n), self.size())
-        self._lengths = [max(0, x - n) for x in self._lengths]
+        self._lengths, self._last_q = [max(0, x - n) for x in self._lengths], 0
         self._changed()
         return n
 

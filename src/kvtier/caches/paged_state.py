@@ -65,6 +65,7 @@ def paged_meta_state(cache: PagedKVCache) -> dict[str, Any]:
         "attention_backend": cache.attention_backend,
         "frozen": cache.frozen,
         "grow_events": cache.copy_stats.grow_events,
+        "last_write_tokens": cache._last_q,
         "head_dim": None if c is None else c.k_codec.head_dim,
         "dtype": None if c is None else str(c.k_codec.dtype).removeprefix("torch."),
         **storage_facts(cache),
@@ -102,6 +103,7 @@ def paged_from_state(cls: type[PagedKVCache], state: dict[str, torch.Tensor],
         cache.codecs = CodecChoice(k, v, mode, *reasons)
         cache._lengths = state["lengths"].tolist()
         cache._write_start = state["write_start"].tolist()
+        cache._last_q = meta_int(m, "last_write_tokens", optional=True) or 0  # 0 in older files
     cache.pool.frozen = frozen
     cache.copy_stats.grow_events = grow_events
     return cache

@@ -53,7 +53,7 @@ from kvtier.caches.ragged_snapshot import (
     snapshot_ragged_caches,
 )
 from kvtier.caches.step_plan import StepPlan
-from kvtier.caches.tail_owned import TailOwnedKVCache, read_meta_ints
+from kvtier.caches.tail_owned import read_meta_ints
 from kvtier.kernels.dispatch import KernelDispatch
 from kvtier.kernels.ragged import ragged_attention
 from kvtier.kernels.reference import causal_mask
@@ -87,7 +87,7 @@ class RaggedBatchKVCache(RowKVCache):
         self.batch_size = None if batch_size is None else check_int(batch_size, "batch_size", 1)
         self.keys = self.values = None  # (B, H_kv, capacity, D) each, from the first write
         self._offsets: torch.Tensor | None = None  # (B,) int64, the row lengths
-        self._last_ws, self._has_last_write = None, False  # (B,) write_start of the last update
+        self._last_ws, self._last_q = None, 0  # (B,) write_start of the last update, its tokens (0: none)
         self._lengths: list[int] | None = None  # exact row lengths, while the host knows them
         self._bound = 0  # host upper bound on the longest row
         self._frozen, self._target = False, 0  # _target: capacity of the first allocation
@@ -191,8 +191,7 @@ class RaggedBatchKVCache(RowKVCache):
         if plan is not None:
             self._update_planned(keys, values, plan, write_start, new_offsets)
             return
-        B, H, q, _ = keys.shape
-        dev = keys.device
+        (B, H, q, _), dev = keys.shape, keys.device
         ws = row_values(write_start, "write_start", B, dev)
         no = row_values(new_offsets, "new_offsets", B, dev)
         on_device = on_accelerator(ws) or on_accelerator(no)
@@ -230,7 +229,7 @@ class RaggedBatchKVCache(RowKVCache):
                 torch.add(self._last_ws, q, out=self._offsets)
             else:
                 self._offsets.copy_(no)
-        self._has_last_write = True
+        self._last_q = q
         self._lengths = new_lengths
         self._bound = max(new_lengths) if new_lengths is not None else end
 
@@ -247,7 +246,7 @@ class RaggedBatchKVCache(RowKVCache):
             self.keys.scatter_(2, idx[:, None, :, None].expand(B, H, 1, keys.shape[3]), keys)
             self.values.scatter_(2, idx[:, None, :, None].expand(B, H, 1, values.shape[3]), values)
             self._offsets.copy_(plan.new_offsets)
-        self._has_last_write, self._lengths, self._bound = True, plan.ends, plan.bound
+        self._last_q, self._lengths, self._bound = 1, plan.ends, plan.bound
         self._plan = plan
 
     def _assert_rows(self, start: torch.Tensor, no: torch.Tensor | None, q: int) -> None:
@@ -266,7 +265,8 @@ class RaggedBatchKVCache(RowKVCache):
     def make_mask(self, q_len: int, key_len: int | None = None, q_start: Any = None) -> torch.Tensor:
         """Boolean ``[B, 1, q_len, key_len]`` (default ``key_len``: capacity), True where key ``j``
         is visible to query ``i`` of row ``b``: ``j <= q_start[b] + i`` and ``j < offset[b]``.
-        ``q_start`` defaults to the last update's ``write_start`` (before any, ``offset - q_len``).
+        ``q_start`` defaults to the last update's ``write_start`` when the queries are its tokens
+        (as many, no trim since), else to ``max(offset - q_len, 0)``, the newest positions.
         The shape never depends on the offsets."""
         self._require_rows()
         key_len = self.capacity if key_len is None else key_len
@@ -275,8 +275,10 @@ class RaggedBatchKVCache(RowKVCache):
 
     def _query_starts(self, q_len: int, q_start: Any) -> torch.Tensor:
         """Each row's first query position, int64 ``[B]`` on the offsets' device."""
-        if q_start is None:
-            return self._last_ws if self._has_last_write else self._offsets - q_len
+        if q_start is None:  # the last write's tokens start at its rows' starts; else each row's newest
+            if q_len != self._last_q and self._lengths is not None and max(self._lengths) < q_len:
+                raise ValueError(f"{q_len} queries but rows of {self._lengths} tokens; give q_start")
+            return self._last_ws if q_len == self._last_q else (self._offsets - q_len).clamp(min=0)
         dev = self._offsets.device
         qs = row_values(q_start, "q_start", self.batch_size, dev)
         return qs if isinstance(qs, torch.Tensor) else torch.tensor(qs, dtype=torch.long, device=dev)
@@ -351,7 +353,7 @@ class RaggedBatchKVCache(RowKVCache):
         n, held = self._live(), self.keys is not None
         return RaggedSnapshot(self.keys[:, :, :n].clone() if held else None,
                               self.values[:, :, :n].clone() if held else None,
-                              self._offsets.clone(), self._last_ws.clone(), self._has_last_write,
+                              self._offsets.clone(), self._last_ws.clone(), self._last_q,
                               None if self._lengths is None else tuple(self._lengths), self._bound)
 
     def _restore(self, snap: RaggedSnapshot, m: torch.Tensor | None) -> None:
@@ -373,7 +375,7 @@ class RaggedBatchKVCache(RowKVCache):
         """Return every row to ``snap`` exactly, in place (frozen buffers keep their address)."""
         check_snapshot(self, snap)
         self._restore(snap, None)
-        self._has_last_write = snap.has_last_write
+        self._last_q = snap.last_q
         self._lengths = None if snap.lengths is None else list(snap.lengths)
         self._bound = snap.bound
 
@@ -386,7 +388,7 @@ class RaggedBatchKVCache(RowKVCache):
         dev = self._offsets.device  # the CPU while nothing was written
         m = mask.to(dev) if isinstance(mask, torch.Tensor) else to_device(mask, torch.bool, dev)
         self._restore(snap, m)
-        self._has_last_write = self._has_last_write or snap.has_last_write
+        self._last_q = self._last_q or snap.last_q
         if isinstance(mask, list) and self._lengths is not None and snap.lengths is not None:
             self._lengths = [s if pick else c for c, s, pick in zip(self._lengths, snap.lengths, mask)]
             self._bound = max(self._lengths)
@@ -447,7 +449,7 @@ class RaggedBatchKVCache(RowKVCache):
         dev = self._offsets.device if not held else held[0].keys.device
         self._offsets = torch.cat([self._offsets.to(dev), other._offsets.to(dev)])
         self._last_ws = torch.cat([self._last_ws.to(dev), other._last_ws.to(dev)])
-        self._has_last_write = self._has_last_write or other._has_last_write
+        self._last_q = self._last_q or other._last_q
         self.batch_size = self._offsets.shape[0]
         mine = self._lengths
         self._lengths = None if mine is None or other._lengths is None else mine + other._lengths
@@ -474,7 +476,7 @@ class RaggedBatchKVCache(RowKVCache):
     def _set_lengths(self, lengths: list[int]) -> None:
         self._changed()
         self._offsets.copy_(to_device(lengths, torch.long, self._offsets.device))
-        self._lengths, self._bound = lengths, max(lengths)
+        self._lengths, self._bound, self._last_q = lengths, max(lengths), 0
 
     @property
     def storage_device(self) -> torch.device:
@@ -493,7 +495,7 @@ class RaggedBatchKVCache(RowKVCache):
         if n:
             self._changed()
             self._offsets.sub_(n)
-            self._lengths = [v - n for v in self._lengths]
+            self._lengths, self._last_q = [v - n for v in self._lengths], 0
             self._bound = max(self._lengths)
         return n
 
@@ -530,7 +532,7 @@ class RaggedBatchKVCache(RowKVCache):
         return {
             "tier": self.tier, "step": self.step, "batch_size": self.batch_size,
             "capacity": self.capacity if self.keys is not None else self._target,
-            "frozen": self._frozen, "host_bound": self._bound, "has_last_write": self._has_last_write,
+            "frozen": self._frozen, "host_bound": self._bound, "last_write_tokens": self._last_q,
             "attention_backend": self.attention_backend,
         }
 
@@ -559,7 +561,7 @@ class RaggedBatchKVCache(RowKVCache):
         if "last_write_start" in state and cache._last_ws is not None:
             cache._last_ws.copy_(state["last_write_start"])
         cache._target, cache._frozen = cap, bool(meta_state.get("frozen", False))
-        cache._has_last_write = bool(meta_state.get("has_last_write", False))
+        cache._last_q = int(meta_state.get("last_write_tokens") or 0)  # 0 in older files: offset - T
         return cache
 
     @classmethod
@@ -570,8 +572,7 @@ class RaggedBatchKVCache(RowKVCache):
         if isinstance(cache, RaggedBatchKVCache) or not isinstance(cache.offset, int):
             raise ValueError(f"from_scalar_cache needs a tier with one int offset, got "
                              f"{type(cache).__name__}; use RaggedBatchKVCache.from_cache")
-        if step is None:
-            step = cache.step if isinstance(cache, TailOwnedKVCache) else 256
+        step = getattr(cache, "step", 256) if step is None else step  # a tail cache's own
         kw = {"step": step, "attention_backend": attention_backend}
         if cache.size() == 0:
             return cls(batch_size=batch_size, **kw)

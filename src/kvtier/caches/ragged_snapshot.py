@@ -27,7 +27,7 @@ class RaggedSnapshot:
     values: torch.Tensor | None
     offsets: torch.Tensor
     last_write_start: torch.Tensor
-    has_last_write: bool
+    last_q: int  # the last write's tokens (0: none)
     lengths: tuple[int, ...] | None
     bound: int
 

@@ -176,6 +176,7 @@ def check_ragged_state(state: Any, meta_state: Any) -> None:
     batch = meta_int(meta_state, "batch_size", minimum=1, optional=True)
     meta_bool(meta_state, "frozen", False)
     meta_bool(meta_state, "has_last_write", False)
+    meta_int(meta_state, "last_write_tokens", optional=True)
     meta_str(meta_state, "attention_backend", default="auto")
     check_state_names(state, {"offsets", "last_write_start", "keys", "values"})
     if not state:
