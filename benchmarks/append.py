@@ -4,17 +4,9 @@ The same benchmark as ``kvtier bench append``; see :mod:`kvtier_bench.append`.
 Run: ``python benchmarks/append.py [--quick] [--contexts 1024,8192,32768]``.
 """
 
-import argparse
 import sys
 
-from kvtier_bench import append
+from kvtier.cli import main
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=append.__doc__.splitlines()[0])
-    append.add_arguments(parser)
-    return append.run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the checks and errors of `kvtier bench append`
+    sys.exit(main(["bench", "append", *sys.argv[1:]]))

@@ -4,17 +4,9 @@ The same benchmark as ``kvtier bench attention``; see :mod:`kvtier_bench.attenti
 Run: ``python benchmarks/attention.py [--sweep] [--out benchmarks/results_gpu_attention.md]``.
 """
 
-import argparse
 import sys
 
-from kvtier_bench import attention
+from kvtier.cli import main
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=attention.__doc__.splitlines()[0])
-    attention.add_arguments(parser)
-    return attention.run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the checks and errors of `kvtier bench attention`
+    sys.exit(main(["bench", "attention", *sys.argv[1:]]))

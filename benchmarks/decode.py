@@ -4,17 +4,9 @@ The same benchmark as ``kvtier bench decode``; see :mod:`kvtier_bench.decode`.
 Run: ``python benchmarks/decode.py [--threads 1] [--plot benchmarks/decode.png]``.
 """
 
-import argparse
 import sys
 
-from kvtier_bench import decode
+from kvtier.cli import main
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=decode.__doc__.splitlines()[0])
-    decode.add_arguments(parser)
-    return decode.run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the checks and errors of `kvtier bench decode`
+    sys.exit(main(["bench", "decode", *sys.argv[1:]]))

@@ -4,17 +4,9 @@ The same benchmark as ``kvtier bench paged``; see :mod:`kvtier_bench.paged`.
 Run: ``python benchmarks/paged.py [--sequences 64] [--plot benchmarks/paged.png]``.
 """
 
-import argparse
 import sys
 
-from kvtier_bench import paged
+from kvtier.cli import main
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=paged.__doc__.splitlines()[0])
-    paged.add_arguments(parser)
-    return paged.run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the checks and errors of `kvtier bench paged`
+    sys.exit(main(["bench", "paged", *sys.argv[1:]]))

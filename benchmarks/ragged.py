@@ -4,17 +4,9 @@ The same benchmark as ``kvtier bench ragged``; see :mod:`kvtier_bench.ragged`.
 Run: ``python benchmarks/ragged.py [--shape smollm2] [--device cuda] [--plot benchmarks/ragged.png]``.
 """
 
-import argparse
 import sys
 
-from kvtier_bench import ragged
+from kvtier.cli import main
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=ragged.__doc__.splitlines()[0])
-    ragged.add_arguments(parser)
-    return ragged.run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the checks and errors of `kvtier bench ragged`
+    sys.exit(main(["bench", "ragged", *sys.argv[1:]]))

@@ -4,17 +4,9 @@ The same benchmark as ``kvtier bench speculative``; see :mod:`kvtier_bench.specu
 Run: ``python benchmarks/speculative.py [--max-tokens 256] [--drafters ngram,early-exit:24] [--json FILE]``.
 """
 
-import argparse
 import sys
 
-from kvtier_bench import speculative
+from kvtier.cli import main
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=speculative.__doc__.splitlines()[0])
-    speculative.add_arguments(parser)
-    return speculative.run(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the checks and errors of `kvtier bench speculative`
+    sys.exit(main(["bench", "speculative", *sys.argv[1:]]))

@@ -56,6 +56,10 @@ def test_cpu_products_refuses_bad_sizes_before_measuring(capsys, argv, named):
 
 @pytest.mark.parametrize("argv, named", [
     (["decode", "--repeats", "0"], "--repeats must be at least 1"),
+    (["decode", "--threads", "0"], "--threads must be at least 1, got 0"),  # was a traceback
+    (["speculative", "--max-tokens", "0"], "--max-tokens must be at least 1"),  # was "exact: NO"
+    (["append", "--device", "gpu"], "--device 'gpu' is not a device"),  # was three tracebacks
+    (["paged", "--plot", "/nonexistent/dir/p.png"], "its folder /nonexistent/dir does not exist"),
     (["serve", "--input-len", "abc"], "--input-len takes MIN,MAX prompt tokens"),
     (["serve", "--input-len", "64"], "got '64'"),
     (["serve", "--input-len", "10,5"], "got --input-len 10,5"),

@@ -113,6 +113,34 @@ def test_flags_override_the_environment(capsys, monkeypatch):
     assert out["cache"]["tier"] == "tail"
     out = main_json(capsys, "generate", "Hi", "--raw", "--max-tokens", "2", "--kv-quant", "q8")
     assert out["cache"]["tier"] == "paged" and out["cache"]["layer0"]["mode"] == "q8"
+    # a storage flag names the whole storage: the other codec's variable does not stay
+    monkeypatch.setenv("KVTIER_PAGED_TURBOQUANT", "1")
+    out = main_json(capsys, "generate", "Hi", "--raw", "--max-tokens", "2", "--kv-quant", "q8")
+    assert out["cache"]["layer0"]["mode"] == "q8"  # before: TurboQuant's pages, without a word
+    monkeypatch.delenv("KVTIER_PAGED_TURBOQUANT")
+    monkeypatch.setenv("KVTIER_PAGED_KV_QUANT", "q8")
+    config = main_json(capsys, "info", "--turboquant", "q8_0,q3_0")["cache_config"]
+    assert config["kv_quant"] is None and config["turboquant"]["value_quant"] == "q3_0"
+
+
+def test_the_paged_pool_is_never_sized_past_the_context(capsys, lm):
+    """--max-tokens far past the context sized a pool of 100,000 tokens (4.4 GiB) that no
+    request can fill; it now holds at most the model's 8,192 positions."""
+    out = main_json(capsys, "generate", QUESTION, "--tier", "paged", "--max-tokens", "100000")
+    a = lm.args
+    per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 4
+    assert out["cache"]["nbytes"] <= a.max_position_embeddings * per_token
+
+
+def test_a_reader_that_goes_away_ends_the_run_quietly():
+    """kvtier info | head -c 0: the reader is gone before the output comes; before, a
+    BrokenPipeError traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "MTPLX_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "info"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # at once: the model loads for seconds before info writes
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and "Traceback" not in err, err
 
 
 def test_kv_dtype_stores_float16_and_keeps_the_greedy_answer(capsys):

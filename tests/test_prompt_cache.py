@@ -89,6 +89,33 @@ def test_mismatched_tier_is_detected(lm, baseline, tmp_path):
     assert stats.prompt_cache_tokens_reused > 0
 
 
+def test_a_float16_tail_is_told_from_one_storing_what_the_model_computes(lm, tmp_path):
+    """kv_dtype decides what the file's keys hold: before, a float16 cache was reused by a
+    run that asked for full precision (and the other way round) without a word."""
+    def reused(kv_dtype):
+        cfg = KVCacheConfig(tier="tail", kv_dtype=kv_dtype)
+        out = list(stream_generate(lm.model, lm.tokenizer, PROMPT, CONFIG, cache_config=cfg,
+                                   prompt_cache=fresh(tmp_path, lm)))
+        return out[-1].stats.prompt_cache_tokens_reused
+
+    assert reused("float16") == 0
+    with pytest.warns(PromptCacheWarning, match="tier .*kv_dtype"):
+        assert reused(None) == 0
+    assert reused(None) > 0
+    with pytest.warns(PromptCacheWarning, match="tier"):
+        assert reused("float16") == 0
+
+
+def test_a_file_that_cannot_be_written_warns_and_the_generation_goes_on(lm, baseline, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):  # a read-only mount, a full disk
+        raise PermissionError(13, "Permission denied", str(tmp_path / "pc.safetensors"))
+
+    monkeypatch.setattr("kvtier.caches.persist.save_cache", refuse)
+    with pytest.warns(PromptCacheWarning, match="was not saved .*Permission denied.*goes on without it"):
+        tokens, _ = run(lm, PROMPT, fresh(tmp_path, lm))
+    assert tokens == baseline[PROMPT]  # before: the PermissionError ended the run after prefill
+
+
 def test_prompt_without_common_prefix_is_recomputed(lm, baseline, tmp_path):
     run(lm, "Completely different words to start with", fresh(tmp_path, lm))
     ids = lm.tokenizer.encode("Completely different words to start with")

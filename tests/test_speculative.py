@@ -484,6 +484,10 @@ def test_bad_input_is_refused(lm):
     for bad in (0, lm.args.n_layers, 2.0, True):  # one message for each, naming the one range
         with pytest.raises(ValueError, match=rf"num_layers must be an int in \[1, {top}\] \(below the model's"):
             EarlyExitDrafter(lm.model, bad)
+    for bad in (0, -3, True, 1.5):  # before: one token for each, or a TypeError
+        with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1 or None"):
+            next(speculative_generate_step(lm.model, [[1, 2]], lm.model.make_caches(config("tail")),
+                                           NgramDrafter(), max_tokens=bad))
     with pytest.raises(ValueError, match=r"drafter must be a kvtier.drafters.Drafter .*got 'ngram'"):
         generate(lm.model, lm.tokenizer, "hi", drafter="ngram")  # before: AttributeError
     with pytest.raises(ValueError, match="num_layers"):

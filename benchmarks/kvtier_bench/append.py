@@ -31,12 +31,12 @@ import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from kvtier.caches.block_owned import BlockOwnedKVCache
 from kvtier.caches.tail_owned import TailOwnedKVCache
+from kvtier_bench import FOLDER
 from kvtier_bench._memory import reset_peak_rss, rss_bytes
 
 PEER = "DynamicLayer"
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed steps per window for DynamicLayer (each copies the whole cache)")
     parser.add_argument("--quick", action="store_true",
                         help="contexts 1024,4096, 256 steps, 4 DynamicLayer steps")
-    parser.add_argument("--plot", default="benchmarks/append.png", help="PNG written here (\"\" for none)")
+    parser.add_argument("--plot", default=str(FOLDER / "append.png"), help="PNG written here (\"\" for none)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -215,7 +215,6 @@ def _plot(results: list[Result], path: str, title: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

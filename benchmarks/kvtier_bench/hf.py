@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from kvtier.config import KVCacheConfig
+from kvtier_bench import FOLDER
 from kvtier_bench._memory import reset_peak_rss, rss_bytes
 from kvtier_bench._progress import BenchProgress
 
@@ -80,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--no-cudnn-sdpa", action="store_true",
                         help="keep SDPA off its cuDNN backend (on CUDA it can cost ~2 ms of host time a call)")
-    parser.add_argument("--plot", default="benchmarks/hf.png", help="PNG of step time vs context")
+    parser.add_argument("--plot", default=str(FOLDER / "hf.png"), help="PNG of step time vs context")
     parser.add_argument("--json", default=None, help="write the raw figures here")
 
 
@@ -291,7 +292,6 @@ def plot(results: list[Result], prompt: int, path: str) -> None:
     ax.set_title("transformers generate: cost of one decode step")
     ax.legend()
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
 

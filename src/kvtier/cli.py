@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
+import os
 import sys
 import warnings
+from pathlib import Path
 
 from kvtier import cli_run
 
@@ -80,7 +83,36 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
         help_text = (module.__doc__ or name).splitlines()[0].rstrip(".")
         p = bsub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=functools.partial(_run_bench, module.run))
+
+
+#: flags several benchmarks share, with their least value: checked before any of them runs
+_BENCH_COUNTS = (("threads", 1), ("repeats", 1), ("warmup", 0), ("max_tokens", 1))
+
+
+def _run_bench(run, args: argparse.Namespace) -> int:
+    """A benchmark's ``run(args)``, after the flags they share are checked: counts in range,
+    ``--plot`` in a folder that exists (``.png`` added to a name without a suffix), ``--device``
+    a device torch knows (each one's own flags are checked in its ``run``)."""
+    for name, least in _BENCH_COUNTS:
+        v = getattr(args, name, None)
+        if v is not None and v < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {v}")
+    if getattr(args, "plot", None):  # checked before measuring; the PNG's name as it is written
+        plot = Path(args.plot) if Path(args.plot).suffix else Path(args.plot).with_suffix(".png")
+        if not plot.parent.is_dir():
+            raise ValueError(f"--plot {args.plot}: its folder {plot.parent} does not exist; create it "
+                             "first, or pass another path (\"\" for no plot)")
+        args.plot = str(plot)
+    device = getattr(args, "device", None)
+    if device not in (None, "auto"):
+        import torch
+
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"--device {device!r} is not a device; use cpu or cuda (cuda:N)") from None
+    return run(args)
 
 
 def _benchmarks_missing(args: argparse.Namespace) -> int:
@@ -245,8 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _show_warning
         try:
             return int(args._run(args) or 0)
-        except (ValueError, FileNotFoundError, MemoryError, ImportError) as e:
-            # a caller's mistake (bad value, missing file or package): the message says what to do
+        except BrokenPipeError:  # the reader went away (| head): quiet, as Unix tools are
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+            return 141
+        except (ValueError, OSError, MemoryError, ImportError) as e:
+            # a caller's mistake (bad value, missing or unwritable file, missing package): the
+            # message says what to do
             print(f"kvtier: error: {e}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:

@@ -39,7 +39,7 @@ def cache_config_from_args(args: argparse.Namespace):
 
     given = vars(args)
     changes = parse_storage_flags(given.get("kv_quant"), given.get("turboquant"))
-    quant = changes.get("kv_quant") is not None or "turboquant" in changes
+    quant = changes.get("kv_quant") is not None or changes.get("turboquant") is not None
     if "tier" in given:
         if quant and given["tier"] != "paged":
             raise ValueError(
@@ -277,7 +277,8 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     else:
         ids = tok.encode(prompt)
     drafts = 0 if spec is None else spec.draft_tokens + 1
-    cache_config = sized_for_request(cache_config, args, len(ids) + gen_config.max_tokens + drafts)
+    held = min(len(ids) + gen_config.max_tokens, lm.args.max_position_embeddings)  # never past the context
+    cache_config = sized_for_request(cache_config, args, held + drafts)
     check_caches_fit(cache_config, lm)
     # int8 activations act in the CPU decode step, which serves the tail tier only
     on_cpu = next(lm.model.parameters()).device.type == "cpu"

@@ -130,7 +130,12 @@ class PromptCache:
                 f"the caches hold {[c.size() for c in caches][:4]}... tokens, not the "
                 f"{len(tokens)} tokens given; save right after prefill"
             )
-        save_cache(self.path, caches, {METADATA_KEY: self.record(tokens, config, dtype)})
+        try:
+            save_cache(self.path, caches, {METADATA_KEY: self.record(tokens, config, dtype)})
+        except OSError as e:  # a cache is an optimisation: the generation goes on without the file
+            warnings.warn(f"the prompt cache {self.path} was not saved ({e}); the generation goes on "
+                          "without it", PromptCacheWarning, stacklevel=2)
+            return
         self._saved_tokens = tokens
 
     def _load(self, device: torch.device) -> tuple[list[KVCache], dict[str, Any]] | None:
@@ -160,12 +165,16 @@ class PromptCache:
 
 
 def _tier_fingerprint(config: KVCacheConfig) -> dict[str, Any]:
-    """What decides the cache's stored contents (geometry such as step does not)."""
+    """What decides the cache's stored contents (geometry such as step does not). A tail
+    tier's ``kv_dtype`` appears only when set, so files written before it was recorded
+    still match the runs that store what the model computes."""
     tq = config.turboquant
+    narrow = {"kv_dtype": config.kv_dtype} if config.tier == "tail" and config.kv_dtype else {}
     return {
         "tier": config.tier,
         "kv_quant": config.kv_quant if config.tier == "paged" else None,
         "turboquant": dataclasses.asdict(tq) if tq is not None and config.tier == "paged" else None,
+        **narrow,
     }
 
 

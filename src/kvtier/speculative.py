@@ -385,6 +385,9 @@ def speculative_generate_step(
     ``max_tokens`` tokens or a token of ``stop_token_ids`` (kept as its last token);
     the generator returns when every row is done (never without those limits).
     """
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise ValueError(f"max_tokens must be an int >= 1 or None (the context), got {max_tokens!r}")
     params = SamplingParams() if params is None else params
     spec = SpeculativeConfig() if speculative is None else speculative
     stats = SpeculativeStats() if stats is None else stats

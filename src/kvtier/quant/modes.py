@@ -145,11 +145,14 @@ def parse_turboquant(spec: str) -> TurboQuantConfig:
 
 def parse_storage_flags(kv_quant: str | None, turboquant: str | None) -> dict:
     """The pages' storage from the ``--kv-quant`` and ``--turboquant`` flags as text (``None``:
-    not given): ``{"kv_quant": ...}`` and ``{"turboquant": TurboQuantConfig}`` for those given.
+    not given): ``{}`` when neither is given, else both fields, since a flag names the whole
+    storage and wins over the environment (``--kv-quant q8`` clears ``KVTIER_PAGED_TURBOQUANT``).
     Both naming a codec is a ``ValueError``: TurboQuant is its own codec."""
-    out: dict = {} if kv_quant is None else {"kv_quant": parse_kv_quant(kv_quant)}
+    if kv_quant is None and turboquant is None:
+        return {}
+    out: dict = {"kv_quant": None if kv_quant is None else parse_kv_quant(kv_quant), "turboquant": None}
     if turboquant is not None:
-        if out.get("kv_quant") is not None:
+        if out["kv_quant"] is not None:
             raise ValueError(
                 f"--kv-quant {kv_quant} and --turboquant {turboquant} each name the paged tier's "
                 "storage, and TurboQuant is its own codec; drop one of them"
