@@ -77,10 +77,11 @@ def test_text_streams_to_stdout_and_the_summary_goes_to_stderr(capsys):
 
 
 def test_prompt_from_stdin(capsys, lm, monkeypatch):
-    monkeypatch.setattr(sys, "stdin", io.StringIO("The capital of France is"))
-    out = main_json(capsys, "generate", "--raw", "--max-tokens", "3")
-    assert out["prompt_tokens"] == lm.tokenizer.encode("The capital of France is")
-    assert len(out["tokens"]) == 3
+    for text in ("The capital of France is", "\ufeffThe capital of France is"):  # a BOM is no prompt
+        monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+        out = main_json(capsys, "generate", "--raw", "--max-tokens", "3")
+        assert out["prompt_tokens"] == lm.tokenizer.encode("The capital of France is")
+        assert len(out["tokens"]) == 3
 
 
 def test_prompt_flag_is_the_argument(capsys, lm):
@@ -222,6 +223,7 @@ def test_missing_model_file(capsys, tmp_path):
         (["--turboquant", "q9_0,q3_0"], "q9_0"),
         (["--kv-quant", "q8", "--tier", "tail"], "paged"),
         (["--kv-dtype", "float16", "--tier", "block"], "applies to the tail tier, not block"),
+        (["--stop", ""], "--stop '': a stop string cannot be empty"),
     ],
 )
 def test_bad_flag_values_give_a_clear_error(capsys, argv, words):
@@ -248,6 +250,24 @@ def test_no_prompt_and_no_stdin(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     assert cli.main(["generate"]) == 2
     assert "empty" in capsys.readouterr().err
+    for blank in ("", " ", "\n\t"):  # as on stdin (before: generated from nothing, or a library message)
+        assert one_line_error(capsys, ["generate", blank, "--raw"]).startswith("the prompt is empty")
+
+
+def test_environment_the_flags_overrule_warns(capsys, monkeypatch):
+    monkeypatch.setenv("KVTIER_OWNED_ATTN_KV_DTYPE", "float16")
+    assert cli.main(["generate", "Hi", "--raw", "--max-tokens", "2", "--tier", "paged", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["cache"]["tier"] == "paged"  # before: kv_dtype=float16 ... an error
+    assert "KVTIER_OWNED_ATTN_KV_DTYPE=float16 narrows the tail tier's buffers" in err
+    monkeypatch.delenv("KVTIER_OWNED_ATTN_KV_DTYPE")
+    monkeypatch.setenv("KVTIER_OWNED_ATTN_KV", "off")
+    assert cli.main(["generate", "Hi", "--raw", "--max-tokens", "2"]) == 0
+    assert "the command line always builds caches: the tail tier's" in capsys.readouterr().err
+    monkeypatch.delenv("KVTIER_OWNED_ATTN_KV")
+    monkeypatch.setenv("KVTIER_FUSED", "maybe")  # before: on, silently
+    assert one_line_error(capsys, ["generate", "Hi"]) == (
+        "KVTIER_FUSED='maybe' is not a boolean; use one of 1/true/yes/on or 0/false/no/off")
 
 
 def test_info(capsys, monkeypatch):
@@ -282,6 +302,8 @@ def test_eval_ppl_and_kl(capsys):
 def test_eval_missing_file(capsys, tmp_path):
     assert cli.main(["eval", "ppl", "--file", str(tmp_path / "none.txt")]) == 2
     assert "none.txt" in capsys.readouterr().err
+    assert one_line_error(capsys, ["eval", "ppl", "--file", str(tmp_path)]) == (
+        f"--file {tmp_path} is a folder; give a text file")  # before: no such file
 
 
 def _bench_choices() -> dict[str, argparse.ArgumentParser]:
@@ -460,7 +482,8 @@ def test_sampling_flags_under_greedy_warn_once(capsys, lm):
     out, err = capsys.readouterr()
     warnings_ = [line for line in err.splitlines() if line.startswith("kvtier: warning:")]
     assert warnings_ == ["kvtier: warning: --top-p, --top-k, --seed have no effect with greedy "
-                         "decoding (--temperature 0, the default); set --temperature above 0 to sample"]
+                         "decoding (--temperature 0, the default, or below 1e-5); set --temperature to "
+                         "1e-5 or above to sample"]
     assert json.loads(out)["tokens"] == main_json(capsys, *argv[:-1])["tokens"]
     assert cli.main([*argv, "--temperature", "0.8", "--top-p", "0.5", "--seed", "1"]) == 0
     assert "warning" not in capsys.readouterr().err

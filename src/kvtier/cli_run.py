@@ -58,7 +58,18 @@ def cache_config_from_args(args: argparse.Namespace):
         changes["dynamic_paged"] = True
     if "kv_dtype" in given:
         changes["kv_dtype"] = given["kv_dtype"]
-    return KVCacheConfig.from_env().replace(**changes)
+    env = KVCacheConfig.from_env()
+    if env.kv_dtype is not None and "kv_dtype" not in given and changes.get("tier", env.tier) != "tail":
+        warnings.warn(f"KVTIER_OWNED_ATTN_KV_DTYPE={env.kv_dtype} narrows the tail tier's buffers; the "
+                      f"flags chose the {changes['tier']} tier, which stores what the model computes",
+                      UserWarning, stacklevel=2)
+        changes["kv_dtype"] = None
+    config = env.replace(**changes)
+    if not config.enabled:
+        warnings.warn(f"KVTIER_OWNED_ATTN_KV turns kvtier's caches off for configure_kv_cache; the command "
+                      f"line always builds caches: the {config.tier} tier's (--tier chooses)",
+                      UserWarning, stacklevel=2)
+    return config
 
 
 def generation_config_from_args(args: argparse.Namespace):
@@ -70,10 +81,12 @@ def generation_config_from_args(args: argparse.Namespace):
     ignored = [flag for name, flag in _SAMPLING_ONLY.items() if hasattr(args, name)]
     if sampling.greedy and ignored:
         warnings.warn(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect "
-                      "with greedy decoding (--temperature 0, the default); set --temperature "
-                      "above 0 to sample", stacklevel=2)
+                      "with greedy decoding (--temperature 0, the default, or below 1e-5); set "
+                      "--temperature to 1e-5 or above to sample", stacklevel=2)
     extra = _given(args, "max_tokens", "cuda_graph")
     if hasattr(args, "stop"):
+        if not all(args.stop):
+            raise ValueError("--stop '': a stop string cannot be empty")
         extra["stop"] = tuple(args.stop)
     return GenerationConfig(sampling=sampling, **extra)
 
@@ -171,6 +184,7 @@ def _read_stdin() -> str:
         text = decode_text(sys.stdin.buffer.read(), "the prompt read from stdin")
     else:
         text = _argument_text(sys.stdin.read(), "the prompt read from stdin")
+    text = text.removeprefix("\ufeff")  # a byte-order mark is no part of the prompt
     if not text.strip():
         raise ValueError("the prompt read from stdin is empty")
     return text
@@ -267,6 +281,8 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
         return _run_tensor_parallel(args)
     if hasattr(args, "prompt"):
         prompt = _argument_text(args.prompt, "the prompt")
+        if not prompt.strip():  # the rule stdin follows: no model loads for nothing to say
+            raise ValueError("the prompt is empty; give text to continue (--raw) or a question")
     else:
         prompt = _read_stdin()
     lm = _load(args) if lm is None else lm
@@ -469,8 +485,10 @@ def run_eval(args: argparse.Namespace) -> int:
     base = cache_config_from_args(args)
     if hasattr(args, "file"):
         path = Path(args.file)
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"--file {path}: no such file")
+        if path.is_dir():
+            raise ValueError(f"--file {path} is a folder; give a text file")
         text = decode_text(path.read_bytes(), f"--file {path}")
     else:
         text = default_text()

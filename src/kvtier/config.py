@@ -1,4 +1,4 @@
-"""Choosing a tier at run time. The only module that reads the environment.
+"""Choosing a tier at run time: the module that reads the caches' settings from the environment.
 
 ``KVCacheConfig.from_env()`` turns the ``KVTIER_*`` variables (and their MTPLX
 aliases) into a frozen :class:`KVCacheConfig`; :func:`make_caches` builds fresh
@@ -292,6 +292,14 @@ def _flag(name: str, raw: str) -> bool:
     if raw.lower() in _FALSE:
         return False
     raise ValueError(f"{name}={raw!r} is not a boolean; use one of 1/true/yes/on or 0/false/no/off")
+
+
+def switched_off(var: str) -> bool:
+    """Whether the environment variable ``var`` (a switch that is on unless set) turns its
+    path off: ``0``/``false``/``no``/``off``; ``ValueError`` naming it for a value that is
+    not a boolean. The model's switches (``KVTIER_FUSED``, ``KVTIER_DECODE_STEP``) read here."""
+    raw = os.environ.get(var)
+    return raw is not None and not _flag(var, raw.strip())
 
 
 def _whole(minimum: int) -> Parser:

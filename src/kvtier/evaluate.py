@@ -183,7 +183,8 @@ def evaluate_modes(
     config = EvalConfig() if config is None else config
     tokens = list(tokens)[: config.max_tokens]
     if len(tokens) < 2:
-        raise ValueError(f"the text holds {len(tokens)} tokens; perplexity needs at least 2")
+        raise ValueError(f"the text holds {len(tokens)} token{'s' * (len(tokens) != 1)}; perplexity "
+                         "needs at least 2")
     limit = model.args.max_position_embeddings
     if config.context > limit:
         raise ValueError(f"context {config.context} is longer than the model's {limit} positions; "

@@ -55,10 +55,10 @@ import torch
 from torch import nn
 
 from kvtier.caches.tail_owned import TailOwnedKVCache
+from kvtier.config import switched_off
 from kvtier.model import packed
 from kvtier.model.act_quant import act_quant_of
 from kvtier.model.linear import Linear
-from kvtier.model.llama import switched_off
 from kvtier.model.step_kernels import Kernels as _Kernels
 from kvtier.model.step_kernels import Layer as _Layer
 from kvtier.model.step_kernels import Lin as _Lin

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from typing import Any
@@ -36,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kvtier.caches.base import KVCache
+from kvtier.config import switched_off
 from kvtier.model.linear import Linear
 
 ARCHES = ("llama", "mistral", "qwen2", "qwen3")
@@ -315,11 +315,6 @@ def project(lin: nn.Module, x: torch.Tensor, *, silu_mul: bool = False) -> torch
         return lin(ops.silu_mul(x))
     gate, up = x.split(width, dim=-1)
     return lin(F.silu(gate) * up)
-
-
-def switched_off(var: str) -> bool:
-    """Whether the environment variable ``var`` turns something off (``0``, ``false``, ``no``, ``off``)."""
-    return os.environ.get(var, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def _fused_off() -> bool:
