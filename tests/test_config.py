@@ -246,6 +246,13 @@ def test_check_fits_refuses_a_step_past_the_context_and_a_pool_past_memory():
     with pytest.raises(KVCacheTooLarge, match=r"--num-blocks, KVTIER_PAGED_NUM_BLOCKS") as e:
         pool.check_fits(context_tokens=8192, bytes_per_token=1024, memory_bytes=2**24 - 1)
     assert "16384 tokens" in str(e.value) and isinstance(e.value, MemoryError)
+    dynamic = KVCacheConfig(tier="paged", dynamic_paged=True, dynamic_paged_min_blocks=100_000)
+    with pytest.raises(KVCacheTooLarge, match=r"lower paged_num_blocks .*, dynamic_paged_min_blocks "
+                                              r"\(KVTIER_DYNAMIC_PAGED_KV_MIN_BLOCKS\), previous_high_water"):
+        dynamic.check_fits(context_tokens=8192, bytes_per_token=1024, memory_bytes=2**30)
+    huge = KVCacheConfig(tier="paged", dynamic_paged=True, previous_high_water=MAX_TOKENS)
+    with pytest.raises(ValueError, match=rf"the dynamic pool would start at .* more than {MAX_TOKENS} tokens"):
+        huge.initial_paged_blocks()  # before: 25 million tokens, then blamed on paged_num_blocks
 
 
 def test_tier_params():

@@ -249,12 +249,21 @@ class KVCacheConfig:
         tokens = self.first_allocation_tokens(batch_size)
         need = tokens * bytes_per_token
         if memory_bytes is not None and need > memory_bytes:
-            name = "paged_num_blocks" if self.tier == "paged" else unit
             raise KVCacheTooLarge(
                 f"the {self.tier} tier would allocate {tokens} tokens of keys and values "
                 f"({need / 2**30:.1f} GiB) at once, more than the device's "
-                f"{memory_bytes / 2**30:.1f} GiB; lower {_setting(name)}"
+                f"{memory_bytes / 2**30:.1f} GiB; lower {self._first_allocation_settings(unit)}"
             )
+
+    def _first_allocation_settings(self, unit: str) -> str:
+        """The settings that size the first allocation, as a message names them."""
+        if self.tier != "paged":
+            return _setting(unit)
+        if not self.dynamic_paged:
+            return _setting("paged_num_blocks")
+        return ", ".join(_setting(f) for f in ("paged_num_blocks", "dynamic_paged_min_blocks",
+                                               "previous_high_water", "dynamic_paged_margin",
+                                               "dynamic_paged_tokens"))
 
     def initial_paged_blocks(self) -> int:
         """Start-up pool size: the configured count, or dynamic sizing when enabled."""
@@ -262,7 +271,7 @@ class KVCacheConfig:
             return self.paged_num_blocks
         from kvtier.caches.paged import dynamic_paged_num_blocks
 
-        return dynamic_paged_num_blocks(
+        blocks = dynamic_paged_num_blocks(
             self.paged_block_size,
             self.paged_num_blocks,
             request_tokens=self.dynamic_paged_tokens or None,
@@ -270,6 +279,11 @@ class KVCacheConfig:
             margin=self.dynamic_paged_margin,
             min_blocks=self.dynamic_paged_min_blocks,
         )
+        if blocks * self.paged_block_size > MAX_TOKENS:
+            raise ValueError(f"the dynamic pool would start at {blocks} blocks of {self.paged_block_size} "
+                             f"tokens, more than {MAX_TOKENS} tokens; lower "
+                             f"{self._first_allocation_settings('paged_block_size')}")
+        return blocks
 
 
 # -- the environment, as a table -----------------------------------------------------------------
