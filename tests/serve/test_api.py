@@ -311,6 +311,8 @@ def test_prefix_cache_hits_show_in_metrics(client, model, server) -> None:
     ({"prompt": "hi", "stop": ["s"] * 129}, 400, "stop"),
     ({"prompt": "hi", "stop": ["x" * 5000]}, 400, "stop"),
     ({"prompt": "a\ud800b"}, 400, "prompt"),  # a lone surrogate: valid (escaped) JSON, not Unicode
+    ({"prompt": "hi", "stop": ["a\ud800"]}, 400, "stop"),  # before: accepted
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),  # as OpenAI
     ("", 400, None),
     ("null", 400, None),
     ('{"prompt": "hi", "temperature": NaN}', 400, "temperature"),  # JSON that Python's parser takes
@@ -477,6 +479,7 @@ def test_full_queue_answers_429_with_retry_after(server, model) -> None:
 
 def test_disconnects_abort_and_free_blocks(server, model) -> None:
     tokens = metrics(server)["kvtier_generation_tokens_total"]
+    aborted = metrics(server).get("kvtier_requests_finished_total{finish_reason=abort}", 0)
     body = {"model": model, "prompt": "Write a long story about a lighthouse.", "max_tokens": 400,
             "ignore_eos": True}
     with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
@@ -486,6 +489,8 @@ def test_disconnects_abort_and_free_blocks(server, model) -> None:
     h = settle(server)
     assert h["running"] == h["waiting"] == 0 and h["free_blocks"] == NUM_BLOCKS
     assert metrics(server)["kvtier_generation_tokens_total"] - tokens < 2 * 400  # both were cut short
+    # and both count as finished, for the reason abort (before: in no finished count at all)
+    assert metrics(server)["kvtier_requests_finished_total{finish_reason=abort}"] - aborted == 2
 
 
 def test_bounded_load_with_bad_and_departing_clients(server, model) -> None:

@@ -267,11 +267,23 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         view = _Completion(tokenizer, model_name, f"chatcmpl-{rid}", chat=True)
         return await answer(view, rid, req, request)
 
+    async def counted(rid: str) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; one that ends before it finished (its client left, the step
+        failed) is counted as finished for the reason ``abort``."""
+        finished = False
+        try:
+            async for out in engine.stream(rid):
+                finished = finished or out.finished
+                yield out
+        finally:
+            if not finished:
+                metrics.aborted()
+
     async def answer(view: _Completion, rid: str, req, request: Request):
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(view.events(engine.stream(rid), usage), media_type="text/event-stream")
-        collect = asyncio.ensure_future(_collect(engine.stream(rid)))
+            return StreamingResponse(view.events(counted(rid), usage), media_type="text/event-stream")
+        collect = asyncio.ensure_future(_collect(counted(rid)))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()

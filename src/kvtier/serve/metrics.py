@@ -18,7 +18,7 @@ name                                       type      meaning
 ``kvtier_preemptions_total``               counter   requests preempted (freed, recomputed later)
 ``kvtier_prompt_tokens_total``             counter   prompt tokens of accepted requests
 ``kvtier_generation_tokens_total``         counter   tokens generated
-``kvtier_requests_finished_total``         counter   finished requests, by ``finish_reason``
+``kvtier_requests_finished_total``         counter   finished requests, by ``finish_reason`` (``abort``: ended early)
 ``kvtier_requests_rejected_total``         counter   refused requests, by HTTP ``status``
 ``kvtier_time_to_first_token_seconds``     histogram arrival to first token
 ``kvtier_time_per_output_token_seconds``   histogram (finish - first token) / (tokens - 1)
@@ -98,6 +98,10 @@ class ServerMetrics:
         self.e2e.observe(out.finish_time - out.arrival_time)
         if out.completion_tokens > 1:
             self.tpot.observe((out.finish_time - out.first_token_time) / (out.completion_tokens - 1))
+
+    def aborted(self) -> None:
+        """Count a request that ended before it finished (``finish_reason`` ``abort``)."""
+        self.finished.labels("abort").inc()
 
     def reject(self, status: int) -> None:
         self.rejected.labels(str(status)).inc()

@@ -134,7 +134,15 @@ class _Common(BaseModel):
         for param, bad, message in refused:
             if bad:
                 raise APIError(400, message, param=param, code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        for s in stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone UTF-16 surrogate: no text can ever hold it
+                raise APIError(400, f"stop holds {s[e.start]!r}, a lone UTF-16 surrogate that is not "
+                               "valid Unicode; send the whole pair", param="stop") from None
         chars = sum(map(len, stop))
         if len(stop) > MAX_STOP_STRINGS or chars > MAX_STOP_CHARS:
             raise APIError(400, f"stop holds {len(stop)} strings of {chars} characters in all; at most "
