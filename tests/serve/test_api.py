@@ -493,6 +493,40 @@ def test_disconnects_abort_and_free_blocks(server, model) -> None:
     assert metrics(server)["kvtier_requests_finished_total{finish_reason=abort}"] - aborted == 2
 
 
+def test_a_stopping_server_ends_long_requests_after_its_shutdown_timeout(tmp_path) -> None:
+    """SIGTERM with a 4,000-token stream in flight: --shutdown-timeout 1 ends it and the process
+    exits in seconds (before: the stream ran to its end, minutes on this CPU)."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), "--threads",
+                                 "1", "--num-blocks", "512", "--shutdown-timeout", "1"], stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        body = {"prompt": "Tell me a story.", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            stopped = time.monotonic()
+            proc.terminate()  # SIGTERM, by its pid
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in lines:  # the server ends the stream
+                    pass
+        assert proc.wait(timeout=60) is not None
+        assert time.monotonic() - stopped < 30, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_bounded_load_with_bad_and_departing_clients(server, model) -> None:
     """200 requests from 32 clients: valid, malformed and departing. No 5xx, every valid request
     answered (429s retried), and the pool whole again afterwards."""

@@ -37,6 +37,7 @@ import asyncio
 import codecs
 import contextlib
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -85,6 +86,9 @@ class ServerConfig:
     retry_after_s: int = 1
     max_request_bytes: int = 4 * 2**20
     warmup: bool | None = None
+    #: seconds a stopping server (SIGTERM, Ctrl-C) waits for requests in flight before it
+    #: ends them (``None``: until they finish)
+    shutdown_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -95,6 +99,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if self.warmup is not None and not isinstance(self.warmup, bool):
             raise ValueError(f"warmup must be a bool or None, got {self.warmup!r}")
+        t = self.shutdown_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < math.inf):
+            raise ValueError(f"shutdown_timeout_s must be a number of seconds >= 0 or None, got {t!r}")
 
 
 def encode_bounded(tokenizer, text: str, max_tokens: int, *, add_bos: bool | None = None) -> list[int]:

@@ -63,6 +63,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="tokens of one request at most (default: the model's context)")
     p.add_argument("--max-request-mb", dest="max_request_mb", type=float, default=_ABSENT, metavar="MB",
                    help="largest request body read, in MiB (larger: HTTP 413; default 4)")
+    p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=_ABSENT,
+                   metavar="S", help="seconds a stopping server waits for requests in flight before "
+                   "it ends them (default: until they finish)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=_ABSENT)
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=_ABSENT)
@@ -91,7 +94,8 @@ def configs_from_args(args: argparse.Namespace):
 
     engine = {n: getattr(args, n) for n in _ENGINE_FLAGS if hasattr(args, n)}
     engine |= parse_storage_flags(getattr(args, "kv_quant", None), getattr(args, "turboquant", None))
-    server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup") if hasattr(args, n)}
+    server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup", "shutdown_timeout_s")
+              if hasattr(args, n)}
     if hasattr(args, "max_request_mb"):
         if not 0 < args.max_request_mb < math.inf:
             raise ValueError(f"--max-request-mb must be a finite number > 0, got {args.max_request_mb}")
@@ -166,7 +170,8 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
     app = build_app(AsyncLLMEngine(engine), engine.tokenizer, name, server_config)
     freeze_startup_heap()  # no full collection of the start-up heap between two steps later
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                                           log_level=log_level))
+                                           log_level=log_level,
+                                           timeout_graceful_shutdown=server_config.shutdown_timeout_s))
     sock = _listen(server_config.host, server_config.port)  # bound before the banner says so
     s = engine.stats()
     sharded = f", tensor parallel over {ranks} ranks (pages of rank 0)" if ranks > 1 else ""
