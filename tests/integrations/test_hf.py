@@ -178,6 +178,32 @@ def test_a_model_with_no_full_attention_layer_is_told_its_tier_stores_nothing():
         assert idle.stats()["attention"] == "gathered K/V"  # before: "in place", with no layer to read
 
 
+@pytest.mark.parametrize("tier", ["ragged-inplace", "paged-inplace"])
+def test_in_place_crop_never_reaches_back_into_right_padding(tier):
+    """In place a right-padded row holds its real tokens only: crop(-k) past the positions
+    written since would remove real tokens where DynamicCache removes padding. It is refused
+    (before: silently, the next logits 0.13 away); crops within the later writes match."""
+    model = tiny("llama")
+    inputs = tiny_batch(3, "right")
+    config, _ = TIERS[tier]
+    caches = {"dynamic": DynamicCache(), "kvtier": KVTierCache(config, model_config=model.config)}
+    step = torch.tensor([[7], [8], [9]])
+    logits = {}
+    for name, cache in caches.items():
+        with torch.no_grad(), attention(model, ATTENTION_NAME if name == "kvtier" else "sdpa"):
+            model(**inputs, **{cache_kwarg(model): cache})
+            mask = torch.cat([inputs["attention_mask"], torch.ones(3, 2, dtype=torch.long)], 1)
+            for i in range(2):  # two decode steps, then a crop of one of them
+                model(step, attention_mask=mask[:, : mask.shape[1] - 1 + i], **{cache_kwarg(model): cache})
+            if name == "kvtier":
+                with pytest.raises(ValueError, match=r"crop\(-3\) reaches back into a write whose rows "
+                                                     r"ended in padding .*crop at most 2"):
+                    cache.crop(-3)
+            cache.crop(-1)
+            logits[name] = model(step, attention_mask=mask, **{cache_kwarg(model): cache}).logits[:, -1]
+    torch.testing.assert_close(logits["kvtier"], logits["dynamic"], atol=1e-5, rtol=1e-5)
+
+
 def test_keys_and_values_of_different_head_sizes_are_refused_by_name():
     """Multi-head latent attention (DeepSeek-V2/V3) caches keys wider than values; no tier
     stores that, and the refusal says so rather than blaming the caller's tensors."""

@@ -164,6 +164,8 @@ class KVTierLayer(CacheLayerMixin):
         self.trimmed = 0  # tokens dropped by crop() (rejected drafts of assisted generation)
         self.in_place = False
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        # in place: positions written since the last write whose rows ended in padding (None: none)
+        self._after_padding: int | None = None
 
     @property
     def rows(self) -> bool:
@@ -328,6 +330,10 @@ class KVTierLayer(CacheLayerMixin):
         T = keys.shape[2]
         try:
             real = self._probe.real_tokens(mask, self.length - T, T)
+            if self._after_padding is not None:
+                self._after_padding += T
+            if real is not None and not bool(real[:, -1].all()):  # some row ends in padding
+                self._after_padding = 0
             if real is None:
                 self.tier.update(keys, values, **self._plans.kwargs(self, T))
                 if softcap is None:
@@ -374,13 +380,20 @@ class KVTierLayer(CacheLayerMixin):
         """Drop the ``k`` newest tokens with ``crop(-k)`` (all of them if ``k`` >= the length);
         ``crop(0)`` does nothing; a positive value raises ``ValueError``, as in ``DynamicLayer``."""
         n = crop_count(tokens_to_remove, self.length)
+        if self._after_padding is not None and n > self._after_padding:
+            raise ValueError(
+                f"crop({tokens_to_remove}) reaches back into a write whose rows ended in padding (right "
+                f"padding); in place the rows hold their real tokens only, so it would remove real ones: "
+                f"crop at most {self._after_padding} here, or pad on the left")
+        if self._after_padding is not None:
+            self._after_padding -= n
         if n and self.tier is not None:
             self.tier.trim(n)
             self.length -= n
             self.trimmed += n
 
     def reset(self) -> None:
-        self.tier, self.length, self._pending = None, 0, None
+        self.tier, self.length, self._pending, self._after_padding = None, 0, None, None
         self.is_initialized = False
 
     # -- rows -------------------------------------------------------------------------------------
