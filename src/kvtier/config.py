@@ -503,13 +503,19 @@ def make_caches(
     return [cls(**params) for _ in range(num_layers)]
 
 
-def configure_kv_cache(caches: list, config: KVCacheConfig | None = None) -> dict[str, Any]:
+def configure_kv_cache(caches: list, config: KVCacheConfig | None = None, *,
+                       batch_size: int | None = None) -> dict[str, Any]:
     """Replace the entries of a per-layer cache list in place with the configured tier.
 
     Entries that are kvtier caches are converted with ``from_cache`` (their
     contents carry over); other entries (``None``, foreign caches) are left as
-    they are and counted in ``skipped``. Returns a stats dict.
+    they are and counted in ``skipped``. Returns a stats dict. ``batch_size``: the rows
+    of a paged cache converted from one that never held any (a tail cache not yet
+    written); an empty cache with buffers or rows keeps its own.
     """
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size must be an int >= 1 or None, got {batch_size!r}")
     if not isinstance(caches, list):
         raise ValueError(
             f"caches must be a list (it is changed in place), got {type(caches).__name__}"
@@ -531,6 +537,8 @@ def configure_kv_cache(caches: list, config: KVCacheConfig | None = None) -> dic
         warnings.warn(why, UserWarning, stacklevel=2)
     cls = _tier_class(config.tier)
     params = config.tier_params()
+    if config.tier == "paged" and batch_size is not None:
+        params["batch_size"] = batch_size
     converted = []
     for i, entry in enumerate(caches):
         if isinstance(entry, KVCache):

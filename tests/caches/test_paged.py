@@ -205,9 +205,26 @@ def test_can_reserve_refuses_what_reserve_refuses(seed):
     cache, _, _ = prefix_cache([5, 2], block_size=4)
     for bad in (-100, 1.5, True, "4"):  # before: can_reserve said True to each
         for method in (cache.reserve, cache.can_reserve):
-            with pytest.raises(ValueError, match=r"reserve\(tokens\) takes an int >= 0"):
+            with pytest.raises(ValueError, match=r"reserve\(tokens\) must be an int >= 0"):
                 method(bad)
     assert cache.can_reserve(4)
+
+
+def test_an_empty_cache_converts_to_as_many_paged_rows(seed):
+    """A tail cache trimmed to nothing still has B rows of buffers; one never written has none,
+    and configure_kv_cache's batch_size gives them (before: one row either way, and the model's
+    batch of 4 was refused at its first write)."""
+    tail = TailOwnedKVCache(step=4)
+    tail.update(torch.randn(4, H, 3, D), torch.randn(4, H, 3, D))
+    tail.trim(3)
+    fresh = [tail, TailOwnedKVCache(step=4)]
+    configure_kv_cache(fresh, KVCacheConfig(tier="paged", paged_block_size=4), batch_size=4)
+    for cache in fresh:
+        assert cache.batch_size == 4
+        cache.update(torch.randn(4, H, 2, D), torch.randn(4, H, 2, D))
+        assert cache.lengths == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1 or None, got 0"):
+        configure_kv_cache([TailOwnedKVCache()], KVCacheConfig(tier="paged"), batch_size=0)
 
 
 def test_released_row_attends_to_nothing_and_others_are_unaffected(seed):

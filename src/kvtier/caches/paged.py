@@ -70,6 +70,7 @@ from kvtier.caches.paged_pool import (
     rows_arg,
 )
 from kvtier.caches.paged_state import paged_from_state, paged_meta_state, paged_state, storage_facts
+from kvtier.caches.ragged_rows import check_int
 from kvtier.caches.step_plan import StepPlan
 from kvtier.kernels.dispatch import BACKENDS as ATTENTION_BACKENDS
 from kvtier.kernels.dispatch import KernelDispatch, resolve_backend
@@ -84,15 +85,8 @@ __all__ = [
     "select_codecs",
 ]
 
-def _check_tokens(method: str, tokens: Any) -> None:
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(f"{method}(tokens) takes an int >= 0, got {tokens!r}")
-
-
 def _positive_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return v
+    return check_int(v, name, 1)
 
 
 class PagedKVCache(RowKVCache):
@@ -479,7 +473,7 @@ class PagedKVCache(RowKVCache):
         """Give every row blocks for ``tokens`` positions past its length now (growing the
         pool if it may). With the pool then frozen, writes there assign nothing on the
         host: what a CUDA graph needs. :class:`PagedKVGrowthRefused` leaves it unchanged."""
-        _check_tokens("reserve", tokens)
+        check_int(tokens, "reserve(tokens)", 0)
         self._require_storage("reserve()")
         extra = self.pool.extra_blocks([n + tokens for n in self._lengths])
         if sum(extra):
@@ -489,7 +483,7 @@ class PagedKVCache(RowKVCache):
 
     def can_reserve(self, tokens: int) -> bool:
         """Whether :meth:`reserve` of ``tokens`` fits the free blocks or the pool may grow."""
-        _check_tokens("can_reserve", tokens)
+        check_int(tokens, "can_reserve(tokens)", 0)
         need = sum(self.pool.extra_blocks([n + tokens for n in self._lengths]))
         return need <= len(self.pool.free) or (self.dynamic and not self.frozen)
 
@@ -582,15 +576,19 @@ class PagedKVCache(RowKVCache):
         kv_quant: str | None = None,
         turboquant: TurboQuantConfig | None = None,
         attention_backend: str = "auto",
+        batch_size: int | None = None,
     ) -> PagedKVCache:
-        """A paged cache holding ``other``'s tokens; each row keeps its length and
-        takes only the blocks it needs. Keyword names match ``KVCacheConfig.tier_params()``."""
+        """A paged cache holding ``other``'s tokens; each row keeps its length and takes only the
+        blocks it needs (an empty ``other``: as many empty rows as it has, else ``batch_size``,
+        default 1). Keyword names match ``KVCacheConfig.tier_params()``."""
         off = other.offset
         lengths = off.tolist() if isinstance(off, torch.Tensor) else None
         kw = dict(dynamic=dynamic, context_window_tokens=context_window_tokens, kv_quant=kv_quant,
                   turboquant=turboquant, attention_backend=attention_backend)
         if other.size() == 0:
-            return cls(block_size, num_blocks, batch_size=len(lengths) if lengths else 1, **kw)
+            held = [t for t in (getattr(other, "keys", None), *getattr(other, "key_blocks", ())) if t is not None]
+            rows = len(lengths) if lengths else held[0].shape[0] if held else batch_size or 1
+            return cls(block_size, num_blocks, batch_size=rows, **kw)
         K, V = fetch_taken(other)
         n = other.size()
         K, V = K[:, :, :n], V[:, :, :n]  # (B, H_kv, n, D)
