@@ -165,6 +165,23 @@ def test_a_cache_written_under_inference_mode_takes_writes_outside_it(tier):
     torch.testing.assert_close(cache.attention(q), causal_attention(q, want_k, want_v), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tier", ["tail", "block", "ragged"])
+def test_storage_made_outside_inference_mode_keeps_serving_autograd(tier):
+    """Only storage made under inference_mode moves a cache's writes there: a write under it into
+    storage made outside, or a cache merely constructed under it, leaves the storage usable with
+    autograd (queries that require grad, then backward)."""
+    for built_inside in (False, True):
+        with torch.inference_mode(built_inside):
+            cache = TIERS[tier]()
+        cache.update(*kv(2))
+        with torch.inference_mode():
+            cache.update(*kv(1, seed=1))  # fits: nothing allocated here
+        cache.update(*kv(9, seed=2))  # grows outside inference_mode
+        q = torch.randn(B, HQ, 1, D, requires_grad=True)
+        cache.attention(q).sum().backward()
+        assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 def test_a_ragged_cache_built_under_inference_mode_takes_writes_outside_it():
     with torch.inference_mode():
         cache = RaggedBatchKVCache(step=8, keys=kv(3)[0], values=kv(3)[1])

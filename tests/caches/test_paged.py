@@ -210,6 +210,19 @@ def test_can_reserve_refuses_what_reserve_refuses(seed):
     assert cache.can_reserve(4)
 
 
+def test_rows_added_by_extend_attend_as_they_did_alone(seed):
+    """The added rows keep their last write's starts (before: their lengths, so their own
+    queries saw every key they hold, not causally)."""
+    a, _, _ = prefix_cache([4, 4], block_size=4)  # its last write: 4 tokens a row, as b's
+    b = PagedKVCache(4, 16, batch_size=2)
+    b.update(torch.randn(2, H, 4, D), torch.randn(2, H, 4, D))
+    q = torch.randn(2, 4, 4, D)
+    alone = b.attention(q)  # the write's own queries: causal from its start
+    a.extend(b)
+    out = a.attention(torch.cat([torch.randn(2, 4, 4, D), q]))
+    torch.testing.assert_close(out[2:], alone, rtol=1e-6, atol=1e-6)
+
+
 def test_an_empty_cache_converts_to_as_many_paged_rows(seed):
     """A tail cache trimmed to nothing still has B rows of buffers; one never written has none,
     and configure_kv_cache's batch_size gives them (before: one row either way, and the model's

@@ -81,10 +81,13 @@ class CacheCapacityError(MemoryError):
 
 
 @contextmanager
-def allocating(what: str, fix: str, error: type[CacheCapacityError] = CacheCapacityError) -> Iterator[None]:
+def allocating(cache: KVCache, what: str, fix: str,
+               error: type[CacheCapacityError] = CacheCapacityError) -> Iterator[None]:
     """Allocate a tier's new storage inside: the allocator's refusal (``torch.OutOfMemoryError``
     is a ``RuntimeError``) leaves as ``error``, a capacity error naming ``what`` and ``fix``.
-    The tier allocates everything it needs inside and changes itself only after."""
+    The tier allocates everything it needs inside and changes itself only after. Storage made
+    under ``torch.inference_mode()`` marks the cache (:func:`~kvtier.caches.checks.exclusive`)."""
+    cache._inference = cache._inference or torch.is_inference_mode_enabled()
     try:
         yield
     except (RuntimeError, MemoryError) as e:
@@ -186,13 +189,8 @@ class KVCache(ABC):
     tier: str = ""
     #: the thread inside an exclusive method (kvtier.caches.checks.exclusive), else None
     _owner: int | None = None
-    #: built or written under torch.inference_mode(): mutating methods run inside it (exclusive)
+    #: tensors made under torch.inference_mode(): mutating methods run inside it (exclusive)
     _inference: bool = False
-
-    def __new__(cls, *args, **kwargs):
-        cache = super().__new__(cls)
-        cache._inference = torch.is_inference_mode_enabled()  # tensors the constructor makes
-        return cache
 
     # -- writes and reads ---------------------------------------------------
     @abstractmethod

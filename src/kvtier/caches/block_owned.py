@@ -70,7 +70,7 @@ class BlockOwnedKVCache(ScalarKVCache):
         n = math.ceil(end / self.block_size) - self.num_blocks
         if n <= 0:
             return
-        with allocating(f"{n} blocks of {self.block_size} positions", "write fewer tokens, or free memory"):
+        with allocating(self, f"{n} blocks of {self.block_size} positions", "write fewer tokens, or free memory"):
             keys = [like_k.new_empty(B, H, self.block_size, Dk) for _ in range(n)]
             values = [like_v.new_empty(B, H, self.block_size, like_v.shape[3]) for _ in range(n)]
         self.key_blocks += keys

@@ -43,10 +43,11 @@ def exclusive(method: Method) -> Method:
     the thread inside are fine). A plain attribute check, not a lock: it catches the
     overlaps it sees, it does not serialise them.
 
-    Once a cache is built or written under ``torch.inference_mode()``, its tensors may be
-    inference tensors, which only change in place inside that mode: from then on its
-    mutating methods run inside it whatever mode the caller is in (an ``inference_mode``
-    prefill, then a ``no_grad`` decode)."""
+    Once a cache allocates tensors under ``torch.inference_mode()`` (its tier marks it
+    where it allocates), they are inference tensors, which change in place only inside
+    that mode: from then on its mutating methods run inside it whatever mode the caller is
+    in (an ``inference_mode`` prefill, then a ``no_grad`` decode). A write there into
+    storage made outside it marks nothing, so that storage stays usable with autograd."""
 
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
@@ -60,9 +61,7 @@ def exclusive(method: Method) -> Method:
             )
         self._owner = me
         try:
-            if torch.is_inference_mode_enabled():
-                self._inference = True
-            elif self._inference:
+            if self._inference and not torch.is_inference_mode_enabled():
                 with torch.inference_mode():
                     return method(self, *args, **kwargs)
             return method(self, *args, **kwargs)

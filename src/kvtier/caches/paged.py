@@ -221,7 +221,10 @@ class PagedKVCache(RowKVCache):
 
     def _grow_for(self, extra: int, heads: int, choice: CodecChoice, device: torch.device) -> None:
         """Make ``extra`` more blocks free (allocate, grow or raise); adopt the codecs on first use."""
+        size = (self.pool.allocated, self.pool.num_blocks)
         grew = self.pool.make_room(extra, heads, choice.k_codec, choice.v_codec, device)
+        if (self.pool.allocated, self.pool.num_blocks) != size:  # new tensors (exclusive)
+            self._inference = self._inference or torch.is_inference_mode_enabled()
         if self.codecs is None:
             self._adopt(choice)
         self.copy_stats.grow_events += int(grew)
@@ -297,7 +300,7 @@ class PagedKVCache(RowKVCache):
                              "with kvtier.caches.step_plan.StepPlanner")
         self._write(keys, values, plan.slots)
         self._lengths, self._write_start, self._dev, self._plan = plan.ends, plan.starts, plan.memo, plan
-        self._last_q = 1
+        self._last_q = plan.tokens
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Encode ``keys``/``values`` ``[B, H_kv, T, D]`` (or ``[1, H_kv, n, D]``) into ``slots``."""
@@ -465,7 +468,7 @@ class PagedKVCache(RowKVCache):
             if dst:
                 self.pool.copy_blocks(other.pool, [b for s in src for b in s], dst)
         self._lengths = self._lengths + list(other._lengths)
-        self._write_start = self._write_start + list(other._lengths)
+        self._write_start = self._write_start + list(other._write_start)
         self._changed()
 
     @exclusive

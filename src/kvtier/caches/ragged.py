@@ -140,15 +140,16 @@ class RaggedBatchKVCache(RowKVCache):
     def _set_rows(self, lengths: list[int], device: torch.device) -> None:
         self._changed()
         self.batch_size = len(lengths)
-        self._offsets = torch.tensor(lengths, dtype=torch.long, device=device)
-        self._last_ws = torch.zeros_like(self._offsets)
+        with torch.inference_mode(False):  # plain tensors: updated in place in any mode
+            self._offsets = torch.tensor(lengths, dtype=torch.long, device=device)
+            self._last_ws = torch.zeros_like(self._offsets)
         self._lengths, self._bound = list(lengths), max(lengths)
 
     def _reallocate(self, cap: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         """Zeroed ``cap``-slot buffers holding the live prefix. Zeroed, not empty: masked
         slots still enter the matmuls, and garbage there could be NaN."""
         (B, H, _, Dk), dev = like_k.shape, like_k.device
-        with allocating(f"{cap} positions of {B} rows", "reserve or write less, or filter out rows",
+        with allocating(self, f"{cap} positions of {B} rows", "reserve or write less, or filter out rows",
                         RaggedCapacityError):
             new_k, new_v = like_k.new_zeros(B, H, cap, Dk), like_v.new_zeros(B, H, cap, like_v.shape[3])
         self._changed()
@@ -480,9 +481,8 @@ class RaggedBatchKVCache(RowKVCache):
 
     @property
     def storage_device(self) -> torch.device:
-        if self.keys is not None:
-            return self.keys.device
-        return torch.device("cpu") if self._offsets is None else self._offsets.device
+        held = self.keys if self.keys is not None else self._offsets
+        return torch.device("cpu") if held is None else held.device
 
     def empty(self) -> bool:
         """True while nothing was ever written."""

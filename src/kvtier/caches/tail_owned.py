@@ -129,7 +129,7 @@ class TailOwnedKVCache(ScalarKVCache):
         if self.dtype is None:
             self.dtype = like_k.dtype
         store = self.kv_dtype or like_k.dtype
-        with allocating(f"{cap} positions", "write fewer tokens, or free memory"):
+        with allocating(self, f"{cap} positions", "write fewer tokens, or free memory"):
             new_k = like_k.new_empty(B, H, cap, Dk, dtype=store)
             new_v = like_v.new_empty(B, H, cap, like_v.shape[3], dtype=store)
         if self.keys is not None and self._offset:
