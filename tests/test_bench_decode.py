@@ -60,6 +60,11 @@ def test_cpu_products_refuses_bad_sizes_before_measuring(capsys, argv, named):
     (["speculative", "--max-tokens", "0"], "--max-tokens must be at least 1"),  # was "exact: NO"
     (["append", "--device", "gpu"], "--device 'gpu' is not a device"),  # was three tracebacks
     (["paged", "--plot", "/nonexistent/dir/p.png"], "its folder /nonexistent/dir does not exist"),
+    (["paged", "--plot", "table.txt"], "write a .png (or .pdf, .svg, .jpg) file"),  # was: after measuring
+    (["tensor_parallel", "--tiny", "--check-dtypes", "bogus"], "bogus is not one of float32"),  # a traceback
+    (["cpu_products", "--ghz", "-2"], "--ghz -2.0: the cores' clock in GHz"),  # negative cycle counts
+    pytest.param(["decode", "--device", "cuda", "--no-hf"], "this machine has no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")),
     (["serve", "--input-len", "abc"], "--input-len takes MIN,MAX prompt tokens"),
     (["serve", "--input-len", "64"], "got '64'"),
     (["serve", "--input-len", "10,5"], "got --input-len 10,5"),

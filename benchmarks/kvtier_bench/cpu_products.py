@@ -74,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.ghz is not None and not 0 < args.ghz < 100:
+        raise ValueError(f"--ghz {args.ghz}: the cores' clock in GHz, a number in (0, 100)")
     if args.k <= 0 or args.k % 32:
         raise ValueError(f"--k {args.k} is not a positive multiple of 32 (the blocks' length)")
     if any(n <= 0 for n in args.sizes):

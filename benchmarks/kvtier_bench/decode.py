@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
     if args.prompt_tokens < 2 or args.new_tokens < 2:
         raise ValueError("--prompt-tokens and --new-tokens must be at least 2")
     if args.repeats < 1:

@@ -91,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
         args.big_batch, args.big_context, args.big_steps = 4, 48, 4
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda needs a GPU; use --tiny (or --device cpu) for a CPU run")
+    bad = [d for d in args.check_dtypes.split(",") if d and d not in ("float32", "bfloat16", "float16")]
+    if bad:
+        raise ValueError(f"--check-dtypes {args.check_dtypes}: {', '.join(bad)} is not one of float32, "
+                         "bfloat16, float16")
     t0 = time.perf_counter()
     out = launch(_rank, args.world_size, args=(vars(args),), device_type=args.device,
                  timeout_s=args.timeout)

@@ -100,6 +100,8 @@ def _run_bench(run, args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {v}")
     if getattr(args, "plot", None):  # checked before measuring; the PNG's name as it is written
         plot = Path(args.plot) if Path(args.plot).suffix else Path(args.plot).with_suffix(".png")
+        if plot.suffix.lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg"):
+            raise ValueError(f"--plot {args.plot}: write a .png (or .pdf, .svg, .jpg) file")
         if not plot.parent.is_dir():
             raise ValueError(f"--plot {args.plot}: its folder {plot.parent} does not exist; create it "
                              "first, or pass another path (\"\" for no plot)")

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -141,7 +142,8 @@ def test_the_banner_names_the_port_it_listens_on_and_a_taken_port_is_refused(ser
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--max-request-mb", "inf"], "--max-request-mb must be a finite number > 0, got inf"),  # was OverflowError
+    (["--max-request-mb", "inf"], "--max-request-mb must be a number of MiB in (0, 1048576], got inf"),
+    (["--max-request-mb", "1e308"], "in (0, 1048576], got 1e+308"),  # both were an OverflowError
     (["--max-waiting", "0"], "max_waiting must be an int >= 1, got 0"),  # was a server answering only 429
 ])
 def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
@@ -494,8 +496,9 @@ def test_disconnects_abort_and_free_blocks(server, model) -> None:
 
 
 def test_a_stopping_server_ends_long_requests_after_its_shutdown_timeout(tmp_path) -> None:
-    """SIGTERM with a 4,000-token stream in flight: --shutdown-timeout 1 ends it and the process
-    exits in seconds (before: the stream ran to its end, minutes on this CPU)."""
+    """SIGTERM with a 4,000-token stream in flight: --shutdown-timeout 1 ends it with an error
+    chunk and [DONE], and the process exits in seconds (before: the stream ran to its end,
+    minutes on this CPU)."""
     port = free_port()
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
@@ -510,17 +513,21 @@ def test_a_stopping_server_ends_long_requests_after_its_shutdown_timeout(tmp_pat
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             time.sleep(0.5)
-        body = {"prompt": "Tell me a story.", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            next(lines)
-            stopped = time.monotonic()
-            proc.terminate()  # SIGTERM, by its pid
-            with contextlib.suppress(httpx.HTTPError):
-                for _ in lines:  # the server ends the stream
-                    pass
+        body = {"prompt": "Tell me a story.", "max_tokens": 4000, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                lines = r.iter_lines()
+                next(lines)
+                stopped = time.monotonic()
+                proc.terminate()  # SIGTERM, by its pid
+                rest = [line for line in lines if line]  # the server ends the stream
+            assert rest[-1] == "data: [DONE]" and "server_shutting_down" in rest[-2], rest[-3:]
+            answer = whole.result()  # the client that waits for its whole answer gets a 503
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "server_shutting_down"
         assert proc.wait(timeout=60) is not None
         assert time.monotonic() - stopped < 30, log.read_text()
+        assert "Traceback" not in log.read_text(), log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -49,7 +49,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvtier.serve.async_engine import AsyncLLMEngine
+from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.scheduler import QueueFull
@@ -189,6 +189,10 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             return fail(APIError(413, f"the request body is over the {config.max_request_bytes} bytes this "
                                       "server reads (kvtier serve --max-request-mb)", code="request_too_large"))
         return fail(APIError(e.status_code, str(e.detail), type=kind))
+
+    @app.exception_handler(RequestsEnded)
+    async def ended(request: Request, e: RequestsEnded):
+        return fail(APIError(503, str(e), type="server_error", code="server_shutting_down"))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception):
@@ -395,6 +399,8 @@ class _Completion:
                 if out.text or out.finished or out.logprobs is not None:
                     yield sse(self._envelope([self._choice(out.text, out.finish_reason, out.logprobs,
                                                            chunk=True)], chunk=True))
+        except RequestsEnded as e:  # the server is stopping: the status is sent already
+            yield sse(APIError(503, str(e), type="server_error", code="server_shutting_down").body())
         except Exception as e:  # the engine failed mid-stream: the status is sent already
             yield sse(APIError(500, f"internal error: {e}", type="server_error").body())
         if include_usage and last is not None:

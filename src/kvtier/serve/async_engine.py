@@ -35,11 +35,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from kvtier.serve.engine import LLMEngine
 from kvtier.serve.params import RequestOutput, RequestParams
 
-__all__ = ["AsyncLLMEngine", "EngineStepFailed"]
+__all__ = ["AsyncLLMEngine", "EngineStepFailed", "RequestsEnded"]
 
 
 class EngineStepFailed(RuntimeError):
     """A step of the engine raised; the requests in flight were dropped."""
+
+
+class RequestsEnded(RuntimeError):
+    """The requests in flight were ended from outside (:meth:`AsyncLLMEngine.end_all`: the
+    server is shutting down)."""
 
 
 class AsyncLLMEngine:
@@ -120,6 +125,11 @@ class AsyncLLMEngine:
         """Drop a request at the next step boundary (a no-op for an unknown id)."""
         self._post(("abort", request_id))
 
+    def end_all(self, why: str) -> None:
+        """End every request in flight at the next step boundary: each stream raises
+        :class:`RequestsEnded` with ``why`` (a server that stops answers them so)."""
+        self._post(("end_all", why))
+
     def _drop(self, rid: str, abort: bool = True) -> None:
         with self._lock:
             self._streams.pop(rid, None)
@@ -161,6 +171,10 @@ class AsyncLLMEngine:
                 return
             if command[0] == "abort":
                 self.engine.abort(command[1])
+                continue
+            if command[0] == "end_all":
+                for rid in self.engine.abort_all():
+                    self._deliver(rid, RequestsEnded(command[1]))
                 continue
             _, rid, ids, params, added = command
             if not added.set_running_or_notify_cancel():

@@ -14,7 +14,6 @@ rank 0 also stops when its launcher dies.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import socket
@@ -97,8 +96,8 @@ def configs_from_args(args: argparse.Namespace):
     server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup", "shutdown_timeout_s")
               if hasattr(args, n)}
     if hasattr(args, "max_request_mb"):
-        if not 0 < args.max_request_mb < math.inf:
-            raise ValueError(f"--max-request-mb must be a finite number > 0, got {args.max_request_mb}")
+        if not 0 < args.max_request_mb <= 2**20:  # (a byte count past 1 TiB overflows the conversion)
+            raise ValueError(f"--max-request-mb must be a number of MiB in (0, 1048576], got {args.max_request_mb}")
         server["max_request_bytes"] = max(1, round(args.max_request_mb * 2**20))
     return EngineConfig(**engine), ServerConfig(**server)
 
@@ -167,15 +166,18 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
         w = engine.warm_up()
         print(f"[kvtier] warmed up: {w['requests']} made-up requests, {w['steps']} steps, "
               f"{w['seconds']:.1f} s", file=sys.stderr, flush=True)
-    app = build_app(AsyncLLMEngine(engine), engine.tokenizer, name, server_config)
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, engine.tokenizer, name, server_config)
     freeze_startup_heap()  # no full collection of the start-up heap between two steps later
+    timeout = server_config.shutdown_timeout_s  # uvicorn's own cut: a backstop, 5 s after ours
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                            log_level=log_level,
-                                           timeout_graceful_shutdown=server_config.shutdown_timeout_s))
+                                           timeout_graceful_shutdown=None if timeout is None else timeout + 5))
     sock = _listen(server_config.host, server_config.port)  # bound before the banner says so
     s = engine.stats()
     sharded = f", tensor parallel over {ranks} ranks (pages of rank 0)" if ranks > 1 else ""
-    print(f"[kvtier] serving {name} on http://{server_config.host}:{sock.getsockname()[1]}/v1 | "
+    host = f"[{server_config.host}]" if ":" in server_config.host else server_config.host  # IPv6
+    print(f"[kvtier] serving {name} on http://{host}:{sock.getsockname()[1]}/v1 | "
           f"{s['num_blocks']} blocks of {s['block_size']} ({s['kv_storage']}, "
           f"{s['kv_bytes'] / 2**30:.2f} GiB{sharded}), context {s['max_model_len']} tokens",
           file=sys.stderr, flush=True)
@@ -185,6 +187,9 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         threading.Thread(target=_stop_when_orphaned, args=(server, os.getppid()), daemon=True).start()
+    if timeout is not None:
+        threading.Thread(target=_end_requests_when_stopping, args=(server, async_engine, timeout),
+                         daemon=True).start()
     server.run(sockets=[sock])
     if not server.started:
         raise ValueError(f"the server could not start on {server_config.host}:{server_config.port} "
@@ -208,6 +213,15 @@ def _listen(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port "
                          "or --host") from None
     return sock
+
+
+def _end_requests_when_stopping(server, engine, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Once ``server`` is stopping, give the requests in flight ``timeout_s`` seconds, then end
+    them: each stream sends its error chunk and ``[DONE]``, each waiting client a 503."""
+    while not server.should_exit:
+        threading.Event().wait(poll_s)
+    threading.Event().wait(timeout_s)
+    engine.end_all(f"the server is shutting down (--shutdown-timeout {timeout_s:g} s passed)")
 
 
 def _stop_when_orphaned(server, parent: int, poll_s: float = 0.5) -> None:
