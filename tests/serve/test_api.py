@@ -154,6 +154,19 @@ def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
     assert done.stderr.startswith("kvtier: error:") and words in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_taken_port_is_refused_before_the_model_loads() -> None:
+    """The socket is bound first: with a taken port and a model file that does not exist, the
+    port is what is refused (before: the model loaded for nothing, then the port failed)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port", port,
+                               "--model", "/nonexistent/model.gguf"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"kvtier: error: cannot listen on 127.0.0.1:{port} (Address already in use)")
+
+
 def test_warm_up_leaves_nothing_behind(server, server_log) -> None:
     """The start-up warm-up ran its made-up requests (a prompt chunked over two steps of 256
     tokens among them) and left every block free, no prefix cached, no token counted."""
@@ -257,9 +270,13 @@ def test_vllm_sampling_fields_are_served_or_refused(server, lm) -> None:
     r = httpx.post(f"{server}/v1/completions", json={**body, "stop_token_ids": [dot]}, timeout=60).json()
     assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 2
     assert r["choices"][0]["text"] == " Paris"
-    for field, value in (("repetition_penalty", 1.3), ("min_tokens", 2), ("include_stop_str_in_output", True)):
+    for field, value in (("repetition_penalty", 1.3), ("min_tokens", 2), ("include_stop_str_in_output", True),
+                         ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("guided_json", {}),
+                         ("truncate_prompt_tokens", 4), ("use_beam_search", True)):
         r = httpx.post(f"{server}/v1/completions", json={**body, field: value}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == field  # before: ignored
+    r = httpx.post(f"{server}/v1/completions", json={**body, "stop_token_ids": [10**6]}, timeout=60)
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
 
 
 def test_sixteen_concurrent_greedy_requests_equal_generate(server, model, lm) -> None:

@@ -118,6 +118,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if threads is not None:
         torch.set_num_threads(threads)
+    sock = _listen(server_config.host, server_config.port)  # a taken port fails before the model loads
     kw = {"device": args.device} if hasattr(args, "device") else {}
     # float32 weights: the packed block codes (kvtier.model.packed) win for a few decode rows but
     # dequantise every weight on each forward of a batch or a prefill chunk, which serving is made of
@@ -125,7 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if lm.tokenizer is None:
         raise ValueError(f"{lm.source} has no tokenizer (tokenizer.json); the server needs one")
     engine = LLMEngine(lm.model, lm.tokenizer, engine_config)
-    return serve_http(engine, served_name(lm.source), server_config, args.log_level)
+    return serve_http(engine, served_name(lm.source), server_config, args.log_level, sock=sock)
 
 
 def served_name(source) -> str:
@@ -143,13 +144,14 @@ def served_name(source) -> str:
 
 
 def serve_http(engine, model_name: str, server_config, log_level: str = "warning", *,
-               ranks: int = 1) -> int:
+               ranks: int = 1, sock: socket.socket | None = None) -> int:
     """Serve ``engine`` over HTTP with uvicorn until it is stopped (SIGINT, SIGTERM); returns 0.
 
     ``model_name``: the name the API reports unless ``server_config.served_model_name``
     is set. ``ranks`` > 1: this is rank 0 of a tensor-parallel group, so a signal ends
     the server without ending the process (the other ranks still have to be told), and
-    the server also stops when the process that launched this rank goes away.
+    the server also stops when the process that launched this rank goes away. ``sock``: a
+    socket :func:`_listen` bound already (``kvtier serve`` binds before the model loads).
     """
     import uvicorn
 
@@ -173,7 +175,8 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                            log_level=log_level,
                                            timeout_graceful_shutdown=None if timeout is None else timeout + 5))
-    sock = _listen(server_config.host, server_config.port)  # bound before the banner says so
+    if sock is None:  # bound before the banner says so
+        sock = _listen(server_config.host, server_config.port)
     s = engine.stats()
     sharded = f", tensor parallel over {ranks} ranks (pages of rank 0)" if ranks > 1 else ""
     host = f"[{server_config.host}]" if ":" in server_config.host else server_config.host  # IPv6

@@ -257,6 +257,10 @@ class LLMEngine:
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise ValueError(f"the prompt must be a non-empty list of token ids in [0, {vocab}), "
                              f"got {str(prompt_token_ids)[:60]}")
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab}); "
+                             "no token could match them")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context holds "

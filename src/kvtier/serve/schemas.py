@@ -29,6 +29,10 @@ __all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequ
 #: stop strings one request may give, and their characters in all
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 128, 4096
 
+#: vLLM's request fields the engine does not honour: given (not null or false), each is a 400
+VLLM_REFUSED = ("allowed_token_ids", "bad_words", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar", "truncate_prompt_tokens", "prompt_logprobs", "use_beam_search")
+
 #: fields OpenAI's reference types "... or null": null takes the field's default
 NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "stream", "ignore_eos", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "include_stop_str_in_output",
@@ -113,6 +117,15 @@ class _Common(BaseModel):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
 
     @field_validator(*NULL_IS_DEFAULT, mode="before", check_fields=False)
     @classmethod
@@ -131,6 +144,8 @@ class _Common(BaseModel):
                    ("include_stop_str_in_output", self.include_stop_str_in_output,
                     "include_stop_str_in_output is not supported: stop strings are cut from the text"),
                    ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"))
+        refused += tuple((name, getattr(self, name) not in (None, False), f"{name} is not supported")
+                         for name in VLLM_REFUSED)
         for param, bad, message in refused:
             if bad:
                 raise APIError(400, message, param=param, code="unsupported_parameter")
