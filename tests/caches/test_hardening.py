@@ -187,6 +187,13 @@ def test_a_ragged_cache_built_under_inference_mode_takes_writes_outside_it():
         cache = RaggedBatchKVCache(step=8, keys=kv(3)[0], values=kv(3)[1])
     cache.update(*kv(1, seed=1))
     assert cache.offset.tolist() == [4, 4]
+    plain = RaggedBatchKVCache(step=8)  # storage made outside; rows regrouped inside
+    plain.update(*kv(3))
+    with torch.inference_mode():
+        plain.filter([1, 0])
+        plain.extend(RaggedBatchKVCache(step=8, keys=kv(3)[0], values=kv(3)[1]))
+    plain.update(torch.randn(4, H, 1, D), torch.randn(4, H, 1, D))  # before: a RuntimeError
+    assert plain.offset.tolist() == [4, 4, 4, 4]
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.bool, torch.complex64])

@@ -416,6 +416,7 @@ class RaggedBatchKVCache(RowKVCache):
             raise ValueError(f"indices {indices!r} must be a non-empty list of rows in [0, {self.batch_size})")
         t = torch.tensor(idx, device=self._offsets.device)
         self._changed()
+        self._inference = self._inference or torch.is_inference_mode_enabled()  # new tensors (exclusive)
         if self.keys is not None:
             self.keys, self.values = self.keys[t], self.values[t]
             self._pos = self._pos.new_empty(len(idx), self.capacity)
@@ -437,6 +438,7 @@ class RaggedBatchKVCache(RowKVCache):
         cap = max(self.capacity, other.capacity)
         self._check_fits(cap if other.capacity > self.capacity else 0)
         self._changed()
+        self._inference = self._inference or torch.is_inference_mode_enabled()  # new tensors (exclusive)
         if held:
             k0, v0 = held[0].keys, held[0].values
             ks = k0.new_zeros(self.batch_size + other.batch_size, k0.shape[1], cap, k0.shape[3])
@@ -450,10 +452,8 @@ class RaggedBatchKVCache(RowKVCache):
         dev = self._offsets.device if not held else held[0].keys.device
         self._offsets = torch.cat([self._offsets.to(dev), other._offsets.to(dev)])
         self._last_ws = torch.cat([self._last_ws.to(dev), other._last_ws.to(dev)])
-        self._last_q = self._last_q or other._last_q
-        self.batch_size = self._offsets.shape[0]
-        mine = self._lengths
-        self._lengths = None if mine is None or other._lengths is None else mine + other._lengths
+        self._last_q, self.batch_size = self._last_q or other._last_q, self._offsets.shape[0]
+        self._lengths = None if None in (self._lengths, other._lengths) else self._lengths + other._lengths
         self._bound = max(self._bound, other._bound)
 
     # -- bookkeeping ----------------------------------------------------------------------------
