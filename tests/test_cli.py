@@ -133,6 +133,16 @@ def test_the_paged_pool_is_never_sized_past_the_context(capsys, lm):
     assert out["cache"]["nbytes"] <= a.max_position_embeddings * per_token
 
 
+def test_text_a_terminal_cannot_encode_is_replaced():
+    """stdout in ASCII (PYTHONIOENCODING=ascii): before, the stream died at the first accent."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "MTPLX_"))}
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "generate", "é é é é é é é é", "--raw",
+                           "--max-tokens", "4"], capture_output=True, env={**env, "PYTHONIOENCODING": "ascii"},
+                          timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"?" in done.stdout and b"Traceback" not in done.stderr
+
+
 def test_a_reader_that_goes_away_ends_the_run_quietly():
     """kvtier info | head -c 0: the reader is gone before the output comes; before, a
     BrokenPipeError traceback."""

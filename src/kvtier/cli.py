@@ -275,6 +275,8 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):  # text a terminal's encoding lacks is replaced, not fatal
+        sys.stdout.reconfigure(errors="replace")
     with warnings.catch_warnings():  # restores showwarning on the way out
         warnings.showwarning = _show_warning
         try:

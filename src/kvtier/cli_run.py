@@ -335,6 +335,9 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
             last = r
     stats = last.stats
     cache = cache_summary(caches, next(lm.model.parameters()).dtype)
+    ranks = getattr(args, "tensor_parallel", 1)  # a rank of --tensor-parallel holds its heads' share
+    if ranks > 1:
+        cache["ranks"] = ranks  # (nbytes: this rank's)
     if args.json:
         out = {
             "prompt_tokens": ids, "tokens": tokens, "text": "".join(text),
@@ -351,7 +354,8 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
         f"[kvtier] prompt {stats.prompt_tokens} tokens ({stats.prompt_cache_tokens_reused} reused), "
         f"generated {stats.generation_tokens} | prefill {stats.prefill_tokens_per_s:.1f} tok/s, "
         f"decode {stats.decode_tokens_per_s:.1f} tok/s | tier {cache['tier']} {cache['codec']}, "
-        f"KV {cache['nbytes'] / 2**20:.2f} MiB, grow events {cache['grow_events']}"
+        f"KV {cache['nbytes'] / 2**20:.2f} MiB{f' on each of {ranks} ranks' if ranks > 1 else ''}, "
+        f"grow events {cache['grow_events']}"
         + (" | int8 activations (q8)" if int8 else ""),
         file=sys.stderr,
     )

@@ -195,9 +195,11 @@ def test_cli_generate_three_ranks_equals_one(lm, capfd):
     argv = ["generate", SMOL_PROMPT, "--raw", "--max-tokens", "5", "--device", "cpu",
             "--dtype", "float32", "--tier", "paged", "--json"]
     assert main(argv + ["--tensor-parallel", "3"]) == 0
-    out = capfd.readouterr().out.strip().splitlines()
+    captured = capfd.readouterr()
+    out = captured.out.strip().splitlines()
     assert len(out) == 1  # rank 0 alone prints
     sharded = json.loads(out[0])
+    assert sharded["cache"]["ranks"] == 3 and " on each of 3 ranks" in captured.err  # rank 0's share
     want = [r.token for r in stream_generate(lm.model, lm.tokenizer, SMOL_PROMPT,
                                              GenerationConfig(max_tokens=5),
                                              cache_config=KVCacheConfig(tier="paged"))]
