@@ -37,6 +37,7 @@ VLLM_REFUSED = ("allowed_token_ids", "bad_words", "guided_json", "guided_regex",
 NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "stream", "ignore_eos", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "include_stop_str_in_output",
                    "echo", "logprobs", "max_tokens")
+
 #: what a field of several accepted shapes takes, for the 400 when none of them fits
 _SHAPES = {
     "prompt": "a string, a list of token ids, or a list holding one of those",
