@@ -366,6 +366,13 @@ def test_unreadable_files_and_folders_are_named(tmp_path):
         load_model(empty, progress=False)
     with pytest.raises(ValueError, match="dtype"):
         load_model(bad, dtype=torch.int8, progress=False)
+    cut = tmp_path / "cut.gguf"  # the default model's first MB: a download cut short
+    with open(default_model_path(), "rb") as f:
+        cut.write_bytes(f.read(2**20))
+    for read in (load_model, model_args):  # before: numpy's message alone, about array views
+        with pytest.raises(ValueError, match=r"cut.gguf' cannot be read as a GGUF file \(.*\); it holds "
+                                             r"1,048,576 bytes: a file cut short"):
+            read(cut) if read is model_args else read(cut, progress=False)
 
 
 def test_missing_default_package_says_how_to_install(monkeypatch):

@@ -208,12 +208,7 @@ def model_args(path: str | os.PathLike | None = None) -> ModelArgs:
     source = default_model_path() if path is None else _resolve(Path(path))
     if source.is_dir():
         return hf_dir_args(source)
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(source))
-    except (ValueError, OSError, KeyError) as e:
-        raise ValueError(f"{str(source)!r} cannot be read as a GGUF file ({e})") from None
+    reader = _open_gguf(source)
     return gguf_args(reader)
 
 
@@ -234,13 +229,21 @@ def _resolve(path: Path) -> Path:
     return path
 
 
-def _convert_gguf(path: Path, progress: bool):
+def _open_gguf(path: Path):
+    """A ``gguf.GGUFReader`` of ``path``; a ``ValueError`` naming the file and its size where
+    the reader refuses it (a download cut short fails inside numpy's views of the tensors)."""
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError, KeyError) as e:
-        raise ValueError(f"{str(path)!r} cannot be read as a GGUF file ({e})") from None
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError, KeyError, IndexError) as e:
+        size = path.stat().st_size if path.is_file() else 0
+        raise ValueError(f"{str(path)!r} cannot be read as a GGUF file ({e}); it holds {size:,} bytes: "
+                         "a file cut short (download it again), or not a GGUF model") from None
+
+
+def _convert_gguf(path: Path, progress: bool):
+    reader = _open_gguf(path)
     with _progress_bar(progress, f"converting {path.name} (first load only)") as bar:
         args, state = read_gguf(reader, bar)
     has_vocab = "tokenizer.ggml.model" in reader.fields
