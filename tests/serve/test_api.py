@@ -9,20 +9,13 @@ this process; capacity is checked through ``/health`` and ``/metrics``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
-from prometheus_client.parser import text_string_to_metric_families
+from server_support import metrics, running_server, settle
 
 from kvtier.config import KVCacheConfig
 from kvtier.generate import GenerationConfig, generate
@@ -30,46 +23,6 @@ from kvtier.generate import GenerationConfig, generate
 NUM_BLOCKS, MAX_NUM_SEQS, MAX_WAITING, MAX_REQUEST_MB = 128, 8, 16, 1
 SYSTEM = ("You are a terse assistant for a hardware shop. Answer in one sentence, name a tool when "
           "one helps, and never apologise. ") * 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(log: Path, *flags: str):
-    """Base URL of a ``kvtier serve`` started with ``flags``, stopped by its pid on exit; its log
-    is shown if it fails to start, and must hold no traceback at the end."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), "--threads", "1", *flags]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvtier serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"kvtier serve did not answer /health within 180 s:\n{log.read_text()}")
-            time.sleep(0.5)
-        yield url
-        assert "Traceback" not in log.read_text(), log.read_text()  # nothing failed inside it
-    finally:
-        proc.terminate()  # by its pid
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -96,27 +49,6 @@ def model(client) -> str:
     return client.models.list().data[0].id
 
 
-def metrics(server) -> dict[str, float]:
-    """Every sample of /metrics by name (labels joined into the name)."""
-    text = httpx.get(f"{server}/metrics").text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
-
-
-def settle(server, timeout: float = 60.0) -> dict:
-    """/health once nothing runs or waits (aborts land at the next engine step)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        h = httpx.get(f"{server}/health").json()
-        if (h["running"] == h["waiting"] == 0) or time.monotonic() > deadline:
-            return h
-        time.sleep(0.1)
-
-
 def test_models_and_health(server, model) -> None:
     h = httpx.get(f"{server}/health").json()
     assert h["status"] == "ok" and h["num_blocks"] == NUM_BLOCKS
@@ -139,32 +71,6 @@ def test_the_banner_names_the_port_it_listens_on_and_a_taken_port_is_refused(ser
         assert sock.getsockname()[1] > 0
     with pytest.raises(ValueError, match=rf"cannot listen on 127.0.0.1:{port} \(.*\); choose another --port"):
         _listen("127.0.0.1", int(port))  # before: the banner said serving, then uvicorn exited 3
-
-
-@pytest.mark.parametrize("argv, words", [
-    (["--max-request-mb", "inf"], "--max-request-mb must be a number of MiB in (0, 1048576], got inf"),
-    (["--max-request-mb", "1e308"], "in (0, 1048576], got 1e+308"),  # both were an OverflowError
-    (["--max-waiting", "0"], "max_waiting must be an int >= 1, got 0"),  # was a server answering only 429
-])
-def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
-    port = str(free_port())  # a process of its own, bounded in time: a server that starts is a failure
-    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port", port, *argv],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.startswith("kvtier: error:") and words in done.stderr and "Traceback" not in done.stderr
-
-
-def test_a_taken_port_is_refused_before_the_model_loads() -> None:
-    """The socket is bound first: with a taken port and a model file that does not exist, the
-    port is what is refused (before: the model loaded for nothing, then the port failed)."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = str(taken.getsockname()[1])
-        done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port", port,
-                               "--model", "/nonexistent/model.gguf"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.startswith(f"kvtier: error: cannot listen on 127.0.0.1:{port} (Address already in use)")
 
 
 def test_warm_up_leaves_nothing_behind(server, server_log) -> None:
@@ -420,66 +326,6 @@ def test_metrics_name_what_the_issue_lists(server, client, model) -> None:
     assert m["kvtier_requests_finished_total{finish_reason=length}"] >= 1
 
 
-def test_a_pool_too_small_for_every_request_preempts_and_still_answers_right(tmp_path, lm) -> None:
-    """20 blocks of 16: four counting prompts of about 50 tokens are admitted (4 blocks each) but
-    their 40 new tokens need 6 blocks each, so decode runs out of blocks and preempts."""
-    tok = lm.tokenizer
-    prompts = [", ".join(str(n) for n in range(start, start + 14)) + "," for start in (1, 20, 40, 60)]
-    with running_server(tmp_path / "small.log", "--num-blocks", "20", "--max-num-seqs", "4",
-                        "--max-batched-tokens", "256") as url:
-        async def together():
-            async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
-                return await asyncio.gather(*(c.completions.create(
-                    model=model_name(url), prompt=p, max_tokens=40, temperature=0) for p in prompts))
-
-        got = asyncio.run(asyncio.wait_for(together(), 300))
-        m = metrics(url)
-        assert m["kvtier_preemptions_total"] > 0 and settle(url)["free_blocks"] == 20
-    for p, r in zip(prompts, got):
-        want = generate(lm.model, tok, p, GenerationConfig(max_tokens=40), cache_config=KVCacheConfig())
-        assert r.choices[0].text == want
-
-
-def test_async_scheduling_server_answers_like_generate(tmp_path, lm) -> None:
-    """``--async-scheduling`` on the CPU: outputs come a step late inside the engine, and the
-    HTTP answers must not show it: concurrent greedy completions with stop strings equal
-    ``generate``, a stream equals its whole answer, a hang-up frees its blocks."""
-    tok = lm.tokenizer
-    prompts = [", ".join(str(n) for n in range(start, start + 6)) + "," for start in (1, 7, 30, 52, 90, 3)]
-    with running_server(tmp_path / "async.log", "--async-scheduling", "--num-blocks", "64",
-                        "--max-num-seqs", "4", "--max-batched-tokens", "64") as url:
-        name = model_name(url)
-
-        async def together():
-            async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
-                return await asyncio.gather(*(c.completions.create(
-                    model=name, prompt=p, max_tokens=10 + i, temperature=0, stop=[" 9"])
-                    for i, p in enumerate(prompts)))
-
-        got = asyncio.run(asyncio.wait_for(together(), 300))
-        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        kw = dict(model=name, messages=[{"role": "user", "content": "Name three colours."}],
-                  max_tokens=16, temperature=0)
-        whole = client.chat.completions.create(**kw).choices[0].message.content
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
-                           if c.choices)
-        body = {"model": name, "prompt": "Write a long story.", "max_tokens": 300, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            next(r.iter_lines())  # one event, then hang up
-        h = settle(url)
-        assert h["running"] == h["waiting"] == 0 and h["free_blocks"] == 64
-    assert streamed == whole and whole
-    for i, (p, r) in enumerate(zip(prompts, got)):
-        cfg = GenerationConfig(max_tokens=10 + i, stop=(" 9",))
-        assert r.choices[0].text == generate(lm.model, tok, p, cfg, cache_config=KVCacheConfig()), p
-    assert any(r.choices[0].finish_reason == "stop" for r in got)
-
-
-def model_name(url: str) -> str:
-    return httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-
-
 def test_full_queue_answers_429_with_retry_after(server, model) -> None:
     async def burst():
         async with httpx.AsyncClient(timeout=300) as c:
@@ -510,45 +356,6 @@ def test_disconnects_abort_and_free_blocks(server, model) -> None:
     assert metrics(server)["kvtier_generation_tokens_total"] - tokens < 2 * 400  # both were cut short
     # and both count as finished, for the reason abort (before: in no finished count at all)
     assert metrics(server)["kvtier_requests_finished_total{finish_reason=abort}"] - aborted == 2
-
-
-def test_a_stopping_server_ends_long_requests_after_its_shutdown_timeout(tmp_path) -> None:
-    """SIGTERM with a 4,000-token stream in flight: --shutdown-timeout 1 ends it with an error
-    chunk and [DONE], and the process exits in seconds (before: the stream ran to its end,
-    minutes on this CPU)."""
-    port = free_port()
-    log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), "--threads",
-                                 "1", "--num-blocks", "512", "--shutdown-timeout", "1"], stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while proc.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
-        body = {"prompt": "Tell me a story.", "max_tokens": 4000, "ignore_eos": True}
-        with ThreadPoolExecutor(1) as pool:
-            whole = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
-            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
-                lines = r.iter_lines()
-                next(lines)
-                stopped = time.monotonic()
-                proc.terminate()  # SIGTERM, by its pid
-                rest = [line for line in lines if line]  # the server ends the stream
-            assert rest[-1] == "data: [DONE]" and "server_shutting_down" in rest[-2], rest[-3:]
-            answer = whole.result()  # the client that waits for its whole answer gets a 503
-            assert answer.status_code == 503 and answer.json()["error"]["code"] == "server_shutting_down"
-        assert proc.wait(timeout=60) is not None
-        assert time.monotonic() - stopped < 30, log.read_text()
-        assert "Traceback" not in log.read_text(), log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_bounded_load_with_bad_and_departing_clients(server, model) -> None:

@@ -1,0 +1,124 @@
+"""``kvtier serve`` processes of their own: start-up flags refused before the model loads,
+a taken port, a pool too small for its requests, asynchronous scheduling, and a stop with
+requests in flight. Each server is started here and stopped by its pid."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI
+from server_support import free_port, metrics, model_name, running_server, settle, started_server
+
+from kvtier.config import KVCacheConfig
+from kvtier.generate import GenerationConfig, generate
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-request-mb", "inf"], "--max-request-mb must be a number of MiB in (0, 1048576], got inf"),
+    (["--max-request-mb", "1e308"], "in (0, 1048576], got 1e+308"),  # both were an OverflowError
+    (["--max-waiting", "0"], "max_waiting must be an int >= 1, got 0"),  # was a server answering only 429
+])
+def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
+    port = str(free_port())  # a process of its own, bounded in time: a server that starts is a failure
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port", port, *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("kvtier: error:") and words in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_taken_port_is_refused_before_the_model_loads() -> None:
+    """The socket is bound first: with a taken port and a model file that does not exist, the
+    port is what is refused (before: the model loaded for nothing, then the port failed)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port", port,
+                               "--model", "/nonexistent/model.gguf"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"kvtier: error: cannot listen on 127.0.0.1:{port} (Address already in use)")
+
+
+def test_a_pool_too_small_for_every_request_preempts_and_still_answers_right(tmp_path, lm) -> None:
+    """20 blocks of 16: four counting prompts of about 50 tokens are admitted (4 blocks each) but
+    their 40 new tokens need 6 blocks each, so decode runs out of blocks and preempts."""
+    tok = lm.tokenizer
+    prompts = [", ".join(str(n) for n in range(start, start + 14)) + "," for start in (1, 20, 40, 60)]
+    with running_server(tmp_path / "small.log", "--num-blocks", "20", "--max-num-seqs", "4",
+                        "--max-batched-tokens", "256") as url:
+        async def together():
+            async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+                return await asyncio.gather(*(c.completions.create(
+                    model=model_name(url), prompt=p, max_tokens=40, temperature=0) for p in prompts))
+
+        got = asyncio.run(asyncio.wait_for(together(), 300))
+        m = metrics(url)
+        assert m["kvtier_preemptions_total"] > 0 and settle(url)["free_blocks"] == 20
+    for p, r in zip(prompts, got):
+        want = generate(lm.model, tok, p, GenerationConfig(max_tokens=40), cache_config=KVCacheConfig())
+        assert r.choices[0].text == want
+
+
+def test_async_scheduling_server_answers_like_generate(tmp_path, lm) -> None:
+    """``--async-scheduling`` on the CPU: outputs come a step late inside the engine, and the
+    HTTP answers must not show it: concurrent greedy completions with stop strings equal
+    ``generate``, a stream equals its whole answer, a hang-up frees its blocks."""
+    tok = lm.tokenizer
+    prompts = [", ".join(str(n) for n in range(start, start + 6)) + "," for start in (1, 7, 30, 52, 90, 3)]
+    with running_server(tmp_path / "async.log", "--async-scheduling", "--num-blocks", "64",
+                        "--max-num-seqs", "4", "--max-batched-tokens", "64") as url:
+        name = model_name(url)
+
+        async def together():
+            async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+                return await asyncio.gather(*(c.completions.create(
+                    model=name, prompt=p, max_tokens=10 + i, temperature=0, stop=[" 9"])
+                    for i, p in enumerate(prompts)))
+
+        got = asyncio.run(asyncio.wait_for(together(), 300))
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model=name, messages=[{"role": "user", "content": "Name three colours."}],
+                  max_tokens=16, temperature=0)
+        whole = client.chat.completions.create(**kw).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                           if c.choices)
+        body = {"model": name, "prompt": "Write a long story.", "max_tokens": 300, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())  # one event, then hang up
+        h = settle(url)
+        assert h["running"] == h["waiting"] == 0 and h["free_blocks"] == 64
+    assert streamed == whole and whole
+    for i, (p, r) in enumerate(zip(prompts, got)):
+        cfg = GenerationConfig(max_tokens=10 + i, stop=(" 9",))
+        assert r.choices[0].text == generate(lm.model, tok, p, cfg, cache_config=KVCacheConfig()), p
+    assert any(r.choices[0].finish_reason == "stop" for r in got)
+
+
+def test_a_stopping_server_ends_long_requests_after_its_shutdown_timeout(tmp_path) -> None:
+    """SIGTERM with a 4,000-token stream in flight: --shutdown-timeout 1 ends it with an error
+    chunk and [DONE], and the process exits in seconds (before: the stream ran to its end,
+    minutes on this CPU)."""
+    log = tmp_path / "serve.log"
+    with started_server(log, "--num-blocks", "512", "--shutdown-timeout", "1") as (url, proc):
+        body = {"prompt": "Tell me a story.", "max_tokens": 4000, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                lines = r.iter_lines()
+                next(lines)
+                stopped = time.monotonic()
+                proc.terminate()  # SIGTERM, by its pid
+                rest = [line for line in lines if line]  # the server ends the stream
+            assert rest[-1] == "data: [DONE]" and "server_shutting_down" in rest[-2], rest[-3:]
+            answer = whole.result()  # the client that waits for its whole answer gets a 503
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "server_shutting_down"
+        assert proc.wait(timeout=60) is not None
+        assert time.monotonic() - stopped < 30, log.read_text()
