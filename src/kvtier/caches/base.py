@@ -85,9 +85,9 @@ def allocating(cache: KVCache, what: str, fix: str,
                error: type[CacheCapacityError] = CacheCapacityError) -> Iterator[None]:
     """Allocate a tier's new storage inside: the allocator's refusal (``torch.OutOfMemoryError``
     is a ``RuntimeError``) leaves as ``error``, a capacity error naming ``what`` and ``fix``.
-    The tier allocates everything it needs inside and changes itself only after. Storage made
-    under ``torch.inference_mode()`` marks the cache (:func:`~kvtier.caches.checks.exclusive`)."""
-    cache._inference = cache._inference or torch.is_inference_mode_enabled()
+    The tier allocates everything it needs inside and changes itself only after
+    (:meth:`KVCache._allocating_here`)."""
+    cache._allocating_here()
     try:
         yield
     except (RuntimeError, MemoryError) as e:
@@ -191,6 +191,12 @@ class KVCache(ABC):
     _owner: int | None = None
     #: tensors made under torch.inference_mode(): mutating methods run inside it (exclusive)
     _inference: bool = False
+
+    def _allocating_here(self) -> None:
+        """Record that the caller makes the cache's tensors now: under ``torch.inference_mode()``
+        they are inference tensors, so the cache's writes run inside it from then on
+        (:func:`~kvtier.caches.checks.exclusive`)."""
+        self._inference = self._inference or torch.is_inference_mode_enabled()
 
     # -- writes and reads ---------------------------------------------------
     @abstractmethod

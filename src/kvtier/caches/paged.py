@@ -223,8 +223,8 @@ class PagedKVCache(RowKVCache):
         """Make ``extra`` more blocks free (allocate, grow or raise); adopt the codecs on first use."""
         size = (self.pool.allocated, self.pool.num_blocks)
         grew = self.pool.make_room(extra, heads, choice.k_codec, choice.v_codec, device)
-        if (self.pool.allocated, self.pool.num_blocks) != size:  # new tensors (exclusive)
-            self._inference = self._inference or torch.is_inference_mode_enabled()
+        if (self.pool.allocated, self.pool.num_blocks) != size:  # new tensors
+            self._allocating_here()
         if self.codecs is None:
             self._adopt(choice)
         self.copy_stats.grow_events += int(grew)

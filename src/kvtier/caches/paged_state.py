@@ -98,7 +98,7 @@ def paged_from_state(cls: type[PagedKVCache], state: dict[str, torch.Tensor],
         k, v = mode_codecs(mode, meta_int(m, "head_dim", minimum=1), meta_dtype(m, "dtype"), tq)
         _check_books(state, k, v, cache.block_size, cache.batch_size)
         cache.pool.load({n: t for n, t in state.items() if n != "k_centre"}, k, v)
-        cache._inference = torch.is_inference_mode_enabled()  # the pool's tensors (exclusive)
+        cache._allocating_here()  # the pool's tensors
         if "k_centre" in state:
             k.centre = state["k_centre"].to(device=cache.pool.key_cache.device, dtype=torch.float32)
         cache.codecs = CodecChoice(k, v, mode, *reasons)

@@ -416,7 +416,7 @@ class RaggedBatchKVCache(RowKVCache):
             raise ValueError(f"indices {indices!r} must be a non-empty list of rows in [0, {self.batch_size})")
         t = torch.tensor(idx, device=self._offsets.device)
         self._changed()
-        self._inference = self._inference or torch.is_inference_mode_enabled()  # new tensors (exclusive)
+        self._allocating_here()
         if self.keys is not None:
             self.keys, self.values = self.keys[t], self.values[t]
             self._pos = self._pos.new_empty(len(idx), self.capacity)
@@ -438,7 +438,7 @@ class RaggedBatchKVCache(RowKVCache):
         cap = max(self.capacity, other.capacity)
         self._check_fits(cap if other.capacity > self.capacity else 0)
         self._changed()
-        self._inference = self._inference or torch.is_inference_mode_enabled()  # new tensors (exclusive)
+        self._allocating_here()
         if held:
             k0, v0 = held[0].keys, held[0].values
             ks = k0.new_zeros(self.batch_size + other.batch_size, k0.shape[1], cap, k0.shape[3])

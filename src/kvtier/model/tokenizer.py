@@ -137,6 +137,13 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.backend.id_to_token(i)
 
+    @functools.cached_property
+    def _pieces(self) -> tuple[frozenset[int], bool]:
+        """The added (special) tokens' ids, and whether pieces are written in the byte-level
+        alphabet: read once (the backend builds both anew on each call)."""
+        return (frozenset(self.backend.get_added_tokens_decoder()),
+                isinstance(self.backend.decoder, decoders.ByteLevel))
+
     def token_bytes(self, i: int) -> bytes:
         """The bytes token ``i`` stands for. A byte-level piece may hold part of a character
         (an emoji's first two bytes), which ``decode([i])`` can only show as U+FFFD: its
@@ -145,9 +152,10 @@ class Tokenizer:
         piece = self.backend.id_to_token(i)
         if piece is None:
             raise ValueError(f"token id {i} is outside [0, {self.vocab_size})")
-        if i not in self.backend.get_added_tokens_decoder():
+        added, byte_level = self._pieces
+        if i not in added:
             alphabet = _byte_level_alphabet()
-            if isinstance(self.backend.decoder, decoders.ByteLevel) and all(c in alphabet for c in piece):
+            if byte_level and all(c in alphabet for c in piece):
                 return bytes(alphabet[c] for c in piece)
             if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 return bytes([int(piece[3:5], 16)])
