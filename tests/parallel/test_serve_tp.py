@@ -13,10 +13,8 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -28,15 +26,10 @@ from openai import AsyncOpenAI, OpenAI
 from kvtier.config import KVCacheConfig
 from kvtier.generate import GenerationConfig, stream_generate
 from kvtier.model import load_model
+from server_support import free_port, wait_until_serving
 
 START_S, STOP_S = 240, 60  # start-up: two fresh interpreters load torch on two cores
 PROMPTS = ("The capital of France is", "1, 2, 3, 4,", "Water boils at", "A long time ago, in a")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -74,18 +67,7 @@ def server(tiny, tmp_path_factory):
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvtier serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"kvtier serve did not answer /health within {START_S} s:\n{log.read_text()}")
-            time.sleep(0.5)
+        wait_until_serving(proc, url, log, START_S)
         yield url, proc, log
     finally:
         for p in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else ():

@@ -1,4 +1,4 @@
-"""Real ``kvtier serve`` processes for the tests: a free port, a server started with given flags
+"""Real ``kvtier serve`` processes for the tests (serve and parallel): a free port, a server started with given flags
 (waited for up to 180 s through ``/health``, stopped by its pid), and what its routes report."""
 
 from __future__ import annotations
@@ -23,6 +23,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_serving(proc: subprocess.Popen, url: str, log: Path, within_s: float = 180) -> None:
+    """Return once the server at ``url`` answers ``/health``; fail the test, with its log, if
+    ``proc`` exits first or ``within_s`` seconds pass."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"kvtier serve exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"kvtier serve did not answer /health within {within_s} s:\n{log.read_text()}")
+        time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def started_server(log: Path, *flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """``(base URL, process)`` of a ``kvtier serve`` started with ``flags``, stopped by its pid
@@ -35,18 +52,7 @@ def started_server(log: Path, *flags: str) -> Iterator[tuple[str, subprocess.Pop
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvtier serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"kvtier serve did not answer /health within 180 s:\n{log.read_text()}")
-            time.sleep(0.5)
+        wait_until_serving(proc, url, log)
         yield url, proc
         assert "Traceback" not in log.read_text(), log.read_text()  # nothing failed inside it
     finally:
