@@ -1,5 +1,6 @@
-"""Real ``kvtier serve`` processes for the tests (serve and parallel): a free port, a server started with given flags
-(waited for up to 180 s through ``/health``, stopped by its pid), and what its routes report."""
+"""Real ``kvtier serve`` processes for the tests (serve and parallel): a free port, a server
+started with given flags (waited for through ``/health``, stopped by its pid), and what its
+routes report."""
 
 from __future__ import annotations
 
