@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
-from server_support import metrics, running_server, settle
 
 from kvtier.config import KVCacheConfig
 from kvtier.generate import GenerationConfig, generate
+from server_support import metrics, running_server, settle
 
 NUM_BLOCKS, MAX_NUM_SEQS, MAX_WAITING, MAX_REQUEST_MB = 128, 8, 16, 1
 SYSTEM = ("You are a terse assistant for a hardware shop. Answer in one sentence, name a tool when "

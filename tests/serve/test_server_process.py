@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
-from server_support import free_port, metrics, model_name, running_server, settle, started_server
 
 from kvtier.config import KVCacheConfig
 from kvtier.generate import GenerationConfig, generate
+from server_support import free_port, metrics, model_name, running_server, settle, started_server
 
 
 @pytest.mark.parametrize("argv, words", [
