@@ -82,3 +82,17 @@ def test_bench_flags_are_refused_before_a_model_loads(capsys, monkeypatch, argv,
     assert cli.main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err, err
+
+
+def test_decode_gpu_big_batch_shrinks_to_the_free_memory_and_says_so(capsys):
+    # an 80 GB card after 16 GB of weights: 64 rows of 8k tokens (1.08 GB each) do not fit
+    from kvtier_bench.decode_gpu import fitting_batch
+
+    row = 1.08e9
+    assert fitting_batch(64, row, 120e9) == (64, "")  # fits: unchanged, no note
+    rows, note = fitting_batch(64, row, 62e9)
+    assert rows == 48 and rows * row <= 0.85 * 62e9 < (rows + 8) * row
+    assert note.startswith("batch 48, not 64") and "69.1 GB" in note and "62.0 GB free" in note
+    assert note in capsys.readouterr().out
+    assert fitting_batch(64, row, 5e9)[0] == 3  # fewer than 8 fit: as many as fit
+    assert fitting_batch(64, row, 1e9)[0] == 1  # none fit: one row, whose allocation then says why

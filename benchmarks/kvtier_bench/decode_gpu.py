@@ -10,8 +10,10 @@ equivalent ``LlamaConfig`` and holds views of the very same tensors):
   the ragged tier from a CUDA graph; HF ``generate`` with its default DynamicCache
   and with ``cache_implementation="static"`` (which ``generate`` compiles). Roofline:
   the copy bandwidth measured in this run over the weight bytes one token reads.
-- batch ``--big-batch`` (64) at ``--big-context`` (8192) tokens per row: the paged
-  caches are filled with random keys and values (a decode step's cost does not
+- batch ``--big-batch`` (64; fewer, a multiple of 8, where the caches would not fit in
+  85% of the free device memory, with a note in the row) at ``--big-context`` (8192)
+  tokens per row: the paged caches are filled with random keys and values (a decode
+  step's cost does not
   depend on their values; a real prefill of 512k tokens would take most of the time
   budget), then ``--big-steps`` decode steps, eagerly and from a CUDA graph.
   Aggregate tokens/s against a roofline that counts the weights and every row's
@@ -52,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="no transformers contenders")
     parser.add_argument("--skip-static", action="store_true",
                         help="no HF StaticCache (its compilation can take minutes)")
-    parser.add_argument("--big-batch", type=int, default=64)
+    parser.add_argument("--big-batch", type=int, default=64,
+                        help="rows of the big batch (fewer where they do not fit; the row's note says so)")
     parser.add_argument("--big-context", type=int, default=8192)
     parser.add_argument("--big-steps", type=int, default=64, help="decode steps at the big batch")
     parser.add_argument("--skip-big", action="store_true", help="no big-batch run")
@@ -289,11 +292,12 @@ def hf_contenders(model, args, roof: float, *, static: bool) -> list[Result]:
 
 def big_batch(model, args, bandwidth: float, weights: int, kv_token: int) -> list[Result]:
     """Paged caches holding ``--big-context`` random tokens per row; eager and graph decode."""
-    B, n = args.big_batch, args.big_steps
-    a = model.args
+    n, a = args.big_steps, model.args
     ctx = min(args.big_context, a.max_position_embeddings - n)  # the engine stops at the context
     dev = model.output.weight.device
-    blocks = B * math.ceil((ctx + n + 2) / 16)
+    row_pages = math.ceil((ctx + n + 2) / 16)
+    B, fit_note = fitting_batch(args.big_batch, row_pages * 16 * kv_token, torch.cuda.mem_get_info(dev)[0])
+    blocks = B * row_pages
     cfg = KVCacheConfig(tier="paged", paged_num_blocks=blocks)
     caches = model.make_caches(cfg, batch_size=B)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -314,12 +318,26 @@ def big_batch(model, args, bandwidth: float, weights: int, kv_token: int) -> lis
             with torch.inference_mode():
                 for c in caches:  # back to the filled context for the next run
                     c.trim(c.size() - (ctx - 1))
-        note = "; ".join(dict.fromkeys(notes))
+        note = "; ".join(dict.fromkeys([fit_note, *notes] if fit_note else notes))
         if graph and not caches[0].frozen:
             note = ("not captured; " + note).strip("; ")
         out.append(Result(name, B, ctx, n, first, B * (n - 1) / rest, roof, tokens, note))
     del caches
     return out
+
+
+def fitting_batch(asked: int, row_bytes: float, free: int, *, headroom: float = 0.85) -> tuple[int, str]:
+    """The big batch's rows: ``asked``, or the largest multiple of 8 whose caches take at
+    most ``headroom`` of the ``free`` device bytes (the rest: the fill's random keys and
+    values, activations, the graph's pool), with a note saying so; at least one row."""
+    fits = int(headroom * free // row_bytes)
+    if asked <= fits:
+        return asked, ""
+    rows = max(1, fits // 8 * 8 if fits >= 8 else fits)
+    note = (f"batch {rows}, not {asked}: {asked} rows' keys and values take {asked * row_bytes / 1e9:.1f} GB, "
+            f"{free / 1e9:.1f} GB free")
+    print(f"decode_gpu: {note}")
+    return rows, note
 
 
 # -- output -------------------------------------------------------------------------------------------
