@@ -96,3 +96,16 @@ def test_decode_gpu_big_batch_shrinks_to_the_free_memory_and_says_so(capsys):
     assert note in capsys.readouterr().out
     assert fitting_batch(64, row, 5e9)[0] == 3  # fewer than 8 fit: as many as fit
     assert fitting_batch(64, row, 1e9)[0] == 1  # none fit: one row, whose allocation then says why
+
+
+@pytest.mark.parametrize("argv, shown", [
+    (["/srv/kvtier/src/kvtier/cli.py", "bench", "attention", "--quick"], "kvtier bench attention --quick"),
+    (["/usr/bin/kvtier", "bench", "attention"], "kvtier bench attention"),
+    (["benchmarks/attention.py", "--quick"], "python benchmarks/attention.py --quick"),
+])
+def test_attention_report_names_the_command_as_it_was_typed(argv, shown):
+    # `python -m kvtier.cli bench ...` has the module's file as argv[0]: the report said
+    # "python /srv/.../cli.py bench ...", a path of the machine that ran it
+    from kvtier_bench.attention import command_line
+
+    assert command_line(argv) == shown

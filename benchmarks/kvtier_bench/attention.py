@@ -405,6 +405,16 @@ def decode_verdict(rows: list[dict]) -> list[list[str]]:
 
 
 # -- report ---------------------------------------------------------------------------------------
+def command_line(argv: list[str]) -> str:
+    """The command that ran, as a reader would type it: ``kvtier ...`` for the console script
+    and for ``python -m kvtier.cli`` (whose argv[0] is the module's file), ``python FILE ...``
+    for a script such as ``benchmarks/attention.py``."""
+    head = argv[0].replace("\\", "/")
+    if head.endswith("kvtier/cli.py") or not head.endswith(".py"):
+        return " ".join(["kvtier", *argv[1:]])
+    return " ".join(["python", *argv])
+
+
 def _md_table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -445,7 +455,7 @@ def run(args) -> int:
         f"Date: {datetime.date.today().isoformat()}. Device: {dev}. torch {torch.__version__}, "
         f"triton {__import__('triton').__version__}. Shape: {shape}, bf16.",
         "",
-        f"Command: `{' '.join(['python', *sys.argv] if sys.argv[0].endswith('.py') else ['kvtier', *sys.argv[1:]])}`",
+        f"Command: `{command_line(sys.argv)}`",
         "",
     ]
 

@@ -225,9 +225,22 @@ def main() -> None:
         lines += ["", "| Gluon kernel variant | registers | spills | shared bytes |", "|---|---|---|---|"]
         for cache in getattr(gluon_decode._decode_kernel, "device_caches", {}).values():
             for key, k in cache[0].items():
-                lines.append(f"| {str(key)[-160:]} | {getattr(k, 'n_regs', '?')} | {getattr(k, 'n_spills', '?')} | "
+                lines.append(f"| {variant(key, k)} | {getattr(k, 'n_regs', '?')} | {getattr(k, 'n_spills', '?')} | "
                              f"{k.metadata.shared} |")
     write_report(args.out, "decode_kernel_ab", lines, results)
+
+
+def variant(key, kernel) -> str:
+    """A compiled variant by its compile-time arguments' names and values and its warps (the
+    specialisation key's tail where the compiled kernel does not carry its source)."""
+    src = getattr(kernel, "src", None)
+    names = getattr(getattr(src, "fn", None), "arg_names", None)
+    constants = getattr(src, "constants", None)
+    if not names or not isinstance(constants, dict):
+        return str(key)[-160:]
+    parts = [f"{names[i[0]]}={v}" for i, v in constants.items()
+             if isinstance(i, tuple) and len(i) == 1 and i[0] < len(names) and not isinstance(v, (type(None), str))]
+    return ", ".join(parts + [f"{getattr(kernel.metadata, 'num_warps', '?')} warps"])
 
 
 if __name__ == "__main__":
