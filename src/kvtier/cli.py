@@ -291,6 +291,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         except KeyboardInterrupt:
             return 130
+        except RuntimeError as e:
+            from kvtier.parallel.launch import TensorParallelError
+
+            if not isinstance(e, TensorParallelError):
+                raise
+            # a rank failed or died and the others were stopped: what and where, in one line
+            # (a rank's own traceback follows the first line of the message, for the API)
+            print(f"kvtier: error: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 1
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

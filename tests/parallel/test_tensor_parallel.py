@@ -8,10 +8,14 @@ every group a collective timeout, so a failure here cannot hang.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from kvtier.config import KVCacheConfig
 from kvtier.drafters import make_drafter
@@ -28,6 +32,7 @@ from kvtier.parallel import (
     run_sharded,
     shard_model,
 )
+from kvtier.parallel.launch import _failure, _Report
 from kvtier.parallel.layers import split_range
 from kvtier.sampling import SamplingParams
 from kvtier.speculative import stream_speculative
@@ -243,3 +248,92 @@ def _unshardable_rank(tp: TensorParallel):
 def test_a_callers_mistake_on_a_rank_comes_back_as_value_error():
     with pytest.raises(ValueError, match=r"rank \d of 2: ValueError: .*does not divide the 3 KV heads"):
         launch(_unshardable_rank, 2, timeout_s=20, deadline_s=DEADLINE_S)
+
+
+def _tensor_rank(tp: TensorParallel):
+    return {"logits": torch.arange(3.0) + tp.rank, "ranks": tp.world_size}
+
+
+def test_rank_zeros_tensors_come_back_by_value():
+    # the queue's pickler shared the tensor's storage through a handle that was gone once the
+    # worker exited: FileNotFoundError from inside multiprocessing
+    got = launch(_tensor_rank, 2, timeout_s=20, deadline_s=DEADLINE_S)
+    assert got["ranks"] == 2 and torch.equal(got["logits"], torch.arange(3.0))
+
+
+def _killed_rank(tp: TensorParallel):
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    if tp.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer would
+    dist.all_reduce(x)  # rank 0 loses its peer
+    return "rank 0 should not get here"
+
+
+def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it():
+    with pytest.raises(TensorParallelError, match=r"^rank 1 of 2 died \(signal SIGKILL\); the other ranks"):
+        launch(_killed_rank, 2, timeout_s=20, deadline_s=DEADLINE_S)
+
+
+class _Process:
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+
+
+def test_a_killed_rank_comes_before_the_survivors_reports():
+    # rank 1 killed (SIGKILL), rank 0 reported the broken connection and was then terminated
+    # (SIGTERM) by the parent: the error named rank 0, the healthy one
+    lost = _Report(0, False, when=1.0, kind="other", message="RuntimeError: Connection closed by peer")
+    e = ProcessExitedException("process 0 terminated with signal SIGTERM", error_index=0, error_pid=1,
+                               exit_code=-15, signal_name="SIGTERM")
+    err = _failure([lost], e, 2, [_Process(-signal.SIGTERM), _Process(-signal.SIGKILL)])
+    assert str(err) == ("rank 1 of 2 died (signal SIGKILL); the other ranks were stopped "
+                        "(then rank 0: RuntimeError: Connection closed by peer)")
+    # a rank that reported its own failure is named as before, whatever the others' codes
+    own = _Report(1, False, when=0.5, kind="value", message="ValueError: bad")
+    err = _failure([own], e, 2, [_Process(-signal.SIGTERM), _Process(1)])
+    assert isinstance(err, ValueError) and str(err) == "rank 1 of 2: ValueError: bad"
+
+
+def _sleeping_rank(tp: TensorParallel, folder: str):
+    with open(os.path.join(folder, str(tp.rank)), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+
+def test_ctrl_c_in_the_parent_stops_the_workers(tmp_path):
+    # a SIGINT to the parent alone (not to its process group) left the workers running to the
+    # end of their work, and the parent waited for them at exit
+    def interrupt_once_both_started(signum, frame):
+        if len(list(tmp_path.iterdir())) == 2:
+            raise KeyboardInterrupt
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+
+    previous = signal.signal(signal.SIGALRM, interrupt_once_both_started)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(_sleeping_rank, 2, args=(str(tmp_path),), timeout_s=20, deadline_s=DEADLINE_S)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - t0 < 60  # not the workers' 120 s
+    for pid_file in tmp_path.iterdir():
+        with pytest.raises(ProcessLookupError):  # stopped and reaped
+            os.kill(int(pid_file.read_text()), 0)
+
+
+def test_cli_says_a_failed_rank_in_one_line(monkeypatch, capsys):
+    # TensorParallelError is a RuntimeError: the command line printed a Python traceback
+    import kvtier.parallel
+    from kvtier import cli
+
+    def died(*args, **kwargs):
+        raise TensorParallelError("rank 1 of 3 died (signal SIGKILL); the other ranks were stopped\n"
+                                  "Traceback (most recent call last): ...")
+
+    monkeypatch.setattr(kvtier.parallel, "run_sharded", died)
+    assert cli.main(["generate", "Hi", "--device", "cpu", "--tensor-parallel", "3"]) == 1
+    err = capsys.readouterr().err
+    assert err == "kvtier: error: rank 1 of 3 died (signal SIGKILL); the other ranks were stopped\n"

@@ -26,7 +26,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import pickle
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -84,8 +87,9 @@ def launch(
     ``device_type`` ``"cuda"`` gives rank ``r`` ``cuda:r`` and NCCL, ``"cpu"`` gloo.
     ``timeout_s`` bounds every collective; ``deadline_s`` (``None``: none) bounds
     the whole run, after which the workers are stopped and
-    :class:`TensorParallelError` raised. Rank 0's result comes back through a pipe:
-    keep it small (token lists, figures).
+    :class:`TensorParallelError` raised. Rank 0's result comes back pickled by value
+    through a pipe (tensors too; CUDA tensors as CUDA tensors): keep it small (token
+    lists, figures, logits). Ctrl-C here stops the workers.
     """
     check_world(world_size, device_type)
     check_timeout(timeout_s)
@@ -100,6 +104,9 @@ def launch(
     )
     end = None if deadline_s is None else time.monotonic() + deadline_s
     got: list[_Report] = []
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)  # its "Terminating process ..." lines: the error below says it
     try:
         while not procs.join(timeout=0.5):
             got += _drain(reports)  # read as they come: a full pipe would block a worker
@@ -109,12 +116,17 @@ def launch(
                     f"the {world_size} ranks did not finish within {deadline_s:g} s; they were "
                     "stopped (a rank hung, or the deadline is too short for the work)")
     except ProcessException as e:
-        raise _failure(got + _drain(reports), e, world_size) from None
+        raise _failure(got + _drain(reports), e, world_size, procs.processes) from None
+    except BaseException:  # Ctrl-C (or any error) in this process: the workers stop with it
+        _stop(procs)
+        raise
+    finally:
+        spawn_log.setLevel(level)
     got += _drain(reports)
     done = [r for r in got if r.ok]
     if not done:
         raise TensorParallelError("the ranks exited without rank 0 reporting a result")
-    return done[0].value
+    return pickle.loads(done[0].value)
 
 
 def _worker(rank, world_size, address, device_type, timeout_s, fn, args, reports) -> None:
@@ -125,6 +137,9 @@ def _worker(rank, world_size, address, device_type, timeout_s, fn, args, reports
                                   init_method=address, timeout_s=timeout_s)
         value = run_rank(fn, tp, args)
         destroy_tensor_parallel(tp)
+        # by value: the queue's own pickler would share a tensor's storage through a handle
+        # that is gone once this process exits
+        value = pickle.dumps(value) if rank == 0 else None
     except BaseException as e:  # reported home, then re-raised: the process exits non-zero
         kind = "value" if isinstance(e, ValueError) else "memory" if isinstance(e, MemoryError) \
             else "other"
@@ -164,9 +179,20 @@ def _stop(procs) -> None:
             p.kill()
 
 
-def _failure(reports: list[_Report], e: ProcessException, world_size: int) -> Exception:
-    """The first failure (in time) as the exception the caller sees."""
+def _failure(reports: list[_Report], e: ProcessException, world_size: int, processes=()) -> Exception:
+    """The first failure (in time) as the exception the caller sees. A rank killed by a signal
+    other than the parent's SIGTERM (the kernel's SIGKILL, a crash) reports nothing; the ranks
+    that lost it then report broken connections, so it is named first."""
     failed = sorted((r for r in reports if not r.ok), key=lambda r: r.when)
+    reported = {r.rank for r in failed}
+    killed = [(i, p.exitcode) for i, p in enumerate(processes)
+              if i not in reported and p.exitcode is not None and p.exitcode < 0
+              and p.exitcode != -signal.SIGTERM]
+    if killed:
+        rank, code = killed[0]
+        then = f" (then rank {failed[0].rank}: {failed[0].message.splitlines()[0]})" if failed else ""
+        return TensorParallelError(f"rank {rank} of {world_size} died (signal {_signal_name(-code)}); "
+                                   f"the other ranks were stopped{then}")
     if not failed:  # killed by a signal or os._exit: nothing was reported
         return TensorParallelError(f"rank {e.error_index} of {world_size} died ({e}); the other "
                                    "ranks were stopped")
@@ -177,6 +203,13 @@ def _failure(reports: list[_Report], e: ProcessException, world_size: int) -> Ex
     if first.kind == "memory":
         return MemoryError(message)
     return TensorParallelError(f"{message}; the other ranks were stopped\n{first.trace}")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 def run_ranks(
