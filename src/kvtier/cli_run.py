@@ -147,6 +147,16 @@ def _load(args: argparse.Namespace):
     return lm
 
 
+def tokenizer_of(lm, command: str):
+    """``lm``'s tokenizer, or a ``ValueError`` saying that ``command`` needs one and where it comes
+    from (a Hugging Face folder's tokenizer.json, a GGUF's tokenizer.ggml.* keys)."""
+    if lm.tokenizer is None:
+        raise ValueError(f"{lm.source} has no tokenizer (tokenizer.json beside the weights, or a GGUF's "
+                         f"tokenizer.ggml.* keys); {command} needs one to read text: add the model's "
+                         "tokenizer.json to its folder")
+    return lm.tokenizer
+
+
 # -- text in -------------------------------------------------------------------------------------
 
 
@@ -286,12 +296,15 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     else:
         prompt = _read_stdin()
     lm = _load(args) if lm is None else lm
-    tok = lm.tokenizer
+    tok = tokenizer_of(lm, "kvtier generate")
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}])
         ids = tok.encode(text, add_bos=False)
     else:
         ids = tok.encode(prompt)
+    if not ids:
+        raise ValueError(f"the tokenizer of {lm.source} encodes the prompt to no tokens; it may not be "
+                         "this model's tokenizer: use the tokenizer.json the weights came with")
     drafts = 0 if spec is None else spec.draft_tokens + 1
     held = min(len(ids) + gen_config.max_tokens, lm.args.max_position_embeddings)  # never past the context
     cache_config = sized_for_request(cache_config, args, held + drafts)
@@ -497,7 +510,7 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         text = default_text()
     lm = _load(args)
-    tokens = encode_text(lm.tokenizer, text, config.max_tokens)
+    tokens = encode_text(tokenizer_of(lm, "kvtier eval"), text, config.max_tokens)
     with Progress(f"{args.metric}: {len(config.modes)} modes", len(tokens) - 1,
                   enabled=not args.json) as progress:
         results = evaluate_modes(lm.model, tokens, config, base=base, on_progress=progress)

@@ -115,8 +115,7 @@ def load_model(
     from_cache, folder = False, None
     if source.is_dir():
         args, state = read_hf_dir(source)
-        tokenizer = (Tokenizer.from_pretrained_dir(source)
-                     if (source / "tokenizer.json").is_file() else None)
+        tokenizer = (_read_tokenizer(source) if (source / "tokenizer.json").is_file() else None)
     else:
         folder = conversion_cache_dir(source)
         cached = read_conversion_cache(folder)
@@ -146,11 +145,26 @@ def build_model(args: ModelArgs, state: dict[str, torch.Tensor], *, dtype: torch
         moved["output.weight"] = moved["tok_embeddings.weight"]
     try:
         model.load_state_dict(moved, strict=True, assign=True)
-    except RuntimeError as e:
-        raise ValueError(f"the weights do not fit the model's shape {args}: {e}") from None
+    except RuntimeError as e:  # torch's message: a header line, then one line per tensor
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        shown = "; ".join(lines[1:4]) + (f"; and {len(lines) - 4} more" if len(lines) > 4 else "")
+        raise ValueError(f"the weights do not fit the shape the config gives ({args.n_layers} layers, dim "
+                         f"{args.dim}, {args.n_heads} heads, {args.n_kv_heads} KV heads, head dim {args.head_dim}, "
+                         f"hidden {args.hidden_dim}, vocabulary {args.vocab_size}): {shown or lines[0]}; the "
+                         "config does not describe these weights: use the config.json they came with") from None
     model.tie_weights()
     model.rope.reset(device)
     return model.eval()
+
+
+def _read_tokenizer(folder: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_pretrained_dir(folder)
+    except (OSError, ValueError):
+        raise
+    except Exception as e:  # the tokenizers library raises its own plain Exception
+        raise ValueError(f"{folder / 'tokenizer.json'} cannot be read as a tokenizer ({e}); download the "
+                         "model's tokenizer.json again") from None
 
 
 def _pack(model: Transformer, folder: Path | None) -> dict:

@@ -87,6 +87,37 @@ def rename(name: str, table: dict[str, str], layer_table: dict[str, str], patter
     )
 
 
+def check_complete(tensors: Mapping[str, torch.Tensor], args: ModelArgs, source: Callable[[str], str],
+                   where: str) -> None:
+    """Refuse (``ValueError``) a checkpoint that lacks a tensor ``args`` need, naming it as the
+    checkpoint names it (``source``) and ``where`` it was read from."""
+    need = ["tok_embeddings.weight", "norm.weight"] + ([] if args.tie_embeddings else ["output.weight"])
+    per_layer = ["attention_norm", "ffn_norm", "attention.wq", "attention.wk", "attention.wv",
+                 "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+    if args.qk_norm:
+        per_layer += ["attention.q_norm", "attention.k_norm"]
+    need += [f"layers.{i}.{w}.weight" for i in range(args.n_layers) for w in per_layer]
+    missing = [source(n) for n in need if n not in tensors]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ValueError(f"{where} lacks {len(missing)} of the {len(need)} tensors a {args.n_layers}-layer "
+                         f"model needs: {shown}; a shard is missing or the config does not describe "
+                         "these weights: download the model again")
+
+
+def source_name(ours: str, table: dict[str, str], layer_table: dict[str, str], layer_format: str) -> str:
+    """The checkpoint's name for one of ours (the inverse of :func:`rename`)."""
+    for theirs, mine in table.items():
+        if mine == ours:
+            return theirs
+    m = re.match(r"^layers\.(\d+)\.(.+)\.(weight|bias)$", ours)
+    if m:
+        for theirs, mine in layer_table.items():
+            if mine == m.group(2):
+                return layer_format.format(m.group(1), theirs, m.group(3))
+    return ours
+
+
 def fuse(tensors: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Concatenate per-projection tensors into the model's fused ``wqkv`` and ``w13``."""
     out = dict(tensors)
@@ -135,14 +166,24 @@ def args_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[in
             raise ValueError(f"GGUF key {arch}.{name} varies per layer; this is not supported")
         return v
 
+    for name in ("embedding_length", "attention.head_count", "block_count", "feed_forward_length"):
+        if key(name) is None:
+            raise ValueError(f"the GGUF lacks the metadata key {arch}.{name}, which the model's shape "
+                             "needs; the file is incomplete: download or convert it again")
     dim, n_heads = key("embedding_length"), key("attention.head_count")
     n_kv_heads = key("attention.head_count_kv", n_heads)
     q_rows = tensor_shapes["blk.0.attn_q.weight"][0]
+    k_rows = tensor_shapes.get("blk.0.attn_k.weight", (None,))[0]
+    head_dim = key("attention.key_length", q_rows // n_heads)
+    if k_rows is not None and k_rows != n_kv_heads * head_dim:
+        raise ValueError(
+            f"blk.0.attn_k.weight has {k_rows} rows, but the metadata give {n_kv_heads} KV heads "
+            f"({arch}.attention.head_count_kv) of {head_dim} channels = {n_kv_heads * head_dim}; "
+            "the file's metadata do not match its tensors: download or convert it again")
     rope_scaling = None
     if key("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
     base = float(key("rope.freq_base", 10000.0))
-    head_dim = key("attention.key_length", q_rows // n_heads)
     if rope_freqs is not None:
         rope_scaling = fit_llama3_scaling(rope_freqs, head_dim, base)
     return ModelArgs(
@@ -214,6 +255,8 @@ def read_gguf(reader, progress: Callable[[Iterable], Iterable] = iter
         elif args.arch in _PERMUTED_ARCHES and ".attn_k." in t.name:
             w = unpermute_qk(w, args.n_kv_heads)
         tensors[rename(t.name, _GGUF_NAMES, _GGUF_LAYER_NAMES, _GGUF_LAYER)] = w
+    check_complete(tensors, args, lambda n: source_name(n, _GGUF_NAMES, _GGUF_LAYER_NAMES, "blk.{}.{}.{}"),
+                   "the GGUF")
     return args, fuse(tensors, args)
 
 
@@ -296,8 +339,6 @@ def hf_dir_args(path: Path) -> ModelArgs:
 
 def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """Read ``config.json`` and every ``*.safetensors`` shard of a Hugging Face folder."""
-    from safetensors.torch import load_file
-
     args = hf_dir_args(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -316,9 +357,26 @@ def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        for name, t in load_file(str(f)).items():
+        for name, t in _read_safetensors(f).items():
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from the config
             tensors[rename(name, _HF_NAMES, _HF_LAYER_NAMES, _HF_LAYER)] = t
+    check_complete(tensors, args, lambda n: source_name(n, _HF_NAMES, _HF_LAYER_NAMES, "model.layers.{}.{}.{}"),
+                   str(path))
     return args, fuse(tensors, args)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found (named by the folder's index); download the model "
+                                "again") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        size = path.stat().st_size if path.is_file() else 0
+        raise ValueError(f"{path} cannot be read as safetensors ({e}); it holds {size:,} bytes: a file "
+                         "cut short or damaged (download it again)") from None
 

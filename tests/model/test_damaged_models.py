@@ -1,0 +1,130 @@
+"""Damaged or mismatched model files: each refused with one line that names the file, the
+tensor or key, and the fix, before any output (a ``ValueError``, which the command line
+prints as ``kvtier: error: ...``), never a traceback from the libraries underneath."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_loading import hf_tiny, write_gguf
+
+from kvtier import cli
+from kvtier.model import load_model
+
+gguf = pytest.importorskip("gguf")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_tiny("llama")
+
+
+def folder(tmp_path, hf, name="model"):
+    path = tmp_path / name
+    hf.save_pretrained(path)
+    return path
+
+
+def refused(path, match: str) -> str:
+    with pytest.raises(ValueError, match=match) as e:
+        load_model(path, device="cpu", progress=False)
+    assert "\n" not in str(e.value)  # one line
+    return str(e.value)
+
+
+def test_a_cut_or_garbage_safetensors_file_is_named_with_its_size(tmp_path, hf):
+    path = folder(tmp_path, hf)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # before: SafetensorError's traceback
+    refused(path, rf"model.safetensors cannot be read as safetensors \(.*\); it holds {len(data) // 2:,} "
+                  "bytes: a file cut short or damaged")
+    weights.write_bytes(b"")
+    refused(path, r"model.safetensors cannot be read as safetensors .* holds 0 bytes")
+
+
+def test_a_missing_tensor_is_named_as_the_checkpoint_names_it(tmp_path, hf):
+    path = folder(tmp_path, hf)
+    weights = path / "model.safetensors"
+    state = safetensors_torch.load_file(str(weights))
+    del state["model.layers.1.mlp.gate_proj.weight"]  # before: KeyError 'layers.1.feed_forward.w1.weight'
+    safetensors_torch.save_file(state, str(weights), metadata={"format": "pt"})
+    message = refused(path, r"lacks 1 of the 21 tensors a 2-layer model needs: "
+                            r"model.layers.1.mlp.gate_proj.weight; a shard is missing")
+    assert str(path) in message
+
+
+def test_a_config_with_more_layers_than_the_weights_is_refused(tmp_path, hf):
+    path = folder(tmp_path, hf)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    refused(path, r"lacks 9 of the 30 tensors a 3-layer model needs: model.layers.2.input_layernorm.weight, "
+                  r"model.layers.2.post_attention_layernorm.weight, model.layers.2.self_attn.q_proj.weight "
+                  r"and 6 more")
+
+
+def test_weights_of_another_shape_say_so_in_one_line(tmp_path, hf):
+    path = folder(tmp_path, hf)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    refused(path, r"the weights do not fit the shape the config gives \(2 layers, dim 256, .*hidden 128, "
+                  r".*size mismatch for layers.0.feed_forward.w13.weight.*; the config does not describe")
+
+
+def test_a_tokenizer_that_is_not_json_is_named(tmp_path, hf):
+    path = folder(tmp_path, hf)
+    (path / "tokenizer.json").write_text("{1: 2}")  # before: the tokenizers library's bare Exception
+    refused(path, r"tokenizer.json cannot be read as a tokenizer \(.*\); download the model's "
+                  "tokenizer.json again")
+
+
+def test_generate_without_a_tokenizer_says_so(tmp_path, hf, capsys):
+    path = folder(tmp_path, hf)  # config and weights, no tokenizer.json
+    capsys.readouterr()
+    assert cli.main(["generate", "Hi", "--model", str(path), "--device", "cpu", "--max-tokens", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # before: AttributeError 'NoneType' object has no attribute 'encode'
+    assert err == (f"kvtier: error: {path} has no tokenizer (tokenizer.json beside the weights, or a "
+                   "GGUF's tokenizer.ggml.* keys); kvtier generate needs one to read text: add the "
+                   "model's tokenizer.json to its folder\n")
+
+
+def damaged_gguf(tmp_path, hf, monkeypatch, *, skip_key=None, skip_tensor=None):
+    """``hf`` written as a GGUF without one metadata key writer or one tensor."""
+    if skip_key:
+        monkeypatch.setattr(gguf.GGUFWriter, skip_key, lambda self, *a, **k: None)
+    if skip_tensor:
+        add = gguf.GGUFWriter.add_tensor
+        monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", lambda self, name, *a, **k:
+                            None if name == skip_tensor else add(self, name, *a, **k))
+    path = write_gguf(tmp_path / "m.gguf", hf, "llama")
+    monkeypatch.undo()
+    return path
+
+
+@pytest.mark.parametrize("writer, key", [("add_head_count", "llama.attention.head_count"),
+                                         ("add_block_count", "llama.block_count")])
+def test_a_gguf_without_a_shape_key_names_the_key(tmp_path, hf, monkeypatch, writer, key):
+    # before: a TypeError from // with None, or "ModelArgs.n_layers must be a positive int, got None"
+    path = damaged_gguf(tmp_path, hf, monkeypatch, skip_key=writer)
+    refused(path, rf"the GGUF lacks the metadata key {key}, which the model's shape needs; the file is "
+                  "incomplete")
+
+
+def test_a_gguf_whose_kv_heads_do_not_match_its_tensors(tmp_path, hf, monkeypatch):
+    # without head_count_kv the KV heads default to the 4 query heads; the weights hold 2
+    path = damaged_gguf(tmp_path, hf, monkeypatch, skip_key="add_head_count_kv")
+    refused(path, r"blk.0.attn_k.weight has 128 rows, but the metadata give 4 KV heads "
+                  r"\(llama.attention.head_count_kv\) of 64 channels = 256")
+
+
+def test_a_gguf_without_a_tensor_names_it(tmp_path, hf, monkeypatch):
+    path = damaged_gguf(tmp_path, hf, monkeypatch, skip_tensor="blk.1.ffn_gate.weight")
+    refused(path, r"the GGUF lacks 1 of the 21 tensors a 2-layer model needs: blk.1.ffn_gate.weight")
