@@ -158,3 +158,20 @@ def test_the_deepest_policy_plans_in_linear_time():
 def test_draft_tokens_out_of_range_is_refused(k):
     with pytest.raises(ValueError, match=f"draft_tokens must be an int in \\[0, {MAX_DRAFT_TOKENS}\\]"):
         SpeculativeConfig(draft_tokens=k)
+
+
+def test_a_free_drafter_whose_verifications_cost_too_much_is_not_told_to_find_a_cheaper_one():
+    # --speculative ngram --draft-tokens 1: drafts cost nothing, but a width-2 verification was
+    # timed at 2.24 one-token forwards; the reason said "a cheaper drafter would: ngram" and
+    # called the measured cycle "estimated"
+    policy = DepthPolicy(1, max_k=1, verify_cost=0.15, draft_cost=0.0, measure=True)
+    policy.measure(0, draft_s=0.0, verify_s=1.0)
+    for _ in range(3):
+        policy.measure(1, draft_s=0.0, verify_s=2.24)
+    assert policy.hopeless()
+    reason = policy.reason([True])
+    assert reason == ("a draft costs 0.00 target forwards (measured) but a cycle with one 2.24 (measured): "
+                      "verification forwards cost more than the tokens they can add at a depth of at most 1 "
+                      "(a larger --draft-tokens, or --fixed-depth, may pay)")
+    costly = DepthPolicy(1, max_k=6, verify_cost=0.15, draft_cost=1.0)  # never timed
+    assert "(estimated) and a cycle with one 2.15 (estimated): no depth beats" in costly.reason([True])

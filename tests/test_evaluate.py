@@ -169,3 +169,27 @@ def test_a_window_longer_than_the_models_positions_is_refused(lm, tokens):
         evaluate_modes(lm.model, tokens, EvalConfig(context=limit + 1, modes=("fp",)))
     short = evaluate_modes(lm.model, tokens[:40], EvalConfig(context=limit, modes=("fp",)))
     assert short[0].tokens == 39  # one window of the whole text
+
+
+def test_eval_refuses_a_device_file_and_an_empty_mode_list_in_one_line(capsys):
+    from kvtier import cli
+
+    # /dev/zero was read until memory ran out, then "kvtier: error: " with nothing after it
+    assert cli.main(["eval", "ppl", "--device", "cpu", "--file", "/dev/zero"]) == 2
+    assert capsys.readouterr().err == ("kvtier: error: --file /dev/zero is a device, not a text file; give a "
+                                       "text file (or a pipe: --file <(command))\n")
+    # before: "modes must be a non-empty tuple of mode names, got ()", naming no flag
+    assert cli.main(["eval", "ppl", "--device", "cpu", "--modes", " , "]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: --modes ' , ' names no mode; give a comma-separated list such as fp,q8")
+
+
+def test_a_bare_memory_error_is_named(capsys, monkeypatch):
+    from kvtier import cli, cli_run
+
+    def out_of_memory(args):
+        raise MemoryError
+
+    monkeypatch.setattr(cli_run, "run_eval", out_of_memory)
+    assert cli.main(["eval", "ppl", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == "kvtier: error: MemoryError\n"

@@ -10,6 +10,7 @@ fail)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -490,6 +491,10 @@ def test_bad_input_is_refused(lm):
                                            NgramDrafter(), max_tokens=bad))
     with pytest.raises(ValueError, match=r"drafter must be a kvtier.drafters.Drafter .*got 'ngram'"):
         generate(lm.model, lm.tokenizer, "hi", drafter="ngram")  # before: AttributeError
+    for bad, fix in (({"draft_tokens": 4}, r"SpeculativeConfig\(\*\*speculative\)"),
+                     (4, r"SpeculativeConfig\(draft_tokens=4\)")):  # before: AttributeError after prefill
+        with pytest.raises(ValueError, match=rf"speculative must be a SpeculativeConfig or None, got .*{fix}"):
+            generate(lm.model, lm.tokenizer, "hi", drafter=NgramDrafter(), speculative=bad)
     with pytest.raises(ValueError, match="num_layers"):
         ModelDrafter(lm.model, num_layers=0)
     assert isinstance(make_drafter("ngram", lm), NgramDrafter)
@@ -525,3 +530,28 @@ def test_cli_speculative_flags(lm, capsys):
     s = spec["speculative"]
     assert s["accepted"] == s["drafted"] > 0 and "no depth beats" in s["depth_reason"]
     assert "[kvtier] speculative depth 0: a draft costs 1.00 target forwards (estimated)" in err
+
+
+def test_cli_seed_with_adaptive_depth_fixes_the_draft_cost(lm, capsys, monkeypatch):
+    # measured timings moved the depths and with them the draws: `--seed 1 --temperature 0.7
+    # --speculative ngram` gave other tokens one run in four
+    import kvtier.speculative
+    from kvtier.cli import main
+
+    seen = []
+    real = kvtier.speculative.stream_speculative
+
+    def spy(*args, speculative=None, **kw):
+        seen.append(speculative)
+        return real(*args, speculative=speculative, **kw)
+
+    monkeypatch.setattr(kvtier.speculative, "stream_speculative", spy)
+    argv = ["generate", "--raw", "--max-tokens", "6", "--json", "--device", "cpu", "--speculative", "ngram",
+            "--temperature", "0.7", PROMPTS[0]]
+    runs = []
+    for extra in (["--seed", "1"], ["--seed", "1"], []):
+        assert main(argv + extra) == 0
+        runs.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert seen[0].draft_cost == seen[1].draft_cost == NgramDrafter().cost(lm.model)  # not measured
+    assert seen[2].draft_cost is None  # unseeded: measured, the depth follows the machine
+    assert runs[0] == runs[1]

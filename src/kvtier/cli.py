@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError, MemoryError, ImportError) as e:
             # a caller's mistake (bad value, missing or unwritable file, missing package): the
             # message says what to do
-            print(f"kvtier: error: {e}", file=sys.stderr)
+            print(f"kvtier: error: {str(e) or type(e).__name__}", file=sys.stderr)  # (a bare MemoryError)
             return 2
         except KeyboardInterrupt:
             return 130

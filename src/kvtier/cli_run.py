@@ -333,6 +333,10 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
         from kvtier.speculative import stream_speculative
 
         drafter = make_drafter(args.speculative, lm)
+        if hasattr(args, "seed") and spec.adaptive and spec.draft_cost is None:
+            # measured timings would move the depths, and with them the draws: the drafter's
+            # estimated cost keeps a seeded run's samples the same from run to run
+            spec = dataclasses.replace(spec, draft_cost=min(drafter.cost(lm.model), 9.99))
         stream = functools.partial(stream_speculative, drafter=drafter, speculative=spec)
     tokens, text, last = [], [], None
     prefill = len(ids) - (pc.reused if pc else 0)
@@ -498,6 +502,9 @@ def run_eval(args: argparse.Namespace) -> int:
     fields = _given(args, "context", "stride", "max_tokens", "chunk", "tier")
     if hasattr(args, "modes"):
         fields["modes"] = parse_modes(args.modes)
+        if not fields["modes"]:
+            raise ValueError(f"--modes {args.modes!r} names no mode; give a comma-separated list such as "
+                             "fp,q8,q4_g32,fp8,turboquant:q5_0r,q4_0 (or leave --modes out for the default set)")
     config = EvalConfig(**fields)
     base = cache_config_from_args(args)
     if hasattr(args, "file"):
@@ -506,6 +513,9 @@ def run_eval(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"--file {path}: no such file")
         if path.is_dir():
             raise ValueError(f"--file {path} is a folder; give a text file")
+        if path.is_char_device() or path.is_block_device():  # /dev/zero would be read forever
+            raise ValueError(f"--file {path} is a device, not a text file; give a text file (or a pipe: "
+                             "--file <(command))")
         text = decode_text(path.read_bytes(), f"--file {path}")
     else:
         text = default_text()

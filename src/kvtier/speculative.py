@@ -310,9 +310,14 @@ class DepthPolicy:
         if self.max_k == 0:
             return "draft_tokens is 0"
         source = "measured" if self.timings else "estimated"
+        cycle = f"{self.cycle_cost(1):.2f} ({'measured' if 1 in self.verify_s else 'estimated'})"
+        if self.hopeless() and self.draft_cost < 0.05:  # drafting is next to free: the forwards cost
+            return (f"a draft costs {self.draft_cost:.2f} target forwards ({source}) but a cycle with one "
+                    f"{cycle}: verification forwards cost more than the tokens they can add at a depth of "
+                    f"at most {self.max_k} (a larger --draft-tokens, or --fixed-depth, may pay)")
         if self.hopeless():
             return (f"a draft costs {self.draft_cost:.2f} target forwards ({source}) and a cycle "
-                    f"with one {self.cycle_cost(1):.2f}: no depth beats plain decoding even if every "
+                    f"with one {cycle}: no depth beats plain decoding even if every "
                     "draft is accepted (a cheaper drafter would: ngram, early-exit:N, a smaller model)")
         worst = min(self.alpha(r) for r in rows)
         return (f"drafts are accepted {worst:.0%} of the time, too seldom to pay for what a cycle "
@@ -361,6 +366,18 @@ class SpeculativeStats:
 # -- layer 1: tokens ---------------------------------------------------------------------------
 
 
+def check_speculative(speculative):
+    """``speculative`` itself when it is ``None`` or a :class:`SpeculativeConfig`; a
+    ``ValueError`` with the fix otherwise."""
+    if speculative is None or isinstance(speculative, SpeculativeConfig):
+        return speculative
+    fix = ("SpeculativeConfig(**speculative)" if isinstance(speculative, dict)
+           else f"SpeculativeConfig(draft_tokens={speculative!r})" if isinstance(speculative, int)
+           else "SpeculativeConfig(draft_tokens=...)")
+    raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__} "
+                     f"{speculative!r:.60}; build one with {fix}")
+
+
 def speculative_generate_step(
     model,
     prompts: Sequence[Sequence[int]],
@@ -389,7 +406,7 @@ def speculative_generate_step(
                                    or max_tokens < 1):
         raise ValueError(f"max_tokens must be an int >= 1 or None (the context), got {max_tokens!r}")
     params = SamplingParams() if params is None else params
-    spec = SpeculativeConfig() if speculative is None else speculative
+    spec = SpeculativeConfig() if check_speculative(speculative) is None else speculative
     stats = SpeculativeStats() if stats is None else stats
     rows = check_prompts(prompts)
     room = context_room(model, rows)  # ids and prompt lengths, before any forward (kvtier.limits)
@@ -541,6 +558,7 @@ def stream_speculative(
     tiers, and row by row on the scalar tiers (each row then equals its batch-1 run).
     """
     config = GenerationConfig() if config is None else config
+    check_speculative(speculative)  # here, not in the generator: before any prompt is read
     stats = SpeculativeStats()
 
     def steps(rows, caches, *, generator, stop_ids, on_progress, on_prefilled):
