@@ -29,7 +29,7 @@ Example::
 
     >>> from kvtier.model import load_model
     >>> from kvtier.drafters import NgramDrafter
-    >>> from kvtier.generate import generate
+    >>> from kvtier.generate import GenerationConfig, generate
     >>> lm = load_model()
     >>> generate(lm.model, lm.tokenizer, "Repeat: the cat sat on the mat.",
     ...          GenerationConfig(max_tokens=16), drafter=NgramDrafter())
