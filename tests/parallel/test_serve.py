@@ -47,3 +47,22 @@ def test_async_scheduling_is_refused_before_any_rank_starts():
 
     with pytest.raises(ValueError, match="async_scheduling=True cannot serve sharded"):
         serve_sharded(_generate, 2, args=([[1, 2]],), config=dataclasses.replace(CONFIG, async_scheduling=True))
+
+
+def test_a_taken_port_fails_before_any_rank_starts(monkeypatch, capsys):
+    # before: every rank loaded the model (20 s on two cores), then rank 0 failed to bind
+    import socket
+
+    import kvtier.parallel.serve
+    from kvtier import cli
+
+    spawned = []
+    monkeypatch.setattr(kvtier.parallel.serve, "serve_sharded", lambda *a, **k: spawned.append(a))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        rc = cli.main(["serve", "--tensor-parallel", "3", "--device", "cpu", "--port", str(port)])
+    assert rc == 2 and not spawned
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvtier: error: cannot listen on 127.0.0.1:{port} (") and "choose another --port" in err

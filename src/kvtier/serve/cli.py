@@ -245,6 +245,8 @@ def _run_sharded(args, engine_config, server_config, model, dtype, threads) -> i
 
     device = getattr(args, "device", "cuda" if torch.cuda.is_available() else "cpu")
     if not dist.is_torchelastic_launched():
+        # a taken port fails here, at once, not after every rank has loaded the model
+        _listen(server_config.host, server_config.port).close()
         _forward_stop_signals()
     result = serve_sharded(_serve_on_rank0, args.tensor_parallel,
                            args=(served_name(model), server_config, args.log_level, args.tensor_parallel),
