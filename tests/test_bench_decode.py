@@ -92,16 +92,20 @@ def test_decode_gpu_big_batch_shrinks_to_the_free_memory_and_says_so(capsys):
     assert fitting_batch(64, row, 120e9) == (64, "")  # fits: unchanged, no note
     rows, note = fitting_batch(64, row, 62e9)
     assert rows == 48 and rows * row <= 0.85 * 62e9 < (rows + 8) * row
-    assert note.startswith("batch 48, not 64") and "69.1 GB" in note and "62.0 GB free" in note
+    assert note == "batch 48, not 64: 64 rows' keys and values take 69.1 GB, 85% of the 62.0 GB free is 52.7"
     assert note in capsys.readouterr().out
     assert fitting_batch(64, row, 5e9)[0] == 3  # fewer than 8 fit: as many as fit
     assert fitting_batch(64, row, 1e9)[0] == 1  # none fit: one row, whose allocation then says why
+    assert fitting_batch(1, row, 1e9) == (1, "")  # nothing to shrink: no "batch 1, not 1"
+    with pytest.raises(ValueError, match="--big-batch must be >= 1, got 0"):
+        fitting_batch(0, row, 62e9)
 
 
 @pytest.mark.parametrize("argv, shown", [
     (["/srv/kvtier/src/kvtier/cli.py", "bench", "attention", "--quick"], "kvtier bench attention --quick"),
     (["/usr/bin/kvtier", "bench", "attention"], "kvtier bench attention"),
     (["benchmarks/attention.py", "--quick"], "python benchmarks/attention.py --quick"),
+    (["kvtier", "bench", "attention", "--out", "my results.md"], "kvtier bench attention --out 'my results.md'"),
 ])
 def test_attention_report_names_the_command_as_it_was_typed(argv, shown):
     # `python -m kvtier.cli bench ...` has the module's file as argv[0]: the report said

@@ -492,7 +492,8 @@ def test_bad_input_is_refused(lm):
     with pytest.raises(ValueError, match=r"drafter must be a kvtier.drafters.Drafter .*got 'ngram'"):
         generate(lm.model, lm.tokenizer, "hi", drafter="ngram")  # before: AttributeError
     for bad, fix in (({"draft_tokens": 4}, r"SpeculativeConfig\(\*\*speculative\)"),
-                     (4, r"SpeculativeConfig\(draft_tokens=4\)")):  # before: AttributeError after prefill
+                     (4, r"SpeculativeConfig\(draft_tokens=4\)"),
+                     (True, r"SpeculativeConfig\(draft_tokens=\.\.\.\)")):  # before: AttributeError after prefill
         with pytest.raises(ValueError, match=rf"speculative must be a SpeculativeConfig or None, got .*{fix}"):
             generate(lm.model, lm.tokenizer, "hi", drafter=NgramDrafter(), speculative=bad)
     with pytest.raises(ValueError, match="num_layers"):

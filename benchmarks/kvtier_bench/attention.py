@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import shlex
 import statistics
 import sys
 import time
@@ -411,8 +412,8 @@ def command_line(argv: list[str]) -> str:
     for a script such as ``benchmarks/attention.py``."""
     head = argv[0].replace("\\", "/")
     if head.endswith("kvtier/cli.py") or not head.endswith(".py"):
-        return " ".join(["kvtier", *argv[1:]])
-    return " ".join(["python", *argv])
+        return shlex.join(["kvtier", *argv[1:]])
+    return shlex.join(["python", *argv])
 
 
 def _md_table(headers: list[str], rows: list[list[str]]) -> str:

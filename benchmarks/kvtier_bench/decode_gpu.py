@@ -10,7 +10,7 @@ equivalent ``LlamaConfig`` and holds views of the very same tensors):
   the ragged tier from a CUDA graph; HF ``generate`` with its default DynamicCache
   and with ``cache_implementation="static"`` (which ``generate`` compiles). Roofline:
   the copy bandwidth measured in this run over the weight bytes one token reads.
-- batch ``--big-batch`` (64; fewer, a multiple of 8, where the caches would not fit in
+- batch ``--big-batch`` (64; fewer, a multiple of 8 where 8 fit, where the caches would not fit in
   85% of the free device memory, with a note in the row) at ``--big-context`` (8192)
   tokens per row: the paged caches are filled with random keys and values (a decode
   step's cost does not
@@ -327,15 +327,17 @@ def big_batch(model, args, bandwidth: float, weights: int, kv_token: int) -> lis
 
 
 def fitting_batch(asked: int, row_bytes: float, free: int, *, headroom: float = 0.85) -> tuple[int, str]:
-    """The big batch's rows: ``asked``, or the largest multiple of 8 whose caches take at
-    most ``headroom`` of the ``free`` device bytes (the rest: the fill's random keys and
-    values, activations, the graph's pool), with a note saying so; at least one row."""
+    """The big batch's rows: ``asked``, or fewer (a multiple of 8 where 8 or more fit) whose
+    caches take at most ``headroom`` of the ``free`` device bytes (the rest: the fill's random
+    keys and values, activations, the graph's pool), with a note saying so; at least one row."""
+    if asked < 1:
+        raise ValueError(f"--big-batch must be >= 1, got {asked} (--skip-big leaves the section out)")
     fits = int(headroom * free // row_bytes)
-    if asked <= fits:
-        return asked, ""
     rows = max(1, fits // 8 * 8 if fits >= 8 else fits)
+    if asked <= fits or rows >= asked:
+        return asked, ""
     note = (f"batch {rows}, not {asked}: {asked} rows' keys and values take {asked * row_bytes / 1e9:.1f} GB, "
-            f"{free / 1e9:.1f} GB free")
+            f"{headroom:.0%} of the {free / 1e9:.1f} GB free is {headroom * free / 1e9:.1f}")
     print(f"decode_gpu: {note}")
     return rows, note
 

@@ -151,9 +151,10 @@ def tokenizer_of(lm, command: str):
     """``lm``'s tokenizer, or a ``ValueError`` saying that ``command`` needs one and where it comes
     from (a Hugging Face folder's tokenizer.json, a GGUF's tokenizer.ggml.* keys)."""
     if lm.tokenizer is None:
+        fix = ("use a GGUF that carries its tokenizer (llama.cpp's converter writes it)"
+               if str(lm.source).endswith(".gguf") else "add the model's tokenizer.json to its folder")
         raise ValueError(f"{lm.source} has no tokenizer (tokenizer.json beside the weights, or a GGUF's "
-                         f"tokenizer.ggml.* keys); {command} needs one to read text: add the model's "
-                         "tokenizer.json to its folder")
+                         f"tokenizer.ggml.* keys); {command} needs one to read text: {fix}")
     return lm.tokenizer
 
 

@@ -310,7 +310,8 @@ class DepthPolicy:
         if self.max_k == 0:
             return "draft_tokens is 0"
         source = "measured" if self.timings else "estimated"
-        cycle = f"{self.cycle_cost(1):.2f} ({'measured' if 1 in self.verify_s else 'estimated'})"
+        timed = 1 in self.verify_s or self.timings  # its verification, or its drafts
+        cycle = f"{self.cycle_cost(1):.2f} ({'measured' if timed else 'estimated'})"
         if self.hopeless() and self.draft_cost < 0.05:  # drafting is next to free: the forwards cost
             return (f"a draft costs {self.draft_cost:.2f} target forwards ({source}) but a cycle with one "
                     f"{cycle}: verification forwards cost more than the tokens they can add at a depth of "
@@ -321,7 +322,7 @@ class DepthPolicy:
                     "draft is accepted (a cheaper drafter would: ngram, early-exit:N, a smaller model)")
         worst = min(self.alpha(r) for r in rows)
         return (f"drafts are accepted {worst:.0%} of the time, too seldom to pay for what a cycle "
-                f"with one costs, {self.cycle_cost(1):.2f} target forwards ({source}); probing again later")
+                f"with one costs, {cycle} target forwards; probing again later")
 
 
 # -- figures -------------------------------------------------------------------------------
@@ -372,7 +373,8 @@ def check_speculative(speculative):
     if speculative is None or isinstance(speculative, SpeculativeConfig):
         return speculative
     fix = ("SpeculativeConfig(**speculative)" if isinstance(speculative, dict)
-           else f"SpeculativeConfig(draft_tokens={speculative!r})" if isinstance(speculative, int)
+           else f"SpeculativeConfig(draft_tokens={speculative!r})"
+           if isinstance(speculative, int) and not isinstance(speculative, bool)
            else "SpeculativeConfig(draft_tokens=...)")
     raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__} "
                      f"{speculative!r:.60}; build one with {fix}")

@@ -74,7 +74,7 @@ def test_weights_of_another_shape_say_so_in_one_line(tmp_path, hf):
     path = folder(tmp_path, hf)
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
-    refused(path, r"the weights do not fit the shape the config gives \(2 layers, dim 256, .*hidden 128, "
+    refused(path, rf"^{path}: the weights do not fit the shape the config gives \(2 layers, dim 256, .*hidden 128, "
                   r".*size mismatch for layers.0.feed_forward.w13.weight.*; the config does not describe")
 
 
@@ -96,35 +96,61 @@ def test_generate_without_a_tokenizer_says_so(tmp_path, hf, capsys):
                    "model's tokenizer.json to its folder\n")
 
 
-def damaged_gguf(tmp_path, hf, monkeypatch, *, skip_key=None, skip_tensor=None):
-    """``hf`` written as a GGUF without one metadata key writer or one tensor."""
-    if skip_key:
-        monkeypatch.setattr(gguf.GGUFWriter, skip_key, lambda self, *a, **k: None)
-    if skip_tensor:
-        add = gguf.GGUFWriter.add_tensor
-        monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", lambda self, name, *a, **k:
-                            None if name == skip_tensor else add(self, name, *a, **k))
-    path = write_gguf(tmp_path / "m.gguf", hf, "llama")
-    monkeypatch.undo()
-    return path
+def damaged_gguf(tmp_path, hf, *, skip_key=None, skip_tensor=None):
+    """``hf`` written as a GGUF without one metadata key writer or one tensor (patched for the
+    writing only: the test's own settings, the conversion cache's folder, stay)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if skip_key:
+            mp.setattr(gguf.GGUFWriter, skip_key, lambda self, *a, **k: None)
+        if skip_tensor:
+            add = gguf.GGUFWriter.add_tensor
+            mp.setattr(gguf.GGUFWriter, "add_tensor", lambda self, name, *a, **k:
+                       None if name == skip_tensor else add(self, name, *a, **k))
+        return write_gguf(tmp_path / "m.gguf", hf, "llama")
 
 
 @pytest.mark.parametrize("writer, key", [("add_head_count", "llama.attention.head_count"),
                                          ("add_block_count", "llama.block_count")])
-def test_a_gguf_without_a_shape_key_names_the_key(tmp_path, hf, monkeypatch, writer, key):
+def test_a_gguf_without_a_shape_key_names_the_key(tmp_path, hf, writer, key):
     # before: a TypeError from // with None, or "ModelArgs.n_layers must be a positive int, got None"
-    path = damaged_gguf(tmp_path, hf, monkeypatch, skip_key=writer)
-    refused(path, rf"the GGUF lacks the metadata key {key}, which the model's shape needs; the file is "
-                  "incomplete")
+    path = damaged_gguf(tmp_path, hf, skip_key=writer)
+    refused(path, rf"^{path}: the GGUF lacks the metadata key {key}, which the model's shape needs; the file "
+                  "is incomplete")
 
 
-def test_a_gguf_whose_kv_heads_do_not_match_its_tensors(tmp_path, hf, monkeypatch):
+def test_a_gguf_whose_kv_heads_do_not_match_its_tensors(tmp_path, hf):
     # without head_count_kv the KV heads default to the 4 query heads; the weights hold 2
-    path = damaged_gguf(tmp_path, hf, monkeypatch, skip_key="add_head_count_kv")
-    refused(path, r"blk.0.attn_k.weight has 128 rows, but the metadata give 4 KV heads "
+    path = damaged_gguf(tmp_path, hf, skip_key="add_head_count_kv")
+    refused(path, rf"^{path}: blk.0.attn_k.weight has 128 rows, but the metadata give 4 KV heads "
                   r"\(llama.attention.head_count_kv\) of 64 channels = 256")
 
 
-def test_a_gguf_without_a_tensor_names_it(tmp_path, hf, monkeypatch):
-    path = damaged_gguf(tmp_path, hf, monkeypatch, skip_tensor="blk.1.ffn_gate.weight")
-    refused(path, r"the GGUF lacks 1 of the 21 tensors a 2-layer model needs: blk.1.ffn_gate.weight")
+def test_a_gguf_without_a_tensor_names_it(tmp_path, hf):
+    path = damaged_gguf(tmp_path, hf, skip_tensor="blk.1.ffn_gate.weight")
+    refused(path, rf"^{path}: the GGUF lacks 1 of the 21 tensors a 2-layer model needs: blk.1.ffn_gate.weight; "
+                  "the file is incomplete or its block count wrong: download or convert it again$")
+
+
+@pytest.mark.parametrize("name, text, problem", [
+    ("tokenizer_config.json", "{not json", "is not valid JSON text"),
+    ("tokenizer_config.json", "[1, 2]", "holds a JSON list, not an object"),
+    ("generation_config.json", "", "is not valid JSON text"),
+])
+def test_a_damaged_tokenizer_side_file_is_named(tmp_path, hf, name, text, problem):
+    from test_loading import VOCAB
+    from tokenizers import Tokenizer, models
+
+    path = folder(tmp_path, hf)
+    Tokenizer(models.BPE({t: i for i, t in enumerate(VOCAB)}, [])).save(str(path / "tokenizer.json"))
+    (path / name).write_text(text)  # before: "Expecting value ..." naming no file, or tokenizer.json blamed
+    refused(path, rf"{path / name} {problem}")
+
+
+def test_generate_with_a_gguf_without_a_tokenizer_gives_the_gguf_fix(tmp_path, hf, capsys):
+    # before: "add the model's tokenizer.json to its folder", which a GGUF never reads
+    path = write_gguf(tmp_path / "m.gguf", hf, "llama", vocab=False)
+    assert cli.main(["generate", "Hi", "--model", str(path), "--device", "cpu", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvtier: error: {path} has no tokenizer") and err.endswith(
+        "kvtier generate needs one to read text: use a GGUF that carries its tokenizer (llama.cpp's "
+        "converter writes it)\n")

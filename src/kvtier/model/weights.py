@@ -88,7 +88,7 @@ def rename(name: str, table: dict[str, str], layer_table: dict[str, str], patter
 
 
 def check_complete(tensors: Mapping[str, torch.Tensor], args: ModelArgs, source: Callable[[str], str],
-                   where: str) -> None:
+                   where: str, fix: str) -> None:
     """Refuse (``ValueError``) a checkpoint that lacks a tensor ``args`` need, naming it as the
     checkpoint names it (``source``) and ``where`` it was read from."""
     need = ["tok_embeddings.weight", "norm.weight"] + ([] if args.tie_embeddings else ["output.weight"])
@@ -101,8 +101,7 @@ def check_complete(tensors: Mapping[str, torch.Tensor], args: ModelArgs, source:
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise ValueError(f"{where} lacks {len(missing)} of the {len(need)} tensors a {args.n_layers}-layer "
-                         f"model needs: {shown}; a shard is missing or the config does not describe "
-                         "these weights: download the model again")
+                         f"model needs: {shown}; {fix}")
 
 
 def source_name(ours: str, table: dict[str, str], layer_table: dict[str, str], layer_format: str) -> str:
@@ -256,7 +255,7 @@ def read_gguf(reader, progress: Callable[[Iterable], Iterable] = iter
             w = unpermute_qk(w, args.n_kv_heads)
         tensors[rename(t.name, _GGUF_NAMES, _GGUF_LAYER_NAMES, _GGUF_LAYER)] = w
     check_complete(tensors, args, lambda n: source_name(n, _GGUF_NAMES, _GGUF_LAYER_NAMES, "blk.{}.{}.{}"),
-                   "the GGUF")
+                   "the GGUF", "the file is incomplete or its block count wrong: download or convert it again")
     return args, fuse(tensors, args)
 
 
@@ -362,7 +361,8 @@ def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
                 continue  # recomputed from the config
             tensors[rename(name, _HF_NAMES, _HF_LAYER_NAMES, _HF_LAYER)] = t
     check_complete(tensors, args, lambda n: source_name(n, _HF_NAMES, _HF_LAYER_NAMES, "model.layers.{}.{}.{}"),
-                   str(path))
+                   str(path), "a shard is missing or the config does not describe these weights: download "
+                   "the model again")
     return args, fuse(tensors, args)
 
 
