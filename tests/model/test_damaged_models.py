@@ -75,7 +75,8 @@ def test_weights_of_another_shape_say_so_in_one_line(tmp_path, hf):
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
     refused(path, rf"^{path}: the weights do not fit the shape the config gives \(2 layers, dim 256, .*hidden 128, "
-                  r".*size mismatch for layers.0.feed_forward.w13.weight.*; the config does not describe")
+                  r".*size mismatch for layers.0.feed_forward.w13.weight \(layer 0's gate/up projections, "
+                  r"fused\).*; the config does not describe")
 
 
 def test_a_tokenizer_that_is_not_json_is_named(tmp_path, hf):

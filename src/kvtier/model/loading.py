@@ -27,6 +27,7 @@ import importlib.util
 import json
 import mmap
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -151,7 +152,7 @@ def build_model(args: ModelArgs, state: dict[str, torch.Tensor], *, dtype: torch
     try:
         model.load_state_dict(moved, strict=True, assign=True)
     except RuntimeError as e:  # torch's message: a header line, then one line per tensor
-        lines = [ln.strip()[:240] for ln in str(e).splitlines() if ln.strip()]  # (a key list: long)
+        lines = [_plain_names(ln.strip()[:240]) for ln in str(e).splitlines() if ln.strip()]  # (key lists: long)
         shown = "; ".join(lines[1:4]) + (f"; and {len(lines) - 4} more" if len(lines) > 4 else "")
         raise ValueError(f"the weights do not fit the shape the config gives ({args.n_layers} layers, dim "
                          f"{args.dim}, {args.n_heads} heads, {args.n_kv_heads} KV heads, head dim {args.head_dim}, "
@@ -161,6 +162,17 @@ def build_model(args: ModelArgs, state: dict[str, torch.Tensor], *, dtype: torch
     model.tie_weights()
     model.rope.reset(device)
     return model.eval()
+
+
+#: the fused tensors, as a checkpoint's reader knows them
+_FUSED = {"attention.wqkv": "q/k/v projections", "feed_forward.w13": "gate/up projections"}
+
+
+def _plain_names(line: str) -> str:
+    """torch's ``layers.3.attention.wqkv.weight`` as ``layers.3.attention.wqkv.weight (layer 3's
+    q/k/v projections, fused)``: the checkpoint holds those under other names."""
+    return re.sub(r"layers\.(\d+)\.(attention\.wqkv|feed_forward\.w13)\.(weight|bias)",
+                  lambda m: f"{m.group(0)} (layer {m.group(1)}'s {_FUSED[m.group(2)]}, fused)", line)
 
 
 def _read_tokenizer(folder: Path) -> Tokenizer:
