@@ -10,12 +10,12 @@ equivalent ``LlamaConfig`` and holds views of the very same tensors):
   the ragged tier from a CUDA graph; HF ``generate`` with its default DynamicCache
   and with ``cache_implementation="static"`` (which ``generate`` compiles). Roofline:
   the copy bandwidth measured in this run over the weight bytes one token reads.
-- batch ``--big-batch`` (64; fewer, a multiple of 8 where 8 fit, where the caches would not fit in
-  85% of the free device memory, with a note in the row) at ``--big-context`` (8192)
-  tokens per row: the paged caches are filled with random keys and values (a decode
-  step's cost does not
-  depend on their values; a real prefill of 512k tokens would take most of the time
-  budget), then ``--big-steps`` decode steps, eagerly and from a CUDA graph.
+- batch ``--big-batch`` (64) at ``--big-context`` (8192) tokens per row (fewer rows,
+  a multiple of 8 where 8 fit, when their caches would take more than 85% of the free
+  device memory; the row's note says so): the paged caches are filled with random keys
+  and values (a decode step's cost does not depend on their values; a real prefill
+  of 512k tokens would take most of the time budget), then ``--big-steps`` decode
+  steps, eagerly and from a CUDA graph.
   Aggregate tokens/s against a roofline that counts the weights and every row's
   keys and values read per step.
 
@@ -318,7 +318,7 @@ def big_batch(model, args, bandwidth: float, weights: int, kv_token: int) -> lis
             with torch.inference_mode():
                 for c in caches:  # back to the filled context for the next run
                     c.trim(c.size() - (ctx - 1))
-        note = "; ".join(dict.fromkeys([fit_note, *notes] if fit_note else notes))
+        note = "; ".join(dict.fromkeys(n for n in (fit_note, *notes) if n))
         if graph and not caches[0].frozen:
             note = ("not captured; " + note).strip("; ")
         out.append(Result(name, B, ctx, n, first, B * (n - 1) / rest, roof, tokens, note))

@@ -312,13 +312,13 @@ class DepthPolicy:
         source = "measured" if self.timings else "estimated"
         timed = 1 in self.verify_s or self.timings  # its verification, or its drafts
         cycle = f"{self.cycle_cost(1):.2f} ({'measured' if timed else 'estimated'})"
-        if self.hopeless() and self.draft_cost < 0.05:  # drafting is next to free: the forwards cost
-            return (f"a draft costs {self.draft_cost:.2f} target forwards ({source}) but a cycle with one "
-                    f"{cycle}: verification forwards cost more than the tokens they can add at a depth of "
-                    f"at most {self.max_k} (a larger --draft-tokens, or --fixed-depth, may pay)")
         if self.hopeless():
-            return (f"a draft costs {self.draft_cost:.2f} target forwards ({source}) and a cycle "
-                    f"with one {cycle}: no depth beats plain decoding even if every "
+            draft = f"a draft costs {self.draft_cost:.2f} target forwards ({source})"
+            if self.draft_cost < 0.05:  # drafting is next to free: the verification forwards cost
+                return (f"{draft} but a cycle with one {cycle}: verification forwards cost more than the "
+                        f"tokens they can add at a depth of at most {self.max_k} (a larger --draft-tokens, "
+                        "or --fixed-depth, may pay)")
+            return (f"{draft} and a cycle with one {cycle}: no depth beats plain decoding even if every "
                     "draft is accepted (a cheaper drafter would: ngram, early-exit:N, a smaller model)")
         worst = min(self.alpha(r) for r in rows)
         return (f"drafts are accepted {worst:.0%} of the time, too seldom to pay for what a cycle "

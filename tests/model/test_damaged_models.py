@@ -26,9 +26,13 @@ def hf():
     return hf_tiny("llama")
 
 
-def folder(tmp_path, hf, name="model"):
+def folder(tmp_path, hf, name="model", **config):
+    """``hf`` saved as a Hugging Face folder, its config.json's keys ``config`` changed."""
     path = tmp_path / name
     hf.save_pretrained(path)
+    if config:
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, **config}))
     return path
 
 
@@ -62,18 +66,14 @@ def test_a_missing_tensor_is_named_as_the_checkpoint_names_it(tmp_path, hf):
 
 
 def test_a_config_with_more_layers_than_the_weights_is_refused(tmp_path, hf):
-    path = folder(tmp_path, hf)
-    cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    path = folder(tmp_path, hf, num_hidden_layers=3)
     refused(path, r"lacks 9 of the 30 tensors a 3-layer model needs: model.layers.2.input_layernorm.weight, "
                   r"model.layers.2.post_attention_layernorm.weight, model.layers.2.self_attn.q_proj.weight "
                   r"and 6 more")
 
 
 def test_weights_of_another_shape_say_so_in_one_line(tmp_path, hf):
-    path = folder(tmp_path, hf)
-    cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    path = folder(tmp_path, hf, intermediate_size=128)
     refused(path, rf"^{path}: the weights do not fit the shape the config gives \(2 layers, dim 256, .*hidden 128, "
                   r".*size mismatch for layers.0.feed_forward.w13.weight \(layer 0's gate/up projections, "
                   r"fused\).*; the config does not describe")

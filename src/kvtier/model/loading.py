@@ -118,7 +118,8 @@ def load_model(
     from_cache, folder = False, None
     if source.is_dir():
         args, state = read_hf_dir(source)
-        tokenizer = (_read_tokenizer(source) if (source / "tokenizer.json").is_file() else None)
+        tokenizer = (Tokenizer.from_pretrained_dir(source)
+                     if (source / "tokenizer.json").is_file() else None)
     else:
         folder = conversion_cache_dir(source)
         cached = read_conversion_cache(folder)
@@ -173,16 +174,6 @@ def _plain_names(line: str) -> str:
     q/k/v projections, fused)``: the checkpoint holds those under other names."""
     return re.sub(r"layers\.(\d+)\.(attention\.wqkv|feed_forward\.w13)\.(weight|bias)",
                   lambda m: f"{m.group(0)} (layer {m.group(1)}'s {_FUSED[m.group(2)]}, fused)", line)
-
-
-def _read_tokenizer(folder: Path) -> Tokenizer:
-    try:
-        return Tokenizer.from_pretrained_dir(folder)
-    except (OSError, ValueError):
-        raise
-    except Exception as e:  # the tokenizers library raises its own plain Exception
-        raise ValueError(f"{folder / 'tokenizer.json'} cannot be read as a tokenizer ({e}); download the "
-                         "model's tokenizer.json again") from None
 
 
 def _pack(model: Transformer, folder: Path | None) -> dict:

@@ -268,7 +268,11 @@ class Tokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise FileNotFoundError(f"{tj} not found; a Hugging Face folder needs tokenizer.json")
-        backend = Backend.from_file(str(tj))
+        try:
+            backend = Backend.from_file(str(tj))
+        except Exception as e:  # the tokenizers library raises its own plain Exception
+            raise ValueError(f"{tj} cannot be read as a tokenizer ({e}); download the model's "
+                             "tokenizer.json again") from None
         cfg = _read_json(path / "tokenizer_config.json")
         gen = _read_json(path / "generation_config.json")
         model_cfg = _read_json(path / "config.json")

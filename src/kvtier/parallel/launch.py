@@ -190,8 +190,10 @@ def _failure(reports: list[_Report], e: ProcessException, world_size: int, proce
               and p.exitcode != -signal.SIGTERM]
     if killed:
         rank, code = killed[0]
-        lost = failed[0].message.splitlines()[0] if failed else ""
-        then = f" (then rank {failed[0].rank}: {lost[:200]}{'...' if len(lost) > 200 else ''})" if failed else ""
+        then = ""
+        if failed:  # the survivor's broken connection (gloo's message runs long)
+            lost = failed[0].message.splitlines()[0]
+            then = f" (then rank {failed[0].rank}: {lost[:200]}{'...' * (len(lost) > 200)})"
         return TensorParallelError(f"rank {rank} of {world_size} died (signal {_signal_name(-code)}); "
                                    f"the other ranks were stopped{then}")
     if not failed:  # killed by a signal or os._exit: nothing was reported

@@ -113,6 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
     model = getattr(args, "model", None)
     if hasattr(args, "tensor_parallel"):
         return _run_sharded(args, engine_config, server_config, model, dtype, threads)
+    from kvtier.cli_run import tokenizer_of
     from kvtier.model import load_model
     from kvtier.serve.engine import LLMEngine
 
@@ -123,9 +124,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # float32 weights: the packed block codes (kvtier.model.packed) win for a few decode rows but
     # dequantise every weight on each forward of a batch or a prefill chunk, which serving is made of
     lm = load_model(model, progress=sys.stderr.isatty(), dtype=dtype, pack=False, **kw)
-    if lm.tokenizer is None:
-        raise ValueError(f"{lm.source} has no tokenizer (tokenizer.json); the server needs one")
-    engine = LLMEngine(lm.model, lm.tokenizer, engine_config)
+    engine = LLMEngine(lm.model, tokenizer_of(lm, "kvtier serve"), engine_config)
     return serve_http(engine, served_name(lm.source), server_config, args.log_level, sock=sock)
 
 
