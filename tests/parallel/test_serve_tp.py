@@ -10,6 +10,7 @@ is bounded in time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -54,11 +55,12 @@ def tiny(tmp_path_factory, lm) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    """``(base URL, launcher process, log path)`` of a running two-rank ``kvtier serve``."""
+@contextlib.contextmanager
+def running_server(tiny: Path, folder: Path):
+    """``(base URL, launcher process, log path)`` of a running two-rank ``kvtier serve``; every
+    process it started is gone when the block ends."""
     port = free_port()
-    log = Path(tmp_path_factory.mktemp("serve-tp")) / "serve.log"
+    log = folder / "serve.log"
     cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--model", str(tiny), "--tensor-parallel", "2",
            "--device", "cpu", "--port", str(port), "--threads", "1", "--num-blocks", "64",
            "--block-size", "8", "--max-num-seqs", "4", "--max-batched-tokens", "16", "--warmup"]
@@ -66,14 +68,23 @@ def server(tiny, tmp_path_factory):
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
+    workers = []
     try:
         wait_until_serving(proc, url, log, START_S)
+        workers = psutil.Process(proc.pid).children(recursive=True)
         yield url, proc, log
     finally:
-        for p in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else ():
-            p.kill()  # only if a test failed before stopping it
+        for p in workers:
+            if p.is_running():
+                p.kill()  # only if a test failed before its workers stopped
         proc.kill()
         proc.wait(timeout=STOP_S)
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    with running_server(tiny, Path(tmp_path_factory.mktemp("serve-tp"))) as s:
+        yield s
 
 
 def reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -133,3 +144,36 @@ def test_two_ranks_serve_the_greedy_tokens_of_one_process_then_stop(server, tiny
     text = log.read_text()
     assert "Traceback" not in text and "tensor parallel over 2 ranks" in text, text
     assert "warmed up: 7 made-up requests" in text, text  # its steps were broadcast to rank 1 too
+
+
+def test_rank0_takes_repeated_stop_signals_as_one_graceful_stop(tiny, tmp_path) -> None:
+    """The launcher's death reaches rank 0 as one SIGINT for each of its threads that exits
+    (the parent-death signal), and a Ctrl-C as the terminal's SIGINT beside the launcher's
+    SIGTERM: rank 0 stops once, gracefully, without uvicorn's forced exit and the traceback of
+    its cancelled lifespan task; the follower and the launcher then exit cleanly."""
+    with running_server(tiny, tmp_path) as (url, proc, log):
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "multiprocessing" in " ".join(p.cmdline())]
+        port = int(url.rsplit(":", 1)[1])
+        rank0 = [p for p in ranks if any(c.laddr and c.laddr.port == port for c in p.net_connections())]
+        assert len(ranks) >= 2 and len(rank0) == 1
+        for _ in range(3):
+            rank0[0].send_signal(signal.SIGINT)
+        assert proc.wait(timeout=STOP_S) == 0, log.read_text()
+        gone, alive = psutil.wait_procs(ranks, timeout=STOP_S)
+        assert not alive, [p.pid for p in alive]
+        text = log.read_text()
+        assert "tensor parallel over 2 ranks" in text and "Traceback" not in text, text
+
+
+def test_the_ranks_stop_quietly_when_the_launcher_is_killed(tiny, tmp_path) -> None:
+    """SIGKILL to the launcher: every rank exits, without a traceback."""
+    with running_server(tiny, tmp_path) as (url, proc, log):
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "multiprocessing" in " ".join(p.cmdline())]
+        assert len(ranks) >= 2
+        proc.kill()
+        gone, alive = psutil.wait_procs(ranks, timeout=STOP_S)
+        assert not alive, [p.pid for p in alive]
+        text = log.read_text()
+        assert "tensor parallel over 2 ranks" in text and "Traceback" not in text, text

@@ -170,9 +170,9 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
     app = build_app(async_engine, engine.tokenizer, name, server_config)
     freeze_startup_heap()  # no full collection of the start-up heap between two steps later
     timeout = server_config.shutdown_timeout_s  # uvicorn's own cut: a backstop, 5 s after ours
-    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                                           log_level=log_level,
-                                           timeout_graceful_shutdown=None if timeout is None else timeout + 5))
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=log_level,
+                            timeout_graceful_shutdown=None if timeout is None else timeout + 5)
+    server = uvicorn.Server(config) if ranks == 1 else _rank0_server(config)
     if sock is None:  # bound before the banner says so
         sock = _listen(server_config.host, server_config.port)
     s = engine.stats()
@@ -196,6 +196,21 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
         raise ValueError(f"the server could not start on {server_config.host}:{server_config.port} "
                          "(the error is above); choose another --port or --host")
     return 0
+
+
+def _rank0_server(config):
+    """uvicorn's server for rank 0 of a tensor-parallel group, where every stop signal is one
+    graceful stop. uvicorn forces its exit at a second SIGINT (its lifespan task then cancelled,
+    logged as a traceback), but here one stop comes as two signals: the launcher's death as two
+    SIGINTs, a Ctrl-C as the terminal's SIGINT and the launcher's SIGTERM. A second Ctrl-C
+    reaches the launcher, which kills the ranks (:func:`_forward_stop_signals`)."""
+    import uvicorn
+
+    class Rank0Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            self.should_exit = True
+
+    return Rank0Server(config)
 
 
 def _listen(host: str, port: int) -> socket.socket:
