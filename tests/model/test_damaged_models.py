@@ -11,6 +11,9 @@ from test_loading import hf_tiny, write_gguf
 
 from kvtier import cli
 from kvtier.model import load_model
+from kvtier.model.architectures import get_args
+from kvtier.model.llama import Transformer
+from kvtier.model.weights import expected_shapes
 
 gguf = pytest.importorskip("gguf")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -72,11 +75,43 @@ def test_a_config_with_more_layers_than_the_weights_is_refused(tmp_path, hf):
                   r"and 6 more")
 
 
-def test_weights_of_another_shape_say_so_in_one_line(tmp_path, hf):
-    path = folder(tmp_path, hf, intermediate_size=128)
-    refused(path, rf"^{path}: the weights do not fit the shape the config gives \(2 layers, dim 256, .*hidden 128, "
-                  r".*size mismatch for layers.0.feed_forward.w13.weight \(layer 0's gate/up projections, "
-                  r"fused\).*; the config does not describe")
+def test_weights_of_another_shape_are_named_as_the_checkpoint_names_them(tmp_path, hf):
+    path = folder(tmp_path, hf, intermediate_size=128)  # before: torch's names of the fused tensors
+    refused(path, rf"^{path} holds 6 tensor\(s\) whose shape \(as \[rows, columns\]\) is not the one the "
+                  r"config gives \(2 layers, dim 256, .*hidden 128, .*\): "
+                  r"model.layers.0.mlp.down_proj.weight is \[256, 256\], not \[256, 128\]; "
+                  r"model.layers.0.mlp.gate_proj.weight is \[256, 256\], not \[128, 256\]; "
+                  r"model.layers.0.mlp.up_proj.weight is \[256, 256\], not \[128, 256\]; and 3 more; "
+                  r"the config does not describe")
+
+
+def test_a_damaged_tensor_is_named_before_it_is_fused(tmp_path, hf):
+    path = folder(tmp_path, hf)
+    weights = path / "model.safetensors"
+    state = safetensors_torch.load_file(str(weights))
+    k = state["model.layers.1.self_attn.k_proj.weight"]
+    state["model.layers.1.self_attn.k_proj.weight"] = k[:, :-1].contiguous()  # before: torch.cat's RuntimeError
+    safetensors_torch.save_file(state, str(weights), metadata={"format": "pt"})
+    refused(path, rf"^{path} holds 1 tensor\(s\) .*: model.layers.1.self_attn.k_proj.weight is "
+                  rf"\[{k.shape[0]}, {k.shape[1] - 1}\], not \[{k.shape[0]}, {k.shape[1]}\]; the config")
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3",
+                                  "smollm2-135m"])
+def test_the_expected_shapes_are_the_models_own(name):
+    """``expected_shapes`` (unfused) against the state dict of the model itself (fused)."""
+    want = expected_shapes(get_args(name, n_layers=2))
+    got = {k: tuple(v.shape) for k, v in Transformer(get_args(name, n_layers=2), device="meta").state_dict().items()}
+    assert got  # fused: wq/wk/wv rows and w1/w3 rows stacked
+    for k, shape in got.items():
+        if k.endswith(("wqkv.weight", "wqkv.bias")):
+            parts = [want[k.replace("wqkv", w)] for w in ("wq", "wk", "wv")]
+            assert shape == (sum(p[0] for p in parts), *parts[0][1:]), k
+        elif k.endswith("w13.weight"):
+            w1, w3 = want[k.replace("w13", "w1")], want[k.replace("w13", "w3")]
+            assert shape == (w1[0] + w3[0], w1[1]), k
+        else:
+            assert shape == want[k], k
 
 
 def test_a_tokenizer_that_is_not_json_is_named(tmp_path, hf):

@@ -41,7 +41,14 @@ from kvtier.config import user_cache_dir
 from kvtier.model.llama import ModelArgs, Transformer
 from kvtier.model.packed import pack_model, packed_state
 from kvtier.model.tokenizer import Tokenizer
-from kvtier.model.weights import gguf_args, hf_dir_args, read_gguf, read_hf_dir
+from kvtier.model.weights import (
+    SHAPE_FIX,
+    gguf_args,
+    hf_dir_args,
+    read_gguf,
+    read_hf_dir,
+    shape_summary,
+)
 
 #: bump when the converted layout changes; old cache entries are then ignored (2: conversion
 #: refuses GGUFs that lack a tensor or whose metadata contradict their tensors, which version 1
@@ -165,11 +172,8 @@ def build_model(args: ModelArgs, state: dict[str, torch.Tensor], *, dtype: torch
     except RuntimeError as e:  # torch's message: a header line, then one line per tensor
         lines = [_plain_names(ln.strip()[:240]) for ln in str(e).splitlines() if ln.strip()]  # (key lists: long)
         shown = "; ".join(lines[1:4]) + (f"; and {len(lines) - 4} more" if len(lines) > 4 else "")
-        raise ValueError(f"the weights do not fit the shape the config gives ({args.n_layers} layers, dim "
-                         f"{args.dim}, {args.n_heads} heads, {args.n_kv_heads} KV heads, head dim {args.head_dim}, "
-                         f"hidden {args.hidden_dim}, vocabulary {args.vocab_size}): {shown or lines[0]}; the "
-                         "config does not describe these weights (use the config.json they came with), or a tensor is "
-                         "damaged (download the model again)") from None
+        raise ValueError(f"the weights do not fit the shape the config gives ({shape_summary(args)}): "
+                         f"{shown or lines[0]}; {SHAPE_FIX}") from None
     model.tie_weights()
     model.rope.reset(device)
     return model.eval()

@@ -104,6 +104,47 @@ def check_complete(tensors: Mapping[str, torch.Tensor], args: ModelArgs, source:
                          f"model needs: {shown}; {fix}")
 
 
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape as ``args`` give it, by our unfused names (torch's ``[out, in]``)."""
+    D, hd, H = args.dim, args.head_dim, args.hidden_dim
+    q, kv = args.n_heads * hd, args.n_kv_heads * hd
+    per_layer = {"attention_norm.weight": (D,), "ffn_norm.weight": (D,), "attention.wq.weight": (q, D),
+                 "attention.wk.weight": (kv, D), "attention.wv.weight": (kv, D), "attention.wo.weight": (D, q),
+                 "attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,),
+                 "attention.q_norm.weight": (hd,), "attention.k_norm.weight": (hd,),
+                 "feed_forward.w1.weight": (H, D), "feed_forward.w3.weight": (H, D),
+                 "feed_forward.w2.weight": (D, H)}
+    shapes = {"tok_embeddings.weight": (args.vocab_size, D), "norm.weight": (D,),
+              "output.weight": (args.vocab_size, D)}
+    shapes.update({f"layers.{i}.{n}": s for i in range(args.n_layers) for n, s in per_layer.items()})
+    return shapes
+
+
+def check_shapes(tensors: Mapping[str, torch.Tensor], args: ModelArgs, source: Callable[[str], str],
+                 where: str) -> None:
+    """Refuse (``ValueError``) a tensor whose shape is not the one ``args`` give it, naming it as
+    the checkpoint names it (``source``), before any is fused: the config and the weights
+    disagree, or a tensor is damaged."""
+    want = expected_shapes(args)
+    wrong = [f"{source(n)} is {list(t.shape)}, not {list(want[n])}" for n, t in tensors.items()
+             if n in want and tuple(t.shape) != want[n]]
+    if wrong:
+        shown = "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+        raise ValueError(f"{where} holds {len(wrong)} tensor(s) whose shape (as [rows, columns]) is not the "
+                         f"one the config gives ({shape_summary(args)}): {shown}; {SHAPE_FIX}")
+
+
+def shape_summary(args: ModelArgs) -> str:
+    """The shape ``args`` give, in words, for errors."""
+    return (f"{args.n_layers} layers, dim {args.dim}, {args.n_heads} heads, {args.n_kv_heads} KV heads, "
+            f"head dim {args.head_dim}, hidden {args.hidden_dim}, vocabulary {args.vocab_size}")
+
+
+#: what to do about weights that do not fit their config
+SHAPE_FIX = ("the config does not describe these weights (use the config.json they came with), or a tensor is "
+             "damaged (download the model again)")
+
+
 def source_name(ours: str, table: dict[str, str], layer_table: dict[str, str], layer_format: str) -> str:
     """The checkpoint's name for one of ours (the inverse of :func:`rename`)."""
     for theirs, mine in table.items():
@@ -256,6 +297,8 @@ def read_gguf(reader, progress: Callable[[Iterable], Iterable] = iter
         tensors[rename(t.name, _GGUF_NAMES, _GGUF_LAYER_NAMES, _GGUF_LAYER)] = w
     check_complete(tensors, args, lambda n: source_name(n, _GGUF_NAMES, _GGUF_LAYER_NAMES, "blk.{}.{}.{}"),
                    "the GGUF", "the file is incomplete or its block count wrong: download or convert it again")
+    check_shapes(tensors, args, lambda n: source_name(n, _GGUF_NAMES, _GGUF_LAYER_NAMES, "blk.{}.{}.{}"),
+                 "the GGUF")
     return args, fuse(tensors, args)
 
 
@@ -363,6 +406,8 @@ def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     check_complete(tensors, args, lambda n: source_name(n, _HF_NAMES, _HF_LAYER_NAMES, "model.layers.{}.{}.{}"),
                    str(path), "a shard is missing or the config does not describe these weights: download "
                    "the model again")
+    check_shapes(tensors, args, lambda n: source_name(n, _HF_NAMES, _HF_LAYER_NAMES, "model.layers.{}.{}.{}"),
+                 str(path))
     return args, fuse(tensors, args)
 
 
