@@ -126,6 +126,8 @@ def check_shapes(tensors: Mapping[str, torch.Tensor], args: ModelArgs, source: C
     the checkpoint names it (``source``), before any is fused: the config and the weights
     disagree, or a tensor is damaged."""
     want = expected_shapes(args)
+    if args.tie_embeddings:
+        del want["output.weight"]  # the embedding's, whatever the checkpoint holds
     wrong = [f"{source(n)} is {list(t.shape)}, not {list(want[n])}" for n, t in tensors.items()
              if n in want and tuple(t.shape) != want[n]]
     if wrong:

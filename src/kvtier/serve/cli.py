@@ -201,9 +201,10 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
 def _rank0_server(config):
     """uvicorn's server for rank 0 of a tensor-parallel group, where every stop signal is one
     graceful stop. uvicorn forces its exit at a second SIGINT (its lifespan task then cancelled,
-    logged as a traceback), but here one stop comes as two signals: the launcher's death as two
-    SIGINTs, a Ctrl-C as the terminal's SIGINT and the launcher's SIGTERM. A second Ctrl-C
-    reaches the launcher, which kills the ranks (:func:`_forward_stop_signals`)."""
+    logged as a traceback), but here one stop comes as several signals: the launcher's death as
+    one SIGINT for each of its threads, a Ctrl-C as the terminal's SIGINT and the launcher's
+    SIGTERM. A second Ctrl-C reaches the launcher, which kills the ranks
+    (:func:`_forward_stop_signals`)."""
     import uvicorn
 
     class Rank0Server(uvicorn.Server):
