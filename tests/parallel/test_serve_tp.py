@@ -87,6 +87,12 @@ def server(tiny, tmp_path_factory):
         yield s
 
 
+def ranks_of(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The launcher's spawned ranks (not its other children, such as the resource tracker)."""
+    return [p for p in psutil.Process(launcher.pid).children(recursive=True)
+            if "spawn_main" in " ".join(p.cmdline())]
+
+
 def reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy tokens of each prompt alone, one process, the tiny model's own tier-default caches."""
     lm = load_model(model_dir, device="cpu", dtype=torch.float32, progress=False)
@@ -136,7 +142,7 @@ def test_two_ranks_serve_the_greedy_tokens_of_one_process_then_stop(server, tiny
 
     # stopped by the launcher's pid: rank 0 stops its server, then rank 1; nothing is left behind
     workers = psutil.Process(proc.pid).children(recursive=True)
-    assert len([p for p in workers if "multiprocessing" in " ".join(p.cmdline())]) >= 2
+    assert len(ranks_of(proc)) == 2
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=STOP_S) == 0, log.read_text()
     gone, alive = psutil.wait_procs(workers, timeout=STOP_S)
@@ -152,11 +158,10 @@ def test_rank0_takes_repeated_stop_signals_as_one_graceful_stop(tiny, tmp_path) 
     SIGTERM: rank 0 stops once, gracefully, without uvicorn's forced exit and the traceback of
     its cancelled lifespan task; the follower and the launcher then exit cleanly."""
     with running_server(tiny, tmp_path) as (url, proc, log):
-        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "multiprocessing" in " ".join(p.cmdline())]
+        ranks = ranks_of(proc)
         port = int(url.rsplit(":", 1)[1])
         rank0 = [p for p in ranks if any(c.laddr and c.laddr.port == port for c in p.net_connections())]
-        assert len(ranks) >= 2 and len(rank0) == 1
+        assert len(ranks) == 2 and len(rank0) == 1
         for _ in range(3):
             rank0[0].send_signal(signal.SIGINT)
         assert proc.wait(timeout=STOP_S) == 0, log.read_text()
@@ -169,9 +174,8 @@ def test_rank0_takes_repeated_stop_signals_as_one_graceful_stop(tiny, tmp_path) 
 def test_the_ranks_stop_quietly_when_the_launcher_is_killed(tiny, tmp_path) -> None:
     """SIGKILL to the launcher: every rank exits, without a traceback."""
     with running_server(tiny, tmp_path) as (url, proc, log):
-        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "multiprocessing" in " ".join(p.cmdline())]
-        assert len(ranks) >= 2
+        ranks = ranks_of(proc)
+        assert len(ranks) == 2
         proc.kill()
         gone, alive = psutil.wait_procs(ranks, timeout=STOP_S)
         assert not alive, [p.pid for p in alive]
