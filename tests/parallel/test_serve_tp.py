@@ -75,7 +75,7 @@ def running_server(tiny: Path, folder: Path):
         yield url, proc, log
     finally:
         for p in workers:
-            if p.is_running():
+            with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()  # only if a test failed before its workers stopped
         proc.kill()
         proc.wait(timeout=STOP_S)
