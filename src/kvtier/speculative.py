@@ -372,10 +372,11 @@ def check_speculative(speculative):
     ``ValueError`` with the fix otherwise."""
     if speculative is None or isinstance(speculative, SpeculativeConfig):
         return speculative
-    fix = ("SpeculativeConfig(**speculative)" if isinstance(speculative, dict)
-           else f"SpeculativeConfig(draft_tokens={speculative!r})"
-           if isinstance(speculative, int) and not isinstance(speculative, bool)
-           else "SpeculativeConfig(draft_tokens=...)")
+    fix = "SpeculativeConfig(draft_tokens=...)"
+    if isinstance(speculative, dict):
+        fix = "SpeculativeConfig(**speculative)"
+    elif isinstance(speculative, int) and not isinstance(speculative, bool):
+        fix = f"SpeculativeConfig(draft_tokens={speculative!r})"
     raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__} "
                      f"{speculative!r:.60}; build one with {fix}")
 

@@ -17,6 +17,7 @@ gate, ``w3`` up, ``w2`` down), then :func:`fuse` concatenates Q/K/V into
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -87,16 +88,39 @@ def rename(name: str, table: dict[str, str], layer_table: dict[str, str], patter
     )
 
 
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model ``args`` describe, with its shape, by our unfused names (torch's
+    ``[out, in]``): q/k/v biases only with ``qkv_bias``, q/k norms only with ``qk_norm``."""
+    D, hd, H = args.dim, args.head_dim, args.hidden_dim
+    q, kv = args.n_heads * hd, args.n_kv_heads * hd
+    per_layer = {"attention_norm.weight": (D,), "ffn_norm.weight": (D,), "attention.wq.weight": (q, D),
+                 "attention.wk.weight": (kv, D), "attention.wv.weight": (kv, D), "attention.wo.weight": (D, q),
+                 "feed_forward.w1.weight": (H, D), "feed_forward.w2.weight": (D, H),
+                 "feed_forward.w3.weight": (H, D)}
+    if args.qk_norm:
+        per_layer.update({"attention.q_norm.weight": (hd,), "attention.k_norm.weight": (hd,)})
+    if args.qkv_bias:
+        per_layer.update({"attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
+    shapes = {"tok_embeddings.weight": (args.vocab_size, D), "norm.weight": (D,),
+              "output.weight": (args.vocab_size, D)}
+    shapes.update({f"layers.{i}.{n}": s for i in range(args.n_layers) for n, s in per_layer.items()})
+    return shapes
+
+
+def _checkpoint_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """:func:`expected_shapes` of the tensors a checkpoint holds (a tied model's output is its
+    embedding, whatever the checkpoint holds)."""
+    shapes = expected_shapes(args)
+    if args.tie_embeddings:
+        del shapes["output.weight"]
+    return shapes
+
+
 def check_complete(tensors: Mapping[str, torch.Tensor], args: ModelArgs, source: Callable[[str], str],
                    where: str, fix: str) -> None:
-    """Refuse (``ValueError``) a checkpoint that lacks a tensor ``args`` need, naming it as the
-    checkpoint names it (``source``) and ``where`` it was read from."""
-    need = ["tok_embeddings.weight", "norm.weight"] + ([] if args.tie_embeddings else ["output.weight"])
-    per_layer = ["attention_norm", "ffn_norm", "attention.wq", "attention.wk", "attention.wv",
-                 "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
-    if args.qk_norm:
-        per_layer += ["attention.q_norm", "attention.k_norm"]
-    need += [f"layers.{i}.{w}.weight" for i in range(args.n_layers) for w in per_layer]
+    """Refuse (``ValueError``) a checkpoint that lacks a weight ``args`` need (biases may be left
+    out), naming it as the checkpoint names it (``source``) and ``where`` it was read from."""
+    need = [n for n in _checkpoint_shapes(args) if n.endswith(".weight")]
     missing = [source(n) for n in need if n not in tensors]
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -104,30 +128,12 @@ def check_complete(tensors: Mapping[str, torch.Tensor], args: ModelArgs, source:
                          f"model needs: {shown}; {fix}")
 
 
-def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape as ``args`` give it, by our unfused names (torch's ``[out, in]``)."""
-    D, hd, H = args.dim, args.head_dim, args.hidden_dim
-    q, kv = args.n_heads * hd, args.n_kv_heads * hd
-    per_layer = {"attention_norm.weight": (D,), "ffn_norm.weight": (D,), "attention.wq.weight": (q, D),
-                 "attention.wk.weight": (kv, D), "attention.wv.weight": (kv, D), "attention.wo.weight": (D, q),
-                 "attention.wq.bias": (q,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,),
-                 "attention.q_norm.weight": (hd,), "attention.k_norm.weight": (hd,),
-                 "feed_forward.w1.weight": (H, D), "feed_forward.w3.weight": (H, D),
-                 "feed_forward.w2.weight": (D, H)}
-    shapes = {"tok_embeddings.weight": (args.vocab_size, D), "norm.weight": (D,),
-              "output.weight": (args.vocab_size, D)}
-    shapes.update({f"layers.{i}.{n}": s for i in range(args.n_layers) for n, s in per_layer.items()})
-    return shapes
-
-
 def check_shapes(tensors: Mapping[str, torch.Tensor], args: ModelArgs, source: Callable[[str], str],
                  where: str) -> None:
     """Refuse (``ValueError``) a tensor whose shape is not the one ``args`` give it, naming it as
     the checkpoint names it (``source``), before any is fused: the config and the weights
     disagree, or a tensor is damaged."""
-    want = expected_shapes(args)
-    if args.tie_embeddings:
-        del want["output.weight"]  # the embedding's, whatever the checkpoint holds
+    want = _checkpoint_shapes(args)
     wrong = [f"{source(n)} is {list(t.shape)}, not {list(want[n])}" for n, t in tensors.items()
              if n in want and tuple(t.shape) != want[n]]
     if wrong:
@@ -297,10 +303,11 @@ def read_gguf(reader, progress: Callable[[Iterable], Iterable] = iter
         elif args.arch in _PERMUTED_ARCHES and ".attn_k." in t.name:
             w = unpermute_qk(w, args.n_kv_heads)
         tensors[rename(t.name, _GGUF_NAMES, _GGUF_LAYER_NAMES, _GGUF_LAYER)] = w
-    check_complete(tensors, args, lambda n: source_name(n, _GGUF_NAMES, _GGUF_LAYER_NAMES, "blk.{}.{}.{}"),
-                   "the GGUF", "the file is incomplete or its block count wrong: download or convert it again")
-    check_shapes(tensors, args, lambda n: source_name(n, _GGUF_NAMES, _GGUF_LAYER_NAMES, "blk.{}.{}.{}"),
-                 "the GGUF")
+    theirs = functools.partial(source_name, table=_GGUF_NAMES, layer_table=_GGUF_LAYER_NAMES,
+                               layer_format="blk.{}.{}.{}")
+    check_complete(tensors, args, theirs, "the GGUF",
+                   "the file is incomplete or its block count wrong: download or convert it again")
+    check_shapes(tensors, args, theirs, "the GGUF")
     return args, fuse(tensors, args)
 
 
@@ -405,11 +412,11 @@ def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from the config
             tensors[rename(name, _HF_NAMES, _HF_LAYER_NAMES, _HF_LAYER)] = t
-    check_complete(tensors, args, lambda n: source_name(n, _HF_NAMES, _HF_LAYER_NAMES, "model.layers.{}.{}.{}"),
-                   str(path), "a shard is missing or the config does not describe these weights: download "
-                   "the model again")
-    check_shapes(tensors, args, lambda n: source_name(n, _HF_NAMES, _HF_LAYER_NAMES, "model.layers.{}.{}.{}"),
-                 str(path))
+    theirs = functools.partial(source_name, table=_HF_NAMES, layer_table=_HF_LAYER_NAMES,
+                               layer_format="model.layers.{}.{}.{}")
+    check_complete(tensors, args, theirs, str(path), "a shard is missing or the config does not describe "
+                   "these weights: download the model again")
+    check_shapes(tensors, args, theirs, str(path))
     return args, fuse(tensors, args)
 
 
