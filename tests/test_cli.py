@@ -290,7 +290,7 @@ def test_info(capsys, monkeypatch):
 
     kernels = load_kernels()
     if kernels is not None:  # the packed products' loops and where the weights went
-        assert out["cpu_products"] == {"lanes": kernels.lanes, "digits": kernels.digits}
+        assert out["cpu_products"] == {"lanes": kernels.lanes, "digits": list(kernels.digits)}
         assert out["packing"]["packed"] == {"q4_1": 120, "q8_0": 1}
         assert out["packing"]["huge_pages"] in (0, out["packing"]["bytes_after"])  # (no bias: all moved)
     out = main_json(capsys, "info", "--tier", "block")

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                 calls = max(3, int(2e8 // nbytes))  # about 200 MB a batch
                 best[fmt, n] = min(best[fmt, n], time_product(kernels, fmt, n, args.k, calls))
     table = Table(title=f"one-row packed products, K {args.k}, {torch.get_num_threads()} CPU threads, "
-                        f"digits {'on' if kernels.digits else 'off'}, {kernels.lanes} lanes")
+                        f"digits {', '.join(kernels.digits) or 'off'}, {kernels.lanes} lanes")
     columns = ["format", "N", "weight MB", "us a call", "GB/s", "of the sum's bandwidth"]
     for col in columns + (["cycles a block and core"] if args.ghz else []):
         table.add_column(col, justify="right")

@@ -470,7 +470,7 @@ def run_info(args: argparse.Namespace) -> int:
         "act_quant": act_quant_of(lm.model),
         # what load_model packed (and placed on huge pages), and which loops the packed products take
         "packing": lm.packing,
-        "cpu_products": None if kernels is None else {"lanes": kernels.lanes, "digits": kernels.digits},
+        "cpu_products": None if kernels is None else {"lanes": kernels.lanes, "digits": list(kernels.digits)},
     }
     if args.json:
         print(json.dumps(out, default=str))

@@ -3,7 +3,8 @@
 The digits against the values they stand for (float32's resolution at each block's largest
 value, the carries of a digit that rounds up past its range), the products against float64 (as
 close as the float32 product of the same weights), every tail of a group of four blocks (Q4_1)
-and of a pair (Q8_0), and which builds take them: AVX512-VNNI ones, and no other.
+and of a pair (Q8_0), and which builds take them: AVX512-VNNI ones both formats, AVX2 ones (without
+AVX-512) Q4_1, and no other.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from kvtier.model.packed import PackedLinear
 VNNI = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 
 
-@pytest.fixture(scope="module")
-def digits(kernels):
-    if not kernels.digits:
-        pytest.skip("this CPU has no AVX512-VNNI: the one-row products stay float32")
+def digits_of(kernels, fmt: str):
+    """``kernels``, or a skip where this build's one-row ``fmt`` products stay float32."""
+    if fmt not in kernels.digits:
+        pytest.skip(f"this build takes no {fmt} digits (Q4_1: AVX512-VNNI or AVX2; Q8_0: AVX512-VNNI)")
     return kernels
 
 
@@ -68,9 +69,9 @@ def q8_awkward_row(K: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("K", [32, 64, 96, 160, 544, 576, 608, 1536])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_the_digits_hold_each_value_to_float32s_resolution_at_its_blocks_largest(digits, fmt, K):
+def test_the_digits_hold_each_value_to_float32s_resolution_at_its_blocks_largest(kernels, fmt, K):
     x = (awkward_row if fmt == "q4_1" else q8_awkward_row)(K, seed=K)
-    back = digits.digits_back(x, fmt)
+    back = digits_of(kernels, fmt).digits_back(x, fmt)
     top = x.abs().reshape(-1, 32).amax(-1).repeat_interleave(32).double()
     err = (back.double() - x.double()).abs()
     # 2^-17 of the first digit's unit (2^-24 of the block's largest), v's rounding, the cast back
@@ -125,16 +126,23 @@ def test_rows_of_tiny_or_huge_values_keep_float32s_precision(kernels, fmt, scale
     x = torch.randn(1, 576, generator=torch.Generator().manual_seed(7)) * scale
     y = PackedLinear.from_linear(lin, fmt, kernels)(x)
     assert_near_exact_product(y, x, w)
-    if kernels.digits and scale >= 1e-37:  # (1e-40s are subnormal: the digits hold them as they are)
+    if fmt in kernels.digits and scale >= 1e-37:  # (1e-40s are subnormal: the digits hold them as they are)
         back = kernels.digits_back(x[0], fmt)
         top = x[0].abs().reshape(-1, 32).amax(-1).repeat_interleave(32).double()
         assert ((back.double() - x[0].double()).abs() <= 2.0 ** -22 * top).all()
 
 
-def test_the_default_build_takes_the_digits_where_the_cpu_has_vnni(kernels):
+def test_the_default_build_takes_the_digits_where_the_cpu_has_vnni_or_avx2(kernels):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 flags")
-    assert kernels.digits == _cpu_has(*VNNI)
+    if _cpu_has(*VNNI):
+        assert kernels.digits == ("q4_1", "q8_0")
+    elif _cpu_has("avx2", "fma", "f16c") and not _cpu_has("avx512f"):
+        assert kernels.digits == ("q4_1",) and kernels.lanes == 8
+    else:
+        assert kernels.digits == ()
+    for fmt in ("q4_1", "q8_0"):  # digits_back answers for exactly the formats named
+        assert (kernels.digits_back(torch.randn(64), fmt) is None) == (fmt not in kernels.digits)
 
 
 def test_a_build_without_vnni_keeps_the_float32_products(kernels):
@@ -146,7 +154,7 @@ def test_a_build_without_vnni_keeps_the_float32_products(kernels):
     if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx512f"):
         pytest.skip("an AVX-512 build")
     plain = PackedKernels(build_library("packed", _C_SOURCE, ("-mno-avx512vnni",)))
-    assert not plain.digits and plain.lanes == 16
+    assert plain.digits == () and plain.lanes == 16
     assert plain.digits_back(torch.randn(64)) is None and plain.digits_back(torch.randn(64), "q8_0") is None
     x = torch.randn(1, 576)
     for fmt, w in (("q4_1", q4_1_weight(33, 576)[0]), ("q8_0", q8_0_weight(33, 576)[0])):
@@ -154,6 +162,28 @@ def test_a_build_without_vnni_keeps_the_float32_products(kernels):
         with torch.no_grad():
             lin.weight.copy_(w)
         assert_near_exact_product(PackedLinear.from_linear(lin, fmt, plain)(x), x, w)
+
+
+def test_an_avx2_build_without_digits_keeps_the_float32_products(kernels):
+    """``KV_NO_DIGITS`` (the switch the benchmarks compare with): the AVX2 float32 loop, and the
+    digits' products within float32 rounding of it and of float64."""
+    from kvtier.kernels.native import build_library
+    from kvtier.model.packed import _C_SOURCE, PackedKernels
+
+    if platform.machine() not in ("x86_64", "AMD64") or kernels.lanes != 8:
+        pytest.skip("an AVX2 build")
+    plain = PackedKernels(build_library("packed", "#define KV_NO_DIGITS 1\n" + _C_SOURCE))
+    assert plain.digits == () and plain.lanes == 8 and plain.digits_back(torch.randn(64)) is None
+    w = q4_1_weight(33, 576)[0]
+    lin = nn.Linear(576, 33, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    x = torch.randn(1, 576)
+    y_float = PackedLinear.from_linear(lin, "q4_1", plain)(x)
+    y_digits = PackedLinear.from_linear(lin, "q4_1", kernels)(x)
+    assert_near_exact_product(y_float, x, w)
+    assert_near_exact_product(y_digits, x, w)
+    torch.testing.assert_close(y_digits, y_float, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])

@@ -1,5 +1,5 @@
 """One row of activations as integer digits for the Q4_1 and Q8_0 products of a decode step
-(AVX512-VNNI).
+(AVX512-VNNI; Q4_1 with AVX2 too).
 
 A decode step multiplies one row ``x`` by each Q4_1 weight, ``w = d * c + m`` per block of 32
 (``c`` a 4-bit code). In float32 that costs, per block and output, the codes turned into
@@ -62,17 +62,23 @@ measured where the codes sit in the L3 cache; in the decode step on the 2-core b
 streams from memory at the box's bandwidth, 0.97-1.02 of the float32 loop's step time. The default
 model's logits against float64 are as above (1.25e-5 rms, 6.0e-5 at most).
 
-Compiled into :mod:`kvtier.model.packed_kernels`' source; without AVX512-VNNI (or AVX512-BW and
--VL) the build keeps the float32 products, and ``PackedKernels.digits`` says which a build took.
+Compiled into :mod:`kvtier.model.packed_kernels`' source. Without AVX512-VNNI (or AVX512-BW and
+-VL) an AVX-512 build keeps the float32 products; a build with AVX2 and no AVX-512 takes the
+Q4_1 digits 256 bits wide (:mod:`kvtier.model.packed_digits_avx2`) and Q8_0's float32 loop.
+``PackedKernels.digits`` names the formats a build takes as digits; ``-DKV_NO_DIGITS`` turns the
+AVX2 digits off (the benchmarks' comparison).
 """
 
 from __future__ import annotations
+
+from kvtier.model import packed_digits_avx2
 
 __all__: list[str] = []
 
 _C_SOURCE = r"""
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define KV_DIGITS 1
+#define KV_DIGITS_Q8 1
 /* v (16 values within +-127) as three base-256 digits d0 + d1 / 256 + d2 / 65536 (__m512i):
    ROUND the rounding of the first two (the Q4_1 digits to nearest, Q8_0's down), the third to
    nearest; a lower digit that reaches TOP (128 when signed, 256 when not) becomes TOP - 256 and
@@ -312,6 +318,7 @@ static inline __attribute__((always_inline)) void q8_0_row_digits(
   if (y1) *y1 = _mm512_reduce_add_ps(acc[1]) * unscale;
 }
 #endif
+""" + packed_digits_avx2._C_SOURCE + r"""
 
 /* One row x [K] of a decode step prepared for q4_1_task: with KV_DIGITS its digits, and NULL
    digits (the float32 products) otherwise, into the caller's buffers of Q4_ROW_DIGITS(K) bytes
@@ -338,7 +345,7 @@ typedef struct { const int8_t* digits; const int32_t* starts; const float* scale
 #define Q8_ROW_LANES(K) (16 * (((K) / 32 + 1) / 2))
 
 static inline Q8Row q8_0_row(const float* x, int64_t K, int8_t* digits, int32_t* starts, float* scales) {
-#if defined(KV_DIGITS)
+#if defined(KV_DIGITS_Q8)
   const float unscale = q8_0_digits(x, K, digits, starts, scales);
   return (Q8Row){digits, starts, scales, unscale};
 #else
@@ -352,7 +359,9 @@ static inline int64_t q8_0_tasks(int64_t N, const Q8Row* row) { return row && ro
 
 /* whether this build's one-row Q4_1 products take the digits (for tests and reports) */
 int kernel_digits(void) {
-#if defined(KV_DIGITS)
+#if defined(KV_DIGITS_Q8)
+  return 3;
+#elif defined(KV_DIGITS)
   return 1;
 #else
   return 0;
@@ -386,7 +395,7 @@ int q4_1_digits_back(const float* x, int64_t K, float* xhat) {
 /* q4_1_digits_back for Q8_0's digits (q8_0_digits): xhat [K] = s (X0 + U1 / 256 + U2 / 65536);
    0 without KV_DIGITS */
 int q8_0_digits_back(const float* x, int64_t K, float* xhat) {
-#if defined(KV_DIGITS)
+#if defined(KV_DIGITS_Q8)
   int8_t digits[Q8_ROW_DIGITS(K)];
   int32_t starts[Q8_ROW_LANES(K)];
   float scales[Q8_ROW_LANES(K)];

@@ -6,7 +6,8 @@ with weights held as GGUF Q4_1 / Q8_0 block codes, and their exact dequantisatio
   block of codes once for four rows at a time. The weight is formed as ``code * d (+ m)``,
   which is the float32 weight bit for bit, so only the order of the float32 sums differs from
   the float32 product. With AVX512-VNNI one row's Q4_1 and Q8_0 products take the row as integer
-  digits instead (:mod:`kvtier.model.packed_digits`), their sums exact.
+  digits instead (:mod:`kvtier.model.packed_digits`), their sums exact; with AVX2 and no
+  AVX-512, one row's Q4_1 products (:mod:`kvtier.model.packed_digits_avx2`).
 - ``q4_1_task`` / ``q8_0_task``: the per-task bodies of those, which the one-call decode step
   (:mod:`kvtier.model.cpu_step`) shares among its threads.
 - ``q4_1_dequant`` / ``q8_0_dequant``: the float32 weight, for prefills of many rows.
@@ -368,7 +369,7 @@ void q8_0_dequant(const int8_t* codes, const _Float16* d, float* w, int64_t N, i
 static inline void q8_0_task(const float* x, const Q8Row* row, const int8_t* codes, const _Float16* d,
                              float* y, int64_t M, int64_t N, int64_t K, int64_t task) {
   const int64_t G = K / 32;
-#if defined(KV_DIGITS)
+#if defined(KV_DIGITS_Q8)
   if (M == 1 && row && row->digits) {  /* one row as digits, two outputs a task (q8_0_tasks) */
     const int64_t n = 2 * task, n1 = n + 1 < N ? n + 1 : n;
     q8_0_row_digits(row->digits, row->starts, row->scales, codes + n * K, codes + n1 * K, d + n * G, d + n1 * G,
@@ -497,9 +498,11 @@ class PackedKernels:
         #: block once for four rows at a time, else :data:`MAX_KERNEL_ROWS`)
         self.max_rows = GROUPED_MAX_ROWS if self.lanes > 1 else MAX_KERNEL_ROWS
         lib.kernel_digits.restype = ctypes.c_int
-        #: whether one-row Q4_1 and Q8_0 products take the row as integer digits
-        #: (:mod:`kvtier.model.packed_digits`, AVX512-VNNI), else float32
-        self.digits = bool(lib.kernel_digits())
+        flags = lib.kernel_digits()
+        #: the formats whose one-row products take the row as integer digits
+        #: (:mod:`kvtier.model.packed_digits`): Q4_1 and Q8_0 with AVX512-VNNI, Q4_1 with AVX2
+        #: (:mod:`kvtier.model.packed_digits_avx2`), none otherwise (float32 products)
+        self.digits = tuple(fmt for bit, fmt in ((1, "q4_1"), (2, "q8_0")) if flags & bit)
         self._digits_back = {"q4_1": lib.q4_1_digits_back, "q8_0": lib.q8_0_digits_back}
         for fn in self._digits_back.values():
             fn.argtypes, fn.restype = [p, i, p], ctypes.c_int
