@@ -441,14 +441,23 @@ static inline void q8_0_task(const float* x, const Q8Row* row, const int8_t* cod
       y[r * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]),
                                                         _mm512_add_ps(a[2], a[3])));
 #elif defined(KV_AVX2)
-      __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t g = 0; g < G; g++) {
-        if (!(g & 1)) KV_PREFETCH(c + g * 32);
-        const __m256 dv = _mm256_set1_ps((float)dn[g]);
-        for (int j = 0; j < 4; j++)
-          a[j] = _mm256_fmadd_ps(_mm256_mul_ps(s8x8(c + g * 32 + 8 * j), dv), _mm256_loadu_ps(xr + g * 32 + 8 * j), a[j]);
+      /* each block's codes times x first, then once times its scale: sum_g d_g (sum_j c_j x_j),
+         float32 products of the same size (a code is exact in float32), and one multiply a
+         block where forming each weight c * d took four (SmolLM2's LM head on the 2-core
+         first-generation Zen box: 6.4 -> 5.3 ms a call; benchmarks/RESULTS.md, 2026-12-05,
+         thirty-second session); blocks g and g + 1 into sums 0 and 1 */
+      __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t g = 0; g < G; g += 2) {
+        KV_PREFETCH(c + g * 32);
+        for (int h = 0; h < 2 && g + h < G; h++) {
+          const int8_t* cg = c + (g + h) * 32;
+          const float* xg = xr + (g + h) * 32;
+          __m256 t = _mm256_mul_ps(s8x8(cg), _mm256_loadu_ps(xg));
+          for (int j = 1; j < 4; j++) t = _mm256_fmadd_ps(s8x8(cg + 8 * j), _mm256_loadu_ps(xg + 8 * j), t);
+          a[h] = _mm256_fmadd_ps(t, _mm256_set1_ps((float)dn[g + h]), a[h]);
+        }
       }
-      y[r * N + n] = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+      y[r * N + n] = hsum8(_mm256_add_ps(a[0], a[1]));
 #else
       float a0[32] = {0};
       for (int64_t g = 0; g < G; g++) {
