@@ -18,10 +18,12 @@ float32, and it computes with exactly the same weights:
   plain C elsewhere) dequantises in registers and accumulates in float32, with
   the threads of PyTorch's OpenMP runtime; for more rows (prefill) it dequantises
   the weight and calls :func:`kvtier.model.linear.linear`, as the float32 model does,
-  which gives its results bit for bit. Only the summation order of decode differs
-  from the float32 model, and where the CPU has AVX512-VNNI one row's q4_1 products take the
-  row as integer digits that hold it to float32's resolution (:mod:`kvtier.model.packed_digits`:
-  integer sums, exact; the logits within float32 rounding of the float32 products').
+  which gives its results bit for bit. Decode differs from the float32 model only in
+  float32 rounding (the order of its sums; AVX2's one-row q8_0 loop applies each block's scale
+  once), and where the CPU has AVX512-VNNI, or AVX2 without AVX-512, one row's q4_1 products
+  take the row as integer digits that hold it to float32's resolution
+  (:mod:`kvtier.model.packed_digits`: integer sums, exact; the logits within float32 rounding of
+  the float32 products').
 - The kernels (:mod:`kvtier.model.packed_kernels`, whose names this module re-exports) are
   compiled once per machine with the system C compiler
   (:func:`kvtier.kernels.native.build_library`); where no compiler works,

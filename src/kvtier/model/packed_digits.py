@@ -357,7 +357,8 @@ static inline Q8Row q8_0_row(const float* x, int64_t K, int8_t* digits, int32_t*
 /* q8_0_task's tasks: pairs of outputs for a row as digits, single outputs otherwise */
 static inline int64_t q8_0_tasks(int64_t N, const Q8Row* row) { return row && row->digits ? (N + 1) / 2 : N; }
 
-/* whether this build's one-row Q4_1 products take the digits (for tests and reports) */
+/* which formats' one-row products this build takes as digits, bits: 1 Q4_1, 2 Q8_0 (for tests
+   and reports) */
 int kernel_digits(void) {
 #if defined(KV_DIGITS_Q8)
   return 3;
@@ -393,7 +394,7 @@ int q4_1_digits_back(const float* x, int64_t K, float* xhat) {
 }
 
 /* q4_1_digits_back for Q8_0's digits (q8_0_digits): xhat [K] = s (X0 + U1 / 256 + U2 / 65536);
-   0 without KV_DIGITS */
+   0 without KV_DIGITS_Q8 */
 int q8_0_digits_back(const float* x, int64_t K, float* xhat) {
 #if defined(KV_DIGITS_Q8)
   int8_t digits[Q8_ROW_DIGITS(K)];

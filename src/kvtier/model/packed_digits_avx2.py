@@ -160,19 +160,16 @@ static inline __attribute__((always_inline)) void q4_1_row_digits(
     const int8_t* digits, const float* scales, const float* sums, const uint8_t* c0, const uint8_t* c1,
     const _Float16* d0, const _Float16* d1, const _Float16* m0, const _Float16* m1, int64_t G, float unscale,
     float* y0, float* y1) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   const uint8_t* cs[2] = {c0, c1};
   const _Float16* ds[2] = {d0, d1};
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  int64_t g = 0;
-  for (; g + 4 <= G; g += 4) {
+  for (int64_t g = 0; g < G; g += 4) {  /* groups of four blocks, the last of G - g */
     KV_PREFETCH(c0 + g * 32);
     KV_PREFETCH(c0 + g * 32 + 64);
-    q4_1_group_digits8(digits + g * 96, scales, cs, ds, g, 4, acc);
-  }
-  if (g < G) {
-    KV_PREFETCH(c0 + g * 32);
-    KV_PREFETCH(c0 + g * 32 + 64);
-    q4_1_group_digits8(digits + g * 96, scales, cs, ds, g, G - g, acc);
+    if (G - g >= 4)  /* (a constant count: the pairs' loop unrolled) */
+      q4_1_group_digits8(digits + g * 96, scales, cs, ds, g, 4, acc);
+    else
+      q4_1_group_digits8(digits + g * 96, scales, cs, ds, g, G - g, acc);
   }
   const _Float16* ms[2] = {m0, m1};
   float rest[2] = {0.f, 0.f};
