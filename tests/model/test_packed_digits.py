@@ -145,45 +145,46 @@ def test_the_default_build_takes_the_digits_where_the_cpu_has_vnni_or_avx2(kerne
         assert (kernels.digits_back(torch.randn(64), fmt) is None) == (fmt not in kernels.digits)
 
 
-def test_a_build_without_vnni_keeps_the_float32_products(kernels):
-    """``-mno-avx512vnni``: the AVX-512 float32 loop, no digits (digits_back says so), the same
-    products to float32 rounding."""
+def one_row_product(w: torch.Tensor, fmt: str, kernels, x: torch.Tensor) -> torch.Tensor:
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return PackedLinear.from_linear(lin, fmt, kernels)(x)
+
+
+def assert_no_digits_in_a_build(flags: tuple[str, ...], lanes: int):
+    """The kernels built with ``flags``: ``lanes`` wide, no digits (digits_back says so), and each
+    format's one-row product within the float32 product's bound; returns the kernels."""
     from kvtier.kernels.native import build_library
     from kvtier.model.packed import _C_SOURCE, PackedKernels
 
-    if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx512f"):
-        pytest.skip("an AVX-512 build")
-    plain = PackedKernels(build_library("packed", _C_SOURCE, ("-mno-avx512vnni",)))
-    assert plain.digits == () and plain.lanes == 16
+    plain = PackedKernels(build_library("packed", _C_SOURCE, flags))
+    assert plain.digits == () and plain.lanes == lanes
     assert plain.digits_back(torch.randn(64)) is None and plain.digits_back(torch.randn(64), "q8_0") is None
     x = torch.randn(1, 576)
     for fmt, w in (("q4_1", q4_1_weight(33, 576)[0]), ("q8_0", q8_0_weight(33, 576)[0])):
-        lin = nn.Linear(576, 33, bias=False)
-        with torch.no_grad():
-            lin.weight.copy_(w)
-        assert_near_exact_product(PackedLinear.from_linear(lin, fmt, plain)(x), x, w)
+        assert_near_exact_product(one_row_product(w, fmt, plain, x), x, w)
+    return plain
+
+
+def test_a_build_without_vnni_keeps_the_float32_products():
+    """``-mno-avx512vnni``: the AVX-512 float32 loop, no digits, the same products to float32
+    rounding."""
+    if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx512f"):
+        pytest.skip("an AVX-512 build")
+    assert_no_digits_in_a_build(("-mno-avx512vnni",), 16)
 
 
 def test_an_avx2_build_without_digits_keeps_the_float32_products(kernels):
-    """``KV_NO_DIGITS`` (the switch the benchmarks compare with): the AVX2 float32 loop, and the
-    digits' products within float32 rounding of it and of float64."""
-    from kvtier.kernels.native import build_library
-    from kvtier.model.packed import _C_SOURCE, PackedKernels
-
+    """``-DKV_NO_DIGITS`` (the switch the benchmarks compare with): the AVX2 float32 loop, and the
+    digits' Q4_1 products within float32 rounding of it and of float64."""
     if platform.machine() not in ("x86_64", "AMD64") or kernels.lanes != 8:
         pytest.skip("an AVX2 build")
-    plain = PackedKernels(build_library("packed", "#define KV_NO_DIGITS 1\n" + _C_SOURCE))
-    assert plain.digits == () and plain.lanes == 8 and plain.digits_back(torch.randn(64)) is None
-    w = q4_1_weight(33, 576)[0]
-    lin = nn.Linear(576, 33, bias=False)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-    x = torch.randn(1, 576)
-    y_float = PackedLinear.from_linear(lin, "q4_1", plain)(x)
-    y_digits = PackedLinear.from_linear(lin, "q4_1", kernels)(x)
-    assert_near_exact_product(y_float, x, w)
+    plain = assert_no_digits_in_a_build(("-DKV_NO_DIGITS",), 8)
+    w, x = q4_1_weight(33, 576)[0], torch.randn(1, 576)
+    y_digits = one_row_product(w, "q4_1", kernels, x)
     assert_near_exact_product(y_digits, x, w)
-    torch.testing.assert_close(y_digits, y_float, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y_digits, one_row_product(w, "q4_1", plain, x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
