@@ -52,8 +52,12 @@ $(STAMP): pyproject.toml Makefile
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 
+# One pytest worker a core, at most four (each may hold a few copies of the default model); each
+# module runs whole on one worker, so its fixtures (a model, a server) start once. TEST_WORKERS=0
+# runs the suite in one process.
+TEST_WORKERS ?= auto
 test: setup lint
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadscope tests
 
 demo: setup
 	$(VENV)/bin/kvtier generate "What is the capital of France? Answer in one sentence." --max-tokens 48
