@@ -16,12 +16,13 @@ pytest.register_assert_rewrite("triton_support")
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# Under pytest-xdist (``make test`` runs one worker a core), each worker takes its share of
-# the cores for torch's own threads, so that two workers do not fight over one core's work.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+    # Under pytest-xdist (``make test`` runs one worker a core), each worker takes its share of
+    # the cores for torch's threads, so that two workers do not fight over one core's work.
+    # (On a GPU machine the workers keep torch's default: benchmarks/gpu_run.sh's GPU tests
+    # encode long rows on the host and were timed that way.)
+    _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if _WORKERS > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 
 @pytest.fixture
