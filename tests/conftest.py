@@ -22,7 +22,8 @@ if not torch.cuda.is_available():
     # encode long rows on the host and were timed that way.)
     _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if _WORKERS > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) // _WORKERS))
 
 
 @pytest.fixture
