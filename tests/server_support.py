@@ -18,7 +18,37 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the system hands out for outgoing connections and ``bind(0)``."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+# Each xdist worker draws from its own slice of [20000, 32000), below the usual ephemeral range
+# (32768-60999): a port from bind(0) lies in that range, where any outgoing connection (the
+# tensor-parallel ranks open many while rank 0 loads, before it listens) or another worker's
+# bind(0) can take it between the test's choice and the server's bind.
+_SLICE = 12000 // max(1, _WORKERS)
+_NEXT = iter(range(20000 + _WORKER * _SLICE, 20000 + (_WORKER + 1) * _SLICE))
+
+
 def free_port() -> int:
+    """A port no one holds now (each call a new one): from this worker's slice below the
+    ephemeral range where the system's range starts above it (Linux's default), else the
+    system's pick."""
+    if _EPHEMERAL_LOW > 32000:
+        for port in _NEXT:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
