@@ -14,8 +14,10 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -55,10 +57,8 @@ def tiny(tmp_path_factory, lm) -> Path:
     return folder
 
 
-@contextlib.contextmanager
-def running_server(tiny: Path, folder: Path):
-    """``(base URL, launcher process, log path)`` of a running two-rank ``kvtier serve``; every
-    process it started is gone when the block ends."""
+def launch_server(tiny: Path, folder: Path) -> tuple[subprocess.Popen, int, Path]:
+    """A two-rank ``kvtier serve`` started: ``(launcher process, port, log path)``."""
     port = free_port()
     log = folder / "serve.log"
     cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--model", str(tiny), "--tensor-parallel", "2",
@@ -67,6 +67,14 @@ def running_server(tiny: Path, folder: Path):
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc, port, log
+
+
+@contextlib.contextmanager
+def running_server(tiny: Path, folder: Path):
+    """``(base URL, launcher process, log path)`` of a running two-rank ``kvtier serve``; every
+    process it started is gone when the block ends."""
+    proc, port, log = launch_server(tiny, folder)
     url = f"http://127.0.0.1:{port}"
     workers = []
     try:
@@ -181,3 +189,42 @@ def test_the_ranks_stop_quietly_when_the_launcher_is_killed(tiny, tmp_path) -> N
         assert not alive, [p.pid for p in alive]
         text = log.read_text()
         assert "tensor parallel over 2 ranks" in text and "Traceback" not in text, text
+
+
+def test_the_port_is_held_while_the_ranks_load(tiny, tmp_path) -> None:
+    """The launcher binds the port before it starts the ranks and hands the socket to rank 0:
+    while they load (no answer on /health yet) no other process can bind it, and once serving
+    only rank 0 holds it."""
+    proc, port, log = launch_server(tiny, tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    taken_while_loading = 0
+    try:
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            loading = bool(ranks_of(proc))
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                    free = True
+                except OSError:
+                    free = False
+            try:
+                serving = httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                serving = False
+            if serving:
+                break
+            assert not (loading and free), f"port {port} was free while the ranks loaded:\n{log.read_text()}"
+            taken_while_loading += loading
+            time.sleep(0.05)
+        assert serving, log.read_text()
+        assert taken_while_loading >= 1  # it was seen held at least once before serving
+        holders = [p for p in ranks_of(proc)
+                   if any(c.laddr and c.laddr.port == port for c in p.net_connections())]
+        assert len(holders) == 1
+    finally:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        proc.kill()
+        proc.wait(timeout=STOP_S)

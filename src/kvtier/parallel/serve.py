@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -151,7 +152,8 @@ def serve_sharded(
     """Serve ``model`` sharded over ``world_size`` ranks: rank 0 builds an
     :class:`~kvtier.serve.engine.LLMEngine` (``config``, an ``EngineConfig``) over its
     shard and calls ``serve_fn(engine, *args)`` (the server, or any driver of the engine);
-    the other ranks follow its steps. When ``serve_fn`` returns (or raises), the others
+    the other ranks follow its steps. A socket among ``args`` (a listening one bound before
+    the ranks start) is rank 0's: the other ranks close their copies. When ``serve_fn`` returns (or raises), the others
     are told to stop. Returns ``serve_fn``'s result (rank 0's; ``None`` on the other
     ranks under ``torchrun``). ``threads``: torch CPU threads of each rank (default: the
     host's cores shared out when spawning, torch's default under ``torchrun``).
@@ -169,6 +171,10 @@ def serve_sharded(
 def _serve_rank(tp: TensorParallel, serve_fn, args, config, model, dtype, threads) -> Any:
     if threads is not None:
         torch.set_num_threads(threads)
+    if not tp.is_first:
+        for a in args:
+            if isinstance(a, socket.socket):
+                a.close()
     lm = load_sharded(model, tp, dtype=dtype)
     group = control_group()
     if not tp.is_first:

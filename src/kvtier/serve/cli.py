@@ -258,19 +258,26 @@ def _run_sharded(args, engine_config, server_config, model, dtype, threads) -> i
     from kvtier.parallel.serve import serve_sharded
 
     device = getattr(args, "device", "cuda" if torch.cuda.is_available() else "cpu")
+    sock = None
     if not dist.is_torchelastic_launched():
-        # a taken port fails here, at once, not after every rank has loaded the model
-        _listen(server_config.host, server_config.port).close()
+        # bound here and handed to rank 0: a taken port fails at once, not after every rank has
+        # loaded the model, and no other process can take it while they load
+        sock = _listen(server_config.host, server_config.port)
         _forward_stop_signals()
-    result = serve_sharded(_serve_on_rank0, args.tensor_parallel,
-                           args=(served_name(model), server_config, args.log_level, args.tensor_parallel),
-                           config=engine_config, model=model, device_type=device, dtype=dtype,
-                           threads=threads)
+    try:
+        result = serve_sharded(_serve_on_rank0, args.tensor_parallel,
+                               args=(served_name(model), server_config, args.log_level,
+                                     args.tensor_parallel, sock),
+                               config=engine_config, model=model, device_type=device, dtype=dtype,
+                               threads=threads)
+    finally:
+        if sock is not None:
+            sock.close()
     return 0 if result is None else result
 
 
-def _serve_on_rank0(engine, model_name, server_config, log_level, ranks) -> int:
-    return serve_http(engine, model_name, server_config, log_level, ranks=ranks)
+def _serve_on_rank0(engine, model_name, server_config, log_level, ranks, sock=None) -> int:
+    return serve_http(engine, model_name, server_config, log_level, ranks=ranks, sock=sock)
 
 
 def _forward_stop_signals() -> None:
