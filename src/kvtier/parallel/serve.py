@@ -153,10 +153,11 @@ def serve_sharded(
     :class:`~kvtier.serve.engine.LLMEngine` (``config``, an ``EngineConfig``) over its
     shard and calls ``serve_fn(engine, *args)`` (the server, or any driver of the engine);
     the other ranks follow its steps. A socket among ``args`` (a listening one bound before
-    the ranks start) is rank 0's: the other ranks close their copies. When ``serve_fn`` returns (or raises), the others
-    are told to stop. Returns ``serve_fn``'s result (rank 0's; ``None`` on the other
-    ranks under ``torchrun``). ``threads``: torch CPU threads of each rank (default: the
-    host's cores shared out when spawning, torch's default under ``torchrun``).
+    the ranks start) is rank 0's: the other ranks close their copies. When ``serve_fn``
+    returns (or raises), the others are told to stop. Returns ``serve_fn``'s result (rank
+    0's; ``None`` on the other ranks under ``torchrun``). ``threads``: torch CPU threads of
+    each rank (default: the host's cores shared out when spawning, torch's default under
+    ``torchrun``).
     """
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
