@@ -82,11 +82,17 @@ def running_server(tiny: Path, folder: Path):
         workers = psutil.Process(proc.pid).children(recursive=True)
         yield url, proc, log
     finally:
-        for p in workers:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()  # only if a test failed before its workers stopped
-        proc.kill()
-        proc.wait(timeout=STOP_S)
+        kill_all(proc, workers)
+
+
+def kill_all(proc: subprocess.Popen, workers: list[psutil.Process]) -> None:
+    """The launcher and its ``workers`` killed (the workers only matter where a test failed
+    before they stopped), the launcher waited for."""
+    for p in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.kill()
+    proc.wait(timeout=STOP_S)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +105,11 @@ def ranks_of(launcher: subprocess.Popen) -> list[psutil.Process]:
     """The launcher's spawned ranks (not its other children, such as the resource tracker)."""
     return [p for p in psutil.Process(launcher.pid).children(recursive=True)
             if "spawn_main" in " ".join(p.cmdline())]
+
+
+def holders_of(ranks: list[psutil.Process], port: int) -> list[psutil.Process]:
+    """Those of ``ranks`` that hold a socket on ``port``."""
+    return [p for p in ranks if any(c.laddr and c.laddr.port == port for c in p.net_connections())]
 
 
 def reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -168,7 +179,7 @@ def test_rank0_takes_repeated_stop_signals_as_one_graceful_stop(tiny, tmp_path) 
     with running_server(tiny, tmp_path) as (url, proc, log):
         ranks = ranks_of(proc)
         port = int(url.rsplit(":", 1)[1])
-        rank0 = [p for p in ranks if any(c.laddr and c.laddr.port == port for c in p.net_connections())]
+        rank0 = holders_of(ranks, port)
         assert len(ranks) == 2 and len(rank0) == 1
         for _ in range(3):
             rank0[0].send_signal(signal.SIGINT)
@@ -214,17 +225,12 @@ def test_the_port_is_held_while_the_ranks_load(tiny, tmp_path) -> None:
                 serving = False
             if serving:
                 break
-            assert not (loading and free), f"port {port} was free while the ranks loaded:\n{log.read_text()}"
+            assert not (loading and free), \
+                f"port {port} was free while the ranks loaded:\n{log.read_text()}"
             taken_while_loading += loading
             time.sleep(0.05)
         assert serving, log.read_text()
         assert taken_while_loading >= 1  # it was seen held at least once before serving
-        holders = [p for p in ranks_of(proc)
-                   if any(c.laddr and c.laddr.port == port for c in p.net_connections())]
-        assert len(holders) == 1
+        assert len(holders_of(ranks_of(proc), port)) == 1
     finally:
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        proc.kill()
-        proc.wait(timeout=STOP_S)
+        kill_all(proc, psutil.Process(proc.pid).children(recursive=True))

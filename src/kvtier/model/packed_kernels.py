@@ -6,9 +6,10 @@ with weights held as GGUF Q4_1 / Q8_0 block codes, and their exact dequantisatio
   block of codes once for four rows at a time. The weight is formed as ``code * d (+ m)``,
   which is the float32 weight bit for bit, so only the order of the float32 sums differs from
   the float32 product (the AVX2 one-row Q8_0 loop multiplies each block's codes by ``x`` first
-  and by ``d`` once: float32 products of the same size, rounded in another order). With AVX512-VNNI one row's Q4_1 and Q8_0 products take the row as integer
-  digits instead (:mod:`kvtier.model.packed_digits`), their sums exact; with AVX2 and no
-  AVX-512, one row's Q4_1 products (:mod:`kvtier.model.packed_digits_avx2`).
+  and by ``d`` once: float32 products of the same size, rounded in another order). With
+  AVX512-VNNI one row's Q4_1 and Q8_0 products take the row as integer digits instead
+  (:mod:`kvtier.model.packed_digits`), their sums exact; with AVX2 and no AVX-512, one row's
+  Q4_1 products (:mod:`kvtier.model.packed_digits_avx2`).
 - ``q4_1_task`` / ``q8_0_task``: the per-task bodies of those, which the one-call decode step
   (:mod:`kvtier.model.cpu_step`) shares among its threads.
 - ``q4_1_dequant`` / ``q8_0_dequant``: the float32 weight, for prefills of many rows.

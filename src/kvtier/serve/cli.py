@@ -276,7 +276,7 @@ def _run_sharded(args, engine_config, server_config, model, dtype, threads) -> i
     return 0 if result is None else result
 
 
-def _serve_on_rank0(engine, model_name, server_config, log_level, ranks, sock=None) -> int:
+def _serve_on_rank0(engine, model_name, server_config, log_level, ranks, sock) -> int:
     return serve_http(engine, model_name, server_config, log_level, ranks=ranks, sock=sock)
 
 
