@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -259,6 +260,37 @@ def test_rank_zeros_tensors_come_back_by_value():
     # worker exited: FileNotFoundError from inside multiprocessing
     got = launch(_tensor_rank, 2, timeout_s=20, deadline_s=DEADLINE_S)
     assert got["ranks"] == 2 and torch.equal(got["logits"], torch.arange(3.0))
+
+
+def test_the_rendezvous_port_is_held_before_the_ranks_start(monkeypatch):
+    # the port was bind(0)-and-released by the parent and bound again by rank 0's store once it
+    # had started: anything could take it in between. Here a thief binds it just before the
+    # workers start; the run must not notice.
+    import torch.multiprocessing as mp
+
+    start = mp.start_processes
+    stolen = []
+
+    def steal_then_start(fn, args, **kwargs):
+        port = next(int(a.rsplit(":", 1)[1]) if isinstance(a, str) else a[1] for a in args
+                    if isinstance(a, str) and a.startswith("tcp://") or isinstance(a, tuple) and len(a) == 2)
+        thief = socket.socket()
+        try:
+            thief.bind(("127.0.0.1", port))
+            thief.listen()
+            stolen.append(thief)
+        except OSError:  # held by the launcher: what should happen
+            thief.close()
+        return start(fn, args, **kwargs)
+
+    monkeypatch.setattr(mp, "start_processes", steal_then_start)
+    try:
+        got = launch(_tensor_rank, 2, timeout_s=20, deadline_s=DEADLINE_S)
+    finally:
+        for thief in stolen:
+            thief.close()
+    assert not stolen, "the rendezvous port was free when the workers started"
+    assert got["ranks"] == 2
 
 
 def _killed_rank(tp: TensorParallel):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import secrets
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -85,19 +84,22 @@ def init_tensor_parallel(
     local_rank: int | None = None,
     init_method: str = "env://",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    store: dist.Store | None = None,
 ) -> TensorParallel:
     """Join the default process group as ``rank`` of ``world_size``; returns this rank's place.
 
     ``device_type`` ``"cuda"`` uses NCCL on ``cuda:local_rank`` (``local_rank``
     defaults to ``rank``: one host), ``"cpu"`` uses gloo. ``init_method``: a
-    ``tcp://host:port`` address, or ``env://`` (``MASTER_ADDR``/``MASTER_PORT``).
+    ``tcp://host:port`` address, or ``env://`` (``MASTER_ADDR``/``MASTER_PORT``);
+    ``store``, where given, wins over it: a ``torch.distributed`` store every rank
+    reaches (the spawning launcher's, which already listens on its port).
     Collectives raise after ``timeout_s`` seconds.
     """
     check_world(world_size, device_type)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     local_rank = rank if local_rank is None else local_rank
-    return _join(device_type, local_rank, init_method, timeout_s, world_size=world_size, rank=rank)
+    return _join(device_type, local_rank, init_method, timeout_s, store, world_size=world_size, rank=rank)
 
 
 def init_from_torchrun(world_size: int, *, device_type: str = "cpu",
@@ -105,7 +107,7 @@ def init_from_torchrun(world_size: int, *, device_type: str = "cpu",
     """Join the group ``torchrun`` set up for this process (rank, size and address from its
     environment, read by ``torch.distributed``); refuses a launch of another size."""
     check_world(world_size, device_type)
-    tp = _join(device_type, dist.get_node_local_rank(fallback_rank=0), "env://", timeout_s)
+    tp = _join(device_type, dist.get_node_local_rank(fallback_rank=0), "env://", timeout_s, None)
     if tp.world_size != world_size:
         destroy_tensor_parallel(tp)
         raise ValueError(f"torchrun started {tp.world_size} processes but the tensor parallel "
@@ -114,7 +116,7 @@ def init_from_torchrun(world_size: int, *, device_type: str = "cpu",
 
 
 def _join(device_type: str, local_rank: int, init_method: str, timeout_s: float,
-          **ranks: int) -> TensorParallel:
+          store: dist.Store | None, **ranks: int) -> TensorParallel:
     timeout_s = check_timeout(timeout_s)
     if dist.is_initialized():
         raise ValueError("a torch.distributed process group already exists in this process; "
@@ -129,8 +131,11 @@ def _join(device_type: str, local_rank: int, init_method: str, timeout_s: float,
     # devices still meet and check_same_device can name the mismatch; object collectives
     # (plans, seeds, device kinds) go through gloo on the CPU, tensors through NCCL on CUDA.
     backends = "cpu:gloo,cuda:nccl" if dist.is_nccl_available() else "gloo"
-    dist.init_process_group(backends, init_method=init_method,
-                            timeout=datetime.timedelta(seconds=timeout_s), **ranks, **kwargs)
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(backends, timeout=datetime.timedelta(seconds=timeout_s), **ranks, **kwargs)
     return TensorParallel(dist.get_rank(), dist.get_world_size(), local_rank, device,
                           BACKENDS[device_type], timeout_s)
 
@@ -158,10 +163,3 @@ def check_same_device(tp: TensorParallel) -> None:
     if len(set(kinds)) != 1:
         raise ValueError(f"mixed devices across ranks: {kinds}; tensor parallel needs every rank "
                          "on CUDA (NCCL) or every rank on the CPU (gloo)")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for a single-host rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

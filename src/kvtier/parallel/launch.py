@@ -1,7 +1,9 @@
 """Starting the ranks: spawned workers on one host, or the processes ``torchrun`` started.
 
 :func:`launch` spawns ``world_size`` workers (``torch.multiprocessing``, spawn
-start method), which meet over TCP on a free port of 127.0.0.1, join the group
+start method), which meet at a ``TCPStore`` this process listens on (127.0.0.1, a port the
+system picks and this process holds until the run ends, so nothing can take it while the
+workers start), join the group
 (:func:`~kvtier.parallel.group.init_tensor_parallel`) and each call
 ``fn(tp, *args)``; it returns rank 0's result. If a rank raises or dies, the
 parent stops the others and raises the first failure: a ``ValueError`` or
@@ -26,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import pickle
@@ -48,11 +51,12 @@ from kvtier.parallel.group import (
     check_timeout,
     check_world,
     destroy_tensor_parallel,
-    free_port,
     init_from_torchrun,
     init_tensor_parallel,
     shared_seed,
 )
+
+_HOST = "127.0.0.1"  # spawned ranks share this host
 
 
 class TensorParallelError(RuntimeError):
@@ -97,9 +101,11 @@ def launch(
         check_timeout(deadline_s)
     ctx = mp.get_context("spawn")
     reports = ctx.SimpleQueue()
-    address = f"tcp://127.0.0.1:{free_port()}"
+    # the rendezvous: a store listening before any worker starts, on a port no one else can take
+    store = dist.TCPStore(_HOST, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
     procs = mp.start_processes(
-        _worker, args=(world_size, address, device_type, timeout_s, fn, args, reports),
+        _worker, args=(world_size, (_HOST, store.port), device_type, timeout_s, fn, args, reports),
         nprocs=world_size, join=False, start_method="spawn",
     )
     end = None if deadline_s is None else time.monotonic() + deadline_s
@@ -129,12 +135,14 @@ def launch(
     return pickle.loads(done[0].value)
 
 
-def _worker(rank, world_size, address, device_type, timeout_s, fn, args, reports) -> None:
+def _worker(rank, world_size, rendezvous, device_type, timeout_s, fn, args, reports) -> None:
     if device_type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        tp = init_tensor_parallel(world_size, rank, device_type=device_type,
-                                  init_method=address, timeout_s=timeout_s)
+        host, port = rendezvous
+        store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
+        tp = init_tensor_parallel(world_size, rank, device_type=device_type, timeout_s=timeout_s,
+                                  store=store)
         value = run_rank(fn, tp, args)
         destroy_tensor_parallel(tp)
         # by value: the queue's own pickler would share a tensor's storage through a handle
