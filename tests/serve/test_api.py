@@ -126,6 +126,55 @@ def test_seed_makes_sampling_reproducible(client, model) -> None:
     assert a == b
 
 
+def test_n_choices_are_the_requests_of_seeds_seed_plus_i(client, model) -> None:
+    # before: 400 "n > 1 is not supported"
+    kw = dict(model=model, prompt="My favourite animal is", max_tokens=8, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(n=3, seed=7, **kw)
+    singles = [client.completions.create(seed=7 + i, **kw) for i in range(3)]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
+    assert len({c.text for c in r.choices}) > 1  # the choices differ
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens  # the prompt once
+    assert r.usage.completion_tokens == 3 * 8 and r.usage.total_tokens == r.usage.prompt_tokens + 24
+    greedy = client.completions.create(n=2, **{**kw, "temperature": 0})
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
+def test_n_choices_stream_interleaved_with_their_index(client, model, server) -> None:
+    kw = dict(model=model, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=10,
+              temperature=0.9, seed=11, n=3, logprobs=True)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts, finish, roles, logprobs = {}, {}, {}, {}
+    for c in chunks:
+        for ch in c.choices:
+            roles.setdefault(ch.index, ch.delta.role)  # each choice's first chunk names the role
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            logprobs[ch.index] = logprobs.get(ch.index, 0) + len(ch.logprobs.content if ch.logprobs else [])
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert texts == {c.index: c.message.content for c in whole.choices} and len(texts) == 3
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    assert roles == {0: "assistant", 1: "assistant", 2: "assistant"}
+    assert logprobs == {c.index: len(c.logprobs.content) for c in whole.choices}
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == sum(logprobs.values())
+    h = settle(server)
+    assert h["running"] == h["waiting"] == 0 and h["free_blocks"] == NUM_BLOCKS
+
+
+def test_choice_seeds() -> None:
+    from kvtier.sampling import SamplingParams
+    from kvtier.serve.api import choice_params
+    from kvtier.serve.params import RequestParams
+
+    seeded = RequestParams(max_tokens=4, sampling=SamplingParams(temperature=1.0, seed=2**63 - 1))
+    assert [choice_params(seeded, i).sampling.seed for i in range(3)] == [2**63 - 1, 2**63, 2**63 + 1]
+    assert choice_params(seeded, 2).max_tokens == 4
+    unseeded = RequestParams(sampling=SamplingParams(temperature=1.0))
+    assert choice_params(unseeded, 5) is unseeded
+
+
 def test_logprobs_shapes(client, model) -> None:
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                        max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
@@ -219,7 +268,10 @@ def test_prefix_cache_hits_show_in_metrics(client, model, server) -> None:
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "n": 129}, 400, "n"),  # OpenAI's limit
+    ({"prompt": "hi", "n": MAX_WAITING + 1}, 400, "n"),  # more than the server ever queues: not a 429
+    ({"prompt": "hi", "n": 2.0}, 400, "n"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
@@ -356,6 +408,52 @@ def test_disconnects_abort_and_free_blocks(server, model) -> None:
     assert metrics(server)["kvtier_generation_tokens_total"] - tokens < 2 * 400  # both were cut short
     # and both count as finished, for the reason abort (before: in no finished count at all)
     assert metrics(server)["kvtier_requests_finished_total{finish_reason=abort}"] - aborted == 2
+
+
+def test_a_client_that_leaves_aborts_every_choice(server, model) -> None:
+    aborted = metrics(server).get("kvtier_requests_finished_total{finish_reason=abort}", 0)
+    body = {"model": model, "prompt": "Write a long story about a lighthouse.", "max_tokens": 400,
+            "ignore_eos": True, "n": 3}
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        next(r.iter_lines())  # one event, then hang up
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(f"{server}/v1/completions", json=body, timeout=1.0)
+    h = settle(server)
+    assert h["running"] == h["waiting"] == 0 and h["free_blocks"] == NUM_BLOCKS
+    assert metrics(server)["kvtier_requests_finished_total{finish_reason=abort}"] - aborted == 6
+
+
+def test_n_over_the_free_queue_is_a_429_and_queues_nothing(server, model) -> None:
+    # long requests (none finishes within the test) fill the running slots and some of the queue;
+    # then n = MAX_WAITING choices cannot all be queued: 429, and those queued are taken back
+    body = {"model": model, "prompt": "Tell me about the sea.", "max_tokens": 1500, "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as c:
+            long = [asyncio.ensure_future(c.post(f"{server}/v1/completions", json=body))
+                    for _ in range(MAX_NUM_SEQS + 4)]
+            for _ in range(600):  # until every long request is running or waiting (at most 60 s)
+                before = (await c.get(f"{server}/health")).json()
+                if before["running"] + before["waiting"] == len(long):
+                    break
+                await asyncio.sleep(0.1)
+            wide = await c.post(f"{server}/v1/completions", json={**body, "max_tokens": 4, "n": MAX_WAITING})
+            for _ in range(30):  # the refused request's queued choices go at the next step (3 s at most)
+                after = (await c.get(f"{server}/health")).json()
+                if after["waiting"] <= before["waiting"]:
+                    break
+                await asyncio.sleep(0.1)
+            for task in long:  # hang up: the long requests are aborted
+                task.cancel()
+            await asyncio.gather(*long, return_exceptions=True)
+            return before, wide, after
+
+    before, wide, after = asyncio.run(run())
+    assert before["running"] + before["waiting"] == MAX_NUM_SEQS + 4 and before["waiting"] >= 4, before
+    assert wide.status_code == 429 and wide.json()["error"]["code"] == "rate_limit_exceeded", wide.text
+    assert after["waiting"] <= before["waiting"], (before, after)
+    h = settle(server)
+    assert h["running"] == h["waiting"] == 0 and h["free_blocks"] == NUM_BLOCKS
 
 
 def test_bounded_load_with_bad_and_departing_clients(server, model) -> None:

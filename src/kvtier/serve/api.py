@@ -13,8 +13,8 @@ Errors are answered in OpenAI's shape, ``{"error": {"message", "type", "param",
 status when
 ====== ======================================================================
 400    malformed JSON, a field of the wrong type or range, an unsupported field
-       (``n > 1``, ``echo``, penalties, ``tools``), a prompt that does not fit
-       the context (``code: context_length_exceeded``)
+       (``echo``, penalties, ``tools``), a prompt that does not fit the context
+       (``code: context_length_exceeded``), ``n`` over the waiting queue's room
 404    an unknown route, or a ``model`` other than the one served
 405    a route asked with the wrong method
 413    a request body over ``ServerConfig.max_request_bytes``
@@ -22,7 +22,13 @@ status when
 500    a failure inside the engine (a bug); the server keeps serving
 ====== ======================================================================
 
-A client that disconnects (streaming or not) aborts its request, which frees its
+``n`` > 1 queues ``n`` requests of the same prompt (the prefix cache shares its
+blocks); choice ``i`` samples with ``seed + i`` where a seed is given, so the
+choices differ and each is reproducible. Streamed, their chunks interleave, each
+naming its choice's ``index``; ``usage`` counts the prompt once and every choice's
+tokens.
+
+A client that disconnects (streaming or not) aborts its requests, which frees their
 blocks at the next step.
 
 Tokenizing holds the interpreter (the tokenizer does not release the GIL), so a
@@ -40,7 +46,7 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -235,14 +241,26 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     def check(req) -> None:
         check_model(req.model)
 
-    async def start(ids: list[int], params: RequestParams, prompt_param: str) -> str:
+    async def start(ids: list[int], params: RequestParams, n: int, prompt_param: str) -> list[str]:
+        """Queue the request's ``n`` choices; all or none (a refusal discards those queued)."""
+        room = engine.stats["max_waiting"]
+        if n > room:
+            raise APIError(400, f"n={n} choices are more than the {room} requests this server queues at "
+                           f"once; ask for n <= {room} or start it with a larger --max-waiting", param="n")
+        rids: list[str] = []
         try:
-            return await engine.add_request(ids, params)
-        except QueueFull as e:
-            raise APIError(429, str(e), code="rate_limit_exceeded", type="rate_limit_error",
-                           headers={"Retry-After": str(config.retry_after_s)}) from None
-        except ValueError as e:
-            raise refused(e, prompt_param) from None
+            for i in range(n):
+                rids.append(await engine.add_request(ids, choice_params(params, i)))
+        except BaseException as e:
+            for rid in rids:
+                engine.discard(rid)
+            if isinstance(e, QueueFull):
+                raise APIError(429, str(e), code="rate_limit_exceeded", type="rate_limit_error",
+                               headers={"Retry-After": str(config.retry_after_s)}) from None
+            if isinstance(e, ValueError):
+                raise refused(e, prompt_param) from None
+            raise
+        return rids
 
     def encode(text: str, prompt_param: str, add_bos: bool | None = None) -> list[int]:
         try:
@@ -262,9 +280,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         params = request_params(req)  # every 400 of the fields before any tokenizing
         prompt = req.single_prompt()
         ids = encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
-        rid = await start(ids, params, "prompt")
-        view = _Completion(tokenizer, model_name, f"cmpl-{rid}", chat=False)
-        return await answer(view, rid, req, request)
+        rids = await start(ids, params, req.n, "prompt")
+        views = [_Completion(tokenizer, model_name, f"cmpl-{rids[0]}", chat=False, index=i) for i in range(req.n)]
+        return await answer(views, rids, req, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -274,9 +292,10 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             text = tokenizer.apply_chat_template(chat_messages(req))
         except (jinja2.TemplateError, ValueError) as e:
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
-        rid = await start(encode(text, "messages", add_bos=False), params, "messages")
-        view = _Completion(tokenizer, model_name, f"chatcmpl-{rid}", chat=True)
-        return await answer(view, rid, req, request)
+        rids = await start(encode(text, "messages", add_bos=False), params, req.n, "messages")
+        views = [_Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i)
+                 for i in range(req.n)]
+        return await answer(views, rids, req, request)
 
     async def counted(rid: str) -> AsyncIterator[RequestOutput]:
         """The request's outputs; one that ends before it finished (its client left, the step
@@ -290,11 +309,12 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             if not finished:
                 metrics.aborted()
 
-    async def answer(view: _Completion, rid: str, req, request: Request):
+    async def answer(views: list[_Completion], rids: list[str], req, request: Request):
+        streams = [counted(rid) for rid in rids]
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(view.events(counted(rid), usage), media_type="text/event-stream")
-        collect = asyncio.ensure_future(_collect(counted(rid)))
+            return StreamingResponse(_events(views, streams, usage), media_type="text/event-stream")
+        collect = asyncio.ensure_future(_collect(streams))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
@@ -303,13 +323,88 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             with contextlib.suppress(asyncio.CancelledError):
                 await collect
             return Response(status_code=499)
-        return view.whole(collect.result())
+        return _whole(views, collect.result())
 
     return app
 
 
-async def _collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
-    return [out async for out in stream]
+def choice_params(params: RequestParams, i: int) -> RequestParams:
+    """Choice ``i``'s parameters: its seed ``seed + i`` (without a seed, the draws differ anyway)."""
+    seed = params.sampling.seed
+    return params if i == 0 or seed is None else replace(params, sampling=replace(params.sampling, seed=seed + i))
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(i, output)`` of the streams as their outputs come. Leaving early (or a stream's
+    failure) closes every stream, so each unfinished request is aborted."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+
+
+async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[list[RequestOutput]]:
+    outs: list[list[RequestOutput]] = [[] for _ in streams]
+    async for i, out in _merged(streams):
+        outs[i].append(out)
+    return outs
+
+
+def _usage(lasts: list[RequestOutput]) -> dict:
+    """The prompt once (as the first choice met it), the tokens of every choice."""
+    first = lasts[0]
+    completion = sum(last.completion_tokens for last in lasts)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+
+
+def _whole(views: list[_Completion], outs: list[list[RequestOutput]]) -> dict:
+    """The non-streaming answer: every choice's outputs joined."""
+    return {**views[0].envelope([v.whole(o) for v, o in zip(views, outs, strict=True)], chunk=False),
+            "usage": _usage([o[-1] for o in outs])}
+
+
+async def _events(views: list[_Completion], streams: list[AsyncIterator[RequestOutput]],
+                  include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per output with text (or logprobs) naming its choice, then
+    ``[DONE]``."""
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    if views[0].chat:
+        for v in views:
+            first = {"index": v.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}
+            yield sse(v.envelope([first], chunk=True))
+    lasts: list[RequestOutput | None] = [None] * len(views)
+    try:
+        async for i, out in _merged(streams):
+            lasts[i] = out
+            if out.text or out.finished or out.logprobs is not None:
+                v = views[i]
+                yield sse(v.envelope([v.choice(out.text, out.finish_reason, out.logprobs, chunk=True)], chunk=True))
+    except RequestsEnded as e:  # the server is stopping: the status is sent already
+        yield sse(APIError(503, str(e), type="server_error", code="server_shutting_down").body())
+    except Exception as e:  # the engine failed mid-stream: the status is sent already
+        yield sse(APIError(500, f"internal error: {e}", type="server_error").body())
+    if include_usage and all(last is not None for last in lasts):
+        yield sse({**views[0].envelope([], chunk=True), "usage": _usage(lasts)})
+    yield "data: [DONE]\n\n"
 
 
 async def _disconnected(request: Request) -> None:
@@ -321,22 +416,16 @@ async def _disconnected(request: Request) -> None:
 class _Completion:
     """Turns engine outputs into OpenAI's completion or chat completion objects."""
 
-    def __init__(self, tokenizer, model: str, rid: str, chat: bool):
-        self.tokenizer, self.model, self.id, self.chat = tokenizer, model, rid, chat
+    def __init__(self, tokenizer, model: str, rid: str, chat: bool, index: int = 0):
+        self.tokenizer, self.model, self.id, self.chat, self.index = tokenizer, model, rid, chat, index
         self.created = int(time.time())
         self.offset = 0  # text offset of the next token (completions' logprobs): characters so far
         self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")  # of the tokens' bytes
 
-    def _envelope(self, choices: list, chunk: bool) -> dict:
+    def envelope(self, choices: list, chunk: bool) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices}
-
-    @staticmethod
-    def usage(last: RequestOutput) -> dict:
-        return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                "total_tokens": last.prompt_tokens + last.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
 
     def _token(self, i: int) -> tuple[str, bytes]:
         """A token's text and bytes. A token holding part of a character (byte-level pieces of
@@ -365,44 +454,18 @@ class _Completion:
                 "top_logprobs": [{self._token(t)[0]: lp for t, lp in x.top} for x in items],
                 "text_offset": offsets}
 
-    def _choice(self, text: str, finish: str | None, items, chunk: bool) -> dict:
+    def choice(self, text: str, finish: str | None, items, chunk: bool) -> dict:
         lp = None if items is None else self.logprobs(items, text)
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
         body = {"content": text} if not chunk else ({"content": text} if text else {})
         key = "delta" if chunk else "message"
         if not chunk:
             body = {"role": "assistant", **body}
-        return {"index": 0, key: body, "logprobs": lp, "finish_reason": finish}
+        return {"index": self.index, key: body, "logprobs": lp, "finish_reason": finish}
 
     def whole(self, outs: list[RequestOutput]) -> dict:
-        """The non-streaming answer from every output of the request."""
+        """This choice, non-streaming, from every output of its request."""
         last = outs[-1]
         items = None if last.logprobs is None else [x for o in outs for x in o.logprobs]
-        text = "".join(o.text for o in outs)
-        return {**self._envelope([self._choice(text, last.finish_reason, items, chunk=False)], chunk=False),
-                "usage": self.usage(last)}
-
-    async def events(self, stream: AsyncIterator[RequestOutput], include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per output with text (or logprobs), then ``[DONE]``."""
-        def sse(obj) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
-
-        if self.chat:
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}
-            yield sse(self._envelope([first], chunk=True))
-        last = None
-        try:
-            async for out in stream:
-                last = out
-                if out.text or out.finished or out.logprobs is not None:
-                    yield sse(self._envelope([self._choice(out.text, out.finish_reason, out.logprobs,
-                                                           chunk=True)], chunk=True))
-        except RequestsEnded as e:  # the server is stopping: the status is sent already
-            yield sse(APIError(503, str(e), type="server_error", code="server_shutting_down").body())
-        except Exception as e:  # the engine failed mid-stream: the status is sent already
-            yield sse(APIError(500, f"internal error: {e}", type="server_error").body())
-        if include_usage and last is not None:
-            yield sse({**self._envelope([], chunk=True), "usage": self.usage(last)})
-        yield "data: [DONE]\n\n"
+        return self.choice("".join(o.text for o in outs), last.finish_reason, items, chunk=False)

@@ -125,6 +125,10 @@ class AsyncLLMEngine:
         """Drop a request at the next step boundary (a no-op for an unknown id)."""
         self._post(("abort", request_id))
 
+    def discard(self, request_id: str) -> None:
+        """Abort a queued request whose outputs will not be read (its stream never opened)."""
+        self._drop(request_id)
+
     def end_all(self, why: str) -> None:
         """End every request in flight at the next step boundary: each stream raises
         :class:`RequestsEnded` with ``why`` (a server that stops answers them so)."""

@@ -457,6 +457,7 @@ class LLMEngine:
         return {
             "running": s.num_running,
             "waiting": s.num_waiting,
+            "max_waiting": s.config.max_waiting,
             "num_blocks": bm.num_blocks,
             "free_blocks": bm.num_free_blocks,
             "cached_blocks": bm.num_cached_blocks,

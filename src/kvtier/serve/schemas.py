@@ -2,8 +2,9 @@
 :class:`~kvtier.serve.params.RequestParams`.
 
 Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with vLLM's
-extensions ``top_k``, ``min_p`` and ``ignore_eos``. Fields the engine cannot honour
-(``n > 1``, ``best_of > 1``, ``echo``, ``suffix``, penalties, ``logit_bias``,
+extensions ``top_k``, ``min_p`` and ``ignore_eos``; ``n`` (at most :data:`MAX_CHOICES`)
+asks for that many choices of one prompt. Fields the engine cannot honour
+(``best_of > 1``, ``echo``, ``suffix``, penalties, ``logit_bias``,
 ``tools``, ``tool_choice``, ``functions``, a ``response_format`` other than text) are
 refused with a 400 naming the field, never silently ignored. Unknown fields are
 ignored, as OpenAI's clients send some (``user``, ``metadata``).
@@ -23,8 +24,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_LOGPROBS, RequestParams
 
-__all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
+__all__ = ["MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
            "chat_messages", "request_params", "validation_error"]
+
+#: choices one request may ask for (``n``; OpenAI's limit)
+MAX_CHOICES = 128
 
 #: stop strings one request may give, and their characters in all
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 128, 4096
@@ -106,7 +110,7 @@ class _Common(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -137,8 +141,7 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         """400 for a field the engine cannot honour, or a stop list beyond the bounds."""
-        refused = (("n", self.n != 1, "n > 1 is not supported; send n requests (with different seeds)"),
-                   ("presence_penalty", self.presence_penalty != 0, "penalties are not supported"),
+        refused = (("presence_penalty", self.presence_penalty != 0, "penalties are not supported"),
                    ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported"),
                    ("repetition_penalty", self.repetition_penalty != 1, "penalties are not supported"),
                    ("min_tokens", self.min_tokens != 0, "min_tokens is not supported"),
