@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.sampling import SamplingParams, make_generator, process_logits, sample
+from kvtier.sampling import SamplingParams, apply_penalties, make_generator, process_logits, sample
 
 # probabilities 0.4, 0.3, 0.2, 0.1 at temperature 1
 P = torch.tensor([0.4, 0.3, 0.2, 0.1])
@@ -176,3 +176,21 @@ def test_bad_logits_shape():
         sample(torch.randn(1, 2, 5), SamplingParams())
     with pytest.raises(ValueError, match=r"\[batch, vocab\]"):
         process_logits(torch.randn(5), SamplingParams(temperature=1.0))
+
+
+def test_penalties_by_hand() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    counts = torch.tensor([[0, 2, 1, 0, 0]], dtype=torch.int32)
+    prompt = torch.tensor([[False, False, False, True, False]])
+    got = apply_penalties(logits, counts, prompt, presence=0.5, frequency=0.25, repetition=2.0)
+    # tokens 1 and 2 generated (twice, once), token 3 in the prompt: repetition first, then
+    # frequency x count and presence on the generated ones
+    want = torch.tensor([[2.0, -1.0 * 2 - 0.25 * 2 - 0.5, 0.5 / 2 - 0.25 - 0.5, 3.0 / 2, -2.0]])
+    assert torch.allclose(got, want)
+    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]]))  # not in place
+    # off: the same values, a new tensor
+    same = apply_penalties(logits, counts, None)
+    assert torch.equal(same, logits) and same.data_ptr() != logits.data_ptr()
+    # repetition without a prompt mask: the generated tokens only
+    only = apply_penalties(logits, counts, None, repetition=2.0)
+    assert torch.allclose(only, torch.tensor([[2.0, -2.0, 0.25, 3.0, -2.0]]))

@@ -1,4 +1,5 @@
-"""Turning next-token logits into tokens: greedy, temperature, top-k, top-p, min-p.
+"""Turning next-token logits into tokens: greedy, temperature, top-k, top-p, min-p; and
+the penalties a server's requests ask for (:func:`apply_penalties`).
 
 :func:`process_logits` returns the exact distribution a token is drawn from, so
 speculative decoding can use the same probabilities for its acceptance test;
@@ -139,3 +140,26 @@ def sample(
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     race.clamp_(min=torch.finfo(race.dtype).tiny)  # a zero draw would give 0/0 for a dropped token
     return (probs / race).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor | None, *,
+                    presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0) -> torch.Tensor:
+    """Penalised ``logits`` ``[B, V]`` (a new tensor) of rows whose generated tokens so far are
+    counted in ``counts`` ``[B, V]`` (``prompt_seen`` ``[B, V]`` bool: the prompt's tokens,
+    or ``None``), in vLLM's order:
+
+    1. repetition (HF's and vLLM's, over the prompt's and the generated tokens): a seen
+       token's logit is divided by ``repetition`` where it is positive, multiplied where not;
+    2. frequency and presence (OpenAI's, over the generated tokens):
+       ``logit - frequency * count - presence * (count > 0)``.
+    """
+    out = logits.float()
+    generated = counts > 0
+    if repetition != 1.0:
+        seen = generated if prompt_seen is None else generated | prompt_seen
+        out = torch.where(seen, torch.where(out > 0, out / repetition, out * repetition), out)
+    if frequency:
+        out = out - frequency * counts
+    if presence:
+        out = out - presence * generated
+    return out if out is not logits else out.clone()

@@ -163,6 +163,22 @@ def test_n_choices_stream_interleaved_with_their_index(client, model, server) ->
     assert h["running"] == h["waiting"] == 0 and h["free_blocks"] == NUM_BLOCKS
 
 
+def test_penalties_reach_the_engine(client, model, lm) -> None:
+    # before: 400 "penalties are not supported"
+    from kvtier.serve.engine import EngineConfig, LLMEngine
+    from kvtier.serve.params import RequestParams
+
+    prompt = "Say it again and again: apple apple apple apple apple"
+    kw = dict(model=model, prompt=prompt, max_tokens=10, temperature=0)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    asked = dict(presence_penalty=0.4, frequency_penalty=1.2)
+    r = client.completions.create(**kw, **asked, extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    ids = lm.tokenizer.encode(prompt)
+    want = LLMEngine(lm.model, lm.tokenizer, EngineConfig(num_blocks=16)).generate(
+        [ids], RequestParams(max_tokens=10, ignore_eos=True, repetition_penalty=1.3, **asked))[0]
+    assert r.choices[0].text == want.text != plain
+
+
 def test_choice_seeds() -> None:
     from kvtier.sampling import SamplingParams
     from kvtier.serve.api import choice_params
@@ -225,7 +241,7 @@ def test_vllm_sampling_fields_are_served_or_refused(server, lm) -> None:
     r = httpx.post(f"{server}/v1/completions", json={**body, "stop_token_ids": [dot]}, timeout=60).json()
     assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 2
     assert r["choices"][0]["text"] == " Paris"
-    for field, value in (("repetition_penalty", 1.3), ("min_tokens", 2), ("include_stop_str_in_output", True),
+    for field, value in (("min_tokens", 2), ("include_stop_str_in_output", True),
                          ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("guided_json", {}),
                          ("truncate_prompt_tokens", 4), ("use_beam_search", True)):
         r = httpx.post(f"{server}/v1/completions", json={**body, field: value}, timeout=60)
@@ -272,6 +288,10 @@ def test_prefix_cache_hits_show_in_metrics(client, model, server) -> None:
     ({"prompt": "hi", "n": 129}, 400, "n"),  # OpenAI's limit
     ({"prompt": "hi", "n": MAX_WAITING + 1}, 400, "n"),  # more than the server ever queues: not a 429
     ({"prompt": "hi", "n": 2.0}, 400, "n"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"prompt": "hi", "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
@@ -394,33 +414,22 @@ def test_full_queue_answers_429_with_retry_after(server, model) -> None:
     assert settle(server)["free_blocks"] == NUM_BLOCKS
 
 
-def test_disconnects_abort_and_free_blocks(server, model) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnects_abort_and_free_blocks(server, model, n) -> None:
     tokens = metrics(server)["kvtier_generation_tokens_total"]
     aborted = metrics(server).get("kvtier_requests_finished_total{finish_reason=abort}", 0)
     body = {"model": model, "prompt": "Write a long story about a lighthouse.", "max_tokens": 400,
-            "ignore_eos": True}
+            "ignore_eos": True, "n": n}
     with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         next(r.iter_lines())  # one event, then hang up
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
         httpx.post(f"{server}/v1/completions", json=body, timeout=1.0)
     h = settle(server)
     assert h["running"] == h["waiting"] == 0 and h["free_blocks"] == NUM_BLOCKS
-    assert metrics(server)["kvtier_generation_tokens_total"] - tokens < 2 * 400  # both were cut short
-    # and both count as finished, for the reason abort (before: in no finished count at all)
-    assert metrics(server)["kvtier_requests_finished_total{finish_reason=abort}"] - aborted == 2
-
-
-def test_a_client_that_leaves_aborts_every_choice(server, model) -> None:
-    aborted = metrics(server).get("kvtier_requests_finished_total{finish_reason=abort}", 0)
-    body = {"model": model, "prompt": "Write a long story about a lighthouse.", "max_tokens": 400,
-            "ignore_eos": True, "n": 3}
-    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
-        next(r.iter_lines())  # one event, then hang up
-    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
-        httpx.post(f"{server}/v1/completions", json=body, timeout=1.0)
-    h = settle(server)
-    assert h["running"] == h["waiting"] == 0 and h["free_blocks"] == NUM_BLOCKS
-    assert metrics(server)["kvtier_requests_finished_total{finish_reason=abort}"] - aborted == 6
+    assert metrics(server)["kvtier_generation_tokens_total"] - tokens < 2 * n * 400  # all were cut short
+    # and all count as finished, for the reason abort (before: in no finished count at all); with
+    # n choices, every one of them
+    assert metrics(server)["kvtier_requests_finished_total{finish_reason=abort}"] - aborted == 2 * n
 
 
 def test_n_over_the_free_queue_is_a_429_and_queues_nothing(server, model) -> None:

@@ -35,7 +35,8 @@ MODEL = tiny()  # the CPU model every example of the random workloads shares
 def workload(seed: int = 0, n: int = 14):
     """Prompts sharing a 40-token prefix or not, and params that stop by length, by stop
     token (a common id of this random model: some rows stop early), sample with a seed or
-    ask for logprobs."""
+    ask for logprobs; penalties on the stopping rows (whose counts the asynchronous engine
+    keeps on the device, a step ahead of the host)."""
     rng = random.Random(seed)
     shared = [rng.randrange(256) for _ in range(40)]
     out = []
@@ -46,11 +47,13 @@ def workload(seed: int = 0, n: int = 14):
         if kind == 0:
             p = RequestParams(max_tokens=rng.randint(1, 30))
         elif kind == 1:
-            p = RequestParams(max_tokens=30, stop_token_ids=tuple(rng.sample(range(256), 40)))
+            p = RequestParams(max_tokens=30, stop_token_ids=tuple(rng.sample(range(256), 40)),
+                              frequency_penalty=0.7)
         elif kind == 2:
             p = RequestParams(max_tokens=20, sampling=SamplingParams(temperature=0.8, top_k=50, seed=i))
         else:
-            p = RequestParams(max_tokens=12, logprobs=3, stop_token_ids=tuple(rng.sample(range(256), 20)))
+            p = RequestParams(max_tokens=12, logprobs=3, stop_token_ids=tuple(rng.sample(range(256), 20)),
+                              presence_penalty=0.5, repetition_penalty=1.2)
         out.append((ids, p))
     return out
 

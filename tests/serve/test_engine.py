@@ -195,6 +195,48 @@ def test_logprobs_come_from_the_model_distribution(lm) -> None:
     assert [t for t, _ in first.top] == want.topk(3).indices.tolist()
 
 
+def penalised_greedy(lm, ids: list[int], n: int, presence: float, frequency: float, repetition: float):
+    """The reference: each token the argmax of the whole sequence's last logits in float64, the
+    penalties written out (repetition over prompt and output, then frequency and presence)."""
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = lm.model(torch.tensor([ids + out]), lm.model.make_caches(KVCacheConfig()))[0, -1].double()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).double()
+            seen = counts > 0
+            seen[ids] = True
+            logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+            logits = logits - frequency * counts - presence * (counts > 0).double()
+            out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_penalties_give_the_reference_tokens(lm, async_scheduling) -> None:
+    tok = lm.tokenizer
+    count = tok.encode("Count from one to twenty in words, separated by commas: one, two,")
+    apple = tok.encode("Say it again and again: apple apple apple apple apple")
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=32, async_scheduling=async_scheduling))
+    rows = [(count, (0.0, 0.0, 1.0)), (count, (0.0, 0.5, 1.0)), (count, (0.5, 0.0, 1.0)),
+            (count, (0.3, 0.3, 1.1)), (apple, (0.0, 0.0, 1.0)), (apple, (0.0, 0.0, 1.3))]
+    params = [RequestParams(max_tokens=16, ignore_eos=True, presence_penalty=p, frequency_penalty=f,
+                            repetition_penalty=r) for _, (p, f, r) in rows]
+    outs = engine.generate([ids for ids, _ in rows], params)  # one batch: each row its own penalties
+    got = [list(o.token_ids) for o in outs]
+    assert got == [penalised_greedy(lm, ids, 16, *k) for ids, k in rows]
+    plain, frequency, presence, mixed, apples, repeated = got
+    # each penalty moved the tokens, and frequency is not presence (a swap would show)
+    assert frequency != plain and frequency != presence and mixed != plain and repeated != apples
+    # logprobs stay the model's own: the second token's (penalised: " apple" again would lose 2)
+    # is its log-probability under the unpenalised logits
+    out = engine.generate([apple], RequestParams(max_tokens=2, logprobs=0, frequency_penalty=2.0))[0]
+    with torch.inference_mode():
+        caches = lm.model.make_caches(KVCacheConfig())
+        lp = torch.log_softmax(lm.model(torch.tensor([apple + [out.token_ids[0]]]), caches)[0, -1], -1)
+    assert out.token_ids[1] != int(lp.argmax())  # the penalty moved the choice
+    assert out.logprobs[1].logprob == pytest.approx(float(lp[out.token_ids[1]]), abs=1e-4)
+
+
 def test_bad_requests_are_refused_and_change_nothing(lm) -> None:
     tok = lm.tokenizer
     engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=8, max_waiting=1))  # 128 tokens

@@ -13,7 +13,7 @@ Errors are answered in OpenAI's shape, ``{"error": {"message", "type", "param",
 status when
 ====== ======================================================================
 400    malformed JSON, a field of the wrong type or range, an unsupported field
-       (``echo``, penalties, ``tools``), a prompt that does not fit the context
+       (``echo``, ``logit_bias``, ``tools``), a prompt that does not fit the context
        (``code: context_length_exceeded``), ``n`` over the waiting queue's room
 404    an unknown route, or a ``model`` other than the one served
 405    a route asked with the wrong method

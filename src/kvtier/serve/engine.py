@@ -59,7 +59,7 @@ import torch
 
 from kvtier.generate import GenerationConfig, RowText
 from kvtier.quant.modes import TurboQuantConfig, check_kv_quant, check_turboquant
-from kvtier.sampling import make_generator, sample
+from kvtier.sampling import apply_penalties, make_generator, sample
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.prefix import BlockManager
 from kvtier.serve.runner import ModelRunner, PendingTokens, blocks_for_memory
@@ -158,6 +158,22 @@ class _Live:
     def __init__(self, request: Request, params: RequestParams, text: RowText, generator, now: float):
         self.request, self.params, self.text, self.generator = request, params, text, generator
         self.arrival, self.first_token = now, None
+        # penalties: the sampled tokens counted on the device (no wait for the host), and the
+        # prompt's tokens; made at the first sampled step, when the vocabulary is known
+        self.counts: torch.Tensor | None = None
+        self.prompt_seen: torch.Tensor | None = None
+
+    def penalise(self, logits: torch.Tensor) -> torch.Tensor:
+        """This request's penalties on its row ``logits`` ``[1, V]`` (a new tensor)."""
+        p = self.params
+        if self.counts is None:
+            self.counts = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device)
+            if p.repetition_penalty != 1.0:
+                ids = torch.tensor(self.request.prompt_token_ids, device=logits.device).unsqueeze(0)
+                self.prompt_seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+                self.prompt_seen.scatter_(1, ids, True)
+        return apply_penalties(logits, self.counts, self.prompt_seen, presence=p.presence_penalty,
+                               frequency=p.frequency_penalty, repetition=p.repetition_penalty)
 
 
 @dataclass(eq=False)
@@ -352,6 +368,8 @@ class LLMEngine:
             rid = req.request_id
             live = self._live.get(rid)
             if live is None or live.request is not req or req.token_ids[-1] != PENDING:
+                if live is not None and live.request is req and live.counts is not None:
+                    live.counts[0, token] -= 1  # counted when it was sampled
                 continue  # it ended before its booking or since (a stop, an abort): the token is dropped
             self.scheduler.set_token(req, token)
             text, reason = self._push(live, token)
@@ -380,11 +398,19 @@ class LLMEngine:
         rows that ask, the device tensors of their logprobs: the token's and the top ones."""
         if not lives:
             return torch.empty(0, dtype=torch.long, device=logits.device), {}
-        # argmax over every row (one kernel, no index tensor); the rows that sample overwrite theirs
+        # argmax over every row (one kernel, no index tensor); the rows that sample, or whose
+        # penalties move their logits (on a copy: logprobs stay the model's own), overwrite theirs
         picked = logits.argmax(dim=-1)  # (n_sampled,)
         for i, lv in enumerate(lives):
+            row = logits[i : i + 1]
+            if lv.params.penalised:
+                row = lv.penalise(row)
+                if lv.params.sampling.greedy:
+                    picked[i] = row.argmax(dim=-1)[0]
             if not lv.params.sampling.greedy:
-                picked[i] = sample(logits[i : i + 1], lv.params.sampling, lv.generator)[0]
+                picked[i] = sample(row, lv.params.sampling, lv.generator)[0]
+            if lv.counts is not None:
+                lv.counts[0].index_add_(0, picked[i : i + 1], torch.ones(1, dtype=torch.int32, device=picked.device))
         logprobs = {}
         for i, lv in enumerate(lives):
             top = lv.params.logprobs

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvtier.sampling import SamplingParams
@@ -22,7 +23,9 @@ class RequestParams:
     it besides the tokenizer's end-of-sequence ids, which ``ignore_eos`` disregards
     (benchmarks use it to generate a fixed length); ``logprobs``: ``None`` for none,
     else the log-probability of each chosen token and of the ``logprobs`` most likely
-    alternatives (0 to :data:`MAX_LOGPROBS`).
+    alternatives (0 to :data:`MAX_LOGPROBS`); ``presence_penalty`` and ``frequency_penalty``
+    (OpenAI's, -2 to 2) and ``repetition_penalty`` (vLLM's, > 0; 1 is off): see
+    :func:`kvtier.sampling.apply_penalties`. Logprobs stay those of the model's own logits.
     """
 
     max_tokens: int | None = None
@@ -31,6 +34,13 @@ class RequestParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def __post_init__(self) -> None:
         m = self.max_tokens
@@ -48,6 +58,13 @@ class RequestParams:
         n = self.logprobs
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, int | float) or not (0 < r < math.inf):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {r!r}")
 
 
 @dataclass(frozen=True)

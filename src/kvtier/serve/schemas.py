@@ -2,9 +2,10 @@
 :class:`~kvtier.serve.params.RequestParams`.
 
 Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with vLLM's
-extensions ``top_k``, ``min_p`` and ``ignore_eos``; ``n`` (at most :data:`MAX_CHOICES`)
+extensions ``top_k``, ``min_p``, ``ignore_eos`` and ``repetition_penalty``; OpenAI's
+``presence_penalty`` and ``frequency_penalty``; ``n`` (at most :data:`MAX_CHOICES`)
 asks for that many choices of one prompt. Fields the engine cannot honour
-(``best_of > 1``, ``echo``, ``suffix``, penalties, ``logit_bias``,
+(``best_of > 1``, ``echo``, ``suffix``, ``logit_bias``,
 ``tools``, ``tool_choice``, ``functions``, a ``response_format`` other than text) are
 refused with a 400 naming the field, never silently ignored. Unknown fields are
 ignored, as OpenAI's clients send some (``user``, ``metadata``).
@@ -114,12 +115,12 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions: stop_token_ids is served; the others are refused, never ignored
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     allowed_token_ids: Any = None
@@ -141,10 +142,7 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         """400 for a field the engine cannot honour, or a stop list beyond the bounds."""
-        refused = (("presence_penalty", self.presence_penalty != 0, "penalties are not supported"),
-                   ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported"),
-                   ("repetition_penalty", self.repetition_penalty != 1, "penalties are not supported"),
-                   ("min_tokens", self.min_tokens != 0, "min_tokens is not supported"),
+        refused = (("min_tokens", self.min_tokens != 0, "min_tokens is not supported"),
                    ("include_stop_str_in_output", self.include_stop_str_in_output,
                     "include_stop_str_in_output is not supported: stop strings are cut from the text"),
                    ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"))
@@ -261,6 +259,7 @@ def request_params(req: CompletionRequest | ChatCompletionRequest) -> RequestPar
                                   min_p=req.min_p, seed=req.seed)
         return RequestParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
                              stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                             logprobs=logprobs)
+                             logprobs=logprobs, presence_penalty=req.presence_penalty,
+                             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)
     except ValueError as e:  # the dataclasses' messages start with the field's name
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
