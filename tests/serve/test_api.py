@@ -177,6 +177,13 @@ def test_penalties_reach_the_engine(client, model, lm) -> None:
     want = LLMEngine(lm.model, lm.tokenizer, EngineConfig(num_blocks=16)).generate(
         [ids], RequestParams(max_tokens=10, ignore_eos=True, repetition_penalty=1.3, **asked))[0]
     assert r.choices[0].text == want.text != plain
+    # logit_bias: -100 all but bans the greedy first token; +-1.5 on others moves them
+    first = lm.tokenizer.encode(plain)[0]
+    bias = {str(first): -100.0, "28": 1.5, "30": -1.5}
+    r = client.completions.create(**kw, logit_bias=bias, extra_body={"ignore_eos": True})
+    want = LLMEngine(lm.model, lm.tokenizer, EngineConfig(num_blocks=16)).generate(
+        [ids], RequestParams(max_tokens=10, ignore_eos=True, logit_bias=((first, -100.0), (28, 1.5), (30, -1.5))))[0]
+    assert r.choices[0].text == want.text and want.token_ids[0] != first
 
 
 def test_choice_seeds() -> None:
@@ -292,6 +299,12 @@ def test_prefix_cache_hits_show_in_metrics(client, model, server) -> None:
     ({"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
     ({"prompt": "hi", "frequency_penalty": "1"}, 400, "frequency_penalty"),
     ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"-5": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": "1"}}, 400, "logit_bias.5"),  # (the entry, as pydantic names it)
+    ({"prompt": "hi", "logit_bias": {str(10**6): 1}}, 400, "logit_bias"),  # outside the vocabulary
+    ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
     ({"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),

@@ -195,13 +195,17 @@ def test_logprobs_come_from_the_model_distribution(lm) -> None:
     assert [t for t, _ in first.top] == want.topk(3).indices.tolist()
 
 
-def penalised_greedy(lm, ids: list[int], n: int, presence: float, frequency: float, repetition: float):
+def penalised_greedy(lm, ids: list[int], n: int, presence: float, frequency: float, repetition: float,
+                     bias: tuple = ()):
     """The reference: each token the argmax of the whole sequence's last logits in float64, the
-    penalties written out (repetition over prompt and output, then frequency and presence)."""
+    bias and the penalties written out (the bias; repetition over prompt and output; then
+    frequency and presence)."""
     out: list[int] = []
     with torch.inference_mode():
         for _ in range(n):
             logits = lm.model(torch.tensor([ids + out]), lm.model.make_caches(KVCacheConfig()))[0, -1].double()
+            for token, b in bias:
+                logits[token] += b
             counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).double()
             seen = counts > 0
             seen[ids] = True
@@ -217,16 +221,21 @@ def test_penalties_give_the_reference_tokens(lm, async_scheduling) -> None:
     count = tok.encode("Count from one to twenty in words, separated by commas: one, two,")
     apple = tok.encode("Say it again and again: apple apple apple apple apple")
     engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=32, async_scheduling=async_scheduling))
+    (three,), (four,) = tok.encode(" three"), tok.encode(" four")
+    no_three, four_up = ((three, -100.0),), ((four, 3.0), (three, -1.5))
     rows = [(count, (0.0, 0.0, 1.0)), (count, (0.0, 0.5, 1.0)), (count, (0.5, 0.0, 1.0)),
-            (count, (0.3, 0.3, 1.1)), (apple, (0.0, 0.0, 1.0)), (apple, (0.0, 0.0, 1.3))]
-    params = [RequestParams(max_tokens=16, ignore_eos=True, presence_penalty=p, frequency_penalty=f,
-                            repetition_penalty=r) for _, (p, f, r) in rows]
+            (count, (0.3, 0.3, 1.1)), (apple, (0.0, 0.0, 1.0)), (apple, (0.0, 0.0, 1.3)),
+            (count, (0.0, 0.0, 1.0, no_three)), (count, (0.0, 0.5, 1.2, four_up))]
+    params = [RequestParams(max_tokens=16, ignore_eos=True, presence_penalty=k[0], frequency_penalty=k[1],
+                            repetition_penalty=k[2], logit_bias=k[3] if len(k) > 3 else ())
+              for _, k in rows]
     outs = engine.generate([ids for ids, _ in rows], params)  # one batch: each row its own penalties
     got = [list(o.token_ids) for o in outs]
     assert got == [penalised_greedy(lm, ids, 16, *k) for ids, k in rows]
-    plain, frequency, presence, mixed, apples, repeated = got
+    plain, frequency, presence, mixed, apples, repeated, banned, biased = got
     # each penalty moved the tokens, and frequency is not presence (a swap would show)
     assert frequency != plain and frequency != presence and mixed != plain and repeated != apples
+    assert plain[0] == three and three not in banned and biased != plain
     # logprobs stay the model's own: the second token's (penalised: " apple" again would lose 2)
     # is its log-probability under the unpenalised logits
     out = engine.generate([apple], RequestParams(max_tokens=2, logprobs=0, frequency_penalty=2.0))[0]

@@ -231,7 +231,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     # -- generation ----------------------------------------------------------------------------
     def refused(e: ValueError, prompt_param: str) -> APIError:
         code = "context_length_exceeded" if "context" in str(e) else None
-        return APIError(400, str(e), param=prompt_param, code=code)
+        field = str(e).split(" ", 1)[0]  # the engine's refusals of a field start with its name
+        return APIError(400, str(e), param=field if field in ("stop_token_ids", "logit_bias") else prompt_param,
+                        code=code)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:

@@ -158,22 +158,37 @@ class _Live:
     def __init__(self, request: Request, params: RequestParams, text: RowText, generator, now: float):
         self.request, self.params, self.text, self.generator = request, params, text, generator
         self.arrival, self.first_token = now, None
-        # penalties: the sampled tokens counted on the device (no wait for the host), and the
-        # prompt's tokens; made at the first sampled step, when the vocabulary is known
+        # bias and penalties: the sampled tokens counted on the device (no wait for the host), the
+        # prompt's tokens, the bias; made at the first sampled step, when the vocabulary is known
         self.counts: torch.Tensor | None = None
         self.prompt_seen: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
 
-    def penalise(self, logits: torch.Tensor) -> torch.Tensor:
-        """This request's penalties on its row ``logits`` ``[1, V]`` (a new tensor)."""
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """This request's bias, then its penalties, on its row ``logits`` ``[1, V]`` (a new tensor)."""
         p = self.params
         if self.counts is None:
-            self.counts = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device)
+            device = logits.device
+            self.counts = torch.zeros(logits.shape, dtype=torch.int32, device=device)
             if p.repetition_penalty != 1.0:
-                ids = torch.tensor(self.request.prompt_token_ids, device=logits.device).unsqueeze(0)
-                self.prompt_seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+                ids = _to_device(self.request.prompt_token_ids, torch.long, device).unsqueeze(0)
+                self.prompt_seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
                 self.prompt_seen.scatter_(1, ids, True)
+            if p.logit_bias:
+                ids, values = zip(*p.logit_bias, strict=True)
+                self.bias = torch.zeros(logits.shape, dtype=torch.float32, device=device)
+                self.bias[0, _to_device(ids, torch.long, device)] = _to_device(values, torch.float32, device)
+        if self.bias is not None:
+            logits = logits.float() + self.bias
         return apply_penalties(logits, self.counts, self.prompt_seen, presence=p.presence_penalty,
                                frequency=p.frequency_penalty, repetition=p.repetition_penalty)
+
+
+def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``; on CUDA through pinned memory, so that the copy does
+    not wait for the steps in flight."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 @dataclass(eq=False)
@@ -277,6 +292,9 @@ class LLMEngine:
         if outside:
             raise ValueError(f"stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab}); "
                              "no token could match them")
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab})")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context holds "
@@ -403,8 +421,8 @@ class LLMEngine:
         picked = logits.argmax(dim=-1)  # (n_sampled,)
         for i, lv in enumerate(lives):
             row = logits[i : i + 1]
-            if lv.params.penalised:
-                row = lv.penalise(row)
+            if lv.params.adjusts_logits:
+                row = lv.adjust(row)
                 if lv.params.sampling.greedy:
                     picked[i] = row.argmax(dim=-1)[0]
             if not lv.params.sampling.greedy:

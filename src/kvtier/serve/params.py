@@ -25,7 +25,9 @@ class RequestParams:
     else the log-probability of each chosen token and of the ``logprobs`` most likely
     alternatives (0 to :data:`MAX_LOGPROBS`); ``presence_penalty`` and ``frequency_penalty``
     (OpenAI's, -2 to 2) and ``repetition_penalty`` (vLLM's, > 0; 1 is off): see
-    :func:`kvtier.sampling.apply_penalties`. Logprobs stay those of the model's own logits.
+    :func:`kvtier.sampling.apply_penalties`; ``logit_bias``: ``(token_id, bias)`` pairs, each
+    bias in [-100, 100] added to its token's logit before the penalties (OpenAI's; -100 all
+    but bans a token). Logprobs stay those of the model's own logits.
     """
 
     max_tokens: int | None = None
@@ -37,10 +39,13 @@ class RequestParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
-    def penalised(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+    def adjusts_logits(self) -> bool:
+        """Whether a bias or a penalty moves this request's logits before it samples."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def __post_init__(self) -> None:
         m = self.max_tokens
@@ -65,6 +70,12 @@ class RequestParams:
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, int | float) or not (0 < r < math.inf):
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {r!r}")
+        if not isinstance(self.logit_bias, tuple) or not all(
+                isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int)
+                and not isinstance(pair[0], bool) and pair[0] >= 0 and isinstance(pair[1], int | float)
+                and not isinstance(pair[1], bool) and -100.0 <= pair[1] <= 100.0 for pair in self.logit_bias):
+            raise ValueError(f"logit_bias must be a tuple of (token id >= 0, bias in [-100, 100]) pairs, "
+                             f"got {self.logit_bias!r}")
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 
 Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with vLLM's
 extensions ``top_k``, ``min_p``, ``ignore_eos`` and ``repetition_penalty``; OpenAI's
-``presence_penalty`` and ``frequency_penalty``; ``n`` (at most :data:`MAX_CHOICES`)
+``presence_penalty``, ``frequency_penalty`` and ``logit_bias``; ``n`` (at most :data:`MAX_CHOICES`)
 asks for that many choices of one prompt. Fields the engine cannot honour
-(``best_of > 1``, ``echo``, ``suffix``, ``logit_bias``,
+(``best_of > 1``, ``echo``, ``suffix``,
 ``tools``, ``tool_choice``, ``functions``, a ``response_format`` other than text) are
 refused with a 400 naming the field, never silently ignored. Unknown fields are
 ignored, as OpenAI's clients send some (``user``, ``metadata``).
@@ -25,8 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_LOGPROBS, RequestParams
 
-__all__ = ["MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
+__all__ = ["MAX_CHOICES", "MAX_LOGIT_BIAS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
            "chat_messages", "request_params", "validation_error"]
+
+#: tokens one request's ``logit_bias`` may name
+MAX_LOGIT_BIAS = 1024
 
 #: choices one request may ask for (``n``; OpenAI's limit)
 MAX_CHOICES = 128
@@ -144,8 +147,7 @@ class _Common(BaseModel):
         """400 for a field the engine cannot honour, or a stop list beyond the bounds."""
         refused = (("min_tokens", self.min_tokens != 0, "min_tokens is not supported"),
                    ("include_stop_str_in_output", self.include_stop_str_in_output,
-                    "include_stop_str_in_output is not supported: stop strings are cut from the text"),
-                   ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"))
+                    "include_stop_str_in_output is not supported: stop strings are cut from the text"))
         refused += tuple((name, getattr(self, name) not in (None, False), f"{name} is not supported")
                          for name in VLLM_REFUSED)
         for param, bad, message in refused:
@@ -245,6 +247,25 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     return out
 
 
+def logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as strings, biases in [-100, 100]) as pairs; 400 for a
+    key that is not a token id, a bias out of range, or more than :data:`MAX_LOGIT_BIAS` entries."""
+    raw = raw or {}
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias holds {len(raw)} tokens; at most {MAX_LOGIT_BIAS} are accepted",
+                       param="logit_bias")
+    pairs = []
+    for key, bias in raw.items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias keys are token ids written as strings of digits, got {key!r}",
+                           param="logit_bias")
+        if not -100.0 <= bias <= 100.0:
+            raise APIError(400, f"logit_bias of token {key} is {bias!r}; a bias must be in [-100, 100]",
+                           param="logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
 def request_params(req: CompletionRequest | ChatCompletionRequest) -> RequestParams:
     """The engine's parameters of a request; 400 for values the sampler refuses."""
     req.check_supported()
@@ -260,6 +281,7 @@ def request_params(req: CompletionRequest | ChatCompletionRequest) -> RequestPar
         return RequestParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
                              stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                              logprobs=logprobs, presence_penalty=req.presence_penalty,
-                             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)
+                             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                             logit_bias=logit_bias(req.logit_bias))
     except ValueError as e:  # the dataclasses' messages start with the field's name
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
