@@ -433,9 +433,10 @@ class _Run:
 class RowText:
     """Text of one row: incremental detokenizing, stop tokens and strings, max tokens."""
 
-    def __init__(self, decoder, config: GenerationConfig, stop_ids: frozenset[int]):
+    def __init__(self, decoder, config: GenerationConfig, stop_ids: frozenset[int], min_tokens: int = 0):
         self.decoder, self.stop, self.stop_ids = decoder, config.stop, stop_ids
         self.max_tokens = config.max_tokens
+        self.min_tokens = min_tokens  # before this many tokens no stop string ends the row (vLLM's)
         self.held = ""  # decoded text not yet given out: it may begin a stop string
         self.count = 0
         self.done = False
@@ -445,7 +446,8 @@ class RowText:
         self.count += 1
         if token in self.stop_ids:
             return self._finish(self.held + self.decoder.flush(), "stop")
-        text, self.held, hit = split_at_stop(self.held + self.decoder.feed(token), self.stop)
+        stop = self.stop if self.count >= self.min_tokens else ()
+        text, self.held, hit = split_at_stop(self.held + self.decoder.feed(token), stop)
         if hit:
             return self._finish(text, "stop", flushed=True)
         if self.count >= self.max_tokens:

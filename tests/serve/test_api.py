@@ -248,7 +248,7 @@ def test_vllm_sampling_fields_are_served_or_refused(server, lm) -> None:
     r = httpx.post(f"{server}/v1/completions", json={**body, "stop_token_ids": [dot]}, timeout=60).json()
     assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 2
     assert r["choices"][0]["text"] == " Paris"
-    for field, value in (("min_tokens", 2), ("include_stop_str_in_output", True),
+    for field, value in (("include_stop_str_in_output", True),
                          ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("guided_json", {}),
                          ("truncate_prompt_tokens", 4), ("use_beam_search", True)):
         r = httpx.post(f"{server}/v1/completions", json={**body, field: value}, timeout=60)
@@ -299,6 +299,8 @@ def test_prefix_cache_hits_show_in_metrics(client, model, server) -> None:
     ({"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
     ({"prompt": "hi", "frequency_penalty": "1"}, 400, "frequency_penalty"),
     ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
+    ({"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ({"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"-5": 1}}, 400, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),

@@ -246,6 +246,33 @@ def test_penalties_give_the_reference_tokens(lm, async_scheduling) -> None:
     assert out.logprobs[1].logprob == pytest.approx(float(lp[out.token_ids[1]]), abs=1e-4)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_min_tokens_holds_back_the_stops(lm, async_scheduling) -> None:
+    tok = lm.tokenizer
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=32, async_scheduling=async_scheduling))
+    ids = chat(tok, "What is 2+2?")
+    plain, held = engine.generate([ids, ids], [RequestParams(max_tokens=40),
+                                               RequestParams(max_tokens=40, min_tokens=24)])
+    (eos,) = engine.eos_ids
+    k = len(plain.token_ids) - 1  # plain ends with the end-of-sequence token, early
+    assert plain.finish_reason == "stop" and plain.token_ids[-1] == eos and k < 24
+    assert held.token_ids[:k] == plain.token_ids[:k] and eos not in held.token_ids[:24]
+    assert len(held.token_ids) >= 24 and held.text.startswith(plain.text)
+    with torch.inference_mode():  # where plain stopped, held takes the best token but the end
+        logits = lm.model(torch.tensor([ids + list(plain.token_ids[:k])]),
+                          lm.model.make_caches(KVCacheConfig()))[0, -1].clone()
+        logits[eos] = float("-inf")
+    assert held.token_ids[k] == int(logits.argmax())
+    # a stop string found before min_tokens stays in the text; the next one ends it
+    count = tok.encode("1, 2, 3, 4,")
+    early, late = engine.generate([count, count], [RequestParams(max_tokens=12, stop=(",",)),
+                                                   RequestParams(max_tokens=12, stop=(",",), min_tokens=4)])
+    assert (early.text, early.finish_reason) == (" 5", "stop")
+    assert (late.text, late.finish_reason) == (" 5, 6", "stop")
+    with pytest.raises(ValueError, match=r"min_tokens must be an int in \[0, max_tokens\], got 5"):
+        RequestParams(max_tokens=4, min_tokens=5)
+
+
 def test_bad_requests_are_refused_and_change_nothing(lm) -> None:
     tok = lm.tokenizer
     engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=8, max_waiting=1))  # 128 tokens

@@ -163,6 +163,7 @@ class _Live:
         self.counts: torch.Tensor | None = None
         self.prompt_seen: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.stop_index: torch.Tensor | None = None  # the stop ids, held back before min_tokens
 
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
         """This request's bias, then its penalties, on its row ``logits`` ``[1, V]`` (a new tensor)."""
@@ -178,8 +179,13 @@ class _Live:
                 ids, values = zip(*p.logit_bias, strict=True)
                 self.bias = torch.zeros(logits.shape, dtype=torch.float32, device=device)
                 self.bias[0, _to_device(ids, torch.long, device)] = _to_device(values, torch.float32, device)
+            if p.min_tokens and self.text.stop_ids:
+                self.stop_index = _to_device(sorted(self.text.stop_ids), torch.long, device)
         if self.bias is not None:
             logits = logits.float() + self.bias
+        if self.stop_index is not None and self.request.num_output_tokens < p.min_tokens:  # no stop yet
+            logits = logits.float().clone() if self.bias is None else logits
+            logits[0, self.stop_index] = float("-inf")
         return apply_penalties(logits, self.counts, self.prompt_seen, presence=p.presence_penalty,
                                frequency=p.frequency_penalty, repetition=p.repetition_penalty)
 
@@ -311,7 +317,8 @@ class LLMEngine:
         request = Request(rid, ids, max_tokens)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer else None
-        text = RowText(decoder, GenerationConfig(max_tokens=max_tokens, stop=params.stop), stop_ids)
+        text = RowText(decoder, GenerationConfig(max_tokens=max_tokens, stop=params.stop), stop_ids,
+                       params.min_tokens)
         live = _Live(request, params, text, make_generator(params.sampling, self.device), time.monotonic())
         self.scheduler.add(request)  # the last check (queue bound): after it, nothing can fail
         self._live[rid] = live

@@ -27,7 +27,9 @@ class RequestParams:
     (OpenAI's, -2 to 2) and ``repetition_penalty`` (vLLM's, > 0; 1 is off): see
     :func:`kvtier.sampling.apply_penalties`; ``logit_bias``: ``(token_id, bias)`` pairs, each
     bias in [-100, 100] added to its token's logit before the penalties (OpenAI's; -100 all
-    but bans a token). Logprobs stay those of the model's own logits.
+    but bans a token); ``min_tokens`` (vLLM's): until that many tokens are out, the
+    end-of-sequence and stop ids are not sampled and no stop string ends the text (one
+    found by then stays in it). Logprobs stay those of the model's own logits.
     """
 
     max_tokens: int | None = None
@@ -40,12 +42,13 @@ class RequestParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     @property
     def adjusts_logits(self) -> bool:
         """Whether a bias or a penalty moves this request's logits before it samples."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
 
     def __post_init__(self) -> None:
         m = self.max_tokens
@@ -70,6 +73,10 @@ class RequestParams:
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, int | float) or not (0 < r < math.inf):
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {r!r}")
+        k = self.min_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0 or (m is not None and k > m):
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens], got {k!r} "
+                             f"(max_tokens {m!r})")
         if not isinstance(self.logit_bias, tuple) or not all(
                 isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int)
                 and not isinstance(pair[0], bool) and pair[0] >= 0 and isinstance(pair[1], int | float)

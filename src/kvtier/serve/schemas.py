@@ -2,7 +2,7 @@
 :class:`~kvtier.serve.params.RequestParams`.
 
 Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with vLLM's
-extensions ``top_k``, ``min_p``, ``ignore_eos`` and ``repetition_penalty``; OpenAI's
+extensions ``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty`` and ``min_tokens``; OpenAI's
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``; ``n`` (at most :data:`MAX_CHOICES`)
 asks for that many choices of one prompt. Fields the engine cannot honour
 (``best_of > 1``, ``echo``, ``suffix``,
@@ -124,7 +124,7 @@ class _Common(BaseModel):
     # vLLM's extensions: stop_token_ids is served; the others are refused, never ignored
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     repetition_penalty: float = Field(1.0, gt=0.0)
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     allowed_token_ids: Any = None
     bad_words: Any = None
@@ -145,9 +145,8 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         """400 for a field the engine cannot honour, or a stop list beyond the bounds."""
-        refused = (("min_tokens", self.min_tokens != 0, "min_tokens is not supported"),
-                   ("include_stop_str_in_output", self.include_stop_str_in_output,
-                    "include_stop_str_in_output is not supported: stop strings are cut from the text"))
+        refused = (("include_stop_str_in_output", self.include_stop_str_in_output,
+                    "include_stop_str_in_output is not supported: stop strings are cut from the text"),)
         refused += tuple((name, getattr(self, name) not in (None, False), f"{name} is not supported")
                          for name in VLLM_REFUSED)
         for param, bad, message in refused:
@@ -282,6 +281,6 @@ def request_params(req: CompletionRequest | ChatCompletionRequest) -> RequestPar
                              stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                              logprobs=logprobs, presence_penalty=req.presence_penalty,
                              frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                             logit_bias=logit_bias(req.logit_bias))
+                             logit_bias=logit_bias(req.logit_bias), min_tokens=req.min_tokens)
     except ValueError as e:  # the dataclasses' messages start with the field's name
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
