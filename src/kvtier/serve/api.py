@@ -339,6 +339,13 @@ def choice_params(params: RequestParams, i: int) -> RequestParams:
 async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """``(i, output)`` of the streams as their outputs come. Leaving early (or a stream's
     failure) closes every stream, so each unfinished request is aborted."""
+    if len(streams) == 1:  # the usual request: no task and no wait a token
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
     pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
     try:
         while pending:

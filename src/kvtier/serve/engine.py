@@ -158,36 +158,56 @@ class _Live:
     def __init__(self, request: Request, params: RequestParams, text: RowText, generator, now: float):
         self.request, self.params, self.text, self.generator = request, params, text, generator
         self.arrival, self.first_token = now, None
-        # bias and penalties: the sampled tokens counted on the device (no wait for the host), the
-        # prompt's tokens, the bias; made at the first sampled step, when the vocabulary is known
-        self.counts: torch.Tensor | None = None
-        self.prompt_seen: torch.Tensor | None = None
+        # what moves its logits (RequestParams.adjusts_logits), on the device, made at its first
+        # sampled step (when the vocabulary is known): the bias; the stop ids held back before
+        # min_tokens; for penalties, the sampled tokens' counts (grown as they are sampled, no
+        # wait for the host) and the prompt's tokens
+        self.prepared = False
         self.bias: torch.Tensor | None = None
-        self.stop_index: torch.Tensor | None = None  # the stop ids, held back before min_tokens
+        self.stop_index: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        self.one: torch.Tensor | None = None  # the count of one sampled token
+        self.prompt_seen: torch.Tensor | None = None
+
+    def _prepare(self, logits: torch.Tensor) -> None:
+        p, device, shape = self.params, logits.device, logits.shape
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias, strict=True)
+            self.bias = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.bias[0, _to_device(ids, torch.long, device)] = _to_device(values, torch.float32, device)
+        if p.min_tokens and self.text.stop_ids:
+            self.stop_index = _to_device(sorted(self.text.stop_ids), torch.long, device)
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            self.counts = torch.zeros(shape, dtype=torch.int32, device=device)
+            self.one = torch.ones(1, dtype=torch.int32, device=device)
+        if p.repetition_penalty != 1.0:
+            ids = _to_device(self.request.prompt_token_ids, torch.long, device).unsqueeze(0)
+            self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=device).scatter_(1, ids, True)
+        self.prepared = True
 
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
-        """This request's bias, then its penalties, on its row ``logits`` ``[1, V]`` (a new tensor)."""
+        """This request's bias, min_tokens' hold on the stop ids, then its penalties, on its row
+        ``logits`` ``[1, V]``: a new tensor where any applies (logprobs read the model's own)."""
+        if not self.prepared:
+            self._prepare(logits)
         p = self.params
-        if self.counts is None:
-            device = logits.device
-            self.counts = torch.zeros(logits.shape, dtype=torch.int32, device=device)
-            if p.repetition_penalty != 1.0:
-                ids = _to_device(self.request.prompt_token_ids, torch.long, device).unsqueeze(0)
-                self.prompt_seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
-                self.prompt_seen.scatter_(1, ids, True)
-            if p.logit_bias:
-                ids, values = zip(*p.logit_bias, strict=True)
-                self.bias = torch.zeros(logits.shape, dtype=torch.float32, device=device)
-                self.bias[0, _to_device(ids, torch.long, device)] = _to_device(values, torch.float32, device)
-            if p.min_tokens and self.text.stop_ids:
-                self.stop_index = _to_device(sorted(self.text.stop_ids), torch.long, device)
+        hold = self.stop_index is not None and self.request.num_output_tokens < p.min_tokens
+        if self.bias is None and self.counts is None and not hold:
+            return logits
+        out = logits.float().clone()
         if self.bias is not None:
-            logits = logits.float() + self.bias
-        if self.stop_index is not None and self.request.num_output_tokens < p.min_tokens:  # no stop yet
-            logits = logits.float().clone() if self.bias is None else logits
-            logits[0, self.stop_index] = float("-inf")
-        return apply_penalties(logits, self.counts, self.prompt_seen, presence=p.presence_penalty,
-                               frequency=p.frequency_penalty, repetition=p.repetition_penalty)
+            out += self.bias
+        if hold:  # no stop yet
+            out[0, self.stop_index] = float("-inf")
+        if self.counts is not None:
+            out = apply_penalties(out, self.counts, self.prompt_seen, presence=p.presence_penalty,
+                                  frequency=p.frequency_penalty, repetition=p.repetition_penalty)
+        return out
+
+    def count(self, token: torch.Tensor) -> None:
+        """Count the sampled ``token`` (``[1]`` on the device) for the penalties."""
+        if self.counts is not None:
+            self.counts[0].index_add_(0, token, self.one)
 
 
 def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -393,8 +413,6 @@ class LLMEngine:
             rid = req.request_id
             live = self._live.get(rid)
             if live is None or live.request is not req or req.token_ids[-1] != PENDING:
-                if live is not None and live.request is req and live.counts is not None:
-                    live.counts[0, token] -= 1  # counted when it was sampled
                 continue  # it ended before its booking or since (a stop, an abort): the token is dropped
             self.scheduler.set_token(req, token)
             text, reason = self._push(live, token)
@@ -434,8 +452,7 @@ class LLMEngine:
                     picked[i] = row.argmax(dim=-1)[0]
             if not lv.params.sampling.greedy:
                 picked[i] = sample(row, lv.params.sampling, lv.generator)[0]
-            if lv.counts is not None:
-                lv.counts[0].index_add_(0, picked[i : i + 1], torch.ones(1, dtype=torch.int32, device=picked.device))
+            lv.count(picked[i : i + 1])
         logprobs = {}
         for i, lv in enumerate(lives):
             top = lv.params.logprobs
