@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="kvtier schedules a step while the GPU runs the one before (default: on CUDA)")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers contender")
+    parser.add_argument("--penalties", action="store_true",
+                        help="every request with presence 0.5, frequency 0.5 and repetition 1.1 "
+                             "penalties (their cost a step; needs --skip-hf)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
@@ -122,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--input-len MIN,MAX needs 1 <= MIN <= MAX; --output-len and --num-requests >= 1; "
                          f"got --input-len {lo},{hi} --output-len {args.output_len} "
                          f"--num-requests {args.num_requests}")
+    if args.penalties and not args.skip_hf:
+        raise ValueError("--penalties needs --skip-hf: transformers' generate_batch takes no per-request "
+                         "penalties, so its tokens could not be compared")
     model, label = load(args, device)
     rng = random.Random(args.seed)
     vocab = model.args.vocab_size
@@ -181,12 +187,16 @@ def engine_config(args, device: torch.device, prompts: list[list[int]]):
         async_scheduling=args.async_scheduling, enable_prefix_caching=False)  # random prompts share nothing; no hashing to pay for
 
 
-def drive(engine, prompts: list[list[int]], output_len: int, concurrency: int, rate: float, seed: int):
+def drive(engine, prompts: list[list[int]], output_len: int, concurrency: int, rate: float, seed: int,
+          penalties: bool = False):
     """Send ``prompts`` to ``engine`` (``concurrency`` in flight, ``rate`` per second) and step it
     until all finish; ``(duration, ttft, tpot, tokens)`` with times relative to the first send."""
     from kvtier.serve.params import RequestParams
 
     params = RequestParams(max_tokens=output_len, ignore_eos=True)
+    if penalties:
+        params = RequestParams(max_tokens=output_len, ignore_eos=True, presence_penalty=0.5,
+                               frequency_penalty=0.5, repetition_penalty=1.1)
     rng = random.Random(seed)
     t, arrival = 0.0, []
     for _ in prompts:
@@ -234,16 +244,17 @@ def run_kvtier(model, prompts, args, device) -> Result:
 
     engine = LLMEngine(model, None, engine_config(args, device, prompts))
     concurrency = args.concurrency or len(prompts)
-    drive(engine, warmup_prompts(prompts, device), 4, concurrency, math.inf, args.seed)  # warm-up
+    drive(engine, warmup_prompts(prompts, device), 4, concurrency, math.inf, args.seed, args.penalties)  # warm-up
     freeze_startup_heap()  # as `kvtier serve` does once it has started
     try:
         duration, ttft, tpot, tokens = drive(engine, prompts, args.output_len, concurrency,
-                                             args.request_rate, args.seed)
+                                             args.request_rate, args.seed, args.penalties)
     finally:
         gc.unfreeze()  # the engine can be collected once it is done; the contender runs next
     s = engine.stats()
     graphs = "CUDA graphs" if engine.runner.graphs is not None else "eager"
-    note = (f"{graphs}, {s['kv_storage']} pages, {s['num_blocks']} blocks, {s['preemptions']} "
+    note = (f"{graphs}, {'penalties, ' if args.penalties else ''}{s['kv_storage']} pages, "
+            f"{s['num_blocks']} blocks, {s['preemptions']} "
             f"preemptions, max_num_seqs {engine.config.max_num_seqs}, "
             f"max_batched_tokens {engine.scheduler.config.max_batched_tokens}")
     return Result("kvtier LLMEngine", len(prompts), sum(map(len, tokens)), duration, ttft, tpot, tokens, note)

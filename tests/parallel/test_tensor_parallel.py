@@ -212,6 +212,24 @@ def test_cli_generate_three_ranks_equals_one(lm, capfd):
     assert sharded["tokens"] == want
 
 
+def _tiny_gpu_rank(tp: TensorParallel):
+    model = shard_model(build_random(TINY, device=tp.device, std=0.3), tp)
+    return {name: greedy(model, config, prompts)[0] for name, config, prompts in TIERS}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_ranks_meet_over_nccl_and_give_one_process_tokens(monkeypatch):
+    """Spawned ranks, one a GPU (one on a one-GPU machine, two where there are two), meet
+    over NCCL at the launcher's store; every tier's greedy tokens are one process's."""
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # multicast stays off on a shared host
+    ranks = min(2, torch.cuda.device_count())
+    got = launch(_tiny_gpu_rank, ranks, device_type="cuda", timeout_s=60, deadline_s=DEADLINE_S)
+    model = build_random(TINY, device="cuda", std=0.3)
+    for name, config, prompts in TIERS:
+        assert got[name] == greedy(model, config, prompts)[0], name
+
+
 # -- spawned ranks that fail ---------------------------------------------------------------------------
 def _raising_rank(tp: TensorParallel):
     x = torch.ones(4)

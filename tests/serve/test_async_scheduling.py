@@ -203,6 +203,31 @@ def test_gpu_async_gives_the_synchronous_outputs(graphs) -> None:
     assert LLMEngine(tiny("cuda"), None, EngineConfig(num_blocks=8)).async_scheduling is True  # CUDA default
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_penalties_give_the_reference_tokens(graphs) -> None:
+    """Eight rows of one batch, each its own penalties and bias, scheduled asynchronously on
+    CUDA (the counts and the bias on the device, with and without CUDA graphs): the tokens of
+    the float64 reference loop of tests/serve/test_engine.py on the same model."""
+    from test_engine import penalised_greedy
+
+    model = tiny("cuda")
+    rng = random.Random(1)
+    kinds = [(0.0, 0.0, 1.0), (0.0, 1.5, 1.0), (1.5, 0.0, 1.0), (0.8, 0.8, 1.5), (0.0, 0.0, 2.0),
+             (0.0, 2.0, 1.0), (0.0, 0.0, 1.0, ((7, -100.0), (9, 5.0))), (0.0, 0.5, 1.2, ((3, 3.0),))]
+    rows = [([rng.randrange(256) for _ in range(rng.randint(3, 40))], k) for k in kinds]
+    params = [RequestParams(max_tokens=16, presence_penalty=k[0], frequency_penalty=k[1],
+                            repetition_penalty=k[2], logit_bias=k[3] if len(k) > 3 else ())
+              for _, k in rows]
+    engine = LLMEngine(model, None, EngineConfig(num_blocks=64, cuda_graph=graphs))
+    assert engine.async_scheduling
+    got = [list(o.token_ids) for o in engine.generate([ids for ids, _ in rows], params)]
+    assert got == [penalised_greedy(model, ids, 16, *k) for ids, k in rows]
+    unpenalised = [list(o.token_ids) for o in engine.generate([ids for ids, _ in rows], RequestParams(max_tokens=16))]
+    assert got[0] == unpenalised[0] and sum(g != u for g, u in zip(got, unpenalised)) >= 5  # most moved
+
+
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_random_workloads_give_the_synchronous_outputs(data) -> None:

@@ -195,15 +195,17 @@ def test_logprobs_come_from_the_model_distribution(lm) -> None:
     assert [t for t, _ in first.top] == want.topk(3).indices.tolist()
 
 
-def penalised_greedy(lm, ids: list[int], n: int, presence: float, frequency: float, repetition: float,
+def penalised_greedy(model, ids: list[int], n: int, presence: float, frequency: float, repetition: float,
                      bias: tuple = ()):
     """The reference: each token the argmax of the whole sequence's last logits in float64, the
     bias and the penalties written out (the bias; repetition over prompt and output; then
     frequency and presence)."""
     out: list[int] = []
+    device = model.tok_embeddings.weight.device
     with torch.inference_mode():
         for _ in range(n):
-            logits = lm.model(torch.tensor([ids + out]), lm.model.make_caches(KVCacheConfig()))[0, -1].double()
+            caches = model.make_caches(KVCacheConfig())
+            logits = model(torch.tensor([ids + out], device=device), caches)[0, -1].double().cpu()
             for token, b in bias:
                 logits[token] += b
             counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).double()
@@ -231,7 +233,7 @@ def test_penalties_give_the_reference_tokens(lm, async_scheduling) -> None:
               for _, k in rows]
     outs = engine.generate([ids for ids, _ in rows], params)  # one batch: each row its own penalties
     got = [list(o.token_ids) for o in outs]
-    assert got == [penalised_greedy(lm, ids, 16, *k) for ids, k in rows]
+    assert got == [penalised_greedy(lm.model, ids, 16, *k) for ids, k in rows]
     plain, frequency, presence, mixed, apples, repeated, banned, biased = got
     # each penalty moved the tokens, and frequency is not presence (a swap would show)
     assert frequency != plain and frequency != presence and mixed != plain and repeated != apples
