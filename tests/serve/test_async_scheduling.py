@@ -228,6 +228,39 @@ def test_gpu_penalties_give_the_reference_tokens(graphs) -> None:
     assert got[0] == unpenalised[0] and sum(g != u for g, u in zip(got, unpenalised)) >= 5  # most moved
 
 
+def check_prompt_logprobs(device: str) -> None:
+    """Prompts of 500, 40 and 3 tokens asking for prompt logprobs: each entry the whole
+    prompt's forward's, however the engine chunked and packed them."""
+    from kvtier.config import KVCacheConfig
+
+    model = tiny(device)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (500, 40, 3)]
+    tops = (5, 0, 20)
+    engine = LLMEngine(model, None, EngineConfig(num_blocks=128, max_num_seqs=8, max_batched_tokens=256))
+    outs = engine.generate(prompts, [RequestParams(max_tokens=4, prompt_logprobs=k) for k in tops])
+    for ids, out, k in zip(prompts, outs, tops, strict=True):
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids], device=device), model.make_caches(KVCacheConfig()))[0]
+        want = torch.log_softmax(logits.double(), dim=-1).cpu()
+        got = out.prompt_logprobs
+        assert len(got) == len(ids) and got[0] is None and out.cached_tokens == 0
+        assert [g.token_id for g in got[1:]] == ids[1:]
+        assert [g.logprob for g in got[1:]] == pytest.approx(want[range(len(ids) - 1), ids[1:]].tolist(), abs=2e-3)
+        for i in range(1, len(ids)):
+            assert [t for t, _ in got[i].top] == want[i - 1].topk(k).indices.tolist()
+
+
+def test_prompt_logprobs_of_chunked_and_packed_prompts() -> None:
+    check_prompt_logprobs("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_prompt_logprobs_of_chunked_and_packed_prompts() -> None:
+    check_prompt_logprobs("cuda")  # asynchronous, CUDA graphs, packed steps, padded LM-head rows
+
+
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_random_workloads_give_the_synchronous_outputs(data) -> None:

@@ -275,6 +275,60 @@ def test_min_tokens_holds_back_the_stops(lm, async_scheduling) -> None:
         RequestParams(max_tokens=4, min_tokens=5)
 
 
+def prompt_reference(lm, ids: list[int]) -> torch.Tensor:
+    """Log-probabilities ``[T, V]`` of the whole prompt's forward, in float64."""
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([ids]), lm.model.make_caches(KVCacheConfig()))[0]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def assert_prompt_logprobs(got, ids: list[int], want: torch.Tensor, top: int) -> None:
+    """One entry a prompt token, ``None`` first; each the token's and its ``top`` best logprobs."""
+    assert len(got) == len(ids) and got[0] is None
+    for i in range(1, len(ids)):
+        assert got[i].token_id == ids[i]
+        assert got[i].logprob == pytest.approx(float(want[i - 1, ids[i]]), abs=1e-4)
+        assert [t for t, _ in got[i].top] == want[i - 1].topk(top).indices.tolist()
+        assert [v for _, v in got[i].top] == pytest.approx(want[i - 1].topk(top).values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "packed"])
+def test_prompt_logprobs_are_the_models_own(lm, mode) -> None:
+    tok = lm.tokenizer
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 3)  # 31 tokens
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=64, max_batched_tokens=16, max_num_seqs=4,
+                                                   async_scheduling=mode != "sync"))
+    if mode == "packed":  # CUDA's ways: decode rows in the prompt chunks' forward, its LM head's rows padded
+        engine.runner.decode_in_prompt_steps, engine.runner.logit_buckets = True, [1, 2, 4, 8]
+    (plain,) = engine.generate([ids], RequestParams(max_tokens=3))  # its prefix cached
+    asked, short, again = engine.generate([ids, ids[:7], ids], [
+        RequestParams(max_tokens=3, prompt_logprobs=3), RequestParams(max_tokens=3, prompt_logprobs=0),
+        RequestParams(max_tokens=3)])
+    want = prompt_reference(lm, ids)
+    assert_prompt_logprobs(asked.prompt_logprobs, ids, want, 3)  # chunked 16 tokens a step
+    assert_prompt_logprobs(short.prompt_logprobs, ids[:7], prompt_reference(lm, ids[:7]), 0)
+    # every position computed, not read from the cache; the tokens as without
+    assert asked.cached_tokens == 0 and again.cached_tokens == 16 and again.prompt_logprobs is None
+    assert asked.token_ids == again.token_ids == plain.token_ids and plain.prompt_logprobs is None
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be None or an int in \[0, 20\], got 21"):
+        RequestParams(prompt_logprobs=21)
+
+
+def test_prompt_logprobs_survive_a_preemption_half_way(lm) -> None:
+    """The request is preempted after its first chunks and computes its prompt again: each
+    prompt token's logprob comes once, equal to the model's."""
+    tok = lm.tokenizer
+    long_ids = tok.encode("Count the words: one two three four five six seven eight nine ten. " * 4)[:60]
+    first = tok.encode("Write a story about a cat who lives in a big old house by the sea:")[:15]
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=5, max_batched_tokens=16, max_num_seqs=4))
+    older, asked = engine.generate([first, long_ids], [RequestParams(max_tokens=40, ignore_eos=True),
+                                                       RequestParams(max_tokens=3, prompt_logprobs=2)])
+    assert engine.stats()["preemptions"] >= 1  # the older request's second block took the newer's
+    assert_prompt_logprobs(asked.prompt_logprobs, long_ids, prompt_reference(lm, long_ids), 2)
+    assert asked.token_ids == engine.generate([long_ids], RequestParams(max_tokens=3))[0].token_ids
+    assert engine.stats()["free_blocks"] == 5
+
+
 def test_bad_requests_are_refused_and_change_nothing(lm) -> None:
     tok = lm.tokenizer
     engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=8, max_waiting=1))  # 128 tokens

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.serve.prefix import BlockManager
-from kvtier.serve.scheduler import QueueFull, Request, Scheduler, SchedulerConfig, StepBatch
+from kvtier.serve.scheduler import PROMPT_LOGITS_CHUNK, QueueFull, Request, Scheduler, SchedulerConfig, StepBatch
 
 
 def next_token(tokens: list[int]) -> int:
@@ -121,6 +121,32 @@ def test_prefix_hit_skips_the_cached_blocks() -> None:
     assert (first.start, first.token_ids) == (12, (3,)) and s.requests["b"].num_cached_tokens == 12
     assert (bm.prefix_hits, bm.prefix_queries) == (12, 14 + 13)
     assert out["a"] == alone(system + [1, 2], 2)
+
+
+def test_a_request_wanting_its_prompts_logits_skips_the_cache_and_takes_small_chunks() -> None:
+    """No prefix hit (every position must be computed), chunks of PROMPT_LOGITS_CHUNK tokens
+    marked all_logits while the prompt runs, beside a request that takes the rest of the budget."""
+    bm = BlockManager(512, 16)
+    s = Scheduler(SchedulerConfig(max_model_len=4096, max_batched_tokens=2048), bm)
+    system = list(range(1, 65))
+    run(s, {0: [Request("a", system + [1, 2], max_tokens=2)]})  # 4 blocks cached
+    ids = system + [7] * (2 * PROMPT_LOGITS_CHUNK + 100)
+    b, c = Request("b", ids, max_tokens=2, prompt_logits=True), Request("c", system + [9] * 3000, max_tokens=2)
+    s.add(b)
+    s.add(c)
+    rows = []
+    for _ in range(3):
+        batch = s.schedule()
+        rows.append([(r.request_id, r.start, len(r.token_ids), r.all_logits) for r in batch.rows])
+        s.update(batch, {rid: 1 for rid in batch.sampled})
+    k = PROMPT_LOGITS_CHUNK
+    assert rows[0] == [("b", 0, k, True), ("c", 64, 2048 - k, False)]  # c's cached 64 skipped
+    assert rows[1] == [("b", k, k, True), ("c", 64 + 2048 - k, 3064 - (2112 - k), False)]
+    assert rows[2] == [("c", 3064, 1, False), ("b", 2 * k, 164, True)]  # c decodes; b's last chunk
+    assert b.num_cached_tokens == 0 and c.num_cached_tokens == 64
+    b.prompt_logits = False  # (what the engine does once it has them)
+    assert [(r.request_id, r.start, len(r.token_ids), r.all_logits) for r in s.schedule().rows] == [
+        ("b", len(ids), 1, False)]
 
 
 def test_admission_waits_for_blocks_and_preemption_recomputes() -> None:

@@ -53,13 +53,14 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from kvtier.generate import GenerationConfig, RowText
 from kvtier.quant.modes import TurboQuantConfig, check_kv_quant, check_turboquant
-from kvtier.sampling import apply_penalties, make_generator, sample
+from kvtier.sampling import make_generator, sample
+from kvtier.serve.live import Live
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.prefix import BlockManager
 from kvtier.serve.runner import ModelRunner, PendingTokens, blocks_for_memory
@@ -152,71 +153,6 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
 
 
-class _Live:
-    """The engine's side of one running request: text, sampling, times."""
-
-    def __init__(self, request: Request, params: RequestParams, text: RowText, generator, now: float):
-        self.request, self.params, self.text, self.generator = request, params, text, generator
-        self.arrival, self.first_token = now, None
-        # what moves its logits (RequestParams.adjusts_logits), on the device, made at its first
-        # sampled step (when the vocabulary is known): the bias; the stop ids held back before
-        # min_tokens; for penalties, the sampled tokens' counts (grown as they are sampled, no
-        # wait for the host) and the prompt's tokens
-        self.prepared = False
-        self.bias: torch.Tensor | None = None
-        self.stop_index: torch.Tensor | None = None
-        self.counts: torch.Tensor | None = None
-        self.one: torch.Tensor | None = None  # the count of one sampled token
-        self.prompt_seen: torch.Tensor | None = None
-
-    def _prepare(self, logits: torch.Tensor) -> None:
-        p, device, shape = self.params, logits.device, logits.shape
-        if p.logit_bias:
-            ids, values = zip(*p.logit_bias, strict=True)
-            self.bias = torch.zeros(shape, dtype=torch.float32, device=device)
-            self.bias[0, _to_device(ids, torch.long, device)] = _to_device(values, torch.float32, device)
-        if p.min_tokens and self.text.stop_ids:
-            self.stop_index = _to_device(sorted(self.text.stop_ids), torch.long, device)
-        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-            self.counts = torch.zeros(shape, dtype=torch.int32, device=device)
-            self.one = torch.ones(1, dtype=torch.int32, device=device)
-        if p.repetition_penalty != 1.0:
-            ids = _to_device(self.request.prompt_token_ids, torch.long, device).unsqueeze(0)
-            self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=device).scatter_(1, ids, True)
-        self.prepared = True
-
-    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
-        """This request's bias, min_tokens' hold on the stop ids, then its penalties, on its row
-        ``logits`` ``[1, V]``: a new tensor where any applies (logprobs read the model's own)."""
-        if not self.prepared:
-            self._prepare(logits)
-        p = self.params
-        hold = self.stop_index is not None and self.request.num_output_tokens < p.min_tokens
-        if self.bias is None and self.counts is None and not hold:
-            return logits
-        out = logits.float().clone()
-        if self.bias is not None:
-            out += self.bias
-        if hold:  # no stop yet
-            out[0, self.stop_index] = float("-inf")
-        if self.counts is not None:
-            out = apply_penalties(out, self.counts, self.prompt_seen, presence=p.presence_penalty,
-                                  frequency=p.frequency_penalty, repetition=p.repetition_penalty)
-        return out
-
-    def count(self, token: torch.Tensor) -> None:
-        """Count the sampled ``token`` (``[1]`` on the device) for the penalties."""
-        if self.counts is not None:
-            self.counts[0].index_add_(0, token, self.one)
-
-
-def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a tensor on ``device``; on CUDA through pinned memory, so that the copy does
-    not wait for the steps in flight."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
 @dataclass(eq=False)
 class _Launched:
     """A step on its way: what it runs, its sampled tokens on the device and their copy
@@ -228,6 +164,8 @@ class _Launched:
     host: torch.Tensor  # (n_sampled,) its host copy, valid once ready
     logprobs: dict[str, tuple[torch.Tensor, ...]]  # request id -> host (chosen, top values, top ids)
     ready: torch.cuda.Event | None
+    # request id -> (its request, first position, host (chosen, top values, top ids)) of its prompt
+    prompt_logprobs: dict[str, tuple[Request, int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
 
     @property
     def pending(self) -> PendingTokens:
@@ -280,7 +218,7 @@ class LLMEngine:
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._inflight: _Launched | None = None
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, Live] = {}
         self._lock = threading.RLock()  # one call at a time (module docstring)
         self._ids = itertools.count()
         self.steps = self.prompt_tokens = self.generation_tokens = 0
@@ -339,7 +277,7 @@ class LLMEngine:
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer else None
         text = RowText(decoder, GenerationConfig(max_tokens=max_tokens, stop=params.stop), stop_ids,
                        params.min_tokens)
-        live = _Live(request, params, text, make_generator(params.sampling, self.device), time.monotonic())
+        live = Live(request, params, text, make_generator(params.sampling, self.device), time.monotonic())
         self.scheduler.add(request)  # the last check (queue bound): after it, nothing can fail
         self._live[rid] = live
         self.prompt_tokens += len(ids)
@@ -390,12 +328,18 @@ class LLMEngine:
             tokens, logprobs = self._sample(lives, logits)
             host = tokens.to("cpu", non_blocking=True)  # pinned on CUDA: the copy does not block
             logprobs = {rid: tuple(t.to("cpu", non_blocking=True) for t in v) for rid, v in logprobs.items()}
+            prompt = {}
+            for rid, (start, rows) in self.runner.prompt_logits.items():
+                live = self._live[rid]
+                got = live.prompt_logprobs(start, rows)
+                if got is not None:
+                    prompt[rid] = (live.request, start, got)
         ready = None
         if tokens.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
         self.steps += 1
-        return _Launched(batch, tuple(lv.request for lv in lives), tokens, host, logprobs, ready)
+        return _Launched(batch, tuple(lv.request for lv in lives), tokens, host, logprobs, ready, prompt)
 
     def _book(self, step: _Launched) -> None:
         """Book ``step`` in the scheduler, its sampled tokens as :data:`PENDING` (each one its
@@ -408,6 +352,10 @@ class LLMEngine:
             step.ready.synchronize()
         tokens = step.host.tolist()
         now = time.monotonic()
+        for rid, (req, start, got) in step.prompt_logprobs.items():
+            live = self._live.get(rid)
+            if live is not None and live.request is req:  # (not ended since)
+                live.take_prompt(start, *(t.tolist() for t in got))
         outputs = []
         for req, token in zip(step.requests, tokens):
             rid = req.request_id
@@ -425,18 +373,18 @@ class LLMEngine:
             outputs.append(RequestOutput(
                 rid, text, (token,), reason, req.num_prompt_tokens, req.num_output_tokens,
                 req.num_cached_tokens, None if lp is None else self._logprobs(token, *lp), live.arrival,
-                live.first_token, now if reason is not None else None))
+                live.first_token, now if reason is not None else None, live.give_prompt()))
         self.generation_tokens += len(outputs)
         return outputs
 
-    def _push(self, live: _Live, token: int) -> tuple[str, str | None]:
+    def _push(self, live: Live, token: int) -> tuple[str, str | None]:
         if live.text.decoder is None:  # no tokenizer: ids only, stops by id and by length
             if token in live.text.stop_ids:
                 return "", "stop"
             return "", "length" if live.request.num_output_tokens >= live.request.max_tokens else None
         return live.text.push(token)
 
-    def _sample(self, lives: Sequence[_Live], logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def _sample(self, lives: Sequence[Live], logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """One token per sampled row on the device (greedy rows in one argmax), and for the
         rows that ask, the device tensors of their logprobs: the token's and the top ones."""
         if not lives:
@@ -566,6 +514,7 @@ class LLMEngine:
                 if prev is not None:
                     lp = None if out.logprobs is None else (prev.logprobs or ()) + out.logprobs
                     out = replace(out, text=prev.text + out.text, token_ids=prev.token_ids + out.token_ids,
-                                  logprobs=lp, first_token_time=prev.first_token_time)
+                                  logprobs=lp, first_token_time=prev.first_token_time,
+                                  prompt_logprobs=prev.prompt_logprobs)
                 merged[out.request_id] = out
         return [merged[r] for r in rids]

@@ -30,6 +30,12 @@ class RequestParams:
     but bans a token); ``min_tokens`` (vLLM's): until that many tokens are out, the
     end-of-sequence and stop ids are not sampled and no stop string ends the text (one
     found by then stays in it). Logprobs stay those of the model's own logits.
+    ``prompt_logprobs``: ``None`` for none, else the log-probability of each prompt token
+    after the first, given the tokens before it, and of the ``prompt_logprobs`` most likely
+    alternatives there (0 to :data:`MAX_LOGPROBS`); they come with the request's first output
+    (:attr:`RequestOutput.prompt_logprobs`). Such a request computes its whole prompt (no
+    prefix-cache hit) in chunks of at most
+    :data:`~kvtier.serve.scheduler.PROMPT_LOGITS_CHUNK` tokens.
     """
 
     max_tokens: int | None = None
@@ -43,6 +49,7 @@ class RequestParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     @property
     def adjusts_logits(self) -> bool:
@@ -63,9 +70,10 @@ class RequestParams:
             raise ValueError(f"stop_token_ids must be a tuple of ints >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        n = self.logprobs
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not -2.0 <= v <= 2.0:
@@ -104,6 +112,8 @@ class RequestOutput:
     ``finish_reason`` is ``None`` while it runs, then ``"stop"`` (an end-of-sequence
     id, a stop id or string) or ``"length"`` (``max_tokens`` or the context).
     Times are ``time.monotonic()`` seconds: arrival, first token, finish.
+    ``prompt_logprobs`` (asked for by :attr:`RequestParams.prompt_logprobs`, on the first
+    output only): one entry per prompt token, ``None`` for the first (nothing precedes it).
     """
 
     request_id: str
@@ -117,6 +127,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:

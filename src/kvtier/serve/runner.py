@@ -21,6 +21,10 @@ forward too (``decode_in_prompt_steps``): one pass over the weights instead of t
 and the decode forward's launch, for a token each in the chunks' matmuls. On the
 CPU they keep their own forward by default, whose attention kernel is made for them.
 
+A row marked ``all_logits`` (a prompt chunk whose logprobs are asked for) also gets the
+logits of every position it feeds: the LM head multiplies those positions too, in the same
+forward, and :attr:`ModelRunner.prompt_logits` holds them until the next step.
+
 On CUDA, decode forwards can be replayed from CUDA graphs
 (:mod:`kvtier.serve.graphs`), one per batch-size bucket.
 
@@ -166,6 +170,8 @@ class ModelRunner:
                        for _ in range(a.n_layers)]
         for c in self.caches:
             c.allocate(a.n_kv_heads, a.head_dim, self.dtype, self.device)
+        #: the last step's ``all_logits`` rows: request id -> (first position, logits ``[T, V]``)
+        self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
         self.graphs = None
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"CUDA-graph decode needs a CUDA device, the model is on {self.device}; "
@@ -200,9 +206,11 @@ class ModelRunner:
 
         ``pending``: where the decode rows that feed :data:`~kvtier.serve.scheduler.PENDING`
         find their tokens. The logits may be a view of a CUDA graph's buffer, which the next
-        step overwrites: read them (or launch what reads them) before calling again."""
-        decode = [r for r in batch.rows if len(r.token_ids) == 1]
-        chunks = [r for r in batch.rows if len(r.token_ids) > 1]
+        step overwrites: read them (or launch what reads them) before calling again. The
+        ``all_logits`` rows' logits of every position go to :attr:`prompt_logits`."""
+        self.prompt_logits = {}
+        decode = [r for r in batch.rows if len(r.token_ids) == 1 and not r.all_logits]
+        chunks = [r for r in batch.rows if len(r.token_ids) > 1 or r.all_logits]
         if any(r.token_ids[-1] == PENDING for r in chunks):  # pending: only a request's last token
             raise ValueError("only decode rows may feed a pending token")
         if chunks and decode and self.decode_in_prompt_steps:
@@ -258,8 +266,21 @@ class ModelRunner:
         pad = smallest_bucket(self.logit_buckets, k) - k
         if pad:  # the last row again as padding
             select = torch.cat([select, select[-1:].expand(pad)])
-        return self.model(tokens, self.caches, positions=plan.positions, cache_kwargs={"plan": plan},
-                          select=select)[0, :k]  # (len(rows), V)
+        spans, offset = [], 0  # the all_logits rows' positions, after the last positions
+        for r in rows:
+            if r.all_logits:
+                spans.append((r, offset))
+            offset += len(r.token_ids)
+        if spans:
+            every = [i for r, o in spans for i in range(o, o + len(r.token_ids))]
+            select = torch.cat([select, to_device(torch.tensor(every, dtype=torch.long), self.device)])
+        out = self.model(tokens, self.caches, positions=plan.positions, cache_kwargs={"plan": plan},
+                         select=select)[0]
+        at = k + pad
+        for r, _ in spans:
+            self.prompt_logits[r.request_id] = (r.start, out[at : at + len(r.token_ids)])
+            at += len(r.token_ids)
+        return out[:k]  # (len(rows), V)
 
     def _prefill(self, row: ScheduledRow) -> torch.Tensor:
         """One forward ``[1, T]`` of a prompt chunk; logits of its last position ``[V]``."""
@@ -268,4 +289,7 @@ class ModelRunner:
         tokens = to_device(torch.tensor([row.token_ids], dtype=torch.long), self.device)  # (1, T)
         positions = torch.arange(row.start, row.start + T, device=self.device)[None]  # (1, T)
         kw = {"plan": plan, "write_start": plan.write_start}
-        return self.model(tokens, self.caches, positions=positions, cache_kwargs=kw, last_only=True)[0, -1]
+        out = self.model(tokens, self.caches, positions=positions, cache_kwargs=kw, last_only=not row.all_logits)[0]
+        if row.all_logits:
+            self.prompt_logits[row.request_id] = (row.start, out)
+        return out[-1]

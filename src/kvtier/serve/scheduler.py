@@ -21,6 +21,11 @@ Every step :meth:`Scheduler.schedule` returns a :class:`StepBatch` of plain data
    computing them, and gets blocks for the rest of its prompt at once, so a prefill
    never runs out of blocks half way. Its first chunk runs in the same step.
 
+A request that wants the logits of its prompt positions (``Request.prompt_logits``,
+for prompt logprobs) is admitted without its cached prefix (every position is computed)
+and runs in chunks of at most :data:`PROMPT_LOGITS_CHUNK` tokens, rows marked
+``all_logits``, until the engine has its prompt's logits.
+
 A row feeds ``token_ids`` at positions ``start ..``; it is *sampled* when its last
 fed token is the request's last token (the end of the prompt, or the token sampled
 the step before). :meth:`Scheduler.update` books what the forward computed, appends
@@ -51,12 +56,16 @@ from dataclasses import dataclass, field
 
 from kvtier.serve.prefix import BlockManager
 
-__all__ = ["PENDING", "QueueFull", "Request", "RequestStatus", "ScheduledRow", "Scheduler",
+__all__ = ["PENDING", "PROMPT_LOGITS_CHUNK", "QueueFull", "Request", "RequestStatus", "ScheduledRow", "Scheduler",
            "SchedulerConfig", "StepBatch"]
 
 #: the token id booked for a sampled row whose token is still on the device (asynchronous
 #: scheduling: the next step is scheduled before this one's tokens reach the host)
 PENDING = -1
+
+#: prompt tokens a step feeds at most for a request whose every prompt position's logits are
+#: wanted: the logits of a chunk are ``tokens x vocab`` floats (512 x 128,256: 263 MB)
+PROMPT_LOGITS_CHUNK = 512
 
 
 class QueueFull(RuntimeError):
@@ -116,6 +125,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    prompt_logits: bool = False  # every prompt position's logits wanted (until the engine has them)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -146,13 +156,15 @@ class ScheduledRow:
     """One row of a step: feed ``token_ids`` at positions ``start, start + 1, ...``, reading and
     writing the physical ``blocks`` (the row's whole block list); ``sample`` its last position.
     A decode row's token may be :data:`PENDING`: the step in flight samples it, and the runner
-    takes it from that step's tokens on the device."""
+    takes it from that step's tokens on the device. ``all_logits``: the logits of every fed
+    position are wanted (a chunk of a prompt whose logprobs are asked for)."""
 
     request_id: str
     token_ids: tuple[int, ...]
     start: int
     blocks: tuple[int, ...]
     sample: bool
+    all_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -255,13 +267,13 @@ class Scheduler:
         rows.sort(key=lambda r: -r.start)  # longest first (stable: oldest first among equals)
         for req in self.running:  # 2. prefill chunks of running requests
             if budget > 0 and self._left(req) > 1:
-                n = min(self._left(req), budget)
+                n = self._chunk(req, budget)
                 rows.append(self._row(req, n))
                 budget -= n
         while (self.waiting and budget > 0 and not preempted  # 3. admissions
                and len(self.running) < self.config.max_num_seqs and self._admit(self.waiting[0])):
             req = self.waiting.popleft()
-            n = min(self._left(req), budget)
+            n = self._chunk(req, budget)
             rows.append(self._row(req, n))
             budget -= n
         return StepBatch(tuple(rows), tuple(preempted))
@@ -304,11 +316,18 @@ class Scheduler:
         """Tokens of the request not yet computed (1 while it decodes)."""
         return len(req.token_ids) - req.num_computed
 
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens of ``req`` the step feeds: what is left, within the budget (and, while its
+        prompt's logits are wanted, :data:`PROMPT_LOGITS_CHUNK`)."""
+        n = min(self._left(req), budget)
+        return min(n, PROMPT_LOGITS_CHUNK) if req.prompt_logits else n
+
     def _row(self, req: Request, n: int) -> ScheduledRow:
         start = req.num_computed
         assert req.num_output_tokens < req.max_tokens and start + n <= self.config.max_model_len
         return ScheduledRow(req.request_id, tuple(req.token_ids[start : start + n]), start,
-                            tuple(req.blocks), start + n == len(req.token_ids))
+                            tuple(req.blocks), start + n == len(req.token_ids),
+                            req.prompt_logits and start < req.num_prompt_tokens - 1)
 
     def _make_room(self, req: Request) -> bool:
         """Give ``req`` the block its next token needs; False when none is free."""
@@ -321,8 +340,9 @@ class Scheduler:
 
     def _admit(self, req: Request) -> bool:
         """Start ``req`` if the blocks of its whole prompt fit: the cached prefix by reference,
-        the rest fresh. At least its last token is computed (it is sampled)."""
-        prefix = self.blocks.match_prefix(req.token_ids[:-1])
+        the rest fresh. At least its last token is computed (it is sampled). A request whose
+        prompt's logits are wanted computes every position: no prefix."""
+        prefix = [] if req.prompt_logits else self.blocks.match_prefix(req.token_ids[:-1])
         if not self.blocks.can_allocate(len(req.token_ids), prefix):
             return False
         req.blocks = self.blocks.allocate(len(req.token_ids), prefix)
