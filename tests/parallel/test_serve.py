@@ -18,16 +18,21 @@ CONFIG = EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_batched_
 
 
 def _generate(engine, prompts):
-    outs = engine.generate(prompts, RequestParams(max_tokens=6))
-    return [list(o.token_ids) for o in outs], engine.stats()
+    """Each prompt's tokens, the first's prompt logprobs (its chunks' every position), the stats."""
+    outs = engine.generate(prompts, [RequestParams(max_tokens=6, prompt_logprobs=2)]
+                           + [RequestParams(max_tokens=6)] * (len(prompts) - 1))
+    scored = [(x.token_id, x.logprob, [t for t, _ in x.top]) for x in outs[0].prompt_logprobs[1:]]
+    return [list(o.token_ids) for o in outs], scored, engine.stats()
 
 
 def test_three_ranks_serve_the_tokens_of_one(lm):
     prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
-    got, stats = serve_sharded(_generate, 3, args=(prompts,), config=CONFIG,
-                               dtype=torch.float32, timeout_s=60)
-    want, single = _generate(LLMEngine(lm.model, lm.tokenizer, CONFIG), prompts)
+    got, scored, stats = serve_sharded(_generate, 3, args=(prompts,), config=CONFIG,
+                                       dtype=torch.float32, timeout_s=60)
+    want, want_scored, single = _generate(LLMEngine(lm.model, lm.tokenizer, CONFIG), prompts)
     assert got == want
+    assert [(t, top) for t, _, top in scored] == [(t, top) for t, _, top in want_scored]
+    assert [lp for _, lp, _ in scored] == pytest.approx([lp for _, lp, _ in want_scored], abs=1e-4)
     assert stats["steps"] == single["steps"]
     assert stats["kv_bytes"] * 3 == single["kv_bytes"]  # rank 0's pages hold 1 of 3 KV heads
 

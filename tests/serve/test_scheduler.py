@@ -14,7 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.serve.prefix import BlockManager
-from kvtier.serve.scheduler import PROMPT_LOGITS_CHUNK, QueueFull, Request, Scheduler, SchedulerConfig, StepBatch
+from kvtier.serve.scheduler import (
+    PROMPT_LOGITS_CHUNK,
+    QueueFull,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    StepBatch,
+)
 
 
 def next_token(tokens: list[int]) -> int:

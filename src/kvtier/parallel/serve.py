@@ -90,7 +90,7 @@ def control_group() -> dist.ProcessGroup:
 class BroadcastRunner:
     """Rank 0's runner: each :meth:`execute` sends the batch to the other ranks, then runs it
     here. Otherwise it answers for the runner it wraps (``storage_mode``, ``nbytes`` of
-    this rank's pages)."""
+    this rank's pages, the last step's ``prompt_logits``)."""
 
     def __init__(self, runner, group: dist.ProcessGroup):
         self.runner, self.group = runner, group
@@ -118,6 +118,10 @@ class BroadcastRunner:
     @property
     def storage_mode(self) -> str:
         return self.runner.storage_mode
+
+    @property
+    def prompt_logits(self) -> dict:
+        return self.runner.prompt_logits
 
     @property
     def nbytes(self) -> int:

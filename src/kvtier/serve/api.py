@@ -13,7 +13,7 @@ Errors are answered in OpenAI's shape, ``{"error": {"message", "type", "param",
 status when
 ====== ======================================================================
 400    malformed JSON, a field of the wrong type or range, an unsupported field
-       (``echo``, ``logit_bias``, ``tools``), a prompt that does not fit the context
+       (``suffix``, ``best_of``, ``tools``), a prompt that does not fit the context
        (``code: context_length_exceeded``), ``n`` over the waiting queue's room
 404    an unknown route, or a ``model`` other than the one served
 405    a route asked with the wrong method
@@ -47,6 +47,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -243,16 +244,20 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     def check(req) -> None:
         check_model(req.model)
 
-    async def start(ids: list[int], params: RequestParams, n: int, prompt_param: str) -> list[str]:
-        """Queue the request's ``n`` choices; all or none (a refusal discards those queued)."""
+    async def start(jobs: list[tuple[list[int], RequestParams]], n: int, prompt_param: str) -> list[str]:
+        """Queue the request's choices, ``(prompt ids, params)`` each (``n`` a prompt); all or none
+        (a refusal discards those queued)."""
         room = engine.stats["max_waiting"]
-        if n > room:
-            raise APIError(400, f"n={n} choices are more than the {room} requests this server queues at "
-                           f"once; ask for n <= {room} or start it with a larger --max-waiting", param="n")
+        if len(jobs) > room:
+            prompts = len(jobs) // n
+            what, fix = ((f"n={n} choices", f"ask for n <= {room}") if prompts == 1 else
+                         (f"{len(jobs)} choices ({prompts} prompts, n={n})", "send fewer prompts or a smaller n,"))
+            raise APIError(400, f"{what} are more than the {room} requests this server queues at once; {fix} "
+                           "or start it with a larger --max-waiting", param="n" if n > 1 else "prompt")
         rids: list[str] = []
         try:
-            for i in range(n):
-                rids.append(await engine.add_request(ids, choice_params(params, i)))
+            for ids, params in jobs:
+                rids.append(await engine.add_request(ids, params))
         except BaseException as e:
             for rid in rids:
                 engine.discard(rid)
@@ -280,10 +285,16 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     async def completions(req: CompletionRequest, request: Request):
         check(req)
         params = request_params(req)  # every 400 of the fields before any tokenizing
-        prompt = req.single_prompt()
-        ids = encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
-        rids = await start(ids, params, req.n, "prompt")
-        views = [_Completion(tokenizer, model_name, f"cmpl-{rids[0]}", chat=False, index=i) for i in range(req.n)]
+        raw = req.prompts()
+        prompts = [encode(p, "prompt") if isinstance(p, str) else list(p) for p in raw]
+        rids = await start([(ids, choice_params(params, i)) for ids in prompts for i in range(req.n)], req.n,
+                           "prompt")
+        views = []
+        for i in range(len(rids)):  # choice i: prompt i // n, OpenAI's order
+            p, ids = raw[i // req.n], prompts[i // req.n]
+            echo = (p if isinstance(p, str) else tokenizer.decode(ids)) if req.echo else None
+            views.append(_Completion(tokenizer, model_name, f"cmpl-{rids[0]}", chat=False, index=i,
+                                     first=i % req.n == 0, echo=echo, prompt=ids, drop=req.max_tokens == 0))
         return await answer(views, rids, req, request)
 
     @app.post("/v1/chat/completions")
@@ -294,7 +305,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             text = tokenizer.apply_chat_template(chat_messages(req))
         except (jinja2.TemplateError, ValueError) as e:
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
-        rids = await start(encode(text, "messages", add_bos=False), params, req.n, "messages")
+        ids = encode(text, "messages", add_bos=False)
+        rids = await start([(ids, choice_params(params, i)) for i in range(req.n)], req.n, "messages")
         views = [_Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i)
                  for i in range(req.n)]
         return await answer(views, rids, req, request)
@@ -373,19 +385,20 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[list[Req
     return outs
 
 
-def _usage(lasts: list[RequestOutput]) -> dict:
-    """The prompt once (as the first choice met it), the tokens of every choice."""
-    first = lasts[0]
-    completion = sum(last.completion_tokens for last in lasts)
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+def _usage(views: list[_Completion], lasts: list[RequestOutput]) -> dict:
+    """Each prompt once (as its first choice met it), the tokens of every choice (none where
+    they were dropped: ``max_tokens`` 0)."""
+    firsts = [last for v, last in zip(views, lasts, strict=True) if v.first]
+    prompt = sum(last.prompt_tokens for last in firsts)
+    completion = sum(0 if v.drop else last.completion_tokens for v, last in zip(views, lasts, strict=True))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(last.cached_tokens for last in firsts)}}
 
 
 def _whole(views: list[_Completion], outs: list[list[RequestOutput]]) -> dict:
     """The non-streaming answer: every choice's outputs joined."""
     return {**views[0].envelope([v.whole(o) for v, o in zip(views, outs, strict=True)], chunk=False),
-            "usage": _usage([o[-1] for o in outs])}
+            "usage": _usage(views, [o[-1] for o in outs])}
 
 
 async def _events(views: list[_Completion], streams: list[AsyncIterator[RequestOutput]],
@@ -404,15 +417,16 @@ async def _events(views: list[_Completion], streams: list[AsyncIterator[RequestO
     try:
         async for i, out in _merged(streams):
             lasts[i] = out
-            if out.text or out.finished or out.logprobs is not None:
-                v = views[i]
-                yield sse(v.envelope([v.choice(out.text, out.finish_reason, out.logprobs, chunk=True)], chunk=True))
+            v = views[i]
+            if out.text or out.finished or out.logprobs is not None or v.echo is not None:
+                text, items = v.parts([out])
+                yield sse(v.envelope([v.choice(text, out.finish_reason, items, chunk=True)], chunk=True))
     except RequestsEnded as e:  # the server is stopping: the status is sent already
         yield sse(APIError(503, str(e), type="server_error", code="server_shutting_down").body())
     except Exception as e:  # the engine failed mid-stream: the status is sent already
         yield sse(APIError(500, f"internal error: {e}", type="server_error").body())
     if include_usage and all(last is not None for last in lasts):
-        yield sse({**views[0].envelope([], chunk=True), "usage": _usage(lasts)})
+        yield sse({**views[0].envelope([], chunk=True), "usage": _usage(views, lasts)})
     yield "data: [DONE]\n\n"
 
 
@@ -422,11 +436,26 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-class _Completion:
-    """Turns engine outputs into OpenAI's completion or chat completion objects."""
+class _Unscored(NamedTuple):
+    """The first prompt token's entry in echoed logprobs: nothing precedes it, so no logprob."""
 
-    def __init__(self, tokenizer, model: str, rid: str, chat: bool, index: int = 0):
+    token_id: int
+    logprob: None = None
+    top: tuple = ()
+
+
+class _Completion:
+    """Turns engine outputs into OpenAI's completion or chat completion objects.
+
+    ``first``: the first choice of its prompt (``usage`` counts the prompt there); ``echo``:
+    the prompt's text, put before the first text given out (with ``logprobs``, the ``prompt``
+    ids' logprobs before the first logprobs); ``drop``: leave out what was generated
+    (``max_tokens`` 0: the prompt alone)."""
+
+    def __init__(self, tokenizer, model: str, rid: str, chat: bool, index: int = 0, *, first: bool = True,
+                 echo: str | None = None, prompt: list[int] | None = None, drop: bool = False):
         self.tokenizer, self.model, self.id, self.chat, self.index = tokenizer, model, rid, chat, index
+        self.first, self.echo, self.prompt, self.drop = first, echo, prompt, drop
         self.created = int(time.time())
         self.offset = 0  # text offset of the next token (completions' logprobs): characters so far
         self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")  # of the tokens' bytes
@@ -446,7 +475,20 @@ class _Completion:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{c:02x}" for c in b), b
 
-    def logprobs(self, items: list[TokenLogprob], text: str) -> dict | None:
+    def parts(self, outs: list[RequestOutput]) -> tuple[str, list | None]:
+        """The text and logprob entries of ``outs`` (one output streamed, or all of them): the
+        echoed prompt first, if not given out yet; nothing generated where it is dropped."""
+        lp = outs[-1].logprobs is not None
+        text = "" if self.drop else "".join(o.text for o in outs)
+        items = None if not lp else [] if self.drop else [x for o in outs for x in o.logprobs]
+        if self.echo is not None:
+            text, self.echo = self.echo + text, None
+            scored = outs[0].prompt_logprobs
+            if items is not None and scored is not None:
+                items = [_Unscored(self.prompt[0]), *scored[1:], *items]
+        return text, items
+
+    def logprobs(self, items: list[TokenLogprob | _Unscored], text: str) -> dict | None:
         if self.chat:
             def entry(t, lp):
                 s, b = self._token(t)
@@ -460,7 +502,8 @@ class _Completion:
             offsets.append(self.offset)  # the characters the tokens before it complete
             self.offset += len(self._chars.decode(b))
         return {"tokens": tokens, "token_logprobs": [x.logprob for x in items],
-                "top_logprobs": [{self._token(t)[0]: lp for t, lp in x.top} for x in items],
+                "top_logprobs": [None if x.logprob is None else {self._token(t)[0]: lp for t, lp in x.top}
+                                 for x in items],
                 "text_offset": offsets}
 
     def choice(self, text: str, finish: str | None, items, chunk: bool) -> dict:
@@ -475,6 +518,5 @@ class _Completion:
 
     def whole(self, outs: list[RequestOutput]) -> dict:
         """This choice, non-streaming, from every output of its request."""
-        last = outs[-1]
-        items = None if last.logprobs is None else [x for o in outs for x in o.logprobs]
-        return self.choice("".join(o.text for o in outs), last.finish_reason, items, chunk=False)
+        text, items = self.parts(outs)
+        return self.choice(text, outs[-1].finish_reason, items, chunk=False)

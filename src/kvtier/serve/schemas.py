@@ -4,8 +4,10 @@
 Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with vLLM's
 extensions ``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty`` and ``min_tokens``; OpenAI's
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``; ``n`` (at most :data:`MAX_CHOICES`)
-asks for that many choices of one prompt. Fields the engine cannot honour
-(``best_of > 1``, ``echo``, ``suffix``,
+asks for that many choices of each prompt; ``/v1/completions`` takes a batch of prompts (at
+most :data:`MAX_PROMPTS`) and ``echo`` (the prompt before the completion, and with
+``logprobs`` the prompt tokens' logprobs; ``max_tokens: 0`` with ``echo`` scores the prompt
+alone). Fields the engine cannot honour (``best_of > 1``, ``suffix``,
 ``tools``, ``tool_choice``, ``functions``, a ``response_format`` other than text) are
 refused with a 400 naming the field, never silently ignored. Unknown fields are
 ignored, as OpenAI's clients send some (``user``, ``metadata``).
@@ -25,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_LOGPROBS, RequestParams
 
-__all__ = ["MAX_CHOICES", "MAX_LOGIT_BIAS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
+__all__ = ["MAX_CHOICES", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
            "chat_messages", "request_params", "validation_error"]
 
 #: tokens one request's ``logit_bias`` may name
@@ -33,6 +35,9 @@ MAX_LOGIT_BIAS = 1024
 
 #: choices one request may ask for (``n``; OpenAI's limit)
 MAX_CHOICES = 128
+
+#: prompts one ``/v1/completions`` request may hold (OpenAI's limit)
+MAX_PROMPTS = 2048
 
 #: stop strings one request may give, and their characters in all
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 128, 4096
@@ -169,10 +174,11 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: a prompt (text or token ids) or a batch of them."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)  # null: 16, OpenAI's default here (not the rest of the context)
+    # null: 16, OpenAI's default here (not the rest of the context); 0 only with echo
+    max_tokens: int = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -180,22 +186,26 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for param, bad in (("echo", self.echo), ("best_of", (self.best_of or 1) != 1),
-                           ("suffix", self.suffix is not None)):
+        for param, bad in (("best_of", (self.best_of or 1) != 1), ("suffix", self.suffix is not None)):
             if bad:
                 raise APIError(400, f"{param} is not supported", param=param, code="unsupported_parameter")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 generates nothing: ask for at least 1 token, or for echo: true "
+                           "to have the prompt (and with logprobs its tokens' logprobs) alone",
+                           param="max_tokens")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (a list of one prompt is taken apart); 400 for a batch."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one, or each of a batch (at most :data:`MAX_PROMPTS`); 400 for an empty one."""
         p = self.prompt
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            if len(p) != 1:
-                raise APIError(400, f"{len(p)} prompts in one request are not supported; send one "
-                               "request per prompt", param="prompt", code="unsupported_parameter")
-            p = p[0]
-        if not p:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return p
+        batch = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+        if len(batch) > MAX_PROMPTS:
+            raise APIError(400, f"{len(batch)} prompts in one request; at most {MAX_PROMPTS} are accepted",
+                           param="prompt")
+        for i, one in enumerate(batch):
+            if not one:
+                where = "" if len(batch) == 1 else f" (prompt {i} of the batch)"
+                raise APIError(400, f"the prompt is empty{where}", param="prompt")
+        return batch
 
 
 class TextPart(BaseModel):
@@ -274,6 +284,10 @@ def request_params(req: CompletionRequest | ChatCompletionRequest) -> RequestPar
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         max_tokens, logprobs = req.max_tokens, req.logprobs
+    # echo with logprobs: the prompt's tokens' too; max_tokens 0 runs one token, which the answer drops
+    prompt_logprobs = logprobs if getattr(req, "echo", False) else None
+    if max_tokens == 0:
+        max_tokens = 1
     try:
         sampling = SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                                   min_p=req.min_p, seed=req.seed)
@@ -281,6 +295,7 @@ def request_params(req: CompletionRequest | ChatCompletionRequest) -> RequestPar
                              stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                              logprobs=logprobs, presence_penalty=req.presence_penalty,
                              frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                             logit_bias=logit_bias(req.logit_bias), min_tokens=req.min_tokens)
+                             logit_bias=logit_bias(req.logit_bias), min_tokens=req.min_tokens,
+                             prompt_logprobs=prompt_logprobs)
     except ValueError as e:  # the dataclasses' messages start with the field's name
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None

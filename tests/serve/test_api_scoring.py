@@ -1,0 +1,139 @@
+"""``/v1/completions`` for scoring and batches, end to end on a real ``kvtier serve``: ``echo``
+(the prompt before the completion, and with ``logprobs`` the prompt tokens' logprobs),
+``max_tokens: 0`` with ``echo`` (the prompt alone, as evaluation harnesses ask for
+log-likelihoods), and a batch of prompts in one request. References: the model's own
+forward over the whole prompt, and single requests."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+
+from kvtier.config import KVCacheConfig
+from server_support import running_server, settle
+
+NUM_BLOCKS, MAX_WAITING = 64, 8
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-scoring") / "serve.log"
+    with running_server(log, "--num-blocks", str(NUM_BLOCKS), "--max-waiting", str(MAX_WAITING),
+                        "--max-num-seqs", "8", "--max-batched-tokens", "16") as url:  # 16: prompts run in chunks
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def reference(lm, ids: list[int]) -> torch.Tensor:
+    """Log-probabilities ``[T, V]`` of the whole prompt's forward (float64 of float32 logits)."""
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([ids]), lm.model.make_caches(KVCacheConfig()))[0]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def test_echo_with_no_new_tokens_scores_the_prompt(client, model, lm) -> None:
+    tok = lm.tokenizer
+    ids = tok.encode(PROMPT)
+    r = client.completions.create(model=model, prompt=PROMPT, echo=True, max_tokens=0, logprobs=2)
+    c, lp, want = r.choices[0], r.choices[0].logprobs, reference(lm, ids)
+    assert c.text == PROMPT and c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 0)
+    assert lp.tokens == [tok.token_bytes(i).decode() for i in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first
+    assert lp.token_logprobs[1:] == pytest.approx([float(want[i - 1, ids[i]]) for i in range(1, len(ids))], abs=1e-3)
+    for i in range(1, len(ids)):
+        best = want[i - 1].topk(2)
+        assert lp.top_logprobs[i] == pytest.approx({tok.token_bytes(t).decode(): v for t, v in
+                                                    zip(best.indices.tolist(), best.values.tolist())}, abs=1e-3)
+    assert lp.text_offset == [len(tok.decode(ids[:i])) for i in range(len(ids))]
+
+
+def test_echo_puts_the_prompt_before_the_completion(client, model, lm) -> None:
+    kw = dict(model=model, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1)
+    plain = client.completions.create(**kw).choices[0]
+    echoed = client.completions.create(**kw, echo=True).choices[0]
+    n = len(lm.tokenizer.encode(PROMPT))
+    assert echoed.text == PROMPT + plain.text and echoed.finish_reason == plain.finish_reason
+    assert echoed.logprobs.tokens[n:] == plain.logprobs.tokens and len(plain.logprobs.tokens) == 4
+    assert echoed.logprobs.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    assert echoed.logprobs.text_offset[n:] == [len(PROMPT) + o for o in plain.logprobs.text_offset]
+    streamed = list(client.completions.create(**kw, echo=True, stream=True))
+    assert streamed[0].choices[0].text.startswith(PROMPT)
+    assert "".join(s.choices[0].text for s in streamed) == echoed.text
+    assert [t for s in streamed for t in s.choices[0].logprobs.tokens] == echoed.logprobs.tokens
+    # without logprobs: the text alone
+    bare = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert bare.choices[0].text == echoed.text and bare.choices[0].logprobs is None
+
+
+def test_log_likelihoods_of_continuations_as_a_harness_asks(client, model, lm) -> None:
+    """Context plus continuation as token ids, a batch of them in one request, the prompt
+    alone: the continuation's logprobs sum to the model's log-likelihood, and the greedy
+    check (each continuation token the best one) agrees with the model's."""
+    tok = lm.tokenizer
+    context = tok.encode("Question: what colour is the sky on a clear day? Answer:")
+    options = [tok.encode(" blue"), tok.encode(" green with purple stripes")]
+    prompts = [context + o for o in options]
+    r = client.completions.create(model=model, prompt=prompts, echo=True, max_tokens=0, logprobs=1, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.prompt_tokens == sum(map(len, prompts))
+    scores = []
+    for c, ids in zip(r.choices, prompts, strict=True):
+        want = reference(lm, ids)
+        got = c.logprobs.token_logprobs[len(context):]
+        expect = [float(want[i - 1, ids[i]]) for i in range(len(context), len(ids))]
+        assert got == pytest.approx(expect, abs=1e-3)
+        greedy = all(int(want[i - 1].argmax()) == ids[i] for i in range(len(context), len(ids)))
+        tops = c.logprobs.top_logprobs[len(context):]
+        assert greedy == all(max(t, key=t.get) == tok.token_bytes(ids[len(context) + j]).decode()
+                             for j, t in enumerate(tops))
+        scores.append(sum(got))
+    assert scores[0] > scores[1] and all(math.isfinite(s) for s in scores)
+
+
+def test_a_batch_of_prompts_gives_each_its_choices_in_order(client, model) -> None:
+    prompts = ["1, 2, 3,", "The capital of France is", "Red, green,"]
+    r = client.completions.create(model=model, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in r.choices] == list(range(6))
+    singles = [client.completions.create(model=model, prompt=p, max_tokens=5, temperature=0) for p in prompts]
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in singles for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert r.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles)
+    streamed = list(client.completions.create(model=model, prompt=prompts, max_tokens=5, temperature=0,
+                                              stream=True))
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [s.choices[0].text for s in singles]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens 0 generates nothing"),
+    ({"prompt": ["a", ""]}, "prompt", "the prompt is empty (prompt 1 of the batch)"),
+    ({"prompt": [[1, 2], []]}, "prompt", "the prompt is empty (prompt 1 of the batch)"),
+    ({"prompt": ["a"] * 5, "n": 2}, "n", f"10 choices (5 prompts, n=2) are more than the {MAX_WAITING}"),
+    ({"prompt": ["a"] * 9}, "prompt", f"9 choices (9 prompts, n=1) are more than the {MAX_WAITING}"),
+    ({"prompt": [[1, 2], [3, 10**9]], "echo": True}, "prompt", "token ids in [0, "),
+    ({"prompt": ["a"] * 2049}, "prompt", "2049 prompts in one request; at most 2048"),
+])
+def test_bad_batches_and_scoring_requests_are_400s(server, body, param, message) -> None:
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"], err
+    h = settle(server)  # a batch refused part way: its queued prompts are taken back
+    assert h["waiting"] == h["running"] == 0 and h["free_blocks"] == NUM_BLOCKS
