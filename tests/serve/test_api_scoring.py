@@ -121,6 +121,29 @@ def test_a_batch_of_prompts_gives_each_its_choices_in_order(client, model) -> No
     assert texts == [s.choices[0].text for s in singles]
 
 
+def test_vllms_prompt_logprobs_with_ranks(server, lm) -> None:
+    tok = lm.tokenizer
+    ids, want = tok.encode(PROMPT), reference(lm, tok.encode(PROMPT))
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2, "echo": True, "logprobs": 1}
+    c = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    scored = c["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    for i in range(1, len(ids)):
+        row, best = want[i - 1], want[i - 1].topk(2)
+        keys = [str(ids[i])] + [str(t) for t in best.indices.tolist() if t != ids[i]]
+        assert list(scored[i]) == keys  # the prompt's token first, then the best two
+        own = scored[i][str(ids[i])]
+        assert own["logprob"] == pytest.approx(float(row[ids[i]]), abs=1e-3)
+        assert own["rank"] == 1 + int((row > row[ids[i]]).sum()) and own["decoded_token"] == tok.token_bytes(ids[i]).decode()
+        for r, t in enumerate(best.indices.tolist(), start=1):
+            assert scored[i][str(t)]["rank"] == r
+    assert all(len(t) == 1 for t in c["logprobs"]["top_logprobs"][1:])  # echo's: logprobs 1, not 2
+    chat = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in chat["prompt_logprobs"][1:])
+
+
 @pytest.mark.parametrize(("body", "param", "message"), [
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens 0 generates nothing"),
     ({"prompt": ["a", ""]}, "prompt", "the prompt is empty (prompt 1 of the batch)"),
@@ -129,6 +152,8 @@ def test_a_batch_of_prompts_gives_each_its_choices_in_order(client, model) -> No
     ({"prompt": ["a"] * 9}, "prompt", f"9 choices (9 prompts, n=1) are more than the {MAX_WAITING}"),
     ({"prompt": [[1, 2], [3, 10**9]], "echo": True}, "prompt", "token ids in [0, "),
     ({"prompt": ["a"] * 2049}, "prompt", "2049 prompts in one request; at most 2048"),
+    ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "prompt_logprobs is not streamed"),
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
 ])
 def test_bad_batches_and_scoring_requests_are_400s(server, body, param, message) -> None:
     r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)

@@ -294,7 +294,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             p, ids = raw[i // req.n], prompts[i // req.n]
             echo = (p if isinstance(p, str) else tokenizer.decode(ids)) if req.echo else None
             views.append(_Completion(tokenizer, model_name, f"cmpl-{rids[0]}", chat=False, index=i,
-                                     first=i % req.n == 0, echo=echo, prompt=ids, drop=req.max_tokens == 0))
+                                     first=i % req.n == 0, echo=echo, prompt=ids, drop=req.max_tokens == 0,
+                                     top=req.logprobs, scored=req.prompt_logprobs))
         return await answer(views, rids, req, request)
 
     @app.post("/v1/chat/completions")
@@ -307,8 +308,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
         ids = encode(text, "messages", add_bos=False)
         rids = await start([(ids, choice_params(params, i)) for i in range(req.n)], req.n, "messages")
-        views = [_Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i)
-                 for i in range(req.n)]
+        views = [_Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i,
+                             scored=req.prompt_logprobs) for i in range(req.n)]
         return await answer(views, rids, req, request)
 
     async def counted(rid: str) -> AsyncIterator[RequestOutput]:
@@ -396,9 +397,12 @@ def _usage(views: list[_Completion], lasts: list[RequestOutput]) -> dict:
 
 
 def _whole(views: list[_Completion], outs: list[list[RequestOutput]]) -> dict:
-    """The non-streaming answer: every choice's outputs joined."""
-    return {**views[0].envelope([v.whole(o) for v, o in zip(views, outs, strict=True)], chunk=False),
-            "usage": _usage(views, [o[-1] for o in outs])}
+    """The non-streaming answer: every choice's outputs joined (chat's ``prompt_logprobs``, of
+    its one prompt, beside the choices, as vLLM puts them)."""
+    body = views[0].envelope([v.whole(o) for v, o in zip(views, outs, strict=True)], chunk=False)
+    if views[0].chat and views[0].scored is not None:
+        body["prompt_logprobs"] = views[0].vllm_prompt_logprobs(outs[0][0].prompt_logprobs)
+    return {**body, "usage": _usage(views, [o[-1] for o in outs])}
 
 
 async def _events(views: list[_Completion], streams: list[AsyncIterator[RequestOutput]],
@@ -449,13 +453,16 @@ class _Completion:
 
     ``first``: the first choice of its prompt (``usage`` counts the prompt there); ``echo``:
     the prompt's text, put before the first text given out (with ``logprobs``, the ``prompt``
-    ids' logprobs before the first logprobs); ``drop``: leave out what was generated
-    (``max_tokens`` 0: the prompt alone)."""
+    ids' logprobs, ``top`` alternatives each, before the first logprobs); ``drop``: leave out
+    what was generated (``max_tokens`` 0: the prompt alone); ``scored``: vLLM's
+    ``prompt_logprobs``, that many alternatives a prompt token."""
 
     def __init__(self, tokenizer, model: str, rid: str, chat: bool, index: int = 0, *, first: bool = True,
-                 echo: str | None = None, prompt: list[int] | None = None, drop: bool = False):
+                 echo: str | None = None, prompt: list[int] | None = None, drop: bool = False,
+                 top: int | None = None, scored: int | None = None):
         self.tokenizer, self.model, self.id, self.chat, self.index = tokenizer, model, rid, chat, index
         self.first, self.echo, self.prompt, self.drop = first, echo, prompt, drop
+        self.top, self.scored = top, scored
         self.created = int(time.time())
         self.offset = 0  # text offset of the next token (completions' logprobs): characters so far
         self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")  # of the tokens' bytes
@@ -484,9 +491,21 @@ class _Completion:
         if self.echo is not None:
             text, self.echo = self.echo + text, None
             scored = outs[0].prompt_logprobs
-            if items is not None and scored is not None:
-                items = [_Unscored(self.prompt[0]), *scored[1:], *items]
+            if items is not None and scored is not None:  # (the engine's alternatives: the most asked for)
+                items = [_Unscored(self.prompt[0]), *(replace(x, top=x.top[: self.top]) for x in scored[1:]), *items]
         return text, items
+
+    def vllm_prompt_logprobs(self, scored: tuple[TokenLogprob | None, ...]) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: ``None`` for the first token, then for each a dict from token
+        id (a string) to ``{"logprob", "rank", "decoded_token"}``, the prompt's token first, then
+        the ``scored`` most likely (rank 1 onwards)."""
+        out: list[dict | None] = [None]
+        for x in scored[1:]:
+            entry = {str(x.token_id): {"logprob": x.logprob, "rank": x.rank, "decoded_token": self._token(x.token_id)[0]}}
+            for rank, (t, lp) in enumerate(x.top[: self.scored], start=1):
+                entry.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": self._token(t)[0]})
+            out.append(entry)
+        return out
 
     def logprobs(self, items: list[TokenLogprob | _Unscored], text: str) -> dict | None:
         if self.chat:
@@ -519,4 +538,7 @@ class _Completion:
     def whole(self, outs: list[RequestOutput]) -> dict:
         """This choice, non-streaming, from every output of its request."""
         text, items = self.parts(outs)
-        return self.choice(text, outs[-1].finish_reason, items, chunk=False)
+        body = self.choice(text, outs[-1].finish_reason, items, chunk=False)
+        if self.scored is not None and not self.chat:
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(outs[0].prompt_logprobs)
+        return body

@@ -164,7 +164,7 @@ class _Launched:
     host: torch.Tensor  # (n_sampled,) its host copy, valid once ready
     logprobs: dict[str, tuple[torch.Tensor, ...]]  # request id -> host (chosen, top values, top ids)
     ready: torch.cuda.Event | None
-    # request id -> (its request, first position, host (chosen, top values, top ids)) of its prompt
+    # request id -> (its request, first position, host (chosen, top values, top ids, ranks)) of its prompt
     prompt_logprobs: dict[str, tuple[Request, int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
 
     @property

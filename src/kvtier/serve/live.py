@@ -79,8 +79,9 @@ class Live:
     # -- prompt logprobs ------------------------------------------------------------------------------
     def prompt_logprobs(self, start: int, logits: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """From the logits ``[T, V]`` of positions ``start ..`` of the prompt, the logprobs of the
-        prompt tokens they predict: (chosen ``[m]``, top values ``[m, k]``, top ids ``[m, k]``),
-        copies on their way to the host; ``None`` where they predict none (the last position)."""
+        prompt tokens they predict: (chosen ``[m]``, top values ``[m, k]``, top ids ``[m, k]``,
+        ranks ``[m]``), copies on their way to the host; ``None`` where they predict none (the
+        last position)."""
         ids = self.request.prompt_token_ids
         m = min(logits.shape[0], len(ids) - 1 - start)
         if m <= 0:
@@ -90,16 +91,18 @@ class Live:
         chosen = lp.gather(1, targets[:, None])[:, 0]
         k = self.params.prompt_logprobs
         vals, idx = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
-        return tuple(t.to("cpu", non_blocking=True) for t in (chosen, vals, idx))
+        rank = (lp > chosen[:, None]).sum(dim=-1) + 1
+        return tuple(t.to("cpu", non_blocking=True) for t in (chosen, vals, idx, rank))
 
-    def take_prompt(self, start: int, chosen: list[float], vals: list[list[float]], idx: list[list[int]]) -> None:
+    def take_prompt(self, start: int, chosen: list[float], vals: list[list[float]], idx: list[list[int]],
+                    rank: list[int]) -> None:
         """Keep the prompt logprobs of positions ``start + 1 ..`` not kept yet (a request preempted
         half way through its prompt computes its first chunks again)."""
         ids = self.request.prompt_token_ids
         for j, lp in enumerate(chosen):
             pos = start + 1 + j
             if pos == len(self.prompt):
-                self.prompt.append(TokenLogprob(ids[pos], lp, tuple(zip(idx[j], vals[j]))))
+                self.prompt.append(TokenLogprob(ids[pos], lp, tuple(zip(idx[j], vals[j])), rank[j]))
         if len(self.prompt) == len(ids):
             self.request.prompt_logits = False
 

@@ -96,11 +96,13 @@ class RequestParams:
 @dataclass(frozen=True)
 class TokenLogprob:
     """The log-probability (natural log, of the model's own distribution: before temperature
-    and filters) of a chosen token, and the ``top`` alternatives as ``(token_id, logprob)``."""
+    and filters) of a chosen token, and the ``top`` alternatives as ``(token_id, logprob)``;
+    for a prompt token, ``rank``: its place in the vocabulary, 1 for the most likely."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

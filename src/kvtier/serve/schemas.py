@@ -2,7 +2,8 @@
 :class:`~kvtier.serve.params.RequestParams`.
 
 Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with vLLM's
-extensions ``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty`` and ``min_tokens``; OpenAI's
+extensions ``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty``, ``min_tokens`` and
+``prompt_logprobs`` (not streamed); OpenAI's
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``; ``n`` (at most :data:`MAX_CHOICES`)
 asks for that many choices of each prompt; ``/v1/completions`` takes a batch of prompts (at
 most :data:`MAX_PROMPTS`) and ``echo`` (the prompt before the completion, and with
@@ -44,7 +45,7 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 128, 4096
 
 #: vLLM's request fields the engine does not honour: given (not null or false), each is a 400
 VLLM_REFUSED = ("allowed_token_ids", "bad_words", "guided_json", "guided_regex", "guided_choice",
-                "guided_grammar", "truncate_prompt_tokens", "prompt_logprobs", "use_beam_search")
+                "guided_grammar", "truncate_prompt_tokens", "use_beam_search")
 
 #: fields OpenAI's reference types "... or null": null takes the field's default
 NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "stream", "ignore_eos", "presence_penalty",
@@ -126,7 +127,8 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    # vLLM's extensions: stop_token_ids is served; the others are refused, never ignored
+    # vLLM's extensions: stop_token_ids and prompt_logprobs are served; the others are refused,
+    # never ignored
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
@@ -138,7 +140,7 @@ class _Common(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     truncate_prompt_tokens: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     use_beam_search: Any = None
 
     @field_validator(*NULL_IS_DEFAULT, mode="before", check_fields=False)
@@ -157,6 +159,10 @@ class _Common(BaseModel):
         for param, bad, message in refused:
             if bad:
                 raise APIError(400, message, param=param, code="unsupported_parameter")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs is not streamed; send stream: false (or, for completions, "
+                           "echo: true with logprobs, which streams the prompt's logprobs first)",
+                           param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -284,8 +290,10 @@ def request_params(req: CompletionRequest | ChatCompletionRequest) -> RequestPar
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         max_tokens, logprobs = req.max_tokens, req.logprobs
-    # echo with logprobs: the prompt's tokens' too; max_tokens 0 runs one token, which the answer drops
-    prompt_logprobs = logprobs if getattr(req, "echo", False) else None
+    # echo with logprobs: the prompt's tokens' too (the larger count where prompt_logprobs asks as
+    # well); max_tokens 0 runs one token, which the answer drops
+    asked = [k for k in (logprobs if getattr(req, "echo", False) else None, req.prompt_logprobs) if k is not None]
+    prompt_logprobs = max(asked, default=None)
     if max_tokens == 0:
         max_tokens = 1
     try:
