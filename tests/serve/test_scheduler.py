@@ -131,16 +131,18 @@ def test_prefix_hit_skips_the_cached_blocks() -> None:
 
 
 def test_a_request_wanting_its_prompts_logits_skips_the_cache_and_takes_small_chunks() -> None:
-    """No prefix hit (every position must be computed), chunks of PROMPT_LOGITS_CHUNK tokens
-    marked all_logits while the prompt runs, beside a request that takes the rest of the budget."""
+    """No prefix hit (every position must be computed), chunks marked all_logits of at most
+    PROMPT_LOGITS_CHUNK tokens a step for all such requests together (a second one waits for
+    its share), beside a request that takes the rest of the budget."""
     bm = BlockManager(512, 16)
     s = Scheduler(SchedulerConfig(max_model_len=4096, max_batched_tokens=2048), bm)
     system = list(range(1, 65))
     run(s, {0: [Request("a", system + [1, 2], max_tokens=2)]})  # 4 blocks cached
     ids = system + [7] * (2 * PROMPT_LOGITS_CHUNK + 100)
     b, c = Request("b", ids, max_tokens=2, prompt_logits=True), Request("c", system + [9] * 3000, max_tokens=2)
-    s.add(b)
-    s.add(c)
+    d = Request("d", [5] * 400, max_tokens=2, prompt_logits=True)
+    for r in (b, c, d):
+        s.add(r)
     rows = []
     for _ in range(3):
         batch = s.schedule()
@@ -148,12 +150,14 @@ def test_a_request_wanting_its_prompts_logits_skips_the_cache_and_takes_small_ch
         s.update(batch, {rid: 1 for rid in batch.sampled})
     k = PROMPT_LOGITS_CHUNK
     assert rows[0] == [("b", 0, k, True), ("c", 64, 2048 - k, False)]  # c's cached 64 skipped
+    # d waits: b took this step's share of logits (before the shared cap: d ran 72 tokens here)
     assert rows[1] == [("b", k, k, True), ("c", 64 + 2048 - k, 3064 - (2112 - k), False)]
-    assert rows[2] == [("c", 3064, 1, False), ("b", 2 * k, 164, True)]  # c decodes; b's last chunk
+    # c decodes; b's last chunk, and d with the rest of the share
+    assert rows[2] == [("c", 3064, 1, False), ("b", 2 * k, 164, True), ("d", 0, k - 164, True)]
     assert b.num_cached_tokens == 0 and c.num_cached_tokens == 64
     b.prompt_logits = False  # (what the engine does once it has them)
     assert [(r.request_id, r.start, len(r.token_ids), r.all_logits) for r in s.schedule().rows] == [
-        ("b", len(ids), 1, False)]
+        ("b", len(ids), 1, False), ("d", k - 164, 400 - (k - 164), True)]
 
 
 def test_admission_waits_for_blocks_and_preemption_recomputes() -> None:

@@ -23,8 +23,8 @@ Every step :meth:`Scheduler.schedule` returns a :class:`StepBatch` of plain data
 
 A request that wants the logits of its prompt positions (``Request.prompt_logits``,
 for prompt logprobs) is admitted without its cached prefix (every position is computed)
-and runs in chunks of at most :data:`PROMPT_LOGITS_CHUNK` tokens, rows marked
-``all_logits``, until the engine has its prompt's logits.
+and runs in chunks, rows marked ``all_logits``, of at most :data:`PROMPT_LOGITS_CHUNK` tokens
+a step for all such requests together, until the engine has its prompt's logits.
 
 A row feeds ``token_ids`` at positions ``start ..``; it is *sampled* when its last
 fed token is the request's last token (the end of the prompt, or the token sampled
@@ -63,8 +63,8 @@ __all__ = ["PENDING", "PROMPT_LOGITS_CHUNK", "QueueFull", "Request", "RequestSta
 #: scheduling: the next step is scheduled before this one's tokens reach the host)
 PENDING = -1
 
-#: prompt tokens a step feeds at most for a request whose every prompt position's logits are
-#: wanted: the logits of a chunk are ``tokens x vocab`` floats (512 x 128,256: 263 MB)
+#: prompt tokens a step feeds at most, all requests together, whose every position's logits
+#: are wanted: the logits are ``tokens x vocab`` floats (512 x 128,256: 263 MB)
 PROMPT_LOGITS_CHUNK = 512
 
 
@@ -265,17 +265,21 @@ class Scheduler:
                 rows.append(self._row(req, 1))
                 budget -= 1
         rows.sort(key=lambda r: -r.start)  # longest first (stable: oldest first among equals)
+        logits = PROMPT_LOGITS_CHUNK  # all_logits tokens left to this step
         for req in self.running:  # 2. prefill chunks of running requests
-            if budget > 0 and self._left(req) > 1:
-                n = self._chunk(req, budget)
+            if budget > 0 and self._left(req) > 1 and (logits > 0 or not req.prompt_logits):
+                n = self._chunk(req, budget, logits)
                 rows.append(self._row(req, n))
                 budget -= n
+                logits -= n if req.prompt_logits else 0
         while (self.waiting and budget > 0 and not preempted  # 3. admissions
-               and len(self.running) < self.config.max_num_seqs and self._admit(self.waiting[0])):
+               and len(self.running) < self.config.max_num_seqs
+               and (logits > 0 or not self.waiting[0].prompt_logits) and self._admit(self.waiting[0])):
             req = self.waiting.popleft()
-            n = self._chunk(req, budget)
+            n = self._chunk(req, budget, logits)
             rows.append(self._row(req, n))
             budget -= n
+            logits -= n if req.prompt_logits else 0
         return StepBatch(tuple(rows), tuple(preempted))
 
     def update(self, batch: StepBatch, sampled: Mapping[str, int]) -> list[Request]:
@@ -316,11 +320,11 @@ class Scheduler:
         """Tokens of the request not yet computed (1 while it decodes)."""
         return len(req.token_ids) - req.num_computed
 
-    def _chunk(self, req: Request, budget: int) -> int:
+    def _chunk(self, req: Request, budget: int, logits: int) -> int:
         """Tokens of ``req`` the step feeds: what is left, within the budget (and, while its
-        prompt's logits are wanted, :data:`PROMPT_LOGITS_CHUNK`)."""
+        prompt's logits are wanted, within the ``logits`` tokens left of :data:`PROMPT_LOGITS_CHUNK`)."""
         n = min(self._left(req), budget)
-        return min(n, PROMPT_LOGITS_CHUNK) if req.prompt_logits else n
+        return min(n, logits) if req.prompt_logits else n
 
     def _row(self, req: Request, n: int) -> ScheduledRow:
         start = req.num_computed
