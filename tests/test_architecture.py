@@ -31,6 +31,7 @@ LAYERS = {
     "kvtier.serve": 6,
     "kvtier.parallel": 7,
     "kvtier.serve.api": 8,
+    "kvtier.serve.tokens_api": 8,
     "kvtier.serve.cli": 8,
     "kvtier.cli": 9,
     "kvtier.cli_run": 9,

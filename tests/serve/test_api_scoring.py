@@ -1,8 +1,9 @@
 """``/v1/completions`` for scoring and batches, end to end on a real ``kvtier serve``: ``echo``
 (the prompt before the completion, and with ``logprobs`` the prompt tokens' logprobs),
 ``max_tokens: 0`` with ``echo`` (the prompt alone, as evaluation harnesses ask for
-log-likelihoods), and a batch of prompts in one request. References: the model's own
-forward over the whole prompt, and single requests."""
+log-likelihoods), vLLM's ``prompt_logprobs``, a batch of prompts in one request, and vLLM's
+tokenizer routes. References: the model's own forward over the whole prompt, single
+requests, the library's tokenizer."""
 
 from __future__ import annotations
 
@@ -142,6 +143,33 @@ def test_vllms_prompt_logprobs_with_ranks(server, lm) -> None:
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0}).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
     assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in chat["prompt_logprobs"][1:])
+
+
+def test_the_tokenizer_routes_are_the_models_tokenizer(server, client, model, lm) -> None:
+    tok = lm.tokenizer
+    post = lambda route, body: httpx.post(f"{server}{route}", json=body, timeout=60)  # noqa: E731
+    r = post("/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode(PROMPT) and r["count"] == len(r["tokens"])
+    assert r["token_strs"] == [tok.id_to_token(i) for i in r["tokens"]]
+    assert r["max_model_len"] == httpx.get(f"{server}/health").json()["max_model_len"]
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    chat = post("/tokenize", {"messages": messages}).json()
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template(messages), add_bos=False)
+    answered = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert chat["count"] == answered.usage.prompt_tokens  # what the chat route feeds
+    bare = post("/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert chat["tokens"][: len(bare)] == bare and len(bare) < chat["count"]
+    assert post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": PROMPT}
+    info = httpx.get(f"{server}/tokenizer_info").json()
+    assert (info["eos_token"], info["bos_token"]) == (tok.special_tokens["eos_token"], tok.special_tokens["bos_token"])
+    assert info["chat_template"] == tok.chat_template and info["vocab_size"] == tok.vocab_size
+    for route, body, param in (("/detokenize", {"tokens": [1, 10**7]}, "tokens"),
+                               ("/tokenize", {}, "prompt"),
+                               ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                               ("/tokenize", {"prompt": 5}, "prompt")):
+        got = post(route, body)
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
+    assert post("/tokenize", {"prompt": "a", "model": "gpt-9"}).status_code == 404
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [

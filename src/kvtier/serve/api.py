@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP layer: FastAPI routes that translate and stream, nothing more.
 
 Routes: ``GET`` (and ``HEAD``) ``/health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``
-(and ``/v1/models/{id}``),
+(and ``/v1/models/{id}``), vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``
+(:mod:`kvtier.serve.tokens_api`),
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers
 with server-sent events ending in ``data: [DONE]``). The app holds no cache state:
 requests go to an :class:`~kvtier.serve.async_engine.AsyncLLMEngine`.
@@ -68,6 +69,7 @@ from kvtier.serve.schemas import (
     request_params,
     validation_error,
 )
+from kvtier.serve.tokens_api import add_tokenizer_routes
 
 __all__ = ["CHARS_PER_TOKEN_BOUND", "ServerConfig", "build_app", "encode_bounded"]
 
@@ -243,6 +245,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
 
     def check(req) -> None:
         check_model(req.model)
+
+    add_tokenizer_routes(app, tokenizer, lambda: engine.stats["max_model_len"], check_model)
 
     async def start(jobs: list[tuple[list[int], RequestParams]], n: int, prompt_param: str) -> list[str]:
         """Queue the request's choices, ``(prompt ids, params)`` each (``n`` a prompt); all or none

@@ -29,7 +29,7 @@ from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_LOGPROBS, RequestParams
 
 __all__ = ["MAX_CHOICES", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
-           "chat_messages", "request_params", "validation_error"]
+           "DetokenizeRequest", "TokenizeRequest", "chat_messages", "request_params", "validation_error"]
 
 #: tokens one request's ``logit_bias`` may name
 MAX_LOGIT_BIAS = 1024
@@ -253,7 +253,33 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or chat ``messages`` rendered with the chat template."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give a prompt or messages to tokenize (one of them)", param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids to text."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
     """The messages as the chat template takes them (text parts joined; ``developer`` is ``system``)."""
     out = []
     for m in req.messages:

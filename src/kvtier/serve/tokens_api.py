@@ -1,0 +1,63 @@
+"""vLLM's tokenizer routes beside the OpenAI ones: ``POST /tokenize``, ``POST /detokenize`` and
+``GET /tokenizer_info``, so that a client can count and cut prompts with the served model's own
+tokenizer (lm-evaluation-harness's ``local-completions`` finds them and needs no local copy).
+
+Example::
+
+    $ curl -s localhost:8000/tokenize -H 'content-type: application/json' -d '{"prompt": "Hello world"}'
+    {"count":2,"max_model_len":8192,"tokens":[19556,905],"token_strs":null}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jinja2
+from fastapi import FastAPI
+
+from kvtier.serve.schemas import APIError, DetokenizeRequest, TokenizeRequest, chat_messages
+
+__all__ = ["add_tokenizer_routes"]
+
+
+def add_tokenizer_routes(app: FastAPI, tokenizer, max_model_len: Callable[[], int],
+                         check_model: Callable[[str | None], None]) -> None:
+    """The three routes on ``app``; ``check_model`` answers a ``model`` other than the one served."""
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        check_model(req.model)
+        req.check()
+        if req.messages is not None:
+            try:
+                text = tokenizer.apply_chat_template(chat_messages(req),
+                                                     add_generation_prompt=req.add_generation_prompt)
+            except (jinja2.TemplateError, ValueError) as e:
+                raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+            special = bool(req.add_special_tokens)  # the template writes its own special tokens
+        else:
+            text, special = req.prompt, req.add_special_tokens is not False
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"the text holds {text[e.start]!r} at character {e.start}, a lone UTF-16 "
+                           "surrogate that is not valid Unicode; send the whole pair", param="prompt") from None
+        ids = tokenizer.encode(text, add_bos=None if special else False)
+        strs = [tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_model_len(), "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        try:
+            return {"prompt": tokenizer.decode(req.tokens)}
+        except ValueError as e:
+            raise APIError(400, str(e), param="tokens") from None
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        special = tokenizer.special_tokens
+        return {"tokenizer_class": "kvtier.model.Tokenizer", "bos_token": special.get("bos_token"),
+                "eos_token": special.get("eos_token"), "pad_token": special.get("pad_token"),
+                "add_bos_token": tokenizer.add_bos, "chat_template": tokenizer.chat_template,
+                "model_max_length": max_model_len(), "vocab_size": tokenizer.vocab_size}
