@@ -61,6 +61,10 @@ def test_echo_with_no_new_tokens_scores_the_prompt(client, model, lm) -> None:
         assert lp.top_logprobs[i] == pytest.approx({tok.token_bytes(t).decode(): v for t, v in
                                                     zip(best.indices.tolist(), best.values.tolist())}, abs=1e-3)
     assert lp.text_offset == [len(tok.decode(ids[:i])) for i in range(len(ids))]
+    streamed = list(client.completions.create(model=model, prompt=PROMPT, echo=True, max_tokens=0, logprobs=2,
+                                              stream=True))
+    assert "".join(s.choices[0].text for s in streamed) == PROMPT and streamed[-1].choices[0].finish_reason == "length"
+    assert [t for s in streamed for t in s.choices[0].logprobs.tokens] == lp.tokens
 
 
 def test_echo_puts_the_prompt_before_the_completion(client, model, lm) -> None:
