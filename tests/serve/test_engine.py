@@ -14,7 +14,7 @@ from kvtier.config import KVCacheConfig
 from kvtier.generate import GenerationConfig, stream_generate
 from kvtier.kernels.cpu_attention import load_kernels
 from kvtier.sampling import SamplingParams
-from kvtier.serve.engine import EngineConfig, LLMEngine
+from kvtier.serve.engine import PROMPT_LOGITS_BYTES, EngineConfig, LLMEngine
 from kvtier.serve.params import RequestParams
 from kvtier.serve.scheduler import QueueFull
 
@@ -310,6 +310,8 @@ def test_prompt_logprobs_are_the_models_own(lm, mode) -> None:
     # every position computed, not read from the cache; the tokens as without
     assert asked.cached_tokens == 0 and again.cached_tokens == 16 and again.prompt_logprobs is None
     assert asked.token_ids == again.token_ids == plain.token_ids and plain.prompt_logprobs is None
+    # a step's prompt logits bounded in bytes: 256 MiB of float32 over this vocabulary
+    assert engine.scheduler.config.max_prompt_logits == PROMPT_LOGITS_BYTES // (4 * 49152) == 1365
     with pytest.raises(ValueError, match=r"prompt_logprobs must be None or an int in \[0, 20\], got 21"):
         RequestParams(prompt_logprobs=21)
 

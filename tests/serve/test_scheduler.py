@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from kvtier.serve.prefix import BlockManager
 from kvtier.serve.scheduler import (
-    PROMPT_LOGITS_CHUNK,
     QueueFull,
     Request,
     Scheduler,
@@ -132,13 +131,14 @@ def test_prefix_hit_skips_the_cached_blocks() -> None:
 
 def test_a_request_wanting_its_prompts_logits_skips_the_cache_and_takes_small_chunks() -> None:
     """No prefix hit (every position must be computed), chunks marked all_logits of at most
-    PROMPT_LOGITS_CHUNK tokens a step for all such requests together (a second one waits for
+    max_prompt_logits tokens a step for all such requests together (a second one waits for
     its share), beside a request that takes the rest of the budget."""
     bm = BlockManager(512, 16)
-    s = Scheduler(SchedulerConfig(max_model_len=4096, max_batched_tokens=2048), bm)
+    k = 512
+    s = Scheduler(SchedulerConfig(max_model_len=4096, max_batched_tokens=2048, max_prompt_logits=k), bm)
     system = list(range(1, 65))
     run(s, {0: [Request("a", system + [1, 2], max_tokens=2)]})  # 4 blocks cached
-    ids = system + [7] * (2 * PROMPT_LOGITS_CHUNK + 100)
+    ids = system + [7] * (2 * k + 100)
     b, c = Request("b", ids, max_tokens=2, prompt_logits=True), Request("c", system + [9] * 3000, max_tokens=2)
     d = Request("d", [5] * 400, max_tokens=2, prompt_logits=True)
     for r in (b, c, d):
@@ -148,7 +148,6 @@ def test_a_request_wanting_its_prompts_logits_skips_the_cache_and_takes_small_ch
         batch = s.schedule()
         rows.append([(r.request_id, r.start, len(r.token_ids), r.all_logits) for r in batch.rows])
         s.update(batch, {rid: 1 for rid in batch.sampled})
-    k = PROMPT_LOGITS_CHUNK
     assert rows[0] == [("b", 0, k, True), ("c", 64, 2048 - k, False)]  # c's cached 64 skipped
     # d waits: b took this step's share of logits (before the shared cap: d ran 72 tokens here)
     assert rows[1] == [("b", k, k, True), ("c", 64 + 2048 - k, 3064 - (2112 - k), False)]

@@ -73,7 +73,7 @@ from kvtier.serve.scheduler import (
     StepBatch,
 )
 
-__all__ = ["EngineConfig", "LLMEngine", "freeze_startup_heap"]
+__all__ = ["PROMPT_LOGITS_BYTES", "EngineConfig", "LLMEngine", "freeze_startup_heap"]
 
 
 def freeze_startup_heap() -> None:
@@ -99,6 +99,10 @@ DEFAULT_CUDA_KV_SHARE = 0.8
 #: 2,048 rows than at 512 (32 requests of 64-512 prompt tokens on the 2-core box: 79.4-79.7
 #: against 66.7-69.9 output tok/s, lower TTFT and TPOT too); a GPU needs thousands
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+#: float32 logits a step computes at most for prompt logprobs (all requests together): the
+#: scheduler's ``max_prompt_logits`` tokens (1,365 with SmolLM2's 49,152 words, 523 with
+#: Llama-3's 128,256)
+PROMPT_LOGITS_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -208,7 +212,8 @@ class LLMEngine:
                           config.max_num_seqs)
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=context, max_num_seqs=config.max_num_seqs,
-                            max_batched_tokens=batched, max_waiting=config.max_waiting),
+                            max_batched_tokens=batched, max_waiting=config.max_waiting,
+                            max_prompt_logits=max(1, PROMPT_LOGITS_BYTES // (4 * model.args.vocab_size))),
             self.block_manager)
         self.runner = ModelRunner(
             model, num_blocks=num_blocks, block_size=config.block_size, kv_quant=config.kv_quant,

@@ -34,8 +34,8 @@ class RequestParams:
     after the first, given the tokens before it, and of the ``prompt_logprobs`` most likely
     alternatives there (0 to :data:`MAX_LOGPROBS`); they come with the request's first output
     (:attr:`RequestOutput.prompt_logprobs`). Such a request computes its whole prompt (no
-    prefix-cache hit) in chunks of at most
-    :data:`~kvtier.serve.scheduler.PROMPT_LOGITS_CHUNK` tokens.
+    prefix-cache hit) in chunks whose logits take at most
+    :data:`~kvtier.serve.engine.PROMPT_LOGITS_BYTES` a step.
     """
 
     max_tokens: int | None = None

@@ -23,8 +23,8 @@ Every step :meth:`Scheduler.schedule` returns a :class:`StepBatch` of plain data
 
 A request that wants the logits of its prompt positions (``Request.prompt_logits``,
 for prompt logprobs) is admitted without its cached prefix (every position is computed)
-and runs in chunks, rows marked ``all_logits``, of at most :data:`PROMPT_LOGITS_CHUNK` tokens
-a step for all such requests together, until the engine has its prompt's logits.
+and runs in chunks, rows marked ``all_logits``, of at most ``max_prompt_logits`` tokens a
+step for all such requests together, until the engine has its prompt's logits.
 
 A row feeds ``token_ids`` at positions ``start ..``; it is *sampled* when its last
 fed token is the request's last token (the end of the prompt, or the token sampled
@@ -56,16 +56,12 @@ from dataclasses import dataclass, field
 
 from kvtier.serve.prefix import BlockManager
 
-__all__ = ["PENDING", "PROMPT_LOGITS_CHUNK", "QueueFull", "Request", "RequestStatus", "ScheduledRow", "Scheduler",
+__all__ = ["PENDING", "QueueFull", "Request", "RequestStatus", "ScheduledRow", "Scheduler",
            "SchedulerConfig", "StepBatch"]
 
 #: the token id booked for a sampled row whose token is still on the device (asynchronous
 #: scheduling: the next step is scheduled before this one's tokens reach the host)
 PENDING = -1
-
-#: prompt tokens a step feeds at most, all requests together, whose every position's logits
-#: are wanted: the logits are ``tokens x vocab`` floats (512 x 128,256: 263 MB)
-PROMPT_LOGITS_CHUNK = 512
 
 
 class QueueFull(RuntimeError):
@@ -93,17 +89,20 @@ class SchedulerConfig:
     least ``max_num_seqs``, so every running request can decode);
     ``max_waiting``: requests queued for admission before :meth:`Scheduler.add`
     raises :class:`QueueFull`; ``max_model_len``: prompt plus generated tokens of
-    one request at most.
+    one request at most; ``max_prompt_logits``: prompt tokens a step feeds, all requests
+    together, whose every position's logits are wanted (prompt logprobs: the logits are
+    ``tokens x vocab`` floats).
     """
 
     max_model_len: int
     max_num_seqs: int = 64
     max_batched_tokens: int = 512
     max_waiting: int = 256
+    max_prompt_logits: int = 512
 
     def __post_init__(self) -> None:
         # max_waiting 0 would refuse every request: each one waits at least until the next step
-        for name in ("max_model_len", "max_num_seqs", "max_batched_tokens", "max_waiting"):
+        for name in ("max_model_len", "max_num_seqs", "max_batched_tokens", "max_waiting", "max_prompt_logits"):
             _int_at_least(name, getattr(self, name), 1)
         if self.max_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_batched_tokens {self.max_batched_tokens} is below max_num_seqs "
@@ -265,7 +264,7 @@ class Scheduler:
                 rows.append(self._row(req, 1))
                 budget -= 1
         rows.sort(key=lambda r: -r.start)  # longest first (stable: oldest first among equals)
-        logits = PROMPT_LOGITS_CHUNK  # all_logits tokens left to this step
+        logits = self.config.max_prompt_logits  # all_logits tokens left to this step
         for req in self.running:  # 2. prefill chunks of running requests
             if budget > 0 and self._left(req) > 1 and (logits > 0 or not req.prompt_logits):
                 n = self._chunk(req, budget, logits)
@@ -322,7 +321,7 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int, logits: int) -> int:
         """Tokens of ``req`` the step feeds: what is left, within the budget (and, while its
-        prompt's logits are wanted, within the ``logits`` tokens left of :data:`PROMPT_LOGITS_CHUNK`)."""
+        prompt's logits are wanted, within the ``logits`` tokens left of ``max_prompt_logits``)."""
         n = min(self._left(req), budget)
         return min(n, logits) if req.prompt_logits else n
 
