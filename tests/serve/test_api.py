@@ -39,16 +39,6 @@ def server(server_log):
         yield url
 
 
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def test_models_and_health(server, model) -> None:
     h = httpx.get(f"{server}/health").json()
     assert h["status"] == "ok" and h["num_blocks"] == NUM_BLOCKS

@@ -12,7 +12,6 @@ import math
 import httpx
 import pytest
 import torch
-from openai import OpenAI
 
 from kvtier.config import KVCacheConfig
 from server_support import running_server, settle
@@ -27,16 +26,6 @@ def server(tmp_path_factory):
     with running_server(log, "--num-blocks", str(NUM_BLOCKS), "--max-waiting", str(MAX_WAITING),
                         "--max-num-seqs", "8", "--max-batched-tokens", "16") as url:  # 16: prompts run in chunks
         yield url
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def reference(lm, ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,17 @@
+"""Fixtures of the modules that start a ``kvtier serve``: each defines its own ``server`` (a base
+URL, the flags its tests need); these give the official client and the served model's name."""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
