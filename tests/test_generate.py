@@ -288,6 +288,12 @@ def test_split_at_stop():
     assert split_at_stop("hello wor", ("world",)) == ("hello ", "wor", False)
     assert split_at_stop("hello world!", ("world",)) == ("hello ", "", True)
     assert split_at_stop("abc", ()) == ("abc", "", False)
+    # vLLM's include_stop_str_in_output: the text ends with the stop string; of two found at one
+    # place the longer, of two at different places the first
+    assert split_at_stop("hello world!", ("world",), include=True) == ("hello world", "", True)
+    assert split_at_stop("a. b.\n", (".", ".\n"), include=True) == ("a.", "", True)
+    assert split_at_stop("a.\nb", (".", ".\n"), include=True) == ("a.\n", "", True)
+    assert split_at_stop("x stop", ("op", "st"), include=True) == ("x st", "", True)
     assert split_at_stop("ab", ("bx", "abz")) == ("", "ab", False)
     assert split_at_stop("ab", ("bx",), hold=False) == ("ab", "", False)
     # the earliest stop string wins

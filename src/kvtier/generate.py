@@ -433,10 +433,12 @@ class _Run:
 class RowText:
     """Text of one row: incremental detokenizing, stop tokens and strings, max tokens."""
 
-    def __init__(self, decoder, config: GenerationConfig, stop_ids: frozenset[int], min_tokens: int = 0):
+    def __init__(self, decoder, config: GenerationConfig, stop_ids: frozenset[int], min_tokens: int = 0,
+                 include_stop: bool = False):
         self.decoder, self.stop, self.stop_ids = decoder, config.stop, stop_ids
         self.max_tokens = config.max_tokens
         self.min_tokens = min_tokens  # before this many tokens no stop string ends the row (vLLM's)
+        self.include_stop = include_stop  # a stop string ends the text with it, not before it (vLLM's)
         self.held = ""  # decoded text not yet given out: it may begin a stop string
         self.count = 0
         self.done = False
@@ -447,7 +449,7 @@ class RowText:
         if token in self.stop_ids:
             return self._finish(self.held + self.decoder.flush(), "stop")
         stop = self.stop if self.count >= self.min_tokens else ()
-        text, self.held, hit = split_at_stop(self.held + self.decoder.feed(token), stop)
+        text, self.held, hit = split_at_stop(self.held + self.decoder.feed(token), stop, include=self.include_stop)
         if hit:
             return self._finish(text, "stop", flushed=True)
         if self.count >= self.max_tokens:
@@ -458,22 +460,25 @@ class RowText:
     def _finish(self, text: str, reason: str, flushed: bool = False) -> tuple[str, str]:
         self.done, self.held = True, ""
         if not flushed:
-            text, _, hit = split_at_stop(text, self.stop, hold=False)
+            text, _, hit = split_at_stop(text, self.stop, hold=False, include=self.include_stop)
             reason = "stop" if hit else reason
         return text, reason
 
 
-def split_at_stop(text: str, stop: Sequence[str], *, hold: bool = True) -> tuple[str, str, bool]:
+def split_at_stop(text: str, stop: Sequence[str], *, hold: bool = True,
+                  include: bool = False) -> tuple[str, str, bool]:
     """Split streamed ``text`` at the first stop string.
 
     Returns ``(emit, held, hit)``: with a stop string in ``text``, ``emit`` is the
-    text before it and ``hit`` is True. Otherwise ``held`` is the longest end of
-    ``text`` that could still grow into a stop string (kept back when ``hold``),
-    and ``emit`` the rest.
+    text before it (through it with ``include``; of stop strings found at one place,
+    the longest) and ``hit`` is True. Otherwise ``held`` is the longest end of ``text``
+    that could still grow into a stop string (kept back when ``hold``), and ``emit``
+    the rest.
     """
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    if cut >= 0:
-        return text[:cut], "", True
+    found = [(i, -len(s)) for s in stop if (i := text.find(s)) >= 0]
+    if found:
+        cut, minus = min(found)
+        return text[: cut - minus if include else cut], "", True
     if not hold:
         return text, "", False
     keep = 0

@@ -238,8 +238,10 @@ def test_vllm_sampling_fields_are_served_or_refused(server, lm) -> None:
     r = httpx.post(f"{server}/v1/completions", json={**body, "stop_token_ids": [dot]}, timeout=60).json()
     assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 2
     assert r["choices"][0]["text"] == " Paris"
-    for field, value in (("include_stop_str_in_output", True),
-                         ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("guided_json", {}),
+    r = httpx.post(f"{server}/v1/completions", json={**body, "stop": ["."], "include_stop_str_in_output": True},
+                   timeout=60).json()  # before: a 400
+    assert r["choices"][0]["text"] == " Paris." and r["choices"][0]["finish_reason"] == "stop"
+    for field, value in (("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("guided_json", {}),
                          ("truncate_prompt_tokens", 4), ("use_beam_search", True)):
         r = httpx.post(f"{server}/v1/completions", json={**body, field: value}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == field  # before: ignored

@@ -271,6 +271,8 @@ def test_min_tokens_holds_back_the_stops(lm, async_scheduling) -> None:
                                                    RequestParams(max_tokens=12, stop=(",",), min_tokens=4)])
     assert (early.text, early.finish_reason) == (" 5", "stop")
     assert (late.text, late.finish_reason) == (" 5, 6", "stop")
+    kept = engine.generate([count], RequestParams(max_tokens=12, stop=(",",), include_stop_str_in_output=True))[0]
+    assert (kept.text, kept.finish_reason) == (" 5,", "stop")  # vLLM's: the stop string stays at the end
     with pytest.raises(ValueError, match=r"min_tokens must be an int in \[0, max_tokens\], got 5"):
         RequestParams(max_tokens=4, min_tokens=5)
 

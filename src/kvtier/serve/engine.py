@@ -281,7 +281,7 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer else None
         text = RowText(decoder, GenerationConfig(max_tokens=max_tokens, stop=params.stop), stop_ids,
-                       params.min_tokens)
+                       params.min_tokens, params.include_stop_str_in_output)
         live = Live(request, params, text, make_generator(params.sampling, self.device), time.monotonic())
         self.scheduler.add(request)  # the last check (queue bound): after it, nothing can fail
         self._live[rid] = live

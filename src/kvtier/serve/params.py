@@ -19,7 +19,8 @@ class RequestParams:
     """How one request generates.
 
     ``max_tokens``: new tokens at most (``None``: as many as the context leaves);
-    ``stop``: strings that end the text (cut from it); ``stop_token_ids``: ids that end
+    ``stop``: strings that end the text (cut from it, or kept as its end with
+    ``include_stop_str_in_output``, vLLM's); ``stop_token_ids``: ids that end
     it besides the tokenizer's end-of-sequence ids, which ``ignore_eos`` disregards
     (benchmarks use it to generate a fixed length); ``logprobs``: ``None`` for none,
     else the log-probability of each chosen token and of the ``logprobs`` most likely
@@ -50,6 +51,7 @@ class RequestParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
 
     @property
     def adjusts_logits(self) -> bool:
@@ -68,8 +70,9 @@ class RequestParams:
         if not isinstance(self.stop_token_ids, tuple) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a tuple of ints >= 0, got {self.stop_token_ids!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):

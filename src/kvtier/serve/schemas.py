@@ -2,8 +2,8 @@
 :class:`~kvtier.serve.params.RequestParams`.
 
 Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with vLLM's
-extensions ``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty``, ``min_tokens`` and
-``prompt_logprobs`` (not streamed); OpenAI's
+extensions ``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty``, ``min_tokens``,
+``include_stop_str_in_output`` and ``prompt_logprobs`` (not streamed); OpenAI's
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``; ``n`` (at most :data:`MAX_CHOICES`)
 asks for that many choices of each prompt; ``/v1/completions`` takes a batch of prompts (at
 most :data:`MAX_PROMPTS`) and ``echo`` (the prompt before the completion, and with
@@ -127,8 +127,8 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    # vLLM's extensions: stop_token_ids and prompt_logprobs are served; the others are refused,
-    # never ignored
+    # vLLM's extensions: stop_token_ids, include_stop_str_in_output and prompt_logprobs are
+    # served; the others are refused, never ignored
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
@@ -152,10 +152,8 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         """400 for a field the engine cannot honour, or a stop list beyond the bounds."""
-        refused = (("include_stop_str_in_output", self.include_stop_str_in_output,
-                    "include_stop_str_in_output is not supported: stop strings are cut from the text"),)
-        refused += tuple((name, getattr(self, name) not in (None, False), f"{name} is not supported")
-                         for name in VLLM_REFUSED)
+        refused = tuple((name, getattr(self, name) not in (None, False), f"{name} is not supported")
+                        for name in VLLM_REFUSED)
         for param, bad, message in refused:
             if bad:
                 raise APIError(400, message, param=param, code="unsupported_parameter")
@@ -330,6 +328,7 @@ def request_params(req: CompletionRequest | ChatCompletionRequest) -> RequestPar
                              logprobs=logprobs, presence_penalty=req.presence_penalty,
                              frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                              logit_bias=logit_bias(req.logit_bias), min_tokens=req.min_tokens,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs,
+                             include_stop_str_in_output=req.include_stop_str_in_output)
     except ValueError as e:  # the dataclasses' messages start with the field's name
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
