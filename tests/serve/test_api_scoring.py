@@ -163,6 +163,11 @@ def test_the_tokenizer_routes_are_the_models_tokenizer(server, client, model, lm
         got = post(route, body)
         assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
     assert post("/tokenize", {"prompt": "a", "model": "gpt-9"}).status_code == 404
+    # a text far over the context is refused from its first characters, not tokenized whole
+    long = post("/tokenize", {"prompt": "word " * 200_000})
+    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded", long.text
+    lone = httpx.post(f"{server}/tokenize", content=b'{"prompt": "\\ud800"}', headers={"content-type": "application/json"})
+    assert lone.status_code == 400 and "surrogate" in lone.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [

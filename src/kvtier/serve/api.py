@@ -246,7 +246,6 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     def check(req) -> None:
         check_model(req.model)
 
-    add_tokenizer_routes(app, tokenizer, lambda: engine.stats["max_model_len"], check_model)
 
     async def start(jobs: list[tuple[list[int], RequestParams]], n: int, prompt_param: str) -> list[str]:
         """Queue the request's choices, ``(prompt ids, params)`` each (``n`` a prompt); all or none
@@ -284,6 +283,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             return encode_bounded(tokenizer, text, engine.stats["max_model_len"], add_bos=add_bos)
         except ValueError as e:
             raise refused(e, prompt_param) from None
+
+    add_tokenizer_routes(app, tokenizer, lambda: engine.stats["max_model_len"], check_model, encode)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -21,8 +21,11 @@ __all__ = ["add_tokenizer_routes"]
 
 
 def add_tokenizer_routes(app: FastAPI, tokenizer, max_model_len: Callable[[], int],
-                         check_model: Callable[[str | None], None]) -> None:
-    """The three routes on ``app``; ``check_model`` answers a ``model`` other than the one served."""
+                         check_model: Callable[[str | None], None], encode: Callable[..., list[int]]) -> None:
+    """The three routes on ``app``; ``check_model`` answers a ``model`` other than the one served,
+    ``encode(text, param, add_bos=...)`` tokenizes as the generation routes do (a text over the
+    context is a 400 found from its prefixes, not tokenized whole: a text of megabytes would hold
+    the server for seconds)."""
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -37,12 +40,7 @@ def add_tokenizer_routes(app: FastAPI, tokenizer, max_model_len: Callable[[], in
             special = bool(req.add_special_tokens)  # the template writes its own special tokens
         else:
             text, special = req.prompt, req.add_special_tokens is not False
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise APIError(400, f"the text holds {text[e.start]!r} at character {e.start}, a lone UTF-16 "
-                           "surrogate that is not valid Unicode; send the whole pair", param="prompt") from None
-        ids = tokenizer.encode(text, add_bos=None if special else False)
+        ids = encode(text, "prompt" if req.messages is None else "messages", add_bos=None if special else False)
         strs = [tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_model_len(), "tokens": ids, "token_strs": strs}
 
