@@ -60,6 +60,7 @@ import torch
 from kvtier.generate import GenerationConfig, RowText
 from kvtier.quant.modes import TurboQuantConfig, check_kv_quant, check_turboquant
 from kvtier.sampling import make_generator, sample
+from kvtier.serve.adjust import LogitAdjustments
 from kvtier.serve.live import Live
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.prefix import BlockManager
@@ -224,6 +225,7 @@ class LLMEngine:
                                  else config.async_scheduling)
         self._inflight: _Launched | None = None
         self._live: dict[str, Live] = {}
+        self.adjustments = LogitAdjustments()  # bias, min_tokens and penalties, all rows at once
         self._lock = threading.RLock()  # one call at a time (module docstring)
         self._ids = itertools.count()
         self.steps = self.prompt_tokens = self.generation_tokens = 0
@@ -292,6 +294,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Drop a request, waiting or running; its blocks are freed. False if it was not live."""
         self._live.pop(request_id, None)
+        self.adjustments.release(request_id)
         return self.scheduler.abort(request_id)
 
     @_serialised
@@ -373,6 +376,7 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(rid)  # a stop (a length finish has freed it already)
                 del self._live[rid]
+                self.adjustments.release(rid)
             live.first_token = live.first_token or now
             lp = step.logprobs.get(rid)
             outputs.append(RequestOutput(
@@ -394,18 +398,27 @@ class LLMEngine:
         rows that ask, the device tensors of their logprobs: the token's and the top ones."""
         if not lives:
             return torch.empty(0, dtype=torch.long, device=logits.device), {}
-        # argmax over every row (one kernel, no index tensor); the rows that sample, or whose
-        # penalties move their logits (on a copy: logprobs stay the model's own), overwrite theirs
+        # argmax over every row (one kernel, no index tensor); the rows that sample, or whose bias
+        # or penalties move their logits (all such rows at once, on a copy: logprobs stay the
+        # model's own), overwrite theirs
         picked = logits.argmax(dim=-1)  # (n_sampled,)
+        moved = [i for i, lv in enumerate(lives) if lv.params.adjusts_logits and self.adjustments.applies(lv)]
+        rows: dict[int, torch.Tensor] = {}  # row -> its adjusted logits [1, V]
+        if moved:
+            out, index = self.adjustments.apply(logits, moved, [lives[i] for i in moved])
+            greedy = [j for j, i in enumerate(moved) if lives[i].params.sampling.greedy]
+            if len(greedy) == len(moved):
+                picked.index_copy_(0, index[0], out.argmax(dim=-1))
+            else:
+                for j, i in enumerate(moved):
+                    rows[i] = out[j : j + 1]
+                    if j in greedy:
+                        picked[i] = rows[i].argmax(dim=-1)[0]
         for i, lv in enumerate(lives):
-            row = logits[i : i + 1]
-            if lv.params.adjusts_logits:
-                row = lv.adjust(row)
-                if lv.params.sampling.greedy:
-                    picked[i] = row.argmax(dim=-1)[0]
             if not lv.params.sampling.greedy:
-                picked[i] = sample(row, lv.params.sampling, lv.generator)[0]
-            lv.count(picked[i : i + 1])
+                picked[i] = sample(rows.get(i, logits[i : i + 1]), lv.params.sampling, lv.generator)[0]
+        if moved:
+            self.adjustments.count(index, picked)
         logprobs = {}
         for i, lv in enumerate(lives):
             top = lv.params.logprobs

@@ -1,12 +1,11 @@
-"""The engine's side of one live request (:class:`Live`): its text, its sampler, what moves its
-logits (bias, ``min_tokens``, penalties) and its prompt logprobs, gathered chunk by chunk."""
+"""The engine's side of one live request (:class:`Live`): its text, its sampler, and its prompt
+logprobs, gathered chunk by chunk (what moves its logits is :mod:`kvtier.serve.adjust`'s)."""
 
 from __future__ import annotations
 
 import torch
 
 from kvtier.generate import RowText
-from kvtier.sampling import apply_penalties
 from kvtier.serve.params import RequestParams, TokenLogprob
 from kvtier.serve.scheduler import Request
 
@@ -25,56 +24,11 @@ class Live:
         if params.prompt_logprobs is not None:
             self.prompt = [None]
             request.prompt_logits = request.num_prompt_tokens > 1
-        # what moves its logits (RequestParams.adjusts_logits), on the device, made at its first
-        # sampled step (when the vocabulary is known): the bias; the stop ids held back before
-        # min_tokens; for penalties, the sampled tokens' counts (grown as they are sampled, no
-        # wait for the host) and the prompt's tokens
-        self.prepared = False
-        self.bias: torch.Tensor | None = None
-        self.stop_index: torch.Tensor | None = None
-        self.counts: torch.Tensor | None = None
-        self.one: torch.Tensor | None = None  # the count of one sampled token
-        self.prompt_seen: torch.Tensor | None = None
 
-    def _prepare(self, logits: torch.Tensor) -> None:
-        p, device, shape = self.params, logits.device, logits.shape
-        if p.logit_bias:
-            ids, values = zip(*p.logit_bias, strict=True)
-            self.bias = torch.zeros(shape, dtype=torch.float32, device=device)
-            self.bias[0, to_device(ids, torch.long, device)] = to_device(values, torch.float32, device)
-        if p.min_tokens and self.text.stop_ids:
-            self.stop_index = to_device(sorted(self.text.stop_ids), torch.long, device)
-        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-            self.counts = torch.zeros(shape, dtype=torch.int32, device=device)
-            self.one = torch.ones(1, dtype=torch.int32, device=device)
-        if p.repetition_penalty != 1.0:
-            ids = to_device(self.request.prompt_token_ids, torch.long, device).unsqueeze(0)
-            self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=device).scatter_(1, ids, True)
-        self.prepared = True
-
-    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
-        """This request's bias, min_tokens' hold on the stop ids, then its penalties, on its row
-        ``logits`` ``[1, V]``: a new tensor where any applies (logprobs read the model's own)."""
-        if not self.prepared:
-            self._prepare(logits)
-        p = self.params
-        hold = self.stop_index is not None and self.request.num_output_tokens < p.min_tokens
-        if self.bias is None and self.counts is None and not hold:
-            return logits
-        out = logits.float().clone()
-        if self.bias is not None:
-            out += self.bias
-        if hold:  # no stop yet
-            out[0, self.stop_index] = float("-inf")
-        if self.counts is not None:
-            out = apply_penalties(out, self.counts, self.prompt_seen, presence=p.presence_penalty,
-                                  frequency=p.frequency_penalty, repetition=p.repetition_penalty)
-        return out
-
-    def count(self, token: torch.Tensor) -> None:
-        """Count the sampled ``token`` (``[1]`` on the device) for the penalties."""
-        if self.counts is not None:
-            self.counts[0].index_add_(0, token, self.one)
+    def holds_stops(self) -> bool:
+        """Whether its stop ids are held back this step (fewer than ``min_tokens`` are out)."""
+        return bool(self.params.min_tokens and self.text.stop_ids
+                    and self.request.num_output_tokens < self.params.min_tokens)
 
     # -- prompt logprobs ------------------------------------------------------------------------------
     def prompt_logprobs(self, start: int, logits: torch.Tensor) -> tuple[torch.Tensor, ...] | None:

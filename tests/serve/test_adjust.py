@@ -1,0 +1,94 @@
+"""LogitAdjustments: every adjusted row of a step at once, against each row done alone with the
+library's own pieces (bias added, stop ids held back, kvtier.sampling.apply_penalties); slots
+taken, given back and reused with nothing of their former request left."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kvtier.generate import GenerationConfig, RowText
+from kvtier.sampling import apply_penalties
+from kvtier.serve.adjust import LogitAdjustments
+from kvtier.serve.live import Live
+from kvtier.serve.params import RequestParams
+from kvtier.serve.scheduler import Request
+
+V = 50
+
+
+def live(rid: str, rng: random.Random) -> Live:
+    """A request with a random mix of bias, min_tokens (stop ids 3 and 4) and penalties."""
+    params = RequestParams(
+        max_tokens=20, min_tokens=rng.choice([0, 0, 5]),
+        presence_penalty=rng.choice([0.0, 0.5, -1.0]), frequency_penalty=rng.choice([0.0, 0.7]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.3, 0.8]),
+        logit_bias=tuple((t, rng.uniform(-5, 5)) for t in rng.sample(range(V), rng.choice([0, 0, 3]))))
+    req = Request(rid, [rng.randrange(V) for _ in range(rng.randint(1, 12))], max_tokens=20)
+    text = RowText(None, GenerationConfig(max_tokens=20), frozenset({3, 4}), params.min_tokens)
+    return Live(req, params, text, None, 0.0)
+
+
+def alone(logits: torch.Tensor, lv: Live, generated: list[int]) -> torch.Tensor:
+    """The row's adjusted logits done by hand."""
+    p, out = lv.params, logits.clone()[None]
+    for t, b in p.logit_bias:
+        out[0, t] += b
+    if lv.holds_stops():
+        out[0, [3, 4]] = float("-inf")
+    counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=V)[None].int()
+    seen = torch.zeros(1, V, dtype=torch.bool)
+    seen[0, lv.request.prompt_token_ids] = True
+    return apply_penalties(out, counts, seen, presence=p.presence_penalty, frequency=p.frequency_penalty,
+                           repetition=p.repetition_penalty)[0]
+
+
+def test_all_rows_at_once_equal_each_row_alone_through_reused_slots() -> None:
+    rng, adj = random.Random(0), LogitAdjustments()
+    lives, generated, n = {}, {}, 0
+    for _step in range(30):
+        for _ in range(rng.randint(0, 3)):  # arrivals
+            lives[f"r{n}"], generated[f"r{n}"] = live(f"r{n}", rng), []
+            n += 1
+        for rid in [r for r in lives if rng.random() < 0.15]:  # endings: slots go back
+            del lives[rid]
+            adj.release(rid)
+        batch = list(lives.values())
+        if not batch:
+            continue
+        logits = torch.randn(len(batch) + 2, V) * 3  # two rows of others, unadjusted
+        rows = [i + 1 for i in range(len(batch)) if adj.applies(batch[i])]
+        moved = [batch[i - 1] for i in rows]
+        if not rows:
+            continue
+        out, index = adj.apply(logits, rows, moved)
+        for j, (i, lv) in enumerate(zip(rows, moved, strict=True)):
+            torch.testing.assert_close(out[j], alone(logits[i], lv, generated[lv.request.request_id]))
+        picked = out.argmax(dim=-1)
+        full = torch.zeros(logits.shape[0], dtype=torch.long)
+        full[rows] = picked
+        adj.count(index, full)
+        for lv, t in zip(moved, picked.tolist(), strict=True):
+            generated[lv.request.request_id].append(t)
+            lv.request.token_ids.append(t)  # (num_output_tokens: min_tokens' hold ends)
+    assert n > 30 and set(adj.slots) <= set(lives)  # ended requests hold no slot
+    assert set(adj.free).isdisjoint(adj.slots.values()) and len(adj.free) + len(adj.slots) == adj.size
+
+
+def test_many_rows_grow_the_slots_and_keep_each_rows_counts() -> None:
+    adj = LogitAdjustments()
+    lives = [Live(Request(f"r{i}", [1, 2], max_tokens=8), RequestParams(frequency_penalty=1.0), RowText(
+        None, GenerationConfig(max_tokens=8), frozenset(), 0), None, 0.0) for i in range(20)]
+    logits = torch.zeros(20, V)
+    for step in range(3):
+        out, index = adj.apply(logits, list(range(20)), lives)
+        tokens = torch.tensor([(i + step) % V if i % 2 else i % V for i in range(20)])
+        adj.count(index, tokens)
+    assert adj.size == 32  # 8, 16, 32
+    out, _ = adj.apply(logits, list(range(20)), lives)
+    for i in range(20):  # odd rows: three tokens once each; even rows: one token three times
+        want = torch.zeros(V)
+        for step in range(3):
+            want[(i + step) % V if i % 2 else i % V] -= 1.0
+        torch.testing.assert_close(out[i], want)
