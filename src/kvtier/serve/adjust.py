@@ -67,7 +67,8 @@ class LogitAdjustments:
         hold = [lv.holds_stops() for lv in lives]
         index = to_device([list(rows), slots], torch.long, logits.device)  # two small copies in
         knobs = to_device([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
-                           [p.repetition_penalty for p in params]], torch.float32, logits.device)
+                           [p.repetition_penalty for p in params], [float(h) for h in hold]],
+                          torch.float32, logits.device)
         out = logits.index_select(0, index[0]).float()
         bias = any(p.logit_bias for p in params)
         penalties = "counts" in self.buffers and any(
@@ -85,16 +86,17 @@ class LogitAdjustments:
 
     def _adjust(self, out: torch.Tensor, s: torch.Tensor, knobs, bias: bool, hold: Sequence[bool],
                 penalties: bool, repetition: bool) -> None:
-        """Rows ``out`` (in place) of slots ``s``; ``knobs``: presence, frequency and repetition of
-        each row, ``[3, rows]`` on the device, or one row's three as ``(number,)``; ``hold``: whether
-        each row's stop ids are held back."""
+        """Rows ``out`` (in place) of slots ``s``; ``knobs``: presence, frequency, repetition and
+        hold (1.0: its stop ids are held back) of each row, ``[4, rows]`` on the device, or one
+        row's first three as ``(number,)``; ``hold``: the same hold as bools, on the host."""
         b = self.buffers
         if bias:
             out += b["bias"].index_select(0, s)
         if any(hold):
             held = b["stops"].index_select(0, s)
-            out.masked_fill_(held if all(hold) else held & torch.tensor(hold, device=out.device)[:, None],
-                             float("-inf"))
+            if not all(hold):  # (a one-row block holds: all of it)
+                held &= knobs[3][:, None] > 0
+            out.masked_fill_(held, float("-inf"))
         if penalties:
             column = (lambda x: x[0]) if isinstance(knobs, list) else (lambda x: x[:, None])
             presence, frequency, r = (column(knobs[i]) for i in range(3))
