@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.serve.live import Live, to_device
+from kvtier.caches.paged_shared import to_device
+from kvtier.serve.live import Live
 
 __all__ = ["LogitAdjustments"]
 
@@ -43,14 +44,13 @@ class LogitAdjustments:
         self.free: list[int] = []
         self.size = 0
         self.buffers: dict[str, torch.Tensor] = {}
+        self.ones: torch.Tensor | None = None  # a count of one for every slot, made with "counts"
 
     @staticmethod
     def applies(live: Live) -> bool:
         """Whether anything moves ``live``'s logits this step (a bias, a penalty, or stop ids held
         back because fewer than ``min_tokens`` are out)."""
-        p = live.params
-        return bool(p.logit_bias or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                    or live.holds_stops())
+        return bool(live.params.logit_bias or live.params.penalised or live.holds_stops())
 
     def release(self, request_id: str) -> None:
         """The request has ended: its slot is free again."""
@@ -65,41 +65,41 @@ class LogitAdjustments:
         slots = [self._slot(lv, logits) for lv in lives]
         params = [lv.params for lv in lives]
         hold = [lv.holds_stops() for lv in lives]
-        index = to_device([list(rows), slots], torch.long, logits.device)  # two small copies in
-        knobs = to_device([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
-                           [p.repetition_penalty for p in params], [float(h) for h in hold]],
-                          torch.float32, logits.device)
+        device = logits.device
+        index = to_device(torch.tensor([list(rows), slots]), device)  # two small copies in
+        knobs = to_device(torch.tensor([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                                        [p.repetition_penalty for p in params], hold], dtype=torch.float32), device)
         out = logits.index_select(0, index[0]).float()
-        bias = any(p.logit_bias for p in params)
-        penalties = "counts" in self.buffers and any(
-            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
+        bias, penalties = any(p.logit_bias for p in params), any(p.penalised for p in params)
         repetition = any(p.repetition_penalty != 1.0 for p in params)
         n = len(rows)
         block = n if out.is_cuda else max(1, CPU_BLOCK_BYTES // (4 * out.shape[1]))
         for a in range(0, n, block):  # on the CPU in blocks of rows that stay in the cache
-            # (a block of one row takes its knobs as numbers: a scalar's loop is the CPU's faster)
-            k = knobs[:, a : a + block] if block > 1 else [(x,) for x in (
-                params[a].presence_penalty, params[a].frequency_penalty, params[a].repetition_penalty)]
-            self._adjust(out[a : a + block], index[1, a : a + block], k, bias, hold[a : a + block], penalties,
-                         repetition)
+            b = slice(a, a + block)
+            if block == 1:  # one row: its knobs as numbers (a scalar's loop is the CPU's faster)
+                p = params[a]
+                presence, frequency, r = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+            else:
+                presence, frequency, r = knobs[0, b, None], knobs[1, b, None], knobs[2, b, None]
+            held = None
+            if any(hold[b]):
+                held = self.buffers["stops"].index_select(0, index[1, b])
+                if not all(hold[b]):
+                    held &= knobs[3, b, None] > 0
+            self._adjust(out[b], index[1, b], bias, held, penalties and (presence, frequency, r), repetition)
         return out, index
 
-    def _adjust(self, out: torch.Tensor, s: torch.Tensor, knobs, bias: bool, hold: Sequence[bool],
-                penalties: bool, repetition: bool) -> None:
-        """Rows ``out`` (in place) of slots ``s``; ``knobs``: presence, frequency, repetition and
-        hold (1.0: its stop ids are held back) of each row, ``[4, rows]`` on the device, or one
-        row's first three as ``(number,)``; ``hold``: the same hold as bools, on the host."""
+    def _adjust(self, out: torch.Tensor, s: torch.Tensor, bias: bool, held: torch.Tensor | None,
+                penalties: tuple | bool, repetition: bool) -> None:
+        """Rows ``out`` (in place) of slots ``s``: their bias, ``-inf`` where ``held``, and with
+        ``penalties`` (presence, frequency, repetition: numbers or ``[rows, 1]`` columns) those."""
         b = self.buffers
         if bias:
             out += b["bias"].index_select(0, s)
-        if any(hold):
-            held = b["stops"].index_select(0, s)
-            if not all(hold):  # (a one-row block holds: all of it)
-                held &= knobs[3][:, None] > 0
+        if held is not None:
             out.masked_fill_(held, float("-inf"))
         if penalties:
-            column = (lambda x: x[0]) if isinstance(knobs, list) else (lambda x: x[:, None])
-            presence, frequency, r = (column(knobs[i]) for i in range(3))
+            presence, frequency, r = penalties
             counts = b["counts"].index_select(0, s)
             generated = counts > 0
             if repetition:
@@ -112,8 +112,7 @@ class LogitAdjustments:
         """Count each row's sampled token (``picked`` ``[B]``, the step's tokens) in its slot."""
         if "counts" in self.buffers:
             tokens = picked.index_select(0, index[0])
-            self.buffers["counts"].index_put_((index[1], tokens), torch.ones_like(tokens, dtype=torch.int32),
-                                              accumulate=True)
+            self.buffers["counts"].index_put_((index[1], tokens), self.ones[: len(tokens)], accumulate=True)
 
     # -- slots --------------------------------------------------------------------------------------
     def _slot(self, live: Live, logits: torch.Tensor) -> int:
@@ -129,19 +128,21 @@ class LogitAdjustments:
         p, device = live.params, logits.device
         if p.logit_bias:
             ids, values = zip(*p.logit_bias, strict=True)
-            self._buffer("bias", logits)[slot, to_device(ids, torch.long, device)] = to_device(values, torch.float32,
-                                                                                              device)
+            self._buffer("bias", logits)[slot, to_device(torch.tensor(ids), device)] = to_device(
+                torch.tensor(values, dtype=torch.float32), device)
         if p.min_tokens and live.text.stop_ids:
-            self._buffer("stops", logits)[slot, to_device(sorted(live.text.stop_ids), torch.long, device)] = True
-        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            self._buffer("stops", logits)[slot, to_device(torch.tensor(sorted(live.text.stop_ids)), device)] = True
+        if p.penalised:
             self._buffer("counts", logits)
         if p.repetition_penalty != 1.0:
-            self._buffer("seen", logits)[slot, to_device(live.request.prompt_token_ids, torch.long, device)] = True
+            self._buffer("seen", logits)[slot, to_device(torch.tensor(live.request.prompt_token_ids), device)] = True
         return slot
 
     def _buffer(self, name: str, logits: torch.Tensor) -> torch.Tensor:
         if name not in self.buffers:
             self.buffers[name] = torch.zeros(self.size, logits.shape[-1], dtype=_DTYPES[name], device=logits.device)
+            if name == "counts":
+                self.ones = torch.ones(self.size, dtype=torch.int32, device=logits.device)
         return self.buffers[name]
 
     def _grow(self) -> None:
@@ -151,5 +152,7 @@ class LogitAdjustments:
             buf = torch.zeros(new, old.shape[1], dtype=old.dtype, device=old.device)
             buf[: self.size] = old
             self.buffers[name] = buf
+        if self.ones is not None:
+            self.ones = torch.ones(new, dtype=torch.int32, device=self.ones.device)
         self.free.extend(range(new - 1, self.size - 1, -1))  # the lowest slot first
         self.size = new

@@ -402,17 +402,16 @@ class LLMEngine:
         # or penalties move their logits (all such rows at once, on a copy: logprobs stay the
         # model's own), overwrite theirs
         picked = logits.argmax(dim=-1)  # (n_sampled,)
-        moved = [i for i, lv in enumerate(lives) if lv.params.adjusts_logits and self.adjustments.applies(lv)]
+        moved = [i for i, lv in enumerate(lives) if self.adjustments.applies(lv)]
         rows: dict[int, torch.Tensor] = {}  # row -> its adjusted logits [1, V]
         if moved:
             out, index = self.adjustments.apply(logits, moved, [lives[i] for i in moved])
-            greedy = [j for j, i in enumerate(moved) if lives[i].params.sampling.greedy]
-            if len(greedy) == len(moved):
+            if all(lives[i].params.sampling.greedy for i in moved):
                 picked.index_copy_(0, index[0], out.argmax(dim=-1))
             else:
                 for j, i in enumerate(moved):
                     rows[i] = out[j : j + 1]
-                    if j in greedy:
+                    if lives[i].params.sampling.greedy:
                         picked[i] = rows[i].argmax(dim=-1)[0]
         for i, lv in enumerate(lives):
             if not lv.params.sampling.greedy:

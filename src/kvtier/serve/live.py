@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.caches.paged_shared import to_device
 from kvtier.generate import RowText
 from kvtier.serve.params import RequestParams, TokenLogprob
 from kvtier.serve.scheduler import Request
 
-__all__ = ["Live", "to_device"]
+__all__ = ["Live"]
 
 
 class Live:
@@ -40,7 +41,7 @@ class Live:
         m = min(logits.shape[0], len(ids) - 1 - start)
         if m <= 0:
             return None
-        targets = to_device(ids[start + 1 : start + 1 + m], torch.long, logits.device)
+        targets = to_device(torch.tensor(ids[start + 1 : start + 1 + m]), logits.device)
         lp = torch.log_softmax(logits[:m].float(), dim=-1)
         chosen = lp.gather(1, targets[:, None])[:, 0]
         k = self.params.prompt_logprobs
@@ -68,9 +69,3 @@ class Live:
         out, self.prompt = tuple(self.prompt), None
         return out
 
-
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a tensor on ``device``; on CUDA through pinned memory, so that the copy does
-    not wait for the steps in flight."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

@@ -54,10 +54,9 @@ class RequestParams:
     include_stop_str_in_output: bool = False
 
     @property
-    def adjusts_logits(self) -> bool:
-        """Whether a bias or a penalty moves this request's logits before it samples."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+    def penalised(self) -> bool:
+        """Whether a presence, frequency or repetition penalty moves this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def __post_init__(self) -> None:
         m = self.max_tokens

@@ -272,8 +272,8 @@ class ModelRunner:
                 spans.append((r, offset))
             offset += len(r.token_ids)
         if spans:
-            every = [i for r, o in spans for i in range(o, o + len(r.token_ids))]
-            select = torch.cat([select, to_device(torch.tensor(every, dtype=torch.long), self.device)])
+            every = torch.cat([torch.arange(o, o + len(r.token_ids)) for r, o in spans])
+            select = torch.cat([select, to_device(every, self.device)])
         out = self.model(tokens, self.caches, positions=plan.positions, cache_kwargs={"plan": plan},
                          select=select)[0]
         at = k + pad
