@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from kvtier.generate import GenerationConfig, RowText
@@ -16,6 +17,8 @@ from kvtier.serve.params import RequestParams
 from kvtier.serve.scheduler import Request
 
 V = 50
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
 def live(rid: str, rng: random.Random) -> Live:
@@ -44,7 +47,8 @@ def alone(logits: torch.Tensor, lv: Live, generated: list[int]) -> torch.Tensor:
                            repetition=p.repetition_penalty)[0]
 
 
-def test_all_rows_at_once_equal_each_row_alone_through_reused_slots() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_all_rows_at_once_equal_each_row_alone_through_reused_slots(device) -> None:
     rng, adj = random.Random(0), LogitAdjustments()
     lives, generated, n = {}, {}, 0
     for _step in range(30):
@@ -57,16 +61,16 @@ def test_all_rows_at_once_equal_each_row_alone_through_reused_slots() -> None:
         batch = list(lives.values())
         if not batch:
             continue
-        logits = torch.randn(len(batch) + 2, V) * 3  # two rows of others, unadjusted
+        logits = (torch.randn(len(batch) + 2, V) * 3).to(device)  # two rows of others, unadjusted
         rows = [i + 1 for i in range(len(batch)) if adj.applies(batch[i])]
         moved = [batch[i - 1] for i in rows]
         if not rows:
             continue
         out, index = adj.apply(logits, rows, moved)
         for j, (i, lv) in enumerate(zip(rows, moved, strict=True)):
-            torch.testing.assert_close(out[j], alone(logits[i], lv, generated[lv.request.request_id]))
+            torch.testing.assert_close(out[j].cpu(), alone(logits[i].cpu(), lv, generated[lv.request.request_id]))
         picked = out.argmax(dim=-1)
-        full = torch.zeros(logits.shape[0], dtype=torch.long)
+        full = torch.zeros(logits.shape[0], dtype=torch.long, device=device)
         full[rows] = picked
         adj.count(index, full)
         for lv, t in zip(moved, picked.tolist(), strict=True):
@@ -76,14 +80,15 @@ def test_all_rows_at_once_equal_each_row_alone_through_reused_slots() -> None:
     assert set(adj.free).isdisjoint(adj.slots.values()) and len(adj.free) + len(adj.slots) == adj.size
 
 
-def test_many_rows_grow_the_slots_and_keep_each_rows_counts() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_rows_grow_the_slots_and_keep_each_rows_counts(device) -> None:
     adj = LogitAdjustments()
     lives = [Live(Request(f"r{i}", [1, 2], max_tokens=8), RequestParams(frequency_penalty=1.0), RowText(
         None, GenerationConfig(max_tokens=8), frozenset(), 0), None, 0.0) for i in range(20)]
-    logits = torch.zeros(20, V)
+    logits = torch.zeros(20, V, device=device)
     for step in range(3):
         out, index = adj.apply(logits, list(range(20)), lives)
-        tokens = torch.tensor([(i + step) % V if i % 2 else i % V for i in range(20)])
+        tokens = torch.tensor([(i + step) % V if i % 2 else i % V for i in range(20)], device=device)
         adj.count(index, tokens)
     assert adj.size == 32  # 8, 16, 32
     out, _ = adj.apply(logits, list(range(20)), lives)
@@ -91,4 +96,4 @@ def test_many_rows_grow_the_slots_and_keep_each_rows_counts() -> None:
         want = torch.zeros(V)
         for step in range(3):
             want[(i + step) % V if i % 2 else i % V] -= 1.0
-        torch.testing.assert_close(out[i], want)
+        torch.testing.assert_close(out[i].cpu(), want)
