@@ -1,6 +1,7 @@
 """LogitAdjustments: every adjusted row of a step at once, against each row done alone with the
-library's own pieces (bias added, stop ids held back, kvtier.sampling.apply_penalties); slots
-taken, given back and reused with nothing of their former request left."""
+library's own pieces (bias added, stop ids held back, kvtier.sampling.apply_penalties) and the
+bans written out (allowed ids, bad words against the row's own output); slots taken, given back
+and reused with nothing of their former request left."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 
 
 def live(rid: str, rng: random.Random) -> Live:
-    """A request with a random mix of bias, min_tokens (stop ids 3 and 4) and penalties."""
+    """A request with a random mix of bias, min_tokens (stop ids 3 and 4), penalties, allowed
+    ids and bad words of one to three tokens (over a few ids, so that their prefixes occur)."""
+    words = tuple(tuple(rng.randrange(6) for _ in range(rng.randint(1, 3))) for _ in range(rng.choice([0, 0, 2, 4])))
     params = RequestParams(
+        allowed_token_ids=tuple(rng.sample(range(V), 30)) + (0, 1, 2, 5) if rng.random() < 0.3 else (),
+        bad_words=words,
         max_tokens=20, min_tokens=rng.choice([0, 0, 5]),
         presence_penalty=rng.choice([0.0, 0.5, -1.0]), frequency_penalty=rng.choice([0.0, 0.7]),
         repetition_penalty=rng.choice([1.0, 1.0, 1.3, 0.8]),
@@ -38,13 +43,20 @@ def alone(logits: torch.Tensor, lv: Live, generated: list[int]) -> torch.Tensor:
     p, out = lv.params, logits.clone()[None]
     for t, b in p.logit_bias:
         out[0, t] += b
+    if p.allowed_token_ids:
+        out[0, [t for t in range(V) if t not in p.allowed_token_ids]] = float("-inf")
+    out[0, [w[0] for w in p.bad_words if len(w) == 1]] = float("-inf")
     if lv.holds_stops():
         out[0, [3, 4]] = float("-inf")
     counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=V)[None].int()
     seen = torch.zeros(1, V, dtype=torch.bool)
     seen[0, lv.request.prompt_token_ids] = True
-    return apply_penalties(out, counts, seen, presence=p.presence_penalty, frequency=p.frequency_penalty,
-                           repetition=p.repetition_penalty)[0]
+    out = apply_penalties(out, counts, seen, presence=p.presence_penalty, frequency=p.frequency_penalty,
+                          repetition=p.repetition_penalty)[0]
+    ends = [w[-1] for w in p.bad_words if len(w) > 1 and generated[len(generated) - len(w) + 1:] == list(w[:-1])]
+    if ends and not torch.isneginf(out[[t for t in range(V) if t not in ends]]).all():
+        out[ends] = float("-inf")  # (unless nothing else is left to sample)
+    return out
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -61,7 +73,9 @@ def test_all_rows_at_once_equal_each_row_alone_through_reused_slots(device) -> N
         batch = list(lives.values())
         if not batch:
             continue
-        logits = (torch.randn(len(batch) + 2, V) * 3).to(device)  # two rows of others, unadjusted
+        logits = torch.randn(len(batch) + 2, V) * 3  # two rows of others, unadjusted
+        logits[:, :6] += 3  # (ids 0-5 picked often: the bad words' prefixes occur)
+        logits = logits.to(device)
         rows = [i + 1 for i in range(len(batch)) if adj.applies(batch[i])]
         moved = [batch[i - 1] for i in rows]
         if not rows:
@@ -97,3 +111,23 @@ def test_many_rows_grow_the_slots_and_keep_each_rows_counts(device) -> None:
         for step in range(3):
             want[(i + step) % V if i % 2 else i % V] -= 1.0
         torch.testing.assert_close(out[i].cpu(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_row_whose_bad_words_ban_all_it_may_sample_samples_as_if_they_did_not(device) -> None:
+    """Allowed ids 5 and 7, bad words (5, 7) and (5, 5): after a 5 nothing is left, and that row
+    alone keeps its logits; a row beside it with the same words but every id allowed has 5 and
+    7 banned after its 5."""
+    words = ((5, 7), (5, 5))
+    rows = [Live(Request(f"r{i}", [1, 2], max_tokens=8), RequestParams(allowed_token_ids=allowed, bad_words=words),
+                 RowText(None, GenerationConfig(max_tokens=8), frozenset(), 0), None, 0.0)
+            for i, allowed in enumerate([(5, 7), ()])]
+    adj = LogitAdjustments()
+    logits = torch.zeros(2, V, device=device)
+    logits[:, 5], logits[:, 7] = 2.0, 1.0
+    out, index = adj.apply(logits, [0, 1], rows)
+    assert out[:, 5].tolist() == [2.0, 2.0] and torch.isneginf(out[0, 8:]).all() and out[1, 8] == 0.0
+    adj.count(index, torch.tensor([5, 5], device=device))
+    out, _ = adj.apply(logits, [0, 1], rows)
+    assert out[0, [5, 7]].tolist() == [2.0, 1.0] and torch.isneginf(out[0, 8:]).all()  # nothing else: as before
+    assert torch.isneginf(out[1, [5, 7]]).all() and out[1, 8] == 0.0

@@ -195,11 +195,12 @@ def test_logprobs_come_from_the_model_distribution(lm) -> None:
     assert [t for t, _ in first.top] == want.topk(3).indices.tolist()
 
 
-def penalised_greedy(model, ids: list[int], n: int, presence: float, frequency: float, repetition: float,
-                     bias: tuple = ()):
+def penalised_greedy(model, ids: list[int], n: int, presence: float = 0.0, frequency: float = 0.0,
+                     repetition: float = 1.0, bias: tuple = (), *, allowed: tuple = (), bad_words: tuple = ()):
     """The reference: each token the argmax of the whole sequence's last logits in float64, the
     bias and the penalties written out (the bias; repetition over prompt and output; then
-    frequency and presence)."""
+    frequency and presence), and the bans: ids outside ``allowed``, one-token bad words, and
+    the last token of a longer one whose other tokens end the output."""
     out: list[int] = []
     device = model.tok_embeddings.weight.device
     with torch.inference_mode():
@@ -213,6 +214,11 @@ def penalised_greedy(model, ids: list[int], n: int, presence: float, frequency: 
             seen[ids] = True
             logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
             logits = logits - frequency * counts - presence * (counts > 0).double()
+            if allowed:
+                logits[[t for t in range(logits.numel()) if t not in allowed]] = float("-inf")
+            for w in bad_words:
+                if len(w) == 1 or out[len(out) - len(w) + 1:] == list(w[:-1]):
+                    logits[w[-1]] = float("-inf")
             out.append(int(logits.argmax()))
     return out
 
@@ -246,6 +252,33 @@ def test_penalties_give_the_reference_tokens(lm, async_scheduling) -> None:
         lp = torch.log_softmax(lm.model(torch.tensor([apple + [out.token_ids[0]]]), caches)[0, -1], -1)
     assert out.token_ids[1] != int(lp.argmax())  # the penalty moved the choice
     assert out.logprobs[1].logprob == pytest.approx(float(lp[out.token_ids[1]]), abs=1e-4)
+
+
+_BANNED: dict = {}  # (bad words, allowed ids) -> the reference tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_allowed_ids_and_bad_words_give_the_reference_tokens(lm, async_scheduling) -> None:
+    """One batch: a one-token bad word, a two-token one whose first token the plain answer
+    repeats, both spellings of a word, and allowed ids; each row the reference loop's tokens."""
+    tok = lm.tokenizer
+    count = tok.encode("Count from one to twenty in words, separated by commas: one, two,")
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=32, async_scheduling=async_scheduling))
+    (three,), (comma,), (five,), (six,) = (tok.encode(w) for w in (" three", ",", " five", " six"))
+    words = [(), ((three,),), ((comma, five),), ((comma, five), (comma, six))]
+    allowed = (three, comma, five, six, *engine.eos_ids)
+    params = [RequestParams(max_tokens=12, ignore_eos=True, bad_words=w) for w in words]
+    params.append(RequestParams(max_tokens=12, ignore_eos=True, allowed_token_ids=allowed, bad_words=((comma, five),)))
+    got = [list(o.token_ids) for o in engine.generate([count] * len(params), params)]
+    key = [(p.bad_words, p.allowed_token_ids) for p in params]
+    for k in key:  # (the reference is the same for both engines)
+        if k not in _BANNED:
+            _BANNED[k] = penalised_greedy(lm.model, count, 12, bad_words=k[0], allowed=k[1])
+    assert got == [_BANNED[k] for k in key]
+    plain, no_three, no_five, neither, only = got
+    assert three in plain and three not in no_three and (comma, five) in zip(plain, plain[1:])
+    assert no_five != plain and not {(comma, five), (comma, six)} & set(zip(neither, neither[1:]))
+    assert set(only) <= set(allowed) and (comma, five) not in zip(only, only[1:])
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

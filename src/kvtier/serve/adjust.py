@@ -1,5 +1,6 @@
 """What moves the logits of the requests that ask for it (``logit_bias``, ``min_tokens``' hold on
-the stop ids, the penalties), for every such row of a step at once.
+the stop ids, the penalties, ``allowed_token_ids`` and ``bad_words``), for every such row of a
+step at once.
 
 Each request that adjusts its logits takes a *slot* at its first sampled step: a row of
 buffers ``[slots, vocab]`` on the model's device, made only once some request needs them:
@@ -8,7 +9,12 @@ buffers ``[slots, vocab]`` on the model's device, made only once some request ne
 - ``stops`` (bool): its stop ids, held back (``-inf``) until ``min_tokens`` are out;
 - ``counts`` (int32): its generated tokens' counts, grown on the device as they are sampled,
   so the asynchronous engine never waits for the host to count;
-- ``seen`` (bool): its prompt's tokens (repetition penalty).
+- ``seen`` (bool): its prompt's tokens (repetition penalty);
+- ``banned`` (bool): tokens never sampled (those outside ``allowed_token_ids``, one-token bad
+  words);
+- ``recent`` (int32, ``[slots, MAX_BAD_WORD_TOKENS - 1]``): its last generated tokens, shifted
+  in on the device as they are sampled (-1 before there are any), against which the prefixes of
+  its longer bad words are matched; a match bans the word's last token for that step.
 
 A step gathers the rows' slots and logits and applies everything in a fixed number of
 kernels, however many rows there are (one request at a time took several launches a row:
@@ -25,10 +31,16 @@ import torch
 
 from kvtier.caches.paged_shared import to_device
 from kvtier.serve.live import Live
+from kvtier.serve.params import MAX_BAD_WORD_TOKENS
 
 __all__ = ["LogitAdjustments"]
 
-_DTYPES = {"bias": torch.float32, "stops": torch.bool, "counts": torch.int32, "seen": torch.bool}
+_DTYPES = {"bias": torch.float32, "stops": torch.bool, "counts": torch.int32, "seen": torch.bool,
+           "banned": torch.bool, "recent": torch.int32}
+#: what a free slot's row holds (zero where not named)
+_EMPTY = {"recent": -1}
+#: a bad word's prefix padded on the left to MAX_BAD_WORD_TOKENS - 1 with this (matches anything)
+_ANY = -2
 
 #: on the CPU the rows are adjusted in blocks of about this many bytes of float32 logits, which
 #: stay in the cache through the dozen passes (64 rows of SmolLM2's 49,152 words at once: one
@@ -45,17 +57,20 @@ class LogitAdjustments:
         self.size = 0
         self.buffers: dict[str, torch.Tensor] = {}
         self.ones: torch.Tensor | None = None  # a count of one for every slot, made with "counts"
+        self.words: dict[int, list[tuple[int, ...]]] = {}  # slot -> its bad words of two tokens or more
 
     @staticmethod
     def applies(live: Live) -> bool:
         """Whether anything moves ``live``'s logits this step (a bias, a penalty, or stop ids held
         back because fewer than ``min_tokens`` are out)."""
-        return bool(live.params.logit_bias or live.params.penalised or live.holds_stops())
+        p = live.params
+        return bool(p.logit_bias or p.penalised or p.allowed_token_ids or p.bad_words or live.holds_stops())
 
     def release(self, request_id: str) -> None:
         """The request has ended: its slot is free again."""
         slot = self.slots.pop(request_id, None)
         if slot is not None:
+            self.words.pop(slot, None)
             self.free.append(slot)
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], lives: Sequence[Live]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +86,7 @@ class LogitAdjustments:
                                         [p.repetition_penalty for p in params], hold], dtype=torch.float32), device)
         out = logits.index_select(0, index[0]).float()
         bias, penalties = any(p.logit_bias for p in params), any(p.penalised for p in params)
+        banned = any(p.allowed_token_ids or any(len(w) == 1 for w in p.bad_words) for p in params)
         repetition = any(p.repetition_penalty != 1.0 for p in params)
         n = len(rows)
         block = n if out.is_cuda else max(1, CPU_BLOCK_BYTES // (4 * out.shape[1]))
@@ -86,16 +102,21 @@ class LogitAdjustments:
                 held = self.buffers["stops"].index_select(0, index[1, b])
                 if not all(hold[b]):
                     held &= knobs[3, b, None] > 0
-            self._adjust(out[b], index[1, b], bias, held, penalties and (presence, frequency, r), repetition)
+            self._adjust(out[b], index[1, b], bias, banned, held, penalties and (presence, frequency, r), repetition)
+        if any(s in self.words for s in slots):
+            self._ban_word_ends(out, slots)
         return out, index
 
-    def _adjust(self, out: torch.Tensor, s: torch.Tensor, bias: bool, held: torch.Tensor | None,
+    def _adjust(self, out: torch.Tensor, s: torch.Tensor, bias: bool, banned: bool, held: torch.Tensor | None,
                 penalties: tuple | bool, repetition: bool) -> None:
-        """Rows ``out`` (in place) of slots ``s``: their bias, ``-inf`` where ``held``, and with
-        ``penalties`` (presence, frequency, repetition: numbers or ``[rows, 1]`` columns) those."""
+        """Rows ``out`` (in place) of slots ``s``: their bias, ``-inf`` where ``banned`` or ``held``,
+        and with ``penalties`` (presence, frequency, repetition: numbers or ``[rows, 1]`` columns)
+        those."""
         b = self.buffers
         if bias:
             out += b["bias"].index_select(0, s)
+        if banned:
+            out.masked_fill_(b["banned"].index_select(0, s), float("-inf"))
         if held is not None:
             out.masked_fill_(held, float("-inf"))
         if penalties:
@@ -108,11 +129,38 @@ class LogitAdjustments:
             out -= frequency * counts
             out -= presence * generated
 
+    def _ban_word_ends(self, out: torch.Tensor, slots: list[int]) -> None:
+        """``-inf`` at the last token of each bad word whose other tokens end its row's output
+        (``out`` row j is slot ``slots[j]``'s); a row left with nothing to sample keeps its
+        logits as they were before this."""
+        h = MAX_BAD_WORD_TOKENS - 1
+        rows, prefixes, ends = [], [], []
+        for j, slot in enumerate(slots):
+            for w in self.words.get(slot, ()):
+                rows.append(j)
+                prefixes.append([_ANY] * (h - len(w) + 1) + list(w[:-1]))
+                ends.append(w[-1])
+        words = to_device(torch.tensor([rows, [slots[j] for j in rows], ends]), out.device)
+        prefix = to_device(torch.tensor(prefixes, dtype=torch.int32), out.device)
+        recent = self.buffers["recent"].index_select(0, words[1])
+        match = ((recent == prefix) | (prefix == _ANY)).all(dim=-1)
+        touched = torch.unique(words[0])
+        before = out.index_select(0, touched)
+        out.index_put_((words[0], words[2]), torch.where(match, float("-inf"), 0.0), accumulate=True)
+        after = out.index_select(0, touched)
+        dead = torch.isneginf(after).all(dim=-1, keepdim=True)
+        out.index_copy_(0, touched, torch.where(dead, before, after))
+
     def count(self, index: torch.Tensor, picked: torch.Tensor) -> None:
-        """Count each row's sampled token (``picked`` ``[B]``, the step's tokens) in its slot."""
+        """Count each row's sampled token (``picked`` ``[B]``, the step's tokens) in its slot, and
+        shift it into the slot's recent tokens."""
+        tokens = picked.index_select(0, index[0])
         if "counts" in self.buffers:
-            tokens = picked.index_select(0, index[0])
             self.buffers["counts"].index_put_((index[1], tokens), self.ones[: len(tokens)], accumulate=True)
+        if "recent" in self.buffers:
+            recent = self.buffers["recent"]
+            recent.index_copy_(0, index[1], torch.cat([recent.index_select(0, index[1])[:, 1:],
+                                                       tokens[:, None].to(recent.dtype)], dim=1))
 
     # -- slots --------------------------------------------------------------------------------------
     def _slot(self, live: Live, logits: torch.Tensor) -> int:
@@ -123,8 +171,8 @@ class LogitAdjustments:
         if not self.free:
             self._grow()
         slot = self.slots[rid] = self.free.pop()
-        for buf in self.buffers.values():
-            buf[slot].zero_()  # a former request's rows
+        for name, buf in self.buffers.items():
+            buf[slot] = _EMPTY.get(name, 0)  # a former request's rows
         p, device = live.params, logits.device
         if p.logit_bias:
             ids, values = zip(*p.logit_bias, strict=True)
@@ -136,11 +184,25 @@ class LogitAdjustments:
             self._buffer("counts", logits)
         if p.repetition_penalty != 1.0:
             self._buffer("seen", logits)[slot, to_device(torch.tensor(live.request.prompt_token_ids), device)] = True
+        ones = [w[0] for w in p.bad_words if len(w) == 1]
+        if p.allowed_token_ids or ones:
+            banned = self._buffer("banned", logits)
+            if p.allowed_token_ids:
+                banned[slot] = True
+                banned[slot, to_device(torch.tensor(p.allowed_token_ids), device)] = False
+            if ones:
+                banned[slot, to_device(torch.tensor(ones), device)] = True
+        longer = [w for w in p.bad_words if len(w) > 1]
+        if longer:
+            self._buffer("recent", logits)
+            self.words[slot] = longer
         return slot
 
     def _buffer(self, name: str, logits: torch.Tensor) -> torch.Tensor:
         if name not in self.buffers:
-            self.buffers[name] = torch.zeros(self.size, logits.shape[-1], dtype=_DTYPES[name], device=logits.device)
+            width = MAX_BAD_WORD_TOKENS - 1 if name == "recent" else logits.shape[-1]
+            self.buffers[name] = torch.full((self.size, width), _EMPTY.get(name, 0), dtype=_DTYPES[name],
+                                            device=logits.device)
             if name == "counts":
                 self.ones = torch.ones(self.size, dtype=torch.int32, device=logits.device)
         return self.buffers[name]
@@ -149,7 +211,7 @@ class LogitAdjustments:
         """Twice the slots (8 at first); the buffers made so far keep their rows."""
         new = max(8, 2 * self.size)
         for name, old in self.buffers.items():
-            buf = torch.zeros(new, old.shape[1], dtype=old.dtype, device=old.device)
+            buf = torch.full((new, old.shape[1]), _EMPTY.get(name, 0), dtype=old.dtype, device=old.device)
             buf[: self.size] = old
             self.buffers[name] = buf
         if self.ones is not None:

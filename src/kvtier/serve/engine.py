@@ -266,6 +266,18 @@ class LLMEngine:
         outside = [t for t, _ in params.logit_bias if t >= vocab]
         if outside:
             raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab})")
+        for name, named in (("allowed_token_ids", params.allowed_token_ids),
+                            ("bad_words", [t for w in params.bad_words for t in w])):
+            outside = [t for t in named if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} holds token ids {outside[:5]} outside the vocabulary [0, {vocab})")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        if params.allowed_token_ids:
+            left = set(params.allowed_token_ids) - {w[0] for w in params.bad_words if len(w) == 1}
+            if not left or (params.min_tokens and left <= stop_ids):
+                raise ValueError("allowed_token_ids leave no token to sample: each is a one-token bad word"
+                                 + (" or a stop id, held back until min_tokens are out" if left else "")
+                                 + "; allow more tokens")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context holds "
@@ -280,7 +292,6 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use; ids must be unique")
         max_tokens = params.max_tokens or room
         request = Request(rid, ids, max_tokens)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer else None
         text = RowText(decoder, GenerationConfig(max_tokens=max_tokens, stop=params.stop), stop_ids,
                        params.min_tokens, params.include_stop_str_in_output)

@@ -8,10 +8,14 @@ from dataclasses import dataclass, field
 
 from kvtier.sampling import SamplingParams
 
-__all__ = ["MAX_LOGPROBS", "RequestOutput", "RequestParams", "TokenLogprob"]
+__all__ = ["MAX_BAD_WORD_TOKENS", "MAX_LOGPROBS", "RequestOutput", "RequestParams", "TokenLogprob"]
 
 #: the most alternatives a request may ask for per token (OpenAI's limit)
 MAX_LOGPROBS = 20
+
+#: tokens of one of ``bad_words`` at most (the engine keeps each request's last
+#: ``MAX_BAD_WORD_TOKENS - 1`` tokens on the device to match their prefixes)
+MAX_BAD_WORD_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,11 @@ class RequestParams:
     (:attr:`RequestOutput.prompt_logprobs`). Such a request computes its whole prompt (no
     prefix-cache hit) in chunks whose logits take at most
     :data:`~kvtier.serve.engine.PROMPT_LOGITS_BYTES` a step.
+    ``allowed_token_ids`` (vLLM's): when given, only these ids are sampled (the end of
+    sequence too only if listed); ``bad_words``: token sequences never generated whole (a
+    one-token word is never sampled; a longer one's last token is not sampled after the
+    request's output ends with the rest of it), at most :data:`MAX_BAD_WORD_TOKENS` tokens
+    each. Where a bad word's last token is the only one left to sample, it is sampled.
     """
 
     max_tokens: int | None = None
@@ -52,6 +61,8 @@ class RequestParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def penalised(self) -> bool:
@@ -66,9 +77,15 @@ class RequestParams:
             raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, tuple) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a tuple of ints >= 0, got {self.stop_token_ids!r}")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(_token_id(t) for t in ids):
+                raise ValueError(f"{name} must be a tuple of ints >= 0, got {ids!r}")
+        if not isinstance(self.bad_words, tuple) or not all(
+                isinstance(w, tuple) and 1 <= len(w) <= MAX_BAD_WORD_TOKENS and all(map(_token_id, w))
+                for w in self.bad_words):
+            raise ValueError(f"bad_words must be a tuple of token-id tuples of 1 to {MAX_BAD_WORD_TOKENS} "
+                             f"ids >= 0 each, got {self.bad_words!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -93,6 +110,10 @@ class RequestParams:
                 and not isinstance(pair[1], bool) and -100.0 <= pair[1] <= 100.0 for pair in self.logit_bias):
             raise ValueError(f"logit_bias must be a tuple of (token id >= 0, bias in [-100, 100]) pairs, "
                              f"got {self.logit_bias!r}")
+
+
+def _token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 @dataclass(frozen=True)
