@@ -24,6 +24,8 @@ from server_support import free_port, metrics, model_name, running_server, settl
     (["--max-request-mb", "inf"], "--max-request-mb must be a number of MiB in (0, 1048576], got inf"),
     (["--max-request-mb", "1e308"], "in (0, 1048576], got 1e+308"),  # both were an OverflowError
     (["--max-waiting", "0"], "max_waiting must be an int >= 1, got 0"),  # was a server answering only 429
+    (["--api-key", "secret", "--api-key", "two words"], "api_keys must be a tuple of non-empty keys of printable "
+     "ASCII without spaces, got 2 keys"),  # (the keys themselves never written out)
 ])
 def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
     port = str(free_port())  # a process of its own, bounded in time: a server that starts is a failure

@@ -16,6 +16,7 @@ status when
 400    malformed JSON, a field of the wrong type or range, an unsupported field
        (``suffix``, ``best_of``, ``tools``), a prompt that does not fit the context
        (``code: context_length_exceeded``), ``n`` over the waiting queue's room
+401    no API key or a wrong one, where the server has keys (``ServerConfig.api_keys``)
 404    an unknown route, or a ``model`` other than the one served
 405    a route asked with the wrong method
 413    a request body over ``ServerConfig.max_request_bytes``
@@ -55,10 +56,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kvtier.serve.middleware import ApiKeys, BodyLimit
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.scheduler import QueueFull
 from kvtier.serve.schemas import (
@@ -98,6 +99,9 @@ class ServerConfig:
     #: seconds a stopping server (SIGTERM, Ctrl-C) waits for requests in flight before it
     #: ends them (``None``: until they finish)
     shutdown_timeout_s: float | None = None
+    #: keys a request must bear (``Authorization: Bearer <key>``) on every route but /health and
+    #: /metrics; none: no key asked for
+    api_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -106,6 +110,11 @@ class ServerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        keys = self.api_keys
+        if not isinstance(keys, tuple) or not all(isinstance(k, str) and k and k.isascii() and k.isprintable()
+                                                  and " " not in k for k in keys):
+            raise ValueError("api_keys must be a tuple of non-empty keys of printable ASCII without spaces, got "
+                             f"{len(keys) if isinstance(keys, tuple) else type(keys).__name__} keys")
         if self.warmup is not None and not isinstance(self.warmup, bool):
             raise ValueError(f"warmup must be a bool or None, got {self.warmup!r}")
         t = self.shutdown_timeout_s
@@ -132,35 +141,6 @@ def encode_bounded(tokenizer, text: str, max_tokens: int, *, add_bos: bool | Non
     return tokenizer.encode(text, add_bos=add_bos)
 
 
-class _BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes is answered 413 in OpenAI's shape (by
-    ``Content-Length`` before any of it is read, else as it arrives). FastAPI's own
-    ``max_body_size`` answers a declared length with plain text, hence this."""
-
-    def __init__(self, app: ASGIApp, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
-        counted = not declared.isdigit()  # no (usable) Content-Length: count what arrives
-        received = 0 if counted else int(declared)
-
-        async def limited():
-            nonlocal received
-            if received > self.limit:
-                raise HTTPException(413, "request body too large")  # answered by build_app's handler
-            message = await receive()
-            if counted and message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    return await limited()
-            return message
-
-        await self.app(scope, limited, send)
-
-
 def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
               config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app over ``engine``; it starts the engine's loop on startup and stops it on
@@ -176,7 +156,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         engine.shutdown()
 
     app = FastAPI(title="kvtier", lifespan=lifespan)
-    app.add_middleware(_BodyLimit, limit=config.max_request_bytes)
+    app.add_middleware(BodyLimit, limit=config.max_request_bytes)
+    if config.api_keys:  # (added last: runs first, before any body is read)
+        app.add_middleware(ApiKeys, keys=config.api_keys, rejected=metrics.reject)
     created = int(time.time())
 
     def fail(e: APIError) -> JSONResponse:
@@ -235,7 +217,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     def refused(e: ValueError, prompt_param: str) -> APIError:
         code = "context_length_exceeded" if "context" in str(e) else None
         field = str(e).split(" ", 1)[0]  # the engine's refusals of a field start with its name
-        return APIError(400, str(e), param=field if field in ("stop_token_ids", "logit_bias") else prompt_param,
+        named = ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
+        return APIError(400, str(e), param=field if field in named else prompt_param,
                         code=code)
 
     def check_model(name: str | None) -> None:
@@ -289,7 +272,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check(req)
-        params = request_params(req)  # every 400 of the fields before any tokenizing
+        params = request_params(req, tokenizer)  # every 400 of the fields before the prompt's tokenizing
         raw = req.prompts()
         prompts = [encode(p, "prompt") if isinstance(p, str) else list(p) for p in raw]
         rids = await start([(ids, choice_params(params, i)) for ids in prompts for i in range(req.n)], req.n,
@@ -306,7 +289,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check(req)
-        params = request_params(req)
+        params = request_params(req, tokenizer)
         try:
             text = tokenizer.apply_chat_template(chat_messages(req))
         except (jinja2.TemplateError, ValueError) as e:

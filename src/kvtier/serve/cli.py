@@ -21,6 +21,8 @@ import sys
 import threading
 
 _ABSENT = argparse.SUPPRESS  # a flag not given leaves no attribute: the dataclass default holds
+#: the environment variable of the server's API key, where no --api-key is given
+API_KEY_ENV = "KVTIER_API_KEY"
 _ENGINE_FLAGS = ("num_blocks", "kv_memory_gib", "block_size", "max_num_seqs", "max_batched_tokens",
                  "max_waiting", "max_model_len", "enable_prefix_caching", "kv_quant", "cuda_graph",
                 "async_scheduling")
@@ -62,6 +64,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="tokens of one request at most (default: the model's context)")
     p.add_argument("--max-request-mb", dest="max_request_mb", type=float, default=_ABSENT, metavar="MB",
                    help="largest request body read, in MiB (larger: HTTP 413; default 4)")
+    p.add_argument("--api-key", dest="api_keys", action="append", default=_ABSENT, metavar="KEY",
+                   help="a key every request but /health and /metrics must bear (Authorization: Bearer "
+                        f"KEY); repeat it for several keys (default: ${API_KEY_ENV}, else none). The "
+                        "variable keeps the key out of the process list")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=_ABSENT,
                    metavar="S", help="seconds a stopping server waits for requests in flight before "
                    "it ends them (default: until they finish)")
@@ -95,6 +101,9 @@ def configs_from_args(args: argparse.Namespace):
     engine |= parse_storage_flags(getattr(args, "kv_quant", None), getattr(args, "turboquant", None))
     server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup", "shutdown_timeout_s")
               if hasattr(args, n)}
+    keys = getattr(args, "api_keys", None) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
+    if keys:
+        server["api_keys"] = tuple(keys)
     if hasattr(args, "max_request_mb"):
         if not 0 < args.max_request_mb <= 2**20:  # (a byte count past 1 TiB overflows the conversion)
             raise ValueError(f"--max-request-mb must be a number of MiB in (0, 1048576], got {args.max_request_mb}")

@@ -274,10 +274,13 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         if params.allowed_token_ids:
             left = set(params.allowed_token_ids) - {w[0] for w in params.bad_words if len(w) == 1}
-            if not left or (params.min_tokens and left <= stop_ids):
-                raise ValueError("allowed_token_ids leave no token to sample: each is a one-token bad word"
-                                 + (" or a stop id, held back until min_tokens are out" if left else "")
-                                 + "; allow more tokens")
+            if not left:
+                raise ValueError("allowed_token_ids leave no token to sample: each is a one-token bad word; "
+                                 "allow more tokens or drop those words")
+            if params.min_tokens and left <= stop_ids:
+                raise ValueError(f"allowed_token_ids leave no token to sample until min_tokens "
+                                 f"{params.min_tokens} are out: those not among bad_words are stop ids "
+                                 f"{sorted(left)[:5]}; allow more tokens or drop min_tokens")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context holds "

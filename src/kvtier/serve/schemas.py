@@ -3,7 +3,9 @@
 
 Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with vLLM's
 extensions ``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty``, ``min_tokens``,
-``include_stop_str_in_output`` and ``prompt_logprobs`` (not streamed); OpenAI's
+``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words`` (at most
+:data:`MAX_BAD_WORDS`, each spelled as it is and after a space) and ``prompt_logprobs`` (not
+streamed); OpenAI's
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``; ``n`` (at most :data:`MAX_CHOICES`)
 asks for that many choices of each prompt; ``/v1/completions`` takes a batch of prompts (at
 most :data:`MAX_PROMPTS`) and ``echo`` (the prompt before the completion, and with
@@ -26,13 +28,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvtier.sampling import SamplingParams
-from kvtier.serve.params import MAX_LOGPROBS, RequestParams
+from kvtier.serve.params import MAX_BAD_WORD_TOKENS, MAX_LOGPROBS, RequestParams
 
-__all__ = ["MAX_CHOICES", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
+__all__ = ["MAX_BAD_WORDS", "MAX_CHOICES", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
            "DetokenizeRequest", "TokenizeRequest", "chat_messages", "request_params", "validation_error"]
 
 #: tokens one request's ``logit_bias`` may name
 MAX_LOGIT_BIAS = 1024
+
+#: words one request's ``bad_words`` may hold
+MAX_BAD_WORDS = 256
 
 #: choices one request may ask for (``n``; OpenAI's limit)
 MAX_CHOICES = 128
@@ -44,8 +49,8 @@ MAX_PROMPTS = 2048
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 128, 4096
 
 #: vLLM's request fields the engine does not honour: given (not null or false), each is a 400
-VLLM_REFUSED = ("allowed_token_ids", "bad_words", "guided_json", "guided_regex", "guided_choice",
-                "guided_grammar", "truncate_prompt_tokens", "use_beam_search")
+VLLM_REFUSED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "truncate_prompt_tokens",
+                "use_beam_search")
 
 #: fields OpenAI's reference types "... or null": null takes the field's default
 NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "stream", "ignore_eos", "presence_penalty",
@@ -127,14 +132,14 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    # vLLM's extensions: stop_token_ids, include_stop_str_in_output and prompt_logprobs are
-    # served; the others are refused, never ignored
+    # vLLM's extensions: stop_token_ids, include_stop_str_in_output, allowed_token_ids, bad_words
+    # and prompt_logprobs are served; the others are refused, never ignored
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
-    allowed_token_ids: Any = None
-    bad_words: Any = None
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -305,9 +310,34 @@ def logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def request_params(req: CompletionRequest | ChatCompletionRequest) -> RequestParams:
-    """The engine's parameters of a request; 400 for values the sampler refuses."""
+def bad_words(words: list[str] | None, tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as the token sequences the engine bans: each word (leading spaces
+    dropped) as it is and after a space, the text's start and its middle; 400 for an empty
+    word or one of more than :data:`~kvtier.serve.params.MAX_BAD_WORD_TOKENS` tokens."""
+    out: dict[tuple[int, ...], None] = {}
+    for word in words or ():
+        bare = word.lstrip()
+        if not bare:
+            raise APIError(400, f"bad_words holds {word!r}, which has nothing but spaces", param="bad_words")
+        for spelling in (bare, " " + bare):
+            try:
+                ids = tuple(tokenizer.encode(spelling, add_bos=False))
+            except UnicodeEncodeError:
+                raise APIError(400, f"bad_words holds {word!r}, which is not valid Unicode (a lone UTF-16 "
+                               "surrogate)", param="bad_words") from None
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise APIError(400, f"bad_words holds {word!r}, {len(ids)} tokens as {spelling!r}; a word of at "
+                               f"most {MAX_BAD_WORD_TOKENS} tokens is accepted", param="bad_words")
+            out[ids] = None
+    return tuple(out)
+
+
+def request_params(req: CompletionRequest | ChatCompletionRequest, tokenizer=None) -> RequestParams:
+    """The engine's parameters of a request; 400 for values the sampler refuses. ``tokenizer``
+    spells ``bad_words`` as tokens (a request with bad words needs one)."""
     req.check_supported()
+    if req.bad_words and tokenizer is None:
+        raise APIError(400, "bad_words needs the model's tokenizer, and this server has none", param="bad_words")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -329,6 +359,8 @@ def request_params(req: CompletionRequest | ChatCompletionRequest) -> RequestPar
                              frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                              logit_bias=logit_bias(req.logit_bias), min_tokens=req.min_tokens,
                              prompt_logprobs=prompt_logprobs,
-                             include_stop_str_in_output=req.include_stop_str_in_output)
+                             include_stop_str_in_output=req.include_stop_str_in_output,
+                             allowed_token_ids=tuple(req.allowed_token_ids or ()),
+                             bad_words=bad_words(req.bad_words, tokenizer))
     except ValueError as e:  # the dataclasses' messages start with the field's name
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None

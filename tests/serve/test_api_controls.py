@@ -1,0 +1,110 @@
+"""A real ``kvtier serve`` started with two API keys: every route but /health and /metrics asks
+for one (the official client's ``AuthenticationError`` without it); vLLM's ``allowed_token_ids``
+and ``bad_words`` through it give the engine's reference tokens, and their bad values are 400s."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+from test_engine import penalised_greedy
+
+from server_support import metrics, running_server
+
+KEYS = ("k-first-0123", "k-second-4567")
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("controls") / "serve.log"
+    with running_server(log, "--num-blocks", "64", "--api-key", KEYS[0], "--api-key", KEYS[1]) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):  # (the folder's client, with a key)
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key=KEYS[1], max_retries=0, timeout=120)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_every_route_but_health_and_metrics_asks_for_a_key(server) -> None:
+    before = metrics(server).get('kvtier_requests_rejected_total{status=401}', 0.0)
+    asks = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
+            ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+            ("POST", "/tokenize", {"prompt": "x"}), ("GET", "/tokenizer_info", None),
+            ("GET", "/v1/no-such-route", None)]  # (a 401, not a 404: no route is told apart)
+    refused = 0
+    for method, path, body in asks:
+        for headers in ({}, bearer("k-wrong"), {"Authorization": f"Basic {KEYS[0]}"}, bearer(KEYS[0] + "x")):
+            r = httpx.request(method, server + path, json=body, headers=headers, timeout=60)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (path, headers)
+            err = r.json()["error"]
+            assert err["code"] == "invalid_api_key" and ("no API key" in err["message"]) == (not headers)
+            refused += 1
+    assert metrics(server)['kvtier_requests_rejected_total{status=401}'] - before == refused
+    for key in KEYS:  # either key; the scheme's case does not matter
+        for scheme in ("Bearer", "bearer"):
+            r = httpx.get(f"{server}/v1/models", headers={"Authorization": f"{scheme} {key}"}, timeout=60)
+            assert r.status_code == 200 and r.json()["data"]
+    for path in ("/health", "/metrics"):
+        assert httpx.get(server + path, timeout=60).status_code == 200
+
+
+def test_the_official_client_with_and_without_the_key(server, client) -> None:
+    import openai
+
+    wrong = openai.OpenAI(base_url=f"{server}/v1", api_key="k-wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    model = client.models.list().data[0].id
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r.choices[0].text == " Paris."
+
+
+def test_allowed_token_ids_and_bad_words_give_the_reference_tokens(client, lm) -> None:
+    tok, model = lm.tokenizer, client.models.list().data[0].id
+    ids = tok.encode(PROMPT)
+
+    def complete(**extra) -> str:
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                         extra_body=extra).choices[0].text
+
+    cities = [t for w in (" Rome", " London", " Berlin", ".") for t in tok.encode(w)]
+    got = complete(allowed_token_ids=cities)
+    assert re.fullmatch(r"( Rome| London| Berlin|\.)+", got)
+    assert got == tok.decode(penalised_greedy(lm.model, ids, 8, allowed=tuple(cities)))
+    plain = complete()
+    assert plain.startswith(" Paris.")
+    # "Paris" is banned as it is and after a space; "Paris." (two tokens) bans the stop after " Paris"
+    for word, spelled in (("Paris", ("Paris", " Paris")), (" Paris.", ("Paris.", " Paris."))):
+        got = complete(bad_words=[word])
+        want = penalised_greedy(lm.model, ids, 8, bad_words=tuple(tuple(tok.encode(s)) for s in spelled))
+        assert got == tok.decode(want) and word.strip() not in got and got != plain
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"allowed_token_ids": []}, "allowed_token_ids", "at least 1 item"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids", "allowed_token_ids must be a tuple of ints >= 0"),
+    ({"allowed_token_ids": [10**6]}, "allowed_token_ids", "outside the vocabulary"),
+    ({"allowed_token_ids": [2], "min_tokens": 1}, "allowed_token_ids", "are stop ids [2]"),  # (the end)
+    ({"allowed_token_ids": [104], "bad_words": ["x"]}, "allowed_token_ids", "each is a one-token bad word;"),
+    ({"bad_words": ["   "]}, "bad_words", "nothing but spaces"),
+    ({"bad_words": ["x" * 200]}, "bad_words", "a word of at most 16 tokens"),
+    ({"bad_words": ["w"] * 257}, "bad_words", "at most 256 items"),
+    ({"bad_words": "Paris"}, "bad_words", "valid list"),
+])
+def test_bad_allowed_ids_and_bad_words_are_400s(server, lm, body, param, message) -> None:
+    if "bad_words" in body and "allowed_token_ids" in body:  # (104 is "x", one token, in this vocabulary)
+        assert lm.tokenizer.encode("x") == [104]
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **body},
+                   headers=bearer(KEYS[0]), timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"], err
