@@ -228,6 +228,35 @@ def test_gpu_penalties_give_the_reference_tokens(graphs) -> None:
     assert got[0] == unpenalised[0] and sum(g != u for g, u in zip(got, unpenalised)) >= 5  # most moved
 
 
+_DEVICE_GRAPHS = [("cpu", False), pytest.param("cuda", True, marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not CUDA, reason="needs CUDA")]), pytest.param("cuda", False, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not CUDA, reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device,graphs", _DEVICE_GRAPHS)
+def test_async_bans_give_the_reference_tokens(device, graphs) -> None:
+    """Bad words of one and two tokens taken from each row's own plain answer, and allowed ids,
+    scheduled asynchronously (each request's last tokens shifted in on the device, a step
+    ahead of the host): the reference loop's tokens, and every banned pair gone."""
+    from test_engine import penalised_greedy
+
+    model = tiny(device)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 30))] for _ in range(6)]
+    engine = LLMEngine(model, None, EngineConfig(num_blocks=64, cuda_graph=graphs, async_scheduling=True))
+    plain = [list(o.token_ids) for o in engine.generate(prompts, RequestParams(max_tokens=12))]
+    params = []
+    for i, out in enumerate(plain):  # a pair of the plain answer, its first token, or allowed ids
+        words = ((out[3], out[4]), (out[1], out[2])) if i % 3 == 0 else ((out[0],),) if i % 3 == 1 else ()
+        allowed = tuple(sorted(set(out[:6]) | {7, 9})) if i % 3 == 2 else ()
+        params.append(RequestParams(max_tokens=12, bad_words=words, allowed_token_ids=allowed))
+    got = [list(o.token_ids) for o in engine.generate(prompts, params)]
+    for ids, p, g, out in zip(prompts, params, got, plain, strict=True):
+        assert g == penalised_greedy(model, ids, 12, bad_words=p.bad_words, allowed=p.allowed_token_ids)
+        assert g != out and not {w for w in p.bad_words if len(w) == 2} & set(zip(g, g[1:]))
+        assert not p.allowed_token_ids or set(g) <= set(p.allowed_token_ids)
+
+
 def check_prompt_logprobs(device: str) -> None:
     """Prompts of 500, 40 and 3 tokens asking for prompt logprobs: each entry the whole
     prompt's forward's, however the engine chunked and packed them."""
