@@ -57,7 +57,9 @@ class LogitAdjustments:
         self.size = 0
         self.buffers: dict[str, torch.Tensor] = {}
         self.ones: torch.Tensor | None = None  # a count of one for every slot, made with "counts"
-        self.words: dict[int, list[tuple[int, ...]]] = {}  # slot -> its bad words of two tokens or more
+        # slot -> its bad words of two tokens or more on the device: prefixes [w, MAX_BAD_WORD_TOKENS - 1]
+        # (padded on the left with _ANY) and last tokens [w]
+        self.words: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def applies(live: Live) -> bool:
@@ -133,20 +135,17 @@ class LogitAdjustments:
         """``-inf`` at the last token of each bad word whose other tokens end its row's output
         (``out`` row j is slot ``slots[j]``'s); a row left with nothing to sample keeps its
         logits as they were before this."""
-        h = MAX_BAD_WORD_TOKENS - 1
-        rows, prefixes, ends = [], [], []
-        for j, slot in enumerate(slots):
-            for w in self.words.get(slot, ()):
-                rows.append(j)
-                prefixes.append([_ANY] * (h - len(w) + 1) + list(w[:-1]))
-                ends.append(w[-1])
-        words = to_device(torch.tensor([rows, [slots[j] for j in rows], ends]), out.device)
-        prefix = to_device(torch.tensor(prefixes, dtype=torch.int32), out.device)
-        recent = self.buffers["recent"].index_select(0, words[1])
+        js = [j for j, slot in enumerate(slots) if slot in self.words]
+        prefix = torch.cat([self.words[slots[j]][0] for j in js])
+        ends = torch.cat([self.words[slots[j]][1] for j in js])
+        counts = [len(self.words[slots[j]][1]) for j in js]
+        rows = to_device(torch.tensor([js, [slots[j] for j in js]]), out.device).repeat_interleave(
+            to_device(torch.tensor(counts), out.device), dim=1, output_size=sum(counts))
+        recent = self.buffers["recent"].index_select(0, rows[1])
         match = ((recent == prefix) | (prefix == _ANY)).all(dim=-1)
-        touched = torch.unique(words[0])
+        touched = to_device(torch.tensor(js), out.device)
         before = out.index_select(0, touched)
-        out.index_put_((words[0], words[2]), torch.where(match, float("-inf"), 0.0), accumulate=True)
+        out.index_put_((rows[0], ends), torch.where(match, float("-inf"), 0.0), accumulate=True)
         after = out.index_select(0, touched)
         dead = torch.isneginf(after).all(dim=-1, keepdim=True)
         out.index_copy_(0, touched, torch.where(dead, before, after))
@@ -195,7 +194,9 @@ class LogitAdjustments:
         longer = [w for w in p.bad_words if len(w) > 1]
         if longer:
             self._buffer("recent", logits)
-            self.words[slot] = longer
+            h = MAX_BAD_WORD_TOKENS - 1
+            prefixes = torch.tensor([[_ANY] * (h - len(w) + 1) + list(w[:-1]) for w in longer], dtype=torch.int32)
+            self.words[slot] = (to_device(prefixes, device), to_device(torch.tensor([w[-1] for w in longer]), device))
         return slot
 
     def _buffer(self, name: str, logits: torch.Tensor) -> torch.Tensor:
