@@ -131,3 +131,40 @@ def test_a_row_whose_bad_words_ban_all_it_may_sample_samples_as_if_they_did_not(
     out, _ = adj.apply(logits, [0, 1], rows)
     assert out[0, [5, 7]].tolist() == [2.0, 1.0] and torch.isneginf(out[0, 8:]).all()  # nothing else: as before
     assert torch.isneginf(out[1, [5, 7]]).all() and out[1, 8] == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_guided_choices_allow_the_next_tokens_of_those_still_followed(device) -> None:
+    """Choices sharing prefixes, one a prefix of another: each step allows exactly the next tokens
+    of the choices the row's tokens still follow, and the stop ids (3, 4) once one is whole;
+    random picks among them end as a whole choice; a row beside them is untouched."""
+    choices = ((5, 6, 7), (5, 6), (5, 8, 9, 10), (11,))
+    rng, adj = random.Random(3), LogitAdjustments()
+    for trial in range(12):
+        lives = [Live(Request(f"g{trial}-{i}", [1], max_tokens=8), RequestParams(guided_choice=choices),
+                      RowText(None, GenerationConfig(max_tokens=8), frozenset({3, 4}), 0), None, 0.0) for i in range(2)]
+        bias = Live(Request(f"b{trial}", [1], max_tokens=8), RequestParams(logit_bias=((1, 2.0),)),
+                    RowText(None, GenerationConfig(max_tokens=8), frozenset({3, 4}), 0), None, 0.0)
+        out_tokens: list[list[int]] = [[], []]
+        while lives:
+            logits = torch.randn(len(lives) + 1, V, device=device)
+            out, index = adj.apply(logits, list(range(len(lives) + 1)), [*lives, bias])
+            picked = []
+            for j, got in enumerate(out_tokens[: len(lives)]):
+                follows = [c for c in choices if c[: len(got)] == tuple(got)]
+                want = {c[len(got)] for c in follows if len(c) > len(got)} | ({3, 4} if tuple(got) in choices else set())
+                assert set(torch.isfinite(out[j]).nonzero()[:, 0].tolist()) == want, (got, want)
+                picked.append(rng.choice(sorted(want)))
+            want = logits[-1].clone()
+            want[1] += 2.0
+            torch.testing.assert_close(out[-1], want)
+            adj.count(index, torch.tensor([*picked, 0], device=device))
+            for j in reversed(range(len(lives))):
+                if picked[j] in (3, 4):
+                    assert tuple(out_tokens[j]) in choices
+                    adj.release(lives[j].request.request_id)
+                    del lives[j], out_tokens[j]
+                else:
+                    out_tokens[j].append(picked[j])
+        adj.release(bias.request.request_id)
+    assert not adj.guided and not adj.slots

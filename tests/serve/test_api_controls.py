@@ -89,6 +89,27 @@ def test_allowed_token_ids_and_bad_words_give_the_reference_tokens(client, lm) -
         assert got == tok.decode(want) and word.strip() not in got and got != plain
 
 
+def test_guided_choice_answers_one_of_the_choices(client, lm) -> None:
+    from test_engine import guided_greedy
+
+    tok, model = lm.tokenizer, client.models.list().data[0].id
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    choices = ["London", "Berlin", "Paris, France"]
+    free = client.chat.completions.create(model=model, messages=question, max_tokens=16, temperature=0)
+    r = client.chat.completions.create(model=model, messages=question, max_tokens=16, temperature=0,
+                                       extra_body={"guided_choice": choices})
+    got = r.choices[0]
+    assert free.choices[0].message.content not in choices and got.finish_reason == "stop"
+    ids = tok.encode(tok.apply_chat_template(question), add_bos=False)
+    want = guided_greedy(lm.model, ids, tuple(tuple(tok.encode(c, add_bos=False)) for c in choices),
+                         frozenset(tok.eos_token_ids))
+    assert got.message.content == tok.decode(want, skip_special_tokens=True) and got.message.content in choices
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=question, max_tokens=16, temperature=0.8, seed=5, stream=True,
+        extra_body={"guided_choice": choices}))
+    assert streamed in choices  # sampled: any choice, but a whole one
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"allowed_token_ids": []}, "allowed_token_ids", "at least 1 item"),
     ({"allowed_token_ids": [-1]}, "allowed_token_ids", "allowed_token_ids must be a tuple of ints >= 0"),
@@ -99,6 +120,11 @@ def test_allowed_token_ids_and_bad_words_give_the_reference_tokens(client, lm) -
     ({"bad_words": ["x" * 200]}, "bad_words", "a word of at most 16 tokens"),
     ({"bad_words": ["w"] * 257}, "bad_words", "at most 256 items"),
     ({"bad_words": "Paris"}, "bad_words", "valid list"),
+    ({"guided_choice": []}, "guided_choice", "at least 1 item"),
+    ({"guided_choice": ["yes", ""]}, "guided_choice", "which is no text"),
+    ({"guided_choice": ["yes"], "min_tokens": 1}, "guided_choice", "does not go with allowed_token_ids"),
+    ({"guided_choice": ["yes"], "ignore_eos": True}, "guided_choice", "give stop_token_ids"),
+    ({"guided_regex": "a+"}, "guided_regex", "guided_regex is not supported"),
 ])
 def test_bad_allowed_ids_and_bad_words_are_400s(server, lm, body, param, message) -> None:
     if "bad_words" in body and "allowed_token_ids" in body:  # (104 is "x", one token, in this vocabulary)

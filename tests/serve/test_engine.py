@@ -254,6 +254,39 @@ def test_penalties_give_the_reference_tokens(lm, async_scheduling) -> None:
     assert out.logprobs[1].logprob == pytest.approx(float(lp[out.token_ids[1]]), abs=1e-4)
 
 
+def guided_greedy(model, ids: list[int], choices: tuple, stops: frozenset) -> list[int]:
+    """The reference of guided_choice: each token the float64 argmax over the next tokens of the
+    choices the answer still follows, and the stop ids once one is whole."""
+    out: list[int] = []
+    with torch.inference_mode():
+        while not out or out[-1] not in stops:
+            logits = model(torch.tensor([ids + out]), model.make_caches(KVCacheConfig()))[0, -1].double()
+            n = len(out)
+            allow = {c[n] for c in choices if c[:n] == tuple(out) and len(c) > n}
+            allow |= stops if tuple(out) in choices else set()
+            out.append(max(allow, key=lambda t: float(logits[t])))
+    return out
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_guided_choice_answers_one_of_the_choices(lm, async_scheduling) -> None:
+    """Choices sharing a first token, one the prefix of another: the answer is a whole choice and
+    a stop, the reference loop's tokens; a question whose free answer is no choice at all."""
+    tok = lm.tokenizer
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=64, async_scheduling=async_scheduling))
+    sky, france = chat(tok, "Is the sky blue? Answer yes or no."), chat(tok, "What is the capital of France?")
+    asks = [(sky, ("yes", "no", "yes, it is")), (france, ("London", "Berlin", "Paris, France")),
+            (sky, ("Blue", "Green"))]
+    params = [RequestParams(max_tokens=16, guided_choice=tuple(tuple(tok.encode(c, add_bos=False)) for c in cs))
+              for _, cs in asks]
+    outs = engine.generate([ids for ids, _ in asks], params)
+    free = engine.generate([france], RequestParams(max_tokens=16))[0].text
+    assert free not in ("London", "Berlin", "Paris, France")  # (the constraint chose the answer)
+    for (ids, cs), p, o in zip(asks, params, outs, strict=True):
+        assert o.finish_reason == "stop" and o.text in cs, (o.text, cs)
+        assert list(o.token_ids) == guided_greedy(lm.model, ids, p.guided_choice, engine.eos_ids)
+
+
 _BANNED: dict = {}  # (bad words, allowed ids) -> the reference tokens
 
 

@@ -16,6 +16,11 @@ buffers ``[slots, vocab]`` on the model's device, made only once some request ne
   in on the device as they are sampled (-1 before there are any), against which the prefixes of
   its longer bad words are matched; a match bans the word's last token for that step.
 
+A request with ``guided_choice`` keeps its choices on the device (``[c, longest + 1]``, padded
+with -1), which of them its answer still follows, and its count of tokens; a step allows the
+next token of each choice still followed, and the stop ids once one is whole. These rows are
+done one at a time (a few kernels each).
+
 A step gathers the rows' slots and logits and applies everything in a fixed number of
 kernels, however many rows there are (one request at a time took several launches a row:
 256 penalised rows halved the H100's serving throughput, benchmarks/RESULTS.md,
@@ -60,19 +65,25 @@ class LogitAdjustments:
         # slot -> its bad words of two tokens or more on the device: prefixes [w, MAX_BAD_WORD_TOKENS - 1]
         # (padded on the left with _ANY) and last tokens [w]
         self.words: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # slot -> its guided choices [c, longest + 1], their lengths [c], those still followed [c],
+        # its tokens so far [1] and its stop ids, all on the device
+        self.guided: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._guided_rows: list[tuple[int, int]] = []  # (row of the last apply, slot)
 
     @staticmethod
     def applies(live: Live) -> bool:
         """Whether anything moves ``live``'s logits this step (a bias, a penalty, or stop ids held
         back because fewer than ``min_tokens`` are out)."""
         p = live.params
-        return bool(p.logit_bias or p.penalised or p.allowed_token_ids or p.bad_words or live.holds_stops())
+        return bool(p.logit_bias or p.penalised or p.allowed_token_ids or p.bad_words or p.guided_choice
+                    or live.holds_stops())
 
     def release(self, request_id: str) -> None:
         """The request has ended: its slot is free again."""
         slot = self.slots.pop(request_id, None)
         if slot is not None:
             self.words.pop(slot, None)
+            self.guided.pop(slot, None)
             self.free.append(slot)
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], lives: Sequence[Live]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +118,22 @@ class LogitAdjustments:
             self._adjust(out[b], index[1, b], bias, banned, held, penalties and (presence, frequency, r), repetition)
         if any(s in self.words for s in slots):
             self._ban_word_ends(out, slots)
+        self._guided_rows = [(j, s) for j, s in enumerate(slots) if s in self.guided]
+        for j, slot in self._guided_rows:
+            self._guide(out[j], *self.guided[slot])
         return out, index
+
+    @staticmethod
+    def _guide(row: torch.Tensor, choices, lengths, followed, k, stops) -> None:
+        """``-inf`` in ``row`` but at the next token of each choice still followed after ``k``
+        tokens, and at the stop ids once one of them is whole. (A request that has ended, whose
+        step runs once more under asynchronous scheduling, has nothing left: its row stays.)"""
+        col = choices.index_select(1, k.clamp(max=choices.shape[1] - 1))[:, 0]
+        allow = torch.zeros(row.shape[0], dtype=torch.int32, device=row.device)
+        allow.index_put_((col.clamp(min=0),), (followed & (k < lengths)).int(), accumulate=True)
+        whole = (followed & (k == lengths)).any().int()
+        allow.index_put_((stops,), whole.expand(stops.shape[0]), accumulate=True)
+        row.masked_fill_((allow == 0) & (allow.sum() > 0), float("-inf"))
 
     def _adjust(self, out: torch.Tensor, s: torch.Tensor, bias: bool, banned: bool, held: torch.Tensor | None,
                 penalties: tuple | bool, repetition: bool) -> None:
@@ -154,6 +180,10 @@ class LogitAdjustments:
         """Count each row's sampled token (``picked`` ``[B]``, the step's tokens) in its slot, and
         shift it into the slot's recent tokens."""
         tokens = picked.index_select(0, index[0])
+        for j, slot in self._guided_rows:  # the choices the answer still follows, its count
+            choices, _, followed, k, _ = self.guided[slot]
+            followed &= choices.index_select(1, k.clamp(max=choices.shape[1] - 1))[:, 0] == tokens[j]
+            k += 1
         if "counts" in self.buffers:
             self.buffers["counts"].index_put_((index[1], tokens), self.ones[: len(tokens)], accumulate=True)
         if "recent" in self.buffers:
@@ -191,6 +221,12 @@ class LogitAdjustments:
                 banned[slot, to_device(torch.tensor(p.allowed_token_ids), device)] = False
             if ones:
                 banned[slot, to_device(torch.tensor(ones), device)] = True
+        if p.guided_choice:
+            width = max(map(len, p.guided_choice)) + 1
+            choices = torch.tensor([list(c) + [-1] * (width - len(c)) for c in p.guided_choice])
+            self.guided[slot] = tuple(to_device(t, device) for t in (
+                choices, torch.tensor([len(c) for c in p.guided_choice]), torch.ones(len(choices), dtype=torch.bool),
+                torch.zeros(1, dtype=torch.long), torch.tensor(sorted(live.text.stop_ids))))
         longer = [w for w in p.bad_words if len(w) > 1]
         if longer:
             self._buffer("recent", logits)

@@ -267,11 +267,15 @@ class LLMEngine:
         if outside:
             raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab})")
         for name, named in (("allowed_token_ids", params.allowed_token_ids),
-                            ("bad_words", [t for w in params.bad_words for t in w])):
+                            ("bad_words", [t for w in params.bad_words for t in w]),
+                            ("guided_choice", [t for c in params.guided_choice for t in c])):
             outside = [t for t in named if t >= vocab]
             if outside:
                 raise ValueError(f"{name} holds token ids {outside[:5]} outside the vocabulary [0, {vocab})")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        if params.guided_choice and not stop_ids:
+            raise ValueError("guided_choice ends each choice with a stop id, and this request has none (ignore_eos "
+                             "without stop_token_ids, or a model without an end-of-sequence id); give stop_token_ids")
         if params.allowed_token_ids:
             left = set(params.allowed_token_ids) - {w[0] for w in params.bad_words if len(w) == 1}
             if not left:

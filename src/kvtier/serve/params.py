@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kvtier.sampling import SamplingParams
 
-__all__ = ["MAX_BAD_WORD_TOKENS", "MAX_LOGPROBS", "RequestOutput", "RequestParams", "TokenLogprob"]
+__all__ = ["MAX_BAD_WORD_TOKENS", "MAX_GUIDED_CHOICES", "MAX_LOGPROBS", "RequestOutput", "RequestParams", "TokenLogprob"]
 
 #: the most alternatives a request may ask for per token (OpenAI's limit)
 MAX_LOGPROBS = 20
@@ -16,6 +16,9 @@ MAX_LOGPROBS = 20
 #: tokens of one of ``bad_words`` at most (the engine keeps each request's last
 #: ``MAX_BAD_WORD_TOKENS - 1`` tokens on the device to match their prefixes)
 MAX_BAD_WORD_TOKENS = 16
+
+#: choices of one ``guided_choice`` at most
+MAX_GUIDED_CHOICES = 256
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,10 @@ class RequestParams:
     one-token word is never sampled; a longer one's last token is not sampled after the
     request's output ends with the rest of it), at most :data:`MAX_BAD_WORD_TOKENS` tokens
     each. Where a bad word's last token is the only one left to sample, it is sampled.
+    ``guided_choice`` (vLLM's, as token sequences): the answer is one of these sequences
+    followed by a stop id (at each step only the next tokens of the sequences the answer
+    still follows are sampled, and a stop id once one is whole); not with
+    ``allowed_token_ids``, ``bad_words`` or ``min_tokens``, and it needs a stop id.
     """
 
     max_tokens: int | None = None
@@ -63,6 +70,7 @@ class RequestParams:
     include_stop_str_in_output: bool = False
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
+    guided_choice: tuple[tuple[int, ...], ...] = ()
 
     @property
     def penalised(self) -> bool:
@@ -86,6 +94,14 @@ class RequestParams:
                 for w in self.bad_words):
             raise ValueError(f"bad_words must be a tuple of token-id tuples of 1 to {MAX_BAD_WORD_TOKENS} "
                              f"ids >= 0 each, got {self.bad_words!r}")
+        g = self.guided_choice
+        if not isinstance(g, tuple) or len(g) > MAX_GUIDED_CHOICES or not all(
+                isinstance(c, tuple) and c and all(map(_token_id, c)) for c in g):
+            raise ValueError(f"guided_choice must be a tuple of at most {MAX_GUIDED_CHOICES} non-empty token-id "
+                             f"tuples, got {len(g) if isinstance(g, tuple) else type(g).__name__} choices")
+        if g and (self.allowed_token_ids or self.bad_words or self.min_tokens):
+            raise ValueError("guided_choice chooses every token itself; it does not go with allowed_token_ids, "
+                             "bad_words or min_tokens: drop those")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -4,8 +4,8 @@
 Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with vLLM's
 extensions ``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty``, ``min_tokens``,
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words`` (at most
-:data:`MAX_BAD_WORDS`, each spelled as it is and after a space) and ``prompt_logprobs`` (not
-streamed); OpenAI's
+:data:`MAX_BAD_WORDS`, each spelled as it is and after a space), ``guided_choice`` (each choice
+spelled in the tokens the tokenizer gives it) and ``prompt_logprobs`` (not streamed); OpenAI's
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``; ``n`` (at most :data:`MAX_CHOICES`)
 asks for that many choices of each prompt; ``/v1/completions`` takes a batch of prompts (at
 most :data:`MAX_PROMPTS`) and ``echo`` (the prompt before the completion, and with
@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvtier.sampling import SamplingParams
-from kvtier.serve.params import MAX_BAD_WORD_TOKENS, MAX_LOGPROBS, RequestParams
+from kvtier.serve.params import MAX_BAD_WORD_TOKENS, MAX_GUIDED_CHOICES, MAX_LOGPROBS, RequestParams
 
 __all__ = ["MAX_BAD_WORDS", "MAX_CHOICES", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
            "DetokenizeRequest", "TokenizeRequest", "chat_messages", "request_params", "validation_error"]
@@ -49,8 +49,7 @@ MAX_PROMPTS = 2048
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 128, 4096
 
 #: vLLM's request fields the engine does not honour: given (not null or false), each is a 400
-VLLM_REFUSED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "truncate_prompt_tokens",
-                "use_beam_search")
+VLLM_REFUSED = ("guided_json", "guided_regex", "guided_grammar", "truncate_prompt_tokens", "use_beam_search")
 
 #: fields OpenAI's reference types "... or null": null takes the field's default
 NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "stream", "ignore_eos", "presence_penalty",
@@ -132,8 +131,8 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    # vLLM's extensions: stop_token_ids, include_stop_str_in_output, allowed_token_ids, bad_words
-    # and prompt_logprobs are served; the others are refused, never ignored
+    # vLLM's extensions: stop_token_ids, include_stop_str_in_output, allowed_token_ids, bad_words,
+    # guided_choice and prompt_logprobs are served; the others are refused, never ignored
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
@@ -142,7 +141,7 @@ class _Common(BaseModel):
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     guided_json: Any = None
     guided_regex: Any = None
-    guided_choice: Any = None
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_GUIDED_CHOICES)
     guided_grammar: Any = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
@@ -332,12 +331,29 @@ def bad_words(words: list[str] | None, tokenizer) -> tuple[tuple[int, ...], ...]
     return tuple(out)
 
 
+def guided_choice(choices: list[str] | None, tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``guided_choice`` as the token sequences the engine allows (each choice as the
+    tokenizer spells it, no BOS); 400 for an empty choice."""
+    out: dict[tuple[int, ...], None] = {}
+    for choice in choices or ():
+        try:
+            ids = tuple(tokenizer.encode(choice, add_bos=False))
+        except UnicodeEncodeError:
+            ids = ()
+        if not ids:
+            raise APIError(400, f"guided_choice holds {choice!r}, which is no text (empty, or not valid Unicode)",
+                           param="guided_choice")
+        out[ids] = None
+    return tuple(out)
+
+
 def request_params(req: CompletionRequest | ChatCompletionRequest, tokenizer=None) -> RequestParams:
     """The engine's parameters of a request; 400 for values the sampler refuses. ``tokenizer``
     spells ``bad_words`` as tokens (a request with bad words needs one)."""
     req.check_supported()
-    if req.bad_words and tokenizer is None:
-        raise APIError(400, "bad_words needs the model's tokenizer, and this server has none", param="bad_words")
+    for name in ("bad_words", "guided_choice"):
+        if getattr(req, name) and tokenizer is None:
+            raise APIError(400, f"{name} needs the model's tokenizer, and this server has none", param=name)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -361,6 +377,7 @@ def request_params(req: CompletionRequest | ChatCompletionRequest, tokenizer=Non
                              prompt_logprobs=prompt_logprobs,
                              include_stop_str_in_output=req.include_stop_str_in_output,
                              allowed_token_ids=tuple(req.allowed_token_ids or ()),
-                             bad_words=bad_words(req.bad_words, tokenizer))
+                             bad_words=bad_words(req.bad_words, tokenizer),
+                             guided_choice=guided_choice(req.guided_choice, tokenizer))
     except ValueError as e:  # the dataclasses' messages start with the field's name
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
