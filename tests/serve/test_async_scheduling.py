@@ -238,7 +238,7 @@ def test_async_bans_give_the_reference_tokens(device, graphs) -> None:
     """Bad words of one and two tokens taken from each row's own plain answer, and allowed ids,
     scheduled asynchronously (each request's last tokens shifted in on the device, a step
     ahead of the host): the reference loop's tokens, and every banned pair gone."""
-    from test_engine import penalised_greedy
+    from test_engine import guided_greedy, penalised_greedy
 
     model = tiny(device)
     rng = random.Random(4)
@@ -255,6 +255,13 @@ def test_async_bans_give_the_reference_tokens(device, graphs) -> None:
         assert g == penalised_greedy(model, ids, 12, bad_words=p.bad_words, allowed=p.allowed_token_ids)
         assert g != out and not {w for w in p.bad_words if len(w) == 2} & set(zip(g, g[1:]))
         assert not p.allowed_token_ids or set(g) <= set(p.allowed_token_ids)
+    # guided choices (stop id 200): pieces of the last plain answer, two sharing a first token
+    last = plain[-1]
+    choices = ((last[1], last[2], last[3]), (last[1], last[5]), (last[0],))
+    guided = RequestParams(max_tokens=12, stop_token_ids=(200,), guided_choice=choices)
+    for ids, o in zip(prompts, engine.generate(prompts, guided), strict=True):
+        assert o.finish_reason == "stop" and tuple(o.token_ids[:-1]) in choices
+        assert list(o.token_ids) == guided_greedy(model, ids, choices, frozenset({200}))
 
 
 def check_prompt_logprobs(device: str) -> None:

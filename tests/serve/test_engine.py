@@ -258,9 +258,11 @@ def guided_greedy(model, ids: list[int], choices: tuple, stops: frozenset) -> li
     """The reference of guided_choice: each token the float64 argmax over the next tokens of the
     choices the answer still follows, and the stop ids once one is whole."""
     out: list[int] = []
+    device = model.tok_embeddings.weight.device
     with torch.inference_mode():
         while not out or out[-1] not in stops:
-            logits = model(torch.tensor([ids + out]), model.make_caches(KVCacheConfig()))[0, -1].double()
+            logits = model(torch.tensor([ids + out], device=device), model.make_caches(KVCacheConfig()))[0, -1]
+            logits = logits.double().cpu()
             n = len(out)
             allow = {c[n] for c in choices if c[:n] == tuple(out) and len(c) > n}
             allow |= stops if tuple(out) in choices else set()
