@@ -1,6 +1,6 @@
 """What moves the logits of the requests that ask for it (``logit_bias``, ``min_tokens``' hold on
-the stop ids, the penalties, ``allowed_token_ids`` and ``bad_words``), for every such row of a
-step at once.
+the stop ids, the penalties, ``allowed_token_ids``, ``bad_words`` and ``guided_choice``), for
+every such row of a step at once.
 
 Each request that adjusts its logits takes a *slot* at its first sampled step: a row of
 buffers ``[slots, vocab]`` on the model's device, made only once some request needs them:
@@ -72,8 +72,8 @@ class LogitAdjustments:
 
     @staticmethod
     def applies(live: Live) -> bool:
-        """Whether anything moves ``live``'s logits this step (a bias, a penalty, or stop ids held
-        back because fewer than ``min_tokens`` are out)."""
+        """Whether anything moves ``live``'s logits this step (a bias, a penalty, a ban, guided
+        choices, or stop ids held back because fewer than ``min_tokens`` are out)."""
         p = live.params
         return bool(p.logit_bias or p.penalised or p.allowed_token_ids or p.bad_words or p.guided_choice
                     or live.holds_stops())
