@@ -110,6 +110,21 @@ def test_guided_choice_answers_one_of_the_choices(client, lm) -> None:
     assert streamed in choices  # sampled: any choice, but a whole one
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, lm) -> None:
+    tok, model = lm.tokenizer, client.models.list().data[0].id
+    long = "Some words to drop before the end. " * 60_000 + "The capital of France is"  # 2.1 MB, 0.5M tokens
+    last = tok.encode(long)[-5:]
+    want = client.completions.create(model=model, prompt=last, max_tokens=4, temperature=0)
+    for prompt in (long, tok.encode(long[-200:])):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                      extra_body={"truncate_prompt_tokens": 5})
+        assert r.usage.prompt_tokens == 5 and r.choices[0].text == tok.decode(last) + want.choices[0].text
+    question = [{"role": "user", "content": long[-2000:]}]
+    r = client.chat.completions.create(model=model, messages=question, max_tokens=2, temperature=0,
+                                       extra_body={"truncate_prompt_tokens": 9})
+    assert r.usage.prompt_tokens == 9
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"allowed_token_ids": []}, "allowed_token_ids", "at least 1 item"),
     ({"allowed_token_ids": [-1]}, "allowed_token_ids", "allowed_token_ids must be a tuple of ints >= 0"),
@@ -125,6 +140,9 @@ def test_guided_choice_answers_one_of_the_choices(client, lm) -> None:
     ({"guided_choice": ["yes"], "min_tokens": 1}, "guided_choice", "does not go with allowed_token_ids"),
     ({"guided_choice": ["yes"], "ignore_eos": True}, "guided_choice", "give stop_token_ids"),
     ({"guided_regex": "a+"}, "guided_regex", "guided_regex is not supported"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "would leave no prompt"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater than or equal to -1"),
+    ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", "over the context of 1024 tokens"),
 ])
 def test_bad_allowed_ids_and_bad_words_are_400s(server, lm, body, param, message) -> None:
     if "bad_words" in body and "allowed_token_ids" in body:  # (104 is "x", one token, in this vocabulary)

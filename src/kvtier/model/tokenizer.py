@@ -115,10 +115,12 @@ class Tokenizer:
         return min(self.eos_token_ids) if self.eos_token_ids else None
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text map to their ids."""
+        """Token ids of ``text``; special tokens written in the text map to their ids. The work
+        runs without Python's interpreter lock (the backend's batch call releases it; its single
+        call holds it), so other threads go on while a long text is tokenized."""
         if not isinstance(text, str):
             raise ValueError(f"encode() takes a str, got {type(text).__name__}")
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         add_bos = self.add_bos if add_bos is None else add_bos
         if add_bos:
             if self.bos_token_id is None:

@@ -33,10 +33,10 @@ tokens.
 A client that disconnects (streaming or not) aborts its requests, which frees their
 blocks at the next step.
 
-Tokenizing holds the interpreter (the tokenizer does not release the GIL), so a
-text prompt far longer than the context is refused from its prefixes
-(:func:`encode_bounded`) instead of stalling every other request while it is
-tokenized whole.
+Prompts are tokenized in a worker thread, without Python's interpreter lock, so a long text
+does not stall the event loop or the engine's steps; a text prompt far longer than the
+context is refused from its prefixes (:func:`encode_bounded`) instead of being tokenized
+whole, unless ``truncate_prompt_tokens`` asks for its last tokens.
 """
 
 from __future__ import annotations
@@ -255,7 +255,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             raise
         return rids
 
-    def encode(text: str, prompt_param: str, add_bos: bool | None = None) -> list[int]:
+    def encode(text: str, prompt_param: str, add_bos: bool | None = None, keep: int | None = None) -> list[int]:
+        """The text's tokens; with ``keep``, the last ``keep`` of the whole text's tokens (vLLM's
+        truncate_prompt_tokens: a suffix of the text may be cut into other tokens)."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # JSON may carry a lone surrogate ("\ud800"); no tokenizer takes it
@@ -263,9 +265,19 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
                            "UTF-16 surrogate that is not valid Unicode; send the whole pair",
                            param=prompt_param) from None
         try:
+            if keep is not None:
+                return tokenizer.encode(text, add_bos=add_bos)[-keep:]
             return encode_bounded(tokenizer, text, engine.stats["max_model_len"], add_bos=add_bos)
         except ValueError as e:
             raise refused(e, prompt_param) from None
+
+    def kept_tokens(req) -> int | None:
+        """vLLM's truncate_prompt_tokens as a count (-1: the context); 400 past the context."""
+        keep, context = req.truncate_prompt_tokens, engine.stats["max_model_len"]
+        if keep is not None and keep > context:
+            raise APIError(400, f"truncate_prompt_tokens {keep} is over the context of {context} tokens; keep at "
+                           f"most {context} (or -1: the context)", param="truncate_prompt_tokens")
+        return context if keep == -1 else keep
 
     add_tokenizer_routes(app, tokenizer, lambda: engine.stats["max_model_len"], check_model, encode)
 
@@ -273,14 +285,15 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     async def completions(req: CompletionRequest, request: Request):
         check(req)
         params = request_params(req, tokenizer)  # every 400 of the fields before the prompt's tokenizing
-        raw = req.prompts()
-        prompts = [encode(p, "prompt") if isinstance(p, str) else list(p) for p in raw]
+        raw, keep = req.prompts(), kept_tokens(req)
+        prompts = [await asyncio.to_thread(encode, p, "prompt", None, keep) if isinstance(p, str)
+                   else list(p)[-keep if keep else 0:] for p in raw]
         rids = await start([(ids, choice_params(params, i)) for ids in prompts for i in range(req.n)], req.n,
                            "prompt")
         views = []
         for i in range(len(rids)):  # choice i: prompt i // n, OpenAI's order
             p, ids = raw[i // req.n], prompts[i // req.n]
-            echo = (p if isinstance(p, str) else tokenizer.decode(ids)) if req.echo else None
+            echo = (p if isinstance(p, str) and keep is None else tokenizer.decode(ids)) if req.echo else None
             views.append(_Completion(tokenizer, model_name, f"cmpl-{rids[0]}", chat=False, index=i,
                                      first=i % req.n == 0, echo=echo, prompt=ids, drop=req.max_tokens == 0,
                                      top=req.logprobs, scored=req.prompt_logprobs))
@@ -294,7 +307,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             text = tokenizer.apply_chat_template(chat_messages(req))
         except (jinja2.TemplateError, ValueError) as e:
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
-        ids = encode(text, "messages", add_bos=False)
+        ids = await asyncio.to_thread(encode, text, "messages", False, kept_tokens(req))
         rids = await start([(ids, choice_params(params, i)) for i in range(req.n)], req.n, "messages")
         views = [_Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i,
                              scored=req.prompt_logprobs) for i in range(req.n)]

@@ -5,7 +5,8 @@ Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with vL
 extensions ``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty``, ``min_tokens``,
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words`` (at most
 :data:`MAX_BAD_WORDS`, each spelled as it is and after a space), ``guided_choice`` (each choice
-spelled in the tokens the tokenizer gives it) and ``prompt_logprobs`` (not streamed); OpenAI's
+spelled in the tokens the tokenizer gives it), ``truncate_prompt_tokens`` (the prompt's last
+tokens) and ``prompt_logprobs`` (not streamed); OpenAI's
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``; ``n`` (at most :data:`MAX_CHOICES`)
 asks for that many choices of each prompt; ``/v1/completions`` takes a batch of prompts (at
 most :data:`MAX_PROMPTS`) and ``echo`` (the prompt before the completion, and with
@@ -49,7 +50,7 @@ MAX_PROMPTS = 2048
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 128, 4096
 
 #: vLLM's request fields the engine does not honour: given (not null or false), each is a 400
-VLLM_REFUSED = ("guided_json", "guided_regex", "guided_grammar", "truncate_prompt_tokens", "use_beam_search")
+VLLM_REFUSED = ("guided_json", "guided_regex", "guided_grammar", "use_beam_search")
 
 #: fields OpenAI's reference types "... or null": null takes the field's default
 NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "stream", "ignore_eos", "presence_penalty",
@@ -132,7 +133,8 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions: stop_token_ids, include_stop_str_in_output, allowed_token_ids, bad_words,
-    # guided_choice and prompt_logprobs are served; the others are refused, never ignored
+    # guided_choice, truncate_prompt_tokens and prompt_logprobs are served; the others are refused,
+    # never ignored
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
@@ -143,7 +145,7 @@ class _Common(BaseModel):
     guided_regex: Any = None
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_GUIDED_CHOICES)
     guided_grammar: Any = None
-    truncate_prompt_tokens: Any = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the prompt's last tokens
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     use_beam_search: Any = None
 
@@ -165,6 +167,9 @@ class _Common(BaseModel):
             raise APIError(400, "prompt_logprobs is not streamed; send stream: false (or, for completions, "
                            "echo: true with logprobs, which streams the prompt's logprobs first)",
                            param="prompt_logprobs")
+        if self.truncate_prompt_tokens == 0:
+            raise APIError(400, "truncate_prompt_tokens 0 would leave no prompt; keep at least 1 token (or -1: "
+                           "the context)", param="truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []

@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import jinja2
@@ -40,7 +41,8 @@ def add_tokenizer_routes(app: FastAPI, tokenizer, max_model_len: Callable[[], in
             special = bool(req.add_special_tokens)  # the template writes its own special tokens
         else:
             text, special = req.prompt, req.add_special_tokens is not False
-        ids = encode(text, "prompt" if req.messages is None else "messages", add_bos=None if special else False)
+        ids = await asyncio.to_thread(encode, text, "prompt" if req.messages is None else "messages",
+                                      None if special else False)
         strs = [tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_model_len(), "tokens": ids, "token_strs": strs}
 
