@@ -140,6 +140,8 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, lm) -> None:
     ({"guided_choice": ["yes"], "min_tokens": 1}, "guided_choice", "does not go with allowed_token_ids"),
     ({"guided_choice": ["yes"], "ignore_eos": True}, "guided_choice", "give stop_token_ids"),
     ({"guided_regex": "a+"}, "guided_regex", "guided_regex is not supported"),
+    ({"guided_choice": ["y" * 40_000, "n" * 30_000]}, "guided_choice", "70000 characters in all; at most 65536"),
+    ({"bad_words": ["w" * 70_000]}, "bad_words", "70000 characters in all"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "would leave no prompt"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater than or equal to -1"),
     ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", "over the context of 1024 tokens"),

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_BAD_WORD_TOKENS, MAX_GUIDED_CHOICES, MAX_LOGPROBS, RequestParams
 
-__all__ = ["MAX_BAD_WORDS", "MAX_CHOICES", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
+__all__ = ["MAX_BAD_WORDS", "MAX_CHOICES", "MAX_WORDS_CHARS", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
            "DetokenizeRequest", "TokenizeRequest", "chat_messages", "request_params", "validation_error"]
 
 #: tokens one request's ``logit_bias`` may name
@@ -39,6 +39,9 @@ MAX_LOGIT_BIAS = 1024
 
 #: words one request's ``bad_words`` may hold
 MAX_BAD_WORDS = 256
+
+#: characters of ``bad_words`` and of ``guided_choice`` in all, checked before any is tokenized
+MAX_WORDS_CHARS = 65536
 
 #: choices one request may ask for (``n``; OpenAI's limit)
 MAX_CHOICES = 128
@@ -314,10 +317,18 @@ def logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+def _bounded(texts: list[str] | None, param: str) -> None:
+    chars = sum(map(len, texts or ()))
+    if chars > MAX_WORDS_CHARS:
+        raise APIError(400, f"{param} holds {chars} characters in all; at most {MAX_WORDS_CHARS} are accepted",
+                       param=param)
+
+
 def bad_words(words: list[str] | None, tokenizer) -> tuple[tuple[int, ...], ...]:
     """vLLM's ``bad_words`` as the token sequences the engine bans: each word (leading spaces
     dropped) as it is and after a space, the text's start and its middle; 400 for an empty
     word or one of more than :data:`~kvtier.serve.params.MAX_BAD_WORD_TOKENS` tokens."""
+    _bounded(words, "bad_words")
     out: dict[tuple[int, ...], None] = {}
     for word in words or ():
         bare = word.lstrip()
@@ -339,6 +350,7 @@ def bad_words(words: list[str] | None, tokenizer) -> tuple[tuple[int, ...], ...]
 def guided_choice(choices: list[str] | None, tokenizer) -> tuple[tuple[int, ...], ...]:
     """vLLM's ``guided_choice`` as the token sequences the engine allows (each choice as the
     tokenizer spells it, no BOS); 400 for an empty choice."""
+    _bounded(choices, "guided_choice")
     out: dict[tuple[int, ...], None] = {}
     for choice in choices or ():
         try:
