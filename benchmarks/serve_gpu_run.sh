@@ -3,9 +3,10 @@
 # workload (Llama-3-8B shape, bf16, random weights; 256 requests, prompts 64-1024 tokens,
 # 256 new tokens each, EOS ignored), kvtier alone and then side by side with transformers'
 # generate_batch; then kvtier alone again with presence, frequency and repetition penalties on
-# every request (their cost a step). Uses the machine's python3 with src/ and benchmarks/ on
-# PYTHONPATH (the engine needs no FastAPI). Files under $OUT: env.txt, gpu_tests.log,
-# serve_kvtier.{log,json}, serve_h200.{log,json,png}, serve_penalties.{log,json}, summary.txt.
+# every request (their cost a step), and with 40 bad words on every request. Uses the machine's
+# python3 with src/ and benchmarks/ on PYTHONPATH (the engine needs no FastAPI). Files under $OUT:
+# env.txt, gpu_tests.log, serve_kvtier.{log,json}, serve_h200.{log,json,png},
+# serve_penalties.{log,json}, serve_bans.{log,json}, summary.txt.
 #
 #   OUT=/path/to/results bash benchmarks/serve_gpu_run.sh
 set -u
@@ -43,5 +44,7 @@ step side_by_side "${HF_LIMIT:-270}" "$OUT/serve_h200.log" "$PY" -m kvtier.cli b
     --json "$OUT/serve_h200.json" --plot "$OUT/serve_h200.png"
 step penalties "${KVTIER_LIMIT:-150}" "$OUT/serve_penalties.log" "$PY" -m kvtier.cli bench serve "${WORKLOAD[@]}" \
     --skip-hf --penalties --json "$OUT/serve_penalties.json"
+step bans "${KVTIER_LIMIT:-150}" "$OUT/serve_bans.log" "$PY" -m kvtier.cli bench serve "${WORKLOAD[@]}" \
+    --skip-hf --bans --json "$OUT/serve_bans.json"
 cat "$SUMMARY"
 tail -n 3 "$OUT/gpu_tests.log"

@@ -69,6 +69,7 @@ def test_cpu_products_refuses_bad_sizes_before_measuring(capsys, argv, named):
     (["serve", "--input-len", "64"], "got '64'"),
     (["serve", "--input-len", "10,5"], "got --input-len 10,5"),
     (["serve", "--num-requests", "0"], "--num-requests 0"),
+    (["serve", "--bans"], "--bans needs --skip-hf"),
 ])
 def test_bench_flags_are_refused_before_a_model_loads(capsys, monkeypatch, argv, named):
     from kvtier import cli

@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--penalties", action="store_true",
                         help="every request with presence 0.5, frequency 0.5 and repetition 1.1 "
                              "penalties (their cost a step; needs --skip-hf)")
+    parser.add_argument("--bans", action="store_true",
+                        help="every request with 32 two-token and 8 one-token bad words (random ids; their "
+                             "cost a step; needs --skip-hf)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
@@ -125,9 +128,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--input-len MIN,MAX needs 1 <= MIN <= MAX; --output-len and --num-requests >= 1; "
                          f"got --input-len {lo},{hi} --output-len {args.output_len} "
                          f"--num-requests {args.num_requests}")
-    if args.penalties and not args.skip_hf:
-        raise ValueError("--penalties needs --skip-hf: transformers' generate_batch takes no per-request "
-                         "penalties, so its tokens could not be compared")
+    for flag in ("penalties", "bans"):
+        if getattr(args, flag) and not args.skip_hf:
+            raise ValueError(f"--{flag} needs --skip-hf: transformers' generate_batch takes no per-request "
+                             f"{flag}, so its tokens could not be compared")
     model, label = load(args, device)
     rng = random.Random(args.seed)
     vocab = model.args.vocab_size
@@ -188,7 +192,7 @@ def engine_config(args, device: torch.device, prompts: list[list[int]]):
 
 
 def drive(engine, prompts: list[list[int]], output_len: int, concurrency: int, rate: float, seed: int,
-          penalties: bool = False):
+          penalties: bool = False, bans: bool = False):
     """Send ``prompts`` to ``engine`` (``concurrency`` in flight, ``rate`` per second) and step it
     until all finish; ``(duration, ttft, tpot, tokens)`` with times relative to the first send."""
     from kvtier.serve.params import RequestParams
@@ -198,6 +202,11 @@ def drive(engine, prompts: list[list[int]], output_len: int, concurrency: int, r
         params = RequestParams(max_tokens=output_len, ignore_eos=True, presence_penalty=0.5,
                                frequency_penalty=0.5, repetition_penalty=1.1)
     rng = random.Random(seed)
+    if bans:
+        vocab = engine.model.args.vocab_size
+        words = tuple((rng.randrange(vocab), rng.randrange(vocab)) for _ in range(32))
+        params = RequestParams(max_tokens=output_len, ignore_eos=True,
+                               bad_words=words + tuple((rng.randrange(vocab),) for _ in range(8)))
     t, arrival = 0.0, []
     for _ in prompts:
         arrival.append(t)
@@ -244,16 +253,17 @@ def run_kvtier(model, prompts, args, device) -> Result:
 
     engine = LLMEngine(model, None, engine_config(args, device, prompts))
     concurrency = args.concurrency or len(prompts)
-    drive(engine, warmup_prompts(prompts, device), 4, concurrency, math.inf, args.seed, args.penalties)  # warm-up
+    drive(engine, warmup_prompts(prompts, device), 4, concurrency, math.inf, args.seed, args.penalties,
+          args.bans)  # warm-up
     freeze_startup_heap()  # as `kvtier serve` does once it has started
     try:
         duration, ttft, tpot, tokens = drive(engine, prompts, args.output_len, concurrency,
-                                             args.request_rate, args.seed, args.penalties)
+                                             args.request_rate, args.seed, args.penalties, args.bans)
     finally:
         gc.unfreeze()  # the engine can be collected once it is done; the contender runs next
     s = engine.stats()
     graphs = "CUDA graphs" if engine.runner.graphs is not None else "eager"
-    note = (f"{graphs}, {'penalties, ' if args.penalties else ''}{s['kv_storage']} pages, "
+    note = (f"{graphs}, {'penalties, ' if args.penalties else ''}{'bad words, ' if args.bans else ''}{s['kv_storage']} pages, "
             f"{s['num_blocks']} blocks, {s['preemptions']} "
             f"preemptions, max_num_seqs {engine.config.max_num_seqs}, "
             f"max_batched_tokens {engine.scheduler.config.max_batched_tokens}")
