@@ -241,7 +241,7 @@ def test_vllm_sampling_fields_are_served_or_refused(server, lm) -> None:
     r = httpx.post(f"{server}/v1/completions", json={**body, "stop": ["."], "include_stop_str_in_output": True},
                    timeout=60).json()  # before: a 400
     assert r["choices"][0]["text"] == " Paris." and r["choices"][0]["finish_reason"] == "stop"
-    for field, value in (("guided_json", {}), ("guided_regex", "a+"), ("truncate_prompt_tokens", 4),
+    for field, value in (("guided_json", {}), ("guided_regex", "a+"), ("guided_grammar", "root ::= x"),
                          ("use_beam_search", True)):
         r = httpx.post(f"{server}/v1/completions", json={**body, field: value}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == field  # before: ignored
