@@ -104,6 +104,9 @@ def test_guided_choice_answers_one_of_the_choices(client, lm) -> None:
     want = guided_greedy(lm.model, ids, tuple(tuple(tok.encode(c, add_bos=False)) for c in choices),
                          frozenset(tok.eos_token_ids))
     assert got.message.content == tok.decode(want, skip_special_tokens=True) and got.message.content in choices
+    again = client.chat.completions.create(model=model, messages=question, max_tokens=16, temperature=0,
+                                           extra_body={"structured_outputs": {"choice": choices}})  # vLLM 0.12's name
+    assert again.choices[0].message.content == got.message.content
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=model, messages=question, max_tokens=16, temperature=0.8, seed=5, stream=True,
         extra_body={"guided_choice": choices}))
@@ -142,6 +145,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, lm) -> None:
     ({"guided_regex": "a+"}, "guided_regex", "guided_regex is not supported"),
     ({"guided_choice": ["y" * 40_000, "n" * 30_000]}, "guided_choice", "70000 characters in all; at most 65536"),
     ({"bad_words": ["w" * 70_000]}, "bad_words", "70000 characters in all"),
+    ({"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs", "structured_outputs.json is not"),
+    ({"structured_outputs": {"choice": "yes"}}, "structured_outputs", "must be a list of 1 to 256 strings"),
+    ({"structured_outputs": {"choice": ["a"]}, "guided_choice": ["b"]}, "structured_outputs", "not both"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "would leave no prompt"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater than or equal to -1"),
     ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", "over the context of 1024 tokens"),

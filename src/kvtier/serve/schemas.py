@@ -4,7 +4,8 @@
 Fields follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with vLLM's
 extensions ``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty``, ``min_tokens``,
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words`` (at most
-:data:`MAX_BAD_WORDS`, each spelled as it is and after a space), ``guided_choice`` (each choice
+:data:`MAX_BAD_WORDS`, each spelled as it is and after a space), ``guided_choice`` (or, as
+vLLM 0.12 names it, ``structured_outputs: {"choice": [...]}``; each choice
 spelled in the tokens the tokenizer gives it), ``truncate_prompt_tokens`` (the prompt's last
 tokens) and ``prompt_logprobs`` (not streamed); OpenAI's
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``; ``n`` (at most :data:`MAX_CHOICES`)
@@ -147,6 +148,7 @@ class _Common(BaseModel):
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_GUIDED_CHOICES)
+    structured_outputs: dict[str, Any] | None = None  # vLLM >= 0.12's name: its "choice" is served
     guided_grammar: Any = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the prompt's last tokens
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
@@ -170,6 +172,7 @@ class _Common(BaseModel):
             raise APIError(400, "prompt_logprobs is not streamed; send stream: false (or, for completions, "
                            "echo: true with logprobs, which streams the prompt's logprobs first)",
                            param="prompt_logprobs")
+        self._structured_choice()
         if self.truncate_prompt_tokens == 0:
             raise APIError(400, "truncate_prompt_tokens 0 would leave no prompt; keep at least 1 token (or -1: "
                            "the context)", param="truncate_prompt_tokens")
@@ -187,6 +190,26 @@ class _Common(BaseModel):
             raise APIError(400, f"stop holds {len(stop)} strings of {chars} characters in all; at most "
                            f"{MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters are accepted",
                            param="stop")
+
+
+    def _structured_choice(self) -> None:
+        """``structured_outputs: {"choice": [...]}`` taken as ``guided_choice``; 400 for its other
+        constraints (JSON, regex, grammar), a choice that is not a list of strings, or both names."""
+        so = {k: v for k, v in (self.structured_outputs or {}).items() if v not in (None, False)}
+        other = sorted(set(so) - {"choice"})
+        if other:
+            raise APIError(400, f"structured_outputs.{other[0]} is not supported (of structured_outputs, only "
+                           "choice is)", param="structured_outputs", code="unsupported_parameter")
+        if "choice" in so:
+            choice = so["choice"]
+            if not (isinstance(choice, list) and 1 <= len(choice) <= MAX_GUIDED_CHOICES
+                    and all(isinstance(c, str) for c in choice)):
+                raise APIError(400, f"structured_outputs.choice must be a list of 1 to {MAX_GUIDED_CHOICES} "
+                               "strings", param="structured_outputs")
+            if self.guided_choice is not None and self.guided_choice is not choice:
+                raise APIError(400, "give guided_choice or structured_outputs.choice, not both",
+                               param="structured_outputs")
+            self.guided_choice = choice
 
 
 class CompletionRequest(_Common):
