@@ -20,6 +20,8 @@ PROMPT = "The capital of France is"
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("controls") / "serve.log"
     with running_server(log, "--num-blocks", "64", "--api-key", KEYS[0], "--api-key", KEYS[1]) as url:
+        text = log.read_text()
+        assert "| 2 API key(s) asked for" in text and not any(k in text for k in KEYS)  # (never the keys)
         yield url
 
 
