@@ -1,10 +1,12 @@
 """``kvtier serve`` processes of their own: start-up flags refused before the model loads,
-a taken port, a pool too small for its requests, asynchronous scheduling, and a stop with
-requests in flight. Each server is started here and stopped by its pid."""
+a taken port, a pool too small for its requests, asynchronous scheduling, a stop with
+requests in flight, and a model without a chat template given one. Each server is started here
+and stopped by its pid."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from openai import AsyncOpenAI, OpenAI
 
 from kvtier.config import KVCacheConfig
@@ -24,6 +27,8 @@ from server_support import free_port, metrics, model_name, running_server, settl
     (["--max-request-mb", "inf"], "--max-request-mb must be a number of MiB in (0, 1048576], got inf"),
     (["--max-request-mb", "1e308"], "in (0, 1048576], got 1e+308"),  # both were an OverflowError
     (["--max-waiting", "0"], "max_waiting must be an int >= 1, got 0"),  # was a server answering only 429
+    (["--chat-template", "/nonexistent/chat.jinja"], "is neither a file nor a Jinja template"),
+    (["--chat-template", "{% if %}"], "the chat template does not parse: Expected an expression"),
     (["--api-key", "secret", "--api-key", "two words"], "api_keys must be a tuple of non-empty keys of printable "
      "ASCII without spaces, got 2 keys"),  # (the keys themselves never written out)
 ])
@@ -124,3 +129,37 @@ def test_a_stopping_server_ends_long_requests_after_its_shutdown_timeout(tmp_pat
             assert answer.status_code == 503 and answer.json()["error"]["code"] == "server_shutting_down"
         assert proc.wait(timeout=60) is not None
         assert time.monotonic() - stopped < 30, log.read_text()
+
+
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_model_without_a_chat_template_is_given_one(tmp_path, lm) -> None:
+    """A Hugging Face folder whose tokenizer has no chat template: chat is a 400 that names the
+    fix; with --chat-template FILE the messages render with it (/tokenize shows the text's
+    tokens) and chat answers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok, folder = lm.tokenizer, tmp_path / "no-template"
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=tok.vocab_size, max_position_embeddings=256,
+                      bos_token_id=tok.bos_token_id, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tok.special_tokens, "add_bos_token": tok.add_bos}))
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    chat = {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 3}
+    with running_server(tmp_path / "plain.log", "--model", str(folder), "--device", "cpu") as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 400 and "start the server with --chat-template FILE" in r.json()["error"]["message"]
+        assert httpx.get(f"{url}/tokenizer_info", timeout=60).json()["chat_template"] is None
+    with running_server(tmp_path / "given.log", "--model", str(folder), "--device", "cpu",
+                        "--chat-template", str(tmp_path / "chat.jinja")) as url:
+        r = httpx.post(f"{url}/tokenize", json={"messages": chat["messages"]}, timeout=60).json()
+        assert r["tokens"] == tok.encode("<user>Hi there\n<assistant>", add_bos=False)
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()
+        assert r["usage"]["prompt_tokens"] == len(tok.encode("<user>Hi there\n<assistant>", add_bos=False))
+        assert r["choices"][0]["finish_reason"] in ("length", "stop")
+        assert httpx.get(f"{url}/tokenizer_info", timeout=60).json()["chat_template"] == TEMPLATE

@@ -79,6 +79,10 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(steps + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
+class NoChatTemplate(ValueError):
+    """The tokenizer has no chat template to render messages with."""
+
+
 class Tokenizer:
     """Text <-> token ids, special tokens, and the chat template.
 
@@ -178,7 +182,7 @@ class Tokenizer:
         ``strftime_now``, and the special tokens (``bos_token``, ``eos_token``) in scope.
         """
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template; pass raw text (--raw) instead")
+            raise NoChatTemplate("this tokenizer has no chat template; pass raw text (--raw) instead")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a list of dicts like {'role': 'user', 'content': '...'}")
         if self._template is None:
@@ -189,6 +193,12 @@ class Tokenizer:
             **{k: v for k, v in self.special_tokens.items() if v is not None},
             **extra,
         )
+
+    def set_chat_template(self, source: str) -> None:
+        """Render chats with ``source`` (Jinja, as a model's ``chat_template``) from now on; a
+        ``ValueError`` (:func:`compile_chat_template`'s) leaves the template as it was."""
+        self._template = compile_chat_template(source)
+        self.chat_template = source
 
     # -- persistence -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -363,6 +373,19 @@ class _GGUFMeta:
     def get(self, key: str, default: Any = None) -> Any:
         f = self.fields.get(key)
         return default if f is None else f.contents()
+
+
+def compile_chat_template(source: str):
+    """``source`` compiled as chat templates are rendered; a ``ValueError`` naming the line of a
+    syntax error, or for text that is empty."""
+    import jinja2
+
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError("a chat template must be non-empty Jinja text")
+    try:
+        return _compile_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e.message} (line {e.lineno})") from None
 
 
 def _compile_template(source: str):

@@ -57,12 +57,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from kvtier.model.tokenizer import NoChatTemplate
 from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvtier.serve.middleware import ApiKeys, BodyLimit
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.scheduler import QueueFull
 from kvtier.serve.schemas import (
+    NO_TEMPLATE,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -102,6 +104,9 @@ class ServerConfig:
     #: keys a request must bear (``Authorization: Bearer <key>``) on every route but /health and
     #: /metrics; none: no key asked for
     api_keys: tuple[str, ...] = ()
+    #: Jinja text that renders chats in place of the model's own template (``kvtier serve
+    #: --chat-template``; set on the tokenizer when the server starts)
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -115,6 +120,8 @@ class ServerConfig:
                                                   and " " not in k for k in keys):
             raise ValueError("api_keys must be a tuple of non-empty keys of printable ASCII without spaces, got "
                              f"{len(keys) if isinstance(keys, tuple) else type(keys).__name__} keys")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError(f"chat_template must be Jinja text or None, got {type(self.chat_template).__name__}")
         if self.warmup is not None and not isinstance(self.warmup, bool):
             raise ValueError(f"warmup must be a bool or None, got {self.warmup!r}")
         t = self.shutdown_timeout_s
@@ -305,6 +312,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         params = request_params(req, tokenizer)
         try:
             text = tokenizer.apply_chat_template(chat_messages(req))
+        except NoChatTemplate:
+            raise APIError(400, NO_TEMPLATE, param="messages") from None
         except (jinja2.TemplateError, ValueError) as e:
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
         ids = await asyncio.to_thread(encode, text, "messages", False, kept_tokens(req))

@@ -68,6 +68,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="a key every request but /health and /metrics must bear (Authorization: Bearer "
                         f"KEY); repeat it for several keys (default: ${API_KEY_ENV}, else none). The "
                         "variable keeps the key out of the process list")
+    p.add_argument("--chat-template", dest="chat_template", metavar="FILE", default=_ABSENT,
+                   help="render chats with this Jinja template (a file, or the template's text) in place "
+                        "of the model's own; for a model without one")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=_ABSENT,
                    metavar="S", help="seconds a stopping server waits for requests in flight before "
                    "it ends them (default: until they finish)")
@@ -104,11 +107,32 @@ def configs_from_args(args: argparse.Namespace):
     keys = getattr(args, "api_keys", None) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
     if keys:
         server["api_keys"] = tuple(keys)
+    if hasattr(args, "chat_template"):
+        server["chat_template"] = read_chat_template(args.chat_template)
     if hasattr(args, "max_request_mb"):
         if not 0 < args.max_request_mb <= 2**20:  # (a byte count past 1 TiB overflows the conversion)
             raise ValueError(f"--max-request-mb must be a number of MiB in (0, 1048576], got {args.max_request_mb}")
         server["max_request_bytes"] = max(1, round(args.max_request_mb * 2**20))
     return EngineConfig(**engine), ServerConfig(**server)
+
+
+def read_chat_template(given: str) -> str:
+    """``--chat-template``'s Jinja text: the file it names, or the text itself when it holds a
+    Jinja tag; checked to parse. ``ValueError`` naming the fix otherwise."""
+    from pathlib import Path
+
+    from kvtier.model.tokenizer import compile_chat_template
+
+    path = Path(given)
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif "{{" in given or "{%" in given:
+        text = given
+    else:
+        raise ValueError(f"--chat-template {given!r} is neither a file nor a Jinja template; pass the path of a "
+                         "template file (such as a model's chat_template.jinja) or its text")
+    compile_chat_template(text)  # (a syntax error named before the model loads)
+    return text
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -169,6 +193,8 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
     if engine.tokenizer is None:
         raise ValueError("the model has no tokenizer (tokenizer.json next to its weights); the server "
                          "needs one to read prompts and write text")
+    if server_config.chat_template is not None:
+        engine.tokenizer.set_chat_template(server_config.chat_template)
     name = server_config.served_model_name or model_name
     warmup = server_config.warmup
     if warmup or (warmup is None and engine.device.type == "cuda"):

@@ -32,11 +32,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_BAD_WORD_TOKENS, MAX_GUIDED_CHOICES, MAX_LOGPROBS, RequestParams
 
-__all__ = ["MAX_BAD_WORDS", "MAX_CHOICES", "MAX_WORDS_CHARS", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "APIError", "ChatCompletionRequest", "CompletionRequest",
+__all__ = ["MAX_BAD_WORDS", "MAX_CHOICES", "MAX_WORDS_CHARS", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "NO_TEMPLATE", "APIError", "ChatCompletionRequest", "CompletionRequest",
            "DetokenizeRequest", "TokenizeRequest", "chat_messages", "request_params", "validation_error"]
 
 #: tokens one request's ``logit_bias`` may name
 MAX_LOGIT_BIAS = 1024
+
+#: the 400 of chat messages sent to a model without a chat template
+NO_TEMPLATE = ("this model has no chat template: send the text to /v1/completions, or start the server with "
+               "--chat-template FILE")
 
 #: words one request's ``bad_words`` may hold
 MAX_BAD_WORDS = 256

@@ -16,7 +16,14 @@ from collections.abc import Callable
 import jinja2
 from fastapi import FastAPI
 
-from kvtier.serve.schemas import APIError, DetokenizeRequest, TokenizeRequest, chat_messages
+from kvtier.model.tokenizer import NoChatTemplate
+from kvtier.serve.schemas import (
+    NO_TEMPLATE,
+    APIError,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_messages,
+)
 
 __all__ = ["add_tokenizer_routes"]
 
@@ -36,6 +43,8 @@ def add_tokenizer_routes(app: FastAPI, tokenizer, max_model_len: Callable[[], in
             try:
                 text = tokenizer.apply_chat_template(chat_messages(req),
                                                      add_generation_prompt=req.add_generation_prompt)
+            except NoChatTemplate:
+                raise APIError(400, NO_TEMPLATE, param="messages") from None
             except (jinja2.TemplateError, ValueError) as e:
                 raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
             special = bool(req.add_special_tokens)  # the template writes its own special tokens
