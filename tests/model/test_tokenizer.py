@@ -193,3 +193,20 @@ def test_bad_input_is_named(ours, tmp_path):
         bare.encode("x", add_bos=True)
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_pretrained_dir(tmp_path)
+
+
+def test_a_lone_surrogate_is_a_value_error_naming_it(ours):
+    with pytest.raises(ValueError, match=r"holds '\\ud800' at character 2, a lone UTF-16 surrogate"):
+        ours.encode("ab\ud800c")
+
+
+def test_a_set_chat_template_renders_and_a_broken_one_changes_nothing(ours):
+    from kvtier.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dict(ours.to_dict())
+    before = tok.chat_template
+    with pytest.raises(ValueError, match=r"does not parse: .* \(line 2\)"):
+        tok.set_chat_template("fine\n{% for %}")
+    assert tok.chat_template == before
+    tok.set_chat_template("{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi"

@@ -4,6 +4,7 @@ and ``bad_words`` through it give the engine's reference tokens, and their bad v
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -137,6 +138,8 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, lm) -> None:
     ({"allowed_token_ids": [2], "min_tokens": 1}, "allowed_token_ids", "are stop ids [2]"),  # (the end)
     ({"allowed_token_ids": [104], "bad_words": ["x"]}, "allowed_token_ids", "each is a one-token bad word;"),
     ({"bad_words": ["   "]}, "bad_words", "nothing but spaces"),
+    ({"bad_words": ["a\ud800"]}, "bad_words", "not valid Unicode"),  # (JSON may carry a lone surrogate)
+    ({"guided_choice": ["a\ud800"]}, "guided_choice", "not valid Unicode"),
     ({"bad_words": ["x" * 200]}, "bad_words", "a word of at most 16 tokens"),
     ({"bad_words": ["w"] * 257}, "bad_words", "at most 256 items"),
     ({"bad_words": "Paris"}, "bad_words", "valid list"),
@@ -157,8 +160,8 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, lm) -> None:
 def test_bad_allowed_ids_and_bad_words_are_400s(server, lm, body, param, message) -> None:
     if "bad_words" in body and "allowed_token_ids" in body:  # (104 is "x", one token, in this vocabulary)
         assert lm.tokenizer.encode("x") == [104]
-    r = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **body},
-                   headers=bearer(KEYS[0]), timeout=60)
+    r = httpx.post(f"{server}/v1/completions", content=json.dumps({"prompt": PROMPT, "max_tokens": 2, **body}),
+                   headers={**bearer(KEYS[0]), "Content-Type": "application/json"}, timeout=60)  # (\ud800 escaped)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and message in err["message"], err

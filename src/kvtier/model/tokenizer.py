@@ -124,7 +124,15 @@ class Tokenizer:
         call holds it), so other threads go on while a long text is tokenized."""
         if not isinstance(text, str):
             raise ValueError(f"encode() takes a str, got {type(text).__name__}")
-        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        try:
+            ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        except TypeError:  # the backend's word for a str that is not valid Unicode
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the text holds {text[e.start]!r} at character {e.start}, a lone UTF-16 "
+                                 "surrogate that is not valid Unicode; send the whole pair") from None
+            raise
         add_bos = self.add_bos if add_bos is None else add_bos
         if add_bos:
             if self.bos_token_id is None:

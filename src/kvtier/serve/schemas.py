@@ -195,7 +195,6 @@ class _Common(BaseModel):
                            f"{MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters are accepted",
                            param="stop")
 
-
     def _structured_choice(self) -> None:
         """``structured_outputs: {"choice": [...]}`` taken as ``guided_choice``; 400 for its other
         constraints (JSON, regex, grammar), a choice that is not a list of strings, or both names."""
@@ -344,6 +343,11 @@ def logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+def _short(text: str, n: int = 40) -> str:
+    """``text`` quoted for a message, cut to its first ``n`` characters."""
+    return repr(text) if len(text) <= n else repr(text[:n]) + f"... ({len(text)} characters)"
+
+
 def _bounded(texts: list[str] | None, param: str) -> None:
     chars = sum(map(len, texts or ()))
     if chars > MAX_WORDS_CHARS:
@@ -360,16 +364,16 @@ def bad_words(words: list[str] | None, tokenizer) -> tuple[tuple[int, ...], ...]
     for word in words or ():
         bare = word.lstrip()
         if not bare:
-            raise APIError(400, f"bad_words holds {word!r}, which has nothing but spaces", param="bad_words")
+            raise APIError(400, f"bad_words holds {_short(word)}, which has nothing but spaces", param="bad_words")
         for spelling in (bare, " " + bare):
             try:
                 ids = tuple(tokenizer.encode(spelling, add_bos=False))
-            except UnicodeEncodeError:
-                raise APIError(400, f"bad_words holds {word!r}, which is not valid Unicode (a lone UTF-16 "
+            except ValueError:  # (a lone UTF-16 surrogate)
+                raise APIError(400, f"bad_words holds {_short(word)}, which is not valid Unicode (a lone UTF-16 "
                                "surrogate)", param="bad_words") from None
             if len(ids) > MAX_BAD_WORD_TOKENS:
-                raise APIError(400, f"bad_words holds {word!r}, {len(ids)} tokens as {spelling!r}; a word of at "
-                               f"most {MAX_BAD_WORD_TOKENS} tokens is accepted", param="bad_words")
+                raise APIError(400, f"bad_words holds {_short(word)}, {len(ids)} tokens as {_short(spelling)}; a "
+                               f"word of at most {MAX_BAD_WORD_TOKENS} tokens is accepted", param="bad_words")
             out[ids] = None
     return tuple(out)
 
@@ -382,11 +386,11 @@ def guided_choice(choices: list[str] | None, tokenizer) -> tuple[tuple[int, ...]
     for choice in choices or ():
         try:
             ids = tuple(tokenizer.encode(choice, add_bos=False))
-        except UnicodeEncodeError:
+        except ValueError:  # (a lone UTF-16 surrogate)
             ids = ()
         if not ids:
-            raise APIError(400, f"guided_choice holds {choice!r}, which is no text (empty, or not valid Unicode)",
-                           param="guided_choice")
+            raise APIError(400, f"guided_choice holds {_short(choice)}, which is no text (empty, or not valid "
+                           "Unicode)", param="guided_choice")
         out[ids] = None
     return tuple(out)
 
