@@ -170,6 +170,20 @@ def test_the_tokenizer_routes_are_the_models_tokenizer(server, client, model, lm
     assert lone.status_code == 400 and "surrogate" in lone.json()["error"]["message"]
 
 
+def test_best_of_returns_the_best_by_mean_token_logprob(client, model) -> None:
+    """best_of 4, n 2, seeded: the two of the four seeded completions (each as a request of its own,
+    seeds 31 to 34) of highest mean token logprob, best first, without logprobs (none asked);
+    usage counts every completion made. (Seed 31: the best two are not the first two.)"""
+    body = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    r = client.completions.create(**body, n=2, seed=31, best_of=4)
+    answers = [client.completions.create(**body, seed=31 + i, logprobs=0) for i in range(4)]
+    alone = [a.choices[0] for a in answers]
+    ranked = sorted(alone, key=lambda c: -sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs))
+    assert [c.text for c in r.choices] == [c.text for c in ranked[:2]] and [c.index for c in r.choices] == [0, 1]
+    assert ranked[:2] != alone[:2] and all(c.logprobs is None for c in r.choices)
+    assert r.usage.completion_tokens == 4 * 6 and r.usage.prompt_tokens == answers[0].usage.prompt_tokens
+
+
 @pytest.mark.parametrize(("body", "param", "message"), [
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens 0 generates nothing"),
     ({"prompt": ["a", ""]}, "prompt", "the prompt is empty (prompt 1 of the batch)"),
@@ -180,6 +194,9 @@ def test_the_tokenizer_routes_are_the_models_tokenizer(server, client, model, lm
     ({"prompt": ["a"] * 2049}, "prompt", "2049 prompts in one request; at most 2048"),
     ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "prompt_logprobs is not streamed"),
     ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
+    ({"prompt": "hi", "best_of": 1, "n": 2}, "best_of", "best_of 1 is below n 2"),
+    ({"prompt": "hi", "best_of": 3, "stream": True}, "best_of", "best_of is not streamed"),
+    ({"prompt": "hi", "best_of": 9}, "best_of", f"best_of=9 choices are more than the {MAX_WAITING}"),
 ])
 def test_bad_batches_and_scoring_requests_are_400s(server, body, param, message) -> None:
     r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)

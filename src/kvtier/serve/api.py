@@ -14,7 +14,7 @@ Errors are answered in OpenAI's shape, ``{"error": {"message", "type", "param",
 status when
 ====== ======================================================================
 400    malformed JSON, a field of the wrong type or range, an unsupported field
-       (``suffix``, ``best_of``, ``tools``), a prompt that does not fit the context
+       (``suffix``, ``tools``), a prompt that does not fit the context
        (``code: context_length_exceeded``), ``n`` over the waiting queue's room
 401    no API key or a wrong one, where the server has keys (``ServerConfig.api_keys``)
 404    an unknown route, or a ``model`` other than the one served
@@ -237,16 +237,18 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         check_model(req.model)
 
 
-    async def start(jobs: list[tuple[list[int], RequestParams]], n: int, prompt_param: str) -> list[str]:
-        """Queue the request's choices, ``(prompt ids, params)`` each (``n`` a prompt); all or none
-        (a refusal discards those queued)."""
+    async def start(jobs: list[tuple[list[int], RequestParams]], n: int, prompt_param: str,
+                    name: str = "n") -> list[str]:
+        """Queue the request's choices, ``(prompt ids, params)`` each (``n`` a prompt, the field
+        ``name``: ``n`` or ``best_of``); all or none (a refusal discards those queued)."""
         room = engine.stats["max_waiting"]
         if len(jobs) > room:
             prompts = len(jobs) // n
-            what, fix = ((f"n={n} choices", f"ask for n <= {room}") if prompts == 1 else
-                         (f"{len(jobs)} choices ({prompts} prompts, n={n})", "send fewer prompts or a smaller n,"))
+            what, fix = ((f"{name}={n} choices", f"ask for {name} <= {room}") if prompts == 1 else
+                         (f"{len(jobs)} choices ({prompts} prompts, {name}={n})",
+                          f"send fewer prompts or a smaller {name},"))
             raise APIError(400, f"{what} are more than the {room} requests this server queues at once; {fix} "
-                           "or start it with a larger --max-waiting", param="n" if n > 1 else "prompt")
+                           "or start it with a larger --max-waiting", param=name if n > 1 else "prompt")
         rids: list[str] = []
         try:
             for ids, params in jobs:
@@ -295,16 +297,18 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         raw, keep = req.prompts(), kept_tokens(req)
         prompts = [await asyncio.to_thread(encode, p, "prompt", None, keep) if isinstance(p, str)
                    else list(p)[-keep if keep else 0:] for p in raw]
-        rids = await start([(ids, choice_params(params, i)) for ids in prompts for i in range(req.n)], req.n,
-                           "prompt")
+        k = max(req.best_of or 1, req.n)  # best_of: k made, the n best returned (ranked by their logprobs)
+        run = params if k == req.n or params.logprobs is not None else replace(params, logprobs=0)
+        rids = await start([(ids, choice_params(run, i)) for ids in prompts for i in range(k)], k, "prompt",
+                           "n" if k == req.n else "best_of")
         views = []
-        for i in range(len(rids)):  # choice i: prompt i // n, OpenAI's order
-            p, ids = raw[i // req.n], prompts[i // req.n]
+        for i in range(len(rids)):  # choice i: prompt i // k, OpenAI's order
+            p, ids = raw[i // k], prompts[i // k]
             echo = (p if isinstance(p, str) and keep is None else tokenizer.decode(ids)) if req.echo else None
             views.append(_Completion(tokenizer, model_name, f"cmpl-{rids[0]}", chat=False, index=i,
-                                     first=i % req.n == 0, echo=echo, prompt=ids, drop=req.max_tokens == 0,
+                                     first=i % k == 0, echo=echo, prompt=ids, drop=req.max_tokens == 0,
                                      top=req.logprobs, scored=req.prompt_logprobs))
-        return await answer(views, rids, req, request)
+        return await answer(views, rids, req, request, (k, req.n, params.logprobs is None) if k > req.n else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -334,7 +338,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             if not finished:
                 metrics.aborted()
 
-    async def answer(views: list[_Completion], rids: list[str], req, request: Request):
+    async def answer(views: list[_Completion], rids: list[str], req, request: Request, best: tuple | None = None):
         streams = [counted(rid) for rid in rids]
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -348,7 +352,11 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             with contextlib.suppress(asyncio.CancelledError):
                 await collect
             return Response(status_code=499)
-        return _whole(views, collect.result())
+        outs = collect.result()
+        if best is None:
+            return _whole(views, outs)
+        usage = _usage(views, [o[-1] for o in outs])  # (every completion made counts)
+        return {**_whole(*_best_of(views, outs, *best)), "usage": usage}
 
     return app
 
@@ -357,6 +365,24 @@ def choice_params(params: RequestParams, i: int) -> RequestParams:
     """Choice ``i``'s parameters: its seed ``seed + i`` (without a seed, the draws differ anyway)."""
     seed = params.sampling.seed
     return params if i == 0 or seed is None else replace(params, sampling=replace(params.sampling, seed=seed + i))
+
+
+def _best_of(views: list[_Completion], outs: list[list[RequestOutput]], k: int, n: int,
+             strip: bool) -> tuple[list[_Completion], list[list[RequestOutput]]]:
+    """Of each prompt's ``k`` completions the ``n`` of highest mean token logprob (OpenAI's "highest
+    log probability per token"), best first and numbered anew; ``strip``: their logprobs dropped
+    (the request asked for none)."""
+    def mean(o: list[RequestOutput]) -> float:
+        lps = [x.logprob for out in o for x in out.logprobs or ()]
+        return sum(lps) / max(1, len(lps))
+
+    kept_views, kept_outs = [], []
+    for p in range(0, len(views), k):
+        for i in sorted(range(p, p + k), key=lambda i: -mean(outs[i]))[:n]:
+            views[i].index = len(kept_views)
+            kept_views.append(views[i])
+            kept_outs.append([replace(o, logprobs=None) for o in outs[i]] if strip else outs[i])
+    return kept_views, kept_outs
 
 
 async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

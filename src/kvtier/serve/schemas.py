@@ -12,7 +12,8 @@ tokens) and ``prompt_logprobs`` (not streamed); OpenAI's
 asks for that many choices of each prompt; ``/v1/completions`` takes a batch of prompts (at
 most :data:`MAX_PROMPTS`) and ``echo`` (the prompt before the completion, and with
 ``logprobs`` the prompt tokens' logprobs; ``max_tokens: 0`` with ``echo`` scores the prompt
-alone). Fields the engine cannot honour (``best_of > 1``, ``suffix``,
+alone), and ``best_of`` (that many completions, the ``n`` of highest mean token logprob
+returned; not streamed). Fields the engine cannot honour (``suffix``,
 ``tools``, ``tool_choice``, ``functions``, a ``response_format`` other than text) are
 refused with a 400 naming the field, never silently ignored. Unknown fields are
 ignored, as OpenAI's clients send some (``user``, ``metadata``).
@@ -223,14 +224,19 @@ class CompletionRequest(_Common):
     max_tokens: int = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        for param, bad in (("best_of", (self.best_of or 1) != 1), ("suffix", self.suffix is not None)):
-            if bad:
-                raise APIError(400, f"{param} is not supported", param=param, code="unsupported_parameter")
+        if self.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of {self.best_of} is below n {self.n}: best_of completions are made and "
+                           "the n best returned; ask for best_of >= n", param="best_of")
+        if (self.best_of or 1) > self.n and self.stream:
+            raise APIError(400, "best_of is not streamed (the best are known once all are done); send stream: "
+                           "false", param="best_of")
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens 0 generates nothing: ask for at least 1 token, or for echo: true "
                            "to have the prompt (and with logprobs its tokens' logprobs) alone",
