@@ -69,6 +69,7 @@ class LogitAdjustments:
         # its tokens so far [1] and its stop ids, all on the device
         self.guided: dict[int, tuple[torch.Tensor, ...]] = {}
         self._guided_rows: list[tuple[int, int]] = []  # (row of the last apply, slot)
+        self.bans: set[int] = set()  # slots with a row of "banned" (set when the slot is taken)
 
     @staticmethod
     def applies(live: Live) -> bool:
@@ -84,6 +85,7 @@ class LogitAdjustments:
         if slot is not None:
             self.words.pop(slot, None)
             self.guided.pop(slot, None)
+            self.bans.discard(slot)
             self.free.append(slot)
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], lives: Sequence[Live]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,49 +96,53 @@ class LogitAdjustments:
         params = [lv.params for lv in lives]
         hold = [lv.holds_stops() for lv in lives]
         device = logits.device
-        index = to_device(torch.tensor([list(rows), slots]), device)  # two small copies in
-        knobs = to_device(torch.tensor([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
-                                        [p.repetition_penalty for p in params], hold], dtype=torch.float32), device)
+        index = to_device(torch.tensor([list(rows), slots]), device)
         out = logits.index_select(0, index[0]).float()
         bias, penalties = any(p.logit_bias for p in params), any(p.penalised for p in params)
-        banned = any(p.allowed_token_ids or any(len(w) == 1 for w in p.bad_words) for p in params)
+        banned = not self.bans.isdisjoint(slots)
         repetition = any(p.repetition_penalty != 1.0 for p in params)
         n = len(rows)
         block = n if out.is_cuda else max(1, CPU_BLOCK_BYTES // (4 * out.shape[1]))
+        knobs = None  # the rows' penalties and holds as columns, copied in only where a block needs them
+        if (penalties and block > 1) or (any(hold) and not all(hold)):
+            knobs = to_device(torch.tensor([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                                            [p.repetition_penalty for p in params], hold], dtype=torch.float32), device)
         for a in range(0, n, block):  # on the CPU in blocks of rows that stay in the cache
             b = slice(a, a + block)
-            if block == 1:  # one row: its knobs as numbers (a scalar's loop is the CPU's faster)
-                p = params[a]
-                presence, frequency, r = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-            else:
-                presence, frequency, r = knobs[0, b, None], knobs[1, b, None], knobs[2, b, None]
+            knob = None
+            if penalties and block == 1:  # one row: its knobs as numbers (a scalar's loop is the CPU's faster)
+                knob = (params[a].presence_penalty, params[a].frequency_penalty, params[a].repetition_penalty)
+            elif penalties:
+                knob = (knobs[0, b, None], knobs[1, b, None], knobs[2, b, None])
             held = None
             if any(hold[b]):
                 held = self.buffers["stops"].index_select(0, index[1, b])
                 if not all(hold[b]):
                     held &= knobs[3, b, None] > 0
-            self._adjust(out[b], index[1, b], bias, banned, held, penalties and (presence, frequency, r), repetition)
+            self._adjust(out[b], index[1, b], bias, banned, held, knob, repetition)
         if any(s in self.words for s in slots):
             self._ban_word_ends(out, slots)
         self._guided_rows = [(j, s) for j, s in enumerate(slots) if s in self.guided]
-        for j, slot in self._guided_rows:
-            self._guide(out[j], *self.guided[slot])
+        if self._guided_rows:  # (one buffer of allowed tokens for all of them)
+            allow = torch.zeros(len(self._guided_rows), out.shape[1], dtype=torch.int32, device=device)
+            for m, (j, slot) in enumerate(self._guided_rows):
+                self._guide(out[j], allow[m], *self.guided[slot])
         return out, index
 
     @staticmethod
-    def _guide(row: torch.Tensor, choices, lengths, followed, k, stops) -> None:
+    def _guide(row: torch.Tensor, allow: torch.Tensor, choices, lengths, followed, k, stops) -> None:
         """``-inf`` in ``row`` but at the next token of each choice still followed after ``k``
         tokens, and at the stop ids once one of them is whole. (A request that has ended, whose
-        step runs once more under asynchronous scheduling, has nothing left: its row stays.)"""
+        step runs once more under asynchronous scheduling, has nothing left: its row stays.)
+        ``allow``: zeros ``[V]`` to count the allowed tokens in."""
         col = choices.index_select(1, k.clamp(max=choices.shape[1] - 1))[:, 0]
-        allow = torch.zeros(row.shape[0], dtype=torch.int32, device=row.device)
         allow.index_put_((col.clamp(min=0),), (followed & (k < lengths)).int(), accumulate=True)
         whole = (followed & (k == lengths)).any().int()
         allow.index_put_((stops,), whole.expand(stops.shape[0]), accumulate=True)
         row.masked_fill_((allow == 0) & (allow.sum() > 0), float("-inf"))
 
     def _adjust(self, out: torch.Tensor, s: torch.Tensor, bias: bool, banned: bool, held: torch.Tensor | None,
-                penalties: tuple | bool, repetition: bool) -> None:
+                penalties: tuple | None, repetition: bool) -> None:
         """Rows ``out`` (in place) of slots ``s``: their bias, ``-inf`` where ``banned`` or ``held``,
         and with ``penalties`` (presence, frequency, repetition: numbers or ``[rows, 1]`` columns)
         those."""
@@ -179,6 +185,8 @@ class LogitAdjustments:
     def count(self, index: torch.Tensor, picked: torch.Tensor) -> None:
         """Count each row's sampled token (``picked`` ``[B]``, the step's tokens) in its slot, and
         shift it into the slot's recent tokens."""
+        if not (self._guided_rows or "counts" in self.buffers or "recent" in self.buffers):
+            return
         tokens = picked.index_select(0, index[0])
         for j, slot in self._guided_rows:  # the choices the answer still follows, its count
             choices, _, followed, k, _ = self.guided[slot]
@@ -216,6 +224,7 @@ class LogitAdjustments:
         ones = [w[0] for w in p.bad_words if len(w) == 1]
         if p.allowed_token_ids or ones:
             banned = self._buffer("banned", logits)
+            self.bans.add(slot)
             if p.allowed_token_ids:
                 banned[slot] = True
                 banned[slot, to_device(torch.tensor(p.allowed_token_ids), device)] = False

@@ -51,24 +51,21 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from kvtier.model.tokenizer import NoChatTemplate
 from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvtier.serve.middleware import ApiKeys, BodyLimit
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.scheduler import QueueFull
 from kvtier.serve.schemas import (
-    NO_TEMPLATE,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    chat_messages,
+    render_chat,
     request_params,
     validation_error,
 )
@@ -295,8 +292,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         check(req)
         params = request_params(req, tokenizer)  # every 400 of the fields before the prompt's tokenizing
         raw, keep = req.prompts(), kept_tokens(req)
-        prompts = [await asyncio.to_thread(encode, p, "prompt", None, keep) if isinstance(p, str)
-                   else list(p)[-keep if keep else 0:] for p in raw]
+        prompts = await asyncio.to_thread(lambda: [  # (one trip to the worker thread for the batch)
+            encode(p, "prompt", None, keep) if isinstance(p, str) else list(p)[-keep:] if keep else list(p)
+            for p in raw])
         k = max(req.best_of or 1, req.n)  # best_of: k made, the n best returned (ranked by their logprobs)
         run = params if k == req.n or params.logprobs is not None else replace(params, logprobs=0)
         rids = await start([(ids, choice_params(run, i)) for ids in prompts for i in range(k)], k, "prompt",
@@ -314,12 +312,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check(req)
         params = request_params(req, tokenizer)
-        try:
-            text = tokenizer.apply_chat_template(chat_messages(req))
-        except NoChatTemplate:
-            raise APIError(400, NO_TEMPLATE, param="messages") from None
-        except (jinja2.TemplateError, ValueError) as e:
-            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        text = render_chat(req, tokenizer)
         ids = await asyncio.to_thread(encode, text, "messages", False, kept_tokens(req))
         rids = await start([(ids, choice_params(params, i)) for i in range(req.n)], req.n, "messages")
         views = [_Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i,

@@ -28,13 +28,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import jinja2
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from kvtier.model.tokenizer import NoChatTemplate
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_BAD_WORD_TOKENS, MAX_GUIDED_CHOICES, MAX_LOGPROBS, RequestParams
 
 __all__ = ["MAX_BAD_WORDS", "MAX_CHOICES", "MAX_WORDS_CHARS", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "NO_TEMPLATE", "APIError", "ChatCompletionRequest", "CompletionRequest",
-           "DetokenizeRequest", "TokenizeRequest", "chat_messages", "request_params", "validation_error"]
+           "DetokenizeRequest", "TokenizeRequest", "render_chat", "request_params", "validation_error"]
 
 #: tokens one request's ``logit_bias`` may name
 MAX_LOGIT_BIAS = 1024
@@ -321,13 +323,19 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
-    """The messages as the chat template takes them (text parts joined; ``developer`` is ``system``)."""
-    out = []
+def render_chat(req: ChatCompletionRequest | TokenizeRequest, tokenizer, *, add_generation_prompt: bool = True) -> str:
+    """The request's messages rendered with the chat template (text parts joined; ``developer`` is
+    ``system``); 400 where the model has no template or the template refuses them."""
+    messages = []
     for m in req.messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-    return out
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except NoChatTemplate:
+        raise APIError(400, NO_TEMPLATE, param="messages") from None
+    except (jinja2.TemplateError, ValueError) as e:
+        raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
 
 
 def logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

@@ -13,16 +13,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import jinja2
 from fastapi import FastAPI
 
-from kvtier.model.tokenizer import NoChatTemplate
 from kvtier.serve.schemas import (
-    NO_TEMPLATE,
     APIError,
     DetokenizeRequest,
     TokenizeRequest,
-    chat_messages,
+    render_chat,
 )
 
 __all__ = ["add_tokenizer_routes"]
@@ -40,13 +37,7 @@ def add_tokenizer_routes(app: FastAPI, tokenizer, max_model_len: Callable[[], in
         check_model(req.model)
         req.check()
         if req.messages is not None:
-            try:
-                text = tokenizer.apply_chat_template(chat_messages(req),
-                                                     add_generation_prompt=req.add_generation_prompt)
-            except NoChatTemplate:
-                raise APIError(400, NO_TEMPLATE, param="messages") from None
-            except (jinja2.TemplateError, ValueError) as e:
-                raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+            text = render_chat(req, tokenizer, add_generation_prompt=req.add_generation_prompt)
             special = bool(req.add_special_tokens)  # the template writes its own special tokens
         else:
             text, special = req.prompt, req.add_special_tokens is not False
