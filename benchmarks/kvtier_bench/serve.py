@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bans", action="store_true",
                         help="every request with 32 two-token and 8 one-token bad words (random ids; their "
                              "cost a step; needs --skip-hf)")
+    parser.add_argument("--structured", action="store_true",
+                        help="every request's answer held to a pattern through a grammar matcher (its "
+                             "cost a step; needs --skip-hf and the default model's tokenizer)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
@@ -128,7 +131,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--input-len MIN,MAX needs 1 <= MIN <= MAX; --output-len and --num-requests >= 1; "
                          f"got --input-len {lo},{hi} --output-len {args.output_len} "
                          f"--num-requests {args.num_requests}")
-    for flag in ("penalties", "bans"):
+    if args.structured and (device.type == "cuda" or args.arch is not None):
+        raise ValueError("--structured needs the default model's tokenizer (a grammar is compiled over its "
+                         "vocabulary's text); drop --arch and use --device cpu")
+    for flag in ("penalties", "bans", "structured"):
         if getattr(args, flag) and not args.skip_hf:
             raise ValueError(f"--{flag} needs --skip-hf: transformers' generate_batch takes no per-request "
                              f"{flag}, so its tokens could not be compared")
@@ -168,6 +174,7 @@ def load(args, device: torch.device):
     # float32 weights, not the packed block codes: a batch of rows (and every prefill) would
     # dequantise each packed weight on every forward; transformers gets the same float32 weights
     lm = load_model(device="cpu", dtype=torch.float32, progress=False, pack=False)
+    lm.model.tokenizer = lm.tokenizer  # (for --structured)
     return lm.model, f"{lm.source.name}, float32"
 
 
@@ -192,7 +199,7 @@ def engine_config(args, device: torch.device, prompts: list[list[int]]):
 
 
 def drive(engine, prompts: list[list[int]], output_len: int, concurrency: int, rate: float, seed: int,
-          penalties: bool = False, bans: bool = False):
+          penalties: bool = False, bans: bool = False, structured: bool = False):
     """Send ``prompts`` to ``engine`` (``concurrency`` in flight, ``rate`` per second) and step it
     until all finish; ``(duration, ttft, tpot, tokens)`` with times relative to the first send."""
     from kvtier.serve.params import RequestParams
@@ -207,6 +214,11 @@ def drive(engine, prompts: list[list[int]], output_len: int, concurrency: int, r
         words = tuple((rng.randrange(vocab), rng.randrange(vocab)) for _ in range(32))
         params = RequestParams(max_tokens=output_len, ignore_eos=True,
                                bad_words=words + tuple((rng.randrange(vocab),) for _ in range(8)))
+    if structured:  # any text without "<" (as inside a JSON string), ended by a stop id the model rarely picks
+        from kvtier.serve.structured import Structure
+
+        params = RequestParams(max_tokens=output_len, ignore_eos=True, stop_token_ids=(engine.model.args.vocab_size - 1,),
+                               structure=Structure("regex", "[^<]*"))
     t, arrival = 0.0, []
     for _ in prompts:
         arrival.append(t)
@@ -251,19 +263,21 @@ def warmup_prompts(prompts: list[list[int]], device: torch.device) -> list[list[
 def run_kvtier(model, prompts, args, device) -> Result:
     from kvtier.serve.engine import LLMEngine, freeze_startup_heap
 
-    engine = LLMEngine(model, None, engine_config(args, device, prompts))
+    engine = LLMEngine(model, getattr(model, "tokenizer", None) if args.structured else None,
+                       engine_config(args, device, prompts))
     concurrency = args.concurrency or len(prompts)
-    drive(engine, warmup_prompts(prompts, device), 4, concurrency, math.inf, args.seed, args.penalties,
-          args.bans)  # warm-up
+    flags = (args.penalties, args.bans, args.structured)
+    drive(engine, warmup_prompts(prompts, device), 4, concurrency, math.inf, args.seed, *flags)  # warm-up
     freeze_startup_heap()  # as `kvtier serve` does once it has started
     try:
         duration, ttft, tpot, tokens = drive(engine, prompts, args.output_len, concurrency,
-                                             args.request_rate, args.seed, args.penalties, args.bans)
+                                             args.request_rate, args.seed, *flags)
     finally:
         gc.unfreeze()  # the engine can be collected once it is done; the contender runs next
     s = engine.stats()
     graphs = "CUDA graphs" if engine.runner.graphs is not None else "eager"
-    note = (f"{graphs}, {'penalties, ' if args.penalties else ''}{'bad words, ' if args.bans else ''}{s['kv_storage']} pages, "
+    asked = "".join(f"{name}, " for name, on in zip(("penalties", "bad words", "structured"), flags) if on)
+    note = (f"{graphs}, {asked}{s['kv_storage']} pages, "
             f"{s['num_blocks']} blocks, {s['preemptions']} "
             f"preemptions, max_num_seqs {engine.config.max_num_seqs}, "
             f"max_batched_tokens {engine.scheduler.config.max_batched_tokens}")

@@ -1,6 +1,6 @@
 """What moves the logits of the requests that ask for it (``logit_bias``, ``min_tokens``' hold on
-the stop ids, the penalties, ``allowed_token_ids``, ``bad_words`` and ``guided_choice``), for
-every such row of a step at once.
+the stop ids, the penalties, ``allowed_token_ids``, ``bad_words``, ``guided_choice`` and structured outputs),
+for every such row of a step at once.
 
 Each request that adjusts its logits takes a *slot* at its first sampled step: a row of
 buffers ``[slots, vocab]`` on the model's device, made only once some request needs them:
@@ -19,7 +19,9 @@ buffers ``[slots, vocab]`` on the model's device, made only once some request ne
 A request with ``guided_choice`` keeps its choices on the device (``[c, longest + 1]``, padded
 with -1), which of them its answer still follows, and its count of tokens; a step allows the
 next token of each choice still followed, and the stop ids once one is whole. These rows are
-done one at a time (a few kernels each).
+done one at a time (a few kernels each). A structured output's rows (a JSON schema, a pattern, a
+grammar) take their allowed tokens from their matchers, all in one bitmask
+(:func:`kvtier.serve.structured.mask_rows`).
 
 A step gathers the rows' slots and logits and applies everything in a fixed number of
 kernels, however many rows there are (one request at a time took several launches a row:
@@ -37,6 +39,7 @@ import torch
 from kvtier.caches.paged_shared import to_device
 from kvtier.serve.live import Live
 from kvtier.serve.params import MAX_BAD_WORD_TOKENS
+from kvtier.serve.structured import mask_rows
 
 __all__ = ["LogitAdjustments"]
 
@@ -74,10 +77,11 @@ class LogitAdjustments:
     @staticmethod
     def applies(live: Live) -> bool:
         """Whether anything moves ``live``'s logits this step (a bias, a penalty, a ban, guided
-        choices, or stop ids held back because fewer than ``min_tokens`` are out)."""
+        choices, a structured output, or stop ids held back because fewer than ``min_tokens``
+        are out)."""
         p = live.params
         return bool(p.logit_bias or p.penalised or p.allowed_token_ids or p.bad_words or p.guided_choice
-                    or live.holds_stops())
+                    or live.matcher is not None or live.holds_stops())
 
     def release(self, request_id: str) -> None:
         """The request has ended: its slot is free again."""
@@ -127,6 +131,9 @@ class LogitAdjustments:
             allow = torch.zeros(len(self._guided_rows), out.shape[1], dtype=torch.int32, device=device)
             for m, (j, slot) in enumerate(self._guided_rows):
                 self._guide(out[j], allow[m], *self.guided[slot])
+        grammar = [(j, lv.matcher) for j, lv in enumerate(lives) if lv.matcher is not None and not lv.matcher.ended]
+        if grammar:  # (a row whose grammar has ended is sampled once more and dropped: left as it is)
+            mask_rows(out, *zip(*grammar))
         return out, index
 
     @staticmethod

@@ -67,8 +67,10 @@ from kvtier.serve.schemas import (
     CompletionRequest,
     render_chat,
     request_params,
+    structure,
     validation_error,
 )
+from kvtier.serve.structured import named
 from kvtier.serve.tokens_api import add_tokenizer_routes
 
 __all__ = ["CHARS_PER_TOKEN_BOUND", "ServerConfig", "build_app", "encode_bounded"]
@@ -233,6 +235,19 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     def check(req) -> None:
         check_model(req.model)
 
+    async def compile_structure(req, params: RequestParams) -> None:
+        """A structured output's grammar compiled in a worker thread (the engine's own compile finds
+        it made, so the engine's steps never wait for one); 400 where it does not compile or the
+        request has no stop id to end it."""
+        grammars, eos = engine.engine.grammars, engine.engine.eos_ids
+        if params.structure is not None and grammars is not None:
+            stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else eos))
+            try:
+                await asyncio.to_thread(grammars.matcher, params.structure, stops)
+            except ValueError as e:
+                param = structure(req)[1]
+                raise APIError(400, named(str(e), param), param=param) from None
+
 
     async def start(jobs: list[tuple[list[int], RequestParams]], n: int, prompt_param: str,
                     name: str = "n") -> list[str]:
@@ -291,6 +306,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     async def completions(req: CompletionRequest, request: Request):
         check(req)
         params = request_params(req, tokenizer)  # every 400 of the fields before the prompt's tokenizing
+        await compile_structure(req, params)
         raw, keep = req.prompts(), kept_tokens(req)
         prompts = await asyncio.to_thread(lambda: [  # (one trip to the worker thread for the batch)
             encode(p, "prompt", None, keep) if isinstance(p, str) else list(p)[-keep:] if keep else list(p)
@@ -312,6 +328,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check(req)
         params = request_params(req, tokenizer)
+        await compile_structure(req, params)
         text = render_chat(req, tokenizer)
         ids = await asyncio.to_thread(encode, text, "messages", False, kept_tokens(req))
         rids = await start([(ids, choice_params(params, i)) for i in range(req.n)], req.n, "messages")

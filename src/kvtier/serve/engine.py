@@ -73,6 +73,7 @@ from kvtier.serve.scheduler import (
     SchedulerConfig,
     StepBatch,
 )
+from kvtier.serve.structured import Grammars
 
 __all__ = ["PROMPT_LOGITS_BYTES", "EngineConfig", "LLMEngine", "freeze_startup_heap"]
 
@@ -171,6 +172,7 @@ class _Launched:
     ready: torch.cuda.Event | None
     # request id -> (its request, first position, host (chosen, top values, top ids, ranks)) of its prompt
     prompt_logprobs: dict[str, tuple[Request, int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
+    fed: bool = False  # whether its structured requests' matchers have taken its tokens
 
     @property
     def pending(self) -> PendingTokens:
@@ -226,6 +228,8 @@ class LLMEngine:
         self._inflight: _Launched | None = None
         self._live: dict[str, Live] = {}
         self.adjustments = LogitAdjustments()  # bias, min_tokens and penalties, all rows at once
+        # structured outputs' grammars over the tokenizer's vocabulary (compiled on first use)
+        self.grammars = Grammars(tokenizer, model.args.vocab_size) if tokenizer is not None else None
         self._lock = threading.RLock()  # one call at a time (module docstring)
         self._ids = itertools.count()
         self.steps = self.prompt_tokens = self.generation_tokens = 0
@@ -285,6 +289,12 @@ class LLMEngine:
                 raise ValueError(f"allowed_token_ids leave no token to sample until min_tokens "
                                  f"{params.min_tokens} are out: those not among bad_words are stop ids "
                                  f"{sorted(left)[:5]}; allow more tokens or drop min_tokens")
+        matcher = None
+        if params.structure is not None:
+            if self.grammars is None:
+                raise ValueError("structure needs the model's tokenizer (its grammar is compiled over the "
+                                 "vocabulary's text), and this engine has none")
+            matcher = self.grammars.matcher(params.structure, stop_ids)
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context holds "
@@ -303,6 +313,7 @@ class LLMEngine:
         text = RowText(decoder, GenerationConfig(max_tokens=max_tokens, stop=params.stop), stop_ids,
                        params.min_tokens, params.include_stop_str_in_output)
         live = Live(request, params, text, make_generator(params.sampling, self.device), time.monotonic())
+        live.matcher = matcher
         self.scheduler.add(request)  # the last check (queue bound): after it, nothing can fail
         self._live[rid] = live
         self.prompt_tokens += len(ids)
@@ -350,6 +361,8 @@ class LLMEngine:
         pending = self._inflight.pending if self._inflight is not None else None
         logits = self.runner.execute(batch, pending)  # (n_sampled, V) float32
         lives = [self._live[rid] for rid in batch.sampled]
+        if self._inflight is not None and any(lv.matcher is not None for lv in lives):
+            self._feed(self._inflight)  # a grammar needs the step before's tokens: wait for them
         with torch.inference_mode():
             tokens, logprobs = self._sample(lives, logits)
             host = tokens.to("cpu", non_blocking=True)  # pinned on CUDA: the copy does not block
@@ -374,9 +387,7 @@ class LLMEngine:
 
     def _resolve(self, step: _Launched) -> list[RequestOutput]:
         """Wait for ``step``'s tokens; fill them in, run stops and text, one output each."""
-        if step.ready is not None:
-            step.ready.synchronize()
-        tokens = step.host.tolist()
+        tokens = self._feed(step)
         now = time.monotonic()
         for rid, (req, start, got) in step.prompt_logprobs.items():
             live = self._live.get(rid)
@@ -403,6 +414,20 @@ class LLMEngine:
                 live.first_token, now if reason is not None else None, live.give_prompt()))
         self.generation_tokens += len(outputs)
         return outputs
+
+    def _feed(self, step: _Launched) -> list[int]:
+        """Wait for ``step``'s tokens; give each structured request its own (once), as
+        :meth:`_resolve` will; the tokens."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = step.host.tolist()
+        if not step.fed:
+            step.fed = True
+            for req, token in zip(step.requests, tokens):
+                live = self._live.get(req.request_id)
+                if live is not None and live.matcher is not None and live.request is req and req.token_ids[-1] == PENDING:
+                    live.matcher.take(token)
+        return tokens
 
     def _push(self, live: Live, token: int) -> tuple[str, str | None]:
         if live.text.decoder is None:  # no tokenizer: ids only, stops by id and by length

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvtier.sampling import SamplingParams
+from kvtier.serve.structured import Structure
 
 __all__ = ["MAX_BAD_WORD_TOKENS", "MAX_GUIDED_CHOICES", "MAX_LOGPROBS", "RequestOutput", "RequestParams", "TokenLogprob"]
 
@@ -53,6 +54,9 @@ class RequestParams:
     followed by a stop id (at each step only the next tokens of the sequences the answer
     still follows are sampled, and a stop id once one is whole); not with
     ``allowed_token_ids``, ``bad_words`` or ``min_tokens``, and it needs a stop id.
+    ``structure``: the answer follows a JSON schema, is a JSON object, matches a regular
+    expression or a grammar (:class:`~kvtier.serve.structured.Structure`), then a stop id; the
+    same conditions as ``guided_choice``, and not with it.
     """
 
     max_tokens: int | None = None
@@ -71,6 +75,7 @@ class RequestParams:
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
     guided_choice: tuple[tuple[int, ...], ...] = ()
+    structure: Structure | None = None
 
     @property
     def penalised(self) -> bool:
@@ -102,6 +107,11 @@ class RequestParams:
         if g and (self.allowed_token_ids or self.bad_words or self.min_tokens):
             raise ValueError("guided_choice chooses every token itself; it does not go with allowed_token_ids, "
                              "bad_words or min_tokens: drop those")
+        if self.structure is not None and not isinstance(self.structure, Structure):
+            raise ValueError(f"structure must be a Structure or None, got {type(self.structure).__name__}")
+        if self.structure is not None and (g or self.allowed_token_ids or self.bad_words or self.min_tokens):
+            raise ValueError("structure chooses which tokens may come itself; it does not go with guided_choice, "
+                             "allowed_token_ids, bad_words or min_tokens: drop those")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

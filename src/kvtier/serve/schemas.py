@@ -13,8 +13,10 @@ asks for that many choices of each prompt; ``/v1/completions`` takes a batch of 
 most :data:`MAX_PROMPTS`) and ``echo`` (the prompt before the completion, and with
 ``logprobs`` the prompt tokens' logprobs; ``max_tokens: 0`` with ``echo`` scores the prompt
 alone), and ``best_of`` (that many completions, the ``n`` of highest mean token logprob
-returned; not streamed). Fields the engine cannot honour (``suffix``,
-``tools``, ``tool_choice``, ``functions``, a ``response_format`` other than text) are
+returned; not streamed). Structured outputs (one a request): OpenAI's ``response_format``
+(``json_object``, ``json_schema``), vLLM's ``guided_json``, ``guided_regex``, ``guided_grammar``
+and ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``json_object``, ``choice``).
+Fields the engine cannot honour (``suffix``, ``tools``, ``tool_choice``, ``functions``) are
 refused with a 400 naming the field, never silently ignored. Unknown fields are
 ignored, as OpenAI's clients send some (``user``, ``metadata``).
 
@@ -26,6 +28,7 @@ checked against the text at every token).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import jinja2
@@ -34,9 +37,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvtier.model.tokenizer import NoChatTemplate
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_BAD_WORD_TOKENS, MAX_GUIDED_CHOICES, MAX_LOGPROBS, RequestParams
+from kvtier.serve.structured import Structure, named
 
 __all__ = ["MAX_BAD_WORDS", "MAX_CHOICES", "MAX_WORDS_CHARS", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "NO_TEMPLATE", "APIError", "ChatCompletionRequest", "CompletionRequest",
-           "DetokenizeRequest", "TokenizeRequest", "render_chat", "request_params", "validation_error"]
+           "DetokenizeRequest", "TokenizeRequest", "render_chat", "request_params", "structure", "validation_error"]
 
 #: tokens one request's ``logit_bias`` may name
 MAX_LOGIT_BIAS = 1024
@@ -61,7 +65,10 @@ MAX_PROMPTS = 2048
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 128, 4096
 
 #: vLLM's request fields the engine does not honour: given (not null or false), each is a 400
-VLLM_REFUSED = ("guided_json", "guided_regex", "guided_grammar", "use_beam_search")
+VLLM_REFUSED = ("use_beam_search",)
+
+#: of vLLM's ``structured_outputs``, the constraints served (any other key given is a 400)
+STRUCTURED_OUTPUTS = ("json", "regex", "grammar", "json_object", "choice")
 
 #: fields OpenAI's reference types "... or null": null takes the field's default
 NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "stream", "ignore_eos", "presence_penalty",
@@ -144,8 +151,8 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions: stop_token_ids, include_stop_str_in_output, allowed_token_ids, bad_words,
-    # guided_choice, truncate_prompt_tokens and prompt_logprobs are served; the others are refused,
-    # never ignored
+    # the guided_* constraints, truncate_prompt_tokens and prompt_logprobs are served;
+    # use_beam_search is refused, never ignored
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
@@ -155,8 +162,9 @@ class _Common(BaseModel):
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_GUIDED_CHOICES)
-    structured_outputs: dict[str, Any] | None = None  # vLLM >= 0.12's name: its "choice" is served
+    structured_outputs: dict[str, Any] | None = None  # vLLM >= 0.12's name for the guided_* fields
     guided_grammar: Any = None
+    response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object, json_schema
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the prompt's last tokens
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     use_beam_search: Any = None
@@ -199,13 +207,14 @@ class _Common(BaseModel):
                            param="stop")
 
     def _structured_choice(self) -> None:
-        """``structured_outputs: {"choice": [...]}`` taken as ``guided_choice``; 400 for its other
-        constraints (JSON, regex, grammar), a choice that is not a list of strings, or both names."""
+        """``structured_outputs: {"choice": [...]}`` taken as ``guided_choice``; 400 for a key not
+        served, a choice that is not a list of strings, or both names."""
         so = {k: v for k, v in (self.structured_outputs or {}).items() if v not in (None, False)}
-        other = sorted(set(so) - {"choice"})
+        other = sorted(set(so) - set(STRUCTURED_OUTPUTS))
         if other:
-            raise APIError(400, f"structured_outputs.{other[0]} is not supported (of structured_outputs, only "
-                           "choice is)", param="structured_outputs", code="unsupported_parameter")
+            raise APIError(400, f"structured_outputs.{other[0]} is not supported (of structured_outputs, "
+                           f"{', '.join(STRUCTURED_OUTPUTS)} are)", param="structured_outputs",
+                           code="unsupported_parameter")
         if "choice" in so:
             choice = so["choice"]
             if not (isinstance(choice, list) and 1 <= len(choice) <= MAX_GUIDED_CHOICES
@@ -283,13 +292,11 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         for param, bad in (("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none")),
-                           ("functions", bool(self.functions)),
-                           ("response_format", (self.response_format or {}).get("type", "text") != "text")):
+                           ("functions", bool(self.functions))):
             if bad:
                 raise APIError(400, f"{param} is not supported (the model's text is returned as it "
                                "is generated)", param=param, code="unsupported_parameter")
@@ -409,6 +416,48 @@ def guided_choice(choices: list[str] | None, tokenizer) -> tuple[tuple[int, ...]
     return tuple(out)
 
 
+def structure(req: CompletionRequest | ChatCompletionRequest) -> tuple[Structure | None, str | None]:
+    """The request's structured output (``None`` for free text) and the field that asked for it;
+    400 for a constraint of the wrong shape, or for more than one (``guided_choice`` included)."""
+    rf = req.response_format or {}
+    kind = rf.get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise APIError(400, f"response_format type {kind!r} is not supported (text, json_object and json_schema "
+                       "are)", param="response_format", code="unsupported_parameter")
+    schema = rf.get("json_schema") if kind == "json_schema" else None
+    if kind == "json_schema" and not (isinstance(schema, dict) and isinstance(schema.get("schema"), dict)):
+        raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
+                       param="response_format")
+    so = {k: v for k, v in (req.structured_outputs or {}).items() if v not in (None, False)}
+    given = [(name, kind_, value) for name, kind_, value in (
+        ("response_format", "json_object", {} if kind == "json_object" else None),
+        ("response_format", "json", schema["schema"] if schema else None),
+        ("guided_json", "json", req.guided_json), ("guided_regex", "regex", req.guided_regex),
+        ("guided_grammar", "grammar", req.guided_grammar), ("structured_outputs", "json", so.get("json")),
+        ("structured_outputs", "regex", so.get("regex")), ("structured_outputs", "grammar", so.get("grammar")),
+        ("structured_outputs", "json_object", so.get("json_object")),
+        ("guided_choice", "choice", req.guided_choice)) if value is not None]
+    if len(given) > 1:
+        raise APIError(400, f"give one structured output, not {given[0][0]} and {given[1][0]}",
+                       param=given[1][0])
+    if not given or given[0][1] == "choice":
+        return None, None
+    param, kind, value = given[0]
+    if kind == "json_object":
+        if value is not True and param == "structured_outputs":
+            raise APIError(400, "structured_outputs.json_object must be true", param=param)
+        return Structure("json_object"), param
+    if kind == "json" and isinstance(value, dict):
+        value = json.dumps(value)
+    if not isinstance(value, str) or not value:
+        what = "a JSON schema (an object, or its JSON text)" if kind == "json" else f"a {kind} as a non-empty string"
+        raise APIError(400, f"{param} must be {what}", param=param)
+    try:
+        return Structure(kind, value), param
+    except ValueError as e:
+        raise APIError(400, named(str(e), param), param=param) from None
+
+
 def request_params(req: CompletionRequest | ChatCompletionRequest, tokenizer=None) -> RequestParams:
     """The engine's parameters of a request; 400 for values the sampler refuses. ``tokenizer``
     spells ``bad_words`` as tokens (a request with bad words needs one)."""
@@ -417,6 +466,7 @@ def request_params(req: CompletionRequest | ChatCompletionRequest, tokenizer=Non
         if getattr(req, name) and tokenizer is None:
             raise APIError(400, f"{name} needs the model's tokenizer, and this server has none", param=name)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    structured, structured_param = structure(req)
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -440,6 +490,10 @@ def request_params(req: CompletionRequest | ChatCompletionRequest, tokenizer=Non
                              include_stop_str_in_output=req.include_stop_str_in_output,
                              allowed_token_ids=tuple(req.allowed_token_ids or ()),
                              bad_words=bad_words(req.bad_words, tokenizer),
-                             guided_choice=guided_choice(req.guided_choice, tokenizer))
+                             guided_choice=guided_choice(req.guided_choice, tokenizer),
+                             structure=structured)
     except ValueError as e:  # the dataclasses' messages start with the field's name
-        raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+        field = str(e).split(" ", 1)[0]
+        if field == "structure":
+            raise APIError(400, named(str(e), structured_param), param=structured_param) from None
+        raise APIError(400, str(e), param=field) from None

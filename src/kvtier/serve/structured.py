@@ -1,0 +1,182 @@
+"""Structured outputs: answers held, token by token, to a JSON schema, to any JSON object, to a
+regular expression or to a grammar (EBNF, as GBNF writes it), through xgrammar's grammar
+compiler and matchers.
+
+A request names its constraint as a :class:`Structure` (plain text: the schema's JSON, the
+pattern, the grammar). The engine's :class:`Grammars` compiles it once per distinct text
+(xgrammar keeps the compiled grammars) into a :class:`Matcher` for the request, which the
+engine feeds each token the request is given. At each step every structured row's allowed
+tokens are filled into one bitmask on the host (all rows in one call, several threads),
+copied to the logits' device, and everything outside them is set to ``-inf``; the stop ids are
+allowed once the text is complete, so the answer ends there.
+
+Example::
+
+    >>> grammars = Grammars(tokenizer, vocab_size=49152)             # doctest: +SKIP
+    >>> m = grammars.matcher(Structure("regex", "[0-9]{3}"), stop_ids=[2])  # doctest: +SKIP
+    >>> mask_rows(logits, [0], [m])   # row 0: only digits are left      # doctest: +SKIP
+
+A matcher needs the tokens in order: under asynchronous scheduling the engine waits for the
+step in flight before it masks the next one's structured rows (see
+:meth:`kvtier.serve.engine.LLMEngine.step`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["KINDS", "MAX_STRUCTURE_CHARS", "Grammars", "Matcher", "Structure", "mask_rows", "named"]
+
+#: what a :class:`Structure` may hold: a JSON schema, any JSON object, a regular expression, a grammar
+KINDS = ("json", "json_object", "regex", "grammar")
+
+#: characters of a schema, pattern or grammar at most
+MAX_STRUCTURE_CHARS = 65536
+
+# xgrammar prefixes its errors with a time and a source position: "[06:41:55] /project/cpp/x.cc:94: "
+_WHERE = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+@dataclass(frozen=True)
+class Structure:
+    """One request's constraint: ``kind`` one of :data:`KINDS`; ``spec`` the JSON schema as JSON
+    text (``"json"``), the pattern (``"regex"``) or the grammar, whose rule ``root`` is the
+    answer (``"grammar"``); empty for ``"json_object"``."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"structure kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structure spec must be a string, got {type(self.spec).__name__}")
+        if (self.kind == "json_object") != (not self.spec):
+            raise ValueError(f"structure {self.kind!r} takes {'no' if self.kind == 'json_object' else 'a'} spec")
+        if len(self.spec) > MAX_STRUCTURE_CHARS:
+            raise ValueError(f"structure holds {len(self.spec)} characters; at most {MAX_STRUCTURE_CHARS} "
+                             "are accepted")
+        if self.kind == "json":
+            try:
+                schema = json.loads(self.spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structure json: the schema is not JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError(f"structure json: the schema must be a JSON object, got {type(schema).__name__}")
+
+
+def named(message: str, field: str) -> str:
+    """A message about a request's structure (``structure regex: ...``, ``structure chooses ...``)
+    naming instead the request field that gave it (``guided_regex: ...``)."""
+    return re.sub(r"^structure(?: (?:json|json_object|regex|grammar)(?=:))?", field, message)
+
+
+class Matcher:
+    """One request's place in its grammar: :meth:`take` each token it is given, in order."""
+
+    def __init__(self, matcher, grammars: Grammars) -> None:
+        self._m, self.grammars = matcher, grammars
+
+    def take(self, token: int) -> bool:
+        """Advance past ``token``; False where the grammar had ended (a row sampled once more
+        under asynchronous scheduling, whose token the engine drops) or refuses it."""
+        return not self._m.is_terminated() and self._m.accept_token(token)
+
+    @property
+    def ended(self) -> bool:
+        """Whether a stop id has been taken: nothing more is allowed."""
+        return self._m.is_terminated()
+
+
+class Grammars:
+    """One engine's grammar compiler over its tokenizer's vocabulary (built on first use: about
+    0.3 s for SmolLM2's 49,152 tokens) and its bitmask filler. Thread-safe: the server compiles
+    in a worker thread before it queues the request, so the engine's own compile finds it made.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, *, threads: int | None = None) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.threads = threads or min(4, os.cpu_count() or 1)
+        self._lock = threading.Lock()
+        self._compiler = None
+        self._batch = None
+
+    @staticmethod
+    def available() -> bool:
+        """Whether the ``xgrammar`` package is installed."""
+        try:
+            import xgrammar  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def _xgr(self):
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise ValueError("structured outputs need the xgrammar package: pip install 'kvtier[serve]' "
+                             "(or pip install xgrammar)") from None
+        with self._lock:
+            if self._compiler is None:
+                tok = self.tokenizer
+                special = {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
+                # special tokens as empty text: xgrammar never allows them inside the answer
+                vocab = [b"" if i in special else tok.token_bytes(i) for i in range(tok.vocab_size)]
+                info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
+                                         stop_token_ids=sorted(tok.eos_token_ids) or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads)
+                self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
+        return xgr
+
+    def compile(self, structure: Structure):
+        """The compiled grammar of ``structure`` (made once; later calls find it);
+        ``ValueError`` naming what is wrong with the schema, pattern or grammar."""
+        self._xgr()
+        c = self._compiler
+        try:
+            if structure.kind == "json":
+                return c.compile_json_schema(structure.spec)
+            if structure.kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}')
+            if structure.kind == "regex":
+                return c.compile_regex(structure.spec)
+            return c.compile_grammar(structure.spec)
+        except (RuntimeError, ValueError) as e:  # xgrammar's parse errors
+            what = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar"}[structure.kind]
+            raise ValueError(f"structure {structure.kind}: the {what} does not compile: "
+                             f"{_WHERE.sub('', str(e)).strip()}") from None
+
+    def matcher(self, structure: Structure, stop_ids: Sequence[int]) -> Matcher:
+        """A fresh :class:`Matcher` for one request, whose answer ends with one of ``stop_ids``."""
+        if not stop_ids:
+            raise ValueError("structured outputs end the answer with a stop id, and this request has none "
+                             "(ignore_eos without stop_token_ids, or a model without an end-of-sequence id); "
+                             "give stop_token_ids")
+        xgr = self._xgr()
+        return Matcher(xgr.GrammarMatcher(self.compile(structure), override_stop_tokens=sorted(stop_ids)), self)
+
+    def fill(self, matchers: Sequence[Matcher], rows: Sequence[int], n: int) -> torch.Tensor:
+        """The allowed tokens of ``matchers[j]`` in row ``rows[j]`` of a bitmask ``[n, ceil(V / 32)]``
+        (int32, bit ``t % 32`` of word ``t // 32`` set where token ``t`` is allowed; other rows all
+        allowed), on the host."""
+        xgr = self._xgr()
+        bitmask = xgr.allocate_token_bitmask(n, self.vocab_size)
+        self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, list(rows))
+        return bitmask
+
+
+def mask_rows(out: torch.Tensor, rows: Sequence[int], matchers: Sequence[Matcher]) -> None:
+    """``-inf`` in rows ``rows`` of ``out`` ``[n, V]`` (float32, in place) at every token that
+    ``matchers`` (one a row, those of one :class:`Grammars`) do not allow: xgrammar's kernel
+    (C++ on the CPU, Triton on CUDA)."""
+    import xgrammar as xgr
+
+    bitmask = matchers[0].grammars.fill(matchers, rows, out.shape[0])
+    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True), indices=list(rows))

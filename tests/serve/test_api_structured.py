@@ -1,0 +1,107 @@
+"""Structured outputs through a real ``kvtier serve``: the official client's ``parse`` with a
+pydantic model, OpenAI's ``response_format`` (``json_object``, ``json_schema``, streamed and
+with ``n``), vLLM's ``guided_regex`` / ``guided_grammar`` / ``guided_json`` and
+``structured_outputs``; and every malformed constraint a 400 naming its field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+from pydantic import BaseModel, Field
+
+from server_support import running_server
+
+pytest.importorskip("xgrammar")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("structured") / "serve.log", "--num-blocks", "96") as url:
+        yield url
+
+
+class City(BaseModel):
+    name: str = Field(max_length=12)
+    country: str = Field(max_length=12)
+    rank: int = Field(ge=1, le=9)
+
+
+def ask(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_the_clients_parse_gives_the_pydantic_model(client, model) -> None:
+    got = client.chat.completions.parse(model=model, messages=ask("Name a big city, its country and its rank."),
+                                        response_format=City, temperature=0, max_tokens=64)
+    choice = got.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, City)
+    assert City.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_json_object_and_a_streamed_schema_with_n(client, model) -> None:
+    r = client.chat.completions.create(model=model, messages=ask("Describe Paris as JSON."), max_tokens=96,
+                                       temperature=0, response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":  # (a long answer may run out of tokens first)
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.lstrip().startswith("{")
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    texts = ["", ""]
+    stream = client.chat.completions.create(model=model, messages=ask("Is the sky blue?"), max_tokens=48, n=2,
+                                            temperature=0.9, seed=5, stream=True, response_format=fmt)
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert all(json.loads(t)["answer"] in ("yes", "no") for t in texts), texts
+
+
+def test_vllm_guided_fields_and_structured_outputs(client, model) -> None:
+    phone = client.completions.create(model=model, prompt="My phone number is", max_tokens=24, temperature=0,
+                                      extra_body={"guided_regex": r" \(\d{3}\) \d{3}-\d{4}"})
+    assert re.fullmatch(r" \(\d{3}\) \d{3}-\d{4}", phone.choices[0].text), phone.choices[0].text
+    grammar = 'root ::= " " ("red" | "green" | "blue") "."'
+    color = client.completions.create(model=model, prompt="The sky is", max_tokens=8, temperature=0,
+                                      extra_body={"guided_grammar": grammar})
+    assert color.choices[0].text == " blue."
+    same = client.completions.create(model=model, prompt="The sky is", max_tokens=8, temperature=0,
+                                     extra_body={"structured_outputs": {"grammar": grammar}})
+    assert same.choices[0].text == " blue."
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    for body in ({"guided_json": schema}, {"guided_json": json.dumps(schema)}, {"structured_outputs": {"json": schema}}):
+        r = client.chat.completions.create(model=model, messages=ask("Pick a digit."), max_tokens=32,
+                                           temperature=0, extra_body=body)
+        assert 0 <= json.loads(r.choices[0].message.content)["n"] <= 9
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"guided_regex": "[a-"}, "guided_regex", "guided_regex: the regular expression does not compile"),
+    ({"guided_json": {"type": 3}}, "guided_json", "guided_json: the JSON schema does not compile"),
+    ({"guided_json": "{not json"}, "guided_json", "guided_json: the schema is not JSON"),
+    ({"guided_json": [1]}, "guided_json", "must be a JSON schema"),
+    ({"guided_grammar": "root ::= "}, "guided_grammar", "guided_grammar: the grammar does not compile"),
+    ({"guided_grammar": ""}, "guided_grammar", "must be a grammar as a non-empty string"),
+    ({"guided_regex": "a", "guided_json": {}}, "guided_regex", "give one structured output, not guided_json"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "give one structured output"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "give one structured output, not response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "needs json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not supported"),
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs", "json_object must be true"),
+    ({"guided_regex": "[0-9]+", "ignore_eos": True}, "guided_regex", "give stop_token_ids"),
+    ({"guided_regex": "[0-9]+", "min_tokens": 2}, "guided_regex", "guided_regex chooses which tokens may come itself"),
+    ({"guided_regex": "a" * 70_000}, "guided_regex", "guided_regex holds 70000 characters; at most 65536"),
+])
+def test_malformed_constraints_are_400s(server, body, param, message) -> None:
+    for route, head in (("completions", {"prompt": "x"}), ("chat/completions", {"messages": ask("x")})):
+        r = httpx.post(f"{server}/v1/{route}", json={**head, "max_tokens": 4, **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and message in err["message"], err
+    assert httpx.get(f"{server}/health").json()["running"] == 0

@@ -1,0 +1,199 @@
+"""Structured outputs (kvtier.serve.structured): the masks against a brute-force reading of the
+vocabulary, and the engine's answers against a reference loop that recomputes the whole
+sequence each token and masks it with xgrammar's own matcher and kernel, synchronously and
+under asynchronous scheduling, on the default model and on a random one (CUDA marked)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+import torch
+
+xgr = pytest.importorskip("xgrammar")
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers  # noqa: E402
+from tokenizers import Tokenizer as Backend  # noqa: E402
+
+from kvtier.config import KVCacheConfig  # noqa: E402
+from kvtier.model import ModelArgs, build_random  # noqa: E402
+from kvtier.model.tokenizer import Tokenizer, _byte_level_alphabet  # noqa: E402
+from kvtier.serve.engine import EngineConfig, LLMEngine  # noqa: E402
+from kvtier.serve.params import RequestParams  # noqa: E402
+from kvtier.serve.structured import MAX_STRUCTURE_CHARS, Grammars, Structure, mask_rows  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "rank": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["city", "rank"], "additionalProperties": False}
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer of 256 one-byte tokens (id = the byte) and ``<eos>`` (256)."""
+    backend = Backend(models.BPE(vocab=dict(_byte_level_alphabet()), merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<eos>", special=True)])
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=frozenset({256}))
+
+
+def structured_greedy(model, tokenizer, ids: list[int], structure: Structure, stops: list[int],
+                      max_tokens: int) -> list[int]:
+    """The reference: each token the float64 argmax of the whole sequence's last logits among
+    those xgrammar's own matcher allows (its bitmask applied by its own kernel), until a stop
+    or ``max_tokens``."""
+    vocab = model.args.vocab_size
+    grammars = Grammars(tokenizer, vocab)  # (the compiled grammar only; matching is xgrammar's)
+    matcher = xgr.GrammarMatcher(grammars.compile(structure), override_stop_tokens=stops)
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    out: list[int] = []
+    device = model.tok_embeddings.weight.device
+    with torch.inference_mode():
+        while len(out) < max_tokens and not (out and out[-1] in stops):
+            logits = model(torch.tensor([ids + out], device=device), model.make_caches(KVCacheConfig()))[0, -1]
+            logits = logits.double().cpu()
+            matcher.fill_next_token_bitmask(bitmask)
+            allowed = torch.zeros(1, vocab)
+            xgr.apply_token_bitmask_inplace(allowed, bitmask)
+            logits[torch.isneginf(allowed[0])] = float("-inf")
+            out.append(int(logits.argmax()))
+            assert matcher.accept_token(out[-1])
+    return out
+
+
+# -- the masks --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,spec,message", [
+    ("yaml", "x", "kind must be one of"),
+    ("json", "{", "the schema is not JSON"),
+    ("json", "[1]", "the schema must be a JSON object"),
+    ("json_object", "{}", "takes no spec"),
+    ("regex", "", "takes a spec"),
+    ("regex", "a" * (MAX_STRUCTURE_CHARS + 1), "at most 65536"),
+])
+def test_a_structure_names_what_is_wrong(kind, spec, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        Structure(kind, spec)
+
+
+def test_a_structure_goes_with_no_other_choice_of_tokens() -> None:
+    s = Structure("regex", "[0-9]+")
+    for other in ({"guided_choice": ((5,),)}, {"allowed_token_ids": (5,)}, {"bad_words": ((5,),)},
+                  {"min_tokens": 1}):
+        with pytest.raises(ValueError, match="structure chooses which tokens"):
+            RequestParams(structure=s, **other)
+    with pytest.raises(ValueError, match="structure must be a Structure"):
+        RequestParams(structure="[0-9]+")
+
+
+def test_masks_leave_exactly_the_tokens_a_pattern_allows(lm) -> None:
+    """``[a-z<|>_]{1,12}``: at each step the tokens whose text is made of those characters and
+    still fits (the special tokens, ``<|im_start|>`` among them, never: they are no text), and
+    the stop id once a character is out; two rows masked at different places, a third left as
+    it was."""
+    tok = lm.tokenizer
+    vocab = lm.model.args.vocab_size
+    grammars = Grammars(tok, vocab)
+    chars = set(b"abcdefghijklmnopqrstuvwxyz<|>_")
+    special = {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
+    assert tok.encode("<|im_start|>", add_bos=False)[0] in special  # (a token made of those characters)
+    pieces = [tok.token_bytes(i) for i in range(vocab)]
+    structure = Structure("regex", "[a-z<|>_]{1,12}")
+    rng = random.Random(0)
+    matchers = [grammars.matcher(structure, [2]) for _ in range(2)]
+    texts = [b"", b""]
+    for step in range(6):
+        out = torch.randn(3, vocab)
+        free = out[1].clone()
+        mask_rows(out, [0, 2], matchers)
+        assert torch.equal(out[1], free)
+        for row, text in ((0, texts[0]), (2, texts[1])):
+            want = {i for i, p in enumerate(pieces) if p and set(p) <= chars and len(text) + len(p) <= 12
+                    and i not in special}
+            want |= {2} if text else set()
+            got = set(torch.nonzero(~torch.isneginf(out[row]))[:, 0].tolist())
+            assert got == want, (step, row, sorted(got ^ want)[:10])
+        for j, m in enumerate(matchers):  # row 0 takes long pieces, row 2 one letter at a time
+            options = [i for i, p in enumerate(pieces) if p and set(p) <= set(b"abc<|>")
+                       and len(texts[j]) + len(p) <= 12 and i not in special]
+            pick = max(options, key=lambda i: (len(pieces[i]), i)) if j == 0 and step < 2 else rng.choice(
+                [i for i in options if len(pieces[i]) == 1])
+            assert m.take(pick)
+            texts[j] += pieces[pick]
+
+
+# -- the engine -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_structured_answers_are_the_reference_loops(lm, async_scheduling) -> None:
+    """A JSON schema, a pattern and a grammar in one batch with a free row: each structured answer
+    is the reference loop's tokens and holds to its structure; the free row is the plain answer."""
+    from test_engine import chat
+
+    tok = lm.tokenizer
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=64, async_scheduling=async_scheduling))
+    asks = [(chat(tok, "Name a large city and its rank by size, as JSON."), Structure("json", json.dumps(SCHEMA))),
+            (chat(tok, "Give me a phone number."), Structure("regex", r"\(\d{3}\) \d{3}-\d{4}")),
+            (chat(tok, "Is the sky blue?"), Structure("grammar", 'root ::= "Yes, " [a-z ]{1,20} "." | "No."')),
+            (chat(tok, "What is the capital of France?"), None)]
+    params = [RequestParams(max_tokens=48, structure=s) for _, s in asks]
+    outs = engine.generate([ids for ids, _ in asks], params)
+    plain = engine.generate([asks[3][0]], RequestParams(max_tokens=48))[0]
+    for (ids, s), o in zip(asks[:3], outs, strict=False):
+        assert o.finish_reason == "stop" and o.token_ids[-1] == 2
+        assert list(o.token_ids) == structured_greedy(lm.model, tok, ids, s, [2], 48)
+    city = json.loads(outs[0].text)
+    assert set(city) == {"city", "rank"} and isinstance(city["rank"], int) and 0 <= city["rank"] <= 99
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", outs[1].text)
+    assert re.fullmatch(r"Yes, [a-z ]{1,20}\.|No\.", outs[2].text)
+    assert outs[3].token_ids == plain.token_ids
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_structured_refusals_queue_nothing(lm) -> None:
+    tok = lm.tokenizer
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=16))
+    ids = tok.encode("Hi", add_bos=False)
+    for s, extra, message in ((Structure("regex", "[a-"), {}, "the regular expression does not compile"),
+                              (Structure("json", '{"type": 3}'), {}, "the JSON schema does not compile"),
+                              (Structure("grammar", "root ::= "), {}, "the grammar does not compile"),
+                              (Structure("json_object"), {"ignore_eos": True}, "give stop_token_ids")):
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(ids, RequestParams(structure=s, **extra))
+    assert not engine.has_unfinished()
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        LLMEngine(lm.model, None, EngineConfig(num_blocks=16)).add_request(
+            ids, RequestParams(structure=Structure("json_object")))
+    out = engine.generate([ids], RequestParams(max_tokens=4, ignore_eos=True, stop_token_ids=(2,),
+                                               structure=Structure("regex", "[0-9]{2}")))[0]
+    assert re.fullmatch("[0-9]{2}", out.text) and out.token_ids[-1] == 2
+
+
+_DEVICE_GRAPHS = [("cpu", False), pytest.param("cuda", True, marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not CUDA, reason="needs CUDA")]), pytest.param("cuda", False, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not CUDA, reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device,graphs", _DEVICE_GRAPHS)
+def test_random_model_structured_rows_under_asynchronous_scheduling(device, graphs) -> None:
+    """A random model over a byte tokenizer (vocabulary 257, the model's 260: three ids with no
+    text), rows of every kind arriving together and asynchronously scheduled (a structured row
+    waits for the step in flight before its mask): the reference loop's tokens."""
+    args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=260,
+                     max_position_embeddings=512)
+    model = build_random(args, dtype=torch.float32, device=device, std=0.3)
+    tok = byte_tokenizer()
+    engine = LLMEngine(model, tok, EngineConfig(num_blocks=64, cuda_graph=graphs, async_scheduling=True))
+    rng = random.Random(3)
+    structures = [Structure("json", json.dumps(SCHEMA)), Structure("regex", "[a-c]{2,6}(-[0-9])?"),
+                  Structure("grammar", 'root ::= "yes" | "no" | "maybe " [xyz]+'), Structure("json_object"), None]
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 30))] for _ in range(10)]
+    params = [RequestParams(max_tokens=24, structure=structures[i % 5]) for i in range(10)]
+    outs = engine.generate(prompts, params)
+    for ids, p, o in zip(prompts, params, outs, strict=True):
+        if p.structure is not None:
+            assert list(o.token_ids) == structured_greedy(model, tok, ids, p.structure, [256], 24)
+    for o in outs[1::5] + outs[2::5]:  # (patterns that end within 24 tokens)
+        assert o.finish_reason == "stop"
+    assert all(re.fullmatch("[a-c]{2,6}(-[0-9])?", o.text) for o in outs[1::5])
+    assert all(re.fullmatch("yes|no|maybe [xyz]+", o.text) for o in outs[2::5])
