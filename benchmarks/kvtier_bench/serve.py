@@ -73,7 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cost a step; needs --skip-hf)")
     parser.add_argument("--structured", action="store_true",
                         help="every request's answer held to a pattern through a grammar matcher (its "
-                             "cost a step; needs --skip-hf and the default model's tokenizer)")
+                             "cost a step; needs --skip-hf, and --tokenizer with random weights)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="a Hugging Face folder (tokenizer.json) whose vocabulary --structured compiles "
+                             "over, with random weights (the default model brings its own)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
@@ -131,9 +134,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--input-len MIN,MAX needs 1 <= MIN <= MAX; --output-len and --num-requests >= 1; "
                          f"got --input-len {lo},{hi} --output-len {args.output_len} "
                          f"--num-requests {args.num_requests}")
-    if args.structured and (device.type == "cuda" or args.arch is not None):
-        raise ValueError("--structured needs the default model's tokenizer (a grammar is compiled over its "
-                         "vocabulary's text); drop --arch and use --device cpu")
+    if args.structured and (device.type == "cuda" or args.arch is not None) and args.tokenizer is None:
+        raise ValueError("--structured compiles its grammar over a tokenizer's vocabulary, and random weights "
+                         "bring none: give --tokenizer DIR (a folder with tokenizer.json)")
     for flag in ("penalties", "bans", "structured"):
         if getattr(args, flag) and not args.skip_hf:
             raise ValueError(f"--{flag} needs --skip-hf: transformers' generate_batch takes no per-request "
@@ -168,7 +171,15 @@ def load(args, device: torch.device):
 
         arch = args.arch or "llama3-8b"
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        return build_random(arch, dtype=dtype, device=device), f"{arch} (random weights), {str(dtype)[6:]}"
+        model = build_random(arch, dtype=dtype, device=device)
+        if args.tokenizer is not None:
+            from kvtier.model import Tokenizer
+
+            model.tokenizer = Tokenizer.from_pretrained_dir(args.tokenizer)
+            if model.tokenizer.vocab_size > model.args.vocab_size:
+                raise ValueError(f"--tokenizer {args.tokenizer} has {model.tokenizer.vocab_size} tokens, more than "
+                                 f"the {model.args.vocab_size} of {arch}; give a smaller vocabulary")
+        return model, f"{arch} (random weights), {str(dtype)[6:]}"
     from kvtier.model import load_model
 
     # float32 weights, not the packed block codes: a batch of rows (and every prefill) would
