@@ -228,7 +228,7 @@ def drive(engine, prompts: list[list[int]], output_len: int, concurrency: int, r
     if structured:  # any text without "<" (as inside a JSON string), ended by a stop id the model rarely picks
         from kvtier.serve.structured import Structure
 
-        params = RequestParams(max_tokens=output_len, ignore_eos=True, stop_token_ids=(engine.model.args.vocab_size - 1,),
+        params = RequestParams(max_tokens=output_len, ignore_eos=True, stop_token_ids=(engine.tokenizer.vocab_size - 1,),
                                structure=Structure("regex", "[^<]*"))
     t, arrival = 0.0, []
     for _ in prompts:

@@ -63,6 +63,17 @@ def structured_greedy(model, tokenizer, ids: list[int], structure: Structure, st
     return out
 
 
+_REFERENCES: dict[tuple, list[int]] = {}
+
+
+def reference(lm, ids: list[int], structure: Structure) -> list[int]:
+    """:func:`structured_greedy` of the default model, once for both engines' tests."""
+    key = (id(lm.model), tuple(ids), structure)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = structured_greedy(lm.model, lm.tokenizer, ids, structure, [2], 48)
+    return _REFERENCES[key]
+
+
 # -- the masks --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind,spec,message", [
     ("yaml", "x", "kind must be one of"),
@@ -123,6 +134,19 @@ def test_masks_leave_exactly_the_tokens_a_pattern_allows(lm) -> None:
             texts[j] += pieces[pick]
 
 
+@pytest.mark.parametrize("vocab", [257, 260, 300])
+def test_ids_past_the_tokenizer_are_never_allowed(vocab) -> None:
+    """A model's vocabulary past its tokenizer's (257 ids: 256 bytes and ``<eos>``), in the
+    tokenizer's last word of the mask (260) and past it (300): those ids have no text, while the
+    pattern allowing any text leaves every ASCII byte and ``<eos>`` (the stop)."""
+    grammars = Grammars(byte_tokenizer(), vocab)
+    out = torch.zeros(2, vocab)
+    mask_rows(out, [1], [grammars.matcher(Structure("regex", "(.|\n)*"), [256])])
+    assert not torch.isinf(out[0]).any()
+    allowed = set(torch.nonzero(~torch.isneginf(out[1]))[:, 0].tolist())
+    assert set(range(128)) | {256} <= allowed <= set(range(257))  # (ASCII; the stop; UTF-8's lead bytes)
+
+
 # -- the engine -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_structured_answers_are_the_reference_loops(lm, async_scheduling) -> None:
@@ -141,7 +165,7 @@ def test_structured_answers_are_the_reference_loops(lm, async_scheduling) -> Non
     plain = engine.generate([asks[3][0]], RequestParams(max_tokens=48))[0]
     for (ids, s), o in zip(asks[:3], outs, strict=False):
         assert o.finish_reason == "stop" and o.token_ids[-1] == 2
-        assert list(o.token_ids) == structured_greedy(lm.model, tok, ids, s, [2], 48)
+        assert list(o.token_ids) == reference(lm, ids, s)
     city = json.loads(outs[0].text)
     assert set(city) == {"city", "rank"} and isinstance(city["rank"], int) and 0 <= city["rank"] <= 99
     assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", outs[1].text)
@@ -184,6 +208,9 @@ def test_random_model_structured_rows_under_asynchronous_scheduling(device, grap
     model = build_random(args, dtype=torch.float32, device=device, std=0.3)
     tok = byte_tokenizer()
     engine = LLMEngine(model, tok, EngineConfig(num_blocks=64, cuda_graph=graphs, async_scheduling=True))
+    with pytest.raises(ValueError, match=r"stop_token_ids \[258\] are past them"):  # (an id with no text)
+        engine.add_request([1, 2], RequestParams(ignore_eos=True, stop_token_ids=(258,),
+                                                 structure=Structure("json_object")))
     rng = random.Random(3)
     structures = [Structure("json", json.dumps(SCHEMA)), Structure("regex", "[a-c]{2,6}(-[0-9])?"),
                   Structure("grammar", 'root ::= "yes" | "no" | "maybe " [xyz]+'), Structure("json_object"), None]

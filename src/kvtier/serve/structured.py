@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.caches.paged_shared import to_device
+
 __all__ = ["KINDS", "MAX_STRUCTURE_CHARS", "Grammars", "Matcher", "Structure", "mask_rows", "named"]
 
 #: what a :class:`Structure` may hold: a JSON schema, any JSON object, a regular expression, a grammar
@@ -129,7 +131,9 @@ class Grammars:
                 special = {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
                 # special tokens as empty text: xgrammar never allows them inside the answer
                 vocab = [b"" if i in special else tok.token_bytes(i) for i in range(tok.vocab_size)]
-                info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
+                # (the tokenizer's own size: the model's ids past it have no text, and xgrammar fills
+                # a mask a hundred times slower with tens of thousands of them; fill() bans them)
+                info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=tok.vocab_size,
                                          stop_token_ids=sorted(tok.eos_token_ids) or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads)
                 self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
@@ -159,6 +163,10 @@ class Grammars:
             raise ValueError("structured outputs end the answer with a stop id, and this request has none "
                              "(ignore_eos without stop_token_ids, or a model without an end-of-sequence id); "
                              "give stop_token_ids")
+        beyond = sorted(t for t in stop_ids if t >= self.tokenizer.vocab_size)
+        if beyond:
+            raise ValueError(f"structured outputs end with one of the tokenizer's {self.tokenizer.vocab_size} tokens; "
+                             f"stop_token_ids {beyond[:5]} are past them: give ids of the tokenizer")
         xgr = self._xgr()
         return Matcher(xgr.GrammarMatcher(self.compile(structure), override_stop_tokens=sorted(stop_ids)), self)
 
@@ -167,8 +175,14 @@ class Grammars:
         (int32, bit ``t % 32`` of word ``t // 32`` set where token ``t`` is allowed; other rows all
         allowed), on the host."""
         xgr = self._xgr()
-        bitmask = xgr.allocate_token_bitmask(n, self.vocab_size)
+        text = self.tokenizer.vocab_size
+        bitmask = xgr.allocate_token_bitmask(n, text)
         self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, list(rows))
+        width = (self.vocab_size + 31) // 32
+        if width > bitmask.shape[1]:  # the model's ids past the tokenizer's: banned
+            bitmask = torch.cat([bitmask, torch.zeros(n, width - bitmask.shape[1], dtype=torch.int32)], dim=1)
+        if text % 32:  # (and those in the tokenizer's last word)
+            bitmask[:, text // 32] &= (1 << text % 32) - 1
         return bitmask
 
 
@@ -179,4 +193,6 @@ def mask_rows(out: torch.Tensor, rows: Sequence[int], matchers: Sequence[Matcher
     import xgrammar as xgr
 
     bitmask = matchers[0].grammars.fill(matchers, rows, out.shape[0])
-    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True), indices=list(rows))
+    # (through pinned memory: a copy from pageable memory would wait for the forward in flight)
+    index = to_device(torch.tensor(list(rows), dtype=torch.int32), out.device)
+    xgr.apply_token_bitmask_inplace(out, to_device(bitmask, out.device), indices=index)
