@@ -1,6 +1,6 @@
 """What moves the logits of the requests that ask for it (``logit_bias``, ``min_tokens``' hold on
-the stop ids, the penalties, ``allowed_token_ids``, ``bad_words``, ``guided_choice`` and structured outputs),
-for every such row of a step at once.
+the stop ids, the penalties, ``allowed_token_ids``, ``bad_words``, ``guided_choice`` and
+structured outputs), for every such row of a step at once.
 
 Each request that adjusts its logits takes a *slot* at its first sampled step: a row of
 buffers ``[slots, vocab]`` on the model's device, made only once some request needs them:

@@ -26,7 +26,9 @@ then waits for step ``N``'s tokens, whose outputs it returns: every output comes
 later, and the host work of one step runs while the GPU computes the next. A request that
 stops at step ``N`` (an end-of-sequence token, a stop string) has computed one token too
 many in step ``N + 1``; that token is dropped. The tokens are those of the synchronous
-engine (``tests/serve/test_async_scheduling.py``).
+engine (``tests/serve/test_async_scheduling.py``). A step with structured outputs' rows
+waits for step ``N``'s tokens before it samples (a grammar says what may follow only once
+it has the token before), after its forward is launched.
 
 Example::
 
@@ -250,7 +252,8 @@ class LLMEngine:
         """Queue a request; returns its id (``request_id`` or a fresh one).
 
         ``ValueError`` for a prompt that is empty, holds ids outside the vocabulary or
-        does not fit the context (or ``max_tokens`` beyond it);
+        does not fit the context (or ``max_tokens`` beyond it), or a ``structure`` that does
+        not compile;
         :class:`~kvtier.serve.scheduler.QueueFull` when the waiting queue is full.
         Nothing is queued on error.
         """
@@ -289,12 +292,6 @@ class LLMEngine:
                 raise ValueError(f"allowed_token_ids leave no token to sample until min_tokens "
                                  f"{params.min_tokens} are out: those not among bad_words are stop ids "
                                  f"{sorted(left)[:5]}; allow more tokens or drop min_tokens")
-        matcher = None
-        if params.structure is not None:
-            if self.grammars is None:
-                raise ValueError("structure needs the model's tokenizer (its grammar is compiled over the "
-                                 "vocabulary's text), and this engine has none")
-            matcher = self.grammars.matcher(params.structure, stop_ids)
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context holds "
@@ -307,6 +304,12 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use; ids must be unique")
+        matcher = None
+        if params.structure is not None:
+            if self.grammars is None:
+                raise ValueError("structure needs the model's tokenizer (its grammar is compiled over the "
+                                 "vocabulary's text), and this engine has none")
+            matcher = self.grammars.matcher(params.structure, stop_ids)
         max_tokens = params.max_tokens or room
         request = Request(rid, ids, max_tokens)
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer else None
