@@ -224,3 +224,20 @@ def test_random_model_structured_rows_under_asynchronous_scheduling(device, grap
         assert o.finish_reason == "stop"
     assert all(re.fullmatch("[a-c]{2,6}(-[0-9])?", o.text) for o in outs[1::5])
     assert all(re.fullmatch("yes|no|maybe [xyz]+", o.text) for o in outs[2::5])
+
+
+def test_warm_up_builds_the_grammars_tables() -> None:
+    """A warm-up with a tokenizer runs one answer held to a pattern, so the first structured
+    request does not build the vocabulary's tables; the engine is left as a fresh one."""
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=260,
+                     max_position_embeddings=512)
+    model = build_random(args, dtype=torch.float32, device="cpu", std=0.2)
+    config = EngineConfig(num_blocks=48, block_size=16, max_num_seqs=4, max_batched_tokens=64)
+    warm, fresh = LLMEngine(model, byte_tokenizer(), config), LLMEngine(model, byte_tokenizer(), config)
+    compiled = []
+    compile_ = warm.grammars.compile
+    warm.grammars.compile = lambda s: compiled.append(s) or compile_(s)
+    assert warm.grammars._compiler is None
+    warm.warm_up()
+    assert compiled == [Structure("regex", "[^<]*")] and warm.grammars._compiler is not None
+    assert warm.stats() == fresh.stats() and not warm.has_unfinished()

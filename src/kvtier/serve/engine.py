@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib.util
 import itertools
 import math
 import random
@@ -75,7 +76,7 @@ from kvtier.serve.scheduler import (
     SchedulerConfig,
     StepBatch,
 )
-from kvtier.serve.structured import Grammars
+from kvtier.serve.structured import Grammars, Structure
 
 __all__ = ["PROMPT_LOGITS_BYTES", "EngineConfig", "LLMEngine", "freeze_startup_heap"]
 
@@ -488,7 +489,9 @@ class LLMEngine:
         random token ids, greedy, ``new_tokens`` each (fewer in a context too short for them)
         with end-of-sequence ignored; a prompt longer than one step's token budget (chunked,
         its second chunk over a history), shorter ones packed beside it and beside decode
-        rows, and, with prefix caching on, one that starts with a cached prefix. Afterwards every block is free, the prefix cache
+        rows, with prefix caching on one that starts with a cached prefix, and where xgrammar is
+        installed one held to a pattern (the grammars' vocabulary tables take seconds to build).
+        Afterwards every block is free, the prefix cache
         is empty (so a warm-up after serving forgets the cached prefixes too) and the counters
         of :meth:`stats` are as before; what was compiled stays. A ``ValueError`` when a
         request is live (warm up before serving). Returns ``requests``, ``steps``,
@@ -509,14 +512,17 @@ class LLMEngine:
         prompts = [[rng.randrange(self.model.args.vocab_size) for _ in range(n)] for n in lengths]
         if self.block_manager.enable_prefix_caching and len(prompts[0]) > bs:
             prompts.append(prompts[0][:bs] + prompts[-1])  # its first block is cached by then
-        params = RequestParams(max_tokens=new_tokens, ignore_eos=True)
+        params = [RequestParams(max_tokens=new_tokens, ignore_eos=True)] * len(prompts)
+        if self.grammars is not None and self.eos_ids and importlib.util.find_spec("xgrammar"):
+            # a structured answer: the vocabulary's tables for grammars (seconds), the masks' kernel
+            params[len(lengths) - 1] = RequestParams(max_tokens=new_tokens, structure=Structure("regex", "[^<]*"))
         bm = self.block_manager
         counters = (self.steps, self.prompt_tokens, self.generation_tokens, self.scheduler.num_preemptions,
                     bm.prefix_queries, bm.prefix_hits)
         try:  # the shared prefix after its owner has run
             for group in (range(len(lengths)), range(len(lengths), len(prompts))):
                 for i in group:
-                    self.add_request(prompts[i], params, request_id=f"warm-up-{i}")
+                    self.add_request(prompts[i], params[i], request_id=f"warm-up-{i}")
                 while self.has_unfinished():
                     self.step()
         except BaseException:
