@@ -86,6 +86,7 @@ def test_vllm_guided_fields_and_structured_outputs(client, model) -> None:
     ({"guided_json": [1]}, "guided_json", "must be a JSON schema"),
     ({"guided_grammar": "root ::= "}, "guided_grammar", "guided_grammar: the grammar does not compile"),
     ({"guided_grammar": ""}, "guided_grammar", "must be a grammar as a non-empty string"),
+    ({"guided_grammar": "root ::= root"}, "guided_grammar", "guided_grammar: the grammar admits no answer"),
     ({"guided_regex": "a", "guided_json": {}}, "guided_regex", "give one structured output, not guided_json"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "give one structured output"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",

@@ -147,6 +147,26 @@ def test_ids_past_the_tokenizer_are_never_allowed(vocab) -> None:
     assert set(range(128)) | {256} <= allowed <= set(range(257))  # (ASCII; the stop; UTF-8's lead bytes)
 
 
+def test_a_grammar_with_no_way_on_allows_its_stop_ids() -> None:
+    """Where a row's grammar allows no token at all (none of xgrammar's grammars was found to, but
+    a row of -inf would sample garbage, or fail a sampled step for every row), its stop ids are
+    allowed: the answer ends there; the other rows keep their masks."""
+    grammars = Grammars(byte_tokenizer(), 260)
+    matchers = [grammars.matcher(Structure("regex", "[ab]+"), [256]), grammars.matcher(Structure("regex", "x"), [31])]
+    grammars._xgr()
+    fill = grammars._batch.batch_fill_next_token_bitmask
+
+    def none_for_the_second(ms, bitmask, rows):
+        fill(ms, bitmask, rows)
+        bitmask[rows[1]] = 0
+
+    grammars._batch = type("Batch", (), {"batch_fill_next_token_bitmask": staticmethod(none_for_the_second)})()
+    out = torch.zeros(3, 260)
+    mask_rows(out, [0, 2], matchers)
+    assert set(torch.nonzero(~torch.isneginf(out[0]))[:, 0].tolist()) == {97, 98}
+    assert set(torch.nonzero(~torch.isneginf(out[2]))[:, 0].tolist()) == {31}  # (bit 31: the word's sign)
+
+
 # -- the engine -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_structured_answers_are_the_reference_loops(lm, async_scheduling) -> None:
@@ -181,6 +201,7 @@ def test_structured_refusals_queue_nothing(lm) -> None:
     for s, extra, message in ((Structure("regex", "[a-"), {}, "the regular expression does not compile"),
                               (Structure("json", '{"type": 3}'), {}, "the JSON schema does not compile"),
                               (Structure("grammar", "root ::= "), {}, "the grammar does not compile"),
+                              (Structure("grammar", "root ::= root"), {}, "the grammar admits no answer"),
                               (Structure("json_object"), {"ignore_eos": True}, "give stop_token_ids")):
         with pytest.raises(ValueError, match=message):
             engine.add_request(ids, RequestParams(structure=s, **extra))

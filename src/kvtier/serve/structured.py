@@ -42,6 +42,9 @@ KINDS = ("json", "json_object", "regex", "grammar")
 #: characters of a schema, pattern or grammar at most
 MAX_STRUCTURE_CHARS = 65536
 
+# what each kind is called in a message
+_WHAT = {"json": "JSON schema", "json_object": "JSON object", "regex": "regular expression", "grammar": "grammar"}
+
 # xgrammar prefixes its errors with a time and a source position: "[06:41:55] /project/cpp/x.cc:94: "
 _WHERE = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
@@ -83,8 +86,8 @@ def named(message: str, field: str) -> str:
 class Matcher:
     """One request's place in its grammar: :meth:`take` each token it is given, in order."""
 
-    def __init__(self, matcher, grammars: Grammars) -> None:
-        self._m, self.grammars = matcher, grammars
+    def __init__(self, matcher, grammars: Grammars, stops: Sequence[int]) -> None:
+        self._m, self.grammars, self.stops = matcher, grammars, tuple(stops)
 
     def take(self, token: int) -> bool:
         """Advance past ``token``; False where the grammar had ended (a row sampled once more
@@ -144,8 +147,7 @@ class Grammars:
                 return c.compile_regex(structure.spec)
             return c.compile_grammar(structure.spec)
         except (RuntimeError, ValueError) as e:  # xgrammar's parse errors
-            what = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar"}[structure.kind]
-            raise ValueError(f"structure {structure.kind}: the {what} does not compile: "
+            raise ValueError(f"structure {structure.kind}: the {_WHAT[structure.kind]} does not compile: "
                              f"{_WHERE.sub('', str(e)).strip()}") from None
 
     def matcher(self, structure: Structure, stop_ids: Sequence[int]) -> Matcher:
@@ -159,7 +161,14 @@ class Grammars:
             raise ValueError(f"structured outputs end with one of the tokenizer's {self.tokenizer.vocab_size} tokens; "
                              f"stop_token_ids {beyond[:5]} are past them: give ids of the tokenizer")
         xgr = self._xgr()
-        return Matcher(xgr.GrammarMatcher(self.compile(structure), override_stop_tokens=sorted(stop_ids)), self)
+        compiled = self.compile(structure)
+        m = Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids)), self, sorted(stop_ids))
+        first = xgr.allocate_token_bitmask(1, self.tokenizer.vocab_size)
+        m._m.fill_next_token_bitmask(first)
+        if not first.any():  # (such as "root ::= root", or a schema no value meets)
+            raise ValueError(f"structure {structure.kind}: the {_WHAT[structure.kind]} admits no answer: no token "
+                             "can begin one")
+        return m
 
     def fill(self, matchers: Sequence[Matcher], rows: Sequence[int], n: int) -> torch.Tensor:
         """The allowed tokens of ``matchers[j]`` in row ``rows[j]`` of a bitmask ``[n, ceil(V / 32)]``
@@ -174,6 +183,11 @@ class Grammars:
             bitmask = torch.cat([bitmask, torch.zeros(n, width - bitmask.shape[1], dtype=torch.int32)], dim=1)
         if text % 32:  # (and those in the tokenizer's last word)
             bitmask[:, text // 32] &= (1 << text % 32) - 1
+        rows = list(rows)
+        dead = torch.nonzero(~bitmask.index_select(0, torch.tensor(rows)).any(dim=1))[:, 0].tolist()
+        for k in dead:  # a grammar with no way on: the answer ends here (a row of -inf samples nothing)
+            for t in matchers[k].stops:
+                bitmask[rows[k], t // 32] |= 1 << t % 32 if t % 32 < 31 else -(1 << 31)  # (int32's sign bit)
         return bitmask
 
 
