@@ -183,11 +183,11 @@ class Grammars:
             bitmask = torch.cat([bitmask, torch.zeros(n, width - bitmask.shape[1], dtype=torch.int32)], dim=1)
         if text % 32:  # (and those in the tokenizer's last word)
             bitmask[:, text // 32] &= (1 << text % 32) - 1
-        rows = list(rows)
-        dead = torch.nonzero(~bitmask.index_select(0, torch.tensor(rows)).any(dim=1))[:, 0].tolist()
-        for k in dead:  # a grammar with no way on: the answer ends here (a row of -inf samples nothing)
-            for t in matchers[k].stops:
-                bitmask[rows[k], t // 32] |= 1 << t % 32 if t % 32 < 31 else -(1 << 31)  # (int32's sign bit)
+        live = bitmask.numpy().any(axis=1)  # (numpy's stops at a row's first allowed word: 0.2 ms for 256 rows)
+        for j, m in zip(rows, matchers, strict=True):
+            if not live[j]:  # a grammar with no way on: the answer ends here (a row of -inf samples nothing)
+                for t in m.stops:
+                    bitmask[j, t // 32] |= 1 << t % 32 if t % 32 < 31 else -(1 << 31)  # (int32's sign bit)
         return bitmask
 
 
