@@ -33,6 +33,7 @@ LAYERS = {
     "kvtier.serve.api": 8,
     "kvtier.serve.tokens_api": 8,
     "kvtier.serve.middleware": 8,
+    "kvtier.serve.views": 8,
     "kvtier.serve.cli": 8,
     "kvtier.cli": 9,
     "kvtier.cli_run": 9,

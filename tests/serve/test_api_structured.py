@@ -106,3 +106,76 @@ def test_malformed_constraints_are_400s(server, body, param, message) -> None:
         err = r.json()["error"]
         assert err["param"] == param and message in err["message"], err
     assert httpx.get(f"{server}/health").json()["running"] == 0
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"]}}}
+
+
+def test_a_named_tool_choice_gives_one_call_streamed_or_not(client, model) -> None:
+    asks = dict(model=model, messages=ask("What is the weather in Paris?"), tools=[WEATHER, TIME], temperature=0,
+                max_tokens=48, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = client.chat.completions.create(**asks)
+    msg, finish = r.choices[0].message, r.choices[0].finish_reason
+    assert finish == "stop" and msg.content is None and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    ids, names, streamed, finishes = set(), [], "", []
+    for chunk in client.chat.completions.create(**asks, stream=True):
+        for c in chunk.choices:
+            finishes.append(c.finish_reason)
+            for d in c.delta.tool_calls or []:
+                assert d.index == 0
+                ids.add(d.id) if d.id else None
+                names.append(d.function.name) if d.function.name else None
+                streamed += d.function.arguments or ""
+    assert len(ids) == 1 and names == ["get_weather"] and json.loads(streamed) == args and finishes[-1] == "stop"
+
+
+def test_required_tool_calls_and_a_conversation_that_carries_them(client, model) -> None:
+    asks = dict(model=model, messages=ask("What is the weather in Oslo?"), tools=[WEATHER, TIME],
+                tool_choice="required", temperature=0, max_tokens=96)
+    r = client.chat.completions.create(**asks)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+    streamed = [c for chunk in client.chat.completions.create(**asks, stream=True) for c in chunk.choices]
+    calls = [d for c in streamed for d in c.delta.tool_calls or []]
+    assert streamed[-1].finish_reason == "tool_calls"
+    assert [(d.function.name, d.function.arguments) for d in calls] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    history = [*asks["messages"], {"role": "assistant", "content": None, "tool_calls": [
+        c.model_dump() for c in choice.message.tool_calls]}] + [
+        {"role": "tool", "tool_call_id": c.id, "content": "12:00"} for c in choice.message.tool_calls]
+    after = client.chat.completions.create(model=model, messages=history, tools=[WEATHER, TIME], tool_choice="none",
+                                           temperature=0, max_tokens=16)
+    assert after.choices[0].message.content and not after.choices[0].message.tool_calls
+    # (this question's free array repeats one call past 200 tokens; parallel_tool_calls false: one)
+    one = client.chat.completions.create(**{**asks, "messages": ask("What time is it in Tokyo, and the weather in Oslo?")},
+                                         parallel_tool_calls=False)
+    assert one.choices[0].finish_reason == "tool_calls" and len(one.choices[0].message.tool_calls) == 1
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"tools": [WEATHER]}, "tool_choice", 'tool_choice "auto" (the default with tools) is not supported'),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "naming one of the tools (get_weather)"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools", "tools[0] must be"),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice",
+     "give one structured output, not guided_regex and tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions", "send tools and tool_choice"),
+])
+def test_tools_not_served_are_400s(server, body, param, message) -> None:
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": ask("x"), "max_tokens": 4, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"], err

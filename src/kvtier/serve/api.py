@@ -42,14 +42,12 @@ whole, unless ``truncate_prompt_tokens`` asks for its last tokens.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import json
 import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -59,7 +57,7 @@ from starlette.exceptions import HTTPException
 from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvtier.serve.middleware import ApiKeys, BodyLimit
-from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
+from kvtier.serve.params import RequestOutput, RequestParams
 from kvtier.serve.scheduler import QueueFull
 from kvtier.serve.schemas import (
     APIError,
@@ -72,6 +70,7 @@ from kvtier.serve.schemas import (
 )
 from kvtier.serve.structured import named
 from kvtier.serve.tokens_api import add_tokenizer_routes
+from kvtier.serve.views import Completion
 
 __all__ = ["CHARS_PER_TOKEN_BOUND", "ServerConfig", "build_app", "encode_bounded"]
 
@@ -319,7 +318,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         for i in range(len(rids)):  # choice i: prompt i // k, OpenAI's order
             p, ids = raw[i // k], prompts[i // k]
             echo = (p if isinstance(p, str) and keep is None else tokenizer.decode(ids)) if req.echo else None
-            views.append(_Completion(tokenizer, model_name, f"cmpl-{rids[0]}", chat=False, index=i,
+            views.append(Completion(tokenizer, model_name, f"cmpl-{rids[0]}", chat=False, index=i,
                                      first=i % k == 0, echo=echo, prompt=ids, drop=req.max_tokens == 0,
                                      top=req.logprobs, scored=req.prompt_logprobs))
         return await answer(views, rids, req, request, (k, req.n, params.logprobs is None) if k > req.n else None)
@@ -332,8 +331,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         text = render_chat(req, tokenizer)
         ids = await asyncio.to_thread(encode, text, "messages", False, kept_tokens(req))
         rids = await start([(ids, choice_params(params, i)) for i in range(req.n)], req.n, "messages")
-        views = [_Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i,
-                             scored=req.prompt_logprobs) for i in range(req.n)]
+        tools = req.tool_calls()
+        views = [Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i,
+                            scored=req.prompt_logprobs, tools=tools) for i in range(req.n)]
         return await answer(views, rids, req, request)
 
     async def counted(rid: str) -> AsyncIterator[RequestOutput]:
@@ -348,7 +348,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             if not finished:
                 metrics.aborted()
 
-    async def answer(views: list[_Completion], rids: list[str], req, request: Request, best: tuple | None = None):
+    async def answer(views: list[Completion], rids: list[str], req, request: Request, best: tuple | None = None):
         streams = [counted(rid) for rid in rids]
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -377,8 +377,8 @@ def choice_params(params: RequestParams, i: int) -> RequestParams:
     return params if i == 0 or seed is None else replace(params, sampling=replace(params.sampling, seed=seed + i))
 
 
-def _best_of(views: list[_Completion], outs: list[list[RequestOutput]], k: int, n: int,
-             strip: bool) -> tuple[list[_Completion], list[list[RequestOutput]]]:
+def _best_of(views: list[Completion], outs: list[list[RequestOutput]], k: int, n: int,
+             strip: bool) -> tuple[list[Completion], list[list[RequestOutput]]]:
     """Of each prompt's ``k`` completions the ``n`` of highest mean token logprob (OpenAI's "highest
     log probability per token"), best first and numbered anew; ``strip``: their logprobs dropped
     (the request asked for none)."""
@@ -432,7 +432,7 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[list[Req
     return outs
 
 
-def _usage(views: list[_Completion], lasts: list[RequestOutput]) -> dict:
+def _usage(views: list[Completion], lasts: list[RequestOutput]) -> dict:
     """Each prompt once (as its first choice met it), the tokens of every choice (none where
     they were dropped: ``max_tokens`` 0)."""
     firsts = [last for v, last in zip(views, lasts, strict=True) if v.first]
@@ -442,7 +442,7 @@ def _usage(views: list[_Completion], lasts: list[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(last.cached_tokens for last in firsts)}}
 
 
-def _whole(views: list[_Completion], outs: list[list[RequestOutput]]) -> dict:
+def _whole(views: list[Completion], outs: list[list[RequestOutput]]) -> dict:
     """The non-streaming answer: every choice's outputs joined (chat's ``prompt_logprobs``, of
     its one prompt, beside the choices, as vLLM puts them)."""
     body = views[0].envelope([v.whole(o) for v, o in zip(views, outs, strict=True)], chunk=False)
@@ -451,7 +451,7 @@ def _whole(views: list[_Completion], outs: list[list[RequestOutput]]) -> dict:
     return {**body, "usage": _usage(views, [o[-1] for o in outs])}
 
 
-async def _events(views: list[_Completion], streams: list[AsyncIterator[RequestOutput]],
+async def _events(views: list[Completion], streams: list[AsyncIterator[RequestOutput]],
                   include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: one chunk per output with text (or logprobs) naming its choice, then
     ``[DONE]``."""
@@ -460,7 +460,8 @@ async def _events(views: list[_Completion], streams: list[AsyncIterator[RequestO
 
     if views[0].chat:
         for v in views:
-            first = {"index": v.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            first = {"index": v.index, "delta": {"role": "assistant", "content": "" if v.tools is None else None},
+                     "logprobs": None,
                      "finish_reason": None}
             yield sse(v.envelope([first], chunk=True))
     lasts: list[RequestOutput | None] = [None] * len(views)
@@ -484,107 +485,3 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client closes the connection."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-class _Unscored(NamedTuple):
-    """The first prompt token's entry in echoed logprobs: nothing precedes it, so no logprob."""
-
-    token_id: int
-    logprob: None = None
-    top: tuple = ()
-
-
-class _Completion:
-    """Turns engine outputs into OpenAI's completion or chat completion objects.
-
-    ``first``: the first choice of its prompt (``usage`` counts the prompt there); ``echo``:
-    the prompt's text, put before the first text given out (with ``logprobs``, the ``prompt``
-    ids' logprobs, ``top`` alternatives each, before the first logprobs); ``drop``: leave out
-    what was generated (``max_tokens`` 0: the prompt alone); ``scored``: vLLM's
-    ``prompt_logprobs``, that many alternatives a prompt token."""
-
-    def __init__(self, tokenizer, model: str, rid: str, chat: bool, index: int = 0, *, first: bool = True,
-                 echo: str | None = None, prompt: list[int] | None = None, drop: bool = False,
-                 top: int | None = None, scored: int | None = None):
-        self.tokenizer, self.model, self.id, self.chat, self.index = tokenizer, model, rid, chat, index
-        self.first, self.echo, self.prompt, self.drop = first, echo, prompt, drop
-        self.top, self.scored = top, scored
-        self.created = int(time.time())
-        self.offset = 0  # text offset of the next token (completions' logprobs): characters so far
-        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")  # of the tokens' bytes
-
-    def envelope(self, choices: list, chunk: bool) -> dict:
-        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def _token(self, i: int) -> tuple[str, bytes]:
-        """A token's text and bytes. A token holding part of a character (byte-level pieces of
-        an emoji) is written ``bytes:\\xf0\\x9f``, as vLLM writes it: its bytes stay distinct
-        where each such piece alone would decode to U+FFFD."""
-        b = self.tokenizer.token_bytes(i)
-        try:
-            return b.decode("utf-8"), b
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{c:02x}" for c in b), b
-
-    def parts(self, outs: list[RequestOutput]) -> tuple[str, list | None]:
-        """The text and logprob entries of ``outs`` (one output streamed, or all of them): the
-        echoed prompt first, if not given out yet; nothing generated where it is dropped."""
-        lp = outs[-1].logprobs is not None
-        text = "" if self.drop else "".join(o.text for o in outs)
-        items = None if not lp else [] if self.drop else [x for o in outs for x in o.logprobs]
-        if self.echo is not None:
-            text, self.echo = self.echo + text, None
-            scored = outs[0].prompt_logprobs
-            if items is not None and scored is not None:  # (the engine's alternatives: the most asked for)
-                items = [_Unscored(self.prompt[0]), *(replace(x, top=x.top[: self.top]) for x in scored[1:]), *items]
-        return text, items
-
-    def vllm_prompt_logprobs(self, scored: tuple[TokenLogprob | None, ...]) -> list[dict | None]:
-        """vLLM's ``prompt_logprobs``: ``None`` for the first token, then for each a dict from token
-        id (a string) to ``{"logprob", "rank", "decoded_token"}``, the prompt's token first, then
-        the ``scored`` most likely (rank 1 onwards)."""
-        out: list[dict | None] = [None]
-        for x in scored[1:]:
-            entry = {str(x.token_id): {"logprob": x.logprob, "rank": x.rank, "decoded_token": self._token(x.token_id)[0]}}
-            for rank, (t, lp) in enumerate(x.top[: self.scored], start=1):
-                entry.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": self._token(t)[0]})
-            out.append(entry)
-        return out
-
-    def logprobs(self, items: list[TokenLogprob | _Unscored], text: str) -> dict | None:
-        if self.chat:
-            def entry(t, lp):
-                s, b = self._token(t)
-                return {"token": s, "logprob": lp, "bytes": list(b)}
-            return {"content": [{**entry(x.token_id, x.logprob),
-                                 "top_logprobs": [entry(t, lp) for t, lp in x.top]} for x in items]}
-        tokens, offsets = [], []
-        for x in items:
-            s, b = self._token(x.token_id)
-            tokens.append(s)
-            offsets.append(self.offset)  # the characters the tokens before it complete
-            self.offset += len(self._chars.decode(b))
-        return {"tokens": tokens, "token_logprobs": [x.logprob for x in items],
-                "top_logprobs": [None if x.logprob is None else {self._token(t)[0]: lp for t, lp in x.top}
-                                 for x in items],
-                "text_offset": offsets}
-
-    def choice(self, text: str, finish: str | None, items, chunk: bool) -> dict:
-        lp = None if items is None else self.logprobs(items, text)
-        if not self.chat:
-            return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
-        body = {"content": text} if not chunk else ({"content": text} if text else {})
-        key = "delta" if chunk else "message"
-        if not chunk:
-            body = {"role": "assistant", **body}
-        return {"index": self.index, key: body, "logprobs": lp, "finish_reason": finish}
-
-    def whole(self, outs: list[RequestOutput]) -> dict:
-        """This choice, non-streaming, from every output of its request."""
-        text, items = self.parts(outs)
-        body = self.choice(text, outs[-1].finish_reason, items, chunk=False)
-        if self.scored is not None and not self.chat:
-            body["prompt_logprobs"] = self.vllm_prompt_logprobs(outs[0].prompt_logprobs)
-        return body

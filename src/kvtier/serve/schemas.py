@@ -16,8 +16,9 @@ alone), and ``best_of`` (that many completions, the ``n`` of highest mean token 
 returned; not streamed). Structured outputs (one a request): OpenAI's ``response_format``
 (``json_object``, ``json_schema``), vLLM's ``guided_json``, ``guided_regex``, ``guided_grammar``
 and ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``json_object``, ``choice``).
-Fields the engine cannot honour (``suffix``, ``tools``, ``tool_choice``, ``functions``) are
-refused with a 400 naming the field, never silently ignored. Unknown fields are
+Chat's ``tools`` with ``tool_choice`` ``"required"`` or a named function give tool calls
+(:mod:`kvtier.serve.tools`). Fields the engine cannot honour (``suffix``, ``tool_choice``
+``"auto"``, ``functions``) are refused with a 400 naming the field, never silently ignored. Unknown fields are
 ignored, as OpenAI's clients send some (``user``, ``metadata``).
 
 Types are strict: ``true`` is not an integer, ``3.0`` is not a token count, ``"yes"``
@@ -38,6 +39,7 @@ from kvtier.model.tokenizer import NoChatTemplate
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_BAD_WORD_TOKENS, MAX_GUIDED_CHOICES, MAX_LOGPROBS, RequestParams
 from kvtier.serve.structured import Structure, named
+from kvtier.serve.tools import ToolCalls, ToolError, tool_calls
 
 __all__ = ["MAX_BAD_WORDS", "MAX_CHOICES", "MAX_WORDS_CHARS", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "NO_TEMPLATE", "APIError", "ChatCompletionRequest", "CompletionRequest",
            "DetokenizeRequest", "TokenizeRequest", "render_chat", "request_params", "structure", "validation_error"]
@@ -279,6 +281,10 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    # a conversation's earlier tool calls and their results, given to the chat template as they are
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -291,15 +297,22 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        for param, bad in (("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none")),
-                           ("functions", bool(self.functions))):
-            if bad:
-                raise APIError(400, f"{param} is not supported (the model's text is returned as it "
-                               "is generated)", param=param, code="unsupported_parameter")
+        if self.functions:
+            raise APIError(400, "functions is not supported (OpenAI's older name: send tools and tool_choice)",
+                           param="functions", code="unsupported_parameter")
+        self.tool_calls()
+
+    def tool_calls(self) -> ToolCalls | None:
+        """How the answer becomes tool calls (``None``: text); 400 for tools or a tool_choice not served."""
+        try:
+            return tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param, code="unsupported_parameter" if e.unsupported else None) from None
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
@@ -336,9 +349,11 @@ def render_chat(req: ChatCompletionRequest | TokenizeRequest, tokenizer, *, add_
     messages = []
     for m in req.messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content,
+                         **{k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}})
+    tools = {"tools": req.tools} if getattr(req, "tools", None) else {}
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **tools)
     except NoChatTemplate:
         raise APIError(400, NO_TEMPLATE, param="messages") from None
     except (jinja2.TemplateError, ValueError) as e:
@@ -429,6 +444,7 @@ def structure(req: CompletionRequest | ChatCompletionRequest) -> tuple[Structure
         raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
                        param="response_format")
     so = {k: v for k, v in (req.structured_outputs or {}).items() if v not in (None, False)}
+    calls = req.tool_calls() if isinstance(req, ChatCompletionRequest) else None
     given = [(name, kind_, value) for name, kind_, value in (
         ("response_format", "json_object", {} if kind == "json_object" else None),
         ("response_format", "json", schema["schema"] if schema else None),
@@ -436,6 +452,7 @@ def structure(req: CompletionRequest | ChatCompletionRequest) -> tuple[Structure
         ("guided_grammar", "grammar", req.guided_grammar), ("structured_outputs", "json", so.get("json")),
         ("structured_outputs", "regex", so.get("regex")), ("structured_outputs", "grammar", so.get("grammar")),
         ("structured_outputs", "json_object", so.get("json_object")),
+        ("tool_choice", "json", calls.structure.spec if calls else None),
         ("guided_choice", "choice", req.guided_choice)) if value is not None]
     if len(given) > 1:
         raise APIError(400, f"give one structured output, not {given[0][0]} and {given[1][0]}",
