@@ -141,13 +141,13 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) and not args.skip_hf:
             raise ValueError(f"--{flag} needs --skip-hf: transformers' generate_batch takes no per-request "
                              f"{flag}, so its tokens could not be compared")
-    model, label = load(args, device)
+    model, label, tokenizer = load(args, device)
     rng = random.Random(args.seed)
     vocab = model.args.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(args.num_requests)]
     with BenchProgress("serve", 2 - args.skip_hf) as bar:
         bar.advance("kvtier LLMEngine")
-        results = [run_kvtier(model, prompts, args, device)]
+        results = [run_kvtier(model, tokenizer, prompts, args, device)]
         if not args.skip_hf:
             bar.advance("transformers generate_batch")
             results.append(run_hf(model, prompts, args, device, results[0]))
@@ -166,27 +166,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def load(args, device: torch.device):
+    """The model, its label, and the tokenizer ``--structured`` compiles over (``None`` without)."""
     if device.type == "cuda" or args.arch is not None:
         from kvtier.model import build_random
 
         arch = args.arch or "llama3-8b"
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = build_random(arch, dtype=dtype, device=device)
+        model, tokenizer = build_random(arch, dtype=dtype, device=device), None
         if args.tokenizer is not None:
             from kvtier.model import Tokenizer
 
-            model.tokenizer = Tokenizer.from_pretrained_dir(args.tokenizer)
-            if model.tokenizer.vocab_size > model.args.vocab_size:
-                raise ValueError(f"--tokenizer {args.tokenizer} has {model.tokenizer.vocab_size} tokens, more than "
+            tokenizer = Tokenizer.from_pretrained_dir(args.tokenizer)
+            if tokenizer.vocab_size > model.args.vocab_size:
+                raise ValueError(f"--tokenizer {args.tokenizer} has {tokenizer.vocab_size} tokens, more than "
                                  f"the {model.args.vocab_size} of {arch}; give a smaller vocabulary")
-        return model, f"{arch} (random weights), {str(dtype)[6:]}"
+        return model, f"{arch} (random weights), {str(dtype)[6:]}", tokenizer
     from kvtier.model import load_model
 
     # float32 weights, not the packed block codes: a batch of rows (and every prefill) would
     # dequantise each packed weight on every forward; transformers gets the same float32 weights
     lm = load_model(device="cpu", dtype=torch.float32, progress=False, pack=False)
-    lm.model.tokenizer = lm.tokenizer  # (for --structured)
-    return lm.model, f"{lm.source.name}, float32"
+    return lm.model, f"{lm.source.name}, float32", lm.tokenizer
 
 
 def versions() -> dict[str, str]:
@@ -271,11 +271,10 @@ def warmup_prompts(prompts: list[list[int]], device: torch.device) -> list[list[
     return [(prompts[0] * (n // len(prompts[0]) + 1))[:n] for n in lengths]
 
 
-def run_kvtier(model, prompts, args, device) -> Result:
+def run_kvtier(model, tokenizer, prompts, args, device) -> Result:
     from kvtier.serve.engine import LLMEngine, freeze_startup_heap
 
-    engine = LLMEngine(model, getattr(model, "tokenizer", None) if args.structured else None,
-                       engine_config(args, device, prompts))
+    engine = LLMEngine(model, tokenizer if args.structured else None, engine_config(args, device, prompts))
     concurrency = args.concurrency or len(prompts)
     flags = (args.penalties, args.bans, args.structured)
     drive(engine, warmup_prompts(prompts, device), 4, concurrency, math.inf, args.seed, *flags)  # warm-up

@@ -62,7 +62,7 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device(args.device or "cuda")
     lo, hi = (int(x) for x in args.input_len.split(","))
-    model, label = serve.load(args, device)
+    model, label, _ = serve.load(args, device)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(model.args.vocab_size) for _ in range(rng.randint(lo, hi))]
                for _ in range(args.num_requests)]

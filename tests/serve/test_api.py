@@ -340,6 +340,7 @@ def test_malformed_chat_and_routes(server, client, model) -> None:
                                                          "messages.0.role"),
                         ({"messages": user, "tools": [{"type": "function"}]}, "tools"),
                         ({"messages": user, "response_format": {"type": "structural_tag"}}, "response_format"),
+                        ({"messages": user, "top_logprobs": 2}, "top_logprobs"),  # (without logprobs: true)
                         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
                          "messages.0.content"),
                         ({"messages": [{"role": "user", "content": "\udfff"}]}, "messages")):

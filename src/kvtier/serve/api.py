@@ -238,11 +238,10 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         """A structured output's grammar compiled in a worker thread (the engine's own compile finds
         it made, so the engine's steps never wait for one); 400 where it does not compile or the
         request has no stop id to end it."""
-        grammars, eos = engine.engine.grammars, engine.engine.eos_ids
+        grammars = engine.engine.grammars
         if params.structure is not None and grammars is not None:
-            stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else eos))
             try:
-                await asyncio.to_thread(grammars.matcher, params.structure, stops)
+                await asyncio.to_thread(grammars.matcher, params.structure, engine.engine.stop_ids(params))
             except ValueError as e:
                 param = structure(req)[1]
                 raise APIError(400, named(str(e), param), param=param) from None

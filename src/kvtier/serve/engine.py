@@ -175,7 +175,8 @@ class _Launched:
     ready: torch.cuda.Event | None
     # request id -> (its request, first position, host (chosen, top values, top ids, ranks)) of its prompt
     prompt_logprobs: dict[str, tuple[Request, int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
-    fed: bool = False  # whether its structured requests' matchers have taken its tokens
+    structured: bool = False  # whether a row's request has a grammar (its matcher takes the token)
+    taken: list[int] | None = None  # the tokens on the host, once waited for (and given to the matchers)
 
     @property
     def pending(self) -> PendingTokens:
@@ -280,7 +281,7 @@ class LLMEngine:
             outside = [t for t in named if t >= vocab]
             if outside:
                 raise ValueError(f"{name} holds token ids {outside[:5]} outside the vocabulary [0, {vocab})")
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        stop_ids = self.stop_ids(params)
         if params.guided_choice and not stop_ids:
             raise ValueError("guided_choice ends each choice with a stop id, and this request has none (ignore_eos "
                              "without stop_token_ids, or a model without an end-of-sequence id); give stop_token_ids")
@@ -365,7 +366,8 @@ class LLMEngine:
         pending = self._inflight.pending if self._inflight is not None else None
         logits = self.runner.execute(batch, pending)  # (n_sampled, V) float32
         lives = [self._live[rid] for rid in batch.sampled]
-        if self._inflight is not None and any(lv.matcher is not None for lv in lives):
+        structured = any(lv.matcher is not None for lv in lives)
+        if structured and self._inflight is not None:
             self._feed(self._inflight)  # a grammar needs the step before's tokens: wait for them
         with torch.inference_mode():
             tokens, logprobs = self._sample(lives, logits)
@@ -382,7 +384,7 @@ class LLMEngine:
             ready = torch.cuda.Event()
             ready.record()
         self.steps += 1
-        return _Launched(batch, tuple(lv.request for lv in lives), tokens, host, logprobs, ready, prompt)
+        return _Launched(batch, tuple(lv.request for lv in lives), tokens, host, logprobs, ready, prompt, structured)
 
     def _book(self, step: _Launched) -> None:
         """Book ``step`` in the scheduler, its sampled tokens as :data:`PENDING` (each one its
@@ -420,18 +422,22 @@ class LLMEngine:
         return outputs
 
     def _feed(self, step: _Launched) -> list[int]:
-        """Wait for ``step``'s tokens; give each structured request its own (once), as
-        :meth:`_resolve` will; the tokens."""
-        if step.ready is not None:
-            step.ready.synchronize()
-        tokens = step.host.tolist()
-        if not step.fed:
-            step.fed = True
-            for req, token in zip(step.requests, tokens):
+        """``step``'s tokens on the host, waited for once; each structured request given its own
+        then (those :meth:`_resolve` will keep)."""
+        if step.taken is None:
+            if step.ready is not None:
+                step.ready.synchronize()
+            step.taken = step.host.tolist()
+            for req, token in zip(step.requests, step.taken) if step.structured else ():
                 live = self._live.get(req.request_id)
                 if live is not None and live.matcher is not None and live.request is req and req.token_ids[-1] == PENDING:
                     live.matcher.take(token)
-        return tokens
+        return step.taken
+
+    def stop_ids(self, params: RequestParams) -> frozenset[int]:
+        """The ids that end a request of ``params``: its ``stop_token_ids``, and the tokenizer's
+        end-of-sequence ids unless it ignores them."""
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
 
     def _push(self, live: Live, token: int) -> tuple[str, str | None]:
         if live.text.decoder is None:  # no tokenizer: ids only, stops by id and by length

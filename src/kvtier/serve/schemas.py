@@ -305,6 +305,8 @@ class ChatCompletionRequest(_Common):
         if self.functions:
             raise APIError(400, "functions is not supported (OpenAI's older name: send tools and tool_choice)",
                            param="functions", code="unsupported_parameter")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self.tool_calls()
 
     def tool_calls(self) -> ToolCalls | None:
@@ -313,8 +315,6 @@ class ChatCompletionRequest(_Common):
             return tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
         except ToolError as e:
             raise APIError(400, str(e), param=e.param, code="unsupported_parameter" if e.unsupported else None) from None
-        if self.top_logprobs and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 class TokenizeRequest(BaseModel):
