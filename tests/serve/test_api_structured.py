@@ -165,7 +165,6 @@ def test_required_tool_calls_and_a_conversation_that_carries_them(client, model)
 
 
 @pytest.mark.parametrize("body,param,message", [
-    ({"tools": [WEATHER]}, "tool_choice", 'tool_choice "auto" (the default with tools) is not supported'),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "naming one of the tools (get_weather)"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),

@@ -43,8 +43,8 @@ def test_none_and_no_tools_are_text() -> None:
 
 
 @pytest.mark.parametrize("tools,choice,param,message", [
-    ([WEATHER], None, "tool_choice", 'tool_choice "auto" (the default with tools) is not supported'),
-    ([WEATHER], "auto", "tool_choice", "send tool_choice \"required\""),
+    ([WEATHER], None, "tool_choice", 'tool_choice "auto" (the default with tools) needs the model\'s tool-call format'),
+    ([WEATHER], "auto", "tool_choice", "start it with --tool-call-parser {hermes,llama3_json}, or send tool_choice"),
     (None, "required", "tool_choice", 'tool_choice "required" needs tools'),
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice", "naming one of the tools (get_weather)"),
     ([WEATHER], "always", "tool_choice", 'got "always"'),

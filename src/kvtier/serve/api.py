@@ -70,6 +70,7 @@ from kvtier.serve.schemas import (
 )
 from kvtier.serve.structured import named
 from kvtier.serve.tokens_api import add_tokenizer_routes
+from kvtier.serve.tools import FORMATS, call_format, describes_tools
 from kvtier.serve.views import Completion
 
 __all__ = ["CHARS_PER_TOKEN_BOUND", "ServerConfig", "build_app", "encode_bounded"]
@@ -105,6 +106,10 @@ class ServerConfig:
     #: Jinja text that renders chats in place of the model's own template (``kvtier serve
     #: --chat-template``; set on the tokenizer when the server starts)
     chat_template: str | None = None
+    #: the model's tool-call format for ``tool_choice: "auto"`` (``kvtier serve --tool-call-parser``):
+    #: a name of :data:`kvtier.serve.tools.FORMATS`, ``"none"``, or ``None`` to read it off the
+    #: chat template (:func:`kvtier.serve.tools.call_format`)
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -120,6 +125,9 @@ class ServerConfig:
                              f"{len(keys) if isinstance(keys, tuple) else type(keys).__name__} keys")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ValueError(f"chat_template must be Jinja text or None, got {type(self.chat_template).__name__}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in (*FORMATS, "none"):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(FORMATS)}, none or None, got "
+                             f"{self.tool_call_parser!r}")
         if self.warmup is not None and not isinstance(self.warmup, bool):
             raise ValueError(f"warmup must be a bool or None, got {self.warmup!r}")
         t = self.shutdown_timeout_s
@@ -165,6 +173,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     if config.api_keys:  # (added last: runs first, before any body is read)
         app.add_middleware(ApiKeys, keys=config.api_keys, rejected=metrics.reject)
     created = int(time.time())
+    # tool_choice "auto": the model's call format; a template that ignores tools gets them described
+    calls = call_format(config.tool_call_parser, tokenizer)
+    describe = calls is not None and not describes_tools(tokenizer)
 
     def fail(e: APIError) -> JSONResponse:
         metrics.reject(e.status)
@@ -324,7 +335,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        check(req)
+        check(req.served(calls, describe))
         params = request_params(req, tokenizer)
         await compile_structure(req, params)
         text = render_chat(req, tokenizer)

@@ -71,6 +71,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--chat-template", dest="chat_template", metavar="FILE", default=_ABSENT,
                    help="render chats with this Jinja template (a file, or the template's text) in place "
                         "of the model's own; for a model without one")
+    p.add_argument("--tool-call-parser", dest="tool_call_parser", choices=("hermes", "llama3_json", "none"),
+                   default=_ABSENT, help="the model's tool-call format, which tool_choice \"auto\" reads "
+                   "(default: hermes where the chat template writes <tool_call> or ignores tools, which "
+                   "are then described to the model; none, so \"auto\" is refused, where it describes "
+                   "them another way)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=_ABSENT,
                    metavar="S", help="seconds a stopping server waits for requests in flight before "
                    "it ends them (default: until they finish)")
@@ -102,8 +107,8 @@ def configs_from_args(args: argparse.Namespace):
 
     engine = {n: getattr(args, n) for n in _ENGINE_FLAGS if hasattr(args, n)}
     engine |= parse_storage_flags(getattr(args, "kv_quant", None), getattr(args, "turboquant", None))
-    server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup", "shutdown_timeout_s")
-              if hasattr(args, n)}
+    server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup", "shutdown_timeout_s",
+                                            "tool_call_parser") if hasattr(args, n)}
     keys = getattr(args, "api_keys", None) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
     if keys:
         server["api_keys"] = tuple(keys)

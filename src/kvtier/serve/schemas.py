@@ -33,13 +33,13 @@ import json
 from typing import Any, Literal
 
 import jinja2
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
 
 from kvtier.model.tokenizer import NoChatTemplate
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_BAD_WORD_TOKENS, MAX_GUIDED_CHOICES, MAX_LOGPROBS, RequestParams
 from kvtier.serve.structured import Structure, named
-from kvtier.serve.tools import ToolCalls, ToolError, tool_calls
+from kvtier.serve.tools import CallFormat, ToolCalls, ToolError, chat_messages, tool_calls
 
 __all__ = ["MAX_BAD_WORDS", "MAX_CHOICES", "MAX_WORDS_CHARS", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "NO_TEMPLATE", "APIError", "ChatCompletionRequest", "CompletionRequest",
            "DetokenizeRequest", "TokenizeRequest", "render_chat", "request_params", "structure", "validation_error"]
@@ -299,6 +299,16 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
+    # the server's: the model's tool-call format (``"auto"`` needs one), and whether its chat
+    # template ignores tools, so they are described in a system message (kvtier.serve.tools)
+    _calls: CallFormat | None = PrivateAttr(None)
+    _describe: bool = PrivateAttr(False)
+
+    def served(self, fmt: CallFormat | None, describe: bool) -> ChatCompletionRequest:
+        """This request, read with the server's tool-call format (``describe``: its template
+        ignores tools)."""
+        self._calls, self._describe = fmt, describe
+        return self
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -312,7 +322,7 @@ class ChatCompletionRequest(_Common):
     def tool_calls(self) -> ToolCalls | None:
         """How the answer becomes tool calls (``None``: text); 400 for tools or a tool_choice not served."""
         try:
-            return tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+            return tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls is not False, self._calls)
         except ToolError as e:
             raise APIError(400, str(e), param=e.param, code="unsupported_parameter" if e.unsupported else None) from None
 
@@ -352,6 +362,8 @@ def render_chat(req: ChatCompletionRequest | TokenizeRequest, tokenizer, *, add_
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content,
                          **{k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}})
     tools = {"tools": req.tools} if getattr(req, "tools", None) else {}
+    if isinstance(req, ChatCompletionRequest) and req._describe:  # a template that ignores tools
+        messages = chat_messages(messages, req.tools or [], req._calls, describe=req.tool_choice != "none")
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **tools)
     except NoChatTemplate:
@@ -452,7 +464,7 @@ def structure(req: CompletionRequest | ChatCompletionRequest) -> tuple[Structure
         ("guided_grammar", "grammar", req.guided_grammar), ("structured_outputs", "json", so.get("json")),
         ("structured_outputs", "regex", so.get("regex")), ("structured_outputs", "grammar", so.get("grammar")),
         ("structured_outputs", "json_object", so.get("json_object")),
-        ("tool_choice", "json", calls.structure.spec if calls else None),
+        ("tool_choice", calls.structure.kind if calls else "json", calls.structure.spec if calls else None),
         ("guided_choice", "choice", req.guided_choice)) if value is not None]
     if len(given) > 1:
         raise APIError(400, f"give one structured output, not {given[0][0]} and {given[1][0]}",

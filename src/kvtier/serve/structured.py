@@ -36,14 +36,16 @@ from kvtier.caches.paged_shared import to_device
 
 __all__ = ["KINDS", "MAX_STRUCTURE_CHARS", "Grammars", "Matcher", "Structure", "mask_rows", "named"]
 
-#: what a :class:`Structure` may hold: a JSON schema, any JSON object, a regular expression, a grammar
-KINDS = ("json", "json_object", "regex", "grammar")
+#: what a :class:`Structure` may hold: a JSON schema, any JSON object, a regular expression, a
+#: grammar, or xgrammar's structural tag (free text with held parts: tool calls)
+KINDS = ("json", "json_object", "regex", "grammar", "structural_tag")
 
 #: characters of a schema, pattern or grammar at most
 MAX_STRUCTURE_CHARS = 65536
 
 # what each kind is called in a message
-_WHAT = {"json": "JSON schema", "json_object": "JSON object", "regex": "regular expression", "grammar": "grammar"}
+_WHAT = {"json": "JSON schema", "json_object": "JSON object", "regex": "regular expression", "grammar": "grammar",
+         "structural_tag": "structural tag"}
 
 # xgrammar prefixes its errors with a time and a source position: "[06:41:55] /project/cpp/x.cc:94: "
 _WHERE = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
@@ -52,8 +54,9 @@ _WHERE = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 @dataclass(frozen=True)
 class Structure:
     """One request's constraint: ``kind`` one of :data:`KINDS`; ``spec`` the JSON schema as JSON
-    text (``"json"``), the pattern (``"regex"``) or the grammar, whose rule ``root`` is the
-    answer (``"grammar"``); empty for ``"json_object"``."""
+    text (``"json"``), the pattern (``"regex"``), the grammar, whose rule ``root`` is the
+    answer (``"grammar"``), or xgrammar's structural tag as JSON text (``"structural_tag"``);
+    empty for ``"json_object"``."""
 
     kind: str
     spec: str = ""
@@ -68,19 +71,20 @@ class Structure:
         if len(self.spec) > MAX_STRUCTURE_CHARS:
             raise ValueError(f"structure holds {len(self.spec)} characters; at most {MAX_STRUCTURE_CHARS} "
                              "are accepted")
-        if self.kind == "json":
+        if self.kind in ("json", "structural_tag"):
+            what = "schema" if self.kind == "json" else "structural tag"
             try:
                 schema = json.loads(self.spec)
             except json.JSONDecodeError as e:
-                raise ValueError(f"structure json: the schema is not JSON: {e}") from None
-            if not isinstance(schema, dict | bool):
-                raise ValueError(f"structure json: the schema must be a JSON object, got {type(schema).__name__}")
+                raise ValueError(f"structure {self.kind}: the {what} is not JSON: {e}") from None
+            if not isinstance(schema, dict | bool) or (self.kind == "structural_tag" and not isinstance(schema, dict)):
+                raise ValueError(f"structure {self.kind}: the {what} must be a JSON object, got {type(schema).__name__}")
 
 
 def named(message: str, field: str) -> str:
     """A message about a request's structure (``structure regex: ...``, ``structure chooses ...``)
     naming instead the request field that gave it (``guided_regex: ...``)."""
-    return re.sub(r"^structure(?: (?:json|json_object|regex|grammar)(?=:))?", field, message)
+    return re.sub(r"^structure(?: (?:json|json_object|regex|grammar|structural_tag)(?=:))?", field, message)
 
 
 class Matcher:
@@ -145,6 +149,8 @@ class Grammars:
                 return c.compile_json_schema('{"type": "object"}')
             if structure.kind == "regex":
                 return c.compile_regex(structure.spec)
+            if structure.kind == "structural_tag":
+                return c.compile_structural_tag(structure.spec)
             return c.compile_grammar(structure.spec)
         except (RuntimeError, ValueError) as e:  # xgrammar's parse errors
             raise ValueError(f"structure {structure.kind}: the {_WHAT[structure.kind]} does not compile: "

@@ -9,10 +9,17 @@ outputs: the answer is held to the JSON of the call, so it is always a well-form
   schema; the message carries those calls, and ``finish_reason`` is ``tool_calls``;
 - ``"none"`` (or no tools): text, as without tools.
 
-``"auto"`` (OpenAI's default when tools are given) lets the model choose between text and a
-call, which needs a parser of each model family's own call format; it is refused with a 400
-that says what to send instead. The tools are given to the chat template (``tools``), as
-transformers gives them, so a template that describes tools to the model does so.
+- ``"auto"`` (OpenAI's default when tools are given): the model writes text, calls, or both, in
+  its family's own call format (:class:`CallFormat`: ``hermes``, Qwen's and Hermes'
+  ``<tool_call>`` JSON; ``llama3_json``, Llama 3's bare JSON). The answer is free text until the
+  format's trigger, then held to a call of one of the tools (xgrammar's structural tags), so
+  every call written is well formed; :class:`CallReader` reads the calls back, as the text
+  streams. Without a format (the server's ``--tool-call-parser none``) ``"auto"`` is a 400.
+
+The tools are given to the chat template (``tools``), as transformers gives them, so a template
+that describes tools to the model does so. A template that ignores them (SmolLM2's) is given a
+system message describing them in the format, and earlier calls written in it
+(:func:`chat_messages`).
 
 Example::
 
@@ -33,13 +40,175 @@ from typing import Any
 
 from kvtier.serve.structured import Structure
 
-__all__ = ["MAX_TOOLS", "ToolCalls", "ToolError", "call_id", "tool_calls"]
+__all__ = ["FORMATS", "MAX_TOOLS", "CallFormat", "CallReader", "ToolCalls", "ToolError", "call_format", "call_id",
+           "chat_messages", "tool_calls"]
 
 #: tools one request may give
 MAX_TOOLS = 128
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How a model family writes a tool call: ``begin``, the function's name, ``arguments``, the
+    arguments' JSON object, ``end``; ``trigger`` (a prefix of ``begin``) starts every call, and
+    ``instructions`` (with ``{tools}``, the tools' JSON a line) tell a model the format."""
+
+    name: str
+    trigger: str
+    begin: str
+    arguments: str
+    end: str
+    instructions: str
+
+    def write(self, name: str, arguments: str) -> str:
+        """One call, as the model writes it (``arguments``: the JSON object's text)."""
+        return f"{self.begin}{name}{self.arguments}{arguments}{self.end}"
+
+    def structure(self, schemas: dict[str, Any], parallel: bool) -> Structure:
+        """Free text in which each call, once its trigger is written, is held to one of the tools
+        and its ``parameters`` schema (one call at most unless ``parallel``)."""
+        tags = [{"type": "tag", "begin": f"{self.begin}{name}{self.arguments}",
+                 "content": {"type": "json_schema", "json_schema": schema}, "end": self.end}
+                for name, schema in schemas.items()]
+        return Structure("structural_tag", json.dumps({"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": [self.trigger], "tags": tags, "at_least_one": False,
+            "stop_after_first": not parallel}}))
+
+    def describe(self, tools: list[dict[str, Any]]) -> str:
+        return self.instructions.format(tools="\n".join(json.dumps(t) for t in tools))
+
+
+#: the call formats ``tool_choice: "auto"`` reads, by ``--tool-call-parser`` name (vLLM's names)
+FORMATS = {
+    "hermes": CallFormat(  # Qwen2.5 / Qwen3, Hermes 2 and 3, SmolLM3
+        "hermes", "<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>",
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+        "with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each "
+        "function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+        "<args-json-object>}}\n</tool_call>"),
+    "llama3_json": CallFormat(  # Llama 3.1 to 3.3
+        "llama3_json", '{"name": ', '{"name": "', '", "parameters": ', "}",
+        "Given the following functions, please respond with a JSON for a function call with its proper "
+        "arguments that best answers the given prompt.\n\nRespond in the format {{\"name\": function name, "
+        "\"parameters\": dictionary of argument name and its value}}. Do not use variables.\n\n{tools}"),
+}
+
+_PROBE = {"type": "function", "function": {"name": "kvtier_probe_tool", "parameters": _NO_PARAMETERS}}
+
+
+def describes_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template writes the ``tools`` it is given into the prompt."""
+    try:
+        return "kvtier_probe_tool" in tokenizer.apply_chat_template([{"role": "user", "content": "x"}],
+                                                                      tools=[_PROBE])
+    except Exception:  # (a template that fails on tools describes none; a chat with tools is then its 400)
+        return False
+
+
+def call_format(parser: str | None, tokenizer) -> CallFormat | None:
+    """The call format of ``--tool-call-parser`` (``"none"``: none, so ``"auto"`` is refused); by
+    default ``hermes`` where the chat template writes ``<tool_call>`` or ignores tools (the server
+    then describes them in that format), none where it describes tools some other way."""
+    if parser is not None:
+        if parser != "none" and parser not in FORMATS:
+            raise ValueError(f"tool call parser must be one of {', '.join(FORMATS)} or none, got {parser!r}")
+        return FORMATS.get(parser)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return FORMATS["hermes"] if "<tool_call>" in template or not describes_tools(tokenizer) else None
+
+
+def chat_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]], fmt: CallFormat | None,
+                  describe: bool) -> list[dict[str, Any]]:
+    """``messages`` for a template that ignores tools (``fmt`` given): the tools described in the
+    system message (where ``describe``) and assistant turns' ``tool_calls`` written into their
+    text in ``fmt``; unchanged otherwise."""
+    if fmt is None:
+        return messages
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            written = [fmt.write(c.get("function", {}).get("name", ""), c.get("function", {}).get("arguments", "{}"))
+                       for c in m["tool_calls"] if isinstance(c, dict)]
+            m = {**m, "content": "\n".join(([m["content"]] if m["content"] else []) + written)}
+        out.append(m)
+    if describe and tools:
+        text = fmt.describe(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+class CallReader:
+    """Reads an answer written under :meth:`CallFormat.structure`, as it streams: :meth:`feed`
+    gives the text outside calls (holding back an end that may begin a trigger) and each call
+    once it is whole; ``final`` gives out what is held (a call cut by ``max_tokens`` or a stop
+    string stays text)."""
+
+    def __init__(self, fmt: CallFormat):
+        self.fmt, self.held, self.made = fmt, "", 0
+        self._json = json.JSONDecoder()
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[tuple[str, Any]]]:
+        """``(text, calls)`` of what ``text`` completes: ``calls`` as ``(name, arguments)``."""
+        self.held += text
+        out: list[str] = []
+        calls: list[tuple[str, Any]] = []
+        trigger = self.fmt.trigger
+        while self.held:
+            at = self.held.find(trigger)
+            if at < 0:  # hold back an end that may begin the trigger
+                keep = 0 if final else next((k for k in range(min(len(trigger) - 1, len(self.held)), 0, -1)
+                                             if trigger.startswith(self.held[-k:])), 0)
+                out.append(self.held[:len(self.held) - keep])
+                self.held = self.held[len(self.held) - keep:]
+                break
+            out.append(self.held[:at])
+            self.held = self.held[at:]
+            got = self._call()
+            if got is None:  # not whole yet
+                if final:
+                    out.append(self.held)
+                    self.held = ""
+                break
+            if got is False:  # not a call after all: the trigger is text
+                out.append(trigger)
+                self.held = self.held[len(trigger):]
+                continue
+            name, args, used = got
+            calls.append((name, args))
+            self.held = self.held[used:]
+        self.made += len(calls)
+        return "".join(out), calls
+
+    def _call(self) -> tuple[str, Any, int] | bool | None:
+        """The call at the start of ``held``: ``(name, arguments, characters)``; ``None`` where it
+        is not whole yet, ``False`` where it is no call."""
+        f, held = self.fmt, self.held
+        if not held.startswith(f.begin):
+            return None if f.begin.startswith(held) else False
+        start = len(f.begin)
+        quote = held.find('"', start)
+        if quote < 0 or not held.startswith(f.arguments, quote):
+            return None if quote < 0 or f.arguments.startswith(held[quote:]) else False
+        name = held[start:quote]
+        i = quote + len(f.arguments)
+        while i < len(held) and held[i].isspace():
+            i += 1
+        try:
+            args, j = self._json.raw_decode(held, i)
+        except json.JSONDecodeError:
+            return None
+        while j < len(held) and held[j].isspace() and not f.end.startswith(held[j]):
+            j += 1
+        if held.startswith(f.end, j) and _NAME.fullmatch(name) and isinstance(args, dict):
+            return name, args, j + len(f.end)
+        return None if f.end.startswith(held[j:]) else False
 
 
 def call_id() -> str:
@@ -58,10 +227,12 @@ class ToolError(ValueError):
 @dataclass(frozen=True)
 class ToolCalls:
     """How a request's answer becomes tool calls: ``named`` the one function called (``None``:
-    ``required``, the answer an array of calls), ``structure`` what holds the answer to it."""
+    ``required``, the answer an array of calls, or ``auto``), ``structure`` what holds the answer
+    to it; ``auto``: the format of calls written among text (``tool_choice: "auto"``)."""
 
     named: str | None
     structure: Structure
+    auto: CallFormat | None = None
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The message's ``tool_calls`` from the answer's text; ``None`` where the text is not a
@@ -75,10 +246,12 @@ class ToolCalls:
                  "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]
 
 
-def tool_calls(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool = True) -> ToolCalls | None:
+def tool_calls(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool = True,
+               fmt: CallFormat | None = None) -> ToolCalls | None:
     """What ``tools`` and ``tool_choice`` ask of the answer (``None``: text; ``parallel``: OpenAI's
-    ``parallel_tool_calls``, false for one call at most); :class:`ToolError` for a malformed tool,
-    a choice naming no tool, or ``"auto"``."""
+    ``parallel_tool_calls``, false for one call at most; ``fmt``: the model's call format, which
+    ``"auto"`` needs); :class:`ToolError` for a malformed tool, a choice naming no tool, or
+    ``"auto"`` without a format."""
     tools = tools or []
     if len(tools) > MAX_TOOLS:
         raise ToolError(f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are accepted", "tools")
@@ -100,10 +273,13 @@ def tool_calls(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool =
     if not tools:
         raise ToolError(f"tool_choice {json.dumps(choice)} needs tools", "tool_choice")
     if choice == "auto":
-        raise ToolError("tool_choice \"auto\" (the default with tools) is not supported: it needs a parser of this "
-                        "model's own tool-call format; send tool_choice \"required\", a function's name "
-                        "({\"type\": \"function\", \"function\": {\"name\": ...}}), or \"none\"", "tool_choice",
-                        unsupported=True)
+        if fmt is None:
+            raise ToolError("tool_choice \"auto\" (the default with tools) needs the model's tool-call format, and "
+                            "this server reads none: start it with --tool-call-parser "
+                            f"{{{','.join(FORMATS)}}}, or send tool_choice \"required\", a function's name "
+                            "({\"type\": \"function\", \"function\": {\"name\": ...}}), or \"none\"", "tool_choice",
+                            unsupported=True)
+        return ToolCalls(None, fmt.structure(schemas, parallel), auto=fmt)
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
                   "required": ["name", "parameters"], "additionalProperties": False} for n, p in schemas.items()]
@@ -113,7 +289,7 @@ def tool_calls(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool =
     name = fn.get("name") if isinstance(fn, dict) else None
     if name not in schemas:
         known = ", ".join(schemas)
-        raise ToolError(f"tool_choice must be \"none\", \"required\" or {{\"type\": \"function\", \"function\": "
+        raise ToolError(f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", \"function\": "
                         f"{{\"name\": ...}}}} naming one of the tools ({known}), got {json.dumps(choice)[:80]}",
                         "tool_choice")
     return ToolCalls(name, Structure("json", json.dumps(schemas[name])))

@@ -5,12 +5,13 @@ tool calls."""
 from __future__ import annotations
 
 import codecs
+import json
 import time
 from dataclasses import replace
 from typing import NamedTuple
 
 from kvtier.serve.params import RequestOutput, TokenLogprob
-from kvtier.serve.tools import ToolCalls, call_id
+from kvtier.serve.tools import CallReader, ToolCalls, call_id
 
 __all__ = ["Completion", "Unscored"]
 
@@ -41,6 +42,7 @@ class Completion:
         self.top, self.scored, self.tools = top, scored, tools
         self.call_id: str | None = None  # a named call's id, once its first chunk is out
         self.held = ""  # the answer of "required" calls, streamed: given out whole at its end
+        self.reader = CallReader(tools.auto) if tools is not None and tools.auto is not None else None
         self.created = int(time.time())
         self.offset = 0  # text offset of the next token (completions' logprobs): characters so far
         self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")  # of the tokens' bytes
@@ -119,6 +121,8 @@ class Completion:
         """The message (or delta) and finish reason of an answer given as tool calls: a named call's
         arguments streamed as they come; "required" calls held until the answer is whole. An
         answer that is no whole call (cut by ``max_tokens``) stays text."""
+        if self.reader is not None:
+            return self._auto(text, finish, chunk, body)
         named = self.tools.named
         if chunk and named is not None:
             if not text:
@@ -139,6 +143,24 @@ class Completion:
         if chunk:
             return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, "tool_calls"
         return {"content": None, "tool_calls": calls}, "stop" if named is not None else "tool_calls"
+
+    def _auto(self, text: str, finish: str | None, chunk: bool, body: dict) -> tuple[dict, str | None]:
+        """``tool_choice: "auto"``: the text outside calls as content (streamed as it comes, but an
+        end that may begin a call), each call once whole; ``finish_reason`` ``tool_calls`` where
+        the answer ended after calls. An answer without calls is the text alone."""
+        made = self.reader.made
+        content, calls = self.reader.feed(text, final=finish is not None)
+        finish = "tool_calls" if finish == "stop" and self.reader.made else finish
+        written = [{"id": call_id(), "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+                   for n, a in calls]
+        if chunk:
+            delta = {"content": content} if content else {}
+            if written:
+                delta["tool_calls"] = [{"index": made + k, **c} for k, c in enumerate(written)]
+            return delta, finish
+        if not written:
+            return body, finish
+        return {"content": content.strip() or None, "tool_calls": written}, finish
 
     def whole(self, outs: list[RequestOutput]) -> dict:
         """This choice, non-streaming, from every output of its request."""
