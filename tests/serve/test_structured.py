@@ -23,6 +23,7 @@ from kvtier.model.tokenizer import Tokenizer, _byte_level_alphabet  # noqa: E402
 from kvtier.serve.engine import EngineConfig, LLMEngine  # noqa: E402
 from kvtier.serve.params import RequestParams  # noqa: E402
 from kvtier.serve.structured import MAX_STRUCTURE_CHARS, Grammars, Structure, mask_rows  # noqa: E402
+from kvtier.serve.tools import FORMATS, tool_calls  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -82,10 +83,33 @@ def reference(lm, ids: list[int], structure: Structure) -> list[int]:
     ("json_object", "{}", "takes no spec"),
     ("regex", "", "takes a spec"),
     ("regex", "a" * (MAX_STRUCTURE_CHARS + 1), "at most 65536"),
+    ("structural_tag", "[1]", "structure structural_tag: the structural tag must be a JSON object"),
 ])
 def test_a_structure_names_what_is_wrong(kind, spec, message) -> None:
     with pytest.raises(ValueError, match=message):
         Structure(kind, spec)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_auto_tool_calls_hold_each_call_to_its_tool_and_leave_text_free(name) -> None:
+    """tool_choice "auto": any text, and once a call's trigger is written, one of the tools by
+    name with arguments its schema allows; one call at most without parallel calls."""
+    fmt, tok = FORMATS[name], byte_tokenizer()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
+             {"type": "function", "function": {"name": "get_time"}}]
+    grammars = Grammars(tok, 257)
+
+    def takes(text: str, parallel: bool = True) -> bool:
+        m = grammars.matcher(tool_calls(tools, "auto", parallel, fmt).structure, [256])
+        return all(m.take(b) for b in text.encode()) and m.take(256)
+
+    good = fmt.write("get_weather", '{"city": "Oslo", "rank": 3}')
+    assert takes("Free text: <b>{}</b> \"name\" ok") and takes(f"Checking. {good} and {fmt.write('get_time', '{}')}.")
+    assert takes(good) and not takes(f"{good}{good}", parallel=False) and takes(f"{good}{good}")
+    for bad in (fmt.write("get_wether", "{}"), fmt.write("get_weather", '{"city": "Oslo"}'),
+                fmt.write("get_weather", '{"city": "Oslo", "rank": 100}'), fmt.trigger + " no call",
+                good[:-1]):
+        assert not takes(bad), bad
 
 
 def test_a_structure_goes_with_no_other_choice_of_tokens() -> None:

@@ -6,8 +6,21 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvtier.serve.tools import MAX_TOOLS, ToolError, tool_calls
+from kvtier.model.tokenizer import compile_chat_template
+from kvtier.serve.tools import (
+    FORMATS,
+    MAX_TOOLS,
+    CallFormat,
+    CallReader,
+    ToolError,
+    call_format,
+    chat_messages,
+    describes_tools,
+    tool_calls,
+)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -57,3 +70,100 @@ def test_tools_and_choices_not_served_name_their_field(tools, choice, param, mes
     with pytest.raises(ToolError, match=None) as e:
         tool_calls(tools, choice)
     assert e.value.param == param and message in str(e.value), str(e.value)
+
+
+# -- tool_choice "auto": calls written among text ------------------------------------------------
+
+def answer(fmt: CallFormat) -> tuple[str, str, list]:
+    """An answer with text around two calls (one argument holds the format's own end and trigger),
+    the text outside them and the calls."""
+    args = {"city": f"a{fmt.end}b{fmt.trigger}", "n": [1, {"x": None}]}
+    calls = [("get_weather", args), ("get_time", {})]
+    parts = ["Let me check. ", fmt.write("get_weather", json.dumps(args)), "\n",
+             fmt.write("get_time", "{}"), " Done: <tool or {\"na"]
+    return "".join(parts), "Let me check. \n Done: <tool or {\"na", calls
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, 400), max_size=12))
+def test_calls_read_as_they_stream_equal_the_whole_answers(name, cuts) -> None:
+    fmt = FORMATS[name]
+    text, outside, calls = answer(fmt)
+    assert CallReader(fmt).feed(text, final=True) == (outside, calls)
+    reader, got, made = CallReader(fmt), [], []
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        piece, new = reader.feed(text[a:b])
+        assert fmt.trigger not in piece, piece  # (nothing of a call is given out as text)
+        got.append(piece)
+        made += new
+    piece, new = reader.feed("", final=True)
+    assert "".join(got) + piece == outside and made + new == calls and reader.made == 2
+
+
+def test_a_call_cut_short_or_misspelt_stays_text() -> None:
+    fmt = FORMATS["hermes"]
+    whole = fmt.write("get_weather", '{"city": "Oslo"}')
+    for cut in (5, len(fmt.begin) + 3, len(whole) - 4, len(whole) - 1):
+        reader = CallReader(fmt)
+        assert reader.feed("Hi " + whole[:cut]) == ("Hi ", [])  # (held: it may be a call)
+        assert reader.feed("", final=True) == (whole[:cut], []) and reader.made == 0
+    for text in ("<tool_call> not json", '<tool_call>\n{"name": "has space", "arguments": {}}\n</tool_call>',
+                 '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',
+                 '<tool_call>\n{"name": "f", "arguments": {}} </tool_call>'):
+        assert CallReader(fmt).feed(text, final=True) == (text, []), text
+
+
+def test_auto_holds_each_call_to_its_tool_and_needs_a_format() -> None:
+    fmt = FORMATS["llama3_json"]
+    calls = tool_calls([WEATHER, TIME], "auto", fmt=fmt)
+    assert calls.named is None and calls.auto is fmt and calls.structure.kind == "structural_tag"
+    tag = json.loads(calls.structure.spec)["format"]
+    assert tag["triggers"] == ['{"name": '] and not tag["stop_after_first"]
+    assert [(t["begin"], t["content"]["json_schema"], t["end"]) for t in tag["tags"]] == [
+        ('{"name": "get_weather", "parameters": ', WEATHER["function"]["parameters"], "}"),
+        ('{"name": "get_time", "parameters": ', {"type": "object", "properties": {}}, "}")]
+    assert json.loads(tool_calls([WEATHER], None, parallel=False, fmt=fmt).structure.spec)["format"]["stop_after_first"]
+    assert tool_calls([WEATHER], "none", fmt=fmt) is None
+
+
+class Template:
+    """A tokenizer's chat side alone: renders with ``kvtier``'s Jinja environment."""
+
+    def __init__(self, source: str):
+        self.chat_template, self._t = source, compile_chat_template(source)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **extra) -> str:
+        return self._t.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+
+
+IGNORES = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+HERMES = "{% if tools %}<tool_call>{{ tools | tojson }}{% endif %}" + IGNORES
+OTHER = "{% if tools %}{{ tools | tojson }}{% endif %}" + IGNORES
+
+
+def test_the_format_comes_from_the_flag_or_the_template() -> None:
+    assert call_format("llama3_json", Template(IGNORES)) is FORMATS["llama3_json"]
+    assert call_format("none", Template(HERMES)) is None
+    assert call_format(None, Template(HERMES)) is FORMATS["hermes"] and describes_tools(Template(HERMES))
+    assert call_format(None, Template(IGNORES)) is FORMATS["hermes"] and not describes_tools(Template(IGNORES))
+    assert call_format(None, Template(OTHER)) is None  # (tools described some other way: no guess)
+    with pytest.raises(ValueError, match="must be one of hermes, llama3_json or none, got 'mistral'"):
+        call_format("mistral", Template(IGNORES))
+
+
+def test_a_template_that_ignores_tools_is_given_them_and_the_calls_as_text() -> None:
+    fmt = FORMATS["hermes"]
+    earlier = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+    msgs = [{"role": "user", "content": "Weather?"}, earlier, {"role": "tool", "content": "sunny"}]
+    out = chat_messages(msgs, [WEATHER], fmt, describe=True)
+    assert out[0] == {"role": "system", "content": fmt.describe([WEATHER])} and json.dumps(WEATHER) in out[0]["content"]
+    assert out[2]["content"] == fmt.write("get_weather", '{"city": "Oslo"}')
+    assert out[1] == msgs[0] and out[3] == msgs[2] and msgs[1]["content"] is None  # (the request's own: unchanged)
+    system = chat_messages([{"role": "system", "content": "Be brief."}, *msgs], [WEATHER], fmt, describe=False)
+    assert system[0] == {"role": "system", "content": "Be brief."} and len(system) == 4
+    kept = chat_messages([{"role": "system", "content": "Be brief."}], [WEATHER], fmt, describe=True)
+    assert kept == [{"role": "system", "content": "Be brief.\n\n" + fmt.describe([WEATHER])}]
+    assert chat_messages(msgs, [WEATHER], None, describe=True) is msgs
