@@ -223,3 +223,4 @@ def test_auto_tool_choice_gives_the_models_own_calls_or_text(client, model, ques
     assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
         (k, n, a) for k, (n, a) in enumerate(calls)] and all(d.id.startswith("call_") for d in deltas)
     assert "".join(c.delta.content or "" for c in streamed) == text and streamed[-1].finish_reason == choice.finish_reason
+    assert all(c.delta.role or c.delta.content or c.delta.tool_calls or c.finish_reason for c in streamed)  # (no empty chunk)

@@ -481,7 +481,9 @@ async def _events(views: list[Completion], streams: list[AsyncIterator[RequestOu
             v = views[i]
             if out.text or out.finished or out.logprobs is not None or v.echo is not None:
                 text, items = v.parts([out])
-                yield sse(v.envelope([v.choice(text, out.finish_reason, items, chunk=True)], chunk=True))
+                choice = v.choice(text, out.finish_reason, items, chunk=True)
+                if choice.get("delta", True) or choice["finish_reason"] or choice["logprobs"]:  # (not a held call's)
+                    yield sse(v.envelope([choice], chunk=True))
     except RequestsEnded as e:  # the server is stopping: the status is sent already
         yield sse(APIError(503, str(e), type="server_error", code="server_shutting_down").body())
     except Exception as e:  # the engine failed mid-stream: the status is sent already
