@@ -167,3 +167,18 @@ def test_a_template_that_ignores_tools_is_given_them_and_the_calls_as_text() -> 
     kept = chat_messages([{"role": "system", "content": "Be brief."}], [WEATHER], fmt, describe=True)
     assert kept == [{"role": "system", "content": "Be brief.\n\n" + fmt.describe([WEATHER])}]
     assert chat_messages(msgs, [WEATHER], None, describe=True) is msgs
+
+
+def test_the_flag_reaches_the_server_config_and_bad_names_are_refused(capsys) -> None:
+    from kvtier import cli
+    from kvtier.serve.api import ServerConfig
+    from kvtier.serve.cli import configs_from_args
+
+    parse = cli.build_parser().parse_args
+    assert configs_from_args(parse(["serve", "--tool-call-parser", "llama3_json"]))[1].tool_call_parser == "llama3_json"
+    assert configs_from_args(parse(["serve"]))[1].tool_call_parser is None
+    with pytest.raises(SystemExit):
+        parse(["serve", "--tool-call-parser", "mistral"])
+    assert "invalid choice: 'mistral'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json, none or None"):
+        ServerConfig(tool_call_parser="mistral")
