@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,7 +30,16 @@ from openai import AsyncOpenAI, OpenAI
 from kvtier.config import KVCacheConfig
 from kvtier.generate import GenerationConfig, stream_generate
 from kvtier.model import load_model
+from kvtier.serve.engine import EngineConfig, LLMEngine
+from kvtier.serve.params import RequestParams
 from server_support import free_port, wait_until_serving
+
+try:
+    import xgrammar  # noqa: F401
+
+    from kvtier.serve import structured
+except ImportError:  # (structured outputs need it; the rest of the test does not)
+    structured = None
 
 START_S, STOP_S = 240, 60  # start-up: two fresh interpreters load torch on two cores
 PROMPTS = ("The capital of France is", "1, 2, 3, 4,", "Water boils at", "A long time ago, in a")
@@ -155,6 +165,17 @@ def test_two_ranks_serve_the_greedy_tokens_of_one_process_then_stop(server, tiny
 
     for r, tokens in zip(asyncio.run(asyncio.wait_for(together(), 300)), want):
         assert [token_bytes(s) for s in r.choices[0].logprobs.tokens] == [tok.token_bytes(t) for t in tokens]
+
+    # a structured output: rank 0's grammar masks the logits the ranks made together
+    if structured is not None:
+        pattern = "[a-z]{2,6}( [a-z]{2,6}){1,3}\\."
+        engine = LLMEngine(load_model(tiny, device="cpu", dtype=torch.float32, progress=False).model, tok,
+                           EngineConfig(num_blocks=64, block_size=8, max_num_seqs=4))
+        one = engine.generate([prompts[0]], RequestParams(max_tokens=16, structure=structured.Structure("regex", pattern)))
+        r = client.completions.create(model=model, prompt=prompts[0], max_tokens=16, temperature=0, logprobs=0,
+                                      extra_body={"guided_regex": pattern})
+        assert [token_bytes(s) for s in r.choices[0].logprobs.tokens] == [tok.token_bytes(t) for t in one[0].token_ids]
+        assert re.fullmatch(pattern, r.choices[0].text) and r.choices[0].text == one[0].text, r.choices[0].text
 
     health = httpx.get(f"{url}/health").json()
     assert health["running"] == health["waiting"] == 0 and health["free_blocks"] == 64
