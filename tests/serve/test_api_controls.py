@@ -150,7 +150,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, lm) -> None:
     ({"guided_regex": "[a-"}, "guided_regex", "guided_regex: the regular expression does not compile"),
     ({"guided_choice": ["y" * 40_000, "n" * 30_000]}, "guided_choice", "70000 characters in all; at most 65536"),
     ({"bad_words": ["w" * 70_000]}, "bad_words", "70000 characters in all"),
-    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag is not supported"),
+    ({"structured_outputs": {"whitespace_pattern": "x"}}, "structured_outputs", "whitespace_pattern is not supported"),
     ({"structured_outputs": {"choice": "yes"}}, "structured_outputs", "must be a list of 1 to 256 strings"),
     ({"structured_outputs": {"choice": ["a"]}, "guided_choice": ["b"]}, "structured_outputs", "not both"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "would leave no prompt"),

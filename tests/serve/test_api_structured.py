@@ -77,6 +77,17 @@ def test_vllm_guided_fields_and_structured_outputs(client, model) -> None:
         r = client.chat.completions.create(model=model, messages=ask("Pick a digit."), max_tokens=32,
                                            temperature=0, extra_body=body)
         assert 0 <= json.loads(r.choices[0].message.content)["n"] <= 9
+    # structural tags: xgrammar's format in response_format, vLLM's older form as structured_outputs' JSON text
+    tag = {"type": "tag", "begin": "<pick>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</pick>"}
+    r = client.chat.completions.create(model=model, messages=ask("Pick a digit."), max_tokens=32, temperature=0,
+                                       response_format={"type": "structural_tag", "format": tag})
+    text = r.choices[0].message.content
+    assert text.startswith("<pick>") and text.endswith("</pick>") and 0 <= json.loads(text[6:-7])["n"] <= 9, text
+    older = {"structures": [{"begin": "<pick>", "schema": schema, "end": "</pick>"}], "triggers": ["<pick"]}
+    free = client.completions.create(model=model, prompt="The sky is", max_tokens=12, temperature=0)
+    held = client.completions.create(model=model, prompt="The sky is", max_tokens=12, temperature=0,
+                                     extra_body={"structured_outputs": {"structural_tag": json.dumps(older)}})
+    assert held.choices[0].text == free.choices[0].text  # (no trigger written: the text is free)
 
 
 @pytest.mark.parametrize("body,param,message", [
@@ -94,6 +105,11 @@ def test_vllm_guided_fields_and_structured_outputs(client, model) -> None:
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
      "needs json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not supported"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", "response_format structural_tag needs format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format",
+     "response_format: the structural tag does not compile: Invalid structural tag error: Format type not recognized"),
+    ({"structured_outputs": {"structural_tag": "{not"}}, "structured_outputs",
+     "structured_outputs: the structural tag is not JSON"),
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs", "json_object must be true"),
     ({"guided_regex": "[0-9]+", "ignore_eos": True}, "guided_regex", "give stop_token_ids"),
     ({"guided_regex": "[0-9]+", "min_tokens": 2}, "guided_regex", "guided_regex chooses which tokens may come itself"),

@@ -22,7 +22,13 @@ from kvtier.model import ModelArgs, build_random  # noqa: E402
 from kvtier.model.tokenizer import Tokenizer, _byte_level_alphabet  # noqa: E402
 from kvtier.serve.engine import EngineConfig, LLMEngine  # noqa: E402
 from kvtier.serve.params import RequestParams  # noqa: E402
-from kvtier.serve.structured import MAX_STRUCTURE_CHARS, Grammars, Structure, mask_rows  # noqa: E402
+from kvtier.serve.structured import (  # noqa: E402
+    MAX_STRUCTURE_CHARS,
+    Grammars,
+    Structure,
+    mask_rows,
+    structural_tag,
+)
 from kvtier.serve.tools import FORMATS, tool_calls  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -110,6 +116,34 @@ def test_auto_tool_calls_hold_each_call_to_its_tool_and_leave_text_free(name) ->
                 fmt.write("get_weather", '{"city": "Oslo", "rank": 100}'), fmt.trigger + " no call",
                 good[:-1]):
         assert not takes(bad), bad
+
+
+def test_vllms_structural_tags_are_triggered_tags() -> None:
+    """vLLM's ``{"structures": [...], "triggers": [...]}``: free text, each trigger starting one
+    of the structures, whose content its schema holds; xgrammar's ``{"format": ...}`` as given."""
+    tok = byte_tokenizer()
+    grammars = Grammars(tok, 257)
+    tag = structural_tag({"structures": [{"begin": "<city>", "schema": SCHEMA, "end": "</city>"}],
+                          "triggers": ["<city"]})
+
+    def takes(text: str, s: Structure = tag) -> bool:
+        m = grammars.matcher(s, [256])
+        return all(m.take(b) for b in text.encode()) and m.take(256)
+
+    good = '<city>{"city": "Oslo", "rank": 3}</city>'
+    assert takes("free <b> text") and takes(f"Here: {good} and {good}.") and not takes("<city>Oslo</city>")
+    assert not takes('<city>{"city": "Oslo", "rank": 300}</city>') and not takes(good[:-1])
+    forced = structural_tag({"format": {"type": "tag", "begin": "<a>", "content": {"type": "json_schema",
+                                                                                 "json_schema": SCHEMA}, "end": "</a>"}})
+    assert takes('<a>{"city": "Oslo", "rank": 3}</a>', forced) and not takes("free", forced)
+    for bad in ({}, {"structures": [], "triggers": ["<"]}, {"structures": [{"begin": "<a>", "end": "</a>"}],
+                                                              "triggers": ["<"]},
+                {"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": [""]}, [1]):
+        with pytest.raises(ValueError, match="structural_tag"):
+            structural_tag(bad)
+    with pytest.raises(ValueError, match="structural tag does not compile: Invalid structural tag error: Format type "
+                                         "not recognized: nope$"):
+        grammars.compile(structural_tag({"format": {"type": "nope"}}))
 
 
 def test_a_structure_goes_with_no_other_choice_of_tokens() -> None:

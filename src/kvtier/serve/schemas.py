@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 from kvtier.model.tokenizer import NoChatTemplate
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_BAD_WORD_TOKENS, MAX_GUIDED_CHOICES, MAX_LOGPROBS, RequestParams
-from kvtier.serve.structured import Structure, named
+from kvtier.serve.structured import Structure, named, structural_tag
 from kvtier.serve.tools import CallFormat, ToolCalls, ToolError, chat_messages, tool_calls
 
 __all__ = ["MAX_BAD_WORDS", "MAX_CHOICES", "MAX_WORDS_CHARS", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "NO_TEMPLATE", "APIError", "ChatCompletionRequest", "CompletionRequest",
@@ -70,7 +70,7 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 128, 4096
 VLLM_REFUSED = ("use_beam_search",)
 
 #: of vLLM's ``structured_outputs``, the constraints served (any other key given is a 400)
-STRUCTURED_OUTPUTS = ("json", "regex", "grammar", "json_object", "choice")
+STRUCTURED_OUTPUTS = ("json", "regex", "grammar", "json_object", "structural_tag", "choice")
 
 #: fields OpenAI's reference types "... or null": null takes the field's default
 NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "stream", "ignore_eos", "presence_penalty",
@@ -448,9 +448,9 @@ def structure(req: CompletionRequest | ChatCompletionRequest) -> tuple[Structure
     400 for a constraint of the wrong shape, or for more than one (``guided_choice`` included)."""
     rf = req.response_format or {}
     kind = rf.get("type", "text")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise APIError(400, f"response_format type {kind!r} is not supported (text, json_object and json_schema "
-                       "are)", param="response_format", code="unsupported_parameter")
+    if kind not in ("text", "json_object", "json_schema", "structural_tag"):
+        raise APIError(400, f"response_format type {kind!r} is not supported (text, json_object, json_schema and "
+                       "structural_tag are)", param="response_format", code="unsupported_parameter")
     schema = rf.get("json_schema") if kind == "json_schema" else None
     if kind == "json_schema" and not (isinstance(schema, dict) and isinstance(schema.get("schema"), dict)):
         raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
@@ -464,6 +464,9 @@ def structure(req: CompletionRequest | ChatCompletionRequest) -> tuple[Structure
         ("guided_grammar", "grammar", req.guided_grammar), ("structured_outputs", "json", so.get("json")),
         ("structured_outputs", "regex", so.get("regex")), ("structured_outputs", "grammar", so.get("grammar")),
         ("structured_outputs", "json_object", so.get("json_object")),
+        ("response_format", "structural_tag", {k: v for k, v in rf.items() if k != "type"}
+         if kind == "structural_tag" else None),
+        ("structured_outputs", "structural_tag", so.get("structural_tag")),
         ("tool_choice", calls.structure.kind if calls else "json", calls.structure.spec if calls else None),
         ("guided_choice", "choice", req.guided_choice)) if value is not None]
     if len(given) > 1:
@@ -476,6 +479,13 @@ def structure(req: CompletionRequest | ChatCompletionRequest) -> tuple[Structure
         if value is not True and param == "structured_outputs":
             raise APIError(400, "structured_outputs.json_object must be true", param=param)
         return Structure("json_object"), param
+    if kind == "structural_tag" and param != "tool_choice":
+        try:  # (vLLM's structured_outputs.structural_tag: the tag as JSON text)
+            return structural_tag(json.loads(value) if isinstance(value, str) else value), param
+        except (ValueError, json.JSONDecodeError) as e:
+            raise APIError(400, named(f"structure structural_tag: the structural tag is not JSON: {e}"
+                                      if isinstance(e, json.JSONDecodeError)
+                                      else str(e), param), param=param) from None
     if kind == "json" and isinstance(value, dict):
         value = json.dumps(value)
     if not isinstance(value, str) or not value:

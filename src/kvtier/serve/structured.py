@@ -34,7 +34,7 @@ import torch
 
 from kvtier.caches.paged_shared import to_device
 
-__all__ = ["KINDS", "MAX_STRUCTURE_CHARS", "Grammars", "Matcher", "Structure", "mask_rows", "named"]
+__all__ = ["KINDS", "MAX_STRUCTURE_CHARS", "Grammars", "Matcher", "Structure", "mask_rows", "named", "structural_tag"]
 
 #: what a :class:`Structure` may hold: a JSON schema, any JSON object, a regular expression, a
 #: grammar, or xgrammar's structural tag (free text with held parts: tool calls)
@@ -47,8 +47,9 @@ MAX_STRUCTURE_CHARS = 65536
 _WHAT = {"json": "JSON schema", "json_object": "JSON object", "regex": "regular expression", "grammar": "grammar",
          "structural_tag": "structural tag"}
 
-# xgrammar prefixes its errors with a time and a source position: "[06:41:55] /project/cpp/x.cc:94: "
-_WHERE = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+# xgrammar prefixes its errors with a time and a source position: "[06:41:55] /project/cpp/x.cc:94: ",
+# some with the check that failed
+_WHERE = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,27 @@ class Structure:
                 raise ValueError(f"structure {self.kind}: the {what} is not JSON: {e}") from None
             if not isinstance(schema, dict | bool) or (self.kind == "structural_tag" and not isinstance(schema, dict)):
                 raise ValueError(f"structure {self.kind}: the {what} must be a JSON object, got {type(schema).__name__}")
+
+
+def structural_tag(given: dict) -> Structure:
+    """A structural tag as requests give one: xgrammar's (``{"format": {...}}``) or vLLM's older
+    form (``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}``: free text in
+    which each trigger starts one of the structures, its content held to its JSON schema)."""
+    if not isinstance(given, dict):
+        raise ValueError(f"structure structural_tag must be a JSON object, got {type(given).__name__}")
+    if "format" in given:
+        return Structure("structural_tag", json.dumps({"type": "structural_tag", "format": given["format"]}))
+    structures, triggers = given.get("structures"), given.get("triggers")
+    if not (isinstance(structures, list) and structures and isinstance(triggers, list) and triggers
+            and all(isinstance(t, str) and t for t in triggers)
+            and all(isinstance(x, dict) and isinstance(x.get("begin"), str) and isinstance(x.get("end"), str)
+                    and isinstance(x.get("schema"), dict | bool) for x in structures)):
+        raise ValueError("structure structural_tag needs format (xgrammar's structural tag) or structures "
+                         "([{\"begin\", \"schema\", \"end\"}, ...]) and triggers (non-empty strings)")
+    tags = [{"type": "tag", "begin": x["begin"], "content": {"type": "json_schema", "json_schema": x["schema"]},
+             "end": x["end"]} for x in structures]
+    return Structure("structural_tag", json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": triggers, "tags": tags}}))
 
 
 def named(message: str, field: str) -> str:
