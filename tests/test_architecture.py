@@ -34,6 +34,7 @@ LAYERS = {
     "kvtier.serve.tokens_api": 8,
     "kvtier.serve.middleware": 8,
     "kvtier.serve.views": 8,
+    "kvtier.serve.responses": 8,
     "kvtier.serve.cli": 8,
     "kvtier.cli": 9,
     "kvtier.cli_run": 9,

@@ -58,6 +58,7 @@ from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvtier.serve.middleware import ApiKeys, BodyLimit
 from kvtier.serve.params import RequestOutput, RequestParams
+from kvtier.serve.responses import add_responses_routes
 from kvtier.serve.scheduler import QueueFull
 from kvtier.serve.schemas import (
     APIError,
@@ -335,6 +336,11 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await chat_answer(req, request)
+
+    async def chat_answer(req: ChatCompletionRequest, request: Request, chunks: bool = False):
+        """The chat completion of ``req``: its whole object, or (streamed) the SSE response, or
+        with ``chunks`` the chunks' objects as they come (the Responses route's)."""
         check(req.served(calls, describe))
         params = request_params(req, tokenizer)
         await compile_structure(req, params)
@@ -344,7 +350,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         tools = req.tool_calls()
         views = [Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i,
                             scored=req.prompt_logprobs, tools=tools) for i in range(req.n)]
-        return await answer(views, rids, req, request)
+        return await answer(views, rids, req, request, chunks=chunks)
+
+    add_responses_routes(app, chat_answer, lambda: model_name)
 
     async def counted(rid: str) -> AsyncIterator[RequestOutput]:
         """The request's outputs; one that ends before it finished (its client left, the step
@@ -358,10 +366,13 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
             if not finished:
                 metrics.aborted()
 
-    async def answer(views: list[Completion], rids: list[str], req, request: Request, best: tuple | None = None):
+    async def answer(views: list[Completion], rids: list[str], req, request: Request, best: tuple | None = None,
+                     chunks: bool = False):
         streams = [counted(rid) for rid in rids]
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
+            if chunks:
+                return _chunks(views, streams, usage)
             return StreamingResponse(_events(views, streams, usage), media_type="text/event-stream")
         collect = asyncio.ensure_future(_collect(streams))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -465,15 +476,19 @@ async def _events(views: list[Completion], streams: list[AsyncIterator[RequestOu
                   include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: one chunk per output with text (or logprobs) naming its choice, then
     ``[DONE]``."""
-    def sse(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
+    async for chunk in _chunks(views, streams, include_usage):
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
 
+
+async def _chunks(views: list[Completion], streams: list[AsyncIterator[RequestOutput]],
+                  include_usage: bool) -> AsyncIterator[dict]:
+    """The stream's chunk objects (an error's, ``{"error": ...}``, last where the engine failed)."""
     if views[0].chat:
         for v in views:
             first = {"index": v.index, "delta": {"role": "assistant", "content": "" if v.tools is None else None},
-                     "logprobs": None,
-                     "finish_reason": None}
-            yield sse(v.envelope([first], chunk=True))
+                     "logprobs": None, "finish_reason": None}
+            yield v.envelope([first], chunk=True)
     lasts: list[RequestOutput | None] = [None] * len(views)
     try:
         async for i, out in _merged(streams):
@@ -483,14 +498,13 @@ async def _events(views: list[Completion], streams: list[AsyncIterator[RequestOu
                 text, items = v.parts([out])
                 choice = v.choice(text, out.finish_reason, items, chunk=True)
                 if choice.get("delta", True) or choice["finish_reason"] or choice["logprobs"]:  # (not a held call's)
-                    yield sse(v.envelope([choice], chunk=True))
+                    yield v.envelope([choice], chunk=True)
     except RequestsEnded as e:  # the server is stopping: the status is sent already
-        yield sse(APIError(503, str(e), type="server_error", code="server_shutting_down").body())
+        yield APIError(503, str(e), type="server_error", code="server_shutting_down").body()
     except Exception as e:  # the engine failed mid-stream: the status is sent already
-        yield sse(APIError(500, f"internal error: {e}", type="server_error").body())
+        yield APIError(500, f"internal error: {e}", type="server_error").body()
     if include_usage and all(last is not None for last in lasts):
-        yield sse({**views[0].envelope([], chunk=True), "usage": _usage(views, lasts)})
-    yield "data: [DONE]\n\n"
+        yield {**views[0].envelope([], chunk=True), "usage": _usage(views, lasts)}
 
 
 async def _disconnected(request: Request) -> None:

@@ -236,14 +236,16 @@ class ToolCalls:
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The message's ``tool_calls`` from the answer's text; ``None`` where the text is not a
-        whole call (an answer cut by ``max_tokens``)."""
+        whole call (an answer cut by ``max_tokens``). A named call's arguments are the text as
+        written, as its stream gives them."""
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
             return None
-        pairs = [(self.named, value)] if self.named is not None else [(c["name"], c["parameters"]) for c in value]
-        return [{"id": call_id(), "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]
+        pairs = ([(self.named, text)] if self.named is not None else
+                 [(c["name"], json.dumps(c["parameters"])) for c in value])
+        return [{"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+                for name, args in pairs]
 
 
 def tool_calls(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool = True,
