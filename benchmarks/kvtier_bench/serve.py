@@ -71,9 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bans", action="store_true",
                         help="every request with 32 two-token and 8 one-token bad words (random ids; their "
                              "cost a step; needs --skip-hf)")
-    parser.add_argument("--structured", action="store_true",
-                        help="every request's answer held to a pattern through a grammar matcher (its "
-                             "cost a step; needs --skip-hf, and --tokenizer with random weights)")
+    parser.add_argument("--structured", nargs="?", const="regex", default=None, choices=("regex", "tools"),
+                        help="every request's answer held through a grammar matcher (its cost a step; needs "
+                             "--skip-hf, and --tokenizer with random weights): regex, a pattern (the default); "
+                             "tools, tool_choice \"auto\" over two tools (free text until a call's trigger)")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="a Hugging Face folder (tokenizer.json) whose vocabulary --structured compiles "
                              "over, with random weights (the default model brings its own)")
@@ -210,7 +211,7 @@ def engine_config(args, device: torch.device, prompts: list[list[int]]):
 
 
 def drive(engine, prompts: list[list[int]], output_len: int, concurrency: int, rate: float, seed: int,
-          penalties: bool = False, bans: bool = False, structured: bool = False):
+          penalties: bool = False, bans: bool = False, structured: str | None = None):
     """Send ``prompts`` to ``engine`` (``concurrency`` in flight, ``rate`` per second) and step it
     until all finish; ``(duration, ttft, tpot, tokens)`` with times relative to the first send."""
     from kvtier.serve.params import RequestParams
@@ -225,11 +226,18 @@ def drive(engine, prompts: list[list[int]], output_len: int, concurrency: int, r
         words = tuple((rng.randrange(vocab), rng.randrange(vocab)) for _ in range(32))
         params = RequestParams(max_tokens=output_len, ignore_eos=True,
                                bad_words=words + tuple((rng.randrange(vocab),) for _ in range(8)))
-    if structured:  # any text without "<" (as inside a JSON string), ended by a stop id the model rarely picks
+    if structured:  # any text without "<" (as inside a JSON string), or tool_choice "auto"'s free text with
+        # held calls; ended by a stop id the model rarely picks
         from kvtier.serve.structured import Structure
+        from kvtier.serve.tools import FORMATS, tool_calls
 
+        tools = [{"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"]}}} for name in ("get_weather", "get_time")]
+        held = (Structure("regex", "[^<]*") if structured == "regex" else
+                tool_calls(tools, "auto", fmt=FORMATS["hermes"]).structure)
         params = RequestParams(max_tokens=output_len, ignore_eos=True, stop_token_ids=(engine.tokenizer.vocab_size - 1,),
-                               structure=Structure("regex", "[^<]*"))
+                               structure=held)
     t, arrival = 0.0, []
     for _ in prompts:
         arrival.append(t)
@@ -286,7 +294,8 @@ def run_kvtier(model, tokenizer, prompts, args, device) -> Result:
         gc.unfreeze()  # the engine can be collected once it is done; the contender runs next
     s = engine.stats()
     graphs = "CUDA graphs" if engine.runner.graphs is not None else "eager"
-    asked = "".join(f"{name}, " for name, on in zip(("penalties", "bad words", "structured"), flags) if on)
+    asked = "".join(f"{name}, " for name, on in zip(("penalties", "bad words", f"structured ({args.structured})"),
+                                                     flags) if on)
     note = (f"{graphs}, {asked}{s['kv_storage']} pages, "
             f"{s['num_blocks']} blocks, {s['preemptions']} "
             f"preemptions, max_num_seqs {engine.config.max_num_seqs}, "
