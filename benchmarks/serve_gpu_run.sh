@@ -5,10 +5,12 @@
 # generate_batch; then kvtier alone again with presence, frequency and repetition penalties on
 # every request (their cost a step), with 40 bad words on every request, and, where xgrammar
 # imports and TOKENIZER names a folder with tokenizer.json, with every answer held to a pattern
-# through a grammar matcher (structured outputs' cost a step). Uses the machine's
+# through a grammar matcher (structured outputs' cost a step), and as tool_choice "auto" answers
+# (free text until a call's trigger). Uses the machine's
 # python3 with src/ and benchmarks/ on PYTHONPATH (the engine needs no FastAPI). Files under $OUT:
 # env.txt, gpu_tests.log, serve_kvtier.{log,json}, serve_h200.{log,json,png},
-# serve_penalties.{log,json}, serve_bans.{log,json}, serve_structured.{log,json}, summary.txt.
+# serve_penalties.{log,json}, serve_bans.{log,json}, serve_structured.{log,json},
+# serve_tools.{log,json}, summary.txt.
 #
 #   OUT=/path/to/results bash benchmarks/serve_gpu_run.sh
 set -u
@@ -53,6 +55,8 @@ step bans "${KVTIER_LIMIT:-150}" "$OUT/serve_bans.log" "$PY" -m kvtier.cli bench
 if [ -n "${TOKENIZER:-}" ] && "$PY" -c "import xgrammar" 2>/dev/null; then
     step structured "${KVTIER_LIMIT:-150}" "$OUT/serve_structured.log" "$PY" -m kvtier.cli bench serve \
         "${WORKLOAD[@]}" --skip-hf --structured --tokenizer "$TOKENIZER" --json "$OUT/serve_structured.json"
+    step tools "${KVTIER_LIMIT:-150}" "$OUT/serve_tools.log" "$PY" -m kvtier.cli bench serve \
+        "${WORKLOAD[@]}" --skip-hf --structured tools --tokenizer "$TOKENIZER" --json "$OUT/serve_tools.json"
 fi
 cat "$SUMMARY"
 tail -n 3 "$OUT/gpu_tests.log"
