@@ -151,6 +151,9 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
         body["tool_choice"] = choice
     fmt = (req.text or {}).get("format") or {"type": "text"}
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "text.format json_schema needs schema, a JSON schema object (and a name)",
+                           param="text.format")
         body["response_format"] = {"type": "json_schema", "json_schema": {
             k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     elif fmt.get("type") != "text":
