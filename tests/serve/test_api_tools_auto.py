@@ -4,9 +4,11 @@ whole and streamed, against its free answer to the same prompt."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+from openai import AsyncOpenAI
 
 from kvtier.serve.tools import FORMATS, CallFormat, CallReader
 from server_support import running_server
@@ -48,28 +50,44 @@ CITY = {"type": "function", "function": {"name": "get_weather", "description": "
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-@pytest.mark.parametrize("question,called", [("What is the weather in Tokyo?", True), ("Tell me a joke.", False)])
-def test_auto_tool_choice_gives_the_models_own_calls_or_text(client, model, fmt, question, called) -> None:
+QUESTIONS = (("What is the weather in Tokyo?", True), ("Tell me a joke.", False))
+
+
+def test_auto_tool_choice_gives_the_models_own_calls_or_text(server, model, fmt) -> None:
     """``tool_choice`` left out (``"auto"``): SmolLM2's template ignores tools, so the server
     describes them in the format and writes earlier calls in it. The answer equals the model's
     free answer to that same prompt (tools written in by hand, ``tool_choice`` "none") read back
-    by the format: a call where the free answer wrote one, text where it did not."""
-    free = client.chat.completions.create(
-        model=model, temperature=0, max_tokens=60, tools=[CITY], tool_choice="none",
-        messages=[{"role": "system", "content": fmt.describe([CITY])}, *auto_history(fmt, True), *ask(question)])
-    text, calls = CallReader(fmt).feed(free.choices[0].message.content, final=True)
-    asks = dict(model=model, temperature=0, max_tokens=60, tools=[CITY], messages=[*auto_history(fmt, False),
-                                                                                  *ask(question)])
-    r = client.chat.completions.create(**asks)
-    choice = r.choices[0]
-    got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
-    assert bool(calls) == called and got == calls, (free.choices[0].message.content, choice.message)
-    assert choice.finish_reason == ("tool_calls" if called else free.choices[0].finish_reason)
-    assert choice.message.content == (text.strip() or None if called else text)
-    streamed = [c for chunk in client.chat.completions.create(**asks, stream=True) for c in chunk.choices]
-    deltas = [d for c in streamed for d in c.delta.tool_calls or []]
-    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
-        (k, n, a) for k, (n, a) in enumerate(calls)] and all(d.id.startswith("call_") for d in deltas)
-    assert "".join(c.delta.content or "" for c in streamed) == text and streamed[-1].finish_reason == choice.finish_reason
-    assert all(c.delta.role or c.delta.content or c.delta.tool_calls or c.finish_reason for c in streamed)  # (no empty chunk)
+    by the format: a call where the free answer wrote one, text where it did not. Both questions'
+    free, whole and streamed answers are asked at once (one batch)."""
+    def asks(question: str) -> dict:
+        return dict(model=model, temperature=0, max_tokens=40, tools=[CITY],
+                    messages=[*auto_history(fmt, False), *ask(question)])
 
+    async def all_at_once():
+        async with AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            async def streamed(question):
+                out = []
+                async for chunk in await c.chat.completions.create(**asks(question), stream=True):
+                    out += chunk.choices
+                return out
+            return await asyncio.gather(*(coro for q, _ in QUESTIONS for coro in (
+                c.chat.completions.create(model=model, temperature=0, max_tokens=40, tools=[CITY], tool_choice="none",
+                                          messages=[{"role": "system", "content": fmt.describe([CITY])},
+                                                    *auto_history(fmt, True), *ask(q)]),
+                c.chat.completions.create(**asks(q)), streamed(q))))
+
+    got = asyncio.run(asyncio.wait_for(all_at_once(), 300))
+    for k, (question, called) in enumerate(QUESTIONS):
+        free, r, streamed = got[3 * k: 3 * k + 3]
+        text, calls = CallReader(fmt).feed(free.choices[0].message.content, final=True)
+        choice = r.choices[0]
+        made = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+        assert bool(calls) == called and made == calls, (question, free.choices[0].message.content, choice.message)
+        assert choice.finish_reason == ("tool_calls" if called else free.choices[0].finish_reason)
+        assert choice.message.content == (text.strip() or None if called else text)
+        deltas = [d for c in streamed for d in c.delta.tool_calls or []]
+        assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+            (i, n, a) for i, (n, a) in enumerate(calls)] and all(d.id.startswith("call_") for d in deltas)
+        assert "".join(c.delta.content or "" for c in streamed) == text
+        assert streamed[-1].finish_reason == choice.finish_reason
+        assert all(c.delta.role or c.delta.content or c.delta.tool_calls or c.finish_reason for c in streamed)  # (no empty chunk)
