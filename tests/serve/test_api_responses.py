@@ -183,12 +183,14 @@ def test_auto_tool_choice_reads_the_models_calls(client, model) -> None:
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "text.format json_schema needs schema"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format", "text.format type 'yaml' is not supported"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
-     "naming one of the tools (get_weather)"),
+     'tool_choice {"type": "function", "name": "nope"} must name one of the tools (get_weather)'),
+    ({"input": "\udfff"}, "input", "the input holds '\\udfff' at character"),
     ({"input": [{"role": "user", "content": "x" * 40_000}]}, "input", "but the context holds"),
     ({"model": "gpt-4o"}, "model", "does not exist"),
 ])
 def test_fields_not_served_are_400s_naming_them(server, body, param, message) -> None:
-    r = httpx.post(f"{server}/v1/responses", json={"input": "x", "max_output_tokens": 4, **body}, timeout=60)
+    r = httpx.post(f"{server}/v1/responses", content=json.dumps({"input": "x", "max_output_tokens": 4, **body}),
+                   headers={"content-type": "application/json"}, timeout=60)  # (json.dumps escapes a surrogate)
     assert r.status_code in (400, 404), r.text
     err = r.json()["error"]
     assert err["param"] == param and message in err["message"], err

@@ -145,7 +145,11 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
         body["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
                          for t in req.tools]
     choice = req.tool_choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        names = [t.get("name") for t in req.tools or []]
+        if choice.get("name") not in names:
+            raise APIError(400, f"tool_choice {json.dumps(choice)[:80]} must name one of the tools "
+                           f"({', '.join(map(str, names))})", param="tool_choice")
         choice = {"type": "function", "function": {"name": choice["name"]}}
     if choice is not None:
         body["tool_choice"] = choice
@@ -175,7 +179,7 @@ def _renamed(e: APIError) -> APIError:
     head = (e.param or "").split(".", 1)[0]
     if head in _PARAMS:
         e.param = _PARAMS[head]
-        e.message = e.message.replace(head, _PARAMS[head], 1) if e.message.startswith(head) else e.message
+        e.message = e.message.replace(head, _PARAMS[head], 1)
     return e
 
 
