@@ -170,6 +170,27 @@ def test_stream_decoder_equals_decode(ours, text):
     assert "".join(stream(ours, ids)) == ours.decode(ids)
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_stream_decoder_gives_the_same_pieces_with_or_without_the_librarys_stream(ours, monkeypatch, skip):
+    """The tokenizers library's ``DecodeStream`` (where it has one) and the windows decoded here
+    give the same piece for every id, random ids included (split characters, special tokens)."""
+    import random
+
+    from kvtier.model import tokenizer as module
+
+    rng = random.Random(0)
+    ids = ours.encode("Émoji 🙂 and text — <|im_end|> done.") + [rng.randrange(ours.vocab_size) for _ in range(600)]
+
+    def pieces():
+        dec = StreamDecoder(ours, skip_special_tokens=skip)
+        return [dec.feed(i) for i in ids] + [dec.flush()]
+
+    fast = pieces()
+    monkeypatch.setattr(module, "_DecodeStream", None)
+    assert StreamDecoder(ours)._stream is None and pieces() == fast
+    assert "".join(fast) == ours.decode(ids, skip_special_tokens=skip)
+
+
 def test_stream_decoder_accepts_several_ids_and_tensors(ours):
     ids = ours.encode("Paris is the capital of France.")
     dec = ours.stream_decoder()
