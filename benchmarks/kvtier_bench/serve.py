@@ -75,9 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every request's answer held through a grammar matcher (its cost a step; needs "
                              "--skip-hf, and --tokenizer with random weights): regex, a pattern (the default); "
                              "tools, tool_choice \"auto\" over two tools (free text until a call's trigger)")
+    parser.add_argument("--detokenize", action="store_true",
+                        help="make each request's text as the server does (the engine given the tokenizer; "
+                             "--structured does so too); without it the engine makes token ids alone, as "
+                             "transformers' generate_batch does")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="a Hugging Face folder (tokenizer.json) whose vocabulary --structured compiles "
-                             "over, with random weights (the default model brings its own)")
+                             "over and --detokenize writes with, for random weights (the default model "
+                             "brings its own)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
@@ -135,9 +140,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--input-len MIN,MAX needs 1 <= MIN <= MAX; --output-len and --num-requests >= 1; "
                          f"got --input-len {lo},{hi} --output-len {args.output_len} "
                          f"--num-requests {args.num_requests}")
-    if args.structured and (device.type == "cuda" or args.arch is not None) and args.tokenizer is None:
-        raise ValueError("--structured compiles its grammar over a tokenizer's vocabulary, and random weights "
-                         "bring none: give --tokenizer DIR (a folder with tokenizer.json)")
+    for flag in ("structured", "detokenize"):
+        if getattr(args, flag) and (device.type == "cuda" or args.arch is not None) and args.tokenizer is None:
+            raise ValueError(f"--{flag} needs a tokenizer's vocabulary, and random weights bring none: give "
+                             "--tokenizer DIR (a folder with tokenizer.json)")
     for flag in ("penalties", "bans", "structured"):
         if getattr(args, flag) and not args.skip_hf:
             raise ValueError(f"--{flag} needs --skip-hf: transformers' generate_batch takes no per-request "
@@ -282,7 +288,8 @@ def warmup_prompts(prompts: list[list[int]], device: torch.device) -> list[list[
 def run_kvtier(model, tokenizer, prompts, args, device) -> Result:
     from kvtier.serve.engine import LLMEngine, freeze_startup_heap
 
-    engine = LLMEngine(model, tokenizer if args.structured else None, engine_config(args, device, prompts))
+    engine = LLMEngine(model, tokenizer if args.structured or args.detokenize else None,
+                       engine_config(args, device, prompts))
     concurrency = args.concurrency or len(prompts)
     flags = (args.penalties, args.bans, args.structured)
     drive(engine, warmup_prompts(prompts, device), 4, concurrency, math.inf, args.seed, *flags)  # warm-up
@@ -294,8 +301,8 @@ def run_kvtier(model, tokenizer, prompts, args, device) -> Result:
         gc.unfreeze()  # the engine can be collected once it is done; the contender runs next
     s = engine.stats()
     graphs = "CUDA graphs" if engine.runner.graphs is not None else "eager"
-    asked = "".join(f"{name}, " for name, on in zip(("penalties", "bad words", f"structured ({args.structured})"),
-                                                     flags) if on)
+    asked = "".join(f"{name}, " for name, on in zip(("penalties", "bad words", f"structured ({args.structured})",
+                                                      "text made"), (*flags, args.detokenize)) if on)
     note = (f"{graphs}, {asked}{s['kv_storage']} pages, "
             f"{s['num_blocks']} blocks, {s['preemptions']} "
             f"preemptions, max_num_seqs {engine.config.max_num_seqs}, "
