@@ -529,3 +529,25 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_the_engine_as_it_found_it() 
     with pytest.raises(RuntimeError, match="a step failed"):
         warm.warm_up()
     assert not warm.has_unfinished() and warm.stats()["free_blocks"] == 48
+
+
+def test_ids_past_the_tokenizer_have_no_text_and_fail_nothing(lm) -> None:
+    """A model whose vocabulary is padded past its tokenizer's (rows no text names) may sample
+    a padded id: the request goes on, the id has no text, and its logprob entry is empty text
+    (each raised before, failing every request of the step)."""
+    from kvtier.model import ModelArgs, build_random
+    from kvtier.serve.views import Completion
+
+    tok = lm.tokenizer
+    padded = tok.vocab_size + 128
+    model = build_random(ModelArgs(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64, vocab_size=padded))
+    engine = LLMEngine(model, tok, EngineConfig(num_blocks=32))
+    ids = tok.encode("Hello")
+    out = engine.generate([ids, ids], [RequestParams(max_tokens=3, logit_bias=((padded - 1, 100.0),), logprobs=1),
+                                       RequestParams(max_tokens=3)])
+    assert out[0].token_ids == (padded - 1,) * 3 and out[0].text == "" and out[0].finish_reason == "length"
+    assert len(out[1].token_ids) == 3 and out[1].text == tok.decode(list(out[1].token_ids), skip_special_tokens=True)
+    view = Completion(tok, "m", "x", chat=True)
+    assert view.logprobs(list(out[0].logprobs), "")["content"][0]["token"] == ""
+    with pytest.raises(ValueError, match="outside"):  # (the /detokenize route's 400 stays)
+        tok.decode([padded - 1])

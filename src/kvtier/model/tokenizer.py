@@ -361,8 +361,10 @@ class StreamDecoder:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def feed(self, ids: int | list[int]) -> str:
-        """Add one id or several; return the text they complete (possibly ``""``)."""
-        new = [ids] if isinstance(ids, int) else [int(i) for i in ids]
+        """Add one id or several; return the text they complete (possibly ``""``). An id past the
+        tokenizer's vocabulary (a model's padded rows) has no text."""
+        size = self.tokenizer.vocab_size
+        new = [i for i in ([ids] if isinstance(ids, int) else [int(i) for i in ids]) if 0 <= i < size]
         if self._stream is None:
             self.ids.extend(new)
             return self._step()

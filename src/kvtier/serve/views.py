@@ -55,7 +55,10 @@ class Completion:
     def _token(self, i: int) -> tuple[str, bytes]:
         """A token's text and bytes. A token holding part of a character (byte-level pieces of
         an emoji) is written ``bytes:\\xf0\\x9f``, as vLLM writes it: its bytes stay distinct
-        where each such piece alone would decode to U+FFFD."""
+        where each such piece alone would decode to U+FFFD. An id past the tokenizer's
+        vocabulary (a model's padded rows) has no text."""
+        if not 0 <= i < self.tokenizer.vocab_size:
+            return "", b""
         b = self.tokenizer.token_bytes(i)
         try:
             return b.decode("utf-8"), b
