@@ -187,6 +187,9 @@ def test_required_tool_calls_and_a_conversation_that_carries_them(client, model)
     ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools", "tools[0] must be"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice",
      "give one structured output, not guided_regex and tool_choice"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tool_choice",
+     'not response_format and tool_choice; tool calls are one (tools without tool_choice mean "auto"): send '
+     'tool_choice "none" for an answer held to response_format'),
     ({"functions": [{"name": "f"}]}, "functions", "send tools and tool_choice"),
 ])
 def test_tools_not_served_are_400s(server, body, param, message) -> None:

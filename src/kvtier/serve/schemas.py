@@ -470,7 +470,9 @@ def structure(req: CompletionRequest | ChatCompletionRequest) -> tuple[Structure
         ("tool_choice", calls.structure.kind if calls else "json", calls.structure.spec if calls else None),
         ("guided_choice", "choice", req.guided_choice)) if value is not None]
     if len(given) > 1:
-        raise APIError(400, f"give one structured output, not {given[0][0]} and {given[1][0]}",
+        why = ("; tool calls are one (tools without tool_choice mean \"auto\"): send tool_choice \"none\" for "
+               f"an answer held to {given[0][0]}" if given[1][0] == "tool_choice" else "")
+        raise APIError(400, f"give one structured output, not {given[0][0]} and {given[1][0]}{why}",
                        param=given[1][0])
     if not given or given[0][1] == "choice":
         return None, None
