@@ -138,12 +138,13 @@ TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
 def test_a_model_without_a_chat_template_is_given_one(tmp_path, lm) -> None:
     """A Hugging Face folder whose tokenizer has no chat template: chat is a 400 that names the
     fix; with --chat-template FILE the messages render with it (/tokenize shows the text's
-    tokens) and chat answers."""
+    tokens) and chat answers. Its model's vocabulary is padded past the tokenizer's: a padded id
+    in a prompt, echoed, and one sampled, with logprobs, have no text and fail nothing."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok, folder = lm.tokenizer, tmp_path / "no-template"
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=tok.vocab_size, max_position_embeddings=256,
+                      num_key_value_heads=2, vocab_size=tok.vocab_size + 64, max_position_embeddings=256,
                       bos_token_id=tok.bos_token_id, eos_token_id=2)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(folder)
@@ -163,3 +164,10 @@ def test_a_model_without_a_chat_template_is_given_one(tmp_path, lm) -> None:
         assert r["usage"]["prompt_tokens"] == len(tok.encode("<user>Hi there\n<assistant>", add_bos=False))
         assert r["choices"][0]["finish_reason"] in ("length", "stop")
         assert httpx.get(f"{url}/tokenizer_info", timeout=60).json()["chat_template"] == TEMPLATE
+        padded = tok.vocab_size + 63
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": [*tok.encode("Hi"), padded], "echo": True,
+                                                      "max_tokens": 2, "logprobs": 1,
+                                                      "logit_bias": {str(padded): 100}}, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == tok.decode(tok.encode("Hi")) and choice["logprobs"]["tokens"][-3:] == ["", "", ""]
