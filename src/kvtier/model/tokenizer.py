@@ -145,12 +145,17 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
-        """Text of ``ids`` (a list of ints or a 1-D tensor)."""
+    def decode(self, ids, *, skip_special_tokens: bool = False, padded: bool = False) -> str:
+        """Text of ``ids`` (a list of ints or a 1-D tensor); an id outside the vocabulary is a
+        ``ValueError``, or with ``padded`` one past it has no text (a model's rows padded past
+        its tokenizer's vocabulary)."""
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < self.vocab_size]
+        size = self.vocab_size
+        if padded:
+            ids = [i for i in ids if not (isinstance(i, int) and i >= size)]
+        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < size]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside [0, {self.vocab_size})")
+            raise ValueError(f"token ids {bad[:5]} are outside [0, {size})")
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, i: int) -> str | None:
@@ -163,12 +168,15 @@ class Tokenizer:
         return (frozenset(self.backend.get_added_tokens_decoder()),
                 isinstance(self.backend.decoder, decoders.ByteLevel))
 
-    def token_bytes(self, i: int) -> bytes:
+    def token_bytes(self, i: int, *, padded: bool = False) -> bytes:
         """The bytes token ``i`` stands for. A byte-level piece may hold part of a character
         (an emoji's first two bytes), which ``decode([i])`` can only show as U+FFFD: its
         bytes come from the vocabulary's byte alphabet, or from a ``<0xNN>`` byte-fallback
-        piece; special tokens and other pieces give their text's UTF-8 (``▁`` as a space)."""
+        piece; special tokens and other pieces give their text's UTF-8 (``▁`` as a space).
+        ``padded``: an id past the vocabulary has none (as :meth:`decode`'s)."""
         piece = self.backend.id_to_token(i)
+        if piece is None and padded and i >= 0:
+            return b""
         if piece is None:
             raise ValueError(f"token id {i} is outside [0, {self.vocab_size})")
         added, byte_level = self._pieces
@@ -356,15 +364,15 @@ class StreamDecoder:
         self._prefix = 0  # start of the window decoded for context
         self._read = 0  # ids[:_read] have been emitted as text
         self._stream = _DecodeStream(skip_special_tokens=skip_special_tokens) if _DecodeStream else None
+        self._size = tokenizer.vocab_size  # (ids past it, a model's padded rows, have no text)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def feed(self, ids: int | list[int]) -> str:
         """Add one id or several; return the text they complete (possibly ``""``). An id past the
-        tokenizer's vocabulary (a model's padded rows) has no text."""
-        size = self.tokenizer.vocab_size
-        new = [i for i in ([ids] if isinstance(ids, int) else [int(i) for i in ids]) if 0 <= i < size]
+        tokenizer's vocabulary (a model's padded rows) has no text, as in ``decode(padded=True)``."""
+        new = [i for i in ([ids] if isinstance(ids, int) else [int(i) for i in ids]) if 0 <= i < self._size]
         if self._stream is None:
             self.ids.extend(new)
             return self._step()

@@ -328,8 +328,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         views = []
         for i in range(len(rids)):  # choice i: prompt i // k, OpenAI's order
             p, ids = raw[i // k], prompts[i // k]
-            echo = (p if isinstance(p, str) and keep is None else  # (ids past the tokenizer: no text)
-                    tokenizer.decode([t for t in ids if t < tokenizer.vocab_size])) if req.echo else None
+            echo = (p if isinstance(p, str) and keep is None else tokenizer.decode(ids, padded=True)) if req.echo else None
             views.append(Completion(tokenizer, model_name, f"cmpl-{rids[0]}", chat=False, index=i,
                                      first=i % k == 0, echo=echo, prompt=ids, drop=req.max_tokens == 0,
                                      top=req.logprobs, scored=req.prompt_logprobs))

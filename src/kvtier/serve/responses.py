@@ -222,6 +222,14 @@ class _Built:
                 "tools": r.tools or [], "truncation": "disabled", "usage": usage, "metadata": r.metadata or {}}
 
 
+def _said(output: list[dict]) -> dict:
+    """The chat message that ``output`` items write (what a stored conversation keeps)."""
+    text = "".join(o["content"][0]["text"] for o in output if o["type"] == "message")
+    calls = [{"id": o["call_id"], "type": "function", "function": {"name": o["name"], "arguments": o["arguments"]}}
+             for o in output if o["type"] == "function_call"]
+    return {"content": text or None, "tool_calls": calls}
+
+
 def _output(message: dict) -> list[dict]:
     """A chat message as output items: its text (if any), then its calls."""
     items = [_message(message["content"])] if message.get("content") else []
@@ -292,7 +300,6 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
     output: list[dict] = []
     message: dict | None = None  # the open text item
     calls: dict[int, dict] = {}  # chat tool call index: its open item
-    said = {"content": "", "tool_calls": []}
     finish, usage = None, None
 
     def event(kind: str, **fields) -> str:
@@ -350,7 +357,6 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                         yield event("response.content_part.added", item_id=message["id"], output_index=i,
                                     content_index=0, part={**message["content"][0]})
                     message["content"][0]["text"] += delta["content"]
-                    said["content"] += delta["content"]
                     yield event("response.output_text.delta", item_id=message["id"], output_index=output.index(message),
                                 content_index=0, delta=delta["content"], logprobs=[])
                 for tc in delta.get("tool_calls") or []:
@@ -359,7 +365,6 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                             yield e
                         call = {"id": tc["id"], "type": "function",
                                 "function": {"name": tc["function"]["name"], "arguments": ""}}
-                        said["tool_calls"].append(call)
                         calls[tc["index"]] = _call(call, "in_progress")
                         output.append(calls[tc["index"]])
                         yield event("response.output_item.added", output_index=len(output) - 1,
@@ -368,7 +373,6 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                     if args and tc["index"] in calls:
                         item = calls[tc["index"]]
                         item["arguments"] += args
-                        said["tool_calls"][-1]["function"]["arguments"] += args
                         yield event("response.function_call_arguments.delta", item_id=item["id"],
                                     output_index=output.index(item), delta=args)
                 finish = choice["finish_reason"] or finish
@@ -376,5 +380,5 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
         yield e
     status = "incomplete" if finish == "length" else "completed"
     body = built.body(status, output, _usage(usage), finish)
-    done(body, {"content": said["content"] or None, "tool_calls": said["tool_calls"]})
+    done(body, _said(output))
     yield event(f"response.{status}", response=body)

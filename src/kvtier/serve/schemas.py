@@ -467,7 +467,7 @@ def structure(req: CompletionRequest | ChatCompletionRequest) -> tuple[Structure
         ("response_format", "structural_tag", {k: v for k, v in rf.items() if k != "type"}
          if kind == "structural_tag" else None),
         ("structured_outputs", "structural_tag", so.get("structural_tag")),
-        ("tool_choice", calls.structure.kind if calls else "json", calls.structure.spec if calls else None),
+        ("tool_choice", "tools", calls.structure if calls else None),
         ("guided_choice", "choice", req.guided_choice)) if value is not None]
     if len(given) > 1:
         why = ("; tool calls are one (tools without tool_choice mean \"auto\"): send tool_choice \"none\" for "
@@ -481,7 +481,9 @@ def structure(req: CompletionRequest | ChatCompletionRequest) -> tuple[Structure
         if value is not True and param == "structured_outputs":
             raise APIError(400, "structured_outputs.json_object must be true", param=param)
         return Structure("json_object"), param
-    if kind == "structural_tag" and param != "tool_choice":
+    if isinstance(value, Structure):  # (tool calls': made by kvtier.serve.tools)
+        return value, param
+    if kind == "structural_tag":
         try:  # (vLLM's structured_outputs.structural_tag: the tag as JSON text)
             return structural_tag(json.loads(value) if isinstance(value, str) else value), param
         except (ValueError, json.JSONDecodeError) as e:

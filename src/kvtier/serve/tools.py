@@ -198,6 +198,8 @@ class CallReader:
             return None if quote < 0 or f.arguments.startswith(held[quote:]) else False
         name = held[start:quote]
         i = quote + len(f.arguments)
+        if f.end not in held[i:]:  # (not whole yet: no parse of the arguments a token)
+            return None
         while i < len(held) and held[i].isspace():
             i += 1
         try:

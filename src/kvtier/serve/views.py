@@ -57,9 +57,7 @@ class Completion:
         an emoji) is written ``bytes:\\xf0\\x9f``, as vLLM writes it: its bytes stay distinct
         where each such piece alone would decode to U+FFFD. An id past the tokenizer's
         vocabulary (a model's padded rows) has no text."""
-        if not 0 <= i < self.tokenizer.vocab_size:
-            return "", b""
-        b = self.tokenizer.token_bytes(i)
+        b = self.tokenizer.token_bytes(i, padded=True)
         try:
             return b.decode("utf-8"), b
         except UnicodeDecodeError:
