@@ -153,6 +153,14 @@ def test_a_named_tool_choice_gives_one_call_streamed_or_not(client, model) -> No
                 names.append(d.function.name) if d.function.name else None
                 streamed += d.function.arguments or ""
     assert len(ids) == 1 and names == ["get_weather"] and streamed == call.function.arguments and finishes[-1] == "stop"
+    # (cut by max_tokens: the call stays, its arguments cut, whole and streamed alike)
+    cut = client.chat.completions.create(**{**asks, "max_tokens": 4}).choices[0]
+    chunks = [c for chunk in client.chat.completions.create(**{**asks, "max_tokens": 4}, stream=True) for c in chunk.choices]
+    (part,) = cut.message.tool_calls
+    assert cut.finish_reason == chunks[-1].finish_reason == "length" and cut.message.content is None
+    assert part.function.name == "get_weather" and call.function.arguments.startswith(part.function.arguments)
+    assert part.function.arguments == "".join(d.function.arguments for c in chunks for d in c.delta.tool_calls or [])
+    assert 0 < len(part.function.arguments) < len(call.function.arguments)
 
 
 def test_required_tool_calls_and_a_conversation_that_carries_them(client, model) -> None:

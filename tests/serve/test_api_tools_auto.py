@@ -50,6 +50,19 @@ CITY = {"type": "function", "function": {"name": "get_weather", "description": "
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
+def read(fmt: CallFormat, text: str) -> tuple[str, list[tuple[str, str]]]:
+    """A whole answer's text outside calls, and its calls ``(name, arguments as written)``."""
+    out, calls = "", []
+    for p in CallReader(fmt).feed(text, final=True):
+        if p.kind == "text":
+            out += p.text
+        elif p.kind == "call":
+            calls.append((p.text, ""))
+        else:
+            calls[p.call] = (calls[p.call][0], calls[p.call][1] + p.text)
+    return out, calls
+
+
 QUESTIONS = (("What is the weather in Tokyo?", True), ("Tell me a joke.", False))
 
 
@@ -79,15 +92,53 @@ def test_auto_tool_choice_gives_the_models_own_calls_or_text(server, model, fmt)
     got = asyncio.run(asyncio.wait_for(all_at_once(), 300))
     for k, (question, called) in enumerate(QUESTIONS):
         free, r, streamed = got[3 * k: 3 * k + 3]
-        text, calls = CallReader(fmt).feed(free.choices[0].message.content, final=True)
+        text, calls = read(fmt, free.choices[0].message.content)
         choice = r.choices[0]
-        made = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+        made = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
         assert bool(calls) == called and made == calls, (question, free.choices[0].message.content, choice.message)
         assert choice.finish_reason == ("tool_calls" if called else free.choices[0].finish_reason)
         assert choice.message.content == (text.strip() or None if called else text)
         deltas = [d for c in streamed for d in c.delta.tool_calls or []]
-        assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
-            (i, n, a) for i, (n, a) in enumerate(calls)] and all(d.id.startswith("call_") for d in deltas)
+        parts: dict[int, list[str]] = {}
+        for d in deltas:  # (a call's first delta names it; its arguments come in pieces)
+            if d.id is not None:
+                assert d.id.startswith("call_") and d.index not in parts
+                parts[d.index] = [d.function.name, ""]
+            parts[d.index][1] += d.function.arguments or ""
+        assert [tuple(parts[i]) for i in sorted(parts)] == calls
+        assert len(deltas) > 2 * len(calls) if called else not deltas  # (arguments as they come)
         assert "".join(c.delta.content or "" for c in streamed) == text
         assert streamed[-1].finish_reason == choice.finish_reason
         assert all(c.delta.role or c.delta.content or c.delta.tool_calls or c.finish_reason for c in streamed)  # (no empty chunk)
+
+
+def test_a_call_cut_by_max_tokens_is_the_same_call_whole_and_streamed(server, model, fmt) -> None:
+    """An answer cut inside a call's arguments keeps the call with the arguments written so far
+    (``finish_reason`` ``length``), as OpenAI's stream leaves it; the whole answer gives what the
+    stream gave."""
+    asks = dict(model=model, temperature=0, tools=[CITY], messages=[*auto_history(fmt, False), *ask(QUESTIONS[0][0])])
+
+    async def cut_answers():
+        async with AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            full = await c.chat.completions.create(**asks, max_tokens=40)
+            n = full.usage.completion_tokens
+
+            async def streamed(limit):
+                return [ch async for ch in await c.chat.completions.create(**asks, max_tokens=limit, stream=True)]
+            limits = range(max(1, n - 8), n)
+            got = await asyncio.gather(*(coro for k in limits for coro in (
+                c.chat.completions.create(**asks, max_tokens=k), streamed(k))))
+            return full, list(zip(limits, got[0::2], got[1::2], strict=True))
+
+    full, runs = asyncio.run(asyncio.wait_for(cut_answers(), 300))
+    whole_args = full.choices[0].message.tool_calls[0].function.arguments
+    cut_inside = 0
+    for limit, r, chunks in runs:
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and chunks[-1].choices[0].finish_reason == "length", limit
+        made = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        streamed_args = "".join(d.function.arguments or "" for ch in chunks for d in ch.choices[0].delta.tool_calls or [])
+        assert [a for _, a in made] == ([streamed_args] if made else []), limit
+        assert all(n == "get_weather" and whole_args.startswith(a) for n, a in made), (limit, made)
+        cut_inside += bool(made) and made[0][1] != whole_args
+    assert cut_inside, [(limit, r.choices[0].message) for limit, r, _ in runs]  # (some cut fell inside the arguments)

@@ -15,6 +15,7 @@ from kvtier.serve.tools import (
     MAX_TOOLS,
     CallFormat,
     CallReader,
+    Piece,
     ToolError,
     call_format,
     chat_messages,
@@ -30,10 +31,6 @@ TIME = {"type": "function", "function": {"name": "get_time"}}  # (no parameters:
 def test_a_named_function_is_its_parameters_schema() -> None:
     calls = tool_calls([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}})
     assert calls.named == "get_weather" and json.loads(calls.structure.spec) == WEATHER["function"]["parameters"]
-    (call,) = calls.calls('{"city": "Paris"}')
-    assert call["type"] == "function" and call["id"].startswith("call_") and len(call["id"]) == 29
-    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    assert calls.calls('{"city": "Par') is None  # (cut by max_tokens: no call)
     assert json.loads(tool_calls([TIME], {"type": "function", "function": {"name": "get_time"}}).structure.spec) == {
         "type": "object", "properties": {}}
 
@@ -46,7 +43,8 @@ def test_required_is_an_array_of_calls_of_any_tool() -> None:
     got = calls.calls('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]')
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == [
         ("get_time", {}), ("get_weather", {"city": "Oslo"})]
-    assert len({c["id"] for c in got}) == 2
+    assert len({c["id"] for c in got}) == 2 and all(c["id"].startswith("call_") and len(c["id"]) == 29 for c in got)
+    assert calls.calls('[{"name": "get_time", "param') is None  # (cut by max_tokens: no calls)
     assert "maxItems" not in schema and json.loads(tool_calls([WEATHER], "required", parallel=False).structure.spec)[
         "maxItems"] == 1
 
@@ -74,14 +72,26 @@ def test_tools_and_choices_not_served_name_their_field(tools, choice, param, mes
 
 # -- tool_choice "auto": calls written among text ------------------------------------------------
 
-def answer(fmt: CallFormat) -> tuple[str, str, list]:
+def answer(fmt: CallFormat) -> tuple[str, list[Piece]]:
     """An answer with text around two calls (one argument holds the format's own end and trigger),
-    the text outside them and the calls."""
-    args = {"city": f"a{fmt.end}b{fmt.trigger}", "n": [1, {"x": None}]}
-    calls = [("get_weather", args), ("get_time", {})]
-    parts = ["Let me check. ", fmt.write("get_weather", json.dumps(args)), "\n",
-             fmt.write("get_time", "{}"), " Done: <tool or {\"na"]
-    return "".join(parts), "Let me check. \n Done: <tool or {\"na", calls
+    and its pieces."""
+    args = json.dumps({"city": f"a{fmt.end}b{fmt.trigger}\\\"}}", "n": [1, {"x": None}]})
+    parts = ["Let me check. ", fmt.write("get_weather", args), "\n", fmt.write("get_time", "{}"),
+             " Done: <tool or {\"na"]
+    return "".join(parts), [Piece("text", "Let me check. "), Piece("call", "get_weather", 0),
+                            Piece("arguments", args, 0), Piece("text", "\n"), Piece("call", "get_time", 1),
+                            Piece("arguments", "{}", 1), Piece("text", " Done: <tool or {\"na")]
+
+
+def merged(pieces: list[Piece]) -> list[Piece]:
+    """``pieces`` with neighbours of one text or one call's arguments joined."""
+    out: list[Piece] = []
+    for p in pieces:
+        if out and p.kind != "call" and (out[-1].kind, out[-1].call) == (p.kind, p.call):
+            out[-1] = out[-1]._replace(text=out[-1].text + p.text)
+        else:
+            out.append(p)
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -89,30 +99,44 @@ def answer(fmt: CallFormat) -> tuple[str, str, list]:
 @given(cuts=st.lists(st.integers(0, 400), max_size=12))
 def test_calls_read_as_they_stream_equal_the_whole_answers(name, cuts) -> None:
     fmt = FORMATS[name]
-    text, outside, calls = answer(fmt)
-    assert CallReader(fmt).feed(text, final=True) == (outside, calls)
-    reader, got, made = CallReader(fmt), [], []
+    text, pieces = answer(fmt)
+    assert merged(CallReader(fmt).feed(text, final=True)) == pieces
+    reader, got = CallReader(fmt), []
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     for a, b in zip(bounds, bounds[1:], strict=False):
-        piece, new = reader.feed(text[a:b])
-        assert fmt.trigger not in piece, piece  # (nothing of a call is given out as text)
-        got.append(piece)
-        made += new
-    piece, new = reader.feed("", final=True)
-    assert "".join(got) + piece == outside and made + new == calls and reader.made == 2
+        new = reader.feed(text[a:b])
+        assert all(fmt.trigger not in p.text for p in new if p.kind == "text"), new  # (no call given out as text)
+        got += new
+    assert merged(got + reader.feed("", final=True)) == pieces and reader.made == 2
 
 
-def test_a_call_cut_short_or_misspelt_stays_text() -> None:
+def test_arguments_stream_as_they_come_and_a_cut_call_stays_a_call() -> None:
+    fmt = FORMATS["hermes"]
+    head = fmt.begin + "get_weather" + fmt.arguments
+    reader = CallReader(fmt)
+    assert reader.feed("Hi " + head) == [Piece("text", "Hi ")]  # (the name is out once the arguments open)
+    assert reader.feed(' {"ci') == [Piece("call", "get_weather", 0), Piece("arguments", '{"ci', 0)]
+    assert reader.feed('ty": "Os') == [Piece("arguments", 'ty": "Os', 0)]
+    assert reader.feed("", final=True) == [] and reader.made == 1  # (cut by max_tokens: a call, cut)
+    whole = fmt.write("get_weather", '{"city": "Oslo"}')
+    for cut in (len(whole) - 4, len(whole) - 1):  # (cut in the format's end: the call is whole)
+        assert merged(CallReader(fmt).feed(whole[:cut], final=True)) == [
+            Piece("call", "get_weather", 0), Piece("arguments", '{"city": "Oslo"}', 0)]
+
+
+def test_a_call_cut_before_its_arguments_or_misspelt_is_text() -> None:
     fmt = FORMATS["hermes"]
     whole = fmt.write("get_weather", '{"city": "Oslo"}')
-    for cut in (5, len(fmt.begin) + 3, len(whole) - 4, len(whole) - 1):
+    for cut in (5, len(fmt.begin) + 3, len(fmt.begin) + len("get_weather") + 4):
         reader = CallReader(fmt)
-        assert reader.feed("Hi " + whole[:cut]) == ("Hi ", [])  # (held: it may be a call)
-        assert reader.feed("", final=True) == (whole[:cut], []) and reader.made == 0
+        assert reader.feed("Hi " + whole[:cut]) == [Piece("text", "Hi ")]  # (held: it may be a call)
+        assert reader.feed("", final=True) == [Piece("text", whole[:cut])] and reader.made == 0
     for text in ("<tool_call> not json", '<tool_call>\n{"name": "has space", "arguments": {}}\n</tool_call>',
-                 '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',
-                 '<tool_call>\n{"name": "f", "arguments": {}} </tool_call>'):
-        assert CallReader(fmt).feed(text, final=True) == (text, []), text
+                 '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>', "<tool_call>\n{\"name\": \"" + "f" * 65):
+        assert merged(CallReader(fmt).feed(text, final=True)) == [Piece("text", text)], text
+    # (a call's end misspelt after whole arguments: the call stands, what follows is text)
+    assert merged(CallReader(fmt).feed('<tool_call>\n{"name": "f", "arguments": {}} </tool_call>', final=True)) == [
+        Piece("call", "f", 0), Piece("arguments", "{}", 0), Piece("text", "} </tool_call>")]
 
 
 def test_auto_holds_each_call_to_its_tool_and_needs_a_format() -> None:

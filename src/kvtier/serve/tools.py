@@ -13,8 +13,8 @@ outputs: the answer is held to the JSON of the call, so it is always a well-form
   its family's own call format (:class:`CallFormat`: ``hermes``, Qwen's and Hermes'
   ``<tool_call>`` JSON; ``llama3_json``, Llama 3's bare JSON). The answer is free text until the
   format's trigger, then held to a call of one of the tools (xgrammar's structural tags), so
-  every call written is well formed; :class:`CallReader` reads the calls back, as the text
-  streams. Without a format (the server's ``--tool-call-parser none``) ``"auto"`` is a 400.
+  every call written is well formed; :class:`CallReader` reads the calls back as the text
+  streams (a call's name once its arguments open, then the arguments as they come). Without a format (the server's ``--tool-call-parser none``) ``"auto"`` is a 400.
 
 The tools are given to the chat template (``tools``), as transformers gives them, so a template
 that describes tools to the model does so. A template that ignores them (SmolLM2's) is given a
@@ -36,17 +36,18 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier.serve.structured import Structure
 
-__all__ = ["FORMATS", "MAX_TOOLS", "CallFormat", "CallReader", "ToolCalls", "ToolError", "call_format", "call_id",
+__all__ = ["FORMATS", "MAX_TOOLS", "CallFormat", "CallReader", "Piece", "ToolCalls", "ToolError", "call_format", "call_id",
            "chat_messages", "tool_calls"]
 
 #: tools one request may give
 MAX_TOOLS = 128
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NAME_PART = re.compile(r"[A-Za-z0-9_-]{0,64}")
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -144,73 +145,114 @@ def chat_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]], f
     return out
 
 
+class Piece(NamedTuple):
+    """A part of an answer read by :class:`CallReader`: ``kind`` ``"text"`` (outside calls),
+    ``"call"`` (a call begins; ``text`` its function's name) or ``"arguments"`` (``text`` the next
+    part of the call's arguments, JSON as written); ``call`` the call's index in the answer."""
+
+    kind: str
+    text: str
+    call: int = -1
+
+
 class CallReader:
-    """Reads an answer written under :meth:`CallFormat.structure`, as it streams: :meth:`feed`
-    gives the text outside calls (holding back an end that may begin a trigger) and each call
-    once it is whole; ``final`` gives out what is held (a call cut by ``max_tokens`` or a stop
-    string stays text)."""
+    """Reads an answer written under :meth:`CallFormat.structure` as it streams: :meth:`feed`
+    gives the text outside calls (holding back an end that may begin a trigger), each call's name
+    once its arguments' object opens, and the arguments as they come. ``final`` gives out what is
+    held: a trigger not followed by a call is text; a call cut inside its arguments (``max_tokens``,
+    a stop string) stays a call with the arguments written so far, as OpenAI's stream leaves it."""
 
     def __init__(self, fmt: CallFormat):
         self.fmt, self.held, self.made = fmt, "", 0
-        self._json = json.JSONDecoder()
+        self._at = "text"  # where the answer is: "text", a call's "arguments" or the call's "end"
+        self._depth, self._string, self._escape = 0, False, False
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[tuple[str, Any]]]:
-        """``(text, calls)`` of what ``text`` completes: ``calls`` as ``(name, arguments)``."""
+    def feed(self, text: str, final: bool = False) -> list[Piece]:
+        """The pieces ``text`` completes, in order (``final``: the answer's end)."""
         self.held += text
-        out: list[str] = []
-        calls: list[tuple[str, Any]] = []
-        trigger = self.fmt.trigger
+        out: list[Piece] = []
+        trigger, end = self.fmt.trigger, self.fmt.end
         while self.held:
+            if self._at == "arguments":  # the arguments, as they come, up to their object's close
+                cut = self._scan()
+                out.append(Piece("arguments", self.held[:cut], self.made - 1))
+                self.held = self.held[cut:]
+                if self._depth:
+                    break
+                self._at = "end"
+                continue
+            if self._at == "end":  # the format's end of the call, once written
+                i = 0
+                while i < len(self.held) and self.held[i].isspace() and not end.startswith(self.held[i]):
+                    i += 1
+                if self.held.startswith(end, i) or not end.startswith(self.held[i:]):
+                    self.held = self.held[i + len(end):] if self.held.startswith(end, i) else self.held
+                    self._at = "text"
+                    continue
+                if final:  # (a call whose end was cut: the call stands, its end's start is no text)
+                    self.held = ""
+                break
             at = self.held.find(trigger)
             if at < 0:  # hold back an end that may begin the trigger
                 keep = 0 if final else next((k for k in range(min(len(trigger) - 1, len(self.held)), 0, -1)
                                              if trigger.startswith(self.held[-k:])), 0)
-                out.append(self.held[:len(self.held) - keep])
+                out.append(Piece("text", self.held[:len(self.held) - keep]))
                 self.held = self.held[len(self.held) - keep:]
                 break
-            out.append(self.held[:at])
+            out.append(Piece("text", self.held[:at]))
             self.held = self.held[at:]
-            got = self._call()
-            if got is None:  # not whole yet
+            got = self._head()
+            if got is None:  # not decided yet
                 if final:
-                    out.append(self.held)
+                    out.append(Piece("text", self.held))
                     self.held = ""
                 break
             if got is False:  # not a call after all: the trigger is text
-                out.append(trigger)
+                out.append(Piece("text", trigger))
                 self.held = self.held[len(trigger):]
                 continue
-            name, args, used = got
-            calls.append((name, args))
-            self.held = self.held[used:]
-        self.made += len(calls)
-        return "".join(out), calls
+            name, used = got
+            out.append(Piece("call", name, self.made))
+            self.made += 1
+            self.held, self._at = self.held[used:], "arguments"
+        return [p for p in out if p.text or p.kind == "call"]
 
-    def _call(self) -> tuple[str, Any, int] | bool | None:
-        """The call at the start of ``held``: ``(name, arguments, characters)``; ``None`` where it
-        is not whole yet, ``False`` where it is no call."""
+    def _head(self) -> tuple[str, int] | bool | None:
+        """The call beginning ``held``: ``(name, characters before its arguments' "{")``; ``None``
+        where it is not decided yet, ``False`` where it is no call."""
         f, held = self.fmt, self.held
         if not held.startswith(f.begin):
             return None if f.begin.startswith(held) else False
         start = len(f.begin)
         quote = held.find('"', start)
+        name = held[start:] if quote < 0 else held[start:quote]
+        if not _NAME_PART.fullmatch(name):
+            return False
         if quote < 0 or not held.startswith(f.arguments, quote):
             return None if quote < 0 or f.arguments.startswith(held[quote:]) else False
-        name = held[start:quote]
         i = quote + len(f.arguments)
-        if f.end not in held[i:]:  # (not whole yet: no parse of the arguments a token)
+        i += len(held[i:]) - len(held[i:].lstrip())
+        if i == len(held):
             return None
-        while i < len(held) and held[i].isspace():
-            i += 1
-        try:
-            args, j = self._json.raw_decode(held, i)
-        except json.JSONDecodeError:
-            return None
-        while j < len(held) and held[j].isspace() and not f.end.startswith(held[j]):
-            j += 1
-        if held.startswith(f.end, j) and _NAME.fullmatch(name) and isinstance(args, dict):
-            return name, args, j + len(f.end)
-        return None if f.end.startswith(held[j:]) else False
+        return (name, i) if held[i] == "{" and _NAME.fullmatch(name) else False
+
+    def _scan(self) -> int:
+        """How much of ``held`` belongs to the arguments (all of it while their object is open)."""
+        depth, string, escape = self._depth, self._string, self._escape
+        for j, c in enumerate(self.held):
+            if string:
+                escape, string = (False, True) if escape else (c == "\\", c != '"')
+            elif c == '"':
+                string = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    self._depth, self._string, self._escape = 0, False, False
+                    return j + 1
+        self._depth, self._string, self._escape = depth, string, escape
+        return len(self.held)
 
 
 def call_id() -> str:
@@ -237,17 +279,14 @@ class ToolCalls:
     auto: CallFormat | None = None
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The message's ``tool_calls`` from the answer's text; ``None`` where the text is not a
-        whole call (an answer cut by ``max_tokens``). A named call's arguments are the text as
-        written, as its stream gives them."""
+        """The message's ``tool_calls`` from a ``"required"`` answer's array; ``None`` where the
+        text is not a whole array (an answer cut by ``max_tokens``)."""
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
             return None
-        pairs = ([(self.named, text)] if self.named is not None else
-                 [(c["name"], json.dumps(c["parameters"])) for c in value])
-        return [{"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
-                for name, args in pairs]
+        return [{"id": call_id(), "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["parameters"])}}
+                for c in value]
 
 
 def tool_calls(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool = True,

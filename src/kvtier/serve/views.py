@@ -5,7 +5,6 @@ tool calls."""
 from __future__ import annotations
 
 import codecs
-import json
 import time
 from dataclasses import replace
 from typing import NamedTuple
@@ -120,19 +119,22 @@ class Completion:
 
     def _tool_calls(self, text: str, finish: str | None, chunk: bool, body: dict) -> tuple[dict, str | None]:
         """The message (or delta) and finish reason of an answer given as tool calls: a named call's
-        arguments streamed as they come; "required" calls held until the answer is whole. An
-        answer that is no whole call (cut by ``max_tokens``) stays text."""
+        arguments streamed as they come (one cut by ``max_tokens`` stays a call, its arguments cut,
+        whole or streamed); "required" calls held until the answer is whole (an array cut short
+        stays text)."""
         if self.reader is not None:
             return self._auto(text, finish, chunk, body)
         named = self.tools.named
-        if chunk and named is not None:
+        if named is not None:
             if not text:
-                return body, finish
+                return ({} if chunk else body), finish
             call: dict = {"index": 0, "function": {"arguments": text}}
             if self.call_id is None:
                 self.call_id = call_id()
                 call = {"index": 0, "id": self.call_id, "type": "function", "function": {"name": named, "arguments": text}}
-            return {"tool_calls": [call]}, finish
+            if chunk:
+                return {"tool_calls": [call]}, finish
+            return {"content": None, "tool_calls": [{k: v for k, v in call.items() if k != "index"}]}, finish
         if chunk:
             self.held += text
             if finish is None:
@@ -143,25 +145,32 @@ class Completion:
             return ({"content": text} if text or not chunk else {}), finish
         if chunk:
             return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, "tool_calls"
-        return {"content": None, "tool_calls": calls}, "stop" if named is not None else "tool_calls"
+        return {"content": None, "tool_calls": calls}, "tool_calls"
 
     def _auto(self, text: str, finish: str | None, chunk: bool, body: dict) -> tuple[dict, str | None]:
         """``tool_choice: "auto"``: the text outside calls as content (streamed as it comes, but an
-        end that may begin a call), each call once whole; ``finish_reason`` ``tool_calls`` where
-        the answer ended after calls. An answer without calls is the text alone."""
-        made = self.reader.made
-        content, calls = self.reader.feed(text, final=finish is not None)
+        end that may begin a call), each call's name once its arguments begin and the arguments as
+        they come; ``finish_reason`` ``tool_calls`` where the answer ended after calls. An answer
+        without calls is the text alone."""
+        pieces = self.reader.feed(text, final=finish is not None)
         finish = "tool_calls" if finish == "stop" and self.reader.made else finish
-        written = [{"id": call_id(), "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
-                   for n, a in calls]
+        content = "".join(p.text for p in pieces if p.kind == "text")
+        calls: dict[int, dict] = {}
+        for p in pieces:
+            if p.kind == "call":
+                calls[p.call] = {"index": p.call, "id": call_id(), "type": "function",
+                                 "function": {"name": p.text, "arguments": ""}}
+            elif p.kind == "arguments":
+                calls.setdefault(p.call, {"index": p.call, "function": {"arguments": ""}})["function"]["arguments"] += p.text
         if chunk:
             delta = {"content": content} if content else {}
-            if written:
-                delta["tool_calls"] = [{"index": made + k, **c} for k, c in enumerate(written)]
+            if calls:
+                delta["tool_calls"] = list(calls.values())
             return delta, finish
-        if not written:
+        if not calls:
             return body, finish
-        return {"content": content.strip() or None, "tool_calls": written}, finish
+        return {"content": content.strip() or None,
+                "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls.values()]}, finish
 
     def whole(self, outs: list[RequestOutput]) -> dict:
         """This choice, non-streaming, from every output of its request."""
