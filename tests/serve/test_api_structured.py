@@ -195,9 +195,10 @@ def test_required_tool_calls_and_a_conversation_that_carries_them(client, model)
     ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools", "tools[0] must be"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice",
      "give one structured output, not guided_regex and tool_choice"),
-    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tool_choice",
-     'not response_format and tool_choice; tool calls are one (tools without tool_choice mean "auto"): send '
-     'tool_choice "none" for an answer held to response_format'),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     'not response_format and tool_choice; tool calls are one (with tool_choice "auto", the default with tools, '
+     'only response_format may join them): send tool_choice "none" for an answer held to response_format'),
+    ({"tools": [WEATHER], "guided_regex": "a"}, "tool_choice", "give one structured output, not guided_regex"),
     ({"functions": [{"name": "f"}]}, "functions", "send tools and tool_choice"),
 ])
 def test_tools_not_served_are_400s(server, body, param, message) -> None:

@@ -142,3 +142,42 @@ def test_a_call_cut_by_max_tokens_is_the_same_call_whole_and_streamed(server, mo
         assert all(n == "get_weather" and whole_args.startswith(a) for n, a in made), (limit, made)
         cut_inside += bool(made) and made[0][1] != whole_args
     assert cut_inside, [(limit, r.choices[0].message) for limit, r, _ in runs]  # (some cut fell inside the arguments)
+
+
+ANSWER = {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 24},
+          "text": {"type": "string", "maxLength": 60}}, "required": ["topic", "text"], "additionalProperties": False}
+
+
+JSON_QUESTIONS = (QUESTIONS[0], ('Tell me a joke, written as JSON: {"topic": ..., "text": ...}.', False))
+
+
+def test_auto_beside_a_response_format_gives_calls_or_json_held_to_it(server, model, fmt) -> None:
+    """``tools`` with ``response_format`` (OpenAI's pairing): the answer is calls alone or JSON held
+    to the format: a call for Tokyo, JSON for a joke; streamed as whole."""
+    def asks(question: str) -> dict:
+        return dict(model=model, temperature=0, max_tokens=80, tools=[CITY], messages=[*auto_history(fmt, False),
+                    *ask(question)], response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}})
+
+    async def all_at_once():
+        async with AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            async def streamed(question):
+                return [ch async for ch in await c.chat.completions.create(**asks(question), stream=True)]
+            return await asyncio.gather(*(coro for q, _ in JSON_QUESTIONS for coro in (
+                c.chat.completions.create(**asks(q)), streamed(q))))
+
+    got = asyncio.run(asyncio.wait_for(all_at_once(), 300))
+    for k, (_, called) in enumerate(JSON_QUESTIONS):
+        r, chunks = got[2 * k], got[2 * k + 1]
+        choice = r.choices[0]
+        calls = choice.message.tool_calls or []
+        if called:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None and calls, choice
+            assert all(c.function.name == "get_weather" and set(json.loads(c.function.arguments)) == {"city"}
+                       for c in calls)
+        else:
+            answer = json.loads(choice.message.content)
+            assert not calls and choice.finish_reason == "stop" and set(answer) == {"topic", "text"}, choice
+        streamed_text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        streamed_args = "".join(d.function.arguments or "" for ch in chunks for d in ch.choices[0].delta.tool_calls or [])
+        assert streamed_text == (choice.message.content or "") and streamed_args == "".join(
+            c.function.arguments for c in calls) and chunks[-1].choices[0].finish_reason == choice.finish_reason

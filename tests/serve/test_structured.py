@@ -116,6 +116,12 @@ def test_auto_tool_calls_hold_each_call_to_its_tool_and_leave_text_free(name) ->
                 fmt.write("get_weather", '{"city": "Oslo", "rank": 100}'), fmt.trigger + " no call",
                 good[:-1]):
         assert not takes(bad), bad
+    # beside a response_format: JSON held to it, or calls alone (a line apart)
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for text, ok in (('{"ok": true}', True), (good, True), (f"{good}\n{good}", True), ('{"ok": 1}', False),
+                     ("Free text", False), (f"Checking. {good}", False), ("", False), (f'{{"ok": true}}{good}', False)):
+        m = grammars.matcher(tool_calls(tools, "auto", True, fmt, answer).structure, [256])
+        assert (all(m.take(b) for b in text.encode()) and m.take(256)) is ok, text
 
 
 def test_vllms_structural_tags_are_triggered_tags() -> None:

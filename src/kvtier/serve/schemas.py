@@ -319,10 +319,11 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self.tool_calls()
 
-    def tool_calls(self) -> ToolCalls | None:
-        """How the answer becomes tool calls (``None``: text); 400 for tools or a tool_choice not served."""
+    def tool_calls(self, answer: dict[str, Any] | None = None) -> ToolCalls | None:
+        """How the answer becomes tool calls (``None``: text; ``answer``: the JSON schema of an
+        answer that is no call); 400 for tools or a tool_choice not served."""
         try:
-            return tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls is not False, self._calls)
+            return tool_calls(self.tools, self.tool_choice, self.parallel_tool_calls is not False, self._calls, answer)
         except ToolError as e:
             raise APIError(400, str(e), param=e.param, code="unsupported_parameter" if e.unsupported else None) from None
 
@@ -469,9 +470,14 @@ def structure(req: CompletionRequest | ChatCompletionRequest) -> tuple[Structure
         ("structured_outputs", "structural_tag", so.get("structural_tag")),
         ("tool_choice", "tools", calls.structure if calls else None),
         ("guided_choice", "choice", req.guided_choice)) if value is not None]
+    if (calls is not None and calls.auto is not None and kind in ("json_object", "json_schema")
+            and [g[0] for g in given] == ["response_format", "tool_choice"]):
+        # "auto" beside a response_format: the answer is JSON held to it, or calls
+        return req.tool_calls(answer=schema["schema"] if schema else {"type": "object"}).structure, "tool_choice"
     if len(given) > 1:
-        why = ("; tool calls are one (tools without tool_choice mean \"auto\"): send tool_choice \"none\" for "
-               f"an answer held to {given[0][0]}" if given[1][0] == "tool_choice" else "")
+        why = ("; tool calls are one (with tool_choice \"auto\", the default with tools, only response_format "
+               f"may join them): send tool_choice \"none\" for an answer held to {given[0][0]}"
+               if given[1][0] == "tool_choice" else "")
         raise APIError(400, f"give one structured output, not {given[0][0]} and {given[1][0]}{why}",
                        param=given[1][0])
     if not given or given[0][1] == "choice":

@@ -68,15 +68,20 @@ class CallFormat:
         """One call, as the model writes it (``arguments``: the JSON object's text)."""
         return f"{self.begin}{name}{self.arguments}{arguments}{self.end}"
 
-    def structure(self, schemas: dict[str, Any], parallel: bool) -> Structure:
+    def structure(self, schemas: dict[str, Any], parallel: bool, answer: dict[str, Any] | None = None) -> Structure:
         """Free text in which each call, once its trigger is written, is held to one of the tools
-        and its ``parameters`` schema (one call at most unless ``parallel``)."""
+        and its ``parameters`` schema (one call at most unless ``parallel``). With ``answer`` (a
+        JSON schema), the answer is either JSON held to it or calls alone, a line apart."""
         tags = [{"type": "tag", "begin": f"{self.begin}{name}{self.arguments}",
                  "content": {"type": "json_schema", "json_schema": schema}, "end": self.end}
                 for name, schema in schemas.items()]
-        return Structure("structural_tag", json.dumps({"type": "structural_tag", "format": {
-            "type": "triggered_tags", "triggers": [self.trigger], "tags": tags, "at_least_one": False,
-            "stop_after_first": not parallel}}))
+        calls = {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags, "at_least_one": False,
+                 "stop_after_first": not parallel}
+        if answer is not None:
+            calls = {"type": "or", "elements": [{"type": "json_schema", "json_schema": answer}, {
+                "type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+                "stop_after_first": not parallel}]}
+        return Structure("structural_tag", json.dumps({"type": "structural_tag", "format": calls}))
 
     def describe(self, tools: list[dict[str, Any]]) -> str:
         return self.instructions.format(tools="\n".join(json.dumps(t) for t in tools))
@@ -290,11 +295,12 @@ class ToolCalls:
 
 
 def tool_calls(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool = True,
-               fmt: CallFormat | None = None) -> ToolCalls | None:
+               fmt: CallFormat | None = None, answer: dict[str, Any] | None = None) -> ToolCalls | None:
     """What ``tools`` and ``tool_choice`` ask of the answer (``None``: text; ``parallel``: OpenAI's
     ``parallel_tool_calls``, false for one call at most; ``fmt``: the model's call format, which
-    ``"auto"`` needs); :class:`ToolError` for a malformed tool, a choice naming no tool, or
-    ``"auto"`` without a format."""
+    ``"auto"`` needs; ``answer``: with ``"auto"``, the JSON schema of an answer that is no call,
+    OpenAI's ``response_format`` beside tools); :class:`ToolError` for a malformed tool, a choice
+    naming no tool, or ``"auto"`` without a format."""
     tools = tools or []
     if len(tools) > MAX_TOOLS:
         raise ToolError(f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are accepted", "tools")
@@ -322,7 +328,7 @@ def tool_calls(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool =
                             f"{{{','.join(FORMATS)}}}, or send tool_choice \"required\", a function's name "
                             "({\"type\": \"function\", \"function\": {\"name\": ...}}), or \"none\"", "tool_choice",
                             unsupported=True)
-        return ToolCalls(None, fmt.structure(schemas, parallel), auto=fmt)
+        return ToolCalls(None, fmt.structure(schemas, parallel, answer), auto=fmt)
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
                   "required": ["name", "parameters"], "additionalProperties": False} for n, p in schemas.items()]
