@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -50,8 +51,9 @@ def structured_greedy(model, tokenizer, ids: list[int], structure: Structure, st
                       max_tokens: int) -> list[int]:
     """The reference: each token the float64 argmax of the whole sequence's last logits among
     those xgrammar's own matcher allows (its bitmask applied by its own kernel), until a stop
-    or ``max_tokens``."""
+    or ``max_tokens``; with ``structure.after``, the plain argmax until those bytes are written."""
     vocab = model.args.vocab_size
+    seen, after = b"", structure.after.encode()
     grammars = Grammars(tokenizer, vocab)  # (the compiled grammar only; matching is xgrammar's)
     matcher = xgr.GrammarMatcher(grammars.compile(structure), override_stop_tokens=stops)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
@@ -61,10 +63,15 @@ def structured_greedy(model, tokenizer, ids: list[int], structure: Structure, st
         while len(out) < max_tokens and not (out and out[-1] in stops):
             logits = model(torch.tensor([ids + out], device=device), model.make_caches(KVCacheConfig()))[0, -1]
             logits = logits.double().cpu()
+            if after and after not in seen:
+                out.append(int(logits.argmax()))
+                seen += tokenizer.token_bytes(out[-1], padded=True)
+                continue
             matcher.fill_next_token_bitmask(bitmask)
             allowed = torch.zeros(1, vocab)
             xgr.apply_token_bitmask_inplace(allowed, bitmask)
             logits[torch.isneginf(allowed[0])] = float("-inf")
+            logits[tokenizer.vocab_size:] = float("-inf")  # (ids with no text: never in a grammar)
             out.append(int(logits.argmax()))
             assert matcher.accept_token(out[-1])
     return out
@@ -122,6 +129,35 @@ def test_auto_tool_calls_hold_each_call_to_its_tool_and_leave_text_free(name) ->
                      ("Free text", False), (f"Checking. {good}", False), ("", False), (f'{{"ok": true}}{good}', False)):
         m = grammars.matcher(tool_calls(tools, "auto", True, fmt, answer).structure, [256])
         assert (all(m.take(b) for b in text.encode()) and m.take(256)) is ok, text
+
+
+def test_a_grammar_waits_for_the_reasoning_to_end() -> None:
+    """A structure with ``after``: any text (the mask is not applied) until the awaited text is
+    written, the end split over tokens included; then the grammar holds the answer."""
+    tok = byte_tokenizer()
+    grammars = Grammars(tok, 257)
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+
+    def takes(text: str, after: str) -> tuple[bool, bool]:
+        m = grammars.matcher(Structure("json", schema, after=after), [256])
+        waited = []
+        ok = True
+        for b in text.encode():
+            waited.append(m.waiting)
+            ok = ok and m.take(b)
+        return ok and m.take(256), any(waited)
+
+    assert takes('{"n": 4}', "") == (True, False)
+    assert takes('I think {"n": "x"} is wrong.</think>{"n": 4}', "</think>") == (True, True)
+    assert takes('no end, {"n": 4}', "</think>")[0]  # (never ended: the answer stays free)
+    assert not takes('fine</think>not json', "</think>")[0]
+    assert not takes("fine</think>", "</think>")[0]  # (the end of the answer, with no JSON after it)
+    m = grammars.matcher(Structure("json", schema, after="</think>"), [256])
+    for b in b"a</think":
+        m.take(b)
+    assert m.waiting and m.take(ord(">")) and not m.waiting and not m.take(ord("x"))
+    with pytest.raises(ValueError, match="after must be a string"):
+        Structure("json", schema, after=None)
 
 
 def test_vllms_structural_tags_are_triggered_tags() -> None:
@@ -309,6 +345,18 @@ def test_random_model_structured_rows_under_asynchronous_scheduling(device, grap
         assert o.finish_reason == "stop"
     assert all(re.fullmatch("[a-c]{2,6}(-[0-9])?", o.text) for o in outs[1::5])
     assert all(re.fullmatch("yes|no|maybe [xyz]+", o.text) for o in outs[2::5])
+    # rows whose grammar waits for their answer's first three bytes (a reasoning model's end): free
+    # until then, held after, under asynchronous scheduling
+    firsts = [f.token_ids for f in engine.generate(prompts, RequestParams(max_tokens=3))]
+    heads = [next((f[:k] for k in (3, 2, 1) if max(f[:k]) < 128), ()) for f in firsts]  # (ASCII to wait for)
+    rows = [i for i, h in enumerate(heads) if h and structures[i % 5] is not None]
+    waits = [RequestParams(max_tokens=24, structure=replace(structures[i % 5], after=bytes(heads[i]).decode()))
+             for i in rows]
+    assert len(waits) >= 3, firsts
+    got = engine.generate([prompts[i] for i in rows], waits)
+    for i, p, o in zip(rows, waits, got, strict=True):
+        assert list(o.token_ids) == structured_greedy(model, tok, prompts[i], p.structure, [256], 24)
+        assert o.token_ids[:len(heads[i])] == heads[i] and o.token_ids != outs[i].token_ids
 
 
 def test_warm_up_builds_the_grammars_tables() -> None:

@@ -131,7 +131,8 @@ class LogitAdjustments:
             allow = torch.zeros(len(self._guided_rows), out.shape[1], dtype=torch.int32, device=device)
             for m, (j, slot) in enumerate(self._guided_rows):
                 self._guide(out[j], allow[m], *self.guided[slot])
-        grammar = [(j, lv.matcher) for j, lv in enumerate(lives) if lv.matcher is not None and not lv.matcher.ended]
+        grammar = [(j, lv.matcher) for j, lv in enumerate(lives)
+                   if lv.matcher is not None and not lv.matcher.ended and not lv.matcher.waiting]
         if grammar:  # (a row whose grammar has ended is sampled once more and dropped: left as it is)
             mask_rows(out, *zip(*grammar))
         return out, index

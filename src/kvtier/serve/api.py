@@ -58,6 +58,8 @@ from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvtier.serve.middleware import ApiKeys, BodyLimit
 from kvtier.serve.params import RequestOutput, RequestParams
+from kvtier.serve.reasoning import FORMATS as REASONING
+from kvtier.serve.reasoning import ReasoningReader, grammar_after, prompt_state
 from kvtier.serve.responses import add_responses_routes
 from kvtier.serve.scheduler import QueueFull
 from kvtier.serve.schemas import (
@@ -111,6 +113,9 @@ class ServerConfig:
     #: a name of :data:`kvtier.serve.tools.FORMATS`, ``"none"``, or ``None`` to read it off the
     #: chat template (:func:`kvtier.serve.tools.call_format`)
     tool_call_parser: str | None = None
+    #: the model's reasoning format (``kvtier serve --reasoning-parser``): a name of
+    #: :data:`kvtier.serve.reasoning.FORMATS`, or ``None`` for answers without reasoning
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -129,6 +134,9 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in (*FORMATS, "none"):
             raise ValueError(f"tool_call_parser must be one of {', '.join(FORMATS)}, none or None, got "
                              f"{self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING)} or None, got "
+                             f"{self.reasoning_parser!r}")
         if self.warmup is not None and not isinstance(self.warmup, bool):
             raise ValueError(f"warmup must be a bool or None, got {self.warmup!r}")
         t = self.shutdown_timeout_s
@@ -177,6 +185,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     # tool_choice "auto": the model's call format; a template that ignores tools gets them described
     calls = call_format(config.tool_call_parser, tokenizer)
     describe = calls is not None and not describes_tools(tokenizer)
+    thinks = None if config.reasoning_parser is None else REASONING[config.reasoning_parser]
 
     def fail(e: APIError) -> JSONResponse:
         metrics.reject(e.status)
@@ -343,13 +352,17 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         with ``chunks`` the chunks' objects as they come (the Responses route's)."""
         check(req.served(calls, describe))
         params = request_params(req, tokenizer)
-        await compile_structure(req, params)
         text = render_chat(req, tokenizer)
+        state = None if thinks is None else prompt_state(thinks, text)
+        if state is not None and params.structure is not None:  # (its grammar from the reasoning's end on)
+            params = replace(params, structure=replace(params.structure, after=grammar_after(thinks, state) or ""))
+        await compile_structure(req, params)
         ids = await asyncio.to_thread(encode, text, "messages", False, kept_tokens(req))
         rids = await start([(ids, choice_params(params, i)) for i in range(req.n)], req.n, "messages")
         tools = req.tool_calls()
         views = [Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i,
-                            scored=req.prompt_logprobs, tools=tools) for i in range(req.n)]
+                            scored=req.prompt_logprobs, tools=tools,
+                            reasoning=None if thinks is None else ReasoningReader(thinks, state)) for i in range(req.n)]
         return await answer(views, rids, req, request, chunks=chunks)
 
     add_responses_routes(app, chat_answer, lambda: model_name)

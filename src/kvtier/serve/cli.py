@@ -76,6 +76,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "(default: hermes where the chat template writes <tool_call> or ignores tools, which "
                    "are then described to the model; none, so \"auto\" is refused, where it describes "
                    "them another way)")
+    p.add_argument("--reasoning-parser", dest="reasoning_parser", choices=("deepseek_r1", "qwen3"),
+                   default=_ABSENT, help="the model's reasoning format: a chat answer's <think> ... </think> "
+                   "goes out as the message's reasoning, the rest as its content, and structured outputs "
+                   "and tool calls hold the answer from the reasoning's end (default: none)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=_ABSENT,
                    metavar="S", help="seconds a stopping server waits for requests in flight before "
                    "it ends them (default: until they finish)")
@@ -108,7 +112,7 @@ def configs_from_args(args: argparse.Namespace):
     engine = {n: getattr(args, n) for n in _ENGINE_FLAGS if hasattr(args, n)}
     engine |= parse_storage_flags(getattr(args, "kv_quant", None), getattr(args, "turboquant", None))
     server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup", "shutdown_timeout_s",
-                                            "tool_call_parser") if hasattr(args, n)}
+                                            "tool_call_parser", "reasoning_parser") if hasattr(args, n)}
     keys = getattr(args, "api_keys", None) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
     if keys:
         server["api_keys"] = tuple(keys)

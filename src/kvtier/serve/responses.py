@@ -11,6 +11,10 @@ path, then written back in the Responses shapes:
 - ``tools`` (``{"type": "function", "name", "parameters"}``), ``tool_choice`` and
   ``parallel_tool_calls`` become chat tools, so calls, ``"auto"`` included, are made as for
   chat (:mod:`kvtier.serve.tools`) and given as ``function_call`` output items;
+- a reasoning model's reasoning (``kvtier serve --reasoning-parser``) is given as a
+  ``reasoning`` output item before the message (streamed as ``response.reasoning_text``
+  events); ``reasoning`` items sent back in ``input`` are left out, as chat templates leave
+  earlier reasoning out;
 - ``text.format`` (``json_schema``, ``json_object``) becomes ``response_format``;
   ``max_output_tokens``, ``temperature``, ``top_p`` as named.
 
@@ -121,6 +125,8 @@ def messages_of(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":  # (an earlier answer's reasoning, sent back: chat templates leave it out)
+            continue
         elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
@@ -197,6 +203,11 @@ def _message(text: str, status: str = "completed", item_id: str | None = None) -
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
+def _reasoning(text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call(call: dict, status: str = "completed", item_id: str | None = None) -> dict:
     return {"type": "function_call", "id": item_id or f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
@@ -231,8 +242,9 @@ def _said(output: list[dict]) -> dict:
 
 
 def _output(message: dict) -> list[dict]:
-    """A chat message as output items: its text (if any), then its calls."""
-    items = [_message(message["content"])] if message.get("content") else []
+    """A chat message as output items: its reasoning and its text (each if any), then its calls."""
+    items = [_reasoning(message["reasoning"])] if message.get("reasoning") else []
+    items += [_message(message["content"])] if message.get("content") else []
     return items + [_call(c) for c in message.get("tool_calls") or []]
 
 
@@ -299,6 +311,7 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
     seq = 0
     output: list[dict] = []
     message: dict | None = None  # the open text item
+    thought: dict | None = None  # the open reasoning item
     calls: dict[int, dict] = {}  # chat tool call index: its open item
     finish, usage = None, None
 
@@ -321,6 +334,16 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                       part=part),
                 event("response.output_item.done", output_index=i, item=output[i])]
 
+    def close_thought() -> list[str]:
+        nonlocal thought
+        if thought is None:
+            return []
+        i, item, thought = output.index(thought), thought, None
+        item["status"] = "completed"
+        return [event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                      text=item["content"][0]["text"]),
+                event("response.output_item.done", output_index=i, item=item)]
+
     def close_calls() -> list[str]:
         out = []
         for item in calls.values():
@@ -337,7 +360,7 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             if "error" in chunk:
-                for e in close_message() + close_calls():
+                for e in close_thought() + close_message() + close_calls():
                     yield e
                 yield event("response.failed", response={**built.body("failed", output), "error": {
                     "code": chunk["error"].get("code") or "server_error", "message": chunk["error"]["message"]}})
@@ -345,9 +368,20 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
                 delta = choice["delta"]
+                if delta.get("reasoning"):
+                    if thought is None:
+                        for e in close_message() + close_calls():
+                            yield e
+                        thought = _reasoning("", "in_progress")
+                        output.append(thought)
+                        yield event("response.output_item.added", output_index=len(output) - 1,
+                                    item={**thought, "content": []})
+                    thought["content"][0]["text"] += delta["reasoning"]
+                    yield event("response.reasoning_text.delta", item_id=thought["id"], output_index=output.index(thought),
+                                content_index=0, delta=delta["reasoning"])
                 if delta.get("content"):
                     if message is None:
-                        for e in close_calls():
+                        for e in close_thought() + close_calls():
                             yield e
                         message = _message("", "in_progress")
                         output.append(message)
@@ -361,7 +395,7 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                                 content_index=0, delta=delta["content"], logprobs=[])
                 for tc in delta.get("tool_calls") or []:
                     if tc.get("id"):  # a new call
-                        for e in close_message():
+                        for e in close_thought() + close_message():
                             yield e
                         call = {"id": tc["id"], "type": "function",
                                 "function": {"name": tc["function"]["name"], "arguments": ""}}
@@ -376,7 +410,7 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                         yield event("response.function_call_arguments.delta", item_id=item["id"],
                                     output_index=output.index(item), delta=args)
                 finish = choice["finish_reason"] or finish
-    for e in close_message() + close_calls():
+    for e in close_thought() + close_message() + close_calls():
         yield e
     status = "incomplete" if finish == "length" else "completed"
     body = built.body(status, output, _usage(usage), finish)

@@ -57,10 +57,13 @@ class Structure:
     """One request's constraint: ``kind`` one of :data:`KINDS`; ``spec`` the JSON schema as JSON
     text (``"json"``), the pattern (``"regex"``), the grammar, whose rule ``root`` is the
     answer (``"grammar"``), or xgrammar's structural tag as JSON text (``"structural_tag"``);
-    empty for ``"json_object"``."""
+    empty for ``"json_object"``. ``after``: the grammar holds the answer from the end of this
+    text on (a reasoning model's ``</think>``, :mod:`kvtier.serve.reasoning`); empty: from its
+    start."""
 
     kind: str
     spec: str = ""
+    after: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -69,6 +72,8 @@ class Structure:
             raise ValueError(f"structure spec must be a string, got {type(self.spec).__name__}")
         if (self.kind == "json_object") != (not self.spec):
             raise ValueError(f"structure {self.kind!r} takes {'no' if self.kind == 'json_object' else 'a'} spec")
+        if not isinstance(self.after, str):
+            raise ValueError(f"structure after must be a string, got {type(self.after).__name__}")
         if len(self.spec) > MAX_STRUCTURE_CHARS:
             raise ValueError(f"structure holds {len(self.spec)} characters; at most {MAX_STRUCTURE_CHARS} "
                              "are accepted")
@@ -112,13 +117,27 @@ def named(message: str, field: str) -> str:
 class Matcher:
     """One request's place in its grammar: :meth:`take` each token it is given, in order."""
 
-    def __init__(self, matcher, grammars: Grammars, stops: Sequence[int]) -> None:
+    def __init__(self, matcher, grammars: Grammars, stops: Sequence[int], after: bytes = b"") -> None:
         self._m, self.grammars, self.stops = matcher, grammars, tuple(stops)
+        self._after, self._seen = after, b""  # the text awaited before the grammar applies; its start seen
 
     def take(self, token: int) -> bool:
         """Advance past ``token``; False where the grammar had ended (a row sampled once more
-        under asynchronous scheduling, whose token the engine drops) or refuses it."""
+        under asynchronous scheduling, whose token the engine drops) or refuses it. While
+        :attr:`waiting`, every token is taken, and the grammar applies from the token after the
+        one that completes the awaited text."""
+        if self._after:
+            self._seen += self.grammars.tokenizer.token_bytes(token, padded=True)
+            if self._after in self._seen:
+                self._after = b""
+            self._seen = self._seen[max(0, len(self._seen) - len(self._after) + 1):] if self._after else b""
+            return True
         return not self._m.is_terminated() and self._m.accept_token(token)
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the grammar waits for its ``after`` text (the answer is free until then)."""
+        return bool(self._after)
 
     @property
     def ended(self) -> bool:
@@ -190,7 +209,8 @@ class Grammars:
                              f"stop_token_ids {beyond[:5]} are past them: give ids of the tokenizer")
         xgr = self._xgr()
         compiled = self.compile(structure)
-        m = Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids)), self, sorted(stop_ids))
+        m = Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids)), self, sorted(stop_ids),
+                    structure.after.encode())
         first = xgr.allocate_token_bitmask(1, self.tokenizer.vocab_size)
         m._m.fill_next_token_bitmask(first)
         if not first.any():  # (such as "root ::= root", or a schema no value meets)

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from kvtier.serve.params import RequestOutput, TokenLogprob
+from kvtier.serve.reasoning import ReasoningReader
 from kvtier.serve.tools import CallReader, ToolCalls, call_id
 
 __all__ = ["Completion", "Unscored"]
@@ -35,13 +36,15 @@ class Completion:
 
     def __init__(self, tokenizer, model: str, rid: str, chat: bool, index: int = 0, *, first: bool = True,
                  echo: str | None = None, prompt: list[int] | None = None, drop: bool = False,
-                 top: int | None = None, scored: int | None = None, tools: ToolCalls | None = None):
+                 top: int | None = None, scored: int | None = None, tools: ToolCalls | None = None,
+                 reasoning: ReasoningReader | None = None):
         self.tokenizer, self.model, self.id, self.chat, self.index = tokenizer, model, rid, chat, index
         self.first, self.echo, self.prompt, self.drop = first, echo, prompt, drop
         self.top, self.scored, self.tools = top, scored, tools
         self.call_id: str | None = None  # a named call's id, once its first chunk is out
         self.held = ""  # the answer of "required" calls, streamed: given out whole at its end
         self.reader = CallReader(tools.auto) if tools is not None and tools.auto is not None else None
+        self.reasoning = reasoning  # splits a reasoning model's answer (its content is read on as above)
         self.created = int(time.time())
         self.offset = 0  # text offset of the next token (completions' logprobs): characters so far
         self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")  # of the tokens' bytes
@@ -109,9 +112,16 @@ class Completion:
         lp = None if items is None else self.logprobs(items, text)
         if not self.chat:
             return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
+        thought = None
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text, final=finish is not None)
         body = {"content": text} if not chunk else ({"content": text} if text else {})
         if self.tools is not None:
             body, finish = self._tool_calls(text, finish, chunk, body)
+        if thought or (thought is not None and not chunk):  # (vLLM's name, and DeepSeek's older one)
+            body = {**body, "reasoning": thought or None, "reasoning_content": thought or None}
+            if not chunk and body.get("content") == "":
+                body["content"] = None
         key = "delta" if chunk else "message"
         if not chunk:
             body = {"role": "assistant", **body}

@@ -1,0 +1,77 @@
+"""A reasoning model's answers through a real ``kvtier serve --reasoning-parser deepseek_r1``:
+SmolLM2, shown two answers that think between ``<think>`` and ``</think>``, thinks too; the
+chat's reasoning and content, whole and streamed, and the Responses API's reasoning item, against
+the same prompt's raw completion; a structured answer held to its schema only after the
+reasoning."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server_support import running_server
+
+SHOTS = [("What is 2 + 3?", "<think>\nTwo plus three makes five.\n</think>\n\nThe answer is 5."),
+         ("What colour is the sky?", "<think>\nOn a clear day the sky looks blue.\n</think>\n\nThe sky is blue.")]
+MESSAGES = [m for q, a in SHOTS for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+QUESTIONS = ("What is 4 + 4?", "What is the capital of France?")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("reasoning") / "serve.log"
+    with running_server(log, "--num-blocks", "96", "--reasoning-parser", "deepseek_r1") as url:
+        yield url
+
+
+def split(text: str) -> tuple[str, str]:
+    """The reference reading of a deepseek_r1 answer: before the first ``</think>`` (a leading
+    ``<think>`` left out) its reasoning, after it (leading space left out) its content."""
+    head, end, tail = text.partition("</think>")
+    head = head.lstrip()
+    head = head[len("<think>"):] if head.startswith("<think>") else head
+    return (head, tail.lstrip()) if end else (head, "")
+
+
+def test_reasoning_and_content_equal_the_raw_answer_split(server, client, model) -> None:
+    for question in QUESTIONS:
+        messages = [*MESSAGES, {"role": "user", "content": question}]
+        ids = httpx.post(f"{server}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+        raw = client.completions.create(model=model, prompt=ids, max_tokens=40, temperature=0).choices[0].text
+        reasoning, content = split(raw)
+        assert reasoning.strip() and content, raw  # (the model thinks first, then answers)
+        r = httpx.post(f"{server}/v1/chat/completions", json={"messages": messages, "max_tokens": 40,
+                                                              "temperature": 0}, timeout=60).json()
+        msg = r["choices"][0]["message"]
+        assert (msg["reasoning"], msg["reasoning_content"], msg["content"]) == (reasoning, reasoning, content), raw
+        chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0,
+                                                     stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == reasoning
+        assert "".join(d.content or "" for d in deltas) == content
+        assert sum(bool(getattr(d, "reasoning", None)) for d in deltas) > 1  # (the reasoning as it comes)
+        got = client.responses.create(model=model, input=messages, max_output_tokens=40, temperature=0)
+        assert [o.type for o in got.output] == ["reasoning", "message"]
+        assert got.output[0].content[0].text == reasoning and got.output_text == content
+        with client.responses.stream(model=model, input=messages, max_output_tokens=40, temperature=0) as stream:
+            kinds = [e.type for e in stream]
+            final = stream.get_final_response()
+        assert final.output[0].content[0].text == reasoning and final.output_text == content
+        assert kinds.count("response.reasoning_text.done") == 1 and "response.reasoning_text.delta" in kinds
+
+
+def test_a_structured_answer_is_held_to_its_schema_after_the_reasoning(server, client, model) -> None:
+    """The grammar waits for ``</think>``: the reasoning is the free answer's own, the content JSON
+    held to the schema (without the wait the answer could not think at all)."""
+    messages = [*MESSAGES, {"role": "user", "content": QUESTIONS[0]}]
+    free = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0)
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    held = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
+                                          response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "a", "schema": schema}})
+    choice = held.choices[0]
+    assert choice.message.reasoning == free.choices[0].message.reasoning and choice.finish_reason == "stop"
+    assert set(json.loads(choice.message.content)) == {"answer"}
