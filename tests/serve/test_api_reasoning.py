@@ -75,3 +75,24 @@ def test_a_structured_answer_is_held_to_its_schema_after_the_reasoning(server, c
     choice = held.choices[0]
     assert choice.message.reasoning == free.choices[0].message.reasoning and choice.finish_reason == "stop"
     assert set(json.loads(choice.message.content)) == {"answer"}
+
+
+def test_a_prompt_that_closes_the_reasoning_leaves_all_of_the_answer_content(server, client, model) -> None:
+    """``continue_final_message`` after an assistant's ``<think>...</think>``: the prompt ends the
+    reasoning, so the answer is content (the raw completion of the same prompt) and a structured
+    answer is held from its first token."""
+    closed = [*MESSAGES, {"role": "user", "content": QUESTIONS[0]},
+              {"role": "assistant", "content": "<think>\nEasy: eight.\n</think>"}]
+    how = {"continue_final_message": True, "add_generation_prompt": False}
+    ids = httpx.post(f"{server}/tokenize", json={"messages": closed, **how}, timeout=60).json()["tokens"]
+    raw = client.completions.create(model=model, prompt=ids, max_tokens=24, temperature=0).choices[0].text
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": closed, "max_tokens": 24, "temperature": 0, **how},
+                   timeout=60).json()["choices"][0]["message"]
+    assert r["reasoning"] is None and r["content"] == raw and raw.strip()
+    held = httpx.post(f"{server}/v1/chat/completions", json={"messages": closed, "max_tokens": 24, "temperature": 0,
+                                                             "response_format": {"type": "json_object"}, **how},
+                      timeout=60).json()["choices"][0]
+    assert held["message"]["reasoning"] is None and isinstance(json.loads(held["message"]["content"]), dict)
+    bad = httpx.post(f"{server}/v1/chat/completions", json={"messages": closed, "continue_final_message": True},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"

@@ -71,3 +71,42 @@ def test_the_flag_reaches_the_server_config_and_bad_names_are_refused(capsys) ->
     assert "invalid choice: 'granite'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3 or None, got 'granite'"):
         ServerConfig(reasoning_parser="granite")
+
+
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% if not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+
+def test_the_chat_templates_switches_reach_it_and_a_final_message_is_continued() -> None:
+    """vLLM's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``), ``add_generation_prompt`` and
+    ``continue_final_message``, on chat and tokenize requests alike; each misuse a 400 naming it."""
+    from test_structured import byte_tokenizer
+
+    from kvtier.serve.schemas import APIError, ChatCompletionRequest, TokenizeRequest, render_chat
+
+    tok = byte_tokenizer()
+    tok.set_chat_template(TEMPLATE)
+    user = [{"role": "user", "content": "Hi"}]
+    for kind in (ChatCompletionRequest, TokenizeRequest):
+        def render(kind=kind, **fields) -> str:
+            return render_chat(kind.model_validate({"messages": user, **fields}), tok)
+        assert render() == "<user>Hi</user><assistant><think></think>"
+        assert prompt_state(QWEN3, render()) == "content"
+        assert render(chat_template_kwargs={"enable_thinking": True}) == "<user>Hi</user><assistant>"
+        assert render(add_generation_prompt=False) == "<user>Hi</user>"
+        user_and_start = [*user, {"role": "assistant", "content": "<think>So "}]
+        req = kind.model_validate({"messages": user_and_start, "continue_final_message": True, "add_generation_prompt": False})
+        assert render_chat(req, tok) == "<user>Hi</user><assistant><think>So"  # (its closing tag cut)
+        assert prompt_state(QWEN3, render_chat(req, tok)) == "start"
+        for fields, message in (({"continue_final_message": True}, "send add_generation_prompt false"),
+                                ({"continue_final_message": True, "add_generation_prompt": False}, "got a 'user' message"),
+                                ({"chat_template_kwargs": {"messages": [], "add_generation_prompt": False}},
+                                 "may not set add_generation_prompt, messages")):
+            with pytest.raises(APIError, match=message) as e:
+                render(**fields)
+            assert e.value.param == next(iter(fields)), fields
+    tok.set_chat_template("{% for m in messages %}{{ m.content | upper }}{% endfor %}")
+    with pytest.raises(APIError, match="does not write the last message's text as given"):
+        render_chat(ChatCompletionRequest.model_validate({"messages": [{"role": "assistant", "content": "abc"}],
+                                                          "continue_final_message": True,
+                                                          "add_generation_prompt": False}), tok)

@@ -299,6 +299,10 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
+    # vLLM's: how the chat template renders the messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # the server's: the model's tool-call format (``"auto"`` needs one), and whether its chat
     # template ignores tools, so they are described in a system message (kvtier.serve.tools)
     _calls: CallFormat | None = PrivateAttr(None)
@@ -338,6 +342,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (vLLM's)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     def check(self) -> None:
@@ -354,9 +360,26 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def render_chat(req: ChatCompletionRequest | TokenizeRequest, tokenizer, *, add_generation_prompt: bool = True) -> str:
+def render_chat(req: ChatCompletionRequest | TokenizeRequest, tokenizer) -> str:
     """The request's messages rendered with the chat template (text parts joined; ``developer`` is
-    ``system``); 400 where the model has no template or the template refuses them."""
+    ``system``), with vLLM's ``add_generation_prompt``, ``continue_final_message`` (the text ends
+    with the last assistant message's, which the answer continues) and ``chat_template_kwargs``
+    (given to the template, as ``enable_thinking``); 400 where the model has no template or the
+    template refuses them."""
+    cont, extra = req.continue_final_message, req.chat_template_kwargs or {}
+    if cont and req.add_generation_prompt:
+        raise APIError(400, "continue_final_message continues the last message and add_generation_prompt starts a "
+                       "new one: send add_generation_prompt false with it", param="continue_final_message")
+    final = req.messages[-1]
+    final_text = (final.content if isinstance(final.content, str) else "".join(p.text for p in final.content or [])).strip()
+    if cont and (final.role != "assistant" or not final_text):
+        raise APIError(400, "continue_final_message continues the last message, which must be an assistant's with "
+                       f"text (got a {final.role!r} message{'' if final_text else ' without text'})",
+                       param="continue_final_message")
+    clash = sorted({"messages", "add_generation_prompt", "tools", *getattr(tokenizer, "special_tokens", {})} & set(extra))
+    if clash:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}: the server sets it (the request's "
+                       "own fields, or the model's special tokens)", param="chat_template_kwargs")
     messages = []
     for m in req.messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
@@ -366,7 +389,14 @@ def render_chat(req: ChatCompletionRequest | TokenizeRequest, tokenizer, *, add_
     if isinstance(req, ChatCompletionRequest) and req._describe:  # a template that ignores tools
         messages = chat_messages(messages, req.tools or [], req._calls, describe=req.tool_choice != "none")
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **tools)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **extra, **tools)
+        if not cont:
+            return text
+        at = text.rfind(final_text)
+        if at < 0:
+            raise APIError(400, "continue_final_message: the chat template does not write the last message's text as "
+                           "given, so the answer cannot continue it", param="continue_final_message")
+        return text[:at + len(final_text)]
     except NoChatTemplate:
         raise APIError(400, NO_TEMPLATE, param="messages") from None
     except (jinja2.TemplateError, ValueError) as e:

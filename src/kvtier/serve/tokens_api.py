@@ -37,7 +37,7 @@ def add_tokenizer_routes(app: FastAPI, tokenizer, max_model_len: Callable[[], in
         check_model(req.model)
         req.check()
         if req.messages is not None:
-            text = render_chat(req, tokenizer, add_generation_prompt=req.add_generation_prompt)
+            text = render_chat(req, tokenizer)
             special = bool(req.add_special_tokens)  # the template writes its own special tokens
         else:
             text, special = req.prompt, req.add_special_tokens is not False
