@@ -99,12 +99,17 @@ def test_the_chat_templates_switches_reach_it_and_a_final_message_is_continued()
         assert render_chat(req, tok) == "<user>Hi</user><assistant><think>So"  # (its closing tag cut)
         assert prompt_state(QWEN3, render_chat(req, tok)) == "start"
         for fields, message in (({"continue_final_message": True}, "send add_generation_prompt false"),
-                                ({"continue_final_message": True, "add_generation_prompt": False}, "got a 'user' message"),
+                                ({"continue_final_message": True, "add_generation_prompt": False}, "the last is a 'user' message"),
                                 ({"chat_template_kwargs": {"messages": [], "add_generation_prompt": False}},
-                                 "may not set add_generation_prompt, messages")):
+                                 "may not set add_generation_prompt, messages"),
+                                ({"chat_template_kwargs": {"raise_exception": 1}}, "may not set raise_exception")):
             with pytest.raises(APIError, match=message) as e:
                 render(**fields)
             assert e.value.param == next(iter(fields)), fields
+    tok.set_chat_template("{{ n + 1 }}")  # (a value the template cannot take: a 400, not a failure)
+    with pytest.raises(APIError, match="the chat template refused the messages") as e:
+        render_chat(ChatCompletionRequest.model_validate({"messages": user, "chat_template_kwargs": {"n": "x"}}), tok)
+    assert e.value.param == "messages"
     tok.set_chat_template("{% for m in messages %}{{ m.content | upper }}{% endfor %}")
     with pytest.raises(APIError, match="does not write the last message's text as given"):
         render_chat(ChatCompletionRequest.model_validate({"messages": [{"role": "assistant", "content": "abc"}],

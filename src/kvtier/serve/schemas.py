@@ -373,10 +373,11 @@ def render_chat(req: ChatCompletionRequest | TokenizeRequest, tokenizer) -> str:
     final = req.messages[-1]
     final_text = (final.content if isinstance(final.content, str) else "".join(p.text for p in final.content or [])).strip()
     if cont and (final.role != "assistant" or not final_text):
+        got = f"the last is a {final.role!r} message" if final.role != "assistant" else "the last has no text"
         raise APIError(400, "continue_final_message continues the last message, which must be an assistant's with "
-                       f"text (got a {final.role!r} message{'' if final_text else ' without text'})",
-                       param="continue_final_message")
-    clash = sorted({"messages", "add_generation_prompt", "tools", *getattr(tokenizer, "special_tokens", {})} & set(extra))
+                       f"text ({got})", param="continue_final_message")
+    clash = sorted({"messages", "add_generation_prompt", "tools", "raise_exception", "strftime_now",
+                    *getattr(tokenizer, "special_tokens", {})} & set(extra))
     if clash:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}: the server sets it (the request's "
                        "own fields, or the model's special tokens)", param="chat_template_kwargs")
@@ -399,7 +400,7 @@ def render_chat(req: ChatCompletionRequest | TokenizeRequest, tokenizer) -> str:
         return text[:at + len(final_text)]
     except NoChatTemplate:
         raise APIError(400, NO_TEMPLATE, param="messages") from None
-    except (jinja2.TemplateError, ValueError) as e:
+    except (jinja2.TemplateError, ValueError, TypeError) as e:  # (TypeError: a value the template cannot take)
         raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
 
 
