@@ -96,3 +96,13 @@ def test_a_prompt_that_closes_the_reasoning_leaves_all_of_the_answer_content(ser
     bad = httpx.post(f"{server}/v1/chat/completions", json={"messages": closed, "continue_final_message": True},
                      timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+
+
+def test_guided_choice_waits_for_the_reasoning_too(server, client, model) -> None:
+    messages = [*MESSAGES, {"role": "user", "content": "Is 4 + 4 equal to 8?"}]
+    free = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0).choices[0]
+    choices = ["Yes, it is.", "No, it is not.", "Ça dépend \"x\""]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0,
+                                       extra_body={"guided_choice": choices}).choices[0]
+    assert r.message.reasoning == free.message.reasoning and r.message.reasoning
+    assert r.message.content in choices and r.finish_reason == "stop"

@@ -71,7 +71,7 @@ from kvtier.serve.schemas import (
     structure,
     validation_error,
 )
-from kvtier.serve.structured import named
+from kvtier.serve.structured import Structure, named
 from kvtier.serve.tokens_api import add_tokenizer_routes
 from kvtier.serve.tools import FORMATS, call_format, describes_tools
 from kvtier.serve.views import Completion
@@ -354,6 +354,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         params = request_params(req, tokenizer)
         text = render_chat(req, tokenizer)
         state = None if thinks is None else prompt_state(thinks, text)
+        if state is not None and params.guided_choice:  # (as a grammar, which can wait for the reasoning)
+            params = replace(params, guided_choice=(), structure=Structure("grammar", "root ::= " + " | ".join(
+                json.dumps(c, ensure_ascii=False) for c in req.guided_choice)))
         if state is not None and params.structure is not None:  # (its grammar from the reasoning's end on)
             params = replace(params, structure=replace(params.structure, after=grammar_after(thinks, state) or ""))
         await compile_structure(req, params)
