@@ -170,7 +170,8 @@ def test_auto_tool_choice_reads_the_models_calls(client, model) -> None:
 
 @pytest.mark.parametrize("body,param,message", [
     ({"background": True}, "background", "background is not supported"),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning is not supported"),
+    ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning", "reasoning is not supported"),
+    ({"reasoning": {"effort": "very"}}, "reasoning.effort", "Input should be"),
     ({"include": ["message.output_text.logprobs"]}, "include", "include is not supported"),
     ({"truncation": "auto"}, "truncation", "truncation is not supported"),
     ({"tools": [{"type": "web_search_preview"}]}, "tools", "tools[0] must be a function tool"),

@@ -106,6 +106,12 @@ def test_the_chat_templates_switches_reach_it_and_a_final_message_is_continued()
             with pytest.raises(APIError, match=message) as e:
                 render(**fields)
             assert e.value.param == next(iter(fields)), fields
+    tok.set_chat_template("{{ reasoning_effort }}|{{ x }}")  # (OpenAI's reasoning_effort, as vLLM gives it)
+    effort = {"messages": user, "reasoning_effort": "low", "chat_template_kwargs": {"x": 1, "reasoning_effort": "high"}}
+    assert render_chat(ChatCompletionRequest.model_validate(effort), tok) == "low|1"
+    from kvtier.serve.responses import ResponsesRequest, chat_request
+    assert render_chat(chat_request(ResponsesRequest.model_validate({"input": "Hi", "reasoning": {"effort": "medium"}}),
+                                    []), tok) == "medium|"
     tok.set_chat_template("{{ n + 1 }}")  # (a value the template cannot take: a 400, not a failure)
     with pytest.raises(APIError, match="the chat template refused the messages") as e:
         render_chat(ChatCompletionRequest.model_validate({"messages": user, "chat_template_kwargs": {"n": "x"}}), tok)

@@ -51,7 +51,8 @@ __all__ = ["MAX_STORED", "ResponsesRequest", "add_responses_routes"]
 MAX_STORED = 1024
 
 # the chat request's fields that a Responses request names otherwise (in its 400s)
-_PARAMS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+_PARAMS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
+           "reasoning_effort": "reasoning.effort"}
 
 
 class ResponsesRequest(BaseModel):
@@ -81,12 +82,13 @@ class ResponsesRequest(BaseModel):
 
     def refuse_unserved(self) -> None:
         for name, given in (("background", self.background), ("include", self.include),
-                            ("reasoning", self.reasoning and any(v is not None for v in self.reasoning.values())),
+                            ("reasoning", self.reasoning and any(v is not None for k, v in self.reasoning.items()
+                                                                 if k != "effort")),
                             ("truncation", self.truncation == "auto")):
             if given:
                 raise APIError(400, f"{name} is not supported by this server (it runs no background jobs, "
-                               "writes no reasoning or extra outputs, and never drops input to fit)", param=name,
-                               code="unsupported_parameter")
+                               "writes no reasoning summaries or extra outputs, and never drops input to fit; "
+                               "reasoning.effort is served)", param=name, code="unsupported_parameter")
 
 
 def _text(content: Any, where: str) -> str:
@@ -143,6 +145,8 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
     messages += messages_of(req.input)
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
+    if (req.reasoning or {}).get("effort") is not None:
+        body["reasoning_effort"] = req.reasoning["effort"]
     for i, tool in enumerate(req.tools or []):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise APIError(400, f"tools[{i}] must be a function tool ({{\"type\": \"function\", \"name\": ...}}); "
@@ -226,7 +230,7 @@ class _Built:
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
-                "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "previous_response_id": r.previous_response_id, "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
                 "store": r.store is not False, "temperature": r.temperature, "top_p": r.top_p,
                 "text": {"format": (r.text or {}).get("format") or {"type": "text"}},
                 "tool_choice": r.tool_choice if r.tool_choice is not None else ("auto" if r.tools else "none"),

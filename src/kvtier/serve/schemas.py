@@ -303,6 +303,8 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's, given to the chat template as ``reasoning_effort`` (as vLLM gives it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # the server's: the model's tool-call format (``"auto"`` needs one), and whether its chat
     # template ignores tools, so they are described in a system message (kvtier.serve.tools)
     _calls: CallFormat | None = PrivateAttr(None)
@@ -366,7 +368,7 @@ def render_chat(req: ChatCompletionRequest | TokenizeRequest, tokenizer) -> str:
     with the last assistant message's, which the answer continues) and ``chat_template_kwargs``
     (given to the template, as ``enable_thinking``); 400 where the model has no template or the
     template refuses them."""
-    cont, extra = req.continue_final_message, req.chat_template_kwargs or {}
+    cont, extra = req.continue_final_message, dict(req.chat_template_kwargs or {})
     if cont and req.add_generation_prompt:
         raise APIError(400, "continue_final_message continues the last message and add_generation_prompt starts a "
                        "new one: send add_generation_prompt false with it", param="continue_final_message")
@@ -381,6 +383,8 @@ def render_chat(req: ChatCompletionRequest | TokenizeRequest, tokenizer) -> str:
     if clash:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}: the server sets it (the request's "
                        "own fields, or the model's special tokens)", param="chat_template_kwargs")
+    if getattr(req, "reasoning_effort", None) is not None:
+        extra["reasoning_effort"] = req.reasoning_effort
     messages = []
     for m in req.messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
