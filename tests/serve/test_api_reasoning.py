@@ -106,3 +106,28 @@ def test_guided_choice_waits_for_the_reasoning_too(server, client, model) -> Non
                                        extra_body={"guided_choice": choices}).choices[0]
     assert r.message.reasoning == free.message.reasoning and r.message.reasoning
     assert r.message.content in choices and r.finish_reason == "stop"
+
+
+def test_calls_after_the_reasoning_are_read_from_its_content(server, client, model) -> None:
+    """tool_choice "auto" on a reasoning model: the reasoning is read first, then the calls out of
+    the content (SmolLM2's template ignores tools: the server describes them in hermes' format)."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    history = []
+    for i, city in enumerate(("Paris", "Berlin")):
+        history += [{"role": "user", "content": f"What is the weather in {city}?"},
+                    {"role": "assistant", "content": f"<think>\nI should look up {city}.\n</think>\n\n", "tool_calls": [
+                        {"id": f"call_{i}", "type": "function",
+                         "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+                    {"role": "tool", "tool_call_id": f"call_{i}", "content": "sunny"},
+                    {"role": "assistant", "content": f"<think>\nThe tool says sunny.\n</think>\n\nIt is sunny in {city}."}]
+    asks = dict(model=model, messages=[*history, {"role": "user", "content": "What is the weather in Tokyo?"}],
+                tools=[weather], max_tokens=60, temperature=0)
+    r = client.chat.completions.create(**asks).choices[0]
+    assert r.message.reasoning and "<think>" not in r.message.reasoning and r.finish_reason == "tool_calls", r
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.message.tool_calls] == [
+        ("get_weather", {"city": "Tokyo"})] and r.message.content is None
+    chunks = [c.choices[0] for c in client.chat.completions.create(**asks, stream=True) if c.choices]
+    assert "".join(getattr(c.delta, "reasoning", None) or "" for c in chunks) == r.message.reasoning
+    assert "".join(d.function.arguments or "" for c in chunks for d in c.delta.tool_calls or []) == (
+        r.message.tool_calls[0].function.arguments)
