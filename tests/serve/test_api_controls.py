@@ -156,6 +156,8 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, lm) -> None:
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "would leave no prompt"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater than or equal to -1"),
     ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", "over the context of 1024 tokens"),
+    ({"priority": 3}, "priority", "priority 3 needs the priority scheduling policy (kvtier serve --scheduling-policy"),
+    ({"priority": 2**31}, "priority", "less than 2147483648"),
 ])
 def test_bad_allowed_ids_and_bad_words_are_400s(server, lm, body, param, message) -> None:
     if "bad_words" in body and "allowed_token_ids" in body:  # (104 is "x", one token, in this vocabulary)

@@ -2,7 +2,7 @@
 SmolLM2, shown two answers that think between ``<think>`` and ``</think>``, thinks too; the
 chat's reasoning and content, whole and streamed, and the Responses API's reasoning item, against
 the same prompt's raw completion; a structured answer held to its schema only after the
-reasoning."""
+reasoning. (The server also schedules by priority: a request's ``priority`` is served.)"""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ QUESTIONS = ("What is 4 + 4?", "What is the capital of France?")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("reasoning") / "serve.log"
-    with running_server(log, "--num-blocks", "96", "--reasoning-parser", "deepseek_r1") as url:
+    with running_server(log, "--num-blocks", "96", "--reasoning-parser", "deepseek_r1",
+                        "--scheduling-policy", "priority") as url:
         yield url
 
 
@@ -131,3 +132,14 @@ def test_calls_after_the_reasoning_are_read_from_its_content(server, client, mod
     assert "".join(getattr(c.delta, "reasoning", None) or "" for c in chunks) == r.message.reasoning
     assert "".join(d.function.arguments or "" for c in chunks for d in c.delta.tool_calls or []) == (
         r.message.tool_calls[0].function.arguments)
+
+
+def test_priorities_are_served_under_the_priority_policy(server, client, model) -> None:
+    """``--scheduling-policy priority``: a request's ``priority`` (vLLM's) is taken, not refused,
+    and changes when it runs, not what it answers."""
+    messages = [*MESSAGES, {"role": "user", "content": QUESTIONS[1]}]
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    for priority in (-5, 7):
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                           extra_body={"priority": priority})
+        assert r.choices[0].message == plain.choices[0].message

@@ -160,6 +160,32 @@ def test_preemption_with_a_small_pool_still_gives_correct_outputs(lm) -> None:
     assert engine.stats()["free_blocks"] == need // 2
 
 
+def test_the_priority_policy_runs_low_values_first_and_keeps_outputs_exact(lm) -> None:
+    """``scheduling_policy="priority"``: one row at a time, requests queued together finish in
+    priority order (ties by arrival); under a small pool with preemption the tokens stay each
+    request's own; first come, first served refuses a priority and queues nothing."""
+    tok = lm.tokenizer
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=64, max_num_seqs=1, scheduling_policy="priority"))
+    prios = [5, 0, 1, 0, -3]
+    rids = [engine.add_request(prompt(tok, i), RequestParams(max_tokens=3, priority=p)) for i, p in enumerate(prios)]
+    done = []
+    while engine.has_unfinished():
+        done += [o.request_id for o in engine.step() if o.finished]
+    assert done == [rids[4], rids[1], rids[3], rids[2], rids[0]]
+    reqs = [(prompt(tok, i), RequestParams(max_tokens=24, priority=i % 3)) for i in (1, 2, 5, 9, 11)]
+    need = sum(len(ids) + 24 for ids, _ in reqs) // 16
+    small = LLMEngine(lm.model, tok, EngineConfig(num_blocks=need // 2, max_batched_tokens=64,
+                                                  scheduling_policy="priority"))
+    got = drain(small, {0: reqs})
+    assert small.stats()["preemptions"] > 0
+    for (ids, params), tokens in zip(reqs, got.values(), strict=True):
+        assert tokens == solo(lm, ids, params.max_tokens)
+    fcfs = LLMEngine(lm.model, tok, EngineConfig(num_blocks=16))
+    with pytest.raises(ValueError, match="priority 1 needs the priority scheduling policy"):
+        fcfs.add_request(prompt(tok, 0), RequestParams(max_tokens=2, priority=1))
+    assert not fcfs.has_unfinished()
+
+
 def test_seeded_sampling_repeats_whatever_the_batch(lm) -> None:
     tok = lm.tokenizer
     params = RequestParams(max_tokens=8, sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=7))

@@ -186,6 +186,38 @@ def test_queue_bound_and_context_are_enforced() -> None:
         Request("x", [], max_tokens=1)
 
 
+def test_the_priority_policy_admits_low_values_first_and_preempts_high_ones() -> None:
+    """vLLM's priority scheduling: the waiting queue by (priority, arrival); a preemption takes
+    the running request of the highest value (the newest among equals), which goes back at its
+    place; first come, first served refuses a priority it would ignore."""
+    bm = BlockManager(8, 2)
+    s = Scheduler(SchedulerConfig(max_model_len=16, max_num_seqs=1, policy="priority"), bm)
+    for rid, prio in (("a", 5), ("b", 0), ("c", 1), ("d", 0), ("e", -1)):
+        s.add(Request(rid, [1, 2], max_tokens=1, priority=prio))
+    order = []
+    while s.has_unfinished():
+        batch = s.schedule()
+        order += [r.request_id for r in batch.rows]
+        s.update(batch, {rid: 1 for rid in batch.sampled})
+    assert order == ["e", "b", "d", "c", "a"]
+    # two running, the pool full: the one of the higher value (b, though it came first) is preempted
+    bm = BlockManager(4, 2)
+    s = Scheduler(SchedulerConfig(max_model_len=8, max_num_seqs=2, policy="priority"), bm)
+    for rid, prio in (("b", 3), ("a", 1), ("w", 2)):  # (b runs, then a; w waits, between them)
+        s.add(Request(rid, [1, 2, 3], max_tokens=4, priority=prio))
+        batch = s.schedule()
+        s.update(batch, {rid: 1 for rid in batch.sampled})
+    assert [r.request_id for r in s.running] == ["b", "a"] and bm.num_free_blocks == 0
+    batch = s.schedule()  # (b's fifth token needs a block: b, the higher value, is preempted, not a)
+    assert batch.preempted == ("b",) and [r.request_id for r in s.waiting] == ["w", "b"]
+    with pytest.raises(ValueError, match="priority 2 needs the priority scheduling policy"):
+        Scheduler(SchedulerConfig(max_model_len=8), BlockManager(4, 2)).add(Request("x", [1], max_tokens=1, priority=2))
+    with pytest.raises(ValueError, match="scheduling policy must be one of fcfs, priority, got 'lifo'"):
+        SchedulerConfig(max_model_len=8, policy="lifo")
+    with pytest.raises(ValueError, match="priority must be an int"):
+        Request("x", [1], max_tokens=1, priority=1.5)
+
+
 def test_abort_frees_blocks_whatever_the_state() -> None:
     bm = BlockManager(8, 4)
     s = Scheduler(SchedulerConfig(max_model_len=32, max_num_seqs=1), bm)
@@ -206,12 +238,13 @@ def test_abort_frees_blocks_whatever_the_state() -> None:
     max_num_seqs=st.integers(1, 5),
     extra_budget=st.integers(0, 12),
     caching=st.booleans(),
+    priorities=st.none() | st.lists(st.integers(-2, 2), min_size=8, max_size=8),
 )
 def test_any_workload_gives_each_request_its_solo_output(prompts, num_blocks, max_num_seqs,
-                                                         extra_budget, caching) -> None:
+                                                         extra_budget, caching, priorities) -> None:
     bm = BlockManager(num_blocks, 2, enable_prefix_caching=caching)
-    cfg = SchedulerConfig(max_model_len=16, max_num_seqs=max_num_seqs,
-                          max_batched_tokens=max_num_seqs + extra_budget)
+    cfg = SchedulerConfig(max_model_len=16, max_num_seqs=max_num_seqs, max_batched_tokens=max_num_seqs + extra_budget,
+                          policy="fcfs" if priorities is None else "priority")
     s = Scheduler(cfg, bm)
     shared = [1, 2, 3, 1, 2]
     arrivals: dict[int, list[Request]] = {}
@@ -219,7 +252,20 @@ def test_any_workload_gives_each_request_its_solo_output(prompts, num_blocks, ma
     for i, (prompt, max_tokens, at, share) in enumerate(prompts):
         prompt = (shared + prompt if share else prompt)[:15]
         max_tokens = min(max_tokens, 16 - len(prompt))
-        arrivals.setdefault(at, []).append(Request(f"r{i}", prompt, max_tokens))
+        arrivals.setdefault(at, []).append(Request(f"r{i}", prompt, max_tokens,
+                                                   priority=0 if priorities is None else priorities[i]))
         want[f"r{i}"] = alone(prompt, max_tokens)
     assert run(s, arrivals) == want
     assert bm.num_free_blocks == num_blocks and bm.num_used_blocks == 0
+
+
+def test_the_scheduling_policy_flag_reaches_the_engine_config(capsys) -> None:
+    from kvtier import cli
+    from kvtier.serve.cli import configs_from_args
+
+    parse = cli.build_parser().parse_args
+    assert configs_from_args(parse(["serve", "--scheduling-policy", "priority"]))[0].scheduling_policy == "priority"
+    assert configs_from_args(parse(["serve"]))[0].scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        parse(["serve", "--scheduling-policy", "lifo"])
+    assert "invalid choice: 'lifo'" in capsys.readouterr().err

@@ -243,7 +243,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     def refused(e: ValueError, prompt_param: str) -> APIError:
         code = "context_length_exceeded" if "context" in str(e) else None
         field = str(e).split(" ", 1)[0]  # the engine's refusals of a field start with its name
-        named = ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "guided_choice")
+        named = ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "guided_choice", "priority")
         return APIError(400, str(e), param=field if field in named else prompt_param,
                         code=code)
 

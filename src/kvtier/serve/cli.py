@@ -25,7 +25,7 @@ _ABSENT = argparse.SUPPRESS  # a flag not given leaves no attribute: the datacla
 API_KEY_ENV = "KVTIER_API_KEY"
 _ENGINE_FLAGS = ("num_blocks", "kv_memory_gib", "block_size", "max_num_seqs", "max_batched_tokens",
                  "max_waiting", "max_model_len", "enable_prefix_caching", "kv_quant", "cuda_graph",
-                "async_scheduling")
+                "async_scheduling", "scheduling_policy")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -58,6 +58,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-batched-tokens", dest="max_batched_tokens", type=int, default=_ABSENT,
                    help="tokens per step, decode and prefill chunks together (default: 2048 on CPU, "
                         "8192 on CUDA)")
+    p.add_argument("--scheduling-policy", dest="scheduling_policy", choices=("fcfs", "priority"),
+                   default=_ABSENT, help="fcfs (default): first come, first served; priority: requests of "
+                   "lower priority values first, then first come (a request's priority field), and preempted last")
     p.add_argument("--max-waiting", dest="max_waiting", type=int, default=_ABSENT,
                    help="queued requests before HTTP 429")
     p.add_argument("--max-model-len", dest="max_model_len", type=int, default=_ABSENT,

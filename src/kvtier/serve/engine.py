@@ -124,6 +124,7 @@ class EngineConfig:
     ``attention_backend`` as for the paged tier; ``cuda_graph`` as for
     :class:`~kvtier.serve.runner.ModelRunner`. ``async_scheduling``: schedule a step
     while the previous one runs (see the module docstring; ``None``: on CUDA only).
+    ``scheduling_policy``: ``"fcfs"`` or ``"priority"`` (``RequestParams.priority``).
     """
 
     num_blocks: int | None = None
@@ -139,6 +140,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graph: bool | None = None
     async_scheduling: bool | None = None
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_memory_gib is not None:
@@ -220,7 +222,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_model_len=context, max_num_seqs=config.max_num_seqs,
                             max_batched_tokens=batched, max_waiting=config.max_waiting,
-                            max_prompt_logits=max(1, PROMPT_LOGITS_BYTES // (4 * model.args.vocab_size))),
+                            max_prompt_logits=max(1, PROMPT_LOGITS_BYTES // (4 * model.args.vocab_size)),
+                            policy=config.scheduling_policy),
             self.block_manager)
         self.runner = ModelRunner(
             model, num_blocks=num_blocks, block_size=config.block_size, kv_quant=config.kv_quant,
@@ -313,7 +316,7 @@ class LLMEngine:
                                  "vocabulary's text), and this engine has none")
             matcher = self.grammars.matcher(params.structure, stop_ids)
         max_tokens = params.max_tokens or room
-        request = Request(rid, ids, max_tokens)
+        request = Request(rid, ids, max_tokens, priority=params.priority)
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer else None
         text = RowText(decoder, GenerationConfig(max_tokens=max_tokens, stop=params.stop), stop_ids,
                        params.min_tokens, params.include_stop_str_in_output)

@@ -56,7 +56,8 @@ class RequestParams:
     ``allowed_token_ids``, ``bad_words`` or ``min_tokens``, and it needs a stop id.
     ``structure``: the answer follows a JSON schema, is a JSON object, matches a regular
     expression or a grammar (:class:`~kvtier.serve.structured.Structure`), then a stop id; the
-    same conditions as ``guided_choice``, and not with it.
+    same conditions as ``guided_choice``, and not with it. ``priority``: under the engine's
+    ``"priority"`` scheduling policy, lower values are admitted first and preempted last.
     """
 
     max_tokens: int | None = None
@@ -76,6 +77,7 @@ class RequestParams:
     bad_words: tuple[tuple[int, ...], ...] = ()
     guided_choice: tuple[tuple[int, ...], ...] = ()
     structure: Structure | None = None
+    priority: int = 0
 
     @property
     def penalised(self) -> bool:
@@ -112,6 +114,8 @@ class RequestParams:
         if self.structure is not None and (g or self.allowed_token_ids or self.bad_words or self.min_tokens):
             raise ValueError("structure chooses which tokens may come itself; it does not go with guided_choice, "
                              "allowed_token_ids, bad_words or min_tokens: drop those")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

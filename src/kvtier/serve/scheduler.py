@@ -9,12 +9,15 @@ Every step :meth:`Scheduler.schedule` returns a :class:`StepBatch` of plain data
    full it takes a fresh block, and when none is free the *newest* running request
    is preempted (its blocks are freed; it goes back to the front of the waiting
    queue and is recomputed later) until the block fits or the request itself was
-   the newest. The rows go longest context first: the attention kernel's programs
+   the newest. Under the ``"priority"`` policy the victim is the running request of the
+   highest ``priority`` value (the newest among equals), and it goes back to the waiting
+   queue at its place by priority and arrival. The rows go longest context first: the attention kernel's programs
    start in row order, so no long row is left to run alone at the end of a launch
    (H200, 256 rows of 64-1,280 keys: 175 -> 162 us a layer).
 2. **Prefill chunks** of running requests whose prompt is not all in yet, oldest
    first, with what is left of ``max_batched_tokens``.
-3. **Admissions** from the waiting queue, first come first served, while the budget
+3. **Admissions** from the waiting queue, first come first served (or, with the
+   ``"priority"`` policy, lowest ``Request.priority`` first, then first come), while the budget
    lasts, fewer than ``max_num_seqs`` run and the head's blocks fit (no admission in
    a step that preempted). An admitted request takes references on the cached blocks
    of its prompt's longest cached prefix (:meth:`BlockManager.match_prefix`), skips
@@ -56,7 +59,7 @@ from dataclasses import dataclass, field
 
 from kvtier.serve.prefix import BlockManager
 
-__all__ = ["PENDING", "QueueFull", "Request", "RequestStatus", "ScheduledRow", "Scheduler",
+__all__ = ["PENDING", "POLICIES", "QueueFull", "Request", "RequestStatus", "ScheduledRow", "Scheduler",
            "SchedulerConfig", "StepBatch"]
 
 #: the token id booked for a sampled row whose token is still on the device (asynchronous
@@ -66,6 +69,10 @@ PENDING = -1
 
 class QueueFull(RuntimeError):
     """The waiting queue holds ``max_waiting`` requests; try again later (HTTP 429)."""
+
+
+#: the scheduling policies (:class:`SchedulerConfig`)
+POLICIES = ("fcfs", "priority")
 
 
 class RequestStatus(enum.Enum):
@@ -91,7 +98,8 @@ class SchedulerConfig:
     raises :class:`QueueFull`; ``max_model_len``: prompt plus generated tokens of
     one request at most; ``max_prompt_logits``: prompt tokens a step feeds, all requests
     together, whose every position's logits are wanted (prompt logprobs: the logits are
-    ``tokens x vocab`` floats).
+    ``tokens x vocab`` floats); ``policy``: ``"fcfs"`` (first come, first served) or
+    ``"priority"`` (lowest ``Request.priority`` first, as vLLM's ``--scheduling-policy``).
     """
 
     max_model_len: int
@@ -99,11 +107,14 @@ class SchedulerConfig:
     max_batched_tokens: int = 512
     max_waiting: int = 256
     max_prompt_logits: int = 512
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         # max_waiting 0 would refuse every request: each one waits at least until the next step
         for name in ("max_model_len", "max_num_seqs", "max_batched_tokens", "max_waiting", "max_prompt_logits"):
             _int_at_least(name, getattr(self, name), 1)
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.max_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_batched_tokens {self.max_batched_tokens} is below max_num_seqs "
                              f"{self.max_num_seqs}: a step could not decode every running request; "
@@ -125,8 +136,12 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     prompt_logits: bool = False  # every prompt position's logits wanted (until the engine has them)
+    priority: int = 0  # under the "priority" policy: lower runs first
+    arrival: int = 0  # the scheduler's count of requests added before it
 
     def __post_init__(self) -> None:
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
         ids = self.prompt_token_ids
@@ -201,6 +216,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._arrivals = 0
 
     # -- requests -----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -213,11 +229,16 @@ class Scheduler:
             raise ValueError(f"the prompt's {request.num_prompt_tokens} tokens plus max_tokens "
                              f"{request.max_tokens} exceed the context of {self.config.max_model_len} "
                              "tokens; shorten the prompt or lower max_tokens")
+        if request.priority and self.config.policy != "priority":
+            raise ValueError(f"priority {request.priority} needs the priority scheduling policy (kvtier serve "
+                             "--scheduling-policy priority, EngineConfig(scheduling_policy=\"priority\")); first "
+                             "come, first served would ignore it")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting "
                             f"{self.config.max_waiting}); retry later")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        request.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+        self._queue(request)
 
     def finish(self, request_id: str) -> bool:
         """End a request (a stop, an abort): its blocks are freed. False if it was not live."""
@@ -255,9 +276,12 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or self._left(req) != 1:
                 continue
             while not self._make_room(req):
-                victim = self.running[-1]
+                victim = self.running[-1] if self.config.policy == "fcfs" else max(self.running, key=_rank)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
+                if any(r.request_id == victim.request_id for r in rows):  # (scheduled before it: taken back)
+                    rows = [r for r in rows if r.request_id != victim.request_id]
+                    budget += 1
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
@@ -362,4 +386,20 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._queue(req, first=True)
+
+    def _queue(self, req: Request, first: bool = False) -> None:
+        """Put ``req`` in the waiting queue: at the back (``first``: the front), or under the
+        priority policy at its place by priority and arrival."""
+        if self.config.policy == "priority":
+            at = next((k for k, w in enumerate(self.waiting) if _rank(w) > _rank(req)), len(self.waiting))
+            self.waiting.insert(at, req)
+        elif first:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+
+def _rank(req: Request) -> tuple[int, int]:
+    """A request's place under the priority policy: lower priority values first, then arrival."""
+    return req.priority, req.arrival

@@ -169,6 +169,7 @@ class _Common(BaseModel):
     response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object, json_schema
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep the prompt's last tokens
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
+    priority: int = Field(0, ge=-2**31, lt=2**31)  # vLLM's: lower first under --scheduling-policy priority
     use_beam_search: Any = None
 
     @field_validator(*NULL_IS_DEFAULT, mode="before", check_fields=False)
@@ -575,7 +576,7 @@ def request_params(req: CompletionRequest | ChatCompletionRequest, tokenizer=Non
                              allowed_token_ids=tuple(req.allowed_token_ids or ()),
                              bad_words=bad_words(req.bad_words, tokenizer),
                              guided_choice=guided_choice(req.guided_choice, tokenizer),
-                             structure=structured)
+                             structure=structured, priority=req.priority)
     except ValueError as e:  # the dataclasses' messages start with the field's name
         field = str(e).split(" ", 1)[0]
         if field == "structure":
