@@ -97,6 +97,14 @@ def test_chat_streams_what_it_answers_whole(client, model) -> None:
     assert whole.choices[0].message.role == "assistant"
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    # vLLM's continuous_usage_stats: each chunk of an output with the usage so far
+    counted = list(client.chat.completions.create(**kw, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    outs = [c for c in counted if c.choices and c.choices[0].delta.role is None]
+    done = [c.usage.completion_tokens for c in outs]
+    assert done == sorted(done) and done[-1] == whole.usage.completion_tokens and len(set(done)) > 1
+    assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in outs)
+    assert not any(c.usage for c in chunks[:-1])  # (without it, the last chunk alone)
 
 
 def test_raw_sse_ends_with_done(server, model) -> None:

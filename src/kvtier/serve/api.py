@@ -386,10 +386,11 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
                      chunks: bool = False):
         streams = [counted(rid) for rid in rids]
         if req.stream:
-            usage = req.stream_options is not None and req.stream_options.include_usage
+            so = req.stream_options
+            usage = (so is not None and so.include_usage, so is not None and so.continuous_usage_stats)
             if chunks:
-                return _chunks(views, streams, usage)
-            return StreamingResponse(_events(views, streams, usage), media_type="text/event-stream")
+                return _chunks(views, streams, *usage)
+            return StreamingResponse(_events(views, streams, *usage), media_type="text/event-stream")
         collect = asyncio.ensure_future(_collect(streams))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -489,17 +490,19 @@ def _whole(views: list[Completion], outs: list[list[RequestOutput]]) -> dict:
 
 
 async def _events(views: list[Completion], streams: list[AsyncIterator[RequestOutput]],
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
     """Server-sent events: one chunk per output with text (or logprobs) naming its choice, then
     ``[DONE]``."""
-    async for chunk in _chunks(views, streams, include_usage):
+    async for chunk in _chunks(views, streams, include_usage, continuous):
         yield f"data: {json.dumps(chunk)}\n\n"
     yield "data: [DONE]\n\n"
 
 
 async def _chunks(views: list[Completion], streams: list[AsyncIterator[RequestOutput]],
-                  include_usage: bool) -> AsyncIterator[dict]:
-    """The stream's chunk objects (an error's, ``{"error": ...}``, last where the engine failed)."""
+                  include_usage: bool, continuous: bool = False) -> AsyncIterator[dict]:
+    """The stream's chunk objects (an error's, ``{"error": ...}``, last where the engine failed);
+    ``continuous``: each chunk of an output with its choice's usage so far (vLLM's
+    ``continuous_usage_stats``)."""
     if views[0].chat:
         for v in views:
             first = {"index": v.index, "delta": {"role": "assistant", "content": "" if v.tools is None else None},
@@ -514,7 +517,12 @@ async def _chunks(views: list[Completion], streams: list[AsyncIterator[RequestOu
                 text, items = v.parts([out])
                 choice = v.choice(text, out.finish_reason, items, chunk=True)
                 if choice.get("delta", True) or choice["finish_reason"] or choice["logprobs"]:  # (not a held call's)
-                    yield v.envelope([choice], chunk=True)
+                    body = v.envelope([choice], chunk=True)
+                    if continuous:
+                        done = 0 if v.drop else out.completion_tokens
+                        body["usage"] = {"prompt_tokens": out.prompt_tokens, "completion_tokens": done,
+                                         "total_tokens": out.prompt_tokens + done}
+                    yield body
     except RequestsEnded as e:  # the server is stopping: the status is sent already
         yield APIError(503, str(e), type="server_error", code="server_shutting_down").body()
     except Exception as e:  # the engine failed mid-stream: the status is sent already

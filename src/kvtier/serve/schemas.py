@@ -130,6 +130,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: each chunk carries its choice's usage so far
 
 
 class _Common(BaseModel):
