@@ -51,6 +51,20 @@ def test_reasoning_streams_as_it_comes() -> None:
     assert reader.feed("Four.") == ("", "Four.")
 
 
+def test_the_reasoning_tokens_are_counted_a_token_at_a_time() -> None:
+    reader = ReasoningReader(R1)
+    for piece in ("<th", "ink>", "So", " 4", ".</th", "ink>", "\n\n", "Four", "."):
+        reader.feed(piece)
+    reader.feed("", final=True)
+    assert reader.tokens == 6  # (the start's two pieces, the reasoning's two, the end's two)
+    reader = ReasoningReader(QWEN3)
+    for piece in ("No", " thought", "</think>"):
+        reader.feed(piece)
+    assert reader.feed("", final=True) == ("", "") and reader.tokens == 0
+    reader = ReasoningReader(R1, "content")
+    assert reader.feed("<think>x</think>", final=True) == ("", "<think>x</think>") and reader.tokens == 0
+
+
 def test_the_prompt_says_where_the_answer_starts() -> None:
     assert prompt_state(QWEN3, "<|im_start|>assistant\n<think>\n\n</think>\n\n") == "content"  # (thinking off)
     assert prompt_state(R1, "<｜Assistant｜><think>\n") == "reasoning"

@@ -476,8 +476,11 @@ def _usage(views: list[Completion], lasts: list[RequestOutput]) -> dict:
     firsts = [last for v, last in zip(views, lasts, strict=True) if v.first]
     prompt = sum(last.prompt_tokens for last in firsts)
     completion = sum(0 if v.drop else last.completion_tokens for v, last in zip(views, lasts, strict=True))
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(last.cached_tokens for last in firsts)}}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": sum(last.cached_tokens for last in firsts)}}
+    if any(v.reasoning is not None for v in views):  # (OpenAI's count of the tokens that reasoned)
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(v.reasoning.tokens for v in views)}
+    return usage
 
 
 def _whole(views: list[Completion], outs: list[list[RequestOutput]]) -> dict:

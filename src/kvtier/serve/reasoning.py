@@ -62,11 +62,16 @@ class ReasoningReader:
 
     def __init__(self, fmt: ReasoningFormat, state: str = "start"):
         self.fmt, self.state, self.held = fmt, state, ""
+        self.tokens = 0  # texts fed while the answer was in its reasoning (its start and end included)
+        self._undecided = 0  # texts fed while it was not known whether the answer starts reasoning
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
-        """``(reasoning, content)`` of what ``text`` completes."""
+        """``(reasoning, content)`` of what ``text`` completes. Fed one token's text at a time,
+        :attr:`tokens` counts the reasoning's tokens."""
         self.held += text
         reasoning = content = ""
+        thought = bool(text) and self.state == "reasoning"
+        self._undecided += bool(text) and self.state == "start"
         while self.held:
             if self.state == "start":  # a leading start (after whitespace) opens the reasoning
                 head = self.held.lstrip()
@@ -76,6 +81,9 @@ class ReasoningReader:
                     break
                 else:
                     self.state = "reasoning" if self.fmt.implicit else "content"
+                if self.state == "reasoning":  # (the texts fed while undecided were the reasoning's)
+                    self.tokens += self._undecided
+                self._undecided = 0
             elif self.state == "reasoning":
                 at = self.held.find(self.fmt.end)
                 if at >= 0:
@@ -94,6 +102,7 @@ class ReasoningReader:
                 content, self.held = content + self.held, ""
         if final and self.state == "gap":
             self.state = "content"
+        self.tokens += thought
         return reasoning, content
 
 
