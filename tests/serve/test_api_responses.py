@@ -68,6 +68,30 @@ def test_text_answers_equal_the_chat_routes_whole_and_streamed(client, model) ->
         assert final.output_text == want.message.content and final.usage.output_tokens == r.usage.output_tokens
 
 
+def test_output_text_logprobs_are_the_chat_routes_whole_and_streamed(client, model) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the chat route's
+    entries for the same conversation, on the message's text, whole, as streamed deltas and in
+    ``output_text.done``."""
+    question = [{"role": "user", "content": "Name three colours."}]
+    want = chat(client, model, question, max_tokens=12, logprobs=True, top_logprobs=2)
+    asks = dict(model=model, input="Name three colours.", temperature=0, max_output_tokens=12,
+                include=["message.output_text.logprobs"], top_logprobs=2)
+    r = client.responses.create(**asks)
+    got = r.output[0].content[0].logprobs
+    assert [(x.token, x.logprob, [(t.token, t.logprob) for t in x.top_logprobs]) for x in got] == [
+        (x.token, x.logprob, [(t.token, t.logprob) for t in x.top_logprobs]) for x in want.logprobs.content]
+    assert len(got) == r.usage.output_tokens and all(len(x.top_logprobs) == 2 for x in got)
+    with client.responses.stream(**asks) as stream:
+        events = list(stream)
+    final = events[-1].response  # (response.incomplete: 12 tokens cut the answer)
+    deltas = [x for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [x.token for x in deltas] == [x.token for x in done.logprobs] == [x.token for x in got]
+    assert [x.logprob for x in final.output[0].content[0].logprobs] == [x.logprob for x in got]
+    plain = client.responses.create(**{k: v for k, v in asks.items() if k not in ("include", "top_logprobs")})
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
+
+
 def test_max_output_tokens_makes_an_incomplete_response(client, model) -> None:
     r = client.responses.create(model=model, input="Tell me a long story.", temperature=0, max_output_tokens=5)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
@@ -172,7 +196,9 @@ def test_auto_tool_choice_reads_the_models_calls(client, model) -> None:
     ({"background": True}, "background", "background is not supported"),
     ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning", "reasoning is not supported"),
     ({"reasoning": {"effort": "very"}}, "reasoning.effort", "Input should be"),
-    ({"include": ["message.output_text.logprobs"]}, "include", "include is not supported"),
+    ({"include": ["reasoning.encrypted_content"]}, "include", "include message.output_text.logprobs are served"),
+    ({"top_logprobs": 3}, "top_logprobs", 'top_logprobs needs include ["message.output_text.logprobs"]'),
+    ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs", "less than or equal to 20"),
     ({"truncation": "auto"}, "truncation", "truncation is not supported"),
     ({"tools": [{"type": "web_search_preview"}]}, "tools", "tools[0] must be a function tool"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",

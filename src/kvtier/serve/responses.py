@@ -20,7 +20,9 @@ path, then written back in the Responses shapes:
 
 Responses are stored (``store``, true by default, as OpenAI's) in this process's memory, the
 last :data:`MAX_STORED` of them, for ``previous_response_id`` and ``GET``; a restart loses them.
-Fields the engine cannot honour (``background``, ``reasoning``, ``include``, ``truncation``
+``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` gives the text's logprobs
+(chat's). Fields the engine cannot honour (``background``, a ``reasoning`` summary, other
+``include`` values, ``truncation``
 ``"auto"``, non-function tools, image and file inputs) are 400s naming the field.
 
 Example::
@@ -55,6 +57,10 @@ _PARAMS = {"messages": "input", "response_format": "text.format", "max_completio
            "reasoning_effort": "reasoning.effort"}
 
 
+#: the one ``include`` served: the output text's tokens' logprobs
+LOGPROBS = "message.output_text.logprobs"
+
+
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses``: the fields served; others are ignored (clients send ``user``,
     ``metadata``, ``service_tier``), but those that change the answer and are not served are 400s."""
@@ -79,16 +85,20 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def refuse_unserved(self) -> None:
-        for name, given in (("background", self.background), ("include", self.include),
+        for name, given in (("background", self.background), ("include", set(self.include or ()) - {LOGPROBS}),
                             ("reasoning", self.reasoning and any(v is not None for k, v in self.reasoning.items()
                                                                  if k != "effort")),
                             ("truncation", self.truncation == "auto")):
             if given:
                 raise APIError(400, f"{name} is not supported by this server (it runs no background jobs, "
                                "writes no reasoning summaries or extra outputs, and never drops input to fit; "
-                               "reasoning.effort is served)", param=name, code="unsupported_parameter")
+                               f"reasoning.effort and include {LOGPROBS} are served)", param=name,
+                               code="unsupported_parameter")
+        if self.top_logprobs is not None and LOGPROBS not in (self.include or ()):
+            raise APIError(400, f"top_logprobs needs include [\"{LOGPROBS}\"]", param="top_logprobs")
 
 
 def _text(content: Any, where: str) -> str:
@@ -145,6 +155,8 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
     messages += messages_of(req.input)
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
+    if LOGPROBS in (req.include or ()):
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     if (req.reasoning or {}).get("effort") is not None:
         body["reasoning_effort"] = req.reasoning["effort"]
     for i, tool in enumerate(req.tools or []):
@@ -246,10 +258,13 @@ def _said(output: list[dict]) -> dict:
     return {"content": text or None, "tool_calls": calls}
 
 
-def _output(message: dict) -> list[dict]:
-    """A chat message as output items: its reasoning and its text (each if any), then its calls."""
+def _output(message: dict, logprobs: list[dict] | None = None) -> list[dict]:
+    """A chat message as output items: its reasoning and its text (each if any, the text with
+    ``logprobs``, chat's entries), then its calls."""
     items = [_reasoning(message["reasoning"])] if message.get("reasoning") else []
-    items += [_message(message["content"])] if message.get("content") else []
+    if message.get("content"):
+        items.append(_message(message["content"]))
+        items[-1]["content"][0]["logprobs"] = logprobs or []
     return items + [_call(c) for c in message.get("tool_calls") or []]
 
 
@@ -291,7 +306,8 @@ def add_responses_routes(app: FastAPI, chat: Callable[..., Awaitable[Any]], mode
         if not req.stream:
             choice = got["choices"][0]
             body = built.body("incomplete" if choice["finish_reason"] == "length" else "completed",
-                              _output(choice["message"]), _usage(got["usage"]), choice["finish_reason"])
+                              _output(choice["message"], (choice.get("logprobs") or {}).get("content")),
+                              _usage(got["usage"]), choice["finish_reason"])
             keep(req, body, chat_req, choice["message"])
             return body
         return StreamingResponse(_events(built, got, lambda body, message: keep(req, body, chat_req, message)),
@@ -317,6 +333,7 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
     output: list[dict] = []
     message: dict | None = None  # the open text item
     thought: dict | None = None  # the open reasoning item
+    scored: list[dict] = []  # logprobs not yet given out with text
     calls: dict[int, dict] = {}  # chat tool call index: its open item
     finish, usage = None, None
 
@@ -332,9 +349,11 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
         i, text = output.index(message), message["content"][0]["text"]
         message["status"] = "completed"
         part = message["content"][0]
+        part["logprobs"] += scored
+        scored.clear()
         message = None
         return [event("response.output_text.done", item_id=output[i]["id"], output_index=i, content_index=0,
-                      text=text, logprobs=[]),
+                      text=text, logprobs=part["logprobs"]),
                 event("response.content_part.done", item_id=output[i]["id"], output_index=i, content_index=0,
                       part=part),
                 event("response.output_item.done", output_index=i, item=output[i])]
@@ -373,6 +392,7 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
                 delta = choice["delta"]
+                scored += (choice.get("logprobs") or {}).get("content") or []
                 if delta.get("reasoning"):
                     if thought is None:
                         for e in close_message() + close_calls():
@@ -396,8 +416,10 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                         yield event("response.content_part.added", item_id=message["id"], output_index=i,
                                     content_index=0, part={**message["content"][0]})
                     message["content"][0]["text"] += delta["content"]
+                    message["content"][0]["logprobs"] += scored
                     yield event("response.output_text.delta", item_id=message["id"], output_index=output.index(message),
-                                content_index=0, delta=delta["content"], logprobs=[])
+                                content_index=0, delta=delta["content"], logprobs=list(scored))
+                    scored.clear()
                 for tc in delta.get("tool_calls") or []:
                     if tc.get("id"):  # a new call
                         for e in close_thought() + close_message():
