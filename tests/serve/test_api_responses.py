@@ -197,6 +197,7 @@ def test_auto_tool_choice_reads_the_models_calls(client, model) -> None:
     ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning", "reasoning is not supported"),
     ({"reasoning": {"effort": "very"}}, "reasoning.effort", "Input should be"),
     ({"include": ["reasoning.encrypted_content"]}, "include", "include message.output_text.logprobs are served"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input", "reasoning items alone"),
     ({"top_logprobs": 3}, "top_logprobs", 'top_logprobs needs include ["message.output_text.logprobs"]'),
     ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs", "less than or equal to 20"),
     ({"truncation": "auto"}, "truncation", "truncation is not supported"),

@@ -146,6 +146,8 @@ def messages_of(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             raise APIError(400, f"{where} must be a message (role user, system, developer or assistant), a "
                            f"function_call or a function_call_output, got {json.dumps(item)[:80]}", param="input")
+    if not out:
+        raise APIError(400, "input holds reasoning items alone, which are left out: give a message", param="input")
     return out
 
 
