@@ -61,6 +61,9 @@ def test_reasoning_and_content_equal_the_raw_answer_split(server, client, model)
         assert [o.type for o in got.output] == ["reasoning", "message"]
         assert got.output[0].content[0].text == reasoning and got.output_text == content
         assert got.usage.output_tokens_details.reasoning_tokens == thought
+        again = client.responses.create(model=model, input=[got.output[0].model_dump(exclude_none=True), *messages],
+                                        max_output_tokens=40, temperature=0)  # (a reasoning item sent back: left out)
+        assert again.output_text == got.output_text
         with client.responses.stream(model=model, input=messages, max_output_tokens=40, temperature=0) as stream:
             kinds = [e.type for e in stream]
             final = stream.get_final_response()
