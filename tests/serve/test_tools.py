@@ -55,7 +55,7 @@ def test_none_and_no_tools_are_text() -> None:
 
 @pytest.mark.parametrize("tools,choice,param,message", [
     ([WEATHER], None, "tool_choice", 'tool_choice "auto" (the default with tools) needs the model\'s tool-call format'),
-    ([WEATHER], "auto", "tool_choice", "start it with --tool-call-parser {hermes,llama3_json}, or send tool_choice"),
+    ([WEATHER], "auto", "tool_choice", "start it with --tool-call-parser {hermes,qwen3_coder,llama3_json}, or send tool_choice"),
     (None, "required", "tool_choice", 'tool_choice "required" needs tools'),
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice", "naming one of the tools (get_weather)"),
     ([WEATHER], "always", "tool_choice", 'got "always"'),
@@ -124,6 +124,31 @@ def test_arguments_stream_as_they_come_and_a_cut_call_stays_a_call() -> None:
             Piece("call", "get_weather", 0), Piece("arguments", '{"city": "Oslo"}', 0)]
 
 
+def test_qwen3_coders_parameters_become_json_typed_by_the_tools_schema() -> None:
+    """Qwen3-Coder writes ``<parameter=NAME>`` elements: each whole element is the next member of
+    the arguments' JSON object, its value typed by the tool's schema (a string stays a string)."""
+    fmt = FORMATS["qwen3_coder"]
+    whole = fmt.write("plan", json.dumps({"city": "Oslo", "code": "42", "days": 3, "tags": ["a", "b"], "x": None}))
+    assert whole == ("<tool_call>\n<function=plan>\n<parameter=city>\nOslo\n</parameter>\n<parameter=code>\n42\n"
+                     "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n"
+                     "<parameter=x>\nnull\n</parameter>\n</function>\n</tool_call>")
+    schemas = {"plan": {"type": "object", "properties": {"city": {"type": "string"}, "code": {"type": "string"},
+                                                          "days": {"type": "integer"}}}}
+    reader = CallReader(fmt, schemas)
+    first = whole.index("<parameter=code>")  # (the first element whole)
+    got = reader.feed("Planning. " + whole[:first])
+    assert got == [Piece("text", "Planning. "), Piece("call", "plan", 0), Piece("arguments", '{"city": "Oslo"', 0)]
+    rest = merged(reader.feed(whole[first:] + " Done.", final=True))
+    args = '{"city": "Oslo"' + rest[0].text
+    assert json.loads(args) == {"city": "Oslo", "code": "42", "days": 3, "tags": ["a", "b"], "x": None}
+    assert rest[1:] == [Piece("text", " Done.")]
+    assert json.loads(merged(CallReader(fmt).feed(whole, final=True))[1].text)["code"] == 42  # (no schema: JSON)
+    cut = merged(CallReader(fmt, schemas).feed(whole[:whole.index("<parameter=days>") + 20], final=True))  # (in one)
+    assert cut == [Piece("call", "plan", 0), Piece("arguments", '{"city": "Oslo", "code": "42"', 0)]
+    assert merged(CallReader(fmt).feed(fmt.write("get_time", "{}"), final=True)) == [
+        Piece("call", "get_time", 0), Piece("arguments", "{}", 0)]
+
+
 def test_a_call_cut_before_its_arguments_or_misspelt_is_text() -> None:
     fmt = FORMATS["hermes"]
     whole = fmt.write("get_weather", '{"city": "Oslo"}')
@@ -165,6 +190,7 @@ class Template:
 IGNORES = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 HERMES = "{% if tools %}<tool_call>{{ tools | tojson }}{% endif %}" + IGNORES
 OTHER = "{% if tools %}{{ tools | tojson }}{% endif %}" + IGNORES
+CODER = "{% if tools %}<tool_call>\n<function=NAME>{{ tools | tojson }}{% endif %}" + IGNORES  # (Qwen3-Coder's shape)
 
 
 def test_the_format_comes_from_the_flag_or_the_template() -> None:
@@ -173,7 +199,8 @@ def test_the_format_comes_from_the_flag_or_the_template() -> None:
     assert call_format(None, Template(HERMES)) is FORMATS["hermes"] and describes_tools(Template(HERMES))
     assert call_format(None, Template(IGNORES)) is FORMATS["hermes"] and not describes_tools(Template(IGNORES))
     assert call_format(None, Template(OTHER)) is None  # (tools described some other way: no guess)
-    with pytest.raises(ValueError, match="must be one of hermes, llama3_json or none, got 'mistral'"):
+    assert call_format(None, Template(CODER)) is FORMATS["qwen3_coder"]
+    with pytest.raises(ValueError, match="must be one of hermes, qwen3_coder, llama3_json or none, got 'mistral'"):
         call_format("mistral", Template(IGNORES))
 
 
@@ -204,5 +231,5 @@ def test_the_flag_reaches_the_server_config_and_bad_names_are_refused(capsys) ->
     with pytest.raises(SystemExit):
         parse(["serve", "--tool-call-parser", "mistral"])
     assert "invalid choice: 'mistral'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json, none or None"):
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, qwen3_coder, llama3_json, none or None"):
         ServerConfig(tool_call_parser="mistral")

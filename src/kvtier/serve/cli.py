@@ -74,11 +74,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--chat-template", dest="chat_template", metavar="FILE", default=_ABSENT,
                    help="render chats with this Jinja template (a file, or the template's text) in place "
                         "of the model's own; for a model without one")
-    p.add_argument("--tool-call-parser", dest="tool_call_parser", choices=("hermes", "llama3_json", "none"),
+    p.add_argument("--tool-call-parser", dest="tool_call_parser", choices=("hermes", "qwen3_coder", "llama3_json", "none"),
                    default=_ABSENT, help="the model's tool-call format, which tool_choice \"auto\" reads "
-                   "(default: hermes where the chat template writes <tool_call> or ignores tools, which "
-                   "are then described to the model; none, so \"auto\" is refused, where it describes "
-                   "them another way)")
+                   "(default: qwen3_coder where the chat template writes <function=, hermes where it writes "
+                   "<tool_call> or ignores tools, which are then described to the model; none, so \"auto\" is "
+                   "refused, where it describes them another way)")
     p.add_argument("--reasoning-parser", dest="reasoning_parser", choices=("deepseek_r1", "qwen3"),
                    default=_ABSENT, help="the model's reasoning format: a chat answer's <think> ... </think> "
                    "goes out as the message's reasoning, the rest as its content, and structured outputs "

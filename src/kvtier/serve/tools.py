@@ -11,7 +11,8 @@ outputs: the answer is held to the JSON of the call, so it is always a well-form
 
 - ``"auto"`` (OpenAI's default when tools are given): the model writes text, calls, or both, in
   its family's own call format (:class:`CallFormat`: ``hermes``, Qwen's and Hermes'
-  ``<tool_call>`` JSON; ``llama3_json``, Llama 3's bare JSON). The answer is free text until the
+  ``<tool_call>`` JSON; ``qwen3_coder``, Qwen3-Coder's ``<parameter=NAME>`` elements;
+  ``llama3_json``, Llama 3's bare JSON). The answer is free text until the
   format's trigger, then held to a call of one of the tools (xgrammar's structural tags), so
   every call written is well formed; :class:`CallReader` reads the calls back as the text
   streams (a call's name once its arguments open, then the arguments as they come). Without a format (the server's ``--tool-call-parser none``) ``"auto"`` is a 400.
@@ -32,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -47,14 +49,16 @@ __all__ = ["FORMATS", "MAX_TOOLS", "CallFormat", "CallReader", "Piece", "ToolCal
 MAX_TOOLS = 128
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_NAME_PART = re.compile(r"[A-Za-z0-9_-]{0,64}")
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_-]*")
+_PARAM, _PARAM_END = "<parameter=", "</parameter>"
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True)
 class CallFormat:
     """How a model family writes a tool call: ``begin``, the function's name, ``arguments``, the
-    arguments' JSON object, ``end``; ``trigger`` (a prefix of ``begin``) starts every call, and
+    arguments (a JSON object, or with ``xml`` Qwen3-Coder's ``<parameter=NAME>`` elements, one
+    a line), ``end``; ``trigger`` (a prefix of ``begin``) starts every call, and
     ``instructions`` (with ``{tools}``, the tools' JSON a line) tell a model the format."""
 
     name: str
@@ -63,17 +67,26 @@ class CallFormat:
     arguments: str
     end: str
     instructions: str
+    xml: bool = False
 
     def write(self, name: str, arguments: str) -> str:
         """One call, as the model writes it (``arguments``: the JSON object's text)."""
+        if self.xml:
+            try:
+                value = json.loads(arguments)
+            except json.JSONDecodeError:
+                value = None
+            if isinstance(value, dict):
+                arguments = "".join(f"{_PARAM}{k}>\n{v if isinstance(v, str) else json.dumps(v)}\n{_PARAM_END}\n"
+                                    for k, v in value.items())
         return f"{self.begin}{name}{self.arguments}{arguments}{self.end}"
 
     def structure(self, schemas: dict[str, Any], parallel: bool, answer: dict[str, Any] | None = None) -> Structure:
         """Free text in which each call, once its trigger is written, is held to one of the tools
         and its ``parameters`` schema (one call at most unless ``parallel``). With ``answer`` (a
         JSON schema), the answer is either JSON held to it or calls alone, a line apart."""
-        tags = [{"type": "tag", "begin": f"{self.begin}{name}{self.arguments}",
-                 "content": {"type": "json_schema", "json_schema": schema}, "end": self.end}
+        tags = [{"type": "tag", "begin": f"{self.begin}{name}{self.arguments}", "end": self.end,
+                 "content": {"type": "qwen_xml_parameter" if self.xml else "json_schema", "json_schema": schema}}
                 for name, schema in schemas.items()]
         calls = {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags, "at_least_one": False,
                  "stop_after_first": not parallel}
@@ -96,6 +109,11 @@ FORMATS = {
         "function call, return a json object with function name and arguments within "
         "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
         "<args-json-object>}}\n</tool_call>"),
+    "qwen3_coder": CallFormat(  # Qwen3-Coder: <parameter=NAME> elements, not JSON
+        "qwen3_coder", "<tool_call>", "<tool_call>\n<function=", ">\n", "</function>\n</tool_call>",
+        "# Tools\n\nThese functions may be called:\n\n<tools>\n{tools}\n</tools>\n\nTo call one, answer with "
+        "this and nothing after it, a parameter element for each argument:\n<tool_call>\n<function=NAME>\n"
+        "<parameter=ARGUMENT>\nVALUE\n</parameter>\n</function>\n</tool_call>", xml=True),
     "llama3_json": CallFormat(  # Llama 3.1 to 3.3
         "llama3_json", '{"name": ', '{"name": "', '", "parameters": ', "}",
         "Given the following functions, please respond with a JSON for a function call with its proper "
@@ -117,13 +135,16 @@ def describes_tools(tokenizer) -> bool:
 
 def call_format(parser: str | None, tokenizer) -> CallFormat | None:
     """The call format of ``--tool-call-parser`` (``"none"``: none, so ``"auto"`` is refused); by
-    default ``hermes`` where the chat template writes ``<tool_call>`` or ignores tools (the server
-    then describes them in that format), none where it describes tools some other way."""
+    default ``qwen3_coder`` where the chat template writes ``<function=``, ``hermes`` where it
+    writes ``<tool_call>`` or ignores tools (the server then describes them in that format), none
+    where it describes tools some other way."""
     if parser is not None:
         if parser != "none" and parser not in FORMATS:
             raise ValueError(f"tool call parser must be one of {', '.join(FORMATS)} or none, got {parser!r}")
         return FORMATS.get(parser)
     template = getattr(tokenizer, "chat_template", None) or ""
+    if "<function=" in template:
+        return FORMATS["qwen3_coder"]
     return FORMATS["hermes"] if "<tool_call>" in template or not describes_tools(tokenizer) else None
 
 
@@ -163,14 +184,17 @@ class Piece(NamedTuple):
 class CallReader:
     """Reads an answer written under :meth:`CallFormat.structure` as it streams: :meth:`feed`
     gives the text outside calls (holding back an end that may begin a trigger), each call's name
-    once its arguments' object opens, and the arguments as they come. ``final`` gives out what is
-    held: a trigger not followed by a call is text; a call cut inside its arguments (``max_tokens``,
-    a stop string) stays a call with the arguments written so far, as OpenAI's stream leaves it."""
+    once its arguments begin, and the arguments as they come (JSON as written; Qwen3-Coder's
+    parameters as a JSON object, one member once its element is whole, typed by ``schemas``, the
+    tools' ``parameters``). ``final`` gives out what is held: a trigger not followed by a call is
+    text; a call cut inside its arguments (``max_tokens``, a stop string) stays a call with the
+    arguments written so far, as OpenAI's stream leaves it."""
 
-    def __init__(self, fmt: CallFormat):
-        self.fmt, self.held, self.made = fmt, "", 0
+    def __init__(self, fmt: CallFormat, schemas: dict[str, Any] | None = None):
+        self.fmt, self.schemas, self.held, self.made = fmt, schemas or {}, "", 0
         self._at = "text"  # where the answer is: "text", a call's "arguments" or the call's "end"
         self._depth, self._string, self._escape = 0, False, False
+        self._name, self._members = "", 0  # (the XML call's function, and its members given out)
 
     def feed(self, text: str, final: bool = False) -> list[Piece]:
         """The pieces ``text`` completes, in order (``final``: the answer's end)."""
@@ -178,6 +202,10 @@ class CallReader:
         out: list[Piece] = []
         trigger, end = self.fmt.trigger, self.fmt.end
         while self.held:
+            if self._at == "arguments" and self.fmt.xml:
+                if not self._parameters(out, final):
+                    break
+                continue
             if self._at == "arguments":  # the arguments, as they come, up to their object's close
                 cut = self._scan()
                 out.append(Piece("arguments", self.held[:cut], self.made - 1))
@@ -219,27 +247,31 @@ class CallReader:
             name, used = got
             out.append(Piece("call", name, self.made))
             self.made += 1
-            self.held, self._at = self.held[used:], "arguments"
+            self.held, self._at, self._name, self._members = self.held[used:], "arguments", name, 0
         return [p for p in out if p.text or p.kind == "call"]
 
     def _head(self) -> tuple[str, int] | bool | None:
-        """The call beginning ``held``: ``(name, characters before its arguments' "{")``; ``None``
+        """The call beginning ``held``: ``(name, characters before its arguments)``; ``None``
         where it is not decided yet, ``False`` where it is no call."""
         f, held = self.fmt, self.held
         if not held.startswith(f.begin):
             return None if f.begin.startswith(held) else False
         start = len(f.begin)
-        quote = held.find('"', start)
-        name = held[start:] if quote < 0 else held[start:quote]
-        if not _NAME_PART.fullmatch(name):
+        stop = start + _NAME_CHARS.match(held, start).end() - start
+        name = held[start:stop]
+        if len(name) > 64:
             return False
-        if quote < 0 or not held.startswith(f.arguments, quote):
-            return None if quote < 0 or f.arguments.startswith(held[quote:]) else False
-        i = quote + len(f.arguments)
+        if stop == len(held) or not held.startswith(f.arguments, stop):
+            return None if f.arguments.startswith(held[stop:]) else False
+        if not _NAME.fullmatch(name):
+            return False
+        i = stop + len(f.arguments)
+        if f.xml:
+            return name, i
         i += len(held[i:]) - len(held[i:].lstrip())
         if i == len(held):
             return None
-        return (name, i) if held[i] == "{" and _NAME.fullmatch(name) else False
+        return (name, i) if held[i] == "{" else False
 
     def _scan(self) -> int:
         """How much of ``held`` belongs to the arguments (all of it while their object is open)."""
@@ -258,6 +290,43 @@ class CallReader:
                     return j + 1
         self._depth, self._string, self._escape = depth, string, escape
         return len(self.held)
+
+    def _parameters(self, out: list[Piece], final: bool) -> bool:
+        """Qwen3-Coder's parameters at the start of ``held``: each whole element given out as the
+        next member of the arguments' JSON object, the call's end as its close; False where more
+        text must come first."""
+        end, call = self.fmt.end, self.made - 1
+        i = len(self.held) - len(self.held.lstrip())
+        if self.held.startswith(end, i):  # (the call is whole: the object closes)
+            out.append(Piece("arguments", "}" if self._members else "{}", call))
+            self.held, self._at = self.held[i + len(end):], "text"
+            return True
+        if self.held.startswith(_PARAM, i):
+            head = self.held.find(">", i)
+            close = self.held.find(_PARAM_END, head) if head >= 0 else -1
+            if close < 0:
+                return False
+            key, value = self.held[i + len(_PARAM):head], self.held[head + 1:close]
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            kind = ((self.schemas.get(self._name) or {}).get("properties") or {}).get(key, {}).get("type")
+            if kind != "string":
+                with contextlib.suppress(json.JSONDecodeError):
+                    value = json.loads(value)
+            out.append(Piece("arguments", ("{" if not self._members else ", ") + f"{json.dumps(key)}: "
+                             f"{json.dumps(value)}", call))
+            self._members += 1
+            self.held = self.held[close + len(_PARAM_END):]
+            return True
+        rest = self.held[i:]
+        if not final and (end.startswith(rest) or _PARAM.startswith(rest)):
+            return False
+        if not final:  # (not the format after all: the call ends here; what follows is text)
+            out.append(Piece("arguments", "}" if self._members else "{}", call))
+            self._at = "text"
+            return True
+        self.held = ""  # (cut by the answer's end: the arguments so far)
+        return False
 
 
 def call_id() -> str:
@@ -282,6 +351,7 @@ class ToolCalls:
     named: str | None
     structure: Structure
     auto: CallFormat | None = None
+    schemas: dict[str, Any] | None = None  # the tools' parameters, by name (``auto``'s, to type XML values)
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The message's ``tool_calls`` from a ``"required"`` answer's array; ``None`` where the
@@ -328,7 +398,7 @@ def tool_calls(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool =
                             f"{{{','.join(FORMATS)}}}, or send tool_choice \"required\", a function's name "
                             "({\"type\": \"function\", \"function\": {\"name\": ...}}), or \"none\"", "tool_choice",
                             unsupported=True)
-        return ToolCalls(None, fmt.structure(schemas, parallel, answer), auto=fmt)
+        return ToolCalls(None, fmt.structure(schemas, parallel, answer), auto=fmt, schemas=schemas)
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
                   "required": ["name", "parameters"], "additionalProperties": False} for n, p in schemas.items()]

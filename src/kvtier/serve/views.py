@@ -43,7 +43,7 @@ class Completion:
         self.top, self.scored, self.tools = top, scored, tools
         self.call_id: str | None = None  # a named call's id, once its first chunk is out
         self.held = ""  # the answer of "required" calls, streamed: given out whole at its end
-        self.reader = CallReader(tools.auto) if tools is not None and tools.auto is not None else None
+        self.reader = CallReader(tools.auto, tools.schemas) if tools is not None and tools.auto is not None else None
         self.reasoning = reasoning  # splits a reasoning model's answer (its content is read on as above)
         self.created = int(time.time())
         self.offset = 0  # text offset of the next token (completions' logprobs): characters so far
