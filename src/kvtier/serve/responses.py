@@ -370,6 +370,12 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                       text=item["content"][0]["text"]),
                 event("response.output_item.done", output_index=i, item=item)]
 
+    def added(item: dict, closing: list[str]) -> list[str]:
+        """``closing`` (the open items' last events), then ``item`` opened at the output's end."""
+        output.append(item)
+        shown = item if item["type"] == "function_call" else {**item, "content": []}
+        return [*closing, event("response.output_item.added", output_index=len(output) - 1, item=shown)]
+
     def close_calls() -> list[str]:
         out = []
         for item in calls.values():
@@ -397,25 +403,20 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                 scored += (choice.get("logprobs") or {}).get("content") or []
                 if delta.get("reasoning"):
                     if thought is None:
-                        for e in close_message() + close_calls():
-                            yield e
+                        closing = close_message() + close_calls()
                         thought = _reasoning("", "in_progress")
-                        output.append(thought)
-                        yield event("response.output_item.added", output_index=len(output) - 1,
-                                    item={**thought, "content": []})
+                        for e in added(thought, closing):
+                            yield e
                     thought["content"][0]["text"] += delta["reasoning"]
                     yield event("response.reasoning_text.delta", item_id=thought["id"], output_index=output.index(thought),
                                 content_index=0, delta=delta["reasoning"])
                 if delta.get("content"):
                     if message is None:
-                        for e in close_thought() + close_calls():
-                            yield e
+                        closing = close_thought() + close_calls()
                         message = _message("", "in_progress")
-                        output.append(message)
-                        i = len(output) - 1
-                        yield event("response.output_item.added", output_index=i,
-                                    item={**message, "content": []})
-                        yield event("response.content_part.added", item_id=message["id"], output_index=i,
+                        for e in added(message, closing):
+                            yield e
+                        yield event("response.content_part.added", item_id=message["id"], output_index=len(output) - 1,
                                     content_index=0, part={**message["content"][0]})
                     message["content"][0]["text"] += delta["content"]
                     message["content"][0]["logprobs"] += scored
@@ -424,14 +425,12 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                     scored.clear()
                 for tc in delta.get("tool_calls") or []:
                     if tc.get("id"):  # a new call
-                        for e in close_thought() + close_message():
-                            yield e
+                        closing = close_thought() + close_message()
                         call = {"id": tc["id"], "type": "function",
                                 "function": {"name": tc["function"]["name"], "arguments": ""}}
                         calls[tc["index"]] = _call(call, "in_progress")
-                        output.append(calls[tc["index"]])
-                        yield event("response.output_item.added", output_index=len(output) - 1,
-                                    item=calls[tc["index"]])
+                        for e in added(calls[tc["index"]], closing):
+                            yield e
                     args = tc["function"].get("arguments") or ""
                     if args and tc["index"] in calls:
                         item = calls[tc["index"]]
