@@ -233,3 +233,18 @@ def test_the_flag_reaches_the_server_config_and_bad_names_are_refused(capsys) ->
     assert "invalid choice: 'mistral'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, qwen3_coder, llama3_json, none or None"):
         ServerConfig(tool_call_parser="mistral")
+
+
+def test_vllms_enable_auto_tool_choice_is_taken_and_needs_a_format() -> None:
+    """``--enable-auto-tool-choice`` (vLLM's command lines carry it): a server that reads no call
+    format does not start, saying which flag to give."""
+    import subprocess
+    import sys
+
+    from kvtier import cli
+    from kvtier.serve.cli import configs_from_args
+
+    assert configs_from_args(cli.build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))[1].auto_tool_choice
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--port", "0", "--tool-call-parser", "none",
+                        "--enable-auto-tool-choice"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--enable-auto-tool-choice needs the model's tool-call format" in r.stderr, r.stderr

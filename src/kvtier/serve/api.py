@@ -116,6 +116,9 @@ class ServerConfig:
     #: the model's reasoning format (``kvtier serve --reasoning-parser``): a name of
     #: :data:`kvtier.serve.reasoning.FORMATS`, or ``None`` for answers without reasoning
     reasoning_parser: str | None = None
+    #: vLLM's ``--enable-auto-tool-choice``: ``"auto"`` is served whenever a call format is read;
+    #: with this the server refuses to start where none is
+    auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -137,6 +140,8 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING)} or None, got "
                              f"{self.reasoning_parser!r}")
+        if not isinstance(self.auto_tool_choice, bool):
+            raise ValueError(f"auto_tool_choice must be a bool, got {self.auto_tool_choice!r}")
         if self.warmup is not None and not isinstance(self.warmup, bool):
             raise ValueError(f"warmup must be a bool or None, got {self.warmup!r}")
         t = self.shutdown_timeout_s
@@ -185,6 +190,10 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     # tool_choice "auto": the model's call format; a template that ignores tools gets them described
     calls = call_format(config.tool_call_parser, tokenizer)
     describe = calls is not None and not describes_tools(tokenizer)
+    if config.auto_tool_choice and calls is None:
+        raise ValueError("--enable-auto-tool-choice needs the model's tool-call format, and this server reads none "
+                         f"(--tool-call-parser {config.tool_call_parser or 'unset: the chat template names none'}): "
+                         f"give --tool-call-parser {{{','.join(FORMATS)}}}")
     thinks = None if config.reasoning_parser is None else REASONING[config.reasoning_parser]
 
     def fail(e: APIError) -> JSONResponse:

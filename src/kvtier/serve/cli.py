@@ -34,7 +34,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching",
                        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
-                                   "/v1/models, /health, /metrics) over the paged tier.")
+                                   "/v1/responses, /v1/models, vLLM's /tokenize and /detokenize, /health, "
+                                   "/metrics) over the paged tier.")
     p.add_argument("--model", metavar="PATH", default=_ABSENT,
                    help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=_ABSENT)
@@ -79,6 +80,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "(default: qwen3_coder where the chat template writes <function=, hermes where it writes "
                    "<tool_call> or ignores tools, which are then described to the model; none, so \"auto\" is "
                    "refused, where it describes them another way)")
+    p.add_argument("--enable-auto-tool-choice", dest="auto_tool_choice", action="store_true", default=_ABSENT,
+                   help="vLLM's flag: tool_choice \"auto\" is served whenever the server reads a call format; "
+                   "with this flag a server that would read none does not start")
     p.add_argument("--reasoning-parser", dest="reasoning_parser", choices=("deepseek_r1", "qwen3"),
                    default=_ABSENT, help="the model's reasoning format: a chat answer's <think> ... </think> "
                    "goes out as the message's reasoning, the rest as its content, and structured outputs "
@@ -115,7 +119,8 @@ def configs_from_args(args: argparse.Namespace):
     engine = {n: getattr(args, n) for n in _ENGINE_FLAGS if hasattr(args, n)}
     engine |= parse_storage_flags(getattr(args, "kv_quant", None), getattr(args, "turboquant", None))
     server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup", "shutdown_timeout_s",
-                                            "tool_call_parser", "reasoning_parser") if hasattr(args, n)}
+                                            "tool_call_parser", "reasoning_parser", "auto_tool_choice")
+              if hasattr(args, n)}
     keys = getattr(args, "api_keys", None) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
     if keys:
         server["api_keys"] = tuple(keys)
