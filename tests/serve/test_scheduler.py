@@ -269,3 +269,12 @@ def test_the_scheduling_policy_flag_reaches_the_engine_config(capsys) -> None:
     with pytest.raises(SystemExit):
         parse(["serve", "--scheduling-policy", "lifo"])
     assert "invalid choice: 'lifo'" in capsys.readouterr().err
+
+
+def test_vllms_spellings_of_the_step_flags_are_taken() -> None:
+    from kvtier import cli
+    from kvtier.serve.cli import configs_from_args
+
+    args = cli.build_parser().parse_args(["serve", "--max-num-batched-tokens", "1024", "--tensor-parallel-size", "2"])
+    assert configs_from_args(args)[0].max_batched_tokens == 1024 and args.tensor_parallel == 2
+    assert cli.build_parser().parse_args(["serve", "-tp", "3"]).tensor_parallel == 3

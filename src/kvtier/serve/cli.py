@@ -56,7 +56,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--block-size", dest="block_size", type=int, default=_ABSENT)
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=_ABSENT,
                    help="running requests at most")
-    p.add_argument("--max-batched-tokens", dest="max_batched_tokens", type=int, default=_ABSENT,
+    p.add_argument("--max-batched-tokens", "--max-num-batched-tokens", dest="max_batched_tokens", type=int, default=_ABSENT,
                    help="tokens per step, decode and prefill chunks together (default: 2048 on CPU, "
                         "8192 on CUDA)")
     p.add_argument("--scheduling-policy", dest="scheduling_policy", choices=("fcfs", "priority"),
@@ -98,7 +98,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                          "(default: on CUDA only)")
     p.add_argument("--threads", type=int, default=_ABSENT,
                    help="torch CPU threads (of each rank with --tensor-parallel)")
-    p.add_argument("--tensor-parallel", dest="tensor_parallel", type=int, metavar="N", default=_ABSENT,
+    p.add_argument("--tensor-parallel", "--tensor-parallel-size", "-tp", dest="tensor_parallel", type=int, metavar="N", default=_ABSENT,
                    help="shard the model over N ranks: one GPU each (NCCL) or N CPU processes (gloo); "
                         "spawns its workers, or is one of them under torchrun; rank 0 serves HTTP")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=_ABSENT,
