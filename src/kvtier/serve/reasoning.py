@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtier.generate import split_at_stop
+
 __all__ = ["FORMATS", "ReasoningFormat", "ReasoningReader", "grammar_after", "prompt_state"]
 
 
@@ -85,27 +87,18 @@ class ReasoningReader:
                     self.tokens += self._undecided
                 self._undecided = 0
             elif self.state == "reasoning":
-                at = self.held.find(self.fmt.end)
-                if at >= 0:
-                    reasoning += self.held[:at]
-                    self.held, self.state = self.held[at + len(self.fmt.end):], "gap"
-                    continue
-                keep = 0 if final else _partial(self.held, self.fmt.end)
-                reasoning += self.held[:len(self.held) - keep]
-                self.held = self.held[len(self.held) - keep:]
-                break
+                before, _, found = split_at_stop(self.held, (self.fmt.end,), hold=not final)
+                reasoning += before
+                self.held = self.held[len(before) + (len(self.fmt.end) if found else 0):]
+                if not found:
+                    break
+                self.state = "gap"
             elif self.state == "gap":  # whitespace between the reasoning and the content
                 self.held = self.held.lstrip()
                 if self.held:
                     self.state = "content"
             else:
                 content, self.held = content + self.held, ""
-        if final and self.state == "gap":
-            self.state = "content"
         self.tokens += thought
         return reasoning, content
 
-
-def _partial(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (0 if none)."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)

@@ -374,10 +374,14 @@ def render_chat(req: ChatCompletionRequest | TokenizeRequest, tokenizer) -> str:
     if cont and req.add_generation_prompt:
         raise APIError(400, "continue_final_message continues the last message and add_generation_prompt starts a "
                        "new one: send add_generation_prompt false with it", param="continue_final_message")
-    final = req.messages[-1]
-    final_text = (final.content if isinstance(final.content, str) else "".join(p.text for p in final.content or [])).strip()
-    if cont and (final.role != "assistant" or not final_text):
-        got = f"the last is a {final.role!r} message" if final.role != "assistant" else "the last has no text"
+    messages = []
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content,
+                         **{k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}})
+    final_role, final_text = req.messages[-1].role, messages[-1]["content"].strip()
+    if cont and (final_role != "assistant" or not final_text):
+        got = f"the last is a {final_role!r} message" if final_role != "assistant" else "the last has no text"
         raise APIError(400, "continue_final_message continues the last message, which must be an assistant's with "
                        f"text ({got})", param="continue_final_message")
     clash = sorted({"messages", "add_generation_prompt", "tools", "raise_exception", "strftime_now",
@@ -387,27 +391,22 @@ def render_chat(req: ChatCompletionRequest | TokenizeRequest, tokenizer) -> str:
                        "own fields, or the model's special tokens)", param="chat_template_kwargs")
     if getattr(req, "reasoning_effort", None) is not None:
         extra["reasoning_effort"] = req.reasoning_effort
-    messages = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content,
-                         **{k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}})
     tools = {"tools": req.tools} if getattr(req, "tools", None) else {}
     if isinstance(req, ChatCompletionRequest) and req._describe:  # a template that ignores tools
         messages = chat_messages(messages, req.tools or [], req._calls, describe=req.tool_choice != "none")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **extra, **tools)
-        if not cont:
-            return text
-        at = text.rfind(final_text)
-        if at < 0:
-            raise APIError(400, "continue_final_message: the chat template does not write the last message's text as "
-                           "given, so the answer cannot continue it", param="continue_final_message")
-        return text[:at + len(final_text)]
     except NoChatTemplate:
         raise APIError(400, NO_TEMPLATE, param="messages") from None
     except (jinja2.TemplateError, ValueError, TypeError) as e:  # (TypeError: a value the template cannot take)
         raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+    if not cont:
+        return text
+    at = text.rfind(final_text)
+    if at < 0:
+        raise APIError(400, "continue_final_message: the chat template does not write the last message's text as "
+                       "given, so the answer cannot continue it", param="continue_final_message")
+    return text[:at + len(final_text)]
 
 
 def logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

@@ -40,6 +40,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from kvtier.generate import split_at_stop
 from kvtier.serve.structured import Structure
 
 __all__ = ["FORMATS", "MAX_TOOLS", "CallFormat", "CallReader", "Piece", "ToolCalls", "ToolError", "call_format", "call_id",
@@ -225,15 +226,11 @@ class CallReader:
                 if final:  # (a call whose end was cut: the call stands, its end's start is no text)
                     self.held = ""
                 break
-            at = self.held.find(trigger)
-            if at < 0:  # hold back an end that may begin the trigger
-                keep = 0 if final else next((k for k in range(min(len(trigger) - 1, len(self.held)), 0, -1)
-                                             if trigger.startswith(self.held[-k:])), 0)
-                out.append(Piece("text", self.held[:len(self.held) - keep]))
-                self.held = self.held[len(self.held) - keep:]
+            before, _, found = split_at_stop(self.held, (trigger,), hold=not final)  # (an end that may begin it held)
+            out.append(Piece("text", before))
+            self.held = self.held[len(before):]
+            if not found:
                 break
-            out.append(Piece("text", self.held[:at]))
-            self.held = self.held[at:]
             got = self._head()
             if got is None:  # not decided yet
                 if final:
@@ -257,7 +254,7 @@ class CallReader:
         if not held.startswith(f.begin):
             return None if f.begin.startswith(held) else False
         start = len(f.begin)
-        stop = start + _NAME_CHARS.match(held, start).end() - start
+        stop = _NAME_CHARS.match(held, start).end()
         name = held[start:stop]
         if len(name) > 64:
             return False
@@ -296,9 +293,10 @@ class CallReader:
         next member of the arguments' JSON object, the call's end as its close; False where more
         text must come first."""
         end, call = self.fmt.end, self.made - 1
+        closed = Piece("arguments", "}" if self._members else "{}", call)  # (the object's close)
         i = len(self.held) - len(self.held.lstrip())
-        if self.held.startswith(end, i):  # (the call is whole: the object closes)
-            out.append(Piece("arguments", "}" if self._members else "{}", call))
+        if self.held.startswith(end, i):  # (the call is whole)
+            out.append(closed)
             self.held, self._at = self.held[i + len(end):], "text"
             return True
         if self.held.startswith(_PARAM, i):
@@ -322,7 +320,7 @@ class CallReader:
         if not final and (end.startswith(rest) or _PARAM.startswith(rest)):
             return False
         if not final:  # (not the format after all: the call ends here; what follows is text)
-            out.append(Piece("arguments", "}" if self._members else "{}", call))
+            out.append(closed)
             self._at = "text"
             return True
         self.held = ""  # (cut by the answer's end: the arguments so far)
