@@ -102,7 +102,8 @@ def assert_near_exact_product(y, x, w, b=None):
 @pytest.mark.parametrize("flags, lanes", [(("-mno-avx512f",), 8), (("-mno-avx2",), 1)], ids=["avx2", "plain"])
 def test_each_vector_path_of_the_kernel_equals_the_exact_product(flags, lanes):
     """The kernel's narrower paths, built on purpose (where the CPU has AVX-512 the default
-    build never runs them): the AVX2 one and the plain loops, each against the exact product."""
+    build never runs them): the AVX2 one and the plain loops, each against the exact product,
+    and each one's dequantised weight the original bit for bit."""
     import platform
 
     from kvtier.kernels.native import build_library
@@ -115,9 +116,11 @@ def test_each_vector_path_of_the_kernel_equals_the_exact_product(flags, lanes):
         lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
         with torch.no_grad():
             lin.weight.copy_(w)
+        packed = PackedLinear.from_linear(lin, fmt, narrow)
+        assert torch.equal(packed.weight, w)  # each path's dequantiser, bit for bit
         for rows in (1, 3, 6):  # one row; on the AVX2 path rows in groups of four and a remainder
             x = torch.randn(rows, w.shape[1])
-            assert_near_exact_product(PackedLinear.from_linear(lin, fmt, narrow)(x), x, w)
+            assert_near_exact_product(packed(x), x, w)
     assert narrow.lanes == (lanes if _cpu_has("avx2", "fma", "f16c") else 1)
     assert narrow.max_rows == (GROUPED_MAX_ROWS if narrow.lanes > 1 else MAX_KERNEL_ROWS)
 

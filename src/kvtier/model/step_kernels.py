@@ -221,7 +221,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
       for (int64_t c = 0; c < T * 8; c++) {  /* silu_mul's arithmetic, each row in 8 spans */
         const int64_t t = c / 8, j0 = (c % 8) * hidden / 8, j1 = (c % 8 + 1) * hidden / 8;
         const float* g = ff + t * 2 * hidden;
-        for (int64_t j = j0; j < j1; j++) act[t * hidden + j] = (g[j] / (1.0f + expf(-g[j]))) * g[hidden + j];
+        silu_mul_span(g + j0, g + hidden + j0, act + t * hidden + j0, j1 - j0);
         if (q_w2) {  /* the span's whole blocks (or pairs of blocks) of w2's input row t */
           const int64_t b = (t * hidden + j0) / 32;
           quantize_rows_q8(act + t * hidden + j0, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, j1 - j0, ly->w2.fmt == 1);
