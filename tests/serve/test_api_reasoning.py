@@ -2,7 +2,9 @@
 SmolLM2, shown two answers that think between ``<think>`` and ``</think>``, thinks too; the
 chat's reasoning and content, whole and streamed, and the Responses API's reasoning item, against
 the same prompt's raw completion; a structured answer held to its schema only after the
-reasoning. (The server also schedules by priority: a request's ``priority`` is served.)"""
+reasoning. (The server also schedules by priority: a request's ``priority`` is served; and it
+speculates with n-gram drafts: every greedy answer here that asks for no logprobs is drafted, and
+the references that ask for logprobs are not.)"""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ QUESTIONS = ("What is 4 + 4?", "What is the capital of France?")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("reasoning") / "serve.log"
     with running_server(log, "--num-blocks", "96", "--reasoning-parser", "deepseek_r1",
-                        "--scheduling-policy", "priority") as url:
+                        "--scheduling-policy", "priority", "--speculative-config",
+                        '{"method": "ngram", "num_speculative_tokens": 4}') as url:
         yield url
 
 
@@ -151,3 +154,28 @@ def test_priorities_are_served_under_the_priority_policy(server, client, model) 
         r = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
                                            extra_body={"priority": priority})
         assert r.choices[0].message == plain.choices[0].message
+
+
+def test_drafted_answers_equal_the_undrafted_ones(server, client, model) -> None:
+    """A copy the model makes of its prompt: the drafted answer (no logprobs), whole and streamed,
+    is the undrafted one (logprobs: those rows draft nothing), and /metrics counts drafts kept."""
+    text = ("def area(width, height):\n    return width * height\n\n"
+            "def volume(width, height, depth):\n    return area(width, height) * depth\n")
+    messages = [{"role": "user", "content": f"Copy this code exactly.\n\n{text}"}]
+    ids = httpx.post(f"{server}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    before = httpx.get(f"{server}/metrics", timeout=30).text
+    kw = {"model": model, "prompt": ids, "max_tokens": 60, "temperature": 0}  # (raw: no reasoning read)
+    plain = client.completions.create(**kw, logprobs=0).choices[0]
+    drafted = client.completions.create(**kw).choices[0]
+    assert (drafted.text, drafted.finish_reason) == (plain.text, plain.finish_reason)
+    assert "return area(width, height) * depth" in drafted.text  # (the model copies)
+    streamed = client.completions.create(**kw, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == plain.text
+
+    def count(metrics: str, name: str) -> float:
+        return float(next(ln.split()[-1] for ln in metrics.splitlines() if ln.startswith(name + " ")))
+
+    after = httpx.get(f"{server}/metrics", timeout=30).text
+    kept = "kvtier_spec_decode_num_accepted_tokens_total"
+    assert count(after, kept) - count(before, kept) >= 20
+    assert 0 < count(after, "kvtier_spec_decode_acceptance_rate") <= 1

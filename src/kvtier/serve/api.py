@@ -527,7 +527,7 @@ async def _chunks(views: list[Completion], streams: list[AsyncIterator[RequestOu
             v = views[i]
             if out.text or out.finished or out.logprobs is not None or v.echo is not None:
                 text, items = v.parts([out])
-                choice = v.choice(text, out.finish_reason, items, chunk=True)
+                choice = v.choice(text, out.finish_reason, items, chunk=True, pieces=() if v.drop else out.pieces)
                 if choice.get("delta", True) or choice["finish_reason"] or choice["logprobs"]:  # (not a held call's)
                     body = v.envelope([choice], chunk=True)
                     if continuous:

@@ -62,6 +62,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--scheduling-policy", dest="scheduling_policy", choices=("fcfs", "priority"),
                    default=_ABSENT, help="fcfs (default): first come, first served; priority: requests of "
                    "lower priority values first, then first come (a request's priority field), and preempted last")
+    p.add_argument("--speculative-config", dest="speculative_config", metavar="JSON", default=_ABSENT,
+                   help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\': greedy requests feed drafts looked up in their own tokens '
+                        "and keep those the model agrees with (synchronous scheduling)")
     p.add_argument("--max-waiting", dest="max_waiting", type=int, default=_ABSENT,
                    help="queued requests before HTTP 429")
     p.add_argument("--max-model-len", dest="max_model_len", type=int, default=_ABSENT,
@@ -118,6 +122,10 @@ def configs_from_args(args: argparse.Namespace):
 
     engine = {n: getattr(args, n) for n in _ENGINE_FLAGS if hasattr(args, n)}
     engine |= parse_storage_flags(getattr(args, "kv_quant", None), getattr(args, "turboquant", None))
+    if hasattr(args, "speculative_config"):
+        from kvtier.serve.speculate import SpeculativeConfig
+
+        engine["speculative"] = SpeculativeConfig.parse(args.speculative_config)
     server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup", "shutdown_timeout_s",
                                             "tool_call_parser", "reasoning_parser", "auto_tool_choice")
               if hasattr(args, n)}

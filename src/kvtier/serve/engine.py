@@ -49,10 +49,8 @@ from __future__ import annotations
 
 import functools
 import gc
-import importlib.util
 import itertools
 import math
-import random
 import threading
 import time
 from collections.abc import Sequence
@@ -76,7 +74,9 @@ from kvtier.serve.scheduler import (
     SchedulerConfig,
     StepBatch,
 )
-from kvtier.serve.structured import Grammars, Structure
+from kvtier.serve.speculate import SpeculativeConfig, Speculator, speculates
+from kvtier.serve.structured import Grammars
+from kvtier.serve.warmup import warm_up
 
 __all__ = ["PROMPT_LOGITS_BYTES", "EngineConfig", "LLMEngine", "freeze_startup_heap"]
 
@@ -125,6 +125,7 @@ class EngineConfig:
     :class:`~kvtier.serve.runner.ModelRunner`. ``async_scheduling``: schedule a step
     while the previous one runs (see the module docstring; ``None``: on CUDA only).
     ``scheduling_policy``: ``"fcfs"`` or ``"priority"`` (``RequestParams.priority``).
+    ``speculative``: n-gram drafts (:mod:`kvtier.serve.speculate`; synchronous scheduling).
     """
 
     num_blocks: int | None = None
@@ -141,6 +142,7 @@ class EngineConfig:
     cuda_graph: bool | None = None
     async_scheduling: bool | None = None
     scheduling_policy: str = "fcfs"
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_memory_gib is not None:
@@ -162,6 +164,12 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
+        if self.speculative is not None and self.async_scheduling:
+            raise ValueError("speculative decoding drafts from the tokens of the step before, which asynchronous "
+                             "scheduling does not have yet: leave async_scheduling unset or False (kvtier serve: drop "
+                             "--async-scheduling)")
 
 
 @dataclass(eq=False)
@@ -179,6 +187,8 @@ class _Launched:
     prompt_logprobs: dict[str, tuple[Request, int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
     structured: bool = False  # whether a row's request has a grammar (its matcher takes the token)
     taken: list[int] | None = None  # the tokens on the host, once waited for (and given to the matchers)
+    best: dict[str, torch.Tensor] = field(default_factory=dict)  # drafting row -> host best tokens [draft + 1]
+    given: dict[str, tuple[int, ...]] = field(default_factory=dict)  # drafting row -> its tokens, once booked
 
     @property
     def pending(self) -> PendingTokens:
@@ -230,8 +240,9 @@ class LLMEngine:
             turboquant=config.turboquant, attention_backend=config.attention_backend,
             cuda_graph=config.cuda_graph, max_num_seqs=config.max_num_seqs, max_model_len=context)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
-        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
-                                 else config.async_scheduling)
+        self.speculator = None if config.speculative is None else Speculator(config.speculative)
+        self.async_scheduling = (self.device.type == "cuda" and self.speculator is None
+                                 if config.async_scheduling is None else config.async_scheduling)
         self._inflight: _Launched | None = None
         self._live: dict[str, Live] = {}
         self.adjustments = LogitAdjustments()  # bias, min_tokens and penalties, all rows at once
@@ -352,7 +363,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; an output for every request that got a token (with
         asynchronous scheduling, the tokens of the step before, see the module docstring)."""
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._drafts if self.speculator is not None else None)
         launched = self._launch(batch) if batch.rows else None
         outputs = self._resolve(self._inflight) if self._inflight is not None else []
         self._inflight = None
@@ -382,17 +393,29 @@ class LLMEngine:
                 got = live.prompt_logprobs(start, rows)
                 if got is not None:
                     prompt[rid] = (live.request, start, got)
+            best = {rid: lg.argmax(dim=-1).to("cpu", non_blocking=True) for rid, lg in self.runner.draft_logits.items()}
         ready = None
         if tokens.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
         self.steps += 1
-        return _Launched(batch, tuple(lv.request for lv in lives), tokens, host, logprobs, ready, prompt, structured)
+        return _Launched(batch, tuple(lv.request for lv in lives), tokens, host, logprobs, ready, prompt, structured,
+                         best=best)
+
+    def _drafts(self, request: Request, k: int) -> list[int]:
+        """The scheduler's drafts for a decode row (:mod:`kvtier.serve.speculate`)."""
+        live = self._live.get(request.request_id)
+        return self.speculator.propose(request, k) if live is not None and speculates(live) else []
 
     def _book(self, step: _Launched) -> None:
         """Book ``step`` in the scheduler, its sampled tokens as :data:`PENDING` (each one its
-        request's last token until :meth:`_resolve`, which runs before the next booking)."""
-        self.scheduler.update(step.batch, dict.fromkeys(step.batch.sampled, PENDING))
+        request's last token until :meth:`_resolve`, which runs before the next booking); a row with
+        drafts its tokens, once they are on the host (speculation runs synchronously)."""
+        if step.best and step.ready is not None:
+            step.ready.synchronize()
+        step.given = {r.request_id: tuple(self.speculator.accept(r.token_ids[-r.draft:], step.best[r.request_id].tolist()))
+                      for r in step.batch.rows if r.draft}
+        self.scheduler.update(step.batch, dict.fromkeys(step.batch.sampled, PENDING) | step.given)
 
     def _resolve(self, step: _Launched) -> list[RequestOutput]:
         """Wait for ``step``'s tokens; fill them in, run stops and text, one output each."""
@@ -405,11 +428,12 @@ class LLMEngine:
         outputs = []
         for req, token in zip(step.requests, tokens):
             rid = req.request_id
-            live = self._live.get(rid)
-            if live is None or live.request is not req or req.token_ids[-1] != PENDING:
+            live, given = self._live.get(rid), step.given.get(rid)
+            if live is None or live.request is not req or (given is None and req.token_ids[-1] != PENDING):
                 continue  # it ended before its booking or since (a stop, an abort): the token is dropped
-            self.scheduler.set_token(req, token)
-            text, reason = self._push(live, token)
+            if given is None:
+                self.scheduler.set_token(req, token)
+            texts, reason, given = self._push_all(live, given or (token,))
             assert reason is not None or req.status is not RequestStatus.FINISHED
             if reason is not None:
                 self.scheduler.finish(rid)  # a stop (a length finish has freed it already)
@@ -418,10 +442,10 @@ class LLMEngine:
             live.first_token = live.first_token or now
             lp = step.logprobs.get(rid)
             outputs.append(RequestOutput(
-                rid, text, (token,), reason, req.num_prompt_tokens, req.num_output_tokens,
+                rid, "".join(texts), given, reason, req.num_prompt_tokens, req.num_output_tokens,
                 req.num_cached_tokens, None if lp is None else self._logprobs(token, *lp), live.arrival,
-                live.first_token, now if reason is not None else None, live.give_prompt()))
-        self.generation_tokens += len(outputs)
+                live.first_token, now if reason is not None else None, live.give_prompt(), texts if len(texts) > 1 else ()))
+        self.generation_tokens += sum(len(o.token_ids) for o in outputs)
         return outputs
 
     def _feed(self, step: _Launched) -> list[int]:
@@ -442,11 +466,24 @@ class LLMEngine:
         end-of-sequence ids unless it ignores them."""
         return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
 
+    def _push_all(self, live: Live, tokens: tuple[int, ...]) -> tuple[tuple[str, ...], str | None, tuple[int, ...]]:
+        """:meth:`_push` each of a row's tokens until one ends it: the text of each, the finish
+        reason and the tokens pushed (those after the end leave the request's tokens)."""
+        texts = []
+        for i, token in enumerate(tokens):
+            text, reason = self._push(live, token)
+            texts.append(text)
+            if reason is not None:
+                del live.request.token_ids[len(live.request.token_ids) - (len(tokens) - 1 - i):]
+                return tuple(texts), reason, tokens[: i + 1]
+        return tuple(texts), None, tokens
+
     def _push(self, live: Live, token: int) -> tuple[str, str | None]:
         if live.text.decoder is None:  # no tokenizer: ids only, stops by id and by length
+            live.text.count += 1  # (the request may hold more: a row's kept drafts are booked first)
             if token in live.text.stop_ids:
                 return "", "stop"
-            return "", "length" if live.request.num_output_tokens >= live.request.max_tokens else None
+            return "", "length" if live.text.count >= live.text.max_tokens else None
         return live.text.push(token)
 
     def _sample(self, lives: Sequence[Live], logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -491,58 +528,11 @@ class LLMEngine:
     # -- start-up -----------------------------------------------------------------------------------
     @_serialised
     def warm_up(self, new_tokens: int = 4) -> dict[str, int | float]:
-        """Run made-up requests through each kind of step the engine takes, then forget them.
-
-        On CUDA the first step of each kind compiles or loads its kernels (Triton's, the GEMM
-        library's), which would otherwise fall on the first users' requests. The requests:
-        random token ids, greedy, ``new_tokens`` each (fewer in a context too short for them)
-        with end-of-sequence ignored; a prompt longer than one step's token budget (chunked,
-        its second chunk over a history), shorter ones packed beside it and beside decode
-        rows, with prefix caching on one that starts with a cached prefix, and where xgrammar is
-        installed one held to a pattern (the grammars' vocabulary tables take seconds to build).
-        Afterwards every block is free, the prefix cache
-        is empty (so a warm-up after serving forgets the cached prefixes too) and the counters
-        of :meth:`stats` are as before; what was compiled stays. A ``ValueError`` when a
+        """Run made-up requests through each kind of step the engine takes, then forget them
+        (:func:`kvtier.serve.warmup.warm_up` says which and why). A ``ValueError`` when a
         request is live (warm up before serving). Returns ``requests``, ``steps``,
-        ``prompt_tokens`` and ``seconds``.
-        """
-        if self.has_unfinished():
-            raise ValueError("warm_up() runs before any request: finish or abort the live ones first")
-        if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
-            raise ValueError(f"new_tokens must be an int >= 1, got {new_tokens!r}")
-        if self.max_model_len < 2:
-            raise ValueError(f"a context of {self.max_model_len} token holds no prompt and new token; "
-                             "raise max_model_len (or the pool's blocks)")
-        t0, rng = time.perf_counter(), random.Random(0)
-        new_tokens = min(new_tokens, self.max_model_len - 1)  # a short context: shorter made-up requests
-        room = self.max_model_len - new_tokens
-        bs, budget = self.config.block_size, self.scheduler.config.max_batched_tokens
-        lengths = sorted({min(n, room) for n in (budget + bs + 1, 1, 3, 17, 100, 300)}, reverse=True)
-        prompts = [[rng.randrange(self.model.args.vocab_size) for _ in range(n)] for n in lengths]
-        if self.block_manager.enable_prefix_caching and len(prompts[0]) > bs:
-            prompts.append(prompts[0][:bs] + prompts[-1])  # its first block is cached by then
-        params = [RequestParams(max_tokens=new_tokens, ignore_eos=True)] * len(prompts)
-        if self.grammars is not None and self.eos_ids and importlib.util.find_spec("xgrammar"):
-            # a structured answer: the vocabulary's tables for grammars (seconds), the masks' kernel
-            params[len(lengths) - 1] = RequestParams(max_tokens=new_tokens, structure=Structure("regex", "[^<]*"))
-        bm = self.block_manager
-        counters = (self.steps, self.prompt_tokens, self.generation_tokens, self.scheduler.num_preemptions,
-                    bm.prefix_queries, bm.prefix_hits)
-        try:  # the shared prefix after its owner has run
-            for group in (range(len(lengths)), range(len(lengths), len(prompts))):
-                for i in group:
-                    self.add_request(prompts[i], params[i], request_id=f"warm-up-{i}")
-                while self.has_unfinished():
-                    self.step()
-        except BaseException:
-            self.abort_all()  # no made-up request outlives a failed warm-up
-            raise
-        report = {"requests": len(prompts), "steps": self.steps - counters[0],
-                  "prompt_tokens": sum(map(len, prompts)), "seconds": time.perf_counter() - t0}
-        bm.reset_prefix_cache()
-        (self.steps, self.prompt_tokens, self.generation_tokens, self.scheduler.num_preemptions,
-         bm.prefix_queries, bm.prefix_hits) = counters
-        return report
+        ``prompt_tokens`` and ``seconds``."""
+        return warm_up(self, new_tokens)
 
     # -- figures ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float | str]:
@@ -566,7 +556,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "kv_storage": self.runner.storage_mode,
             "kv_bytes": self.runner.nbytes,
-        }
+        } | (self.speculator.stats() if self.speculator is not None else {})
 
     # -- convenience -----------------------------------------------------------------------------------
     @_serialised
@@ -591,7 +581,7 @@ class LLMEngine:
                 prev = merged.get(out.request_id)
                 if prev is not None:
                     lp = None if out.logprobs is None else (prev.logprobs or ()) + out.logprobs
-                    out = replace(out, text=prev.text + out.text, token_ids=prev.token_ids + out.token_ids,
+                    out = replace(out, text=prev.text + out.text, token_ids=prev.token_ids + out.token_ids, pieces=(),
                                   logprobs=lp, first_token_time=prev.first_token_time,
                                   prompt_logprobs=prev.prompt_logprobs)
                 merged[out.request_id] = out

@@ -66,6 +66,15 @@ class _EngineCollector:
             ("kvtier_prompt_tokens", "prompt_tokens", "Prompt tokens of accepted requests."),
         ):
             yield CounterMetricFamily(name, text, value=s[key])
+        if "spec_drafts" in s:  # a server started with --speculative-config
+            for name, key, text in (
+                ("kvtier_spec_decode_num_drafts", "spec_drafts", "Decode rows that fed drafts."),
+                ("kvtier_spec_decode_num_draft_tokens", "spec_draft_tokens", "Draft tokens fed."),
+                ("kvtier_spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Draft tokens kept."),
+            ):
+                yield CounterMetricFamily(name, text, value=s[key])
+            yield GaugeMetricFamily("kvtier_spec_decode_acceptance_rate", "Draft tokens kept / fed.",
+                                    value=s["spec_acceptance_rate"])
 
 
 class ServerMetrics:

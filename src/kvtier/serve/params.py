@@ -169,6 +169,8 @@ class RequestOutput:
     Times are ``time.monotonic()`` seconds: arrival, first token, finish.
     ``prompt_logprobs`` (asked for by :attr:`RequestParams.prompt_logprobs`, on the first
     output only): one entry per prompt token, ``None`` for the first (nothing precedes it).
+    ``pieces``: where a step gave several tokens (drafts kept, :mod:`kvtier.serve.speculate`),
+    the text each token gave, whose join is ``text``; empty otherwise.
     """
 
     request_id: str
@@ -183,6 +185,7 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    pieces: tuple[str, ...] = ()
 
     @property
     def finished(self) -> bool:

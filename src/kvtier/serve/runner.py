@@ -172,6 +172,7 @@ class ModelRunner:
             c.allocate(a.n_kv_heads, a.head_dim, self.dtype, self.device)
         #: the last step's ``all_logits`` rows: request id -> (first position, logits ``[T, V]``)
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
+        self.draft_logits: dict[str, torch.Tensor] = {}  # request id -> [draft + 1, V] of the last step
         self.graphs = None
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"CUDA-graph decode needs a CUDA device, the model is on {self.device}; "
@@ -207,14 +208,15 @@ class ModelRunner:
         ``pending``: where the decode rows that feed :data:`~kvtier.serve.scheduler.PENDING`
         find their tokens. The logits may be a view of a CUDA graph's buffer, which the next
         step overwrites: read them (or launch what reads them) before calling again. The
-        ``all_logits`` rows' logits of every position go to :attr:`prompt_logits`."""
-        self.prompt_logits = {}
+        ``all_logits`` rows' logits of every position go to :attr:`prompt_logits`, those of a
+        row's drafts and the position before them (``[draft + 1, vocab]``) to :attr:`draft_logits`."""
+        self.prompt_logits, self.draft_logits = {}, {}
         decode = [r for r in batch.rows if len(r.token_ids) == 1 and not r.all_logits]
         chunks = [r for r in batch.rows if len(r.token_ids) > 1 or r.all_logits]
         if any(r.token_ids[-1] == PENDING for r in chunks):  # pending: only a request's last token
             raise ValueError("only decode rows may feed a pending token")
-        if chunks and decode and self.decode_in_prompt_steps:
-            decode, chunks = [], list(batch.rows)  # one packed forward for every row
+        if chunks and decode and (self.decode_in_prompt_steps or any(r.draft for r in chunks)):
+            decode, chunks = [], list(batch.rows)  # one packed forward for every row (drafts: a decode step)
         logits: dict[str, torch.Tensor] = {}
         with torch.inference_mode():
             if decode:
@@ -266,20 +268,24 @@ class ModelRunner:
         pad = smallest_bucket(self.logit_buckets, k) - k
         if pad:  # the last row again as padding
             select = torch.cat([select, select[-1:].expand(pad)])
-        spans, offset = [], 0  # the all_logits rows' positions, after the last positions
+        spans, offset = [], 0  # the all_logits rows' positions and the drafts', after the last positions
         for r in rows:
-            if r.all_logits:
-                spans.append((r, offset))
+            if r.all_logits or r.draft:
+                n = len(r.token_ids) if r.all_logits else r.draft + 1
+                spans.append((r, offset + len(r.token_ids) - n, n))
             offset += len(r.token_ids)
         if spans:
-            every = torch.cat([torch.arange(o, o + len(r.token_ids)) for r, o in spans])
+            every = torch.cat([torch.arange(o, o + n) for _, o, n in spans])
             select = torch.cat([select, to_device(every, self.device)])
         out = self.model(tokens, self.caches, positions=plan.positions, cache_kwargs={"plan": plan},
                          select=select)[0]
         at = k + pad
-        for r, _ in spans:
-            self.prompt_logits[r.request_id] = (r.start, out[at : at + len(r.token_ids)])
-            at += len(r.token_ids)
+        for r, _, n in spans:
+            if r.all_logits:
+                self.prompt_logits[r.request_id] = (r.start, out[at : at + n])
+            if r.draft:
+                self.draft_logits[r.request_id] = out[at + n - 1 - r.draft : at + n]
+            at += n
         return out[:k]  # (len(rows), V)
 
     def _prefill(self, row: ScheduledRow) -> torch.Tensor:
@@ -289,7 +295,10 @@ class ModelRunner:
         tokens = to_device(torch.tensor([row.token_ids], dtype=torch.long), self.device)  # (1, T)
         positions = torch.arange(row.start, row.start + T, device=self.device)[None]  # (1, T)
         kw = {"plan": plan, "write_start": plan.write_start}
-        out = self.model(tokens, self.caches, positions=positions, cache_kwargs=kw, last_only=not row.all_logits)[0]
+        out = self.model(tokens, self.caches, positions=positions, cache_kwargs=kw,
+                         last_only=not (row.all_logits or row.draft))[0]
         if row.all_logits:
             self.prompt_logits[row.request_id] = (row.start, out)
+        if row.draft:
+            self.draft_logits[row.request_id] = out[-1 - row.draft:]
         return out[-1]

@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from kvtier.serve.prefix import BlockManager
 
@@ -171,7 +171,9 @@ class ScheduledRow:
     writing the physical ``blocks`` (the row's whole block list); ``sample`` its last position.
     A decode row's token may be :data:`PENDING`: the step in flight samples it, and the runner
     takes it from that step's tokens on the device. ``all_logits``: the logits of every fed
-    position are wanted (a chunk of a prompt whose logprobs are asked for)."""
+    position are wanted (a chunk of a prompt whose logprobs are asked for). ``draft``: the last
+    ``draft`` of ``token_ids`` are drafts (:mod:`kvtier.serve.speculate`), not yet the request's,
+    and the logits of the last ``draft + 1`` positions are wanted."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -179,6 +181,7 @@ class ScheduledRow:
     blocks: tuple[int, ...]
     sample: bool
     all_logits: bool = False
+    draft: int = 0
 
 
 @dataclass(frozen=True)
@@ -267,8 +270,9 @@ class Scheduler:
         return bool(self.requests)
 
     # -- one step ------------------------------------------------------------------------------
-    def schedule(self) -> StepBatch:
-        """The rows of the next forward (see the module docstring); books blocks, not tokens."""
+    def schedule(self, drafts: Callable[[Request, int], Sequence[int]] | None = None) -> StepBatch:
+        """The rows of the next forward (see the module docstring); books blocks, not tokens.
+        ``drafts(request, k)``: up to ``k`` draft tokens for a decode row (:meth:`_add_drafts`)."""
         budget = self.config.max_batched_tokens
         rows: list[ScheduledRow] = []
         preempted: list[str] = []
@@ -287,6 +291,8 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 rows.append(self._row(req, 1))
                 budget -= 1
+        if drafts is not None:
+            budget = self._add_drafts(rows, budget, drafts)
         rows.sort(key=lambda r: -r.start)  # longest first (stable: oldest first among equals)
         logits = self.config.max_prompt_logits  # all_logits tokens left to this step
         for req in self.running:  # 2. prefill chunks of running requests
@@ -305,9 +311,12 @@ class Scheduler:
             logits -= n if req.prompt_logits else 0
         return StepBatch(tuple(rows), tuple(preempted))
 
-    def update(self, batch: StepBatch, sampled: Mapping[str, int]) -> list[Request]:
+    def update(self, batch: StepBatch, sampled: Mapping[str, int | tuple[int, ...]]) -> list[Request]:
         """Book the step: each row's tokens are computed, sampled rows get ``sampled[id]``
-        (:data:`PENDING` while it is on the device: :meth:`set_token` fills it in later).
+        (:data:`PENDING` while it is on the device: :meth:`set_token` fills it in later). A row
+        with drafts gets the tuple of the tokens it gives (:meth:`Speculator.accept
+        <kvtier.serve.speculate.Speculator.accept>`: the drafts kept, then the next token); the
+        drafts not kept are not computed.
 
         Returns the requests finished by length (``max_tokens``), whose blocks are
         freed. Rows of requests that ended since :meth:`schedule` are skipped.
@@ -318,12 +327,18 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             assert row.start == req.num_computed, "a row must continue where its request stands"
-            req.num_computed = row.start + len(row.token_ids)
+            given = sampled[row.request_id] if row.draft else ()
+            kept = max(len(given) - 1, 0)  # drafts kept: their keys and values stand
+            assert tuple(given[:kept]) == row.token_ids[len(row.token_ids) - row.draft:][:kept], "kept drafts differ"
+            req.num_computed = row.start + len(row.token_ids) - row.draft + kept
+            if row.draft:
+                req.token_ids.extend(int(t) for t in given)
             self.blocks.cache_full_blocks(req.blocks, req.token_ids, req.num_computed)
             if not row.sample:
                 continue
-            assert req.num_computed == len(req.token_ids), "only a request's last token is sampled"
-            req.token_ids.append(int(sampled[row.request_id]))
+            if not row.draft:
+                assert req.num_computed == len(req.token_ids), "only a request's last token is sampled"
+                req.token_ids.append(int(sampled[row.request_id]))
             if req.num_output_tokens >= req.max_tokens:
                 self.finish(req.request_id)
                 finished.append(req)
@@ -355,6 +370,31 @@ class Scheduler:
         return ScheduledRow(req.request_id, tuple(req.token_ids[start : start + n]), start,
                             tuple(req.blocks), start + n == len(req.token_ids),
                             req.prompt_logits and start < req.num_prompt_tokens - 1)
+
+    def _add_drafts(self, rows: list[ScheduledRow], budget: int,
+                    drafts: Callable[[Request, int], Sequence[int]]) -> int:
+        """Give the decode ``rows`` (in order, while ``budget`` tokens are left) the drafts
+        ``drafts`` proposes, within the request's ``max_tokens`` (the token after the drafts
+        counts too), the context and the room of its blocks: never a preemption, and fresh
+        blocks only while more stay free than requests run. Returns the budget left."""
+        for i, row in enumerate(rows):
+            req = self.requests[row.request_id]
+            k = min(budget, req.max_tokens - req.num_output_tokens - 1,
+                    self.config.max_model_len - len(req.token_ids))
+            if k <= 0 or req.token_ids[-1] == PENDING:
+                continue
+            d = list(drafts(req, k))[:k]
+            room = len(req.blocks) * self.blocks.block_size - len(req.token_ids)
+            if len(d) > room:
+                spare = self.blocks.num_free_blocks - len(self.running)
+                more = min(max(spare, 0), self.blocks.blocks_for(len(req.token_ids) + len(d)) - len(req.blocks))
+                if more > 0:
+                    self.blocks.grow(req.blocks, (len(req.blocks) + more) * self.blocks.block_size)
+                d = d[: len(req.blocks) * self.blocks.block_size - len(req.token_ids)]
+            if d:
+                rows[i] = replace(row, token_ids=row.token_ids + tuple(d), blocks=tuple(req.blocks), draft=len(d))
+                budget -= len(d)
+        return budget
 
     def _make_room(self, req: Request) -> bool:
         """Give ``req`` the block its next token needs; False when none is free."""

@@ -108,13 +108,14 @@ class Completion:
                                  for x in items],
                 "text_offset": offsets}
 
-    def choice(self, text: str, finish: str | None, items, chunk: bool, split: tuple[str, str] | None = None) -> dict:
+    def choice(self, text: str, finish: str | None, items, chunk: bool, split: tuple[str, str] | None = None,
+               pieces: tuple[str, ...] = ()) -> dict:
         lp = None if items is None else self.logprobs(items, text)
         if not self.chat:
             return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
         thought = None
         if self.reasoning is not None:  # (``split``: the reasoning and content of the whole answer, read already)
-            thought, text = split if split is not None else self.reasoning.feed(text, final=finish is not None)
+            thought, text = split if split is not None else self.read(pieces or (text,), finish is not None)
         body = {"content": text} if not chunk else ({"content": text} if text else {})
         if self.tools is not None:
             body, finish = self._tool_calls(text, finish, chunk, body)
@@ -182,13 +183,18 @@ class Completion:
         return {"content": content.strip() or None,
                 "tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls.values()]}, finish
 
+    def read(self, texts, final: bool) -> tuple[str, str]:
+        """The reasoning and the content of ``texts`` (a token's text each: the reader counts the
+        reasoning's tokens), fed in turn, the last ``final``."""
+        read = [self.reasoning.feed(t, final=final and k == len(texts) - 1) for k, t in enumerate(texts)]
+        return "".join(r for r, _ in read), "".join(c for _, c in read)
+
     def whole(self, outs: list[RequestOutput]) -> dict:
         """This choice, non-streaming, from every output of its request."""
         text, items = self.parts(outs)
         split = None
         if self.reasoning is not None and self.chat:  # (a token at a time: the reader counts the reasoning's)
-            read = [self.reasoning.feed(o.text, final=k == len(outs) - 1) for k, o in enumerate(outs)]
-            split = "".join(r for r, _ in read), "".join(c for _, c in read)
+            split = self.read([p for o in outs for p in (o.pieces or (o.text,))], True)
         body = self.choice(text, outs[-1].finish_reason, items, chunk=False, split=split)
         if self.scored is not None and not self.chat:
             body["prompt_logprobs"] = self.vllm_prompt_logprobs(outs[0].prompt_logprobs)

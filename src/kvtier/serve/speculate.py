@@ -1,0 +1,141 @@
+"""Speculative decoding in the serving engine: prompt-lookup (n-gram) drafts, verified in the
+step that feeds them.
+
+A running request whose next token is chosen greedily, from the model's own logits, may
+feed more than its last token in a decode step: its last token and up to
+``num_speculative_tokens`` drafts, the tokens that followed the latest earlier occurrence
+of the n-gram (``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) that ends its
+prompt and output so far (:class:`kvtier.drafters.NgramDrafter`). The step computes the
+logits of every fed position; the drafts are kept up to the first one that is not the
+best token after the tokens before it, and that best token follows them. So a step gives
+a request one token or several, and always the tokens greedy decoding gives one at a
+time: drafts cost compute (their positions), never a token. Text that repeats (code
+edits, quotes of the prompt, lists, JSON) gives the most.
+
+The rows that draft: greedy sampling, nothing moving the logits (no bias, penalty, ban,
+guided choice, structured output, or stop ids held back by ``min_tokens``), no logprobs.
+Other requests decode a token a step beside them. Drafts never preempt: they take the
+room a request's blocks hold, and fresh blocks only while more stay free than requests
+run. The keys and values of rejected drafts stay past the request's length, where its
+next tokens overwrite them; the prefix cache hashes only the tokens kept.
+
+The engine runs it synchronously (a step's drafts come from the tokens of the step before,
+which asynchronous scheduling would not have yet) and decodes such steps without CUDA
+graphs (their rows feed several tokens). vLLM's ``--speculative-config`` spells the same
+(``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``).
+
+Example::
+
+    >>> spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    >>> spec.num_speculative_tokens, spec.prompt_lookup_max
+    (3, 4)
+    >>> Speculator(spec).accept((7, 8, 9), [7, 8, 5, 2])  # two drafts kept, then the model's 5
+    [7, 8, 5]
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from kvtier.drafters import NgramDrafter
+from kvtier.serve.adjust import LogitAdjustments
+from kvtier.serve.live import Live
+from kvtier.serve.scheduler import Request
+
+__all__ = ["METHODS", "MAX_SPECULATIVE_TOKENS", "SpeculativeConfig", "Speculator", "speculates"]
+
+#: the drafting methods served
+METHODS = ("ngram",)
+#: drafts a row feeds in a step at most
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method`` (``"ngram"``: prompt lookup), ``num_speculative_tokens`` drafts a step at most,
+    looked up from n-grams of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not served; use one of {list(METHODS)} "
+                             "(drafts looked up in the request's own tokens)")
+        for name, low, high in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
+                                ("prompt_lookup_max", 1, None), ("prompt_lookup_min", 1, None)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+                bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise ValueError(f"{name} must be an int {bound}, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} is above prompt_lookup_max "
+                             f"{self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, value: str | Mapping) -> SpeculativeConfig:
+        """From vLLM's ``--speculative-config``: a JSON object (text or a mapping) of this
+        class's fields; ``"model"`` may name ``"ngram"`` or ``"[ngram]"``, as vLLM's older
+        spelling does. A ``ValueError`` names an unknown key or a bad value."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the speculative config is not JSON ({e.msg}): give an object such as "
+                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"the speculative config must be a JSON object, got {type(value).__name__}")
+        value = dict(value)
+        model = value.pop("model", None)
+        if model is not None:
+            if model not in ("ngram", "[ngram]"):
+                raise ValueError(f"a draft model ({model!r}) is not served; drafts come from the request's own "
+                                 'tokens: {"method": "ngram"}')
+            value.setdefault("method", "ngram")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+def speculates(live: Live) -> bool:
+    """Whether ``live``'s decode rows may carry drafts (the module docstring's rows)."""
+    p = live.params
+    return (p.sampling.greedy and p.logprobs is None and not live.request.prompt_logits
+            and not LogitAdjustments.applies(live))
+
+
+class Speculator:
+    """Drafts for the scheduler and their verification for the engine, with the counts
+    ``/metrics`` reports: ``drafts`` (rows that fed drafts), ``draft_tokens``, ``accepted``."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.drafter = NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
+        self.drafts = self.draft_tokens = self.accepted = 0
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        """Up to ``k`` (and ``num_speculative_tokens``) drafts to follow ``request``'s tokens."""
+        k = min(k, self.config.num_speculative_tokens)
+        return self.drafter.lookup(request.token_ids, k) if k > 0 else []
+
+    def accept(self, draft: Sequence[int], best: Sequence[int]) -> list[int]:
+        """The tokens a row gives: ``draft`` kept while each is ``best`` at its place (the best
+        token after the tokens before it; ``best`` has one more), then the next best token."""
+        a = 0
+        while a < len(draft) and best[a] == draft[a]:
+            a += 1
+        self.drafts += 1
+        self.draft_tokens += len(draft)
+        self.accepted += a
+        return [int(t) for t in best[: a + 1]]
+
+    def stats(self) -> dict[str, int | float]:
+        return {"spec_drafts": self.drafts, "spec_draft_tokens": self.draft_tokens,
+                "spec_accepted_tokens": self.accepted,
+                "spec_acceptance_rate": self.accepted / self.draft_tokens if self.draft_tokens else 0.0}
