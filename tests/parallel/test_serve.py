@@ -3,6 +3,8 @@ other ranks run it on their shards; tokens equal a single-process engine's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -37,6 +39,26 @@ def test_three_ranks_serve_the_tokens_of_one(lm):
     assert stats["kv_bytes"] * 3 == single["kv_bytes"]  # rank 0's pages hold 1 of 3 KV heads
 
 
+def _copy(engine, prompt):
+    """A greedy copy with n-gram drafts: its tokens and the speculative counts."""
+    out = engine.generate([prompt], RequestParams(max_tokens=40))[0]
+    return list(out.token_ids), {k: v for k, v in engine.stats().items() if k.startswith("spec_")}, engine.steps
+
+
+def test_three_ranks_verify_drafts_as_one(lm):
+    """Drafted rows (n-gram speculative decoding) run on every rank as any batch does."""
+    from kvtier.serve.speculate import SpeculativeConfig
+
+    text = "alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa"
+    prompt = lm.tokenizer.encode(lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat exactly: {text}"}]), add_bos=False)
+    config = dataclasses.replace(CONFIG, max_batched_tokens=64, speculative=SpeculativeConfig())
+    got = serve_sharded(_copy, 3, args=(prompt,), config=config, dtype=torch.float32, timeout_s=60)
+    plain = _copy(LLMEngine(lm.model, lm.tokenizer, dataclasses.replace(config, speculative=None)), prompt)
+    assert got[0] == plain[0]
+    assert got[1]["spec_accepted_tokens"] > 5 and got[2] < plain[2], got
+
+
 def _failing(engine):
     engine.generate([[1, 2, 3]], RequestParams(max_tokens=2))  # the followers run these steps
     raise RuntimeError("the server fails on purpose")
@@ -48,8 +70,6 @@ def test_a_failing_server_stops_the_followers():
 
 
 def test_async_scheduling_is_refused_before_any_rank_starts():
-    import dataclasses
-
     with pytest.raises(ValueError, match="async_scheduling=True cannot serve sharded"):
         serve_sharded(_generate, 2, args=([[1, 2]],), config=dataclasses.replace(CONFIG, async_scheduling=True))
 
