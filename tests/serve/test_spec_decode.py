@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier import cli
+from kvtier.drafters import NgramDrafter
 from kvtier.model import ModelArgs, build_random
 from kvtier.sampling import SamplingParams
 from kvtier.serve.engine import EngineConfig, LLMEngine
@@ -21,7 +22,7 @@ from kvtier.serve.metrics import ServerMetrics
 from kvtier.serve.params import RequestParams
 from kvtier.serve.prefix import BlockManager
 from kvtier.serve.scheduler import Request, Scheduler, SchedulerConfig
-from kvtier.serve.speculate import SpeculativeConfig, Speculator
+from kvtier.serve.speculate import NgramIndex, SpeculativeConfig, Speculator
 
 ARGS = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=256,
                  max_position_embeddings=512)
@@ -71,7 +72,8 @@ def oracle(rng: random.Random, arrivals):
     def make(plain):
         truth = {rid: list(ids) + list(out[0]) for (rid, out), ids in zip(plain.items(), prompts)}
 
-        def propose(request, k):
+        def propose(live, k):
+            request = live.request
             full = truth[request.request_id]
             at = len(request.token_ids)
             assert request.token_ids == full[:at], "a drafted request left the plain run's tokens"
@@ -120,7 +122,7 @@ def test_drafts_fill_steps_and_keep_the_plain_tokens() -> None:
 
     def exact(plain):
         out = list(next(iter(plain.values()))[0])
-        return lambda req, k: (ids + out)[len(req.token_ids) : len(req.token_ids) + k]
+        return lambda live, k: (ids + out)[len(live.request.token_ids) : len(live.request.token_ids) + k]
 
     (plain, drafted), (slow, fast) = plain_and_drafted(MODEL, None, EngineConfig(num_blocks=32), arrivals, exact)
     assert drafted == plain
@@ -202,6 +204,20 @@ def test_drafts_stay_within_max_tokens_budget_and_free_blocks(num_blocks) -> Non
         assert bm.num_free_blocks == 12 - 2 - 6
     for r in batch.rows:
         assert r.sample and len(r.token_ids) == r.draft + 1 and len(r.blocks) * 4 >= r.start + len(r.token_ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=80), grows=st.lists(st.integers(1, 6), max_size=30),
+       ngram=st.tuples(st.integers(1, 3), st.integers(0, 3)), k=st.integers(1, 8))
+def test_the_ngram_index_looks_up_what_the_drafter_scans(tokens, grows, ngram, k) -> None:
+    """Kept as a request's tokens grow a few at a time, the index proposes what the drafter's
+    scan of the whole context proposes, at every length."""
+    lo, hi = ngram[0], ngram[0] + ngram[1]
+    index, drafter = NgramIndex(lo, hi), NgramDrafter(hi, lo)
+    at = 1
+    for g in [0, *grows]:
+        at = min(len(tokens), at + g)
+        assert index.lookup(tokens[:at], k) == drafter.lookup(tokens[:at], k), (at, tokens[:at])
 
 
 def test_accept_keeps_drafts_up_to_the_first_miss() -> None:

@@ -405,7 +405,7 @@ class LLMEngine:
     def _drafts(self, request: Request, k: int) -> list[int]:
         """The scheduler's drafts for a decode row (:mod:`kvtier.serve.speculate`)."""
         live = self._live.get(request.request_id)
-        return self.speculator.propose(request, k) if live is not None and speculates(live) else []
+        return self.speculator.propose(live, k) if live is not None and speculates(live) else []
 
     def _book(self, step: _Launched) -> None:
         """Book ``step`` in the scheduler, its sampled tokens as :data:`PENDING` (each one its

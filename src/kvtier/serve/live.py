@@ -19,6 +19,7 @@ class Live:
     def __init__(self, request: Request, params: RequestParams, text: RowText, generator, now: float):
         self.request, self.params, self.text, self.generator = request, params, text, generator
         self.matcher = None  # its structured output's place in the grammar (kvtier.serve.structured)
+        self.ngrams = None  # its n-grams for speculative drafts (kvtier.serve.speculate.NgramIndex)
         self.arrival, self.first_token = now, None
         # prompt logprobs: one entry per prompt token gathered so far (the first has none), until
         # they are given out with the first output

@@ -5,7 +5,8 @@ A running request whose next token is chosen greedily, from the model's own logi
 feed more than its last token in a decode step: its last token and up to
 ``num_speculative_tokens`` drafts, the tokens that followed the latest earlier occurrence
 of the n-gram (``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) that ends its
-prompt and output so far (:class:`kvtier.drafters.NgramDrafter`). The step computes the
+prompt and output so far (:class:`kvtier.drafters.NgramDrafter`'s lookup, kept per request
+by :class:`NgramIndex`). The step computes the
 logits of every fed position; the drafts are kept up to the first one that is not the
 best token after the tokens before it, and that best token follows them. So a step gives
 a request one token or several, and always the tokens greedy decoding gives one at a
@@ -39,12 +40,10 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from kvtier.drafters import NgramDrafter
 from kvtier.serve.adjust import LogitAdjustments
 from kvtier.serve.live import Live
-from kvtier.serve.scheduler import Request
 
-__all__ = ["METHODS", "MAX_SPECULATIVE_TOKENS", "SpeculativeConfig", "Speculator", "speculates"]
+__all__ = ["METHODS", "MAX_SPECULATIVE_TOKENS", "NgramIndex", "SpeculativeConfig", "Speculator", "speculates"]
 
 #: the drafting methods served
 METHODS = ("ngram",)
@@ -103,6 +102,36 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+class NgramIndex:
+    """:meth:`NgramDrafter.lookup <kvtier.drafters.NgramDrafter.lookup>` over one request's growing
+    tokens, kept as it grows: the latest start of every n-gram (``min_n`` to ``max_n`` tokens) that
+    ends before the last token, so a lookup reads a few entries instead of scanning the context
+    (which, over hundreds of rows of long contexts a step, took milliseconds of the host's time)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.seen = 0  # n-grams ending before this position are in ``starts``
+        self.starts: dict[tuple[int, ...], int] = {}
+
+    def lookup(self, ctx: Sequence[int], k: int) -> list[int]:
+        """The drafter's lookup of ``ctx`` (this index's tokens, grown since the last call)."""
+        L = len(ctx)
+        if self.seen > L - 1:  # (not the tokens it indexed: start again)
+            self.seen, self.starts = 0, {}
+        for e in range(self.seen, L - 1):  # the n-grams ending at e, latest last
+            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
+                self.starts[tuple(ctx[e - n + 1 : e + 1])] = e - n + 1
+        self.seen = max(self.seen, L - 1)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            s = self.starts.get(tuple(ctx[L - n :]))
+            if s is not None:
+                out: list[int] = []
+                for j in range(s + n, s + n + k):  # a copy that reaches the end goes on from itself
+                    out.append(ctx[j] if j < L else out[j - L])
+                return out
+        return []
+
+
 def speculates(live: Live) -> bool:
     """Whether ``live``'s decode rows may carry drafts (the module docstring's rows)."""
     p = live.params
@@ -116,13 +145,17 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self.drafter = NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
         self.drafts = self.draft_tokens = self.accepted = 0
 
-    def propose(self, request: Request, k: int) -> list[int]:
-        """Up to ``k`` (and ``num_speculative_tokens``) drafts to follow ``request``'s tokens."""
+    def propose(self, live: Live, k: int) -> list[int]:
+        """Up to ``k`` (and ``num_speculative_tokens``) drafts to follow the tokens of ``live``'s
+        request, through its :class:`NgramIndex` (made on its first call, kept on ``live``)."""
         k = min(k, self.config.num_speculative_tokens)
-        return self.drafter.lookup(request.token_ids, k) if k > 0 else []
+        if k <= 0:
+            return []
+        if live.ngrams is None:
+            live.ngrams = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        return live.ngrams.lookup(live.request.token_ids, k)
 
     def accept(self, draft: Sequence[int], best: Sequence[int]) -> list[int]:
         """The tokens a row gives: ``draft`` kept while each is ``best`` at its place (the best
