@@ -27,6 +27,7 @@ def server(tmp_path_factory):
     with running_server(log, "--num-blocks", "96", "--reasoning-parser", "deepseek_r1",
                         "--scheduling-policy", "priority", "--speculative-config",
                         '{"method": "ngram", "num_speculative_tokens": 4}') as url:
+        assert "| n-gram drafts, 4 a step" in log.read_text()
         yield url
 
 
