@@ -3,8 +3,8 @@ SmolLM2, shown two answers that think between ``<think>`` and ``</think>``, thin
 chat's reasoning and content, whole and streamed, and the Responses API's reasoning item, against
 the same prompt's raw completion; a structured answer held to its schema only after the
 reasoning. (The server also schedules by priority: a request's ``priority`` is served; and it
-speculates with n-gram drafts: every greedy answer here that asks for no logprobs is drafted, and
-the references that ask for logprobs are not.)"""
+speculates with n-gram drafts: every greedy answer here is drafted, and its own test compares a
+copy with an engine that drafts nothing.)"""
 
 from __future__ import annotations
 
@@ -157,19 +157,27 @@ def test_priorities_are_served_under_the_priority_policy(server, client, model) 
         assert r.choices[0].message == plain.choices[0].message
 
 
-def test_drafted_answers_equal_the_undrafted_ones(server, client, model) -> None:
-    """A copy the model makes of its prompt: the drafted answer (no logprobs), whole and streamed,
-    is the undrafted one (logprobs: those rows draft nothing), and /metrics counts drafts kept."""
+def test_drafted_answers_equal_the_undrafted_ones(server, client, model, lm) -> None:
+    """A copy the model makes of its prompt: through the server, where greedy rows draft, the
+    answer whole, streamed and with logprobs is that of an engine without drafts in this process;
+    /metrics counts drafts kept."""
+    from kvtier.serve.engine import EngineConfig, LLMEngine
+    from kvtier.serve.params import RequestParams
+
     text = ("def area(width, height):\n    return width * height\n\n"
             "def volume(width, height, depth):\n    return area(width, height) * depth\n")
     messages = [{"role": "user", "content": f"Copy this code exactly.\n\n{text}"}]
     ids = httpx.post(f"{server}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    (plain,) = LLMEngine(lm.model, lm.tokenizer, EngineConfig(num_blocks=64)).generate(
+        [ids], RequestParams(max_tokens=60, logprobs=0))
+    assert "return area(width, height) * depth" in plain.text  # (the model copies)
     before = httpx.get(f"{server}/metrics", timeout=30).text
     kw = {"model": model, "prompt": ids, "max_tokens": 60, "temperature": 0}  # (raw: no reasoning read)
-    plain = client.completions.create(**kw, logprobs=0).choices[0]
     drafted = client.completions.create(**kw).choices[0]
     assert (drafted.text, drafted.finish_reason) == (plain.text, plain.finish_reason)
-    assert "return area(width, height) * depth" in drafted.text  # (the model copies)
+    scored = client.completions.create(**kw, logprobs=0).choices[0]
+    assert scored.text == plain.text
+    assert scored.logprobs.token_logprobs == pytest.approx([x.logprob for x in plain.logprobs], abs=1e-4)
     streamed = client.completions.create(**kw, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == plain.text
 
@@ -178,5 +186,5 @@ def test_drafted_answers_equal_the_undrafted_ones(server, client, model) -> None
 
     after = httpx.get(f"{server}/metrics", timeout=30).text
     kept = "kvtier_spec_decode_num_accepted_tokens_total"
-    assert count(after, kept) - count(before, kept) >= 20
+    assert count(after, kept) - count(before, kept) >= 30  # (the three answers')
     assert 0 < count(after, "kvtier_spec_decode_acceptance_rate") <= 1

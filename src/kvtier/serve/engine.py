@@ -74,7 +74,7 @@ from kvtier.serve.scheduler import (
     SchedulerConfig,
     StepBatch,
 )
-from kvtier.serve.speculate import SpeculativeConfig, Speculator, speculates
+from kvtier.serve.speculate import SpeculativeConfig, Speculator, speculates, verified
 from kvtier.serve.structured import Grammars
 from kvtier.serve.warmup import warm_up
 
@@ -393,7 +393,8 @@ class LLMEngine:
                 got = live.prompt_logprobs(start, rows)
                 if got is not None:
                     prompt[rid] = (live.request, start, got)
-            best = {rid: lg.argmax(dim=-1).to("cpu", non_blocking=True) for rid, lg in self.runner.draft_logits.items()}
+            best, drafted = verified(self.runner.draft_logits, self._live)
+            logprobs |= drafted  # (a drafted row's, for each position it fed)
         ready = None
         if tokens.device.type == "cuda":
             ready = torch.cuda.Event()
@@ -443,7 +444,7 @@ class LLMEngine:
             lp = step.logprobs.get(rid)
             outputs.append(RequestOutput(
                 rid, "".join(texts), given, reason, req.num_prompt_tokens, req.num_output_tokens,
-                req.num_cached_tokens, None if lp is None else self._logprobs(token, *lp), live.arrival,
+                req.num_cached_tokens, None if lp is None else self._logprobs(given, *lp), live.arrival,
                 live.first_token, now if reason is not None else None, live.give_prompt(), texts if len(texts) > 1 else ()))
         self.generation_tokens += sum(len(o.token_ids) for o in outputs)
         return outputs
@@ -522,8 +523,13 @@ class LLMEngine:
         return picked, logprobs
 
     @staticmethod
-    def _logprobs(token: int, chosen: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor) -> tuple[TokenLogprob]:
-        return (TokenLogprob(token, float(chosen), tuple(zip(idx.tolist(), vals.tolist()))),)
+    def _logprobs(tokens: tuple[int, ...], chosen: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor
+                  ) -> tuple[TokenLogprob, ...]:
+        """The logprobs of ``tokens`` (one row's, a step's: one, or a drafted row's positions)."""
+        if chosen.dim() == 0:
+            chosen, vals, idx = chosen[None], vals[None], idx[None]
+        return tuple(TokenLogprob(t, float(chosen[i]), tuple(zip(idx[i].tolist(), vals[i].tolist())))
+                     for i, t in enumerate(tokens))
 
     # -- start-up -----------------------------------------------------------------------------------
     @_serialised

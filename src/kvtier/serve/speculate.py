@@ -14,7 +14,8 @@ time: drafts cost compute (their positions), never a token. Text that repeats (c
 edits, quotes of the prompt, lists, JSON) gives the most.
 
 The rows that draft: greedy sampling, nothing moving the logits (no bias, penalty, ban,
-guided choice, structured output, or stop ids held back by ``min_tokens``), no logprobs.
+guided choice, structured output, or stop ids held back by ``min_tokens``), no prompt
+logprobs still to compute; a row's logprobs come from the logits of each position it fed.
 Other requests decode a token a step beside them. Drafts never preempt: they take the
 room a request's blocks hold, and fresh blocks only while more stay free than requests
 run. The keys and values of rejected drafts stay past the request's length, where its
@@ -40,10 +41,13 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+import torch
+
 from kvtier.serve.adjust import LogitAdjustments
 from kvtier.serve.live import Live
 
-__all__ = ["METHODS", "MAX_SPECULATIVE_TOKENS", "NgramIndex", "SpeculativeConfig", "Speculator", "speculates"]
+__all__ = ["METHODS", "MAX_SPECULATIVE_TOKENS", "NgramIndex", "SpeculativeConfig", "Speculator", "speculates",
+           "verified"]
 
 #: the drafting methods served
 METHODS = ("ngram",)
@@ -134,9 +138,24 @@ class NgramIndex:
 
 def speculates(live: Live) -> bool:
     """Whether ``live``'s decode rows may carry drafts (the module docstring's rows)."""
-    p = live.params
-    return (p.sampling.greedy and p.logprobs is None and not live.request.prompt_logits
-            and not LogitAdjustments.applies(live))
+    return live.params.sampling.greedy and not live.request.prompt_logits and not LogitAdjustments.applies(live)
+
+
+def verified(draft_logits: Mapping[str, torch.Tensor], lives: Mapping[str, Live]) -> tuple[dict, dict]:
+    """From each drafted row's logits ``[draft + 1, V]`` (:attr:`ModelRunner.draft_logits
+    <kvtier.serve.runner.ModelRunner.draft_logits>`), its best tokens ``[draft + 1]``, and where its
+    request asks for logprobs, those of each best token: (chosen ``[draft + 1]``, top values and
+    ids ``[draft + 1, k]``); all copies on their way to the host."""
+    best, logprobs = {}, {}
+    for rid, logits in draft_logits.items():
+        b = logits.argmax(dim=-1)
+        best[rid] = b.to("cpu", non_blocking=True)
+        top = lives[rid].params.logprobs
+        if top is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            vals, idx = lp.topk(top, dim=-1) if top else (lp[:, :0], b[:, None][:, :0])
+            logprobs[rid] = tuple(t.to("cpu", non_blocking=True) for t in (lp.gather(1, b[:, None])[:, 0], vals, idx))
+    return best, logprobs
 
 
 class Speculator:
