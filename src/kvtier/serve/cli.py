@@ -64,7 +64,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "lower priority values first, then first come (a request's priority field), and preempted last")
     p.add_argument("--speculative-config", dest="speculative_config", metavar="JSON", default=_ABSENT,
                    help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4}\': greedy requests feed drafts looked up in their own tokens '
+                        '"prompt_lookup_max": 4}\': requests feed drafts looked up in their own tokens '
                         "and keep those the model agrees with (synchronous scheduling)")
     p.add_argument("--max-waiting", dest="max_waiting", type=int, default=_ABSENT,
                    help="queued requests before HTTP 429")

@@ -393,7 +393,7 @@ class LLMEngine:
                 got = live.prompt_logprobs(start, rows)
                 if got is not None:
                     prompt[rid] = (live.request, start, got)
-            best, drafted = verified(self.runner.draft_logits, self._live)
+            best, drafted = verified(self.runner.draft_logits, batch.rows, self._live)
             logprobs |= drafted  # (a drafted row's, for each position it fed)
         ready = None
         if tokens.device.type == "cuda":

@@ -1,19 +1,23 @@
 """Speculative decoding in the serving engine: prompt-lookup (n-gram) drafts, verified in the
 step that feeds them.
 
-A running request whose next token is chosen greedily, from the model's own logits, may
-feed more than its last token in a decode step: its last token and up to
+A running request whose next token comes from the model's own logits (greedy, or sampled
+with temperature, top-k, top-p, min-p) may feed more than its last token in a decode step:
+its last token and up to
 ``num_speculative_tokens`` drafts, the tokens that followed the latest earlier occurrence
 of the n-gram (``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) that ends its
 prompt and output so far (:class:`kvtier.drafters.NgramDrafter`'s lookup, kept per request
-by :class:`NgramIndex`). The step computes the
-logits of every fed position; the drafts are kept up to the first one that is not the
-best token after the tokens before it, and that best token follows them. So a step gives
-a request one token or several, and always the tokens greedy decoding gives one at a
-time: drafts cost compute (their positions), never a token. Text that repeats (code
-edits, quotes of the prompt, lists, JSON) gives the most.
+by :class:`NgramIndex`). The step computes the logits of every fed position. A greedy
+row keeps the drafts up to the first one that is not the best token after the tokens
+before it, and that best token follows them: always the tokens greedy decoding gives one
+at a time. A sampling row keeps each draft with the probability plain sampling gives it,
+and after the first it rejects draws from the rest of that distribution (rejection
+sampling, :func:`kvtier.speculative.accept_drafts`, with the request's generator): its
+tokens follow plain sampling's distribution, and a seed gives the same tokens each time,
+though not those it gives without drafts. Drafts cost compute (their positions), never a
+token. Text that repeats (code edits, quotes of the prompt, lists, JSON) gives the most.
 
-The rows that draft: greedy sampling, nothing moving the logits (no bias, penalty, ban,
+The rows that draft: nothing moving the logits (no bias, penalty, ban,
 guided choice, structured output, or stop ids held back by ``min_tokens``), no prompt
 logprobs still to compute; a row's logprobs come from the logits of each position it fed.
 Other requests decode a token a step beside them. Drafts never preempt: they take the
@@ -43,8 +47,12 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kvtier.caches.paged_shared import to_device
+from kvtier.drafters import Draft
 from kvtier.serve.adjust import LogitAdjustments
 from kvtier.serve.live import Live
+from kvtier.serve.scheduler import ScheduledRow
+from kvtier.speculative import accept_drafts
 
 __all__ = ["METHODS", "MAX_SPECULATIVE_TOKENS", "NgramIndex", "SpeculativeConfig", "Speculator", "speculates",
            "verified"]
@@ -138,24 +146,39 @@ class NgramIndex:
 
 def speculates(live: Live) -> bool:
     """Whether ``live``'s decode rows may carry drafts (the module docstring's rows)."""
-    return live.params.sampling.greedy and not live.request.prompt_logits and not LogitAdjustments.applies(live)
+    return not live.request.prompt_logits and not LogitAdjustments.applies(live)
 
 
-def verified(draft_logits: Mapping[str, torch.Tensor], lives: Mapping[str, Live]) -> tuple[dict, dict]:
-    """From each drafted row's logits ``[draft + 1, V]`` (:attr:`ModelRunner.draft_logits
-    <kvtier.serve.runner.ModelRunner.draft_logits>`), its best tokens ``[draft + 1]``, and where its
-    request asks for logprobs, those of each best token: (chosen ``[draft + 1]``, top values and
-    ids ``[draft + 1, k]``); all copies on their way to the host."""
-    best, logprobs = {}, {}
-    for rid, logits in draft_logits.items():
-        b = logits.argmax(dim=-1)
-        best[rid] = b.to("cpu", non_blocking=True)
-        top = lives[rid].params.logprobs
+def verified(draft_logits: Mapping[str, torch.Tensor], rows: Sequence[ScheduledRow],
+             lives: Mapping[str, Live]) -> tuple[dict, dict]:
+    """For each of ``rows`` that fed drafts, from its logits ``[draft + 1, V]``
+    (:attr:`ModelRunner.draft_logits <kvtier.serve.runner.ModelRunner.draft_logits>`): the tokens
+    that judge its drafts, ``[draft + 1]``, whose first mismatch with the drafts is the token that
+    follows the kept ones (:meth:`Speculator.accept`): a greedy row's best tokens; a sampling row's
+    kept drafts then its next token, by rejection sampling from the distribution plain sampling
+    draws from (:func:`kvtier.speculative.accept_drafts`, with the request's generator). And where
+    the request asks for logprobs, those of each of those tokens: (chosen ``[draft + 1]``, top
+    values and ids ``[draft + 1, k]``). All copies on their way to the host."""
+    judged, logprobs = {}, {}
+    for row in rows:
+        if not row.draft:
+            continue
+        rid, logits = row.request_id, draft_logits[row.request_id]
+        live = lives[rid]
+        if live.params.sampling.greedy:
+            b = logits.argmax(dim=-1)
+        else:
+            d = to_device(torch.tensor(row.token_ids[-row.draft:]), logits.device)
+            kept, after = accept_drafts(logits[None], Draft(d[None], [row.draft]), live.params.sampling,
+                                        live.generator)
+            b = torch.cat([d, d[:1]]).index_put_((kept,), after)  # (a rejected draft is never drawn again)
+        judged[rid] = b.to("cpu", non_blocking=True)
+        top = live.params.logprobs
         if top is not None:
             lp = torch.log_softmax(logits.float(), dim=-1)
             vals, idx = lp.topk(top, dim=-1) if top else (lp[:, :0], b[:, None][:, :0])
             logprobs[rid] = tuple(t.to("cpu", non_blocking=True) for t in (lp.gather(1, b[:, None])[:, 0], vals, idx))
-    return best, logprobs
+    return judged, logprobs
 
 
 class Speculator:
@@ -177,8 +200,9 @@ class Speculator:
         return live.ngrams.lookup(live.request.token_ids, k)
 
     def accept(self, draft: Sequence[int], best: Sequence[int]) -> list[int]:
-        """The tokens a row gives: ``draft`` kept while each is ``best`` at its place (the best
-        token after the tokens before it; ``best`` has one more), then the next best token."""
+        """The tokens a row gives: ``draft`` kept while each is ``best`` at its place (the token
+        :func:`verified` judges right after the tokens before it; ``best`` has one more), then
+        the first of ``best`` that is not the draft at its place."""
         a = 0
         while a < len(draft) and best[a] == draft[a]:
             a += 1
