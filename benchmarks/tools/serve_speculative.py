@@ -8,7 +8,7 @@ followed by its first line), greedy, ``--output-len`` tokens at most. ``--concur
 requests run at once, each a row of the engine's steps. ``--mix`` adds as many plain chat
 questions, whose answers repeat little.
 
-    python benchmarks/tools/serve_speculative.py [--requests 8] [--concurrency 1,8] [--k 2,4,8] [--mix]
+    python benchmarks/tools/serve_speculative.py [--requests 8] [--concurrency 1,8] [--k 2,4,8] [--mix] [--temperature T]
 
 ``--arch llama3-8b --device cuda`` bounds what drafts can give a model of that shape (random
 bf16 weights, random prompts, whose greedy answers copy nothing): the same engine with drafts
@@ -54,7 +54,8 @@ def prompts(tok, n: int, mix: bool) -> list[list[int]]:
     return out
 
 
-def run(lm, reqs, concurrency: int, output_len: int, spec, drafts=None) -> dict:
+def run(lm, reqs, concurrency: int, output_len: int, spec, drafts=None, temperature: float = 0.0) -> dict:
+    from kvtier.sampling import SamplingParams
     from kvtier.serve.engine import EngineConfig, LLMEngine
     from kvtier.serve.params import RequestParams
 
@@ -65,7 +66,9 @@ def run(lm, reqs, concurrency: int, output_len: int, spec, drafts=None) -> dict:
         engine.speculator.propose = drafts
     steps0 = engine.steps
     t = time.perf_counter()
-    outs = engine.generate(reqs, RequestParams(max_tokens=output_len, ignore_eos=lm.tokenizer is None))
+    sampling = [SamplingParams(temperature=temperature, seed=i) for i in range(len(reqs))]
+    outs = engine.generate(reqs, [RequestParams(max_tokens=output_len, ignore_eos=lm.tokenizer is None, sampling=s)
+                                  for s in sampling])
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     dt = time.perf_counter() - t
@@ -82,6 +85,7 @@ def main() -> None:
     p.add_argument("--k", default="2,4,8", help="num_speculative_tokens (a list)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--mix", action="store_true", help="add as many chat questions")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample (seeded) instead of greedy decoding")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--arch", default=None, help="random weights of this shape: the bounds of right and wrong drafts")
     p.add_argument("--device", default="cuda")
@@ -95,20 +99,22 @@ def main() -> None:
 
     lm = load_model(progress=False)
     reqs = prompts(lm.tokenizer, args.requests, args.mix)
+    how = f"sampled at temperature {args.temperature} (seeded)" if args.temperature else "greedy"
     print(f"{len(reqs)} requests ({args.requests} copies{', ' + str(len(reqs) - args.requests) + ' questions' if args.mix else ''}), "
-          f"prompts {min(map(len, reqs))}-{max(map(len, reqs))} tokens, up to {args.output_len} new, greedy; "
+          f"prompts {min(map(len, reqs))}-{max(map(len, reqs))} tokens, up to {args.output_len} new, {how}; "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     print("| concurrency | drafts a step (k) | output tok/s | vs no drafts | steps | drafts kept | same tokens |")
     print("|---|---|---|---|---|---|---|")
     for c in (int(x) for x in args.concurrency.split(",")):
-        base = run(lm, reqs, c, args.output_len, None)
+        base = run(lm, reqs, c, args.output_len, None, temperature=args.temperature)
         print(f"| {c} | none | {base['tok_s']:.1f} | 1.00x | {base['steps']} | | |")
         for k in (int(x) for x in args.k.split(",")):
-            r = run(lm, reqs, c, args.output_len, SpeculativeConfig(num_speculative_tokens=k))
-            same = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
+            r = run(lm, reqs, c, args.output_len, SpeculativeConfig(num_speculative_tokens=k), temperature=args.temperature)
+            same = (f"{sum(a == b for a, b in zip(r['tokens'], base['tokens']))}/{len(reqs)}" if not args.temperature
+                    else "(sampled)")
             rate = r["kept"] / r["drafted"] if r["drafted"] else 0.0
             print(f"| {c} | {k} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | {r['steps']} | "
-                  f"{r['kept']} of {r['drafted']} ({rate:.0%}) | {same}/{len(reqs)} |", flush=True)
+                  f"{r['kept']} of {r['drafted']} ({rate:.0%}) | {same} |", flush=True)
 
 
 def bounds(args) -> None:
