@@ -141,7 +141,7 @@ def bounds(args) -> None:
         truth = {tuple(q): list(q) + list(t) for q, t in zip(reqs, base["tokens"])}
         for k in (int(x) for x in args.k.split(",")):
             for kind in ("all right", "all wrong"):
-                def drafts(live, n, kind=kind, truth=truth, k=k):
+                def drafts(live, n, running=1, kind=kind, truth=truth, k=k):
                     req = live.request
                     full = truth[tuple(req.prompt_token_ids)]
                     d = full[len(req.token_ids): len(req.token_ids) + min(n, k)]

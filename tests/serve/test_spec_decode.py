@@ -81,7 +81,7 @@ def oracle(rng: random.Random, arrivals):
     def make(plain):
         truth = {rid: list(ids) + list(out[0]) for (rid, out), ids in zip(plain.items(), prompts)}
 
-        def propose(live, k):
+        def propose(live, k, running=1):
             request = live.request
             full = truth[request.request_id]
             at = len(request.token_ids)
@@ -142,7 +142,7 @@ def test_sampled_rows_draft_and_keep_the_distribution_of_plain_sampling() -> Non
             seconds.setdefault(out[0][0], {}).setdefault(out[0][1], 0)
             seconds[out[0][0]][out[0][1]] += 1
         best = {first: max(counts, key=counts.get) for first, counts in seconds.items()}
-        return lambda live, k: [best[live.request.token_ids[-1]]] if len(live.request.token_ids) == 5 else []
+        return lambda live, k, running=1: [best[live.request.token_ids[-1]]] if len(live.request.token_ids) == 5 else []
 
     (plain, drafted), (_, engine) = plain_and_drafted(MODEL, None, config, arrivals, offer)
     s = engine.stats()
@@ -167,7 +167,7 @@ def test_drafts_fill_steps_and_keep_the_plain_tokens() -> None:
 
     def exact(plain):
         out = list(next(iter(plain.values()))[0])
-        return lambda live, k: (ids + out)[len(live.request.token_ids) : len(live.request.token_ids) + k]
+        return lambda live, k, running=1: (ids + out)[len(live.request.token_ids) : len(live.request.token_ids) + k]
 
     (plain, drafted), (slow, fast) = plain_and_drafted(MODEL, None, EngineConfig(num_blocks=32), arrivals, exact)
     assert_same(drafted, plain)
@@ -265,6 +265,23 @@ def test_the_ngram_index_looks_up_what_the_drafter_scans(tokens, grows, ngram, k
     for g in [0, *grows]:
         at = min(len(tokens), at + g)
         assert index.lookup(tokens[:at], k) == drafter.lookup(tokens[:at], k), (at, tokens[:at])
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size() -> None:
+    """vLLM's ``disable_by_batch_size``: three requests with right drafts draft nothing while all
+    three run, and draft once one has ended."""
+    arrivals = {0: [([1 + i, 2, 3], RequestParams(max_tokens=6 + 10 * i)) for i in range(3)]}
+    spec = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=2)
+    engine = LLMEngine(MODEL, None, EngineConfig(num_blocks=32, speculative=spec))
+    asked = []
+    engine.speculator.propose = lambda live, k, running, f=engine.speculator.propose: asked.append(running) or f(
+        live, k, running)
+    run(engine, arrivals)
+    assert 3 in asked and 2 in asked and engine.stats()["spec_drafts"] <= asked.count(2) + asked.count(1)
+    sp = Speculator(spec)
+    assert sp.propose(None, 3, running=3) == []  # (refused before it reads the request)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig(disable_by_batch_size=0)
 
 
 def test_accept_keeps_drafts_up_to_the_first_miss() -> None:

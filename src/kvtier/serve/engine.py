@@ -406,7 +406,8 @@ class LLMEngine:
     def _drafts(self, request: Request, k: int) -> list[int]:
         """The scheduler's drafts for a decode row (:mod:`kvtier.serve.speculate`)."""
         live = self._live.get(request.request_id)
-        return self.speculator.propose(live, k) if live is not None and speculates(live) else []
+        running = self.scheduler.num_running
+        return self.speculator.propose(live, k, running) if live is not None and speculates(live) else []
 
     def _book(self, step: _Launched) -> None:
         """Book ``step`` in the scheduler, its sampled tokens as :data:`PENDING` (each one its

@@ -66,12 +66,16 @@ MAX_SPECULATIVE_TOKENS = 32
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``method`` (``"ngram"``: prompt lookup), ``num_speculative_tokens`` drafts a step at most,
-    looked up from n-grams of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens."""
+    looked up from n-grams of ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens;
+    ``disable_by_batch_size``: no drafts in a step while more requests than this run (vLLM's
+    key; ``None``: drafts at any batch size). Where a step is bound by compute rather than by
+    reading the weights (many rows, or a CPU), drafts cost more than they give."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -83,6 +87,9 @@ class SpeculativeConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
                 bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
                 raise ValueError(f"{name} must be an int {bound}, got {v!r}")
+        n = self.disable_by_batch_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"disable_by_batch_size must be an int >= 1 or null, got {n!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} is above prompt_lookup_max "
                              f"{self.prompt_lookup_max}")
@@ -189,11 +196,13 @@ class Speculator:
         self.config = config
         self.drafts = self.draft_tokens = self.accepted = 0
 
-    def propose(self, live: Live, k: int) -> list[int]:
+    def propose(self, live: Live, k: int, running: int = 1) -> list[int]:
         """Up to ``k`` (and ``num_speculative_tokens``) drafts to follow the tokens of ``live``'s
-        request, through its :class:`NgramIndex` (made on its first call, kept on ``live``)."""
+        request, through its :class:`NgramIndex` (made on its first call, kept on ``live``);
+        none while ``running`` requests are more than ``disable_by_batch_size``."""
         k = min(k, self.config.num_speculative_tokens)
-        if k <= 0:
+        limit = self.config.disable_by_batch_size
+        if k <= 0 or (limit is not None and running > limit):
             return []
         if live.ngrams is None:
             live.ngrams = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
