@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+GRAPHS = {"on": None}  # --no-cuda-graph: False
 QUESTIONS = ("What is the capital of France?", "Name three colours.", "Why is the sky blue?",
              "What is 12 times 7?", "Give me a tip for sleeping well.", "What do bees make?",
              "Which planet is the largest?", "How many days are in a leap year?")
@@ -60,7 +61,8 @@ def run(lm, reqs, concurrency: int, output_len: int, spec, drafts=None, temperat
     from kvtier.serve.params import RequestParams
 
     engine = LLMEngine(lm.model, lm.tokenizer, EngineConfig(num_blocks=1024 if lm.model.args.vocab_size < 60000 else 4096,
-                                                            max_num_seqs=concurrency, speculative=spec))
+                                                            max_num_seqs=concurrency, speculative=spec,
+                                                            cuda_graph=GRAPHS["on"], async_scheduling=False))
     engine.generate(reqs[:1], RequestParams(max_tokens=4, ignore_eos=True))  # warm
     if drafts is not None:
         engine.speculator.propose = drafts
@@ -89,7 +91,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--arch", default=None, help="random weights of this shape: the bounds of right and wrong drafts")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--no-cuda-graph", action="store_true", help="every engine decodes eagerly")
     args = p.parse_args()
+    GRAPHS["on"] = False if args.no_cuda_graph else None
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.arch is not None:

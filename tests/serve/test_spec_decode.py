@@ -62,7 +62,7 @@ def plain_and_drafted(model, tokenizer, config: EngineConfig, arrivals, drafts=N
     runs, engines = [], []
     for spec in (None, SPEC):
         engine = LLMEngine(model, tokenizer, EngineConfig(**{**config.__dict__, "speculative": spec}))
-        assert not engine.async_scheduling
+        assert spec is None or not engine.async_scheduling  # (the plain one: on CUDA, asynchronous)
         if spec is not None and drafts is not None:
             engine.speculator.propose = drafts(runs[0])
         start = engine.stats()["free_blocks"]
