@@ -90,7 +90,7 @@ def control_group() -> dist.ProcessGroup:
 class BroadcastRunner:
     """Rank 0's runner: each :meth:`execute` sends the batch to the other ranks, then runs it
     here. Otherwise it answers for the runner it wraps (``storage_mode``, ``nbytes`` of
-    this rank's pages, the last step's ``prompt_logits`` and ``draft_logits``)."""
+    this rank's pages, the last step's ``prompt_logits`` and ``draft_logits``, its ``graphs``)."""
 
     def __init__(self, runner, group: dist.ProcessGroup):
         self.runner, self.group = runner, group
@@ -126,6 +126,10 @@ class BroadcastRunner:
     @property
     def draft_logits(self) -> dict:
         return self.runner.draft_logits
+
+    @property
+    def graphs(self):
+        return self.runner.graphs
 
     @property
     def nbytes(self) -> int:
