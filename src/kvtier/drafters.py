@@ -158,11 +158,17 @@ class NgramDrafter:
             first = tail[0]
             for s in range(L - n - 1, -1, -1):  # the latest start first; s + n < L
                 if ctx[s] == first and ctx[s:s + n] == tail:
-                    out: list[int] = []
-                    for j in range(s + n, s + n + k):
-                        out.append(ctx[j] if j < L else out[j - L])
-                    return out
+                    return continuation(ctx, s + n, k)
         return []
+
+
+def continuation(ctx: Sequence[int], start: int, k: int) -> list[int]:
+    """The ``k`` tokens of ``ctx`` from ``start`` on; past its end, the copy goes on from the
+    tokens it has copied (so a repeating pattern continues)."""
+    L, out = len(ctx), []
+    for j in range(start, start + k):
+        out.append(ctx[j] if j < L else out[j - L])
+    return out
 
 
 def _active_params(args, n_layers: int) -> int:

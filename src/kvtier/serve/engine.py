@@ -187,7 +187,7 @@ class _Launched:
     prompt_logprobs: dict[str, tuple[Request, int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
     structured: bool = False  # whether a row's request has a grammar (its matcher takes the token)
     taken: list[int] | None = None  # the tokens on the host, once waited for (and given to the matchers)
-    best: dict[str, torch.Tensor] = field(default_factory=dict)  # drafting row -> host best tokens [draft + 1]
+    judged: dict[str, torch.Tensor] = field(default_factory=dict)  # drafting row -> host tokens judging its drafts
     given: dict[str, tuple[int, ...]] = field(default_factory=dict)  # drafting row -> its tokens, once booked
 
     @property
@@ -393,7 +393,7 @@ class LLMEngine:
                 got = live.prompt_logprobs(start, rows)
                 if got is not None:
                     prompt[rid] = (live.request, start, got)
-            best, drafted = verified(self.runner.draft_logits, batch.rows, self._live)
+            judged, drafted = verified(self.runner.draft_logits, batch.rows, self._live)
             logprobs |= drafted  # (a drafted row's, for each position it fed)
         ready = None
         if tokens.device.type == "cuda":
@@ -401,7 +401,7 @@ class LLMEngine:
             ready.record()
         self.steps += 1
         return _Launched(batch, tuple(lv.request for lv in lives), tokens, host, logprobs, ready, prompt, structured,
-                         best=best)
+                         judged=judged)
 
     def _drafts(self, request: Request, k: int) -> list[int]:
         """The scheduler's drafts for a decode row (:mod:`kvtier.serve.speculate`)."""
@@ -413,11 +413,14 @@ class LLMEngine:
         """Book ``step`` in the scheduler, its sampled tokens as :data:`PENDING` (each one its
         request's last token until :meth:`_resolve`, which runs before the next booking); a row with
         drafts its tokens, once they are on the host (speculation runs synchronously)."""
-        if step.best and step.ready is not None:
-            step.ready.synchronize()
-        step.given = {r.request_id: tuple(self.speculator.accept(r.token_ids[-r.draft:], step.best[r.request_id].tolist()))
-                      for r in step.batch.rows if r.draft}
-        self.scheduler.update(step.batch, dict.fromkeys(step.batch.sampled, PENDING) | step.given)
+        sampled = dict.fromkeys(step.batch.sampled, PENDING)
+        if step.judged:
+            if step.ready is not None:
+                step.ready.synchronize()
+            step.given = {r.request_id: tuple(self.speculator.accept(r.token_ids[-r.draft:], step.judged[r.request_id].tolist()))
+                          for r in step.batch.rows if r.draft}
+            sampled |= step.given
+        self.scheduler.update(step.batch, sampled)
 
     def _resolve(self, step: _Launched) -> list[RequestOutput]:
         """Wait for ``step``'s tokens; fill them in, run stops and text, one output each."""
@@ -471,6 +474,9 @@ class LLMEngine:
     def _push_all(self, live: Live, tokens: tuple[int, ...]) -> tuple[tuple[str, ...], str | None, tuple[int, ...]]:
         """:meth:`_push` each of a row's tokens until one ends it: the text of each, the finish
         reason and the tokens pushed (those after the end leave the request's tokens)."""
+        if len(tokens) == 1:  # (every row but a drafted one)
+            text, reason = self._push(live, tokens[0])
+            return (text,), reason, tokens
         texts = []
         for i, token in enumerate(tokens):
             text, reason = self._push(live, token)
@@ -524,9 +530,8 @@ class LLMEngine:
         return picked, logprobs
 
     @staticmethod
-    def _logprobs(tokens: tuple[int, ...], chosen: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor
-                  ) -> tuple[TokenLogprob, ...]:
-        """The logprobs of ``tokens`` (one row's, a step's: one, or a drafted row's positions)."""
+    def _logprobs(tokens: tuple[int, ...], chosen, vals, idx) -> tuple[TokenLogprob, ...]:
+        """The logprobs of ``tokens`` (a step's of one row: one, or a drafted row's) from host tensors."""
         if chosen.dim() == 0:
             chosen, vals, idx = chosen[None], vals[None], idx[None]
         return tuple(TokenLogprob(t, float(chosen[i]), tuple(zip(idx[i].tolist(), vals[i].tolist())))

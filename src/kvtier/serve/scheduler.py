@@ -327,12 +327,14 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             assert row.start == req.num_computed, "a row must continue where its request stands"
-            given = sampled[row.request_id] if row.draft else ()
-            kept = max(len(given) - 1, 0)  # drafts kept: their keys and values stand
-            assert tuple(given[:kept]) == row.token_ids[len(row.token_ids) - row.draft:][:kept], "kept drafts differ"
-            req.num_computed = row.start + len(row.token_ids) - row.draft + kept
-            if row.draft:
+            if row.draft:  # the drafts kept (their keys and values stand) and the token after them
+                given = sampled[row.request_id]
+                kept = len(given) - 1
+                assert tuple(given[:kept]) == row.token_ids[len(row.token_ids) - row.draft:][:kept], "kept drafts differ"
+                req.num_computed = row.start + len(row.token_ids) - row.draft + kept
                 req.token_ids.extend(int(t) for t in given)
+            else:
+                req.num_computed = row.start + len(row.token_ids)
             self.blocks.cache_full_blocks(req.blocks, req.token_ids, req.num_computed)
             if not row.sample:
                 continue

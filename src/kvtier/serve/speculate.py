@@ -48,7 +48,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from kvtier.caches.paged_shared import to_device
-from kvtier.drafters import Draft
+from kvtier.drafters import Draft, continuation
 from kvtier.serve.adjust import LogitAdjustments
 from kvtier.serve.live import Live
 from kvtier.serve.scheduler import ScheduledRow
@@ -144,10 +144,7 @@ class NgramIndex:
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             s = self.starts.get(tuple(ctx[L - n :]))
             if s is not None:
-                out: list[int] = []
-                for j in range(s + n, s + n + k):  # a copy that reaches the end goes on from itself
-                    out.append(ctx[j] if j < L else out[j - L])
-                return out
+                return continuation(ctx, s + n, k)
         return []
 
 
@@ -167,7 +164,7 @@ def verified(draft_logits: Mapping[str, torch.Tensor], rows: Sequence[ScheduledR
     the request asks for logprobs, those of each of those tokens: (chosen ``[draft + 1]``, top
     values and ids ``[draft + 1, k]``). All copies on their way to the host."""
     judged, logprobs = {}, {}
-    for row in rows:
+    for row in rows if draft_logits else ():  # (no drafts this step: nothing to look at)
         if not row.draft:
             continue
         rid, logits = row.request_id, draft_logits[row.request_id]
