@@ -54,6 +54,7 @@ import weakref
 import torch
 from torch import nn
 
+from kvtier.caches.paged import PagedKVCache
 from kvtier.caches.tail_owned import TailOwnedKVCache
 from kvtier.config import switched_off
 from kvtier.model import packed
@@ -62,7 +63,9 @@ from kvtier.model.linear import Linear
 from kvtier.model.step_kernels import Kernels as _Kernels
 from kvtier.model.step_kernels import Layer as _Layer
 from kvtier.model.step_kernels import Lin as _Lin
+from kvtier.model.step_kernels import Paged as _Paged
 from kvtier.model.step_kernels import load_kernels
+from kvtier.quant.codec import IdentityCodec
 
 __all__ = ["DecodeStep", "decode_step_enabled", "forget", "load_kernels", "plan_for"]
 
@@ -134,6 +137,8 @@ class DecodeStep:
         #: their addresses and capacity: a step over the same buffers skips their checks, which
         #: cost about 10 us a cache after a step has swept the CPU's caches
         self._buffers: dict[int, tuple] = {}
+        #: id(cache) -> a weak reference to the key pages :meth:`run_paged` checked for it, and its value pages
+        self._page_checks: dict[int, tuple] = {}
 
     def rope_rows(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin ``[P, D]`` of positions ``[0, P)``, ``P >= end``: the model's rotary module
@@ -251,12 +256,117 @@ class DecodeStep:
         logits = torch.empty(1, rows, vocab)
         self.kernels.decode_step(layers, n, ctypes.byref(self.head), model.norm.weight.data_ptr(),
                                  model.tok_embeddings.weight.data_ptr(), tokens.data_ptr(),
-                                 cos.data_ptr() + row, sin.data_ptr() + row, T, int(last_only), dim, Hq, Hkv, D,
+                                 cos.data_ptr() + row, sin.data_ptr() + row, T, None, rows, None, dim, Hq, Hkv, D,
                                  hidden, self.eps, self.scale, scratch.data_ptr(), stride,
                                  logits.data_ptr(), int(act_q8), kmax, torch.get_num_threads())
         for c in used:
             c.commit_written(T)
         return logits
+
+
+    def run_paged(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, caches,
+                  select: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits ``[len(select), vocab]`` (every token's without ``select``) of ``N`` tokens of
+        several sequences over paged caches, each writing its key and value into every layer's
+        pages: token ``t`` (``tokens`` int64 ``[N]``) at ``positions[t]`` (int64 ``[N]``), its
+        pages those of block table ``tables[t]`` (int32 ``[N, W]``, every layer's alike), seeing
+        the keys at positions ``<= positions[t]`` (a sequence's tokens of one call see one
+        another's, as a verification's do); ``positions[t]`` must lie in the blocks the caller gave
+        the token (a table's padding is read as block ids). ``None``, with nothing changed, when the caches are not
+        one :class:`~kvtier.caches.paged.PagedKVCache` a layer with float32 pages of the lossless
+        codec, the model's shape and blocks of a power of two tokens, or an input is off the CPU.
+        A token, position or block id out of range raises ``ValueError`` before anything is
+        written."""
+        dim, Hq, Hkv, D, hidden = self.dims
+        model = self.model
+        N = tokens.shape[0] if tokens.dim() == 1 else -1
+        if (N < 1 or (torch.is_grad_enabled() and self.needs_grad) or len(caches) != len(self.layers)
+                or any(t.device.type != "cpu" for t in (tokens, positions, tables))):
+            return None
+        pages = self._pages(caches)
+        if pages is None:
+            return None
+        num_blocks, bs = pages[0][0].shape[:2]
+        width = tables.shape[1] if tables.dim() == 2 else 0
+        tokens, positions = tokens.contiguous(), positions.to(torch.int64).contiguous()
+        tables = tables.contiguous()
+        if tables.dtype != torch.int32 or tables.shape[0] != N or width < 1 or positions.shape != (N,) \
+                or tokens.dtype != torch.int64:
+            raise ValueError(f"run_paged takes tokens int64 [N], positions [N] and tables int32 [N, W]; got "
+                             f"{tokens.dtype} {tuple(tokens.shape)}, {tuple(positions.shape)} and "
+                             f"{tables.dtype} {tuple(tables.shape)}")
+        vocab = model.args.vocab_size
+        lo, hi = torch.stack([tokens.min(), tokens.max(), positions.min(), positions.max(),
+                              tables.min().long(), tables.max().long()]).view(3, 2).T.tolist()
+        if lo[0] < 0 or hi[0] >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab}), got {lo[0]}..{hi[0]}")
+        if lo[1] < 0 or hi[1] >= width * bs:
+            raise ValueError(f"positions must lie in [0, {width * bs}) ({width} table columns of {bs} "
+                             f"tokens), got {lo[1]}..{hi[1]}; give the rows their blocks first")
+        if lo[2] < 0 or hi[2] >= num_blocks:
+            raise ValueError(f"block ids must lie in [0, {num_blocks}), got {lo[2]}..{hi[2]}")
+        n_out = N
+        if select is not None:
+            select = select.to(torch.int64).contiguous()
+            n_out = select.shape[0]
+            if select.dim() != 1 or not 1 <= n_out <= N or int(select.min()) < 0 or int(select.max()) >= N:
+                raise ValueError(f"select must name 1 to {N} of the {N} tokens, got {select.tolist()}")
+        act_q8 = act_quant_of(model) == "q8"
+        layers = type(self.layers).from_buffer_copy(self.layers)
+        for layer, (k, v) in zip(layers, pages):
+            layer.k, layer.v, layer.offset, layer.cap, layer.half = k.data_ptr(), v.data_ptr(), 0, 0, 0
+        stride = hi[1] + 1  # (keys the furthest token sees)
+        cos, sin = self.rope_rows(stride)
+        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+        paged = _Paged(positions.data_ptr(), tables.data_ptr(), width, bs.bit_length() - 1)
+        kmax = -(-max(dim, hidden, Hq * D) // 32) * 32
+        need = N * (dim * 4 + (3 * Hq + 3 * Hkv) * D + 3 * hidden) + Hq * N * stride \
+            + Hq * N * (stride // 64 + 1) * (D + 2) + (N * (kmax // 4 + 2 * (kmax // 32)) if act_q8 else 0)
+        scratch = torch.empty(need)
+        logits = torch.empty(n_out, vocab)
+        self.kernels.decode_step(layers, len(layers), ctypes.byref(self.head), model.norm.weight.data_ptr(),
+                                 model.tok_embeddings.weight.data_ptr(), tokens.data_ptr(), cos.data_ptr(),
+                                 sin.data_ptr(), N, None if select is None else select.data_ptr(), n_out,
+                                 ctypes.byref(paged), dim, Hq, Hkv, D, hidden, self.eps, self.scale,
+                                 scratch.data_ptr(), stride, logits.data_ptr(), int(act_q8), kmax,
+                                 torch.get_num_threads())
+        return logits
+
+    def _pages(self, caches) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Each layer's key and value pages where :meth:`run_paged` reads and writes them, else
+        ``None``. A cache's pages, once checked, are remembered while they live."""
+        known, out = self._page_checks, []
+        if len(known) > 4096:  # (entries of caches gone)
+            known.clear()
+        shape = None
+        for c in caches:
+            pool = getattr(c, "pool", None)
+            k = getattr(pool, "key_cache", None)
+            rec = known.get(id(c))
+            if rec is None or rec[0]() is not k:
+                if not isinstance(c, PagedKVCache) or not _paged_f32(c, self.dims):
+                    return None
+                rec = known[id(c)] = (weakref.ref(k), pool.value_cache)
+            if shape is None:
+                shape = k.shape
+            elif k.shape != shape:
+                return None
+            out.append((k, rec[1]))
+        return out
+
+
+def _paged_f32(c, dims) -> bool:
+    """Whether ``c``'s pages are float32 of the lossless codec, ``[blocks, bs, H_kv, D]`` of the
+    model's ``dims``, contiguous on the CPU, ``bs`` a power of two."""
+    pool, codecs = c.pool, c.codecs
+    k, v = pool.key_cache, pool.value_cache
+    if k is None or codecs is None or type(codecs.k_codec) is not IdentityCodec \
+            or type(codecs.v_codec) is not IdentityCodec:
+        return False
+    bs = k.shape[1]
+    return (k.dim() == 4 and k.shape == v.shape and tuple(k.shape[2:]) == (dims[2], dims[3])
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (k, v))
+            and bs & (bs - 1) == 0)
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -101,6 +101,25 @@ static inline float* half_row(const uint16_t* src, float* dst, int64_t D) {
   return dst;
 }
 
+/* Where a head's key or value rows lie: rows rs elements apart from the head's first
+   (tb NULL: a tail buffer [cap, D] of the head, rs = D), or rows of pages through a block
+   table: row j in block tb[j >> bsh] of 1 << bsh rows, each rs elements (H_kv D: the NHD page
+   layout [blocks, 1 << bsh, H_kv, D]) after the last, the head's base its first row's. */
+typedef struct { const int32_t* tb; int64_t bsh, rs; } KvRows;
+
+/* row j of the head whose rows start at P, es bytes an element */
+static inline __attribute__((always_inline)) const char* row_at(const void* P, KvRows kv, int64_t j, int64_t es) {
+  const int64_t r = kv.tb ? ((int64_t)kv.tb[j >> kv.bsh] << kv.bsh) + (j & (((int64_t)1 << kv.bsh) - 1)) : j;
+  return (const char*)P + r * kv.rs * es;
+}
+
+/* asks for the lines of rows [j, j + n) of the head at P, each m bytes, past row last none */
+static inline __attribute__((always_inline)) void prefetch_rows(const void* P, KvRows kv, int64_t j, int64_t n,
+                                                                int64_t last, int64_t m, int64_t es) {
+  for (int64_t r = j; r < j + n && r <= last; r++)
+    for (int64_t c = 0; c < m; c += 64) __builtin_prefetch(row_at(P, kv, r, es) + c, 0, 3);
+}
+
 /* one row's scores sr[j0, e): part[0] their largest, part[1] the sum of exp(score - largest),
    the scores replaced by those exponentials (no keys: -inf and 0) */
 static inline void softmax_part(float* sr, int64_t j0, int64_t e, float* part) {
@@ -116,15 +135,16 @@ static inline void softmax_part(float* sr, int64_t j0, int64_t e, float* part) {
    score, the sum of exp(score - that) and the weighted sum of the values [D] in
    part[(g T + t) (D + 2) ...] (largest -inf and sums 0 where it sees none of the chunk);
    s holds the scores, row (g, t) at s + (g T + t) stride. q is [T, Hq, D] from the group's
-   first head; qs the stride of its tokens. */
+   first head; qs the stride of its tokens. The rows of K and V as kv says. */
 static inline __attribute__((always_inline)) void attend_chunk(const float* q, int64_t qs,
-    const void* K, const void* V, const int half, int64_t j0, int64_t j1, int64_t off, int64_t T,
+    const void* K, const void* V, KvRows kv, const int half, int64_t j0, int64_t j1, int64_t off, int64_t T,
     int64_t G, const int64_t DC, int64_t Dv, float scale, float* s, int64_t stride, float* part) {
-  const int64_t D = DC ? DC : Dv;
+  const int64_t D = DC ? DC : Dv, es = half ? 2 : 4;
   const int64_t last = j1 < off + T ? j1 : off + T;  /* past the newest token's position: none */
   float row[half ? D : 1];  /* a float16 row, converted once for its G T uses */
   for (int64_t j = j0; j < last; j++) {
-    const float* kj = half ? half_row((const uint16_t*)K + j * D, row, D) : (const float*)K + j * D;
+    const char* kr = row_at(K, kv, j, es);
+    const float* kj = half ? half_row((const uint16_t*)kr, row, D) : (const float*)kr;
     for (int64_t g = 0; g < G; g++)
       for (int64_t t = j > off ? j - off : 0; t < T; t++) {
         const float* qg = q + t * qs + g * D;
@@ -141,7 +161,8 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
     for (int64_t d = 0; d < D; d++) pr[2 + d] = 0.f;
   }
   for (int64_t j = j0; j < last; j++) {
-    const float* vj = half ? half_row((const uint16_t*)V + j * D, row, D) : (const float*)V + j * D;
+    const char* vr = row_at(V, kv, j, es);
+    const float* vj = half ? half_row((const uint16_t*)vr, row, D) : (const float*)vr;
     for (int64_t g = 0; g < G; g++)
       for (int64_t t = j > off ? j - off : 0; t < T; t++) {
         const float p = s[(g * T + t) * stride + j];
@@ -176,18 +197,18 @@ static inline __attribute__((always_inline)) float load1(const void* p, int64_t 
    loop reads it once a head), G x 4 registers of sums. Each sum takes its keys in the same order
    with the same multiply-adds, so the same bits. */
 static inline __attribute__((always_inline)) void values64_512(const float* s, int64_t stride, const void* V,
-    const int half, int64_t j0, int64_t e, const int64_t G, float* part, int64_t pstride) {
+    KvRows kv, const int half, int64_t j0, int64_t e, const int64_t G, float* part, int64_t pstride) {
   const int64_t es = half ? 2 : 4;
   __m512 v[4][4];
   for (int g = 0; g < 4; g++)
     for (int c = 0; c < 4; c++) v[g][c] = _mm512_setzero_ps();
   for (int64_t i = j0; i < e; i++) {
-    for (int64_t c = 0; c < 64 * es; c += 64)  /* the row 16 keys on, asked for ahead of time */
-      _mm_prefetch((const char*)V + (i + 16) * 64 * es + c, _MM_HINT_T0);
+    prefetch_rows(V, kv, i + 16, 1, e - 1, 64 * es, es);  /* the row 16 keys on, asked for ahead of time */
+    const char* vi = row_at(V, kv, i, es);
     __m512 r[4];
     for (int c = 0; c < 4; c++)
-      r[c] = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)V + i * 64 + 16 * c)))
-                  : _mm512_loadu_ps((const float*)V + i * 64 + 16 * c);
+      r[c] = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)vi + 16 * c)))
+                  : _mm512_loadu_ps((const float*)vi + 16 * c);
     for (int64_t g = 0; g < G; g++) {
       const __m512 w = _mm512_set1_ps(s[g * stride + i]);
       for (int c = 0; c < 4; c++) v[g][c] = _mm512_fmadd_ps(w, r[c], v[g][c]);
@@ -202,35 +223,32 @@ static inline __attribute__((always_inline)) void values64_512(const float* s, i
    the scores of four keys a pass for each query head (their four dot products summed across
    lanes together, not one horizontal sum per key), and the weighted values of 64 keys at a
    time for one head, 64 channels of sums held in registers (not loaded and stored per key).
-   K and V rows are float32, or float16 with half (converted as they are loaded). */
+   K and V rows are float32, or float16 with half (converted as they are loaded), where kv
+   says. */
 static inline __attribute__((always_inline)) void attend_one_avx2(const float* q, const void* K,
-    const void* V, int64_t j0, int64_t j1, int64_t off, int64_t G, const int64_t DC, const int half,
+    const void* V, KvRows kv, int64_t j0, int64_t j1, int64_t off, int64_t G, const int64_t DC, const int half,
     float scale, float* s, int64_t stride, float* part, int64_t pstride) {
   const int64_t e = j1 < off + 1 ? j1 : off + 1;  /* the chunk's keys the token sees */
-  const int64_t es = half ? 2 : 4, line = 64 / es;  /* bytes an element, elements a cache line */
+  const int64_t es = half ? 2 : 4, rb = DC * es;  /* bytes an element, a row */
   const __m128 sc = _mm_set1_ps(scale);
-  {  /* the chunk's first 4 KB of keys and values, which the loops' own prefetches do not reach
-       (a step at a 1,024-token context 1.4-1.9% faster, two alternated runs) */
-    const int64_t first = (e - j0) * DC * es < 4096 ? (e - j0) * DC * es : 4096;
-    for (int64_t i = 0; i < first; i += 64) {
-      _mm_prefetch((const char*)K + j0 * DC * es + i, _MM_HINT_T0);
-      _mm_prefetch((const char*)V + j0 * DC * es + i, _MM_HINT_T0);
-    }
-  }
+  /* the chunk's first 4 KB of keys and values, which the loops' own prefetches do not reach
+     (a step at a 1,024-token context 1.4-1.9% faster, two alternated runs) */
+  prefetch_rows(K, kv, j0, 4096 / rb, e - 1, rb, es);
+  prefetch_rows(V, kv, j0, 4096 / rb, e - 1, rb, es);
   int64_t j = j0;
   for (; j + 4 <= e; j += 4) {
-    const int64_t k0 = j * DC;
-    for (int64_t c = 0; c < 4 * DC; c += line)  /* the rows 2 KB on, asked for ahead of time */
-      _mm_prefetch((const char*)K + (k0 + c) * es + 2048, _MM_HINT_T0);
+    prefetch_rows(K, kv, j + 2048 / rb, 4, e - 1, rb, es);  /* the rows 2 KB on, asked for ahead of time */
+    const char *k0 = row_at(K, kv, j, es), *k1 = row_at(K, kv, j + 1, es);
+    const char *k2 = row_at(K, kv, j + 2, es), *k3 = row_at(K, kv, j + 3, es);
     for (int64_t g = 0; g < G; g++) {
       const float* qg = q + g * DC;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t c = 0; c < DC; c += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + c);
-        a0 = _mm256_fmadd_ps(qv, load8(K, k0 + c, half), a0);
-        a1 = _mm256_fmadd_ps(qv, load8(K, k0 + DC + c, half), a1);
-        a2 = _mm256_fmadd_ps(qv, load8(K, k0 + 2 * DC + c, half), a2);
-        a3 = _mm256_fmadd_ps(qv, load8(K, k0 + 3 * DC + c, half), a3);
+        a0 = _mm256_fmadd_ps(qv, load8(k0, c, half), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k1, c, half), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k2, c, half), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k3, c, half), a3);
       }
       /* lanes 0-3 of h: the low halves' sums of a0..a3, lanes 4-7 the high halves' */
       const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -238,27 +256,27 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
       _mm_storeu_ps(s + g * stride + j, _mm_mul_ps(r, sc));
     }
   }
-  for (; j < e; j++)
+  for (; j < e; j++) {
+    const char* kj = row_at(K, kv, j, es);
     for (int64_t g = 0; g < G; g++) {
       float dot = 0.f;
-      for (int64_t d = 0; d < DC; d++) dot += q[g * DC + d] * load1(K, j * DC + d, half);
+      for (int64_t d = 0; d < DC; d++) dot += q[g * DC + d] * load1(kj, d, half);
       s[g * stride + j] = dot * scale;
     }
+  }
   for (int64_t g = 0; g < G; g++) softmax_part(s + g * stride, j0, e, part + g * pstride);
 #if defined(__AVX512F__)
   if (DC == 64 && G <= 4) {  /* (a constant group: the sums stay in registers) */
-    if (G == 1) values64_512(s, stride, V, half, j0, e, 1, part, pstride);
-    else if (G == 2) values64_512(s, stride, V, half, j0, e, 2, part, pstride);
-    else if (G == 3) values64_512(s, stride, V, half, j0, e, 3, part, pstride);
-    else values64_512(s, stride, V, half, j0, e, 4, part, pstride);
+    if (G == 1) values64_512(s, stride, V, kv, half, j0, e, 1, part, pstride);
+    else if (G == 2) values64_512(s, stride, V, kv, half, j0, e, 2, part, pstride);
+    else if (G == 3) values64_512(s, stride, V, kv, half, j0, e, 3, part, pstride);
+    else values64_512(s, stride, V, kv, half, j0, e, 4, part, pstride);
   } else
 #endif
   for (int64_t h0 = 0; h0 < DC; h0 += 64)  /* 64 channels at a time: 8 registers of sums */
     for (int64_t b = j0; b < e; b += 64) {
       const int64_t be = b + 64 < e ? b + 64 : e;
-      if (h0 == 0)
-        for (int64_t i = b * DC; i < be * DC; i += line)  /* the next block's rows */
-          _mm_prefetch((const char*)V + (i + 64 * DC) * es, _MM_HINT_T0);
+      if (h0 == 0) prefetch_rows(V, kv, b + 64, be - b, e - 1, rb, es);  /* the next block's rows */
       for (int64_t g = 0; g < G; g++) {
         float* acc = part + g * pstride + 2 + h0;
         const float* p = s + g * stride;
@@ -266,8 +284,8 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
         for (int i = 0; i < 8; i++) v[i] = b == j0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + 8 * i);
         for (int64_t i = b; i < be; i++) {
           const __m256 w = _mm256_broadcast_ss(p + i);
-          const int64_t vr = i * DC + h0;
-          for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, load8(V, vr + 8 * c, half), v[c]);
+          const char* vi = row_at(V, kv, i, es);
+          for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, load8(vi, h0 + 8 * c, half), v[c]);
         }
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, v[i]);
       }
@@ -282,7 +300,7 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
    with AVX2 those head dims take attend_one_avx2, a token at a time (a call of 16 tokens over
    512 keys: attention 7.8 against 12.9 ms through attend_chunk). float16 rows (half) elsewhere
    are converted a row at a time as the loops reach them. */
-static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void* V, int64_t j0,
+static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void* V, KvRows kv, int64_t j0,
     int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D, int64_t half, float scale, float* s,
     int64_t stride, float* part) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -293,24 +311,24 @@ static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void
       float* st = s + t * stride;
       float* pt = part + t * (D + 2);
       const float* qt = q + t * qs;
-      if (D == 64 && !half) attend_one_avx2(qt, K, V, j0, j1, off + t, G, 64, 0, scale, st, T * stride, pt, T * (D + 2));
-      else if (D == 128 && !half) attend_one_avx2(qt, K, V, j0, j1, off + t, G, 128, 0, scale, st, T * stride, pt, T * (D + 2));
+      if (D == 64 && !half) attend_one_avx2(qt, K, V, kv, j0, j1, off + t, G, 64, 0, scale, st, T * stride, pt, T * (D + 2));
+      else if (D == 128 && !half) attend_one_avx2(qt, K, V, kv, j0, j1, off + t, G, 128, 0, scale, st, T * stride, pt, T * (D + 2));
 #if HALF_ROWS
-      else if (D == 64) attend_one_avx2(qt, K, V, j0, j1, off + t, G, 64, 1, scale, st, T * stride, pt, T * (D + 2));
-      else attend_one_avx2(qt, K, V, j0, j1, off + t, G, 128, 1, scale, st, T * stride, pt, T * (D + 2));
+      else if (D == 64) attend_one_avx2(qt, K, V, kv, j0, j1, off + t, G, 64, 1, scale, st, T * stride, pt, T * (D + 2));
+      else attend_one_avx2(qt, K, V, kv, j0, j1, off + t, G, 128, 1, scale, st, T * stride, pt, T * (D + 2));
 #endif
     }
     return;
   }
 #endif
   if (half) {
-    if (D == 64) attend_chunk(q, qs, K, V, 1, j0, j1, off, T, G, 64, D, scale, s, stride, part);
-    else if (D == 128) attend_chunk(q, qs, K, V, 1, j0, j1, off, T, G, 128, D, scale, s, stride, part);
-    else attend_chunk(q, qs, K, V, 1, j0, j1, off, T, G, 0, D, scale, s, stride, part);
+    if (D == 64) attend_chunk(q, qs, K, V, kv, 1, j0, j1, off, T, G, 64, D, scale, s, stride, part);
+    else if (D == 128) attend_chunk(q, qs, K, V, kv, 1, j0, j1, off, T, G, 128, D, scale, s, stride, part);
+    else attend_chunk(q, qs, K, V, kv, 1, j0, j1, off, T, G, 0, D, scale, s, stride, part);
   } else {
-    if (D == 64) attend_chunk(q, qs, K, V, 0, j0, j1, off, T, G, 64, D, scale, s, stride, part);
-    else if (D == 128) attend_chunk(q, qs, K, V, 0, j0, j1, off, T, G, 128, D, scale, s, stride, part);
-    else attend_chunk(q, qs, K, V, 0, j0, j1, off, T, G, 0, D, scale, s, stride, part);
+    if (D == 64) attend_chunk(q, qs, K, V, kv, 0, j0, j1, off, T, G, 64, D, scale, s, stride, part);
+    else if (D == 128) attend_chunk(q, qs, K, V, kv, 0, j0, j1, off, T, G, 128, D, scale, s, stride, part);
+    else attend_chunk(q, qs, K, V, kv, 0, j0, j1, off, T, G, 0, D, scale, s, stride, part);
   }
 }
 

@@ -18,7 +18,7 @@ from kvtier.kernels import cpu_fused
 from kvtier.kernels.native import load_or_warn
 from kvtier.model import act_quant, packed_kernels, step_attention
 
-__all__ = ["STEP_SOURCE", "Kernels", "Layer", "Lin", "load_kernels", "step_source"]
+__all__ = ["STEP_SOURCE", "Kernels", "Layer", "Lin", "Paged", "load_kernels", "step_source"]
 
 STEP_SOURCE = r"""
 #include <string.h>
@@ -38,10 +38,15 @@ typedef struct {       /* one projection: y = W x (+ bias) */
 typedef struct {
   const float* attn_norm; const float* ffn_norm;
   Lin wqkv, wo, w13, w2;
-  void* k; void* v;   /* the cache's buffers [H_kv, cap, D] */
-  int64_t offset, cap; /* the write position, the buffers' length */
+  void* k; void* v;   /* the cache's buffers [H_kv, cap, D], or its pages [blocks, bs, H_kv, D] */
+  int64_t offset, cap; /* the write position, the buffers' length (not read for pages) */
   int64_t half;        /* the buffers hold float16 (else float32) */
 } Layer;
+
+/* tokens of several sequences over paged caches: token t at position pos[t], its keys and
+   values in the pages of its block table tables[t] (width entries, blocks of 1 << bsh tokens;
+   every layer's pages alike), seeing keys j <= pos[t] */
+typedef struct { const int64_t* pos; const int32_t* tables; int64_t width, bsh; } Paged;
 
 /* where int8 activations go (kvtier.model.act_quant): codes [M, K], dx and sx [M, K / 32];
    NULL for the exact products */
@@ -125,14 +130,17 @@ void round_to_half(const float* x, uint16_t* y, int64_t n) {
 /* y[i] = the float16 bits h[i] as float32, as the step reads stored rows (for tests) */
 void widen_half(const uint16_t* h, float* y, int64_t n) { half_row(h, y, n); }
 
-/* T tokens of one sequence through n_layers layers, the final norm and the LM head: logits
-   [T, V], or [1, V] of the last token with last_only. ids are the tokens, emb the embedding
-   table [V, dim] (ids in range: the caller checks), cos/sin [T, D] their rotations; scratch holds T (4 dim + (3 Hq + 3 Hkv) D + 3 hidden) +
+/* T tokens through n_layers layers, the final norm and the LM head: T tokens of one sequence
+   (paged NULL: tail buffers, token t at each layer's offset + t), or tokens of several sequences
+   over pages (paged). Logits [n_out, V] of the rows sel (NULL: the last n_out; n_out <= T). ids are the
+   tokens, emb the embedding table [V, dim] (ids, positions and tables in range: the caller
+   checks), cos/sin [T, D] their rotations; scratch holds T (4 dim + (3 Hq + 3 Hkv) D + 3 hidden) +
    Hq T score_stride + Hq T (score_stride / 64 + 1) (D + 2) floats, score_stride at least every
-   layer's offset + T, and with act_q8 (int8 activations for the packed products) T kmax / 4 +
+   token's position + 1, and with act_q8 (int8 activations for the packed products) T kmax / 4 +
    2 T kmax / 32 more, kmax the widest input of a product (a multiple of 32). */
 void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const float* norm_w,
-                 const float* emb, const int64_t* ids, const float* cos, const float* sin, int64_t T, int64_t last_only,
+                 const float* emb, const int64_t* ids, const float* cos, const float* sin, int64_t T,
+                 const int64_t* sel, int64_t n_out, const Paged* paged,
                  int64_t dim, int64_t Hq, int64_t Hkv, int64_t D, int64_t hidden, float eps,
                  float scale, float* scratch, int64_t score_stride, float* logits, int64_t act_q8,
                  int64_t kmax, int threads) {
@@ -174,7 +182,10 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         rope(qkv, 0, QKV, D, cos, sin, 0, D, qk, 1, T, Hq + Hkv, D, 1);
         for (int64_t t = 0; t < T; t++)
           for (int64_t kh = 0; kh < Hkv; kh++) {
-            const int64_t row = (kh * cap + off + t) * D;
+            const int64_t p = paged ? paged->pos[t] : 0, bsh = paged ? paged->bsh : 0;
+            const int64_t row = paged ? (((int64_t)paged->tables[t * paged->width + (p >> bsh)] << bsh)
+                                         + (p & (((int64_t)1 << bsh) - 1))) * Hkv * D + kh * D
+                                      : (kh * cap + off + t) * D;
             const float* kn = qk + t * QK + (Hq + kh) * D;
             const float* vn = qkv + t * QKV + (Hq + Hkv + kh) * D;
             if (ly->half)
@@ -188,26 +199,53 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
             }
           }
       }
-      const int64_t n = off + T, chunk = split_keys(n, Hkv, threads), splits = (n + chunk - 1) / chunk;
-      #pragma omp for schedule(static)
-      for (int64_t t = 0; t < Hkv * splits; t++) {  /* (KV head, split of its keys) */
-        const int64_t kh = t / splits, j0 = (t % splits) * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
-        const int64_t es = ly->half ? 2 : 4;
-        const void* K = (const char*)ly->k + kh * cap * D * es;
-        const void* V = (const char*)ly->v + kh * cap * D * es;
-        const float* q = qk + kh * group * D;
-        float* s = scores + kh * gt * score_stride;
-        float* part = parts + t * gt * (D + 2);
-        attend_chunk_d(q, QK, K, V, j0, j1, off, T, group, D, ly->half, scale, s, score_stride, part);
-      }
-      #pragma omp for schedule(static)
-      for (int64_t r = 0; r < Hq * T; r++) {  /* query (head hq, token t): parts ((kh splits + i) gt + g T + t) */
-        const int64_t hq = r / T, t = r % T, kh = hq / group, g = hq % group;
-        merge_parts(parts + (kh * splits * gt + g * T + t) * (D + 2), splits, gt * (D + 2), D,
-                    att + (t * Hq + hq) * D);
-        if (q_wo) {  /* this head's whole blocks of wo's input row t */
-          const int64_t b = (t * Hq + hq) * D / 32;
-          quantize_rows_q8(att + (t * Hq + hq) * D, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, D, ly->wo.fmt == 1);
+      const int64_t es = ly->half ? 2 : 4;
+      if (!paged) {
+        const int64_t n = off + T, chunk = split_keys(n, Hkv, threads), splits = (n + chunk - 1) / chunk;
+        const KvRows kv = {NULL, 0, D};
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < Hkv * splits; t++) {  /* (KV head, split of its keys) */
+          const int64_t kh = t / splits, j0 = (t % splits) * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
+          const void* K = (const char*)ly->k + kh * cap * D * es;
+          const void* V = (const char*)ly->v + kh * cap * D * es;
+          const float* q = qk + kh * group * D;
+          float* s = scores + kh * gt * score_stride;
+          float* part = parts + t * gt * (D + 2);
+          attend_chunk_d(q, QK, K, V, kv, j0, j1, off, T, group, D, ly->half, scale, s, score_stride, part);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < Hq * T; r++) {  /* query (head hq, token t): parts ((kh splits + i) gt + g T + t) */
+          const int64_t hq = r / T, t = r % T, kh = hq / group, g = hq % group;
+          merge_parts(parts + (kh * splits * gt + g * T + t) * (D + 2), splits, gt * (D + 2), D,
+                      att + (t * Hq + hq) * D);
+          if (q_wo) {  /* this head's whole blocks of wo's input row t */
+            const int64_t b = (t * Hq + hq) * D / 32;
+            quantize_rows_q8(att + (t * Hq + hq) * D, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, D, ly->wo.fmt == 1);
+          }
+        }
+      } else {  /* each token its own sequence: tasks (token, KV head, split of the longest's keys) */
+        const int64_t n = score_stride, chunk = split_keys(n, Hkv * T, threads), splits = (n + chunk - 1) / chunk;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < T * Hkv * splits; t++) {
+          const int64_t tok = t / (Hkv * splits), kh = t / splits % Hkv, j0 = (t % splits) * chunk;
+          const int64_t j1 = j0 + chunk < n ? j0 + chunk : n;
+          const KvRows kv = {paged->tables + tok * paged->width, paged->bsh, Hkv * D};
+          const void* K = (const char*)ly->k + kh * D * es;
+          const void* V = (const char*)ly->v + kh * D * es;
+          const float* q = qk + tok * QK + kh * group * D;
+          float* s = scores + (tok * Hkv + kh) * group * score_stride;
+          float* part = parts + t * group * (D + 2);
+          attend_chunk_d(q, QK, K, V, kv, j0, j1, paged->pos[tok], 1, group, D, ly->half, scale, s, score_stride, part);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < Hq * T; r++) {  /* query (token t, head hq): parts ((t Hkv + kh) splits + i) group + g */
+          const int64_t t = r / Hq, hq = r % Hq, kh = hq / group, g = hq % group;
+          merge_parts(parts + ((t * Hkv + kh) * splits * group + g) * (D + 2), splits, group * (D + 2), D,
+                      att + (t * Hq + hq) * D);
+          if (q_wo) {
+            const int64_t b = (t * Hq + hq) * D / 32;
+            quantize_rows_q8(att + (t * Hq + hq) * D, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, D, ly->wo.fmt == 1);
+          }
         }
       }
       linear_rows(&ly->wo, att, a, T, aq, q_wo);
@@ -229,15 +267,16 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
       }
       linear_rows(&ly->w2, act, delta, T, aq, q_w2);
     }
-    const int64_t first = last_only ? T - 1 : 0;
     const int q_head = takes_q8(head, aq);
     #pragma omp single
     {
-      add_rms_norm(h + first * dim, delta + first * dim, norm_w, h + first * dim, nrm + first * dim,
-                   T - first, dim, eps, 1);
-      if (q_head) quantize_rows_q8(nrm + first * dim, aq->q, aq->dx, aq->sx, T - first, dim, head->fmt == 1);
+      for (int64_t i = 0; i < n_out; i++) {  /* the rows asked for, side by side in nrm (h kept: a row may repeat) */
+        const int64_t r = sel ? sel[i] : T - n_out + i;
+        add_rms_norm(h + r * dim, delta + r * dim, norm_w, a + i * dim, nrm + i * dim, 1, dim, eps, 1);
+      }
+      if (q_head) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, n_out, dim, head->fmt == 1);
     }
-    linear_rows(head, nrm + first * dim, logits, T - first, aq, q_head);
+    linear_rows(head, nrm, logits, n_out, aq, q_head);
   }
 }
 """
@@ -256,11 +295,16 @@ class Layer(ctypes.Structure):
                 ("half", ctypes.c_int64)]
 
 
+class Paged(ctypes.Structure):
+    _fields_ = [("pos", ctypes.c_void_p), ("tables", ctypes.c_void_p), ("width", ctypes.c_int64),
+                ("bsh", ctypes.c_int64)]
+
+
 class Kernels:
     def __init__(self, lib: ctypes.CDLL):
         self.decode_step = lib.decode_step
         p, i = ctypes.c_void_p, ctypes.c_int64
-        self.decode_step.argtypes = ([p, i, p, p, p, p, p, p] + [i] * 7 + [ctypes.c_float] * 2
+        self.decode_step.argtypes = ([p, i, p, p, p, p, p, p, i, p, i, p] + [i] * 5 + [ctypes.c_float] * 2
                                      + [p, i, p, i, i, ctypes.c_int])
         self.decode_step.restype = None
         # (the float16 rounding of the stored keys and its inverse, for tests)

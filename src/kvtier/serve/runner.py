@@ -58,6 +58,7 @@ from kvtier.caches.paged_shared import (
     packed_plan,
     to_device,
 )
+from kvtier.model.cpu_step import plan_for
 from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.scheduler import PENDING, ScheduledRow, StepBatch
 
@@ -251,11 +252,30 @@ class ModelRunner:
         ids = [t[0] for t in fed]
         if self.graphs is not None and self.graphs.fits(rows):
             return self.graphs.run(rows, codes=ids if pending is not None else None, pending=pending)
+        if self.device.type == "cpu" and (step := plan_for(self.model)) is not None:
+            out = self._decode_step(step, rows, ids, pending)
+            if out is not None:
+                return out
         plan = decode_plan(self._bind(rows))
         tokens = fill_pending(to_device(torch.tensor(ids, dtype=torch.long), self.device), pending)[:, None]  # (B, 1)
         out = self.model(tokens, self.caches, positions=plan.write_start[:, None],
                          cache_kwargs={"plan": plan, "write_start": plan.write_start}, last_only=True)
         return out[:, -1]  # (B, V)
+
+    def _decode_step(self, step, rows: Sequence[ScheduledRow], ids: list[int],
+                     pending: PendingTokens | None) -> torch.Tensor | None:
+        """A CPU decode step in one C call (:meth:`kvtier.model.cpu_step.DecodeStep.run_paged`):
+        logits ``[B, V]``, or ``None`` (nothing written) where the pages do not qualify."""
+        bs = self.block_size
+        binding = RowBinding.build([r.blocks for r in rows], [r.start for r in rows], block_size=bs,
+                                   num_blocks=self.num_blocks + 1)
+        short = [i for i, r in enumerate(rows) if r.start >= len(r.blocks) * bs]
+        if short:
+            raise ValueError(f"rows {short} hold no block for position {[rows[i].start for i in short]}; "
+                             "grow their block lists before the step")
+        tokens = fill_pending(torch.tensor(ids, dtype=torch.long), pending)
+        positions = torch.tensor([r.start for r in rows], dtype=torch.long)
+        return step.run_paged(tokens, positions, binding.table, self.caches)
 
     def _prefill_packed(self, rows: Sequence[ScheduledRow], pending: PendingTokens | None = None) -> torch.Tensor:
         """The rows' tokens (prompt chunks, decode tokens) side by side in one forward ``[1, N]``;

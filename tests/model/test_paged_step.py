@@ -1,0 +1,184 @@
+"""The one-call CPU decode step over paged caches (``DecodeStep.run_paged``, the serving
+engine's CPU decode) against the layered forward.
+
+Each test runs the same rows twice through :class:`~kvtier.serve.runner.ModelRunner`, once
+with the step and once with ``KVTIER_DECODE_STEP=0`` (the layered forward over the same kind
+of pages), and compares the logits, the greedy tokens and the pages. Only attention's
+summation order (and, for float32 layers, the products') differs, so they agree to float32
+rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cpu_step import small_model
+
+from kvtier.model import cpu_step
+from kvtier.serve.runner import ModelRunner
+from kvtier.serve.scheduler import ScheduledRow, StepBatch
+
+
+@pytest.fixture(autouse=True)
+def _needs_kernels():
+    if cpu_step.load_kernels() is None:
+        pytest.skip("no C compiler builds the decode step here")
+
+
+def prompts(lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in lens]
+
+
+def blocks_for(lens, steps, block_size):
+    """Disjoint block lists, interleaved ids (row r's blocks are not consecutive), with room for
+    ``steps`` more tokens."""
+    need = [-(-(n + steps) // block_size) for n in lens]
+    return [tuple(1 + r + len(lens) * i for i in range(k)) for r, k in enumerate(need)]
+
+
+def decode(model, monkeypatch, lens, *, step_on: bool, steps: int = 6, block_size: int = 16, **runner_kw):
+    """Prefill rows of ``lens`` prompt tokens (the layered forward), then ``steps`` greedy decode
+    steps of every row together: (logits ``[steps, B, V]``, the runner)."""
+    blocks = blocks_for(lens, steps, block_size)
+    runner = ModelRunner(model, num_blocks=1 + len(lens) * max(map(len, blocks)), block_size=block_size,
+                         **runner_kw)
+    monkeypatch.setenv("KVTIER_DECODE_STEP", "1" if step_on else "0")
+    last = []
+    for r, (ids, bl) in enumerate(zip(prompts(lens), blocks)):
+        last.append(int(runner.execute(StepBatch((ScheduledRow(f"r{r}", tuple(ids), 0, bl, True),)))[0].argmax()))
+    out = []
+    for s in range(steps):
+        batch = StepBatch(tuple(ScheduledRow(f"r{r}", (last[r],), n + s, bl, True)
+                                for r, (n, bl) in enumerate(zip(lens, blocks))))
+        logits = runner.execute(batch)
+        assert logits.shape == (len(lens), model.args.vocab_size)
+        out.append(logits.clone())
+        last = logits.argmax(-1).tolist()
+    return torch.stack(out), runner
+
+
+def assert_same(model, monkeypatch, lens, **kw):
+    want, wr = decode(model, monkeypatch, lens, step_on=False, **kw)
+    got, gr = decode(model, monkeypatch, lens, step_on=True, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for g, w in zip(gr.caches, wr.caches):
+        for a, b in ((g.pool.key_cache, w.pool.key_cache), (g.pool.value_cache, w.pool.value_cache)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6 * float(b.abs().max()))
+    return got
+
+
+def counting(monkeypatch) -> list:
+    """Record each ``run_paged`` call's result (``None``: it declined)."""
+    calls, real = [], cpu_step.DecodeStep.run_paged
+
+    def run_paged(self, *a, **kw):
+        out = real(self, *a, **kw)
+        calls.append(out)
+        return out
+
+    monkeypatch.setattr(cpu_step.DecodeStep, "run_paged", run_paged)
+    return calls
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "float32"])
+def test_the_paged_step_gives_the_layered_forwards_logits_tokens_and_pages(packed, monkeypatch):
+    """Rows of 9, 70, 1 and 33 prompt tokens over interleaved blocks of 16, six steps."""
+    calls = counting(monkeypatch)
+    assert_same(small_model(packed=packed), monkeypatch, [9, 70, 1, 33])
+    # every decode step, and the one-token prompt (a row of one token is a decode row)
+    assert len(calls) == 7 and all(c is not None for c in calls)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(64, 4, 2), (256, 4, 2), (128, 2, 2), (192, 3, 1), (256, 4, 1), (256, 2, 1)],
+                         ids=["d16", "d64", "d64-g1", "d64-g3", "d64-g4", "d128"])
+def test_long_rows_split_their_keys_beside_short_ones(monkeypatch, threads, shape):
+    """A row of 600 keys beside rows of 5 and 130: every row's keys in splits of the longest's
+    (the short rows' later splits empty), merged per query head. Head dims 64 and 128 take the
+    vector loops (with AVX-512, a head dim of 64 weighs a group of one to four heads' values in
+    one pass), 16 the plain ones."""
+    dim, heads, kv_heads = shape
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_same(small_model(dim=dim, n_heads=heads, n_kv_heads=kv_heads), monkeypatch, [600, 5, 130], steps=2)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_block_sizes_of_a_power_of_two(block_size, monkeypatch):
+    calls = counting(monkeypatch)
+    assert_same(small_model(), monkeypatch, [9, 40], steps=3, block_size=block_size)
+    assert calls and all(c is not None for c in calls)
+
+
+def test_pages_the_step_does_not_read_take_the_layered_forward(monkeypatch):
+    """q8 pages and blocks of 12 tokens: the step declines, writing nothing, and the layered
+    forward serves."""
+    model = small_model()
+    calls = counting(monkeypatch)
+    decode(model, monkeypatch, [9, 20], step_on=True, steps=2, kv_quant="q8")
+    decode(model, monkeypatch, [9, 20], step_on=True, steps=2, block_size=12)
+    assert len(calls) == 4 and all(c is None for c in calls)
+    monkeypatch.setenv("KVTIER_DECODE_STEP", "0")
+    assert cpu_step.plan_for(model) is None
+
+
+def test_tokens_of_one_sequence_in_one_call_see_one_another():
+    """Three tokens of one sequence and one of another in one call give the logits of feeding
+    them a call at a time; ``select`` picks rows (a row may repeat)."""
+    model = small_model()
+    step = cpu_step.plan_for(model)
+    lens, bs = [9, 20], 16
+    blocks = blocks_for(lens, 4, bs)
+    table = torch.tensor([list(b) + [0] * (4 - len(b)) for b in blocks], dtype=torch.int32)
+
+    def fresh():
+        runner = ModelRunner(model, num_blocks=12, block_size=bs)
+        for r, (ids, bl) in enumerate(zip(prompts(lens), blocks)):
+            runner.execute(StepBatch((ScheduledRow(f"r{r}", tuple(ids), 0, bl, True),)))
+        return runner
+
+    toks, rows, pos = [5, 77, 3, 40], [0, 0, 0, 1], [9, 10, 11, 20]
+    with torch.inference_mode():
+        together = fresh()
+        got = step.run_paged(torch.tensor(toks), torch.tensor(pos), table[rows], together.caches)
+        apart = fresh()
+        want = torch.cat([step.run_paged(torch.tensor([t]), torch.tensor([p]), table[[r]], apart.caches)
+                          for t, r, p in zip(toks, rows, pos)])
+        picked = step.run_paged(torch.tensor(toks), torch.tensor(pos), table[rows], fresh().caches,
+                                select=torch.tensor([3, 0, 0]))
+    assert got.shape == (4, 128)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(picked, got[[3, 0, 0]], rtol=0, atol=0)
+    for a, b in zip(together.caches, apart.caches):
+        torch.testing.assert_close(a.pool.key_cache, b.pool.key_cache)
+
+
+def test_bad_input_raises_before_anything_is_written(monkeypatch):
+    model = small_model()
+    step = cpu_step.plan_for(model)
+    monkeypatch.setenv("KVTIER_DECODE_STEP", "1")
+    runner = ModelRunner(model, num_blocks=8, block_size=16)
+    runner.execute(StepBatch((ScheduledRow("a", tuple(prompts([9])[0]), 0, (2,), True),)))
+    before = [(c.pool.key_cache.clone(), c.pool.value_cache.clone()) for c in runner.caches]
+    table = torch.tensor([[2, 0]], dtype=torch.int32)
+    for toks, pos, tab, sel, match in (
+        ([128], [9], table, None, r"token ids must lie in \[0, 128\), got 128\.\.128"),
+        ([-1], [9], table, None, "token ids"),
+        ([5], [32], table, None, r"positions must lie in \[0, 32\) \(2 table columns of 16 tokens\), got 32"),
+        ([5], [-1], table, None, "positions must lie"),
+        ([5], [9], torch.tensor([[9, 0]], dtype=torch.int32), None, r"block ids must lie in \[0, 9\), got 0\.\.9"),
+        ([5], [9], table, torch.tensor([1]), "select must name 1 to 1 of the 1 tokens"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            step.run_paged(torch.tensor(toks), torch.tensor(pos), tab, runner.caches, select=sel)
+    with pytest.raises(ValueError, match="int32"):
+        step.run_paged(torch.tensor([5]), torch.tensor([9]), table.long(), runner.caches)
+    with pytest.raises(ValueError, match=r"rows \[0\] hold no block for position \[16\]"):
+        runner.execute(StepBatch((ScheduledRow("a", (5,), 16, (2,), True),)))
+    for c, (k, v) in zip(runner.caches, before):
+        assert torch.equal(c.pool.key_cache, k) and torch.equal(c.pool.value_cache, v)
