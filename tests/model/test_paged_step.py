@@ -151,9 +151,12 @@ def test_tokens_of_one_sequence_in_one_call_see_one_another():
                           for t, r, p in zip(toks, rows, pos)])
         picked = step.run_paged(torch.tensor(toks), torch.tensor(pos), table[rows], fresh().caches,
                                 select=torch.tensor([3, 0, 0]))
+        spread = step.run_paged(torch.tensor(toks), torch.tensor(pos), table[rows], fresh().caches,
+                                select=torch.tensor([3, 0, 1, 2, 3, 1]))  # more rows than tokens
     assert got.shape == (4, 128)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(picked, got[[3, 0, 0]], rtol=0, atol=0)
+    torch.testing.assert_close(spread, got[[3, 0, 1, 2, 3, 1]], rtol=0, atol=0)
     for a, b in zip(together.caches, apart.caches):
         torch.testing.assert_close(a.pool.key_cache, b.pool.key_cache)
 
@@ -172,7 +175,8 @@ def test_bad_input_raises_before_anything_is_written(monkeypatch):
         ([5], [32], table, None, r"positions must lie in \[0, 32\) \(2 table columns of 16 tokens\), got 32"),
         ([5], [-1], table, None, "positions must lie"),
         ([5], [9], torch.tensor([[9, 0]], dtype=torch.int32), None, r"block ids must lie in \[0, 9\), got 0\.\.9"),
-        ([5], [9], table, torch.tensor([1]), "select must name 1 to 1 of the 1 tokens"),
+        ([5], [9], table, torch.tensor([1]), r"select must name tokens of the 1 given \(indices in \[0, 1\)\)"),
+        ([5], [9], table, torch.tensor([], dtype=torch.long), "select must name tokens"),
     ):
         with pytest.raises(ValueError, match=match):
             step.run_paged(torch.tensor(toks), torch.tensor(pos), tab, runner.caches, select=sel)
@@ -182,3 +186,34 @@ def test_bad_input_raises_before_anything_is_written(monkeypatch):
         runner.execute(StepBatch((ScheduledRow("a", (5,), 16, (2,), True),)))
     for c, (k, v) in zip(runner.caches, before):
         assert torch.equal(c.pool.key_cache, k) and torch.equal(c.pool.value_cache, v)
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["one-row", "three-rows"])
+def test_drafted_rows_give_the_packed_forwards_logits(rows, monkeypatch):
+    """A step of drafted rows (4 tokens, 3 of them drafts; 3 tokens, 2 drafts) and a decode row
+    is one C call: the sampled logits and each drafted row's logits of its drafts and the
+    position before them (``draft_logits``) of the layered packed forward."""
+    model = small_model()
+    lens, bs = [9, 40, 17][:rows], 16
+    blocks = blocks_for(lens, 6, bs)
+    fed = [((7, 50, 3, 9), 3), ((8, 2, 61), 2), ((5,), 0)][:rows]
+    calls = counting(monkeypatch)
+
+    def step(on: bool):
+        monkeypatch.setenv("KVTIER_DECODE_STEP", "1" if on else "0")
+        runner = ModelRunner(model, num_blocks=1 + len(lens) * max(map(len, blocks)), block_size=bs)
+        for r, (ids, bl) in enumerate(zip(prompts(lens), blocks)):
+            runner.execute(StepBatch((ScheduledRow(f"r{r}", tuple(ids), 0, bl, True),)))
+        batch = StepBatch(tuple(ScheduledRow(f"r{r}", toks, n, bl, True, draft=d)
+                                for r, ((toks, d), n, bl) in enumerate(zip(fed, lens, blocks))))
+        return runner.execute(batch), runner.draft_logits
+
+    want, want_drafts = step(False)
+    got, got_drafts = step(True)
+    assert len(calls) == 1 and calls[0] is not None  # (the prompts take the layered forward)
+    assert got.shape == (rows, 128)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert sorted(got_drafts) == sorted(want_drafts) == [f"r{r}" for r in range(min(rows, 2))]
+    for rid, w in want_drafts.items():
+        assert got_drafts[rid].shape == w.shape == (fed[int(rid[1])][1] + 1, 128)
+        torch.testing.assert_close(got_drafts[rid], w, rtol=1e-4, atol=1e-4)

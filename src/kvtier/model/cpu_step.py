@@ -305,12 +305,15 @@ class DecodeStep:
                              f"tokens), got {lo[1]}..{hi[1]}; give the rows their blocks first")
         if lo[2] < 0 or hi[2] >= num_blocks:
             raise ValueError(f"block ids must lie in [0, {num_blocks}), got {lo[2]}..{hi[2]}")
-        n_out = N
+        n_out, spread = N, None
         if select is not None:
             select = select.to(torch.int64).contiguous()
+            if select.dim() != 1 or not select.numel() or int(select.min()) < 0 or int(select.max()) >= N:
+                raise ValueError(f"select must name tokens of the {N} given (indices in [0, {N})), got "
+                                 f"{select.tolist()}")
+            if select.numel() > N:  # (more rows than tokens: each token's logits once, then spread)
+                select, spread = select.unique(return_inverse=True)
             n_out = select.shape[0]
-            if select.dim() != 1 or not 1 <= n_out <= N or int(select.min()) < 0 or int(select.max()) >= N:
-                raise ValueError(f"select must name 1 to {N} of the {N} tokens, got {select.tolist()}")
         act_q8 = act_quant_of(model) == "q8"
         layers = type(self.layers).from_buffer_copy(self.layers)
         for layer, (k, v) in zip(layers, pages):
@@ -330,7 +333,7 @@ class DecodeStep:
                                  ctypes.byref(paged), dim, Hq, Hkv, D, hidden, self.eps, self.scale,
                                  scratch.data_ptr(), stride, logits.data_ptr(), int(act_q8), kmax,
                                  torch.get_num_threads())
-        return logits
+        return logits if spread is None else logits[spread]
 
     def _pages(self, caches) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Each layer's key and value pages where :meth:`run_paged` reads and writes them, else
