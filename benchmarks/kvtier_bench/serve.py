@@ -21,8 +21,11 @@ runs a warm-up of its own: on CUDA the workload's prompts for 4 tokens each (ker
 compile for each shape bucket, graphs are captured), on the CPU a few prompts whose
 lengths span the workload's.
 
-Models: on CPU the default SmolLM2-135M-Instruct (float32); with ``--arch`` (the
-default on CUDA: ``llama3-8b``) random weights of that shape (bfloat16 on CUDA).
+Models: on CPU the default SmolLM2-135M-Instruct in float32, its weights kept for kvtier
+in their Q4_1/Q8_0 block codes as ``kvtier serve`` keeps them (the same values; decode steps
+multiply the codes in one C call) and dense for transformers (``--weights float32`` gives
+kvtier the dense ones too); with ``--arch`` (the default on CUDA: ``llama3-8b``) random
+weights of that shape (bfloat16 on CUDA).
 
 Example::
 
@@ -84,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "over and --detokenize writes with, for random weights (the default model "
                              "brings its own)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--weights", choices=("packed", "float32"), default="packed",
+                        help="kvtier's weights of the default model on the CPU: its block codes, as kvtier "
+                             "serve keeps them (default), or dense float32 as transformers gets them")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="write a PNG of throughput and latencies here")
@@ -149,15 +155,18 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag} needs --skip-hf: transformers' generate_batch takes no per-request "
                              f"{flag}, so its tokens could not be compared")
     model, label, tokenizer = load(args, device)
+    engine_model = packed_copy() if label.endswith("float32") and args.weights == "packed" else model
     rng = random.Random(args.seed)
     vocab = model.args.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(args.num_requests)]
     with BenchProgress("serve", 2 - args.skip_hf) as bar:
         bar.advance("kvtier LLMEngine")
-        results = [run_kvtier(model, tokenizer, prompts, args, device)]
+        results = [run_kvtier(engine_model, tokenizer, prompts, args, device)]
         if not args.skip_hf:
             bar.advance("transformers generate_batch")
             results.append(run_hf(model, prompts, args, device, results[0]))
+    if engine_model is not model:
+        label += " (kvtier: packed Q4_1/Q8_0 codes)"
     meta = {"model": label, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
             f"CPU, {torch.get_num_threads()} threads", "num_requests": args.num_requests,
             "input_len": [lo, hi], "output_len": args.output_len,
@@ -190,10 +199,16 @@ def load(args, device: torch.device):
         return model, f"{arch} (random weights), {str(dtype)[6:]}", tokenizer
     from kvtier.model import load_model
 
-    # float32 weights, not the packed block codes: a batch of rows (and every prefill) would
-    # dequantise each packed weight on every forward; transformers gets the same float32 weights
-    lm = load_model(device="cpu", dtype=torch.float32, progress=False, pack=False)
+    lm = load_model(device="cpu", dtype=torch.float32, progress=False, pack=False)  # (transformers' views)
     return lm.model, f"{lm.source.name}, float32", lm.tokenizer
+
+
+def packed_copy():
+    """The default model again, every weight that is exactly Q4_1 or Q8_0 kept in those codes, as
+    ``kvtier serve`` loads it (the same values as ``model``'s dense ones)."""
+    from kvtier.model import load_model
+
+    return load_model(device="cpu", dtype=torch.float32, progress=False, pack=True).model
 
 
 def versions() -> dict[str, str]:

@@ -217,3 +217,18 @@ def test_drafted_rows_give_the_packed_forwards_logits(rows, monkeypatch):
     for rid, w in want_drafts.items():
         assert got_drafts[rid].shape == w.shape == (fed[int(rid[1])][1] + 1, 128)
         torch.testing.assert_close(got_drafts[rid], w, rtol=1e-4, atol=1e-4)
+
+
+def test_mostly_dense_weights_take_the_step_for_a_few_rows_only(monkeypatch):
+    """Dense float32 weights: the step's plain loops lose to oneDNN's matmuls from about
+    ``DENSE_ROWS`` rows, so larger decode steps take the layered forward (same logits)."""
+    assert cpu_step.plan_for(small_model()).dense is False  # one float32 layer of twelve
+    model = small_model(packed=False)
+    assert cpu_step.plan_for(model).dense is True
+    calls = counting(monkeypatch)
+    few = [9, 3, 30, 17][: cpu_step.DENSE_ROWS]
+    assert_same(model, monkeypatch, few, steps=2)
+    assert len(calls) == 2 and all(c is not None for c in calls)
+    calls.clear()
+    assert_same(model, monkeypatch, few + [5], steps=2)
+    assert calls == []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtier.model import ModelArgs, build_random
-from kvtier.serve.runner import ModelRunner
+from kvtier.serve.runner import ModelRunner, token_rows
 from kvtier.serve.scheduler import ScheduledRow, StepBatch
 
 ARGS = ModelArgs(dim=256, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=512, vocab_size=512,
@@ -112,3 +112,38 @@ def test_packed_lm_head_rows_padded_to_a_graph_bucket() -> None:
     assert ModelRunner(model, num_blocks=8).logit_buckets == []
     with pytest.raises(ValueError, match="pad_logit_rows must be a bool or None"):
         ModelRunner(model, num_blocks=8, pad_logit_rows="yes")
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES, ids=lambda x: str(x))
+def test_drafted_rows_as_decode_rows_equal_the_packed_forward(device, dtype, tol, monkeypatch) -> None:
+    """A step of drafted rows (1 + 3, 1 + 1 and 1 + 4 tokens) and a decode row, run as decode rows
+    of one token each (:func:`token_rows`, what a decode graph replays on CUDA) and as the packed
+    forward: the same sampled logits and drafts' logits; on CUDA ``execute`` takes the graphs."""
+    monkeypatch.setenv("KVTIER_DECODE_STEP", "0")  # (the CPU's layered decode forward: what a graph captures)
+    model = build_random(ARGS, dtype=dtype, device=device, std=0.2)
+    rng = random.Random(3)
+    starts, drafts = (5, 40, 17, 63), (3, 1, 0, 4)
+    blocks = [tuple(range(1 + 5 * i, 6 + 5 * i)) for i in range(4)]
+    history = [ScheduledRow(f"r{i}", tuple(rng.randrange(512) for _ in range(n)), 0, b, True)
+               for i, (n, b) in enumerate(zip(starts, blocks))]
+    batch = StepBatch(tuple(ScheduledRow(f"r{i}", tuple(rng.randrange(512) for _ in range(d + 1)), n, b, True, draft=d)
+                            for i, (n, d, b) in enumerate(zip(starts, drafts, blocks))))
+    got = {}
+    for as_rows in (True, False):
+        runner = ModelRunner(model, num_blocks=24, block_size=16, cuda_graph=as_rows and device == "cuda",
+                             max_num_seqs=16)
+        with torch.inference_mode():
+            for h in history:
+                runner._prefill(h)
+            if as_rows and device == "cpu":
+                out = runner._drafted(batch, token_rows(batch.rows), None)
+            else:
+                out = runner.execute(batch)
+            got[as_rows] = out.clone(), {k: v.clone() for k, v in runner.draft_logits.items()}
+    (a, da), (b, db) = got[True], got[False]
+    scale = b.abs().max().item()
+    assert a.shape == (4, ARGS.vocab_size) and sorted(da) == sorted(db) == ["r0", "r1", "r3"]
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol * scale)
+    for rid, want in db.items():
+        assert da[rid].shape == want.shape == (drafts[int(rid[1])] + 1, ARGS.vocab_size)
+        torch.testing.assert_close(da[rid], want, rtol=tol, atol=tol * scale)

@@ -178,9 +178,9 @@ def run_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     sock = _listen(server_config.host, server_config.port)  # a taken port fails before the model loads
     kw = {"device": args.device} if hasattr(args, "device") else {}
-    # float32 weights: the packed block codes (kvtier.model.packed) win for a few decode rows but
-    # dequantise every weight on each forward of a batch or a prefill chunk, which serving is made of
-    lm = load_model(model, progress=sys.stderr.isatty(), dtype=dtype, pack=False, **kw)
+    # on the CPU in float32 the weights stay packed (kvtier.model.packed): decode steps multiply the
+    # block codes in one C call (kvtier.model.cpu_step), a prompt chunk dequantises them first
+    lm = load_model(model, progress=sys.stderr.isatty(), dtype=dtype, **kw)
     engine = LLMEngine(lm.model, lm.require_tokenizer("kvtier serve"), engine_config)
     return serve_http(engine, served_name(lm.source), server_config, args.log_level, sock=sock)
 

@@ -58,12 +58,12 @@ from kvtier.caches.paged_shared import (
     packed_plan,
     to_device,
 )
-from kvtier.model.cpu_step import plan_for
+from kvtier.model.cpu_step import DENSE_ROWS, plan_for
 from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.scheduler import PENDING, ScheduledRow, StepBatch
 
 __all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "fed_tokens", "fill_pending", "kv_bytes_per_block",
-           "smallest_bucket"]
+           "smallest_bucket", "token_rows"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,15 @@ def fill_pending(tokens: torch.Tensor, pending: PendingTokens | None) -> torch.T
         src = (-1 - tokens).clamp_(min=0)
         tokens.copy_(torch.where(tokens < 0, pending.tokens[src], tokens))
     return tokens
+
+
+def token_rows(rows: Sequence[ScheduledRow]) -> list[ScheduledRow]:
+    """``rows`` (decode rows and drafted rows) as decode rows of one token each: token ``j`` of a
+    row at its position ``start + j``, over the row's blocks. In one decode forward each such row
+    writes its key and value before attention reads them, so a draft sees the tokens before it, as
+    in the row's own forward."""
+    return [ScheduledRow(r.request_id, (t,), r.start + j, r.blocks, True)
+            for r in rows for j, t in enumerate(r.token_ids)]
 
 
 def smallest_bucket(buckets: Sequence[int], n: int) -> int:
@@ -222,6 +231,11 @@ class ModelRunner:
         chunks = [r for r in batch.rows if len(r.token_ids) > 1 or r.all_logits]
         if any(r.token_ids[-1] == PENDING for r in chunks):  # pending: only a request's last token
             raise ValueError("only decode rows may feed a pending token")
+        if chunks and self.graphs is not None and all(r.draft and not r.all_logits for r in chunks):
+            rows = token_rows(batch.rows)  # a drafted step: a decode row a token, in a captured graph
+            if self.graphs.fits(rows):
+                with torch.inference_mode():
+                    return self._drafted(batch, rows, pending)
         if chunks and decode and (self.decode_in_prompt_steps or any(r.draft for r in chunks)):
             decode, chunks = [], list(batch.rows)  # one packed forward for every row (drafts: a decode step)
         logits: dict[str, torch.Tensor] = {}
@@ -244,6 +258,20 @@ class ModelRunner:
                 return torch.empty(0, self.model.args.vocab_size, device=self.device)
             return torch.stack([logits[rid] for rid in batch.sampled])  # (n_sampled, V)
 
+    def _drafted(self, batch: StepBatch, rows: Sequence[ScheduledRow], pending: PendingTokens | None) -> torch.Tensor:
+        """A step of decode and drafted rows as the decode rows ``rows`` (:func:`token_rows`, one a
+        token: a decode graph replays it): the sampled rows' logits; each drafted row's last
+        ``draft + 1`` to :attr:`draft_logits` (views of the graph's buffer, as the logits are)."""
+        out = self._decode(rows, pending)  # (N, V)
+        last, end = [], 0
+        for r in batch.rows:
+            end += len(r.token_ids)
+            if r.sample:
+                last.append(end - 1)
+            if r.draft:
+                self.draft_logits[r.request_id] = out[end - 1 - r.draft : end]
+        return out[to_device(torch.tensor(last), self.device)]  # (n_sampled, V)
+
     def _bind(self, rows: Sequence[ScheduledRow]) -> RowBinding:
         binding = RowBinding.build([r.blocks for r in rows], [r.start for r in rows],
                                    block_size=self.block_size, num_blocks=self.num_blocks + 1,
@@ -258,7 +286,8 @@ class ModelRunner:
         ids = [t[0] for t in fed]
         if self.graphs is not None and self.graphs.fits(rows):
             return self.graphs.run(rows, codes=ids if pending is not None else None, pending=pending)
-        if self.device.type == "cpu" and (step := plan_for(self.model)) is not None:
+        if (self.device.type == "cpu" and (step := plan_for(self.model)) is not None
+                and (not step.dense or len(rows) <= DENSE_ROWS)):
             out = self._packed_step(step, rows, ids, pending)
             if out is not None:
                 return out
@@ -273,7 +302,9 @@ class ModelRunner:
         """The rows' tokens ``ids`` (side by side, as a packed forward feeds them) in one C call on
         the CPU (:meth:`kvtier.model.cpu_step.DecodeStep.run_paged`): logits of the packed positions
         ``select`` (every one by default), or ``None`` (nothing written) where the pages do not
-        qualify."""
+        qualify. The callers take it for a plan of mostly dense float32 weights
+        (:attr:`~kvtier.model.cpu_step.DecodeStep.dense`) only up to
+        :data:`~kvtier.model.cpu_step.DENSE_ROWS` tokens."""
         bs = self.block_size
         binding = RowBinding.build([r.blocks for r in rows], [r.start for r in rows], block_size=bs,
                                    num_blocks=self.num_blocks + 1)
@@ -309,7 +340,8 @@ class ModelRunner:
         every = [i for _, o, n in spans for i in range(o, o + n)]
         out, pad = None, 0
         if (self.device.type == "cpu" and len(ids) <= ONE_CALL_TOKENS
-                and all(r.draft or len(r.token_ids) == 1 for r in rows) and (step := plan_for(self.model))):
+                and all(r.draft or len(r.token_ids) == 1 for r in rows) and (step := plan_for(self.model))
+                and (not step.dense or len(ids) <= DENSE_ROWS)):
             out = self._packed_step(step, rows, ids, pending, last + every)
         if out is None:
             plan = packed_plan(self._bind(rows), counts)
