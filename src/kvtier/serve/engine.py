@@ -10,25 +10,23 @@ The engine joins the three parts below the HTTP layer and drives them a step at 
   and seeded generator, detokenises incrementally, holds back text that may begin a
   stop string (:class:`kvtier.generate.RowText`), and ends requests at a stop.
 
-Its calls may come from several threads: each runs alone (one lock), and a
-:meth:`LLMEngine.generate` call runs its prompts to completion before another call starts.
-Requests queued with ``add_request`` and stepped by hand belong to one thread (a ``generate``
-call steps them too, and drops their outputs). For many concurrent streams,
-:class:`kvtier.serve.async_engine.AsyncLLMEngine` runs the engine in a background thread,
-as the server does.
+Its calls may come from several threads: each runs alone (one lock), and a :meth:`LLMEngine.generate`
+call runs its prompts to completion before another call starts. Requests queued with ``add_request``
+and stepped by hand belong to one thread (a ``generate`` call steps them too, and drops their
+outputs). For many concurrent streams, :class:`kvtier.serve.async_engine.AsyncLLMEngine` runs the
+engine in a background thread, as the server does.
 
-Asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on CUDA). A
-step's host work (scheduling, building the step's inputs, detokenising, stop strings)
-would otherwise wait for the GPU and leave it idle in turn. With it on, :meth:`LLMEngine.step`
-schedules and launches step ``N + 1`` first, feeding each decode row the token step ``N``
-sampled straight from the device (:class:`~kvtier.serve.runner.PendingTokens`), and only
-then waits for step ``N``'s tokens, whose outputs it returns: every output comes one call
-later, and the host work of one step runs while the GPU computes the next. A request that
-stops at step ``N`` (an end-of-sequence token, a stop string) has computed one token too
-many in step ``N + 1``; that token is dropped. The tokens are those of the synchronous
-engine (``tests/serve/test_async_scheduling.py``). A step with structured outputs' rows
-waits for step ``N``'s tokens before it samples (a grammar says what may follow only once
-it has the token before), after its forward is launched.
+Asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on CUDA). A step's host
+work (scheduling, building the step's inputs, detokenising, stop strings) would otherwise wait for
+the GPU and leave it idle in turn. With it on, :meth:`LLMEngine.step` schedules and launches step
+``N + 1`` first, feeding each decode row the token step ``N`` sampled straight from the device
+(:class:`~kvtier.serve.runner.PendingTokens`), and only then waits for step ``N``'s tokens, whose
+outputs it returns: every output comes one call later, and the host work of one step runs while the
+GPU computes the next. A request that stops at step ``N`` (an end-of-sequence token, a stop string)
+has computed one token too many in step ``N + 1``; that token is dropped. The tokens are those of
+the synchronous engine (``tests/serve/test_async_scheduling.py``). A step with structured outputs'
+rows waits for step ``N``'s tokens before it samples (a grammar says what may follow only once it
+has the token before), after its forward is launched.
 
 Example::
 
@@ -62,6 +60,7 @@ from kvtier.generate import GenerationConfig, RowText
 from kvtier.quant.modes import TurboQuantConfig, check_kv_quant, check_turboquant
 from kvtier.sampling import make_generator, sample
 from kvtier.serve.adjust import LogitAdjustments
+from kvtier.serve.graphs import graph_rows
 from kvtier.serve.live import Live
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.prefix import BlockManager
@@ -235,10 +234,11 @@ class LLMEngine:
                             max_prompt_logits=max(1, PROMPT_LOGITS_BYTES // (4 * model.args.vocab_size)),
                             policy=config.scheduling_policy),
             self.block_manager)
+        draft = config.speculative.num_speculative_tokens if config.speculative is not None else None
         self.runner = ModelRunner(
             model, num_blocks=num_blocks, block_size=config.block_size, kv_quant=config.kv_quant,
-            turboquant=config.turboquant, attention_backend=config.attention_backend,
-            cuda_graph=config.cuda_graph, max_num_seqs=config.max_num_seqs, max_model_len=context)
+            turboquant=config.turboquant, attention_backend=config.attention_backend, cuda_graph=config.cuda_graph,
+            max_num_seqs=config.max_num_seqs, max_model_len=context, graph_rows=graph_rows(config.max_num_seqs, draft))
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         self.speculator = None if config.speculative is None else Speculator(config.speculative)
         self.async_scheduling = (self.device.type == "cuda" and self.speculator is None

@@ -31,7 +31,8 @@ from kvtier.kernels.dispatch import resolve_backend
 from kvtier.serve.runner import PendingTokens, fill_pending, smallest_bucket
 from kvtier.serve.scheduler import ScheduledRow
 
-__all__ = ["DecodeGraphs", "HostInputs", "graph_buckets", "graphs_unavailable", "reference_inputs"]
+__all__ = ["DRAFT_GRAPH_ROWS", "DecodeGraphs", "HostInputs", "graph_buckets", "graph_rows", "graphs_unavailable",
+           "reference_inputs"]
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -43,6 +44,21 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     """
     sizes = {b for b in (1, 2, 4, 8, 16) if b <= max_num_seqs} | set(range(32, max_num_seqs + 1, 32))
     return sorted(sizes | {max_num_seqs})
+
+
+#: most rows decode graphs hold for drafted steps (a row a token; more: the eager packed forward)
+DRAFT_GRAPH_ROWS = 256
+
+
+def graph_rows(max_num_seqs: int, draft: int | None = None) -> int:
+    """Rows an engine's decode graphs hold: ``max_num_seqs``; with ``draft`` tokens a step, enough
+    for every running request's ``1 + draft`` tokens as decode rows of their own, up to
+    :data:`DRAFT_GRAPH_ROWS` (a drafted step of more tokens runs eagerly).
+
+    >>> graph_rows(64), graph_rows(8, 4), graph_rows(100, 4)
+    (64, 40, 256)
+    """
+    return max_num_seqs if not draft else max(max_num_seqs, min(max_num_seqs * (1 + draft), DRAFT_GRAPH_ROWS))
 
 
 def graphs_unavailable(model, caches: Sequence[SharedBlockPagedKVCache]) -> str | None:

@@ -150,8 +150,9 @@ class ModelRunner:
     model's device and in its dtype; ``kv_quant`` / ``turboquant`` /
     ``attention_backend`` as for :class:`~kvtier.caches.paged.PagedKVCache`.
     ``cuda_graph``: replay decode steps from CUDA graphs (``None``: on CUDA when the
-    paged kernels are Triton's; ``False``: never); ``max_num_seqs`` and
-    ``max_model_len`` bound the graphs' shapes. ``decode_in_prompt_steps``: run a step's
+    paged kernels are Triton's; ``False``: never); ``max_num_seqs`` (or ``graph_rows``, rows the
+    graphs hold when drafted steps, a row a token, should fit them too) and ``max_model_len``
+    bound the graphs' shapes. ``decode_in_prompt_steps``: run a step's
     decode rows in its packed prompt forward when it has prompt chunks (``None``: on CUDA).
     ``pad_logit_rows``: the LM head of a packed forward multiplies its rows padded to a
     decode-graph bucket (:func:`~kvtier.serve.graphs.graph_buckets` of ``max_num_seqs``), the
@@ -162,7 +163,7 @@ class ModelRunner:
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, kv_quant: str | None = None,
                  turboquant: TurboQuantConfig | None = None, attention_backend: str = "auto",
-                 cuda_graph: bool | None = None, max_num_seqs: int = 64,
+                 cuda_graph: bool | None = None, max_num_seqs: int = 64, graph_rows: int | None = None,
                  max_model_len: int | None = None, decode_in_prompt_steps: bool | None = None,
                  pad_logit_rows: bool | None = None):
         self.model = model
@@ -200,7 +201,8 @@ class ModelRunner:
             if why is None:
                 width = math.ceil((max_model_len or a.max_position_embeddings) / block_size)
                 try:
-                    self.graphs = DecodeGraphs(model, self.caches, max_num_seqs, width, scratch=num_blocks)
+                    self.graphs = DecodeGraphs(model, self.caches, graph_rows or max_num_seqs, width,
+                                               scratch=num_blocks)
                 except RuntimeError as e:  # a capture that fails: decode eagerly, unless asked not to
                     if cuda_graph:
                         raise
