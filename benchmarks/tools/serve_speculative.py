@@ -16,6 +16,10 @@ that are all right (each request's tokens from the run without drafts) and all w
 such token plus one), against no drafts.
 
     python benchmarks/tools/serve_speculative.py --arch llama3-8b --device cuda --concurrency 1,8,32 --k 4
+
+In bf16 a row's logits in a graph of several rows differ from those of one row by rounding, and at a
+near tie the greedy tokens part, after which the "right" drafts (the plain run's tokens) no longer
+are; ``--dtype float32`` parts them far less often.
 """
 
 from __future__ import annotations
@@ -92,6 +96,9 @@ def main() -> None:
     p.add_argument("--arch", default=None, help="random weights of this shape: the bounds of right and wrong drafts")
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-cuda-graph", action="store_true", help="every engine decodes eagerly")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                   help="the random weights' dtype (default: bfloat16 on CUDA; float32 keeps a drafted "
+                        "step's greedy tokens those of plain decoding more often)")
     args = p.parse_args()
     GRAPHS["on"] = False if args.no_cuda_graph else None
     if args.threads:
@@ -129,12 +136,12 @@ def bounds(args) -> None:
     from kvtier.model import build_random
     from kvtier.serve.speculate import SpeculativeConfig
 
-    model = build_random(args.arch, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
-                         device=args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_random(args.arch, dtype=dtype, device=args.device)
     lm = SimpleNamespace(model=model, tokenizer=None)
     rng = random.Random(0)
     vocab = model.args.vocab_size
-    print(f"{args.arch} (random weights) on {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, "
+    print(f"{args.arch} (random {str(dtype)[6:]} weights) on {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, "
           f"prompts of 512 random tokens, {args.output_len} new each, torch {torch.__version__}")
     print("| concurrency | drafts a step (k) | drafts | output tok/s | vs no drafts | steps | same tokens |")
     print("|---|---|---|---|---|---|---|")
