@@ -84,9 +84,9 @@ class PendingTokens:
         return [self.code(r) for r in rows]
 
 
-#: most tokens a CPU step of drafted rows runs in one C call (more: the packed forward). On the
-#: 2-core CPU the call was 1.3-2.4x faster up to 160 tokens (rows of 5); its scratch grows with the
-#: tokens times the longest context
+#: most rows a CPU decode step runs in one C call (a drafted step's tokens each a row; more: the
+#: layered forward). On the 2-core CPU the call was 1.1-2.6x faster up to 64 rows, and 1.3-2.4x for
+#: drafted steps of up to 160 tokens; its scratch grows with the rows times the longest context
 ONE_CALL_TOKENS = 256
 
 
@@ -233,9 +233,9 @@ class ModelRunner:
         chunks = [r for r in batch.rows if len(r.token_ids) > 1 or r.all_logits]
         if any(r.token_ids[-1] == PENDING for r in chunks):  # pending: only a request's last token
             raise ValueError("only decode rows may feed a pending token")
-        if chunks and self.graphs is not None and all(r.draft and not r.all_logits for r in chunks):
-            rows = token_rows(batch.rows)  # a drafted step: a decode row a token, in a captured graph
-            if self.graphs.fits(rows):
+        if chunks and all(r.draft and not r.all_logits for r in chunks):
+            rows = token_rows(batch.rows)  # a drafted step as decode rows, a token each
+            if self.graphs.fits(rows) if self.graphs is not None else self._one_call(len(rows)):
                 with torch.inference_mode():
                     return self._drafted(batch, rows, pending)
         if chunks and decode and (self.decode_in_prompt_steps or any(r.draft for r in chunks)):
@@ -247,7 +247,7 @@ class ModelRunner:
                 if not chunks and all(r.sample for r in decode):
                     return out  # every row sampled, in row order (a graph's buffer: read it now)
                 logits |= {r.request_id: out[i] for i, r in enumerate(decode) if r.sample}
-            if len(chunks) == 1 and not (chunks[0].draft and self.device.type == "cpu"):
+            if len(chunks) == 1:
                 out = self._prefill(chunks[0])[None]  # (1, V)
             elif chunks:
                 out = self._prefill_packed(chunks, pending)  # (n_chunks, V)
@@ -260,10 +260,19 @@ class ModelRunner:
                 return torch.empty(0, self.model.args.vocab_size, device=self.device)
             return torch.stack([logits[rid] for rid in batch.sampled])  # (n_sampled, V)
 
+    def _one_call(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` rows runs as one C call on the CPU
+        (:meth:`kvtier.model.cpu_step.DecodeStep.run_paged`, where the pages qualify)."""
+        if self.device.type != "cpu" or rows > ONE_CALL_TOKENS:
+            return False
+        step = plan_for(self.model)
+        return step is not None and (not step.dense or rows <= DENSE_ROWS)
+
     def _drafted(self, batch: StepBatch, rows: Sequence[ScheduledRow], pending: PendingTokens | None) -> torch.Tensor:
         """A step of decode and drafted rows as the decode rows ``rows`` (:func:`token_rows`, one a
-        token: a decode graph replays it): the sampled rows' logits; each drafted row's last
-        ``draft + 1`` to :attr:`draft_logits` (views of the graph's buffer, as the logits are)."""
+        token: a decode graph replays it, or on the CPU one C call): the sampled rows' logits; each
+        drafted row's last ``draft + 1`` to :attr:`draft_logits` (views of a graph's buffer, as the
+        logits are)."""
         out = self._decode(rows, pending)  # (N, V)
         last, end = [], 0
         for r in batch.rows:
@@ -288,9 +297,8 @@ class ModelRunner:
         ids = [t[0] for t in fed]
         if self.graphs is not None and self.graphs.fits(rows):
             return self.graphs.run(rows, codes=ids if pending is not None else None, pending=pending)
-        if (self.device.type == "cpu" and (step := plan_for(self.model)) is not None
-                and (not step.dense or len(rows) <= DENSE_ROWS)):
-            out = self._packed_step(step, rows, ids, pending)
+        if self._one_call(len(rows)):
+            out = self._decode_step(rows, ids, pending)
             if out is not None:
                 return out
         plan = decode_plan(self._bind(rows))
@@ -299,63 +307,42 @@ class ModelRunner:
                          cache_kwargs={"plan": plan, "write_start": plan.write_start}, last_only=True)
         return out[:, -1]  # (B, V)
 
-    def _packed_step(self, step, rows: Sequence[ScheduledRow], ids: list[int], pending: PendingTokens | None,
-                     select: list[int] | None = None) -> torch.Tensor | None:
-        """The rows' tokens ``ids`` (side by side, as a packed forward feeds them) in one C call on
-        the CPU (:meth:`kvtier.model.cpu_step.DecodeStep.run_paged`): logits of the packed positions
-        ``select`` (every one by default), or ``None`` (nothing written) where the pages do not
-        qualify. The callers take it for a plan of mostly dense float32 weights
-        (:attr:`~kvtier.model.cpu_step.DecodeStep.dense`) only up to
-        :data:`~kvtier.model.cpu_step.DENSE_ROWS` tokens."""
-        bs = self.block_size
-        binding = RowBinding.build([r.blocks for r in rows], [r.start for r in rows], block_size=bs,
+    def _decode_step(self, rows: Sequence[ScheduledRow], ids: list[int], pending: PendingTokens | None
+                     ) -> torch.Tensor | None:
+        """A decode step in one C call on the CPU (:meth:`kvtier.model.cpu_step.DecodeStep.run_paged`):
+        logits ``[B, V]``, or ``None`` (nothing written) where the pages do not qualify."""
+        binding = RowBinding.build([r.blocks for r in rows], [r.start for r in rows], block_size=self.block_size,
                                    num_blocks=self.num_blocks + 1)
-        short = [i for i, r in enumerate(rows) if r.start + len(r.token_ids) > len(r.blocks) * bs]
+        short = [i for i, r in enumerate(rows) if r.start >= len(r.blocks) * self.block_size]
         if short:
-            ends = [rows[i].start + len(rows[i].token_ids) - 1 for i in short]
-            raise ValueError(f"rows {short} hold no block for position {ends}; grow their block lists "
-                             "before the step")
+            raise ValueError(f"rows {short} hold no block for position {[rows[i].start for i in short]}; "
+                             "grow their block lists before the step")
         tokens = fill_pending(torch.tensor(ids, dtype=torch.long), pending)
-        positions = torch.tensor([r.start + j for r in rows for j in range(len(r.token_ids))], dtype=torch.long)
-        table = binding.table
-        if len(ids) != len(rows):
-            table = table[torch.tensor([i for i, r in enumerate(rows) for _ in r.token_ids])]
-        sel = None if select is None else torch.tensor(select, dtype=torch.long)
-        return step.run_paged(tokens, positions, table, self.caches, select=sel)
+        positions = torch.tensor([r.start for r in rows], dtype=torch.long)
+        return plan_for(self.model).run_paged(tokens, positions, binding.table, self.caches)
 
     def _prefill_packed(self, rows: Sequence[ScheduledRow], pending: PendingTokens | None = None) -> torch.Tensor:
         """The rows' tokens (prompt chunks, decode tokens) side by side in one forward ``[1, N]``;
-        logits of each row's last position ``[len(rows), V]``. On the CPU a step of decode rows
-        and drafted rows of at most :data:`ONE_CALL_TOKENS` tokens is one C call
-        (:meth:`kvtier.model.cpu_step.DecodeStep.run_paged`)."""
-        counts = [len(r.token_ids) for r in rows]
+        logits of each row's last position ``[len(rows), V]``."""
+        plan = packed_plan(self._bind(rows), [len(r.token_ids) for r in rows])
         fed, pending = fed_tokens(rows, pending)  # decode rows may be fed from the step in flight
         ids = [t for ts in fed for t in ts]
-        k = len(rows)
-        last = [sum(counts[: i + 1]) - 1 for i in range(k)]
+        tokens = fill_pending(to_device(torch.tensor([ids], dtype=torch.long), self.device), pending)  # (1, N)
+        select, k = plan.last, len(rows)
+        pad = smallest_bucket(self.logit_buckets, k) - k
+        if pad:  # the last row again as padding
+            select = torch.cat([select, select[-1:].expand(pad)])
         spans, offset = [], 0  # the all_logits rows' positions and the drafts', after the last positions
         for r in rows:
             if r.all_logits or r.draft:
                 n = len(r.token_ids) if r.all_logits else r.draft + 1
                 spans.append((r, offset + len(r.token_ids) - n, n))
             offset += len(r.token_ids)
-        every = [i for _, o, n in spans for i in range(o, o + n)]
-        out, pad = None, 0
-        if (self.device.type == "cpu" and len(ids) <= ONE_CALL_TOKENS
-                and all(r.draft or len(r.token_ids) == 1 for r in rows) and (step := plan_for(self.model))
-                and (not step.dense or len(ids) <= DENSE_ROWS)):
-            out = self._packed_step(step, rows, ids, pending, last + every)
-        if out is None:
-            plan = packed_plan(self._bind(rows), counts)
-            tokens = fill_pending(to_device(torch.tensor([ids], dtype=torch.long), self.device), pending)  # (1, N)
-            select = plan.last
-            pad = smallest_bucket(self.logit_buckets, k) - k
-            if pad:  # the last row again as padding
-                select = torch.cat([select, select[-1:].expand(pad)])
-            if spans:
-                select = torch.cat([select, to_device(torch.tensor(every), self.device)])
-            out = self.model(tokens, self.caches, positions=plan.positions, cache_kwargs={"plan": plan},
-                             select=select)[0]
+        if spans:
+            every = torch.cat([torch.arange(o, o + n) for _, o, n in spans])
+            select = torch.cat([select, to_device(every, self.device)])
+        out = self.model(tokens, self.caches, positions=plan.positions, cache_kwargs={"plan": plan},
+                         select=select)[0]
         at = k + pad
         for r, _, n in spans:
             if r.all_logits:
