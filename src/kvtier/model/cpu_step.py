@@ -141,7 +141,7 @@ class DecodeStep:
         #: their addresses and capacity: a step over the same buffers skips their checks, which
         #: cost about 10 us a cache after a step has swept the CPU's caches
         self._buffers: dict[int, tuple] = {}
-        #: id(cache) -> a weak reference to the key pages :meth:`run_paged` checked for it, and its value pages
+        #: id(cache) -> weak references to the key and value pages :meth:`run_paged` checked for it
         self._page_checks: dict[int, tuple] = {}
         lins = [head] + [getattr(ly, f) for ly in layers for f in ("wqkv", "wo", "w13", "w2")]
         #: most of the weights are dense float32 (not packed codes): the step's plain float32 loops
@@ -271,7 +271,6 @@ class DecodeStep:
             c.commit_written(T)
         return logits
 
-
     def run_paged(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, caches,
                   select: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits ``[len(select), vocab]`` (every token's without ``select``) of ``N`` tokens of
@@ -280,11 +279,11 @@ class DecodeStep:
         pages those of block table ``tables[t]`` (int32 ``[N, W]``, every layer's alike), seeing
         the keys at positions ``<= positions[t]`` (a sequence's tokens of one call see one
         another's, as a verification's do); ``positions[t]`` must lie in the blocks the caller gave
-        the token (a table's padding is read as block ids). ``None``, with nothing changed, when the caches are not
-        one :class:`~kvtier.caches.paged.PagedKVCache` a layer with float32 pages of the lossless
-        codec, the model's shape and blocks of a power of two tokens, or an input is off the CPU.
-        A token, position or block id out of range raises ``ValueError`` before anything is
-        written."""
+        the token (a table's padding is read as block ids). ``None``, with nothing changed, when
+        the caches are not one :class:`~kvtier.caches.paged.PagedKVCache` a layer with float32
+        pages of the lossless codec, the model's shape and blocks of a power of two tokens, or an
+        input is off the CPU. A token, position or block id out of range raises ``ValueError``
+        before anything is written."""
         dim, Hq, Hkv, D, hidden = self.dims
         model = self.model
         N = tokens.shape[0] if tokens.dim() == 1 else -1
@@ -352,17 +351,17 @@ class DecodeStep:
         shape = None
         for c in caches:
             pool = getattr(c, "pool", None)
-            k = getattr(pool, "key_cache", None)
+            k, v = getattr(pool, "key_cache", None), getattr(pool, "value_cache", None)
             rec = known.get(id(c))
-            if rec is None or rec[0]() is not k:
+            if rec is None or rec[0]() is not k or rec[1]() is not v:
                 if not isinstance(c, PagedKVCache) or not _paged_f32(c, self.dims):
                     return None
-                rec = known[id(c)] = (weakref.ref(k), pool.value_cache)
+                known[id(c)] = (weakref.ref(k), weakref.ref(v))
             if shape is None:
                 shape = k.shape
             elif k.shape != shape:
                 return None
-            out.append((k, rec[1]))
+            out.append((k, v))
         return out
 
 
