@@ -232,3 +232,24 @@ def test_mostly_dense_weights_take_the_step_for_a_few_rows_only(monkeypatch):
     calls.clear()
     assert_same(model, monkeypatch, few + [5], steps=2)
     assert calls == []
+
+
+def test_a_step_from_a_second_thread_gives_the_same_logits(monkeypatch):
+    """The server runs steps in a thread of its own, after the main thread has run parallel
+    regions (loading the model): the step's threads then meet at its own barrier, not libgomp's.
+    Its logits are those of the same steps run in the main thread, bit for bit."""
+    import threading
+
+    model = small_model()
+    want, _ = decode(model, monkeypatch, [9, 70, 33], step_on=True, steps=4)
+    got = {}
+
+    def run():
+        got["logits"], _ = decode(model, monkeypatch, [9, 70, 33], step_on=True, steps=4)
+
+    torch.ones(1 << 20).sum()  # (a parallel region of the main thread's own)
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    assert torch.equal(got["logits"], want)

@@ -24,10 +24,37 @@ STEP_SOURCE = r"""
 #include <string.h>
 #include <math.h>
 #include <stdint.h>
+#include <sched.h>
+#include <omp.h>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
+
+/* The step's threads meet at this barrier, spinning (with pause), instead of at libgomp's: those
+   spin only briefly, then sleep on a futex, when more OpenMP threads live in the process than it
+   has CPUs, as they do once another thread has run a parallel region (the thread that loaded the
+   model, beside a serving thread that runs the steps). A step meets about 250 times, and those
+   sleeps took a step of the default model from 4.1 to 15.4 ms in a second thread on the 2-core
+   box. After about a million spins a waiting thread yields its CPU between checks. n: the
+   region's threads (set once it starts). */
+typedef struct { int count, gen, n; } StepBarrier;
+
+static inline void step_barrier(StepBarrier* b) {
+  if (b->n <= 1) return;
+  const int gen = __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE);
+  if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == b->n) {
+    __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&b->gen, gen + 1, __ATOMIC_RELEASE);
+    return;
+  }
+  for (unsigned spins = 0; __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) == gen;) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    if (++spins > (1u << 20)) sched_yield();
+  }
+}
 
 typedef struct {       /* one projection: y = W x (+ bias) */
   int64_t fmt;         /* 0 float32 weight [N, K], 1 Q4_1 codes, 2 Q8_0 codes */
@@ -59,25 +86,26 @@ static inline int takes_q8(const Lin* l, const ActQ8* aq) { return aq && (l->fmt
    region, which meet at the barrier after them. With aq, Q4_1 and Q8_0 weights multiply x
    quantised to int8: the codes are in aq already when ready (quantised where x was made),
    else one thread quantises x here while the others wait at the single's barrier. */
-static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const ActQ8* aq, int ready) {
+static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const ActQ8* aq, int ready,
+                        StepBarrier* bar) {
   const int64_t N = l->N, K = l->K;
   if (takes_q8(l, aq)) {
     if (!ready) {
-      #pragma omp single
-      quantize_rows_q8(x, aq->q, aq->dx, aq->sx, M, K, l->fmt == 1);
+      if (omp_get_thread_num() == 0) quantize_rows_q8(x, aq->q, aq->dx, aq->sx, M, K, l->fmt == 1);
+      step_barrier(bar);
     }
     const int64_t tasks = (N + 1) / 2;
     if (l->fmt == 1 && M == 1) {  /* (a loop of its own: see q4_1_q8_task1) */
-      #pragma omp for schedule(static)
+      #pragma omp for schedule(static) nowait
       for (int64_t t = 0; t < tasks; t++) q4_1_q8_task1(aq->q, aq->dx, aq->sx, l->w, l->d, l->m, y, N, K, t);
     } else if (l->fmt == 1) {
-      #pragma omp for schedule(static)
+      #pragma omp for schedule(static) nowait
       for (int64_t t = 0; t < tasks; t++) q4_1_q8_task(aq->q, aq->dx, aq->sx, l->w, l->d, l->m, y, M, N, K, t);
     } else if (M == 1) {
-      #pragma omp for schedule(static)
+      #pragma omp for schedule(static) nowait
       for (int64_t n = 0; n < N; n++) q8_0_q8_task1(aq->q, aq->dx, l->w, l->d, y, N, K, n);
     } else {
-      #pragma omp for schedule(static)
+      #pragma omp for schedule(static) nowait
       for (int64_t n = 0; n < N; n++) q8_0_q8_task(aq->q, aq->dx, l->w, l->d, y, M, N, K, n);
     }
   } else if (l->fmt == 1 && M == 1) {  /* (the row count a constant: see q4_1_q8_task1) */
@@ -85,11 +113,11 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
     int8_t digits[Q4_ROW_DIGITS(K)];  /* (each thread makes the row's digits itself: no wait) */
     float scales[Q4_ROW_FLOATS(K)];
     const Q4Row row = q4_1_row(x, K, digits, scales);
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < tasks; t++) q4_1_task(x, &row, l->w, l->d, l->m, y, 1, N, K, t);
   } else if (l->fmt == 1) {
     const int64_t tasks = q4_1_tasks(N);
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < tasks; t++) q4_1_task(x, NULL, l->w, l->d, l->m, y, M, N, K, t);
   } else if (l->fmt == 2 && M == 1) {
     int8_t digits[Q8_ROW_DIGITS(K)];  /* (as Q4_1's: each thread its own) */
@@ -97,13 +125,13 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
     float scales[Q8_ROW_LANES(K)];
     const Q8Row row = q8_0_row(x, K, digits, starts, scales);
     const int64_t tasks = q8_0_tasks(N, &row);
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < tasks; t++) q8_0_task(x, &row, l->w, l->d, y, 1, N, K, t);
   } else if (l->fmt == 2) {
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(static) nowait
     for (int64_t n = 0; n < N; n++) q8_0_task(x, NULL, l->w, l->d, y, M, N, K, n);
   } else {
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(static) nowait
     for (int64_t n = 0; n < N; n++) {
       const float* w = (const float*)l->w + n * K;
       for (int64_t r = 0; r < M; r++) {
@@ -115,10 +143,12 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
       }
     }
   }
+  step_barrier(bar);
   if (l->bias) {
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(static) nowait
     for (int64_t n = 0; n < N; n++)
       for (int64_t r = 0; r < M; r++) y[r * N + n] += l->bias[n];
+    step_barrier(bar);
   }
 }
 
@@ -161,8 +191,12 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
   const ActQ8 aq_bufs = {(int8_t*)aq_end, aq_end + T * kmax / 4, aq_end + T * kmax / 4 + T * kmax / 32};
   const ActQ8* aq = act_q8 ? &aq_bufs : NULL;
   for (int64_t t = 0; t < T; t++) memcpy(h + t * dim, emb + ids[t] * dim, dim * sizeof(float));
+  StepBarrier bar = {0, 0, 0};
   #pragma omp parallel num_threads(threads)
   {
+    const int lead = omp_get_thread_num() == 0;
+    #pragma omp single
+    bar.n = omp_get_num_threads();  /* (the single's barrier: every thread sees it) */
     for (int64_t l = 0; l < n_layers; l++) {
       const Layer* ly = layers + l;
       const int64_t off = ly->offset, cap = ly->cap;
@@ -171,14 +205,13 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
       const int q_qkv = takes_q8(&ly->wqkv, aq), q_w13 = takes_q8(&ly->w13, aq);
       const int q_wo = takes_q8(&ly->wo, aq) && D % (ly->wo.fmt == 1 ? 64 : 32) == 0;
       const int q_w2 = takes_q8(&ly->w2, aq) && hidden % (ly->w2.fmt == 1 ? 512 : 256) == 0;
-      #pragma omp single
-      {
+      if (lead) {
         add_rms_norm(h, l ? delta : NULL, ly->attn_norm, h, nrm, T, dim, eps, 1);
         if (q_qkv) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, T, dim, ly->wqkv.fmt == 1);
       }
-      linear_rows(&ly->wqkv, nrm, qkv, T, aq, q_qkv);
-      #pragma omp single
-      {
+      step_barrier(&bar);
+      linear_rows(&ly->wqkv, nrm, qkv, T, aq, q_qkv, &bar);
+      if (lead) {
         rope(qkv, 0, QKV, D, cos, sin, 0, D, qk, 1, T, Hq + Hkv, D, 1);
         for (int64_t t = 0; t < T; t++)
           for (int64_t kh = 0; kh < Hkv; kh++) {
@@ -199,11 +232,12 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
             }
           }
       }
+      step_barrier(&bar);
       const int64_t es = ly->half ? 2 : 4;
       if (!paged) {
         const int64_t n = off + T, chunk = split_keys(n, Hkv, threads), splits = (n + chunk - 1) / chunk;
         const KvRows kv = {NULL, 0, D};
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < Hkv * splits; t++) {  /* (KV head, split of its keys) */
           const int64_t kh = t / splits, j0 = (t % splits) * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
           const void* K = (const char*)ly->k + kh * cap * D * es;
@@ -213,7 +247,8 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           float* part = parts + t * gt * (D + 2);
           attend_chunk_d(q, QK, K, V, kv, j0, j1, off, T, group, D, ly->half, scale, s, score_stride, part);
         }
-        #pragma omp for schedule(static)
+        step_barrier(&bar);
+        #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < Hq * T; r++) {  /* query (head hq, token t): parts ((kh splits + i) gt + g T + t) */
           const int64_t hq = r / T, t = r % T, kh = hq / group, g = hq % group;
           merge_parts(parts + (kh * splits * gt + g * T + t) * (D + 2), splits, gt * (D + 2), D,
@@ -223,9 +258,10 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
             quantize_rows_q8(att + (t * Hq + hq) * D, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, D, ly->wo.fmt == 1);
           }
         }
+        step_barrier(&bar);
       } else {  /* each token its own sequence: tasks (token, KV head, split of the longest's keys) */
         const int64_t n = score_stride, chunk = split_keys(n, Hkv * T, threads), splits = (n + chunk - 1) / chunk;
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t t = 0; t < T * Hkv * splits; t++) {
           const int64_t tok = t / (Hkv * splits), kh = t / splits % Hkv, j0 = (t % splits) * chunk;
           const int64_t j1 = j0 + chunk < n ? j0 + chunk : n;
@@ -237,7 +273,8 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           float* part = parts + t * group * (D + 2);
           attend_chunk_d(q, QK, K, V, kv, j0, j1, paged->pos[tok], 1, group, D, ly->half, scale, s, score_stride, part);
         }
-        #pragma omp for schedule(static)
+        step_barrier(&bar);
+        #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < Hq * T; r++) {  /* query (token t, head hq): parts ((t Hkv + kh) splits + i) group + g */
           const int64_t t = r / Hq, hq = r % Hq, kh = hq / group, g = hq % group;
           merge_parts(parts + ((t * Hkv + kh) * splits * group + g) * (D + 2), splits, group * (D + 2), D,
@@ -247,15 +284,16 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
             quantize_rows_q8(att + (t * Hq + hq) * D, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, D, ly->wo.fmt == 1);
           }
         }
+        step_barrier(&bar);
       }
-      linear_rows(&ly->wo, att, a, T, aq, q_wo);
-      #pragma omp single
-      {
+      linear_rows(&ly->wo, att, a, T, aq, q_wo, &bar);
+      if (lead) {
         add_rms_norm(h, a, ly->ffn_norm, h, nrm, T, dim, eps, 1);
         if (q_w13) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, T, dim, ly->w13.fmt == 1);
       }
-      linear_rows(&ly->w13, nrm, ff, T, aq, q_w13);
-      #pragma omp for schedule(static)
+      step_barrier(&bar);
+      linear_rows(&ly->w13, nrm, ff, T, aq, q_w13, &bar);
+      #pragma omp for schedule(static) nowait
       for (int64_t c = 0; c < T * 8; c++) {  /* silu_mul's arithmetic, each row in 8 spans */
         const int64_t t = c / 8, j0 = (c % 8) * hidden / 8, j1 = (c % 8 + 1) * hidden / 8;
         const float* g = ff + t * 2 * hidden;
@@ -265,18 +303,19 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           quantize_rows_q8(act + t * hidden + j0, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, j1 - j0, ly->w2.fmt == 1);
         }
       }
-      linear_rows(&ly->w2, act, delta, T, aq, q_w2);
+      step_barrier(&bar);
+      linear_rows(&ly->w2, act, delta, T, aq, q_w2, &bar);
     }
     const int q_head = takes_q8(head, aq);
-    #pragma omp single
-    {
+    if (lead) {
       for (int64_t i = 0; i < n_out; i++) {  /* the rows asked for, side by side in nrm (h kept: a row may repeat) */
         const int64_t r = sel ? sel[i] : T - n_out + i;
         add_rms_norm(h + r * dim, delta + r * dim, norm_w, a + i * dim, nrm + i * dim, 1, dim, eps, 1);
       }
       if (q_head) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, n_out, dim, head->fmt == 1);
     }
-    linear_rows(head, nrm, logits, n_out, aq, q_head);
+    step_barrier(&bar);
+    linear_rows(head, nrm, logits, n_out, aq, q_head, &bar);
   }
 }
 """
