@@ -178,11 +178,27 @@ def run_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     sock = _listen(server_config.host, server_config.port)  # a taken port fails before the model loads
     kw = {"device": args.device} if hasattr(args, "device") else {}
-    # on the CPU in float32 the weights stay packed (kvtier.model.packed): decode steps multiply the
-    # block codes in one C call (kvtier.model.cpu_step), a prompt chunk dequantises them first
-    lm = load_model(model, progress=sys.stderr.isatty(), dtype=dtype, **kw)
-    engine = LLMEngine(lm.model, lm.require_tokenizer("kvtier serve"), engine_config)
+
+    def build():
+        # on the CPU in float32 the weights stay packed (kvtier.model.packed): decode steps multiply
+        # the block codes in one C call (kvtier.model.cpu_step), a prompt chunk dequantises them first
+        lm = load_model(model, progress=sys.stderr.isatty(), dtype=dtype, **kw)
+        return lm, LLMEngine(lm.model, lm.require_tokenizer("kvtier serve"), engine_config)
+
+    lm, engine = in_passing_thread(build)
     return serve_http(engine, served_name(lm.source), server_config, args.log_level, sock=sock)
+
+
+def in_passing_thread(fn):
+    """``fn()`` run in a thread that then ends (its exception raised here). libgomp keeps a thread's
+    OpenMP workers while the thread lives: the main thread's, beside those of the engine's thread,
+    would make more OpenMP threads than CPUs, at which libgomp's barriers sleep instead of spinning
+    (a 512-token prompt 17% slower in the engine's thread on the 2-core box). So the main thread,
+    which then serves HTTP, runs no parallel region."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="kvtier-load") as pool:
+        return pool.submit(fn).result()
 
 
 def served_name(source) -> str:
