@@ -171,3 +171,27 @@ def test_a_model_without_a_chat_template_is_given_one(tmp_path, lm) -> None:
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert choice["text"] == tok.decode(tok.encode("Hi")) and choice["logprobs"]["tokens"][-3:] == ["", "", ""]
+
+
+def test_the_model_loads_in_a_thread_that_then_ends() -> None:
+    """``kvtier serve`` builds its model and engine through ``in_passing_thread``: the value comes
+    back, an exception is raised in the caller, and the thread is gone afterwards (libgomp frees its
+    OpenMP workers with it)."""
+    import threading
+
+    from kvtier.serve.cli import in_passing_thread
+
+    seen = []
+
+    def build():
+        seen.append(threading.current_thread())
+        torch.ones(1 << 20).sum()  # a parallel region of that thread's own
+        return 42
+
+    assert in_passing_thread(build) == 42
+    assert seen[0] is not threading.main_thread() and not seen[0].is_alive()
+    def fail():
+        raise ValueError("no model here")
+
+    with pytest.raises(ValueError, match="no model here"):
+        in_passing_thread(fail)
