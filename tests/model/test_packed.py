@@ -65,7 +65,7 @@ def test_weights_that_are_not_exactly_codes_are_refused(recover):
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, MAX_KERNEL_ROWS, 7, GROUPED_MAX_ROWS, GROUPED_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, MAX_KERNEL_ROWS, 7, 13, GROUPED_MAX_ROWS, GROUPED_MAX_ROWS + 1])  # 13: 8 + 4 + 1
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n_out, k_in", [(200, 576), (201, 1536)])  # an odd output count: q4_1 pairs outputs
 def test_packed_linear_equals_f_linear_on_the_float32_weight(kernels, fmt, rows, bias, n_out, k_in):

@@ -103,8 +103,8 @@ static inline __attribute__((always_inline)) void q4_1_group512(
     const float* df1, const float* mf1, int64_t G, const int64_t rn, float* y0, int64_t N, int64_t n,
     int two) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 acc[4][2];
-  for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  __m512 acc[8][2];
+  for (int i = 0; i < 8; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
     if (!(g & 1)) KV_PREFETCH(c0 + g * 32);
     const __m512i p = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c0 + g * 16)));
@@ -131,8 +131,8 @@ static inline __attribute__((always_inline)) void q4_1_group512(
 static inline __attribute__((always_inline)) void q8_0_group512(
     const float* x0, int64_t K, const int8_t* c, const _Float16* dn, int64_t G, const int64_t rn, float* y0,
     int64_t N, int64_t n) {
-  __m512 acc[4][2];
-  for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  __m512 acc[8][2];
+  for (int i = 0; i < 8; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
     if (!(g & 1)) KV_PREFETCH(c + g * 32);
     const __m512 dv = _mm512_set1_ps((float)dn[g]);
@@ -189,12 +189,15 @@ static inline void q4_1_task(const float* x, const Q4Row* row, const uint8_t* co
        vector: 0.99-1.32x a call, 1.10x the median, on the 2-core AVX-512 box; RESULTS 2026-12-04) */
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     if (M > 1) {  /* rows four at a time: each block's codes decoded once for all of them */
-      for (int64_t r0 = 0; r0 < M; r0 += 4) {
-        const int64_t rn = M - r0 < 4 ? M - r0 : 4;
-        if (rn == 4)  /* (a constant count: the sums stay in registers) */
+      for (int64_t r0 = 0; r0 < M;) {
+        const int64_t rn = M - r0 >= 8 ? 8 : M - r0 >= 4 ? 4 : M - r0;
+        if (rn == 8)  /* (a constant count: the sums stay in registers) */
+          q4_1_group512(x + r0 * K, K, c0, c1, df[0], mf[0], df[1], mf[1], G, 8, y + r0 * N, N, n, two);
+        else if (rn == 4)
           q4_1_group512(x + r0 * K, K, c0, c1, df[0], mf[0], df[1], mf[1], G, 4, y + r0 * N, N, n, two);
         else
           q4_1_group512(x + r0 * K, K, c0, c1, df[0], mf[0], df[1], mf[1], G, rn, y + r0 * N, N, n, two);
+        r0 += rn;
       }
       return;
     }
@@ -407,12 +410,15 @@ static inline void q8_0_task(const float* x, const Q8Row* row, const int8_t* cod
 #if defined(__AVX512F__)
     if (M > 1) {  /* rows four at a time, each block decoded once for them, two sums a row */
       const int8_t* c = codes + n * K;
-      for (int64_t r0 = 0; r0 < M; r0 += 4) {
-        const int64_t rn = M - r0 < 4 ? M - r0 : 4;
-        if (rn == 4)  /* (a constant count: the sums stay in registers) */
+      for (int64_t r0 = 0; r0 < M;) {
+        const int64_t rn = M - r0 >= 8 ? 8 : M - r0 >= 4 ? 4 : M - r0;
+        if (rn == 8)  /* (a constant count: the sums stay in registers) */
+          q8_0_group512(x + r0 * K, K, c, d + n * G, G, 8, y + r0 * N, N, n);
+        else if (rn == 4)
           q8_0_group512(x + r0 * K, K, c, d + n * G, G, 4, y + r0 * N, N, n);
         else
           q8_0_group512(x + r0 * K, K, c, d + n * G, G, rn, y + r0 * N, N, n);
+        r0 += rn;
       }
       return;
     }
