@@ -1,8 +1,10 @@
 """The C side of :mod:`kvtier.model.cpu_step`: the one-call decode step's source, the ctypes
 structures of its pointer plan, and the compiled library.
 
-``decode_step`` runs up to 16 tokens of one sequence through every layer, the final norm and
-the LM head inside one OpenMP parallel region; the products are the packed kernels' own task
+``decode_step`` runs up to 16 tokens of one sequence over tail buffers, or tokens of several
+sequences over pages (each through its block table), through every layer, the final norm and
+the LM head inside one OpenMP parallel region, whose threads meet at a spinning barrier of the
+step's own (``StepBarrier``); the products are the packed kernels' own task
 bodies (:mod:`kvtier.model.packed_kernels`), or with int8 activations those of
 :mod:`kvtier.model.act_quant`, the elementwise steps the C kernels of
 :mod:`kvtier.kernels.cpu_fused` and attention that of :mod:`kvtier.model.step_attention`, so
@@ -166,7 +168,7 @@ void widen_half(const uint16_t* h, float* y, int64_t n) { half_row(h, y, n); }
    tokens, emb the embedding table [V, dim] (ids, positions and tables in range: the caller
    checks), cos/sin [T, D] their rotations; scratch holds T (4 dim + (3 Hq + 3 Hkv) D + 3 hidden) +
    Hq T score_stride + Hq T (score_stride / 64 + 1) (D + 2) floats, score_stride at least every
-   token's position + 1, and with act_q8 (int8 activations for the packed products) T kmax / 4 +
+   token's position + 1 (with pages exactly the furthest one's: its keys are split), and with act_q8 (int8 activations for the packed products) T kmax / 4 +
    2 T kmax / 32 more, kmax the widest input of a product (a multiple of 32). */
 void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const float* norm_w,
                  const float* emb, const int64_t* ids, const float* cos, const float* sin, int64_t T,
