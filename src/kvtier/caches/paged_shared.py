@@ -53,7 +53,8 @@ from kvtier.caches.step_plan import StepPlan
 from kvtier.kernels.paged import paged_attention_packed
 from kvtier.quant.modes import TurboQuantConfig
 
-__all__ = ["PackedPlan", "RowBinding", "SharedBlockPagedKVCache", "chunk_plan", "decode_plan", "packed_plan"]
+__all__ = ["PackedPlan", "RowBinding", "SharedBlockPagedKVCache", "chunk_plan", "decode_plan", "decode_starts",
+           "packed_plan"]
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -105,15 +106,22 @@ class RowBinding:
         return cls(rows, lens, table, block_size, num_blocks)
 
 
-def decode_plan(rows: RowBinding) -> StepPlan:
-    """The :class:`StepPlan` of one decode step over ``rows``: row ``r`` writes one token at
-    position ``lengths[r]`` (which its blocks must hold) and sees ``lengths[r] + 1`` keys."""
-    bs, dev = rows.block_size, rows.table.device
-    starts = list(rows.lengths)
+def decode_starts(rows: RowBinding) -> list[int]:
+    """Where each row of a decode step writes its token, ``lengths[r]``; ``ValueError`` naming the
+    rows whose blocks do not hold that position."""
+    bs, starts = rows.block_size, list(rows.lengths)
     short = [r for r, (n, b) in enumerate(zip(starts, rows.blocks)) if n >= len(b) * bs]
     if short:
         raise ValueError(f"rows {short} hold no block for position {[starts[r] for r in short]}; "
                          "grow their block lists before the step")
+    return starts
+
+
+def decode_plan(rows: RowBinding) -> StepPlan:
+    """The :class:`StepPlan` of one decode step over ``rows``: row ``r`` writes one token at
+    position ``lengths[r]`` (which its blocks must hold) and sees ``lengths[r] + 1`` keys."""
+    bs, dev = rows.block_size, rows.table.device
+    starts = decode_starts(rows)
     slots = [b[n // bs] * bs + n % bs for n, b in zip(starts, rows.blocks)]
     host = to_device(torch.tensor([starts, slots], dtype=torch.long), dev)  # one copy to the device
     ends = [n + 1 for n in starts]

@@ -77,6 +77,19 @@ typedef struct {
    every layer's pages alike), seeing keys j <= pos[t] */
 typedef struct { const int64_t* pos; const int32_t* tables; int64_t width, bsh; } Paged;
 
+/* where token t's keys and values lie (step_attention's KvRows): its pages' rows through its
+   block table, H_kv D elements apart, or (paged NULL) a tail buffer's rows, D apart */
+static inline KvRows token_kv(const Paged* paged, int64_t t, int64_t Hkv, int64_t D) {
+  if (!paged) return (KvRows){NULL, 0, D};
+  return (KvRows){paged->tables + t * paged->width, paged->bsh, Hkv * D};
+}
+
+/* elements from a layer's key (or value) storage to KV head kh's first row: pages interleave the
+   heads of a token, a tail buffer holds each head's cap rows together */
+static inline int64_t head_at(const Paged* paged, int64_t kh, int64_t cap, int64_t D) {
+  return paged ? kh * D : kh * cap * D;
+}
+
 /* where int8 activations go (kvtier.model.act_quant): codes [M, K], dx and sx [M, K / 32];
    NULL for the exact products */
 typedef struct { int8_t* q; float* dx; float* sx; } ActQ8;
@@ -87,7 +100,7 @@ static inline int takes_q8(const Lin* l, const ActQ8* aq) { return aq && (l->fmt
 /* y [M, N] = x [M, K] W^T (+ bias); the tasks are shared by the threads of the enclosing
    region, which meet at the barrier after them. With aq, Q4_1 and Q8_0 weights multiply x
    quantised to int8: the codes are in aq already when ready (quantised where x was made),
-   else one thread quantises x here while the others wait at the single's barrier. */
+   else thread 0 quantises x here while the others wait at the barrier. */
 static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const ActQ8* aq, int ready,
                         StepBarrier* bar) {
   const int64_t N = l->N, K = l->K;
@@ -201,7 +214,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
     bar.n = omp_get_num_threads();  /* (the single's barrier: every thread sees it) */
     for (int64_t l = 0; l < n_layers; l++) {
       const Layer* ly = layers + l;
-      const int64_t off = ly->offset, cap = ly->cap;
+      const int64_t off = ly->offset, cap = ly->cap, es = ly->half ? 2 : 4;
       /* (wo's and w2's inputs are quantised in place when each head's, each SiLU span's, blocks
          start and end where the product's blocks do: pairs of blocks for Q4_1's layout) */
       const int q_qkv = takes_q8(&ly->wqkv, aq), q_w13 = takes_q8(&ly->w13, aq);
@@ -215,35 +228,36 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
       linear_rows(&ly->wqkv, nrm, qkv, T, aq, q_qkv, &bar);
       if (lead) {
         rope(qkv, 0, QKV, D, cos, sin, 0, D, qk, 1, T, Hq + Hkv, D, 1);
-        for (int64_t t = 0; t < T; t++)
+        for (int64_t t = 0; t < T; t++) {  /* each token's key and value where attention reads them */
+          const KvRows kv = token_kv(paged, t, Hkv, D);
+          const int64_t j = paged ? paged->pos[t] : off + t;
           for (int64_t kh = 0; kh < Hkv; kh++) {
-            const int64_t p = paged ? paged->pos[t] : 0, bsh = paged ? paged->bsh : 0;
-            const int64_t row = paged ? (((int64_t)paged->tables[t * paged->width + (p >> bsh)] << bsh)
-                                         + (p & (((int64_t)1 << bsh) - 1))) * Hkv * D + kh * D
-                                      : (kh * cap + off + t) * D;
+            const int64_t head = head_at(paged, kh, cap, D) * es;
+            char* kr = (char*)row_at((const char*)ly->k + head, kv, j, es);
+            char* vr = (char*)row_at((const char*)ly->v + head, kv, j, es);
             const float* kn = qk + t * QK + (Hq + kh) * D;
             const float* vn = qkv + t * QKV + (Hq + Hkv + kh) * D;
             if (ly->half)
               for (int64_t d = 0; d < D; d++) {
-                ((uint16_t*)ly->k)[row + d] = f2h(kn[d]);
-                ((uint16_t*)ly->v)[row + d] = f2h(vn[d]);
+                ((uint16_t*)kr)[d] = f2h(kn[d]);
+                ((uint16_t*)vr)[d] = f2h(vn[d]);
               }
             else {
-              memcpy((float*)ly->k + row, kn, D * sizeof(float));
-              memcpy((float*)ly->v + row, vn, D * sizeof(float));
+              memcpy(kr, kn, D * sizeof(float));
+              memcpy(vr, vn, D * sizeof(float));
             }
           }
+        }
       }
       step_barrier(&bar);
-      const int64_t es = ly->half ? 2 : 4;
       if (!paged) {
         const int64_t n = off + T, chunk = split_keys(n, Hkv, threads), splits = (n + chunk - 1) / chunk;
-        const KvRows kv = {NULL, 0, D};
+        const KvRows kv = token_kv(NULL, 0, Hkv, D);
         #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < Hkv * splits; t++) {  /* (KV head, split of its keys) */
           const int64_t kh = t / splits, j0 = (t % splits) * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
-          const void* K = (const char*)ly->k + kh * cap * D * es;
-          const void* V = (const char*)ly->v + kh * cap * D * es;
+          const void* K = (const char*)ly->k + head_at(NULL, kh, cap, D) * es;
+          const void* V = (const char*)ly->v + head_at(NULL, kh, cap, D) * es;
           const float* q = qk + kh * group * D;
           float* s = scores + kh * gt * score_stride;
           float* part = parts + t * gt * (D + 2);
@@ -267,9 +281,9 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         for (int64_t t = 0; t < T * Hkv * splits; t++) {
           const int64_t tok = t / (Hkv * splits), kh = t / splits % Hkv, j0 = (t % splits) * chunk;
           const int64_t j1 = j0 + chunk < n ? j0 + chunk : n;
-          const KvRows kv = {paged->tables + tok * paged->width, paged->bsh, Hkv * D};
-          const void* K = (const char*)ly->k + kh * D * es;
-          const void* V = (const char*)ly->v + kh * D * es;
+          const KvRows kv = token_kv(paged, tok, Hkv, D);
+          const void* K = (const char*)ly->k + head_at(paged, kh, cap, D) * es;
+          const void* V = (const char*)ly->v + head_at(paged, kh, cap, D) * es;
           const float* q = qk + tok * QK + kh * group * D;
           float* s = scores + (tok * Hkv + kh) * group * score_stride;
           float* part = parts + t * group * (D + 2);

@@ -55,6 +55,7 @@ from kvtier.caches.paged_shared import (
     SharedBlockPagedKVCache,
     chunk_plan,
     decode_plan,
+    decode_starts,
     packed_plan,
     to_device,
 )
@@ -235,7 +236,7 @@ class ModelRunner:
             raise ValueError("only decode rows may feed a pending token")
         if chunks and all(r.draft and not r.all_logits for r in chunks):
             rows = token_rows(batch.rows)  # a drafted step as decode rows, a token each
-            if self.graphs.fits(rows) if self.graphs is not None else self._one_call(len(rows)):
+            if self.graphs.fits(rows) if self.graphs is not None else self._one_call(len(rows)) is not None:
                 with torch.inference_mode():
                     return self._drafted(batch, rows, pending)
         if chunks and decode and (self.decode_in_prompt_steps or any(r.draft for r in chunks)):
@@ -260,13 +261,14 @@ class ModelRunner:
                 return torch.empty(0, self.model.args.vocab_size, device=self.device)
             return torch.stack([logits[rid] for rid in batch.sampled])  # (n_sampled, V)
 
-    def _one_call(self, rows: int) -> bool:
-        """Whether a decode step of ``rows`` rows runs as one C call on the CPU
-        (:meth:`kvtier.model.cpu_step.DecodeStep.run_paged`, where the pages qualify)."""
+    def _one_call(self, rows: int):
+        """The model's :class:`~kvtier.model.cpu_step.DecodeStep` where a decode step of ``rows``
+        rows runs as one C call on the CPU (:meth:`~kvtier.model.cpu_step.DecodeStep.run_paged`,
+        where the pages qualify), else ``None``."""
         if self.device.type != "cpu" or rows > ONE_CALL_TOKENS:
-            return False
+            return None
         step = plan_for(self.model)
-        return step is not None and (not step.dense or rows <= DENSE_ROWS)
+        return step if step is not None and (not step.dense or rows <= DENSE_ROWS) else None
 
     def _drafted(self, batch: StepBatch, rows: Sequence[ScheduledRow], pending: PendingTokens | None) -> torch.Tensor:
         """A step of decode and drafted rows as the decode rows ``rows`` (:func:`token_rows`, one a
@@ -297,8 +299,8 @@ class ModelRunner:
         ids = [t[0] for t in fed]
         if self.graphs is not None and self.graphs.fits(rows):
             return self.graphs.run(rows, codes=ids if pending is not None else None, pending=pending)
-        if self._one_call(len(rows)):
-            out = self._decode_step(rows, ids, pending)
+        if (step := self._one_call(len(rows))) is not None:
+            out = self._decode_step(step, rows, ids, pending)
             if out is not None:
                 return out
         plan = decode_plan(self._bind(rows))
@@ -307,19 +309,15 @@ class ModelRunner:
                          cache_kwargs={"plan": plan, "write_start": plan.write_start}, last_only=True)
         return out[:, -1]  # (B, V)
 
-    def _decode_step(self, rows: Sequence[ScheduledRow], ids: list[int], pending: PendingTokens | None
+    def _decode_step(self, step, rows: Sequence[ScheduledRow], ids: list[int], pending: PendingTokens | None
                      ) -> torch.Tensor | None:
-        """A decode step in one C call on the CPU (:meth:`kvtier.model.cpu_step.DecodeStep.run_paged`):
+        """A decode step in one C call on the CPU (``step``'s :meth:`~kvtier.model.cpu_step.DecodeStep.run_paged`):
         logits ``[B, V]``, or ``None`` (nothing written) where the pages do not qualify."""
         binding = RowBinding.build([r.blocks for r in rows], [r.start for r in rows], block_size=self.block_size,
                                    num_blocks=self.num_blocks + 1)
-        short = [i for i, r in enumerate(rows) if r.start >= len(r.blocks) * self.block_size]
-        if short:
-            raise ValueError(f"rows {short} hold no block for position {[rows[i].start for i in short]}; "
-                             "grow their block lists before the step")
+        positions = torch.tensor(decode_starts(binding), dtype=torch.long)  # (checked: each row's blocks hold it)
         tokens = fill_pending(torch.tensor(ids, dtype=torch.long), pending)
-        positions = torch.tensor([r.start for r in rows], dtype=torch.long)
-        return plan_for(self.model).run_paged(tokens, positions, binding.table, self.caches)
+        return step.run_paged(tokens, positions, binding.table, self.caches)
 
     def _prefill_packed(self, rows: Sequence[ScheduledRow], pending: PendingTokens | None = None) -> torch.Tensor:
         """The rows' tokens (prompt chunks, decode tokens) side by side in one forward ``[1, N]``;
