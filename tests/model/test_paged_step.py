@@ -5,7 +5,9 @@ Each test runs the same rows twice through :class:`~kvtier.serve.runner.ModelRun
 with the step and once with ``KVTIER_DECODE_STEP=0`` (the layered forward over the same kind
 of pages), and compares the logits, the greedy tokens and the pages. Only attention's
 summation order (and, for float32 layers, the products') differs, so they agree to float32
-rounding.
+rounding; over ``q8``, ``q4`` and ``fp8`` pages a key or value a rounding apart may take the
+next code, so there the codes agree within one step and the logits to a thousandth of their
+size.
 """
 
 from __future__ import annotations
@@ -61,11 +63,24 @@ def decode(model, monkeypatch, lens, *, step_on: bool, steps: int = 6, block_siz
 def assert_same(model, monkeypatch, lens, **kw):
     want, wr = decode(model, monkeypatch, lens, step_on=False, **kw)
     got, gr = decode(model, monkeypatch, lens, step_on=True, **kw)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    coded = kw.get("kv_quant") is not None
+    tol = 1e-3 * float(want.abs().max()) if coded else 1e-4
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=tol)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     for g, w in zip(gr.caches, wr.caches):
-        for a, b in ((g.pool.key_cache, w.pool.key_cache), (g.pool.value_cache, w.pool.value_cache)):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6 * float(b.abs().max()))
+        pairs = [(g.pool.key_cache, w.pool.key_cache), (g.pool.value_cache, w.pool.value_cache)]
+        if not coded:
+            for a, b in pairs:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6 * float(b.abs().max()))
+            continue
+        for a, b in pairs:  # (q4: two codes a byte, each within one of the other's; e4m3 bytes in order)
+            a, b = a.to(torch.int16), b.to(torch.int16)
+            if g.pool.key_cache.dtype == torch.uint8:
+                a, b = torch.stack([a & 15, a >> 4]), torch.stack([b & 15, b >> 4])
+            assert int((a - b).abs().max()) <= 1 and (a != b).float().mean() < 1e-3
+        for name in ("k_sidecars", "v_sidecars"):
+            torch.testing.assert_close(getattr(g.pool, name)["scale"], getattr(w.pool, name)["scale"],
+                                       rtol=1e-4, atol=0)
     return got
 
 
@@ -82,11 +97,15 @@ def counting(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "float32"])
-def test_the_paged_step_gives_the_layered_forwards_logits_tokens_and_pages(packed, monkeypatch):
-    """Rows of 9, 70, 1 and 33 prompt tokens over interleaved blocks of 16, six steps."""
+@pytest.mark.parametrize(("packed", "kv_quant"),
+                         [(True, None), (False, None), (True, "q8"), (True, "q4"), (True, "fp8")],
+                         ids=["packed", "float32", "q8-pages", "q4-pages", "fp8-pages"])
+def test_the_paged_step_gives_the_layered_forwards_logits_tokens_and_pages(packed, kv_quant, monkeypatch):
+    """Rows of 9, 70, 1 and 33 prompt tokens over interleaved blocks of 16, six steps; float32
+    pages, or ``q8``, ``q4`` and ``fp8`` codes with a scale a row (``fp8`` keys less their
+    centre), which the step writes as the codec does and reads with their scales."""
     calls = counting(monkeypatch)
-    assert_same(small_model(packed=packed), monkeypatch, [9, 70, 1, 33])
+    assert_same(small_model(packed=packed), monkeypatch, [9, 70, 1, 33], kv_quant=kv_quant)
     # every decode step, and the one-token prompt (a row of one token is a decode row)
     assert len(calls) == 7 and all(c is not None for c in calls)
 
@@ -108,6 +127,46 @@ def test_long_rows_split_their_keys_beside_short_ones(monkeypatch, threads, shap
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("kv_quant", ["q8", "q4", "fp8"])
+@pytest.mark.parametrize("shape", [(64, 4, 2), (192, 3, 1), (256, 2, 1)], ids=["d16", "d64-g3", "d128"])
+def test_coded_pages_of_every_head_dim(monkeypatch, shape, kv_quant):
+    """``q8``, ``q4`` and ``fp8`` pages through each of the step's loops: the plain ones (head dim 16),
+    a group weighing its values in one pass (64) and the 8-lane loops (128), a long row split
+    beside short ones on two threads."""
+    dim, heads, kv_heads = shape
+    calls = counting(monkeypatch)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert_same(small_model(dim=dim, n_heads=heads, n_kv_heads=kv_heads), monkeypatch, [300, 5, 130],
+                    steps=2, kv_quant=kv_quant)
+    finally:
+        torch.set_num_threads(previous)
+    assert calls and all(c is not None for c in calls)
+
+
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2",)], ids=["avx2", "plain"])
+def test_coded_pages_on_each_vector_path(monkeypatch, flags):
+    """``q8``, ``q4`` and ``fp8`` pages through the step built without AVX-512 (the 8-lane loops weigh
+    the values) and without AVX2 (rows converted one at a time), head dims 64 and 128."""
+    import platform
+
+    from kvtier.kernels.native import build_library
+    from kvtier.model import step_kernels
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 vector flags")
+    narrow = step_kernels.Kernels(build_library("cpu_step", step_kernels.step_source(), flags))
+    calls = counting(monkeypatch)
+    for dim, heads in ((192, 3), (256, 2)):
+        model = small_model(dim=dim, n_heads=heads, n_kv_heads=1)
+        cpu_step.plan_for(model).kernels = narrow
+        for kv_quant in ("q8", "q4", "fp8"):
+            assert_same(model, monkeypatch, [150, 7], steps=2, kv_quant=kv_quant)
+        assert cpu_step.plan_for(model).kernels is narrow
+    assert calls and all(c is not None for c in calls)
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 32])
 def test_block_sizes_of_a_power_of_two(block_size, monkeypatch):
     calls = counting(monkeypatch)
@@ -116,13 +175,18 @@ def test_block_sizes_of_a_power_of_two(block_size, monkeypatch):
 
 
 def test_pages_the_step_does_not_read_take_the_layered_forward(monkeypatch):
-    """q8 pages and blocks of 12 tokens: the step declines, writing nothing, and the layered
-    forward serves."""
+    """q4_g32 pages and blocks of 12 tokens: the step declines, writing nothing, and the layered
+    forward serves; so it does over fp8 pages until the first keys fixed their centre (a prompt
+    of one token first)."""
     model = small_model()
     calls = counting(monkeypatch)
-    decode(model, monkeypatch, [9, 20], step_on=True, steps=2, kv_quant="q8")
+    decode(small_model(dim=128, n_heads=4, n_kv_heads=2), monkeypatch, [9, 20], step_on=True, steps=2,
+           kv_quant="q4_g32")
     decode(model, monkeypatch, [9, 20], step_on=True, steps=2, block_size=12)
     assert len(calls) == 4 and all(c is None for c in calls)
+    calls.clear()
+    decode(model, monkeypatch, [1, 20], step_on=True, steps=2, kv_quant="fp8")
+    assert [c is None for c in calls] == [True, False, False]
     monkeypatch.setenv("KVTIER_DECODE_STEP", "0")
     assert cpu_step.plan_for(model) is None
 

@@ -66,6 +66,8 @@ from kvtier.model.step_kernels import Lin as _Lin
 from kvtier.model.step_kernels import Paged as _Paged
 from kvtier.model.step_kernels import load_kernels
 from kvtier.quant.codec import IdentityCodec
+from kvtier.quant.fp8 import Fp8Codec
+from kvtier.quant.kv_quant import Q4Codec, Q8Codec
 
 __all__ = ["DENSE_ROWS", "DecodeStep", "decode_step_enabled", "forget", "load_kernels", "plan_for"]
 
@@ -250,7 +252,7 @@ class DecodeStep:
                 k, v = c.keys, c.values
                 rec = known[id(c)] = (weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(),
                                       c.capacity, int(k.dtype == torch.float16))
-            layer.k, layer.v, layer.offset, layer.cap, layer.half = rec[2], rec[3], off, rec[4], rec[5]
+            layer.k, layer.v, layer.offset, layer.cap, layer.kind = rec[2], rec[3], off, rec[4], rec[5]
             stride = max(stride, rec[4])
         start = caches[0].offset
         cos, sin = self.rope_rows(start + T)
@@ -280,9 +282,10 @@ class DecodeStep:
         the keys at positions ``<= positions[t]`` (a sequence's tokens of one call see one
         another's, as a verification's do); ``positions[t]`` must lie in the blocks the caller gave
         the token (a table's padding is read as block ids). ``None``, with nothing changed, when
-        the caches are not one :class:`~kvtier.caches.paged.PagedKVCache` a layer with float32
-        pages of the lossless codec, the model's shape and blocks of a power of two tokens, or an
-        input is off the CPU. A token, position or block id out of range raises ``ValueError``
+        the caches are not one :class:`~kvtier.caches.paged.PagedKVCache` a layer with pages the
+        step reads (float32 of the lossless codec, or ``q8``, ``q4`` or ``fp8`` codes, which it
+        writes as the codec does: :func:`_page_kind`), the model's shape and blocks of a power of two
+        tokens, or an input is off the CPU. A token, position or block id out of range raises ``ValueError``
         before anything is written."""
         dim, Hq, Hkv, D, hidden = self.dims
         model = self.model
@@ -323,8 +326,10 @@ class DecodeStep:
             n_out = select.shape[0]
         act_q8 = act_quant_of(model) == "q8"
         layers = type(self.layers).from_buffer_copy(self.layers)
-        for layer, (k, v) in zip(layers, pages):
-            layer.k, layer.v, layer.offset, layer.cap, layer.half = k.data_ptr(), v.data_ptr(), 0, 0, 0
+        for layer, (k, v, kind, ks, vs, kc) in zip(layers, pages):
+            layer.k, layer.v, layer.offset, layer.cap, layer.kind = k.data_ptr(), v.data_ptr(), 0, 0, kind
+            layer.ks, layer.vs = (None, None) if kind == _KV_F32 else (ks.data_ptr(), vs.data_ptr())
+            layer.kc = None if kc is None else kc.data_ptr()
         stride = hi[1] + 1  # (keys the furthest token sees)
         cos, sin = self.rope_rows(stride)
         cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
@@ -342,41 +347,83 @@ class DecodeStep:
                                  torch.get_num_threads())
         return logits if spread is None else logits[spread]
 
-    def _pages(self, caches) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Each layer's key and value pages where :meth:`run_paged` reads and writes them, else
-        ``None``. A cache's pages, once checked, are remembered while they live."""
+    def _pages(self, caches) -> list[tuple] | None:
+        """Each layer's pages where :meth:`run_paged` reads and writes them, ``(keys, values,
+        kind, key scales, value scales, key centre)`` (the last three ``None`` where the kind has
+        none), else ``None``. A cache's pages, once checked, are remembered while they and their
+        sidecars live."""
         known, out = self._page_checks, []
         if len(known) > 4096:  # (entries of caches gone)
             known.clear()
         shape = None
         for c in caches:
-            pool = getattr(c, "pool", None)
-            k, v = getattr(pool, "key_cache", None), getattr(pool, "value_cache", None)
+            held = _page_tensors(c)
             rec = known.get(id(c))
-            if rec is None or rec[0]() is not k or rec[1]() is not v:
-                if not isinstance(c, PagedKVCache) or not _paged_f32(c, self.dims):
+            if rec is None or any((r() if r is not None else None) is not t for r, t in zip(rec[1], held)):
+                kind = _page_kind(c, self.dims) if isinstance(c, PagedKVCache) else None
+                if kind is None:
                     return None
-                known[id(c)] = (weakref.ref(k), weakref.ref(v))
+                rec = known[id(c)] = (kind, tuple(None if t is None else weakref.ref(t) for t in held))
+            k, v, ks, vs, kc = held
             if shape is None:
                 shape = k.shape
             elif k.shape != shape:
                 return None
-            out.append((k, v))
+            out.append((k, v, rec[0], ks, vs, kc))
         return out
 
 
-def _paged_f32(c, dims) -> bool:
-    """Whether ``c``'s pages are float32 of the lossless codec, ``[blocks, bs, H_kv, D]`` of the
-    model's ``dims``, contiguous on the CPU, ``bs`` a power of two."""
-    pool, codecs = c.pool, c.codecs
-    k, v = pool.key_cache, pool.value_cache
-    if k is None or codecs is None or type(codecs.k_codec) is not IdentityCodec \
-            or type(codecs.v_codec) is not IdentityCodec:
-        return False
+#: how pages hold a row, as the step's C side names it (``KV_F32``, ``KV_Q8``, ``KV_Q4``, ``KV_FP8``)
+_KV_F32, _KV_Q8, _KV_Q4, _KV_FP8 = 0, 2, 3, 4
+_CODE_KINDS = {IdentityCodec: _KV_F32, Q8Codec: _KV_Q8, Q4Codec: _KV_Q4, Fp8Codec: _KV_FP8}
+
+
+def _page_tensors(c) -> tuple:
+    """What the step reads of a paged cache: its pages, their scales and the keys' centre (each
+    ``None`` where absent)."""
+    pool, codecs = getattr(c, "pool", None), getattr(c, "codecs", None)
+    k, v = getattr(pool, "key_cache", None), getattr(pool, "value_cache", None)
+    ks = vs = kc = None
+    if k is not None and codecs is not None:
+        ks, vs = pool.k_sidecars.get("scale"), pool.v_sidecars.get("scale")
+        kc = codecs.k_codec.centre
+    return k, v, ks, vs, kc
+
+
+def _page_kind(c, dims) -> int | None:
+    """How ``c``'s pages hold a row, where :meth:`DecodeStep.run_paged` can read and write them:
+    float32 of the lossless codec, or ``q8``, ``q4`` or ``fp8`` codes with their float32 scales
+    (keys and values alike, neither rotated; ``fp8`` keys centred once the first keys fixed the
+    centre, before which the layered forward writes), ``[blocks, bs, H_kv, ...]`` of the model's
+    ``dims``, contiguous on the CPU, ``bs`` a power of two; else ``None``."""
+    k, v, ks, vs, centre = _page_tensors(c)
+    if k is None:
+        return None
+    kc, vc = c.codecs.k_codec, c.codecs.v_codec
+    kind = _CODE_KINDS.get(type(kc))
+    if kind is None or type(vc) is not type(kc) or kc.rotation is not None or vc.rotation is not None \
+            or vc.centre is not None or kc.dtype != torch.float32 or (centre is None) == (kind == _KV_FP8):
+        return None
+    Hkv, D = dims[2], dims[3]
+    width = D // 2 if kind == _KV_Q4 else D
+    stored = torch.float32 if kind == _KV_F32 else kc.payload_dtype
     bs = k.shape[1]
-    return (k.dim() == 4 and k.shape == v.shape and tuple(k.shape[2:]) == (dims[2], dims[3])
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (k, v))
-            and bs & (bs - 1) == 0)
+    tensors = [k, v]
+    if kind != _KV_F32:
+        pool = c.pool
+        if ks is None or vs is None or len(pool.k_sidecars) != 1 or len(pool.v_sidecars) != 1 \
+                or ks.dtype != torch.float32 or vs.dtype != torch.float32 \
+                or tuple(ks.shape) != tuple(k.shape[:3]) + (1,) or vs.shape != ks.shape:
+            return None
+        tensors += [ks, vs]
+    if centre is not None:
+        if centre.dtype != torch.float32 or tuple(centre.shape) != (Hkv, D):
+            return None
+        tensors.append(centre)
+    ok = (k.dim() == 4 and k.shape == v.shape and tuple(k.shape[2:]) == (Hkv, width)
+          and k.dtype == stored and v.dtype == stored and D % 2 == 0
+          and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and bs & (bs - 1) == 0)
+    return kind if ok else None
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -101,23 +101,71 @@ static inline float* half_row(const uint16_t* src, float* dst, int64_t D) {
   return dst;
 }
 
+/* How a layer stores its key and value rows: float32, float16, or codes with one float32 scale
+   a row, beside the rows as their pages' sidecar: kvtier.quant.kv_quant's q8 (int8) and q4
+   (code + 8 in four bits, channel 2i in the low bits of byte i), and kvtier.quant.fp8's e4m3
+   bytes (keys coded less a centre [D] a head, which attention does not add back: q . centre
+   shifts all of a query's scores alike, which softmax and the merge of splits undo). */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2, KV_Q4 = 3, KV_FP8 = 4 };
+
+/* bytes of n stored elements (n even for q4) */
+static inline __attribute__((always_inline)) int64_t kv_span(const int kind, int64_t n) {
+  return kind == KV_F32 ? 4 * n : kind == KV_F16 ? 2 * n : kind == KV_Q4 ? n >> 1 : n;
+}
+
+/* the float16 bits of e4m3 byte b / 256: the same sign, exponent and mantissa fields, each
+   moved up (e4m3's exponent bias is 7, float16's 15; its subnormals land on float16's) */
+static inline uint16_t e4m3_half_bits(uint8_t b) { return (uint16_t)(((b & 0x7f) << 7) | ((b & 0x80) << 8)); }
+
+/* element i of a coded row before its scale: a q8 or q4 code, or an e4m3 value / 256 */
+static inline __attribute__((always_inline)) float kv_code(const void* p, int64_t i, const int kind) {
+  if (kind == KV_Q8) return ((const int8_t*)p)[i];
+  if (kind == KV_FP8) return h2f(e4m3_half_bits(((const uint8_t*)p)[i]));
+  return (float)(((((const uint8_t*)p)[i >> 1] >> (4 * (i & 1))) & 15) - 8);
+}
+
+/* dst[0, D) = row src as float32 (codes times their row's scale sc); returns dst, or src itself
+   where it holds float32 */
+static inline const float* float_row(const char* src, const int kind, float sc, float* dst, int64_t D) {
+  if (kind == KV_F32) return (const float*)src;
+  if (kind == KV_F16) return half_row((const uint16_t*)src, dst, D);
+  for (int64_t d = 0; d < D; d++) dst[d] = sc * kv_code(src, d, kind);
+  return dst;
+}
+
 /* Where a head's key or value rows lie: rows rs elements apart from the head's first
    (tb NULL: a tail buffer [cap, D] of the head, rs = D), or rows of pages through a block
    table: row j in block tb[j >> bsh] of 1 << bsh rows, each rs elements (H_kv D: the NHD page
-   layout [blocks, 1 << bsh, H_kv, D]) after the last, the head's base its first row's. */
-typedef struct { const int32_t* tb; int64_t bsh, rs; } KvRows;
+   layout [blocks, 1 << bsh, H_kv, D]) after the last, the head's base its first row's. Codes'
+   scales lie ss floats apart likewise (pages' sidecars [blocks, 1 << bsh, H_kv, 1]: H_kv). */
+typedef struct { const int32_t* tb; int64_t bsh, rs, ss; } KvRows;
 
-/* row j of the head whose rows start at P, es bytes an element */
-static inline __attribute__((always_inline)) const char* row_at(const void* P, KvRows kv, int64_t j, int64_t es) {
-  const int64_t r = kv.tb ? ((int64_t)kv.tb[j >> kv.bsh] << kv.bsh) + (j & (((int64_t)1 << kv.bsh) - 1)) : j;
-  return (const char*)P + r * kv.rs * es;
+/* the storage row of a head's row j: its place among the rows of every block */
+static inline __attribute__((always_inline)) int64_t kv_row(KvRows kv, int64_t j) {
+  return kv.tb ? ((int64_t)kv.tb[j >> kv.bsh] << kv.bsh) + (j & (((int64_t)1 << kv.bsh) - 1)) : j;
+}
+
+/* row j of the head whose rows start at P, stored as kind says */
+static inline __attribute__((always_inline)) const char* row_at(const void* P, KvRows kv, int64_t j, const int kind) {
+  return (const char*)P + kv_span(kind, kv_row(kv, j) * kv.rs);
+}
+
+/* the scale of row j of the head whose scales start at S */
+static inline __attribute__((always_inline)) float* scale_at(const float* S, KvRows kv, int64_t j) {
+  return (float*)S + kv_row(kv, j) * kv.ss;
+}
+
+/* what row j's elements as kv_code and the vector loads give are multiplied by: its scale (e4m3's
+   times 256) */
+static inline __attribute__((always_inline)) float row_scale(const float* S, KvRows kv, int64_t j, const int kind) {
+  return kind == KV_FP8 ? 256.f * *scale_at(S, kv, j) : *scale_at(S, kv, j);
 }
 
 /* asks for the lines of rows [j, j + n) of the head at P, each m bytes, past row last none */
 static inline __attribute__((always_inline)) void prefetch_rows(const void* P, KvRows kv, int64_t j, int64_t n,
-                                                                int64_t last, int64_t m, int64_t es) {
+                                                                int64_t last, int64_t m, const int kind) {
   for (int64_t r = j; r < j + n && r <= last; r++)
-    for (int64_t c = 0; c < m; c += 64) __builtin_prefetch(row_at(P, kv, r, es) + c, 0, 3);
+    for (int64_t c = 0; c < m; c += 64) __builtin_prefetch(row_at(P, kv, r, kind) + c, 0, 3);
 }
 
 /* one row's scores sr[j0, e): part[0] their largest, part[1] the sum of exp(score - largest),
@@ -135,16 +183,17 @@ static inline void softmax_part(float* sr, int64_t j0, int64_t e, float* part) {
    score, the sum of exp(score - that) and the weighted sum of the values [D] in
    part[(g T + t) (D + 2) ...] (largest -inf and sums 0 where it sees none of the chunk);
    s holds the scores, row (g, t) at s + (g T + t) stride. q is [T, Hq, D] from the group's
-   first head; qs the stride of its tokens. The rows of K and V as kv says. */
+   first head; qs the stride of its tokens. The rows of K and V (and codes' scales KS, VS) as
+   kv and kind say. */
 static inline __attribute__((always_inline)) void attend_chunk(const float* q, int64_t qs,
-    const void* K, const void* V, KvRows kv, const int half, int64_t j0, int64_t j1, int64_t off, int64_t T,
-    int64_t G, const int64_t DC, int64_t Dv, float scale, float* s, int64_t stride, float* part) {
-  const int64_t D = DC ? DC : Dv, es = half ? 2 : 4;
+    const void* K, const void* V, const float* KS, const float* VS, KvRows kv, const int kind, int64_t j0,
+    int64_t j1, int64_t off, int64_t T, int64_t G, const int64_t DC, int64_t Dv, float scale, float* s,
+    int64_t stride, float* part) {
+  const int64_t D = DC ? DC : Dv;
   const int64_t last = j1 < off + T ? j1 : off + T;  /* past the newest token's position: none */
-  float row[half ? D : 1];  /* a float16 row, converted once for its G T uses */
+  float row[kind == KV_F32 ? 1 : D];  /* a stored row as float32, converted once for its G T uses */
   for (int64_t j = j0; j < last; j++) {
-    const char* kr = row_at(K, kv, j, es);
-    const float* kj = half ? half_row((const uint16_t*)kr, row, D) : (const float*)kr;
+    const float* kj = float_row(row_at(K, kv, j, kind), kind, KS ? row_scale(KS, kv, j, kind) : 1.f, row, D);
     for (int64_t g = 0; g < G; g++)
       for (int64_t t = j > off ? j - off : 0; t < T; t++) {
         const float* qg = q + t * qs + g * D;
@@ -161,8 +210,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
     for (int64_t d = 0; d < D; d++) pr[2 + d] = 0.f;
   }
   for (int64_t j = j0; j < last; j++) {
-    const char* vr = row_at(V, kv, j, es);
-    const float* vj = half ? half_row((const uint16_t*)vr, row, D) : (const float*)vr;
+    const float* vj = float_row(row_at(V, kv, j, kind), kind, VS ? row_scale(VS, kv, j, kind) : 1.f, row, D);
     for (int64_t g = 0; g < G; g++)
       for (int64_t t = j > off ? j - off : 0; t < T; t++) {
         const float p = s[(g * T + t) * stride + j];
@@ -179,38 +227,74 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
 #else
 #define HALF_ROWS 0
 #endif
-/* eight floats from element i of K or V rows, float32 or (half, with F16C) float16 */
-static inline __attribute__((always_inline)) __m256 load8(const void* p, int64_t i, const int half) {
+/* eight floats from element i (a multiple of 8) of a stored row: float32, float16 (with F16C),
+   or codes (not yet scaled) */
+static inline __attribute__((always_inline)) __m256 load8(const void* p, int64_t i, const int kind) {
 #if HALF_ROWS
-  if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i)));
+  if (kind == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i)));
 #endif
+  if (kind == KV_Q8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)p + i))));
+#if HALF_ROWS
+  if (kind == KV_FP8) {  /* (e4m3_half_bits eight at a time) */
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)((const uint8_t*)p + i)));
+    return _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+                                        _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8)));
+  }
+#endif
+  if (kind == KV_Q4) {
+    int32_t w;
+    memcpy(&w, (const uint8_t*)p + i / 2, 4);
+    const __m256i n = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(n, _mm256_set1_epi32(15)), _mm256_set1_epi32(8)));
+  }
   return _mm256_loadu_ps((const float*)p + i);
 }
 
-static inline __attribute__((always_inline)) float load1(const void* p, int64_t i, const int half) {
-  return half ? h2f(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+static inline __attribute__((always_inline)) float load1(const void* p, int64_t i, const int kind) {
+  if (kind == KV_F32) return ((const float*)p)[i];
+  if (kind == KV_F16) return h2f(((const uint16_t*)p)[i]);
+  return kv_code(p, i, kind);
 }
 
 #if defined(__AVX512F__)
+/* sixteen floats from element i (a multiple of 16) of a stored row, as load8 */
+static inline __attribute__((always_inline)) __m512 load16(const void* p, int64_t i, const int kind) {
+  if (kind == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)));
+  if (kind == KV_Q8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)p + i))));
+  if (kind == KV_FP8) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)((const uint8_t*)p + i)));
+    return _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+                                           _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8)));
+  }
+  if (kind == KV_Q4) {
+    int64_t w;
+    memcpy(&w, (const uint8_t*)p + i / 2, 8);
+    const __m512i n = _mm512_srlv_epi64(_mm512_set1_epi64(w), _mm512_setr_epi64(0, 8, 16, 24, 32, 40, 48, 56));
+    /* each 64-bit lane k holds bytes k.. of w at its bottom: its low nibble to lane 2k, high to 2k + 1 */
+    const __m512i lo = _mm512_and_si512(n, _mm512_set1_epi64(15)), hi = _mm512_and_si512(_mm512_srli_epi64(n, 4), _mm512_set1_epi64(15));
+    const __m512i c = _mm512_or_si512(lo, _mm512_slli_epi64(hi, 32));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(c, _mm512_set1_epi32(8)));
+  }
+  return _mm512_loadu_ps((const float*)p + i);
+}
+
 /* the weighted values of attend_one_avx2 for a head dim of 64 and its G (at most 4) query heads
    together: each value row is loaded once, four 16-lane registers, for all of them (the 8-lane
    loop reads it once a head), G x 4 registers of sums. Each sum takes its keys in the same order
-   with the same multiply-adds, so the same bits. */
+   with the same multiply-adds, so the same bits. Codes weigh by probability times scale. */
 static inline __attribute__((always_inline)) void values64_512(const float* s, int64_t stride, const void* V,
-    KvRows kv, const int half, int64_t j0, int64_t e, const int64_t G, float* part, int64_t pstride) {
-  const int64_t es = half ? 2 : 4;
+    const float* VS, KvRows kv, const int kind, int64_t j0, int64_t e, const int64_t G, float* part, int64_t pstride) {
   __m512 v[4][4];
   for (int g = 0; g < 4; g++)
     for (int c = 0; c < 4; c++) v[g][c] = _mm512_setzero_ps();
   for (int64_t i = j0; i < e; i++) {
-    prefetch_rows(V, kv, i + 16, 1, e - 1, 64 * es, es);  /* the row 16 keys on, asked for ahead of time */
-    const char* vi = row_at(V, kv, i, es);
+    prefetch_rows(V, kv, i + 16, 1, e - 1, kv_span(kind, 64), kind);  /* the row 16 keys on, asked for ahead of time */
+    const char* vi = row_at(V, kv, i, kind);
+    const float sv = kind >= KV_Q8 ? row_scale(VS, kv, i, kind) : 1.f;
     __m512 r[4];
-    for (int c = 0; c < 4; c++)
-      r[c] = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)vi + 16 * c)))
-                  : _mm512_loadu_ps((const float*)vi + 16 * c);
+    for (int c = 0; c < 4; c++) r[c] = load16(vi, 16 * c, kind);
     for (int64_t g = 0; g < G; g++) {
-      const __m512 w = _mm512_set1_ps(s[g * stride + i]);
+      const __m512 w = _mm512_set1_ps(kind >= KV_Q8 ? s[g * stride + i] * sv : s[g * stride + i]);
       for (int c = 0; c < 4; c++) v[g][c] = _mm512_fmadd_ps(w, r[c], v[g][c]);
     }
   }
@@ -223,69 +307,75 @@ static inline __attribute__((always_inline)) void values64_512(const float* s, i
    the scores of four keys a pass for each query head (their four dot products summed across
    lanes together, not one horizontal sum per key), and the weighted values of 64 keys at a
    time for one head, 64 channels of sums held in registers (not loaded and stored per key).
-   K and V rows are float32, or float16 with half (converted as they are loaded), where kv
-   says. */
+   K and V rows as kind says, converted as they are loaded; codes' dot products take their
+   key's scale, and their values weigh by probability times the value's scale. */
 static inline __attribute__((always_inline)) void attend_one_avx2(const float* q, const void* K,
-    const void* V, KvRows kv, int64_t j0, int64_t j1, int64_t off, int64_t G, const int64_t DC, const int half,
-    float scale, float* s, int64_t stride, float* part, int64_t pstride) {
+    const void* V, const float* KS, const float* VS, KvRows kv, int64_t j0, int64_t j1,
+    int64_t off, int64_t G, const int64_t DC, const int kind, float scale, float* s, int64_t stride, float* part,
+    int64_t pstride) {
   const int64_t e = j1 < off + 1 ? j1 : off + 1;  /* the chunk's keys the token sees */
-  const int64_t es = half ? 2 : 4, rb = DC * es;  /* bytes an element, a row */
+  const int64_t rb = kv_span(kind, DC);  /* bytes a row */
+  const int codes = kind >= KV_Q8;
   const __m128 sc = _mm_set1_ps(scale);
   /* the chunk's first 4 KB of keys and values, which the loops' own prefetches do not reach
      (a step at a 1,024-token context 1.4-1.9% faster, two alternated runs) */
-  prefetch_rows(K, kv, j0, 4096 / rb, e - 1, rb, es);
-  prefetch_rows(V, kv, j0, 4096 / rb, e - 1, rb, es);
+  prefetch_rows(K, kv, j0, 4096 / rb, e - 1, rb, kind);
+  prefetch_rows(V, kv, j0, 4096 / rb, e - 1, rb, kind);
   int64_t j = j0;
   for (; j + 4 <= e; j += 4) {
-    prefetch_rows(K, kv, j + 2048 / rb, 4, e - 1, rb, es);  /* the rows 2 KB on, asked for ahead of time */
-    const char *k0 = row_at(K, kv, j, es), *k1 = row_at(K, kv, j + 1, es);
-    const char *k2 = row_at(K, kv, j + 2, es), *k3 = row_at(K, kv, j + 3, es);
+    prefetch_rows(K, kv, j + 2048 / rb, 4, e - 1, rb, kind);  /* the rows 2 KB on, asked for ahead of time */
+    const char *k0 = row_at(K, kv, j, kind), *k1 = row_at(K, kv, j + 1, kind);
+    const char *k2 = row_at(K, kv, j + 2, kind), *k3 = row_at(K, kv, j + 3, kind);
+    const __m128 ksc = codes ? _mm_mul_ps(sc, _mm_setr_ps(row_scale(KS, kv, j, kind), row_scale(KS, kv, j + 1, kind),
+                                                          row_scale(KS, kv, j + 2, kind), row_scale(KS, kv, j + 3, kind)))
+                             : sc;
     for (int64_t g = 0; g < G; g++) {
       const float* qg = q + g * DC;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t c = 0; c < DC; c += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + c);
-        a0 = _mm256_fmadd_ps(qv, load8(k0, c, half), a0);
-        a1 = _mm256_fmadd_ps(qv, load8(k1, c, half), a1);
-        a2 = _mm256_fmadd_ps(qv, load8(k2, c, half), a2);
-        a3 = _mm256_fmadd_ps(qv, load8(k3, c, half), a3);
+        a0 = _mm256_fmadd_ps(qv, load8(k0, c, kind), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k1, c, kind), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k2, c, kind), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k3, c, kind), a3);
       }
       /* lanes 0-3 of h: the low halves' sums of a0..a3, lanes 4-7 the high halves' */
       const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
       const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      _mm_storeu_ps(s + g * stride + j, _mm_mul_ps(r, sc));
+      _mm_storeu_ps(s + g * stride + j, _mm_mul_ps(r, ksc));
     }
   }
   for (; j < e; j++) {
-    const char* kj = row_at(K, kv, j, es);
+    const char* kj = row_at(K, kv, j, kind);
+    const float sj = codes ? scale * row_scale(KS, kv, j, kind) : scale;
     for (int64_t g = 0; g < G; g++) {
       float dot = 0.f;
-      for (int64_t d = 0; d < DC; d++) dot += q[g * DC + d] * load1(kj, d, half);
-      s[g * stride + j] = dot * scale;
+      for (int64_t d = 0; d < DC; d++) dot += q[g * DC + d] * load1(kj, d, kind);
+      s[g * stride + j] = dot * sj;
     }
   }
   for (int64_t g = 0; g < G; g++) softmax_part(s + g * stride, j0, e, part + g * pstride);
 #if defined(__AVX512F__)
   if (DC == 64 && G <= 4) {  /* (a constant group: the sums stay in registers) */
-    if (G == 1) values64_512(s, stride, V, kv, half, j0, e, 1, part, pstride);
-    else if (G == 2) values64_512(s, stride, V, kv, half, j0, e, 2, part, pstride);
-    else if (G == 3) values64_512(s, stride, V, kv, half, j0, e, 3, part, pstride);
-    else values64_512(s, stride, V, kv, half, j0, e, 4, part, pstride);
+    if (G == 1) values64_512(s, stride, V, VS, kv, kind, j0, e, 1, part, pstride);
+    else if (G == 2) values64_512(s, stride, V, VS, kv, kind, j0, e, 2, part, pstride);
+    else if (G == 3) values64_512(s, stride, V, VS, kv, kind, j0, e, 3, part, pstride);
+    else values64_512(s, stride, V, VS, kv, kind, j0, e, 4, part, pstride);
   } else
 #endif
   for (int64_t h0 = 0; h0 < DC; h0 += 64)  /* 64 channels at a time: 8 registers of sums */
     for (int64_t b = j0; b < e; b += 64) {
       const int64_t be = b + 64 < e ? b + 64 : e;
-      if (h0 == 0) prefetch_rows(V, kv, b + 64, be - b, e - 1, rb, es);  /* the next block's rows */
+      if (h0 == 0) prefetch_rows(V, kv, b + 64, be - b, e - 1, rb, kind);  /* the next block's rows */
       for (int64_t g = 0; g < G; g++) {
         float* acc = part + g * pstride + 2 + h0;
         const float* p = s + g * stride;
         __m256 v[8];
         for (int i = 0; i < 8; i++) v[i] = b == j0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + 8 * i);
         for (int64_t i = b; i < be; i++) {
-          const __m256 w = _mm256_broadcast_ss(p + i);
-          const char* vi = row_at(V, kv, i, es);
-          for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, load8(vi, h0 + 8 * c, half), v[c]);
+          const __m256 w = _mm256_set1_ps(codes ? p[i] * row_scale(VS, kv, i, kind) : p[i]);
+          const char* vi = row_at(V, kv, i, kind);
+          for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, load8(vi, h0 + 8 * c, kind), v[c]);
         }
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, v[i]);
       }
@@ -298,38 +388,41 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
 
 /* attend_chunk with the head dim a constant for 64 and 128 (the loops drop their remainders);
    with AVX2 those head dims take attend_one_avx2, a token at a time (a call of 16 tokens over
-   512 keys: attention 7.8 against 12.9 ms through attend_chunk). float16 rows (half) elsewhere
-   are converted a row at a time as the loops reach them. */
-static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void* V, KvRows kv, int64_t j0,
-    int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D, int64_t half, float scale, float* s,
-    int64_t stride, float* part) {
+   512 keys: attention 7.8 against 12.9 ms through attend_chunk). Stored rows of other kinds
+   (float16 without F16C) are converted a row at a time as the loops reach them. */
+static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void* V, const float* KS,
+    const float* VS, KvRows kv, int64_t j0, int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D,
+    int64_t kind, float scale, float* s, int64_t stride, float* part) {
 #if defined(__AVX2__) && defined(__FMA__)
   /* token t at position off + t, its rows (g, t) T rows apart: the AVX2 loops a token at a time
      (several tokens, a verification, read the split's rows again for each, from the caches) */
-  if ((D == 64 || D == 128) && (!half || HALF_ROWS)) {
+  if ((D == 64 || D == 128) && ((kind != KV_F16 && kind != KV_FP8) || HALF_ROWS)) {
     for (int64_t t = 0; t < T; t++) {
       float* st = s + t * stride;
       float* pt = part + t * (D + 2);
       const float* qt = q + t * qs;
-      if (D == 64 && !half) attend_one_avx2(qt, K, V, kv, j0, j1, off + t, G, 64, 0, scale, st, T * stride, pt, T * (D + 2));
-      else if (D == 128 && !half) attend_one_avx2(qt, K, V, kv, j0, j1, off + t, G, 128, 0, scale, st, T * stride, pt, T * (D + 2));
+#define ATTEND_ONE(DC, KIND) attend_one_avx2(qt, K, V, KS, VS, kv, j0, j1, off + t, G, DC, KIND, scale, st, \
+                                             T * stride, pt, T * (D + 2))
+      if (D == 64 && kind == KV_F32) ATTEND_ONE(64, KV_F32);
+      else if (D == 128 && kind == KV_F32) ATTEND_ONE(128, KV_F32);
+      else if (D == 64 && kind == KV_Q8) ATTEND_ONE(64, KV_Q8);
+      else if (D == 128 && kind == KV_Q8) ATTEND_ONE(128, KV_Q8);
+      else if (D == 64 && kind == KV_Q4) ATTEND_ONE(64, KV_Q4);
+      else if (D == 128 && kind == KV_Q4) ATTEND_ONE(128, KV_Q4);
 #if HALF_ROWS
-      else if (D == 64) attend_one_avx2(qt, K, V, kv, j0, j1, off + t, G, 64, 1, scale, st, T * stride, pt, T * (D + 2));
-      else attend_one_avx2(qt, K, V, kv, j0, j1, off + t, G, 128, 1, scale, st, T * stride, pt, T * (D + 2));
+      else if (D == 64 && kind == KV_FP8) ATTEND_ONE(64, KV_FP8);
+      else if (D == 128 && kind == KV_FP8) ATTEND_ONE(128, KV_FP8);
+      else if (D == 64) ATTEND_ONE(64, KV_F16);
+      else ATTEND_ONE(128, KV_F16);
 #endif
+#undef ATTEND_ONE
     }
     return;
   }
 #endif
-  if (half) {
-    if (D == 64) attend_chunk(q, qs, K, V, kv, 1, j0, j1, off, T, G, 64, D, scale, s, stride, part);
-    else if (D == 128) attend_chunk(q, qs, K, V, kv, 1, j0, j1, off, T, G, 128, D, scale, s, stride, part);
-    else attend_chunk(q, qs, K, V, kv, 1, j0, j1, off, T, G, 0, D, scale, s, stride, part);
-  } else {
-    if (D == 64) attend_chunk(q, qs, K, V, kv, 0, j0, j1, off, T, G, 64, D, scale, s, stride, part);
-    else if (D == 128) attend_chunk(q, qs, K, V, kv, 0, j0, j1, off, T, G, 128, D, scale, s, stride, part);
-    else attend_chunk(q, qs, K, V, kv, 0, j0, j1, off, T, G, 0, D, scale, s, stride, part);
-  }
+  if (D == 64) attend_chunk(q, qs, K, V, KS, VS, kv, kind, j0, j1, off, T, G, 64, D, scale, s, stride, part);
+  else if (D == 128) attend_chunk(q, qs, K, V, KS, VS, kv, kind, j0, j1, off, T, G, 128, D, scale, s, stride, part);
+  else attend_chunk(q, qs, K, V, KS, VS, kv, kind, j0, j1, off, T, G, 0, D, scale, s, stride, part);
 }
 
 /* out [D] of one query head from its splits' parts (largest score, sum, weighted values) */

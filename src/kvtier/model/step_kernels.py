@@ -69,7 +69,9 @@ typedef struct {
   Lin wqkv, wo, w13, w2;
   void* k; void* v;   /* the cache's buffers [H_kv, cap, D], or its pages [blocks, bs, H_kv, D] */
   int64_t offset, cap; /* the write position, the buffers' length (not read for pages) */
-  int64_t half;        /* the buffers hold float16 (else float32) */
+  int64_t kind;        /* how they hold a row (step_attention's KV_F32, KV_F16, KV_Q8, KV_Q4, KV_FP8) */
+  float* ks; float* vs; /* codes' scales, the pages' sidecars [blocks, bs, H_kv, 1] (else NULL) */
+  const float* kc;     /* e4m3 keys' centre [H_kv, D], taken off before they are coded (else NULL) */
 } Layer;
 
 /* tokens of several sequences over paged caches: token t at position pos[t], its keys and
@@ -80,14 +82,60 @@ typedef struct { const int64_t* pos; const int32_t* tables; int64_t width, bsh; 
 /* where token t's keys and values lie (step_attention's KvRows): its pages' rows through its
    block table, H_kv D elements apart, or (paged NULL) a tail buffer's rows, D apart */
 static inline KvRows token_kv(const Paged* paged, int64_t t, int64_t Hkv, int64_t D) {
-  if (!paged) return (KvRows){NULL, 0, D};
-  return (KvRows){paged->tables + t * paged->width, paged->bsh, Hkv * D};
+  if (!paged) return (KvRows){NULL, 0, D, 1};
+  return (KvRows){paged->tables + t * paged->width, paged->bsh, Hkv * D, Hkv};
 }
 
 /* elements from a layer's key (or value) storage to KV head kh's first row: pages interleave the
    heads of a token, a tail buffer holds each head's cap rows together */
 static inline int64_t head_at(const Paged* paged, int64_t kh, int64_t cap, int64_t D) {
   return paged ? kh * D : kh * cap * D;
+}
+
+/* floats from a layer's codes' scales to KV head kh's first (pages' sidecars interleave the heads
+   of a token too) */
+static inline int64_t scale_head_at(const Paged* paged, int64_t kh, int64_t cap) {
+  return paged ? kh : kh * cap;
+}
+
+/* the e4m3 byte nearest y (|y| <= 448), ties to even, as torch's .to(float8_e4m3fn): below 2^-6
+   a multiple of 2^-9 (its byte the multiple, 8 being 2^-6's), else 3 mantissa bits rounded off */
+static inline uint8_t e4m3_of(float y) {
+  uint32_t u;
+  const float a = fabsf(y);
+  memcpy(&u, &y, 4);
+  const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+  if (a < 0.015625f) return sign | (uint8_t)nearbyintf(a * 512.f);
+  memcpy(&u, &a, 4);
+  u += 0x7ffff + ((u >> 20) & 1);
+  return sign | (uint8_t)((((u >> 23) - 120) << 3) | ((u >> 20) & 7));
+}
+
+/* codes of row x [D] (less the centre C where given) as kvtier.quant.kv_quant and
+   kvtier.quant.fp8 store them: the scale max |x| / qmax (the IEEE quotient; qmax 127, 7, or 448
+   for e4m3); q8 and q4 codes x / scale rounded half to even (as torch.round) within +-qmax, q8 as
+   int8, q4 as code + 8 two a byte; e4m3 bytes of x / scale */
+static void quantize_kv_row(const float* x, const float* C, int64_t D, const int kind, char* codes, float* scale) {
+  float amax = 0.f, y[D];
+  for (int64_t d = 0; d < D; d++) {
+    y[d] = C ? x[d] - C[d] : x[d];
+    amax = fabsf(y[d]) > amax ? fabsf(y[d]) : amax;
+  }
+  const float qmax = kind == KV_Q8 ? 127.f : kind == KV_Q4 ? 7.f : 448.f;
+  const float sc = amax / qmax, safe = sc > 0.f ? sc : 1.f;
+  *scale = sc;
+  for (int64_t d = 0; d < D; d++) {
+    if (kind == KV_FP8) {
+      const float v = y[d] / safe;
+      codes[d] = (char)e4m3_of(v > qmax ? qmax : v < -qmax ? -qmax : v);
+      continue;
+    }
+    float c = nearbyintf(y[d] / safe);
+    c = c > qmax ? qmax : c < -qmax ? -qmax : c;
+    if (kind == KV_Q8) ((int8_t*)codes)[d] = (int8_t)c;
+    else if (d & 1) codes[d >> 1] = (char)((uint8_t)codes[d >> 1] | (uint8_t)(((int)c + 8) << 4));
+    else codes[d >> 1] = (char)((int)c + 8);
+  }
 }
 
 /* where int8 activations go (kvtier.model.act_quant): codes [M, K], dx and sx [M, K / 32];
@@ -214,7 +262,8 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
     bar.n = omp_get_num_threads();  /* (the single's barrier: every thread sees it) */
     for (int64_t l = 0; l < n_layers; l++) {
       const Layer* ly = layers + l;
-      const int64_t off = ly->offset, cap = ly->cap, es = ly->half ? 2 : 4;
+      const int64_t off = ly->offset, cap = ly->cap;
+      const int kind = (int)ly->kind;
       /* (wo's and w2's inputs are quantised in place when each head's, each SiLU span's, blocks
          start and end where the product's blocks do: pairs of blocks for Q4_1's layout) */
       const int q_qkv = takes_q8(&ly->wqkv, aq), q_w13 = takes_q8(&ly->w13, aq);
@@ -232,12 +281,16 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           const KvRows kv = token_kv(paged, t, Hkv, D);
           const int64_t j = paged ? paged->pos[t] : off + t;
           for (int64_t kh = 0; kh < Hkv; kh++) {
-            const int64_t head = head_at(paged, kh, cap, D) * es;
-            char* kr = (char*)row_at((const char*)ly->k + head, kv, j, es);
-            char* vr = (char*)row_at((const char*)ly->v + head, kv, j, es);
+            const int64_t head = kv_span(kind, head_at(paged, kh, cap, D));
+            char* kr = (char*)row_at((const char*)ly->k + head, kv, j, kind);
+            char* vr = (char*)row_at((const char*)ly->v + head, kv, j, kind);
             const float* kn = qk + t * QK + (Hq + kh) * D;
             const float* vn = qkv + t * QKV + (Hq + Hkv + kh) * D;
-            if (ly->half)
+            if (kind >= KV_Q8) {
+              const int64_t sh = scale_head_at(paged, kh, cap);
+              quantize_kv_row(kn, ly->kc ? ly->kc + kh * D : NULL, D, kind, kr, scale_at(ly->ks + sh, kv, j));
+              quantize_kv_row(vn, NULL, D, kind, vr, scale_at(ly->vs + sh, kv, j));
+            } else if (kind == KV_F16)
               for (int64_t d = 0; d < D; d++) {
                 ((uint16_t*)kr)[d] = f2h(kn[d]);
                 ((uint16_t*)vr)[d] = f2h(vn[d]);
@@ -256,12 +309,12 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < Hkv * splits; t++) {  /* (KV head, split of its keys) */
           const int64_t kh = t / splits, j0 = (t % splits) * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
-          const void* K = (const char*)ly->k + head_at(NULL, kh, cap, D) * es;
-          const void* V = (const char*)ly->v + head_at(NULL, kh, cap, D) * es;
+          const void* K = (const char*)ly->k + kv_span(kind, head_at(NULL, kh, cap, D));
+          const void* V = (const char*)ly->v + kv_span(kind, head_at(NULL, kh, cap, D));
           const float* q = qk + kh * group * D;
           float* s = scores + kh * gt * score_stride;
           float* part = parts + t * gt * (D + 2);
-          attend_chunk_d(q, QK, K, V, kv, j0, j1, off, T, group, D, ly->half, scale, s, score_stride, part);
+          attend_chunk_d(q, QK, K, V, NULL, NULL, kv, j0, j1, off, T, group, D, kind, scale, s, score_stride, part);
         }
         step_barrier(&bar);
         #pragma omp for schedule(static) nowait
@@ -282,12 +335,15 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           const int64_t tok = t / (Hkv * splits), kh = t / splits % Hkv, j0 = (t % splits) * chunk;
           const int64_t j1 = j0 + chunk < n ? j0 + chunk : n;
           const KvRows kv = token_kv(paged, tok, Hkv, D);
-          const void* K = (const char*)ly->k + head_at(paged, kh, cap, D) * es;
-          const void* V = (const char*)ly->v + head_at(paged, kh, cap, D) * es;
+          const void* K = (const char*)ly->k + kv_span(kind, head_at(paged, kh, cap, D));
+          const void* V = (const char*)ly->v + kv_span(kind, head_at(paged, kh, cap, D));
+          const float* KS = kind >= KV_Q8 ? ly->ks + scale_head_at(paged, kh, cap) : NULL;
+          const float* VS = kind >= KV_Q8 ? ly->vs + scale_head_at(paged, kh, cap) : NULL;
           const float* q = qk + tok * QK + kh * group * D;
           float* s = scores + (tok * Hkv + kh) * group * score_stride;
           float* part = parts + t * group * (D + 2);
-          attend_chunk_d(q, QK, K, V, kv, j0, j1, paged->pos[tok], 1, group, D, ly->half, scale, s, score_stride, part);
+          attend_chunk_d(q, QK, K, V, KS, VS, kv, j0, j1, paged->pos[tok], 1, group, D, kind, scale, s, score_stride,
+                         part);
         }
         step_barrier(&bar);
         #pragma omp for schedule(static) nowait
@@ -347,7 +403,8 @@ class Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("wqkv", Lin),
                 ("wo", Lin), ("w13", Lin), ("w2", Lin), ("k", ctypes.c_void_p),
                 ("v", ctypes.c_void_p), ("offset", ctypes.c_int64), ("cap", ctypes.c_int64),
-                ("half", ctypes.c_int64)]
+                ("kind", ctypes.c_int64), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p),
+                ("kc", ctypes.c_void_p)]
 
 
 class Paged(ctypes.Structure):
