@@ -78,9 +78,12 @@ def assert_same(model, monkeypatch, lens, **kw):
             if g.pool.key_cache.dtype == torch.uint8:
                 a, b = torch.stack([a & 15, a >> 4]), torch.stack([b & 15, b >> 4])
             assert int((a - b).abs().max()) <= 1 and (a != b).float().mean() < 1e-3
-        for name in ("k_sidecars", "v_sidecars"):
-            torch.testing.assert_close(getattr(g.pool, name)["scale"], getattr(w.pool, name)["scale"],
-                                       rtol=1e-4, atol=0)
+        for name in ("k_sidecars", "v_sidecars"):  # (q4_g32's float16 scales and zeros: an ulp apart at most)
+            mine, theirs = getattr(g.pool, name), getattr(w.pool, name)
+            assert mine.keys() == theirs.keys()
+            for key in mine:
+                torch.testing.assert_close(mine[key], theirs[key], rtol=1e-3 if mine[key].dtype == torch.float16
+                                           else 1e-4, atol=0)
     return got
 
 
@@ -127,18 +130,21 @@ def test_long_rows_split_their_keys_beside_short_ones(monkeypatch, threads, shap
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("kv_quant", ["q8", "q4", "fp8"])
-@pytest.mark.parametrize("shape", [(64, 4, 2), (192, 3, 1), (256, 2, 1)], ids=["d16", "d64-g3", "d128"])
+@pytest.mark.parametrize(("kv_quant", "shape"), [
+    (kv, shape) for kv in ("q8", "q4", "fp8", "q4_g32")
+    for shape in ((32, 4, 2) if kv == "q4_g32" else (16, 4, 2), (64, 3, 1), (128, 2, 1))],
+    ids=lambda v: v if isinstance(v, str) else f"d{v[0]}")
 def test_coded_pages_of_every_head_dim(monkeypatch, shape, kv_quant):
-    """``q8``, ``q4`` and ``fp8`` pages through each of the step's loops: the plain ones (head dim 16),
-    a group weighing its values in one pass (64) and the 8-lane loops (128), a long row split
-    beside short ones on two threads."""
-    dim, heads, kv_heads = shape
+    """``q8``, ``q4``, ``fp8`` and ``q4_g32`` pages through each of the step's loops: the plain
+    ones (head dim 16, 32 for ``q4_g32``'s groups), a group weighing its values in one pass
+    (64, three query heads a KV head) and the 8-lane loops (128), a long row split beside short
+    ones on two threads."""
+    head_dim, heads, kv_heads = shape
     calls = counting(monkeypatch)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert_same(small_model(dim=dim, n_heads=heads, n_kv_heads=kv_heads), monkeypatch, [300, 5, 130],
+        assert_same(small_model(dim=head_dim * heads, n_heads=heads, n_kv_heads=kv_heads), monkeypatch, [300, 5, 130],
                     steps=2, kv_quant=kv_quant)
     finally:
         torch.set_num_threads(previous)
@@ -147,7 +153,7 @@ def test_coded_pages_of_every_head_dim(monkeypatch, shape, kv_quant):
 
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2",)], ids=["avx2", "plain"])
 def test_coded_pages_on_each_vector_path(monkeypatch, flags):
-    """``q8``, ``q4`` and ``fp8`` pages through the step built without AVX-512 (the 8-lane loops weigh
+    """``q8``, ``q4``, ``fp8`` and ``q4_g32`` pages through the step built without AVX-512 (the 8-lane loops weigh
     the values) and without AVX2 (rows converted one at a time), head dims 64 and 128."""
     import platform
 
@@ -161,7 +167,7 @@ def test_coded_pages_on_each_vector_path(monkeypatch, flags):
     for dim, heads in ((192, 3), (256, 2)):
         model = small_model(dim=dim, n_heads=heads, n_kv_heads=1)
         cpu_step.plan_for(model).kernels = narrow
-        for kv_quant in ("q8", "q4", "fp8"):
+        for kv_quant in ("q8", "q4", "fp8", "q4_g32"):
             assert_same(model, monkeypatch, [150, 7], steps=2, kv_quant=kv_quant)
         assert cpu_step.plan_for(model).kernels is narrow
     assert calls and all(c is not None for c in calls)
@@ -175,13 +181,15 @@ def test_block_sizes_of_a_power_of_two(block_size, monkeypatch):
 
 
 def test_pages_the_step_does_not_read_take_the_layered_forward(monkeypatch):
-    """q4_g32 pages and blocks of 12 tokens: the step declines, writing nothing, and the layered
-    forward serves; so it does over fp8 pages until the first keys fixed their centre (a prompt
-    of one token first)."""
+    """TurboQuant pages and blocks of 12 tokens: the step declines, writing nothing, and the
+    layered forward serves; so it does over fp8 pages until the first keys fixed their centre (a
+    prompt of one token first)."""
+    from kvtier.quant.modes import parse_turboquant
+
     model = small_model()
     calls = counting(monkeypatch)
-    decode(small_model(dim=128, n_heads=4, n_kv_heads=2), monkeypatch, [9, 20], step_on=True, steps=2,
-           kv_quant="q4_g32")
+    decode(small_model(dim=128, n_heads=2, n_kv_heads=1), monkeypatch, [9, 20], step_on=True, steps=2,
+           turboquant=parse_turboquant("q8_0,q3_0"))
     decode(model, monkeypatch, [9, 20], step_on=True, steps=2, block_size=12)
     assert len(calls) == 4 and all(c is None for c in calls)
     calls.clear()

@@ -67,7 +67,7 @@ from kvtier.model.step_kernels import Paged as _Paged
 from kvtier.model.step_kernels import load_kernels
 from kvtier.quant.codec import IdentityCodec
 from kvtier.quant.fp8 import Fp8Codec
-from kvtier.quant.kv_quant import Q4Codec, Q8Codec
+from kvtier.quant.kv_quant import GroupQ4Codec, Q4Codec, Q8Codec
 
 __all__ = ["DENSE_ROWS", "DecodeStep", "decode_step_enabled", "forget", "load_kernels", "plan_for"]
 
@@ -326,10 +326,9 @@ class DecodeStep:
             n_out = select.shape[0]
         act_q8 = act_quant_of(model) == "q8"
         layers = type(self.layers).from_buffer_copy(self.layers)
-        for layer, (k, v, kind, ks, vs, kc) in zip(layers, pages):
+        for layer, (k, v, kind, *sides) in zip(layers, pages):
             layer.k, layer.v, layer.offset, layer.cap, layer.kind = k.data_ptr(), v.data_ptr(), 0, 0, kind
-            layer.ks, layer.vs = (None, None) if kind == _KV_F32 else (ks.data_ptr(), vs.data_ptr())
-            layer.kc = None if kc is None else kc.data_ptr()
+            layer.ks, layer.vs, layer.kz, layer.vz, layer.kc = (None if t is None else t.data_ptr() for t in sides)
         stride = hi[1] + 1  # (keys the furthest token sees)
         cos, sin = self.rope_rows(stride)
         cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
@@ -349,8 +348,8 @@ class DecodeStep:
 
     def _pages(self, caches) -> list[tuple] | None:
         """Each layer's pages where :meth:`run_paged` reads and writes them, ``(keys, values,
-        kind, key scales, value scales, key centre)`` (the last three ``None`` where the kind has
-        none), else ``None``. A cache's pages, once checked, are remembered while they and their
+        kind, key scales, value scales, key zeros, value zeros, key centre)`` (the last five
+        ``None`` where the kind has none), else ``None``. A cache's pages, once checked, are remembered while they and their
         sidecars live."""
         known, out = self._page_checks, []
         if len(known) > 4096:  # (entries of caches gone)
@@ -364,39 +363,40 @@ class DecodeStep:
                 if kind is None:
                     return None
                 rec = known[id(c)] = (kind, tuple(None if t is None else weakref.ref(t) for t in held))
-            k, v, ks, vs, kc = held
+            k, v, *sides = held
             if shape is None:
                 shape = k.shape
             elif k.shape != shape:
                 return None
-            out.append((k, v, rec[0], ks, vs, kc))
+            out.append((k, v, rec[0], *sides))
         return out
 
 
-#: how pages hold a row, as the step's C side names it (``KV_F32``, ``KV_Q8``, ``KV_Q4``, ``KV_FP8``)
-_KV_F32, _KV_Q8, _KV_Q4, _KV_FP8 = 0, 2, 3, 4
-_CODE_KINDS = {IdentityCodec: _KV_F32, Q8Codec: _KV_Q8, Q4Codec: _KV_Q4, Fp8Codec: _KV_FP8}
+#: how pages hold a row, as the step's C side names it (``KV_F32``, ``KV_Q8``, ``KV_Q4``, ``KV_FP8``,
+#: ``KV_G32``)
+_KV_F32, _KV_Q8, _KV_Q4, _KV_FP8, _KV_G32 = 0, 2, 3, 4, 5
+_CODE_KINDS = {IdentityCodec: _KV_F32, Q8Codec: _KV_Q8, Q4Codec: _KV_Q4, Fp8Codec: _KV_FP8, GroupQ4Codec: _KV_G32}
 
 
 def _page_tensors(c) -> tuple:
-    """What the step reads of a paged cache: its pages, their scales and the keys' centre (each
-    ``None`` where absent)."""
+    """What the step reads of a paged cache: its pages, their scales and zeros and the keys'
+    centre (each ``None`` where absent)."""
     pool, codecs = getattr(c, "pool", None), getattr(c, "codecs", None)
     k, v = getattr(pool, "key_cache", None), getattr(pool, "value_cache", None)
-    ks = vs = kc = None
-    if k is not None and codecs is not None:
-        ks, vs = pool.k_sidecars.get("scale"), pool.v_sidecars.get("scale")
-        kc = codecs.k_codec.centre
-    return k, v, ks, vs, kc
+    if k is None or codecs is None:
+        return k, v, None, None, None, None, None
+    ks, vs = pool.k_sidecars, pool.v_sidecars
+    return k, v, ks.get("scale"), vs.get("scale"), ks.get("zero"), vs.get("zero"), codecs.k_codec.centre
 
 
 def _page_kind(c, dims) -> int | None:
     """How ``c``'s pages hold a row, where :meth:`DecodeStep.run_paged` can read and write them:
-    float32 of the lossless codec, or ``q8``, ``q4`` or ``fp8`` codes with their float32 scales
-    (keys and values alike, neither rotated; ``fp8`` keys centred once the first keys fixed the
-    centre, before which the layered forward writes), ``[blocks, bs, H_kv, ...]`` of the model's
-    ``dims``, contiguous on the CPU, ``bs`` a power of two; else ``None``."""
-    k, v, ks, vs, centre = _page_tensors(c)
+    float32 of the lossless codec, ``q8``, ``q4`` or ``fp8`` codes with their float32 scales, or
+    ``q4_g32`` codes with their float16 scales and zeros (keys and values alike, neither
+    rotated; ``fp8`` keys centred once the first keys fixed the centre, before which the layered
+    forward writes), ``[blocks, bs, H_kv, ...]`` of the model's ``dims``, contiguous on the CPU,
+    ``bs`` a power of two; else ``None``."""
+    k, v, ks, vs, kz, vz, centre = _page_tensors(c)
     if k is None:
         return None
     kc, vc = c.codecs.k_codec, c.codecs.v_codec
@@ -405,17 +405,18 @@ def _page_kind(c, dims) -> int | None:
             or vc.centre is not None or kc.dtype != torch.float32 or (centre is None) == (kind == _KV_FP8):
         return None
     Hkv, D = dims[2], dims[3]
-    width = D // 2 if kind == _KV_Q4 else D
+    width = D // 2 if kind in (_KV_Q4, _KV_G32) else D
     stored = torch.float32 if kind == _KV_F32 else kc.payload_dtype
     bs = k.shape[1]
     tensors = [k, v]
     if kind != _KV_F32:
-        pool = c.pool
-        if ks is None or vs is None or len(pool.k_sidecars) != 1 or len(pool.v_sidecars) != 1 \
-                or ks.dtype != torch.float32 or vs.dtype != torch.float32 \
-                or tuple(ks.shape) != tuple(k.shape[:3]) + (1,) or vs.shape != ks.shape:
+        grouped = kind == _KV_G32
+        sides = [ks, vs, kz, vz] if grouped else [ks, vs]
+        dtype, shape = (torch.float16, (D // 32,)) if grouped else (torch.float32, (1,))
+        if any(t is None or t.dtype != dtype or tuple(t.shape) != tuple(k.shape[:3]) + shape for t in sides) \
+                or len(c.pool.k_sidecars) != len(sides) // 2 or len(c.pool.v_sidecars) != len(sides) // 2:
             return None
-        tensors += [ks, vs]
+        tensors += sides
     if centre is not None:
         if centre.dtype != torch.float32 or tuple(centre.shape) != (Hkv, D):
             return None

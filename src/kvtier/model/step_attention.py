@@ -105,31 +105,45 @@ static inline float* half_row(const uint16_t* src, float* dst, int64_t D) {
    a row, beside the rows as their pages' sidecar: kvtier.quant.kv_quant's q8 (int8) and q4
    (code + 8 in four bits, channel 2i in the low bits of byte i), and kvtier.quant.fp8's e4m3
    bytes (keys coded less a centre [D] a head, which attention does not add back: q . centre
-   shifts all of a query's scores alike, which softmax and the merge of splits undo). */
-enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2, KV_Q4 = 3, KV_FP8 = 4 };
+   shifts all of a query's scores alike, which softmax and the merge of splits undo); or q4_g32's
+   unsigned codes in four bits (as q4's), each group of 32 channels with a float16 scale and
+   zero (zero + scale code). */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2, KV_Q4 = 3, KV_FP8 = 4, KV_G32 = 5 };
 
-/* bytes of n stored elements (n even for q4) */
+/* a head's codes' sidecars: the scales (float32 a row; float16 a group for q4_g32) and q4_g32's
+   zeros, each pointing at the head's first row's (NULL for float rows) */
+typedef struct { const void* scale; const void* zero; } Sides;
+
+/* bytes of n stored elements (n even for four-bit codes) */
 static inline __attribute__((always_inline)) int64_t kv_span(const int kind, int64_t n) {
-  return kind == KV_F32 ? 4 * n : kind == KV_F16 ? 2 * n : kind == KV_Q4 ? n >> 1 : n;
+  return kind == KV_F32 ? 4 * n : kind == KV_F16 ? 2 * n : kind == KV_Q4 || kind == KV_G32 ? n >> 1 : n;
 }
+
+/* whether a kind's rows take one scale each (q4_g32's groups take theirs as they are read) */
+#define ROW_SCALED(kind) ((kind) >= KV_Q8 && (kind) != KV_G32)
 
 /* the float16 bits of e4m3 byte b / 256: the same sign, exponent and mantissa fields, each
    moved up (e4m3's exponent bias is 7, float16's 15; its subnormals land on float16's) */
 static inline uint16_t e4m3_half_bits(uint8_t b) { return (uint16_t)(((b & 0x7f) << 7) | ((b & 0x80) << 8)); }
 
-/* element i of a coded row before its scale: a q8 or q4 code, or an e4m3 value / 256 */
+/* element i of a coded row before its scale: a q8, q4 or q4_g32 code, or an e4m3 value / 256 */
 static inline __attribute__((always_inline)) float kv_code(const void* p, int64_t i, const int kind) {
   if (kind == KV_Q8) return ((const int8_t*)p)[i];
   if (kind == KV_FP8) return h2f(e4m3_half_bits(((const uint8_t*)p)[i]));
-  return (float)(((((const uint8_t*)p)[i >> 1] >> (4 * (i & 1))) & 15) - 8);
+  const int n = (((const uint8_t*)p)[i >> 1] >> (4 * (i & 1))) & 15;
+  return (float)(kind == KV_Q4 ? n - 8 : n);
 }
 
-/* dst[0, D) = row src as float32 (codes times their row's scale sc); returns dst, or src itself
-   where it holds float32 */
-static inline const float* float_row(const char* src, const int kind, float sc, float* dst, int64_t D) {
+/* dst[0, D) = row src as float32 (codes times their row's scale sc, or q4_g32's group scales gs
+   and zeros gz); returns dst, or src itself where it holds float32 */
+static inline const float* float_row(const char* src, const int kind, float sc, const uint16_t* gs,
+                                     const uint16_t* gz, float* dst, int64_t D) {
   if (kind == KV_F32) return (const float*)src;
   if (kind == KV_F16) return half_row((const uint16_t*)src, dst, D);
-  for (int64_t d = 0; d < D; d++) dst[d] = sc * kv_code(src, d, kind);
+  if (kind == KV_G32)
+    for (int64_t d = 0; d < D; d++) dst[d] = h2f(gs[d >> 5]) * kv_code(src, d, kind) + h2f(gz[d >> 5]);
+  else
+    for (int64_t d = 0; d < D; d++) dst[d] = sc * kv_code(src, d, kind);
   return dst;
 }
 
@@ -157,8 +171,21 @@ static inline __attribute__((always_inline)) float* scale_at(const float* S, KvR
 
 /* what row j's elements as kv_code and the vector loads give are multiplied by: its scale (e4m3's
    times 256) */
-static inline __attribute__((always_inline)) float row_scale(const float* S, KvRows kv, int64_t j, const int kind) {
-  return kind == KV_FP8 ? 256.f * *scale_at(S, kv, j) : *scale_at(S, kv, j);
+static inline __attribute__((always_inline)) float row_scale(Sides S, KvRows kv, int64_t j, const int kind) {
+  const float sc = *scale_at((const float*)S.scale, kv, j);
+  return kind == KV_FP8 ? 256.f * sc : sc;
+}
+
+/* the float16 group sidecar of row j of the head whose sidecar starts at S, D / 32 groups a row */
+static inline __attribute__((always_inline)) uint16_t* group_at(const void* S, KvRows kv, int64_t j, int64_t D) {
+  return (uint16_t*)S + kv_row(kv, j) * kv.ss * (D >> 5);
+}
+
+/* row j's q4_g32 group scales and zeros as float32 into gs, gz [D / 32] */
+static inline __attribute__((always_inline)) void group_floats(Sides S, KvRows kv, int64_t j, int64_t D, float* gs,
+                                                               float* gz) {
+  const uint16_t *s = group_at(S.scale, kv, j, D), *z = group_at(S.zero, kv, j, D);
+  for (int64_t g = 0; g < D >> 5; g++) { gs[g] = h2f(s[g]); gz[g] = h2f(z[g]); }
 }
 
 /* asks for the lines of rows [j, j + n) of the head at P, each m bytes, past row last none */
@@ -183,17 +210,19 @@ static inline void softmax_part(float* sr, int64_t j0, int64_t e, float* part) {
    score, the sum of exp(score - that) and the weighted sum of the values [D] in
    part[(g T + t) (D + 2) ...] (largest -inf and sums 0 where it sees none of the chunk);
    s holds the scores, row (g, t) at s + (g T + t) stride. q is [T, Hq, D] from the group's
-   first head; qs the stride of its tokens. The rows of K and V (and codes' scales KS, VS) as
+   first head; qs the stride of its tokens. The rows of K and V (and codes' sidecars KS, VS) as
    kv and kind say. */
 static inline __attribute__((always_inline)) void attend_chunk(const float* q, int64_t qs,
-    const void* K, const void* V, const float* KS, const float* VS, KvRows kv, const int kind, int64_t j0,
+    const void* K, const void* V, Sides KS, Sides VS, KvRows kv, const int kind, int64_t j0,
     int64_t j1, int64_t off, int64_t T, int64_t G, const int64_t DC, int64_t Dv, float scale, float* s,
     int64_t stride, float* part) {
   const int64_t D = DC ? DC : Dv;
   const int64_t last = j1 < off + T ? j1 : off + T;  /* past the newest token's position: none */
   float row[kind == KV_F32 ? 1 : D];  /* a stored row as float32, converted once for its G T uses */
   for (int64_t j = j0; j < last; j++) {
-    const float* kj = float_row(row_at(K, kv, j, kind), kind, KS ? row_scale(KS, kv, j, kind) : 1.f, row, D);
+    const float* kj = float_row(row_at(K, kv, j, kind), kind, ROW_SCALED(kind) ? row_scale(KS, kv, j, kind) : 1.f,
+                                kind == KV_G32 ? group_at(KS.scale, kv, j, D) : NULL,
+                                kind == KV_G32 ? group_at(KS.zero, kv, j, D) : NULL, row, D);
     for (int64_t g = 0; g < G; g++)
       for (int64_t t = j > off ? j - off : 0; t < T; t++) {
         const float* qg = q + t * qs + g * D;
@@ -210,7 +239,9 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
     for (int64_t d = 0; d < D; d++) pr[2 + d] = 0.f;
   }
   for (int64_t j = j0; j < last; j++) {
-    const float* vj = float_row(row_at(V, kv, j, kind), kind, VS ? row_scale(VS, kv, j, kind) : 1.f, row, D);
+    const float* vj = float_row(row_at(V, kv, j, kind), kind, ROW_SCALED(kind) ? row_scale(VS, kv, j, kind) : 1.f,
+                                kind == KV_G32 ? group_at(VS.scale, kv, j, D) : NULL,
+                                kind == KV_G32 ? group_at(VS.zero, kv, j, D) : NULL, row, D);
     for (int64_t g = 0; g < G; g++)
       for (int64_t t = j > off ? j - off : 0; t < T; t++) {
         const float p = s[(g * T + t) * stride + j];
@@ -241,11 +272,12 @@ static inline __attribute__((always_inline)) __m256 load8(const void* p, int64_t
                                         _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8)));
   }
 #endif
-  if (kind == KV_Q4) {
+  if (kind == KV_Q4 || kind == KV_G32) {
     int32_t w;
     memcpy(&w, (const uint8_t*)p + i / 2, 4);
-    const __m256i n = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(n, _mm256_set1_epi32(15)), _mm256_set1_epi32(8)));
+    const __m256i n = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                       _mm256_set1_epi32(15));
+    return _mm256_cvtepi32_ps(kind == KV_Q4 ? _mm256_sub_epi32(n, _mm256_set1_epi32(8)) : n);
   }
   return _mm256_loadu_ps((const float*)p + i);
 }
@@ -266,14 +298,14 @@ static inline __attribute__((always_inline)) __m512 load16(const void* p, int64_
     return _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
                                            _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8)));
   }
-  if (kind == KV_Q4) {
+  if (kind == KV_Q4 || kind == KV_G32) {
     int64_t w;
     memcpy(&w, (const uint8_t*)p + i / 2, 8);
     const __m512i n = _mm512_srlv_epi64(_mm512_set1_epi64(w), _mm512_setr_epi64(0, 8, 16, 24, 32, 40, 48, 56));
     /* each 64-bit lane k holds bytes k.. of w at its bottom: its low nibble to lane 2k, high to 2k + 1 */
     const __m512i lo = _mm512_and_si512(n, _mm512_set1_epi64(15)), hi = _mm512_and_si512(_mm512_srli_epi64(n, 4), _mm512_set1_epi64(15));
     const __m512i c = _mm512_or_si512(lo, _mm512_slli_epi64(hi, 32));
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(c, _mm512_set1_epi32(8)));
+    return _mm512_cvtepi32_ps(kind == KV_Q4 ? _mm512_sub_epi32(c, _mm512_set1_epi32(8)) : c);
   }
   return _mm512_loadu_ps((const float*)p + i);
 }
@@ -283,18 +315,23 @@ static inline __attribute__((always_inline)) __m512 load16(const void* p, int64_
    loop reads it once a head), G x 4 registers of sums. Each sum takes its keys in the same order
    with the same multiply-adds, so the same bits. Codes weigh by probability times scale. */
 static inline __attribute__((always_inline)) void values64_512(const float* s, int64_t stride, const void* V,
-    const float* VS, KvRows kv, const int kind, int64_t j0, int64_t e, const int64_t G, float* part, int64_t pstride) {
+    Sides VS, KvRows kv, const int kind, int64_t j0, int64_t e, const int64_t G, float* part, int64_t pstride) {
   __m512 v[4][4];
   for (int g = 0; g < 4; g++)
     for (int c = 0; c < 4; c++) v[g][c] = _mm512_setzero_ps();
   for (int64_t i = j0; i < e; i++) {
     prefetch_rows(V, kv, i + 16, 1, e - 1, kv_span(kind, 64), kind);  /* the row 16 keys on, asked for ahead of time */
     const char* vi = row_at(V, kv, i, kind);
-    const float sv = kind >= KV_Q8 ? row_scale(VS, kv, i, kind) : 1.f;
+    const float sv = ROW_SCALED(kind) ? row_scale(VS, kv, i, kind) : 1.f;
     __m512 r[4];
     for (int c = 0; c < 4; c++) r[c] = load16(vi, 16 * c, kind);
+    if (kind == KV_G32) {  /* zero + scale code, a group of 32 channels two registers */
+      float gs[2], gz[2];
+      group_floats(VS, kv, i, 64, gs, gz);
+      for (int c = 0; c < 4; c++) r[c] = _mm512_fmadd_ps(r[c], _mm512_set1_ps(gs[c >> 1]), _mm512_set1_ps(gz[c >> 1]));
+    }
     for (int64_t g = 0; g < G; g++) {
-      const __m512 w = _mm512_set1_ps(kind >= KV_Q8 ? s[g * stride + i] * sv : s[g * stride + i]);
+      const __m512 w = _mm512_set1_ps(ROW_SCALED(kind) ? s[g * stride + i] * sv : s[g * stride + i]);
       for (int c = 0; c < 4; c++) v[g][c] = _mm512_fmadd_ps(w, r[c], v[g][c]);
     }
   }
@@ -308,14 +345,16 @@ static inline __attribute__((always_inline)) void values64_512(const float* s, i
    lanes together, not one horizontal sum per key), and the weighted values of 64 keys at a
    time for one head, 64 channels of sums held in registers (not loaded and stored per key).
    K and V rows as kind says, converted as they are loaded; codes' dot products take their
-   key's scale, and their values weigh by probability times the value's scale. */
+   key's scale, and their values weigh by probability times the value's scale; q4_g32's codes
+   become zero + scale code as they are loaded. */
 static inline __attribute__((always_inline)) void attend_one_avx2(const float* q, const void* K,
-    const void* V, const float* KS, const float* VS, KvRows kv, int64_t j0, int64_t j1,
+    const void* V, Sides KS, Sides VS, KvRows kv, int64_t j0, int64_t j1,
     int64_t off, int64_t G, const int64_t DC, const int kind, float scale, float* s, int64_t stride, float* part,
     int64_t pstride) {
   const int64_t e = j1 < off + 1 ? j1 : off + 1;  /* the chunk's keys the token sees */
   const int64_t rb = kv_span(kind, DC);  /* bytes a row */
-  const int codes = kind >= KV_Q8;
+  const int codes = ROW_SCALED(kind);
+  float gs[4][kind == KV_G32 ? DC >> 5 : 1], gz[4][kind == KV_G32 ? DC >> 5 : 1];  /* four keys' groups */
   const __m128 sc = _mm_set1_ps(scale);
   /* the chunk's first 4 KB of keys and values, which the loops' own prefetches do not reach
      (a step at a 1,024-token context 1.4-1.9% faster, two alternated runs) */
@@ -329,16 +368,21 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
     const __m128 ksc = codes ? _mm_mul_ps(sc, _mm_setr_ps(row_scale(KS, kv, j, kind), row_scale(KS, kv, j + 1, kind),
                                                           row_scale(KS, kv, j + 2, kind), row_scale(KS, kv, j + 3, kind)))
                              : sc;
+    if (kind == KV_G32)
+      for (int k = 0; k < 4; k++) group_floats(KS, kv, j + k, DC, gs[k], gz[k]);
+#define KEY8(r, k) (kind == KV_G32 ? _mm256_fmadd_ps(load8(r, c, kind), _mm256_set1_ps(gs[k][c >> 5]), \
+                                                     _mm256_set1_ps(gz[k][c >> 5])) : load8(r, c, kind))
     for (int64_t g = 0; g < G; g++) {
       const float* qg = q + g * DC;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t c = 0; c < DC; c += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + c);
-        a0 = _mm256_fmadd_ps(qv, load8(k0, c, kind), a0);
-        a1 = _mm256_fmadd_ps(qv, load8(k1, c, kind), a1);
-        a2 = _mm256_fmadd_ps(qv, load8(k2, c, kind), a2);
-        a3 = _mm256_fmadd_ps(qv, load8(k3, c, kind), a3);
+        a0 = _mm256_fmadd_ps(qv, KEY8(k0, 0), a0);
+        a1 = _mm256_fmadd_ps(qv, KEY8(k1, 1), a1);
+        a2 = _mm256_fmadd_ps(qv, KEY8(k2, 2), a2);
+        a3 = _mm256_fmadd_ps(qv, KEY8(k3, 3), a3);
       }
+#undef KEY8
       /* lanes 0-3 of h: the low halves' sums of a0..a3, lanes 4-7 the high halves' */
       const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
       const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -348,9 +392,11 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
   for (; j < e; j++) {
     const char* kj = row_at(K, kv, j, kind);
     const float sj = codes ? scale * row_scale(KS, kv, j, kind) : scale;
+    if (kind == KV_G32) group_floats(KS, kv, j, DC, gs[0], gz[0]);
     for (int64_t g = 0; g < G; g++) {
       float dot = 0.f;
-      for (int64_t d = 0; d < DC; d++) dot += q[g * DC + d] * load1(kj, d, kind);
+      for (int64_t d = 0; d < DC; d++)
+        dot += q[g * DC + d] * (kind == KV_G32 ? gs[0][d >> 5] * load1(kj, d, kind) + gz[0][d >> 5] : load1(kj, d, kind));
       s[g * stride + j] = dot * sj;
     }
   }
@@ -375,7 +421,13 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
         for (int64_t i = b; i < be; i++) {
           const __m256 w = _mm256_set1_ps(codes ? p[i] * row_scale(VS, kv, i, kind) : p[i]);
           const char* vi = row_at(V, kv, i, kind);
-          for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, load8(vi, h0 + 8 * c, kind), v[c]);
+          if (kind == KV_G32) {  /* (64 channels: two groups) */
+            group_floats(VS, kv, i, DC, gs[0], gz[0]);
+            for (int c = 0; c < 8; c++)
+              v[c] = _mm256_fmadd_ps(w, _mm256_fmadd_ps(load8(vi, h0 + 8 * c, kind), _mm256_set1_ps(gs[0][(h0 + 8 * c) >> 5]),
+                                                        _mm256_set1_ps(gz[0][(h0 + 8 * c) >> 5])), v[c]);
+          } else
+            for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, load8(vi, h0 + 8 * c, kind), v[c]);
         }
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, v[i]);
       }
@@ -390,8 +442,8 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
    with AVX2 those head dims take attend_one_avx2, a token at a time (a call of 16 tokens over
    512 keys: attention 7.8 against 12.9 ms through attend_chunk). Stored rows of other kinds
    (float16 without F16C) are converted a row at a time as the loops reach them. */
-static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void* V, const float* KS,
-    const float* VS, KvRows kv, int64_t j0, int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D,
+static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void* V, Sides KS,
+    Sides VS, KvRows kv, int64_t j0, int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D,
     int64_t kind, float scale, float* s, int64_t stride, float* part) {
 #if defined(__AVX2__) && defined(__FMA__)
   /* token t at position off + t, its rows (g, t) T rows apart: the AVX2 loops a token at a time
@@ -409,6 +461,8 @@ static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void
       else if (D == 128 && kind == KV_Q8) ATTEND_ONE(128, KV_Q8);
       else if (D == 64 && kind == KV_Q4) ATTEND_ONE(64, KV_Q4);
       else if (D == 128 && kind == KV_Q4) ATTEND_ONE(128, KV_Q4);
+      else if (D == 64 && kind == KV_G32) ATTEND_ONE(64, KV_G32);
+      else if (D == 128 && kind == KV_G32) ATTEND_ONE(128, KV_G32);
 #if HALF_ROWS
       else if (D == 64 && kind == KV_FP8) ATTEND_ONE(64, KV_FP8);
       else if (D == 128 && kind == KV_FP8) ATTEND_ONE(128, KV_FP8);

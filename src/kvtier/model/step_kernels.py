@@ -69,8 +69,10 @@ typedef struct {
   Lin wqkv, wo, w13, w2;
   void* k; void* v;   /* the cache's buffers [H_kv, cap, D], or its pages [blocks, bs, H_kv, D] */
   int64_t offset, cap; /* the write position, the buffers' length (not read for pages) */
-  int64_t kind;        /* how they hold a row (step_attention's KV_F32, KV_F16, KV_Q8, KV_Q4, KV_FP8) */
-  float* ks; float* vs; /* codes' scales, the pages' sidecars [blocks, bs, H_kv, 1] (else NULL) */
+  int64_t kind;        /* how they hold a row (step_attention's KV_F32, KV_F16, KV_Q8, KV_Q4, KV_FP8, KV_G32) */
+  void* ks; void* vs;  /* codes' scales, the pages' sidecars [blocks, bs, H_kv, 1] float32 (q4_g32:
+                          [blocks, bs, H_kv, D / 32] float16), else NULL */
+  void* kz; void* vz;  /* q4_g32's zeros, as its scales (else NULL) */
   const float* kc;     /* e4m3 keys' centre [H_kv, D], taken off before they are coded (else NULL) */
 } Layer;
 
@@ -92,10 +94,34 @@ static inline int64_t head_at(const Paged* paged, int64_t kh, int64_t cap, int64
   return paged ? kh * D : kh * cap * D;
 }
 
-/* floats from a layer's codes' scales to KV head kh's first (pages' sidecars interleave the heads
-   of a token too) */
-static inline int64_t scale_head_at(const Paged* paged, int64_t kh, int64_t cap) {
-  return paged ? kh : kh * cap;
+/* a layer's codes' sidecars from KV head kh's first row (pages' sidecars interleave the heads of a
+   token too; q4_g32's hold D / 32 float16 a row) */
+static inline Sides sides_at(void* scale, void* zero, const Paged* paged, int64_t kh, int64_t cap, int kind,
+                             int64_t D) {
+  if (kind < KV_Q8) return (Sides){NULL, NULL};
+  const int64_t row = paged ? kh : kh * cap;
+  if (kind != KV_G32) return (Sides){(const float*)scale + row, NULL};
+  return (Sides){(const uint16_t*)scale + row * (D >> 5), (const uint16_t*)zero + row * (D >> 5)};
+}
+
+/* q4_g32's codes of row x [D] as kvtier.quant.kv_quant's group_affine_encode makes them: a
+   group's zero its least value and scale (largest - least) / 15 (the IEEE quotient), each rounded
+   to float16; codes (x - zero) / scale rounded half to even within [0, 15], two a byte */
+static void quantize_g32_row(const float* x, int64_t D, uint8_t* codes, uint16_t* scale, uint16_t* zero) {
+  for (int64_t g = 0; g < D >> 5; g++) {
+    const float* xg = x + 32 * g;
+    float lo = xg[0], hi = xg[0];
+    for (int d = 1; d < 32; d++) { lo = xg[d] < lo ? xg[d] : lo; hi = xg[d] > hi ? xg[d] : hi; }
+    zero[g] = f2h(lo);
+    scale[g] = f2h((hi - lo) / 15.f);
+    const float zf = h2f(zero[g]), sf = h2f(scale[g]), safe = sf > 0.f ? sf : 1.f;
+    for (int d = 0; d < 32; d += 2) {
+      float c0 = nearbyintf((xg[d] - zf) / safe), c1 = nearbyintf((xg[d + 1] - zf) / safe);
+      c0 = c0 < 0.f ? 0.f : c0 > 15.f ? 15.f : c0;
+      c1 = c1 < 0.f ? 0.f : c1 > 15.f ? 15.f : c1;
+      codes[16 * g + d / 2] = (uint8_t)((int)c0 | (int)c1 << 4);
+    }
+  }
 }
 
 /* the e4m3 byte nearest y (|y| <= 448), ties to even, as torch's .to(float8_e4m3fn): below 2^-6
@@ -286,10 +312,16 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
             char* vr = (char*)row_at((const char*)ly->v + head, kv, j, kind);
             const float* kn = qk + t * QK + (Hq + kh) * D;
             const float* vn = qkv + t * QKV + (Hq + Hkv + kh) * D;
-            if (kind >= KV_Q8) {
-              const int64_t sh = scale_head_at(paged, kh, cap);
-              quantize_kv_row(kn, ly->kc ? ly->kc + kh * D : NULL, D, kind, kr, scale_at(ly->ks + sh, kv, j));
-              quantize_kv_row(vn, NULL, D, kind, vr, scale_at(ly->vs + sh, kv, j));
+            if (kind == KV_G32) {
+              const Sides ks = sides_at(ly->ks, ly->kz, paged, kh, cap, kind, D);
+              const Sides vs = sides_at(ly->vs, ly->vz, paged, kh, cap, kind, D);
+              quantize_g32_row(kn, D, (uint8_t*)kr, group_at(ks.scale, kv, j, D), group_at(ks.zero, kv, j, D));
+              quantize_g32_row(vn, D, (uint8_t*)vr, group_at(vs.scale, kv, j, D), group_at(vs.zero, kv, j, D));
+            } else if (kind >= KV_Q8) {
+              const Sides ks = sides_at(ly->ks, NULL, paged, kh, cap, kind, D);
+              const Sides vs = sides_at(ly->vs, NULL, paged, kh, cap, kind, D);
+              quantize_kv_row(kn, ly->kc ? ly->kc + kh * D : NULL, D, kind, kr, scale_at(ks.scale, kv, j));
+              quantize_kv_row(vn, NULL, D, kind, vr, scale_at(vs.scale, kv, j));
             } else if (kind == KV_F16)
               for (int64_t d = 0; d < D; d++) {
                 ((uint16_t*)kr)[d] = f2h(kn[d]);
@@ -314,7 +346,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           const float* q = qk + kh * group * D;
           float* s = scores + kh * gt * score_stride;
           float* part = parts + t * gt * (D + 2);
-          attend_chunk_d(q, QK, K, V, NULL, NULL, kv, j0, j1, off, T, group, D, kind, scale, s, score_stride, part);
+          attend_chunk_d(q, QK, K, V, (Sides){NULL, NULL}, (Sides){NULL, NULL}, kv, j0, j1, off, T, group, D, kind, scale, s, score_stride, part);
         }
         step_barrier(&bar);
         #pragma omp for schedule(static) nowait
@@ -337,8 +369,8 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           const KvRows kv = token_kv(paged, tok, Hkv, D);
           const void* K = (const char*)ly->k + kv_span(kind, head_at(paged, kh, cap, D));
           const void* V = (const char*)ly->v + kv_span(kind, head_at(paged, kh, cap, D));
-          const float* KS = kind >= KV_Q8 ? ly->ks + scale_head_at(paged, kh, cap) : NULL;
-          const float* VS = kind >= KV_Q8 ? ly->vs + scale_head_at(paged, kh, cap) : NULL;
+          const Sides KS = sides_at(ly->ks, ly->kz, paged, kh, cap, kind, D);
+          const Sides VS = sides_at(ly->vs, ly->vz, paged, kh, cap, kind, D);
           const float* q = qk + tok * QK + kh * group * D;
           float* s = scores + (tok * Hkv + kh) * group * score_stride;
           float* part = parts + t * group * (D + 2);
@@ -404,7 +436,7 @@ class Layer(ctypes.Structure):
                 ("wo", Lin), ("w13", Lin), ("w2", Lin), ("k", ctypes.c_void_p),
                 ("v", ctypes.c_void_p), ("offset", ctypes.c_int64), ("cap", ctypes.c_int64),
                 ("kind", ctypes.c_int64), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p),
-                ("kc", ctypes.c_void_p)]
+                ("kz", ctypes.c_void_p), ("vz", ctypes.c_void_p), ("kc", ctypes.c_void_p)]
 
 
 class Paged(ctypes.Structure):
