@@ -68,6 +68,7 @@ from kvtier.model.step_kernels import load_kernels
 from kvtier.quant.codec import IdentityCodec
 from kvtier.quant.fp8 import Fp8Codec
 from kvtier.quant.kv_quant import GroupQ4Codec, Q4Codec, Q8Codec
+from kvtier.quant.turboquant import TurboKeyCodec, TurboValueCodec
 
 __all__ = ["DENSE_ROWS", "DecodeStep", "decode_step_enabled", "forget", "load_kernels", "plan_for"]
 
@@ -252,7 +253,7 @@ class DecodeStep:
                 k, v = c.keys, c.values
                 rec = known[id(c)] = (weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(),
                                       c.capacity, int(k.dtype == torch.float16))
-            layer.k, layer.v, layer.offset, layer.cap, layer.kind = rec[2], rec[3], off, rec[4], rec[5]
+            layer.k, layer.v, layer.offset, layer.cap, layer.kind, layer.vkind = rec[2], rec[3], off, rec[4], rec[5], rec[5]
             stride = max(stride, rec[4])
         start = caches[0].offset
         cos, sin = self.rope_rows(start + T)
@@ -283,8 +284,8 @@ class DecodeStep:
         another's, as a verification's do); ``positions[t]`` must lie in the blocks the caller gave
         the token (a table's padding is read as block ids). ``None``, with nothing changed, when
         the caches are not one :class:`~kvtier.caches.paged.PagedKVCache` a layer with pages the
-        step reads (float32 of the lossless codec, or ``q8``, ``q4`` or ``fp8`` codes, which it
-        writes as the codec does: :func:`_page_kind`), the model's shape and blocks of a power of two
+        step reads (float32 of the lossless codec, or ``q8``, ``q4``, ``fp8``, ``q4_g32`` or
+        TurboQuant codes, which it writes as the codecs do: :func:`_page_kinds`), the model's shape and blocks of a power of two
         tokens, or an input is off the CPU. A token, position or block id out of range raises ``ValueError``
         before anything is written."""
         dim, Hq, Hkv, D, hidden = self.dims
@@ -326,9 +327,13 @@ class DecodeStep:
             n_out = select.shape[0]
         act_q8 = act_quant_of(model) == "q8"
         layers = type(self.layers).from_buffer_copy(self.layers)
-        for layer, (k, v, kind, *sides) in zip(layers, pages):
-            layer.k, layer.v, layer.offset, layer.cap, layer.kind = k.data_ptr(), v.data_ptr(), 0, 0, kind
+        for layer, (k, v, kinds, *sides, value_tables, key_rotation) in zip(layers, pages):
+            layer.k, layer.v, layer.offset, layer.cap = k.data_ptr(), v.data_ptr(), 0, 0
+            layer.kind, layer.vkind = kinds
             layer.ks, layer.vs, layer.kz, layer.vz, layer.kc = (None if t is None else t.data_ptr() for t in sides)
+            layer.vtab, layer.vbnd, layer.vrot = ((None,) * 3 if value_tables is None
+                                                  else (t.data_ptr() for t in value_tables))
+            layer.krot = None if key_rotation is None else key_rotation.data_ptr()
         stride = hi[1] + 1  # (keys the furthest token sees)
         cos, sin = self.rope_rows(stride)
         cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
@@ -348,9 +353,9 @@ class DecodeStep:
 
     def _pages(self, caches) -> list[tuple] | None:
         """Each layer's pages where :meth:`run_paged` reads and writes them, ``(keys, values,
-        kind, key scales, value scales, key zeros, value zeros, key centre)`` (the last five
-        ``None`` where the kind has none), else ``None``. A cache's pages, once checked, are remembered while they and their
-        sidecars live."""
+        (key kind, value kind), key scales, value scales, key zeros, value zeros, key centre,
+        value tables, key rotation)`` (``None`` where the kinds have none), else ``None``. A cache's pages,
+        once checked, are remembered while they and their sidecars live."""
         known, out = self._page_checks, []
         if len(known) > 4096:  # (entries of caches gone)
             known.clear()
@@ -359,22 +364,24 @@ class DecodeStep:
             held = _page_tensors(c)
             rec = known.get(id(c))
             if rec is None or any((r() if r is not None else None) is not t for r, t in zip(rec[1], held)):
-                kind = _page_kind(c, self.dims) if isinstance(c, PagedKVCache) else None
-                if kind is None:
+                kinds = _page_kinds(c, self.dims) if isinstance(c, PagedKVCache) else None
+                if kinds is None:
                     return None
-                rec = known[id(c)] = (kind, tuple(None if t is None else weakref.ref(t) for t in held))
+                rec = known[id(c)] = (kinds, tuple(None if t is None else weakref.ref(t) for t in held),
+                                      _value_tables(c.codecs.v_codec), _key_rotation(c.codecs.k_codec))
             k, v, *sides = held
             if shape is None:
                 shape = k.shape
             elif k.shape != shape:
                 return None
-            out.append((k, v, rec[0], *sides))
+            out.append((k, v, rec[0], *sides, rec[2], rec[3]))
         return out
 
 
-#: how pages hold a row, as the step's C side names it (``KV_F32``, ``KV_Q8``, ``KV_Q4``, ``KV_FP8``,
-#: ``KV_G32``)
-_KV_F32, _KV_Q8, _KV_Q4, _KV_FP8, _KV_G32 = 0, 2, 3, 4, 5
+#: how pages hold a row, as the step's C side names it (``KV_F32`` ... ``KV_A8``; TurboQuant's
+#: b-bit values ``KV_LM + b``), and each kind's sidecars (``scale`` a row, or ``scale`` and
+#: ``zero`` float16 a group of 32 channels)
+_KV_F32, _KV_Q8, _KV_Q4, _KV_FP8, _KV_G32, _KV_A8, _KV_LM, _KV_AF = 0, 2, 3, 4, 5, 6, 16, 32
 _CODE_KINDS = {IdentityCodec: _KV_F32, Q8Codec: _KV_Q8, Q4Codec: _KV_Q4, Fp8Codec: _KV_FP8, GroupQ4Codec: _KV_G32}
 
 
@@ -389,42 +396,80 @@ def _page_tensors(c) -> tuple:
     return k, v, ks.get("scale"), vs.get("scale"), ks.get("zero"), vs.get("zero"), codecs.k_codec.centre
 
 
-def _page_kind(c, dims) -> int | None:
-    """How ``c``'s pages hold a row, where :meth:`DecodeStep.run_paged` can read and write them:
-    float32 of the lossless codec, ``q8``, ``q4`` or ``fp8`` codes with their float32 scales, or
-    ``q4_g32`` codes with their float16 scales and zeros (keys and values alike, neither
-    rotated; ``fp8`` keys centred once the first keys fixed the centre, before which the layered
-    forward writes), ``[blocks, bs, H_kv, ...]`` of the model's ``dims``, contiguous on the CPU,
-    ``bs`` a power of two; else ``None``."""
-    k, v, ks, vs, kz, vz, centre = _page_tensors(c)
+def _kind_of(codec) -> int | None:
+    """The step's kind for one side's codec of float32 rows, ``None`` where it has none: the
+    lossless, ``q8``, ``q4``, ``fp8`` and ``q4_g32`` codecs, TurboQuant's keys (group-affine, 4
+    bits in ``q4_g32``'s layout, 8 a byte, others bit-packed; rotated or not) and its values."""
+    if codec.dtype != torch.float32:
+        return None
+    if type(codec) is TurboValueCodec:
+        return _KV_LM + codec.bits
+    if type(codec) is TurboKeyCodec:
+        return {8: _KV_A8, 4: _KV_G32}.get(codec.bits, _KV_AF + codec.bits)
+    return _CODE_KINDS.get(type(codec)) if codec.rotation is None else None
+
+
+def _layout(kind: int, D: int) -> tuple[int, torch.dtype, tuple[str, ...], torch.dtype, int]:
+    """A row of ``kind``: (payload elements, payload dtype, sidecar names, their dtype, their
+    width)."""
+    if kind > _KV_AF:
+        return D * (kind - _KV_AF) // 8, torch.uint8, ("scale", "zero"), torch.float16, D // 32
+    if kind > _KV_LM:
+        return D * (kind - _KV_LM) // 8, torch.uint8, ("scale",), torch.float16, D // 32
+    if kind in (_KV_G32, _KV_A8):
+        return (D // 2 if kind == _KV_G32 else D), torch.uint8, ("scale", "zero"), torch.float16, D // 32
+    if kind == _KV_F32:
+        return D, torch.float32, (), torch.float32, 0
+    return (D // 2 if kind == _KV_Q4 else D), (torch.int8 if kind == _KV_Q8 else torch.uint8), ("scale",), \
+        torch.float32, 1
+
+
+def _page_kinds(c, dims) -> tuple[int, int] | None:
+    """How ``c``'s pages hold a key and a value row, where :meth:`DecodeStep.run_paged` can read
+    and write them (:func:`_kind_of`; float32 pages for both or neither; ``fp8`` keys centred once
+    the first keys fixed the centre, before which the layered forward writes): ``[blocks, bs,
+    H_kv, ...]`` of the model's ``dims`` with the kinds' sidecars, contiguous on the CPU, ``bs`` a
+    power of two; else ``None``."""
+    k, v, *_, centre = _page_tensors(c)
     if k is None:
         return None
     kc, vc = c.codecs.k_codec, c.codecs.v_codec
-    kind = _CODE_KINDS.get(type(kc))
-    if kind is None or type(vc) is not type(kc) or kc.rotation is not None or vc.rotation is not None \
-            or vc.centre is not None or kc.dtype != torch.float32 or (centre is None) == (kind == _KV_FP8):
+    kinds = _kind_of(kc), _kind_of(vc)
+    if None in kinds or (kinds[0] == _KV_F32) != (kinds[1] == _KV_F32) or vc.centre is not None \
+            or (centre is None) == (kinds[0] == _KV_FP8):
         return None
     Hkv, D = dims[2], dims[3]
-    width = D // 2 if kind in (_KV_Q4, _KV_G32) else D
-    stored = torch.float32 if kind == _KV_F32 else kc.payload_dtype
     bs = k.shape[1]
-    tensors = [k, v]
-    if kind != _KV_F32:
-        grouped = kind == _KV_G32
-        sides = [ks, vs, kz, vz] if grouped else [ks, vs]
-        dtype, shape = (torch.float16, (D // 32,)) if grouped else (torch.float32, (1,))
-        if any(t is None or t.dtype != dtype or tuple(t.shape) != tuple(k.shape[:3]) + shape for t in sides) \
-                or len(c.pool.k_sidecars) != len(sides) // 2 or len(c.pool.v_sidecars) != len(sides) // 2:
+    tensors = [] if centre is None else [centre]
+    if centre is not None and (centre.dtype != torch.float32 or tuple(centre.shape) != (Hkv, D)):
+        return None
+    for kind, pages, sidecars in ((kinds[0], k, c.pool.k_sidecars), (kinds[1], v, c.pool.v_sidecars)):
+        width, dtype, names, side_dtype, groups = _layout(kind, D)
+        if pages.dim() != 4 or tuple(pages.shape) != (k.shape[0], bs, Hkv, width) or pages.dtype != dtype \
+                or set(sidecars) != set(names):
             return None
-        tensors += sides
-    if centre is not None:
-        if centre.dtype != torch.float32 or tuple(centre.shape) != (Hkv, D):
-            return None
-        tensors.append(centre)
-    ok = (k.dim() == 4 and k.shape == v.shape and tuple(k.shape[2:]) == (Hkv, width)
-          and k.dtype == stored and v.dtype == stored and D % 2 == 0
-          and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and bs & (bs - 1) == 0)
-    return kind if ok else None
+        for name in names:
+            t = sidecars[name]
+            if t.dtype != side_dtype or tuple(t.shape) != (k.shape[0], bs, Hkv, groups):
+                return None
+            tensors.append(t)
+        tensors.append(pages)
+    ok = D % 2 == 0 and bs & (bs - 1) == 0  # (the codecs hold their own head dims: q4_g32's groups ...)
+    return kinds if ok and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) else None
+
+
+def _key_rotation(codec) -> torch.Tensor | None:
+    """Rotated TurboQuant keys' signs / sqrt(D), float32 on the CPU (``None`` for others)."""
+    return codec.rotation.scaled_signs() if type(codec) is TurboKeyCodec and codec.rotation is not None else None
+
+
+def _value_tables(codec) -> tuple | None:
+    """TurboQuant values' centroids, inner boundaries and rotation signs / sqrt(D), float32 on
+    the CPU (``None`` for other codecs)."""
+    if type(codec) is not TurboValueCodec:
+        return None
+    return (codec.centroids().contiguous(), codec.quantizer.boundaries_tensor().contiguous(),
+            codec.rotation.scaled_signs())
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

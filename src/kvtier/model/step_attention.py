@@ -107,20 +107,40 @@ static inline float* half_row(const uint16_t* src, float* dst, int64_t D) {
    bytes (keys coded less a centre [D] a head, which attention does not add back: q . centre
    shifts all of a query's scores alike, which softmax and the merge of splits undo); or q4_g32's
    unsigned codes in four bits (as q4's), each group of 32 channels with a float16 scale and
-   zero (zero + scale code). */
-enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2, KV_Q4 = 3, KV_FP8 = 4, KV_G32 = 5 };
+   zero (zero + scale code); TurboQuant's keys of 8 bits the same way a byte a code (KV_A8),
+   and of other bits b (kind KV_AF + b) in a little-endian bit stream (the queries rotated where
+   the keys are); TurboQuant's values as b-bit Lloyd-Max indices (kind KV_LM + b) in such a
+   stream, each group with a float16 scale (scale centroid[index]), in the rotated domain, which
+   attention's output leaves by the rotation's inverse. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2, KV_Q4 = 3, KV_FP8 = 4, KV_G32 = 5, KV_A8 = 6, KV_LM = 16, KV_AF = 32 };
 
-/* a head's codes' sidecars: the scales (float32 a row; float16 a group for q4_g32) and q4_g32's
-   zeros, each pointing at the head's first row's (NULL for float rows) */
-typedef struct { const void* scale; const void* zero; } Sides;
+/* a head's codes' sidecars: the scales (float32 a row; float16 a group for the grouped kinds),
+   the zeros of q4_g32 and KV_A8, each pointing at the head's first row's (NULL for float rows),
+   and KV_LM's centroids */
+typedef struct { const void* scale; const void* zero; const float* table; } Sides;
 
-/* bytes of n stored elements (n even for four-bit codes) */
+/* bits of a code in a bit stream: a Lloyd-Max index or a group-affine key */
+#define STREAM_BITS(kind) ((kind) > KV_AF ? (kind) - KV_AF : (kind) - KV_LM)
+#define IS_LM(kind) ((kind) > KV_LM && (kind) < KV_AF)
+
+/* bytes of n stored elements (n even for four-bit codes, a multiple of 8 for bit streams) */
 static inline __attribute__((always_inline)) int64_t kv_span(const int kind, int64_t n) {
+  if (kind > KV_LM) return (n * STREAM_BITS(kind)) >> 3;
   return kind == KV_F32 ? 4 * n : kind == KV_F16 ? 2 * n : kind == KV_Q4 || kind == KV_G32 ? n >> 1 : n;
 }
 
-/* whether a kind's rows take one scale each (q4_g32's groups take theirs as they are read) */
-#define ROW_SCALED(kind) ((kind) >= KV_Q8 && (kind) != KV_G32)
+/* whether a kind's rows take one scale each, or a float16 scale a group of 32 channels */
+#define ROW_SCALED(kind) ((kind) == KV_Q8 || (kind) == KV_Q4 || (kind) == KV_FP8)
+#define GROUPED(kind) ((kind) == KV_G32 || (kind) == KV_A8 || (kind) > KV_LM)
+#define AFFINE(kind) ((kind) == KV_G32 || (kind) == KV_A8 || (kind) > KV_AF)
+
+/* index i of a row of b-bit indices, code i at bit i b, the low bits first */
+static inline int lm_index(const uint8_t* p, int64_t i, int b) {
+  const int64_t at = i * b, sh = at & 7;
+  uint32_t w = p[at >> 3];
+  if (sh + b > 8) w |= (uint32_t)p[(at >> 3) + 1] << 8;
+  return (int)(w >> sh) & ((1 << b) - 1);
+}
 
 /* the float16 bits of e4m3 byte b / 256: the same sign, exponent and mantissa fields, each
    moved up (e4m3's exponent bias is 7, float16's 15; its subnormals land on float16's) */
@@ -130,18 +150,26 @@ static inline uint16_t e4m3_half_bits(uint8_t b) { return (uint16_t)(((b & 0x7f)
 static inline __attribute__((always_inline)) float kv_code(const void* p, int64_t i, const int kind) {
   if (kind == KV_Q8) return ((const int8_t*)p)[i];
   if (kind == KV_FP8) return h2f(e4m3_half_bits(((const uint8_t*)p)[i]));
+  if (kind == KV_A8) return ((const uint8_t*)p)[i];
+  if (kind > KV_AF) return (float)lm_index((const uint8_t*)p, i, STREAM_BITS(kind));
   const int n = (((const uint8_t*)p)[i >> 1] >> (4 * (i & 1))) & 15;
   return (float)(kind == KV_Q4 ? n - 8 : n);
 }
 
-/* dst[0, D) = row src as float32 (codes times their row's scale sc, or q4_g32's group scales gs
-   and zeros gz); returns dst, or src itself where it holds float32 */
+/* dst[0, D) = row src as float32 (codes times their row's scale sc, or their group's scale gs
+   plus zero gz, or centroid table[index] times the group's scale); returns dst, or src itself
+   where it holds float32 */
 static inline const float* float_row(const char* src, const int kind, float sc, const uint16_t* gs,
-                                     const uint16_t* gz, float* dst, int64_t D) {
+                                     const uint16_t* gz, const float* table, float* dst, int64_t D) {
   if (kind == KV_F32) return (const float*)src;
   if (kind == KV_F16) return half_row((const uint16_t*)src, dst, D);
-  if (kind == KV_G32)
-    for (int64_t d = 0; d < D; d++) dst[d] = h2f(gs[d >> 5]) * kv_code(src, d, kind) + h2f(gz[d >> 5]);
+  if (IS_LM(kind) || AFFINE(kind))
+    for (int64_t g = 0; g < D >> 5; g++) {  /* (a group's scale and zero converted once) */
+      const float gsf = h2f(gs[g]), gzf = IS_LM(kind) ? 0.f : h2f(gz[g]);
+      for (int64_t d = 32 * g; d < 32 * g + 32; d++)
+        dst[d] = IS_LM(kind) ? table[lm_index((const uint8_t*)src, d, STREAM_BITS(kind))] * gsf
+                             : gsf * kv_code(src, d, kind) + gzf;
+    }
   else
     for (int64_t d = 0; d < D; d++) dst[d] = sc * kv_code(src, d, kind);
   return dst;
@@ -211,18 +239,18 @@ static inline void softmax_part(float* sr, int64_t j0, int64_t e, float* part) {
    part[(g T + t) (D + 2) ...] (largest -inf and sums 0 where it sees none of the chunk);
    s holds the scores, row (g, t) at s + (g T + t) stride. q is [T, Hq, D] from the group's
    first head; qs the stride of its tokens. The rows of K and V (and codes' sidecars KS, VS) as
-   kv and kind say. */
+   kv, kind (the keys') and vkind (the values') say. */
 static inline __attribute__((always_inline)) void attend_chunk(const float* q, int64_t qs,
-    const void* K, const void* V, Sides KS, Sides VS, KvRows kv, const int kind, int64_t j0,
+    const void* K, const void* V, Sides KS, Sides VS, KvRows kv, const int kind, const int vkind, int64_t j0,
     int64_t j1, int64_t off, int64_t T, int64_t G, const int64_t DC, int64_t Dv, float scale, float* s,
     int64_t stride, float* part) {
   const int64_t D = DC ? DC : Dv;
   const int64_t last = j1 < off + T ? j1 : off + T;  /* past the newest token's position: none */
-  float row[kind == KV_F32 ? 1 : D];  /* a stored row as float32, converted once for its G T uses */
+  float row[kind == KV_F32 && vkind == KV_F32 ? 1 : D];  /* a stored row as float32, converted once for its G T uses */
   for (int64_t j = j0; j < last; j++) {
     const float* kj = float_row(row_at(K, kv, j, kind), kind, ROW_SCALED(kind) ? row_scale(KS, kv, j, kind) : 1.f,
-                                kind == KV_G32 ? group_at(KS.scale, kv, j, D) : NULL,
-                                kind == KV_G32 ? group_at(KS.zero, kv, j, D) : NULL, row, D);
+                                GROUPED(kind) ? group_at(KS.scale, kv, j, D) : NULL,
+                                KS.zero ? group_at(KS.zero, kv, j, D) : NULL, KS.table, row, D);
     for (int64_t g = 0; g < G; g++)
       for (int64_t t = j > off ? j - off : 0; t < T; t++) {
         const float* qg = q + t * qs + g * D;
@@ -239,9 +267,9 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
     for (int64_t d = 0; d < D; d++) pr[2 + d] = 0.f;
   }
   for (int64_t j = j0; j < last; j++) {
-    const float* vj = float_row(row_at(V, kv, j, kind), kind, ROW_SCALED(kind) ? row_scale(VS, kv, j, kind) : 1.f,
-                                kind == KV_G32 ? group_at(VS.scale, kv, j, D) : NULL,
-                                kind == KV_G32 ? group_at(VS.zero, kv, j, D) : NULL, row, D);
+    const float* vj = float_row(row_at(V, kv, j, vkind), vkind, ROW_SCALED(vkind) ? row_scale(VS, kv, j, vkind) : 1.f,
+                                GROUPED(vkind) ? group_at(VS.scale, kv, j, D) : NULL,
+                                VS.zero ? group_at(VS.zero, kv, j, D) : NULL, VS.table, row, D);
     for (int64_t g = 0; g < G; g++)
       for (int64_t t = j > off ? j - off : 0; t < T; t++) {
         const float p = s[(g * T + t) * stride + j];
@@ -265,6 +293,7 @@ static inline __attribute__((always_inline)) __m256 load8(const void* p, int64_t
   if (kind == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i)));
 #endif
   if (kind == KV_Q8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)p + i))));
+  if (kind == KV_A8) return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)((const uint8_t*)p + i))));
 #if HALF_ROWS
   if (kind == KV_FP8) {  /* (e4m3_half_bits eight at a time) */
     const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)((const uint8_t*)p + i)));
@@ -286,6 +315,40 @@ static inline __attribute__((always_inline)) float load1(const void* p, int64_t 
   if (kind == KV_F32) return ((const float*)p)[i];
   if (kind == KV_F16) return h2f(((const uint16_t*)p)[i]);
   return kv_code(p, i, kind);
+}
+
+/* the vector loops' Lloyd-Max values: indices of at most 4 bits, their centroids in two
+   registers (0-7, 8-15) */
+#define LM_VECTOR(kind) (IS_LM(kind) && STREAM_BITS(kind) <= 4)
+
+/* the centroids of indices i .. i + 7 (i a multiple of 8) of a row of b-bit indices (b <= 4:
+   eight in b bytes from byte b i / 8, read as the word ending there, or at the row's start the
+   word starting there: one load, inside the row), lo and hi holding centroids 0-7 and 8-15 */
+static inline __attribute__((always_inline)) __m256 lm8(const void* p, int64_t i, const int kind, __m256 lo, __m256 hi) {
+  const int b = STREAM_BITS(kind);
+  const int64_t at = (i >> 3) * b;
+  uint32_t w;
+  if (at >= 4 - b) {
+    memcpy(&w, (const uint8_t*)p + at - (4 - b), 4);
+    w >>= 8 * (4 - b);
+  } else
+    memcpy(&w, (const uint8_t*)p + at, 4);
+  const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w),
+                                                         _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b)),
+                                       _mm256_set1_epi32((1 << b) - 1));
+  const __m256 c = _mm256_permutevar8x32_ps(lo, idx);
+  if (b < 4) return c;
+  return _mm256_blendv_ps(c, _mm256_permutevar8x32_ps(hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+/* eight values of a row from element i as float32: load8 for the kinds with one scale a row (the
+   scale not yet taken), zero + scale code for q4_g32 (a group's gs, gz), scale centroid for
+   Lloyd-Max indices */
+static inline __attribute__((always_inline)) __m256 value8(const void* p, int64_t i, const int kind, float gs, float gz,
+                                                           __m256 lo, __m256 hi) {
+  if (kind == KV_G32) return _mm256_fmadd_ps(load8(p, i, kind), _mm256_set1_ps(gs), _mm256_set1_ps(gz));
+  if (IS_LM(kind)) return _mm256_mul_ps(lm8(p, i, kind, lo, hi), _mm256_set1_ps(gs));
+  return load8(p, i, kind);
 }
 
 #if defined(__AVX512F__)
@@ -315,7 +378,8 @@ static inline __attribute__((always_inline)) __m512 load16(const void* p, int64_
    loop reads it once a head), G x 4 registers of sums. Each sum takes its keys in the same order
    with the same multiply-adds, so the same bits. Codes weigh by probability times scale. */
 static inline __attribute__((always_inline)) void values64_512(const float* s, int64_t stride, const void* V,
-    Sides VS, KvRows kv, const int kind, int64_t j0, int64_t e, const int64_t G, float* part, int64_t pstride) {
+    Sides VS, KvRows kv, const int kind, int64_t j0, int64_t e, const int64_t G, float* part, int64_t pstride,
+    __m256 lo, __m256 hi) {
   __m512 v[4][4];
   for (int g = 0; g < 4; g++)
     for (int c = 0; c < 4; c++) v[g][c] = _mm512_setzero_ps();
@@ -324,7 +388,13 @@ static inline __attribute__((always_inline)) void values64_512(const float* s, i
     const char* vi = row_at(V, kv, i, kind);
     const float sv = ROW_SCALED(kind) ? row_scale(VS, kv, i, kind) : 1.f;
     __m512 r[4];
-    for (int c = 0; c < 4; c++) r[c] = load16(vi, 16 * c, kind);
+    if (IS_LM(kind)) {  /* scale centroid, a group of 32 channels two registers */
+      const uint16_t* gs = group_at(VS.scale, kv, i, 64);
+      for (int c = 0; c < 4; c++)
+        r[c] = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(lm8(vi, 16 * c, kind, lo, hi)),
+                                                lm8(vi, 16 * c + 8, kind, lo, hi), 1), _mm512_set1_ps(h2f(gs[c >> 1])));
+    } else
+      for (int c = 0; c < 4; c++) r[c] = load16(vi, 16 * c, kind);
     if (kind == KV_G32) {  /* zero + scale code, a group of 32 channels two registers */
       float gs[2], gz[2];
       group_floats(VS, kv, i, 64, gs, gz);
@@ -345,21 +415,26 @@ static inline __attribute__((always_inline)) void values64_512(const float* s, i
    lanes together, not one horizontal sum per key), and the weighted values of 64 keys at a
    time for one head, 64 channels of sums held in registers (not loaded and stored per key).
    K and V rows as kind says, converted as they are loaded; codes' dot products take their
-   key's scale, and their values weigh by probability times the value's scale; q4_g32's codes
-   become zero + scale code as they are loaded. */
+   key's scale, and their values weigh by probability times the value's scale; group-affine
+   codes (q4_g32's, TurboQuant's 8-bit keys) become zero + scale code as they are loaded, and
+   Lloyd-Max indices (vkind, TurboQuant's values) scale centroid. */
 static inline __attribute__((always_inline)) void attend_one_avx2(const float* q, const void* K,
     const void* V, Sides KS, Sides VS, KvRows kv, int64_t j0, int64_t j1,
-    int64_t off, int64_t G, const int64_t DC, const int kind, float scale, float* s, int64_t stride, float* part,
-    int64_t pstride) {
+    int64_t off, int64_t G, const int64_t DC, const int kind, const int vkind, float scale, float* s, int64_t stride,
+    float* part, int64_t pstride) {
   const int64_t e = j1 < off + 1 ? j1 : off + 1;  /* the chunk's keys the token sees */
-  const int64_t rb = kv_span(kind, DC);  /* bytes a row */
-  const int codes = ROW_SCALED(kind);
-  float gs[4][kind == KV_G32 ? DC >> 5 : 1], gz[4][kind == KV_G32 ? DC >> 5 : 1];  /* four keys' groups */
+  const int64_t rb = kv_span(kind, DC), vrb = kv_span(vkind, DC);  /* bytes a row */
+  const int codes = ROW_SCALED(kind), vcodes = ROW_SCALED(vkind);
+  const int grouped = kind == KV_G32 || kind == KV_A8;
+  float gs[4][grouped ? DC >> 5 : 1], gz[4][grouped ? DC >> 5 : 1];  /* four keys' groups */
+  float tab[16] = {0.f};  /* the values' centroids */
+  if (IS_LM(vkind)) memcpy(tab, VS.table, sizeof(float) << STREAM_BITS(vkind));
+  const __m256 lo = _mm256_loadu_ps(tab), hi = _mm256_loadu_ps(tab + 8);
   const __m128 sc = _mm_set1_ps(scale);
   /* the chunk's first 4 KB of keys and values, which the loops' own prefetches do not reach
      (a step at a 1,024-token context 1.4-1.9% faster, two alternated runs) */
   prefetch_rows(K, kv, j0, 4096 / rb, e - 1, rb, kind);
-  prefetch_rows(V, kv, j0, 4096 / rb, e - 1, rb, kind);
+  prefetch_rows(V, kv, j0, 4096 / vrb, e - 1, vrb, vkind);
   int64_t j = j0;
   for (; j + 4 <= e; j += 4) {
     prefetch_rows(K, kv, j + 2048 / rb, 4, e - 1, rb, kind);  /* the rows 2 KB on, asked for ahead of time */
@@ -368,9 +443,9 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
     const __m128 ksc = codes ? _mm_mul_ps(sc, _mm_setr_ps(row_scale(KS, kv, j, kind), row_scale(KS, kv, j + 1, kind),
                                                           row_scale(KS, kv, j + 2, kind), row_scale(KS, kv, j + 3, kind)))
                              : sc;
-    if (kind == KV_G32)
+    if (grouped)
       for (int k = 0; k < 4; k++) group_floats(KS, kv, j + k, DC, gs[k], gz[k]);
-#define KEY8(r, k) (kind == KV_G32 ? _mm256_fmadd_ps(load8(r, c, kind), _mm256_set1_ps(gs[k][c >> 5]), \
+#define KEY8(r, k) (grouped ? _mm256_fmadd_ps(load8(r, c, kind), _mm256_set1_ps(gs[k][c >> 5]), \
                                                      _mm256_set1_ps(gz[k][c >> 5])) : load8(r, c, kind))
     for (int64_t g = 0; g < G; g++) {
       const float* qg = q + g * DC;
@@ -392,42 +467,45 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
   for (; j < e; j++) {
     const char* kj = row_at(K, kv, j, kind);
     const float sj = codes ? scale * row_scale(KS, kv, j, kind) : scale;
-    if (kind == KV_G32) group_floats(KS, kv, j, DC, gs[0], gz[0]);
+    if (grouped) group_floats(KS, kv, j, DC, gs[0], gz[0]);
     for (int64_t g = 0; g < G; g++) {
       float dot = 0.f;
       for (int64_t d = 0; d < DC; d++)
-        dot += q[g * DC + d] * (kind == KV_G32 ? gs[0][d >> 5] * load1(kj, d, kind) + gz[0][d >> 5] : load1(kj, d, kind));
+        dot += q[g * DC + d] * (grouped ? gs[0][d >> 5] * load1(kj, d, kind) + gz[0][d >> 5] : load1(kj, d, kind));
       s[g * stride + j] = dot * sj;
     }
   }
   for (int64_t g = 0; g < G; g++) softmax_part(s + g * stride, j0, e, part + g * pstride);
 #if defined(__AVX512F__)
   if (DC == 64 && G <= 4) {  /* (a constant group: the sums stay in registers) */
-    if (G == 1) values64_512(s, stride, V, VS, kv, kind, j0, e, 1, part, pstride);
-    else if (G == 2) values64_512(s, stride, V, VS, kv, kind, j0, e, 2, part, pstride);
-    else if (G == 3) values64_512(s, stride, V, VS, kv, kind, j0, e, 3, part, pstride);
-    else values64_512(s, stride, V, VS, kv, kind, j0, e, 4, part, pstride);
+    if (G == 1) values64_512(s, stride, V, VS, kv, vkind, j0, e, 1, part, pstride, lo, hi);
+    else if (G == 2) values64_512(s, stride, V, VS, kv, vkind, j0, e, 2, part, pstride, lo, hi);
+    else if (G == 3) values64_512(s, stride, V, VS, kv, vkind, j0, e, 3, part, pstride, lo, hi);
+    else values64_512(s, stride, V, VS, kv, vkind, j0, e, 4, part, pstride, lo, hi);
   } else
 #endif
   for (int64_t h0 = 0; h0 < DC; h0 += 64)  /* 64 channels at a time: 8 registers of sums */
     for (int64_t b = j0; b < e; b += 64) {
       const int64_t be = b + 64 < e ? b + 64 : e;
-      if (h0 == 0) prefetch_rows(V, kv, b + 64, be - b, e - 1, rb, kind);  /* the next block's rows */
+      if (h0 == 0) prefetch_rows(V, kv, b + 64, be - b, e - 1, vrb, vkind);  /* the next block's rows */
       for (int64_t g = 0; g < G; g++) {
         float* acc = part + g * pstride + 2 + h0;
         const float* p = s + g * stride;
         __m256 v[8];
         for (int i = 0; i < 8; i++) v[i] = b == j0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + 8 * i);
         for (int64_t i = b; i < be; i++) {
-          const __m256 w = _mm256_set1_ps(codes ? p[i] * row_scale(VS, kv, i, kind) : p[i]);
-          const char* vi = row_at(V, kv, i, kind);
-          if (kind == KV_G32) {  /* (64 channels: two groups) */
-            group_floats(VS, kv, i, DC, gs[0], gz[0]);
-            for (int c = 0; c < 8; c++)
-              v[c] = _mm256_fmadd_ps(w, _mm256_fmadd_ps(load8(vi, h0 + 8 * c, kind), _mm256_set1_ps(gs[0][(h0 + 8 * c) >> 5]),
-                                                        _mm256_set1_ps(gz[0][(h0 + 8 * c) >> 5])), v[c]);
-          } else
-            for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, load8(vi, h0 + 8 * c, kind), v[c]);
+          const __m256 w = _mm256_set1_ps(vcodes ? p[i] * row_scale(VS, kv, i, vkind) : p[i]);
+          const char* vi = row_at(V, kv, i, vkind);
+          float vs[2] = {0.f, 0.f}, vz[2] = {0.f, 0.f};  /* (64 channels: two groups) */
+          if (GROUPED(vkind)) {
+            const uint16_t* gsv = group_at(VS.scale, kv, i, DC) + (h0 >> 5);
+            vs[0] = h2f(gsv[0]), vs[1] = h2f(gsv[1]);
+            if (vkind == KV_G32) {
+              const uint16_t* gzv = group_at(VS.zero, kv, i, DC) + (h0 >> 5);
+              vz[0] = h2f(gzv[0]), vz[1] = h2f(gzv[1]);
+            }
+          }
+          for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, value8(vi, h0 + 8 * c, vkind, vs[c >> 2], vz[c >> 2], lo, hi), v[c]);
         }
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, v[i]);
       }
@@ -441,21 +519,30 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
 /* attend_chunk with the head dim a constant for 64 and 128 (the loops drop their remainders);
    with AVX2 those head dims take attend_one_avx2, a token at a time (a call of 16 tokens over
    512 keys: attention 7.8 against 12.9 ms through attend_chunk). Stored rows of other kinds
-   (float16 without F16C) are converted a row at a time as the loops reach them. */
+   (float16 without F16C, keys and values of two kinds: TurboQuant's) are converted a row at a
+   time as the loops reach them. */
 static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void* V, Sides KS,
     Sides VS, KvRows kv, int64_t j0, int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D,
-    int64_t kind, float scale, float* s, int64_t stride, float* part) {
+    int64_t kind, int64_t vkind, float scale, float* s, int64_t stride, float* part) {
 #if defined(__AVX2__) && defined(__FMA__)
   /* token t at position off + t, its rows (g, t) T rows apart: the AVX2 loops a token at a time
      (several tokens, a verification, read the split's rows again for each, from the caches) */
-  if ((D == 64 || D == 128) && ((kind != KV_F16 && kind != KV_FP8) || HALF_ROWS)) {
+  const int pair = kind == KV_A8 && (vkind == KV_LM + 3 || vkind == KV_LM + 4);
+  if ((D == 64 || D == 128) && ((kind == vkind && kind <= KV_G32) || pair) && ((kind != KV_F16 && kind != KV_FP8) || HALF_ROWS)) {
     for (int64_t t = 0; t < T; t++) {
       float* st = s + t * stride;
       float* pt = part + t * (D + 2);
       const float* qt = q + t * qs;
-#define ATTEND_ONE(DC, KIND) attend_one_avx2(qt, K, V, KS, VS, kv, j0, j1, off + t, G, DC, KIND, scale, st, \
+#define ATTEND_ONE(DC, KIND) attend_one_avx2(qt, K, V, KS, VS, kv, j0, j1, off + t, G, DC, KIND, KIND, scale, st, \
                                              T * stride, pt, T * (D + 2))
-      if (D == 64 && kind == KV_F32) ATTEND_ONE(64, KV_F32);
+#define ATTEND_TWO(DC, KIND, VKIND) attend_one_avx2(qt, K, V, KS, VS, kv, j0, j1, off + t, G, DC, KIND, VKIND, scale, \
+                                                    st, T * stride, pt, T * (D + 2))
+      if (pair) {  /* TurboQuant's 8-bit keys with 3- or 4-bit values (its default, and q8_0,q4_0) */
+        if (D == 64 && vkind == KV_LM + 3) ATTEND_TWO(64, KV_A8, KV_LM + 3);
+        else if (D == 64) ATTEND_TWO(64, KV_A8, KV_LM + 4);
+        else if (vkind == KV_LM + 3) ATTEND_TWO(128, KV_A8, KV_LM + 3);
+        else ATTEND_TWO(128, KV_A8, KV_LM + 4);
+      } else if (D == 64 && kind == KV_F32) ATTEND_ONE(64, KV_F32);
       else if (D == 128 && kind == KV_F32) ATTEND_ONE(128, KV_F32);
       else if (D == 64 && kind == KV_Q8) ATTEND_ONE(64, KV_Q8);
       else if (D == 128 && kind == KV_Q8) ATTEND_ONE(128, KV_Q8);
@@ -470,13 +557,14 @@ static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void
       else ATTEND_ONE(128, KV_F16);
 #endif
 #undef ATTEND_ONE
+#undef ATTEND_TWO
     }
     return;
   }
 #endif
-  if (D == 64) attend_chunk(q, qs, K, V, KS, VS, kv, kind, j0, j1, off, T, G, 64, D, scale, s, stride, part);
-  else if (D == 128) attend_chunk(q, qs, K, V, KS, VS, kv, kind, j0, j1, off, T, G, 128, D, scale, s, stride, part);
-  else attend_chunk(q, qs, K, V, KS, VS, kv, kind, j0, j1, off, T, G, 0, D, scale, s, stride, part);
+  if (D == 64) attend_chunk(q, qs, K, V, KS, VS, kv, kind, vkind, j0, j1, off, T, G, 64, D, scale, s, stride, part);
+  else if (D == 128) attend_chunk(q, qs, K, V, KS, VS, kv, kind, vkind, j0, j1, off, T, G, 128, D, scale, s, stride, part);
+  else attend_chunk(q, qs, K, V, KS, VS, kv, kind, vkind, j0, j1, off, T, G, 0, D, scale, s, stride, part);
 }
 
 /* out [D] of one query head from its splits' parts (largest score, sum, weighted values) */

@@ -69,11 +69,15 @@ typedef struct {
   Lin wqkv, wo, w13, w2;
   void* k; void* v;   /* the cache's buffers [H_kv, cap, D], or its pages [blocks, bs, H_kv, D] */
   int64_t offset, cap; /* the write position, the buffers' length (not read for pages) */
-  int64_t kind;        /* how they hold a row (step_attention's KV_F32, KV_F16, KV_Q8, KV_Q4, KV_FP8, KV_G32) */
-  void* ks; void* vs;  /* codes' scales, the pages' sidecars [blocks, bs, H_kv, 1] float32 (q4_g32:
-                          [blocks, bs, H_kv, D / 32] float16), else NULL */
-  void* kz; void* vz;  /* q4_g32's zeros, as its scales (else NULL) */
+  int64_t kind, vkind; /* how they hold a key and a value row (step_attention's KV_F32 ... KV_LM + b) */
+  void* ks; void* vs;  /* codes' scales, the pages' sidecars [blocks, bs, H_kv, 1] float32 (the
+                          grouped kinds: [blocks, bs, H_kv, D / 32] float16), else NULL */
+  void* kz; void* vz;  /* the group-affine kinds' zeros, as their scales (else NULL) */
   const float* kc;     /* e4m3 keys' centre [H_kv, D], taken off before they are coded (else NULL) */
+  const float* vtab;   /* Lloyd-Max values: the centroids [2^b] and inner boundaries [2^b - 1] */
+  const float* vbnd;
+  const float* vrot;   /* their rotation's signs / sqrt(D) [D] (else NULL) */
+  const float* krot;   /* rotated TurboQuant keys' rotation, likewise (else NULL) */
 } Layer;
 
 /* tokens of several sequences over paged caches: token t at position pos[t], its keys and
@@ -95,33 +99,98 @@ static inline int64_t head_at(const Paged* paged, int64_t kh, int64_t cap, int64
 }
 
 /* a layer's codes' sidecars from KV head kh's first row (pages' sidecars interleave the heads of a
-   token too; q4_g32's hold D / 32 float16 a row) */
-static inline Sides sides_at(void* scale, void* zero, const Paged* paged, int64_t kh, int64_t cap, int kind,
-                             int64_t D) {
-  if (kind < KV_Q8) return (Sides){NULL, NULL};
+   token too; the grouped kinds' hold D / 32 float16 a row), and its centroids */
+static inline Sides sides_at(void* scale, void* zero, const float* table, const Paged* paged, int64_t kh,
+                             int64_t cap, int kind, int64_t D) {
   const int64_t row = paged ? kh : kh * cap;
-  if (kind != KV_G32) return (Sides){(const float*)scale + row, NULL};
-  return (Sides){(const uint16_t*)scale + row * (D >> 5), (const uint16_t*)zero + row * (D >> 5)};
+  if (ROW_SCALED(kind)) return (Sides){(const float*)scale + row, NULL, NULL};
+  if (!GROUPED(kind)) return (Sides){NULL, NULL, NULL};
+  return (Sides){(const uint16_t*)scale + row * (D >> 5), zero ? (const uint16_t*)zero + row * (D >> 5) : NULL, table};
 }
 
-/* q4_g32's codes of row x [D] as kvtier.quant.kv_quant's group_affine_encode makes them: a
-   group's zero its least value and scale (largest - least) / 15 (the IEEE quotient), each rounded
-   to float16; codes (x - zero) / scale rounded half to even within [0, 15], two a byte */
-static void quantize_g32_row(const float* x, int64_t D, uint8_t* codes, uint16_t* scale, uint16_t* zero) {
+/* group-affine codes of row x [D] as kvtier.quant.kv_quant's group_affine_encode makes them, of
+   bits 4 (q4_g32: two a byte), 8 (a byte) or others (bit-packed, the low bits first): a group's
+   zero its least value and scale (largest - least) / (2^bits - 1) (the IEEE quotient), each
+   rounded to float16; codes (x - zero) / scale rounded half to even within [0, 2^bits - 1] */
+static void quantize_affine_row(const float* x, int64_t D, int bits, uint8_t* codes, uint16_t* scale, uint16_t* zero) {
+  const float qmax = (float)((1 << bits) - 1);
+  if (bits != 4 && bits != 8) memset(codes, 0, (size_t)((D * bits) >> 3));
   for (int64_t g = 0; g < D >> 5; g++) {
     const float* xg = x + 32 * g;
     float lo = xg[0], hi = xg[0];
     for (int d = 1; d < 32; d++) { lo = xg[d] < lo ? xg[d] : lo; hi = xg[d] > hi ? xg[d] : hi; }
     zero[g] = f2h(lo);
-    scale[g] = f2h((hi - lo) / 15.f);
+    scale[g] = f2h((hi - lo) / qmax);
     const float zf = h2f(zero[g]), sf = h2f(scale[g]), safe = sf > 0.f ? sf : 1.f;
-    for (int d = 0; d < 32; d += 2) {
-      float c0 = nearbyintf((xg[d] - zf) / safe), c1 = nearbyintf((xg[d + 1] - zf) / safe);
-      c0 = c0 < 0.f ? 0.f : c0 > 15.f ? 15.f : c0;
-      c1 = c1 < 0.f ? 0.f : c1 > 15.f ? 15.f : c1;
-      codes[16 * g + d / 2] = (uint8_t)((int)c0 | (int)c1 << 4);
+    for (int d = 0; d < 32; d++) {
+      float c = nearbyintf((xg[d] - zf) / safe);
+      const uint8_t u = (uint8_t)(c < 0.f ? 0.f : c > qmax ? qmax : c);
+      if (bits == 8) codes[32 * g + d] = u;
+      else if (bits == 4 && d & 1) codes[16 * g + d / 2] |= (uint8_t)(u << 4);
+      else if (bits == 4) codes[16 * g + d / 2] = u;
+      else {
+        const int64_t at = (32 * g + d) * bits, sh = at & 7;
+        codes[at >> 3] |= (uint8_t)(u << sh);
+        if (sh + bits > 8) codes[(at >> 3) + 1] |= (uint8_t)(u >> (8 - sh));
+      }
     }
   }
+}
+
+/* x [d] = H_d x in place: kvtier.quant.hadamard's butterflies (a, b) -> (a + b, a - b) on pairs
+   h = 1, 2, 4 ... apart, the same sums */
+static void fwht(float* x, int64_t d) {
+  for (int64_t h = 1; h < d; h *= 2)
+    for (int64_t b = 0; b < d; b += 2 * h)
+      for (int64_t i = b; i < b + h; i++) {
+        const float a = x[i], c = x[i + h];
+        x[i] = a + c;
+        x[i + h] = a - c;
+      }
+}
+
+/* TurboQuant's b-bit value codes of row x [D] as kvtier.quant.turboquant's TurboValueCodec makes
+   them: y = H (x rot) (rot: the signs / sqrt(D)); per group of 32, s0 = sqrt(mean(y^2)) (0: 1),
+   index = the boundaries bnd below y / s0, scale = float16(sum(y c) / sum(c^2)) over the indices'
+   centroids c; indices b bits each, the low bits first */
+static void quantize_lm_row(const float* x, int64_t D, int b, const float* rot, const float* bnd, const float* cent,
+                            uint8_t* codes, uint16_t* scale) {
+  float y[D];
+  for (int64_t d = 0; d < D; d++) y[d] = x[d] * rot[d];
+  fwht(y, D);
+  memset(codes, 0, (size_t)((D * b) >> 3));
+  const int nb = (1 << b) - 1;
+  for (int64_t g = 0; g < D >> 5; g++) {
+    const float* yg = y + 32 * g;
+    float sq = 0.f, num = 0.f, den = 0.f;
+    for (int d = 0; d < 32; d++) sq += yg[d] * yg[d];
+    float s0 = sqrtf(sq / 32.f);
+    s0 = s0 > 0.f ? s0 : 1.f;
+    for (int d = 0; d < 32; d++) {
+      const float v = yg[d] / s0;
+      int idx = 0;
+      while (idx < nb && bnd[idx] < v) idx++;
+      num += yg[d] * cent[idx];
+      den += cent[idx] * cent[idx];
+      const int64_t at = (32 * g + d) * b, sh = at & 7;
+      codes[at >> 3] |= (uint8_t)(idx << sh);
+      if (sh + b > 8) codes[(at >> 3) + 1] |= (uint8_t)(idx >> (8 - sh));
+    }
+    scale[g] = f2h(num / den);
+  }
+}
+
+/* out [D] = rot H out: attention's output over rotated values back (kvtier.quant.hadamard's
+   inverse) */
+static void rotate_back(float* out, const float* rot, int64_t D) {
+  fwht(out, D);
+  for (int64_t d = 0; d < D; d++) out[d] *= rot[d];
+}
+
+/* x [D] = H (x rot): a query into the rotated keys' domain (kvtier.quant.hadamard's apply) */
+static void rotate(float* x, const float* rot, int64_t D) {
+  for (int64_t d = 0; d < D; d++) x[d] *= rot[d];
+  fwht(x, D);
 }
 
 /* the e4m3 byte nearest y (|y| <= 448), ties to even, as torch's .to(float8_e4m3fn): below 2^-6
@@ -161,6 +230,25 @@ static void quantize_kv_row(const float* x, const float* C, int64_t D, const int
     if (kind == KV_Q8) ((int8_t*)codes)[d] = (int8_t)c;
     else if (d & 1) codes[d >> 1] = (char)((uint8_t)codes[d >> 1] | (uint8_t)(((int)c + 8) << 4));
     else codes[d >> 1] = (char)((int)c + 8);
+  }
+}
+
+/* stores row x [D] (a key, with the centre C where given, or a value) of the given kind at r,
+   its codes' sidecars as S says, for position j of the rows kv describes */
+static void store_kv_row(const float* x, const float* C, const int kind, char* r, Sides S, KvRows kv, int64_t j,
+                         int64_t D, const Layer* ly) {
+  if (kind == KV_F32) memcpy(r, x, D * sizeof(float));
+  else if (kind == KV_F16)
+    for (int64_t d = 0; d < D; d++) ((uint16_t*)r)[d] = f2h(x[d]);
+  else if (ROW_SCALED(kind)) quantize_kv_row(x, C, D, kind, r, scale_at((const float*)S.scale, kv, j));
+  else if (IS_LM(kind))
+    quantize_lm_row(x, D, STREAM_BITS(kind), ly->vrot, ly->vbnd, ly->vtab, (uint8_t*)r, group_at(S.scale, kv, j, D));
+  else {  /* group-affine keys, rotated first where the layer's keys are */
+    float y[D];
+    memcpy(y, x, D * sizeof(float));
+    if (ly->krot) rotate(y, ly->krot, D);
+    quantize_affine_row(y, D, kind == KV_A8 ? 8 : kind == KV_G32 ? 4 : STREAM_BITS(kind), (uint8_t*)r,
+                        group_at(S.scale, kv, j, D), group_at(S.zero, kv, j, D));
   }
 }
 
@@ -289,7 +377,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
     for (int64_t l = 0; l < n_layers; l++) {
       const Layer* ly = layers + l;
       const int64_t off = ly->offset, cap = ly->cap;
-      const int kind = (int)ly->kind;
+      const int kind = (int)ly->kind, vkind = (int)ly->vkind;
       /* (wo's and w2's inputs are quantised in place when each head's, each SiLU span's, blocks
          start and end where the product's blocks do: pairs of blocks for Q4_1's layout) */
       const int q_qkv = takes_q8(&ly->wqkv, aq), q_w13 = takes_q8(&ly->w13, aq);
@@ -307,31 +395,14 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           const KvRows kv = token_kv(paged, t, Hkv, D);
           const int64_t j = paged ? paged->pos[t] : off + t;
           for (int64_t kh = 0; kh < Hkv; kh++) {
-            const int64_t head = kv_span(kind, head_at(paged, kh, cap, D));
-            char* kr = (char*)row_at((const char*)ly->k + head, kv, j, kind);
-            char* vr = (char*)row_at((const char*)ly->v + head, kv, j, kind);
-            const float* kn = qk + t * QK + (Hq + kh) * D;
-            const float* vn = qkv + t * QKV + (Hq + Hkv + kh) * D;
-            if (kind == KV_G32) {
-              const Sides ks = sides_at(ly->ks, ly->kz, paged, kh, cap, kind, D);
-              const Sides vs = sides_at(ly->vs, ly->vz, paged, kh, cap, kind, D);
-              quantize_g32_row(kn, D, (uint8_t*)kr, group_at(ks.scale, kv, j, D), group_at(ks.zero, kv, j, D));
-              quantize_g32_row(vn, D, (uint8_t*)vr, group_at(vs.scale, kv, j, D), group_at(vs.zero, kv, j, D));
-            } else if (kind >= KV_Q8) {
-              const Sides ks = sides_at(ly->ks, NULL, paged, kh, cap, kind, D);
-              const Sides vs = sides_at(ly->vs, NULL, paged, kh, cap, kind, D);
-              quantize_kv_row(kn, ly->kc ? ly->kc + kh * D : NULL, D, kind, kr, scale_at(ks.scale, kv, j));
-              quantize_kv_row(vn, NULL, D, kind, vr, scale_at(vs.scale, kv, j));
-            } else if (kind == KV_F16)
-              for (int64_t d = 0; d < D; d++) {
-                ((uint16_t*)kr)[d] = f2h(kn[d]);
-                ((uint16_t*)vr)[d] = f2h(vn[d]);
-              }
-            else {
-              memcpy(kr, kn, D * sizeof(float));
-              memcpy(vr, vn, D * sizeof(float));
-            }
+            char* kr = (char*)row_at((const char*)ly->k + kv_span(kind, head_at(paged, kh, cap, D)), kv, j, kind);
+            char* vr = (char*)row_at((const char*)ly->v + kv_span(vkind, head_at(paged, kh, cap, D)), kv, j, vkind);
+            store_kv_row(qk + t * QK + (Hq + kh) * D, ly->kc ? ly->kc + kh * D : NULL, kind, kr,
+                         sides_at(ly->ks, ly->kz, NULL, paged, kh, cap, kind, D), kv, j, D, ly);
+            store_kv_row(qkv + t * QKV + (Hq + Hkv + kh) * D, NULL, vkind, vr,
+                         sides_at(ly->vs, ly->vz, ly->vtab, paged, kh, cap, vkind, D), kv, j, D, ly);
           }
+          for (int64_t hq = 0; ly->krot && hq < Hq; hq++) rotate(qk + t * QK + hq * D, ly->krot, D);
         }
       }
       step_barrier(&bar);
@@ -346,7 +417,8 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           const float* q = qk + kh * group * D;
           float* s = scores + kh * gt * score_stride;
           float* part = parts + t * gt * (D + 2);
-          attend_chunk_d(q, QK, K, V, (Sides){NULL, NULL}, (Sides){NULL, NULL}, kv, j0, j1, off, T, group, D, kind, scale, s, score_stride, part);
+          attend_chunk_d(q, QK, K, V, (Sides){NULL, NULL, NULL}, (Sides){NULL, NULL, NULL}, kv, j0, j1, off, T, group, D,
+                         kind, kind, scale, s, score_stride, part);
         }
         step_barrier(&bar);
         #pragma omp for schedule(static) nowait
@@ -368,13 +440,13 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           const int64_t j1 = j0 + chunk < n ? j0 + chunk : n;
           const KvRows kv = token_kv(paged, tok, Hkv, D);
           const void* K = (const char*)ly->k + kv_span(kind, head_at(paged, kh, cap, D));
-          const void* V = (const char*)ly->v + kv_span(kind, head_at(paged, kh, cap, D));
-          const Sides KS = sides_at(ly->ks, ly->kz, paged, kh, cap, kind, D);
-          const Sides VS = sides_at(ly->vs, ly->vz, paged, kh, cap, kind, D);
+          const void* V = (const char*)ly->v + kv_span(vkind, head_at(paged, kh, cap, D));
+          const Sides KS = sides_at(ly->ks, ly->kz, NULL, paged, kh, cap, kind, D);
+          const Sides VS = sides_at(ly->vs, ly->vz, ly->vtab, paged, kh, cap, vkind, D);
           const float* q = qk + tok * QK + kh * group * D;
           float* s = scores + (tok * Hkv + kh) * group * score_stride;
           float* part = parts + t * group * (D + 2);
-          attend_chunk_d(q, QK, K, V, KS, VS, kv, j0, j1, paged->pos[tok], 1, group, D, kind, scale, s, score_stride,
+          attend_chunk_d(q, QK, K, V, KS, VS, kv, j0, j1, paged->pos[tok], 1, group, D, kind, vkind, scale, s, score_stride,
                          part);
         }
         step_barrier(&bar);
@@ -383,6 +455,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           const int64_t t = r / Hq, hq = r % Hq, kh = hq / group, g = hq % group;
           merge_parts(parts + ((t * Hkv + kh) * splits * group + g) * (D + 2), splits, group * (D + 2), D,
                       att + (t * Hq + hq) * D);
+          if (ly->vrot) rotate_back(att + (t * Hq + hq) * D, ly->vrot, D);
           if (q_wo) {
             const int64_t b = (t * Hq + hq) * D / 32;
             quantize_rows_q8(att + (t * Hq + hq) * D, aq->q + b * 32, aq->dx + b, aq->sx + b, 1, D, ly->wo.fmt == 1);
@@ -435,8 +508,9 @@ class Layer(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("wqkv", Lin),
                 ("wo", Lin), ("w13", Lin), ("w2", Lin), ("k", ctypes.c_void_p),
                 ("v", ctypes.c_void_p), ("offset", ctypes.c_int64), ("cap", ctypes.c_int64),
-                ("kind", ctypes.c_int64), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p),
-                ("kz", ctypes.c_void_p), ("vz", ctypes.c_void_p), ("kc", ctypes.c_void_p)]
+                ("kind", ctypes.c_int64), ("vkind", ctypes.c_int64), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p),
+                ("kz", ctypes.c_void_p), ("vz", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vtab", ctypes.c_void_p),
+                ("vbnd", ctypes.c_void_p), ("vrot", ctypes.c_void_p), ("krot", ctypes.c_void_p)]
 
 
 class Paged(ctypes.Structure):

@@ -72,6 +72,11 @@ class HadamardRotation:
         yf = self._working(y)
         return _fwht(yf).mul_(self._scaled_signs(yf)).to(y.dtype)
 
+    def scaled_signs(self) -> torch.Tensor:
+        """``s / sqrt(d)`` float32 ``[dim]`` on the CPU: what :meth:`apply` multiplies ``x`` by
+        before the transform, and :meth:`inverse` the transform's output after it (cached)."""
+        return self._scaled_signs(torch.empty(0))
+
     def matrix(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
         """Dense ``Pi`` ``[dim, dim]``: ``Pi[i, j] = H[i, j] * s[j] / sqrt(dim)``; ``y = x @ Pi.T``."""
         idx = torch.arange(self.dim)
