@@ -70,6 +70,8 @@ def test_cpu_products_refuses_bad_sizes_before_measuring(capsys, argv, named):
     (["serve", "--input-len", "10,5"], "got --input-len 10,5"),
     (["serve", "--num-requests", "0"], "--num-requests 0"),
     (["serve", "--bans"], "--bans needs --skip-hf"),
+    (["serve", "--turboquant", "q9_0,q3_0"], "key code 'q9_0' is unknown"),
+    (["serve", "--kv-quant", "q8", "--turboquant", "q8_0,q3_0"], "drop one of them"),
 ])
 def test_bench_flags_are_refused_before_a_model_loads(capsys, monkeypatch, argv, named):
     from kvtier import cli

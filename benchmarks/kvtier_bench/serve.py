@@ -64,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=None,
                         help="kvtier's tokens per step (default: 2048 on CPU, 16384 on CUDA)")
     parser.add_argument("--kv-quant", default=None, help="kvtier's page storage (q8, ...)")
+    parser.add_argument("--turboquant", default=None, metavar="K,V",
+                        help="kvtier's TurboQuant pages: key,value codes, e.g. q8_0,q3_0 (not with --kv-quant)")
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="kvtier schedules a step while the GPU runs the one before (default: on CUDA)")
@@ -150,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) and (device.type == "cuda" or args.arch is not None) and args.tokenizer is None:
             raise ValueError(f"--{flag} needs a tokenizer's vocabulary, and random weights bring none: give "
                              "--tokenizer DIR (a folder with tokenizer.json)")
+    from kvtier.quant.modes import parse_storage_flags
+
+    parse_storage_flags(args.kv_quant, args.turboquant)  # (a bad code, or both flags: before a model loads)
     for flag in ("penalties", "bans", "structured"):
         if getattr(args, flag) and not args.skip_hf:
             raise ValueError(f"--{flag} needs --skip-hf: transformers' generate_batch takes no per-request "
@@ -219,6 +224,7 @@ def versions() -> dict[str, str]:
 
 # -- kvtier ---------------------------------------------------------------------------------------
 def engine_config(args, device: torch.device, prompts: list[list[int]]):
+    from kvtier.quant.modes import parse_storage_flags
     from kvtier.serve.engine import EngineConfig
 
     bs = 16
@@ -227,7 +233,7 @@ def engine_config(args, device: torch.device, prompts: list[list[int]]):
         num_blocks=need + 64, block_size=bs, max_num_seqs=args.max_num_seqs or len(prompts),
         max_batched_tokens=max(args.max_batched_tokens or (16384 if device.type == "cuda" else 2048),
                                args.max_num_seqs or len(prompts)),
-        max_waiting=len(prompts), kv_quant=args.kv_quant, cuda_graph=args.cuda_graph,
+        max_waiting=len(prompts), **parse_storage_flags(args.kv_quant, args.turboquant), cuda_graph=args.cuda_graph,
         async_scheduling=args.async_scheduling, enable_prefix_caching=False)  # random prompts share nothing; no hashing to pay for
 
 
