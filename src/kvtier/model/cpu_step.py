@@ -253,7 +253,8 @@ class DecodeStep:
                 k, v = c.keys, c.values
                 rec = known[id(c)] = (weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(),
                                       c.capacity, int(k.dtype == torch.float16))
-            layer.k, layer.v, layer.offset, layer.cap, layer.kind, layer.vkind = rec[2], rec[3], off, rec[4], rec[5], rec[5]
+            layer.k, layer.v, layer.offset, layer.cap = rec[2], rec[3], off, rec[4]
+            layer.kind = layer.vkind = rec[5]
             stride = max(stride, rec[4])
         start = caches[0].offset
         cos, sin = self.rope_rows(start + T)
@@ -285,9 +286,9 @@ class DecodeStep:
         the token (a table's padding is read as block ids). ``None``, with nothing changed, when
         the caches are not one :class:`~kvtier.caches.paged.PagedKVCache` a layer with pages the
         step reads (float32 of the lossless codec, or ``q8``, ``q4``, ``fp8``, ``q4_g32`` or
-        TurboQuant codes, which it writes as the codecs do: :func:`_page_kinds`), the model's shape and blocks of a power of two
-        tokens, or an input is off the CPU. A token, position or block id out of range raises ``ValueError``
-        before anything is written."""
+        TurboQuant codes, which it writes as the codecs do: :func:`_page_kinds`), the model's
+        shape and blocks of a power of two tokens, or an input is off the CPU. A token, position
+        or block id out of range raises ``ValueError`` before anything is written."""
         dim, Hq, Hkv, D, hidden = self.dims
         model = self.model
         N = tokens.shape[0] if tokens.dim() == 1 else -1
@@ -354,8 +355,8 @@ class DecodeStep:
     def _pages(self, caches) -> list[tuple] | None:
         """Each layer's pages where :meth:`run_paged` reads and writes them, ``(keys, values,
         (key kind, value kind), key scales, value scales, key zeros, value zeros, key centre,
-        value tables, key rotation)`` (``None`` where the kinds have none), else ``None``. A cache's pages,
-        once checked, are remembered while they and their sidecars live."""
+        value tables, key rotation)`` (``None`` where the kinds have none), else ``None``. A
+        cache's pages, once checked, are remembered while they and their sidecars live."""
         known, out = self._page_checks, []
         if len(known) > 4096:  # (entries of caches gone)
             known.clear()
@@ -454,7 +455,7 @@ def _page_kinds(c, dims) -> tuple[int, int] | None:
                 return None
             tensors.append(t)
         tensors.append(pages)
-    ok = D % 2 == 0 and bs & (bs - 1) == 0  # (the codecs hold their own head dims: q4_g32's groups ...)
+    ok = D % 2 == 0 and bs & (bs - 1) == 0  # (each codec checked its own head dim: groups of 32 ...)
     return kinds if ok and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) else None
 
 

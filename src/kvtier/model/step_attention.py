@@ -115,8 +115,8 @@ static inline float* half_row(const uint16_t* src, float* dst, int64_t D) {
 enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2, KV_Q4 = 3, KV_FP8 = 4, KV_G32 = 5, KV_A8 = 6, KV_LM = 16, KV_AF = 32 };
 
 /* a head's codes' sidecars: the scales (float32 a row; float16 a group for the grouped kinds),
-   the zeros of q4_g32 and KV_A8, each pointing at the head's first row's (NULL for float rows),
-   and KV_LM's centroids */
+   the group-affine kinds' zeros, each pointing at the head's first row's (NULL for float rows),
+   and the Lloyd-Max kinds' centroids */
 typedef struct { const void* scale; const void* zero; const float* table; } Sides;
 
 /* bits of a code in a bit stream: a Lloyd-Max index or a group-affine key */
@@ -209,7 +209,7 @@ static inline __attribute__((always_inline)) uint16_t* group_at(const void* S, K
   return (uint16_t*)S + kv_row(kv, j) * kv.ss * (D >> 5);
 }
 
-/* row j's q4_g32 group scales and zeros as float32 into gs, gz [D / 32] */
+/* row j's group-affine scales and zeros as float32 into gs, gz [D / 32] */
 static inline __attribute__((always_inline)) void group_floats(Sides S, KvRows kv, int64_t j, int64_t D, float* gs,
                                                                float* gz) {
   const uint16_t *s = group_at(S.scale, kv, j, D), *z = group_at(S.zero, kv, j, D);
@@ -352,24 +352,11 @@ static inline __attribute__((always_inline)) __m256 value8(const void* p, int64_
 }
 
 #if defined(__AVX512F__)
-/* sixteen floats from element i (a multiple of 16) of a stored row, as load8 */
+/* sixteen floats from element i (a multiple of 16) of a stored row, as load8 (codes as two of
+   its eight) */
 static inline __attribute__((always_inline)) __m512 load16(const void* p, int64_t i, const int kind) {
   if (kind == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)));
-  if (kind == KV_Q8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)p + i))));
-  if (kind == KV_FP8) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)((const uint8_t*)p + i)));
-    return _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
-                                           _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8)));
-  }
-  if (kind == KV_Q4 || kind == KV_G32) {
-    int64_t w;
-    memcpy(&w, (const uint8_t*)p + i / 2, 8);
-    const __m512i n = _mm512_srlv_epi64(_mm512_set1_epi64(w), _mm512_setr_epi64(0, 8, 16, 24, 32, 40, 48, 56));
-    /* each 64-bit lane k holds bytes k.. of w at its bottom: its low nibble to lane 2k, high to 2k + 1 */
-    const __m512i lo = _mm512_and_si512(n, _mm512_set1_epi64(15)), hi = _mm512_and_si512(_mm512_srli_epi64(n, 4), _mm512_set1_epi64(15));
-    const __m512i c = _mm512_or_si512(lo, _mm512_slli_epi64(hi, 32));
-    return _mm512_cvtepi32_ps(kind == KV_Q4 ? _mm512_sub_epi32(c, _mm512_set1_epi32(8)) : c);
-  }
+  if (kind != KV_F32) return _mm512_insertf32x8(_mm512_castps256_ps512(load8(p, i, kind)), load8(p, i + 8, kind), 1);
   return _mm512_loadu_ps((const float*)p + i);
 }
 
