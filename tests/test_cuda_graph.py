@@ -28,6 +28,14 @@ from kvtier.cuda_graph import (
 from kvtier.model import ModelArgs, build_random
 
 CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _layered_forward(monkeypatch):
+    """The planned steps through the layered forward, whose bytes equal the per-layer path's; on
+    the CPU a planned step over paged caches is otherwise one C call
+    (``DecodeStep.run_planned``, tested in tests/model/test_paged_step.py), which rounds apart."""
+    monkeypatch.setenv("KVTIER_DECODE_STEP", "0")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=128)
 TIERS = ("ragged", "paged")

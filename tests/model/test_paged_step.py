@@ -348,3 +348,41 @@ def test_a_step_from_a_second_thread_gives_the_same_logits(monkeypatch):
     worker.join(timeout=120)
     assert not worker.is_alive()
     assert torch.equal(got["logits"], want)
+
+
+@pytest.mark.parametrize("kv_quant", [None, "q8", "turboquant"])
+def test_generate_on_the_paged_tier_decodes_in_one_call(monkeypatch, kv_quant):
+    """``kvtier generate --tier paged``: each planned decode step of a batch of two rows of
+    different lengths runs as one call (``run_planned``), the plan booked by every cache, with
+    the layered forward's greedy tokens (float32 pages: all 24 steps; coded pages: the first 8,
+    before a key a rounding apart takes the next code and the texts may part) and its lengths."""
+    from itertools import islice
+
+    from kvtier.config import KVCacheConfig
+    from kvtier.generate import generate_step
+    from kvtier.quant.modes import parse_mode
+
+    q, tq = parse_mode(kv_quant or "fp")
+    model = small_model(dim=128, n_heads=2, n_kv_heads=1)  # (head dim 64: TurboQuant serves)
+    calls, real = [], cpu_step.DecodeStep.run_planned
+
+    def run_planned(self, *a, **kw):
+        calls.append(real(self, *a, **kw))
+        return calls[-1]
+
+    monkeypatch.setattr(cpu_step.DecodeStep, "run_planned", run_planned)
+    rows = prompts([9, 30], seed=4)
+
+    def tokens(step_on: bool):
+        monkeypatch.setenv("KVTIER_DECODE_STEP", "1" if step_on else "0")
+        caches = model.make_caches(KVCacheConfig(tier="paged", paged_num_blocks=16, paged_block_size=16,
+                                                 kv_quant=q, turboquant=tq), batch_size=2)
+        out = torch.stack(list(islice(generate_step(model, rows, caches, cuda_graph=False), 24))).T.tolist()
+        return out, caches[0].lengths
+
+    want, want_len = tokens(False)
+    assert not calls
+    got, got_len = tokens(True)
+    assert len(calls) == 24 and all(c is not None for c in calls)
+    keep = 24 if kv_quant is None else 8
+    assert [g[:keep] for g in got] == [w[:keep] for w in want] and got_len == want_len == [9 + 23, 30 + 23]

@@ -59,7 +59,7 @@ from kvtier.caches.base import (
     exclusive,
     fetch_taken,
 )
-from kvtier.caches.paged_codecs import CodecChoice, select_codecs
+from kvtier.caches.paged_codecs import CodecChoice, select_codecs, storage_mismatch
 from kvtier.caches.paged_pool import (
     BlockPool,
     PagedKVGrowthRefused,
@@ -299,6 +299,13 @@ class PagedKVCache(RowKVCache):
             raise ValueError("this plan was not made for this cache: plan paged caches that hold tokens "
                              "with kvtier.caches.step_plan.StepPlanner")
         self._write(keys, values, plan.slots)
+        self.commit_planned(plan)
+
+    def commit_planned(self, plan: StepPlan) -> None:
+        """Book ``plan``'s step, its tokens written at its slots (by :meth:`update`, or in place by
+        a caller: the one-call CPU decode step, :mod:`kvtier.model.cpu_step`)."""
+        if not plan.valid or plan.block_tables is None or plan.block_tables.shape[0] != self.batch_size:
+            raise ValueError("commit_planned() takes a valid plan StepPlanner made for this cache")
         self._lengths, self._write_start, self._dev, self._plan = plan.ends, plan.starts, plan.memo, plan
         self._last_q = plan.tokens
 
@@ -422,23 +429,6 @@ class PagedKVCache(RowKVCache):
             setattr(self, name, [getattr(self, name)[i] for i in keep])
         self._changed()
 
-    def _compatible(self, other: PagedKVCache) -> str | None:
-        if other.block_size != self.block_size:
-            return f"block_size {other.block_size} differs from {self.block_size}"
-        if self.codecs is None or other.codecs is None:
-            return None
-        a, b = self.codecs, other.codecs
-        if (a.mode, a.k_codec.head_dim, a.k_codec.dtype) != (b.mode, b.k_codec.head_dim, b.k_codec.dtype):
-            return (f"storage {b.mode}/{b.k_codec.head_dim}/{b.k_codec.dtype} differs from "
-                    f"{a.mode}/{a.k_codec.head_dim}/{a.k_codec.dtype}")
-        if other.pool.key_cache.shape[2] != self.pool.key_cache.shape[2]:
-            return f"kv_heads {other.pool.key_cache.shape[2]} differs from {self.pool.key_cache.shape[2]}"
-        ca, cb = a.k_codec.centre, b.k_codec.centre
-        if (ca is None) != (cb is None) or (ca is not None and not torch.equal(ca, cb.to(ca.device))):
-            return (f"its {b.mode} keys are coded against another key centre (each cache takes its own "
-                    "from its first keys); copy the rows through fetch() and update() instead")
-        return None
-
     @exclusive
     def extend(self, other: PagedKVCache) -> None:
         """Append ``other``'s rows after this cache's, copying their blocks (exact, no re-encoding).
@@ -451,7 +441,7 @@ class PagedKVCache(RowKVCache):
                              "convert it with PagedKVCache.from_cache() first")
         if other is self:
             raise ValueError("extend() with the cache itself; copy it first (from_state(state, meta_state))")
-        why = self._compatible(other)
+        why = storage_mismatch(self, other)
         if why is not None:
             raise ValueError(f"cannot extend with that cache: {why}")
         bs = self.block_size

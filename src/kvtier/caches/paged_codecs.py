@@ -67,3 +67,23 @@ def select_codecs(
         return CodecChoice(k, v, mode, reasons.get("turboquant"))
     k, v = mode_codecs("fp", head_dim, dtype)
     return CodecChoice(k, v, "fp", reasons.get("turboquant"), reasons.get("kv_quant"))
+
+
+def storage_mismatch(mine, other) -> str | None:
+    """Why paged cache ``other``'s blocks cannot be copied into ``mine`` as they are (block size,
+    storage, KV heads, key centre), else ``None``."""
+    if other.block_size != mine.block_size:
+        return f"block_size {other.block_size} differs from {mine.block_size}"
+    if mine.codecs is None or other.codecs is None:
+        return None
+    a, b = mine.codecs, other.codecs
+    if (a.mode, a.k_codec.head_dim, a.k_codec.dtype) != (b.mode, b.k_codec.head_dim, b.k_codec.dtype):
+        return (f"storage {b.mode}/{b.k_codec.head_dim}/{b.k_codec.dtype} differs from "
+                f"{a.mode}/{a.k_codec.head_dim}/{a.k_codec.dtype}")
+    if other.pool.key_cache.shape[2] != mine.pool.key_cache.shape[2]:
+        return f"kv_heads {other.pool.key_cache.shape[2]} differs from {mine.pool.key_cache.shape[2]}"
+    ca, cb = a.k_codec.centre, b.k_codec.centre
+    if (ca is None) != (cb is None) or (ca is not None and not torch.equal(ca, cb.to(ca.device))):
+        return (f"its {b.mode} keys are coded against another key centre (each cache takes its own "
+                "from its first keys); copy the rows through fetch() and update() instead")
+    return None

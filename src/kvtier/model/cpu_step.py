@@ -352,6 +352,23 @@ class DecodeStep:
                                  torch.get_num_threads())
         return logits if spread is None else logits[spread]
 
+    def run_planned(self, tokens: torch.Tensor, caches, plan, last_only: bool = False) -> torch.Tensor | None:
+        """Logits ``[B, 1, vocab]`` of a decode step of ``tokens`` ``[B, 1]`` that a
+        :class:`~kvtier.caches.step_plan.StepPlanner` planned over paged caches (a sequence
+        generated on the paged tier, ``kvtier.cuda_graph.PlannedDecoder``): :meth:`run_paged` at
+        the plan's positions through its block table, then every cache books the plan. ``None``,
+        with nothing changed, where the plan or the pages do not qualify."""
+        if (tokens.dim() != 2 or tokens.shape[1] != 1 or plan.tokens != 1 or not plan.valid
+                or plan.block_tables is None or plan.write_start.shape != (tokens.shape[0],)
+                or any(type(c) is not PagedKVCache for c in caches)):
+            return None
+        logits = self.run_paged(tokens[:, 0], plan.write_start, plan.block_tables, caches)
+        if logits is None:
+            return None
+        for c in caches:
+            c.commit_planned(plan)
+        return logits[:, None]
+
     def _pages(self, caches) -> list[tuple] | None:
         """Each layer's pages where :meth:`run_paged` reads and writes them, ``(keys, values,
         (key kind, value kind), key scales, value scales, key zeros, value zeros, key centre,

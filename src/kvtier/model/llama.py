@@ -209,6 +209,15 @@ class Transformer(nn.Module):
             logits = None if step is None else step.run(tokens, caches, n, last_only=last_only)
             if logits is not None:
                 return logits
+        elif kwargs.keys() == {"plan", "write_start"} and positions is None and select is None and \
+                tokens.device.type == "cpu" and n == len(self.layers) and cpu_kernels(self.tok_embeddings.weight):
+            # a planned decode step over paged caches on the CPU (kvtier.cuda_graph.PlannedDecoder)
+            from kvtier.model.cpu_step import plan_for
+
+            step = plan_for(self)
+            logits = None if step is None else step.run_planned(tokens, caches, kwargs["plan"], last_only)
+            if logits is not None:
+                return logits
         if positions is None:
             positions = self._positions_from_cache(tokens, caches[0], kwargs)
         positions = positions.to(tokens.device)  # (B, T)
