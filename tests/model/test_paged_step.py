@@ -153,14 +153,15 @@ def test_coded_pages_of_every_head_dim(monkeypatch, shape, kv_quant):
     assert calls and all(c is not None for c in calls)
 
 
-@pytest.mark.parametrize("codes", ["q8_0,q3_0", "q8_0r,q4_0", "q4_0,q2_0", "q5_0r,q3_0", "int2,q8_0"])
+@pytest.mark.parametrize("codes", ["q8_0,q3_0", "q8_0r,q4_0", "q5_0r,q4_0", "q5_0r,q3_0", "q4_0,q2_0",
+                                   "int2,q8_0"])
 @pytest.mark.parametrize("shape", [(64, 3, 1), (128, 2, 1)], ids=["d64-g3", "d128"])
 def test_turboquant_pages(monkeypatch, shape, codes):
-    """TurboQuant pages: group-affine keys of 8, 4, 5 or 2 bits (a byte, ``q4_g32``'s layout,
-    bit-packed), rotated or not (the step rotates the queries), and Lloyd-Max values of 3, 4, 2
-    or 8 bits in the rotated domain (attention's output rotated back), written as the codecs
-    write them; the first two through the vector loops, the others converted a row at a time; a
-    long row split beside short ones on two threads."""
+    """TurboQuant pages: group-affine keys of 8, 5, 4 or 2 bits (a byte, bit-packed, ``q4_g32``'s
+    layout), rotated or not (the step rotates the queries), and Lloyd-Max values of 3, 4, 2 or
+    8 bits in the rotated domain (attention's output rotated back), written as the codecs write
+    them; 8- and 5-bit keys with 3- or 4-bit values through the vector loops, the others
+    converted a row at a time; a long row split beside short ones on two threads."""
     from kvtier.quant.modes import parse_turboquant
 
     head_dim, heads, kv_heads = shape

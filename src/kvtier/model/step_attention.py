@@ -286,6 +286,25 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
 #else
 #define HALF_ROWS 0
 #endif
+/* codes i .. i + 7 (i a multiple of 8) of a row of b-bit codes (b <= 8: eight in b bytes from
+   byte b i / 8, read as the 8-byte word ending there, or at the row's start the word starting
+   there: one load, inside a row of 8 bytes or more), as int32 lanes */
+static inline __attribute__((always_inline)) __m256i stream8(const void* p, int64_t i, const int b) {
+  const int64_t at = (i >> 3) * b;
+  uint64_t w;
+  if (at >= 8 - b) {
+    memcpy(&w, (const uint8_t*)p + at - (8 - b), 8);
+    w >>= 8 * (8 - b);
+  } else
+    memcpy(&w, (const uint8_t*)p + at, 8);
+  const __m256i x = _mm256_set1_epi64x((long long)w);
+  const __m256i lo = _mm256_srlv_epi64(x, _mm256_setr_epi64x(0, b, 2 * b, 3 * b));
+  const __m256i hi = _mm256_srlv_epi64(x, _mm256_setr_epi64x(4 * b, 5 * b, 6 * b, 7 * b));
+  const __m256i mixed = _mm256_blend_epi32(lo, _mm256_slli_epi64(hi, 32), 0xaa);  /* codes 0 4 1 5 2 6 3 7 */
+  return _mm256_and_si256(_mm256_permutevar8x32_epi32(mixed, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)),
+                          _mm256_set1_epi32((1 << b) - 1));
+}
+
 /* eight floats from element i (a multiple of 8) of a stored row: float32, float16 (with F16C),
    or codes (not yet scaled) */
 static inline __attribute__((always_inline)) __m256 load8(const void* p, int64_t i, const int kind) {
@@ -294,6 +313,7 @@ static inline __attribute__((always_inline)) __m256 load8(const void* p, int64_t
 #endif
   if (kind == KV_Q8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)p + i))));
   if (kind == KV_A8) return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)((const uint8_t*)p + i))));
+  if (kind > KV_AF) return _mm256_cvtepi32_ps(stream8(p, i, STREAM_BITS(kind)));
 #if HALF_ROWS
   if (kind == KV_FP8) {  /* (e4m3_half_bits eight at a time) */
     const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)((const uint8_t*)p + i)));
@@ -412,7 +432,7 @@ static inline __attribute__((always_inline)) void attend_one_avx2(const float* q
   const int64_t e = j1 < off + 1 ? j1 : off + 1;  /* the chunk's keys the token sees */
   const int64_t rb = kv_span(kind, DC), vrb = kv_span(vkind, DC);  /* bytes a row */
   const int codes = ROW_SCALED(kind), vcodes = ROW_SCALED(vkind);
-  const int grouped = kind == KV_G32 || kind == KV_A8;
+  const int grouped = AFFINE(kind);
   float gs[4][grouped ? DC >> 5 : 1], gz[4][grouped ? DC >> 5 : 1];  /* four keys' groups */
   float tab[16] = {0.f};  /* the values' centroids */
   if (IS_LM(vkind)) memcpy(tab, VS.table, sizeof(float) << STREAM_BITS(vkind));
@@ -514,7 +534,7 @@ static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void
 #if defined(__AVX2__) && defined(__FMA__)
   /* token t at position off + t, its rows (g, t) T rows apart: the AVX2 loops a token at a time
      (several tokens, a verification, read the split's rows again for each, from the caches) */
-  const int pair = kind == KV_A8 && (vkind == KV_LM + 3 || vkind == KV_LM + 4);
+  const int pair = (kind == KV_A8 || kind == KV_AF + 5) && (vkind == KV_LM + 3 || vkind == KV_LM + 4);
   if ((D == 64 || D == 128) && ((kind == vkind && kind <= KV_G32) || pair) && ((kind != KV_F16 && kind != KV_FP8) || HALF_ROWS)) {
     for (int64_t t = 0; t < T; t++) {
       float* st = s + t * stride;
@@ -524,11 +544,16 @@ static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void
                                              T * stride, pt, T * (D + 2))
 #define ATTEND_TWO(DC, KIND, VKIND) attend_one_avx2(qt, K, V, KS, VS, kv, j0, j1, off + t, G, DC, KIND, VKIND, scale, \
                                                     st, T * stride, pt, T * (D + 2))
-      if (pair) {  /* TurboQuant's 8-bit keys with 3- or 4-bit values (its default, and q8_0,q4_0) */
+      if (pair && kind == KV_A8) {  /* TurboQuant's 8-bit keys with 3- or 4-bit values (its default, q8_0,q4_0) */
         if (D == 64 && vkind == KV_LM + 3) ATTEND_TWO(64, KV_A8, KV_LM + 3);
         else if (D == 64) ATTEND_TWO(64, KV_A8, KV_LM + 4);
         else if (vkind == KV_LM + 3) ATTEND_TWO(128, KV_A8, KV_LM + 3);
         else ATTEND_TWO(128, KV_A8, KV_LM + 4);
+      } else if (pair) {  /* 5-bit keys (q5_0r,q4_0: about 3x smaller than 16-bit pages) */
+        if (D == 64 && vkind == KV_LM + 3) ATTEND_TWO(64, KV_AF + 5, KV_LM + 3);
+        else if (D == 64) ATTEND_TWO(64, KV_AF + 5, KV_LM + 4);
+        else if (vkind == KV_LM + 3) ATTEND_TWO(128, KV_AF + 5, KV_LM + 3);
+        else ATTEND_TWO(128, KV_AF + 5, KV_LM + 4);
       } else if (D == 64 && kind == KV_F32) ATTEND_ONE(64, KV_F32);
       else if (D == 128 && kind == KV_F32) ATTEND_ONE(128, KV_F32);
       else if (D == 64 && kind == KV_Q8) ATTEND_ONE(64, KV_Q8);
