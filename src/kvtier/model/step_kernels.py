@@ -7,8 +7,9 @@ the LM head inside one OpenMP parallel region, whose threads meet at a spinning 
 step's own (``StepBarrier``); the products are the packed kernels' own task
 bodies (:mod:`kvtier.model.packed_kernels`), or with int8 activations those of
 :mod:`kvtier.model.act_quant`, the elementwise steps the C kernels of
-:mod:`kvtier.kernels.cpu_fused` and attention that of :mod:`kvtier.model.step_attention`, so
-the library is compiled from the five sources together (:func:`step_source`).
+:mod:`kvtier.kernels.cpu_fused`, the stored rows' formats and loads those of
+:mod:`kvtier.model.step_rows` and attention that of :mod:`kvtier.model.step_attention`, so
+the library is compiled from the six sources together (:func:`step_source`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import functools
 
 from kvtier.kernels import cpu_fused
 from kvtier.kernels.native import load_or_warn
-from kvtier.model import act_quant, packed_kernels, step_attention
+from kvtier.model import act_quant, packed_kernels, step_attention, step_rows
 
 __all__ = ["STEP_SOURCE", "Kernels", "Layer", "Lin", "Paged", "load_kernels", "step_source"]
 
@@ -69,7 +70,7 @@ typedef struct {
   Lin wqkv, wo, w13, w2;
   void* k; void* v;   /* the cache's buffers [H_kv, cap, D], or its pages [blocks, bs, H_kv, D] */
   int64_t offset, cap; /* the write position, the buffers' length (not read for pages) */
-  int64_t kind, vkind; /* how they hold a key and a value row (step_attention's KV_F32 ... KV_LM + b) */
+  int64_t kind, vkind; /* how they hold a key and a value row (step_rows' KV_F32 ... KV_LM + b) */
   void* ks; void* vs;  /* codes' scales, the pages' sidecars [blocks, bs, H_kv, 1] float32 (the
                           grouped kinds: [blocks, bs, H_kv, D / 32] float16), else NULL */
   void* kz; void* vz;  /* the group-affine kinds' zeros, as their scales (else NULL) */
@@ -85,7 +86,7 @@ typedef struct {
    every layer's pages alike), seeing keys j <= pos[t] */
 typedef struct { const int64_t* pos; const int32_t* tables; int64_t width, bsh; } Paged;
 
-/* where token t's keys and values lie (step_attention's KvRows): its pages' rows through its
+/* where token t's keys and values lie (step_rows' KvRows): its pages' rows through its
    block table, H_kv D elements apart, or (paged NULL) a tail buffer's rows, D apart */
 static inline KvRows token_kv(const Paged* paged, int64_t t, int64_t Hkv, int64_t D) {
   if (!paged) return (KvRows){NULL, 0, D, 1};
@@ -549,7 +550,8 @@ def load_kernels() -> Kernels | None:
 
 def step_source() -> str:
     """The library's whole C source: the packed products, the elementwise kernels, the int8
-    activations' products (:mod:`kvtier.model.act_quant`), attention
-    (:mod:`kvtier.model.step_attention`) and the step."""
-    return (packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + act_quant._C_SOURCE + step_attention._C_SOURCE
-            + STEP_SOURCE)
+    activations' products (:mod:`kvtier.model.act_quant`), the stored rows
+    (:mod:`kvtier.model.step_rows`), attention (:mod:`kvtier.model.step_attention`) and the
+    step."""
+    return (packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + act_quant._C_SOURCE + step_rows._C_SOURCE
+            + step_attention._C_SOURCE + STEP_SOURCE)
