@@ -195,17 +195,24 @@ static inline __attribute__((always_inline)) void prefetch_rows(const void* P, K
 #else
 #define HALF_ROWS 0
 #endif
-/* codes i .. i + 7 (i a multiple of 8) of a row of b-bit codes (b <= 8: eight in b bytes from
-   byte b i / 8, read as the 8-byte word ending there, or at the row's start the word starting
-   there: one load, inside a row of 8 bytes or more), as int32 lanes */
+/* the n bytes from byte `at` of a row at the low end of a word of `size` bytes (4 or 8, at least
+   n): one load, inside a row of `size` bytes or more, of the word ending there, or at the row's
+   start of the word starting there */
+static inline __attribute__((always_inline)) uint64_t stream_word(const void* p, int64_t at, const int n,
+                                                                   const int size) {
+  uint64_t w = 0;
+  if (at < size - n) {
+    memcpy(&w, (const uint8_t*)p + at, size);
+    return w;
+  }
+  memcpy(&w, (const uint8_t*)p + at - (size - n), size);
+  return w >> (8 * (size - n));
+}
+
+/* codes i .. i + 7 (i a multiple of 8) of a row of b-bit codes (b <= 8: eight in the b bytes from
+   byte b i / 8), as int32 lanes */
 static inline __attribute__((always_inline)) __m256i stream8(const void* p, int64_t i, const int b) {
-  const int64_t at = (i >> 3) * b;
-  uint64_t w;
-  if (at >= 8 - b) {
-    memcpy(&w, (const uint8_t*)p + at - (8 - b), 8);
-    w >>= 8 * (8 - b);
-  } else
-    memcpy(&w, (const uint8_t*)p + at, 8);
+  const uint64_t w = stream_word(p, (i >> 3) * b, b, 8);
   const __m256i x = _mm256_set1_epi64x((long long)w);
   const __m256i lo = _mm256_srlv_epi64(x, _mm256_setr_epi64x(0, b, 2 * b, 3 * b));
   const __m256i hi = _mm256_srlv_epi64(x, _mm256_setr_epi64x(4 * b, 5 * b, 6 * b, 7 * b));
@@ -247,17 +254,11 @@ static inline __attribute__((always_inline)) float load1(const void* p, int64_t 
 }
 
 /* the centroids of indices i .. i + 7 (i a multiple of 8) of a row of b-bit indices (b <= 4:
-   eight in b bytes from byte b i / 8, read as the word ending there, or at the row's start the
-   word starting there: one load, inside the row), lo and hi holding centroids 0-7 and 8-15 */
+   eight in the b bytes from byte b i / 8, one 4-byte load), lo and hi holding centroids 0-7 and
+   8-15 */
 static inline __attribute__((always_inline)) __m256 lm8(const void* p, int64_t i, const int kind, __m256 lo, __m256 hi) {
   const int b = STREAM_BITS(kind);
-  const int64_t at = (i >> 3) * b;
-  uint32_t w;
-  if (at >= 4 - b) {
-    memcpy(&w, (const uint8_t*)p + at - (4 - b), 4);
-    w >>= 8 * (4 - b);
-  } else
-    memcpy(&w, (const uint8_t*)p + at, 4);
+  const uint32_t w = (uint32_t)stream_word(p, (i >> 3) * b, b, 4);
   const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w),
                                                          _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b)),
                                        _mm256_set1_epi32((1 << b) - 1));
