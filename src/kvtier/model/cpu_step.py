@@ -397,8 +397,7 @@ class DecodeStep:
 
 
 #: how pages hold a row, as the step's C side names it (``KV_F32`` ... ``KV_A8``; TurboQuant's
-#: b-bit values ``KV_LM + b``), and each kind's sidecars (``scale`` a row, or ``scale`` and
-#: ``zero`` float16 a group of 32 channels)
+#: b-bit values ``KV_LM + b``, its keys of other bits ``KV_AF + b``)
 _KV_F32, _KV_Q8, _KV_Q4, _KV_FP8, _KV_G32, _KV_A8, _KV_LM, _KV_AF = 0, 2, 3, 4, 5, 6, 16, 32
 _CODE_KINDS = {IdentityCodec: _KV_F32, Q8Codec: _KV_Q8, Q4Codec: _KV_Q4, Fp8Codec: _KV_FP8, GroupQ4Codec: _KV_G32}
 
@@ -427,21 +426,6 @@ def _kind_of(codec) -> int | None:
     return _CODE_KINDS.get(type(codec)) if codec.rotation is None else None
 
 
-def _layout(kind: int, D: int) -> tuple[int, torch.dtype, tuple[str, ...], torch.dtype, int]:
-    """A row of ``kind``: (payload elements, payload dtype, sidecar names, their dtype, their
-    width)."""
-    if kind > _KV_AF:
-        return D * (kind - _KV_AF) // 8, torch.uint8, ("scale", "zero"), torch.float16, D // 32
-    if kind > _KV_LM:
-        return D * (kind - _KV_LM) // 8, torch.uint8, ("scale",), torch.float16, D // 32
-    if kind in (_KV_G32, _KV_A8):
-        return (D // 2 if kind == _KV_G32 else D), torch.uint8, ("scale", "zero"), torch.float16, D // 32
-    if kind == _KV_F32:
-        return D, torch.float32, (), torch.float32, 0
-    return (D // 2 if kind == _KV_Q4 else D), (torch.int8 if kind == _KV_Q8 else torch.uint8), ("scale",), \
-        torch.float32, 1
-
-
 def _page_kinds(c, dims) -> tuple[int, int] | None:
     """How ``c``'s pages hold a key and a value row, where :meth:`DecodeStep.run_paged` can read
     and write them (:func:`_kind_of`; float32 pages for both or neither; ``fp8`` keys centred once
@@ -457,22 +441,19 @@ def _page_kinds(c, dims) -> tuple[int, int] | None:
             or (centre is None) == (kinds[0] == _KV_FP8):
         return None
     Hkv, D = dims[2], dims[3]
-    bs = k.shape[1]
+    rows = (k.shape[0], k.shape[1], Hkv)  # (blocks, block size, KV heads)
     tensors = [] if centre is None else [centre]
     if centre is not None and (centre.dtype != torch.float32 or tuple(centre.shape) != (Hkv, D)):
         return None
-    for kind, pages, sidecars in ((kinds[0], k, c.pool.k_sidecars), (kinds[1], v, c.pool.v_sidecars)):
-        width, dtype, names, side_dtype, groups = _layout(kind, D)
-        if pages.dim() != 4 or tuple(pages.shape) != (k.shape[0], bs, Hkv, width) or pages.dtype != dtype \
-                or set(sidecars) != set(names):
+    for codec, pages, sidecars in ((kc, k, c.pool.k_sidecars), (vc, v, c.pool.v_sidecars)):
+        # (the layout each codec gives its pages: the C side reads exactly that)
+        specs = {s.name: (s.dtype, rows + (s.groups,)) for s in codec.sidecar_specs()}
+        if codec.head_dim != D or tuple(pages.shape) != rows + (codec.packed_dim(),) \
+                or pages.dtype != codec.payload_dtype \
+                or {n: (t.dtype, tuple(t.shape)) for n, t in sidecars.items()} != specs:
             return None
-        for name in names:
-            t = sidecars[name]
-            if t.dtype != side_dtype or tuple(t.shape) != (k.shape[0], bs, Hkv, groups):
-                return None
-            tensors.append(t)
-        tensors.append(pages)
-    ok = D % 2 == 0 and bs & (bs - 1) == 0  # (each codec checked its own head dim: groups of 32 ...)
+        tensors += [pages, *sidecars.values()]
+    ok = D % 2 == 0 and rows[1] & (rows[1] - 1) == 0  # (each codec checked its own head dim: groups of 32 ...)
     return kinds if ok and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) else None
 
 

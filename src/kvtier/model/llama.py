@@ -200,22 +200,17 @@ class Transformer(nn.Module):
         """
         n = self._check_forward(tokens, caches, positions, num_layers)
         kwargs = cache_kwargs or {}
-        if tokens.shape[0] == 1 and positions is None and not kwargs and select is None \
-                and tokens.device.type == "cpu" and cpu_kernels(self.tok_embeddings.weight):
-            # a few tokens of one sequence on the CPU: one C call where it can (kvtier.model.cpu_step)
+        # on the CPU one C call where it can (kvtier.model.cpu_step): a few tokens of one sequence,
+        # or a decode step a step plan made over paged caches (kvtier.cuda_graph.PlannedDecoder)
+        one = tokens.shape[0] == 1 and not kwargs
+        planned = kwargs.keys() == {"plan", "write_start"} and n == len(self.layers)
+        if (one or planned) and positions is None and select is None and tokens.device.type == "cpu" \
+                and cpu_kernels(self.tok_embeddings.weight):
             from kvtier.model.cpu_step import plan_for
 
             step = plan_for(self)
-            logits = None if step is None else step.run(tokens, caches, n, last_only=last_only)
-            if logits is not None:
-                return logits
-        elif kwargs.keys() == {"plan", "write_start"} and positions is None and select is None and \
-                tokens.device.type == "cpu" and n == len(self.layers) and cpu_kernels(self.tok_embeddings.weight):
-            # a planned decode step over paged caches on the CPU (kvtier.cuda_graph.PlannedDecoder)
-            from kvtier.model.cpu_step import plan_for
-
-            step = plan_for(self)
-            logits = None if step is None else step.run_planned(tokens, caches, kwargs["plan"], last_only)
+            logits = None if step is None else (step.run(tokens, caches, n, last_only=last_only) if one
+                                                else step.run_planned(tokens, caches, kwargs["plan"], last_only))
             if logits is not None:
                 return logits
         if positions is None:

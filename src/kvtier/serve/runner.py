@@ -285,10 +285,13 @@ class ModelRunner:
                 self.draft_logits[r.request_id] = out[end - 1 - r.draft : end]
         return out[to_device(torch.tensor(last), self.device)]  # (n_sampled, V)
 
+    def _binding(self, rows: Sequence[ScheduledRow]) -> RowBinding:
+        return RowBinding.build([r.blocks for r in rows], [r.start for r in rows], block_size=self.block_size,
+                                num_blocks=self.num_blocks + 1, device=self.device)
+
     def _bind(self, rows: Sequence[ScheduledRow]) -> RowBinding:
-        binding = RowBinding.build([r.blocks for r in rows], [r.start for r in rows],
-                                   block_size=self.block_size, num_blocks=self.num_blocks + 1,
-                                   device=self.device)
+        """The rows' binding, every cache bound to it (the layered forward's books)."""
+        binding = self._binding(rows)
         for c in self.caches:
             c.bind(binding)
         return binding
@@ -313,8 +316,7 @@ class ModelRunner:
                      ) -> torch.Tensor | None:
         """A decode step in one C call on the CPU (``step``'s :meth:`~kvtier.model.cpu_step.DecodeStep.run_paged`):
         logits ``[B, V]``, or ``None`` (nothing written) where the pages do not qualify."""
-        binding = RowBinding.build([r.blocks for r in rows], [r.start for r in rows], block_size=self.block_size,
-                                   num_blocks=self.num_blocks + 1)
+        binding = self._binding(rows)  # (the caches stay unbound: the C call reads the table itself)
         positions = torch.tensor(decode_starts(binding), dtype=torch.long)  # (checked: each row's blocks hold it)
         tokens = fill_pending(torch.tensor(ids, dtype=torch.long), pending)
         return step.run_paged(tokens, positions, binding.table, self.caches)
