@@ -137,13 +137,20 @@ def _load(args: argparse.Namespace):
     import torch
 
     from kvtier.model import load_model
+    from kvtier.model.linear import PREFILL_ENV_VAR, parse_prefill_dtype, prefill_dtype_warning
 
+    parse_prefill_dtype(os.environ.get(PREFILL_ENV_VAR), source=PREFILL_ENV_VAR)  # before the model loads
     kw = {"device": parse_device(args.device)} if hasattr(args, "device") else {}
     if hasattr(args, "dtype"):
         kw["dtype"] = getattr(torch, args.dtype)
     lm = load_model(getattr(args, "model", None), progress=sys.stderr.isatty(), **kw)
     if hasattr(args, "act_quant"):
         lm.model.act_quant = args.act_quant  # (the model's own setting: the environment's is the default)
+    if hasattr(args, "prefill_dtype"):
+        lm.model.prefill_dtype = args.prefill_dtype
+    note = prefill_dtype_warning(lm.model)
+    if note:
+        warnings.warn(note, stacklevel=2)
     return lm
 
 
@@ -266,6 +273,7 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     from kvtier.config import configure_kv_cache
     from kvtier.generate import stream_generate
     from kvtier.model.act_quant import ENV_VAR, act_quant_of, parse_act_quant
+    from kvtier.model.linear import prefill_dtype_in_effect
 
     if hasattr(args, "prompt_option"):
         if hasattr(args, "prompt"):
@@ -342,6 +350,7 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
             last = r
     stats = last.stats
     cache = cache_summary(caches, next(lm.model.parameters()).dtype)
+    narrow_prefill = lm.model.tok_embeddings.weight.dtype != prefill_dtype_in_effect(lm.model)
     ranks = getattr(args, "tensor_parallel", 1)  # a rank of --tensor-parallel holds its heads' share
     if ranks > 1:
         cache["ranks"] = ranks  # (nbytes: this rank's)
@@ -350,6 +359,7 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
             "prompt_tokens": ids, "tokens": tokens, "text": "".join(text),
             "finish_reason": last.finish_reason, "timings": stats.as_dict(), "cache": cache,
             "model": str(lm.source), "act_quant": "q8" if int8 else "none",
+            "prefill_dtype": str(prefill_dtype_in_effect(lm.model)).removeprefix("torch."),
         }
         if spec is not None:
             out["speculative"] = last.speculative.as_dict()
@@ -363,7 +373,8 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
         f"decode {stats.decode_tokens_per_s:.1f} tok/s | tier {cache['tier']} {cache['codec']}, "
         f"KV {cache['nbytes'] / 2**20:.2f} MiB{f' on each of {ranks} ranks' if ranks > 1 else ''}, "
         f"grow events {cache['grow_events']}"
-        + (" | int8 activations (q8)" if int8 else ""),
+        + (" | int8 activations (q8)" if int8 else "")
+        + (" | bfloat16 prefill" if narrow_prefill else ""),
         file=sys.stderr,
     )
     if spec is not None:
@@ -400,6 +411,8 @@ def _run_tensor_parallel(args: argparse.Namespace) -> int:
 
 
 def _generate_on_rank(lm, args: argparse.Namespace) -> int:
+    if hasattr(args, "prefill_dtype"):
+        lm.model.prefill_dtype = args.prefill_dtype  # (the shard's own, as _load sets it)
     return run_generate(args, lm=lm)
 
 
@@ -441,6 +454,7 @@ def run_info(args: argparse.Namespace) -> int:
     import torch
 
     from kvtier.model.act_quant import act_quant_of
+    from kvtier.model.linear import prefill_dtype_in_effect
     from kvtier.model.packed import load_kernels as packed_kernels
 
     cache_config = cache_config_from_args(args)
@@ -468,6 +482,7 @@ def run_info(args: argparse.Namespace) -> int:
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "threads": torch.get_num_threads(),
         "act_quant": act_quant_of(lm.model),
+        "prefill_dtype": str(prefill_dtype_in_effect(lm.model)).removeprefix("torch."),
         # what load_model packed (and placed on huge pages), and which loops the packed products take
         "packing": lm.packing,
         "cpu_products": None if kernels is None else {"lanes": kernels.lanes, "digits": list(kernels.digits)},

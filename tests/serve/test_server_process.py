@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -195,3 +196,28 @@ def test_the_model_loads_in_a_thread_that_then_ends() -> None:
 
     with pytest.raises(ValueError, match="no model here"):
         in_passing_thread(fail)
+
+
+def test_a_bfloat16_prefill_server_says_so_and_answers_as_generate_does(tmp_path, lm) -> None:
+    """``--prefill-dtype bfloat16``: the banner says so, and a greedy completion of a prompt of
+    over 64 tokens (its prompt forward in bfloat16, its decode steps float32) is ``generate``'s
+    over the paged tier with the same setting. A bad ``KVTIER_PREFILL_DTYPE`` is refused before
+    the model loads."""
+    prompt = "Here is some background. " * 30 + "Question: What is the capital of France? Answer:"
+    log = tmp_path / "bf16.log"
+    with running_server(log, "--device", "cpu", "--prefill-dtype", "bfloat16") as url:
+        got = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120).completions.create(
+            model=model_name(url), prompt=prompt, max_tokens=12, temperature=0)
+        banner = next(line for line in log.read_text().splitlines() if line.startswith("[kvtier] serving"))
+        assert banner.endswith("| bfloat16 prefill")
+    assert got.usage.prompt_tokens > 64
+    lm.model.prefill_dtype = "bfloat16"
+    try:
+        want = generate(lm.model, lm.tokenizer, prompt, GenerationConfig(max_tokens=12),
+                        cache_config=KVCacheConfig(tier="paged"))
+    finally:
+        lm.model.prefill_dtype = None
+    assert got.choices[0].text == want
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "KVTIER_PREFILL_DTYPE": "half"})
+    assert done.returncode == 2 and "KVTIER_PREFILL_DTYPE='half' is unknown" in done.stderr

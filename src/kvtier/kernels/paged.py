@@ -50,6 +50,7 @@ import math
 
 import torch
 
+from kvtier.kernels import precision
 from kvtier.kernels.cpu_attention import paged_decode_cpu
 from kvtier.kernels.dispatch import BACKENDS as BACKENDS  # re-exported: earlier import paths
 from kvtier.kernels.dispatch import KernelDispatch
@@ -244,8 +245,8 @@ def paged_attention_reference(
         end = min(k.shape[2], max_len - b0 * bs)  # keys past the longest row are never visible
         k, v = k[:, :, :end], v[:, :, :end]
         if from_empty:
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=Hq > k.shape[1])
+            return precision.sdpa(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
+                                  enable_gqa=Hq > k.shape[1])
         mask = (None if b0 * bs + end <= sees_all
                 else causal_mask(B, T, end, q_start, kv_len, key_start=b0 * bs, device=q.device))
         if per_chunk >= total:  # one chunk: nothing to merge, so SDPA needs no log-sum-exp
@@ -265,7 +266,7 @@ def _attend_rows(q, key_pages, value_pages, block_tables, q_start, kv_len, *, k_
     B, Hq, T, D = q.shape
     bs = key_pages.shape[1]
     out = q.new_zeros(B, Hq, T, v_codec.head_dim)
-    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, scale=scale,
+    sdpa = functools.partial(precision.sdpa, scale=scale,
                              enable_gqa=Hq > key_pages.shape[2])
     for b, (start, n) in enumerate(zip(q_start.tolist(), kv_len.tolist())):
         if n <= 0:
@@ -300,7 +301,7 @@ def masked_attention(
     G = Hq // Hkv
     qg = q.reshape(B, Hkv, G * T, D).to(k.dtype)  # query heads of a group share K: no K/V copy
     mg = mask if mask is None or G == 1 else mask.repeat(1, 1, G, 1)  # (B, 1, G*T, S)
-    out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=scale)
+    out = precision.sdpa(qg, k, v, attn_mask=mg, scale=scale)
     if mask is not None:
         out = zero_unseen(out, mg)  # a query that sees no key
     return out.reshape(B, Hq, T, v.shape[3])

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from kvtier.kernels import precision
+
 
 def _as_rows(x: int | torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor | None:
     if x is None:
@@ -73,7 +75,7 @@ def causal_attention(
     B, Hq, T, D = q.shape
     S, Hkv = k.shape[2], k.shape[1]
     G = Hq // Hkv
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    sdpa = precision.sdpa  # (in a bfloat16 prefill, a prompt's queries in bfloat16)
     newest = mask is None and kv_len is None and (q_start is None or (
         not isinstance(q_start, torch.Tensor) and q_start == S - T))
     if newest and T == 1:

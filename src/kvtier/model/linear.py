@@ -24,6 +24,16 @@ own switch turns it off (``torch.backends.mkldnn.flags(enabled=False)``, or
 ``torch.backends.mkldnn.enabled = False``). :class:`Linear` is ``nn.Linear`` through
 it; every projection of :class:`~kvtier.model.llama.Transformer` is one.
 
+Prefills in bfloat16 (opt-in). A float32 model's forward of more than 64 tokens (a prompt, a
+prompt chunk and the decode tokens that ride with it, a long verification) can multiply its
+linears of that many rows in bfloat16 instead (:mod:`kvtier.kernels.precision`; the LM head
+keeps float32: logits are what a caller reads): :func:`narrow_linear` rounds the input and the
+weight to bfloat16 (packed weights are dequantised straight to it), oneDNN sums the products in
+float32 (on AMX tiles where the CPU has them) and rounds the result to bfloat16, which comes
+back as float32; a bias is added in float32. Select it per model (``model.prefill_dtype =
+"bfloat16"``), with ``$KVTIER_PREFILL_DTYPE`` or the command line's ``--prefill-dtype``;
+``float32`` (the default) keeps the exact float32 products (:func:`prefill_dtype_of`).
+
 Example::
 
     >>> import torch
@@ -36,15 +46,74 @@ Example::
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kvtier.kernels.precision import bf16_matmuls_fast, narrow_dtype
+
 #: this build of PyTorch has the oneDNN linear primitive
 HAVE_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 #: rows from which a CPU without AVX-512 multiplies through ``F.linear`` (its BLAS)
 BLAS_MIN_ROWS = 512
+#: what a float32 model's prefills may multiply in: ``float32`` (exact) or ``bfloat16``
+PREFILL_DTYPES = ("float32", "bfloat16")
+PREFILL_ENV_VAR = "KVTIER_PREFILL_DTYPE"
+
+
+def parse_prefill_dtype(value: str | torch.dtype | None, *, source: str = "prefill_dtype") -> torch.dtype:
+    """``value`` (a name of :data:`PREFILL_DTYPES`, the dtype itself, ``None`` or ``""``: float32)
+    as a dtype; ``ValueError`` naming it and the accepted names otherwise."""
+    if isinstance(value, torch.dtype):
+        name = str(value).removeprefix("torch.")
+    else:
+        name = (value or "float32").strip().lower()
+    if name not in PREFILL_DTYPES:
+        raise ValueError(f"{source}={value!r} is unknown; accepted: {', '.join(PREFILL_DTYPES)} "
+                         "(bfloat16: a float32 model's prefills multiply their linears in bfloat16)")
+    return getattr(torch, name)
+
+
+def prefill_dtype_of(model) -> torch.dtype:
+    """The prefill dtype of ``model``: its own ``prefill_dtype`` attribute when set, else
+    ``$KVTIER_PREFILL_DTYPE``, else float32."""
+    own = model.__dict__.get("prefill_dtype")  # (a plain attribute: no nn.Module lookup)
+    if own is not None:
+        return parse_prefill_dtype(own)
+    return parse_prefill_dtype(os.environ.get(PREFILL_ENV_VAR), source=PREFILL_ENV_VAR)
+
+
+def prefill_dtype_in_effect(model) -> torch.dtype:
+    """The dtype ``model``'s prefills multiply in: bfloat16 where asked of a float32 model
+    (:func:`prefill_dtype_of`), else the model's own."""
+    own = model.tok_embeddings.weight.dtype
+    return prefill_dtype_of(model) if own == torch.float32 else own
+
+
+def prefill_dtype_warning(model) -> str | None:
+    """Why a bfloat16 prefill asked of ``model`` (:func:`prefill_dtype_of`) will not help: a model
+    that does not compute in float32 (its own dtype serves its prefills), or a CPU that multiplies
+    bfloat16 in software (slower than float32); ``None`` when it will, or was not asked for."""
+    if prefill_dtype_of(model) == torch.float32:
+        return None
+    weight = model.tok_embeddings.weight
+    if weight.dtype != torch.float32:
+        return (f"--prefill-dtype bfloat16 (KVTIER_PREFILL_DTYPE) has no effect on a {str(weight.dtype)[6:]} "
+                "model: its prefills already compute in its own dtype")
+    if weight.device.type == "cpu" and not bf16_matmuls_fast():
+        return ("--prefill-dtype bfloat16 (KVTIER_PREFILL_DTYPE): this CPU has neither AMX nor AVX512-BF16, "
+                "so bfloat16 products run in software, slower than float32; use float32 here")
+    return None
+
+
+def narrow_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``x @ weight.T + bias`` with ``x`` and ``weight`` rounded to ``dtype`` (a no-op for a weight
+    already in it), the result back in ``x``'s dtype and ``bias`` added there."""
+    out = F.linear(x.to(dtype), weight.to(dtype)).to(x.dtype)
+    return out if bias is None else out.add_(bias.to(x.dtype))
 
 
 @functools.cache
@@ -63,7 +132,11 @@ def onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, ``x`` ``[..., K]``, ``weight`` ``[N, K]``; ``[..., N]``."""
+    """``x @ weight.T + bias``, ``x`` ``[..., K]``, ``weight`` ``[N, K]``; ``[..., N]`` (in
+    :func:`prefill_matmuls`' dtype within it: :func:`narrow_linear`)."""
+    low = narrow_dtype(x)  # a bfloat16 prefill (kvtier.kernels.precision)
+    if low is not None:
+        return narrow_linear(x, weight, bias, low)
     if onednn_applies(x, weight) and (bias is None or bias.dtype == torch.float32):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

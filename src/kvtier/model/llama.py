@@ -36,7 +36,8 @@ from torch.nn import functional as F
 
 from kvtier.caches.base import KVCache
 from kvtier.config import switched_off
-from kvtier.model.linear import Linear
+from kvtier.kernels.precision import PREFILL_MIN_TOKENS, prefill_matmuls
+from kvtier.model.linear import Linear, prefill_dtype_of
 
 ARCHES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -213,6 +214,15 @@ class Transformer(nn.Module):
                                                 else step.run_planned(tokens, caches, kwargs["plan"], last_only))
             if logits is not None:
                 return logits
+        # a float32 model's prefill may multiply in bfloat16 (kvtier.kernels.precision); the LM head
+        # keeps float32 (logits are what a caller reads: their log-probabilities, a perplexity)
+        with prefill_matmuls(prefill_dtype_of(self) if tokens.numel() > PREFILL_MIN_TOKENS else None):
+            h = self._layers(tokens, caches, positions, kwargs, n, last_only, select)
+        return self.output(h).float()
+
+    def _layers(self, tokens, caches, positions, kwargs, n, last_only, select) -> torch.Tensor:
+        """:meth:`forward` through the layers and the final norm (PyTorch's ops, the fused kernels):
+        the normalised hidden states of the positions whose logits are asked for."""
         if positions is None:
             positions = self._positions_from_cache(tokens, caches[0], kwargs)
         positions = positions.to(tokens.device)  # (B, T)
@@ -228,10 +238,10 @@ class Transformer(nn.Module):
             delta = None
             for layer, cache in zip(islice(self.layers, n), caches):
                 x, delta = layer.forward_fused(x, delta, cos, sin, cache, kwargs)
-            return self.output(ops.add_rms_norm(columns(x), columns(delta), self.norm.weight, self.norm.eps)[1]).float()
+            return ops.add_rms_norm(columns(x), columns(delta), self.norm.weight, self.norm.eps)[1]
         for layer, cache in zip(islice(self.layers, n), caches):
             x = layer(x, cos, sin, cache, kwargs)
-        return self.output(self.norm(columns(x))).float()
+        return self.norm(columns(x))
 
     def _check_forward(self, tokens, caches, positions, num_layers) -> int:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:

@@ -18,7 +18,9 @@ float32, and it computes with exactly the same weights:
   plain C elsewhere) dequantises in registers and accumulates in float32, with
   the threads of PyTorch's OpenMP runtime; for more rows (prefill) it dequantises
   the weight and calls :func:`kvtier.model.linear.linear`, as the float32 model does,
-  which gives its results bit for bit. Decode differs from the float32 model only in
+  which gives its results bit for bit (in a bfloat16 prefill,
+  :func:`kvtier.model.linear.prefill_matmuls`, the C kernel dequantises the weight straight to
+  bfloat16). Decode differs from the float32 model only in
   float32 rounding (the order of its sums; AVX2's one-row q8_0 loop applies each block's scale
   once), and where the CPU has AVX512-VNNI, or AVX2 without AVX-512, one row's q4_1 products
   take the row as integer digits that hold it to float32's resolution
@@ -42,8 +44,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvtier.kernels.precision import narrow_dtype
 from kvtier.model.huge_pages import place_on_huge_pages
 from kvtier.model.linear import linear as dense_linear
+from kvtier.model.linear import narrow_linear
 from kvtier.model.packed_kernels import (  # noqa: F401 (the kernels' names, as before, from here too)
     _C_SOURCE,
     GROUPED_MAX_ROWS,
@@ -161,7 +165,20 @@ class PackedLinear(nn.Module):
         q = torch.cat([lo, hi], dim=-1).float()  # (N, G, 32)
         return torch.addcmul(self.m.float()[..., None], q, d).reshape(self.out_features, -1)
 
+    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in ``dtype``: :attr:`weight`, or in bfloat16 each float32 weight rounded to
+        nearest even, in one pass of the C kernel on the CPU."""
+        if dtype == torch.bfloat16 and self.codes.device.type == "cpu" and self.codes.is_contiguous() \
+                and self.d.dtype == torch.float16 and (self.m is None or self.m.dtype == torch.float16):
+            out = torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16)
+            return self.kernels.dequant(self.fmt, self.codes, self.d.contiguous(),
+                                        None if self.m is None else self.m.contiguous(), out)
+        return self.weight.to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low = narrow_dtype(x)  # a bfloat16 prefill (kvtier.kernels.precision)
+        if low is not None:
+            return narrow_linear(x, self.weight_as(low), self.bias, low)
         rows = x.numel() // self.in_features
         if rows > self.kernels.max_rows or x.dtype != torch.float32 or x.device.type != "cpu":
             return dense_linear(x, self.weight, self.bias)

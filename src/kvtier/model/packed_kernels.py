@@ -379,20 +379,37 @@ static inline void q8_0_block_dequant(const int8_t* c, float dd, float* o) {
 #endif
 }
 
-void q4_1_dequant(const uint8_t* codes, const _Float16* d, const _Float16* mn, float* w,
-                  int64_t N, int64_t K, int threads) {
-  const int64_t G = K / 32;
-  #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n = 0; n < N; n++)
-    for (int64_t g = 0; g < G; g++)
-      q4_1_block_dequant(codes + (n * G + g) * 16, (float)d[n * G + g], (float)mn[n * G + g], w + n * K + g * 32);
+/* With bf16 set, w is bfloat16, each weight rounded to nearest even (PyTorch's conversion),
+   for a prefill that multiplies in bfloat16 (kvtier.model.linear.prefill_matmuls). */
+static inline void kv_bf16(const float* b, uint16_t* o) {
+  for (int j = 0; j < 32; j++) {
+    uint32_t u;
+    memcpy(&u, b + j, 4);
+    o[j] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
 }
 
-void q8_0_dequant(const int8_t* codes, const _Float16* d, float* w, int64_t N, int64_t K, int threads) {
+void q4_1_dequant(const uint8_t* codes, const _Float16* d, const _Float16* mn, void* w,
+                  int64_t N, int64_t K, int bf16, int threads) {
   const int64_t G = K / 32;
   #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t n = 0; n < N; n++)
-    for (int64_t g = 0; g < G; g++) q8_0_block_dequant(codes + n * K + g * 32, (float)d[n * G + g], w + n * K + g * 32);
+    for (int64_t g = 0; g < G; g++) {
+      float b[32], *o = bf16 ? b : (float*)w + n * K + g * 32;
+      q4_1_block_dequant(codes + (n * G + g) * 16, (float)d[n * G + g], (float)mn[n * G + g], o);
+      if (bf16) kv_bf16(b, (uint16_t*)w + n * K + g * 32);
+    }
+}
+
+void q8_0_dequant(const int8_t* codes, const _Float16* d, void* w, int64_t N, int64_t K, int bf16, int threads) {
+  const int64_t G = K / 32;
+  #pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t g = 0; g < G; g++) {
+      float b[32], *o = bf16 ? b : (float*)w + n * K + g * 32;
+      q8_0_block_dequant(codes + n * K + g * 32, (float)d[n * G + g], o);
+      if (bf16) kv_bf16(b, (uint16_t*)w + n * K + g * 32);
+    }
 }
 
 static inline void q8_0_task(const float* x, const Q8Row* row, const int8_t* codes, const _Float16* d,
@@ -528,8 +545,8 @@ class PackedKernels:
         for fn in self._fns.values():
             fn.argtypes, fn.restype = [p] * 5 + [i] * 3 + [ctypes.c_int], None
         self._dequant = {"q4_1": lib.q4_1_dequant, "q8_0": lib.q8_0_dequant}
-        lib.q4_1_dequant.argtypes = [p] * 4 + [i] * 2 + [ctypes.c_int]
-        lib.q8_0_dequant.argtypes = [p] * 3 + [i] * 2 + [ctypes.c_int]
+        lib.q4_1_dequant.argtypes = [p] * 4 + [i] * 2 + [ctypes.c_int] * 2
+        lib.q8_0_dequant.argtypes = [p] * 3 + [i] * 2 + [ctypes.c_int] * 2
         for fn in self._dequant.values():
             fn.restype = None
         lib.kernel_lanes.restype = ctypes.c_int
@@ -557,10 +574,13 @@ class PackedKernels:
 
     def dequant(self, fmt: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                 out: torch.Tensor) -> torch.Tensor:
-        """The float32 weight ``out`` ``[N, K]`` (contiguous) of the block codes, bit for bit."""
+        """The weight ``out`` ``[N, K]`` (contiguous) of the block codes: float32, bit for bit, or
+        bfloat16, each float32 weight rounded to nearest even (``w.to(torch.bfloat16)``)."""
         N, K = out.shape
+        assert out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous(), out.dtype
         extra = () if fmt == "q8_0" else (m.data_ptr(),)
-        self._dequant[fmt](codes.data_ptr(), d.data_ptr(), *extra, out.data_ptr(), N, K, torch.get_num_threads())
+        self._dequant[fmt](codes.data_ptr(), d.data_ptr(), *extra, out.data_ptr(), N, K,
+                           int(out.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
     def gemv(self, fmt: str, x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor,

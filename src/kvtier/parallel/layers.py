@@ -25,6 +25,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from kvtier.kernels.precision import narrow_dtype
+from kvtier.model.linear import narrow_linear
+
 
 def split_range(n: int, world_size: int, rank: int) -> tuple[int, int]:
     """``[start, end)`` of rank ``rank``'s share of ``n`` items split as evenly as they go
@@ -50,8 +53,9 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (..., out): this rank's partial sum
-        dist.all_reduce(y, group=self.group)
+        low = narrow_dtype(x)  # a bfloat16 prefill (kvtier.kernels.precision)
+        y = F.linear(x, self.weight) if low is None else narrow_linear(x, self.weight, None, low)  # (..., out)
+        dist.all_reduce(y, group=self.group)  # (this rank's partial sum, then every rank's)
         return y
 
 
