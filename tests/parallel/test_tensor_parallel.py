@@ -139,7 +139,18 @@ def _tiny_rank(tp: TensorParallel):
         refused = None
     except ValueError as e:
         refused = str(e)
-    return {"tiers": out, "heads": heads, "sampled": everyone, "mixed": refused}
+    return {"tiers": out, "heads": heads, "sampled": everyone, "mixed": refused, "prefill": _prefill_logits(model)}
+
+
+def _prefill_logits(model) -> dict[str, torch.Tensor]:
+    """The last logits of a 100-token prompt, prefilled in float32 and in bfloat16."""
+    ids = torch.arange(100)[None] * 7 % TINY.vocab_size
+    out = {}
+    with torch.inference_mode():
+        for name in ("float32", "bfloat16"):
+            model.prefill_dtype = name
+            out[name] = model(ids, model.make_caches(KVCacheConfig(tier="tail")))[0, -1]
+    return out
 
 
 def test_tiny_llama_two_ranks_equal_one_rank_on_every_tier():
@@ -153,6 +164,13 @@ def test_tiny_llama_two_ranks_equal_one_rank_on_every_tier():
         assert tokens == want, name
         assert (heads, rank_heads) == (4, 2), name  # each rank's cache holds its 2 KV heads
     assert got["sampled"][0] == got["sampled"][1]
+    # a bfloat16 prefill on the ranks (column and row shards alike) is near one process's
+    one, ranks = _prefill_logits(model), got["prefill"]
+    assert torch.allclose(ranks["float32"], one["float32"], atol=1e-5)
+    assert not torch.equal(ranks["bfloat16"], ranks["float32"])
+    scale = one["float32"].abs().max()
+    for narrow in (ranks["bfloat16"], one["bfloat16"]):
+        assert (narrow - one["float32"]).abs().max() < 0.05 * scale
     assert got["mixed"].startswith("mixed devices across ranks: ['cpu', 'meta']")
 
 

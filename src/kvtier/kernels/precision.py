@@ -5,9 +5,10 @@ A float32 model's forward of more than :data:`PREFILL_MIN_TOKENS` tokens may run
 whose AMX tiles or AVX512-BF16 units multiply bfloat16 several times faster than float32
 (:func:`bf16_matmuls_fast`). The model opens :func:`prefill_matmuls` around such a forward;
 within it :func:`narrow_dtype` tells a linear or an attention call of float32 inputs with more
-than that many rows the dtype to multiply in, and :func:`sdpa` is PyTorch's attention with its
-inputs rounded to it and its result back in float32. Everything else, and every forward of
-fewer tokens (decode steps), stays float32.
+than that many rows the dtype to multiply in (a linear returns its result in its input's dtype:
+float32, or bfloat16 for an input already in it, as the MLP's SiLU product is), and :func:`sdpa`
+is PyTorch's attention with its inputs rounded to it and its result back in float32. Everything
+else, and every forward of fewer tokens (decode steps), stays float32.
 
 Example::
 
@@ -49,11 +50,11 @@ def prefill_matmuls(dtype: torch.dtype | None):
 
 
 def narrow_dtype(x: torch.Tensor, rows: int | None = None) -> torch.Tensor | None:
-    """The dtype a call on float32 ``x`` multiplies in: :func:`prefill_matmuls`' within it when
-    ``rows`` (default: ``x``'s, its last dimension the features) exceed
-    :data:`PREFILL_MIN_TOKENS`; ``None`` (float32) otherwise."""
+    """The dtype a call on ``x`` (float32, or already in that dtype) multiplies in:
+    :func:`prefill_matmuls`' within it when ``rows`` (default: ``x``'s, its last dimension the
+    features) exceed :data:`PREFILL_MIN_TOKENS`; ``None`` (as it is) otherwise."""
     low = _DTYPE.get()
-    if low is None or x.dtype != torch.float32:
+    if low is None or x.dtype not in (torch.float32, low):
         return None
     n = x.numel() // max(x.shape[-1], 1) if rows is None else rows
     return low if n > PREFILL_MIN_TOKENS else None

@@ -110,8 +110,8 @@ def prefill_dtype_warning(model) -> str | None:
 
 def narrow_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   dtype: torch.dtype) -> torch.Tensor:
-    """``x @ weight.T + bias`` with ``x`` and ``weight`` rounded to ``dtype`` (a no-op for a weight
-    already in it), the result back in ``x``'s dtype and ``bias`` added there."""
+    """``x @ weight.T + bias`` with ``x`` and ``weight`` rounded to ``dtype`` (a no-op for those
+    already in it), the result in ``x``'s dtype and ``bias`` added there."""
     out = F.linear(x.to(dtype), weight.to(dtype)).to(x.dtype)
     return out if bias is None else out.add_(bias.to(x.dtype))
 

@@ -36,7 +36,7 @@ from torch.nn import functional as F
 
 from kvtier.caches.base import KVCache
 from kvtier.config import switched_off
-from kvtier.kernels.precision import PREFILL_MIN_TOKENS, prefill_matmuls
+from kvtier.kernels.precision import PREFILL_MIN_TOKENS, narrow_dtype, prefill_matmuls
 from kvtier.model.linear import Linear, prefill_dtype_of
 
 ARCHES = ("llama", "mistral", "qwen2", "qwen3")
@@ -422,6 +422,10 @@ class FeedForward(nn.Module):
         self.w2 = Linear(args.hidden_dim, args.dim, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low = narrow_dtype(x)
+        if low is not None:  # a bfloat16 prefill (kvtier.kernels.precision): the SiLU product stays in it
+            gate, up = self.w13(x.to(low)).split(self.hidden_dim, dim=-1)  # (B, T, hidden) each
+            return self.w2(F.silu(gate) * up).float()
         return project(self.w2, self.w13(x), silu_mul=True)  # w13: (B, T, 2 hidden), gate then up
 
 

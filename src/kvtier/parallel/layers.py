@@ -54,7 +54,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         low = narrow_dtype(x)  # a bfloat16 prefill (kvtier.kernels.precision)
-        y = F.linear(x, self.weight) if low is None else narrow_linear(x, self.weight, None, low)  # (..., out)
+        y = F.linear(x, self.weight) if low is None else narrow_linear(x, self.weight, None, low).float()  # (..., out)
         dist.all_reduce(y, group=self.group)  # (this rank's partial sum, then every rank's)
         return y
 

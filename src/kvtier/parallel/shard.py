@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from kvtier.model.linear import Linear
 from kvtier.model.llama import Attention, FeedForward, ModelArgs, Transformer
 from kvtier.parallel.group import TensorParallel
 from kvtier.parallel.layers import (
@@ -99,9 +100,11 @@ def _rows(w: torch.Tensor, ranges: Sequence[tuple[int, int]], dim: int = 0) -> t
     return torch.cat([w.narrow(dim, a, b - a) for a, b in ranges], dim=dim).contiguous()
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    """A column shard: the model's own :class:`~kvtier.model.linear.Linear` (its products, and a
+    bfloat16 prefill's) over ``weight``'s rows."""
     out_features, in_features = weight.shape
-    lin = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    lin = Linear(in_features, out_features, bias=bias is not None, device="meta")
     lin.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         lin.bias = nn.Parameter(bias, requires_grad=False)
