@@ -1,6 +1,8 @@
 """The CPU decode benchmark's roofline arithmetic (benchmarks/kvtier_bench/decode.py): the bytes a
 decoded token reads, against the tensors a model and its caches really hold."""
 
+import json
+
 import pytest
 import torch
 
@@ -116,3 +118,16 @@ def test_attention_report_names_the_command_as_it_was_typed(argv, shown):
     from kvtier_bench.attention import command_line
 
     assert command_line(argv) == shown
+
+
+def test_bench_serve_prefills_in_bfloat16_when_asked_and_records_it(tmp_path, capsys):
+    from kvtier import cli
+
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--device", "cpu", "--arch", "smollm2-135m", "--num-requests", "2",
+            "--input-len", "70,80", "--output-len", "2", "--skip-hf", "--threads", "1", "--json", str(out)]
+    assert cli.main([*argv, "--prefill-dtype", "bfloat16"]) == 0
+    assert "kvtier's prefill in bfloat16" in capsys.readouterr().out
+    assert json.loads(out.read_text())["meta"]["kvtier_prefill_dtype"] == "bfloat16"
+    assert cli.main(argv) == 0
+    assert json.loads(out.read_text())["meta"]["kvtier_prefill_dtype"] == "float32"

@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", choices=("packed", "float32"), default="packed",
                         help="kvtier's weights of the default model on the CPU: its block codes, as kvtier "
                              "serve keeps them (default), or dense float32 as transformers gets them")
+    parser.add_argument("--prefill-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="kvtier's prompt forwards of a float32 model (default: KVTIER_PREFILL_DTYPE, "
+                             "else float32; transformers stays float32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="write a PNG of throughput and latencies here")
@@ -161,6 +164,11 @@ def run(args: argparse.Namespace) -> int:
                              f"{flag}, so its tokens could not be compared")
     model, label, tokenizer = load(args, device)
     engine_model = packed_copy() if label.endswith("float32") and args.weights == "packed" else model
+    if args.prefill_dtype is not None:
+        engine_model.prefill_dtype = args.prefill_dtype
+    from kvtier.model.linear import prefill_dtype_in_effect
+
+    prefill_dtype = str(prefill_dtype_in_effect(engine_model)).removeprefix("torch.")
     rng = random.Random(args.seed)
     vocab = model.args.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(args.num_requests)]
@@ -174,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         label += " (kvtier: packed Q4_1/Q8_0 codes)"
     meta = {"model": label, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
             f"CPU, {torch.get_num_threads()} threads", "num_requests": args.num_requests,
-            "input_len": [lo, hi], "output_len": args.output_len,
+            "input_len": [lo, hi], "output_len": args.output_len, "kvtier_prefill_dtype": prefill_dtype,
             "concurrency": args.concurrency or args.num_requests, "request_rate": args.request_rate,
             "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions()}
     print_table(results, meta)
@@ -373,7 +381,9 @@ def print_table(results: list[Result], meta: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"{meta['model']} on {meta['device']}: {meta['num_requests']} requests, prompts "
-                    f"{meta['input_len'][0]}-{meta['input_len'][1]}, {meta['output_len']} new tokens")
+                    f"{meta['input_len'][0]}-{meta['input_len'][1]}, {meta['output_len']} new tokens"
+                    + ("" if meta["kvtier_prefill_dtype"] == "float32"
+                       else f", kvtier's prefill in {meta['kvtier_prefill_dtype']}"))
     for col in ("contender", "output tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
                 "TPOT p99 ms", "x transformers"):
         t.add_column(col, justify="left" if col == "contender" else "right")
