@@ -230,3 +230,29 @@ def test_a_short_prompt_is_float32_bit_for_bit(bf16_prefill):
             model.prefill_dtype = name
             outs.append(model(ids, model.make_caches())[0])
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tier", ["tail", "paged"])
+def test_a_float32_model_on_cuda_prefills_in_bfloat16_too(tier):
+    """On CUDA a float32 model narrows alike (cuBLAS's bfloat16 products, SDPA's bfloat16 kernels):
+    near its float32 prefill, and the decode step after it near the float32 one's."""
+    from kvtier.config import KVCacheConfig
+    from kvtier.model import ModelArgs, build_random
+
+    args = ModelArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=512, vocab_size=512)
+    model = build_random(args, dtype=torch.float32, device="cuda")
+    ids = torch.randint(0, 512, (2, 100), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    config = KVCacheConfig(tier=tier)
+    outs, steps = {}, {}
+    with torch.inference_mode():
+        for name in ("float32", "bfloat16"):
+            model.prefill_dtype = name
+            caches = model.make_caches(config, batch_size=2)
+            outs[name] = model(ids, caches)
+            steps[name] = model(ids[:, -1:], caches)
+    lp32, lp16 = outs["float32"].log_softmax(-1), outs["bfloat16"].log_softmax(-1)
+    assert not torch.equal(lp32, lp16)
+    assert (lp32.exp() * (lp32 - lp16)).sum(-1).mean() < 2e-3
+    assert (steps["bfloat16"] - steps["float32"]).abs().max() < 0.1 * steps["float32"].abs().max()
