@@ -49,7 +49,7 @@ def prefill_matmuls(dtype: torch.dtype | None):
         _DTYPE.reset(token)
 
 
-def narrow_dtype(x: torch.Tensor, rows: int | None = None) -> torch.Tensor | None:
+def narrow_dtype(x: torch.Tensor, rows: int | None = None) -> torch.dtype | None:
     """The dtype a call on ``x`` (float32, or already in that dtype) multiplies in:
     :func:`prefill_matmuls`' within it when ``rows`` (default: ``x``'s, its last dimension the
     features) exceed :data:`PREFILL_MIN_TOKENS`; ``None`` (as it is) otherwise."""

@@ -19,7 +19,7 @@ float32, and it computes with exactly the same weights:
   the threads of PyTorch's OpenMP runtime; for more rows (prefill) it dequantises
   the weight and calls :func:`kvtier.model.linear.linear`, as the float32 model does,
   which gives its results bit for bit (in a bfloat16 prefill,
-  :func:`kvtier.model.linear.prefill_matmuls`, the C kernel dequantises the weight straight to
+  :func:`kvtier.kernels.precision.prefill_matmuls`, the C kernel dequantises the weight straight to
   bfloat16). Decode differs from the float32 model only in
   float32 rounding (the order of its sums; AVX2's one-row q8_0 loop applies each block's scale
   once), and where the CPU has AVX512-VNNI, or AVX2 without AVX-512, one row's q4_1 products

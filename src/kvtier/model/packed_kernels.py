@@ -380,7 +380,7 @@ static inline void q8_0_block_dequant(const int8_t* c, float dd, float* o) {
 }
 
 /* With bf16 set, w is bfloat16, each weight rounded to nearest even (PyTorch's conversion),
-   for a prefill that multiplies in bfloat16 (kvtier.model.linear.prefill_matmuls). */
+   for a prefill that multiplies in bfloat16 (kvtier.kernels.precision.prefill_matmuls). */
 static inline void kv_bf16(const float* b, uint16_t* o) {
   for (int j = 0; j < 32; j++) {
     uint32_t u;
