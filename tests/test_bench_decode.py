@@ -131,3 +131,15 @@ def test_bench_serve_prefills_in_bfloat16_when_asked_and_records_it(tmp_path, ca
     assert json.loads(out.read_text())["meta"]["kvtier_prefill_dtype"] == "bfloat16"
     assert cli.main(argv) == 0
     assert json.loads(out.read_text())["meta"]["kvtier_prefill_dtype"] == "float32"
+
+
+def test_bench_decode_adds_a_bfloat16_prefill_row_beside_the_exact_one(capsys, monkeypatch):
+    from kvtier import cli
+
+    monkeypatch.setenv("KVTIER_PREFILL_DTYPE", "bfloat16")  # the exact row stays float32 all the same
+    argv = ["bench", "decode", "--device", "cpu", "--arch", "smollm2-135m", "--prompt-tokens", "80",
+            "--new-tokens", "3", "--repeats", "1", "--no-hf", "--threads", "1", "--prefill-dtype", "bfloat16"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("kvtier tail, bfloat16 prefill / kvtier tail:"))
+    assert "prompt and first token" in line and "greedy tokens equal" in line

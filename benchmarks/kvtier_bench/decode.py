@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run the tail tier with int8 activations in the CPU decode step "
                              "(KVTIER_ACT_QUANT=q8), against the exact products (the first row); "
                              "with --kv-dtype, the two together as well")
+    parser.add_argument("--prefill-dtype", dest="prefill_dtype", choices=("bfloat16",), default=None,
+                        help="a row more: kvtier's prompt forward in bfloat16 (docs/model.md), against the "
+                             "float32 one (the first row) and transformers'")
     parser.add_argument("--plot", default=None, help="write a PNG of decode tokens/s here")
 
 
@@ -104,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     if args.act_quant is not None and (device.type != "cpu" or args.tier != "tail"):
         raise ValueError(f"--act-quant acts in the CPU decode step over the tail tier, not {device.type} "
                          f"with --tier {args.tier}; use --device cpu and --tier tail")
+    if args.prefill_dtype is not None and device.type != "cpu":
+        raise ValueError("--prefill-dtype narrows a float32 model's prompts; the CUDA models here are bfloat16 "
+                         "already: use --device cpu")
     fp32 = None
     if device.type == "cuda" or args.arch is not None:
         model, hf, ids, label = _random_models(args, device)
@@ -124,14 +130,20 @@ def run(args: argparse.Namespace) -> int:
         models[narrow] = model
     if args.act_quant is not None:
         int8 = "kvtier tail int8 activations"
-        contenders[f"kvtier {args.tier}"] = lambda: _with_act_quant(model, "none", ids, n, cfg)
-        contenders[int8] = lambda: _with_act_quant(model, args.act_quant, ids, n, cfg)
+        contenders[f"kvtier {args.tier}"] = lambda: _with(model, "act_quant", "none", ids, n, cfg)
+        contenders[int8] = lambda: _with(model, "act_quant", args.act_quant, ids, n, cfg)
         models[int8] = model
         if args.kv_dtype is not None:  # both: the float16 row exact, and the two together
-            contenders[narrow] = lambda: _with_act_quant(model, "none", ids, n, half_cfg)
+            contenders[narrow] = lambda: _with(model, "act_quant", "none", ids, n, half_cfg)
             both = f"kvtier tail int8 activations, {args.kv_dtype} KV"
-            contenders[both] = lambda: _with_act_quant(model, args.act_quant, ids, n, half_cfg)
+            contenders[both] = lambda: _with(model, "act_quant", args.act_quant, ids, n, half_cfg)
             models[both] = model
+    if args.prefill_dtype is not None:  # the first row's prompt in float32 whatever the environment says
+        first = contenders[f"kvtier {args.tier}"]
+        contenders[f"kvtier {args.tier}"] = lambda: _with(model, "prefill_dtype", "float32", first)
+        bf16 = f"kvtier {args.tier}, {args.prefill_dtype} prefill"
+        contenders[bf16] = lambda: _with(model, "prefill_dtype", args.prefill_dtype, first)
+        models[bf16] = model
     if fp32 is not None:
         contenders[f"kvtier {args.tier} float32"] = lambda: _kvtier_run(fp32, ids, n, cfg)
         models[f"kvtier {args.tier} float32"] = fp32
@@ -182,19 +194,26 @@ def run(args: argparse.Namespace) -> int:
             same = next((i for i, (a, b) in enumerate(zip(int8.tokens, base.tokens)) if a != b), len(base.tokens))
             print(f"{int8.name} / {base.name}: {int8.decode_tokens_per_s / base.decode_tokens_per_s:.2f}x "
                   f"decode tokens/s; the first {same}/{len(base.tokens)} greedy tokens equal")
+    if args.prefill_dtype is not None:
+        base, bf16 = results[0], next(r for r in results if r.name.endswith(" prefill"))
+        same = next((i for i, (a, b) in enumerate(zip(bf16.tokens, base.tokens)) if a != b), len(base.tokens))
+        print(f"{bf16.name} / {base.name}: prompt and first token {bf16.prefill_s:.3f} against "
+              f"{base.prefill_s:.3f} s ({base.prefill_s / bf16.prefill_s:.2f}x); the first {same}/{len(base.tokens)} "
+              "greedy tokens equal")
     if args.plot:
         _plot(results, roofs[results[0].name], args.plot, label)
     return 0
 
 
-def _with_act_quant(model, mode: str, ids, n: int, cfg):
-    """:func:`_kvtier_run` with ``model.act_quant`` set to ``mode`` for the run."""
-    before = model.__dict__.get("act_quant")
-    model.act_quant = mode
+def _with(model, name: str, value: str, *run):
+    """A run with ``model.<name>`` (``act_quant``, ``prefill_dtype``) set to ``value``: ``run`` is
+    :func:`_kvtier_run`'s ``(ids, n, cfg)``, or a contender to call."""
+    before = model.__dict__.get(name)
+    setattr(model, name, value)
     try:
-        return _kvtier_run(model, ids, n, cfg)
+        return run[0]() if len(run) == 1 else _kvtier_run(model, *run)
     finally:
-        model.act_quant = before
+        setattr(model, name, before)
 
 
 # -- the models -------------------------------------------------------------------------------------
