@@ -246,7 +246,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="q8: the CPU decode step multiplies packed weights by int8 codes of the "
                         "activations (faster, approximate; default: KVTIER_ACT_QUANT, else none)")
     p.add_argument("--prefill-dtype", dest="prefill_dtype", choices=("float32", "bfloat16"), default=_ABSENT,
-                   help="bfloat16: a float32 model's forwards of more than 64 tokens (prompts) multiply "
+                   help="bfloat16: a float32 model's forwards of more than 64 tokens a row (prompts) multiply "
                         "in bfloat16, about twice as fast on CPUs with AMX (approximate; default: "
                         "KVTIER_PREFILL_DTYPE, else float32)")
 

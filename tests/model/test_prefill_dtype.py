@@ -221,14 +221,19 @@ def test_the_default_models_bfloat16_prefill_is_near_its_float32_one(bf16_prefil
     assert torch.equal(step[0], step[1])
 
 
-def test_a_short_prompt_is_float32_bit_for_bit(bf16_prefill):
+@pytest.mark.parametrize("rows, tokens", [(1, PREFILL_MIN_TOKENS), (4, 20)])
+def test_a_short_prompt_and_a_batch_of_short_rows_are_float32_bit_for_bit(bf16_prefill, rows, tokens):
+    """64 tokens a row, and four rows of 20 (80 in all, as a verification of drafts over a batch
+    feeds): float32, whatever the setting, so speculative decoding verifies as it decodes."""
+    from kvtier.config import KVCacheConfig
+
     model = bf16_prefill.model
-    ids = torch.randint(0, 4000, (1, PREFILL_MIN_TOKENS), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 4000, (rows, tokens), generator=torch.Generator().manual_seed(0))
     outs = []
     with torch.inference_mode():
         for name in ("float32", "bfloat16"):
             model.prefill_dtype = name
-            outs.append(model(ids, model.make_caches())[0])
+            outs.append(model(ids, model.make_caches(KVCacheConfig(tier="ragged"), batch_size=rows)))
     assert torch.equal(outs[0], outs[1])
 
 

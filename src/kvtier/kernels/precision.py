@@ -1,6 +1,7 @@
 """Bfloat16 prefills: the dtype a float32 model's prompt forward multiplies in.
 
-A float32 model's forward of more than :data:`PREFILL_MIN_TOKENS` tokens may run its linears
+A float32 model's forward of more than :data:`PREFILL_MIN_TOKENS` tokens a row (a prompt, not a
+batch of decode steps or a verification of drafts) may run its linears
 (:mod:`kvtier.model.linear`) and its attention over the prompt in bfloat16 instead, on CPUs
 whose AMX tiles or AVX512-BF16 units multiply bfloat16 several times faster than float32
 (:func:`bf16_matmuls_fast`). The model opens :func:`prefill_matmuls` around such a forward;

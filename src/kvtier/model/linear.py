@@ -24,9 +24,9 @@ own switch turns it off (``torch.backends.mkldnn.flags(enabled=False)``, or
 ``torch.backends.mkldnn.enabled = False``). :class:`Linear` is ``nn.Linear`` through
 it; every projection of :class:`~kvtier.model.llama.Transformer` is one.
 
-Prefills in bfloat16 (opt-in). A float32 model's forward of more than 64 tokens (a prompt, a
-prompt chunk and the decode tokens that ride with it, a long verification) can multiply its
-linears of that many rows in bfloat16 instead (:mod:`kvtier.kernels.precision`; the LM head
+Prefills in bfloat16 (opt-in). A float32 model's forward of more than 64 tokens a row (a
+prompt, a prompt chunk, the server's packed prompt chunks; not a batch of decode steps or a
+verification of drafts) can multiply its linears in bfloat16 instead (:mod:`kvtier.kernels.precision`; the LM head
 keeps float32: logits are what a caller reads): :func:`narrow_linear` rounds the input and the
 weight to bfloat16 (packed weights are dequantised straight to it), oneDNN sums the products in
 float32 (on AMX tiles where the CPU has them) and rounds the result to bfloat16, which comes

@@ -216,7 +216,8 @@ class Transformer(nn.Module):
                 return logits
         # a float32 model's prefill may multiply in bfloat16 (kvtier.kernels.precision); the LM head
         # keeps float32 (logits are what a caller reads: their log-probabilities, a perplexity)
-        with prefill_matmuls(prefill_dtype_of(self) if tokens.numel() > PREFILL_MIN_TOKENS else None):
+        # (more than 64 tokens a row: a prompt, not a batch of decode steps or a verification of drafts)
+        with prefill_matmuls(prefill_dtype_of(self) if tokens.shape[1] > PREFILL_MIN_TOKENS else None):
             h = self._layers(tokens, caches, positions, kwargs, n, last_only, select)
         return self.output(h).float()
 

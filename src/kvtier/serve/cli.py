@@ -42,7 +42,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=_ABSENT)
     p.add_argument("--device", default=_ABSENT, help="cpu, cuda, cuda:1, ... (default: cuda if present)")
     p.add_argument("--prefill-dtype", dest="prefill_dtype", choices=("float32", "bfloat16"), default=_ABSENT,
-                   help="bfloat16: a float32 model's forwards of more than 64 tokens (prompt chunks) "
+                   help="bfloat16: a float32 model's forwards of more than 64 tokens a row (prompt chunks) "
                         "multiply in bfloat16, about twice as fast on CPUs with AMX (approximate; "
                         "default: KVTIER_PREFILL_DTYPE, else float32)")
     p.add_argument("--host", default=_ABSENT, help="address to listen on (default 127.0.0.1)")
