@@ -58,3 +58,15 @@ def test_a_bfloat16_model_is_warned_that_the_flag_does_nothing(capsys, lm, monke
     out, err = capsys.readouterr()
     assert json.loads(out)["prefill_dtype"] == "bfloat16"  # the model's own dtype
     assert "kvtier: warning: --prefill-dtype bfloat16 (KVTIER_PREFILL_DTYPE) has no effect on a bfloat16 model" in err
+
+
+def test_eval_ppl_records_the_prefill_dtype_and_moves_little(capsys):
+    """Chunks of 100 tokens a forward (more than 64): in bfloat16 the perplexity moves, a little."""
+    small = ("eval", "ppl", "--context", "200", "--chunk", "100", "--max-tokens", "201", "--modes", "fp")
+    exact = main_json(capsys, *small)
+    narrow = main_json(capsys, *small, "--prefill-dtype", "bfloat16")
+    assert (exact["prefill_dtype"], narrow["prefill_dtype"]) == ("float32", "bfloat16")
+    p32, p16 = exact["modes"][0]["ppl"], narrow["modes"][0]["ppl"]
+    assert p16 != p32 and abs(p16 / p32 - 1) < 0.01
+    assert cli.main([*small, "--prefill-dtype", "bfloat16"]) == 0
+    assert "chunks multiplied in bfloat16" in capsys.readouterr().out

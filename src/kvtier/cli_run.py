@@ -503,6 +503,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvtier.evaluate import EvalConfig, default_text, encode_text, evaluate_modes, parse_modes
+    from kvtier.model.linear import prefill_dtype_in_effect
 
     fields = _given(args, "context", "stride", "max_tokens", "chunk", "tier")
     if hasattr(args, "modes"):
@@ -525,6 +526,7 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         text = default_text()
     lm = _load(args)
+    prefill = str(prefill_dtype_in_effect(lm.model)).removeprefix("torch.")
     tokens = encode_text(lm.require_tokenizer("kvtier eval"), text, config.max_tokens)
     with Progress(f"{args.metric}: {len(config.modes)} modes", len(tokens) - 1,
                   enabled=not args.json) as progress:
@@ -534,12 +536,13 @@ def run_eval(args: argparse.Namespace) -> int:
             ("kl", "top1") if args.metric == "kl" else ()
         )
         print(json.dumps({"modes": [{k: r.as_dict()[k] for k in keys} for r in results],
-                          "tokens": results[0].tokens, "context": config.context}))
+                          "tokens": results[0].tokens, "context": config.context, "prefill_dtype": prefill}))
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{args.metric}: {results[0].tokens} tokens, context {config.context}")
+    table = Table(title=f"{args.metric}: {results[0].tokens} tokens, context {config.context}"
+                        + ("" if prefill == "float32" else f", chunks multiplied in {prefill}"))
     for col in ("mode", "ppl", "Δ vs fp", "bits/elem", "KL (nats)", "top-1"):
         table.add_column(col, justify="left" if col == "mode" else "right")
     for r in results:
