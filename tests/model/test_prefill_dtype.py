@@ -34,6 +34,7 @@ def test_only_float32_calls_of_more_rows_than_the_bound_narrow_within_the_block(
         assert narrow_dtype(x[:, :32]) is None  # 64 rows: the bound itself stays float32
         assert narrow_dtype(torch.zeros(PREFILL_MIN_TOKENS + 1, 16)) == BF16
         assert narrow_dtype(x.double()) is None and narrow_dtype(x.half()) is None
+        assert narrow_dtype(x.to(BF16)) == BF16  # (an input already in it: the MLP's SiLU product)
         with prefill_matmuls(torch.float32):  # a nested float32 block turns it off
             assert narrow_dtype(x) is None
         assert narrow_dtype(x) == BF16
