@@ -29,7 +29,13 @@ def test_a_bfloat16_prefill_answers_and_says_so(capsys, monkeypatch, lm):
     lm.model.prefill_dtype = None
     assert main_json(capsys, *argv)["prefill_dtype"] == "float32"  # the default
     monkeypatch.setenv("KVTIER_PREFILL_DTYPE", "bfloat16")
-    assert main_json(capsys, "info")["prefill_dtype"] == "bfloat16"
+    info = main_json(capsys, "info")
+    assert info["prefill_dtype"] == "bfloat16"
+    from kvtier.kernels.native import _cpu_flags
+
+    flags = set(_cpu_flags().split())  # /proc/cpuinfo's, against PyTorch's own probes
+    if flags:
+        assert info["cpu_bfloat16"] is bool(flags & {"amx_tile", "avx512_bf16"})
     assert main_json(capsys, "info", "--prefill-dtype", "float32")["prefill_dtype"] == "float32"  # the flag wins
 
 

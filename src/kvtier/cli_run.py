@@ -453,6 +453,7 @@ class Progress:
 def run_info(args: argparse.Namespace) -> int:
     import torch
 
+    from kvtier.kernels.precision import bf16_matmuls_fast
     from kvtier.model.act_quant import act_quant_of
     from kvtier.model.linear import prefill_dtype_in_effect
     from kvtier.model.packed import load_kernels as packed_kernels
@@ -483,6 +484,8 @@ def run_info(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "act_quant": act_quant_of(lm.model),
         "prefill_dtype": str(prefill_dtype_in_effect(lm.model)).removeprefix("torch."),
+        # whether this CPU multiplies bfloat16 in hardware (AMX, AVX512-BF16): --prefill-dtype pays off
+        "cpu_bfloat16": bf16_matmuls_fast(),
         # what load_model packed (and placed on huge pages), and which loops the packed products take
         "packing": lm.packing,
         "cpu_products": None if kernels is None else {"lanes": kernels.lanes, "digits": list(kernels.digits)},
