@@ -273,7 +273,7 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     from kvtier.config import configure_kv_cache
     from kvtier.generate import stream_generate
     from kvtier.model.act_quant import ENV_VAR, act_quant_of, parse_act_quant
-    from kvtier.model.linear import prefill_dtype_in_effect
+    from kvtier.model.linear import prefill_dtype_in_effect, prefill_narrows
 
     if hasattr(args, "prompt_option"):
         if hasattr(args, "prompt"):
@@ -350,7 +350,7 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
             last = r
     stats = last.stats
     cache = cache_summary(caches, next(lm.model.parameters()).dtype)
-    narrow_prefill = lm.model.tok_embeddings.weight.dtype != prefill_dtype_in_effect(lm.model)
+    narrow_prefill = prefill_narrows(lm.model)
     ranks = getattr(args, "tensor_parallel", 1)  # a rank of --tensor-parallel holds its heads' share
     if ranks > 1:
         cache["ranks"] = ranks  # (nbytes: this rank's)

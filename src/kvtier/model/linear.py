@@ -92,6 +92,11 @@ def prefill_dtype_in_effect(model) -> torch.dtype:
     return prefill_dtype_of(model) if own == torch.float32 else own
 
 
+def prefill_narrows(model) -> bool:
+    """Whether ``model``'s prefills multiply in a narrower dtype than the model computes in."""
+    return prefill_dtype_in_effect(model) != model.tok_embeddings.weight.dtype
+
+
 def prefill_dtype_warning(model) -> str | None:
     """Why a bfloat16 prefill asked of ``model`` (:func:`prefill_dtype_of`) will not help: a model
     that does not compute in float32 (its own dtype serves its prefills), or a CPU that multiplies

@@ -149,31 +149,27 @@ class PackedLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The float32 weight ``[N, K]``, dequantised on each access (exactly the original): on the
-        CPU in one pass of the C kernel (the default model's 121 weights in 0.08 s, against 0.24 s
-        for the five passes of PyTorch's ops below, which serve elsewhere)."""
-        if (self.codes.device.type == "cpu" and self.codes.is_contiguous() and self.d.dtype == torch.float16
+        """The float32 weight ``[N, K]``, dequantised on each access (exactly the original)."""
+        return self.weight_as(torch.float32)
+
+    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight ``[N, K]`` in ``dtype``: the float32 weight, exactly the original, or for
+        bfloat16 each of its values rounded to nearest even. On the CPU in one pass of the C kernel
+        (the default model's 121 float32 weights in 0.08 s, against 0.24 s for the five passes of
+        PyTorch's ops below, which serve elsewhere)."""
+        if (dtype in (torch.float32, torch.bfloat16) and self.codes.device.type == "cpu"
+                and self.codes.is_contiguous() and self.d.dtype == torch.float16
                 and (self.m is None or self.m.dtype == torch.float16)):
-            out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+            out = torch.empty(self.out_features, self.in_features, dtype=dtype)
             return self.kernels.dequant(self.fmt, self.codes, self.d.contiguous(),
                                         None if self.m is None else self.m.contiguous(), out)
         d = self.d.float()[..., None]  # (N, G, 1)
         if self.fmt == "q8_0":
             codes = self.codes.view(self.out_features, -1, BLOCK)  # (N, G, 32)
-            return (codes.float() * d).reshape(self.out_features, self.in_features)
+            return (codes.float() * d).reshape(self.out_features, self.in_features).to(dtype)
         lo, hi = self.codes & 15, self.codes >> 4  # (N, G, 16) each
         q = torch.cat([lo, hi], dim=-1).float()  # (N, G, 32)
-        return torch.addcmul(self.m.float()[..., None], q, d).reshape(self.out_features, -1)
-
-    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in ``dtype``: :attr:`weight`, or in bfloat16 each float32 weight rounded to
-        nearest even, in one pass of the C kernel on the CPU."""
-        if dtype == torch.bfloat16 and self.codes.device.type == "cpu" and self.codes.is_contiguous() \
-                and self.d.dtype == torch.float16 and (self.m is None or self.m.dtype == torch.float16):
-            out = torch.empty(self.out_features, self.in_features, dtype=torch.bfloat16)
-            return self.kernels.dequant(self.fmt, self.codes, self.d.contiguous(),
-                                        None if self.m is None else self.m.contiguous(), out)
-        return self.weight.to(dtype)
+        return torch.addcmul(self.m.float()[..., None], q, d).reshape(self.out_features, -1).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         low = narrow_dtype(x)  # a bfloat16 prefill (kvtier.kernels.precision)

@@ -129,11 +129,7 @@ static void quantize_affine_row(const float* x, int64_t D, int bits, uint8_t* co
       if (bits == 8) codes[32 * g + d] = u;
       else if (bits == 4 && d & 1) codes[16 * g + d / 2] |= (uint8_t)(u << 4);
       else if (bits == 4) codes[16 * g + d / 2] = u;
-      else {
-        const int64_t at = (32 * g + d) * bits, sh = at & 7;
-        codes[at >> 3] |= (uint8_t)(u << sh);
-        if (sh + bits > 8) codes[(at >> 3) + 1] |= (uint8_t)(u >> (8 - sh));
-      }
+      else stream_put(codes, 32 * g + d, bits, u);
     }
   }
 }
@@ -173,9 +169,7 @@ static void quantize_lm_row(const float* x, int64_t D, int b, const float* rot, 
       while (idx < nb && bnd[idx] < v) idx++;
       num += yg[d] * cent[idx];
       den += cent[idx] * cent[idx];
-      const int64_t at = (32 * g + d) * b, sh = at & 7;
-      codes[at >> 3] |= (uint8_t)(idx << sh);
-      if (sh + b > 8) codes[(at >> 3) + 1] |= (uint8_t)(idx >> (8 - sh));
+      stream_put(codes, 32 * g + d, b, (unsigned)idx);
     }
     scale[g] = f2h(num / den);
   }

@@ -108,6 +108,13 @@ static inline int lm_index(const uint8_t* p, int64_t i, int b) {
   return (int)(w >> sh) & ((1 << b) - 1);
 }
 
+/* writes index u as element i of such a row (its bytes zeroed first) */
+static inline void stream_put(uint8_t* p, int64_t i, int b, unsigned u) {
+  const int64_t at = i * b, sh = at & 7;
+  p[at >> 3] |= (uint8_t)(u << sh);
+  if (sh + b > 8) p[(at >> 3) + 1] |= (uint8_t)(u >> (8 - sh));
+}
+
 /* the float16 bits of e4m3 byte b / 256: the same sign, exponent and mantissa fields, each
    moved up (e4m3's exponent bias is 7, float16's 15; its subnormals land on float16's) */
 static inline uint16_t e4m3_half_bits(uint8_t b) { return (uint16_t)(((b & 0x7f) << 7) | ((b & 0x80) << 8)); }

@@ -240,7 +240,7 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
     """
     import uvicorn
 
-    from kvtier.model.linear import prefill_dtype_in_effect
+    from kvtier.model.linear import prefill_narrows
     from kvtier.serve.api import build_app
     from kvtier.serve.async_engine import AsyncLLMEngine
     from kvtier.serve.engine import freeze_startup_heap
@@ -266,7 +266,7 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
     if sock is None:  # bound before the banner says so
         sock = _listen(server_config.host, server_config.port)
     s = engine.stats()
-    narrow = engine.model.tok_embeddings.weight.dtype != prefill_dtype_in_effect(engine.model)
+    narrow = prefill_narrows(engine.model)
     sharded = f", tensor parallel over {ranks} ranks (pages of rank 0)" if ranks > 1 else ""
     host = f"[{server_config.host}]" if ":" in server_config.host else server_config.host  # IPv6
     print(f"[kvtier] serving {name} on http://{host}:{sock.getsockname()[1]}/v1 | "
