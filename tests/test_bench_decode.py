@@ -63,6 +63,10 @@ def test_cpu_products_refuses_bad_sizes_before_measuring(capsys, argv, named):
     (["append", "--device", "gpu"], "--device 'gpu' is not a device"),  # was three tracebacks
     (["paged", "--plot", "/nonexistent/dir/p.png"], "its folder /nonexistent/dir does not exist"),
     (["paged", "--plot", "table.txt"], "write a .png (or .pdf, .svg, .jpg) file"),  # was: after measuring
+    (["paged", "--block-sizes", "16,x"], "--block-sizes '16,x'"),  # these were exit 1 without "kvtier: error"
+    (["paged", "--min-len", "9", "--max-len", "4"], "--min-len 9 and --max-len 4"),
+    (["append", "--contexts", "-5", "--plot", ""], "--contexts '-5': each context must be at least"),
+    (["append", "--kv-heads", "0", "--plot", ""], "--kv-heads must be positive, got 0"),
     (["tensor_parallel", "--tiny", "--check-dtypes", "bogus"], "bogus is not one of float32"),  # a traceback
     (["cpu_products", "--ghz", "-2"], "--ghz -2.0: the cores' clock in GHz"),  # negative cycle counts
     pytest.param(["decode", "--device", "cuda", "--no-hf"], "this machine has no CUDA device",

@@ -87,6 +87,13 @@ def test_reads_os_environ_and_kvtier_wins_over_its_alias(monkeypatch):
     assert KVCacheConfig.from_env().tier == "tail"
 
 
+def test_from_env_refuses_what_is_not_a_mapping_of_strings():
+    with pytest.raises(ValueError, match="KVTIER_OWNED_ATTN_KV_STEP=8 must be a string.*pass '8'"):
+        KVCacheConfig.from_env({"KVTIER_OWNED_ATTN_KV_STEP": 8})  # was an AttributeError
+    with pytest.raises(TypeError, match="mapping of variable names to strings.*got list"):
+        KVCacheConfig.from_env([("KVTIER_OWNED_ATTN_KV", "block")])  # was the defaults, silently
+
+
 def test_paged_wins_over_the_owned_choice():
     cfg = KVCacheConfig.from_env({"KVTIER_PAGED_ATTN": "true", "KVTIER_OWNED_ATTN_KV": "block"})
     assert cfg.tier == "paged" and cfg.enabled

@@ -220,7 +220,8 @@ def _plot(results: list[Result], path: str, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Measure, print the table, write the plot; returns 0 (1 on bad arguments)."""
+    """Measure, print the table, write the plot; returns 0 (a bad flag: ValueError, transformers
+    missing: ImportError)."""
     from rich.console import Console
 
     console = Console()
@@ -231,24 +232,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         contexts = [int(c) for c in str(args.contexts).split(",") if c.strip()]
     except ValueError:
-        console.print(f"--contexts {args.contexts!r}: give comma-separated integers, e.g. 1024,8192")
-        return 1
+        raise ValueError(f"--contexts {args.contexts!r}: give comma-separated integers, e.g. 1024,8192") from None
     for name in ("steps", "peer_steps", "batch", "kv_heads", "head_dim", "threads"):
         if getattr(args, name) <= 0:
-            console.print(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-            return 1
-    if not contexts or min(contexts) < max(args.steps, args.peer_steps):
-        console.print(f"every context must be at least --steps ({args.steps}) and --peer-steps")
-        return 1
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    least = max(args.steps, args.peer_steps)
+    if not contexts or min(contexts) < least:
+        raise ValueError(f"--contexts {args.contexts!r}: each context must be at least {least} tokens "
+                         f"(--steps {args.steps}, --peer-steps {args.peer_steps}); raise them or lower those")
     try:
         import transformers.cache_utils  # noqa: F401
     except ImportError as e:
-        console.print(f"transformers is needed for the {PEER} baseline ({e}); "
-                      "install it with: pip install 'kvtier[hf]'")
-        return 1
+        raise ImportError(f"transformers is needed for the {PEER} baseline ({e}); "
+                          "install it with: pip install 'kvtier[hf]'") from e
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        console.print(f"--device {args.device}: CUDA is not available here; use --device cpu")
-        return 1
+        raise ValueError(f"--device {args.device}: CUDA is not available here; use --device cpu")
 
     tail_kw = {} if args.step is None else {"step": args.step}
     block_kw = {} if args.block_size is None else {"block_size": args.block_size}

@@ -177,7 +177,7 @@ def _plot(per_token: dict, layouts: list[Layout], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Measure, print the three tables, write the plot; returns 0 (1 on bad arguments)."""
+    """Measure, print the three tables, write the plot; returns 0 (a bad flag: ValueError)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -185,11 +185,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         block_sizes = [int(b) for b in args.block_sizes.split(",")]
     except ValueError:
-        console.print(f"--block-sizes {args.block_sizes!r} must be comma-separated ints")
-        return 1
-    if not 0 < args.min_len <= args.max_len or args.sequences <= 0 or min(block_sizes) <= 0:
-        console.print("need 0 < --min-len <= --max-len, --sequences > 0 and positive block sizes")
-        return 1
+        raise ValueError(f"--block-sizes {args.block_sizes!r}: give comma-separated ints, e.g. 16,32") from None
+    if not 0 < args.min_len <= args.max_len:
+        raise ValueError(f"--min-len {args.min_len} and --max-len {args.max_len}: need 0 < --min-len <= --max-len")
+    if args.sequences <= 0 or min(block_sizes) <= 0:
+        raise ValueError(f"--sequences {args.sequences} and --block-sizes {args.block_sizes!r} must be positive")
 
     per_token: dict[str, dict[str, int]] = {}
     for name, H, D, layers in SHAPES:

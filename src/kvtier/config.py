@@ -455,9 +455,15 @@ def env_settings(env: Mapping[str, str] | None = None) -> dict[str, Any]:
 
 def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
     """``{key: parsed value}`` for each row of :data:`ENV_VARS` whose first set name is not empty."""
+    if not isinstance(env, Mapping):
+        raise TypeError(f"from_env takes a mapping of variable names to strings (as os.environ), "
+                        f"got {type(env).__name__}; pass dict(...) of it")
     got = {}
     for var in ENV_VARS:
         name = next((n for n in var.names if n in env), None)
+        if name is not None and not isinstance(env[name], str):
+            raise ValueError(f"{name}={env[name]!r} must be a string, as environment variables are; "
+                             f"pass {str(env[name])!r}")
         raw = "" if name is None else env[name].strip()
         if raw:
             got[var.key] = var.parse(name, raw)

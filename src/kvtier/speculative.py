@@ -320,9 +320,10 @@ class DepthPolicy:
                         "or --fixed-depth, may pay)")
             return (f"{draft} and a cycle with one {cycle}: no depth beats plain decoding even if every "
                     "draft is accepted (a cheaper drafter would: ngram, early-exit:N, a smaller model)")
-        worst = min(self.alpha(r) for r in rows)
-        return (f"drafts are accepted {worst:.0%} of the time, too seldom to pay for what a cycle "
-                f"with one costs, {cycle} target forwards; probing again later")
+        worst = min(rows, key=self.alpha)
+        return (f"a draft token is estimated to be accepted {self.alpha(worst):.0%} of the time (a prior of "
+                f"{self.prior:.0%} and {self.judged[worst]:.1f} decayed judgements of its drafts), too seldom "
+                f"to pay for what a cycle with one costs, {cycle} target forwards; probing again later")
 
 
 # -- figures -------------------------------------------------------------------------------

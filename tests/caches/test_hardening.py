@@ -215,13 +215,14 @@ def queries(mistake: str) -> tuple[torch.Tensor, object]:
         "scale_negative": (q, -1.0),
         "scale_nan": (q, float("nan")),
         "scale_inf": (q, float("inf")),
+        "scale_overflow": (q, 1e300),  # finite in Python, infinite in the queries' float32
         "scale_bool": (q, True),
         "scale_tensor": (q, torch.tensor(0.5)),
     }[mistake]
 
 
 QUERY_MISTAKES = ["float64", "float16", "int", "scale_str", "scale_zero", "scale_negative",
-                  "scale_nan", "scale_inf", "scale_bool", "scale_tensor"]
+                  "scale_nan", "scale_inf", "scale_overflow", "scale_bool", "scale_tensor"]
 
 
 @pytest.mark.parametrize("mistake", QUERY_MISTAKES)

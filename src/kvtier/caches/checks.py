@@ -142,9 +142,9 @@ def check_kv(
     return keys.detach(), values.detach()
 
 
-def check_scale(scale: Any) -> float | None:
+def check_scale(scale: Any, dtype: torch.dtype | None = None) -> float | None:
     """``scale`` as a float (``None``: the default ``1/sqrt(head_dim)``); a ``ValueError``
-    unless it is a finite real number > 0."""
+    unless it is a finite real number > 0, finite in ``dtype`` too (the queries')."""
     if scale is None:
         return None
     if isinstance(scale, bool) or not isinstance(scale, Real) or not (
@@ -153,6 +153,10 @@ def check_scale(scale: Any) -> float | None:
             f"scale must be a finite number > 0, got {scale!r}; pass a float such as "
             "1 / math.sqrt(head_dim), or None for that default"
         )
+    if dtype is not None and dtype.is_floating_point and scale > torch.finfo(dtype).max:
+        raise ValueError(f"scale {scale!r} overflows the queries' {dtype} (largest "
+                         f"{torch.finfo(dtype).max:.4g}): every score would be infinite; pass a "
+                         "float such as 1 / math.sqrt(head_dim), or None for that default")
     return float(scale)
 
 
@@ -178,7 +182,7 @@ def check_queries(
             f"queries dtype {queries.dtype} differs from the cache's {dtype}; cast with "
             f"queries.to({dtype})"
         )
-    return check_scale(scale)
+    return check_scale(scale, queries.dtype)
 
 
 def check_trim(n: int) -> int:

@@ -40,6 +40,7 @@ from kvtier.caches.ragged_rows import (
     check_row_mask,
     host_row_values,
     on_accelerator,
+    query_starts,
     round_up,
     row_values,
     to_device,
@@ -270,19 +271,18 @@ class RaggedBatchKVCache(RowKVCache):
         (as many, no trim since), else to ``max(offset - q_len, 0)``, the newest positions.
         The shape never depends on the offsets."""
         self._require_rows()
-        key_len = self.capacity if key_len is None else key_len
+        key_len = self.capacity if key_len is None else check_int(key_len, "key_len", 0)
         return causal_mask(self.batch_size, q_len, key_len, self._query_starts(q_len, q_start),
                            self._offsets, device=self._offsets.device)
 
     def _query_starts(self, q_len: int, q_start: Any) -> torch.Tensor:
         """Each row's first query position, int64 ``[B]`` on the offsets' device."""
+        check_int(q_len, "q_len (queries a row)", 1)
         if q_start is None:  # the last write's tokens start at its rows' starts; else each row's newest
             if q_len != self._last_q and self._lengths is not None and max(self._lengths) < q_len:
                 raise ValueError(f"{q_len} queries but rows of {self._lengths} tokens; give q_start")
             return self._last_ws if q_len == self._last_q else (self._offsets - q_len).clamp(min=0)
-        dev = self._offsets.device
-        qs = row_values(q_start, "q_start", self.batch_size, dev)
-        return qs if isinstance(qs, torch.Tensor) else torch.tensor(qs, dtype=torch.long, device=dev)
+        return query_starts(q_start, self.batch_size, self._lengths, self._offsets.device)
 
     def attention(self, queries: torch.Tensor, *, scale: float | None = None,
                   q_start: Any = None) -> torch.Tensor:

@@ -85,6 +85,9 @@ def check_row_mask(mask: Any, batch: int) -> list[bool] | torch.Tensor:
         if mask.dtype != torch.bool or tuple(mask.shape) != (batch,):
             raise ValueError(f"row_mask must be a bool tensor ({batch},), got {mask.dtype} "
                              f"{tuple(mask.shape)}")
+        if mask.is_meta:
+            raise ValueError("row_mask is on the meta device, which holds no values; pass it on the "
+                             "CPU or the cache's device")
         return mask if on_accelerator(mask) else mask.tolist()
     if not isinstance(mask, list | tuple) or [type(m) for m in mask] != [bool] * batch:
         raise ValueError(f"row_mask must be {batch} bools (one per row), got {mask!r}")
@@ -96,3 +99,17 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type == "cuda":  # pinned + non_blocking: the host does not wait for the copy
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+def query_starts(q_start: Any, batch: int, lengths: list[int] | None, device: torch.device) -> torch.Tensor:
+    """``q_start`` (:func:`row_values`) as int64 ``[batch]`` on ``device``; a host value past its
+    row's tokens (``lengths``, when the host knows them) is refused: a row's first query sits at
+    most at its length."""
+    qs = row_values(q_start, "q_start", batch, device)
+    if isinstance(qs, torch.Tensor):
+        return qs
+    past = [] if lengths is None else [b for b, (s, n) in enumerate(zip(qs, lengths, strict=True)) if s > n]
+    if past:
+        raise ValueError(f"q_start {qs} is past the tokens of rows {past} (lengths {list(lengths)}): a "
+                         "row's first query sits at most at its length")
+    return torch.tensor(qs, dtype=torch.long, device=device)
