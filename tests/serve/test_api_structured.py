@@ -112,6 +112,14 @@ def test_vllm_guided_fields_and_structured_outputs(client, model) -> None:
      "structured_outputs: the structural tag is not JSON"),
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs", "json_object must be true"),
     ({"guided_regex": "[0-9]+", "ignore_eos": True}, "guided_regex", "give stop_token_ids"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format",
+     "structured outputs end the answer with a stop id"),  # was "response_formatd outputs"
+    ({"structured_outputs": {"regex": "[0-9]+", "json_object": True}}, "structured_outputs",
+     "not structured_outputs.regex and structured_outputs.json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"not": {"type": "string"}}}}},
+     "response_format", "response_format: the schema uses not at $, which the grammar would ignore"),
+    ({"guided_json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}, "guided_json",
+     "the schema uses uniqueItems at $"),
     ({"guided_regex": "[0-9]+", "min_tokens": 2}, "guided_regex", "guided_regex chooses which tokens may come itself"),
     ({"guided_regex": "a" * 70_000}, "guided_regex", "guided_regex holds 70000 characters; at most 65536"),
 ])

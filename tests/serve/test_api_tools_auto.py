@@ -144,6 +144,35 @@ def test_a_call_cut_by_max_tokens_is_the_same_call_whole_and_streamed(server, mo
     assert cut_inside, [(limit, r.choices[0].message) for limit, r, _ in runs]  # (some cut fell inside the arguments)
 
 
+@pytest.mark.parametrize("choice", ["auto", "named"])
+def test_a_call_cut_by_a_stop_string_is_a_call_cut_short(server, model, fmt, choice) -> None:
+    """A stop string met inside a call's arguments cuts them as ``max_tokens`` does: the call with
+    the arguments before it, ``finish_reason`` ``length`` (was ``tool_calls`` or ``stop``, a cut
+    call looking whole), whole and streamed alike."""
+    tool_choice = "auto" if choice == "auto" else {"type": "function", "function": {"name": "get_weather"}}
+    asks = dict(model=model, temperature=0, max_tokens=40, tools=[CITY], tool_choice=tool_choice,
+                messages=[*auto_history(fmt, False), *ask(QUESTIONS[0][0])])
+
+    async def answers():
+        async with AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            full = await c.chat.completions.create(**asks)
+            args = full.choices[0].message.tool_calls[0].function.arguments
+            city = json.loads(args)["city"]
+            cut = await c.chat.completions.create(**asks, stop=[city])
+            chunks = [ch async for ch in await c.chat.completions.create(**asks, stop=[city], stream=True)]
+            return full, args, city, cut, chunks
+
+    full, args, city, cut, chunks = asyncio.run(asyncio.wait_for(answers(), 300))
+    assert full.choices[0].finish_reason == ("tool_calls" if choice == "auto" else "stop") and city, full
+    (call,) = cut.choices[0].message.tool_calls
+    made = call.function.arguments  # (Qwen3-Coder's elements are given out whole: none of a cut one)
+    assert call.function.name == "get_weather" and args.startswith(made) and city not in made, call
+    assert made == args[:args.index(city)] or (fmt.xml and choice == "auto"), (made, args)
+    assert cut.choices[0].finish_reason == "length" and chunks[-1].choices[0].finish_reason == "length"
+    streamed = "".join(d.function.arguments or "" for ch in chunks for d in ch.choices[0].delta.tool_calls or [])
+    assert streamed == call.function.arguments
+
+
 ANSWER = {"type": "object", "properties": {"topic": {"type": "string", "maxLength": 24},
           "text": {"type": "string", "maxLength": 60}}, "required": ["topic", "text"], "additionalProperties": False}
 

@@ -103,6 +103,47 @@ def test_a_structure_names_what_is_wrong(kind, spec, message) -> None:
         Structure(kind, spec)
 
 
+#: each keyword the grammars would ignore: a schema with it, an instance that breaks it, one that meets it
+UNHELD_CASES = {
+    "not": ({"not": {"type": "string"}}, '"a"', "1"),
+    "if": ({"if": {"type": "string"}, "then": {"minLength": 3}}, '"a"', '"abc"'),
+    "dependentRequired": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "dependentRequired": {"a": ["b"]}}, '{"a": 1}', '{"a": 1, "b": 2}'),
+    "dependencies": ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                      "dependencies": {"a": ["b"]}}, '{"a": 1}', '{"a": 1, "b": 2}'),
+    "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 1}}, "[2]", "[1]"),
+    "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", "[1, 2]"),
+    "allOf": ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                         {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+              '{"a": 1}', '{"a": 1, "b": 2}'),
+}
+
+
+@pytest.mark.parametrize("keyword", sorted(UNHELD_CASES))
+def test_keywords_the_grammar_would_ignore_are_refused(keyword) -> None:
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    schema, breaking, meeting = UNHELD_CASES[keyword]
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True)
+    assert accepts(grammar, meeting) and accepts(grammar, breaking)  # why: xgrammar lets the answer break it
+    with pytest.raises(ValueError, match=rf"structure json: the schema uses {keyword}\b.* at \$"):
+        Structure("json", json.dumps(schema))
+    nested = {"type": "object", "properties": {"not": schema}}  # under a property named as a keyword
+    with pytest.raises(ValueError, match=rf"uses {keyword}\b.* at \$\.properties\.not"):
+        Structure("json", json.dumps(nested))
+    tag = {"structures": [{"begin": "<a>", "schema": schema, "end": "</a>"}], "triggers": ["<a>"]}
+    with pytest.raises(ValueError, match=rf"structure structural_tag: the schema uses {keyword}\b"):
+        structural_tag(tag)
+
+
+def test_keywords_as_names_or_values_are_not_refused() -> None:
+    for schema in ({"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},
+                   {"enum": [{"not": 1}, {"uniqueItems": True}]}, {"const": {"if": 2}},
+                   {"type": "array", "uniqueItems": False}, {"allOf": [{"type": "integer"}]},
+                   {"$defs": {"contains": {"type": "integer"}}, "$ref": "#/$defs/contains"}):
+        Structure("json", json.dumps(schema))
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_auto_tool_calls_hold_each_call_to_its_tool_and_leave_text_free(name) -> None:
     """tool_choice "auto": any text, and once a call's trigger is written, one of the tools by

@@ -514,8 +514,9 @@ def structure(req: CompletionRequest | ChatCompletionRequest) -> tuple[Structure
         why = ("; tool calls are one (with tool_choice \"auto\", the default with tools, only response_format "
                f"may join them): send tool_choice \"none\" for an answer held to {given[0][0]}"
                if given[1][0] == "tool_choice" else "")
-        raise APIError(400, f"give one structured output, not {given[0][0]} and {given[1][0]}{why}",
-                       param=given[1][0])
+        (a, ka, _), (b, kb, _) = given[:2]  # structured_outputs' keys by name: .regex, .json, ...
+        a, b = (f"{n}.{k}" if n == "structured_outputs" else n for n, k in ((a, ka), (b, kb)))
+        raise APIError(400, f"give one structured output, not {a} and {b}{why}", param=given[1][0])
     if not given or given[0][1] == "choice":
         return None, None
     param, kind, value = given[0]

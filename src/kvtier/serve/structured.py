@@ -85,6 +85,44 @@ class Structure:
                 raise ValueError(f"structure {self.kind}: the {what} is not JSON: {e}") from None
             if not isinstance(schema, dict | bool) or (self.kind == "structural_tag" and not isinstance(schema, dict)):
                 raise ValueError(f"structure {self.kind}: the {what} must be a JSON object, got {type(schema).__name__}")
+            unheld = next(unheld_keywords(schema, "$", self.kind == "structural_tag"), None)
+            if unheld is not None:
+                raise ValueError(f"structure {self.kind}: the schema uses {unheld}, which the grammar would ignore "
+                                 f"and an answer could break ({', '.join(UNHELD)} and allOf of several schemas are "
+                                 "refused): drop it and check the answer yourself")
+
+
+#: JSON-schema keywords xgrammar's grammars ignore (an answer would break them unseen): refused
+UNHELD = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "contains",
+          "minContains", "maxContains", "uniqueItems")
+_NAMES = ("properties", "patternProperties", "$defs", "definitions")  # maps of names to schemas
+_DATA = ("enum", "const", "default", "examples")  # values, not schemas
+
+
+def unheld_keywords(node, path: str, tagged: bool = False):
+    """Where schema ``node`` (at ``path``) uses a keyword of :data:`UNHELD` or an ``allOf`` of
+    several schemas, as ``"<keyword> at <path>"``; ``tagged``: ``node`` is a structural tag, whose
+    schemas are the values of its ``json_schema`` keys."""
+    if isinstance(node, list):
+        for i, sub in enumerate(node):
+            yield from unheld_keywords(sub, f"{path}[{i}]", tagged)
+        return
+    if not isinstance(node, dict):
+        return
+    if tagged:
+        for k, v in node.items():
+            yield from unheld_keywords(v, f"{path}.{k}", k != "json_schema")
+        return
+    for k, v in node.items():
+        if k in UNHELD and not (k == "uniqueItems" and v is False):
+            yield f"{k} at {path}"
+        elif k == "allOf" and isinstance(v, list) and len(v) > 1:
+            yield f"allOf of {len(v)} schemas at {path}"
+        if k in _NAMES and isinstance(v, dict):
+            for name, sub in v.items():
+                yield from unheld_keywords(sub, f"{path}.{k}.{name}")
+        elif k not in _DATA:
+            yield from unheld_keywords(v, f"{path}.{k}")
 
 
 def structural_tag(given: dict) -> Structure:
@@ -111,7 +149,7 @@ def structural_tag(given: dict) -> Structure:
 def named(message: str, field: str) -> str:
     """A message about a request's structure (``structure regex: ...``, ``structure chooses ...``)
     naming instead the request field that gave it (``guided_regex: ...``)."""
-    return re.sub(r"^structure(?: (?:json|json_object|regex|grammar|structural_tag)(?=:))?", field, message)
+    return re.sub(r"^structure\b(?: (?:json|json_object|regex|grammar|structural_tag)(?=:))?", field, message)
 
 
 class Matcher:

@@ -247,6 +247,11 @@ class CallReader:
             self.held, self._at, self._name, self._members = self.held[used:], "arguments", name, 0
         return [p for p in out if p.text or p.kind == "call"]
 
+    @property
+    def cut(self) -> bool:
+        """Whether the answer ended inside a call's arguments (after :meth:`feed` with ``final``)."""
+        return self._at == "arguments"
+
     def _head(self) -> tuple[str, int] | bool | None:
         """The call beginning ``held``: ``(name, characters before its arguments)``; ``None``
         where it is not decided yet, ``False`` where it is no call."""

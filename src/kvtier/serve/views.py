@@ -5,6 +5,7 @@ tool calls."""
 from __future__ import annotations
 
 import codecs
+import json
 import time
 from dataclasses import replace
 from typing import NamedTuple
@@ -14,6 +15,15 @@ from kvtier.serve.reasoning import ReasoningReader
 from kvtier.serve.tools import CallReader, ToolCalls, call_id
 
 __all__ = ["Completion", "Unscored"]
+
+
+def whole_json(text: str) -> bool:
+    """Whether ``text`` is one whole JSON value (a named call's arguments not cut short)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 class Unscored(NamedTuple):
@@ -42,7 +52,7 @@ class Completion:
         self.first, self.echo, self.prompt, self.drop = first, echo, prompt, drop
         self.top, self.scored, self.tools = top, scored, tools
         self.call_id: str | None = None  # a named call's id, once its first chunk is out
-        self.held = ""  # the answer of "required" calls, streamed: given out whole at its end
+        self.held = ""  # the answer of "required" calls, streamed: given out whole at its end; a named call's so far
         self.reader = CallReader(tools.auto, tools.schemas) if tools is not None and tools.auto is not None else None
         self.reasoning = reasoning  # splits a reasoning model's answer (its content is read on as above)
         self.created = int(time.time())
@@ -130,13 +140,16 @@ class Completion:
 
     def _tool_calls(self, text: str, finish: str | None, chunk: bool, body: dict) -> tuple[dict, str | None]:
         """The message (or delta) and finish reason of an answer given as tool calls: a named call's
-        arguments streamed as they come (one cut by ``max_tokens`` stays a call, its arguments cut,
-        whole or streamed); "required" calls held until the answer is whole (an array cut short
-        stays text)."""
+        arguments streamed as they come (one cut by ``max_tokens`` or a stop string stays a call, its
+        arguments cut, whole or streamed, ``finish_reason`` ``length``); "required" calls held until
+        the answer is whole (an array cut short stays text)."""
         if self.reader is not None:
             return self._auto(text, finish, chunk, body)
         named = self.tools.named
         if named is not None:
+            self.held = self.held + text if chunk else text
+            if finish == "stop" and not whole_json(self.held):  # (a stop string cut its arguments)
+                finish = "length"
             if not text:
                 return ({} if chunk else body), finish
             call: dict = {"index": 0, "function": {"arguments": text}}
@@ -164,7 +177,8 @@ class Completion:
         they come; ``finish_reason`` ``tool_calls`` where the answer ended after calls. An answer
         without calls is the text alone."""
         pieces = self.reader.feed(text, final=finish is not None)
-        finish = "tool_calls" if finish == "stop" and self.reader.made else finish
+        if finish == "stop" and self.reader.made:  # (calls cut inside their arguments by a stop string: length)
+            finish = "length" if self.reader.cut else "tool_calls"
         content = "".join(p.text for p in pieces if p.kind == "text")
         calls: dict[int, dict] = {}
         for p in pieces:
