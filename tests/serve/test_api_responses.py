@@ -93,13 +93,22 @@ def test_output_text_logprobs_are_the_chat_routes_whole_and_streamed(client, mod
 
 
 def test_max_output_tokens_makes_an_incomplete_response(client, model) -> None:
-    r = client.responses.create(model=model, input="Tell me a long story.", temperature=0, max_output_tokens=5)
-    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    assert r.usage.output_tokens == 5
-    with client.responses.stream(model=model, input="Tell me a long story.", temperature=0,
-                                 max_output_tokens=5) as stream:
-        last = list(stream)[-1]
-    assert last.type == "response.incomplete" and last.response.output_text == r.output_text
+    """A cut answer's response and the item it cut (a message, or a named call's arguments) are
+    "incomplete", whole, in the streamed ``output_item.done`` and in the stream's last event."""
+    cut = dict(model=model, input="Tell me a long story.", temperature=0, max_output_tokens=5)
+    call = dict(model=model, input="Weather in Rome?", tools=[WEATHER], temperature=0, max_output_tokens=3,
+                tool_choice={"type": "function", "name": "get_weather"})
+    for asks, kind in ((cut, "message"), (call, "function_call")):
+        r = client.responses.create(**asks)
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert r.usage.output_tokens == asks["max_output_tokens"]
+        assert [(o.type, o.status) for o in r.output] == [(kind, "incomplete")]
+        with client.responses.stream(**asks) as stream:
+            events = list(stream)
+        (done,) = [e for e in events if e.type == "response.output_item.done"]
+        assert events[-1].type == "response.incomplete" and done.item.status == "incomplete"
+        assert [(o.type, o.status) for o in events[-1].response.output] == [(kind, "incomplete")]
+        assert events[-1].response.output_text == r.output_text
 
 
 def test_stored_responses_carry_the_conversation(server, client, model) -> None:
@@ -168,7 +177,46 @@ def test_function_tools_and_their_items(client, model) -> None:
         final = stream.get_final_response()
     (call,) = whole.output
     assert call.type == "function_call" and final.output[0].arguments == call.arguments
+    assert call.status == final.output[0].status == "completed"
     assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+
+
+def test_streamed_calls_come_one_item_after_another(client, model) -> None:
+    """Each call's item is closed (its arguments' ``.done`` and ``output_item.done``) before the
+    next one's ``output_item.added``, as OpenAI streams them; the calls are the whole answer's."""
+    asks = dict(model=model, input="Weather in Paris?", tools=[WEATHER], tool_choice="required", temperature=0,
+                max_output_tokens=64)
+    whole = client.responses.create(**asks)
+    with client.responses.stream(**asks) as stream:
+        events = list(stream)
+    assert len(whole.output) >= 2, whole.output  # (this model calls twice here: the order is tested)
+    items = [(e.type.removeprefix("response."), e.output_index) for e in events if hasattr(e, "output_index")]
+    want = [(kind, i) for i in range(len(whole.output))
+            for kind in ("output_item.added", "function_call_arguments.delta", "function_call_arguments.done",
+                         "output_item.done")]
+    assert [x for k, x in enumerate(items) if k == 0 or x != items[k - 1]] == want  # (deltas run together)
+    final = events[-1].response
+    assert [(o.name, o.arguments, o.status) for o in final.output] == [
+        (o.name, o.arguments, o.status) for o in whole.output]
+
+
+def test_function_call_outputs_answer_a_call_of_the_conversation(server, client, model) -> None:
+    """A function_call_output answers a function_call of the input or of the previous responses'
+    conversation (two back here); one that answers none is a 400, as OpenAI's."""
+    first = client.responses.create(model=model, input="Weather in Rome?", tools=[WEATHER], temperature=0,
+                                    max_output_tokens=40, tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = first.output
+    second = client.responses.create(model=model, input="Thanks.", previous_response_id=first.id, temperature=0,
+                                     max_output_tokens=4)
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": '{"weather": "sunny"}'}
+    third = client.responses.create(model=model, input=[answer], previous_response_id=second.id, temperature=0,
+                                    max_output_tokens=4)
+    assert third.previous_response_id == second.id and third.output
+    r = httpx.post(f"{server}/v1/responses", json={"input": [answer], "max_output_tokens": 4}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and err["message"].startswith(
+        f"No tool call found for function call output with call_id {call.call_id!r}"), err
 
 
 def test_auto_tool_choice_reads_the_models_calls(client, model) -> None:
@@ -202,6 +250,21 @@ def test_auto_tool_choice_reads_the_models_calls(client, model) -> None:
     ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs", "less than or equal to 20"),
     ({"truncation": "auto"}, "truncation", "truncation is not supported"),
     ({"tools": [{"type": "web_search_preview"}]}, "tools", "tools[0] must be a function tool"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     'tools[0] is in the chat completions shape ({"type": "function", "function": {...}}), which is not the '
+     'Responses one: give {"type": "function", "name": ..., "parameters": {...}}'),
+    ({"tools": [{"type": "function", "name": "a b"}]}, "tools",
+     'tools[0] must be {"type": "function", "name": ..., "parameters": {...}} with a name of 1 to 64'),
+    ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools",
+     "tools[0].parameters must be a JSON schema object"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input",
+     "input[0].content[0] is an 'input_text' part without its text: give \"text\", a string"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]}, "input",
+     "No tool call found for function call output with call_id 'call_nope'"),
+    ({"input": [{"type": "function_call", "call_id": "call_a", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_b", "output": "x"}]}, "input",
+     "No tool call found for function call output with call_id 'call_b'"),
+    ({"previous_response_id": ""}, "previous_response_id", "previous_response_id is empty"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
      "input[0].content[0] is a 'input_image' part"),
     ({"input": [{"type": "file_search_call"}]}, "input", "input[0] must be a message"),

@@ -5,9 +5,10 @@ A request is read as the chat completion it stands for and served by the chat ro
 path, then written back in the Responses shapes:
 
 - ``input`` (a string, or items: messages with text parts, earlier ``function_call`` and
-  ``function_call_output`` items) and ``instructions`` become the chat's messages (instructions
-  as the system message); ``previous_response_id`` puts a stored response's conversation
-  (its input and output, not its instructions) before them;
+  ``function_call_output`` items, each output answering a call of the conversation) and
+  ``instructions`` become the chat's messages (instructions as the system message);
+  ``previous_response_id`` puts a stored response's conversation (its input and output, not
+  its instructions) before them;
 - ``tools`` (``{"type": "function", "name", "parameters"}``), ``tool_choice`` and
   ``parallel_tool_calls`` become chat tools, so calls, ``"auto"`` included, are made as for
   chat (:mod:`kvtier.serve.tools`) and given as ``function_call`` output items;
@@ -23,7 +24,8 @@ last :data:`MAX_STORED` of them, for ``previous_response_id`` and ``GET``; a res
 ``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` gives the text's logprobs
 (chat's). Fields the engine cannot honour (``background``, a ``reasoning`` summary, other
 ``include`` values, ``truncation``
-``"auto"``, non-function tools, image and file inputs) are 400s naming the field.
+``"auto"``, non-function tools, image and file inputs) are 400s naming the field. An answer cut
+by ``max_output_tokens`` is ``"incomplete"``, and so is the output item it cut.
 
 Example::
 
@@ -35,10 +37,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
@@ -59,6 +62,9 @@ _PARAMS = {"messages": "input", "response_format": "text.format", "max_completio
 
 #: the one ``include`` served: the output text's tokens' logprobs
 LOGPROBS = "message.output_text.logprobs"
+
+# a function's name, as the chat route takes it (kvtier.serve.tools)
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ResponsesRequest(BaseModel):
@@ -110,20 +116,27 @@ def _text(content: Any, where: str) -> str:
     out = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+        if kind not in ("input_text", "output_text", "text"):
             raise APIError(400, f"{where}.content[{k}] is a {kind!r} part; only text parts (input_text, "
                            "output_text) are served", param="input", code="unsupported_parameter")
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}.content[{k}] is an {kind!r} part without its text: give \"text\", a "
+                           f"string, got {json.dumps(part)[:80]}", param="input")
         out.append(part["text"])
     return "".join(out)
 
 
-def messages_of(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def messages_of(items: str | list[dict[str, Any]], history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """``input`` as chat messages: consecutive ``function_call`` items one assistant turn with
-    ``tool_calls``, each ``function_call_output`` a ``tool`` message."""
+    ``tool_calls``, each ``function_call_output`` a ``tool`` message, which must answer a
+    ``function_call`` of the input or of ``history`` (the previous responses' conversation), as
+    OpenAI's must."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not items:
         raise APIError(400, "input must be a string or a non-empty list of items", param="input")
+    made = {c.get("id") for m in history for c in m.get("tool_calls") or [] if isinstance(c, dict)}
+    made |= {item.get("call_id") for item in items if isinstance(item, dict) and item.get("type") == "function_call"}
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -140,6 +153,12 @@ def messages_of(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "reasoning":  # (an earlier answer's reasoning, sent back: chat templates leave it out)
             continue
         elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
+            if item["call_id"] not in made:
+                raise APIError(400, f"No tool call found for function call output with call_id {item['call_id']!r}: "
+                               f"{where}.call_id names no function_call of the input"
+                               f"{' or of the previous responses' if history else ''}; send the function_call "
+                               "item (call_id, name, arguments) in input before its output, or previous_response_id "
+                               "of the response that made the call", param="input")
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": output if isinstance(output, str) else _text(output, where)})
@@ -155,16 +174,27 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
     """The chat completion ``req`` stands for, after ``history`` (a stored conversation)."""
     req.refuse_unserved()
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
-    messages += messages_of(req.input)
+    messages += messages_of(req.input, history)
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
     if LOGPROBS in (req.include or ()):
         body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     if (req.reasoning or {}).get("effort") is not None:
         body["reasoning_effort"] = req.reasoning["effort"]
+    shape = '{"type": "function", "name": ..., "parameters": {...}}'
     for i, tool in enumerate(req.tools or []):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise APIError(400, f"tools[{i}] must be a function tool ({{\"type\": \"function\", \"name\": ...}}); "
                            "built-in tools are not served", param="tools", code="unsupported_parameter")
+        if "function" in tool and "name" not in tool:
+            raise APIError(400, f"tools[{i}] is in the chat completions shape ({{\"type\": \"function\", \"function\": "
+                           f"{{...}}}}), which is not the Responses one: give {shape}, the function's fields beside "
+                           f"type, got {json.dumps(tool)[:80]}", param="tools")
+        if not (isinstance(tool.get("name"), str) and _NAME.fullmatch(tool["name"])):
+            raise APIError(400, f"tools[{i}] must be {shape} with a name of 1 to 64 letters, digits, _ or -, got "
+                           f"{json.dumps(tool)[:80]}", param="tools")
+        if not isinstance(tool.get("parameters", {}), dict):
+            raise APIError(400, f"tools[{i}].parameters must be a JSON schema object, got "
+                           f"{json.dumps(tool['parameters'])[:80]}", param="tools")
     if req.tools:
         body["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
                          for t in req.tools]
@@ -260,14 +290,18 @@ def _said(output: list[dict]) -> dict:
     return {"content": text or None, "tool_calls": calls}
 
 
-def _output(message: dict, logprobs: list[dict] | None = None) -> list[dict]:
+def _output(message: dict, logprobs: list[dict] | None = None, cut: bool = False) -> list[dict]:
     """A chat message as output items: its reasoning and its text (each if any, the text with
-    ``logprobs``, chat's entries), then its calls."""
+    ``logprobs``, chat's entries), then its calls; the last ``"incomplete"`` where the answer was
+    ``cut`` (by ``max_output_tokens``), as OpenAI marks the item it cut."""
     items = [_reasoning(message["reasoning"])] if message.get("reasoning") else []
     if message.get("content"):
         items.append(_message(message["content"]))
         items[-1]["content"][0]["logprobs"] = logprobs or []
-    return items + [_call(c) for c in message.get("tool_calls") or []]
+    items += [_call(c) for c in message.get("tool_calls") or []]
+    if cut and items:
+        items[-1]["status"] = "incomplete"
+    return items
 
 
 def add_responses_routes(app: FastAPI, chat: Callable[..., Awaitable[Any]], model_name: Callable[[], str]) -> None:
@@ -296,6 +330,9 @@ def add_responses_routes(app: FastAPI, chat: Callable[..., Awaitable[Any]], mode
 
     @app.post("/v1/responses")
     async def create(req: ResponsesRequest, request: Request):
+        if req.previous_response_id == "":
+            raise APIError(400, "previous_response_id is empty (''): give the id of a stored response (resp_...), or "
+                           "leave the field out for a new conversation", param="previous_response_id")
         history = found(req.previous_response_id, "previous_response_id")[1] if req.previous_response_id else []
         chat_req = chat_request(req, history)
         built = _Built(req, model_name())
@@ -308,7 +345,8 @@ def add_responses_routes(app: FastAPI, chat: Callable[..., Awaitable[Any]], mode
         if not req.stream:
             choice = got["choices"][0]
             body = built.body("incomplete" if choice["finish_reason"] == "length" else "completed",
-                              _output(choice["message"], (choice.get("logprobs") or {}).get("content")),
+                              _output(choice["message"], (choice.get("logprobs") or {}).get("content"),
+                                      cut=choice["finish_reason"] == "length"),
                               _usage(got["usage"]), choice["finish_reason"])
             keep(req, body, chat_req, choice["message"])
             return body
@@ -330,13 +368,15 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
     """The Responses stream from the chat's chunks: ``response.created`` and ``in_progress``; for
     text a message item (added, its part added, text deltas, done); for each call a
     ``function_call`` item (added, argument deltas, done); then ``response.completed`` (or
-    ``incomplete`` where ``max_output_tokens`` cut it, ``failed`` where the engine failed)."""
+    ``incomplete`` where ``max_output_tokens`` cut it, ``failed`` where the engine failed). One
+    item is open at a time: each is done before the next is added, the one open at the end
+    ``"incomplete"`` where the answer was cut (or failed), else ``"completed"``."""
     seq = 0
     output: list[dict] = []
     message: dict | None = None  # the open text item
     thought: dict | None = None  # the open reasoning item
     scored: list[dict] = []  # logprobs not yet given out with text
-    calls: dict[int, dict] = {}  # chat tool call index: its open item
+    calls: dict[int, dict] = {}  # the open call's item by its chat tool call index (one at most)
     finish, usage = None, None
 
     def event(kind: str, **fields) -> str:
@@ -344,12 +384,12 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
         seq += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
 
-    def close_message() -> list[str]:
+    def close_message(status: str = "completed") -> list[str]:
         nonlocal message
         if message is None:
             return []
         i, text = output.index(message), message["content"][0]["text"]
-        message["status"] = "completed"
+        message["status"] = status
         part = message["content"][0]
         part["logprobs"] += scored
         scored.clear()
@@ -360,12 +400,12 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                       part=part),
                 event("response.output_item.done", output_index=i, item=output[i])]
 
-    def close_thought() -> list[str]:
+    def close_thought(status: str = "completed") -> list[str]:
         nonlocal thought
         if thought is None:
             return []
         i, item, thought = output.index(thought), thought, None
-        item["status"] = "completed"
+        item["status"] = status
         return [event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
                       text=item["content"][0]["text"]),
                 event("response.output_item.done", output_index=i, item=item)]
@@ -376,11 +416,11 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
         shown = item if item["type"] == "function_call" else {**item, "content": []}
         return [*closing, event("response.output_item.added", output_index=len(output) - 1, item=shown)]
 
-    def close_calls() -> list[str]:
+    def close_calls(status: str = "completed") -> list[str]:
         out = []
         for item in calls.values():
             i = output.index(item)
-            item["status"] = "completed"
+            item["status"] = status
             out += [event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                           arguments=item["arguments"]),
                     event("response.output_item.done", output_index=i, item=item)]
@@ -392,7 +432,7 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             if "error" in chunk:
-                for e in close_thought() + close_message() + close_calls():
+                for e in close_thought("incomplete") + close_message("incomplete") + close_calls("incomplete"):
                     yield e
                 yield event("response.failed", response={**built.body("failed", output), "error": {
                     "code": chunk["error"].get("code") or "server_error", "message": chunk["error"]["message"]}})
@@ -424,8 +464,8 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                                 content_index=0, delta=delta["content"], logprobs=list(scored))
                     scored.clear()
                 for tc in delta.get("tool_calls") or []:
-                    if tc.get("id"):  # a new call
-                        closing = close_thought() + close_message()
+                    if tc.get("id"):  # a new call: the open item (an earlier call's too) done first
+                        closing = close_thought() + close_message() + close_calls()
                         call = {"id": tc["id"], "type": "function",
                                 "function": {"name": tc["function"]["name"], "arguments": ""}}
                         calls[tc["index"]] = _call(call, "in_progress")
@@ -438,9 +478,9 @@ async def _events(built: _Built, chunks: AsyncIterator[dict], done: Callable[[di
                         yield event("response.function_call_arguments.delta", item_id=item["id"],
                                     output_index=output.index(item), delta=args)
                 finish = choice["finish_reason"] or finish
-    for e in close_thought() + close_message() + close_calls():
-        yield e
     status = "incomplete" if finish == "length" else "completed"
+    for e in close_thought(status) + close_message(status) + close_calls(status):
+        yield e
     body = built.body(status, output, _usage(usage), finish)
     done(body, _said(output))
     yield event(f"response.{status}", response=body)
