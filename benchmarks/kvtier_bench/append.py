@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     least = max(args.steps, args.peer_steps)
     if not contexts or min(contexts) < least:
         raise ValueError(f"--contexts {args.contexts!r}: each context must be at least {least} tokens "
-                         f"(--steps {args.steps}, --peer-steps {args.peer_steps}); raise them or lower those")
+                         f"(--steps {args.steps}, --peer-steps {args.peer_steps}): give longer contexts or fewer steps")
     try:
         import transformers.cache_utils  # noqa: F401
     except ImportError as e:

@@ -351,7 +351,17 @@ def test_malformed_chat_and_routes(server, client, model) -> None:
                         ({"messages": user, "top_logprobs": 2}, "top_logprobs"),  # (without logprobs: true)
                         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
                          "messages.0.content"),
-                        ({"messages": [{"role": "user", "content": "\udfff"}]}, "messages")):
+                        ({"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
+                        # were 200s (OpenAI's 400s): no content, no parts, a result of no call, a call of no function
+                        ({"messages": [{"role": "user"}]}, "messages.0.content"),
+                        ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
+                        ({"messages": [*user, {"role": "tool", "content": "4"}]}, "messages.1.tool_call_id"),
+                        ({"messages": [*user, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
+                         "messages.1.tool_calls"),
+                        ({"messages": user, "tools": []}, "tools"),
+                        ({"messages": user, "tools": [{"type": "function", "function": {
+                            "name": "f", "parameters": {"type": "string"}}}]}, "tools"),
+                        ({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools")):
         r = httpx.post(f"{server}/v1/chat/completions", content=json.dumps(body),  # escapes the surrogate
                        headers={"content-type": "application/json"}, timeout=30)
         err = r.json()["error"]
@@ -360,6 +370,18 @@ def test_malformed_chat_and_routes(server, client, model) -> None:
     assert httpx.get(f"{server}/v1/completions").status_code == 405
     with pytest.raises(NotFoundError):
         client.completions.create(model="gpt-9", prompt="x")
+
+
+@pytest.mark.parametrize("content, headers, message", [
+    (b'{"prompt": "\xff"}', {}, "the request body is not UTF-8 text (byte 0xff at offset 12)"),
+    (b"[" * 5000 + b"]" * 5000, {}, "the request body's JSON nests deeper than the server reads"),
+    (b'{"prompt": "hi"}', {"content-type": "text/plain"}, "the request's Content-Type is 'text/plain'"),
+    (b'{"prompt": "hi", "stop": ["x", ""]}', {}, "stop holds an empty string, which no text can be cut at"),
+])  # were "There was an error parsing the body", "not a JSON object" and "('x', '')"
+def test_unreadable_bodies_say_why(server, content, headers, message) -> None:
+    r = httpx.post(f"{server}/v1/completions", content=content,
+                   headers={"content-type": "application/json", **headers}, timeout=30)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
 
 
 def test_prompt_longer_than_the_context_is_a_clear_400(client, model) -> None:

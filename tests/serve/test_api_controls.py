@@ -129,6 +129,13 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, lm) -> None:
     r = client.chat.completions.create(model=model, messages=question, max_tokens=2, temperature=0,
                                        extra_body={"truncate_prompt_tokens": 9})
     assert r.usage.prompt_tokens == 9
+    # -1: what the context (1,024 tokens here) leaves beside max_tokens (was the whole context: a 400)
+    r = client.completions.create(model=model, prompt=long, max_tokens=4, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == 1024 - 4 and r.usage.completion_tokens == 4
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": long[-20_000:]}],
+                                       temperature=0, extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == 1024 - 1 and r.usage.completion_tokens == 1  # (beside one token)
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -156,6 +163,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, lm) -> None:
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "would leave no prompt"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater than or equal to -1"),
     ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", "over the context of 1024 tokens"),
+    ({"truncate_prompt_tokens": -1, "max_tokens": 1024}, "max_tokens", "leaves beside max_tokens 1024, which is nothing"),
     ({"priority": 3}, "priority", "priority 3 needs the priority scheduling policy (kvtier serve --scheduling-policy"),
     ({"priority": 2**31}, "priority", "less than 2147483648"),
 ])

@@ -50,7 +50,9 @@ def test_required_is_an_array_of_calls_of_any_tool() -> None:
 
 
 def test_none_and_no_tools_are_text() -> None:
-    assert tool_calls(None, None) is None and tool_calls([WEATHER], "none") is None and tool_calls([], "none") is None
+    assert tool_calls(None, None) is None and tool_calls([WEATHER], "none") is None
+    with pytest.raises(ToolError, match="tools is an empty list"):  # (OpenAI's 400 too; was text)
+        tool_calls([], "none")
 
 
 @pytest.mark.parametrize("tools,choice,param,message", [

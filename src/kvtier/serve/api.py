@@ -56,7 +56,7 @@ from starlette.exceptions import HTTPException
 
 from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from kvtier.serve.middleware import ApiKeys, BodyLimit
+from kvtier.serve.middleware import ApiKeys, BodyLimit, unread_body
 from kvtier.serve.params import RequestOutput, RequestParams
 from kvtier.serve.reasoning import FORMATS as REASONING
 from kvtier.serve.reasoning import ReasoningReader, grammar_after, prompt_state
@@ -206,7 +206,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
-        return fail(validation_error(list(e.errors())))
+        return fail(validation_error(list(e.errors()), request.headers.get("content-type")))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
@@ -214,7 +214,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         if e.status_code == 413:
             return fail(APIError(413, f"the request body is over the {config.max_request_bytes} bytes this "
                                       "server reads (kvtier serve --max-request-mb)", code="request_too_large"))
-        return fail(APIError(e.status_code, str(e.detail), type=kind))
+        return fail(APIError(e.status_code, unread_body(e), type=kind))
 
     @app.exception_handler(RequestsEnded)
     async def ended(request: Request, e: RequestsEnded):
@@ -320,13 +320,20 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         except ValueError as e:
             raise refused(e, prompt_param) from None
 
-    def kept_tokens(req) -> int | None:
-        """vLLM's truncate_prompt_tokens as a count (-1: the context); 400 past the context."""
+    def kept_tokens(req, params: RequestParams) -> int | None:
+        """vLLM's truncate_prompt_tokens as a count (-1: what the context leaves beside the
+        request's ``max_tokens``, or beside one token without it); 400 past the context."""
         keep, context = req.truncate_prompt_tokens, engine.stats["max_model_len"]
         if keep is not None and keep > context:
             raise APIError(400, f"truncate_prompt_tokens {keep} is over the context of {context} tokens; keep at "
-                           f"most {context} (or -1: the context)", param="truncate_prompt_tokens")
-        return context if keep == -1 else keep
+                           f"most {context} (or -1: what the context leaves beside max_tokens)",
+                           param="truncate_prompt_tokens")
+        if keep != -1:
+            return keep
+        if context - (params.max_tokens or 1) < 1:
+            raise APIError(400, f"truncate_prompt_tokens -1 keeps what the context of {context} tokens leaves beside "
+                           f"max_tokens {params.max_tokens}, which is nothing: lower max_tokens", param="max_tokens")
+        return context - (params.max_tokens or 1)
 
     add_tokenizer_routes(app, tokenizer, lambda: engine.stats["max_model_len"], check_model, encode)
 
@@ -335,7 +342,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         check(req)
         params = request_params(req, tokenizer)  # every 400 of the fields before the prompt's tokenizing
         await compile_structure(req, params)
-        raw, keep = req.prompts(), kept_tokens(req)
+        raw, keep = req.prompts(), kept_tokens(req, params)
         prompts = await asyncio.to_thread(lambda: [  # (one trip to the worker thread for the batch)
             encode(p, "prompt", None, keep) if isinstance(p, str) else list(p)[-keep:] if keep else list(p)
             for p in raw])
@@ -369,7 +376,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         if state is not None and params.structure is not None:  # (its grammar from the reasoning's end on)
             params = replace(params, structure=replace(params.structure, after=grammar_after(thinks, state) or ""))
         await compile_structure(req, params)
-        ids = await asyncio.to_thread(encode, text, "messages", False, kept_tokens(req))
+        ids = await asyncio.to_thread(encode, text, "messages", False, kept_tokens(req, params))
         rids = await start([(ids, choice_params(params, i)) for i in range(req.n)], req.n, "messages")
         tools = req.tool_calls()
         views = [Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i,

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["OPEN_PATHS", "ApiKeys", "BodyLimit"]
+__all__ = ["OPEN_PATHS", "ApiKeys", "BodyLimit", "unread_body"]
 
 #: what answers without a key: probes and scrapers, which send none
 OPEN_PATHS = ("/health", "/metrics")
@@ -72,3 +72,17 @@ class ApiKeys:
         body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
                           "code": "invalid_api_key"}}
         await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+def unread_body(e: HTTPException) -> str:
+    """FastAPI's "There was an error parsing the body" said plainly from its cause (a body not
+    UTF-8, JSON nested past what the parser follows); other details as they are."""
+    cause = e.__cause__
+    if e.detail != "There was an error parsing the body" or cause is None:
+        return str(e.detail)
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not UTF-8 text (byte {cause.object[cause.start]:#04x} at offset "
+                f"{cause.start}); send the JSON encoded in UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the request body's JSON nests deeper than the server reads; send a flatter body"
+    return f"the request body could not be read as JSON ({type(cause).__name__}: {cause})"

@@ -39,7 +39,14 @@ from kvtier.model.tokenizer import NoChatTemplate
 from kvtier.sampling import SamplingParams
 from kvtier.serve.params import MAX_BAD_WORD_TOKENS, MAX_GUIDED_CHOICES, MAX_LOGPROBS, RequestParams
 from kvtier.serve.structured import Structure, named, structural_tag
-from kvtier.serve.tools import CallFormat, ToolCalls, ToolError, chat_messages, tool_calls
+from kvtier.serve.tools import (
+    CallFormat,
+    ToolCalls,
+    ToolError,
+    chat_messages,
+    check_messages,
+    tool_calls,
+)
 
 __all__ = ["MAX_BAD_WORDS", "MAX_CHOICES", "MAX_WORDS_CHARS", "MAX_LOGIT_BIAS", "MAX_PROMPTS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "NO_TEMPLATE", "APIError", "ChatCompletionRequest", "CompletionRequest",
            "DetokenizeRequest", "TokenizeRequest", "render_chat", "request_params", "structure", "validation_error"]
@@ -100,10 +107,10 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """The 400 for pydantic's ``errors`` of a request body (FastAPI's ``RequestValidationError``):
-    the first error, its field as ``param``; a field of several shapes (``prompt``,
-    ``stop``, ``content``) says which shapes it takes."""
+def validation_error(errors: list[dict[str, Any]], content_type: str | None = None) -> APIError:
+    """The 400 for pydantic's ``errors`` of a request body (FastAPI's ``RequestValidationError``): the
+    first error, its field as ``param``; a field of several shapes (``prompt``, ``stop``, ``content``)
+    says which shapes it takes; a body not read as JSON names its ``content_type``."""
     first = errors[0] if errors else {}
     loc = [x for x in first.get("loc", ()) if x != "body"]
     kind = first.get("type", "")
@@ -111,6 +118,9 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         where = f" at character {loc[0]}" if loc else ""
         reason = (first.get("ctx") or {}).get("error", "JSON decode error")
         return APIError(400, f"the request body is not valid JSON ({reason}{where})")
+    if not loc and content_type and "json" not in content_type.lower() and kind != "missing":
+        return APIError(400, f"the request's Content-Type is {content_type!r}, so its body was not read as JSON; "
+                             "send it with Content-Type: application/json")
     if not loc:
         what = "empty" if kind == "missing" else "not a JSON object"
         return APIError(400, f"the request body is {what}; send a JSON object with content-type "
@@ -153,9 +163,8 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    # vLLM's extensions: stop_token_ids, include_stop_str_in_output, allowed_token_ids, bad_words,
-    # the guided_* constraints, truncate_prompt_tokens and prompt_logprobs are served;
-    # use_beam_search is refused, never ignored
+    # vLLM's extensions: stop_token_ids, include_stop_str_in_output, allowed_token_ids, bad_words, the guided_*
+    # constraints, truncate_prompt_tokens and prompt_logprobs are served; use_beam_search is refused, never ignored
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
@@ -194,10 +203,12 @@ class _Common(BaseModel):
         self._structured_choice()
         if self.truncate_prompt_tokens == 0:
             raise APIError(400, "truncate_prompt_tokens 0 would leave no prompt; keep at least 1 token (or -1: "
-                           "the context)", param="truncate_prompt_tokens")
+                           "what the context leaves)", param="truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if "" in stop:
+            raise APIError(400, "stop holds an empty string, which no text can be cut at; drop it", param="stop")
         for s in stop:
             try:
                 s.encode("utf-8")
@@ -325,6 +336,10 @@ class ChatCompletionRequest(_Common):
                            param="functions", code="unsupported_parameter")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        try:
+            check_messages(self.messages)
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
         self.tool_calls()
 
     def tool_calls(self, answer: dict[str, Any] | None = None) -> ToolCalls | None:

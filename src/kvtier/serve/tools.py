@@ -332,6 +332,28 @@ class CallReader:
         return False
 
 
+def check_messages(messages) -> None:
+    """:class:`ToolError` for a chat message OpenAI refuses: a message other than an assistant's
+    without ``content``, ``content`` an empty list, a tool result without ``tool_call_id``, or an
+    assistant's ``tool_calls`` entry without ``function.name`` and ``function.arguments`` (text)."""
+    for i, m in enumerate(messages):
+        if m.content == []:
+            raise ToolError(f"messages[{i}].content is an empty list; give its text, or at least one text part",
+                            f"messages.{i}.content")
+        if m.content is None and m.role != "assistant":
+            raise ToolError(f"messages[{i}] (a {m.role!r} message) has no content; give its text",
+                            f"messages.{i}.content")
+        if m.role == "tool" and not m.tool_call_id:
+            raise ToolError(f"messages[{i}] is a tool result without tool_call_id; give the id of the call it "
+                            "answers", f"messages.{i}.tool_call_id")
+        for j, c in enumerate(m.tool_calls or []):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
+                raise ToolError(f"messages[{i}].tool_calls[{j}] must be {{\"id\": ..., \"type\": \"function\", "
+                                "\"function\": {\"name\": ..., \"arguments\": \"<JSON text>\"}}, got "
+                                f"{json.dumps(c)[:80]}", f"messages.{i}.tool_calls")
+
+
 def call_id() -> str:
     """A fresh tool call id, as OpenAI writes them (``call_`` and 24 characters)."""
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -374,6 +396,8 @@ def tool_calls(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool =
     ``"auto"`` needs; ``answer``: with ``"auto"``, the JSON schema of an answer that is no call,
     OpenAI's ``response_format`` beside tools); :class:`ToolError` for a malformed tool, a choice
     naming no tool, or ``"auto"`` without a format."""
+    if tools is not None and not tools:
+        raise ToolError("tools is an empty list; give at least one tool, or leave tools out", "tools")
     tools = tools or []
     if len(tools) > MAX_TOOLS:
         raise ToolError(f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are accepted", "tools")
@@ -385,8 +409,11 @@ def tool_calls(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool =
             raise ToolError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} with a "
                             "name of 1 to 64 letters, digits, _ or -", "tools")
         params = fn.get("parameters", _NO_PARAMETERS)
-        if not isinstance(params, dict):
-            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema of an object (\"type\": "
+                            f"\"object\"): a call's arguments are one, got {json.dumps(params)[:80]}", "tools")
+        if name in schemas:
+            raise ToolError(f"tools[{i}] is named {name!r} as an earlier tool is; give each tool its own name", "tools")
         schemas[name] = params
     if choice is None:
         choice = "auto" if tools else "none"
