@@ -282,7 +282,7 @@ class RaggedBatchKVCache(RowKVCache):
             if q_len != self._last_q and self._lengths is not None and max(self._lengths) < q_len:
                 raise ValueError(f"{q_len} queries but rows of {self._lengths} tokens; give q_start")
             return self._last_ws if q_len == self._last_q else (self._offsets - q_len).clamp(min=0)
-        return query_starts(q_start, self.batch_size, self._lengths, self._offsets.device)
+        return query_starts(q_start, self.batch_size, self._offsets.device)
 
     def attention(self, queries: torch.Tensor, *, scale: float | None = None,
                   q_start: Any = None) -> torch.Tensor:

@@ -101,15 +101,8 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def query_starts(q_start: Any, batch: int, lengths: list[int] | None, device: torch.device) -> torch.Tensor:
-    """``q_start`` (:func:`row_values`) as int64 ``[batch]`` on ``device``; a host value past its
-    row's tokens (``lengths``, when the host knows them) is refused: a row's first query sits at
-    most at its length."""
+def query_starts(q_start: Any, batch: int, device: torch.device) -> torch.Tensor:
+    """``q_start`` (:func:`row_values`) as int64 ``[batch]`` on ``device``. A start past its row's
+    tokens is taken: that row's queries see all of its keys (as a released row's do)."""
     qs = row_values(q_start, "q_start", batch, device)
-    if isinstance(qs, torch.Tensor):
-        return qs
-    past = [] if lengths is None else [b for b, (s, n) in enumerate(zip(qs, lengths, strict=True)) if s > n]
-    if past:
-        raise ValueError(f"q_start {qs} is past the tokens of rows {past} (lengths {list(lengths)}): a "
-                         "row's first query sits at most at its length")
-    return torch.tensor(qs, dtype=torch.long, device=device)
+    return qs if isinstance(qs, torch.Tensor) else torch.tensor(qs, dtype=torch.long, device=device)
