@@ -27,6 +27,7 @@ LAYERS = {
     "kvtier.cuda_graph": 5,
     "kvtier.prompt_cache": 5,
     "kvtier.limits": 5,
+    "kvtier.devices": 5,
     "kvtier.evaluate": 5,
     "kvtier.serve": 6,
     "kvtier.parallel": 7,

@@ -157,6 +157,8 @@ def test_n_choices_stream_interleaved_with_their_index(client, model, server) ->
     assert roles == {0: "assistant", 1: "assistant", 2: "assistant"}
     assert logprobs == {c.index: len(c.logprobs.content) for c in whole.choices}
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == sum(logprobs.values())
+    one = client.chat.completions.create(**{**kw, "n": 1})  # the prompt counted once (was n times)
+    assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens == one.usage.prompt_tokens
     h = settle(server)
     assert h["running"] == h["waiting"] == 0 and h["free_blocks"] == NUM_BLOCKS
 
@@ -367,7 +369,11 @@ def test_malformed_chat_and_routes(server, client, model) -> None:
         err = r.json()["error"]
         assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] == param, err
     assert httpx.get(f"{server}/v1/nothing").status_code == 404
-    assert httpx.get(f"{server}/v1/completions").status_code == 405
+    r = httpx.get(f"{server}/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]  # (the Allow was lost)
+    assert [httpx.head(f"{server}{p}").status_code for p in ("/metrics", "/v1/models", "/health")] == [200] * 3
+    r = httpx.post(f"{server}/v1/completions/", json={"prompt": "x"})  # was a bare 307 to the route
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     with pytest.raises(NotFoundError):
         client.completions.create(model="gpt-9", prompt="x")
 

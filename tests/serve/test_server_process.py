@@ -30,15 +30,32 @@ from server_support import free_port, metrics, model_name, running_server, settl
     (["--max-waiting", "0"], "max_waiting must be an int >= 1, got 0"),  # was a server answering only 429
     (["--chat-template", "/nonexistent/chat.jinja"], "is neither a file nor a Jinja template"),
     (["--chat-template", "{% if %}"], "the chat template does not parse: Expected an expression"),
-    (["--api-key", "secret", "--api-key", "two words"], "api_keys must be a tuple of non-empty keys of printable "
-     "ASCII without spaces, got 2 keys"),  # (the keys themselves never written out)
+    (["--api-key", "secret", "--api-key", "two words"], "API key 2 of 2 is not printable ASCII without spaces; "
+     "give keys"),  # (the keys themselves never written out)
+    (["--api-key", ""], "API key 1 of 1 is empty"),  # was "... got 1 keys"
+    (["--served-model-name", "  "], "served_model_name '  ' is no name"),  # was served as "  "
+    (["--device", "tpu"], "--device 'tpu' is not a device"),  # these three were tracebacks
+    pytest.param(["--device", "cuda"], "sees no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="a machine without CUDA")),
+    (["--threads", "100000"], "--threads must be an int from 1 to"),  # was a segfault after the model loaded
 ])
 def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
     port = str(free_port())  # a process of its own, bounded in time: a server that starts is a failure
-    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port", port, *argv],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port", port, *argv,
+                           "--model", "/nonexistent/model.gguf"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr  # (the model's path is not what is refused: checked first)
     assert done.stderr.startswith("kvtier: error:") and words in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--block-size", "100000", "--kv-memory", "0.01"], "0.01 GiB of keys and values hold no block of 100000 "
+     "tokens"),  # was a pool of 8.6 GiB
+    (["--num-blocks", "100000000000"], "a pool of 100000000000 blocks takes"),  # was "MemoryError"
+])
+def test_a_pool_that_cannot_be_is_refused_before_it_is_allocated(argv, words) -> None:
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port",
+                           str(free_port()), *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_a_taken_port_is_refused_before_the_model_loads() -> None:

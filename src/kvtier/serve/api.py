@@ -128,10 +128,17 @@ class ServerConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         keys = self.api_keys
-        if not isinstance(keys, tuple) or not all(isinstance(k, str) and k and k.isascii() and k.isprintable()
-                                                  and " " not in k for k in keys):
-            raise ValueError("api_keys must be a tuple of non-empty keys of printable ASCII without spaces, got "
-                             f"{len(keys) if isinstance(keys, tuple) else type(keys).__name__} keys")
+        if not isinstance(keys, tuple):
+            raise ValueError(f"api_keys must be a tuple of keys, got {type(keys).__name__}")
+        bad = next((i for i, k in enumerate(keys) if not (isinstance(k, str) and k and k.isascii() and k.isprintable()
+                                                          and " " not in k)), None)
+        if bad is not None:  # (the key itself is never written out)
+            raise ValueError(f"API key {bad + 1} of {len(keys)} is {'empty' if keys[bad] == '' else 'not printable ASCII without spaces'}"
+                             "; give keys of printable ASCII without spaces (--api-key, KVTIER_API_KEY)")
+        name = self.served_model_name
+        if name is not None and (not isinstance(name, str) or not name.strip() or name != name.strip()):
+            raise ValueError(f"served_model_name {name!r} is no name (empty, or spaces around it): give the name "
+                             "clients send as model, or leave --served-model-name out for the file's")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ValueError(f"chat_template must be Jinja text or None, got {type(self.chat_template).__name__}")
         if self.tool_call_parser is not None and self.tool_call_parser not in (*FORMATS, "none"):
@@ -182,7 +189,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         yield
         engine.shutdown()
 
-    app = FastAPI(title="kvtier", lifespan=lifespan)
+    app = FastAPI(title="kvtier", lifespan=lifespan, redirect_slashes=False)  # (a 404, not a bare 307)
     app.add_middleware(BodyLimit, limit=config.max_request_bytes)
     if config.api_keys:  # (added last: runs first, before any body is read)
         app.add_middleware(ApiKeys, keys=config.api_keys, rejected=metrics.reject)
@@ -214,7 +221,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         if e.status_code == 413:
             return fail(APIError(413, f"the request body is over the {config.max_request_bytes} bytes this "
                                       "server reads (kvtier serve --max-request-mb)", code="request_too_large"))
-        return fail(APIError(e.status_code, unread_body(e), type=kind))
+        return fail(APIError(e.status_code, unread_body(e), type=kind, headers=e.headers))  # (a 405's Allow)
 
     @app.exception_handler(RequestsEnded)
     async def ended(request: Request, e: RequestsEnded):
@@ -231,7 +238,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         return {"status": "ok", **{k: s[k] for k in ("running", "waiting", "num_blocks", "free_blocks",
                                                      "cached_blocks", "max_model_len")}}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -239,11 +246,11 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         return {"id": model_name, "object": "model", "created": created, "owned_by": "kvtier",
                 "max_model_len": engine.stats["max_model_len"]}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{name:path}")  # the official client's models.retrieve(name)
+    @app.api_route("/v1/models/{name:path}", methods=["GET", "HEAD"])  # the official client's models.retrieve(name)
     async def one_model(name: str):
         check_model(name)
         return model_card()
@@ -379,7 +386,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
         ids = await asyncio.to_thread(encode, text, "messages", False, kept_tokens(req, params))
         rids = await start([(ids, choice_params(params, i)) for i in range(req.n)], req.n, "messages")
         tools = req.tool_calls()
-        views = [Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i,
+        views = [Completion(tokenizer, model_name, f"chatcmpl-{rids[0]}", chat=True, index=i, first=i == 0,
                             scored=req.prompt_logprobs, tools=tools,
                             reasoning=None if thinks is None else ReasoningReader(thinks, state)) for i in range(req.n)]
         return await answer(views, rids, req, request, chunks=chunks)

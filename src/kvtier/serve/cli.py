@@ -168,10 +168,14 @@ def read_chat_template(given: str) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     import torch
 
+    from kvtier.devices import check_threads, parse_device
+
     engine_config, server_config = configs_from_args(args)  # bad values fail before the model loads
     threads = getattr(args, "threads", None)
-    if threads is not None and (isinstance(threads, bool) or threads < 1):
-        raise ValueError(f"--threads must be >= 1, got {threads}")
+    if threads is not None:
+        check_threads(threads)
+    if hasattr(args, "device"):
+        parse_device(args.device)
     dtype = getattr(torch, args.dtype) if hasattr(args, "dtype") else None
     model = getattr(args, "model", None)
     from kvtier.model.linear import PREFILL_ENV_VAR, parse_prefill_dtype, prefill_dtype_warning

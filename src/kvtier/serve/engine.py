@@ -64,7 +64,7 @@ from kvtier.serve.graphs import graph_rows
 from kvtier.serve.live import Live
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.prefix import BlockManager
-from kvtier.serve.runner import ModelRunner, PendingTokens, blocks_for_memory
+from kvtier.serve.runner import ModelRunner, PendingTokens, pool_blocks
 from kvtier.serve.scheduler import (
     PENDING,
     Request,
@@ -158,7 +158,8 @@ class EngineConfig:
                                 or not 0 < gib < math.inf):
             raise ValueError(f"kv_memory_gib must be a number of GiB > 0 or None (the default), got {gib!r}")
         check_kv_quant(self.kv_quant)
-        check_turboquant(self.turboquant)
+        check_turboquant(self.turboquant)  # the scheduler's checks, before a model is built (the context is the model's):
+        SchedulerConfig(1, self.max_num_seqs, self.max_batched_tokens or self.max_num_seqs, self.max_waiting, policy=self.scheduling_policy)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
@@ -219,7 +220,7 @@ class LLMEngine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         param = next(model.parameters())
         self.device = param.device
-        num_blocks = config.num_blocks or self._default_blocks(param.dtype)
+        num_blocks = self._pool_blocks(param.dtype)  # (before anything is allocated)
         context = min(config.max_model_len or model.args.max_position_embeddings,
                       model.args.max_position_embeddings, num_blocks * config.block_size)
         self.max_model_len = context
@@ -252,14 +253,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.steps = self.prompt_tokens = self.generation_tokens = 0
 
-    def _default_blocks(self, dtype: torch.dtype) -> int:
-        c, args = self.config, self.model.args
-        gib = c.kv_memory_gib
-        if gib is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            gib = DEFAULT_CUDA_KV_SHARE * free / 2**30
-        return blocks_for_memory(DEFAULT_CPU_KV_GIB if gib is None else gib, args, dtype, c.block_size,
-                                 c.kv_quant, c.turboquant)
+    def _pool_blocks(self, dtype: torch.dtype) -> int:
+        c, gib = self.config, self.config.kv_memory_gib
+        if c.num_blocks is None and gib is None and self.device.type == "cuda":
+            gib = DEFAULT_CUDA_KV_SHARE * torch.cuda.mem_get_info(self.device)[0] / 2**30
+        return pool_blocks(c.num_blocks, DEFAULT_CPU_KV_GIB if gib is None else gib, self.model.args, dtype,
+                           self.device, c.block_size, c.kv_quant, c.turboquant)
 
     # -- requests ---------------------------------------------------------------------------------
     @_serialised

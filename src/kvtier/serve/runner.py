@@ -63,7 +63,7 @@ from kvtier.model.cpu_step import DENSE_ROWS, plan_for
 from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.scheduler import PENDING, ScheduledRow, StepBatch
 
-__all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "fed_tokens", "fill_pending", "kv_bytes_per_block",
+__all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "pool_blocks", "fed_tokens", "fill_pending", "kv_bytes_per_block",
            "smallest_bucket", "token_rows"]
 
 
@@ -141,7 +141,44 @@ def blocks_for_memory(gib: float, model_args, dtype: torch.dtype, block_size: in
     if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
         raise ValueError(f"kv memory must be a number of GiB > 0, got {gib!r}")
     per_block = kv_bytes_per_block(model_args, dtype, block_size, kv_quant, turboquant)
-    return max(1, math.floor(gib * 2**30 / per_block))
+    if gib * 2**30 < per_block:
+        raise ValueError(f"{gib:g} GiB of keys and values hold no block of {block_size} tokens (one takes "
+                         f"{per_block / 2**30:.3g} GiB over the model's layers); give more memory (--kv-memory) or "
+                         "smaller blocks (--block-size)")
+    return math.floor(gib * 2**30 / per_block)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory ``device`` has free now: the GPU's, or the CPU's ``MemAvailable`` (``None`` where
+    it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return kib * 1024
+
+
+def pool_blocks(num_blocks: int | None, gib: float, model_args, dtype: torch.dtype, device: torch.device,
+                block_size: int, kv_quant: str | None = None, turboquant: TurboQuantConfig | None = None) -> int:
+    """The pool's blocks: ``num_blocks``, else as many as ``gib`` GiB hold
+    (:func:`blocks_for_memory`); refused where ``device`` has not the memory for them and the
+    scratch block (:func:`check_pool_fits`)."""
+    n = num_blocks or blocks_for_memory(gib, model_args, dtype, block_size, kv_quant, turboquant)
+    check_pool_fits(n, kv_bytes_per_block(model_args, dtype, block_size, kv_quant, turboquant), device)
+    return n
+
+
+def check_pool_fits(num_blocks: int, per_block: int, device: torch.device) -> None:
+    """Refuse, before anything is allocated, a pool of ``num_blocks`` blocks of ``per_block``
+    bytes and its scratch block that ``device`` has no free memory for."""
+    free = free_bytes(device)
+    if free is not None and (num_blocks + 1) * per_block > free:
+        raise ValueError(f"a pool of {num_blocks} blocks takes {num_blocks * per_block / 2**30:.1f} GiB of keys and "
+                         f"values, more than the {free / 2**30:.1f} GiB free on {device}; lower --kv-memory or "
+                         "--num-blocks, or quantise the pages (--kv-quant, --turboquant)")
 
 
 class ModelRunner:
