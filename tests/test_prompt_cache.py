@@ -224,3 +224,35 @@ def test_prompt_cache_serves_one_prompt(lm, tmp_path):
                              cache_config=KVCacheConfig(), prompt_cache=fresh(tmp_path, lm)))
     with pytest.raises(ValueError, match="model_source"):
         PromptCache(tmp_path / "x", model_source="")
+
+
+@pytest.mark.parametrize("storage", [{"kv_quant": "fp8"}, {"turboquant": "q5_0r,q4_0"}],
+                         ids=["fp8", "q5_0r,q4_0"])
+def test_restored_pages_keep_their_codes_in_this_runs_pool(lm, tmp_path, storage):
+    """A restored paged cache takes the configured pool (the file's was sized for the run
+    that wrote it) with the file's pages as they are: before, the command line converted
+    it, and fp8 keys and TurboQuant values were coded again (other tokens came out)."""
+    from kvtier.caches.persist import load_cache
+    from kvtier.quant.modes import parse_turboquant
+
+    if "turboquant" in storage:
+        storage = {"turboquant": parse_turboquant(storage["turboquant"])}
+    small = KVCacheConfig(tier="paged", paged_num_blocks=2, **storage)
+    ids = lm.tokenizer.encode(PROMPT)
+    list(stream_generate(lm.model, lm.tokenizer, PROMPT, CONFIG, cache_config=small,
+                         prompt_cache=fresh(tmp_path, lm)))
+    saved, _ = load_cache(tmp_path / "pc.safetensors")
+    wide = KVCacheConfig(tier="paged", paged_num_blocks=9, **storage)
+    caches, reused = fresh(tmp_path, lm).restore(lm.model, ids, wide)
+    assert reused == len(ids) - 1
+    for was, now in zip(saved, caches):
+        assert now.pool.num_blocks == 9 and now.lengths == was.lengths
+        blocks = [now.pool.rows[0], was.pool.rows[0]]
+        for name in ("key_cache", "value_cache"):
+            mine, theirs = (getattr(c.pool, name)[b] for c, b in zip((now, was), blocks))
+            assert torch.equal(mine, theirs), name
+        for side in ("k_sidecars", "v_sidecars"):
+            for key, t in getattr(now.pool, side).items():
+                assert torch.equal(t[blocks[0]], getattr(was.pool, side)[key][blocks[1]]), key
+        centre = was.codecs.k_codec.centre
+        assert centre is None or torch.equal(now.codecs.k_codec.centre, centre)

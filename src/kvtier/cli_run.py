@@ -270,7 +270,6 @@ def cache_summary(caches, dtype=None) -> dict:
 
 def run_generate(args: argparse.Namespace, lm=None) -> int:
     """``kvtier generate``; ``lm``: a model already loaded (one rank's shard), else the flags'."""
-    from kvtier.config import configure_kv_cache
     from kvtier.generate import stream_generate
     from kvtier.model.act_quant import ENV_VAR, act_quant_of, parse_act_quant
     from kvtier.model.linear import prefill_dtype_in_effect, prefill_narrows
@@ -320,9 +319,7 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
         from kvtier.prompt_cache import PromptCache
 
         pc = PromptCache(args.prompt_cache, model_source=str(lm.source))
-        caches, _ = pc.restore(lm.model, ids, cache_config)
-        if pc.reused and cache_config.tier == "paged":
-            configure_kv_cache(caches, cache_config)  # the saved pool was sized for its own request
+        caches, _ = pc.restore(lm.model, ids, cache_config)  # (in this request's paged pool)
     else:
         caches = lm.model.make_caches(cache_config, batch_size=1)
     stream = stream_generate

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,7 +78,9 @@ class PromptCache:
         The caches hold at most ``len(prompt) - 1`` tokens (generation feeds the
         last prompt token itself). Without a usable file they are fresh and
         empty; a file that exists but does not match warns
-        (:class:`PromptCacheWarning`).
+        (:class:`PromptCacheWarning`). Restored paged caches take ``config``'s pool
+        (its size, growth, window and attention backend) with the file's pages
+        copied as stored: never decoded and coded again.
         """
         from kvtier.generate import model_device
 
@@ -111,6 +114,7 @@ class PromptCache:
             return fresh(), 0
         for c in caches:
             c.trim(c.size() - common)
+        caches = [_in_configured_pool(c, config) for c in caches]
         self._saved_tokens = list(saved)
         self.reused = common
         return caches, common
@@ -176,6 +180,31 @@ def _tier_fingerprint(config: KVCacheConfig) -> dict[str, Any]:
         "turboquant": dataclasses.asdict(tq) if tq is not None and config.tier == "paged" else None,
         **narrow,
     }
+
+
+def _in_configured_pool(cache: KVCache, config: KVCacheConfig) -> KVCache:
+    """A restored paged ``cache`` moved into a pool of ``config``'s (the file's pool was sized
+    for the request that wrote it), its blocks copied as they are stored.
+
+    Converting it (``from_cache``, ``configure_kv_cache``) would decode the pages and code them
+    again: fp8 keys against a new key centre, TurboQuant values fitted to their own
+    reconstruction, and the continuation would differ from the one computed from the
+    prompt. The pool keeps the file's block size and is never smaller than what the
+    restored tokens hold. Other tiers are returned as they are.
+    """
+    from kvtier.caches.paged import PagedKVCache
+
+    if not isinstance(cache, PagedKVCache) or config.tier != "paged":
+        return cache
+    params = config.tier_params()
+    bs = cache.block_size  # (another block size could not take the pages as they are)
+    held = sum(math.ceil(n / bs) for n in cache.lengths)
+    params.update(block_size=bs, batch_size=1,
+                  num_blocks=max(held, math.ceil(params["num_blocks"] * params["block_size"] / bs)))
+    moved = PagedKVCache(**params)
+    moved.extend(cache)  # copies the blocks (payload and sidecars) and adopts the codecs
+    moved.filter(list(range(1, 1 + cache.batch_size)))  # drop the empty row it started with
+    return moved
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
