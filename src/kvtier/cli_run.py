@@ -108,34 +108,10 @@ def speculative_config_from_args(args: argparse.Namespace):
     return SpeculativeConfig(**_given(args, "draft_tokens"), **fixed)
 
 
-def parse_device(text: str):
-    """``torch.device(text)``, refused with the fix where kvtier cannot run on it.
-
-    >>> parse_device("cpu")
-    device(type='cpu')
-    """
-    import torch
-
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {text!r} is not a device; use cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {text!r}: kvtier runs on cpu or cuda; use one of them")
-    if device.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise ValueError(f"--device {text}: this PyTorch ({torch.__version__}) sees no CUDA "
-                             "device; use --device cpu, or leave --device out")
-        if device.index is not None and device.index >= n:
-            raise ValueError(f"--device {text}: there are {n} CUDA devices (cuda:0 to "
-                             f"cuda:{n - 1}); pick one of them")
-    return device
-
-
 def _load(args: argparse.Namespace):
     import torch
 
+    from kvtier.devices import parse_device
     from kvtier.model import load_model
     from kvtier.model.linear import PREFILL_ENV_VAR, parse_prefill_dtype, prefill_dtype_warning
 
@@ -283,6 +259,8 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     cache_config = cache_config_from_args(args)
     spec = speculative_config_from_args(args)
     if hasattr(args, "device"):
+        from kvtier.devices import parse_device
+
         parse_device(args.device)
     if lm is None and hasattr(args, "tensor_parallel"):
         return _run_tensor_parallel(args)
