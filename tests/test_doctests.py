@@ -9,7 +9,7 @@ import importlib
 import pytest
 
 MODULES = ["kvtier.kernels.paged", "kvtier.caches.paged_shared", "kvtier.serve.graphs", "kvtier.serve.prefix",
-           "kvtier.serve.scheduler", "kvtier.prefill", "kvtier.kernels.reference"]
+           "kvtier.serve.scheduler", "kvtier.prefill", "kvtier.kernels.reference", "kvtier.devices"]
 
 
 @pytest.mark.parametrize("name", MODULES)
