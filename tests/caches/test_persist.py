@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import multiprocessing
 import os
 
 import pytest
@@ -225,25 +226,135 @@ def test_meta_state_that_disagrees_with_the_tensors(tmp_path, seed):
 def test_a_capacity_the_memory_cannot_hold_is_the_files_problem(tmp_path, monkeypatch):
     """A crafted ragged file (valid checksums) whose capacity the allocator refuses: load_cache
     raises its ValueError, not the tier's capacity error (a MemoryError)."""
-    path = tmp_path / "r.safetensors"
     cache = RaggedBatchKVCache(batch_size=1, step=1)
     cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
-    save_cache(path, [cache])
-    with safe_open(str(path), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-        header = dict(f.metadata())
-    layers = json.loads(header["layers"])
-    layers[0]["meta_state"]["capacity"] = 2**31 - 1
-    _rewrite(path, tensors, header, layers=json.dumps(layers))
+    path = _crafted(tmp_path, cache, capacity=60_000)  # within the bound: 1 token + 65536
     real = torch.Tensor.new_zeros
 
-    def refuse_large(self, *size, **kw):  # as the allocator refuses 2**31 positions
+    def refuse_large(self, *size, **kw):  # as an allocator with less memory refuses it
         if size[2] > 1000:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
         return real(self, *size, **kw)
 
     monkeypatch.setattr(torch.Tensor, "new_zeros", refuse_large)
-    _expect_refusal(path, "layer 0 .*cannot be rebuilt: allocating 2147483647 positions")
+    _expect_refusal(path, "layer 0 .*cannot be rebuilt: allocating 60000 positions")
+
+
+def _crafted(tmp_path, cache, **meta):
+    """``cache`` saved, then its meta_state changed by ``meta`` under valid checksums (the
+    CRCs are easy to recompute: a crafted file, as an audit made them)."""
+    path = tmp_path / "crafted.safetensors"
+    save_cache(path, [cache])
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        header = dict(f.metadata())
+    layers = json.loads(header["layers"])
+    layers[0]["meta_state"].update(meta)
+    _rewrite(path, tensors, header, layers=json.dumps(layers))
+    return path
+
+
+def _seven_tokens(cache):
+    cache.update(torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8))
+    return cache
+
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Called: from then on the tiers' buffers may not be allocated (a crafted size must be
+    refused before; the old code allocated a block at a time, for minutes)."""
+    def refuse(self, *size, **kw):
+        raise AssertionError(f"allocated {size} for a file that should have been refused")
+
+    def arm():
+        for name in ("new_empty", "new_zeros"):
+            monkeypatch.setattr(torch.Tensor, name, refuse)
+    return arm
+
+
+@pytest.mark.parametrize("num_blocks,match", [
+    (100_000, r"num_blocks=100000 \(blocks of 4 tokens\) is more than the 7 tokens the state holds "
+              r"can have kept: at most 16386 blocks"),
+    (2**27, r"num_blocks=134217728 .* at most 16386 blocks"),  # hung load_cache: a block each
+])
+def test_a_block_count_past_the_tokens_held_is_refused(tmp_path, seed, no_allocation, num_blocks, match):
+    path = _crafted(tmp_path, _seven_tokens(BlockOwnedKVCache(block_size=4)), num_blocks=num_blocks)
+    no_allocation()
+    _expect_refusal(path, f"layer 0 .*cannot be rebuilt: meta_state {match}.*the file is inconsistent")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("block_size", 2**27, "block_size=134217728 passes the 16777216 tokens a block_size may have "
+                          r"\(the state holds 7 tokens\)"),
+    ("block_size", 3, "num_blocks=2 cannot hold offset=7 tokens in blocks of 3"),
+])
+def test_a_block_size_that_disagrees_is_refused(tmp_path, seed, no_allocation, field, value, match):
+    path = _crafted(tmp_path, _seven_tokens(BlockOwnedKVCache(block_size=4)), **{field: value})
+    no_allocation()
+    _expect_refusal(path, f"layer 0 .*cannot be rebuilt: meta_state {match}")
+
+
+def test_a_tail_step_past_the_librarys_limit_is_refused(tmp_path, seed, no_allocation):
+    path = _crafted(tmp_path, _seven_tokens(TailOwnedKVCache()), step=2**27)  # was nbytes 16 GiB
+    no_allocation()
+    _expect_refusal(path, r"layer 0 .*cannot be rebuilt: meta_state step=134217728 passes the "
+                          r"16777216 tokens a step may have \(the state holds 7 tokens\); the file is "
+                          "inconsistent")
+
+
+def test_a_large_tail_step_allocates_the_tokens_held_not_the_step(tmp_path, seed):
+    """A step within the limits loads (a real file may have one), but its rounding is not
+    allocated past restore_slack: the capacity is the tokens stored; writes go on as before."""
+    cache = _seven_tokens(TailOwnedKVCache(step=2**20))
+    save_cache(tmp_path / "c.safetensors", [cache])
+    (back,), _ = load_cache(tmp_path / "c.safetensors")
+    assert back.meta_state == cache.meta_state and back.capacity == 7
+    assert back.nbytes == cache.state["keys"].nbytes * 2
+    k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    for x, y in zip(back.update_and_fetch(k, v), cache.update_and_fetch(k, v)):
+        assert torch.equal(x, y)
+    assert back.capacity == cache.capacity == 2**20  # grown by the step, as the original was
+    small = _seven_tokens(TailOwnedKVCache(step=4))  # a rounding within the slack is kept
+    save_cache(tmp_path / "s.safetensors", [small])
+    assert load_cache(tmp_path / "s.safetensors")[0][0].capacity == 8
+
+
+def test_a_paged_block_count_that_disagrees_with_the_pages_is_refused(tmp_path, seed, no_allocation):
+    fixed = _seven_tokens(PagedKVCache(block_size=4, num_blocks=4, batch_size=1))
+    path = _crafted(tmp_path, fixed, num_blocks=100_000)
+    no_allocation()
+    _expect_refusal(path, r"meta_state num_blocks=100000 but state\['key_cache'\] holds 4 blocks; a "
+                          "fixed pool's first allocation is exactly the blocks it holds; the file is "
+                          "inconsistent")
+    path = _crafted(tmp_path, fixed, num_blocks=3)
+    no_allocation()
+    _expect_refusal(path, r"num_blocks=3 but state\['key_cache'\] holds 4 blocks")
+    grown = _seven_tokens(PagedKVCache(block_size=4, num_blocks=1, batch_size=1, dynamic=True))
+    path = _crafted(tmp_path, grown, num_blocks=grown.pool.num_blocks + 1)
+    no_allocation()
+    _expect_refusal(path, f"num_blocks={grown.pool.num_blocks + 1} but .* holds {grown.pool.num_blocks} "
+                          "blocks; a dynamic pool's first allocation is at most the blocks it holds")
+
+
+def test_a_grown_dynamic_paged_pool_round_trips(tmp_path, seed):
+    grown = _seven_tokens(PagedKVCache(block_size=4, num_blocks=1, batch_size=1, dynamic=True))
+    assert grown.pool.num_blocks > grown.num_blocks  # the real file: first allocation < pool
+    save_cache(tmp_path / "c.safetensors", [grown])
+    (back,), _ = load_cache(tmp_path / "c.safetensors")
+    _assert_same(grown, back)
+
+
+def test_a_ragged_capacity_past_the_tokens_held_is_refused(tmp_path, seed, no_allocation):
+    """Touched, not only reserved: the ragged tier zeroes its buffers (17 GB of RSS before)."""
+    big = _crafted(tmp_path, _seven_tokens(RaggedBatchKVCache(batch_size=1)), capacity=256 * 2**19)
+    big.rename(tmp_path / "big.safetensors")
+    step = _crafted(tmp_path, _seven_tokens(RaggedBatchKVCache(batch_size=1)), step=2**25,
+                    capacity=2**25)
+    no_allocation()
+    _expect_refusal(tmp_path / "big.safetensors", "meta_state capacity=134217728 is more than the 7 "
+                    r"positions the state's keys hold can have kept: at most 65792 \(65536 more, "
+                    r"rounded up to step 256\); the file is inconsistent")
+    _expect_refusal(step, "meta_state step=33554432 passes the 16777216 tokens a step may have; the file")
 
 
 def test_missing_file_is_not_found(tmp_path):
@@ -363,9 +474,10 @@ def test_a_missing_folder_is_an_error_not_created(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_killed_saves_temporary_file_is_reused(tmp_path, seed):
+def test_a_killed_saves_temporary_and_lock_files_are_replaced(tmp_path, seed):
     leftover = tmp_path / ".c.safetensors.kvtier-tmp"
     leftover.write_bytes(b"half of a file from a save that was killed" * 100)
+    (tmp_path / ".c.safetensors.kvtier-lock").touch()  # its lock file, no longer locked
     save_cache(tmp_path / "c.safetensors", _layers()[:1], metadata={"v": 1})
     assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
     assert load_cache(tmp_path / "c.safetensors")[1] == {"v": 1}
@@ -374,14 +486,80 @@ def test_a_killed_saves_temporary_file_is_reused(tmp_path, seed):
 def test_a_save_in_progress_elsewhere_is_not_overwritten(tmp_path, seed):
     path = tmp_path / "c.safetensors"
     save_cache(path, _layers()[:1], metadata={"v": 1})
-    tmp = tmp_path / ".c.safetensors.kvtier-tmp"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT)
+    lock = tmp_path / ".c.safetensors.kvtier-lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # as another process's save holds it
         with pytest.raises(ValueError, match="another process is saving"):
             save_cache(path, _layers()[:2], metadata={"v": 2})
-        assert tmp.exists() and load_cache(path)[1] == {"v": 1}
+        assert lock.exists() and load_cache(path)[1] == {"v": 1}
     finally:
         os.close(fd)
     save_cache(path, _layers()[:2], metadata={"v": 2})
-    assert load_cache(path)[1] == {"v": 2} and not tmp.exists()
+    assert load_cache(path)[1] == {"v": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
+
+
+def test_a_save_that_starts_while_another_renames_gets_the_value_error(tmp_path, seed, monkeypatch):
+    """A second save starts between the first's write of the temporary file and its rename.
+    safetensors writes the temporary file by renaming a file of its own over it, so a lock on
+    the temporary file no longer guarded it: the second save took it and the first one's
+    rename failed (FileNotFoundError). Now the second gets the ValueError, the first completes."""
+    path = tmp_path / "c.safetensors"
+    real, seen = persist.save_file, []
+
+    def save_then_race(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        if not seen:  # as another process would, once
+            seen.append(None)
+            with pytest.raises(ValueError, match=f"another process is saving to {path} right now"):
+                save_cache(path, _layers()[:2], metadata={"v": "second"})
+
+    monkeypatch.setattr(persist, "save_file", save_then_race)
+    save_cache(path, _layers()[:1], metadata={"v": "first"})
+    assert seen and load_cache(path)[1] == {"v": "first"}
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
+
+
+def _save_repeatedly(path: str, worker: int, saves: int, barrier, results) -> None:
+    """A process's part of the race below: ``saves`` saves of a cache filled with ``worker``."""
+    torch.set_num_threads(1)
+    cache = TailOwnedKVCache(step=64)
+    fill = torch.full((1, 2, 64, 16), float(worker))
+    cache.update(fill, fill)
+    outcomes: dict[str, int] = {}
+    barrier.wait(timeout=30)
+    for _ in range(saves):
+        try:
+            save_cache(path, [cache], metadata={"worker": worker})
+            key = "saved"
+        except ValueError as e:
+            key = "ValueError" if "another process" in str(e) else f"ValueError: {e}"
+        except Exception as e:  # noqa: BLE001 (the test reports whatever else escapes)
+            key = f"{type(e).__name__}: {e}"
+        outcomes[key] = outcomes.get(key, 0) + 1
+    results.put(outcomes)
+
+
+def test_two_processes_saving_to_one_path(tmp_path):
+    """Two processes save to one path 20 times each, at once: every save either succeeds or
+    gets the ValueError; the file left is one whole save (its data matches its metadata), and
+    no temporary or lock file is left. (The race lost 16 of 60 saves to FileNotFoundError.)"""
+    ctx = multiprocessing.get_context("fork")
+    path, barrier, results = tmp_path / "c.safetensors", ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_save_repeatedly, args=(str(path), w, 20, barrier, results))
+             for w in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        outcomes = [results.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert all(set(o) <= {"saved", "ValueError"} for o in outcomes), outcomes
+    assert sum(o.get("saved", 0) for o in outcomes) >= 1
+    (cache,), meta = load_cache(path)
+    assert torch.all(cache.fetch()[0] == float(meta["worker"]))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]

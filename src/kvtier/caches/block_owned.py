@@ -23,7 +23,13 @@ from kvtier.caches.base import (
     exclusive,
     tensor_nbytes,
 )
-from kvtier.caches.state_checks import MAX_INT, check_state_args, check_state_kv, meta_ints
+from kvtier.caches.state_checks import (
+    check_state_args,
+    check_state_kv,
+    check_unit,
+    meta_ints,
+    restore_slack,
+)
 from kvtier.caches.tail_owned import check_query_rows, live_kv
 from kvtier.kernels.reference import OnlineSoftmax, causal_mask, partial_attention
 
@@ -179,21 +185,29 @@ class BlockOwnedKVCache(ScalarKVCache):
         """Rebuild from :attr:`state` and :attr:`meta_state`, with the same number of blocks.
 
         Everything is checked first (:mod:`kvtier.caches.state_checks`): a bad field
-        raises ``ValueError`` naming it.
+        raises ``ValueError`` naming it. ``block_size`` may not pass
+        :data:`~kvtier.caches.state_checks.MAX_UNIT_TOKENS`; ``num_blocks`` must hold the
+        tokens stored, and the blocks past them (kept by a trim) may hold at most
+        :func:`~kvtier.caches.state_checks.restore_slack` positions, rounded up to a block.
         """
         check_state_args(state, meta_state, cls.tier)
-        (block_size,) = meta_ints(meta_state, "block_size", minimum=1)
         offset, num_blocks = meta_ints(meta_state, "offset", "num_blocks")
-        if num_blocks * block_size > MAX_INT:
-            raise ValueError(f"meta_state num_blocks={num_blocks} of {block_size} tokens pass "
-                             f"{MAX_INT} positions; the state is inconsistent")
-        if num_blocks < math.ceil(offset / block_size) or bool(state) != (num_blocks > 0):
+        k, v = check_state_kv(state, offset)
+        block_size = check_unit(meta_state, "block_size", offset)
+        needed = math.ceil(offset / block_size)
+        if num_blocks < needed or bool(state) != (num_blocks > 0):
             raise ValueError(
                 f"meta_state num_blocks={num_blocks} cannot hold offset={offset} tokens in "
                 f"blocks of {block_size}; the state is inconsistent"
             )
+        most = needed + math.ceil(restore_slack(offset) / block_size)
+        if num_blocks > most:
+            raise ValueError(
+                f"meta_state num_blocks={num_blocks} (blocks of {block_size} tokens) is more than "
+                f"the {offset} tokens the state holds can have kept: at most {most} blocks ({needed} "
+                f"for them, and {restore_slack(offset)} positions more); the file is inconsistent"
+            )
         cache = cls(block_size=block_size)
-        k, v = check_state_kv(state, offset)
         if k is not None:
             cache._ensure_capacity_for(num_blocks * block_size, k, v)
             if offset:

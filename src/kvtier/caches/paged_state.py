@@ -78,7 +78,7 @@ def paged_from_state(cls: type[PagedKVCache], state: dict[str, torch.Tensor],
 
     Every field is checked before anything is built (a ``ValueError`` names it); in
     particular no row may claim more tokens than the blocks it holds, so no row can
-    read another row's pages.
+    read another row's pages, and ``num_blocks`` must agree with the pages held.
     """
     check_state_args(state, meta_state, cls.tier)
     m = meta_state
@@ -97,6 +97,7 @@ def paged_from_state(cls: type[PagedKVCache], state: dict[str, torch.Tensor],
             raise ValueError("meta_state mode 'turboquant' comes without its 'turboquant' settings")
         k, v = mode_codecs(mode, meta_int(m, "head_dim", minimum=1), meta_dtype(m, "dtype"), tq)
         _check_books(state, k, v, cache.block_size, cache.batch_size)
+        _check_pool_size(state["key_cache"].shape[0], cache.num_blocks, cache.dynamic)
         cache.pool.load({n: t for n, t in state.items() if n != "k_centre"}, k, v)
         cache._allocating_here()  # the pool's tensors
         if "k_centre" in state:
@@ -108,6 +109,16 @@ def paged_from_state(cls: type[PagedKVCache], state: dict[str, torch.Tensor],
     cache.pool.frozen = frozen
     cache.copy_stats.grow_events = grow_events
     return cache
+
+
+def _check_pool_size(held: int, num_blocks: int, dynamic: bool) -> None:
+    """``num_blocks`` (the first allocation's size) against the ``held`` blocks the file's
+    pages hold: a pool never shrinks, and grows past its first size only when dynamic."""
+    if num_blocks > held or (not dynamic and num_blocks != held):
+        want = "at most" if dynamic else "exactly"
+        raise ValueError(f"meta_state num_blocks={num_blocks} but state['key_cache'] holds {held} blocks; "
+                         f"a {'dynamic' if dynamic else 'fixed'} pool's first allocation is {want} the "
+                         "blocks it holds; the file is inconsistent")
 
 
 def _turboquant(d: Any) -> TurboQuantConfig | None:

@@ -12,8 +12,10 @@ Layout of the file:
 
 The file is written to a temporary name beside ``path`` and renamed into place, so
 a reader never sees half a file; only a regular file (or a symlink to one) is ever
-replaced. Loading checks everything (format, version, checksums, JSON, tiers,
-tensor names, and each tier's ``from_state`` every field) before it returns; any
+replaced. A lock file beside it (held with ``flock``, removed before it is released)
+keeps two saves to one path apart: the second gets a ``ValueError``. Loading checks
+everything (format, version, checksums, JSON, tiers, tensor names, and each tier's
+``from_state`` every field, sizes against the tensors held) before it returns; any
 problem is a ``ValueError`` naming the file and what is wrong.
 
 Example::
@@ -137,8 +139,10 @@ def save_cache(
     caller's own (e.g. the model name and the prompt's token ids). Everything is
     checked before the file is touched (the path too: see :func:`check_save_path`);
     the write is atomic (a temporary file ``.NAME.kvtier-tmp`` beside it, then a
-    rename). A temporary file left by a killed save is reused; a second process
-    saving to the same path at the same moment gets a ``ValueError``.
+    rename), under a lock (``.NAME.kvtier-lock``, removed when the save ends). A
+    temporary or lock file left by a killed save is replaced; a second process (or
+    thread) saving to the same path at the same moment gets a ``ValueError``, and the
+    save under way completes.
     """
     if isinstance(path, KVCache | list | tuple):
         raise ValueError(f"save_cache(path, caches): the path comes first, got a {type(path).__name__} "
@@ -183,10 +187,16 @@ def save_cache(
     }
     header["header_crc"] = _header_crc(header)
 
-    with _claimed_temp(target) as (tmp, fd):
+    tmp = target.with_name(f".{target.name}.kvtier-tmp")
+    with _save_lock(target):  # only the holder touches tmp: save_file may replace it by rename
         try:
+            tmp.unlink(missing_ok=True)  # a killed save's leftover (or a symlink): never written through
             save_file(tensors, tmp, metadata=header)
-            os.fsync(fd)  # the same file: flushes what save_file wrote
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, target)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -194,30 +204,36 @@ def save_cache(
 
 
 @contextlib.contextmanager
-def _claimed_temp(target: Path):
-    """``(tmp, fd)``: the temporary file beside ``target``, open and locked by this save.
+def _save_lock(target: Path):
+    """Hold the save lock of ``target``: ``.NAME.kvtier-lock`` beside it, ``flock``-ed.
 
-    The name is fixed, so a killed save's leftover is reused rather than piling up;
-    the lock keeps two processes from writing it at once.
+    The file is unlinked before the lock is released, so none is left behind; a save
+    that locked a file just unlinked (the save before it ended) sees that the name
+    now names another file, or none, and opens it afresh. The lock is on the lock
+    file, never on the temporary file: ``save_file`` (safetensors 0.8 at least) writes
+    that by writing a file of its own and renaming it over the name, so a lock on the
+    temporary file's first inode would no longer guard the name.
     """
-    tmp = target.with_name(f".{target.name}.kvtier-tmp")
+    lock = target.with_name(f".{target.name}.kvtier-lock")
     for _ in range(3):
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise ValueError(f"another process is saving to {target} right now; try again "
                              "when it is done") from None
-        st, now = os.fstat(fd), _stat_or_none(tmp)
+        st, now = os.fstat(fd), _stat_or_none(lock)
         if now is not None and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
             break
-        os.close(fd)  # a save that just finished renamed the file we locked; open it afresh
+        os.close(fd)  # a save that just finished unlinked the file we locked; open it afresh
     else:
         raise ValueError(f"another process keeps saving to {target}; try again when it is done")
     try:
-        yield tmp, fd
+        yield
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)  # before the lock is released: a waiting save then opens a new file
         os.close(fd)
 
 

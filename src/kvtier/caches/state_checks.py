@@ -25,6 +25,12 @@ import torch
 
 #: the largest count or size a meta_state may hold (token positions, blocks, steps)
 MAX_INT = 2**31 - 1
+#: the largest step (tail) or block (block tier) a restored cache may have: the most tokens any
+#: size of a config may name (``kvtier.config.MAX_TOKENS``; not imported: config imports caches)
+MAX_UNIT_TOKENS = 2**24
+#: positions past the stored tokens a restore allocates at most beyond ``max(tokens, this)``:
+#: see :func:`restore_slack`
+RESTORE_SLACK = 2**16
 
 #: dtypes a saved cache may hold its keys and values in (``meta_state`` spells them so)
 FLOAT_DTYPES: dict[str, torch.dtype] = {
@@ -127,6 +133,25 @@ def state_rows(state: dict[str, torch.Tensor], name: str, batch: int, *, low: in
     return rows
 
 
+def restore_slack(tokens: int) -> int:
+    """Positions past ``tokens`` stored ones that a restore may allocate: ``max(tokens,
+    RESTORE_SLACK)``. Room a trimmed block cache kept, or a step's rounding, is taken from a
+    file only within it: the file holds no data there, and a crafted size past it would
+    allocate (and loop over) memory out of all proportion to what the file holds."""
+    return max(tokens, RESTORE_SLACK)
+
+
+def check_unit(meta_state: dict[str, Any], name: str, tokens: int | None = None) -> int:
+    """``meta_state[name]``, a step or block size, as an int in ``[1, MAX_UNIT_TOKENS]``
+    (``tokens``: those the state holds, named in the message)."""
+    v = meta_int(meta_state, name, minimum=1)
+    if v > MAX_UNIT_TOKENS:
+        held = "" if tokens is None else f" (the state holds {tokens} tokens)"
+        raise ValueError(f"meta_state {name}={v} passes the {MAX_UNIT_TOKENS} tokens a {name} may "
+                         f"have{held}; the file is inconsistent")
+    return v
+
+
 def check_state_kv(
     state: dict[str, torch.Tensor], offset: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -162,14 +187,16 @@ def check_state_kv(
 def check_ragged_state(state: Any, meta_state: Any) -> None:
     """Everything :meth:`RaggedBatchKVCache.from_state` reads, checked before it builds.
 
-    ``meta_state``: ``step`` >= 1, ``capacity`` a multiple of it, ``batch_size``
-    (``None`` or >= 1), ``frozen`` / ``has_last_write`` bools, ``attention_backend`` a
-    string. ``state``: ``offsets`` and ``last_write_start``, int ``[B]``, and
-    ``keys``/``values`` ``[B, H_kv, T, D]`` (floating, ``T <= capacity``, every offset
-    ``<= T``), each when present.
+    ``meta_state``: ``step`` in ``[1, MAX_UNIT_TOKENS]``, ``capacity`` a multiple of it,
+    ``batch_size`` (``None`` or >= 1), ``frozen`` / ``has_last_write`` bools,
+    ``attention_backend`` a string. ``state``: ``offsets`` and ``last_write_start``, int
+    ``[B]``, and ``keys``/``values`` ``[B, H_kv, T, D]`` (floating, ``T <= capacity``,
+    every offset ``<= T``), each when present; with keys, the capacity (allocated, zeroed,
+    when the cache is rebuilt) at most ``T`` plus :func:`restore_slack` positions, rounded
+    up to ``step``.
     """
     check_state_args(state, meta_state, "ragged")
-    step = meta_int(meta_state, "step", minimum=1)
+    step = check_unit(meta_state, "step")
     cap = meta_int(meta_state, "capacity")
     if cap % step:
         raise ValueError(f"meta_state capacity {cap} is not a multiple of step {step}")
@@ -194,6 +221,11 @@ def check_ragged_state(state: Any, meta_state: Any) -> None:
         tokens = k.shape[2]
         if tokens > cap:
             raise ValueError(f"state keys hold {tokens} positions, past meta_state capacity {cap}")
+        most = -(-(tokens + restore_slack(tokens)) // step) * step
+        if cap > most:
+            raise ValueError(f"meta_state capacity={cap} is more than the {tokens} positions the state's "
+                             f"keys hold can have kept: at most {most} ({restore_slack(tokens)} more, "
+                             f"rounded up to step {step}); the file is inconsistent")
         if batch is not None and k.shape[0] != batch:
             raise ValueError(f"state keys hold {k.shape[0]} rows, meta_state batch_size {batch}")
         batch = k.shape[0]

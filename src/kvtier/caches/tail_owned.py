@@ -23,7 +23,13 @@ from kvtier.caches.base import (
     fetch_taken,
     tensor_nbytes,
 )
-from kvtier.caches.state_checks import check_state_args, check_state_kv, read_meta_ints
+from kvtier.caches.state_checks import (
+    check_state_args,
+    check_state_kv,
+    check_unit,
+    read_meta_ints,
+    restore_slack,
+)
 from kvtier.kernels.reference import causal_attention
 
 
@@ -241,23 +247,33 @@ class TailOwnedKVCache(ScalarKVCache):
         """Rebuild from :attr:`state` and :attr:`meta_state` (capacity rounded up to ``step``).
 
         Everything is checked first (:mod:`kvtier.caches.state_checks`): a bad field
-        raises ``ValueError`` naming it.
+        raises ``ValueError`` naming it; ``step`` may not pass
+        :data:`~kvtier.caches.state_checks.MAX_UNIT_TOKENS`. The capacity comes from the
+        tokens stored: rounded up to ``step`` only while the rounding adds at most
+        :func:`~kvtier.caches.state_checks.restore_slack` positions, else exactly the tokens
+        (the next write grows by ``step`` as usual).
         """
         check_state_args(state, meta_state, cls.tier)
-        step, offset = read_meta_ints(meta_state, "step", "offset")
+        (offset,) = read_meta_ints(meta_state, "offset")
+        k, v = check_state_kv(state, offset)
+        step = check_unit(meta_state, "step", offset)
         kv_dtype, dtype = (_meta_dtype(meta_state, n) for n in ("kv_dtype", "dtype"))
         if (kv_dtype is None) != (dtype is None):
             raise ValueError("meta_state names kv_dtype without dtype (or dtype alone); save both, "
                              "as meta_state does")
+        if k is not None and kv_dtype is not None and k.dtype != kv_dtype:
+            raise ValueError(f"state holds {k.dtype} keys but meta_state says kv_dtype {kv_dtype}")
         cache = cls(step=step, kv_dtype=kv_dtype)
-        k, v = check_state_kv(state, offset)
         if k is not None:
-            if kv_dtype is not None and k.dtype != kv_dtype:
-                raise ValueError(f"state holds {k.dtype} keys but meta_state says kv_dtype {kv_dtype}")
             if dtype is not None:  # the buffers' values, as the dtype the cache takes (exact)
                 k, v = k.to(dtype), v.to(dtype)
-            # storage even when trimmed to 0 tokens: it carries dtype, heads and head_dim
-            cache._grow(max(offset, 1), k, v)
+            # storage even when trimmed to 0 tokens: it carries dtype, heads and head_dim;
+            # a step's rounding past restore_slack is not allocated (_grow rounds to self.step)
+            need = max(offset, 1)
+            rounded = math.ceil(need / step) * step
+            cache.step = step if rounded - offset <= restore_slack(offset) else need
+            cache._grow(need, k, v)
+            cache.step = step
             if offset:
                 cache.update(k, v)
         return cache
