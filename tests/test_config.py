@@ -418,3 +418,25 @@ def test_quantised_storage_without_the_paged_tier_warns_where_caches_are_built(e
     assert paged.unused_storage() is None and KVCacheConfig().unused_storage() is None
     make_caches(1, paged)
     assert not [w for w in recwarn if "paged tier's pages" in str(w.message)]
+
+
+@pytest.mark.parametrize("storage", [{"kv_quant": "fp8"}, {"turboquant": "q5_0r,q4_0"}, {"kv_quant": "q8"}])
+def test_configuring_a_paged_cache_of_the_same_storage_keeps_its_codes(storage):
+    """configure_kv_cache over paged caches already in the configured storage copies their
+    blocks (was: decoded and coded again, fp8 keys against a new key centre, TurboQuant values
+    fitted to their own reconstruction)."""
+    from kvtier.caches.paged import PagedKVCache
+    from kvtier.quant.modes import parse_turboquant
+
+    tq = parse_turboquant(storage["turboquant"]) if "turboquant" in storage else None
+    kw = {"kv_quant": storage.get("kv_quant"), "turboquant": tq}
+    g = torch.Generator().manual_seed(5)
+    cache = PagedKVCache(16, 8, batch_size=2, **kw)
+    cache.update(torch.randn(2, 2, 37, 64, generator=g), torch.randn(2, 2, 37, 64, generator=g), new_offsets=[37, 20])
+    before = cache.fetch()
+    caches = [cache]
+    configure_kv_cache(caches, KVCacheConfig(tier="paged", paged_num_blocks=64, **kw))
+    after = caches[0]
+    assert after is not cache and after.pool.num_blocks >= 64 and after.lengths == [37, 20]
+    for x, y in zip(before, after.fetch(), strict=True):
+        assert torch.equal(x, y)  # the same codes read back, bit for bit

@@ -184,13 +184,11 @@ def _tier_fingerprint(config: KVCacheConfig) -> dict[str, Any]:
 
 def _in_configured_pool(cache: KVCache, config: KVCacheConfig) -> KVCache:
     """A restored paged ``cache`` moved into a pool of ``config``'s (the file's pool was sized
-    for the request that wrote it), its blocks copied as they are stored.
-
-    Converting it (``from_cache``, ``configure_kv_cache``) would decode the pages and code them
-    again: fp8 keys against a new key centre, TurboQuant values fitted to their own
-    reconstruction, and the continuation would differ from the one computed from the
-    prompt. The pool keeps the file's block size and is never smaller than what the
-    restored tokens hold. Other tiers are returned as they are.
+    for the request that wrote it), its blocks copied as they are stored
+    (:meth:`~kvtier.caches.paged.PagedKVCache.from_cache` of the same storage: decoding and
+    coding them again would move fp8 keys and TurboQuant values, and the continuation would
+    differ from the one computed from the prompt). The pool keeps the file's block size and
+    is never smaller than what the restored tokens hold. Other tiers are returned as they are.
     """
     from kvtier.caches.paged import PagedKVCache
 
@@ -198,13 +196,8 @@ def _in_configured_pool(cache: KVCache, config: KVCacheConfig) -> KVCache:
         return cache
     params = config.tier_params()
     bs = cache.block_size  # (another block size could not take the pages as they are)
-    held = sum(math.ceil(n / bs) for n in cache.lengths)
-    params.update(block_size=bs, batch_size=1,
-                  num_blocks=max(held, math.ceil(params["num_blocks"] * params["block_size"] / bs)))
-    moved = PagedKVCache(**params)
-    moved.extend(cache)  # copies the blocks (payload and sidecars) and adopts the codecs
-    moved.filter(list(range(1, 1 + cache.batch_size)))  # drop the empty row it started with
-    return moved
+    params.update(block_size=bs, num_blocks=math.ceil(params["num_blocks"] * params["block_size"] / bs))
+    return PagedKVCache.from_cache(cache, **params)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

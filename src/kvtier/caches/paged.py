@@ -573,11 +573,21 @@ class PagedKVCache(RowKVCache):
     ) -> PagedKVCache:
         """A paged cache holding ``other``'s tokens; each row keeps its length and takes only the
         blocks it needs (an empty ``other``: as many empty rows as it has, else ``batch_size``,
-        default 1). Keyword names match ``KVCacheConfig.tier_params()``."""
+        default 1). Keyword names match ``KVCacheConfig.tier_params()``. A paged ``other`` of the
+        same block size and storage has its blocks copied as they are (:meth:`extend`: coding them
+        again would move fp8 keys and TurboQuant values), in a pool at least as large as they need."""
         off = other.offset
         lengths = off.tolist() if isinstance(off, torch.Tensor) else None
         kw = dict(dynamic=dynamic, context_window_tokens=context_window_tokens, kv_quant=kv_quant,
                   turboquant=turboquant, attention_backend=attention_backend)
+        c = other.codecs if isinstance(other, PagedKVCache) and other.block_size == block_size else None
+        if c is not None and select_codecs(c.k_codec.head_dim, c.k_codec.dtype, kv_quant, turboquant).mode == c.mode \
+                and (c.mode != "turboquant" or other.turboquant == turboquant):
+            held = sum(math.ceil(n / block_size) for n in other._lengths)
+            cache = cls(block_size, max(num_blocks, held), batch_size=1, **kw)
+            cache.extend(other)  # (adopts other's codecs: its key centre, its rotation)
+            cache.filter(list(range(1, 1 + other.batch_size)))  # (the empty row it started with)
+            return cache
         if other.size() == 0:
             held = [t for t in (getattr(other, "keys", None), *getattr(other, "key_blocks", ())) if t is not None]
             rows = len(lengths) if lengths else held[0].shape[0] if held else batch_size or 1
