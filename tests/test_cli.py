@@ -286,6 +286,7 @@ def test_info(capsys, monkeypatch):
     assert out["tier"] == "paged" and out["cache_config"]["tier"] == "paged"
     assert out["torch"] == torch.__version__
     assert out["model_args"]["n_layers"] == 30 and out["dtype"] == "float32"
+    assert out["parameters"] == 134_515_008  # SmolLM2-135M's weights, packed or not (was the codes' 117,262,656)
     from kvtier.model.packed import load_kernels
 
     kernels = load_kernels()
@@ -303,7 +304,8 @@ def test_eval_ppl_and_kl(capsys):
     modes = {m["mode"]: m for m in out["modes"]}
     assert set(modes) == {"fp", "q8"}
     assert modes["fp"]["delta_pct"] == 0.0 and modes["q8"]["bits_per_element"] == 8.5
-    assert set(modes["q8"]) == {"mode", "ppl", "delta_pct", "bits_per_element"}
+    assert set(modes["q8"]) == {"mode", "ppl", "delta_pct", "bits_per_element", "kl", "top1"}  # (the table's)
+    assert modes["fp"]["kl"] == 0.0 and modes["fp"]["top1"] == 1.0 and modes["q8"]["kl"] >= 0.0
     assert cli.main(["eval", "kl", *small, "--modes", "q8"]) == 0
     table = capsys.readouterr().out
     assert "q8" in table and "top-1" in table

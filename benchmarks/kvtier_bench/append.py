@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed steps per window for DynamicLayer (each copies the whole cache)")
     parser.add_argument("--quick", action="store_true",
                         help="contexts 1024,4096, 256 steps, 4 DynamicLayer steps")
-    parser.add_argument("--plot", default=str(FOLDER / "append.png"), help="PNG written here (\"\" for none)")
+    parser.add_argument("--plot", default=str(FOLDER / "append.png"), help=f"PNG written here (default {FOLDER / 'append.png'}, beside the benchmarks; \"\" for none)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)

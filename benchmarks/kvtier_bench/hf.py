@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--no-cudnn-sdpa", action="store_true",
                         help="keep SDPA off its cuDNN backend (on CUDA it can cost ~2 ms of host time a call)")
-    parser.add_argument("--plot", default=str(FOLDER / "hf.png"), help="PNG of step time vs context")
+    parser.add_argument("--plot", default=str(FOLDER / "hf.png"), help=f"PNG written here (default {FOLDER / 'hf.png'}, beside the benchmarks; \"\" for none)")
     parser.add_argument("--json", default=None, help="write the raw figures here")
 
 

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--error-head-dim", type=int, default=128)
     parser.add_argument("--context", type=int, default=8192,
                         help="context for the whole-model KV memory column")
-    parser.add_argument("--plot", default=str(FOLDER / "paged.png"), help="PNG written here ('' for none)")
+    parser.add_argument("--plot", default=str(FOLDER / "paged.png"), help=f"PNG written here (default {FOLDER / 'paged.png'}, beside the benchmarks; \"\" for none)")
 
 
 # -- measurements ------------------------------------------------------------------------------------

@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--chunk", type=int, default=_ABSENT,
                        help=f"tokens per forward {default_of(EvalConfig, 'chunk')}")
         p.add_argument("--modes", default=_ABSENT,
-                       help="comma-separated: fp,q8,q4,q4_g32,turboquant,turboquant:K[r],V "
+                       help="comma-separated: fp,q8,q4,fp8,q4_g32,turboquant,turboquant:K[r],V "
                             f"{default_of(EvalConfig, 'modes')}")
         _tier_flag(p, "tier of the fp mode (quantised modes use the paged tier) "
                       f"{default_of(EvalConfig, 'tier')}")

@@ -446,7 +446,7 @@ def run_info(args: argparse.Namespace) -> int:
     out = {
         "model": str(lm.source),
         "model_args": lm.args.to_dict(),
-        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "parameters": lm.model.args.n_params,  # (the weights as the model counts them: packed or not)
         "device": str(param.device),
         "dtype": str(param.dtype).removeprefix("torch."),
         "load_seconds": round(lm.load_seconds, 3),
@@ -510,9 +510,7 @@ def run_eval(args: argparse.Namespace) -> int:
                   enabled=not args.json) as progress:
         results = evaluate_modes(lm.model, tokens, config, base=base, on_progress=progress)
     if args.json:
-        keys = ("mode", "ppl", "delta_pct", "bits_per_element") + (
-            ("kl", "top1") if args.metric == "kl" else ()
-        )
+        keys = ("mode", "ppl", "delta_pct", "bits_per_element", "kl", "top1")  # (both metrics: the table's columns)
         print(json.dumps({"modes": [{k: r.as_dict()[k] for k in keys} for r in results],
                           "tokens": results[0].tokens, "context": config.context, "prefill_dtype": prefill}))
         return 0
