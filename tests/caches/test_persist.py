@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import kvtier.caches.persist as persist
+import kvtier.caches.state_checks as state_checks
 from kvtier.caches.block_owned import BlockOwnedKVCache
 from kvtier.caches.paged import PagedKVCache
 from kvtier.caches.persist import load_cache, save_cache
@@ -272,15 +273,30 @@ def no_allocation(monkeypatch):
     return arm
 
 
-@pytest.mark.parametrize("num_blocks,match", [
-    (100_000, r"num_blocks=100000 \(blocks of 4 tokens\) is more than the 7 tokens the state holds "
-              r"can have kept: at most 16386 blocks"),
-    (2**27, r"num_blocks=134217728 .* at most 16386 blocks"),  # hung load_cache: a block each
-])
-def test_a_block_count_past_the_tokens_held_is_refused(tmp_path, seed, no_allocation, num_blocks, match):
-    path = _crafted(tmp_path, _seven_tokens(BlockOwnedKVCache(block_size=4)), num_blocks=num_blocks)
-    no_allocation()
-    _expect_refusal(path, f"layer 0 .*cannot be rebuilt: meta_state {match}.*the file is inconsistent")
+def test_blocks_past_the_slack_are_not_allocated(tmp_path, seed):
+    """A crafted num_blocks=2**27 (it hung load_cache) loads with restore_slack's blocks at most."""
+    path = _crafted(tmp_path, _seven_tokens(BlockOwnedKVCache(block_size=64)), num_blocks=2**27)
+    (back,), _ = load_cache(path)
+    assert (back.num_blocks, back.offset) == (1 + 65536 // 64, 7)
+
+
+def test_a_block_cache_trimmed_far_back_round_trips_and_decodes_like_the_original(tmp_path, seed):
+    """Trimmed back past restore_slack, a cache keeps its blocks; the file loads (it was refused)
+    with fewer of them allocated and decodes exactly as the original, which reuses its own."""
+    cache = BlockOwnedKVCache(block_size=1024)
+    cache.update(torch.randn(1, 1, 70_000, 4), torch.randn(1, 1, 70_000, 4))
+    cache.trim(70_000 - 10)
+    save_cache(tmp_path / "c.safetensors", [cache])
+    (back,), _ = load_cache(tmp_path / "c.safetensors")
+    assert (cache.num_blocks, back.num_blocks, back.offset) == (69, 1 + 64, 10)
+    assert torch.equal(back.state["keys"], cache.state["keys"])
+    for n in (1, 66_600):  # the second passes the blocks restored: the copy appends, as allocated
+        k, v, q = torch.randn(1, 1, n, 4), torch.randn(1, 1, n, 4), torch.randn(1, 2, min(n, 3), 4)
+        cache.update(k, v)
+        back.update(k, v)
+        assert all(torch.equal(x, y) for x, y in zip(back.fetch(), cache.fetch()))
+        assert torch.equal(back.attention(q), cache.attention(q))
+    assert (back.num_blocks, cache.num_blocks) == (66, 69)  # one appended; the original kept its 69
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -344,17 +360,36 @@ def test_a_grown_dynamic_paged_pool_round_trips(tmp_path, seed):
     _assert_same(grown, back)
 
 
-def test_a_ragged_capacity_past_the_tokens_held_is_refused(tmp_path, seed, no_allocation):
-    """Touched, not only reserved: the ragged tier zeroes its buffers (17 GB of RSS before)."""
-    big = _crafted(tmp_path, _seven_tokens(RaggedBatchKVCache(batch_size=1)), capacity=256 * 2**19)
-    big.rename(tmp_path / "big.safetensors")
-    step = _crafted(tmp_path, _seven_tokens(RaggedBatchKVCache(batch_size=1)), step=2**25,
-                    capacity=2**25)
+def test_a_ragged_capacity_past_the_slack_is_clamped_when_not_frozen(tmp_path, seed):
+    """A capacity not frozen is room the cache would grow into: a crafted 2**27 loads clamped."""
+    cache = _seven_tokens(RaggedBatchKVCache(batch_size=1))
+    (back,), _ = load_cache(_crafted(tmp_path, cache, capacity=2**27))
+    assert (back.capacity, back.frozen, back.offset.tolist()) == (65792, False, [7])  # 7 + 65536 -> 256s
+    for n in (5, 66_000):
+        k, v, q = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8), torch.randn(1, 4, 1, 8)
+        cache.update(k, v)
+        back.update(k, v)
+        assert all(torch.equal(back.state[x], cache.state[x]) for x in cache.state)
+        assert torch.equal(back.attention(q), cache.attention(q))
+    assert back.capacity == cache.capacity == 66_048
+
+
+def test_a_frozen_ragged_capacity_is_refused_only_past_the_limit_or_the_free_memory(
+        tmp_path, seed, monkeypatch, no_allocation):
+    """Frozen, the capacity is kept exactly (test_ragged: a round trip); a crafted one is refused,
+    before any allocation, only past MAX_UNIT_TOKENS or where its K/V pass the free memory."""
+    cache = _seven_tokens(RaggedBatchKVCache(batch_size=1))
+    step = _crafted(tmp_path, cache, step=2**25, capacity=2**25).rename(tmp_path / "step.safetensors")
+    big = _crafted(tmp_path, cache, frozen=True, capacity=2**27).rename(tmp_path / "big.safetensors")
+    path = _crafted(tmp_path, cache, frozen=True, capacity=131_072)
+    monkeypatch.setattr(state_checks, "free_bytes", lambda device: 10**6)
     no_allocation()
-    _expect_refusal(tmp_path / "big.safetensors", "meta_state capacity=134217728 is more than the 7 "
-                    r"positions the state's keys hold can have kept: at most 65792 \(65536 more, "
-                    r"rounded up to step 256\); the file is inconsistent")
     _expect_refusal(step, "meta_state step=33554432 passes the 16777216 tokens a step may have; the file")
+    _expect_refusal(big, r"meta_state capacity=134217728 \(frozen\) passes the 16777216 positions a "
+                         r"capacity may have \(the state's keys hold 7\); the file is inconsistent")
+    _expect_refusal(path, r"layer 0 .*: meta_state capacity=131072 \(frozen\) needs 16777216 bytes \(0.0 GiB\) "
+                          r"of keys and values \(1 rows x 2 kv_heads x 131072 positions x 8 head_dim x 2 x 4 "
+                          r"bytes\), more than the 1000000 bytes \(0.0 GiB\) free on cpu; free memory or load")
 
 
 def test_missing_file_is_not_found(tmp_path):

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvtier import KVCacheConfig, TailOwnedKVCache, configure_kv_cache, make_caches
 from kvtier.caches.base import CacheCapacityError
+from kvtier.caches.persist import load_cache, save_cache
 from kvtier.caches.ragged import (
     RaggedBatchKVCache,
     RaggedCapacityError,
@@ -477,6 +478,28 @@ def test_state_round_trip_is_exact():
         assert again.meta_state == empty.meta_state and again.empty()
     with pytest.raises(ValueError, match="tier"):
         RaggedBatchKVCache.from_state({}, {"tier": "tail", "step": 4, "capacity": 0})
+
+
+def test_a_frozen_large_capacity_round_trips_through_a_file(tmp_path):
+    """Frozen for static shapes (freeze_capacity(131072)) and saved after a 1,000-token prompt:
+    the capacity is part of the cache's contract, so it loads exactly (it was refused: more
+    than the tokens plus 65536); writes go on in the same buffers, as the original's do."""
+    torch.manual_seed(5)
+    cache = RaggedBatchKVCache(batch_size=2, step=256)
+    cache.freeze_capacity(131_072)
+    cache.update(*kv(2, 1000), new_offsets=[1000, 600])
+    save_cache(tmp_path / "c.safetensors", [cache])
+    (back,), _ = load_cache(tmp_path / "c.safetensors")
+    assert (back.capacity, back.frozen) == (131_072, True) and back.meta_state == cache.meta_state
+    assert all(torch.equal(back.state[n], cache.state[n]) for n in cache.state)
+    ptr = back.keys.data_ptr()
+    for c in (back, cache):
+        c.update(*kv(2, 1, torch.Generator().manual_seed(1)))
+    assert torch.equal(back.keys, cache.keys) and torch.equal(back.values, cache.values)
+    q = torch.randn(2, HQ, 2, D)
+    assert torch.equal(back.attention(q), cache.attention(q)) and back.keys.data_ptr() == ptr
+    with pytest.raises(RaggedCapacityError, match="past the frozen capacity 131072"):
+        back.reserve(131_072)
 
 
 def test_conversions_and_config():

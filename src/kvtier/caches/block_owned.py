@@ -182,13 +182,16 @@ class BlockOwnedKVCache(ScalarKVCache):
     def from_state(
         cls, state: dict[str, torch.Tensor], meta_state: dict[str, Any]
     ) -> BlockOwnedKVCache:
-        """Rebuild from :attr:`state` and :attr:`meta_state`, with the same number of blocks.
+        """Rebuild from :attr:`state` and :attr:`meta_state`.
 
         Everything is checked first (:mod:`kvtier.caches.state_checks`): a bad field
         raises ``ValueError`` naming it. ``block_size`` may not pass
-        :data:`~kvtier.caches.state_checks.MAX_UNIT_TOKENS`; ``num_blocks`` must hold the
-        tokens stored, and the blocks past them (kept by a trim) may hold at most
-        :func:`~kvtier.caches.state_checks.restore_slack` positions, rounded up to a block.
+        :data:`~kvtier.caches.state_checks.MAX_UNIT_TOKENS`, and ``num_blocks`` must hold the
+        tokens stored. Blocks past those (a trim keeps them) hold no data, so only up to
+        :func:`~kvtier.caches.state_checks.restore_slack` positions of them are allocated
+        (rounded up to a block; all of them when within that): writes past them append
+        blocks, and the cache goes on exactly as the original would (only ``num_blocks``
+        and ``capacity`` may read less).
         """
         check_state_args(state, meta_state, cls.tier)
         offset, num_blocks = meta_ints(meta_state, "offset", "num_blocks")
@@ -200,13 +203,7 @@ class BlockOwnedKVCache(ScalarKVCache):
                 f"meta_state num_blocks={num_blocks} cannot hold offset={offset} tokens in "
                 f"blocks of {block_size}; the state is inconsistent"
             )
-        most = needed + math.ceil(restore_slack(offset) / block_size)
-        if num_blocks > most:
-            raise ValueError(
-                f"meta_state num_blocks={num_blocks} (blocks of {block_size} tokens) is more than "
-                f"the {offset} tokens the state holds can have kept: at most {most} blocks ({needed} "
-                f"for them, and {restore_slack(offset)} positions more); the file is inconsistent"
-            )
+        num_blocks = min(num_blocks, needed + math.ceil(restore_slack(offset) / block_size))
         cache = cls(block_size=block_size)
         if k is not None:
             cache._ensure_capacity_for(num_blocks * block_size, k, v)

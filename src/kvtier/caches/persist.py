@@ -16,7 +16,10 @@ replaced. A lock file beside it (held with ``flock``, removed before it is relea
 keeps two saves to one path apart: the second gets a ``ValueError``. Loading checks
 everything (format, version, checksums, JSON, tiers, tensor names, and each tier's
 ``from_state`` every field, sizes against the tensors held) before it returns; any
-problem is a ``ValueError`` naming the file and what is wrong.
+problem is a ``ValueError`` naming the file and what is wrong. Room a file names past
+the tokens it holds (blocks a trim kept, an unfrozen ragged capacity) is allocated only
+up to :func:`~kvtier.caches.state_checks.restore_slack`; a frozen ragged capacity is
+restored exactly, or refused where the device has not the memory for it.
 
 Example::
 

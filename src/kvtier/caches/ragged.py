@@ -538,16 +538,15 @@ class RaggedBatchKVCache(RowKVCache):
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], meta_state: dict[str, Any]) -> RaggedBatchKVCache:
-        """Rebuild what :attr:`state`/:attr:`meta_state` describe, capacity and frozen flag included."""
+        """Rebuild what :attr:`state`/:attr:`meta_state` describe, frozen flag included; the capacity
+        exactly when frozen, else at most what the rows fill plus a slack (``ragged_capacity``)."""
         from kvtier.caches.state_checks import check_ragged_state
 
-        check_ragged_state(state, meta_state)  # every field, before anything is built
+        cap = check_ragged_state(state, meta_state)  # every field, before anything is built
         if meta_state.get("tier") != cls.tier:
             raise ValueError(f"meta_state tier {meta_state.get('tier')!r} is not {cls.tier!r}")
-        step, cap = read_meta_ints(meta_state, "step", "capacity")
+        (step,) = read_meta_ints(meta_state, "step")
         backend = meta_state.get("attention_backend", "auto")  # files written before the choice
-        if cap % step:
-            raise ValueError(f"meta_state capacity {cap} is not a multiple of step {step}")
         if "keys" not in state:
             if "offsets" in state and bool(state["offsets"].any()):
                 raise ValueError("state has non-zero offsets but no keys/values")

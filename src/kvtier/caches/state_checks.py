@@ -134,11 +134,28 @@ def state_rows(state: dict[str, torch.Tensor], name: str, batch: int, *, low: in
 
 
 def restore_slack(tokens: int) -> int:
-    """Positions past ``tokens`` stored ones that a restore may allocate: ``max(tokens,
-    RESTORE_SLACK)``. Room a trimmed block cache kept, or a step's rounding, is taken from a
-    file only within it: the file holds no data there, and a crafted size past it would
-    allocate (and loop over) memory out of all proportion to what the file holds."""
+    """Positions past ``tokens`` stored ones that a restore allocates at most where the file's
+    sizes name room that holds no data: ``max(tokens, RESTORE_SLACK)``. Blocks a trimmed block
+    cache kept and the capacity of a ragged cache that is not frozen are restored up to it (a
+    tail step's rounding only within it); the cache grows past it as the original would, and
+    a crafted size never allocates (or loops over) memory out of proportion to the file."""
     return max(tokens, RESTORE_SLACK)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory ``device`` has free now: the GPU's (``torch.cuda.mem_get_info``), or the CPU's
+    ``MemAvailable`` (/proc/meminfo); ``None`` where it cannot be read (then not checked).
+    The same reading as ``kvtier.serve.runner.free_bytes`` (caches may not import serve)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return kib * 1024
 
 
 def check_unit(meta_state: dict[str, Any], name: str, tokens: int | None = None) -> int:
@@ -184,16 +201,15 @@ def check_state_kv(
     return k, v
 
 
-def check_ragged_state(state: Any, meta_state: Any) -> None:
-    """Everything :meth:`RaggedBatchKVCache.from_state` reads, checked before it builds.
+def check_ragged_state(state: Any, meta_state: Any) -> int:
+    """Everything :meth:`RaggedBatchKVCache.from_state` reads, checked before it builds;
+    returns the capacity to restore (:func:`ragged_capacity`).
 
     ``meta_state``: ``step`` in ``[1, MAX_UNIT_TOKENS]``, ``capacity`` a multiple of it,
     ``batch_size`` (``None`` or >= 1), ``frozen`` / ``has_last_write`` bools,
     ``attention_backend`` a string. ``state``: ``offsets`` and ``last_write_start``, int
     ``[B]``, and ``keys``/``values`` ``[B, H_kv, T, D]`` (floating, ``T <= capacity``,
-    every offset ``<= T``), each when present; with keys, the capacity (allocated, zeroed,
-    when the cache is rebuilt) at most ``T`` plus :func:`restore_slack` positions, rounded
-    up to ``step``.
+    every offset ``<= T``), each when present.
     """
     check_state_args(state, meta_state, "ragged")
     step = check_unit(meta_state, "step")
@@ -201,13 +217,18 @@ def check_ragged_state(state: Any, meta_state: Any) -> None:
     if cap % step:
         raise ValueError(f"meta_state capacity {cap} is not a multiple of step {step}")
     batch = meta_int(meta_state, "batch_size", minimum=1, optional=True)
-    meta_bool(meta_state, "frozen", False)
+    frozen = meta_bool(meta_state, "frozen", False)
     meta_bool(meta_state, "has_last_write", False)
     meta_int(meta_state, "last_write_tokens", optional=True)
     meta_str(meta_state, "attention_backend", default="auto")
     check_state_names(state, {"offsets", "last_write_start", "keys", "values"})
-    if not state:
-        return
+    if state:
+        _check_ragged_rows(state, cap, batch)
+    return ragged_capacity(cap, step, frozen, state.get("keys"), state.get("values"))
+
+
+def _check_ragged_rows(state: dict[str, torch.Tensor], cap: int, batch: int | None) -> None:
+    """The tensors of a ragged state that holds any: keys and values, offsets, write starts."""
     if ("keys" in state) != ("values" in state):
         raise ValueError("state holds only one of 'keys' and 'values'; a file holds both or neither")
     tokens = 0
@@ -221,11 +242,6 @@ def check_ragged_state(state: Any, meta_state: Any) -> None:
         tokens = k.shape[2]
         if tokens > cap:
             raise ValueError(f"state keys hold {tokens} positions, past meta_state capacity {cap}")
-        most = -(-(tokens + restore_slack(tokens)) // step) * step
-        if cap > most:
-            raise ValueError(f"meta_state capacity={cap} is more than the {tokens} positions the state's "
-                             f"keys hold can have kept: at most {most} ({restore_slack(tokens)} more, "
-                             f"rounded up to step {step}); the file is inconsistent")
         if batch is not None and k.shape[0] != batch:
             raise ValueError(f"state keys hold {k.shape[0]} rows, meta_state batch_size {batch}")
         batch = k.shape[0]
@@ -235,3 +251,45 @@ def check_ragged_state(state: Any, meta_state: Any) -> None:
         state_rows(state, "offsets", batch, high=tokens)
     if "last_write_start" in state:
         state_rows(state, "last_write_start", batch, high=cap)
+
+
+def ragged_capacity(cap: int, step: int, frozen: bool, k: torch.Tensor | None,
+                    v: torch.Tensor | None) -> int:
+    """The capacity a ragged restore allocates for a saved ``capacity`` of ``cap``.
+
+    Not ``frozen``: the capacity is room the cache would grow into anyway, so at most the
+    ``T`` positions the keys hold plus :func:`restore_slack`, rounded up to ``step`` (a larger
+    ``cap`` is clamped to that; writes past it grow the buffers as the original's would).
+    ``frozen``: the capacity is part of the cache's contract (static shapes, CUDA graphs) and
+    is kept exactly, up to :data:`MAX_UNIT_TOKENS` positions; with keys, it is refused
+    (``ValueError``) where its keys and values pass the memory free on their device
+    (:func:`free_bytes`), before anything is allocated.
+    """
+    tokens = 0 if k is None else k.shape[2]
+    room = -(-(tokens + restore_slack(tokens)) // step) * step
+    if not frozen:
+        return min(cap, room)
+    if cap > max(MAX_UNIT_TOKENS, room):
+        raise ValueError(f"meta_state capacity={cap} (frozen) passes the {MAX_UNIT_TOKENS} positions a "
+                         f"capacity may have (the state's keys hold {tokens}); the file is inconsistent")
+    if k is not None and v is not None:
+        check_restore_fits(cap, k, v)
+    return cap
+
+
+def check_restore_fits(cap: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse a frozen ragged capacity of ``cap`` positions whose keys and values (as ``k`` and
+    ``v``: rows, heads, head_dims, dtype) need more than the memory free on their device."""
+    (B, H, _, dk), dv, size = k.shape, v.shape[3], k.element_size()
+    need = B * H * cap * (dk + dv) * size
+    free = free_bytes(k.device)
+    if free is None or need <= free:
+        return
+    dims = f"{dk} head_dim x 2" if dk == dv else f"({dk} + {dv}) head_dims"
+    raise ValueError(
+        f"meta_state capacity={cap} (frozen) needs {need} bytes ({need / 2**30:.1f} GiB) of keys and values "
+        f"({B} rows x {H} kv_heads x {cap} positions x {dims} x {size} bytes), more than the {free} bytes "
+        f"({free / 2**30:.1f} GiB) free on {k.device}; free memory or load it on a device with more "
+        "(load_cache(path, device=...)), or save the cache again frozen at fewer positions "
+        "(freeze_capacity)"
+    )
