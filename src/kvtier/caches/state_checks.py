@@ -145,7 +145,7 @@ def restore_slack(tokens: int) -> int:
 def free_bytes(device: torch.device) -> int | None:
     """Memory ``device`` has free now: the GPU's (``torch.cuda.mem_get_info``), or the CPU's
     ``MemAvailable`` (/proc/meminfo); ``None`` where it cannot be read (then not checked).
-    The same reading as ``kvtier.serve.runner.free_bytes`` (caches may not import serve)."""
+    The server sizes its page pool against it too."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type != "cpu":

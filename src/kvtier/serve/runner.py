@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.caches.paged_codecs import select_codecs
+from kvtier.caches.state_checks import free_bytes
 from kvtier.caches.paged_shared import (
     RowBinding,
     SharedBlockPagedKVCache,
@@ -146,19 +147,6 @@ def blocks_for_memory(gib: float, model_args, dtype: torch.dtype, block_size: in
                          f"{per_block / 2**30:.3g} GiB over the model's layers); give more memory (--kv-memory) or "
                          "smaller blocks (--block-size)")
     return math.floor(gib * 2**30 / per_block)
-
-
-def free_bytes(device: torch.device) -> int | None:
-    """Memory ``device`` has free now: the GPU's, or the CPU's ``MemAvailable`` (``None`` where
-    it cannot be read)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-    return kib * 1024
 
 
 def pool_blocks(num_blocks: int | None, gib: float, model_args, dtype: torch.dtype, device: torch.device,
