@@ -50,7 +50,6 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.caches.paged_codecs import select_codecs
-from kvtier.caches.state_checks import free_bytes
 from kvtier.caches.paged_shared import (
     RowBinding,
     SharedBlockPagedKVCache,
@@ -60,6 +59,7 @@ from kvtier.caches.paged_shared import (
     packed_plan,
     to_device,
 )
+from kvtier.caches.state_checks import free_bytes
 from kvtier.model.cpu_step import DENSE_ROWS, plan_for
 from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.scheduler import PENDING, ScheduledRow, StepBatch
