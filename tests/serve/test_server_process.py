@@ -51,6 +51,7 @@ def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
     (["--block-size", "100000", "--kv-memory", "0.01"], "0.01 GiB of keys and values hold no block of 100000 "
      "tokens"),  # was a pool of 8.6 GiB
     (["--num-blocks", "100000000000"], "a pool of 100000000000 blocks takes"),  # was "MemoryError"
+    (["--max-model-len", "100000000"], "--max-model-len 100000000 is more than the model's 8192 positions"),  # a cap
 ])
 def test_a_pool_that_cannot_be_is_refused_before_it_is_allocated(argv, words) -> None:
     done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port",
