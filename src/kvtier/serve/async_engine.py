@@ -70,16 +70,34 @@ class AsyncLLMEngine:
     def start(self) -> None:
         if self._thread is not None:
             raise ValueError("the engine loop is already running")
+        if self._stop.is_set():
+            raise ValueError("this engine loop was shut down; make a new AsyncLLMEngine")
         self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop after its current step; requests in flight are dropped."""
+        """Stop the loop after its current step; requests in flight are dropped: their streams
+        raise :class:`RequestsEnded`, and requests still being queued get it too."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():  # (a step still running: the engine is not ours to touch)
+                return
+        ended = RequestsEnded("the engine was shut down; the request was dropped")
+        while True:  # requests posted but not taken
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add" and command[-1].set_running_or_notify_cancel():
+                command[-1].set_exception(ended)
+        self.engine.abort_all()
+        with self._lock:
+            open_ = list(self._streams)
+        for rid in open_:
+            self._deliver(rid, ended)
 
     # -- the caller's side ---------------------------------------------------------------------
     async def add_request(self, prompt_token_ids: Sequence[int], params: RequestParams,
@@ -87,15 +105,24 @@ class AsyncLLMEngine:
         """Queue a request in the engine; returns its id once it is queued.
 
         Raises what :meth:`LLMEngine.add_request` raises (``ValueError``,
-        :class:`~kvtier.serve.scheduler.QueueFull`); then nothing was queued.
+        :class:`~kvtier.serve.scheduler.QueueFull`); then nothing was queued. ``RuntimeError``
+        before :meth:`start` and after :meth:`shutdown`.
         """
+        if self._thread is None:
+            raise RuntimeError("the engine loop is not running: call start() first"
+                               if not self._stop.is_set() else "the engine loop was shut down")
+        try:
+            ids = list(prompt_token_ids)
+        except TypeError:
+            raise ValueError(f"prompt_token_ids must be a sequence of token ids, got "
+                             f"{type(prompt_token_ids).__name__}") from None
         rid = request_id or uuid.uuid4().hex
         with self._lock:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), asyncio.Queue())
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(("add", rid, list(prompt_token_ids), params, added))
+        self._post(("add", rid, ids, params, added))
         try:
             await asyncio.wrap_future(added)
         except BaseException:  # refused, or the caller was cancelled while it waited

@@ -316,7 +316,7 @@ class LLMEngine:
             raise ValueError(f"the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} "
                              f"exceed the context of {self.max_model_len} tokens; lower max_tokens "
                              f"to at most {room}")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        rid = request_id if request_id is not None else next(r for i in self._ids if (r := f"req-{i}") not in self._live)
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already in use; ids must be unique")
         matcher = None
