@@ -177,6 +177,24 @@ def test_drafts_fill_steps_and_keep_the_plain_tokens() -> None:
     assert s["generation_tokens"] == slow.stats()["generation_tokens"] == 40
 
 
+def test_drafts_a_stop_cuts_off_are_not_counted_as_kept() -> None:
+    """A stop inside a step's kept drafts: the drafts after it are not counted (they were, so
+    kvtier_spec_decode_num_accepted_tokens passed the tokens generated)."""
+    ids = list(range(10, 30))
+    plain = run(LLMEngine(MODEL, None, EngineConfig(num_blocks=32)), {0: [(ids, RequestParams(max_tokens=40))]})
+    out = list(next(iter(plain.values()))[0])
+    at = next(i for i in range(7, len(out)) if out[i] not in out[:i])  # (the first stop of this id)
+
+    def exact(_plain):
+        return lambda live, k, running=1: (ids + out)[len(live.request.token_ids) : len(live.request.token_ids) + k]
+
+    arrivals = {0: [(ids, RequestParams(max_tokens=40, stop_token_ids=(out[at],)))]}
+    (_, drafted), (_, fast) = plain_and_drafted(MODEL, None, EngineConfig(num_blocks=32), arrivals, exact)
+    s = fast.stats()
+    assert list(next(iter(drafted.values()))[0]) == out[: at + 1]
+    assert 0 < s["spec_accepted_tokens"] < s["generation_tokens"] == at + 1, s
+
+
 def test_the_default_model_with_ngram_drafts(lm) -> None:
     """SmolLM2 copying text: the n-gram drafts are kept often; tokens, text and finish reason
     (a stop string found inside a run of kept drafts, an end-of-sequence) are the plain engine's,

@@ -409,9 +409,8 @@ class LLMEngine:
         return self.speculator.propose(live, k, running) if live is not None and speculates(live) else []
 
     def _book(self, step: _Launched) -> None:
-        """Book ``step`` in the scheduler, its sampled tokens as :data:`PENDING` (each one its
-        request's last token until :meth:`_resolve`, which runs before the next booking); a row with
-        drafts its tokens, once they are on the host (speculation runs synchronously)."""
+        """Book ``step`` in the scheduler, its sampled tokens as :data:`PENDING` (each its request's last
+        until :meth:`_resolve`, run before the next booking); a drafting row its tokens (synchronously)."""
         sampled = dict.fromkeys(step.batch.sampled, PENDING)
         if step.judged:
             if step.ready is not None:
@@ -438,6 +437,8 @@ class LLMEngine:
             if given is None:
                 self.scheduler.set_token(req, token)
             texts, reason, given = self._push_all(live, given or (token,))
+            if rid in step.given:  # (drafts a stop cut off were not kept)
+                self.speculator.kept(len(step.given[rid]), len(given))
             assert reason is not None or req.status is not RequestStatus.FINISHED
             if reason is not None:
                 self.scheduler.finish(rid)  # a stop (a length finish has freed it already)

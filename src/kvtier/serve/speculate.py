@@ -217,6 +217,11 @@ class Speculator:
         self.accepted += a
         return [int(t) for t in best[: a + 1]]
 
+    def kept(self, given: int, kept: int) -> None:
+        """A row :meth:`accept` gave ``given`` tokens (its drafts kept, then the model's) kept only
+        ``kept`` of them (a stop string or token ended it): the drafts after those are not counted."""
+        self.accepted -= max(0, (given - 1) - kept)
+
     def stats(self) -> dict[str, int | float]:
         return {"spec_drafts": self.drafts, "spec_draft_tokens": self.draft_tokens,
                 "spec_accepted_tokens": self.accepted,
