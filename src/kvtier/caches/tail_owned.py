@@ -125,12 +125,13 @@ class TailOwnedKVCache(ScalarKVCache):
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def _grow(self, needed: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
-        """Reallocate to ``ceil(needed / step) * step`` slots, copying ``[0:offset]`` once.
+    def _grow(self, needed: int, like_k: torch.Tensor, like_v: torch.Tensor, cap: int | None = None) -> None:
+        """Reallocate to ``cap`` slots (default ``ceil(needed / step) * step``), copying
+        ``[0:offset]`` once.
 
         The slots past ``offset`` are left uninitialised: nothing reads past ``offset``.
         """
-        cap = math.ceil(needed / self.step) * self.step
+        cap = math.ceil(needed / self.step) * self.step if cap is None else cap
         B, H, _, Dk = like_k.shape
         if self.dtype is None:
             self.dtype = like_k.dtype
@@ -271,9 +272,7 @@ class TailOwnedKVCache(ScalarKVCache):
             # a step's rounding past restore_slack is not allocated (_grow rounds to self.step)
             need = max(offset, 1)
             rounded = math.ceil(need / step) * step
-            cache.step = step if rounded - offset <= restore_slack(offset) else need
-            cache._grow(need, k, v)
-            cache.step = step
+            cache._grow(need, k, v, cap=rounded if rounded - offset <= restore_slack(offset) else need)
             if offset:
                 cache.update(k, v)
         return cache

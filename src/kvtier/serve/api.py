@@ -337,10 +337,11 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
                            param="truncate_prompt_tokens")
         if keep != -1:
             return keep
-        if context - (params.max_tokens or 1) < 1:
+        left = context - (params.max_tokens or 1)
+        if left < 1:
             raise APIError(400, f"truncate_prompt_tokens -1 keeps what the context of {context} tokens leaves beside "
                            f"max_tokens {params.max_tokens}, which is nothing: lower max_tokens", param="max_tokens")
-        return context - (params.max_tokens or 1)
+        return left
 
     add_tokenizer_routes(app, tokenizer, lambda: engine.stats["max_model_len"], check_model, encode)
 

@@ -200,10 +200,6 @@ def run_serve(args: argparse.Namespace) -> int:
         note = prefill_dtype_warning(lm.model)
         if note:
             warnings.warn(note, stacklevel=2)
-        most = lm.model.args.max_position_embeddings
-        if (engine_config.max_model_len or 0) > most:  # (vLLM refuses it too: never a silent cap)
-            raise ValueError(f"--max-model-len {engine_config.max_model_len} is more than the model's {most} "
-                             f"positions; give at most {most}, or leave it out for the model's")
         return lm, LLMEngine(lm.model, lm.require_tokenizer("kvtier serve"), engine_config)
 
     lm, engine = in_passing_thread(build)

@@ -64,7 +64,7 @@ from kvtier.serve.graphs import graph_rows
 from kvtier.serve.live import Live
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.prefix import BlockManager
-from kvtier.serve.runner import ModelRunner, PendingTokens, pool_blocks
+from kvtier.serve.runner import ModelRunner, PendingTokens, context_of, pool_blocks
 from kvtier.serve.scheduler import (
     PENDING,
     Request,
@@ -158,7 +158,8 @@ class EngineConfig:
                                 or not 0 < gib < math.inf):
             raise ValueError(f"kv_memory_gib must be a number of GiB > 0 or None (the default), got {gib!r}")
         check_kv_quant(self.kv_quant)
-        check_turboquant(self.turboquant)  # the scheduler's checks, before a model is built (the context is the model's):
+        check_turboquant(self.turboquant)
+        # the scheduler's own checks, before a model is built (its context, 1 here, is the model's)
         SchedulerConfig(1, self.max_num_seqs, self.max_batched_tokens or self.max_num_seqs, self.max_waiting, policy=self.scheduling_policy)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
@@ -221,9 +222,7 @@ class LLMEngine:
         param = next(model.parameters())
         self.device = param.device
         num_blocks = self._pool_blocks(param.dtype)  # (before anything is allocated)
-        context = min(config.max_model_len or model.args.max_position_embeddings,
-                      model.args.max_position_embeddings, num_blocks * config.block_size)
-        self.max_model_len = context
+        self.max_model_len = context = context_of(config.max_model_len, model.args, num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         batched = config.max_batched_tokens
         if batched is None:

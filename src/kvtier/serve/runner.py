@@ -64,7 +64,7 @@ from kvtier.model.cpu_step import DENSE_ROWS, plan_for
 from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.scheduler import PENDING, ScheduledRow, StepBatch
 
-__all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "pool_blocks", "fed_tokens", "fill_pending", "kv_bytes_per_block",
+__all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "context_of", "pool_blocks", "fed_tokens", "fill_pending", "kv_bytes_per_block",
            "smallest_bucket", "token_rows"]
 
 
@@ -157,6 +157,17 @@ def pool_blocks(num_blocks: int | None, gib: float, model_args, dtype: torch.dty
     n = num_blocks or blocks_for_memory(gib, model_args, dtype, block_size, kv_quant, turboquant)
     check_pool_fits(n, kv_bytes_per_block(model_args, dtype, block_size, kv_quant, turboquant), device)
     return n
+
+
+def context_of(max_model_len: int | None, model_args, num_blocks: int, block_size: int) -> int:
+    """Prompt plus generated tokens of one request at most: ``max_model_len`` (``None``: the
+    model's positions), capped by what the pool holds; more than the model's positions is a
+    ``ValueError`` (never a silent cap)."""
+    most = model_args.max_position_embeddings
+    if (max_model_len or 0) > most:
+        raise ValueError(f"--max-model-len {max_model_len} is more than the model's {most} positions "
+                         f"(EngineConfig.max_model_len); give at most {most}, or leave it unset for the model's")
+    return min(max_model_len or most, num_blocks * block_size)
 
 
 def check_pool_fits(num_blocks: int, per_block: int, device: torch.device) -> None:
