@@ -190,6 +190,18 @@ def sized_for_request(config, args: argparse.Namespace, tokens: int):
     return config.replace(**changes)
 
 
+def fitted_to_context(config, context: int):
+    """``config`` with a default step (tail, ragged) or block (block tier) longer than the
+    model's ``context`` cut to it: a default must not refuse a small model. One the
+    environment set is kept (:func:`check_caches_fit` refuses it, naming the variable)."""
+    from kvtier.config import env_settings
+
+    unit = {"tail": "step", "ragged": "step", "block": "owned_block_size"}.get(config.tier)
+    if unit is None or getattr(config, unit) <= context or unit in env_settings():
+        return config
+    return config.replace(**{unit: context})
+
+
 def check_caches_fit(config, lm, batch_size: int = 1) -> None:
     """:meth:`KVCacheConfig.check_fits` against the model's context and the device's memory."""
     import torch
@@ -283,6 +295,7 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     drafts = 0 if spec is None else spec.draft_tokens + 1
     held = min(len(ids) + gen_config.max_tokens, lm.args.max_position_embeddings)  # never past the context
     cache_config = sized_for_request(cache_config, args, held + drafts)
+    cache_config = fitted_to_context(cache_config, lm.args.max_position_embeddings)
     check_caches_fit(cache_config, lm)
     # int8 activations act in the CPU decode step, which serves the tail tier only
     on_cpu = next(lm.model.parameters()).device.type == "cpu"

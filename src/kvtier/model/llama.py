@@ -137,6 +137,14 @@ def _check_rope_scaling(rs: dict[str, Any]) -> None:
     missing = [k for k in needed if k not in rs]
     if missing:
         raise ValueError(f"rope_scaling {rope_type!r} needs keys {missing}; got {sorted(rs)}")
+    for k in needed:  # a string, a zero or a NaN would load and give NaN logits or a TypeError later
+        v = rs[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"rope_scaling {rope_type!r}: {k} must be a positive number, got {v!r}")
+    if rope_type == "llama3" and not rs["low_freq_factor"] < rs["high_freq_factor"]:
+        raise ValueError(f"rope_scaling 'llama3': low_freq_factor {rs['low_freq_factor']!r} must be below "
+                         f"high_freq_factor {rs['high_freq_factor']!r} (the band between them is "
+                         "interpolated; Llama 3.1 uses 1.0 and 4.0)")
 
 
 # -- model -------------------------------------------------------------------------------

