@@ -221,6 +221,23 @@ def test_row_selection_as_dynamic_cache(tier):
     assert_caches_agree(ours, ref, tier)
 
 
+@pytest.mark.parametrize("call", ["batch_select_indices", "reorder_cache", "batch_repeat_interleave"])
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_keeping_no_row_is_refused_in_a_transformers_users_terms_and_changes_nothing(tier, call):
+    """DynamicCache keeps a batch of 0 rows; a tier holds at least one, so the cache refuses, naming
+    the call and cache.reset() (not the tiers' own filter()/release()), before any layer changes."""
+    ours = kvtier(tier)
+    for layer_idx in range(2):
+        ours.update(*rand_kv(2, 2, 3, 8, seed=layer_idx), layer_idx)
+    before = [layer.keys.clone() for layer in ours.layers]
+    arg = 0 if call == "batch_repeat_interleave" else torch.tensor([], dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"^{call}\(.*\) keeps none of the cache's 2 rows; .*cache\.reset\(\)") as e:
+        getattr(ours, call)(arg)
+    assert "filter()" not in str(e.value) and "release()" not in str(e.value)
+    assert ours.batch_size == 2
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(ours.layers, before))
+
+
 # -- reset, flags, deep copies ---------------------------------------------------------------------
 @pytest.mark.parametrize("tier", list(TIERS))
 def test_reset_and_flags_as_dynamic_cache(tier):
@@ -231,7 +248,9 @@ def test_reset_and_flags_as_dynamic_cache(tier):
         cache.update(*rand_kv(1, 2, 4, 8, seed=1), 0)
     assert ours.is_initialized == ref.is_initialized
     assert ours.is_croppable == ref.is_croppable and ours.is_compileable == ref.is_compileable
-    assert ours.get_max_length() == ref.get_max_length() == -1
+    config = TIERS[tier]  # a fixed paged pool has a maximum, the positions its one row reaches
+    fixed = config.paged_num_blocks * config.paged_block_size if config.tier == "paged" else -1
+    assert ours.get_max_length() == fixed and ref.get_max_length() == -1
     ref.reset()
     ours.reset()
     assert ours.layers[0].keys is None and ref.layers[0].keys is None
@@ -239,6 +258,71 @@ def test_reset_and_flags_as_dynamic_cache(tier):
     for cache in (ref, ours):  # reusable after reset
         cache.update(*rand_kv(1, 2, 3, 8, seed=2), 0)
     assert_caches_agree(ours, ref, tier)
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_reset_forgets_the_batch_size_as_dynamic_cache(tier):
+    """After reset() the next update may bring another batch size, layer 0 first."""
+    ref, ours = DynamicCache(), kvtier(tier)
+    for cache in (ref, ours):
+        for layer_idx in range(2):
+            cache.update(*rand_kv(2, 2, 3, 8, seed=layer_idx), layer_idx)
+        cache.reset()
+        assert cache.batch_size == -1
+        cache.update(*rand_kv(3, 2, 3, 8, seed=5), 0)
+        assert cache.batch_size == (-1 if cache is ref else 3)  # not "... not consistent across layers"
+        cache.update(*rand_kv(3, 2, 3, 8, seed=6), 1)
+    assert ours.batch_size == 3
+    assert_caches_agree(ours, ref, tier)
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_an_update_of_no_tokens_returns_the_layer_as_dynamic_cache(tier):
+    ref, ours = DynamicCache(), kvtier(tier)
+    empty = rand_kv(2, 2, 0, 8, seed=0)
+    for cache in (ref, ours):
+        first = cache.update(*empty, 0)  # before any token, as the first update
+        assert [tuple(t.shape) for t in first] == [(2, 2, 0, 8)] * 2
+        cache.update(*rand_kv(2, 2, 3, 8, seed=1), 0)
+    got, want = ours.update(*empty, 0), ref.update(*empty, 0)
+    for g, w in zip(got, want):
+        assert_kv_equal(g, w, tier)
+    assert_caches_agree(ours, ref, tier)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 8), (2, 2, 3, 5, 8)])
+def test_keys_that_are_not_4d_are_refused_by_name_and_change_nothing(shape):
+    ours = kvtier("paged")
+    with pytest.raises(ValueError, match=r"^keys must be 4-D \[batch, kv_heads, tokens, head_dim\]"):
+        ours.update(torch.rand(shape), torch.rand(shape), 0)
+    assert not ours.layers[0].is_initialized and ours.layers[0].tier is None
+    ours.update(*rand_kv(2, 2, 3, 8, seed=0), 0)  # and takes 4-D keys after it
+    assert ours.get_seq_length() == 3
+
+
+def test_a_fixed_paged_pool_reports_the_positions_each_row_reaches():
+    """2 blocks of 4 tokens: 8 positions for one row, 4 each for two; a pool that grows, and the
+    other tiers, have no maximum (-1)."""
+    pool = KVCacheConfig(tier="paged", paged_block_size=4, paged_num_blocks=2)
+    config = transformers.LlamaConfig(num_hidden_layers=2)
+    assert KVTierCache(pool, model_config=config).get_max_length() == 8  # no update yet: one row's
+    assert KVTierCache(pool).get_max_length() == -1  # no layer yet, as DynamicCache()
+    one = KVTierCache(pool)
+    one.update(*rand_kv(1, 2, 8, 4, seed=0), 0)
+    assert one.get_max_length() == one.get_max_cache_shape() == 8 == one.get_seq_length()
+    with pytest.raises(MemoryError):
+        one.update(*rand_kv(1, 2, 1, 4, seed=1), 0)  # the 9th token
+    two = KVTierCache(pool)
+    two.update(*rand_kv(2, 2, 4, 4, seed=0), 0)
+    assert two.get_max_length() == 4
+    with pytest.raises(MemoryError):
+        two.update(*rand_kv(2, 2, 1, 4, seed=1), 0)
+    grows = KVTierCache(pool.replace(dynamic_paged=True))
+    grows.update(*rand_kv(1, 2, 8, 4, seed=0), 0)
+    assert grows.get_max_length() == -1
+    grows.update(*rand_kv(1, 2, 1, 4, seed=1), 0)
+    for tier in ("tail", "block", "ragged"):
+        assert kvtier(tier).get_max_length() == -1
 
 
 @pytest.mark.parametrize("tier", list(TIERS))

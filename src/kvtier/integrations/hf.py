@@ -172,6 +172,19 @@ class KVTierCache(Cache):
         return self.kvtier_layers
 
     # -- what DynamicCache offers ------------------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Cache.update``. A layer of transformers' own (a sliding layer of Gemma-2) is written
+        only if the kvtier layers would take the update too (``KVTierLayer.check_update``: in
+        place, keys that require grad, or an attention implementation changed with tokens
+        held, are refused), so that such a refusal at a forward's first layer changes nothing."""
+        if layer_idx < len(self.layers) and not isinstance(self.layers[layer_idx], KVTierLayer):
+            mine = self.kvtier_layers
+            if mine:
+                mine[0].check_update(key_states, value_states, self._reads_in_place())
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def __iter__(self):
         """Each layer's ``(keys, values, sliding_window_tensor)``, as ``DynamicCache`` yields them.
 
@@ -195,11 +208,32 @@ class KVTierCache(Cache):
         window back); a positive value raises ``ValueError``, as in ``DynamicCache``, and
         is checked before any layer changes; ``-k`` past the length empties the layer. A
         cache with no layer yet (built without ``model_config``, before the first update)
-        has nothing to crop and, like ``DynamicCache()``, checks nothing.
+        has nothing to crop and, like ``DynamicCache()``, checks nothing. Every kvtier
+        layer's limit (in place, right padding) is checked before any layer changes.
         """
         if self.layers:
             crop_count(tokens_to_remove, 0)  # validate once, before the first layer changes
+            for layer in self.kvtier_layers:
+                layer.crop_count(tokens_to_remove)
         super().crop(tokens_to_remove)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows ``indices``; a selection of no rows raises ``ValueError`` before any layer changes."""
+        for layer in self.kvtier_layers:
+            layer.rows_kept("batch_select_indices", indices)
+        super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row ``repeats`` times; ``0`` raises ``ValueError`` before any layer changes."""
+        for layer in self.kvtier_layers:
+            layer.rows_kept("batch_repeat_interleave", repeats=repeats)
+        super().batch_repeat_interleave(repeats)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows in the order of ``beam_idx``; an empty index raises ``ValueError`` before any layer changes."""
+        for layer in self.kvtier_layers:
+            layer.rows_kept("reorder_cache", beam_idx)
+        super().reorder_cache(beam_idx)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         if not self.layers:
@@ -207,7 +241,8 @@ class KVTierCache(Cache):
         return super().get_max_length(layer_idx)
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        """The older name of :meth:`get_max_length` (``-1``: no maximum)."""
+        """The older name of :meth:`get_max_length` (``-1``: no maximum; a paged pool that does
+        not grow gives the positions each row can reach)."""
         return self.get_max_length(layer_idx)
 
     @property

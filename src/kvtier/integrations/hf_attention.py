@@ -69,16 +69,11 @@ def kvtier_attention_forward(
     boolean ``[B, 1, T, S]``.
     """
     softcap = kwargs.get("softcap")
-    if dropout and module.training:
-        raise ValueError(
-            f"kvtier_paged attention is for inference and got dropout={dropout} in training mode; "
-            "call model.eval() or use attn_implementation='sdpa' for training"
-        )
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(
-            "kvtier_paged attention does not support attention sinks (s_aux); "
-            "use attn_implementation='eager' for this model"
-        )
+    refusal = refused(module, key, attention_mask, dropout, kwargs.get("s_aux"))
+    if refusal is not None:
+        if isinstance(key, PendingKeys):  # take back the layer's update: the cache is as before it
+            key.layer.undo_update(key.shape[2])
+        raise ValueError(refusal)
     if isinstance(key, PendingKeys):
         out = key.layer.attend(query, attention_mask, scaling=scaling, softcap=softcap)
     elif softcap is not None:
@@ -88,6 +83,21 @@ def kvtier_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     return out.transpose(1, 2).contiguous(), None  # (B, T, H_q, D)
+
+
+def refused(module: torch.nn.Module, key: torch.Tensor, mask: torch.Tensor | None, dropout: float,
+            s_aux: torch.Tensor | None) -> str | None:
+    """Why :func:`kvtier_attention_forward` refuses this call (``None``: it does not)."""
+    if dropout and module.training:
+        return (f"kvtier_paged attention is for inference and got dropout={dropout} in training mode; "
+                "call model.eval() or use attn_implementation='sdpa' for training")
+    if s_aux is not None:
+        return ("kvtier_paged attention does not support attention sinks (s_aux); "
+                "use attn_implementation='eager' for this model")
+    if isinstance(key, PendingKeys) and mask is not None and mask.dtype != torch.bool:
+        return (f"kvtier attention takes boolean masks (True = visible), got {mask.dtype}; "
+                "build the model's masks with attn_implementation='kvtier_paged' (sdpa-style masks)")
+    return None
 
 
 def dense_attention(

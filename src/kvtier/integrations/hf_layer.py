@@ -12,13 +12,15 @@ Shapes: keys and values ``[B, H_kv, T, D]``, queries ``[B, H_q, T, D]``.
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from kvtier.caches.base import KVCache, RowKVCache, check_kv
+from kvtier.caches.paged import PagedKVCache, PagedKVGrowthRefused
 from kvtier.caches.step_plan import StepPlanner
 from kvtier.config import KVCacheConfig, make_caches
 from kvtier.integrations.hf_version import TransformersVersionError, require_transformers
@@ -132,6 +134,46 @@ def crop_count(tokens_to_remove: Any, length: int) -> int:
     return min(-n, length)
 
 
+def check_rank(keys: Any, values: Any) -> None:
+    """Keys and values are 4-D ``[B, H_kv, T, D]`` (else ``check_kv``'s ``ValueError``) of one
+    head size (else a ``ValueError`` naming multi-head latent attention)."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (keys, values)):
+        check_kv(keys, values)  # raises its error for a non-tensor or a tensor that is not 4-D
+    if keys.shape[3] != values.shape[3]:
+        raise ValueError(f"this model's keys and values have different head sizes ({keys.shape[3]} "
+                         f"and {values.shape[3]}, as in multi-head latent attention); kvtier's tiers "
+                         "store one head size for both: use transformers' DynamicCache for this model")
+
+
+def refuse_grad_in_place(keys: torch.Tensor, values: torch.Tensor) -> None:
+    """``ValueError`` for keys or values that carry autograd history into the in-place read path."""
+    if torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad):
+        raise ValueError(
+            "kvtier_paged attention reads the cache in place, for inference, and got keys that "
+            "require grad with autograd on; run the forward under torch.no_grad(), or use "
+            "attn_implementation='sdpa' (or 'eager') to take gradients through a KVTierCache"
+        )
+
+
+class _StoredJoin(torch.autograd.Function):
+    """``cat([past, stored], 2)`` in the forward; in the backward, the gradient of ``stored`` (the
+    tier's copy of the new tokens, ``[B, H, T, D]``) goes to ``live``, the tokens the model computed.
+
+    So a forward reads the values the tier holds (a quantised tier's included), and the
+    gradient reaches the projections that made the new keys and values, as through
+    ``DynamicCache``. ``past`` (tokens of earlier forwards) is a constant.
+    """
+
+    @staticmethod
+    def forward(ctx, past: torch.Tensor, stored: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        ctx.split, ctx.dtype = past.shape[2], live.dtype
+        return torch.cat([past, stored], dim=2)  # (B, H, S, D): a new tensor, not the tier's buffer
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, None, grad[:, :, ctx.split:].to(ctx.dtype)
+
+
 class KVTierLayer(CacheLayerMixin):
     """One attention layer's keys and values, held by a kvtier tier built on the first update.
 
@@ -179,10 +221,7 @@ class KVTierLayer(CacheLayerMixin):
         return make_caches(1, self.config, batch_size=batch_size)[0]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if key_states.dim() == value_states.dim() == 4 and key_states.shape[3] != value_states.shape[3]:
-            raise ValueError(f"this model's keys and values have different head sizes ({key_states.shape[3]} "
-                             f"and {value_states.shape[3]}, as in multi-head latent attention); kvtier's tiers "
-                             "store one head size for both: use transformers' DynamicCache for this model")
+        check_rank(key_states, value_states)
         self.device = key_states.device
         self.batch_size = key_states.shape[0]
         self._heads = tuple((t.shape[1], t.shape[3], t.dtype) for t in (key_states, value_states))
@@ -196,36 +235,86 @@ class KVTierLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``[B, H_kv, T, D]`` keys and values; return what the attention function reads.
 
-        Gathered path: the layer's K/V ``[B, H_kv, length, D]``. In place: a
-        :class:`PendingKeys` and the new values (the ragged and paged tiers write
-        at attention time, when the mask tells real tokens from padding).
+        Gathered path: the layer's K/V ``[B, H_kv, length, D]`` (with autograd on and new
+        keys that require grad, joined so that the gradient reaches them). In place: a
+        :class:`PendingKeys` and the new values (the ragged and paged tiers write at
+        attention time, when the mask tells real tokens from padding). ``T = 0`` writes
+        nothing and returns the layer's K/V, as ``DynamicLayer`` does.
         """
+        in_place = self._reads_in_place()
+        check_rank(key_states, value_states)
+        self.check_update(key_states, value_states, in_place)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.in_place = in_place
+        T = key_states.shape[2]
+        if T == 0:
+            k, v = self.live()
+            (_, _, kt), (_, _, vt) = self._heads
+            return k.to(kt), v.to(vt)
+        if self.in_place and self.rows:
+            check_kv(key_states, value_states, batch=self.batch_size)
+            self._pending = (key_states, value_states)
+        else:
+            with self._pool_refusal():
+                self.tier.update(key_states, value_states)
+        self.length += T
+        if self.in_place:
+            return PendingKeys.wrap(key_states, self), value_states
+        k, v = self._gathered()
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            P = self.length - T  # (B, H_kv, P + T, D): the stored past, then this update's tokens
+            k = _StoredJoin.apply(k[:, :, :P], k[:, :, P:], key_states)
+            v = _StoredJoin.apply(v[:, :, :P], v[:, :, P:], value_states)
+        return k, v
+
+    def check_update(self, key_states: torch.Tensor, value_states: torch.Tensor, in_place: bool) -> None:
+        """The refusals of :meth:`update` that hold for every layer of a forward, before anything
+        changes. The cache runs them on its first kvtier layer before a layer of transformers'
+        own is written, so that a forward the kvtier layers would refuse changes no layer."""
         if self._pending is not None:
             raise ValueError(
                 "a kvtier layer got a second update before its attention ran; the model's "
                 "attention must be 'kvtier_paged' while the cache reads in place "
                 "(call cache.reset() after changing attn_implementation)"
             )
-        in_place = self._reads_in_place()
-        if in_place != self.in_place:
-            if self.length:
-                raise ValueError(
-                    f"the model's attention implementation changed (in place: {self.in_place} -> "
-                    f"{in_place}) while the cache holds {self.length} tokens; call cache.reset() "
-                    "or use a new KVTierCache"
-                )
-            self.in_place = in_place
-        if self.in_place and self.rows:
-            check_kv(key_states, value_states, batch=self.batch_size)
-            self._pending = (key_states, value_states)
-        else:
-            self.tier.update(key_states, value_states)
-        self.length += key_states.shape[2]
-        if self.in_place:
-            return PendingKeys.wrap(key_states, self), value_states
-        return self._gathered()
+        if in_place != self.in_place and self.length:
+            raise ValueError(
+                f"the model's attention implementation changed (in place: {self.in_place} -> "
+                f"{in_place}) while the cache holds {self.length} tokens; call cache.reset() "
+                "or use a new KVTierCache"
+            )
+        if in_place:
+            refuse_grad_in_place(key_states, value_states)
+
+    def undo_update(self, tokens: int) -> None:
+        """Take back the last in-place ``update`` of ``tokens`` tokens, whose attention did not run
+        (the attention function refused): the layer is then as before that update."""
+        if self._pending is not None:  # ragged, paged: nothing reached the tier yet
+            self._pending = None
+        elif tokens:  # tail, block: update() stored them
+            self.tier.trim(tokens)
+        self.length -= tokens
+
+    @contextlib.contextmanager
+    def _pool_refusal(self) -> Iterator[None]:
+        """A paged pool's refusal in a KVTierCache user's terms: the ``KVCacheConfig`` fields."""
+        try:
+            yield
+        except PagedKVGrowthRefused as e:
+            c = self.config
+            if e.__cause__ is not None:  # the allocator refused the pool's memory
+                why = (f"allocating the paged pool of a KVTierCache layer failed ({str(e.__cause__)[:160]}); "
+                       f"build the cache with fewer blocks (KVCacheConfig(paged_num_blocks=...), now "
+                       f"{c.paged_num_blocks}) or quantised pages (KVCacheConfig(kv_quant='q8'))")
+            else:
+                why = (f"the paged pool of a KVTierCache layer is full: its {c.paged_num_blocks} blocks of "
+                       f"{c.paged_block_size} tokens, shared by the batch's rows, hold no more and it does "
+                       f"not grow; build the cache with KVCacheConfig(paged_num_blocks=...) above "
+                       f"{c.paged_num_blocks} (ceil(tokens / paged_block_size) * batch holds a request) or "
+                       "KVCacheConfig(dynamic_paged=True) (from the environment: KVTIER_PAGED_NUM_BLOCKS, "
+                       "KVTIER_DYNAMIC_PAGED_KV=1)")
+            raise PagedKVGrowthRefused(why) from None
 
     def _fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The tier's ``fetch()`` in the dtypes the model wrote (a tail tier with ``kv_dtype``
@@ -329,22 +418,24 @@ class KVTierLayer(CacheLayerMixin):
         self._pending = None
         T = keys.shape[2]
         try:
-            real = self._probe.real_tokens(mask, self.length - T, T)
-            if self._after_padding is not None:
-                self._after_padding += T
-            if real is not None and not bool(real[:, -1].all()):  # some row ends in padding
-                self._after_padding = 0
-            if real is None:
-                self.tier.update(keys, values, **self._plans.kwargs(self, T))
-                if softcap is None:
-                    return self.tier.attention(query, scale=scaling)
-                pos = self.tier.offset[:, None] - T + torch.arange(T, device=keys.device)
-            else:
-                self._plans.kwargs(self, 0)  # an unplanned write: the plan ends
-                pos = self._write_real(keys, values, real)
+            with self._pool_refusal():
+                real = self._probe.real_tokens(mask, self.length - T, T)
+                if real is None:
+                    self.tier.update(keys, values, **self._plans.kwargs(self, T))
+                else:
+                    self._plans.kwargs(self, 0)  # an unplanned write: the plan ends
+                    pos = self._write_real(keys, values, real)
         except Exception:
             self.length -= T  # nothing reached the tier (it validates before it writes)
             raise
+        if real is not None and not bool(real[:, -1].all()):  # some row ends in padding
+            self._after_padding = 0
+        elif self._after_padding is not None:
+            self._after_padding += T
+        if real is None:
+            if softcap is None:
+                return self.tier.attention(query, scale=scaling)
+            pos = self.tier.offset[:, None] - T + torch.arange(T, device=keys.device)
         k, v = self._fetch()  # (B, H_kv, max row length, D)
         visible = torch.arange(k.shape[2], device=k.device) <= pos[:, :, None]  # (B, T, S)
         return dense_attention(query, k, v, visible[:, None], scaling=scaling, softcap=softcap)
@@ -374,17 +465,33 @@ class KVTierLayer(CacheLayerMixin):
         return self.length + query_length, 0
 
     def get_max_length(self) -> int:
-        return -1
+        """The positions each row can reach where the tier has a fixed size: a paged pool that does
+        not grow, shared by the batch's rows growing together (its whole size for one row before
+        the first update); ``-1`` (no maximum) for the other tiers and a growing pool."""
+        tier = self.tier
+        if tier is None:
+            fixed = self.config.tier == "paged" and not self.config.dynamic_paged
+            return self.config.paged_num_blocks * self.config.paged_block_size if fixed else -1
+        if not isinstance(tier, PagedKVCache) or (tier.dynamic and not tier.frozen):
+            return -1
+        blocks = tier.pool.num_blocks if tier.pool.allocated else tier.num_blocks
+        return blocks // tier.batch_size * tier.block_size
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the ``k`` newest tokens with ``crop(-k)`` (all of them if ``k`` >= the length);
-        ``crop(0)`` does nothing; a positive value raises ``ValueError``, as in ``DynamicLayer``."""
+    def crop_count(self, tokens_to_remove: int) -> int:
+        """How many tokens ``crop(tokens_to_remove)`` removes here, or its ``ValueError``
+        (checked by the cache on every layer before any layer crops)."""
         n = crop_count(tokens_to_remove, self.length)
         if self._after_padding is not None and n > self._after_padding:
             raise ValueError(
                 f"crop({tokens_to_remove}) reaches back into a write whose rows ended in padding (right "
                 f"padding); in place the rows hold their real tokens only, so it would remove real ones: "
                 f"crop at most {self._after_padding} here, or pad on the left")
+        return n
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the ``k`` newest tokens with ``crop(-k)`` (all of them if ``k`` >= the length);
+        ``crop(0)`` does nothing; a positive value raises ``ValueError``, as in ``DynamicLayer``."""
+        n = self.crop_count(tokens_to_remove)
         if self._after_padding is not None:
             self._after_padding -= n
         if n and self.tier is not None:
@@ -395,6 +502,9 @@ class KVTierLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.tier, self.length, self._pending, self._after_padding = None, 0, None, None
         self.is_initialized = False
+        # Cache.batch_size reads the layers that have one: a reset layer has none (as DynamicLayer),
+        # so the next update may bring another batch size
+        vars(self).pop("batch_size", None)
 
     # -- rows -------------------------------------------------------------------------------------
     def _select_rows(self, rows: torch.Tensor) -> None:
@@ -402,6 +512,7 @@ class KVTierLayer(CacheLayerMixin):
         if self.tier is None:
             return
         picked = rows.tolist()
+        assert picked, "checked by rows_kept()"
         if self.rows and len(set(picked)) == len(picked) and self.length:
             self.tier.filter(picked)
         elif self.length == 0:
@@ -410,29 +521,47 @@ class KVTierLayer(CacheLayerMixin):
             k, v = self._fetch()
             rows = rows.to(k.device)
             tier = self._new_tier(len(picked))
-            if self.rows:
-                lengths = self.tier.offset.index_select(0, rows)
-                n = int(lengths.max())
-                tier.update(k[rows, :, :n], v[rows, :, :n], write_start=0, new_offsets=lengths)
-            else:
-                tier.update(k[rows], v[rows])
+            with self._pool_refusal():  # more rows than the pool holds
+                if self.rows:
+                    lengths = self.tier.offset.index_select(0, rows)
+                    n = int(lengths.max())
+                    tier.update(k[rows, :, :n], v[rows, :, :n], write_start=0, new_offsets=lengths)
+                else:
+                    tier.update(k[rows], v[rows])
             self.tier = tier
         self.batch_size = len(picked)
 
-    def _row_index(self, indices) -> torch.Tensor:
-        return torch.arange(self.batch_size)[torch.as_tensor(indices).cpu()].reshape(-1)
+    def rows_kept(self, call: str, indices: Any = None, repeats: int = 1) -> torch.Tensor | None:
+        """The rows that ``call`` (a row method, of ``indices`` or ``repeats``) keeps, int64 ``[B']``
+        (``None`` before the first update), or a ``ValueError`` where it would keep none: a tier
+        holds at least one row."""
+        if self.tier is None:
+            return None
+        rows = torch.arange(self.batch_size)
+        rows = rows.repeat_interleave(repeats) if indices is None else rows[torch.as_tensor(indices).cpu()]
+        if rows.numel() == 0:
+            arg = repeats if indices is None else indices
+            raise ValueError(
+                f"{call}({arg!r}) keeps none of the cache's {self.batch_size} rows; a KVTierCache holds at least "
+                "one row (its tiers are built for a batch): to drop every row, call cache.reset(), "
+                "after which the next update may bring a batch of any size"
+            )
+        return rows.reshape(-1)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.tier is not None:
-            self._select_rows(self._row_index(beam_idx))
+        rows = self.rows_kept("reorder_cache", beam_idx)
+        if rows is not None:
+            self._select_rows(rows)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.tier is not None:
-            self._select_rows(self._row_index(indices))
+        rows = self.rows_kept("batch_select_indices", indices)
+        if rows is not None:
+            self._select_rows(rows)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.tier is not None:
-            self._select_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
+        rows = self.rows_kept("batch_repeat_interleave", repeats=repeats)
+        if rows is not None:
+            self._select_rows(rows)
 
     # -- figures --------------------------------------------------------------------------------
     @property
