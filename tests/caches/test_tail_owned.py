@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -249,6 +250,16 @@ def test_commit_written_takes_only_the_room_make_room_left():
     assert cache.offset == 0
     cache.commit_written(4)
     assert cache.offset == 4 == cache.capacity
+
+
+@pytest.mark.parametrize("bad", [-5, 0, 2.5, True, "3"])
+def test_make_room_takes_only_a_count_of_at_least_one(bad):
+    cache = TailOwnedKVCache(step=4)
+    k = torch.zeros(1, 2, 3, 4)
+    cache.update(k, k)
+    with pytest.raises(ValueError, match=re.escape(f"make_room({bad!r}) takes an int >= 1")):
+        cache.make_room(bad, k, k)  # (before: taken, and -5 or 2.5 silently made no room)
+    assert (cache.offset, cache.capacity) == (3, 4)
 
 
 # -- kv_dtype: float16 / bfloat16 buffers behind float32 keys, values and queries ----------------

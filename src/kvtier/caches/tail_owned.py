@@ -161,7 +161,11 @@ class TailOwnedKVCache(ScalarKVCache):
     @exclusive
     def make_room(self, tokens: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         """Grow, as :meth:`update` does, so that ``tokens`` more positions fit; ``like_k`` /
-        ``like_v`` ``[B, H_kv, *, D]`` give the buffers' shape and dtype when there are none yet."""
+        ``like_v`` ``[B, H_kv, *, D]`` give the buffers' shape and dtype when there are none yet.
+        ``ValueError`` for a count that is not an int >= 1, as :meth:`commit_written` checks its own."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"make_room({tokens!r}) takes an int >= 1, the positions a write needs past "
+                             "the offset")
         if self._offset + tokens > self.capacity:
             self._grow(self._offset + tokens, like_k, like_v)
 
