@@ -115,10 +115,13 @@ def test_a_bad_write_is_refused_and_changes_nothing(tier, mistake, first):
     assert cache.size() == (3 if first else 6)
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["first_write", "later_write"])
 @pytest.mark.parametrize("tier", ["tail", "block", "ragged"])
-def test_storage_the_allocator_refuses_is_a_capacity_error_and_changes_nothing(tier, monkeypatch):
-    cache = TIERS[tier]()
-    cache.update(*kv(3))
+def test_storage_the_allocator_refuses_is_a_capacity_error_and_changes_nothing(tier, first, monkeypatch):
+    cache = TIERS[tier]()  # the ragged cache made without a batch size: its first write fixes it
+    held = 0 if first else 3
+    if not first:
+        cache.update(*kv(3))
     before = snapshot(cache)
     real = {name: getattr(torch.Tensor, name) for name in ("new_empty", "new_zeros")}
     calls = []
@@ -136,9 +139,30 @@ def test_storage_the_allocator_refuses_is_a_capacity_error_and_changes_nothing(t
             m.setattr(torch.Tensor, name, refusing(name))
         with pytest.raises(CacheCapacityError, match="allocating .* failed .* the cache is unchanged"):
             cache.update(*kv(20, seed=1))
-    assert_same(before, snapshot(cache))
+    assert_same(before, snapshot(cache))  # a refused first write leaves the batch size unknown
     cache.update(*kv(20, seed=1))  # with memory again, the same write lands whole
-    assert torch.equal(live(cache)[0][:, :, 3:], kv(20, seed=1)[0])
+    assert torch.equal(live(cache)[0][:, :, held:], kv(20, seed=1)[0])
+
+
+@pytest.mark.parametrize("tier", [RaggedBatchKVCache, lambda **kw: PagedKVCache(4, 8, **kw)],
+                         ids=["ragged", "paged"])
+def test_a_batch_past_the_bound_on_every_size_is_refused_before_any_row_is_built(tier):
+    with pytest.raises(ValueError, match=r"^batch_size must be an int in \[1, 16777216\], got 16777217$"):
+        tier(batch_size=2**24 + 1)  # (before: per-row lists and tensors of that many rows, or a MemoryError)
+
+
+@pytest.mark.parametrize("arg", ["write_start", "new_offsets", "q_start"])
+@pytest.mark.parametrize("tier", ["ragged", "paged", "shared"])
+def test_a_0d_tensor_for_a_row_argument_gets_one_error_in_every_per_row_tier(tier, arg):
+    cache = TIERS[tier]()
+    cache.update(*kv(3))
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=rf"^{arg} must have shape \(2,\) \(one per row\), got \(\)$"):
+        if arg == "q_start":
+            cache.attention(torch.randn(B, HQ, 1, D), q_start=torch.tensor(2))
+        else:  # (before, the paged tiers applied the one value to every row)
+            cache.update(*kv(1, seed=1), **{arg: torch.tensor(3 if arg == "write_start" else 4)})
+    assert_same(before, snapshot(cache))
 
 
 @pytest.mark.parametrize("tier", list(TIERS))

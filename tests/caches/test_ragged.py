@@ -459,6 +459,10 @@ def test_extend_aligns_capacities_and_refuses_past_a_frozen_one():
     frozen.freeze_capacity(8)
     with pytest.raises(RaggedCapacityError):
         frozen.extend(seeded(batch=1, tokens=20, step=8))
+    pinned = RaggedBatchKVCache(batch_size=1, step=8)
+    pinned.freeze_capacity(64)  # before its first write: extend keeps it (before: took the other's 8)
+    pinned.extend(seeded(batch=1, step=8))
+    assert pinned.capacity == 64 == pinned.meta_state["capacity"] and pinned.frozen and pinned.can_reserve(59)
 
 
 def test_state_round_trip_is_exact():

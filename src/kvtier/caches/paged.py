@@ -70,7 +70,7 @@ from kvtier.caches.paged_pool import (
     rows_arg,
 )
 from kvtier.caches.paged_state import paged_from_state, paged_meta_state, paged_state, storage_facts
-from kvtier.caches.ragged_rows import check_int
+from kvtier.caches.ragged_rows import check_batch_size, check_int, last_write_starts
 from kvtier.caches.step_plan import StepPlan
 from kvtier.kernels.dispatch import BACKENDS as ATTENTION_BACKENDS
 from kvtier.kernels.dispatch import KernelDispatch, resolve_backend
@@ -84,9 +84,6 @@ __all__ = [
     "paged_grown_blocks",
     "select_codecs",
 ]
-
-def _positive_int(name: str, v: Any) -> int:
-    return check_int(v, name, 1)
 
 
 class PagedKVCache(RowKVCache):
@@ -112,13 +109,13 @@ class PagedKVCache(RowKVCache):
         turboquant: TurboQuantConfig | None = None,
         attention_backend: str = "auto",
     ):
-        self.block_size = _positive_int("block_size", block_size)
-        self.num_blocks = _positive_int("num_blocks", num_blocks)  # blocks of the first allocation
-        _positive_int("batch_size", batch_size)
+        self.block_size = check_int(block_size, "block_size", 1)
+        self.num_blocks = check_int(num_blocks, "num_blocks", 1)  # blocks of the first allocation
+        check_batch_size(batch_size)  # before the per-row lists are built
         if not isinstance(dynamic, bool):
             raise ValueError(f"dynamic must be a bool, got {dynamic!r}")
         if context_window_tokens is not None:
-            _positive_int("context_window_tokens", context_window_tokens)
+            check_int(context_window_tokens, "context_window_tokens", 1)
         check_kv_quant(kv_quant)
         check_turboquant(turboquant)
         if attention_backend not in ATTENTION_BACKENDS:
@@ -433,8 +430,9 @@ class PagedKVCache(RowKVCache):
     def extend(self, other: PagedKVCache) -> None:
         """Append ``other``'s rows after this cache's, copying their blocks (exact, no re-encoding).
 
-        ``other`` must use the same block size and storage (mode, head_dim,
-        dtype, kv_heads). Only blocks under each row's length are copied.
+        ``other`` must use the same block size and storage (mode, head_dim, dtype, kv_heads).
+        Only blocks under each row's length are copied. A row whose last write had other
+        tokens than the cache's last one takes default queries at its newest positions.
         """
         if not isinstance(other, PagedKVCache):
             raise ValueError(f"extend() takes a PagedKVCache, got {type(other).__name__}; "
@@ -457,8 +455,9 @@ class PagedKVCache(RowKVCache):
             dst = [b for row in self.pool.rows[B:] for b in row]
             if dst:
                 self.pool.copy_blocks(other.pool, [b for s in src for b in s], dst)
-        self._lengths = self._lengths + list(other._lengths)
-        self._write_start = self._write_start + list(other._write_start)
+        q = self._last_q or other._last_q  # (see last_write_starts)
+        mine, theirs = (last_write_starts(c._write_start, c._lengths, c._last_q, q) for c in (self, other))
+        self._write_start, self._lengths, self._last_q = mine + theirs, self._lengths + list(other._lengths), q
         self._changed()
 
     @exclusive

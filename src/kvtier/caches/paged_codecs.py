@@ -22,7 +22,7 @@ class CodecChoice:
 
     k_codec: Codec
     v_codec: Codec
-    mode: str  # "turboquant", "q8", "q4", "q4_g32" or "fp"
+    mode: str  # "turboquant", "q8", "q4", "q4_g32", "fp8" or "fp"
     turboquant_disabled_reason: str | None = None
     kv_quant_disabled_reason: str | None = None
 

@@ -85,14 +85,17 @@ def paged_grown_blocks(
 
 
 def rows_arg(B: int, name: str, value: RowsArg, default: list[int]) -> list[int]:
-    """A per-row argument as ``B`` host ints: None (``default``), an int, ints, or an int tensor."""
+    """A per-row argument as ``B`` host ints: None (``default``), an int, ints, or an integer
+    tensor ``[B]``."""
     if value is None:
         return list(default)
-    if isinstance(value, torch.Tensor):
-        if value.dtype.is_floating_point or value.dtype == torch.bool or value.dim() > 1:
+    if isinstance(value, torch.Tensor):  # (a 0-d tensor is refused, as the ragged tier refuses it)
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise ValueError(f"{name} must be an integer tensor [{B}], got {value.dtype} "
                              f"{tuple(value.shape)}")
-        value = value.reshape(-1).tolist() if value.dim() else int(value)
+        if tuple(value.shape) != (B,):
+            raise ValueError(f"{name} must have shape ({B},) (one per row), got {tuple(value.shape)}")
+        value = value.tolist()
     if isinstance(value, int) and not isinstance(value, bool):
         return [value] * B
     if (not isinstance(value, Sequence) or len(value) != B

@@ -35,10 +35,12 @@ from kvtier.caches.base import (
     tensor_nbytes,
 )
 from kvtier.caches.ragged_rows import (
+    check_batch_size,
     check_host_rows,
     check_int,
     check_row_mask,
     host_row_values,
+    last_write_starts,
     on_accelerator,
     query_starts,
     round_up,
@@ -51,6 +53,7 @@ from kvtier.caches.ragged_snapshot import (
     layout,
     restore_ragged_caches,
     restore_ragged_caches_masked,
+    restore_rows,
     snapshot_ragged_caches,
 )
 from kvtier.caches.step_plan import StepPlan
@@ -85,7 +88,7 @@ class RaggedBatchKVCache(RowKVCache):
         self.dispatch = KernelDispatch(attention_backend, name="ragged")  # checks the name first
         self.attention_backend = attention_backend
         self.step = check_int(step, "step", 1)
-        self.batch_size = None if batch_size is None else check_int(batch_size, "batch_size", 1)
+        self.batch_size = None if batch_size is None else check_batch_size(batch_size)
         self.keys = self.values = None  # (B, H_kv, capacity, D) each, from the first write
         self._offsets: torch.Tensor | None = None  # (B,) int64, the row lengths
         self._last_ws, self._last_q = None, 0  # (B,) write_start of the last update, its tokens (0: none)
@@ -160,7 +163,8 @@ class RaggedBatchKVCache(RowKVCache):
         self.keys, self.values = new_k, new_v
         self._pos = torch.empty(B, cap, dtype=torch.long, device=dev)
         self._arange = torch.arange(cap, device=dev)
-        self._offsets, self._last_ws = self._offsets.to(dev), self._last_ws.to(dev)
+        if self._offsets is not None:  # (a first write books its rows once its buffers exist)
+            self._offsets, self._last_ws = self._offsets.to(dev), self._last_ws.to(dev)
         self.copy_stats.grow_events += 1
 
     def _host_lengths(self) -> list[int]:
@@ -210,10 +214,10 @@ class RaggedBatchKVCache(RowKVCache):
         self._check_fits(end)
         # every check passed: mutate
         self._changed()
-        if self._offsets is None:
-            self._set_rows([0] * B, dev)
         if end > self.capacity:
             self._reallocate(max(round_up(end, self.step), self._target), keys, values)
+        if self._offsets is None:  # after the allocation: a refused one leaves the batch unknown
+            self._set_rows([0] * B, dev)
         ws, no = (to_device(x, torch.long, dev) if isinstance(x, list) else x for x in (ws, no))
         start = self._offsets if ws is None else ws
         if on_device:
@@ -357,44 +361,20 @@ class RaggedBatchKVCache(RowKVCache):
                               self._offsets.clone(), self._last_ws.clone(), self._last_q,
                               None if self._lengths is None else tuple(self._lengths), self._bound)
 
-    def _restore(self, snap: RaggedSnapshot, m: torch.Tensor | None) -> None:
-        """Revert the rows where ``m`` (bool ``[B]`` on the device) is True, or all (``None``)."""
-        self._changed()
-        if snap.keys is not None:
-            n = snap.keys.shape[2]
-            if n > self.capacity:
-                self._reallocate(max(round_up(n, self.step), self._target), snap.keys, snap.values)
-            for buf, saved in ((self.keys, snap.keys), (self.values, snap.values)):
-                region = buf[:, :, :n]
-                region.copy_(saved if m is None else torch.where(m[:, None, None, None], saved, region))
-        for buf, saved in ((self._offsets, snap.offsets), (self._last_ws, snap.last_write_start)):
-            saved = saved.to(buf.device)
-            buf.copy_(saved if m is None else torch.where(m, saved, buf))
-
     @exclusive
     def restore(self, snap: RaggedSnapshot) -> None:
         """Return every row to ``snap`` exactly, in place (frozen buffers keep their address)."""
         check_snapshot(self, snap)
-        self._restore(snap, None)
-        self._last_q = snap.last_q
-        self._lengths = None if snap.lengths is None else list(snap.lengths)
-        self._bound = snap.bound
+        restore_rows(self, snap, None)
 
     @exclusive
     def restore_masked(self, snap: RaggedSnapshot, row_mask: Any) -> None:
         """Return the rows where ``row_mask`` (``[B]`` bools) is True to ``snap`` exactly (content
-        and offset; a snapshot at a smaller capacity is fine); the others keep theirs."""
+        and offset; a snapshot at a smaller capacity is fine); the others keep theirs. Default
+        queries of a row whose last write had other tokens than the cache's last one take the
+        row's newest positions (:func:`~kvtier.caches.ragged_snapshot.restore_rows`)."""
         check_snapshot(self, snap)
-        mask = check_row_mask(row_mask, self.batch_size)
-        dev = self._offsets.device  # the CPU while nothing was written
-        m = mask.to(dev) if isinstance(mask, torch.Tensor) else to_device(mask, torch.bool, dev)
-        self._restore(snap, m)
-        self._last_q = self._last_q or snap.last_q
-        if isinstance(mask, list) and self._lengths is not None and snap.lengths is not None:
-            self._lengths = [s if pick else c for c, s, pick in zip(self._lengths, snap.lengths, mask)]
-            self._bound = max(self._lengths)
-        else:
-            self._lengths, self._bound = None, max(self._bound, snap.bound)
+        restore_rows(self, snap, check_row_mask(row_mask, self.batch_size))
 
     # -- batch ----------------------------------------------------------------------------------
     @exclusive
@@ -427,7 +407,8 @@ class RaggedBatchKVCache(RowKVCache):
 
     @exclusive
     def extend(self, other: RaggedBatchKVCache) -> None:
-        """Append ``other``'s rows after this cache's; capacities are aligned by zero padding."""
+        """Append ``other``'s rows after this cache's; capacities are aligned by zero padding (to
+        the larger, or to the capacity reserved or frozen before this cache's first write)."""
         if not isinstance(other, RaggedBatchKVCache):
             raise ValueError(f"extend() takes a RaggedBatchKVCache, got {type(other).__name__}")
         if self._offsets is None or other._offsets is None:
@@ -435,8 +416,8 @@ class RaggedBatchKVCache(RowKVCache):
         held = [c for c in (self, other) if c.keys is not None]
         if len({layout(c.keys, c.values) for c in held}) > 1:
             raise ValueError("the caches' heads, head_dims, dtype or device differ")
-        cap = max(self.capacity, other.capacity)
-        self._check_fits(cap if other.capacity > self.capacity else 0)
+        cap = max(self.capacity, self._target, other.capacity)
+        self._check_fits(other.capacity)
         self._changed()
         self._allocating_here()
         if held:
@@ -450,9 +431,11 @@ class RaggedBatchKVCache(RowKVCache):
             self._pos = k0.new_empty(ks.shape[0], cap, dtype=torch.long)
             self._arange = torch.arange(cap, device=k0.device)
         dev = self._offsets.device if not held else held[0].keys.device
+        q = self._last_q or other._last_q  # rows whose last write had other tokens: their newest positions
+        self._last_ws = torch.cat([last_write_starts(c._last_ws, c._offsets, c._last_q, q).to(dev)
+                                   for c in (self, other)])
         self._offsets = torch.cat([self._offsets.to(dev), other._offsets.to(dev)])
-        self._last_ws = torch.cat([self._last_ws.to(dev), other._last_ws.to(dev)])
-        self._last_q, self.batch_size = self._last_q or other._last_q, self._offsets.shape[0]
+        self._last_q, self.batch_size = q, self._offsets.shape[0]
         self._lengths = None if None in (self._lengths, other._lengths) else self._lengths + other._lengths
         self._bound = max(self._bound, other._bound)
 

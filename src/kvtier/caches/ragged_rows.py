@@ -13,6 +13,12 @@ from typing import Any
 
 import torch
 
+from kvtier.caches.state_checks import MAX_UNIT_TOKENS
+
+#: the most rows a per-row cache tracks: the bound a config puts on every size
+#: (``kvtier.config.MAX_TOKENS``), so a mistyped batch size is refused before anything is built
+MAX_ROWS = MAX_UNIT_TOKENS
+
 
 def round_up(n: int, step: int) -> int:
     """``n`` rounded up to a multiple of ``step``."""
@@ -24,11 +30,19 @@ def on_accelerator(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type != "cpu"
 
 
-def check_int(v: Any, name: str, minimum: int) -> int:
-    """``v`` if it is an int >= ``minimum``, else a ``ValueError`` naming ``name``."""
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+def check_int(v: Any, name: str, minimum: int, maximum: int | None = None) -> int:
+    """``v`` if it is an int in ``[minimum, maximum]`` (no upper bound by default), else a
+    ``ValueError`` naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (maximum is not None and v > maximum):
+        wanted = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an int {wanted}, got {v!r}")
     return v
+
+
+def check_batch_size(v: Any) -> int:
+    """A per-row cache's ``batch_size``: an int in ``[1, MAX_ROWS]``, checked before any
+    per-row list or tensor is built."""
+    return check_int(v, "batch_size", 1, MAX_ROWS)
 
 
 def row_values(x: Any, name: str, batch: int, device: torch.device) -> list[int] | torch.Tensor | None:
@@ -99,6 +113,19 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type == "cuda":  # pinned + non_blocking: the host does not wait for the copy
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+def last_write_starts(starts: Any, lengths: Any, own_q: int, q: int) -> Any:
+    """The last-write starts of rows whose last write had ``own_q`` tokens, once they sit in a
+    cache whose last write had ``q`` (``restore_masked``, ``extend``): kept when the counts
+    agree; else ``max(length - q, 0)``, so that a default ``q``-token query of theirs takes the
+    row's newest positions, as any query that is not its last write's tokens does. ``starts``
+    and ``lengths``: int64 tensors ``[B]`` or host lists alike."""
+    if own_q == q:
+        return starts
+    if isinstance(lengths, torch.Tensor):
+        return (lengths - q).clamp(min=0)
+    return [max(0, n - q) for n in lengths]
 
 
 def query_starts(q_start: Any, batch: int, device: torch.device) -> torch.Tensor:
