@@ -39,6 +39,7 @@ LAYERS = {
     "kvtier.serve.cli": 8,
     "kvtier.cli": 9,
     "kvtier.cli_run": 9,
+    "kvtier.cli_text": 9,
     "kvtier": 9,  # the package's __init__ re-exports the public names
 }
 

@@ -226,9 +226,9 @@ def test_missing_model_file(capsys, tmp_path):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--temperature", "-1"], "temperature"),
-        (["--top-p", "0"], "top_p"),
-        (["--max-tokens", "0"], "max_tokens"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "0"], "--top-p"),
+        (["--max-tokens", "0"], "--max-tokens"),
         (["--turboquant", "q8_0"], "KEY,VALUE"),
         (["--turboquant", "q9_0,q3_0"], "q9_0"),
         (["--kv-quant", "q8", "--tier", "tail"], "paged"),

@@ -132,6 +132,23 @@ def test_damaged_file_is_detected(lm, baseline, tmp_path):
     _assert_recomputed(lm, baseline, fresh(tmp_path, lm), match="cannot be read")
 
 
+@pytest.mark.parametrize("damage", ["flip near the start", "a byte of the header", "cut inside the header"])
+def test_a_damaged_header_is_recomputed_and_rewritten_not_refused_as_foreign(lm, baseline, tmp_path, damage):
+    path = tmp_path / "pc.safetensors"
+    run(lm, PROMPT, fresh(tmp_path, lm, "pc.safetensors"), "paged")
+    data = bytearray(path.read_bytes())
+    if damage == "flip near the start":
+        data[20] ^= 4  # the metadata key's name: the JSON parses, its format is gone
+    elif damage == "a byte of the header":
+        data[5000] = 1  # a control byte: the JSON does not parse
+    else:
+        data = data[:3000]
+    path.write_bytes(bytes(data))
+    # before: "exists and is not a kvtier cache file; saving would overwrite it"
+    _assert_recomputed(lm, baseline, fresh(tmp_path, lm), "paged", match="cannot be read")
+    assert run(lm, PROMPT, fresh(tmp_path, lm), "paged")[1].prompt_cache_tokens_reused > 0  # rewritten
+
+
 def test_a_file_of_plain_caches_is_not_taken_for_a_prompt_cache(lm, baseline, tmp_path):
     from kvtier.caches.persist import save_cache
 

@@ -430,11 +430,12 @@ def run(args) -> int:
     from kvtier.kernels.triton_paged import interpreted
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        console.print("kvtier bench attention needs a CUDA device (the figures are GPU bandwidths)")
-        return 2
+        raise ValueError("kvtier bench attention needs a CUDA device (the figures are GPU bandwidths); "
+                         "--device cpu runs the kernels under TRITON_INTERPRET=1 at small shapes")
     if args.device == "cpu" and not interpreted():
-        console.print("--device cpu needs TRITON_INTERPRET=1 in the environment")
-        return 2
+        raise ValueError("--device cpu needs TRITON_INTERPRET=1 in the environment (the Triton "
+                         "interpreter runs the kernels on the CPU): TRITON_INTERPRET=1 kvtier bench "
+                         "attention --device cpu")
     for name, value in SHAPES["cpu" if args.device == "cpu" else "cuda"].items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -92,8 +92,9 @@ _BENCH_COUNTS = (("threads", 1), ("repeats", 1), ("warmup", 0), ("max_tokens", 1
 
 def _run_bench(run, args: argparse.Namespace) -> int:
     """A benchmark's ``run(args)``, after the flags they share are checked: counts in range,
-    ``--plot`` in a folder that exists (``.png`` added to a name without a suffix), ``--device``
-    a device torch knows (each one's own flags are checked in its ``run``)."""
+    ``--plot`` and ``--json FILE`` in a folder that exists (``.png`` added to a plot's name
+    without a suffix), ``--device`` a device torch knows (each one's own flags are checked in
+    its ``run``)."""
     for name, least in _BENCH_COUNTS:
         v = getattr(args, name, None)
         if v is not None and v < least:
@@ -106,6 +107,13 @@ def _run_bench(run, args: argparse.Namespace) -> int:
             raise ValueError(f"--plot {args.plot}: its folder {plot.parent} does not exist; create it "
                              "first, or pass another path (\"\" for no plot)")
         args.plot = str(plot)
+    json_path = getattr(args, "json", None)
+    if isinstance(json_path, str):  # (a benchmark's --json FILE): checked before measuring too
+        if Path(json_path).is_dir():
+            raise ValueError(f"--json {json_path} is a folder; give a file path such as results.json")
+        if not Path(json_path).parent.is_dir():
+            raise ValueError(f"--json {json_path}: its folder {Path(json_path).parent} does not exist; "
+                             "create it first, or pass another path")
     device = getattr(args, "device", None)
     if device not in (None, "auto"):
         import torch

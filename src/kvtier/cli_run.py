@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import io
 import json
 import math
 import os
 import sys
 import warnings
+
+from kvtier.cli_text import argument_text, decode_text, read_stdin
 
 # prompts longer than this get a prefill progress bar
 _PROGRESS_TOKENS = 1024
@@ -77,7 +78,10 @@ def generation_config_from_args(args: argparse.Namespace):
     from kvtier.generate import GenerationConfig
     from kvtier.sampling import SamplingParams
 
-    sampling = SamplingParams(**_given(args, "temperature", "top_k", "top_p", "min_p", "seed"))
+    try:
+        sampling = SamplingParams(**_given(args, "temperature", "top_k", "top_p", "min_p", "seed"))
+    except ValueError as e:
+        raise _as_flag(e) from None
     ignored = [flag for name, flag in _SAMPLING_ONLY.items() if hasattr(args, name)]
     if sampling.greedy and ignored:
         warnings.warn(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect "
@@ -88,7 +92,19 @@ def generation_config_from_args(args: argparse.Namespace):
         if not all(args.stop):
             raise ValueError("--stop '': a stop string cannot be empty")
         extra["stop"] = tuple(args.stop)
-    return GenerationConfig(sampling=sampling, **extra)
+    try:
+        return GenerationConfig(sampling=sampling, **extra)
+    except ValueError as e:
+        raise _as_flag(e) from None
+
+
+def _as_flag(e: ValueError) -> ValueError:
+    """A sampling or generation field's message in the flag's name (``max_tokens must ...`` ->
+    ``--max-tokens must ...``): the command line's user set the flag, not the field."""
+    field, _, rest = str(e).partition(" ")
+    if field in ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens"):
+        return ValueError(f"--{field.replace('_', '-')} {rest}")
+    return e
 
 
 def speculative_config_from_args(args: argparse.Namespace):
@@ -130,49 +146,6 @@ def _load(args: argparse.Namespace):
     return lm
 
 
-# -- text in -------------------------------------------------------------------------------------
-
-
-def decode_text(data: bytes, where: str) -> str:
-    """``data`` as UTF-8 text, or a ``ValueError`` naming ``where`` and the first bad byte's
-    offset (an invalid UTF-8 sequence, or a NUL: binary data, not text)."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{where} is not UTF-8 text: byte {e.start} is "
-                         f"{data[e.start:e.start + 1].hex(' ')} (hex); convert it to UTF-8 first, "
-                         "e.g. iconv -f LATIN1 -t UTF-8") from None
-    nul = data.find(b"\0")
-    if nul >= 0:
-        raise ValueError(f"{where} holds a NUL byte at byte {nul}: it is binary data, not text; "
-                         "pass text")
-    return text
-
-
-def _argument_text(text: str, where: str) -> str:
-    """A ``str`` from argv or a text stream, whose undecodable bytes Python kept as
-    surrogate escapes, checked as the bytes it came from."""
-    try:
-        data = text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{where} holds a lone surrogate at character {e.start}; pass UTF-8 "
-                         "text") from None
-    return decode_text(data, where)
-
-
-def _read_stdin() -> str:
-    if sys.stdin is None or sys.stdin.isatty():
-        raise ValueError("no prompt: give one as an argument or pipe it to stdin")
-    if isinstance(sys.stdin, io.TextIOWrapper):  # read the bytes: the text layer may not be UTF-8
-        text = decode_text(sys.stdin.buffer.read(), "the prompt read from stdin")
-    else:
-        text = _argument_text(sys.stdin.read(), "the prompt read from stdin")
-    text = text.removeprefix("\ufeff")  # a byte-order mark is no part of the prompt
-    if not text.strip():
-        raise ValueError("the prompt read from stdin is empty")
-    return text
-
-
 # -- the caches of one request ---------------------------------------------------------------------
 
 
@@ -188,6 +161,21 @@ def sized_for_request(config, args: argparse.Namespace, tokens: int):
     if config.dynamic_paged and "dynamic_paged_tokens" not in env:
         changes["dynamic_paged_tokens"] = tokens
     return config.replace(**changes)
+
+
+def check_pool_holds(config, tokens: int, what: str) -> None:
+    """Refuse, before the prefill, a fixed paged pool (``--num-blocks``,
+    ``KVTIER_PAGED_NUM_BLOCKS``) too small for ``tokens`` (``what`` they are), which would
+    end the answer part way with the pool's own error."""
+    if config.tier != "paged" or config.dynamic_paged:
+        return
+    held = config.paged_num_blocks * config.paged_block_size
+    if tokens > held:
+        need = math.ceil(tokens / config.paged_block_size)
+        raise ValueError(f"the paged pool of {config.paged_num_blocks} blocks of {config.paged_block_size} "
+                         f"tokens (--num-blocks, KVTIER_PAGED_NUM_BLOCKS) holds {held} tokens and this "
+                         f"request may need {tokens} ({what}): give --num-blocks {need} or more, "
+                         "--dynamic to let the pool grow, or fewer --max-tokens")
 
 
 def fitted_to_context(config, context: int):
@@ -277,11 +265,11 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     if lm is None and hasattr(args, "tensor_parallel"):
         return _run_tensor_parallel(args)
     if hasattr(args, "prompt"):
-        prompt = _argument_text(args.prompt, "the prompt")
+        prompt = argument_text(args.prompt, "the prompt")
         if not prompt.strip():  # the rule stdin follows: no model loads for nothing to say
             raise ValueError("the prompt is empty; give text to continue (--raw) or a question")
     else:
-        prompt = _read_stdin()
+        prompt = read_stdin()
     lm = _load(args) if lm is None else lm
     tok = lm.require_tokenizer("kvtier generate")
     if args.chat:
@@ -295,6 +283,8 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     drafts = 0 if spec is None else spec.draft_tokens + 1
     held = min(len(ids) + gen_config.max_tokens, lm.args.max_position_embeddings)  # never past the context
     cache_config = sized_for_request(cache_config, args, held + drafts)
+    check_pool_holds(cache_config, held + drafts, f"prompt {len(ids)} + --max-tokens "
+                     f"{gen_config.max_tokens}" + (f" + {drafts} drafted" if drafts else ""))
     cache_config = fitted_to_context(cache_config, lm.args.max_position_embeddings)
     check_caches_fit(cache_config, lm)
     # int8 activations act in the CPU decode step, which serves the tail tier only
@@ -324,19 +314,28 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
             # estimated cost keeps a seeded run's samples the same from run to run
             spec = dataclasses.replace(spec, draft_cost=min(drafter.cost(lm.model), 9.99))
         stream = functools.partial(stream_speculative, drafter=drafter, speculative=spec)
-    tokens, text, last = [], [], None
+    tokens, text, last, interrupted = [], [], None, False
     prefill = len(ids) - (pc.reused if pc else 0)
-    with Progress("prefill", prefill, enabled=prefill > _PROGRESS_TOKENS) as progress:
-        for r in stream(lm.model, tok, ids, gen_config, caches=caches,
-                        cache_config=cache_config, prompt_cache=pc, on_progress=progress):
-            progress.close()
-            tokens.append(r.token)
-            text.append(r.text)
-            if not args.json and r.text:
-                sys.stdout.write(r.text)
-                sys.stdout.flush()
-            last = r
+    try:
+        with Progress("prefill", prefill, enabled=prefill > _PROGRESS_TOKENS) as progress:
+            for r in stream(lm.model, tok, ids, gen_config, caches=caches,
+                            cache_config=cache_config, prompt_cache=pc, on_progress=progress):
+                progress.close()
+                tokens.append(r.token)
+                text.append(r.text)
+                if not args.json and r.text:
+                    sys.stdout.write(r.text)
+                    sys.stdout.flush()
+                last = r
+    except KeyboardInterrupt:  # Ctrl-C: what was generated is kept, and said to be cut
+        interrupted = True
+    if last is None:  # (only an interruption ends the stream before its first token)
+        if args.json:
+            print(json.dumps({"prompt_tokens": ids, "tokens": [], "text": "", "finish_reason": "interrupted"}))
+        print("[kvtier] interrupted before the first token", file=sys.stderr)
+        return 130
     stats = last.stats
+    finish = "interrupted" if interrupted else last.finish_reason
     cache = cache_summary(caches, next(lm.model.parameters()).dtype)
     narrow_prefill = prefill_narrows(lm.model)
     ranks = getattr(args, "tensor_parallel", 1)  # a rank of --tensor-parallel holds its heads' share
@@ -345,7 +344,7 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
     if args.json:
         out = {
             "prompt_tokens": ids, "tokens": tokens, "text": "".join(text),
-            "finish_reason": last.finish_reason, "timings": stats.as_dict(), "cache": cache,
+            "finish_reason": finish, "timings": stats.as_dict(), "cache": cache,
             "model": str(lm.source), "act_quant": "q8" if int8 else "none",
             "prefill_dtype": str(prefill_dtype_in_effect(lm.model)).removeprefix("torch."),
         }
@@ -362,7 +361,10 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
         f"KV {cache['nbytes'] / 2**20:.2f} MiB{f' on each of {ranks} ranks' if ranks > 1 else ''}, "
         f"grow events {cache['grow_events']}"
         + (" | int8 activations (q8)" if int8 else "")
-        + (" | bfloat16 prefill" if narrow_prefill else ""),
+        + (" | bfloat16 prefill" if narrow_prefill else "")
+        + (" | interrupted" if interrupted else "")
+        + (f" | stopped at the model's context ({lm.args.max_position_embeddings} tokens)"
+           if finish == "length" and stats.generation_tokens < gen_config.max_tokens else ""),
         file=sys.stderr,
     )
     if spec is not None:
@@ -375,7 +377,7 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
         )
         if s.depth_reason:  # the adaptive depth ended at plain decoding
             print(f"[kvtier] speculative depth 0: {s.depth_reason}", file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0
 
 
 def _run_tensor_parallel(args: argparse.Namespace) -> int:
@@ -391,7 +393,7 @@ def _run_tensor_parallel(args: argparse.Namespace) -> int:
     if not hasattr(args, "prompt"):  # spawned workers have no stdin, torchrun's share one
         if dist.is_torchelastic_launched():
             raise ValueError("under torchrun, give the prompt as an argument, not on stdin")
-        args.prompt = _read_stdin()
+        args.prompt = read_stdin()
     device = getattr(args, "device", "cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if hasattr(args, "dtype") else None
     return run_sharded(_generate_on_rank, args.tensor_parallel, args=(args,), device_type=device,

@@ -81,17 +81,31 @@ def _header_crc(header: dict[str, str]) -> str:
 
 def is_cache_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` opens as a safetensors file whose header names this format (of any
-    version; its tensors and checksums are not read). The header is read by hand: ``safe_open``
-    also checks the tensors' extent, and a cache cut short past its header is still one."""
+    version; its tensors and checksums are not read), or whose damaged or cut-short header still
+    holds the format's or a prompt cache's mark. The header is read by hand: ``safe_open`` also
+    checks the tensors' extent, and a cache cut short past its header is still one."""
     try:
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
-            if not 2 <= size <= min(os.fstat(f.fileno()).st_size - 8, 1 << 30):
+            if not 2 <= size <= 1 << 30:
                 return False
-            header = json.loads(f.read(size))
-        return header.get("__metadata__", {}).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):  # (UnicodeDecodeError and JSON errors are ValueErrors)
+            raw = f.read(size)
+    except OSError:
         return False
+    try:
+        if json.loads(raw).get("__metadata__", {}).get("format") == FORMAT:
+            return True
+    except (ValueError, AttributeError):  # (UnicodeDecodeError and JSON errors are ValueErrors)
+        pass
+    # a header damaged or cut short: still ours where it names the format or a prompt cache
+    return any(mark in raw for mark in _MARKS)
+
+
+#: what a kvtier cache's header holds (its format, a prompt cache's record, a layer's state, the
+#: tensors' checksums: each at the start of a value, which come in no fixed order), found in one
+#: whose JSON no longer parses
+_MARKS = (f'"format":"{FORMAT}"'.encode(), b'\\"kvtier.prompt_cache\\"', b'{\\"meta_state\\": {\\"tier\\": \\"',
+          b'"checksums":"{\\"layer0.')
 
 
 def check_save_path(path: str | os.PathLike) -> Path:
