@@ -40,7 +40,8 @@ class LaunchConfig:
     full-precision pages on CUDA). ``decode_kernel``: ``"cuda_core"`` or ``"mma"`` for a
     decode step over quantised pages (``None``: the family's entry in
     :data:`QUANT_DECODE_KERNEL`), ``"gluon"`` for the pipelined kernel of
-    :mod:`kvtier.kernels.gluon_decode` (q8 or 16-bit pages; by default it takes the page
+    :mod:`kvtier.kernels.gluon_decode` (16-bit, q8, q4, fp8, q4_g32 and TurboQuant's default
+    pages, its ``KINDS``; by default it takes the page
     kinds in ``GLUON_DECODE`` of :mod:`kvtier.kernels.triton_attention`). ``int8_queries``: the MMA kernel scores q8 keys as
     integer dots of int8 queries (one scale a query row) with the stored codes (``None``:
     ``INT8_QUERIES`` of :mod:`kvtier.kernels.triton_attention`).
