@@ -8,13 +8,13 @@ transformers' own, and names what a ``KVTierCache`` user sets.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+from test_hf import attention  # noqa: E402
+from test_hf_cache_contract import TIERS as CONTRACT_TIERS  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from kvtier.caches.paged import PagedKVGrowthRefused  # noqa: E402
@@ -23,12 +23,7 @@ from kvtier.config import KVCacheConfig  # noqa: E402
 from kvtier.integrations.hf import ATTENTION_NAME, KVTierCache, KVTierLayer, cache_kwarg  # noqa: E402
 from kvtier.integrations.hf_attention import kvtier_attention_forward  # noqa: E402
 
-TIERS = {
-    "tail": KVCacheConfig(tier="tail", step=4),
-    "block": KVCacheConfig(tier="block", owned_block_size=4),
-    "ragged": KVCacheConfig(tier="ragged", step=4),
-    "paged": KVCacheConfig(tier="paged", paged_block_size=4, paged_num_blocks=64),
-}
+TIERS = {name: CONTRACT_TIERS[name] for name in ("tail", "block", "ragged", "paged")}
 FIXED_POOL = KVCacheConfig(tier="paged", paged_block_size=4, paged_num_blocks=2)  # 8 tokens
 
 
@@ -56,16 +51,6 @@ def gemma2():
                                        num_hidden_layers=2, max_position_embeddings=256,
                                        sliding_window=64, pad_token_id=0)
     return transformers.Gemma2ForCausalLM(config).eval()
-
-
-@contextlib.contextmanager
-def attention(model, name: str):
-    before = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
 
 
 def forward(model, cache, ids: torch.Tensor, **kw):
