@@ -4,6 +4,7 @@ and quantised modes measured through their own storage."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -193,3 +194,32 @@ def test_a_bare_memory_error_is_named(capsys, monkeypatch):
     monkeypatch.setattr(cli_run, "run_eval", out_of_memory)
     assert cli.main(["eval", "ppl", "--device", "cpu"]) == 2
     assert capsys.readouterr().err == "kvtier: error: MemoryError\n"
+
+
+@pytest.mark.parametrize("text, argv, message", [
+    ("   \n\n\t  \n", [], "holds no text (only whitespace); give a text to score"),  # before: ppl 68,689.8
+    ("a", [], "the text holds 1 token; a perplexity needs at least 2 (one scored): give a longer text"),
+    ("a b c d", ["--max-tokens", "1"], "--max-tokens must be an int >= 2, got 1"),  # before: max_tokens ... or None
+    ("a b c d", ["--stride", "0"], "--stride must be an int in [1, context="),
+])
+def test_eval_names_its_flags_and_refuses_blank_text(capsys, monkeypatch, tmp_path, lm, text, argv, message):
+    from kvtier import cli, cli_run
+
+    monkeypatch.setattr(cli_run, "_load", lambda args: lm)
+    path = tmp_path / "t.txt"
+    path.write_text(text)
+    assert cli.main(["eval", "ppl", "--device", "cpu", "--modes", "fp", "--file", str(path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: ") and message in err
+
+
+def test_eval_of_a_few_tokens_warns_that_its_figure_is_noise(capsys, monkeypatch, tmp_path, lm):
+    from kvtier import cli, cli_run
+
+    monkeypatch.setattr(cli_run, "_load", lambda args: lm)
+    path = tmp_path / "t.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog.")
+    assert cli.main(["eval", "ppl", "--device", "cpu", "--modes", "fp", "--file", str(path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    scored = json.loads(out)["tokens"]
+    assert f"kvtier: warning: {scored} tokens are scored; a perplexity over so few is noise" in err

@@ -22,6 +22,8 @@ from kvtier.cli_text import argument_text, decode_text, read_stdin
 
 # prompts longer than this get a prefill progress bar
 _PROGRESS_TOKENS = 1024
+#: texts of at most this many tokens get a warning from kvtier eval: their figure is noise
+FEW_TOKENS = 100
 #: sampling flags that greedy decoding (temperature 0) ignores
 _SAMPLING_ONLY = {"top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed"}
 
@@ -98,12 +100,14 @@ def generation_config_from_args(args: argparse.Namespace):
         raise _as_flag(e) from None
 
 
-def _as_flag(e: ValueError) -> ValueError:
-    """A sampling or generation field's message in the flag's name (``max_tokens must ...`` ->
-    ``--max-tokens must ...``): the command line's user set the flag, not the field."""
+def _as_flag(e: ValueError, fields=("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens")
+             ) -> ValueError:
+    """A field's message in the flag's name (``max_tokens must ...`` -> ``--max-tokens must
+    ...``; the library's ``or None`` is no value of a flag): the command line's user set the
+    flag, not the field."""
     field, _, rest = str(e).partition(" ")
-    if field in ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens"):
-        return ValueError(f"--{field.replace('_', '-')} {rest}")
+    if field in fields:
+        return ValueError(f"--{field.replace('_', '-')} {rest.replace(' or None,', ',')}")
     return e
 
 
@@ -504,7 +508,10 @@ def run_eval(args: argparse.Namespace) -> int:
         if not fields["modes"]:
             raise ValueError(f"--modes {args.modes!r} names no mode; give a comma-separated list such as "
                              "fp,q8,q4_g32,fp8,turboquant:q5_0r,q4_0 (or leave --modes out for the default set)")
-    config = EvalConfig(**fields)
+    try:
+        config = EvalConfig(**fields)
+    except ValueError as e:
+        raise _as_flag(e, ("context", "stride", "max_tokens", "chunk")) from None
     base = cache_config_from_args(args)
     if hasattr(args, "file"):
         path = Path(args.file)
@@ -516,11 +523,19 @@ def run_eval(args: argparse.Namespace) -> int:
             raise ValueError(f"--file {path} is a device, not a text file; give a text file (or a pipe: "
                              "--file <(command))")
         text = decode_text(path.read_bytes(), f"--file {path}")
+        if not text.strip():
+            raise ValueError(f"--file {path} holds no text (only whitespace); give a text to score")
     else:
         text = default_text()
     lm = _load(args)
     prefill = str(prefill_dtype_in_effect(lm.model)).removeprefix("torch.")
     tokens = encode_text(lm.require_tokenizer("kvtier eval"), text, config.max_tokens)
+    if len(tokens) < 2:
+        raise ValueError(f"the text holds {len(tokens)} token{'s' * (len(tokens) != 1)}; a perplexity needs at "
+                         "least 2 (one scored): give a longer text (--file)")
+    if len(tokens) <= FEW_TOKENS:
+        warnings.warn(f"{len(tokens) - 1} tokens are scored; a perplexity over so few is noise, not a measure: "
+                      "give a longer text (--file) for figures to compare", stacklevel=2)
     with Progress(f"{args.metric}: {len(config.modes)} modes", len(tokens) - 1,
                   enabled=not args.json) as progress:
         results = evaluate_modes(lm.model, tokens, config, base=base, on_progress=progress)
