@@ -429,9 +429,11 @@ def speculative_generate_step(
         run = _Rows(rows, device, max_tokens, stop_token_ids)
         run.left = [min(n, r) for n, r in zip(run.left, room)]  # a row stops at the context
         estimate = drafter.cost(model) if spec.draft_cost is None else spec.draft_cost
+        # the ranks of a tensor-parallel group keep the estimate: each would time its own cycles
+        # and pick its own depth, and their collectives would differ in size
         policy = DepthPolicy(len(rows), spec.draft_tokens, verify_cost=spec.verify_cost,
                              draft_cost=estimate, adaptive=spec.adaptive,
-                             measure=spec.draft_cost is None)
+                             measure=spec.draft_cost is None and not _ranks_share_the_model())
         while not all(run.done):
             t0 = time.perf_counter()
             new = speculative_step(model, caches, run, drafter, policy, params, generator,
@@ -439,6 +441,14 @@ def speculative_generate_step(
             stats.step_s += time.perf_counter() - t0
             yield new
 
+
+
+def _ranks_share_the_model() -> bool:
+    """Whether this process is one rank of several (``torch.distributed``, a tensor-parallel
+    group): the depth must then be one every rank computes alike."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 def speculative_step(model, caches, run, drafter, policy, params, generator, stats,
                      per_row) -> list[list[int]]:

@@ -186,18 +186,33 @@ def _smol_config(name: str) -> KVCacheConfig:
     return KVCacheConfig(tier=name, paged_num_blocks=64)
 
 
-def _smol_tokens(lm) -> dict[str, list[int]]:
+def _smol_tokens(lm) -> dict[str, list]:
     """6 greedy tokens on every tier, and 8 of speculative decoding (n-gram drafts,
-    early-exit drafts from the first 8 layers) on the paged tier."""
+    early-exit drafts from the first 8 layers) on the paged tier; ``measured``: whether each
+    speculative run's depth policy timed its cycles."""
+    import kvtier.speculative as spec_module
+
     gen = GenerationConfig(max_tokens=6)
     out = {name: [r.token for r in stream_generate(lm.model, lm.tokenizer, SMOL_PROMPT, gen,
                                                    cache_config=_smol_config(name))]
            for name in SMOL_TIERS}
-    for spec in ("ngram", "early-exit:8"):
-        stream = stream_speculative(lm.model, lm.tokenizer, SPEC_PROMPT,
-                                    GenerationConfig(max_tokens=8), drafter=make_drafter(spec, lm),
-                                    cache_config=_smol_config("paged"))
-        out[spec] = [r.token for r in stream]
+    real, measured = spec_module.DepthPolicy, []
+
+    class Spy(real):
+        def __init__(self, *a, **kw):
+            measured.append(kw["measure"])
+            super().__init__(*a, **kw)
+
+    spec_module.DepthPolicy = Spy
+    try:
+        for spec in ("ngram", "early-exit:8"):
+            stream = stream_speculative(lm.model, lm.tokenizer, SPEC_PROMPT,
+                                        GenerationConfig(max_tokens=8), drafter=make_drafter(spec, lm),
+                                        cache_config=_smol_config("paged"))
+            out[spec] = [r.token for r in stream]
+    finally:
+        spec_module.DepthPolicy = real
+    out["measured"] = measured
     return out
 
 
@@ -208,6 +223,9 @@ def _smol_rank(lm):
 def test_smollm2_three_ranks_equal_one_rank_on_every_tier_and_speculative(lm):
     got = run_sharded(_smol_rank, 3, dtype=torch.float32, timeout_s=60)
     want = _smol_tokens(lm)
+    # one process times its drafting cycles; ranks keep the estimate, else each picks its own
+    # depth and their collectives differ in size (a gloo abort, 2 runs of 6 before)
+    assert want.pop("measured") == [True, True] and got.pop("measured") == [False, False]
     assert got.keys() == want.keys() and len(want["ngram"]) == len(want["early-exit:8"]) == 8
     for name in want:
         assert got[name] == want[name], name
