@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtier.model import ModelArgs, build_random
-from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
+from kvtier.serve.async_engine import AsyncLLMEngine, EngineStepFailed, RequestsEnded
 from kvtier.serve.engine import EngineConfig, LLMEngine
 from kvtier.serve.params import RequestParams
 
@@ -82,3 +82,28 @@ def test_the_engines_ids_skip_those_a_caller_chose() -> None:
     assert got != "req-0" and got.startswith("req-")
     outs = eng.generate([PROMPT], RequestParams(max_tokens=2))
     assert len(outs) == 1
+
+
+def test_a_failed_step_tells_the_client_its_kind_and_the_log_its_cause(caplog) -> None:
+    eng = engine()
+
+    def fail():
+        raise RuntimeError("[/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:44438")
+
+    eng.step = fail
+    async_eng = AsyncLLMEngine(eng)
+    async_eng.start()
+    try:
+        async def run():
+            rid = await async_eng.add_request(PROMPT, RequestParams(max_tokens=2))
+            return [out async for out in async_eng.stream(rid)]
+
+        with caplog.at_level("ERROR", logger="kvtier.serve"), \
+                pytest.raises(EngineStepFailed) as e:
+            asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        async_eng.shutdown()
+    # before: the client's message carried the peer's address
+    assert str(e.value) == ("the engine step failed (RuntimeError); the request was dropped (the server's "
+                            "log holds the cause)")
+    assert "127.0.0.1]:44438" in caplog.text

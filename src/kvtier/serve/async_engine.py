@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import queue
 import threading
 import uuid
@@ -36,6 +37,8 @@ from kvtier.serve.engine import LLMEngine
 from kvtier.serve.params import RequestOutput, RequestParams
 
 __all__ = ["AsyncLLMEngine", "EngineStepFailed", "RequestsEnded"]
+
+_log = logging.getLogger("kvtier.serve")
 
 
 class EngineStepFailed(RuntimeError):
@@ -183,8 +186,12 @@ class AsyncLLMEngine:
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a bug or a device error: fail these requests, keep serving
-                failed = EngineStepFailed(f"the engine step failed ({type(e).__name__}: {e}); "
-                                          "the request was dropped")
+                # the cause goes to the server's log; a client gets its kind alone (a rank's
+                # broken connection under tensor parallel names peers' addresses, a device
+                # error the memory's layout)
+                _log.error("the engine step failed; the requests in flight were dropped", exc_info=e)
+                failed = EngineStepFailed(f"the engine step failed ({type(e).__name__}); the request "
+                                          "was dropped (the server's log holds the cause)")
                 for rid in self.engine.abort_all():
                     self._deliver(rid, failed)
                 continue
