@@ -267,6 +267,7 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
 
         parse_device(args.device)
     if lm is None and hasattr(args, "tensor_parallel"):
+        _check_graph_flag(gen_config, cache_config, args)  # in one line, before any rank loads
         return _run_tensor_parallel(args)
     if hasattr(args, "prompt"):
         prompt = argument_text(args.prompt, "the prompt")
@@ -382,6 +383,22 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
         if s.depth_reason:  # the adaptive depth ended at plain decoding
             print(f"[kvtier] speculative depth 0: {s.depth_reason}", file=sys.stderr)
     return 130 if interrupted else 0
+
+
+def _check_graph_flag(gen_config, cache_config, args: argparse.Namespace) -> None:
+    """``--cuda-graph`` refused as one process refuses it (on the CPU; over the tail or block
+    tier), before ``--tensor-parallel`` spawns ranks that would each refuse it once loaded."""
+    import torch
+
+    if gen_config.cuda_graph is not True:
+        return
+    if cache_config.tier not in ("ragged", "paged"):
+        raise ValueError(f"CUDA-graph decode needs the ragged or paged tier, not {cache_config.tier!r}; "
+                         "use --tier ragged/paged or --no-cuda-graph")
+    device = getattr(args, "device", "cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"CUDA-graph decode cannot serve: the model is on {device}; CUDA graphs need a CUDA "
+                         "device")
 
 
 def _run_tensor_parallel(args: argparse.Namespace) -> int:

@@ -427,3 +427,19 @@ def test_cli_says_a_failed_rank_in_one_line(monkeypatch, capsys):
     assert cli.main(["generate", "Hi", "--device", "cpu", "--tensor-parallel", "3"]) == 1
     err = capsys.readouterr().err
     assert err == "kvtier: error: rank 1 of 3 died (signal SIGKILL); the other ranks were stopped\n"
+
+
+@pytest.mark.parametrize("tier, message", [
+    ("paged", "CUDA-graph decode cannot serve: the model is on cpu; CUDA graphs need a CUDA device"),
+    ("tail", "CUDA-graph decode needs the ragged or paged tier, not 'tail'"),
+])
+def test_cuda_graph_is_refused_before_any_rank_starts(capsys, monkeypatch, tier, message):
+    from kvtier import cli, cli_run
+
+    def spawned(args):
+        raise AssertionError("ranks were spawned")  # before: 3 ranks loaded, then "rank 2 of 3: ..."
+
+    monkeypatch.setattr(cli_run, "_run_tensor_parallel", spawned)
+    argv = ["generate", "hi", "--cuda-graph", "--tier", tier, "--tensor-parallel", "3", "--device", "cpu"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"kvtier: error: {message}")
