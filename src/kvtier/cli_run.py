@@ -390,15 +390,14 @@ def _check_graph_flag(gen_config, cache_config, args: argparse.Namespace) -> Non
     tier), before ``--tensor-parallel`` spawns ranks that would each refuse it once loaded."""
     import torch
 
+    from kvtier.cuda_graph import check_graph_tier, device_unavailable
+
     if gen_config.cuda_graph is not True:
         return
-    if cache_config.tier not in ("ragged", "paged"):
-        raise ValueError(f"CUDA-graph decode needs the ragged or paged tier, not {cache_config.tier!r}; "
-                         "use --tier ragged/paged or --no-cuda-graph")
-    device = getattr(args, "device", "cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type != "cuda":
-        raise ValueError(f"CUDA-graph decode cannot serve: the model is on {device}; CUDA graphs need a CUDA "
-                         "device")
+    check_graph_tier(cache_config.tier)
+    why = device_unavailable(getattr(args, "device", "cuda" if torch.cuda.is_available() else "cpu"))
+    if why is not None:
+        raise ValueError(f"CUDA-graph decode cannot serve: {why}")
 
 
 def _run_tensor_parallel(args: argparse.Namespace) -> int:

@@ -78,11 +78,25 @@ def freeze_for_steps(caches: Sequence[RowKVCache], steps: int) -> None:
         c.freeze()
 
 
+def device_unavailable(device: torch.device | str) -> str | None:
+    """Why CUDA-graph decode cannot run on ``device`` (``None``: a CUDA device, it can)."""
+    if torch.device(device).type != "cuda":
+        return f"the model is on {device}; CUDA graphs need a CUDA device"
+    return None
+
+
+def check_graph_tier(tier: str) -> None:
+    """``ValueError`` for CUDA-graph decode asked of a tier without per-row step plans (tail, block)."""
+    if tier not in ("ragged", "paged"):
+        raise ValueError(f"CUDA-graph decode needs the ragged or paged tier, not {tier!r}; "
+                         "use --tier ragged/paged or --no-cuda-graph")
+
+
 def graph_unavailable(model, caches: Sequence[KVCache], max_steps: int | None = None) -> str | None:
     """Why a :class:`CUDAGraphDecoder` cannot serve this model and these caches (``None``: it can)."""
     device = _device(model)
-    if device.type != "cuda":
-        return f"the model is on {device}; CUDA graphs need a CUDA device"
+    if (why := device_unavailable(device)) is not None:
+        return why
     if not caches or not all(isinstance(c, RowKVCache) for c in caches):
         tier = caches[0].tier if caches else None
         return f"the {tier} tier has no frozen step plan; use the ragged or paged tier"

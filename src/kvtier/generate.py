@@ -45,7 +45,7 @@ import torch
 
 from kvtier.caches.base import KVCache, RowKVCache
 from kvtier.config import KVCacheConfig, make_caches
-from kvtier.cuda_graph import make_decoder
+from kvtier.cuda_graph import check_graph_tier, make_decoder
 from kvtier.limits import context_room
 from kvtier.prefill import prefill
 from kvtier.sampling import SamplingParams, make_generator, sample
@@ -133,8 +133,7 @@ def generate_step(
     device = model_device(model)
     per_row = isinstance(caches[0], RowKVCache)
     if cuda_graph and not per_row:
-        raise ValueError(f"CUDA-graph decode needs the ragged or paged tier, not {caches[0].tier!r}; "
-                         "use --tier ragged/paged or --no-cuda-graph")
+        check_graph_tier(caches[0].tier)
     with torch.inference_mode():
         prefill(model, rows, caches, prefill_chunk, device, on_progress)
         if on_prefilled is not None:

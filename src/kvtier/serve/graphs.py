@@ -27,6 +27,7 @@ import torch
 
 from kvtier.caches.paged_shared import RowBinding, SharedBlockPagedKVCache
 from kvtier.caches.step_plan import StepPlan
+from kvtier.cuda_graph import device_unavailable
 from kvtier.kernels.dispatch import resolve_backend
 from kvtier.serve.runner import PendingTokens, fill_pending, smallest_bucket
 from kvtier.serve.scheduler import ScheduledRow
@@ -64,8 +65,8 @@ def graph_rows(max_num_seqs: int, draft: int | None = None) -> int:
 def graphs_unavailable(model, caches: Sequence[SharedBlockPagedKVCache]) -> str | None:
     """Why decode graphs cannot serve this model and these caches (``None``: they can)."""
     device = next(model.parameters()).device
-    if device.type != "cuda":
-        return f"the model is on {device}; CUDA graphs need a CUDA device"
+    if (why := device_unavailable(device)) is not None:
+        return why
     for c in caches:
         if resolve_backend(c.attention_backend, device) != "triton" or c.dispatch.fallback_reasons:
             why = c.dispatch.fallback_reason or f"attention_backend={c.attention_backend!r}"
