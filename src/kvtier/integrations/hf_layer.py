@@ -12,9 +12,8 @@ Shapes: keys and values ``[B, H_kv, T, D]``, queries ``[B, H_q, T, D]``.
 
 from __future__ import annotations
 
-import contextlib
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -256,8 +255,10 @@ class KVTierLayer(CacheLayerMixin):
             check_kv(key_states, value_states, batch=self.batch_size)
             self._pending = (key_states, value_states)
         else:
-            with self._pool_refusal():
+            try:
                 self.tier.update(key_states, value_states)
+            except PagedKVGrowthRefused as e:
+                raise self._pool_refused(e) from None
         self.length += T
         if self.in_place:
             return PendingKeys.wrap(key_states, self), value_states
@@ -296,25 +297,22 @@ class KVTierLayer(CacheLayerMixin):
             self.tier.trim(tokens)
         self.length -= tokens
 
-    @contextlib.contextmanager
-    def _pool_refusal(self) -> Iterator[None]:
-        """A paged pool's refusal in a KVTierCache user's terms: the ``KVCacheConfig`` fields."""
-        try:
-            yield
-        except PagedKVGrowthRefused as e:
-            c = self.config
-            if e.__cause__ is not None:  # the allocator refused the pool's memory
-                why = (f"allocating the paged pool of a KVTierCache layer failed ({str(e.__cause__)[:160]}); "
-                       f"build the cache with fewer blocks (KVCacheConfig(paged_num_blocks=...), now "
-                       f"{c.paged_num_blocks}) or quantised pages (KVCacheConfig(kv_quant='q8'))")
-            else:
-                why = (f"the paged pool of a KVTierCache layer is full: its {c.paged_num_blocks} blocks of "
-                       f"{c.paged_block_size} tokens, shared by the batch's rows, hold no more and it does "
-                       f"not grow; build the cache with KVCacheConfig(paged_num_blocks=...) above "
-                       f"{c.paged_num_blocks} (ceil(tokens / paged_block_size) * batch holds a request) or "
-                       "KVCacheConfig(dynamic_paged=True) (from the environment: KVTIER_PAGED_NUM_BLOCKS, "
-                       "KVTIER_DYNAMIC_PAGED_KV=1)")
-            raise PagedKVGrowthRefused(why) from None
+    def _pool_refused(self, e: PagedKVGrowthRefused) -> PagedKVGrowthRefused:
+        """A paged pool's refusal ``e`` in a KVTierCache user's terms: the ``KVCacheConfig`` fields
+        (raised ``from None`` by the writes, a ``try`` each: no context manager a decode step)."""
+        c = self.config
+        if e.__cause__ is not None:  # the allocator refused the pool's memory
+            return PagedKVGrowthRefused(
+                f"allocating the paged pool of a KVTierCache layer failed ({str(e.__cause__)[:160]}); "
+                f"build the cache with fewer blocks (KVCacheConfig(paged_num_blocks=...), now "
+                f"{c.paged_num_blocks}) or quantised pages (KVCacheConfig(kv_quant='q8'))")
+        return PagedKVGrowthRefused(
+            f"the paged pool of a KVTierCache layer is full: its {c.paged_num_blocks} blocks of "
+            f"{c.paged_block_size} tokens, shared by the batch's rows, hold no more and it does "
+            f"not grow; build the cache with KVCacheConfig(paged_num_blocks=...) above "
+            f"{c.paged_num_blocks} (ceil(tokens / paged_block_size) * batch holds a request) or "
+            "KVCacheConfig(dynamic_paged=True) (from the environment: KVTIER_PAGED_NUM_BLOCKS, "
+            "KVTIER_DYNAMIC_PAGED_KV=1)")
 
     def _fetch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The tier's ``fetch()`` in the dtypes the model wrote (a tail tier with ``kv_dtype``
@@ -418,15 +416,16 @@ class KVTierLayer(CacheLayerMixin):
         self._pending = None
         T = keys.shape[2]
         try:
-            with self._pool_refusal():
-                real = self._probe.real_tokens(mask, self.length - T, T)
-                if real is None:
-                    self.tier.update(keys, values, **self._plans.kwargs(self, T))
-                else:
-                    self._plans.kwargs(self, 0)  # an unplanned write: the plan ends
-                    pos = self._write_real(keys, values, real)
-        except Exception:
+            real = self._probe.real_tokens(mask, self.length - T, T)
+            if real is None:
+                self.tier.update(keys, values, **self._plans.kwargs(self, T))
+            else:
+                self._plans.kwargs(self, 0)  # an unplanned write: the plan ends
+                pos = self._write_real(keys, values, real)
+        except Exception as e:
             self.length -= T  # nothing reached the tier (it validates before it writes)
+            if isinstance(e, PagedKVGrowthRefused):
+                raise self._pool_refused(e) from None
             raise
         if real is not None and not bool(real[:, -1].all()):  # some row ends in padding
             self._after_padding = 0
@@ -521,13 +520,15 @@ class KVTierLayer(CacheLayerMixin):
             k, v = self._fetch()
             rows = rows.to(k.device)
             tier = self._new_tier(len(picked))
-            with self._pool_refusal():  # more rows than the pool holds
+            try:
                 if self.rows:
                     lengths = self.tier.offset.index_select(0, rows)
                     n = int(lengths.max())
                     tier.update(k[rows, :, :n], v[rows, :, :n], write_start=0, new_offsets=lengths)
                 else:
                     tier.update(k[rows], v[rows])
+            except PagedKVGrowthRefused as e:  # more rows than the pool holds
+                raise self._pool_refused(e) from None
             self.tier = tier
         self.batch_size = len(picked)
 
