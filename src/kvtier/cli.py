@@ -103,17 +103,13 @@ def _run_bench(run, args: argparse.Namespace) -> int:
         plot = Path(args.plot) if Path(args.plot).suffix else Path(args.plot).with_suffix(".png")
         if plot.suffix.lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg"):
             raise ValueError(f"--plot {args.plot}: write a .png (or .pdf, .svg, .jpg) file")
-        if not plot.parent.is_dir():
-            raise ValueError(f"--plot {args.plot}: its folder {plot.parent} does not exist; create it "
-                             "first, or pass another path (\"\" for no plot)")
+        _check_folder("--plot", args.plot, plot, ' ("" for no plot)')
         args.plot = str(plot)
     json_path = getattr(args, "json", None)
     if isinstance(json_path, str):  # (a benchmark's --json FILE): checked before measuring too
         if Path(json_path).is_dir():
             raise ValueError(f"--json {json_path} is a folder; give a file path such as results.json")
-        if not Path(json_path).parent.is_dir():
-            raise ValueError(f"--json {json_path}: its folder {Path(json_path).parent} does not exist; "
-                             "create it first, or pass another path")
+        _check_folder("--json", json_path, Path(json_path))
     device = getattr(args, "device", None)
     if device not in (None, "auto"):
         import torch
@@ -123,6 +119,13 @@ def _run_bench(run, args: argparse.Namespace) -> int:
         except RuntimeError:
             raise ValueError(f"--device {device!r} is not a device; use cpu or cuda (cuda:N)") from None
     return run(args)
+
+
+def _check_folder(flag: str, given: str, path: Path, alternative: str = "") -> None:
+    """``ValueError`` where the folder an output file ``path`` (``flag given``) goes to is missing."""
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {given}: its folder {path.parent} does not exist; create it first, or pass "
+                         f"another path{alternative}")
 
 
 def _benchmarks_missing(args: argparse.Namespace) -> int:
