@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="kvtier schedules a step while the GPU runs the one before (default: on CUDA)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="kvtier's batch-invariant steps (CPU): every token computed as it is alone")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers contender")
     parser.add_argument("--penalties", action="store_true",
                         help="every request with presence 0.5, frequency 0.5 and repetition 1.1 "
@@ -183,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {"model": label, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
             f"CPU, {torch.get_num_threads()} threads", "num_requests": args.num_requests,
             "input_len": [lo, hi], "output_len": args.output_len, "kvtier_prefill_dtype": prefill_dtype,
+            "kvtier_batch_invariant": args.batch_invariant,
             "concurrency": args.concurrency or args.num_requests, "request_rate": args.request_rate,
             "date": time.strftime("%Y-%m-%d %H:%M"), "versions": versions()}
     print_table(results, meta)
@@ -242,7 +245,8 @@ def engine_config(args, device: torch.device, prompts: list[list[int]]):
         max_batched_tokens=max(args.max_batched_tokens or (16384 if device.type == "cuda" else 2048),
                                args.max_num_seqs or len(prompts)),
         max_waiting=len(prompts), **parse_storage_flags(args.kv_quant, args.turboquant), cuda_graph=args.cuda_graph,
-        async_scheduling=args.async_scheduling, enable_prefix_caching=False)  # random prompts share nothing; no hashing to pay for
+        async_scheduling=args.async_scheduling, batch_invariant=args.batch_invariant,
+        enable_prefix_caching=False)  # random prompts share nothing; no hashing to pay for
 
 
 def drive(engine, prompts: list[list[int]], output_len: int, concurrency: int, rate: float, seed: int,
@@ -383,7 +387,8 @@ def print_table(results: list[Result], meta: dict) -> None:
     t = Table(title=f"{meta['model']} on {meta['device']}: {meta['num_requests']} requests, prompts "
                     f"{meta['input_len'][0]}-{meta['input_len'][1]}, {meta['output_len']} new tokens"
                     + ("" if meta["kvtier_prefill_dtype"] == "float32"
-                       else f", kvtier's prefill in {meta['kvtier_prefill_dtype']}"))
+                       else f", kvtier's prefill in {meta['kvtier_prefill_dtype']}")
+                    + (", kvtier batch-invariant" if meta.get("kvtier_batch_invariant") else ""))
     for col in ("contender", "output tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
                 "TPOT p99 ms", "x transformers"):
         t.add_column(col, justify="left" if col == "contender" else "right")

@@ -270,13 +270,13 @@ class DecodeStep:
                                  model.tok_embeddings.weight.data_ptr(), tokens.data_ptr(),
                                  cos.data_ptr() + row, sin.data_ptr() + row, T, None, rows, None, dim, Hq, Hkv, D,
                                  hidden, self.eps, self.scale, scratch.data_ptr(), stride,
-                                 logits.data_ptr(), int(act_q8), kmax, torch.get_num_threads())
+                                 logits.data_ptr(), int(act_q8), 0, kmax, torch.get_num_threads())
         for c in used:
             c.commit_written(T)
         return logits
 
     def run_paged(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, caches,
-                  select: torch.Tensor | None = None) -> torch.Tensor | None:
+                  select: torch.Tensor | None = None, *, invariant: bool = False) -> torch.Tensor | None:
         """Logits ``[len(select), vocab]`` (every token's without ``select``) of ``N`` tokens of
         several sequences over paged caches, each writing its key and value into every layer's
         pages: token ``t`` (``tokens`` int64 ``[N]``) at ``positions[t]`` (int64 ``[N]``), its
@@ -288,7 +288,12 @@ class DecodeStep:
         step reads (float32 of the lossless codec, or ``q8``, ``q4``, ``fp8``, ``q4_g32`` or
         TurboQuant codes, which it writes as the codecs do: :func:`_page_kinds`), the model's
         shape and blocks of a power of two tokens, or an input is off the CPU. A token, position
-        or block id out of range raises ``ValueError`` before anything is written."""
+        or block id out of range raises ``ValueError`` before anything is written.
+
+        ``invariant``: every token's logits, keys and values the same bits whatever other tokens
+        the call holds (batch-invariant): a lone token's products take the rows' loops instead of
+        one row's own (:mod:`kvtier.model.packed_digits`), and attention splits each token's keys
+        every 128 positions instead of by the call's size. Not bit-equal to ``invariant=False``."""
         dim, Hq, Hkv, D, hidden = self.dims
         model = self.model
         N = tokens.shape[0] if tokens.dim() == 1 else -1
@@ -348,7 +353,7 @@ class DecodeStep:
                                  model.tok_embeddings.weight.data_ptr(), tokens.data_ptr(), cos.data_ptr(),
                                  sin.data_ptr(), N, None if select is None else select.data_ptr(), n_out,
                                  ctypes.byref(paged), dim, Hq, Hkv, D, hidden, self.eps, self.scale,
-                                 scratch.data_ptr(), stride, logits.data_ptr(), int(act_q8), kmax,
+                                 scratch.data_ptr(), stride, logits.data_ptr(), int(act_q8), int(invariant), kmax,
                                  torch.get_num_threads())
         return logits if spread is None else logits[spread]
 

@@ -10,8 +10,8 @@ with weights held as GGUF Q4_1 / Q8_0 block codes, and their exact dequantisatio
   AVX512-VNNI one row's Q4_1 and Q8_0 products take the row as integer digits instead
   (:mod:`kvtier.model.packed_digits`), their sums exact; with AVX2 and no AVX-512, one row's
   Q4_1 products (:mod:`kvtier.model.packed_digits_avx2`).
-- ``q4_1_task`` / ``q8_0_task``: the per-task bodies of those, which the one-call decode step
-  (:mod:`kvtier.model.cpu_step`) shares among its threads.
+- ``q4_1_task`` / ``q8_0_task``: their per-task bodies, which the one-call step (:mod:`kvtier.model.cpu_step`)
+  shares among its threads; given no ``Q4Row``/``Q8Row``, one row takes the rows' loop (batch-invariant).
 - ``q4_1_dequant`` / ``q8_0_dequant``: the float32 weight, for prefills of many rows.
 
 Paths: AVX-512 (16 lanes), AVX2 with FMA and F16C (8), plain C (1), chosen by the compiler's
@@ -189,7 +189,7 @@ static inline void q4_1_task(const float* x, const Q4Row* row, const uint8_t* co
        are those of code * d + m, bit for bit (in place of a mask, a conversion and an FMA a
        vector: 0.99-1.32x a call, 1.10x the median, on the 2-core AVX-512 box; RESULTS 2026-12-04) */
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    if (M > 1) {  /* rows eight (then four) at a time: each block's codes decoded once for them */
+    if (M > 1 || !row) {  /* rows eight (then four) at a time: each block's codes decoded once for them */
       for (int64_t r0 = 0; r0 < M;) {
         const int64_t rn = M - r0 >= 8 ? 8 : M - r0 >= 4 ? 4 : M - r0;
         if (rn == 8)  /* (a constant count: the sums stay in registers) */
@@ -236,7 +236,7 @@ static inline void q4_1_task(const float* x, const Q4Row* row, const uint8_t* co
       halves_to_floats(mn + (q ? n1 : n) * G, ms[q], G);
     }
     const __m256i low = _mm256_set1_epi32(15);
-    if (M > 1) {  /* rows four at a time: each block's codes decoded once for all of them */
+    if (M > 1 || !row) {  /* rows four at a time: each block's codes decoded once for all of them */
       for (int64_t r0 = 0; r0 < M; r0 += 4) {
         const int64_t rn = M - r0 < 4 ? M - r0 : 4;
         __m256 acc[4][2];
@@ -426,7 +426,7 @@ static inline void q8_0_task(const float* x, const Q8Row* row, const int8_t* cod
   {
     const int64_t n = task;
 #if defined(__AVX512F__)
-    if (M > 1) {  /* rows eight (then four) at a time, each decoded once for them, two sums a row */
+    if (M > 1 || !row) {  /* rows eight (then four) at a time, each decoded once for them, two sums a row */
       const int8_t* c = codes + n * K;
       for (int64_t r0 = 0; r0 < M;) {
         const int64_t rn = M - r0 >= 8 ? 8 : M - r0 >= 4 ? 4 : M - r0;
@@ -441,7 +441,7 @@ static inline void q8_0_task(const float* x, const Q8Row* row, const int8_t* cod
       return;
     }
 #elif defined(KV_AVX2)
-    if (M > 1) {  /* rows four at a time, each block decoded once for them, two sums a row */
+    if (M > 1 || !row) {  /* rows four at a time, each block decoded once for them, two sums a row */
       const int8_t* c = codes + n * K;
       for (int64_t r0 = 0; r0 < M; r0 += 4) {
         const int64_t rn = M - r0 < 4 ? M - r0 : 4;

@@ -329,6 +329,10 @@ static inline void merge_parts(const float* part, int64_t splits, int64_t step, 
   for (int64_t d = 0; d < D; d++) out[d] *= inv;
 }
 
+/* keys a split covers in a batch-invariant step: the same for every token whatever else the call
+   holds, so a token's splits, and the order its merge adds them in, depend on its own position only */
+#define INVARIANT_SPLIT 128
+
 /* keys a split of attention covers: at least 4 tasks a thread where the keys allow, as many
    for every thread (3 KV heads on 2 threads: 12 tasks, not 9 split 5 and 4), no split under
    64 keys */

@@ -259,28 +259,29 @@ static inline int takes_q8(const Lin* l, const ActQ8* aq) { return aq && (l->fmt
    quantised to int8: the codes are in aq already when ready (quantised where x was made),
    else thread 0 quantises x here while the others wait at the barrier. */
 static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const ActQ8* aq, int ready,
-                        StepBarrier* bar) {
+                        StepBarrier* bar, int inv) {
   const int64_t N = l->N, K = l->K;
+  const int one = M == 1 && !inv;  /* one row's own loops (batch-invariant: every row the rows' loop) */
   if (takes_q8(l, aq)) {
     if (!ready) {
       if (omp_get_thread_num() == 0) quantize_rows_q8(x, aq->q, aq->dx, aq->sx, M, K, l->fmt == 1);
       step_barrier(bar);
     }
     const int64_t tasks = (N + 1) / 2;
-    if (l->fmt == 1 && M == 1) {  /* (a loop of its own: see q4_1_q8_task1) */
+    if (l->fmt == 1 && one) {  /* (a loop of its own: see q4_1_q8_task1) */
       #pragma omp for schedule(static) nowait
       for (int64_t t = 0; t < tasks; t++) q4_1_q8_task1(aq->q, aq->dx, aq->sx, l->w, l->d, l->m, y, N, K, t);
     } else if (l->fmt == 1) {
       #pragma omp for schedule(static) nowait
       for (int64_t t = 0; t < tasks; t++) q4_1_q8_task(aq->q, aq->dx, aq->sx, l->w, l->d, l->m, y, M, N, K, t);
-    } else if (M == 1) {
+    } else if (one) {
       #pragma omp for schedule(static) nowait
       for (int64_t n = 0; n < N; n++) q8_0_q8_task1(aq->q, aq->dx, l->w, l->d, y, N, K, n);
     } else {
       #pragma omp for schedule(static) nowait
       for (int64_t n = 0; n < N; n++) q8_0_q8_task(aq->q, aq->dx, l->w, l->d, y, M, N, K, n);
     }
-  } else if (l->fmt == 1 && M == 1) {  /* (the row count a constant: see q4_1_q8_task1) */
+  } else if (l->fmt == 1 && one) {  /* (the row count a constant: see q4_1_q8_task1) */
     const int64_t tasks = q4_1_tasks(N);
     int8_t digits[Q4_ROW_DIGITS(K)];  /* (each thread makes the row's digits itself: no wait) */
     float scales[Q4_ROW_FLOATS(K)];
@@ -291,7 +292,7 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
     const int64_t tasks = q4_1_tasks(N);
     #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < tasks; t++) q4_1_task(x, NULL, l->w, l->d, l->m, y, M, N, K, t);
-  } else if (l->fmt == 2 && M == 1) {
+  } else if (l->fmt == 2 && one) {
     int8_t digits[Q8_ROW_DIGITS(K)];  /* (as Q4_1's: each thread its own) */
     int32_t starts[Q8_ROW_LANES(K)];
     float scales[Q8_ROW_LANES(K)];
@@ -345,7 +346,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
                  const int64_t* sel, int64_t n_out, const Paged* paged,
                  int64_t dim, int64_t Hq, int64_t Hkv, int64_t D, int64_t hidden, float eps,
                  float scale, float* scratch, int64_t score_stride, float* logits, int64_t act_q8,
-                 int64_t kmax, int threads) {
+                 int64_t invariant, int64_t kmax, int threads) {
   const int64_t QKV = (Hq + 2 * Hkv) * D, QK = (Hq + Hkv) * D;
   float* h = scratch;                      /* the residual stream [T, dim] */
   float* nrm = h + T * dim;                /* its RMSNorm [T, dim] */
@@ -383,7 +384,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         if (q_qkv) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, T, dim, ly->wqkv.fmt == 1);
       }
       step_barrier(&bar);
-      linear_rows(&ly->wqkv, nrm, qkv, T, aq, q_qkv, &bar);
+      linear_rows(&ly->wqkv, nrm, qkv, T, aq, q_qkv, &bar, invariant);
       if (lead) {
         rope(qkv, 0, QKV, D, cos, sin, 0, D, qk, 1, T, Hq + Hkv, D, 1);
         for (int64_t t = 0; t < T; t++) {  /* each token's key and value where attention reads them */
@@ -428,7 +429,8 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         }
         step_barrier(&bar);
       } else {  /* each token its own sequence: tasks (token, KV head, split of the longest's keys) */
-        const int64_t n = score_stride, chunk = split_keys(n, Hkv * T, threads), splits = (n + chunk - 1) / chunk;
+        const int64_t n = score_stride, chunk = invariant ? INVARIANT_SPLIT : split_keys(n, Hkv * T, threads);
+        const int64_t splits = (n + chunk - 1) / chunk;
         #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t t = 0; t < T * Hkv * splits; t++) {
           const int64_t tok = t / (Hkv * splits), kh = t / splits % Hkv, j0 = (t % splits) * chunk;
@@ -458,13 +460,13 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         }
         step_barrier(&bar);
       }
-      linear_rows(&ly->wo, att, a, T, aq, q_wo, &bar);
+      linear_rows(&ly->wo, att, a, T, aq, q_wo, &bar, invariant);
       if (lead) {
         add_rms_norm(h, a, ly->ffn_norm, h, nrm, T, dim, eps, 1);
         if (q_w13) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, T, dim, ly->w13.fmt == 1);
       }
       step_barrier(&bar);
-      linear_rows(&ly->w13, nrm, ff, T, aq, q_w13, &bar);
+      linear_rows(&ly->w13, nrm, ff, T, aq, q_w13, &bar, invariant);
       #pragma omp for schedule(static) nowait
       for (int64_t c = 0; c < T * 8; c++) {  /* silu_mul's arithmetic, each row in 8 spans */
         const int64_t t = c / 8, j0 = (c % 8) * hidden / 8, j1 = (c % 8 + 1) * hidden / 8;
@@ -476,7 +478,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         }
       }
       step_barrier(&bar);
-      linear_rows(&ly->w2, act, delta, T, aq, q_w2, &bar);
+      linear_rows(&ly->w2, act, delta, T, aq, q_w2, &bar, invariant);
     }
     const int q_head = takes_q8(head, aq);
     if (lead) {
@@ -487,7 +489,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
       if (q_head) quantize_rows_q8(nrm, aq->q, aq->dx, aq->sx, n_out, dim, head->fmt == 1);
     }
     step_barrier(&bar);
-    linear_rows(head, nrm, logits, n_out, aq, q_head, &bar);
+    linear_rows(head, nrm, logits, n_out, aq, q_head, &bar, invariant);
   }
 }
 """
@@ -518,7 +520,7 @@ class Kernels:
         self.decode_step = lib.decode_step
         p, i = ctypes.c_void_p, ctypes.c_int64
         self.decode_step.argtypes = ([p, i, p, p, p, p, p, p, i, p, i, p] + [i] * 5 + [ctypes.c_float] * 2
-                                     + [p, i, p, i, i, ctypes.c_int])
+                                     + [p, i, p, i, i, i, ctypes.c_int])
         self.decode_step.restype = None
         # (the float16 rounding of the stored keys and its inverse, for tests)
         self.round_to_half, self.widen_half = lib.round_to_half, lib.widen_half

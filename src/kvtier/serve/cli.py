@@ -26,7 +26,7 @@ _ABSENT = argparse.SUPPRESS  # a flag not given leaves no attribute: the datacla
 API_KEY_ENV = "KVTIER_API_KEY"
 _ENGINE_FLAGS = ("num_blocks", "kv_memory_gib", "block_size", "max_num_seqs", "max_batched_tokens",
                  "max_waiting", "max_model_len", "enable_prefix_caching", "kv_quant", "cuda_graph",
-                "async_scheduling", "scheduling_policy")
+                "async_scheduling", "scheduling_policy", "batch_invariant")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -102,6 +102,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=_ABSENT)
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=_ABSENT)
+    p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=_ABSENT,
+                   help="every answer the same bits whatever requests share its steps, however its prompt "
+                        "is chunked, cached or recomputed (CPU only: each token through the one-call step; "
+                        "about 1.2x the decode time, 2x a long prefill's)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                    default=_ABSENT, help="schedule the next step while the GPU runs this one "
                                          "(default: on CUDA only)")

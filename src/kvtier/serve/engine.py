@@ -119,9 +119,9 @@ class EngineConfig:
     model's context, capped by what the pool holds). Step limits as in
     :class:`~kvtier.serve.scheduler.SchedulerConfig`; ``max_batched_tokens`` ``None``:
     :data:`DEFAULT_BATCHED_TOKENS` of the model's device (2,048 on the CPU, 8,192 on CUDA), at
-    least ``max_num_seqs``. ``kv_quant``, ``turboquant``,
-    ``attention_backend`` as for the paged tier; ``cuda_graph`` as for
-    :class:`~kvtier.serve.runner.ModelRunner`. ``async_scheduling``: schedule a step
+    least ``max_num_seqs``. ``kv_quant``, ``turboquant``, ``attention_backend`` as for the paged tier;
+    ``cuda_graph`` and ``batch_invariant`` (every answer the same bits whatever shares its steps, on
+    the CPU) as for :class:`~kvtier.serve.runner.ModelRunner`. ``async_scheduling``: schedule a step
     while the previous one runs (see the module docstring; ``None``: on CUDA only).
     ``scheduling_policy``: ``"fcfs"`` or ``"priority"`` (``RequestParams.priority``).
     ``speculative``: n-gram drafts (:mod:`kvtier.serve.speculate`; synchronous scheduling).
@@ -142,11 +142,11 @@ class EngineConfig:
     async_scheduling: bool | None = None
     scheduling_policy: str = "fcfs"
     speculative: SpeculativeConfig | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_memory_gib is not None:
-            raise ValueError(f"give num_blocks ({self.num_blocks}) or kv_memory_gib "
-                             f"({self.kv_memory_gib}), not both")
+            raise ValueError(f"give num_blocks ({self.num_blocks}) or kv_memory_gib ({self.kv_memory_gib}), not both")
         for name in ("num_blocks", "max_model_len"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -161,16 +161,16 @@ class EngineConfig:
         check_turboquant(self.turboquant)
         # the scheduler's own checks, before a model is built (its context, 1 here, is the model's)
         SchedulerConfig(1, self.max_num_seqs, self.max_batched_tokens or self.max_num_seqs, self.max_waiting, policy=self.scheduling_policy)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
         if self.speculative is not None and self.async_scheduling:
-            raise ValueError("speculative decoding drafts from the tokens of the step before, which asynchronous "
-                             "scheduling does not have yet: leave async_scheduling unset or False (kvtier serve: drop "
-                             "--async-scheduling)")
+            raise ValueError("speculative decoding drafts from the tokens of the step before, which asynchronous scheduling "
+                             "does not have yet: leave async_scheduling unset or False (kvtier serve: drop --async-scheduling)")
 
 
 @dataclass(eq=False)
@@ -238,7 +238,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, num_blocks=num_blocks, block_size=config.block_size, kv_quant=config.kv_quant,
             turboquant=config.turboquant, attention_backend=config.attention_backend, cuda_graph=config.cuda_graph,
-            max_num_seqs=config.max_num_seqs, max_model_len=context, graph_rows=graph_rows(config.max_num_seqs, draft))
+            max_num_seqs=config.max_num_seqs, max_model_len=context, graph_rows=graph_rows(config.max_num_seqs, draft),
+            batch_invariant=config.batch_invariant)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         self.speculator = None if config.speculative is None else Speculator(config.speculative)
         self.async_scheduling = (self.device.type == "cuda" and self.speculator is None

@@ -28,6 +28,12 @@ forward, and :attr:`ModelRunner.prompt_logits` holds them until the next step.
 On CUDA, decode forwards can be replayed from CUDA graphs
 (:mod:`kvtier.serve.graphs`), one per batch-size bucket.
 
+Batch-invariant steps (``batch_invariant``, CPU only). Every token of a step, prompt tokens too,
+is a row of the one-call step with ``invariant`` (:meth:`~kvtier.model.cpu_step.DecodeStep.run_paged`),
+which computes each token's logits, keys and values as it computes them for that token alone: a
+request's answer is then the same bits whatever else shares its steps, however its prompt is
+chunked, whether its prefix came from the cache or it was preempted and recomputed.
+
 Tokens still on the device. With asynchronous scheduling the engine schedules and
 launches a step before the previous step's sampled tokens reach the host: a decode
 row then feeds :data:`~kvtier.serve.scheduler.PENDING`, and :class:`PendingTokens`
@@ -60,7 +66,8 @@ from kvtier.caches.paged_shared import (
     to_device,
 )
 from kvtier.caches.state_checks import free_bytes
-from kvtier.model.cpu_step import DENSE_ROWS, plan_for
+from kvtier.model.cpu_step import DENSE_ROWS, decode_step_enabled, plan_for
+from kvtier.model.linear import prefill_dtype_of
 from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.scheduler import PENDING, ScheduledRow, StepBatch
 
@@ -202,7 +209,7 @@ class ModelRunner:
                  turboquant: TurboQuantConfig | None = None, attention_backend: str = "auto",
                  cuda_graph: bool | None = None, max_num_seqs: int = 64, graph_rows: int | None = None,
                  max_model_len: int | None = None, decode_in_prompt_steps: bool | None = None,
-                 pad_logit_rows: bool | None = None):
+                 pad_logit_rows: bool | None = None, batch_invariant: bool = False):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -224,6 +231,12 @@ class ModelRunner:
                        for _ in range(a.n_layers)]
         for c in self.caches:
             c.allocate(a.n_kv_heads, a.head_dim, self.dtype, self.device)
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+        self.batch_invariant = batch_invariant
+        if batch_invariant and (why := self._invariant_unavailable(kv_quant)) is not None:
+            raise ValueError(f"batch-invariant steps run every token through the CPU's one-call step, which "
+                             f"cannot serve here: {why}")
         #: the last step's ``all_logits`` rows: request id -> (first position, logits ``[T, V]``)
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
         self.draft_logits: dict[str, torch.Tensor] = {}  # request id -> [draft + 1, V] of the last step
@@ -266,6 +279,9 @@ class ModelRunner:
         ``all_logits`` rows' logits of every position go to :attr:`prompt_logits`, those of a
         row's drafts and the position before them (``[draft + 1, vocab]``) to :attr:`draft_logits`."""
         self.prompt_logits, self.draft_logits = {}, {}
+        if self.batch_invariant:
+            with torch.inference_mode():
+                return self._invariant(batch, pending)
         decode = [r for r in batch.rows if len(r.token_ids) == 1 and not r.all_logits]
         chunks = [r for r in batch.rows if len(r.token_ids) > 1 or r.all_logits]
         if any(r.token_ids[-1] == PENDING for r in chunks):  # pending: only a request's last token
@@ -348,14 +364,78 @@ class ModelRunner:
                          cache_kwargs={"plan": plan, "write_start": plan.write_start}, last_only=True)
         return out[:, -1]  # (B, V)
 
-    def _decode_step(self, step, rows: Sequence[ScheduledRow], ids: list[int], pending: PendingTokens | None
-                     ) -> torch.Tensor | None:
+    def _decode_step(self, step, rows: Sequence[ScheduledRow], ids: list[int], pending: PendingTokens | None,
+                     select: list[int] | None = None, invariant: bool = False) -> torch.Tensor | None:
         """A decode step in one C call on the CPU (``step``'s :meth:`~kvtier.model.cpu_step.DecodeStep.run_paged`):
-        logits ``[B, V]``, or ``None`` (nothing written) where the pages do not qualify."""
+        logits ``[B, V]`` (of the rows ``select`` names, if given), or ``None`` (nothing written) where
+        the pages do not qualify."""
         binding = self._binding(rows)  # (the caches stay unbound: the C call reads the table itself)
         positions = torch.tensor(decode_starts(binding), dtype=torch.long)  # (checked: each row's blocks hold it)
         tokens = fill_pending(torch.tensor(ids, dtype=torch.long), pending)
-        return step.run_paged(tokens, positions, binding.table, self.caches)
+        return step.run_paged(tokens, positions, binding.table, self.caches,
+                              None if select is None else torch.tensor(select), invariant=invariant)
+
+    def _invariant_unavailable(self, kv_quant: str | None) -> str | None:
+        """Why this runner cannot run batch-invariant steps, or ``None`` when it can."""
+        if self.device.type != "cpu":
+            return f"the model is on {self.device} (batch-invariant steps run on the CPU)"
+        if not decode_step_enabled():
+            return "KVTIER_DECODE_STEP or KVTIER_FUSED turns the one-call step off; unset it"
+        if kv_quant == "fp8":
+            return ("fp8 pages take their centre from the first keys written, so a request's codes depend on "
+                    "which request came first; use q8, q4, q4_g32, TurboQuant or full-precision pages")
+        if self.block_size & (self.block_size - 1):
+            return f"block_size {self.block_size} is not a power of two; use 16"
+        if prefill_dtype_of(self.model) != torch.float32:
+            return ("the prefill dtype is bfloat16 (--prefill-dtype, KVTIER_PREFILL_DTYPE), which every token "
+                    "computed alone would not use; leave it float32")
+        step = plan_for(self.model)
+        if step is None:
+            return ("the model does not take it (a float32 Llama, Mistral or Qwen2 shape with packed or float32 "
+                    "projections does; Qwen3's q/k norms, tensor-parallel shards and adapters do not)")
+        if step._pages(self.caches) is None:
+            return f"it does not read these pages ({self.storage_mode})"
+        return None
+
+    def _invariant(self, batch: StepBatch, pending: PendingTokens | None) -> torch.Tensor:
+        """``batch`` with every token computed alone: each token a row of the one-call step
+        (:meth:`~kvtier.model.cpu_step.DecodeStep.run_paged` with ``invariant``), in calls of at most
+        :data:`ONE_CALL_TOKENS` tokens, so a token's logits, keys and values are the same bits
+        whatever else the step holds, however its prompt was chunked, and whether it is decoded or
+        recomputed after a preemption. The logits as :meth:`execute` returns them."""
+        step = plan_for(self.model)
+        fed, pending = fed_tokens(batch.rows, pending)
+        tokens = [ScheduledRow(r.request_id, (t,), r.start + j, r.blocks, True)
+                  for r, ids in zip(batch.rows, fed) for j, t in enumerate(ids)]
+        ids = [t for ts in fed for t in ts]
+        spans, want, at = [], [], 0  # each row's wanted positions: [first, end) in ``want``
+        for r in batch.rows:
+            n = len(r.token_ids)
+            keep = n if r.all_logits else r.draft + 1 if r.draft else 1 if r.sample else 0
+            spans.append((len(want), len(want) + keep))
+            want.extend(range(at + n - keep, at + n))
+            at += n
+        out, wanted = [], set(want)
+        for lo in range(0, len(tokens), ONE_CALL_TOKENS):
+            hi = min(lo + ONE_CALL_TOKENS, len(tokens))
+            select = [w - lo for w in want if lo <= w < hi]
+            if not select:  # (a chunk whose positions nobody reads: its keys and values, and one logit row)
+                select = [hi - 1 - lo]
+            got = self._decode_step(step, tokens[lo:hi], ids[lo:hi], pending, select, invariant=True)
+            if got is None:
+                raise RuntimeError("the one-call step refused pages it took when the runner was built")
+            out.extend(got[i] for i, w in enumerate(select) if lo + w in wanted)
+        logits = {}
+        for r, (a, b) in zip(batch.rows, spans):
+            if r.all_logits:
+                self.prompt_logits[r.request_id] = (r.start, torch.stack(out[a:b]))
+            if r.draft:
+                self.draft_logits[r.request_id] = torch.stack(out[b - r.draft - 1 : b])
+            if r.sample:
+                logits[r.request_id] = out[b - 1]
+        if not logits:
+            return torch.empty(0, self.model.args.vocab_size)
+        return torch.stack([logits[rid] for rid in batch.sampled])  # (n_sampled, V)
 
     def _prefill_packed(self, rows: Sequence[ScheduledRow], pending: PendingTokens | None = None) -> torch.Tensor:
         """The rows' tokens (prompt chunks, decode tokens) side by side in one forward ``[1, N]``;
