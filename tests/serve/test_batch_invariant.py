@@ -106,6 +106,15 @@ def test_cached_prefixes_and_drafts_answer_as_alone_and_undrafted(lm) -> None:
     _assert_same_bits(got, alone)
 
 
+def test_asynchronous_scheduling_feeds_pending_tokens_to_the_same_step(lm) -> None:
+    """With asynchronous scheduling on the CPU (a decode row's token still in the step before's
+    tokens) the answers are still those of each request alone, synchronously."""
+    prompts = [lm.tokenizer.encode(t) for t in TEXTS[:4]]
+    params = [RequestParams(max_tokens=20, logprobs=0, ignore_eos=True)] * 4
+    together, _ = _run(lm, prompts, params, num_blocks=64, kv_quant="q8", async_scheduling=True)
+    _assert_same_bits(together, [_run(lm, [p], [q], num_blocks=64, kv_quant="q8")[0][0] for p, q in zip(prompts, params)])
+
+
 def test_prompt_logprobs_are_each_positions_logits_alone(lm) -> None:
     """Prompt logprobs come from the same per-token step: equal to the prompt's run alone."""
     prompts = [lm.tokenizer.encode(t) for t in TEXTS[:3]]
@@ -162,3 +171,4 @@ def test_the_server_answers_a_concurrent_burst_as_each_request_alone(tmp_path: P
             together = list(pool.map(ask, TEXTS))
         assert time.monotonic() < deadline
         assert together == alone and all(lp for _, lp in alone)
+    assert "| batch-invariant" in (tmp_path / "serve.log").read_text()  # the start-up line says so

@@ -282,7 +282,7 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
           f"{s['kv_bytes'] / 2**30:.2f} GiB{sharded}), context {s['max_model_len']} tokens"
           + (f" | {len(server_config.api_keys)} API key(s) asked for" if server_config.api_keys else "")
           + (f" | n-gram drafts, {spec.num_speculative_tokens} a step" if (spec := engine.config.speculative) else "")
-          + (" | bfloat16 prefill" if narrow else ""),
+          + (" | bfloat16 prefill" if narrow else "") + (" | batch-invariant" if engine.config.batch_invariant else ""),
           file=sys.stderr, flush=True)
     if ranks > 1:
         # uvicorn re-raises the signal that stopped it once it is done; ignored here, so rank 0
