@@ -12,6 +12,8 @@ of a burst over ``q8`` pages).
 from __future__ import annotations
 
 import concurrent.futures
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -140,6 +142,13 @@ def test_what_the_mode_cannot_serve_is_refused_by_name(lm, monkeypatch) -> None:
     monkeypatch.setenv("KVTIER_DECODE_STEP", "0")
     with pytest.raises(ValueError, match="KVTIER_DECODE_STEP or KVTIER_FUSED turns the one-call step off"):
         LLMEngine(lm.model, lm.tokenizer, EngineConfig(num_blocks=8, batch_invariant=True))
+
+
+def test_the_server_refuses_tensor_parallel_before_any_rank_starts() -> None:
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--batch-invariant", "--tensor-parallel", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "does not combine with --tensor-parallel" in run.stderr
+    assert "rank" not in run.stderr  # (refused in the launcher: no rank loaded the model)
 
 
 @pytest.mark.gpu

@@ -187,6 +187,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if hasattr(args, "prefill_dtype"):  # the variable reaches every rank of --tensor-parallel
         os.environ[PREFILL_ENV_VAR] = args.prefill_dtype
     parse_prefill_dtype(os.environ.get(PREFILL_ENV_VAR), source=PREFILL_ENV_VAR)
+    if engine_config.batch_invariant and (getattr(args, "tensor_parallel", 1) > 1
+                                          or getattr(args, "device", "cpu").startswith("cuda")):
+        raise ValueError("--batch-invariant runs every token through one process's CPU step: it does not "
+                         "combine with --tensor-parallel or a CUDA device (drop one of them)")
     if hasattr(args, "tensor_parallel"):
         return _run_sharded(args, engine_config, server_config, model, dtype, threads)
     from kvtier.model import load_model

@@ -378,7 +378,7 @@ class ModelRunner:
     def _invariant_unavailable(self, kv_quant: str | None) -> str | None:
         """Why this runner cannot run batch-invariant steps, or ``None`` when it can."""
         if self.device.type != "cpu":
-            return f"the model is on {self.device} (batch-invariant steps run on the CPU)"
+            return f"the model is on {self.device}, and batch-invariant steps run on the CPU (--device cpu)"
         if not decode_step_enabled():
             return "KVTIER_DECODE_STEP or KVTIER_FUSED turns the one-call step off; unset it"
         if kv_quant == "fp8":
