@@ -22,8 +22,10 @@ import torch
 from openai import OpenAI
 
 from kvtier.caches.paged_shared import SharedBlockPagedKVCache
+from kvtier.model import load_model
 from kvtier.model.cpu_step import plan_for
 from kvtier.quant.modes import TurboQuantConfig
+from kvtier.sampling import SamplingParams
 from kvtier.serve.engine import EngineConfig, LLMEngine
 from kvtier.serve.params import RequestParams
 from kvtier.serve.runner import ModelRunner
@@ -117,6 +119,20 @@ def test_asynchronous_scheduling_feeds_pending_tokens_to_the_same_step(lm) -> No
     _assert_same_bits(together, [_run(lm, [p], [q], num_blocks=64, kv_quant="q8")[0][0] for p, q in zip(prompts, params)])
 
 
+def test_a_seeded_sampled_request_beside_others_with_drafts_on_samples_as_alone(lm) -> None:
+    """How many drafts a row gets hangs on the step (``disable_by_batch_size``, the token budget), and
+    rejection sampling draws by it: in the mode a sampled row is not drafted, so a seeded request's
+    tokens are its tokens alone (before: drafted alone, not beside another request, they parted at
+    the second token)."""
+    spec = SpeculativeConfig(disable_by_batch_size=1)
+    code = lm.tokenizer.encode("def f(x): return x + 1\ndef g(x): return x + 1\ndef h(x):")
+    sampled = RequestParams(max_tokens=24, logprobs=0, sampling=SamplingParams(temperature=0.8, seed=7))
+    greedy = RequestParams(max_tokens=24, logprobs=0, ignore_eos=True)
+    alone, _ = _run(lm, [code], [sampled], num_blocks=64, speculative=spec)
+    beside, _ = _run(lm, [code, code], [sampled, greedy], num_blocks=64, speculative=spec)
+    _assert_same_bits(beside[:1], alone)
+
+
 def test_prompt_logprobs_are_each_positions_logits_alone(lm) -> None:
     """Prompt logprobs come from the same per-token step: equal to the prompt's run alone."""
     prompts = [lm.tokenizer.encode(t) for t in TEXTS[:3]]
@@ -135,6 +151,10 @@ def test_what_the_mode_cannot_serve_is_refused_by_name(lm, monkeypatch) -> None:
         ModelRunner(lm.model, num_blocks=8, kv_quant="fp8", batch_invariant=True)
     with pytest.raises(ValueError, match="block_size 24 is not a power of two"):
         ModelRunner(lm.model, num_blocks=8, block_size=24, batch_invariant=True)
+    half = load_model(device="cpu", dtype=torch.bfloat16, progress=False)
+    with pytest.raises(ValueError, match=r"the model is bfloat16 and the step runs float32 \(--dtype float32\)"):
+        ModelRunner(half.model, num_blocks=8, batch_invariant=True)
+    del half
     monkeypatch.setenv("KVTIER_PREFILL_DTYPE", "bfloat16")
     with pytest.raises(ValueError, match="the prefill dtype is bfloat16"):
         ModelRunner(lm.model, num_blocks=8, batch_invariant=True)
@@ -154,8 +174,6 @@ def test_the_server_refuses_tensor_parallel_before_any_rank_starts() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_mode_is_refused_on_cuda() -> None:
-    from kvtier.model import load_model
-
     gpu = load_model(device="cuda", dtype=torch.bfloat16, progress=False)
     with pytest.raises(ValueError, match="the model is on cuda"):
         LLMEngine(gpu.model, gpu.tokenizer, EngineConfig(num_blocks=8, batch_invariant=True))

@@ -388,10 +388,8 @@ class LLMEngine:
             logprobs = {rid: tuple(t.to("cpu", non_blocking=True) for t in v) for rid, v in logprobs.items()}
             prompt = {}
             for rid, (start, rows) in self.runner.prompt_logits.items():
-                live = self._live[rid]
-                got = live.prompt_logprobs(start, rows)
-                if got is not None:
-                    prompt[rid] = (live.request, start, got)
+                if (got := self._live[rid].prompt_logprobs(start, rows)) is not None:
+                    prompt[rid] = (self._live[rid].request, start, got)
             judged, drafted = verified(self.runner.draft_logits, batch.rows, self._live)
             logprobs |= drafted  # (a drafted row's, for each position it fed)
         ready = None
@@ -406,7 +404,9 @@ class LLMEngine:
         """The scheduler's drafts for a decode row (:mod:`kvtier.serve.speculate`)."""
         live = self._live.get(request.request_id)
         running = self.scheduler.num_running
-        return self.speculator.propose(live, k, running) if live is not None and speculates(live) else []
+        if live is None or not speculates(live) or (self.config.batch_invariant and not live.params.sampling.greedy):
+            return []  # (batch-invariant: how many drafts a sampled row gets, so its draws, hang on the step)
+        return self.speculator.propose(live, k, running)
 
     def _book(self, step: _Launched) -> None:
         """Book ``step`` in the scheduler, its sampled tokens as :data:`PENDING` (each its request's last

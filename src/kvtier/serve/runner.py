@@ -389,10 +389,13 @@ class ModelRunner:
         if prefill_dtype_of(self.model) != torch.float32:
             return ("the prefill dtype is bfloat16 (--prefill-dtype, KVTIER_PREFILL_DTYPE), which every token "
                     "computed alone would not use; leave it float32")
+        if self.dtype != torch.float32:
+            return f"the model is {str(self.dtype).removeprefix('torch.')} and the step runs float32 (--dtype float32)"
         step = plan_for(self.model)
         if step is None:
             return ("the model does not take it (a float32 Llama, Mistral or Qwen2 shape with packed or float32 "
-                    "projections does; Qwen3's q/k norms, tensor-parallel shards and adapters do not)")
+                    "projections does; Qwen3's q/k norms, tensor-parallel shards and adapters do not): serve it "
+                    "without --batch-invariant")
         if step._pages(self.caches) is None:
             return f"it does not read these pages ({self.storage_mode})"
         return None
