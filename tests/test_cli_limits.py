@@ -22,19 +22,19 @@ def loaded_once(lm, monkeypatch):
         monkeypatch.delenv(name)
 
 
-def interrupt_after(monkeypatch, n: int) -> None:
-    """Ctrl-C as the stream yields its ``n``-th token (``0``: during the prefill)."""
+def interrupt_after(monkeypatch, n: int, error: type[BaseException] = KeyboardInterrupt) -> None:
+    """Ctrl-C (or ``error``) as the stream yields its ``n``-th token (``0``: during the prefill)."""
     import kvtier.generate
 
     real = kvtier.generate.stream_generate
 
     def stream(*a, **kw):
         if n == 0:
-            raise KeyboardInterrupt
+            raise error
         for i, r in enumerate(real(*a, **kw), 1):
             yield r
             if i == n:
-                raise KeyboardInterrupt
+                raise error
 
     monkeypatch.setattr(kvtier.generate, "stream_generate", stream)
 
@@ -45,6 +45,14 @@ def test_ctrl_c_keeps_the_text_and_says_it_was_cut(capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert out.endswith("\n") and out.strip()  # before: the text without its newline, no summary
     assert "generated 3" in err and err.rstrip().endswith("| interrupted")
+
+
+def test_a_failure_mid_stream_ends_the_text_before_its_error(capsys, monkeypatch):
+    interrupt_after(monkeypatch, 3, MemoryError)  # (a lost rank of --tensor-parallel, memory)
+    assert cli.main(["generate", QUESTION, "--max-tokens", "20"]) == 2
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and out.strip()  # before: the error began on the text's last line
+    assert err.startswith("kvtier: error: MemoryError")
 
 
 def test_ctrl_c_with_json_prints_the_tokens_so_far(capsys, monkeypatch):

@@ -312,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(e, TensorParallelError):
                 raise
             # a rank failed or died and the others were stopped: what and where, in one line
-            # (a rank's own traceback follows the first line of the message, for the API)
+            # (a rank's own traceback follows the first line of the message, for the API); on a
+            # terminal a line of its own, as rank 0 may have been stopped mid-line
+            if sys.stdout.isatty() and sys.stderr.isatty():
+                print(flush=True)
             print(f"kvtier: error: {str(e).splitlines()[0]}", file=sys.stderr)
             return 1
 

@@ -334,6 +334,10 @@ def run_generate(args: argparse.Namespace, lm=None) -> int:
                 last = r
     except KeyboardInterrupt:  # Ctrl-C: what was generated is kept, and said to be cut
         interrupted = True
+    except BaseException:  # a failure mid-stream (a lost rank, memory): its error on a line of its own
+        if not args.json and any(text):
+            print(flush=True)
+        raise
     if last is None:  # (only an interruption ends the stream before its first token)
         if args.json:
             print(json.dumps({"prompt_tokens": ids, "tokens": [], "text": "", "finish_reason": "interrupted"}))
