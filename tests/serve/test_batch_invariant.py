@@ -110,6 +110,18 @@ def test_cached_prefixes_and_drafts_answer_as_alone_and_undrafted(lm) -> None:
     _assert_same_bits(got, alone)
 
 
+def test_calls_cut_short_by_the_scores_budget_change_no_bit(lm, monkeypatch) -> None:
+    """At long contexts a step runs in calls of fewer tokens (the scores' budget); here a few
+    tokens a call against whole steps: the same answers."""
+    from kvtier.serve import runner
+
+    prompts = [lm.tokenizer.encode(t) for t in TEXTS[:3]]
+    params = [RequestParams(max_tokens=12, logprobs=0, ignore_eos=True)] * 3
+    whole, _ = _run(lm, prompts, params, num_blocks=64)
+    monkeypatch.setattr(runner, "INVARIANT_SCORE_BYTES", 4 * lm.model.args.n_heads * 40 * 3)  # 3 tokens at 40
+    _assert_same_bits(_run(lm, prompts, params, num_blocks=64)[0], whole)
+
+
 def test_asynchronous_scheduling_feeds_pending_tokens_to_the_same_step(lm) -> None:
     """With asynchronous scheduling on the CPU (a decode row's token still in the step before's
     tokens) the answers are still those of each request alone, synchronously."""

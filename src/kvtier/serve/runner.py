@@ -97,6 +97,9 @@ class PendingTokens:
 #: layered forward). On the 2-core CPU the call was 1.1-2.6x faster up to 64 rows, and 1.3-2.4x for
 #: drafted steps of up to 160 tokens; its scratch grows with the rows times the longest context
 ONE_CALL_TOKENS = 256
+#: most bytes of scores a batch-invariant call holds (heads x tokens x the furthest position): a
+#: long context takes fewer tokens a call (where a call ends does not change a token's bits)
+INVARIANT_SCORE_BYTES = 256 * 2**20
 
 
 def fed_tokens(rows: Sequence[ScheduledRow], pending: PendingTokens | None
@@ -403,7 +406,7 @@ class ModelRunner:
     def _invariant(self, batch: StepBatch, pending: PendingTokens | None) -> torch.Tensor:
         """``batch`` with every token computed alone: each token a row of the one-call step
         (:meth:`~kvtier.model.cpu_step.DecodeStep.run_paged` with ``invariant``), in calls of at most
-        :data:`ONE_CALL_TOKENS` tokens, so a token's logits, keys and values are the same bits
+        :data:`ONE_CALL_TOKENS` tokens (fewer at long contexts: :data:`INVARIANT_SCORE_BYTES`), so a token's logits, keys and values are the same bits
         whatever else the step holds, however its prompt was chunked, and whether it is decoded or
         recomputed after a preemption. The logits as :meth:`execute` returns them."""
         step = plan_for(self.model)
@@ -419,8 +422,10 @@ class ModelRunner:
             want.extend(range(at + n - keep, at + n))
             at += n
         out, wanted = [], set(want)
-        for lo in range(0, len(tokens), ONE_CALL_TOKENS):
-            hi = min(lo + ONE_CALL_TOKENS, len(tokens))
+        furthest = max(r.start + len(r.token_ids) for r in batch.rows)
+        per_call = max(1, min(ONE_CALL_TOKENS, INVARIANT_SCORE_BYTES // (4 * self.model.args.n_heads * furthest)))
+        for lo in range(0, len(tokens), per_call):
+            hi = min(lo + per_call, len(tokens))
             select = [w - lo for w in want if lo <= w < hi]
             if not select:  # (a chunk whose positions nobody reads: its keys and values, and one logit row)
                 select = [hi - 1 - lo]
