@@ -19,7 +19,7 @@ import functools
 
 from kvtier.kernels import cpu_fused
 from kvtier.kernels.native import load_or_warn
-from kvtier.model import act_quant, packed_kernels, step_attention, step_rows
+from kvtier.model import act_quant, packed_kernels, step_attention, step_invariant, step_rows
 
 __all__ = ["STEP_SOURCE", "Kernels", "Layer", "Lin", "Paged", "load_kernels", "step_source"]
 
@@ -281,6 +281,12 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
       #pragma omp for schedule(static) nowait
       for (int64_t n = 0; n < N; n++) q8_0_q8_task(aq->q, aq->dx, l->w, l->d, y, M, N, K, n);
     }
+#if defined(__AVX512F__)
+  } else if (inv && M == 1 && (l->fmt == 1 || l->fmt == 2)) {  /* (the rows' sums, 8 outputs a task: step_invariant) */
+    #pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < (N + ONE_ROW_OUTPUTS - 1) / ONE_ROW_OUTPUTS; t++)
+      one_row_task(l->fmt, x, l->w, l->d, l->m, y, N, K, t);
+#endif
   } else if (l->fmt == 1 && one) {  /* (the row count a constant: see q4_1_q8_task1) */
     const int64_t tasks = q4_1_tasks(N);
     int8_t digits[Q4_ROW_DIGITS(K)];  /* (each thread makes the row's digits itself: no wait) */
@@ -547,7 +553,7 @@ def load_kernels() -> Kernels | None:
 def step_source() -> str:
     """The library's whole C source: the packed products, the elementwise kernels, the int8
     activations' products (:mod:`kvtier.model.act_quant`), the stored rows
-    (:mod:`kvtier.model.step_rows`), attention (:mod:`kvtier.model.step_attention`) and the
-    step."""
+    (:mod:`kvtier.model.step_rows`), attention (:mod:`kvtier.model.step_attention`), a
+    batch-invariant step's one-row products (:mod:`kvtier.model.step_invariant`) and the step."""
     return (packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + act_quant._C_SOURCE + step_rows._C_SOURCE
-            + step_attention._C_SOURCE + STEP_SOURCE)
+            + step_attention._C_SOURCE + step_invariant._C_SOURCE + STEP_SOURCE)
