@@ -53,8 +53,9 @@ def _assert_same_bits(got, alone) -> None:
 @pytest.mark.parametrize("codes", ["fp", "q8", "turboquant"])
 def test_a_tokens_bits_do_not_depend_on_the_tokens_beside_it_in_the_step(lm, codes) -> None:
     """The one-call step with ``invariant``: a sequence's logits at every position, computed a token
-    a call, in calls of 48 beside two other sequences, or in one call of 100 then a token at a time
-    beside another, are the same bits (140 positions: attention splits the keys)."""
+    a call, in calls of 48 beside two other sequences, in one call of 100 then a token at a time
+    beside another, or a token at a time beside two others, are the same bits (140 positions:
+    attention splits the keys)."""
     model, a = lm.model, lm.model.args
     step = plan_for(model)
     seqs = torch.randint(0, a.vocab_size, (3, 140), generator=torch.Generator().manual_seed(1))
@@ -77,7 +78,8 @@ def test_a_tokens_bits_do_not_depend_on_the_tokens_beside_it_in_the_step(lm, cod
     beside = run([[(1, lo, lo + 48), (0, lo, lo + 48), (2, lo, lo + 5)] for lo in range(0, 96, 48)]
                  + [[(0, 96, 140), (1, 96, 140)]])
     chunked = run([[(2, 0, 100), (0, 0, 100)]] + [[(0, p, p + 1), (1, p - 100, p - 99)] for p in range(100, 140)])
-    for other in (beside, chunked):
+    three = run([[(1, p, p + 1), (0, p, p + 1), (2, p, p + 1)] for p in range(140)])  # (rows of 1, 2, 3, 4+: loops of their own)
+    for other in (beside, chunked, three):
         assert all(torch.equal(alone[0, p], other[0, p]) for p in range(140))
 
 

@@ -1,15 +1,20 @@
-"""One row's packed products in a batch-invariant step, as fast as one row's own loop.
+"""The packed products of a step of one to three rows, eight outputs a task (AVX-512).
 
-A batch-invariant step (:meth:`kvtier.model.cpu_step.DecodeStep.run_paged` with ``invariant``)
-multiplies a lone row in the loop of several rows (``q4_1_group512`` / ``q8_0_group512`` of
-:mod:`kvtier.model.packed_kernels`), so that its sums are the bits they are in any batch. That
-loop keeps two outputs' sums a task, and one row gives them two (Q4_1) or two a output (Q8_0)
-chains of dependent multiply-adds, which wait on the FMA's latency: a one-token step of the default
-model took 8.2-8.8 ms against 6.3-6.5 through the row's integer digits (benchmarks/RESULTS.md,
-2026-12-07). Here one row meets eight outputs a task, each output's sums the very multiply-adds of
-the group loop in the same order (the weights formed from the same codes, scales and minima the same
-way), so the bits are the same and eight outputs' chains run side by side. AVX-512 only; other
-builds keep the group loop.
+The loop of several rows (``q4_1_group512`` / ``q8_0_group512`` of
+:mod:`kvtier.model.packed_kernels`) keeps two outputs' sums a task: with one to three rows that
+is two to six chains of dependent multiply-adds, which wait on the FMA's latency. Here a task
+takes eight outputs, each output's sums for each row the very multiply-adds of the group loop in
+the same order (the weights formed from the same codes, scales and minima the same way), so the
+bits are the group loop's and eight to twenty-four chains run side by side:
+
+- a batch-invariant step's lone row (:meth:`kvtier.model.cpu_step.DecodeStep.run_paged` with
+  ``invariant``), which must take the rows' sums, not its own integer digits: a one-token step
+  of the default model 8.2-8.8 ms through the group loop, 6.3-6.7 ms here (5.3-5.8 through the
+  digits);
+- steps of two and three rows (two requests decoding, a verification of two or three tokens):
+  9.6 -> 8.3 ms and 10.9 -> 10.5 ms (benchmarks/RESULTS.md, 2026-12-07).
+
+Other builds keep the group loop.
 """
 
 from __future__ import annotations
@@ -18,67 +23,79 @@ __all__: list[str] = []
 
 _C_SOURCE = r"""
 #if defined(__AVX512F__)
-#define ONE_ROW_OUTPUTS 8
+#define FEW_ROWS_OUTPUTS 8  /* outputs a task */
+#define FEW_ROWS 3          /* most rows these loops take */
 
-/* outputs [n0, n0 + R) of one row x [K] against Q4_1 codes: q4_1_group512's sums for a row */
-static inline __attribute__((always_inline)) void q4_1_one_row_r(const float* x, const uint8_t* codes,
-    const _Float16* d, const _Float16* mn, float* y, int64_t G, int64_t n0, const int64_t R) {
+/* outputs [n0, n0 + R) of rows x [M, K] (M <= FEW_ROWS) against Q4_1 codes: q4_1_group512's sums */
+static inline __attribute__((always_inline)) void q4_1_few_rows(const float* x, int64_t K, const uint8_t* codes,
+    const _Float16* d, const _Float16* mn, float* y, int64_t N, int64_t G, int64_t n0, const int64_t R,
+    const int64_t M) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 acc[ONE_ROW_OUTPUTS];
-  float df[ONE_ROW_OUTPUTS][G + 16], mf[ONE_ROW_OUTPUTS][G + 16];  /* (as the group loop converts them) */
+  __m512 acc[FEW_ROWS_OUTPUTS][FEW_ROWS];
+  float df[FEW_ROWS_OUTPUTS][G + 16], mf[FEW_ROWS_OUTPUTS][G + 16];  /* (as the group loop converts them) */
   for (int64_t r = 0; r < R; r++) {
-    acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < M; i++) acc[r][i] = _mm512_setzero_ps();
     halves_to_floats(d + (n0 + r) * G, df[r], G);
     halves_to_floats(mn + (n0 + r) * G, mf[r], G);
   }
   for (int64_t g = 0; g < G; g++) {
-    const __m512 xl = _mm512_loadu_ps(x + g * 32), xh = _mm512_loadu_ps(x + g * 32 + 16);
+    __m512 xl[FEW_ROWS], xh[FEW_ROWS];
+    for (int64_t i = 0; i < M; i++) xl[i] = _mm512_loadu_ps(x + i * K + g * 32), xh[i] = _mm512_loadu_ps(x + i * K + g * 32 + 16);
     for (int64_t r = 0; r < R; r++) {
       const uint8_t* c = codes + ((n0 + r) * G + g) * 16;
       if (!(g & 3)) KV_PREFETCH(c + 512);
       const __m512i p = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)c));
       const __m512 t = _mm512_fmadd_ps(iota, _mm512_set1_ps(df[r][g]), _mm512_set1_ps(mf[r][g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(p, 4), t), xh,
-                               _mm512_fmadd_ps(_mm512_permutexvar_ps(p, t), xl, acc[r]));
+      const __m512 wl = _mm512_permutexvar_ps(p, t), wh = _mm512_permutexvar_ps(_mm512_srli_epi32(p, 4), t);
+      for (int64_t i = 0; i < M; i++) acc[r][i] = _mm512_fmadd_ps(wh, xh[i], _mm512_fmadd_ps(wl, xl[i], acc[r][i]));
     }
   }
-  for (int64_t r = 0; r < R; r++) y[n0 + r] = _mm512_reduce_add_ps(acc[r]);
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t i = 0; i < M; i++) y[i * N + n0 + r] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-/* outputs [n0, n0 + R) of one row x [K] against Q8_0 codes: q8_0_group512's sums for a row */
-static inline __attribute__((always_inline)) void q8_0_one_row_r(const float* x, const int8_t* codes,
-    const _Float16* d, float* y, int64_t G, int64_t n0, const int64_t R) {
-  __m512 a0[ONE_ROW_OUTPUTS], a1[ONE_ROW_OUTPUTS];
-  float df[ONE_ROW_OUTPUTS][G + 16];
+/* outputs [n0, n0 + R) of rows x [M, K] (M <= FEW_ROWS) against Q8_0 codes: q8_0_group512's sums */
+static inline __attribute__((always_inline)) void q8_0_few_rows(const float* x, int64_t K, const int8_t* codes,
+    const _Float16* d, float* y, int64_t N, int64_t G, int64_t n0, const int64_t R, const int64_t M) {
+  __m512 a0[FEW_ROWS_OUTPUTS][FEW_ROWS], a1[FEW_ROWS_OUTPUTS][FEW_ROWS];
+  float df[FEW_ROWS_OUTPUTS][G + 16];
   for (int64_t r = 0; r < R; r++) {
-    a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < M; i++) a0[r][i] = a1[r][i] = _mm512_setzero_ps();
     halves_to_floats(d + (n0 + r) * G, df[r], G);
   }
   for (int64_t g = 0; g < G; g++) {
-    const __m512 xl = _mm512_loadu_ps(x + g * 32), xh = _mm512_loadu_ps(x + g * 32 + 16);
+    __m512 xl[FEW_ROWS], xh[FEW_ROWS];
+    for (int64_t i = 0; i < M; i++) xl[i] = _mm512_loadu_ps(x + i * K + g * 32), xh[i] = _mm512_loadu_ps(x + i * K + g * 32 + 16);
     for (int64_t r = 0; r < R; r++) {
-      const int64_t b = (n0 + r) * G + g;
-      if (!(g & 1)) KV_PREFETCH(codes + b * 32 + 1024);
+      const int8_t* c = codes + ((n0 + r) * G + g) * 32;
+      if (!(g & 1)) KV_PREFETCH(c + 1024);
       const __m512 dv = _mm512_set1_ps(df[r][g]);
-      const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + b * 32)))), dv);
-      const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + b * 32 + 16)))), dv);
-      a0[r] = _mm512_fmadd_ps(w0, xl, a0[r]);
-      a1[r] = _mm512_fmadd_ps(w1, xh, a1[r]);
+      const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)c))), dv);
+      const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16)))), dv);
+      for (int64_t i = 0; i < M; i++) {
+        a0[r][i] = _mm512_fmadd_ps(w0, xl[i], a0[r][i]);
+        a1[r][i] = _mm512_fmadd_ps(w1, xh[i], a1[r][i]);
+      }
     }
   }
-  for (int64_t r = 0; r < R; r++) y[n0 + r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t i = 0; i < M; i++) y[i * N + n0 + r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r][i], a1[r][i]));
 }
 
-/* task t of a one-row product of N outputs (fmt 1: Q4_1, 2: Q8_0): outputs [8 t, 8 t + 8) */
-static inline void one_row_task(int fmt, const float* x, const void* codes, const _Float16* d,
-                                const _Float16* mn, float* y, int64_t N, int64_t K, int64_t t) {
-  const int64_t G = K / 32, n0 = t * ONE_ROW_OUTPUTS, R = N - n0 < ONE_ROW_OUTPUTS ? N - n0 : ONE_ROW_OUTPUTS;
-  if (fmt == 1 && R == ONE_ROW_OUTPUTS) q4_1_one_row_r(x, (const uint8_t*)codes, d, mn, y, G, n0, ONE_ROW_OUTPUTS);
-  else if (fmt == 1) q4_1_one_row_r(x, (const uint8_t*)codes, d, mn, y, G, n0, R);
-  else if (R == ONE_ROW_OUTPUTS) q8_0_one_row_r(x, (const int8_t*)codes, d, y, G, n0, ONE_ROW_OUTPUTS);
-  else q8_0_one_row_r(x, (const int8_t*)codes, d, y, G, n0, R);
+/* task t of a product of M <= FEW_ROWS rows and N outputs (fmt 1: Q4_1, 2: Q8_0): outputs
+   [8 t, 8 t + 8), the row and output counts constants where they can be (sums in registers) */
+static inline void few_rows_task(int fmt, const float* x, const void* codes, const _Float16* d,
+                                 const _Float16* mn, float* y, int64_t M, int64_t N, int64_t K, int64_t t) {
+  const int64_t G = K / 32, n0 = t * FEW_ROWS_OUTPUTS, R = N - n0 < FEW_ROWS_OUTPUTS ? N - n0 : FEW_ROWS_OUTPUTS;
+#define FEW(MM) do { \
+    if (fmt == 1 && R == FEW_ROWS_OUTPUTS) q4_1_few_rows(x, K, (const uint8_t*)codes, d, mn, y, N, G, n0, FEW_ROWS_OUTPUTS, MM); \
+    else if (fmt == 1) q4_1_few_rows(x, K, (const uint8_t*)codes, d, mn, y, N, G, n0, R, MM); \
+    else if (R == FEW_ROWS_OUTPUTS) q8_0_few_rows(x, K, (const int8_t*)codes, d, y, N, G, n0, FEW_ROWS_OUTPUTS, MM); \
+    else q8_0_few_rows(x, K, (const int8_t*)codes, d, y, N, G, n0, R, MM); } while (0)
+  if (M == 1) FEW(1);
+  else if (M == 2) FEW(2);
+  else FEW(3);
+#undef FEW
 }
 #endif
 """

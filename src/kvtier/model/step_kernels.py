@@ -282,10 +282,10 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
       for (int64_t n = 0; n < N; n++) q8_0_q8_task(aq->q, aq->dx, l->w, l->d, y, M, N, K, n);
     }
 #if defined(__AVX512F__)
-  } else if (inv && M == 1 && (l->fmt == 1 || l->fmt == 2)) {  /* (the rows' sums, 8 outputs a task: step_invariant) */
+  } else if (M <= FEW_ROWS && (M > 1 || inv) && (l->fmt == 1 || l->fmt == 2)) {  /* (step_invariant) */
     #pragma omp for schedule(static) nowait
-    for (int64_t t = 0; t < (N + ONE_ROW_OUTPUTS - 1) / ONE_ROW_OUTPUTS; t++)
-      one_row_task(l->fmt, x, l->w, l->d, l->m, y, N, K, t);
+    for (int64_t t = 0; t < (N + FEW_ROWS_OUTPUTS - 1) / FEW_ROWS_OUTPUTS; t++)
+      few_rows_task(l->fmt, x, l->w, l->d, l->m, y, M, N, K, t);
 #endif
   } else if (l->fmt == 1 && one) {  /* (the row count a constant: see q4_1_q8_task1) */
     const int64_t tasks = q4_1_tasks(N);
