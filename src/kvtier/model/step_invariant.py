@@ -1,18 +1,20 @@
-"""The packed products of a step of one to three rows, eight outputs a task (AVX-512).
+"""The packed products of a step of one to four rows, several outputs a task (AVX-512).
 
 The loop of several rows (``q4_1_group512`` / ``q8_0_group512`` of
-:mod:`kvtier.model.packed_kernels`) keeps two outputs' sums a task: with one to three rows that
-is two to six chains of dependent multiply-adds, which wait on the FMA's latency. Here a task
-takes eight outputs, each output's sums for each row the very multiply-adds of the group loop in
-the same order (the weights formed from the same codes, scales and minima the same way), so the
-bits are the group loop's and eight to twenty-four chains run side by side:
+:mod:`kvtier.model.packed_kernels`) keeps two outputs' sums a task: with one to four rows that
+is two to eight chains of dependent multiply-adds, which wait on the FMA's latency. Here a task
+takes eight outputs (four for three or four rows), each output's sums for each row the very
+multiply-adds of the group loop in the same order (the weights formed from the same codes, scales
+and minima the same way), so the bits are the group loop's and eight to sixteen chains run side
+by side:
 
 - a batch-invariant step's lone row (:meth:`kvtier.model.cpu_step.DecodeStep.run_paged` with
   ``invariant``), which must take the rows' sums, not its own integer digits: a one-token step
-  of the default model 8.2-8.8 ms through the group loop, 6.3-6.7 ms here (5.3-5.8 through the
+  of the default model 8.2-8.8 ms through the group loop, 6.3-6.7 ms here (5.3-5.9 through the
   digits);
-- steps of two and three rows (two requests decoding, a verification of two or three tokens):
-  9.6 -> 8.3 ms and 10.9 -> 10.5 ms (benchmarks/RESULTS.md, 2026-12-07).
+- steps of two to four rows (requests decoding together, a verification of a few tokens):
+  9.6 -> 8.3-8.6 ms, 10.9 -> 9.1-9.3 ms and 12.0 -> 10.7-11.1 ms (benchmarks/RESULTS.md,
+  2026-12-07).
 
 Other builds keep the group loop.
 """
@@ -24,7 +26,8 @@ __all__: list[str] = []
 _C_SOURCE = r"""
 #if defined(__AVX512F__)
 #define FEW_ROWS_OUTPUTS 8  /* outputs a task */
-#define FEW_ROWS 3          /* most rows these loops take */
+#define FEW_ROWS 4          /* most rows these loops take */
+#define FEW_OUTPUTS(M) ((M) >= 3 ? 4 : FEW_ROWS_OUTPUTS)  /* outputs a task of M rows */
 
 /* outputs [n0, n0 + R) of rows x [M, K] (M <= FEW_ROWS) against Q4_1 codes: q4_1_group512's sums */
 static inline __attribute__((always_inline)) void q4_1_few_rows(const float* x, int64_t K, const uint8_t* codes,
@@ -83,18 +86,19 @@ static inline __attribute__((always_inline)) void q8_0_few_rows(const float* x, 
 }
 
 /* task t of a product of M <= FEW_ROWS rows and N outputs (fmt 1: Q4_1, 2: Q8_0): outputs
-   [8 t, 8 t + 8), the row and output counts constants where they can be (sums in registers) */
+   [p t, p t + p), p = FEW_OUTPUTS(M), the counts constants where they can be (sums in registers) */
 static inline void few_rows_task(int fmt, const float* x, const void* codes, const _Float16* d,
                                  const _Float16* mn, float* y, int64_t M, int64_t N, int64_t K, int64_t t) {
-  const int64_t G = K / 32, n0 = t * FEW_ROWS_OUTPUTS, R = N - n0 < FEW_ROWS_OUTPUTS ? N - n0 : FEW_ROWS_OUTPUTS;
+  const int64_t per = FEW_OUTPUTS(M), G = K / 32, n0 = t * per, R = N - n0 < per ? N - n0 : per;
 #define FEW(MM) do { \
-    if (fmt == 1 && R == FEW_ROWS_OUTPUTS) q4_1_few_rows(x, K, (const uint8_t*)codes, d, mn, y, N, G, n0, FEW_ROWS_OUTPUTS, MM); \
+    if (fmt == 1 && R == FEW_OUTPUTS(MM)) q4_1_few_rows(x, K, (const uint8_t*)codes, d, mn, y, N, G, n0, FEW_OUTPUTS(MM), MM); \
     else if (fmt == 1) q4_1_few_rows(x, K, (const uint8_t*)codes, d, mn, y, N, G, n0, R, MM); \
-    else if (R == FEW_ROWS_OUTPUTS) q8_0_few_rows(x, K, (const int8_t*)codes, d, y, N, G, n0, FEW_ROWS_OUTPUTS, MM); \
+    else if (R == FEW_OUTPUTS(MM)) q8_0_few_rows(x, K, (const int8_t*)codes, d, y, N, G, n0, FEW_OUTPUTS(MM), MM); \
     else q8_0_few_rows(x, K, (const int8_t*)codes, d, y, N, G, n0, R, MM); } while (0)
   if (M == 1) FEW(1);
   else if (M == 2) FEW(2);
-  else FEW(3);
+  else if (M == 3) FEW(3);
+  else FEW(4);
 #undef FEW
 }
 #endif

@@ -284,7 +284,7 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
 #if defined(__AVX512F__)
   } else if (M <= FEW_ROWS && (M > 1 || inv) && (l->fmt == 1 || l->fmt == 2)) {  /* (step_invariant) */
     #pragma omp for schedule(static) nowait
-    for (int64_t t = 0; t < (N + FEW_ROWS_OUTPUTS - 1) / FEW_ROWS_OUTPUTS; t++)
+    for (int64_t t = 0; t < (N + FEW_OUTPUTS(M) - 1) / FEW_OUTPUTS(M); t++)
       few_rows_task(l->fmt, x, l->w, l->d, l->m, y, M, N, K, t);
 #endif
   } else if (l->fmt == 1 && one) {  /* (the row count a constant: see q4_1_q8_task1) */
