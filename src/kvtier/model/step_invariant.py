@@ -25,7 +25,7 @@ __all__: list[str] = []
 
 _C_SOURCE = r"""
 #if defined(__AVX512F__)
-#define FEW_ROWS_OUTPUTS 8  /* outputs a task */
+#define FEW_ROWS_OUTPUTS 8  /* most outputs a task */
 #define FEW_ROWS 4          /* most rows these loops take */
 #define FEW_OUTPUTS(M) ((M) >= 3 ? 4 : FEW_ROWS_OUTPUTS)  /* outputs a task of M rows */
 
