@@ -19,7 +19,7 @@ import functools
 
 from kvtier.kernels import cpu_fused
 from kvtier.kernels.native import load_or_warn
-from kvtier.model import act_quant, packed_kernels, step_attention, step_invariant, step_rows
+from kvtier.model import act_quant, packed_kernels, step_attention, step_products, step_rows
 
 __all__ = ["STEP_SOURCE", "Kernels", "Layer", "Lin", "Paged", "load_kernels", "step_source"]
 
@@ -282,7 +282,11 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
       for (int64_t n = 0; n < N; n++) q8_0_q8_task(aq->q, aq->dx, l->w, l->d, y, M, N, K, n);
     }
 #if defined(__AVX512F__)
-  } else if (M <= FEW_ROWS && (M > 1 || inv) && (l->fmt == 1 || l->fmt == 2)) {  /* (step_invariant) */
+  } else if (M >= BLOCKED_ROWS && l->fmt == 1) {  /* (step_products) */
+    #pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < ((N + 1) / 2 + PAIRS_A_TASK - 1) / PAIRS_A_TASK; t++)
+      q4_1_blocked_task(x, l->w, l->d, l->m, y, M, N, K, t);
+  } else if (M <= FEW_ROWS && (M > 1 || inv) && (l->fmt == 1 || l->fmt == 2)) {  /* (step_products) */
     #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < (N + FEW_OUTPUTS(M) - 1) / FEW_OUTPUTS(M); t++)
       few_rows_task(l->fmt, x, l->w, l->d, l->m, y, M, N, K, t);
@@ -553,7 +557,7 @@ def load_kernels() -> Kernels | None:
 def step_source() -> str:
     """The library's whole C source: the packed products, the elementwise kernels, the int8
     activations' products (:mod:`kvtier.model.act_quant`), the stored rows
-    (:mod:`kvtier.model.step_rows`), attention (:mod:`kvtier.model.step_attention`), a
-    batch-invariant step's one-row products (:mod:`kvtier.model.step_invariant`) and the step."""
+    (:mod:`kvtier.model.step_rows`), attention (:mod:`kvtier.model.step_attention`), the
+    products' loops for few and many rows (:mod:`kvtier.model.step_products`) and the step."""
     return (packed_kernels._C_SOURCE + cpu_fused._C_SOURCE + act_quant._C_SOURCE + step_rows._C_SOURCE
-            + step_attention._C_SOURCE + step_invariant._C_SOURCE + STEP_SOURCE)
+            + step_attention._C_SOURCE + step_products._C_SOURCE + STEP_SOURCE)

@@ -1,22 +1,27 @@
-"""The packed products of a step of one to four rows, several outputs a task (AVX-512).
+"""The one-call step's packed-product loops for few rows and for many (AVX-512), beside
+``q4_1_task`` / ``q8_0_task`` of :mod:`kvtier.model.packed_kernels`. Each gives every (row,
+output) sum the very multiply-adds of the group loop (``q4_1_group512`` / ``q8_0_group512``) in
+the same order, the weights formed from the same codes, scales and minima the same way: the bits
+are the group loop's, in any of these loops, so a batch-invariant step may take any of them.
 
-The loop of several rows (``q4_1_group512`` / ``q8_0_group512`` of
-:mod:`kvtier.model.packed_kernels`) keeps two outputs' sums a task: with one to four rows that
-is two to eight chains of dependent multiply-adds, which wait on the FMA's latency. Here a task
-takes eight outputs (four for three or four rows), each output's sums for each row the very
-multiply-adds of the group loop in the same order (the weights formed from the same codes, scales
-and minima the same way), so the bits are the group loop's and eight to sixteen chains run side
-by side:
+*Few rows* (one to four). The group loop keeps two outputs' sums a task: with one to four rows
+that is two to eight chains of dependent multiply-adds, which wait on the FMA's latency. Here a
+task takes eight outputs (four for three or four rows), so eight to sixteen chains run side by
+side:
 
 - a batch-invariant step's lone row (:meth:`kvtier.model.cpu_step.DecodeStep.run_paged` with
   ``invariant``), which must take the rows' sums, not its own integer digits: a one-token step
   of the default model 8.2-8.8 ms through the group loop, 6.3-6.7 ms here (5.3-5.9 through the
   digits);
 - steps of two to four rows (requests decoding together, a verification of a few tokens):
-  9.6 -> 8.3-8.6 ms, 10.9 -> 9.1-9.3 ms and 12.0 -> 10.7-11.1 ms (benchmarks/RESULTS.md,
-  2026-12-07).
+  9.6 -> 8.3-8.6 ms, 10.9 -> 9.1-9.3 ms and 12.0 -> 10.7-11.1 ms.
 
-Other builds keep the group loop.
+*Many rows* (16 or more, Q4_1). ``q4_1_task`` reads every row again for each pair of outputs;
+here a task takes sixteen pairs and goes row group by row group (eight, then four, then the rest,
+as ``q4_1_task`` groups them), so a group's rows stay in the L1 cache across the pairs: a call of
+256 prompt tokens at a short context 386 -> 318 ms, 64 tokens 88 -> 79 ms.
+
+(benchmarks/RESULTS.md, 2026-12-07.) Other builds keep the group loop.
 """
 
 from __future__ import annotations
@@ -100,6 +105,43 @@ static inline void few_rows_task(int fmt, const float* x, const void* codes, con
   else if (M == 3) FEW(3);
   else FEW(4);
 #undef FEW
+}
+
+/* task t of a Q4_1 product of many rows: output pairs [16 t, 16 t + 16), row group by row group
+   (eight, then four, then the rest, as q4_1_task takes them), each pair's sums q4_1_group512's:
+   a group's rows stay in the L1 cache across the block's pairs, where q4_1_task reads every row
+   again for each pair */
+#define PAIRS_A_TASK 16
+#define BLOCKED_ROWS 16  /* fewest rows that take it */
+static void q4_1_blocked_task(const float* x, const uint8_t* codes, const _Float16* d, const _Float16* mn,
+                              float* y, int64_t M, int64_t N, int64_t K, int64_t t) {
+  const int64_t G = K / 32, p0 = t * PAIRS_A_TASK, pairs = (N + 1) / 2;
+  const int64_t P = pairs - p0 < PAIRS_A_TASK ? pairs - p0 : PAIRS_A_TASK;
+  float df[PAIRS_A_TASK][2][G + 16], mf[PAIRS_A_TASK][2][G + 16];
+  for (int64_t pp = 0; pp < P; pp++) {
+    const int64_t n = 2 * (p0 + pp);
+    const int two = n + 1 < N;
+    for (int q = 0; q < 2; q++) {
+      halves_to_floats(d + (n + (two ? q : 0)) * G, df[pp][q], G);
+      halves_to_floats(mn + (n + (two ? q : 0)) * G, mf[pp][q], G);
+    }
+  }
+  for (int64_t r0 = 0; r0 < M;) {
+    const int64_t rn = M - r0 >= 8 ? 8 : M - r0 >= 4 ? 4 : M - r0;
+    for (int64_t pp = 0; pp < P; pp++) {
+      const int64_t n = 2 * (p0 + pp);
+      const int two = n + 1 < N;
+      const uint8_t* c0 = codes + n * G * 16;
+      const uint8_t* c1 = two ? c0 + G * 16 : c0;
+      if (rn == 8)
+        q4_1_group512(x + r0 * K, K, c0, c1, df[pp][0], mf[pp][0], df[pp][1], mf[pp][1], G, 8, y + r0 * N, N, n, two);
+      else if (rn == 4)
+        q4_1_group512(x + r0 * K, K, c0, c1, df[pp][0], mf[pp][0], df[pp][1], mf[pp][1], G, 4, y + r0 * N, N, n, two);
+      else
+        q4_1_group512(x + r0 * K, K, c0, c1, df[pp][0], mf[pp][0], df[pp][1], mf[pp][1], G, rn, y + r0 * N, N, n, two);
+    }
+    r0 += rn;
+  }
 }
 #endif
 """
