@@ -105,7 +105,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=_ABSENT,
                    help="every answer the same bits whatever requests share its steps, however its prompt "
                         "is chunked, cached or recomputed (CPU only: each token through the one-call step; "
-                        "0.82-0.87x the throughput, 0.6x a long prefill's)")
+                        "0.82-0.87x the throughput; a long prompt 1.6x the time)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                    default=_ABSENT, help="schedule the next step while the GPU runs this one "
                                          "(default: on CUDA only)")
