@@ -42,3 +42,14 @@ def lm():
     torch.set_num_threads(1)  # see tests/test_generate.py
     yield load_model(device="cpu", dtype=torch.float32, progress=False)
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def cli_on_lm(lm, monkeypatch):
+    """The command line on the module's ``lm`` (no model is loaded) and without the caller's
+    ``KVTIER_*`` settings."""
+    from kvtier import cli_run
+
+    monkeypatch.setattr(cli_run, "_load", lambda args: lm)
+    for name in [k for k in os.environ if k.startswith(("KVTIER_", "MTPLX_"))]:
+        monkeypatch.delenv(name)

@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
 
 import pytest
 
-from kvtier import cli, cli_run, cli_text
+from kvtier import cli, cli_text
 
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(autouse=True)
-def loaded_once(lm, monkeypatch):
-    monkeypatch.setattr(cli_run, "_load", lambda args: lm)
-    for name in [k for k in os.environ if k.startswith(("KVTIER_", "MTPLX_"))]:
-        monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("cli_on_lm")
 
 
 def interrupt_after(monkeypatch, n: int, error: type[BaseException] = KeyboardInterrupt) -> None:

@@ -7,7 +7,6 @@ values fitted to their own reconstruction; greedy output then changed."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -16,14 +15,7 @@ from kvtier import cli
 PROMPT = "Write a haiku about the sea and the moon, then explain it briefly."
 
 
-@pytest.fixture(autouse=True)
-def loaded_once(lm, monkeypatch):
-    """The default model from this module's copy; no KVTIER_* setting of the caller's."""
-    from kvtier import cli_run
-
-    monkeypatch.setattr(cli_run, "_load", lambda args: lm)
-    for name in [k for k in os.environ if k.startswith(("KVTIER_", "MTPLX_"))]:
-        monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("cli_on_lm")
 
 
 def tokens(capsys, *argv: str) -> tuple[list[int], int]:

@@ -34,6 +34,12 @@ _C_SOURCE = r"""
 #define FEW_ROWS 4          /* most rows these loops take */
 #define FEW_OUTPUTS(M) ((M) >= 3 ? 4 : FEW_ROWS_OUTPUTS)  /* outputs a task of M rows */
 
+/* block g of rows x [M, K]: its first and last 16 values of each row */
+static inline __attribute__((always_inline)) void block_of_rows(const float* x, int64_t K, int64_t g,
+                                                                const int64_t M, __m512* xl, __m512* xh) {
+  for (int64_t i = 0; i < M; i++) xl[i] = _mm512_loadu_ps(x + i * K + g * 32), xh[i] = _mm512_loadu_ps(x + i * K + g * 32 + 16);
+}
+
 /* outputs [n0, n0 + R) of rows x [M, K] (M <= FEW_ROWS) against Q4_1 codes: q4_1_group512's sums */
 static inline __attribute__((always_inline)) void q4_1_few_rows(const float* x, int64_t K, const uint8_t* codes,
     const _Float16* d, const _Float16* mn, float* y, int64_t N, int64_t G, int64_t n0, const int64_t R,
@@ -48,7 +54,7 @@ static inline __attribute__((always_inline)) void q4_1_few_rows(const float* x, 
   }
   for (int64_t g = 0; g < G; g++) {
     __m512 xl[FEW_ROWS], xh[FEW_ROWS];
-    for (int64_t i = 0; i < M; i++) xl[i] = _mm512_loadu_ps(x + i * K + g * 32), xh[i] = _mm512_loadu_ps(x + i * K + g * 32 + 16);
+    block_of_rows(x, K, g, M, xl, xh);
     for (int64_t r = 0; r < R; r++) {
       const uint8_t* c = codes + ((n0 + r) * G + g) * 16;
       if (!(g & 3)) KV_PREFETCH(c + 512);
@@ -73,7 +79,7 @@ static inline __attribute__((always_inline)) void q8_0_few_rows(const float* x, 
   }
   for (int64_t g = 0; g < G; g++) {
     __m512 xl[FEW_ROWS], xh[FEW_ROWS];
-    for (int64_t i = 0; i < M; i++) xl[i] = _mm512_loadu_ps(x + i * K + g * 32), xh[i] = _mm512_loadu_ps(x + i * K + g * 32 + 16);
+    block_of_rows(x, K, g, M, xl, xh);
     for (int64_t r = 0; r < R; r++) {
       const int8_t* c = codes + ((n0 + r) * G + g) * 32;
       if (!(g & 1)) KV_PREFETCH(c + 1024);

@@ -48,6 +48,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -406,44 +407,38 @@ class ModelRunner:
     def _invariant(self, batch: StepBatch, pending: PendingTokens | None) -> torch.Tensor:
         """``batch`` with every token computed alone: each token a row of the one-call step
         (:meth:`~kvtier.model.cpu_step.DecodeStep.run_paged` with ``invariant``), in calls of at most
-        :data:`ONE_CALL_TOKENS` tokens (fewer at long contexts: :data:`INVARIANT_SCORE_BYTES`), so a token's logits, keys and values are the same bits
-        whatever else the step holds, however its prompt was chunked, and whether it is decoded or
+        :data:`ONE_CALL_TOKENS` tokens (fewer at long contexts: :data:`INVARIANT_SCORE_BYTES`), so a
+        token's logits, keys and values are the same bits whatever else the step holds, however its prompt was chunked, and whether it is decoded or
         recomputed after a preemption. The logits as :meth:`execute` returns them."""
         step = plan_for(self.model)
         fed, pending = fed_tokens(batch.rows, pending)
-        tokens = [ScheduledRow(r.request_id, (t,), r.start + j, r.blocks, True)
-                  for r, ids in zip(batch.rows, fed) for j, t in enumerate(ids)]
-        ids = [t for ts in fed for t in ts]
-        spans, want, at = [], [], 0  # each row's wanted positions: [first, end) in ``want``
+        tokens, ids = token_rows(batch.rows), [t for ts in fed for t in ts]  # (ids: pending ones coded)
+        spans, want, at = [], [], 0  # each row's wanted positions: [first, end) in ``want`` (ascending)
         for r in batch.rows:
             n = len(r.token_ids)
             keep = n if r.all_logits else r.draft + 1 if r.draft else 1 if r.sample else 0
             spans.append((len(want), len(want) + keep))
             want.extend(range(at + n - keep, at + n))
             at += n
-        out, wanted = [], set(want)
         furthest = max(r.start + len(r.token_ids) for r in batch.rows)
         per_call = max(1, min(ONE_CALL_TOKENS, INVARIANT_SCORE_BYTES // (4 * self.model.args.n_heads * furthest)))
+        out = []
         for lo in range(0, len(tokens), per_call):
             hi = min(lo + per_call, len(tokens))
-            select = [w - lo for w in want if lo <= w < hi]
-            if not select:  # (a chunk whose positions nobody reads: its keys and values, and one logit row)
-                select = [hi - 1 - lo]
-            got = self._decode_step(step, tokens[lo:hi], ids[lo:hi], pending, select, invariant=True)
+            select = [w - lo for w in want[bisect.bisect_left(want, lo) : bisect.bisect_left(want, hi)]]
+            # (a call whose positions nobody reads writes its keys and values, and one logit row)
+            got = self._decode_step(step, tokens[lo:hi], ids[lo:hi], pending, select or [hi - 1 - lo], invariant=True)
             if got is None:
                 raise RuntimeError("the one-call step refused pages it took when the runner was built")
-            out.extend(got[i] for i, w in enumerate(select) if lo + w in wanted)
-        logits = {}
+            if select:
+                out.append(got)
+        out = torch.cat(out) if out else torch.empty(0, self.model.args.vocab_size)  # (len(want), V)
         for r, (a, b) in zip(batch.rows, spans):
             if r.all_logits:
-                self.prompt_logits[r.request_id] = (r.start, torch.stack(out[a:b]))
+                self.prompt_logits[r.request_id] = (r.start, out[a:b])
             if r.draft:
-                self.draft_logits[r.request_id] = torch.stack(out[b - r.draft - 1 : b])
-            if r.sample:
-                logits[r.request_id] = out[b - 1]
-        if not logits:
-            return torch.empty(0, self.model.args.vocab_size)
-        return torch.stack([logits[rid] for rid in batch.sampled])  # (n_sampled, V)
+                self.draft_logits[r.request_id] = out[b - r.draft - 1 : b]
+        return out[[b - 1 for r, (_, b) in zip(batch.rows, spans) if r.sample]]  # (n_sampled, V), in row order
 
     def _prefill_packed(self, rows: Sequence[ScheduledRow], pending: PendingTokens | None = None) -> torch.Tensor:
         """The rows' tokens (prompt chunks, decode tokens) side by side in one forward ``[1, N]``;
