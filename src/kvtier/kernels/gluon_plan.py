@@ -35,9 +35,9 @@ MAXNREG_BY_KIND = {"tq": 168}
 #: launches of :data:`TILING`'s tile and warps on the kernel of swapped roles
 #: (:mod:`kvtier.kernels.gluon_swap`), by page kind: (register cap, programs a multiprocessor).
 #: TurboQuant's take 164 registers a thread uncapped, 128 capped (no spills, sm_90): B=64 / 8k
-#: 332.7 us against 351.3 at 168 in waves of twelve (twenty-third session; 32-key tiles and eight
+#: 332.7 us against 351.3 at 168 in waves of twelve (2026-12-04; 32-key tiles and eight
 #: uncapped programs were slower too). q4_g32's take 129 uncapped, 128 capped: B=1 / 16k 14.58 us
-#: against 16.21 uncapped in waves of eight (twenty-fourth session)
+#: against 16.21 uncapped in waves of eight (2026-12-04)
 SWAPPED = {"tq": (128, 16), "q4_g32": (128, 16)}
 #: programs a wave by warps a program, for launches whose warps are not :data:`TILING`'s
 RESIDENT_BY_WARPS = {4: 4, 2: 6, 1: 8}
@@ -88,9 +88,9 @@ def programs(kind: str, G: int, D: int, pairs: int, block_n: int, warps: int | N
 
     ``swap``: the kernel of swapped roles (:mod:`kvtier.kernels.gluon_swap`) runs the launch,
     where it can (:func:`~kvtier.kernels.gluon_swap.takes`): TurboQuant's at :data:`TILING`'s
-    tile and warps (H200, twenty-third session: B=64 / 8k 356.3 -> 332.7 us, B=8 / 16k 101.1 ->
+    tile and warps (H200, 2026-12-04: B=64 / 8k 356.3 -> 332.7 us, B=8 / 16k 101.1 ->
     94.8, B=32 / 4k 100.4 -> 94.6, a serving step 149.4 -> 148.5; B=1 within 2.5%); q4_g32's at
-    that tile and warps in launches of fewer than ``SMALL_GRID`` pairs (twenty-fourth session:
+    that tile and warps in launches of fewer than ``SMALL_GRID`` pairs (2026-12-04:
     B=1 / 4k 9.32 -> 8.87 us, B=1 / 16k 16.71 -> 14.58; at B >= 8 and on a serving step 5-20%
     slower than the stacked rows); q4's only when asked (``swap`` True: 4-7% faster on whole
     batches, 4% slower on a serving step). ``swap`` False: never.

@@ -10,7 +10,7 @@ model into one anonymous mapping, 2 MB aligned, that it asks the kernel to back 
 box a decode step took 10-14% less time than with the tensors in 4 KB anonymous memory (as after
 a first load, which finds the codes) and 2-3% less than in the private mapping of the codes'
 cache file, where later loads leave them (two copies of the model in one process, steps
-alternated; benchmarks/RESULTS.md, 2026-12-04, twenty-fifth session).
+alternated; benchmarks/RESULTS.md, 2026-12-04).
 
 :func:`~kvtier.model.packed.pack_model` calls it (``huge_pages=False`` to leave the tensors where
 they are). Elsewhere than Linux, or where the kernel refuses huge pages, nothing moves.

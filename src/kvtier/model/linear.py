@@ -18,9 +18,8 @@ without AVX-512 (PyTorch's ``get_cpu_capability()`` below ``AVX512``), inputs of
 :data:`BLAS_MIN_ROWS` rows or more (prefills) take ``F.linear`` too: on a 2-core AMD
 EPYC Zen 3 (AVX2), SmolLM2's four projection shapes took 1.05-1.18x longer through oneDNN
 from 512 rows up (0.79-0.98x at 32-256 rows), and a 2,048-token prefill of the default
-model 5.0-5.3 s against transformers' 4.3 s (benchmarks/RESULTS.md, 2026-12-02, sixth
-session). PyTorch's
-own switch turns it off (``torch.backends.mkldnn.flags(enabled=False)``, or
+model 5.0-5.3 s against transformers' 4.3 s (benchmarks/RESULTS.md, 2026-12-02).
+PyTorch's own switch turns it off (``torch.backends.mkldnn.flags(enabled=False)``, or
 ``torch.backends.mkldnn.enabled = False``). :class:`Linear` is ``nn.Linear`` through
 it; every projection of :class:`~kvtier.model.llama.Transformer` is one.
 

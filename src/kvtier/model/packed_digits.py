@@ -33,7 +33,7 @@ roundings are the digits' and a few float32 operations a block. How close that i
   products, with every argmax the same. Its Q4_1 blocks centre their codes (``m`` about ``-8 d``),
   so ``d s S`` and ``m sum(x)`` are large terms that cancel, each rounded in float32. Centring the
   codes in the integer sums (``c - 8``) brought that to 6.6e-6 rms, 3.5e-5 at most, but made the
-  step 5-7% slower, and was not kept (benchmarks/RESULTS.md, 2026-12-04, twenty-fifth session).
+  step 5-7% slower, and was not kept (benchmarks/RESULTS.md, 2026-12-04).
 
 A row whose values are all below ``2^-64`` is taken at ``2^64`` times its values and its
 products at ``2^-64`` (exact powers of two): otherwise its blocks' scales ``s 2^-16`` would fall

@@ -21,7 +21,7 @@ a weight, and it is those instructions, not memory, that bound it: on the 2-core
 Zen box (whose 256-bit instructions run as two 128-bit halves) a Q4_1 weight already in the L2
 cache streamed at 2.8 GB/s. The digits take nine integer multiplies a pair of blocks and output
 where the float32 loop took sixteen multiply-adds and eight conversions (benchmarks/RESULTS.md,
-2026-12-05, thirty-second session, for what that bought).
+2026-12-05, for what that bought).
 
 Q8_0 (the default model's LM head) keeps its float32 loop here: its codes are signed, and
 ``vpmaddubsw`` multiplies unsigned bytes by signed ones into 16-bit lanes, which the codes made

@@ -493,8 +493,8 @@ static inline void q8_0_task(const float* x, const Q8Row* row, const int8_t* cod
       /* each block's codes times x first, then once times its scale: sum_g d_g (sum_j c_j x_j),
          float32 products of the same size (a code is exact in float32), and one multiply a
          block where forming each weight c * d took four (SmolLM2's LM head on the 2-core
-         first-generation Zen box: 6.4 -> 5.3 ms a call; benchmarks/RESULTS.md, 2026-12-05,
-         thirty-second session); blocks g and g + 1 into sums 0 and 1 */
+         first-generation Zen box: 6.4 -> 5.3 ms a call; benchmarks/RESULTS.md, 2026-12-05);
+         blocks g and g + 1 into sums 0 and 1 */
       __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
       for (int64_t g = 0; g < G; g += 2) {
         KV_PREFETCH(c + g * 32);
