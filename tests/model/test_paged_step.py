@@ -387,3 +387,52 @@ def test_generate_on_the_paged_tier_decodes_in_one_call(monkeypatch, kv_quant):
     assert len(calls) == 24 and all(c is not None for c in calls)
     keep = 24 if kv_quant is None else 8
     assert [g[:keep] for g in got] == [w[:keep] for w in want] and got_len == want_len == [9 + 23, 30 + 23]
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx512f",)], ids=["native", "avx2"])
+@pytest.mark.parametrize("shape", [(64, 3, 1), (64, 4, 1), (64, 2, 2), (128, 2, 1)], ids=["d64-g3", "d64-g4", "d64-g1",
+                                                                                          "d128-g2"])
+def test_a_run_of_one_sequences_tokens_attends_as_each_token_alone(shape, flags):
+    """A call's tokens of one sequence at consecutive positions attend as a run (each key and value
+    read once for up to 16 of them) and give, with ``invariant``, the very logits of a token a call:
+    calls of 50 tokens beside 23 of another sequence, then its other 27, over 150 positions (two splits of 128
+    keys), full-precision and coded pages, head dims 64 and 128, one to four query heads a KV head,
+    with and without AVX-512 (the values two tokens at a time, or the 8-lane loop)."""
+    import platform
+
+    from kvtier.caches.paged_shared import SharedBlockPagedKVCache
+    from kvtier.kernels.native import build_library
+    from kvtier.model import step_kernels
+    from kvtier.quant.modes import TurboQuantConfig
+
+    if flags and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 vector flags")
+    head_dim, heads, kv_heads = shape
+    model = small_model(dim=head_dim * heads, n_heads=heads, n_kv_heads=kv_heads)
+    step = cpu_step.plan_for(model)
+    if flags:
+        step.kernels = step_kernels.Kernels(build_library("cpu_step", step_kernels.step_source(), flags))
+    a = model.args
+    seqs = torch.randint(0, a.vocab_size, (2, 150), generator=torch.Generator().manual_seed(2))
+    tables = torch.arange(20, dtype=torch.int32).view(2, 10)  # 10 blocks of 16 a sequence
+
+    def run(calls, storage) -> dict:
+        caches = [SharedBlockPagedKVCache(16, 20, **storage) for _ in range(a.n_layers)]
+        for c in caches:
+            c.allocate(a.n_kv_heads, a.head_dim, torch.float32, torch.device("cpu"))
+        out = {}
+        with torch.inference_mode():
+            for call in calls:
+                keys = [(s, p) for s, lo, hi in call for p in range(lo, hi)]
+                logits = step.run_paged(torch.stack([seqs[s, p] for s, p in keys]), torch.tensor([p for _, p in keys]),
+                                        torch.stack([tables[s] for s, _ in keys]), caches, invariant=True)
+                out |= dict(zip(keys, logits))
+        return out
+
+    for storage in ({}, {"kv_quant": "q8"}, {"kv_quant": "q4_g32"}, {"turboquant": TurboQuantConfig()}):
+        alone = run([[(s, p, p + 1)] for p in range(150) for s in (0, 1)], storage)
+        runs = run([call for lo in range(0, 150, 50) for call in ([(0, lo, lo + 50), (1, lo, lo + 23)],
+                                                                    [(1, lo + 23, lo + 50)])], storage)
+        assert alone.keys() == runs.keys()
+        bad = [k for k in alone if not torch.equal(alone[k], runs[k])]
+        assert not bad, f"{storage}: {len(bad)} of {len(alone)} positions differ, first {bad[:3]}"

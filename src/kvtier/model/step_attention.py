@@ -68,14 +68,14 @@ static inline void softmax_part(float* sr, int64_t j0, int64_t e, float* part) {
    off + t sees keys j <= off + t), over keys [j0, j1) of its K and V rows [n, D]: each key and
    value row is read once for the whole group. For query (g, t) it leaves the chunk's largest
    score, the sum of exp(score - that) and the weighted sum of the values [D] in
-   part[(g T + t) (D + 2) ...] (largest -inf and sums 0 where it sees none of the chunk);
-   s holds the scores, row (g, t) at s + (g T + t) stride. q is [T, Hq, D] from the group's
-   first head; qs the stride of its tokens. The rows of K and V (and codes' sidecars KS, VS) as
-   kv, kind (the keys') and vkind (the values') say. */
+   part + g pg + t pt (largest -inf and sums 0 where it sees none of the chunk); s holds the
+   scores, row (g, t) at s + g sg + t st. q is [T, Hq, D] from the group's first head; qs the
+   stride of its tokens. The rows of K and V (and codes' sidecars KS, VS) as kv, kind (the keys')
+   and vkind (the values') say. */
 static inline __attribute__((always_inline)) void attend_chunk(const float* q, int64_t qs,
     const void* K, const void* V, Sides KS, Sides VS, KvRows kv, const int kind, const int vkind, int64_t j0,
     int64_t j1, int64_t off, int64_t T, int64_t G, const int64_t DC, int64_t Dv, float scale, float* s,
-    int64_t stride, float* part) {
+    int64_t st, int64_t sg, float* part, int64_t pt, int64_t pg) {
   const int64_t D = DC ? DC : Dv;
   const int64_t last = j1 < off + T ? j1 : off + T;  /* past the newest token's position: none */
   float row[kind == KV_F32 && vkind == KV_F32 ? 1 : D];  /* a stored row as float32, converted once for its G T uses */
@@ -89,13 +89,13 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
         float dot = 0.f;
         #pragma omp simd reduction(+:dot)
         for (int64_t d = 0; d < D; d++) dot += qg[d] * kj[d];
-        s[(g * T + t) * stride + j] = dot * scale;
+        s[g * sg + t * st + j] = dot * scale;
       }
   }
   for (int64_t r = 0; r < G * T; r++) {
-    const int64_t t = r % T, e = j1 < off + t + 1 ? j1 : off + t + 1;
-    float* pr = part + r * (D + 2);
-    softmax_part(s + r * stride, j0, e, pr);
+    const int64_t g = r / T, t = r % T, e = j1 < off + t + 1 ? j1 : off + t + 1;
+    float* pr = part + g * pg + t * pt;
+    softmax_part(s + g * sg + t * st, j0, e, pr);
     for (int64_t d = 0; d < D; d++) pr[2 + d] = 0.f;
   }
   for (int64_t j = j0; j < last; j++) {
@@ -104,8 +104,8 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
                                 VS.zero ? group_at(VS.zero, kv, j, D) : NULL, VS.table, row, D);
     for (int64_t g = 0; g < G; g++)
       for (int64_t t = j > off ? j - off : 0; t < T; t++) {
-        const float p = s[(g * T + t) * stride + j];
-        float* acc = part + (g * T + t) * (D + 2) + 2;
+        const float p = s[g * sg + t * st + j];
+        float* acc = part + g * pg + t * pt + 2;
         #pragma omp simd
         for (int64_t d = 0; d < D; d++) acc[d] += p * vj[d];
       }
@@ -114,16 +114,20 @@ static inline __attribute__((always_inline)) void attend_chunk(const float* q, i
 
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512F__)
-/* the weighted values of attend_one_avx2 for a head dim of 64 and its G (at most 4) query heads
-   together: each value row is loaded once, four 16-lane registers, for all of them (the 8-lane
-   loop reads it once a head), G x 4 registers of sums. Each sum takes its keys in the same order
-   with the same multiply-adds, so the same bits. Codes weigh by probability times scale. */
-static inline __attribute__((always_inline)) void values64_512(const float* s, int64_t stride, const void* V,
-    Sides VS, KvRows kv, const int kind, int64_t j0, int64_t e, const int64_t G, float* part, int64_t pstride,
-    __m256 lo, __m256 hi) {
-  __m512 v[4][4];
-  for (int g = 0; g < 4; g++)
-    for (int c = 0; c < 4; c++) v[g][c] = _mm512_setzero_ps();
+/* the weighted values of attend_run_avx2 for a head dim of 64, NT tokens (one or two) of G query
+   heads together (NT G at most 6): each value row is loaded once, four 16-lane registers, for all
+   of them (the 8-lane loop reads it once a head), NT G x 4 registers of sums, which start at zero
+   or (more) at what part holds. Each sum takes its keys in the same order with the same
+   multiply-adds, so the same bits however its keys are cut or which token shares them. Codes
+   weigh by probability times scale. Token i's scores at sp[i], its parts at pp[i]. */
+static inline __attribute__((always_inline)) void values64_512(float* const* sp, int64_t stride, const void* V,
+    Sides VS, KvRows kv, const int kind, int64_t j0, int64_t e, const int64_t G, const int NT, float* const* pp,
+    int64_t pstride, const int more, __m256 lo, __m256 hi) {
+  __m512 v[2][4][4];
+  for (int t = 0; t < NT; t++)
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 4; c++)
+        v[t][g][c] = more ? _mm512_loadu_ps(pp[t] + g * pstride + 2 + 16 * c) : _mm512_setzero_ps();
   for (int64_t i = j0; i < e; i++) {
     prefetch_rows(V, kv, i + 16, 1, e - 1, kv_span(kind, 64), kind);  /* the row 16 keys on, asked for ahead of time */
     const char* vi = row_at(V, kv, i, kind);
@@ -141,176 +145,226 @@ static inline __attribute__((always_inline)) void values64_512(const float* s, i
       group_floats(VS, kv, i, 64, gs, gz);
       for (int c = 0; c < 4; c++) r[c] = _mm512_fmadd_ps(r[c], _mm512_set1_ps(gs[c >> 1]), _mm512_set1_ps(gz[c >> 1]));
     }
-    for (int64_t g = 0; g < G; g++) {
-      const __m512 w = _mm512_set1_ps(ROW_SCALED(kind) ? s[g * stride + i] * sv : s[g * stride + i]);
-      for (int c = 0; c < 4; c++) v[g][c] = _mm512_fmadd_ps(w, r[c], v[g][c]);
-    }
+    for (int t = 0; t < NT; t++)
+      for (int64_t g = 0; g < G; g++) {
+        const float* s = sp[t];
+        const __m512 w = _mm512_set1_ps(ROW_SCALED(kind) ? s[g * stride + i] * sv : s[g * stride + i]);
+        for (int c = 0; c < 4; c++) v[t][g][c] = _mm512_fmadd_ps(w, r[c], v[t][g][c]);
+      }
   }
-  for (int64_t g = 0; g < G; g++)
-    for (int c = 0; c < 4; c++) _mm512_storeu_ps(part + g * pstride + 2 + 16 * c, v[g][c]);
+  for (int t = 0; t < NT; t++)
+    for (int64_t g = 0; g < G; g++)
+      for (int c = 0; c < 4; c++) _mm512_storeu_ps(pp[t] + g * pstride + 2 + 16 * c, v[t][g][c]);
+}
+
+/* values64_512 for a head group of G: NT a constant, so the sums stay in registers */
+static inline __attribute__((always_inline)) void values64_g(float* const* sp, int64_t stride, const void* V,
+    Sides VS, KvRows kv, const int kind, int64_t j0, int64_t e, int64_t G, const int NT, float* const* pp,
+    int64_t pstride, const int more, __m256 lo, __m256 hi) {
+  if (G == 1) values64_512(sp, stride, V, VS, kv, kind, j0, e, 1, NT, pp, pstride, more, lo, hi);
+  else if (G == 2) values64_512(sp, stride, V, VS, kv, kind, j0, e, 2, NT, pp, pstride, more, lo, hi);
+  else if (G == 3) values64_512(sp, stride, V, VS, kv, kind, j0, e, 3, NT, pp, pstride, more, lo, hi);
+  else values64_512(sp, stride, V, VS, kv, kind, j0, e, 4, NT, pp, pstride, more, lo, hi);
 }
 #endif
 
-/* attend_chunk for one token (a decode step) and a head dim DC of 64 or 128, 8 lanes wide:
-   the scores of four keys a pass for each query head (their four dot products summed across
-   lanes together, not one horizontal sum per key), and the weighted values of 64 keys at a
-   time for one head, 64 channels of sums held in registers (not loaded and stored per key).
-   K and V rows as kind says, converted as they are loaded; codes' dot products take their
-   key's scale, and their values weigh by probability times the value's scale; group-affine
-   codes (q4_g32's, TurboQuant's 8-bit keys) become zero + scale code as they are loaded, and
-   Lloyd-Max indices (vkind, TurboQuant's values) scale centroid. */
-static inline __attribute__((always_inline)) void attend_one_avx2(const float* q, const void* K,
-    const void* V, Sides KS, Sides VS, KvRows kv, int64_t j0, int64_t j1,
-    int64_t off, int64_t G, const int64_t DC, const int kind, const int vkind, float scale, float* s, int64_t stride,
-    float* part, int64_t pstride) {
-  const int64_t e = j1 < off + 1 ? j1 : off + 1;  /* the chunk's keys the token sees */
+/* the scores of four keys (rows k[0..3], from key j on) for NQ queries (NQ at most 4, query i at
+   qp[i], its scores' row at sp[i]): each query's multiply-adds and sums as a token alone takes
+   them, each key's 8 channels loaded (and for group-affine codes, zero + scale code) once for
+   all NQ. gs, gz: the four keys' groups' scales and zeros, ng a key */
+static inline __attribute__((always_inline)) void dots4(const float* const* qp, float* const* sp, const int NQ,
+    const char* const* k, int64_t j, const int64_t DC, const int kind, const float* gs, const float* gz,
+    int64_t ng, __m128 ksc) {
+  __m256 a[4][4];
+  for (int i = 0; i < NQ; i++)
+    for (int x = 0; x < 4; x++) a[i][x] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < DC; c += 8) {
+    __m256 kc[4];
+    for (int x = 0; x < 4; x++)
+      kc[x] = AFFINE(kind) ? _mm256_fmadd_ps(load8(k[x], c, kind), _mm256_set1_ps(gs[x * ng + (c >> 5)]),
+                                             _mm256_set1_ps(gz[x * ng + (c >> 5)]))
+                           : load8(k[x], c, kind);
+    for (int i = 0; i < NQ; i++) {
+      const __m256 qv = _mm256_loadu_ps(qp[i] + c);
+      for (int x = 0; x < 4; x++) a[i][x] = _mm256_fmadd_ps(qv, kc[x], a[i][x]);
+    }
+  }
+  for (int i = 0; i < NQ; i++) {
+    /* lanes 0-3 of h: the low halves' sums of a[i][0..3], lanes 4-7 the high halves' */
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]), _mm256_hadd_ps(a[i][2], a[i][3]));
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(sp[i] + j, _mm_mul_ps(r, ksc));
+  }
+}
+
+/* attend_chunk for T tokens of one sequence at positions off, off + 1, ... and a head dim DC of 64
+   or 128, 8 lanes wide. Each query (token, head) gets the sums a token alone would (a decode
+   step's, a token a call): the scores of four keys a pass (their four dot products summed across
+   lanes together, not one horizontal sum per key), the keys a token sees past its last whole four
+   one at a time, and the weighted values of 64 keys at a time for one head, 64 channels of sums
+   held in registers (not loaded and stored per key); with AVX-512 and a head dim of 64, all heads
+   of a token, or of two, at once. What the queries share is read once for all of them: each four
+   keys for up to four queries (a token's heads, or a run's), each value row for two tokens' heads
+   (2-core Zen 4: a decode step at a 1,792-token context 1.13-1.27x faster, a batch-invariant
+   prefill of 1,500 tokens 1.22x). K and V rows as kind says, converted as they are loaded; codes'
+   dot products take their key's scale, and their values weigh by probability times the value's
+   scale; group-affine codes (q4_g32's, TurboQuant's 8-bit keys) become zero + scale code as they
+   are loaded, and Lloyd-Max indices (vkind, TurboQuant's values) scale centroid. Strides as
+   attend_chunk's. */
+static inline __attribute__((always_inline)) void attend_run_avx2(const float* q, int64_t qs, const void* K,
+    const void* V, Sides KS, Sides VS, KvRows kv, int64_t j0, int64_t j1, int64_t off, int64_t T, int64_t G,
+    const int64_t DC, const int kind, const int vkind, float scale, float* s, int64_t st, int64_t sg, float* part,
+    int64_t pt, int64_t pg) {
+#define SEES(t) (j1 < off + (t) + 1 ? j1 : off + (t) + 1)  /* the end of the chunk's keys token t sees */
+  const int64_t last = SEES(T - 1);
   const int64_t rb = kv_span(kind, DC), vrb = kv_span(vkind, DC);  /* bytes a row */
   const int codes = ROW_SCALED(kind), vcodes = ROW_SCALED(vkind);
   const int grouped = AFFINE(kind);
-  float gs[4][grouped ? DC >> 5 : 1], gz[4][grouped ? DC >> 5 : 1];  /* four keys' groups */
+  const int64_t ng = grouped ? DC >> 5 : 1;
+  float gs[4 * ng], gz[4 * ng];  /* four keys' groups */
   float tab[16] = {0.f};  /* the values' centroids */
   if (IS_LM(vkind)) memcpy(tab, VS.table, sizeof(float) << STREAM_BITS(vkind));
   const __m256 lo = _mm256_loadu_ps(tab), hi = _mm256_loadu_ps(tab + 8);
   const __m128 sc = _mm_set1_ps(scale);
   /* the chunk's first 4 KB of keys and values, which the loops' own prefetches do not reach
      (a step at a 1,024-token context 1.4-1.9% faster, two alternated runs) */
-  prefetch_rows(K, kv, j0, 4096 / rb, e - 1, rb, kind);
-  prefetch_rows(V, kv, j0, 4096 / vrb, e - 1, vrb, vkind);
-  int64_t j = j0;
-  for (; j + 4 <= e; j += 4) {
-    prefetch_rows(K, kv, j + 2048 / rb, 4, e - 1, rb, kind);  /* the rows 2 KB on, asked for ahead of time */
-    const char *k0 = row_at(K, kv, j, kind), *k1 = row_at(K, kv, j + 1, kind);
-    const char *k2 = row_at(K, kv, j + 2, kind), *k3 = row_at(K, kv, j + 3, kind);
+  prefetch_rows(K, kv, j0, 4096 / rb, last - 1, rb, kind);
+  prefetch_rows(V, kv, j0, 4096 / vrb, last - 1, vrb, vkind);
+  for (int64_t j = j0; j + 4 <= last; j += 4) {  /* keys j..j + 3 for the tokens that see them all */
+    prefetch_rows(K, kv, j + 2048 / rb, 4, last - 1, rb, kind);  /* the rows 2 KB on, asked for ahead of time */
+    const char* k[4] = {row_at(K, kv, j, kind), row_at(K, kv, j + 1, kind), row_at(K, kv, j + 2, kind),
+                        row_at(K, kv, j + 3, kind)};
     const __m128 ksc = codes ? _mm_mul_ps(sc, _mm_setr_ps(row_scale(KS, kv, j, kind), row_scale(KS, kv, j + 1, kind),
                                                           row_scale(KS, kv, j + 2, kind), row_scale(KS, kv, j + 3, kind)))
                              : sc;
     if (grouped)
-      for (int k = 0; k < 4; k++) group_floats(KS, kv, j + k, DC, gs[k], gz[k]);
-#define KEY8(r, k) (grouped ? _mm256_fmadd_ps(load8(r, c, kind), _mm256_set1_ps(gs[k][c >> 5]), \
-                                                     _mm256_set1_ps(gz[k][c >> 5])) : load8(r, c, kind))
-    for (int64_t g = 0; g < G; g++) {
-      const float* qg = q + g * DC;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t c = 0; c < DC; c += 8) {
-        const __m256 qv = _mm256_loadu_ps(qg + c);
-        a0 = _mm256_fmadd_ps(qv, KEY8(k0, 0), a0);
-        a1 = _mm256_fmadd_ps(qv, KEY8(k1, 1), a1);
-        a2 = _mm256_fmadd_ps(qv, KEY8(k2, 2), a2);
-        a3 = _mm256_fmadd_ps(qv, KEY8(k3, 3), a3);
+      for (int x = 0; x < 4; x++) group_floats(KS, kv, j + x, DC, gs + x * ng, gz + x * ng);
+    const int64_t first = j + 3 > off ? j + 3 - off : 0;  /* the first token that sees key j + 3 */
+    const float* qp[4];
+    float* sp[4];
+    int nq = 0;
+    for (int64_t t = first; t < T; t++)
+      for (int64_t g = 0; g < G; g++) {
+        qp[nq] = q + t * qs + g * DC, sp[nq] = s + t * st + g * sg;
+        if (++nq == 4) dots4(qp, sp, 4, k, j, DC, kind, gs, gz, ng, ksc), nq = 0;
       }
-#undef KEY8
-      /* lanes 0-3 of h: the low halves' sums of a0..a3, lanes 4-7 the high halves' */
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      _mm_storeu_ps(s + g * stride + j, _mm_mul_ps(r, ksc));
-    }
+    if (nq == 3) dots4(qp, sp, 3, k, j, DC, kind, gs, gz, ng, ksc);
+    else if (nq == 2) dots4(qp, sp, 2, k, j, DC, kind, gs, gz, ng, ksc);
+    else if (nq == 1) dots4(qp, sp, 1, k, j, DC, kind, gs, gz, ng, ksc);
   }
-  for (; j < e; j++) {
-    const char* kj = row_at(K, kv, j, kind);
-    const float sj = codes ? scale * row_scale(KS, kv, j, kind) : scale;
-    if (grouped) group_floats(KS, kv, j, DC, gs[0], gz[0]);
-    for (int64_t g = 0; g < G; g++) {
-      float dot = 0.f;
-      for (int64_t d = 0; d < DC; d++)
-        dot += q[g * DC + d] * (grouped ? gs[0][d >> 5] * load1(kj, d, kind) + gz[0][d >> 5] : load1(kj, d, kind));
-      s[g * stride + j] = dot * sj;
+  for (int64_t t = 0; t < T; t++) {  /* each token's keys past its last whole four, then its softmax */
+    const int64_t e = SEES(t);
+    for (int64_t j = e > j0 ? j0 + (e - j0) / 4 * 4 : e; j < e; j++) {
+      const char* kj = row_at(K, kv, j, kind);
+      const float sj = codes ? scale * row_scale(KS, kv, j, kind) : scale;
+      if (grouped) group_floats(KS, kv, j, DC, gs, gz);
+      for (int64_t g = 0; g < G; g++) {
+        const float* qg = q + t * qs + g * DC;
+        float dot = 0.f;
+        for (int64_t d = 0; d < DC; d++)
+          dot += qg[d] * (grouped ? gs[d >> 5] * load1(kj, d, kind) + gz[d >> 5] : load1(kj, d, kind));
+        s[t * st + g * sg + j] = dot * sj;
+      }
     }
+    for (int64_t g = 0; g < G; g++) softmax_part(s + t * st + g * sg, j0, e, part + t * pt + g * pg);
   }
-  for (int64_t g = 0; g < G; g++) softmax_part(s + g * stride, j0, e, part + g * pstride);
 #if defined(__AVX512F__)
   if (DC == 64 && G <= 4) {  /* (a constant group: the sums stay in registers) */
-    if (G == 1) values64_512(s, stride, V, VS, kv, vkind, j0, e, 1, part, pstride, lo, hi);
-    else if (G == 2) values64_512(s, stride, V, VS, kv, vkind, j0, e, 2, part, pstride, lo, hi);
-    else if (G == 3) values64_512(s, stride, V, VS, kv, vkind, j0, e, 3, part, pstride, lo, hi);
-    else values64_512(s, stride, V, VS, kv, vkind, j0, e, 4, part, pstride, lo, hi);
+    for (int64_t t = 0; t < T; t++) {
+      float* sp[2] = {s + t * st, s + (t + 1) * st};
+      float* pp[2] = {part + t * pt, part + (t + 1) * pt};
+      const int64_t e = SEES(t);
+      if (G <= 3 && t + 1 < T && e > j0) {  /* tokens t and t + 1 over the keys both see, then t + 1's last */
+        values64_g(sp, sg, V, VS, kv, vkind, j0, e, G, 2, pp, pg, 0, lo, hi);
+        values64_g(sp + 1, sg, V, VS, kv, vkind, e, SEES(t + 1), G, 1, pp + 1, pg, 1, lo, hi);
+        t++;
+      } else
+        values64_g(sp, sg, V, VS, kv, vkind, j0, e, G, 1, pp, pg, 0, lo, hi);
+    }
   } else
 #endif
-  for (int64_t h0 = 0; h0 < DC; h0 += 64)  /* 64 channels at a time: 8 registers of sums */
-    for (int64_t b = j0; b < e; b += 64) {
-      const int64_t be = b + 64 < e ? b + 64 : e;
-      if (h0 == 0) prefetch_rows(V, kv, b + 64, be - b, e - 1, vrb, vkind);  /* the next block's rows */
-      for (int64_t g = 0; g < G; g++) {
-        float* acc = part + g * pstride + 2 + h0;
-        const float* p = s + g * stride;
-        __m256 v[8];
-        for (int i = 0; i < 8; i++) v[i] = b == j0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + 8 * i);
-        for (int64_t i = b; i < be; i++) {
-          const __m256 w = _mm256_set1_ps(vcodes ? p[i] * row_scale(VS, kv, i, vkind) : p[i]);
-          const char* vi = row_at(V, kv, i, vkind);
-          float vs[2] = {0.f, 0.f}, vz[2] = {0.f, 0.f};  /* (64 channels: two groups) */
-          if (GROUPED(vkind)) {
-            const uint16_t* gsv = group_at(VS.scale, kv, i, DC) + (h0 >> 5);
-            vs[0] = h2f(gsv[0]), vs[1] = h2f(gsv[1]);
-            if (vkind == KV_G32) {
-              const uint16_t* gzv = group_at(VS.zero, kv, i, DC) + (h0 >> 5);
-              vz[0] = h2f(gzv[0]), vz[1] = h2f(gzv[1]);
+  for (int64_t t = 0; t < T; t++) {
+    const int64_t e = SEES(t);
+    for (int64_t h0 = 0; h0 < DC; h0 += 64)  /* 64 channels at a time: 8 registers of sums */
+      for (int64_t b = j0; b < e; b += 64) {
+        const int64_t be = b + 64 < e ? b + 64 : e;
+        if (h0 == 0) prefetch_rows(V, kv, b + 64, be - b, e - 1, vrb, vkind);  /* the next block's rows */
+        for (int64_t g = 0; g < G; g++) {
+          float* acc = part + t * pt + g * pg + 2 + h0;
+          const float* p = s + t * st + g * sg;
+          __m256 v[8];
+          for (int i = 0; i < 8; i++) v[i] = b == j0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + 8 * i);
+          for (int64_t i = b; i < be; i++) {
+            const __m256 w = _mm256_set1_ps(vcodes ? p[i] * row_scale(VS, kv, i, vkind) : p[i]);
+            const char* vi = row_at(V, kv, i, vkind);
+            float vs[2] = {0.f, 0.f}, vz[2] = {0.f, 0.f};  /* (64 channels: two groups) */
+            if (GROUPED(vkind)) {
+              const uint16_t* gsv = group_at(VS.scale, kv, i, DC) + (h0 >> 5);
+              vs[0] = h2f(gsv[0]), vs[1] = h2f(gsv[1]);
+              if (vkind == KV_G32) {
+                const uint16_t* gzv = group_at(VS.zero, kv, i, DC) + (h0 >> 5);
+                vz[0] = h2f(gzv[0]), vz[1] = h2f(gzv[1]);
+              }
             }
+            for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, value8(vi, h0 + 8 * c, vkind, vs[c >> 2], vz[c >> 2], lo, hi), v[c]);
           }
-          for (int c = 0; c < 8; c++) v[c] = _mm256_fmadd_ps(w, value8(vi, h0 + 8 * c, vkind, vs[c >> 2], vz[c >> 2], lo, hi), v[c]);
+          for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, v[i]);
         }
-        for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + 8 * i, v[i]);
       }
-    }
-  if (e <= j0)
-    for (int64_t g = 0; g < G; g++)
-      for (int64_t d = 0; d < DC; d++) part[g * pstride + 2 + d] = 0.f;
+  }
+  for (int64_t t = 0; t < T; t++)
+    if (SEES(t) <= j0)
+      for (int64_t g = 0; g < G; g++)
+        for (int64_t d = 0; d < DC; d++) part[t * pt + g * pg + 2 + d] = 0.f;
+#undef SEES
 }
 #endif
 
 /* attend_chunk with the head dim a constant for 64 and 128 (the loops drop their remainders);
-   with AVX2 those head dims take attend_one_avx2, a token at a time (a call of 16 tokens over
-   512 keys: attention 7.8 against 12.9 ms through attend_chunk). Stored rows of other kinds
+   with AVX2 those head dims take attend_run_avx2 (a call of 16 tokens over 512 keys: attention
+   7.8 against 12.9 ms through attend_chunk, a token at a time). Stored rows of other kinds
    (float16 without F16C, keys and values of two kinds: TurboQuant's) are converted a row at a
    time as the loops reach them. */
 static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void* V, Sides KS,
     Sides VS, KvRows kv, int64_t j0, int64_t j1, int64_t off, int64_t T, int64_t G, int64_t D,
-    int64_t kind, int64_t vkind, float scale, float* s, int64_t stride, float* part) {
+    int64_t kind, int64_t vkind, float scale, float* s, int64_t st, int64_t sg, float* part, int64_t pt,
+    int64_t pg) {
 #if defined(__AVX2__) && defined(__FMA__)
-  /* token t at position off + t, its rows (g, t) T rows apart: the AVX2 loops a token at a time
-     (several tokens, a verification, read the split's rows again for each, from the caches) */
   const int pair = (kind == KV_A8 || kind == KV_AF + 5) && (vkind == KV_LM + 3 || vkind == KV_LM + 4);
   if ((D == 64 || D == 128) && ((kind == vkind && kind <= KV_G32) || pair) && ((kind != KV_F16 && kind != KV_FP8) || HALF_ROWS)) {
-    for (int64_t t = 0; t < T; t++) {
-      float* st = s + t * stride;
-      float* pt = part + t * (D + 2);
-      const float* qt = q + t * qs;
-#define ATTEND_ONE(DC, KIND) attend_one_avx2(qt, K, V, KS, VS, kv, j0, j1, off + t, G, DC, KIND, KIND, scale, st, \
-                                             T * stride, pt, T * (D + 2))
-#define ATTEND_TWO(DC, KIND, VKIND) attend_one_avx2(qt, K, V, KS, VS, kv, j0, j1, off + t, G, DC, KIND, VKIND, scale, \
-                                                    st, T * stride, pt, T * (D + 2))
-      if (pair && kind == KV_A8) {  /* TurboQuant's 8-bit keys with 3- or 4-bit values (its default, q8_0,q4_0) */
-        if (D == 64 && vkind == KV_LM + 3) ATTEND_TWO(64, KV_A8, KV_LM + 3);
-        else if (D == 64) ATTEND_TWO(64, KV_A8, KV_LM + 4);
-        else if (vkind == KV_LM + 3) ATTEND_TWO(128, KV_A8, KV_LM + 3);
-        else ATTEND_TWO(128, KV_A8, KV_LM + 4);
-      } else if (pair) {  /* 5-bit keys (q5_0r,q4_0: about 3x smaller than 16-bit pages) */
-        if (D == 64 && vkind == KV_LM + 3) ATTEND_TWO(64, KV_AF + 5, KV_LM + 3);
-        else if (D == 64) ATTEND_TWO(64, KV_AF + 5, KV_LM + 4);
-        else if (vkind == KV_LM + 3) ATTEND_TWO(128, KV_AF + 5, KV_LM + 3);
-        else ATTEND_TWO(128, KV_AF + 5, KV_LM + 4);
-      } else if (D == 64 && kind == KV_F32) ATTEND_ONE(64, KV_F32);
-      else if (D == 128 && kind == KV_F32) ATTEND_ONE(128, KV_F32);
-      else if (D == 64 && kind == KV_Q8) ATTEND_ONE(64, KV_Q8);
-      else if (D == 128 && kind == KV_Q8) ATTEND_ONE(128, KV_Q8);
-      else if (D == 64 && kind == KV_Q4) ATTEND_ONE(64, KV_Q4);
-      else if (D == 128 && kind == KV_Q4) ATTEND_ONE(128, KV_Q4);
-      else if (D == 64 && kind == KV_G32) ATTEND_ONE(64, KV_G32);
-      else if (D == 128 && kind == KV_G32) ATTEND_ONE(128, KV_G32);
+#define ATTEND(DC, KIND, VKIND) attend_run_avx2(q, qs, K, V, KS, VS, kv, j0, j1, off, T, G, DC, KIND, VKIND, scale, s, \
+                                                st, sg, part, pt, pg)
+    if (pair && kind == KV_A8) {  /* TurboQuant's 8-bit keys with 3- or 4-bit values (its default, q8_0,q4_0) */
+      if (D == 64 && vkind == KV_LM + 3) ATTEND(64, KV_A8, KV_LM + 3);
+      else if (D == 64) ATTEND(64, KV_A8, KV_LM + 4);
+      else if (vkind == KV_LM + 3) ATTEND(128, KV_A8, KV_LM + 3);
+      else ATTEND(128, KV_A8, KV_LM + 4);
+    } else if (pair) {  /* 5-bit keys (q5_0r,q4_0: about 3x smaller than 16-bit pages) */
+      if (D == 64 && vkind == KV_LM + 3) ATTEND(64, KV_AF + 5, KV_LM + 3);
+      else if (D == 64) ATTEND(64, KV_AF + 5, KV_LM + 4);
+      else if (vkind == KV_LM + 3) ATTEND(128, KV_AF + 5, KV_LM + 3);
+      else ATTEND(128, KV_AF + 5, KV_LM + 4);
+    } else if (D == 64 && kind == KV_F32) ATTEND(64, KV_F32, KV_F32);
+    else if (D == 128 && kind == KV_F32) ATTEND(128, KV_F32, KV_F32);
+    else if (D == 64 && kind == KV_Q8) ATTEND(64, KV_Q8, KV_Q8);
+    else if (D == 128 && kind == KV_Q8) ATTEND(128, KV_Q8, KV_Q8);
+    else if (D == 64 && kind == KV_Q4) ATTEND(64, KV_Q4, KV_Q4);
+    else if (D == 128 && kind == KV_Q4) ATTEND(128, KV_Q4, KV_Q4);
+    else if (D == 64 && kind == KV_G32) ATTEND(64, KV_G32, KV_G32);
+    else if (D == 128 && kind == KV_G32) ATTEND(128, KV_G32, KV_G32);
 #if HALF_ROWS
-      else if (D == 64 && kind == KV_FP8) ATTEND_ONE(64, KV_FP8);
-      else if (D == 128 && kind == KV_FP8) ATTEND_ONE(128, KV_FP8);
-      else if (D == 64) ATTEND_ONE(64, KV_F16);
-      else ATTEND_ONE(128, KV_F16);
+    else if (D == 64 && kind == KV_FP8) ATTEND(64, KV_FP8, KV_FP8);
+    else if (D == 128 && kind == KV_FP8) ATTEND(128, KV_FP8, KV_FP8);
+    else if (D == 64) ATTEND(64, KV_F16, KV_F16);
+    else ATTEND(128, KV_F16, KV_F16);
 #endif
-#undef ATTEND_ONE
-#undef ATTEND_TWO
-    }
+#undef ATTEND
     return;
   }
 #endif
-  if (D == 64) attend_chunk(q, qs, K, V, KS, VS, kv, kind, vkind, j0, j1, off, T, G, 64, D, scale, s, stride, part);
-  else if (D == 128) attend_chunk(q, qs, K, V, KS, VS, kv, kind, vkind, j0, j1, off, T, G, 128, D, scale, s, stride, part);
-  else attend_chunk(q, qs, K, V, KS, VS, kv, kind, vkind, j0, j1, off, T, G, 0, D, scale, s, stride, part);
+  if (D == 64) attend_chunk(q, qs, K, V, KS, VS, kv, kind, vkind, j0, j1, off, T, G, 64, D, scale, s, st, sg, part, pt, pg);
+  else if (D == 128) attend_chunk(q, qs, K, V, KS, VS, kv, kind, vkind, j0, j1, off, T, G, 128, D, scale, s, st, sg, part, pt, pg);
+  else attend_chunk(q, qs, K, V, KS, VS, kv, kind, vkind, j0, j1, off, T, G, 0, D, scale, s, st, sg, part, pt, pg);
 }
 
 /* out [D] of one query head from its splits' parts (largest score, sum, weighted values) */
@@ -332,6 +386,9 @@ static inline void merge_parts(const float* part, int64_t splits, int64_t step, 
 /* keys a split covers in a batch-invariant step: the same for every token whatever else the call
    holds, so a token's splits, and the order its merge adds them in, depend on its own position only */
 #define INVARIANT_SPLIT 128
+
+/* most tokens of a run that attention takes together (decode_step's runs) */
+#define RUN_TOKENS 16
 
 /* keys a split of attention covers: at least 4 tasks a thread where the keys allow, as many
    for every thread (3 KV heads on 2 threads: 12 tasks, not 9 split 5 and 4), no split under

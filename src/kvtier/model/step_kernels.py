@@ -374,6 +374,14 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
   const ActQ8 aq_bufs = {(int8_t*)aq_end, aq_end + T * kmax / 4, aq_end + T * kmax / 4 + T * kmax / 32};
   const ActQ8* aq = act_q8 ? &aq_bufs : NULL;
   for (int64_t t = 0; t < T; t++) memcpy(h + t * dim, emb + ids[t] * dim, dim * sizeof(float));
+  /* over pages, runs of tokens of one sequence at consecutive positions (a prompt's, a verification's),
+     at most RUN_TOKENS: attention reads each key and value once for a run, each token's sums its own */
+  int64_t run_at[T + 1], runs = 0;
+  for (int64_t t = 0; paged && t < T; t++)
+    if (!t || t - run_at[runs - 1] == RUN_TOKENS || paged->pos[t] != paged->pos[t - 1] + 1 ||
+        memcmp(paged->tables + t * paged->width, paged->tables + (t - 1) * paged->width, paged->width * sizeof(int32_t)))
+      run_at[runs++] = t;
+  run_at[runs] = T;
   StepBarrier bar = {0, 0, 0};
   #pragma omp parallel num_threads(threads)
   {
@@ -424,7 +432,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           float* s = scores + kh * gt * score_stride;
           float* part = parts + t * gt * (D + 2);
           attend_chunk_d(q, QK, K, V, (Sides){NULL, NULL, NULL}, (Sides){NULL, NULL, NULL}, kv, j0, j1, off, T, group, D,
-                         kind, kind, scale, s, score_stride, part);
+                         kind, kind, scale, s, score_stride, T * score_stride, part, D + 2, T * (D + 2));
         }
         step_barrier(&bar);
         #pragma omp for schedule(static) nowait
@@ -438,13 +446,13 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           }
         }
         step_barrier(&bar);
-      } else {  /* each token its own sequence: tasks (token, KV head, split of the longest's keys) */
+      } else {  /* each token its own sequence: tasks (run of tokens, KV head, split of the longest's keys) */
         const int64_t n = score_stride, chunk = invariant ? INVARIANT_SPLIT : split_keys(n, Hkv * T, threads);
         const int64_t splits = (n + chunk - 1) / chunk;
         #pragma omp for schedule(dynamic, 1) nowait
-        for (int64_t t = 0; t < T * Hkv * splits; t++) {
-          const int64_t tok = t / (Hkv * splits), kh = t / splits % Hkv, j0 = (t % splits) * chunk;
-          const int64_t j1 = j0 + chunk < n ? j0 + chunk : n;
+        for (int64_t t = 0; t < runs * Hkv * splits; t++) {
+          const int64_t r = t / (Hkv * splits), kh = t / splits % Hkv, j0 = (t % splits) * chunk;
+          const int64_t tok = run_at[r], j1 = j0 + chunk < n ? j0 + chunk : n;
           const KvRows kv = token_kv(paged, tok, Hkv, D);
           const void* K = (const char*)ly->k + kv_span(kind, head_at(paged, kh, cap, D));
           const void* V = (const char*)ly->v + kv_span(vkind, head_at(paged, kh, cap, D));
@@ -452,9 +460,9 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           const Sides VS = sides_at(ly->vs, ly->vz, ly->vtab, paged, kh, cap, vkind, D);
           const float* q = qk + tok * QK + kh * group * D;
           float* s = scores + (tok * Hkv + kh) * group * score_stride;
-          float* part = parts + t * group * (D + 2);
-          attend_chunk_d(q, QK, K, V, KS, VS, kv, j0, j1, paged->pos[tok], 1, group, D, kind, vkind, scale, s, score_stride,
-                         part);
+          float* part = parts + ((tok * Hkv + kh) * splits + t % splits) * group * (D + 2);
+          attend_chunk_d(q, QK, K, V, KS, VS, kv, j0, j1, paged->pos[tok], run_at[r + 1] - tok, group, D, kind, vkind,
+                         scale, s, Hkv * group * score_stride, score_stride, part, Hkv * splits * group * (D + 2), D + 2);
         }
         step_barrier(&bar);
         #pragma omp for schedule(static) nowait
