@@ -188,9 +188,12 @@ def test_the_server_refuses_tensor_parallel_before_any_rank_starts() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_mode_is_refused_on_cuda() -> None:
-    gpu = load_model(device="cuda", dtype=torch.bfloat16, progress=False)
+    from kvtier.model import ModelArgs, build_random
+
+    args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=256)
+    gpu = build_random(args, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="the model is on cuda"):
-        LLMEngine(gpu.model, gpu.tokenizer, EngineConfig(num_blocks=8, batch_invariant=True))
+        LLMEngine(gpu, None, EngineConfig(num_blocks=8, batch_invariant=True))
 
 
 def test_the_server_answers_a_concurrent_burst_as_each_request_alone(tmp_path: Path) -> None:
