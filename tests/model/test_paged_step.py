@@ -19,6 +19,7 @@ from test_cpu_step import small_model
 from kvtier.model import cpu_step
 from kvtier.serve.runner import ModelRunner
 from kvtier.serve.scheduler import ScheduledRow, StepBatch
+from step_support import invariant_logits
 
 
 @pytest.fixture(autouse=True)
@@ -400,7 +401,6 @@ def test_a_run_of_one_sequences_tokens_attends_as_each_token_alone(shape, flags)
     with and without AVX-512 (the values two tokens at a time, or the 8-lane loop)."""
     import platform
 
-    from kvtier.caches.paged_shared import SharedBlockPagedKVCache
     from kvtier.kernels.native import build_library
     from kvtier.model import step_kernels
     from kvtier.quant.modes import TurboQuantConfig
@@ -417,17 +417,7 @@ def test_a_run_of_one_sequences_tokens_attends_as_each_token_alone(shape, flags)
     tables = torch.arange(20, dtype=torch.int32).view(2, 10)  # 10 blocks of 16 a sequence
 
     def run(calls, storage) -> dict:
-        caches = [SharedBlockPagedKVCache(16, 20, **storage) for _ in range(a.n_layers)]
-        for c in caches:
-            c.allocate(a.n_kv_heads, a.head_dim, torch.float32, torch.device("cpu"))
-        out = {}
-        with torch.inference_mode():
-            for call in calls:
-                keys = [(s, p) for s, lo, hi in call for p in range(lo, hi)]
-                logits = step.run_paged(torch.stack([seqs[s, p] for s, p in keys]), torch.tensor([p for _, p in keys]),
-                                        torch.stack([tables[s] for s, _ in keys]), caches, invariant=True)
-                out |= dict(zip(keys, logits))
-        return out
+        return invariant_logits(step, a, seqs, tables, calls, storage)
 
     for storage in ({}, {"kv_quant": "q8"}, {"kv_quant": "q4_g32"}, {"turboquant": TurboQuantConfig()}):
         alone = run([[(s, p, p + 1)] for p in range(150) for s in (0, 1)], storage)

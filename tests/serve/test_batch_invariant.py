@@ -21,7 +21,6 @@ import pytest
 import torch
 from openai import OpenAI
 
-from kvtier.caches.paged_shared import SharedBlockPagedKVCache
 from kvtier.model import load_model
 from kvtier.model.cpu_step import plan_for
 from kvtier.quant.modes import TurboQuantConfig
@@ -31,6 +30,7 @@ from kvtier.serve.params import RequestParams
 from kvtier.serve.runner import ModelRunner
 from kvtier.serve.speculate import SpeculativeConfig
 from server_support import running_server
+from step_support import invariant_logits
 
 TEXTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:",
          "Once upon a time, in a land far away, there lived a", "def fibonacci(n):",
@@ -62,17 +62,7 @@ def test_a_tokens_bits_do_not_depend_on_the_tokens_beside_it_in_the_step(lm, cod
     tables = torch.arange(36, dtype=torch.int32).view(4, 9)  # 9 blocks of 16 a sequence
 
     def run(calls) -> dict:
-        caches = [SharedBlockPagedKVCache(16, 36, **STORAGE[codes]) for _ in range(a.n_layers)]
-        for c in caches:
-            c.allocate(a.n_kv_heads, a.head_dim, torch.float32, torch.device("cpu"))
-        out = {}
-        with torch.inference_mode():
-            for call in calls:
-                keys = [(s, p) for s, lo, hi in call for p in range(lo, hi)]
-                logits = step.run_paged(torch.stack([seqs[s, p] for s, p in keys]), torch.tensor([p for _, p in keys]),
-                                        torch.stack([tables[s] for s, _ in keys]), caches, invariant=True)
-                out |= dict(zip(keys, logits))
-        return out
+        return invariant_logits(step, a, seqs, tables, calls, STORAGE[codes])
 
     alone = run([[(0, p, p + 1)] for p in range(140)])
     beside = run([[(1, lo, lo + 48), (0, lo, lo + 48), (2, lo, lo + 5)] for lo in range(0, 96, 48)]

@@ -1,0 +1,26 @@
+"""Batch-invariant one-call steps over fresh paged caches, shared by the tests of the CPU step
+(``tests/model/test_paged_step.py``) and of the batch-invariant mode
+(``tests/serve/test_batch_invariant.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.caches.paged_shared import SharedBlockPagedKVCache
+
+
+def invariant_logits(step, args, seqs: torch.Tensor, tables: torch.Tensor, calls, storage: dict) -> dict:
+    """``{(sequence, position): logits}`` of ``DecodeStep.run_paged(..., invariant=True)`` calls in
+    order, each a list of ``(sequence, first, end)`` spans of ``seqs``' tokens, over fresh paged
+    caches (blocks of 16 tokens, as many as ``tables`` holds, pages of ``storage``)."""
+    caches = [SharedBlockPagedKVCache(16, tables.numel(), **storage) for _ in range(args.n_layers)]
+    for c in caches:
+        c.allocate(args.n_kv_heads, args.head_dim, torch.float32, torch.device("cpu"))
+    out = {}
+    with torch.inference_mode():
+        for call in calls:
+            keys = [(s, p) for s, lo, hi in call for p in range(lo, hi)]
+            logits = step.run_paged(torch.stack([seqs[s, p] for s, p in keys]), torch.tensor([p for _, p in keys]),
+                                    torch.stack([tables[s] for s, _ in keys]), caches, invariant=True)
+            out |= dict(zip(keys, logits))
+    return out
