@@ -157,15 +157,25 @@ static inline __attribute__((always_inline)) void values64_512(float* const* sp,
       for (int c = 0; c < 4; c++) _mm512_storeu_ps(pp[t] + g * pstride + 2 + 16 * c, v[t][g][c]);
 }
 
-/* values64_512 for a head group of G: NT a constant, so the sums stay in registers */
+/* values64_512 for a head group of G: NT a constant, so the sums stay in registers (two tokens
+   for up to three heads; four heads take one token) */
 static inline __attribute__((always_inline)) void values64_g(float* const* sp, int64_t stride, const void* V,
     Sides VS, KvRows kv, const int kind, int64_t j0, int64_t e, int64_t G, const int NT, float* const* pp,
     int64_t pstride, const int more, __m256 lo, __m256 hi) {
   if (G == 1) values64_512(sp, stride, V, VS, kv, kind, j0, e, 1, NT, pp, pstride, more, lo, hi);
   else if (G == 2) values64_512(sp, stride, V, VS, kv, kind, j0, e, 2, NT, pp, pstride, more, lo, hi);
   else if (G == 3) values64_512(sp, stride, V, VS, kv, kind, j0, e, 3, NT, pp, pstride, more, lo, hi);
-  else values64_512(sp, stride, V, VS, kv, kind, j0, e, 4, NT, pp, pstride, more, lo, hi);
+  else values64_512(sp, stride, V, VS, kv, kind, j0, e, 4, 1, pp, pstride, more, lo, hi);  /* (NT 1: 16 sums) */
 }
+#endif
+
+/* queries dots4 takes at once: 16 sums, four keys and a query in 21 of AVX-512's 32 registers;
+   with AVX2's 16, one (two spilled: decode steps 3-4% slower, in-process against the loop a
+   query at a time, 2-core Zen 4 built without AVX-512, 2026-12-07) */
+#if defined(__AVX512F__)
+#define MOST_QUERIES 4
+#else
+#define MOST_QUERIES 1
 #endif
 
 /* the scores of four keys (rows k[0..3], from key j on) for NQ queries (NQ at most 4, query i at
@@ -241,13 +251,13 @@ static inline __attribute__((always_inline)) void attend_run_avx2(const float* q
     if (grouped)
       for (int x = 0; x < 4; x++) group_floats(KS, kv, j + x, DC, gs + x * ng, gz + x * ng);
     const int64_t first = j + 3 > off ? j + 3 - off : 0;  /* the first token that sees key j + 3 */
-    const float* qp[4];
-    float* sp[4];
+    const float* qp[4] = {NULL};
+    float* sp[4] = {NULL};
     int nq = 0;
     for (int64_t t = first; t < T; t++)
       for (int64_t g = 0; g < G; g++) {
         qp[nq] = q + t * qs + g * DC, sp[nq] = s + t * st + g * sg;
-        if (++nq == 4) dots4(qp, sp, 4, k, j, DC, kind, gs, gz, ng, ksc), nq = 0;
+        if (++nq == MOST_QUERIES) dots4(qp, sp, MOST_QUERIES, k, j, DC, kind, gs, gz, ng, ksc), nq = 0;
       }
     if (nq == 3) dots4(qp, sp, 3, k, j, DC, kind, gs, gz, ng, ksc);
     else if (nq == 2) dots4(qp, sp, 2, k, j, DC, kind, gs, gz, ng, ksc);
@@ -272,10 +282,11 @@ static inline __attribute__((always_inline)) void attend_run_avx2(const float* q
 #if defined(__AVX512F__)
   if (DC == 64 && G <= 4) {  /* (a constant group: the sums stay in registers) */
     for (int64_t t = 0; t < T; t++) {
-      float* sp[2] = {s + t * st, s + (t + 1) * st};
-      float* pp[2] = {part + t * pt, part + (t + 1) * pt};
+      const int two = G <= 3 && t + 1 < T;
+      float* sp[2] = {s + t * st, two ? s + (t + 1) * st : NULL};
+      float* pp[2] = {part + t * pt, two ? part + (t + 1) * pt : NULL};
       const int64_t e = SEES(t);
-      if (G <= 3 && t + 1 < T && e > j0) {  /* tokens t and t + 1 over the keys both see, then t + 1's last */
+      if (two && e > j0) {  /* tokens t and t + 1 over the keys both see, then t + 1's last */
         values64_g(sp, sg, V, VS, kv, vkind, j0, e, G, 2, pp, pg, 0, lo, hi);
         values64_g(sp + 1, sg, V, VS, kv, vkind, e, SEES(t + 1), G, 1, pp + 1, pg, 1, lo, hi);
         t++;
@@ -322,8 +333,9 @@ static inline __attribute__((always_inline)) void attend_run_avx2(const float* q
 #endif
 
 /* attend_chunk with the head dim a constant for 64 and 128 (the loops drop their remainders);
-   with AVX2 those head dims take attend_run_avx2 (a call of 16 tokens over 512 keys: attention
-   7.8 against 12.9 ms through attend_chunk, a token at a time). Stored rows of other kinds
+   with AVX2 those head dims take attend_run_avx2 (its loops taken a token at a time, a call of
+   16 tokens over 512 keys spent 7.8 ms in attention against 12.9 through attend_chunk). Stored
+   rows of other kinds
    (float16 without F16C, keys and values of two kinds: TurboQuant's) are converted a row at a
    time as the loops reach them. */
 static void attend_chunk_d(const float* q, int64_t qs, const void* K, const void* V, Sides KS,
