@@ -214,8 +214,8 @@ static inline __attribute__((always_inline)) void dots4(const float* const* qp, 
    lanes together, not one horizontal sum per key), the keys a token sees past its last whole four
    one at a time, and the weighted values of 64 keys at a time for one head, 64 channels of sums
    held in registers (not loaded and stored per key); with AVX-512 over all keys at once, at a head
-   dim of 64 all heads of a token, or of two, at 128 two heads (a decode step's attention over
-   1,536 keys at 2-4 heads a KV head 1.06-1.7x faster, the larger for codes formed from groups).
+   dim of 64 all heads of a token, or of two, at 128 two heads (a 3-layer model's decode step over
+   1,536 keys, 2-4 heads a KV head: 1.06-1.7x faster, the most for codes formed from groups).
    What the queries share is read once for all of them: each four
    keys for up to four queries (a token's heads, or a run's), each value row for two tokens' heads
    (2-core Zen 4: a batch-invariant prefill of 1,500 tokens 1.22x faster; at 1,536 keys a decode
