@@ -54,6 +54,13 @@ def test_echo_with_no_new_tokens_scores_the_prompt(client, model, lm) -> None:
                                               stream=True))
     assert "".join(s.choices[0].text for s in streamed) == PROMPT and streamed[-1].choices[0].finish_reason == "length"
     assert [t for s in streamed for t in s.choices[0].logprobs.tokens] == lp.tokens
+    # the one token run behind max_tokens 0 is dropped, its end too: an end of text it drew is no stop
+    eos = {str(lm.tokenizer.eos_token_id): 100}
+    drew = client.completions.create(model=model, prompt=PROMPT, echo=True, max_tokens=0, logit_bias=eos)
+    assert (drew.choices[0].text, drew.choices[0].finish_reason, drew.usage.completion_tokens) == (PROMPT, "length", 0)
+    streamed = list(client.completions.create(model=model, prompt=PROMPT, echo=True, max_tokens=0, logit_bias=eos,
+                                              stream=True))
+    assert streamed[-1].choices[0].finish_reason == "length"
 
 
 def test_echo_puts_the_prompt_before_the_completion(client, model, lm) -> None:
