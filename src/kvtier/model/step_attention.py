@@ -210,21 +210,22 @@ static inline __attribute__((always_inline)) void dots4(const float* const* qp, 
 
 /* attend_chunk for T tokens of one sequence at positions off, off + 1, ... and a head dim DC of 64
    or 128, 8 lanes wide. Each query (token, head) gets the sums a token alone would (a decode
-   step's, a token a call): the scores of four keys a pass (their four dot products summed across
-   lanes together, not one horizontal sum per key), the keys a token sees past its last whole four
-   one at a time, and the weighted values of 64 keys at a time for one head, 64 channels of sums
-   held in registers (not loaded and stored per key); with AVX-512 over all keys at once, at a head
-   dim of 64 all heads of a token, or of two, at 128 two heads (a 3-layer model's decode step over
-   1,536 keys, 2-4 heads a KV head: 1.06-1.7x faster, the most for codes formed from groups).
-   What the queries share is read once for all of them: each four
-   keys for up to four queries (a token's heads, or a run's), each value row for two tokens' heads
-   (2-core Zen 4: a batch-invariant prefill of 1,500 tokens 1.22x faster; at 1,536 keys a decode
-   step 1.03x over float32 pages and 1.05x over q8 ones, a 5-token verification 1.09x). K and V
-   rows as kind says, converted as they are loaded; codes'
-   dot products take their key's scale, and their values weigh by probability times the value's
-   scale; group-affine codes (q4_g32's, TurboQuant's 8-bit keys) become zero + scale code as they
-   are loaded, and Lloyd-Max indices (vkind, TurboQuant's values) scale centroid. Strides as
-   attend_chunk's. */
+   step's, a token a call):
+   - the scores of four keys a pass, their four dot products summed across lanes together (not one
+     horizontal sum per key), each four keys' channels loaded once for up to four queries (a
+     token's heads, or a run's; one query without AVX-512), then the keys a token sees past its
+     last whole four one at a time;
+   - the weighted values, the sums held in registers (not loaded and stored per key): 64 keys and
+     64 channels at a time for one head, or with AVX-512 all keys at once, each value row loaded
+     once for a token's heads, or two tokens' (head dim 64), or for two heads (128).
+   K and V rows as kind says, converted as they are loaded; codes' dot products take their key's
+   scale, and their values weigh by probability times the value's scale; group-affine codes
+   (q4_g32's, TurboQuant's 8-bit keys) become zero + scale code as they are loaded, and Lloyd-Max
+   indices (vkind, TurboQuant's values) scale centroid. Strides as attend_chunk's. On the 2-core
+   Zen 4 box against the loops a query and a head at a time: a batch-invariant prefill of 1,500
+   tokens 1.22x faster; at 1,536 keys a decode step 1.03x over float32 pages and 1.05x over q8
+   ones, a 5-token verification 1.09x; a 3-layer model's decode step at head dim 128, 2-4 heads a
+   KV head, 1.06-1.7x (the most for codes formed from groups). */
 static inline __attribute__((always_inline)) void attend_run_avx2(const float* q, int64_t qs, const void* K,
     const void* V, Sides KS, Sides VS, KvRows kv, int64_t j0, int64_t j1, int64_t off, int64_t T, int64_t G,
     const int64_t DC, const int kind, const int vkind, float scale, float* s, int64_t st, int64_t sg, float* part,
