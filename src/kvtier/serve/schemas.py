@@ -573,17 +573,16 @@ def request_params(req: CompletionRequest | ChatCompletionRequest, tokenizer=Non
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         max_tokens, logprobs = req.max_tokens, req.logprobs
-    # echo with logprobs: the prompt's tokens' too (the larger count where prompt_logprobs asks as
-    # well); max_tokens 0 runs one token, which the answer drops
+    # echo with logprobs: the prompt's tokens' too (the larger count where prompt_logprobs asks as well)
     asked = [k for k in (logprobs if getattr(req, "echo", False) else None, req.prompt_logprobs) if k is not None]
-    prompt_logprobs = max(asked, default=None)
-    if max_tokens == 0:
-        max_tokens = 1
+    prompt_logprobs, stop_ids, ignore_eos = max(asked, default=None), tuple(req.stop_token_ids or ()), req.ignore_eos
+    if max_tokens == 0:  # one token run, which the answer drops: it ends by length, whatever it draws
+        max_tokens, stop, stop_ids, ignore_eos = 1, (), (), True
     try:
         sampling = SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                                   min_p=req.min_p, seed=req.seed)
         return RequestParams(max_tokens=max_tokens, sampling=sampling, stop=stop,
-                             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                             stop_token_ids=stop_ids, ignore_eos=ignore_eos,
                              logprobs=logprobs, presence_penalty=req.presence_penalty,
                              frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                              logit_bias=logit_bias(req.logit_bias), min_tokens=req.min_tokens,

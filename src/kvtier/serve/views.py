@@ -121,8 +121,7 @@ class Completion:
     def choice(self, text: str, finish: str | None, items, chunk: bool, split: tuple[str, str] | None = None,
                pieces: tuple[str, ...] = ()) -> dict:
         lp = None if items is None else self.logprobs(items, text)
-        if not self.chat:  # (max_tokens 0: the one token run is dropped, and with it why it ended)
-            finish = "length" if self.drop and finish is not None else finish
+        if not self.chat:
             return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
         thought = None
         if self.reasoning is not None:  # (``split``: the reasoning and content of the whole answer, read already)
