@@ -222,6 +222,18 @@ def test_a_pool_past_max_tokens_names_both_of_its_settings():
     assert "--num-blocks" in str(e.value) and "KVTIER_PAGED_BLOCK_SIZE" in str(e.value)
 
 
+def test_a_pool_past_max_tokens_says_how_far_to_lower_each_setting():
+    with pytest.raises(ValueError) as e:
+        KVCacheConfig.from_env({"KVTIER_PAGED_BLOCK_SIZE": "100000"})
+    assert str(e.value) == (
+        f"paged_num_blocks * paged_block_size = 1024 * 100000 = 102400000 tokens, more than {MAX_TOKENS}; "
+        f"lower paged_block_size (KVTIER_PAGED_BLOCK_SIZE) to at most {MAX_TOKENS // 1024} (with 1024 "
+        f"blocks), or paged_num_blocks (--num-blocks, KVTIER_PAGED_NUM_BLOCKS) to at most "
+        f"{MAX_TOKENS // 100000} (with blocks of 100000 tokens)")
+    for block_size, blocks in ((MAX_TOKENS // 1024, 1024), (100000, MAX_TOKENS // 100000)):
+        KVCacheConfig(paged_block_size=block_size, paged_num_blocks=blocks)  # the bounds it names fit
+
+
 def test_env_settings_names_only_what_the_environment_sets():
     assert env_settings({}) == {}
     assert env_settings({"KVTIER_PAGED_NUM_BLOCKS": "64", "KVTIER_PAGED_ATTN": "1",

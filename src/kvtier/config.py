@@ -112,7 +112,10 @@ class KVCacheConfig:
             raise ValueError(
                 f"paged_num_blocks * paged_block_size = {self.paged_num_blocks} * "
                 f"{self.paged_block_size} = {pool} tokens, more than {MAX_TOKENS}; lower "
-                f"{_setting('paged_num_blocks')} or {_setting('paged_block_size')}"
+                f"{_setting('paged_block_size')} to at most {MAX_TOKENS // self.paged_num_blocks} "
+                f"(with {self.paged_num_blocks} blocks), or {_setting('paged_num_blocks')} to at "
+                f"most {MAX_TOKENS // self.paged_block_size} (with blocks of {self.paged_block_size} "
+                "tokens)"
             )
         if self.kv_dtype is not None:
             if self.kv_dtype not in KV_DTYPE_NAMES:

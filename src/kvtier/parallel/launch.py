@@ -100,14 +100,19 @@ def launch(
     if deadline_s is not None:
         check_timeout(deadline_s)
     ctx = mp.get_context("spawn")
-    reports = ctx.SimpleQueue()
+    # a pipe a rank, not a queue: a queue's locks are semaphores, which the resource tracker
+    # reports as leaked when this process is killed (SIGKILL) before it could release them
+    readers, writers = zip(*(ctx.Pipe(duplex=False) for _ in range(world_size)))
     # the rendezvous: a store listening before any worker starts, on a port no one else can take
     store = dist.TCPStore(_HOST, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False)
     procs = mp.start_processes(
-        _worker, args=(world_size, (_HOST, store.port), device_type, timeout_s, fn, args, reports),
+        _worker, args=(world_size, (_HOST, store.port), device_type, timeout_s, fn, args, writers),
         nprocs=world_size, join=False, start_method="spawn",
     )
+    for w in writers:  # the ranks hold theirs: a rank's end closes with it, and its pipe reads EOF
+        w.close()
+    reports = list(readers)
     end = None if deadline_s is None else time.monotonic() + deadline_s
     got: list[_Report] = []
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")
@@ -135,7 +140,11 @@ def launch(
     return pickle.loads(done[0].value)
 
 
-def _worker(rank, world_size, rendezvous, device_type, timeout_s, fn, args, reports) -> None:
+def _worker(rank, world_size, rendezvous, device_type, timeout_s, fn, args, writers) -> None:
+    for i, w in enumerate(writers):  # this rank's pipe only
+        if i != rank:
+            w.close()
+    reports = writers[rank]
     if device_type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
@@ -151,11 +160,11 @@ def _worker(rank, world_size, rendezvous, device_type, timeout_s, fn, args, repo
     except BaseException as e:  # reported home, then re-raised: the process exits non-zero
         kind = "value" if isinstance(e, ValueError) else "memory" if isinstance(e, MemoryError) \
             else "other"
-        reports.put(_Report(rank, False, when=time.time(), kind=kind,
+        reports.send(_Report(rank, False, when=time.time(), kind=kind,
                             message=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-8000:]))
         raise
     if rank == 0:
-        reports.put(_Report(0, True, value))
+        reports.send(_Report(0, True, value))
 
 
 def run_rank(fn: Callable[..., Any], tp: TensorParallel, args: tuple) -> Any:
@@ -170,10 +179,17 @@ def run_rank(fn: Callable[..., Any], tp: TensorParallel, args: tuple) -> Any:
         return fn(tp, *args)
 
 
-def _drain(reports) -> list[_Report]:
+def _drain(reports: list) -> list[_Report]:
+    """What the ranks' pipes hold now; a pipe at its end (the rank exited) is closed and left
+    out of ``reports``."""
     got = []
-    while not reports.empty():
-        got.append(reports.get())
+    for r in list(reports):
+        try:
+            while r.poll():
+                got.append(r.recv())
+        except (EOFError, OSError):
+            r.close()
+            reports.remove(r)
     return got
 
 
