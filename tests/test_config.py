@@ -34,7 +34,7 @@ def clean_env(monkeypatch):
             monkeypatch.delenv(name)
 
 
-# (KVTIER name, MTPLX alias, value, field, expected), one row per variable of DESIGN.md section 4
+# (KVTIER name, MTPLX alias, value, field, expected), one row per variable of docs/tiers.md
 VARIABLES = [
     ("KVTIER_PAGED_ATTN", "MTPLX_VLLM_METAL_PAGED_ATTN", "1", "tier", "paged"),
     ("KVTIER_OWNED_ATTN_KV", "MTPLX_OWNED_ATTN_KV", "block", "tier", "block"),

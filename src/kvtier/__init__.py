@@ -24,7 +24,7 @@ _CONFIG_NAMES = ("KVCacheConfig", "configure_kv_cache", "make_caches")
 
 def __getattr__(name: str):
     # kvtier.config sits above the caches (it builds them): it is imported on first use, so
-    # importing a cache, codec or kernel never loads it (DESIGN.md section 7)
+    # importing a cache, codec or kernel never loads it (docs/architecture.md)
     if name in _CONFIG_NAMES:
         from kvtier import config
 

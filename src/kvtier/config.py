@@ -73,7 +73,7 @@ class KVCacheTooLarge(MemoryError):
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """Which tier to build and with what parameters. Defaults match DESIGN.md section 4.
+    """Which tier to build and with what parameters. Defaults and variables: docs/tiers.md, "Configuration by environment".
 
     ``kv_quant`` and ``turboquant`` name the paged tier's storage (``None``: full
     precision); their vocabulary is :mod:`kvtier.quant.modes`.
@@ -165,7 +165,7 @@ class KVCacheConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> KVCacheConfig:
         """Build a config from ``env`` (default ``os.environ``): the variables of
-        :data:`ENV_VARS`, see DESIGN.md section 4.
+        :data:`ENV_VARS`, listed in docs/tiers.md.
 
         Each ``KVTIER_*`` variable wins over its MTPLX alias; a variable that is
         unset or empty leaves the field's default. ``KVTIER_PAGED_ATTN`` truthy

@@ -335,7 +335,10 @@ def test_narrow_buffers_survive_state_and_meta_state():
     assert torch.equal(back.attention(q), cache.attention(q))
     with pytest.raises(ValueError, match=r"names kv_dtype without dtype"):
         TailOwnedKVCache.from_state(cache.state, {**meta, "dtype": None})
-    with pytest.raises(ValueError, match=r"meta_state dtype='int8' is not a floating-point dtype"):
-        TailOwnedKVCache.from_state(cache.state, {**meta, "dtype": "int8"})
+    for name, bad in (("dtype", "int8"), ("dtype", "float33"), ("kv_dtype", "half")):
+        # the words every tier's meta_state check uses (state_checks.meta_dtype)
+        with pytest.raises(ValueError, match=rf"^meta_state\['{name}'\] must name a dtype, one of "
+                                             rf"\['float32', 'float16', 'bfloat16', 'float64'\]; got '{bad}'$"):
+            TailOwnedKVCache.from_state(cache.state, {**meta, name: bad})
     with pytest.raises(ValueError, match=r"state holds torch.float16 keys but meta_state says kv_dtype torch.bfloat16"):
         TailOwnedKVCache.from_state(cache.state, {**meta, "kv_dtype": "bfloat16"})

@@ -27,6 +27,7 @@ from kvtier.caches.state_checks import (
     check_state_args,
     check_state_kv,
     check_unit,
+    meta_dtype,
     read_meta_ints,
     restore_slack,
 )
@@ -74,13 +75,9 @@ KV_STORAGE_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _meta_dtype(meta_state: dict[str, Any], name: str) -> torch.dtype | None:
-    raw = meta_state.get(name)
-    if raw is None:
-        return None
-    dtype = getattr(torch, raw, None) if isinstance(raw, str) else None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"meta_state {name}={raw!r} is not a floating-point dtype name such as 'float16'")
-    return dtype
+    """``meta_state[name]`` as :func:`~kvtier.caches.state_checks.meta_dtype` reads it, or
+    ``None`` where it is absent or ``None``."""
+    return None if meta_state.get(name) is None else meta_dtype(meta_state, name)
 
 
 class TailOwnedKVCache(ScalarKVCache):

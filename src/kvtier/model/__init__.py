@@ -7,7 +7,7 @@ weights for benchmarks.
 
 from kvtier.model.architectures import ARCHITECTURES, build_random
 from kvtier.model.llama import ModelArgs, Transformer
-from kvtier.model.loading import LoadedModel, load_model
+from kvtier.model.loading import LoadedModel, load_model, model_args
 from kvtier.model.tokenizer import StreamDecoder, Tokenizer
 
 __all__ = [
@@ -19,4 +19,5 @@ __all__ = [
     "Transformer",
     "build_random",
     "load_model",
+    "model_args",
 ]
