@@ -26,6 +26,7 @@ import argparse
 
 import torch
 
+from kvtier.devices import set_threads
 from kvtier_bench._progress import BenchProgress
 from kvtier_bench.decode import best_seconds, measure_bandwidth, measure_read_bandwidth
 
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.model.packed_kernels import load_kernels
 
     if args.threads is not None:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     if args.ghz is not None and not 0 < args.ghz < 100:
         raise ValueError(f"--ghz {args.ghz}: the cores' clock in GHz, a number in (0, 100)")
     if args.k <= 0 or args.k % 32:

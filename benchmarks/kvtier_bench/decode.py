@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.config import TIERS, KVCacheConfig
+from kvtier.devices import set_threads
 from kvtier.generate import generate_step
 from kvtier_bench._progress import BenchProgress
 
@@ -96,7 +97,7 @@ class Result:
 
 def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")

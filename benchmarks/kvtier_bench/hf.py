@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 
 from kvtier.config import KVCacheConfig
+from kvtier.devices import set_threads
 from kvtier_bench import FOLDER
 from kvtier_bench._memory import reset_peak_rss, rss_bytes
 from kvtier_bench._progress import BenchProgress
@@ -305,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     if args.no_cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
     default = "dynamic,static,tail,paged,paged-q8" if device.type == "cuda" else "dynamic,tail,paged,paged-q8"

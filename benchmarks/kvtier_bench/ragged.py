@@ -41,6 +41,7 @@ import torch
 
 from kvtier.caches.ragged import RaggedBatchKVCache
 from kvtier.caches.tail_owned import TailOwnedKVCache
+from kvtier.devices import set_threads
 from kvtier_bench._progress import BenchProgress
 
 SHAPES = {"llama": (32, 8, 128), "smollm2": (9, 3, 64)}  # (H_q, H_kv, D)
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         console.print("need --batch >= 1, --repeats >= 1 and 1 <= --min-len <= --max-len")
         return 2
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
     Hq, Hkv, D = SHAPES[args.shape]

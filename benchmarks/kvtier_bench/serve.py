@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.devices import set_threads
 from kvtier_bench._progress import BenchProgress
 
 
@@ -142,7 +143,7 @@ def percentile(xs: list[float], q: float) -> float:
 
 def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         lo, hi = (int(x) for x in args.input_len.split(","))

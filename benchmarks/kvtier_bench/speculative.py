@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.config import KVCacheConfig
+from kvtier.devices import set_threads
 from kvtier.generate import generate_step
 from kvtier.speculative import SpeculativeConfig, SpeculativeStats, speculative_generate_step
 from kvtier_bench._progress import BenchProgress
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.model import load_model
 
     if args.threads is not None:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     lm = load_model(device="cpu", dtype=torch.float32, progress=False)
     tok, model = lm.tokenizer, lm.model
     stop_ids = frozenset(tok.eos_token_ids)

@@ -7,15 +7,18 @@ Example::
     device(type='cpu')
     >>> check_threads(2, cpus=4)
     2
+    >>> print(oversubscribed(3, cpus=2))
+    --threads 3 is more than the 2 CPUs this process may run on: OpenMP's threads then wait for one another at every product, and a step takes many times as long; use at most 2
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
-__all__ = ["MAX_THREADS_A_CPU", "check_threads", "parse_device", "usable_cpus"]
+__all__ = ["MAX_THREADS_A_CPU", "check_threads", "oversubscribed", "parse_device", "set_threads", "usable_cpus"]
 
 #: threads a CPU at most (more only makes OpenMP's threads wait on each other; past some
 #: thousands the process cannot start them at all)
@@ -58,3 +61,27 @@ def check_threads(threads, flag: str = "--threads", cpus: int | None = None) -> 
         raise ValueError(f"{flag} must be an int from 1 to {most} ({MAX_THREADS_A_CPU} for each of this "
                          f"process's {cpus} CPUs), got {threads!r}")
     return threads
+
+
+def oversubscribed(threads: int, ranks: int = 1, flag: str = "--threads", cpus: int | None = None) -> str | None:
+    """A warning where ``threads`` threads in each of ``ranks`` processes outnumber the usable CPUs
+    (``cpus``, default :func:`usable_cpus`), else ``None``. It is allowed (up to
+    :func:`check_threads`' bound) but never pays: the products' OpenMP threads meet at a barrier
+    after each product, and one that has no CPU holds the others there (a CPU decode benchmark
+    that took 33 s at 2 threads had not finished after 300 s at 3, on a 2-core box)."""
+    cpus = usable_cpus() if cpus is None else cpus
+    if threads * ranks <= cpus:
+        return None
+    each = f" on each of {ranks} ranks" if ranks > 1 else ""
+    return (f"{flag} {threads}{each} is more than the {cpus} CPUs this process may run on: OpenMP's threads "
+            f"then wait for one another at every product, and a step takes many times as long; use at most "
+            f"{max(1, cpus // ranks)}")
+
+
+def set_threads(threads: int, flag: str = "--threads") -> None:
+    """``torch.set_num_threads(threads)``, once :func:`check_threads` accepts ``threads``, with
+    :func:`oversubscribed`'s warning where it applies."""
+    check_threads(threads, flag)
+    if (note := oversubscribed(threads, flag=flag)) is not None:
+        warnings.warn(note, stacklevel=2)
+    torch.set_num_threads(threads)

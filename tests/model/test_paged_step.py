@@ -316,19 +316,40 @@ def test_drafted_rows_give_the_packed_forwards_logits(rows, monkeypatch):
         torch.testing.assert_close(got_drafts[rid], w, rtol=1e-4, atol=1e-4)
 
 
-def test_mostly_dense_weights_take_the_step_for_a_few_rows_only(monkeypatch):
-    """Dense float32 weights: the step's plain loops lose to oneDNN's matmuls from about
-    ``DENSE_ROWS`` rows, so larger decode steps take the layered forward (same logits)."""
+def test_mostly_dense_weights_take_the_step_for_a_few_rows_only_without_avx512(monkeypatch):
+    """Dense float32 weights: without AVX-512 the step's plain loops lose to oneDNN's matmuls from
+    about ``DENSE_ROWS`` rows, so larger decode steps take the layered forward there (same logits);
+    an AVX-512 build's row-block loops take any count."""
+    import platform
+
+    from kvtier.kernels.native import build_library
+    from kvtier.model import step_kernels
+
     assert cpu_step.plan_for(small_model()).dense is False  # one float32 layer of twelve
     model = small_model(packed=False)
-    assert cpu_step.plan_for(model).dense is True
+    step = cpu_step.plan_for(model)
+    assert step.dense is True
     calls = counting(monkeypatch)
     few = [9, 3, 30, 17][: cpu_step.DENSE_ROWS]
-    assert_same(model, monkeypatch, few, steps=2)
-    assert len(calls) == 2 and all(c is not None for c in calls)
-    calls.clear()
-    assert_same(model, monkeypatch, few + [5], steps=2)
-    assert calls == []
+    more = few + [5, 12, 40, 7, 21]
+    native = step.kernels
+    if native.lanes >= 16:
+        assert_same(model, monkeypatch, more, steps=2)
+        assert len(calls) == 2 and all(c is not None for c in calls)
+        calls.clear()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
+    step.kernels = step_kernels.Kernels(build_library("cpu_step", step_kernels.step_source(),
+                                                      ("-O3", "-march=x86-64-v3", "-fopenmp")))
+    try:
+        assert step.kernels.lanes == 8
+        assert_same(model, monkeypatch, few, steps=2)
+        assert len(calls) == 2 and all(c is not None for c in calls)
+        calls.clear()
+        assert_same(model, monkeypatch, few + [5], steps=2)
+        assert calls == []
+    finally:
+        step.kernels = native
 
 
 def test_a_step_from_a_second_thread_gives_the_same_logits(monkeypatch):
@@ -426,3 +447,42 @@ def test_a_run_of_one_sequences_tokens_attends_as_each_token_alone(shape, flags)
         assert alone.keys() == runs.keys()
         bad = [k for k in alone if not torch.equal(alone[k], runs[k])]
         assert not bad, f"{storage}: {len(bad)} of {len(alone)} positions differ, first {bad[:3]}"
+
+
+@pytest.mark.parametrize("flags", [None, ["-O3", "-march=x86-64-v3", "-fopenmp"]], ids=["native", "avx2"])
+def test_dense_weights_give_each_token_alone_its_own_bits(flags):
+    """Float32 projections (a model left unpacked): with ``invariant``, a token's logits are the same
+    bits in a call of one token as in calls of 2 to 9 tokens of two sequences (the product's rows
+    four at a time, outputs four a task), with a hidden width that is not a multiple of 16 (the last
+    block of a sum masked) and a vocabulary that is not one of 4 (the last task's outputs fewer);
+    and within float32 rounding of the layered forward."""
+    import platform
+
+    from kvtier.kernels.native import build_library
+    from kvtier.model import step_kernels
+
+    if flags and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 vector flags")
+    model = small_model(packed=False, hidden_dim=90, vocab_size=130)
+    step = cpu_step.plan_for(model)
+    assert step.dense
+    if flags:
+        step.kernels = step_kernels.Kernels(build_library("cpu_step", step_kernels.step_source(), flags))
+    a = model.args
+    seqs = torch.randint(0, a.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    tables = torch.arange(6, dtype=torch.int32).view(2, 3)  # 3 blocks of 16 a sequence
+    alone = invariant_logits(step, a, seqs, tables, [[(s, p, p + 1)] for p in range(40) for s in (0, 1)], {})
+    calls, lo = [], 0
+    for n in (2, 5, 9, 3, 7, 4, 6, 1, 3):  # tokens of sequence 0 a call, beside as many of sequence 1 less one
+        calls.append([(0, lo, lo + n)] + ([(1, lo, lo + n - 1)] if n > 1 else []))
+        calls.append([(1, lo + n - 1, lo + n)])
+        lo += n
+    together = invariant_logits(step, a, seqs, tables, calls, {})
+    assert lo == 40 and alone.keys() == together.keys()
+    bad = [k for k in alone if not torch.equal(alone[k], together[k])]
+    assert not bad, f"{len(bad)} of {len(alone)} positions differ, first {bad[:3]}"
+    with torch.inference_mode():
+        for s in (0, 1):
+            layered = model(seqs[s][None], model.make_caches())[0]
+            torch.testing.assert_close(torch.stack([alone[(s, p)] for p in range(40)]), layered,
+                                       rtol=1e-4, atol=1e-4)

@@ -151,9 +151,9 @@ def test_prompt_logprobs_are_each_positions_logits_alone(lm) -> None:
 def test_what_the_mode_cannot_serve_is_refused_by_name(lm, monkeypatch) -> None:
     with pytest.raises(ValueError, match="batch_invariant must be a bool"):
         EngineConfig(batch_invariant=1)
-    with pytest.raises(ValueError, match="fp8 pages take their centre"):
+    with pytest.raises(ValueError, match=r"fp8 pages \(--kv-quant fp8\) take their centre"):
         ModelRunner(lm.model, num_blocks=8, kv_quant="fp8", batch_invariant=True)
-    with pytest.raises(ValueError, match="block_size 24 is not a power of two"):
+    with pytest.raises(ValueError, match=r"block_size 24 \(--block-size\) is not a power of two"):
         ModelRunner(lm.model, num_blocks=8, block_size=24, batch_invariant=True)
     half = load_model(device="cpu", dtype=torch.bfloat16, progress=False)
     with pytest.raises(ValueError, match=r"the model is bfloat16 and the step runs float32 \(--dtype float32\)"):
@@ -166,6 +166,33 @@ def test_what_the_mode_cannot_serve_is_refused_by_name(lm, monkeypatch) -> None:
     monkeypatch.setenv("KVTIER_DECODE_STEP", "0")
     with pytest.raises(ValueError, match="KVTIER_DECODE_STEP or KVTIER_FUSED turns the one-call step off"):
         LLMEngine(lm.model, lm.tokenizer, EngineConfig(num_blocks=8, batch_invariant=True))
+
+
+@pytest.mark.parametrize("flags, env, why", [
+    (["--kv-quant", "fp8"], {}, "fp8 pages (--kv-quant fp8) take their centre"),
+    (["--dtype", "bfloat16"], {}, "the model is bfloat16 and the step runs float32 (--dtype float32)"),
+    (["--prefill-dtype", "bfloat16"], {}, "the prefill dtype is bfloat16 (--prefill-dtype, KVTIER_PREFILL_DTYPE)"),
+    ([], {"KVTIER_PREFILL_DTYPE": "bfloat16"}, "the prefill dtype is bfloat16"),
+    (["--block-size", "24"], {}, "block_size 24 (--block-size) is not a power of two; use 16"),
+    ([], {"KVTIER_DECODE_STEP": "0"}, "KVTIER_DECODE_STEP or KVTIER_FUSED turns the one-call step off"),
+    ([], {"KVTIER_FUSED": "0"}, "KVTIER_DECODE_STEP or KVTIER_FUSED turns the one-call step off"),
+])
+def test_the_server_refuses_what_its_settings_rule_out_before_the_model_loads(
+        flags, env, why, tmp_path, monkeypatch, capsys) -> None:
+    """A refusal the flags and environment decide comes before the model is read: the model named
+    does not exist, and the error is still the mode's."""
+    from kvtier import cli
+
+    # (set here, so that teardown restores it: kvtier serve writes --prefill-dtype into the
+    # environment for its ranks)
+    monkeypatch.setenv("KVTIER_PREFILL_DTYPE", "float32")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    argv = ["serve", "--batch-invariant", "--device", "cpu", "--model", str(tmp_path / "missing.gguf"), *flags]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: batch-invariant steps run every token through the CPU's one-call "
+                          "step, which cannot serve here: ") and why in err, err
 
 
 def test_the_server_refuses_tensor_parallel_before_any_rank_starts() -> None:

@@ -77,8 +77,12 @@ _FORMATS = {"float32": 0, "q4_1": 1, "q8_0": 2}
 #: layered forward, whose prefill multiplies dequantised weights
 MAX_TOKENS = 16
 #: most tokens a call of a plan whose weights are mostly dense float32 (:attr:`DecodeStep.dense`)
-#: is worth taking: the default model's dense step at a 200-token context, 2-core CPU, against the
-#: layered forward: 4 rows 48.4 against 54.4 ms, 8 rows 69.8 against 62.4 ms
+#: is worth taking on a build without AVX-512 (:meth:`DecodeStep.takes_rows`), whose float32
+#: products are plain loops: the default model's dense step at a 200-token context, 2-core CPU,
+#: against the layered forward: 4 rows 48.4 against 54.4 ms, 8 rows 69.8 against 62.4 ms. With
+#: AVX-512 they take a row block's weights once (``dense_rows_task``) and beat the layered forward
+#: at every count measured: an engine's decode steps of 8, 32 and 128 rows 1.48x, 1.16x and 1.03x
+#: the throughput (2-core Zen 4, 2026-12-07)
 DENSE_ROWS = 4
 
 
@@ -147,8 +151,8 @@ class DecodeStep:
         #: id(cache) -> weak references to the key and value pages :meth:`run_paged` checked for it
         self._page_checks: dict[int, tuple] = {}
         lins = [head] + [getattr(ly, f) for ly in layers for f in ("wqkv", "wo", "w13", "w2")]
-        #: most of the weights are dense float32 (not packed codes): the step's plain float32 loops
-        #: then lose to oneDNN's matmuls of the layered forward from about :data:`DENSE_ROWS` rows
+        #: most of the weights are dense float32 (not packed codes): without AVX-512 the step's
+        #: plain float32 loops then lose to oneDNN's matmuls from about :data:`DENSE_ROWS` rows
         self.dense = 2 * sum(x.N * x.K for x in lins if x.fmt == 0) > sum(x.N * x.K for x in lins)
 
     def rope_rows(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,6 +278,13 @@ class DecodeStep:
         for c in used:
             c.commit_written(T)
         return logits
+
+    def takes_rows(self, rows: int) -> bool:
+        """Whether a decode call of ``rows`` tokens is worth the step rather than the layered
+        forward: always, but where most weights are dense float32 and the build has no AVX-512
+        loops for them (:attr:`~kvtier.model.step_kernels.Kernels.lanes`), only up to
+        :data:`DENSE_ROWS`."""
+        return not self.dense or self.kernels.lanes >= 16 or rows <= DENSE_ROWS
 
     def run_paged(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, caches,
                   select: torch.Tensor | None = None, *, invariant: bool = False) -> torch.Tensor | None:

@@ -313,6 +313,12 @@ static void linear_rows(const Lin* l, const float* x, float* y, int64_t M, const
   } else if (l->fmt == 2) {
     #pragma omp for schedule(static) nowait
     for (int64_t n = 0; n < N; n++) q8_0_task(x, NULL, l->w, l->d, y, M, N, K, n);
+#if defined(__AVX512F__)
+  } else if (l->fmt == 0) {  /* (step_products) */
+    #pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < (N + DENSE_OUTPUTS - 1) / DENSE_OUTPUTS; t++)
+      dense_rows_task(x, (const float*)l->w, y, M, N, K, t);
+#endif
   } else {
     #pragma omp for schedule(static) nowait
     for (int64_t n = 0; n < N; n++) {
@@ -540,6 +546,10 @@ class Kernels:
         self.decode_step.argtypes = ([p, i, p, p, p, p, p, p, i, p, i, p] + [i] * 5 + [ctypes.c_float] * 2
                                      + [p, i, p, i, i, i, ctypes.c_int])
         self.decode_step.restype = None
+        lib.kernel_lanes.restype = ctypes.c_int
+        #: float32 lanes of the build's vector loops: 16 (AVX-512: the float32 weights' rows loops
+        #: of :mod:`kvtier.model.step_products` too), 8 (AVX2), 1 (plain C)
+        self.lanes = lib.kernel_lanes()
         # (the float16 rounding of the stored keys and its inverse, for tests)
         self.round_to_half, self.widen_half = lib.round_to_half, lib.widen_half
         for fn in (self.round_to_half, self.widen_half):

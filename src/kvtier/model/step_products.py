@@ -21,7 +21,18 @@ here a task takes sixteen pairs and goes row group by row group (eight, then fou
 as ``q4_1_task`` groups them), so a group's rows stay in the L1 cache across the pairs: a call of
 256 prompt tokens at a short context 386 -> 318 ms, 64 tokens 88 -> 79 ms.
 
-(benchmarks/RESULTS.md, 2026-12-07.) Other builds keep the group loop.
+*Float32 weights* (a model left unpacked; any row count). Each (row, output) sum is sixteen lanes
+of the inputs in order, then one horizontal sum: the same multiply-adds however many rows share a
+call, so a batch-invariant step over float32 projections may take them too. From eight rows a
+task takes four rows against four weight rows at a time (each load serves four sums); below
+that one weight row at a time, which streams the weight as one run of memory. Against the plain
+loop of one (row, output) at a time (in one process, alternating; the default model's weights
+as float32, 2-core Zen 4): one row 17.3 against 17.6 ms a step, 4 rows 23.2 against 24.4, 8 rows
+36.7 against 57.6, 32 rows 101.3 against 182.5; so a decode step of any row count now takes the
+step over those weights (:meth:`kvtier.model.cpu_step.DecodeStep.takes_rows`).
+
+(benchmarks/RESULTS.md, 2026-12-07.) Other builds keep the group loop, and for float32 weights
+the plain loop.
 """
 
 from __future__ import annotations
@@ -147,6 +158,57 @@ static void q4_1_blocked_task(const float* x, const uint8_t* codes, const _Float
         q4_1_group512(x + r0 * K, K, c0, c1, df[pp][0], mf[pp][0], df[pp][1], mf[pp][1], G, rn, y + r0 * N, N, n, two);
     }
     r0 += rn;
+  }
+}
+
+/* rows x [M, K] (M <= DENSE_ROWS_A_BLOCK) against the float32 weight rows w[0 .. NB - 1] (K
+   each): y[i N + j] = each (row, output) sum as sixteen lanes of k (lane l: k = l mod 16, in
+   order; the last block masked) added by _mm512_reduce_add_ps, the same multiply-adds whatever
+   M, NB or the rows beside it */
+#define DENSE_ROWS_A_BLOCK 4
+#define DENSE_OUTPUTS 4  /* outputs a task */
+static inline __attribute__((always_inline)) void dense_block(const float* x, const float* const* w, float* y,
+    int64_t N, int64_t K, const int64_t M, const int64_t NB) {
+  __m512 acc[DENSE_ROWS_A_BLOCK][DENSE_OUTPUTS];
+  for (int64_t i = 0; i < M; i++)
+    for (int64_t j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    __m512 wv[DENSE_OUTPUTS], xv[DENSE_ROWS_A_BLOCK];
+    for (int64_t j = 0; j < NB; j++) wv[j] = _mm512_maskz_loadu_ps(m, w[j] + k);
+    for (int64_t i = 0; i < M; i++) xv[i] = _mm512_maskz_loadu_ps(m, x + i * K + k);
+    for (int64_t i = 0; i < M; i++)
+      for (int64_t j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xv[i], wv[j], acc[i][j]);
+  }
+  for (int64_t i = 0; i < M; i++)
+    for (int64_t j = 0; j < NB; j++) y[i * N + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+/* task t of rows x [M, K] times a float32 weight [N, K]: outputs [4 t, 4 t + 4), rows four at a
+   time. From DENSE_WIDE_ROWS rows the four outputs go together (their weight rows stay in the L1
+   cache across the rows, and each row's load serves four outputs); with fewer, one output at a
+   time, which reads the weight as one stream (four rows' interleaved streams were 1.2-1.3x slower
+   there, where the step streams the weights from memory). Every sum dense_block's, whatever the
+   rows and outputs beside it (a batch-invariant step may take it) */
+#define DENSE_WIDE_ROWS 8
+static void dense_rows_task(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t t) {
+  const int64_t n0 = t * DENSE_OUTPUTS, nb = N - n0 < DENSE_OUTPUTS ? N - n0 : DENSE_OUTPUTS;
+  const int wide = M >= DENSE_WIDE_ROWS && nb == DENSE_OUTPUTS;
+  for (int64_t j0 = 0; j0 < nb; j0 += wide ? DENSE_OUTPUTS : 1) {
+    const float* rows[DENSE_OUTPUTS];
+    for (int64_t j = 0; j < DENSE_OUTPUTS; j++) rows[j] = w + (n0 + j0 + (wide ? j : 0)) * K;
+    for (int64_t r0 = 0; r0 < M; r0 += DENSE_ROWS_A_BLOCK) {
+      const int64_t mb = M - r0 < DENSE_ROWS_A_BLOCK ? M - r0 : DENSE_ROWS_A_BLOCK;
+      const float* xr = x + r0 * K;
+      float* yr = y + r0 * N + n0 + j0;
+#define DENSE(MB) do { if (wide) dense_block(xr, rows, yr, N, K, MB, DENSE_OUTPUTS); \
+                       else dense_block(xr, rows, yr, N, K, MB, 1); } while (0)
+      if (mb == 4) DENSE(4);
+      else if (mb == 3) DENSE(3);
+      else if (mb == 2) DENSE(2);
+      else DENSE(1);
+#undef DENSE
+    }
   }
 }
 #endif

@@ -105,7 +105,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=_ABSENT,
                    help="every answer the same bits whatever requests share its steps, however its prompt "
                         "is chunked, cached or recomputed (CPU only: each token through the one-call step; "
-                        "0.82-0.87x the throughput; a long prompt 1.6x the time)")
+                        "0.82-0.88x the throughput on the default model; a long prompt 1.1-1.3x the time)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                    default=_ABSENT, help="schedule the next step while the GPU runs this one "
                                          "(default: on CUDA only)")
@@ -172,12 +172,14 @@ def read_chat_template(given: str) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     import torch
 
-    from kvtier.devices import check_threads, parse_device
+    from kvtier.devices import check_threads, oversubscribed, parse_device
 
     engine_config, server_config = configs_from_args(args)  # bad values fail before the model loads
     threads = getattr(args, "threads", None)
     if threads is not None:
         check_threads(threads)
+        if (note := oversubscribed(threads, getattr(args, "tensor_parallel", 1))) is not None:
+            warnings.warn(note, stacklevel=2)
     if hasattr(args, "device"):
         parse_device(args.device)
     dtype = getattr(torch, args.dtype) if hasattr(args, "dtype") else None
@@ -186,11 +188,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if hasattr(args, "prefill_dtype"):  # the variable reaches every rank of --tensor-parallel
         os.environ[PREFILL_ENV_VAR] = args.prefill_dtype
-    parse_prefill_dtype(os.environ.get(PREFILL_ENV_VAR), source=PREFILL_ENV_VAR)
-    if engine_config.batch_invariant and (getattr(args, "tensor_parallel", 1) > 1
-                                          or getattr(args, "device", "cpu").startswith("cuda")):
-        raise ValueError("--batch-invariant runs every token through one process's CPU step: it does not "
-                         "combine with --tensor-parallel or a CUDA device (drop one of them)")
+    prefill_dtype = parse_prefill_dtype(os.environ.get(PREFILL_ENV_VAR), source=PREFILL_ENV_VAR)
+    if engine_config.batch_invariant:
+        _check_invariant(args, engine_config, dtype, prefill_dtype)
     if hasattr(args, "tensor_parallel"):
         return _run_sharded(args, engine_config, server_config, model, dtype, threads)
     from kvtier.model import load_model
@@ -212,6 +212,24 @@ def run_serve(args: argparse.Namespace) -> int:
 
     lm, engine = in_passing_thread(build)
     return serve_http(engine, served_name(lm.source), server_config, args.log_level, sock=sock)
+
+
+def _check_invariant(args, engine_config, dtype, prefill_dtype) -> None:
+    """``--batch-invariant``'s refusals that the flags and the environment decide alone, before a
+    model loads or a rank starts (the runner checks the model's shape and pages once it loads)."""
+    import torch
+
+    from kvtier.model.loading import default_device
+    from kvtier.serve.runner import INVARIANT_REFUSED, invariant_refusal
+
+    device = torch.device(args.device) if hasattr(args, "device") else default_device()
+    if getattr(args, "tensor_parallel", 1) > 1 or device.type == "cuda":
+        raise ValueError("--batch-invariant runs every token through one process's CPU step: it does not "
+                         "combine with --tensor-parallel or a CUDA device (drop one of them)")
+    why = invariant_refusal(device, engine_config.kv_quant, engine_config.block_size,
+                            dtype or torch.float32, prefill_dtype)
+    if why is not None:
+        raise ValueError(INVARIANT_REFUSED + why)
 
 
 def in_passing_thread(fn):

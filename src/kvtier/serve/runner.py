@@ -67,13 +67,39 @@ from kvtier.caches.paged_shared import (
     to_device,
 )
 from kvtier.caches.state_checks import free_bytes
-from kvtier.model.cpu_step import DENSE_ROWS, decode_step_enabled, plan_for
+from kvtier.model.cpu_step import decode_step_enabled, plan_for
 from kvtier.model.linear import prefill_dtype_of
 from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.scheduler import PENDING, ScheduledRow, StepBatch
 
 __all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "context_of", "pool_blocks", "fed_tokens", "fill_pending", "kv_bytes_per_block",
            "smallest_bucket", "token_rows"]
+
+
+#: how a refusal of batch-invariant steps begins (:func:`invariant_refusal` says why)
+INVARIANT_REFUSED = "batch-invariant steps run every token through the CPU's one-call step, which cannot serve here: "
+
+
+def invariant_refusal(device: torch.device, kv_quant: str | None, block_size: int, dtype: torch.dtype,
+                      prefill_dtype: torch.dtype) -> str | None:
+    """Why these settings alone rule out batch-invariant steps, or ``None``: what
+    :class:`ModelRunner` checks before the model's shape and its pages, so that ``kvtier serve``
+    refuses them before it loads a model."""
+    if device.type != "cpu":
+        return f"the model is on {device}, and batch-invariant steps run on the CPU (--device cpu)"
+    if not decode_step_enabled():
+        return "KVTIER_DECODE_STEP or KVTIER_FUSED turns the one-call step off; unset it"
+    if kv_quant == "fp8":
+        return ("fp8 pages (--kv-quant fp8) take their centre from the first keys written, so a request's codes "
+                "depend on which request came first; use q8, q4, q4_g32, TurboQuant or full-precision pages")
+    if block_size & (block_size - 1):
+        return f"block_size {block_size} (--block-size) is not a power of two; use 16"
+    if prefill_dtype != torch.float32:
+        return ("the prefill dtype is bfloat16 (--prefill-dtype, KVTIER_PREFILL_DTYPE), which every token "
+                "computed alone would not use; leave it float32")
+    if dtype != torch.float32:
+        return f"the model is {str(dtype).removeprefix('torch.')} and the step runs float32 (--dtype float32)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -239,8 +265,7 @@ class ModelRunner:
             raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         self.batch_invariant = batch_invariant
         if batch_invariant and (why := self._invariant_unavailable(kv_quant)) is not None:
-            raise ValueError(f"batch-invariant steps run every token through the CPU's one-call step, which "
-                             f"cannot serve here: {why}")
+            raise ValueError(INVARIANT_REFUSED + why)
         #: the last step's ``all_logits`` rows: request id -> (first position, logits ``[T, V]``)
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
         self.draft_logits: dict[str, torch.Tensor] = {}  # request id -> [draft + 1, V] of the last step
@@ -324,7 +349,7 @@ class ModelRunner:
         if self.device.type != "cpu" or rows > ONE_CALL_TOKENS:
             return None
         step = plan_for(self.model)
-        return step if step is not None and (not step.dense or rows <= DENSE_ROWS) else None
+        return step if step is not None and step.takes_rows(rows) else None
 
     def _drafted(self, batch: StepBatch, rows: Sequence[ScheduledRow], pending: PendingTokens | None) -> torch.Tensor:
         """A step of decode and drafted rows as the decode rows ``rows`` (:func:`token_rows`, one a
@@ -381,20 +406,9 @@ class ModelRunner:
 
     def _invariant_unavailable(self, kv_quant: str | None) -> str | None:
         """Why this runner cannot run batch-invariant steps, or ``None`` when it can."""
-        if self.device.type != "cpu":
-            return f"the model is on {self.device}, and batch-invariant steps run on the CPU (--device cpu)"
-        if not decode_step_enabled():
-            return "KVTIER_DECODE_STEP or KVTIER_FUSED turns the one-call step off; unset it"
-        if kv_quant == "fp8":
-            return ("fp8 pages take their centre from the first keys written, so a request's codes depend on "
-                    "which request came first; use q8, q4, q4_g32, TurboQuant or full-precision pages")
-        if self.block_size & (self.block_size - 1):
-            return f"block_size {self.block_size} is not a power of two; use 16"
-        if prefill_dtype_of(self.model) != torch.float32:
-            return ("the prefill dtype is bfloat16 (--prefill-dtype, KVTIER_PREFILL_DTYPE), which every token "
-                    "computed alone would not use; leave it float32")
-        if self.dtype != torch.float32:
-            return f"the model is {str(self.dtype).removeprefix('torch.')} and the step runs float32 (--dtype float32)"
+        why = invariant_refusal(self.device, kv_quant, self.block_size, self.dtype, prefill_dtype_of(self.model))
+        if why is not None:
+            return why
         step = plan_for(self.model)
         if step is None:
             return ("the model does not take it (a float32 Llama, Mistral or Qwen2 shape with packed or float32 "
