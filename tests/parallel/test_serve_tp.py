@@ -111,6 +111,22 @@ def server(tiny, tmp_path_factory):
         yield s
 
 
+@contextlib.contextmanager
+def orphans_adopted():
+    """Within the block, processes orphaned below this one become its children (Linux's child
+    subreaper), so that their exit codes can be waited for here."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_CHILD_SUBREAPER = 36
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        pytest.skip("this system has no child subreaper (prctl)")
+    try:
+        yield
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
 def ranks_of(launcher: subprocess.Popen) -> list[psutil.Process]:
     """The launcher's spawned ranks (not its other children, such as the resource tracker)."""
     return [p for p in psutil.Process(launcher.pid).children(recursive=True)
@@ -217,13 +233,19 @@ def test_the_ranks_stop_quietly_when_the_launcher_is_killed(tiny, tmp_path) -> N
     with running_server(tiny, tmp_path) as (url, proc, log):
         ranks = ranks_of(proc)
         assert len(ranks) == 2
+        port = int(url.rsplit(":", 1)[1])
+        rank0 = holders_of(ranks, port)[0].pid
         children = psutil.Process(proc.pid).children(recursive=True)
-        proc.kill()
-        gone, alive = psutil.wait_procs(children, timeout=STOP_S)
+        with orphans_adopted():  # (so their exit codes can be read here)
+            proc.kill()
+            gone, alive = psutil.wait_procs(children, timeout=STOP_S)
         assert not alive, [p.pid for p in alive]
         text = log.read_text()
         assert "tensor parallel over 2 ranks" in text and "Traceback" not in text, text
         assert "leaked semaphore" not in text, text
+        # rank 0 stopped serving and ended as it ends a run (its report home, to a launcher that
+        # is gone, is dropped, not a broken pipe's error)
+        assert [p.returncode for p in gone if p.pid == rank0] == [0], [(p.pid, p.returncode) for p in gone]
 
 
 def test_the_port_is_held_while_the_ranks_load(tiny, tmp_path) -> None:

@@ -70,7 +70,7 @@ from kvtier.quant.fp8 import Fp8Codec
 from kvtier.quant.kv_quant import GroupQ4Codec, Q4Codec, Q8Codec
 from kvtier.quant.turboquant import TurboKeyCodec, TurboValueCodec
 
-__all__ = ["DENSE_ROWS", "DecodeStep", "decode_step_enabled", "forget", "load_kernels", "plan_for"]
+__all__ = ["DENSE_ROWS", "DENSE_ROWS_AVX512", "DecodeStep", "decode_step_enabled", "forget", "load_kernels", "plan_for"]
 
 _FORMATS = {"float32": 0, "q4_1": 1, "q8_0": 2}
 #: most tokens one call takes (a speculative verification, a short prompt); longer inputs take the
@@ -81,9 +81,10 @@ MAX_TOKENS = 16
 #: products are plain loops: the default model's dense step at a 200-token context, 2-core CPU,
 #: against the layered forward: 4 rows 48.4 against 54.4 ms, 8 rows 69.8 against 62.4 ms. With
 #: AVX-512 they take a row block's weights once (``dense_rows_task``) and beat the layered forward
-#: at every count measured: an engine's decode steps of 8, 32 and 128 rows 1.48x, 1.16x and 1.03x
-#: the throughput (2-core Zen 4, 2026-12-07)
+#: at every count measured, up to :data:`DENSE_ROWS_AVX512`: an engine's decode steps of 8, 32
+#: and 128 rows 1.48x, 1.16x and 1.03x the throughput (2-core Zen 4, 2026-12-07)
 DENSE_ROWS = 4
+DENSE_ROWS_AVX512 = 128
 
 
 def decode_step_enabled() -> bool:
@@ -281,10 +282,10 @@ class DecodeStep:
 
     def takes_rows(self, rows: int) -> bool:
         """Whether a decode call of ``rows`` tokens is worth the step rather than the layered
-        forward: always, but where most weights are dense float32 and the build has no AVX-512
-        loops for them (:attr:`~kvtier.model.step_kernels.Kernels.lanes`), only up to
-        :data:`DENSE_ROWS`."""
-        return not self.dense or self.kernels.lanes >= 16 or rows <= DENSE_ROWS
+        forward: always, but where most weights are dense float32 only up to
+        :data:`DENSE_ROWS_AVX512` with the AVX-512 loops for them
+        (:attr:`~kvtier.model.step_kernels.Kernels.lanes`), :data:`DENSE_ROWS` without."""
+        return not self.dense or rows <= (DENSE_ROWS_AVX512 if self.kernels.lanes >= 16 else DENSE_ROWS)
 
     def run_paged(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, caches,
                   select: torch.Tensor | None = None, *, invariant: bool = False) -> torch.Tensor | None:

@@ -28,7 +28,7 @@ task takes four rows against four weight rows at a time (each load serves four s
 that one weight row at a time, which streams the weight as one run of memory. Against the plain
 loop of one (row, output) at a time (in one process, alternating; the default model's weights
 as float32, 2-core Zen 4): one row 17.3 against 17.6 ms a step, 4 rows 23.2 against 24.4, 8 rows
-36.7 against 57.6, 32 rows 101.3 against 182.5; so a decode step of any row count now takes the
+36.7 against 57.6, 32 rows 101.3 against 182.5; so a decode step of up to 128 rows now takes the
 step over those weights (:meth:`kvtier.model.cpu_step.DecodeStep.takes_rows`).
 
 (benchmarks/RESULTS.md, 2026-12-07.) Other builds keep the group loop, and for float32 weights

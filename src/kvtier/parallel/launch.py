@@ -118,6 +118,7 @@ def launch(
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)  # its "Terminating process ..." lines: the error below says it
+    finished = False
     try:
         while not procs.join(timeout=0.5):
             got += _drain(reports)  # read as they come: a full pipe would block a worker
@@ -126,6 +127,7 @@ def launch(
                 raise TensorParallelError(
                     f"the {world_size} ranks did not finish within {deadline_s:g} s; they were "
                     "stopped (a rank hung, or the deadline is too short for the work)")
+        finished = True
     except ProcessException as e:
         raise _failure(got + _drain(reports), e, world_size, procs.processes) from None
     except BaseException:  # Ctrl-C (or any error) in this process: the workers stop with it
@@ -133,7 +135,12 @@ def launch(
         raise
     finally:
         spawn_log.setLevel(level)
+        if not finished:  # (the ranks failed or were stopped: what else they sent is not wanted)
+            for r in reports:
+                r.close()
     got += _drain(reports)
+    for r in reports:
+        r.close()
     done = [r for r in got if r.ok]
     if not done:
         raise TensorParallelError("the ranks exited without rank 0 reporting a result")
@@ -154,17 +161,24 @@ def _worker(rank, world_size, rendezvous, device_type, timeout_s, fn, args, writ
                                   store=store)
         value = run_rank(fn, tp, args)
         destroy_tensor_parallel(tp)
-        # by value: the queue's own pickler would share a tensor's storage through a handle
+        # by value: the pipe's own pickler would share a tensor's storage through a handle
         # that is gone once this process exits
         value = pickle.dumps(value) if rank == 0 else None
     except BaseException as e:  # reported home, then re-raised: the process exits non-zero
         kind = "value" if isinstance(e, ValueError) else "memory" if isinstance(e, MemoryError) \
             else "other"
-        reports.send(_Report(rank, False, when=time.time(), kind=kind,
-                            message=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-8000:]))
+        _report(reports, _Report(rank, False, when=time.time(), kind=kind,
+                                 message=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-8000:]))
         raise
     if rank == 0:
-        reports.send(_Report(0, True, value))
+        _report(reports, _Report(0, True, value))
+
+
+def _report(pipe, report: _Report) -> None:
+    """``report`` sent home, unless home is gone: a launcher killed (SIGKILL) left the pipe
+    without a reader, and the rank then ends as it would have, without a broken pipe's error."""
+    with contextlib.suppress(OSError):
+        pipe.send(report)
 
 
 def run_rank(fn: Callable[..., Any], tp: TensorParallel, args: tuple) -> Any:

@@ -173,15 +173,17 @@ def run_serve(args: argparse.Namespace) -> int:
     import torch
 
     from kvtier.devices import check_threads, oversubscribed, parse_device
+    from kvtier.model.loading import default_device
 
     engine_config, server_config = configs_from_args(args)  # bad values fail before the model loads
+    device = parse_device(args.device) if hasattr(args, "device") else default_device()
     threads = getattr(args, "threads", None)
     if threads is not None:
         check_threads(threads)
-        if (note := oversubscribed(threads, getattr(args, "tensor_parallel", 1))) is not None:
+        # (the ranks of this host: torchrun's count where it started them, else --tensor-parallel's)
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", getattr(args, "tensor_parallel", 1)))
+        if device.type == "cpu" and (note := oversubscribed(threads, ranks)) is not None:
             warnings.warn(note, stacklevel=2)
-    if hasattr(args, "device"):
-        parse_device(args.device)
     dtype = getattr(torch, args.dtype) if hasattr(args, "dtype") else None
     model = getattr(args, "model", None)
     from kvtier.model.linear import PREFILL_ENV_VAR, parse_prefill_dtype, prefill_dtype_warning
@@ -190,7 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
         os.environ[PREFILL_ENV_VAR] = args.prefill_dtype
     prefill_dtype = parse_prefill_dtype(os.environ.get(PREFILL_ENV_VAR), source=PREFILL_ENV_VAR)
     if engine_config.batch_invariant:
-        _check_invariant(args, engine_config, dtype, prefill_dtype)
+        _check_invariant(args, engine_config, device, dtype, prefill_dtype)
     if hasattr(args, "tensor_parallel"):
         return _run_sharded(args, engine_config, server_config, model, dtype, threads)
     from kvtier.model import load_model
@@ -214,15 +216,13 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve_http(engine, served_name(lm.source), server_config, args.log_level, sock=sock)
 
 
-def _check_invariant(args, engine_config, dtype, prefill_dtype) -> None:
+def _check_invariant(args, engine_config, device, dtype, prefill_dtype) -> None:
     """``--batch-invariant``'s refusals that the flags and the environment decide alone, before a
     model loads or a rank starts (the runner checks the model's shape and pages once it loads)."""
     import torch
 
-    from kvtier.model.loading import default_device
     from kvtier.serve.runner import INVARIANT_REFUSED, invariant_refusal
 
-    device = torch.device(args.device) if hasattr(args, "device") else default_device()
     if getattr(args, "tensor_parallel", 1) > 1 or device.type == "cuda":
         raise ValueError("--batch-invariant runs every token through one process's CPU step: it does not "
                          "combine with --tensor-parallel or a CUDA device (drop one of them)")
