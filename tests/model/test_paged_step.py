@@ -334,6 +334,7 @@ def test_mostly_dense_weights_take_the_step_for_a_few_rows_only_without_avx512(m
     more = few + [5, 12, 40, 7, 21]
     native = step.kernels
     if native.lanes >= 16:
+        assert step.takes_rows(cpu_step.DENSE_ROWS_AVX512) and not step.takes_rows(cpu_step.DENSE_ROWS_AVX512 + 1)
         assert_same(model, monkeypatch, more, steps=2)
         assert len(calls) == 2 and all(c is not None for c in calls)
         calls.clear()
@@ -342,6 +343,7 @@ def test_mostly_dense_weights_take_the_step_for_a_few_rows_only_without_avx512(m
     step.kernels = step_kernels.Kernels(build_library("cpu_step", step_kernels.step_source(), ("-mno-avx512f",)))
     try:
         assert step.kernels.lanes < 16
+        assert step.takes_rows(cpu_step.DENSE_ROWS) and not step.takes_rows(cpu_step.DENSE_ROWS + 1)
         assert_same(model, monkeypatch, few, steps=2)
         assert len(calls) == 2 and all(c is not None for c in calls)
         calls.clear()
