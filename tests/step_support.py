@@ -4,9 +4,13 @@
 
 from __future__ import annotations
 
+import platform
+
 import torch
 
 from kvtier.caches.paged_shared import SharedBlockPagedKVCache
+from kvtier.kernels.native import build_library
+from kvtier.model import step_kernels
 
 
 def invariant_logits(step, args, seqs: torch.Tensor, tables: torch.Tensor, calls, storage: dict) -> dict:
@@ -24,3 +28,13 @@ def invariant_logits(step, args, seqs: torch.Tensor, tables: torch.Tensor, calls
                                     torch.stack([tables[s] for s, _ in keys]), caches, invariant=True)
             out |= dict(zip(keys, logits))
     return out
+
+
+#: whether the narrower vector builds' x86 flags apply here
+ON_X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+def built_step(flags) -> step_kernels.Kernels:
+    """The one-call step's library built with ``flags`` after the native ones (``-mno-avx512f``:
+    the AVX2 loops; ``-mno-avx2``: the plain ones)."""
+    return step_kernels.Kernels(build_library("cpu_step", step_kernels.step_source(), tuple(flags)))

@@ -18,7 +18,8 @@ import warnings
 
 import torch
 
-__all__ = ["MAX_THREADS_A_CPU", "check_threads", "oversubscribed", "parse_device", "set_threads", "usable_cpus"]
+__all__ = ["MAX_THREADS_A_CPU", "check_threads", "oversubscribed", "parse_device", "set_threads", "usable_cpus",
+           "warn_oversubscribed"]
 
 #: threads a CPU at most (more only makes OpenMP's threads wait on each other; past some
 #: thousands the process cannot start them at all)
@@ -78,10 +79,15 @@ def oversubscribed(threads: int, ranks: int = 1, flag: str = "--threads", cpus: 
             f"{max(1, cpus // ranks)}")
 
 
+def warn_oversubscribed(threads: int, ranks: int = 1, flag: str = "--threads") -> None:
+    """:func:`oversubscribed`'s warning, where it applies, for the caller's caller."""
+    if (note := oversubscribed(threads, ranks, flag)) is not None:
+        warnings.warn(note, stacklevel=3)
+
+
 def set_threads(threads: int, flag: str = "--threads") -> None:
     """``torch.set_num_threads(threads)``, once :func:`check_threads` accepts ``threads``, with
     :func:`oversubscribed`'s warning where it applies."""
     check_threads(threads, flag)
-    if (note := oversubscribed(threads, flag=flag)) is not None:
-        warnings.warn(note, stacklevel=2)
+    warn_oversubscribed(threads, flag=flag)
     torch.set_num_threads(threads)

@@ -19,7 +19,7 @@ from test_cpu_step import small_model
 from kvtier.model import cpu_step
 from kvtier.serve.runner import ModelRunner
 from kvtier.serve.scheduler import ScheduledRow, StepBatch
-from step_support import invariant_logits
+from step_support import ON_X86, built_step, invariant_logits
 
 
 @pytest.fixture(autouse=True)
@@ -181,15 +181,11 @@ def test_turboquant_pages(monkeypatch, shape, codes):
 def test_coded_pages_on_each_vector_path(monkeypatch, flags):
     """``q8``, ``q4``, ``fp8``, ``q4_g32`` and TurboQuant pages through the step built without AVX-512 (the 8-lane loops weigh
     the values) and without AVX2 (rows converted one at a time), head dims 64 and 128."""
-    import platform
-
-    from kvtier.kernels.native import build_library
-    from kvtier.model import step_kernels
     from kvtier.quant.modes import parse_turboquant
 
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not ON_X86:
         pytest.skip("x86 vector flags")
-    narrow = step_kernels.Kernels(build_library("cpu_step", step_kernels.step_source(), flags))
+    narrow = built_step(flags)
     calls = counting(monkeypatch)
     for dim, heads in ((192, 3), (256, 2)):
         model = small_model(dim=dim, n_heads=heads, n_kv_heads=1)
@@ -319,12 +315,7 @@ def test_drafted_rows_give_the_packed_forwards_logits(rows, monkeypatch):
 def test_mostly_dense_weights_take_the_step_for_a_few_rows_only_without_avx512(monkeypatch):
     """Dense float32 weights: without AVX-512 the step's plain loops lose to oneDNN's matmuls from
     about ``DENSE_ROWS`` rows, so larger decode steps take the layered forward there (same logits);
-    an AVX-512 build's row-block loops take any count."""
-    import platform
-
-    from kvtier.kernels.native import build_library
-    from kvtier.model import step_kernels
-
+    an AVX-512 build's row-block loops take up to ``DENSE_ROWS_AVX512``."""
     assert cpu_step.plan_for(small_model()).dense is False  # one float32 layer of twelve
     model = small_model(packed=False)
     step = cpu_step.plan_for(model)
@@ -338,9 +329,9 @@ def test_mostly_dense_weights_take_the_step_for_a_few_rows_only_without_avx512(m
         assert_same(model, monkeypatch, more, steps=2)
         assert len(calls) == 2 and all(c is not None for c in calls)
         calls.clear()
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not ON_X86:
         return
-    step.kernels = step_kernels.Kernels(build_library("cpu_step", step_kernels.step_source(), ("-mno-avx512f",)))
+    step.kernels = built_step(("-mno-avx512f",))
     try:
         assert step.kernels.lanes < 16
         assert step.takes_rows(cpu_step.DENSE_ROWS) and not step.takes_rows(cpu_step.DENSE_ROWS + 1)
@@ -421,19 +412,15 @@ def test_a_run_of_one_sequences_tokens_attends_as_each_token_alone(shape, flags)
     calls of 50 tokens beside 23 of another sequence, then its other 27, over 150 positions (two splits of 128
     keys), full-precision and coded pages, head dims 64 and 128, one to four query heads a KV head,
     with and without AVX-512 (the values two tokens at a time, or the 8-lane loop)."""
-    import platform
-
-    from kvtier.kernels.native import build_library
-    from kvtier.model import step_kernels
     from kvtier.quant.modes import TurboQuantConfig
 
-    if flags and platform.machine() not in ("x86_64", "AMD64"):
+    if flags and not ON_X86:
         pytest.skip("x86 vector flags")
     head_dim, heads, kv_heads = shape
     model = small_model(dim=head_dim * heads, n_heads=heads, n_kv_heads=kv_heads)
     step = cpu_step.plan_for(model)
     if flags:
-        step.kernels = step_kernels.Kernels(build_library("cpu_step", step_kernels.step_source(), flags))
+        step.kernels = built_step(flags)
     a = model.args
     seqs = torch.randint(0, a.vocab_size, (2, 150), generator=torch.Generator().manual_seed(2))
     tables = torch.arange(20, dtype=torch.int32).view(2, 10)  # 10 blocks of 16 a sequence
@@ -457,18 +444,13 @@ def test_dense_weights_give_each_token_alone_its_own_bits(flags):
     in blocks of one to four, outputs four at a time from eight rows, else one), with a hidden width
     that is not a multiple of 16 (the last block of a sum masked) and a vocabulary that is not one
     of 4 (the last task's outputs fewer); and within float32 rounding of the layered forward."""
-    import platform
-
-    from kvtier.kernels.native import build_library
-    from kvtier.model import step_kernels
-
-    if flags and platform.machine() not in ("x86_64", "AMD64"):
+    if flags and not ON_X86:
         pytest.skip("x86 vector flags")
     model = small_model(packed=False, hidden_dim=90, vocab_size=130)
     step = cpu_step.plan_for(model)
     assert step.dense
     if flags:
-        step.kernels = step_kernels.Kernels(build_library("cpu_step", step_kernels.step_source(), flags))
+        step.kernels = built_step(flags)
     a = model.args
     seqs = torch.randint(0, a.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
     tables = torch.arange(6, dtype=torch.int32).view(2, 3)  # 3 blocks of 16 a sequence

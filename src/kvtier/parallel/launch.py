@@ -118,7 +118,6 @@ def launch(
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)  # its "Terminating process ..." lines: the error below says it
-    finished = False
     try:
         while not procs.join(timeout=0.5):
             got += _drain(reports)  # read as they come: a full pipe would block a worker
@@ -127,7 +126,7 @@ def launch(
                 raise TensorParallelError(
                     f"the {world_size} ranks did not finish within {deadline_s:g} s; they were "
                     "stopped (a rank hung, or the deadline is too short for the work)")
-        finished = True
+        got += _drain(reports)
     except ProcessException as e:
         raise _failure(got + _drain(reports), e, world_size, procs.processes) from None
     except BaseException:  # Ctrl-C (or any error) in this process: the workers stop with it
@@ -135,12 +134,8 @@ def launch(
         raise
     finally:
         spawn_log.setLevel(level)
-        if not finished:  # (the ranks failed or were stopped: what else they sent is not wanted)
-            for r in reports:
-                r.close()
-    got += _drain(reports)
-    for r in reports:
-        r.close()
+        for r in reports:
+            r.close()
     done = [r for r in got if r.ok]
     if not done:
         raise TensorParallelError("the ranks exited without rank 0 reporting a result")

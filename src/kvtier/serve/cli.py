@@ -172,7 +172,7 @@ def read_chat_template(given: str) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     import torch
 
-    from kvtier.devices import check_threads, oversubscribed, parse_device
+    from kvtier.devices import check_threads, parse_device, warn_oversubscribed
     from kvtier.model.loading import default_device
 
     engine_config, server_config = configs_from_args(args)  # bad values fail before the model loads
@@ -182,8 +182,8 @@ def run_serve(args: argparse.Namespace) -> int:
         check_threads(threads)
         # (the ranks of this host: torchrun's count where it started them, else --tensor-parallel's)
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", getattr(args, "tensor_parallel", 1)))
-        if device.type == "cpu" and (note := oversubscribed(threads, ranks)) is not None:
-            warnings.warn(note, stacklevel=2)
+        if device.type == "cpu":
+            warn_oversubscribed(threads, ranks)
     dtype = getattr(torch, args.dtype) if hasattr(args, "dtype") else None
     model = getattr(args, "model", None)
     from kvtier.model.linear import PREFILL_ENV_VAR, parse_prefill_dtype, prefill_dtype_warning
