@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import tempfile
 import time
 
 import pytest
@@ -276,9 +277,11 @@ def _raising_rank(tp: TensorParallel):
     return "rank 0 should not get here"
 
 
-def test_a_rank_that_raises_stops_the_others():
+def test_a_rank_that_raises_stops_the_others(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where torch names its error files
     with pytest.raises(TensorParallelError, match="rank 1 of 2: RuntimeError: rank 1 fails on purpose"):
         launch(_raising_rank, 2, timeout_s=20, deadline_s=DEADLINE_S)
+    assert list(tmp_path.iterdir()) == []  # the raising rank's traceback file is gone with it
 
 
 def _leaving_rank(tp: TensorParallel):

@@ -136,6 +136,7 @@ def launch(
         spawn_log.setLevel(level)
         for r in reports:
             r.close()
+        _remove_error_files(procs)
     done = [r for r in got if r.ok]
     if not done:
         raise TensorParallelError("the ranks exited without rank 0 reporting a result")
@@ -200,6 +201,16 @@ def _drain(reports: list) -> list[_Report]:
             r.close()
             reports.remove(r)
     return got
+
+
+def _remove_error_files(procs) -> None:
+    """Delete the files in which torch's spawn wrapper left each raising rank's traceback
+    (``pytorch-errorfile-*.pickle`` in the temporary folder, which torch never removes): the
+    failure has come home through the rank's pipe, and a server that restarts its ranks would
+    otherwise leave one file a failure."""
+    for path in procs.error_files:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _stop(procs) -> None:
