@@ -91,3 +91,26 @@ def test_a_taken_port_fails_before_any_rank_starts(monkeypatch, capsys):
     assert rc == 2 and not spawned
     err = capsys.readouterr().err
     assert err.startswith(f"kvtier: error: cannot listen on 127.0.0.1:{port} (") and "choose another --port" in err
+
+
+def _return_to(engine, first, other):
+    """``first``, then ``other`` (which takes its blocks), then ``first`` again: its tokens each
+    time, the second time's cached tokens, the stats."""
+    params = RequestParams(max_tokens=6)
+    a = engine.generate([first], params)[0]
+    engine.generate([other], params)
+    again = engine.generate([first], params)[0]
+    return list(a.token_ids), list(again.token_ids), again.cached_tokens, engine.stats()
+
+
+def test_three_ranks_load_offloaded_prefixes_as_one(lm):
+    """The host tier under tensor parallelism: each rank saves and loads its own shards of the
+    blocks the broadcast batch names, so the evicted prefix comes back with one process's tokens."""
+    first = lm.tokenizer.encode("You are a careful assistant. " * 24 + "Name a colour:")
+    other = lm.tokenizer.encode("Answer briefly and plainly, please. " * 24 + "Name a fruit:")
+    config = dataclasses.replace(CONFIG, num_blocks=len(first) // 16 + 4, max_batched_tokens=256,
+                                 kv_offload_gib=0.02)
+    got = serve_sharded(_return_to, 3, args=(first, other), config=config, dtype=torch.float32, timeout_s=60)
+    want = _return_to(LLMEngine(lm.model, lm.tokenizer, config), first, other)
+    assert got[:3] == want[:3] and got[0] == got[1]
+    assert got[2] == (len(first) - 1) // 16 * 16 and got[3]["host_hits"] == want[3]["host_hits"] > 0

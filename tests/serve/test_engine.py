@@ -492,7 +492,7 @@ def test_a_refused_call_queues_nothing(lm, monkeypatch) -> None:
 
 @pytest.mark.parametrize("gib", [0, -1, float("inf"), float("nan"), True, "1"])
 def test_kv_memory_must_be_a_positive_number(gib) -> None:
-    with pytest.raises(ValueError, match="kv_memory_gib must be a number of GiB > 0"):
+    with pytest.raises(ValueError, match=r"kv_memory_gib \(--kv-memory\) must be a number of GiB > 0"):
         EngineConfig(kv_memory_gib=gib)
 
 

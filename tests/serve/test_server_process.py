@@ -1,6 +1,7 @@
 """``kvtier serve`` processes of their own: start-up flags refused before the model loads,
 a taken port, a pool too small for its requests, asynchronous scheduling, a stop with
-requests in flight, and a model without a chat template given one. Each server is started here
+requests in flight, a model without a chat template given one, and prefixes offloaded to host
+memory. Each server is started here
 and stopped by its pid."""
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from server_support import free_port, metrics, model_name, running_server, settl
     pytest.param(["--device", "cuda"], "sees no CUDA device", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="a machine without CUDA")),
     (["--threads", "100000"], "--threads must be an int from 1 to"),  # was a segfault after the model loaded
+    (["--kv-offload-memory", "0"], "kv_offload_gib (--kv-offload-memory) must be a number of GiB > 0 or None (the default), got 0.0"),
+    (["--kv-offload-memory", "1", "--no-prefix-caching"], "kv_offload_gib offloads cached prefixes, and prefix "
+     "caching is off"),
 ])
 def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
     port = str(free_port())  # a process of its own, bounded in time: a server that starts is a failure
@@ -52,6 +56,8 @@ def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
      "tokens"),  # was a pool of 8.6 GiB
     (["--num-blocks", "100000000000"], "a pool of 100000000000 blocks takes"),  # was "MemoryError"
     (["--max-model-len", "100000000"], "--max-model-len 100000000 is more than the model's 8192 positions"),  # a cap
+    (["--kv-offload-memory", "1e-9"], "--kv-offload-memory 1e-09 GiB holds no block of 16 tokens"),
+    (["--kv-offload-memory", "1e9"], "GiB this host has free; lower --kv-offload-memory"),
 ])
 def test_a_pool_that_cannot_be_is_refused_before_it_is_allocated(argv, words) -> None:
     done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port",
@@ -239,3 +245,23 @@ def test_a_bfloat16_prefill_server_says_so_and_answers_as_generate_does(tmp_path
     done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port", str(free_port())],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "KVTIER_PREFILL_DTYPE": "half"})
     assert done.returncode == 2 and "KVTIER_PREFILL_DTYPE='half' is unknown" in done.stderr
+
+
+def test_a_prefix_evicted_from_the_pool_is_served_from_host_memory(tmp_path) -> None:
+    """``--kv-offload-memory``: a 240-token prompt, then another that takes its blocks in a pool of
+    24, then the first again: its prefix comes back from the host tier (the metrics count it), and
+    the answer is the first one's."""
+    first, other = "You are a careful assistant. " * 40 + "Name a colour:", "Answer plainly. " * 60 + "Fruit:"
+    log = tmp_path / "offload.log"
+    with running_server(log, "--device", "cpu", "--num-blocks", "24", "--kv-offload-memory", "0.05") as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        answers = [client.completions.create(model=model_name(url), prompt=p, max_tokens=8, temperature=0)
+                   for p in (first, other, first)]
+        m = metrics(url)
+        assert settle(url)["free_blocks"] == 24
+        banner = next(line for line in log.read_text().splitlines() if line.startswith("[kvtier] serving"))
+    assert banner.endswith("blocks offloaded to host memory")
+    assert answers[2].choices[0].text == answers[0].choices[0].text
+    hits = m["kvtier_kv_offload_hits_total"]
+    assert hits >= 8 * 16 and m["kvtier_kv_offload_blocks_loaded_total"] * 16 == hits
+    assert m["kvtier_kv_offload_blocks_saved_total"] >= m["kvtier_kv_offload_blocks_loaded_total"]

@@ -66,12 +66,14 @@ class RunnerSpec:
     turboquant: Any
     attention_backend: str
     cuda_graph: bool | None
+    host_blocks: int = 0  # the host tier's slots: every rank keeps its own shards' copies
 
     @classmethod
     def of_engine(cls, engine) -> RunnerSpec:
         c = engine.config
         return cls(engine.block_manager.num_blocks, c.block_size, c.max_num_seqs,
-                   engine.max_model_len, c.kv_quant, c.turboquant, c.attention_backend, c.cuda_graph)
+                   engine.max_model_len, c.kv_quant, c.turboquant, c.attention_backend, c.cuda_graph,
+                   engine.block_manager.host_blocks)
 
     def build(self, model):
         from kvtier.serve.runner import ModelRunner
@@ -79,7 +81,8 @@ class RunnerSpec:
         return ModelRunner(model, num_blocks=self.num_blocks, block_size=self.block_size,
                            kv_quant=self.kv_quant, turboquant=self.turboquant,
                            attention_backend=self.attention_backend, cuda_graph=self.cuda_graph,
-                           max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len)
+                           max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                           host_blocks=self.host_blocks)
 
 
 def control_group() -> dist.ProcessGroup:

@@ -26,7 +26,7 @@ _ABSENT = argparse.SUPPRESS  # a flag not given leaves no attribute: the datacla
 API_KEY_ENV = "KVTIER_API_KEY"
 _ENGINE_FLAGS = ("num_blocks", "kv_memory_gib", "block_size", "max_num_seqs", "max_batched_tokens",
                  "max_waiting", "max_model_len", "enable_prefix_caching", "kv_quant", "cuda_graph",
-                "async_scheduling", "scheduling_policy", "batch_invariant")
+                "async_scheduling", "scheduling_policy", "batch_invariant", "kv_offload_gib")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -58,6 +58,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                       help="blocks in the KV pool")
     pool.add_argument("--kv-memory", dest="kv_memory_gib", type=float, default=_ABSENT, metavar="GIB",
                       help="size the KV pool to this many GiB (default: 1 on CPU, 80%% of free on CUDA)")
+    p.add_argument("--kv-offload-memory", dest="kv_offload_gib", type=float, default=_ABSENT, metavar="GIB",
+                   help="host memory for a second tier of the prefix cache: blocks evicted from the pool are "
+                        "saved there and loaded back on a later hit instead of computed (default: none)")
     p.add_argument("--block-size", dest="block_size", type=int, default=_ABSENT)
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=_ABSENT,
                    help="running requests at most")
@@ -304,7 +307,8 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
           f"{s['kv_bytes'] / 2**30:.2f} GiB{sharded}), context {s['max_model_len']} tokens"
           + (f" | {len(server_config.api_keys)} API key(s) asked for" if server_config.api_keys else "")
           + (f" | n-gram drafts, {spec.num_speculative_tokens} a step" if (spec := engine.config.speculative) else "")
-          + (" | bfloat16 prefill" if narrow else "") + (" | batch-invariant" if engine.config.batch_invariant else ""),
+          + (" | bfloat16 prefill" if narrow else "") + (" | batch-invariant" if engine.config.batch_invariant else "")
+          + (f" | {s['host_blocks']} blocks offloaded to host memory" if s["host_blocks"] else ""),
           file=sys.stderr, flush=True)
     if ranks > 1:
         # uvicorn re-raises the signal that stopped it once it is done; ignored here, so rank 0

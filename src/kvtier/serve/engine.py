@@ -64,7 +64,7 @@ from kvtier.serve.graphs import graph_rows
 from kvtier.serve.live import Live
 from kvtier.serve.params import RequestOutput, RequestParams, TokenLogprob
 from kvtier.serve.prefix import BlockManager
-from kvtier.serve.runner import ModelRunner, PendingTokens, context_of, pool_blocks
+from kvtier.serve.runner import ModelRunner, PendingTokens, context_of, host_blocks_for, pool_blocks
 from kvtier.serve.scheduler import (
     PENDING,
     Request,
@@ -125,6 +125,8 @@ class EngineConfig:
     while the previous one runs (see the module docstring; ``None``: on CUDA only).
     ``scheduling_policy``: ``"fcfs"`` or ``"priority"`` (``RequestParams.priority``).
     ``speculative``: n-gram drafts (:mod:`kvtier.serve.speculate`; synchronous scheduling).
+    ``kv_offload_gib``: GiB of host memory for the prefix cache's second tier (:mod:`kvtier.serve.offload`),
+    which saves blocks evicted from the pool and loads them back on a later hit (``None``: none).
     """
 
     num_blocks: int | None = None
@@ -143,6 +145,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     speculative: SpeculativeConfig | None = None
     batch_invariant: bool = False
+    kv_offload_gib: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None and self.kv_memory_gib is not None:
@@ -153,10 +156,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= 1 or None, got {v!r}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
-        gib = self.kv_memory_gib
-        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float))
-                                or not 0 < gib < math.inf):
-            raise ValueError(f"kv_memory_gib must be a number of GiB > 0 or None (the default), got {gib!r}")
+        for name, flag in (("kv_memory_gib", "--kv-memory"), ("kv_offload_gib", "--kv-offload-memory")):
+            gib = getattr(self, name)
+            if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float))
+                                    or not 0 < gib < math.inf):
+                raise ValueError(f"{name} ({flag}) must be a number of GiB > 0 or None (the default), got {gib!r}")
+        if self.kv_offload_gib is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gib offloads cached prefixes, and prefix caching is off; drop "
+                             "--no-prefix-caching (enable_prefix_caching=False) or --kv-offload-memory")
         check_kv_quant(self.kv_quant)
         check_turboquant(self.turboquant)
         # the scheduler's own checks, before a model is built (its context, 1 here, is the model's)
@@ -223,7 +230,10 @@ class LLMEngine:
         self.device = param.device
         num_blocks = self._pool_blocks(param.dtype)  # (before anything is allocated)
         self.max_model_len = context = context_of(config.max_model_len, model.args, num_blocks, config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        host = 0 if config.kv_offload_gib is None else host_blocks_for(  # (a CPU pool shares the host's memory)
+            config.kv_offload_gib, model.args, param.dtype, config.block_size, config.kv_quant, config.turboquant,
+            num_blocks if self.device.type == "cpu" else 0)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, host)
         batched = config.max_batched_tokens
         if batched is None:
             batched = max(DEFAULT_BATCHED_TOKENS.get(self.device.type, DEFAULT_BATCHED_TOKENS["cpu"]),
@@ -239,7 +249,7 @@ class LLMEngine:
             model, num_blocks=num_blocks, block_size=config.block_size, kv_quant=config.kv_quant,
             turboquant=config.turboquant, attention_backend=config.attention_backend, cuda_graph=config.cuda_graph,
             max_num_seqs=config.max_num_seqs, max_model_len=context, graph_rows=graph_rows(config.max_num_seqs, draft),
-            batch_invariant=config.batch_invariant)
+            batch_invariant=config.batch_invariant, host_blocks=host)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
         self.speculator = None if config.speculative is None else Speculator(config.speculative)
         self.async_scheduling = (self.device.type == "cuda" and self.speculator is None
@@ -268,8 +278,7 @@ class LLMEngine:
 
         ``ValueError`` for a prompt that is empty, holds ids outside the vocabulary or
         does not fit the context (or ``max_tokens`` beyond it), or a ``structure`` that does
-        not compile;
-        :class:`~kvtier.serve.scheduler.QueueFull` when the waiting queue is full.
+        not compile; :class:`~kvtier.serve.scheduler.QueueFull` when the waiting queue is full.
         Nothing is queued on error.
         """
         params = RequestParams() if params is None else params
@@ -281,19 +290,7 @@ class LLMEngine:
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise ValueError(f"the prompt must be a non-empty list of token ids in [0, {vocab}), "
                              f"got {str(prompt_token_ids)[:60]}")
-        outside = [t for t in params.stop_token_ids if t >= vocab]
-        if outside:
-            raise ValueError(f"stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab}); "
-                             "no token could match them")
-        outside = [t for t, _ in params.logit_bias if t >= vocab]
-        if outside:
-            raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab})")
-        for name, named in (("allowed_token_ids", params.allowed_token_ids),
-                            ("bad_words", [t for w in params.bad_words for t in w]),
-                            ("guided_choice", [t for c in params.guided_choice for t in c])):
-            outside = [t for t in named if t >= vocab]
-            if outside:
-                raise ValueError(f"{name} holds token ids {outside[:5]} outside the vocabulary [0, {vocab})")
+        params.check_vocabulary(vocab)
         stop_ids = self.stop_ids(params)
         if params.guided_choice and not stop_ids:
             raise ValueError("guided_choice ends each choice with a stop id, and this request has none (ignore_eos "
@@ -364,6 +361,8 @@ class LLMEngine:
         asynchronous scheduling, the tokens of the step before, see the module docstring)."""
         batch = self.scheduler.schedule(self._drafts if self.speculator is not None else None)
         launched = self._launch(batch) if batch.rows else None
+        if batch.copies and not batch.rows:  # (a preemption took back every row: the saves still run)
+            self.runner.execute(batch)
         outputs = self._resolve(self._inflight) if self._inflight is not None else []
         self._inflight = None
         if launched is not None:
@@ -562,6 +561,7 @@ class LLMEngine:
             "prefix_hits": bm.prefix_hits,
             "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
             "preemptions": s.num_preemptions,
+            **bm.host_figures(),
             "steps": self.steps,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,

@@ -75,6 +75,16 @@ class _EngineCollector:
                 yield CounterMetricFamily(name, text, value=s[key])
             yield GaugeMetricFamily("kvtier_spec_decode_acceptance_rate", "Draft tokens kept / fed.",
                                     value=s["spec_acceptance_rate"])
+        if s.get("host_blocks"):  # a server started with --kv-offload-memory
+            yield GaugeMetricFamily("kvtier_kv_host_blocks_total", "Slots of the host tier.", value=s["host_blocks"])
+            yield GaugeMetricFamily("kvtier_kv_host_blocks_cached", "Host slots holding an offloaded block.",
+                                    value=s["host_cached_blocks"])
+            for name, key, text in (
+                ("kvtier_kv_offload_hits", "host_hits", "Prompt tokens loaded from the host tier."),
+                ("kvtier_kv_offload_blocks_saved", "blocks_saved", "Blocks saved to the host tier."),
+                ("kvtier_kv_offload_blocks_loaded", "blocks_loaded", "Blocks loaded from the host tier."),
+            ):
+                yield CounterMetricFamily(name, text, value=s[key])
 
 
 class ServerMetrics:

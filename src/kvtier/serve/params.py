@@ -141,6 +141,22 @@ class RequestParams:
             raise ValueError(f"logit_bias must be a tuple of (token id >= 0, bias in [-100, 100]) pairs, "
                              f"got {self.logit_bias!r}")
 
+    def check_vocabulary(self, vocab: int) -> None:
+        """``ValueError`` naming the first field that holds a token id outside ``[0, vocab)``."""
+        outside = [t for t in self.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab}); "
+                             "no token could match them")
+        outside = [t for t, _ in self.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab})")
+        for name, named in (("allowed_token_ids", self.allowed_token_ids),
+                            ("bad_words", [t for w in self.bad_words for t in w]),
+                            ("guided_choice", [t for c in self.guided_choice for t in c])):
+            outside = [t for t in named if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} holds token ids {outside[:5]} outside the vocabulary [0, {vocab})")
+
 
 def _token_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0

@@ -21,6 +21,16 @@ that holds a hashed prefix stays cached, in an LRU; it is evicted (its hash
 forgotten) only when a fresh block is needed and no never-cached block is free.
 Blocks are released last-first, so a chain's tail is evicted before its head.
 
+Offloading (``host_blocks`` > 0). A second, larger LRU of cached blocks in host memory: a
+cached block evicted from the pool is saved to a host slot first (the copy is queued as
+``("save", block, slot)``), and an admission whose prompt continues past the pool's cached
+blocks into blocks the host holds gets fresh blocks loaded from them (``("load", slot,
+block)``, :meth:`BlockManager.match_offloaded`) instead of computing them again, as a request
+preempted and evicted does when it comes back. The manager only books; the runner carries
+the copies out, in order, before the step's forward reads or writes a block
+(:meth:`BlockManager.take_copies`, :class:`~kvtier.serve.offload.HostBlocks`). A slot
+another copy of the same queue still loads from is never reused in it.
+
 Invariants (checked by the tests): every block is exactly one of free, cached and
 unreferenced (evictable), or referenced; ``num_free_blocks + num_used_blocks ==
 num_blocks``; reference counts are never negative; a hash maps to at most one
@@ -40,6 +50,18 @@ Example::
     True
     >>> bm.num_free_blocks, bm.num_cached_blocks
     (8, 2)
+
+With a host tier, a prefix evicted from the pool comes back by copy::
+
+    >>> bm = BlockManager(num_blocks=2, block_size=4, host_blocks=4)
+    >>> a = bm.allocate(8)
+    >>> bm.cache_full_blocks(a, prompt, 8); bm.free(a)
+    >>> b = bm.allocate(8)                              # evicts both cached blocks: saved
+    >>> bm.take_copies()
+    [('save', 1, 0), ('save', 0, 1)]
+    >>> bm.free(b)
+    >>> bm.match_prefix(prompt[:9]), bm.match_offloaded(prompt[:9])
+    ([], [1, 0])
 """
 
 from __future__ import annotations
@@ -78,12 +100,26 @@ class BlockManager:
     tokens of the allocations that asked for a prefix and the tokens found cached.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 host_blocks: int = 0):
         self.num_blocks = _positive_int("num_blocks", num_blocks)
         self.block_size = _positive_int("block_size", block_size)
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        if isinstance(host_blocks, bool) or not isinstance(host_blocks, int) or host_blocks < 0:
+            raise ValueError(f"host_blocks must be an int >= 0, got {host_blocks!r}")
+        if host_blocks and not enable_prefix_caching:
+            raise ValueError(f"host_blocks {host_blocks} offload cached prefixes, and prefix caching is off; "
+                             "turn it on (drop --no-prefix-caching) or offload nothing")
         self.enable_prefix_caching = enable_prefix_caching
+        self.host_blocks = host_blocks
+        self._host: OrderedDict[bytes, int] = OrderedDict()  # hash -> host slot; least recently used first
+        self._host_hash: list[bytes | None] = [None] * host_blocks
+        self._host_free = list(range(host_blocks - 1, -1, -1))
+        self._copies: list[tuple[str, int, int]] = []  # ("save", block, slot) / ("load", slot, block), in order
+        self._loading: set[int] = set()  # slots the queued copies load from: not reused before they run
+        self.blocks_saved = self.blocks_loaded = 0
+        self.host_hits = 0  # prompt tokens loaded from the host instead of computed
         self._refs = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks  # content hash of a full, computed block
         self._by_hash: dict[bytes, int] = {}  # hash -> the one block that serves it
@@ -107,6 +143,12 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         """Blocks that hold a hashed prefix (referenced or not)."""
         return len(self._by_hash)
+
+    def host_figures(self) -> dict[str, int]:
+        """The host tier's slots, those holding a block, the prompt tokens loaded from it
+        (``host_hits``, counted in ``prefix_hits`` too) and the blocks saved and loaded."""
+        return {"host_blocks": self.host_blocks, "host_cached_blocks": len(self._host), "host_hits": self.host_hits,
+                "blocks_saved": self.blocks_saved, "blocks_loaded": self.blocks_loaded}
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -135,6 +177,24 @@ class BlockManager:
             out.append(block)
         return out
 
+    def match_offloaded(self, token_ids: Sequence[int], prefix: Sequence[int] | None = None) -> list[int]:
+        """The host slots holding the full blocks of ``token_ids`` that follow ``prefix`` (the
+        pool's :meth:`match_prefix`, computed when ``None``), in order, up to the first that
+        neither tier holds. Pass them to :meth:`allocate` as ``load``; like :meth:`match_prefix`
+        it takes nothing and counts nothing."""
+        if not self._host:
+            return []
+        prefix = self.match_prefix(token_ids) if prefix is None else prefix
+        bs, out = self.block_size, []
+        parent = self._hash[prefix[-1]] if prefix else None
+        for i in range(len(prefix), len(token_ids) // bs):
+            parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            slot = self._host.get(parent)
+            if slot is None or parent in self._by_hash:  # (in the pool after all: the pool's match ends here)
+                break
+            out.append(slot)
+        return out
+
     def blocks_needed(self, num_tokens: int, prefix: Sequence[int] = ()) -> int:
         """Free blocks ``allocate(num_tokens, prefix)`` would consume (revived cached blocks count)."""
         revived = sum(1 for b in prefix if self._refs[b] == 0)
@@ -144,32 +204,56 @@ class BlockManager:
         return self.blocks_needed(num_tokens, prefix) <= self.num_free_blocks
 
     # -- allocation -------------------------------------------------------------------------------
-    def allocate(self, num_tokens: int, prefix: Sequence[int] = ()) -> list[int]:
+    def allocate(self, num_tokens: int, prefix: Sequence[int] = (), load: Sequence[int] = ()) -> list[int]:
         """A new block list for ``num_tokens`` tokens that starts with the cached ``prefix`` blocks.
 
         Takes a reference on every block returned. ``prefix`` comes from
-        :meth:`match_prefix` (it must cover fewer than ``num_tokens`` tokens, so
-        the request computes at least one). Raises :class:`NoFreeBlocks` when the
-        blocks do not fit, ``ValueError`` for a prefix that is not cached; either
-        way nothing changes.
+        :meth:`match_prefix`; ``load``, host slots from :meth:`match_offloaded` for the blocks
+        after it, which get fresh blocks and a queued load each. Together they must cover fewer
+        than ``num_tokens`` tokens, so the request computes at least one. Raises
+        :class:`NoFreeBlocks` when the blocks do not fit, ``ValueError`` for a prefix that is
+        not cached; either way nothing changes.
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
-        prefix = list(prefix)
-        if len(prefix) * self.block_size >= num_tokens:
-            raise ValueError(f"a prefix of {len(prefix)} blocks covers all {num_tokens} tokens; "
+        prefix, load = list(prefix), list(load)
+        if (len(prefix) + len(load)) * self.block_size >= num_tokens:
+            raise ValueError(f"a prefix of {len(prefix) + len(load)} blocks covers all {num_tokens} tokens; "
                              "leave at least one token to compute (match all tokens but the last)")
         bad = [b for b in prefix if not 0 <= b < self.num_blocks or self._hash[b] is None
                or self._by_hash.get(self._hash[b]) != b]
         if bad:
             raise ValueError(f"prefix blocks {bad} hold no cached prefix; take them from match_prefix()")
+        bad = [s for s in load if not 0 <= s < self.host_blocks or self._host_hash[s] is None
+               or self._host_hash[s] in self._by_hash]
+        if bad or len(set(load)) != len(load):
+            raise ValueError(f"host slots {bad or load} hold no offloaded block the pool lacks; take them "
+                             "from match_offloaded()")
         self._check_fits(self.blocks_needed(num_tokens, prefix))
         for b in prefix:
             self._ref(b)
         if self.enable_prefix_caching:
             self.prefix_queries += num_tokens
-            self.prefix_hits += len(prefix) * self.block_size
-        return prefix + [self._take() for _ in range(self.blocks_for(num_tokens) - len(prefix))]
+            self.prefix_hits += (len(prefix) + len(load)) * self.block_size
+            self.host_hits += len(load) * self.block_size
+        self._loading.update(load)  # (a save while taking blocks below must not reuse them)
+        loaded = []
+        for slot in load:
+            b = self._take()
+            h = self._host_hash[slot]
+            self._hash[b], self._by_hash[h] = h, b
+            self._host.move_to_end(h)
+            self._copies.append(("load", slot, b))
+            self.blocks_loaded += 1
+            loaded.append(b)
+        return prefix + loaded + [self._take() for _ in range(self.blocks_for(num_tokens) - len(prefix) - len(load))]
+
+    def take_copies(self) -> list[tuple[str, int, int]]:
+        """The copies queued since the last call, in the order they must run (then forgotten):
+        ``("save", block, slot)`` pool to host, ``("load", slot, block)`` host to pool."""
+        out, self._copies = self._copies, []
+        self._loading.clear()
+        return out
 
     def grow(self, blocks: list[int], num_tokens: int) -> int:
         """Append fresh blocks to ``blocks`` (in place) until it holds ``num_tokens`` tokens.
@@ -233,7 +317,10 @@ class BlockManager:
         self._evictable.clear()
         self._by_hash.clear()
         self._hash = [None] * self.num_blocks
-        self.prefix_queries = self.prefix_hits = 0
+        self._host.clear()
+        self._host_hash = [None] * self.host_blocks
+        self._host_free = list(range(self.host_blocks - 1, -1, -1))
+        self.prefix_queries = self.prefix_hits = self.host_hits = 0
         return cached
 
     # -- internals -------------------------------------------------------------------------------
@@ -257,7 +344,29 @@ class BlockManager:
             b = self._free.pop()
         else:
             b, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash[b]]
+            h = self._hash[b]
+            del self._by_hash[h]
             self._hash[b] = None
+            self._offload(b, h)
         self._refs[b] = 1
         return b
+
+    def _offload(self, block: int, h: bytes) -> None:
+        """Queue the save of evicted ``block`` (hash ``h``) to a host slot: a free one, else the
+        least recently used one no queued load reads. Nothing when the host holds ``h`` already
+        (it is touched) or every slot is being loaded from."""
+        if not self.host_blocks:
+            return
+        if h in self._host:
+            self._host.move_to_end(h)
+            return
+        if self._host_free:
+            slot = self._host_free.pop()
+        else:
+            victim = next((k for k, s in self._host.items() if s not in self._loading), None)
+            if victim is None:
+                return
+            slot = self._host.pop(victim)
+        self._host[h], self._host_hash[slot] = slot, h
+        self._copies.append(("save", block, slot))
+        self.blocks_saved += 1

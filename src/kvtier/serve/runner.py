@@ -70,9 +70,10 @@ from kvtier.caches.state_checks import free_bytes
 from kvtier.model.cpu_step import decode_step_enabled, plan_for
 from kvtier.model.linear import prefill_dtype_of
 from kvtier.quant.modes import TurboQuantConfig
+from kvtier.serve.offload import HostBlocks
 from kvtier.serve.scheduler import PENDING, ScheduledRow, StepBatch
 
-__all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "context_of", "pool_blocks", "fed_tokens", "fill_pending", "kv_bytes_per_block",
+__all__ = ["ModelRunner", "PendingTokens", "blocks_for_memory", "context_of", "host_blocks_for", "pool_blocks", "fed_tokens", "fill_pending", "kv_bytes_per_block",
            "smallest_bucket", "token_rows"]
 
 
@@ -186,6 +187,23 @@ def blocks_for_memory(gib: float, model_args, dtype: torch.dtype, block_size: in
     return math.floor(gib * 2**30 / per_block)
 
 
+def host_blocks_for(gib: float, model_args, dtype: torch.dtype, block_size: int, kv_quant: str | None = None,
+                    turboquant: TurboQuantConfig | None = None, pool_on_host: int = 0) -> int:
+    """Slots of a host tier of ``gib`` GiB (:mod:`kvtier.serve.offload`), each a block of every
+    layer; refused where it holds no block, or where the host has not that memory free beside
+    ``pool_on_host`` blocks of a pool in the same memory (a CPU engine's)."""
+    per_block = kv_bytes_per_block(model_args, dtype, block_size, kv_quant, turboquant)
+    n = math.floor(gib * 2**30 / per_block)
+    if n < 1:
+        raise ValueError(f"--kv-offload-memory {gib:g} GiB holds no block of {block_size} tokens (one takes "
+                         f"{per_block / 2**30:.3g} GiB over the model's layers); give more")
+    free = free_bytes(torch.device("cpu"))
+    if free is not None and (n + pool_on_host) * per_block > free:
+        raise ValueError(f"a host tier of {gib:g} GiB{' beside the pool' if pool_on_host else ''} is more than the "
+                         f"{free / 2**30:.1f} GiB this host has free; lower --kv-offload-memory")
+    return n
+
+
 def pool_blocks(num_blocks: int | None, gib: float, model_args, dtype: torch.dtype, device: torch.device,
                 block_size: int, kv_quant: str | None = None, turboquant: TurboQuantConfig | None = None) -> int:
     """The pool's blocks: ``num_blocks``, else as many as ``gib`` GiB hold
@@ -228,7 +246,8 @@ class ModelRunner:
     graphs hold when drafted steps, a row a token, should fit them too) and ``max_model_len``
     bound the graphs' shapes. ``decode_in_prompt_steps``: run a step's
     decode rows in its packed prompt forward when it has prompt chunks (``None``: on CUDA).
-    ``pad_logit_rows``: the LM head of a packed forward multiplies its rows padded to a
+    ``host_blocks``: slots of the host tier (:mod:`kvtier.serve.offload`) that the batches'
+    ``copies`` move blocks through, before the step's forward. ``pad_logit_rows``: the LM head of a packed forward multiplies its rows padded to a
     decode-graph bucket (:func:`~kvtier.serve.graphs.graph_buckets` of ``max_num_seqs``), the
     padding dropped after (``None``: on CUDA). On the H200 a row count new to the process
     kept the host in the GEMM's launch until the GPU had drained (benchmarks/RESULTS.md,
@@ -239,7 +258,7 @@ class ModelRunner:
                  turboquant: TurboQuantConfig | None = None, attention_backend: str = "auto",
                  cuda_graph: bool | None = None, max_num_seqs: int = 64, graph_rows: int | None = None,
                  max_model_len: int | None = None, decode_in_prompt_steps: bool | None = None,
-                 pad_logit_rows: bool | None = None, batch_invariant: bool = False):
+                 pad_logit_rows: bool | None = None, batch_invariant: bool = False, host_blocks: int = 0):
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -261,6 +280,10 @@ class ModelRunner:
                        for _ in range(a.n_layers)]
         for c in self.caches:
             c.allocate(a.n_kv_heads, a.head_dim, self.dtype, self.device)
+        if isinstance(host_blocks, bool) or not isinstance(host_blocks, int) or host_blocks < 0:
+            raise ValueError(f"host_blocks must be an int >= 0, got {host_blocks!r}")
+        #: the host tier the batches' ``copies`` save blocks to and load them from
+        self.host = HostBlocks(self.caches, host_blocks) if host_blocks else None
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         self.batch_invariant = batch_invariant
@@ -308,6 +331,14 @@ class ModelRunner:
         ``all_logits`` rows' logits of every position go to :attr:`prompt_logits`, those of a
         row's drafts and the position before them (``[draft + 1, vocab]``) to :attr:`draft_logits`."""
         self.prompt_logits, self.draft_logits = {}, {}
+        if batch.copies:
+            if self.host is None:
+                raise ValueError(f"the batch copies {len(batch.copies)} blocks to or from a host tier, and this "
+                                 "runner has none; build it with host_blocks (the engine's kv_offload_gib)")
+            with torch.inference_mode():
+                self.host.apply(batch.copies)
+        if not batch.rows:
+            return torch.empty(0, self.model.args.vocab_size, device=self.device)
         if self.batch_invariant:
             with torch.inference_mode():
                 return self._invariant(batch, pending)

@@ -22,7 +22,9 @@ Every step :meth:`Scheduler.schedule` returns a :class:`StepBatch` of plain data
    a step that preempted). An admitted request takes references on the cached blocks
    of its prompt's longest cached prefix (:meth:`BlockManager.match_prefix`), skips
    computing them, and gets blocks for the rest of its prompt at once, so a prefill
-   never runs out of blocks half way. Its first chunk runs in the same step.
+   never runs out of blocks half way; blocks of the prefix that only the host tier still
+   holds are loaded into fresh ones (the batch's ``copies``). Its first chunk runs in the
+   same step.
 
 A request that wants the logits of its prompt positions (``Request.prompt_logits``,
 for prompt logprobs) is admitted without its cached prefix (every position is computed)
@@ -191,6 +193,9 @@ class StepBatch:
 
     rows: tuple[ScheduledRow, ...] = ()
     preempted: tuple[str, ...] = ()
+    #: block copies between the pool and the host tier to run first, in order
+    #: (:meth:`BlockManager.take_copies <kvtier.serve.prefix.BlockManager.take_copies>`)
+    copies: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -309,7 +314,7 @@ class Scheduler:
             rows.append(self._row(req, n))
             budget -= n
             logits -= n if req.prompt_logits else 0
-        return StepBatch(tuple(rows), tuple(preempted))
+        return StepBatch(tuple(rows), tuple(preempted), tuple(self.blocks.take_copies()))
 
     def update(self, batch: StepBatch, sampled: Mapping[str, int | tuple[int, ...]]) -> list[Request]:
         """Book the step: each row's tokens are computed, sampled rows get ``sampled[id]``
@@ -414,8 +419,9 @@ class Scheduler:
         prefix = [] if req.prompt_logits else self.blocks.match_prefix(req.token_ids[:-1])
         if not self.blocks.can_allocate(len(req.token_ids), prefix):
             return False
-        req.blocks = self.blocks.allocate(len(req.token_ids), prefix)
-        req.num_computed = req.num_cached_tokens = len(prefix) * self.blocks.block_size
+        load = [] if req.prompt_logits else self.blocks.match_offloaded(req.token_ids[:-1], prefix)
+        req.blocks = self.blocks.allocate(len(req.token_ids), prefix, load)
+        req.num_computed = req.num_cached_tokens = (len(prefix) + len(load)) * self.blocks.block_size
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return True

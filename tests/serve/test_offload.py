@@ -1,0 +1,277 @@
+"""The prefix cache's host tier: the block manager's books against a reference of what every
+block and slot holds, the copies bit for bit over every codec, and the engine's answers with a
+pool too small to keep a prefix (the same tokens, fewer computed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_engine import chat, solo
+
+from kvtier.model import ModelArgs, build_random
+from kvtier.quant.modes import TurboQuantConfig
+from kvtier.serve.engine import EngineConfig, LLMEngine
+from kvtier.serve.offload import HostBlocks, block_tensors
+from kvtier.serve.params import RequestParams
+from kvtier.serve.prefix import BlockManager, NoFreeBlocks, chain_hash
+from kvtier.serve.runner import ModelRunner, host_blocks_for
+from kvtier.serve.scheduler import ScheduledRow, StepBatch
+
+BS = 4
+SYSTEM_A = "You are a careful assistant. " * 40
+SYSTEM_B = "Answer briefly and plainly, please. " * 40
+
+
+def cached(bm: BlockManager, tokens: list[int], n: int) -> list[int]:
+    """Blocks for ``tokens`` with the first ``n`` computed and hashed, then freed (cached)."""
+    blocks = bm.allocate(len(tokens))
+    bm.cache_full_blocks(blocks, tokens, n)
+    bm.free(blocks)
+    return blocks
+
+
+# -- the books -----------------------------------------------------------------------------------
+def test_an_evicted_prefix_is_saved_then_loaded_into_fresh_blocks() -> None:
+    bm = BlockManager(3, BS, host_blocks=4)
+    prompt = list(range(12))
+    a = cached(bm, prompt, 12)  # three full blocks, cached
+    other = bm.allocate(12)  # takes all three: each saved before it is reused
+    assert bm.take_copies() == [("save", a[2], 0), ("save", a[1], 1), ("save", a[0], 2)]
+    assert bm.match_prefix(prompt) == [] and bm.match_offloaded(prompt[:11]) == [2, 1]
+    bm.free(other)
+    load = bm.match_offloaded(prompt[:11])
+    blocks = bm.allocate(12, [], load)
+    assert bm.take_copies() == [("load", 2, blocks[0]), ("load", 1, blocks[1])]
+    assert bm.match_prefix(prompt) == blocks[:2]  # the loaded blocks serve the pool's hits now
+    assert (bm.prefix_hits, bm.host_hits) == (8, 8)
+    assert bm.host_figures() == {"host_blocks": 4, "host_cached_blocks": 3, "host_hits": 8,
+                                 "blocks_saved": 3, "blocks_loaded": 2}
+    bm.free(blocks)
+    bm.allocate(12)  # evicting a loaded block again copies nothing: the host still has it
+    assert bm.take_copies() == [] and bm.blocks_saved == 3
+
+
+def test_the_pool_match_comes_first_and_the_host_continues_it() -> None:
+    bm = BlockManager(3, BS, host_blocks=4)
+    prompt = list(range(12))
+    a = cached(bm, prompt, 12)
+    held = [bm.allocate(4), bm.allocate(4)]  # the least recently freed go first: the chain's tail
+    assert bm.take_copies() == [("save", a[2], 0), ("save", a[1], 1)]
+    for h in held:
+        bm.free(h)
+    assert bm.match_prefix(prompt) == [a[0]] and bm.match_offloaded(prompt) == [1, 0]
+    assert bm.match_offloaded(prompt[:11], [a[0]]) == [1]
+    blocks = bm.allocate(12, [a[0]], [1])
+    assert blocks[0] == a[0] and bm.ref_count(a[0]) == 1 and len(blocks) == 3
+    assert bm.take_copies() == [("load", 1, blocks[1])]
+
+
+def test_a_slot_a_queued_load_reads_is_not_reused_by_a_save_in_the_same_queue() -> None:
+    bm = BlockManager(2, BS, host_blocks=1)
+    x, y = [0, 1, 2, 3, 9], [5, 6, 7, 8, 5, 6, 7, 8]
+    cached(bm, x, 4)  # x's first block cached, its second free
+    yb = bm.allocate(8)  # takes the free block, then evicts x's: saved to the one slot
+    assert bm.take_copies() == [("save", 0, 0)]
+    bm.cache_full_blocks(yb, y, 8)
+    bm.free(yb)
+    assert bm.match_offloaded(x[:4]) == [0]
+    xb = bm.allocate(5, [], [0])  # each block it takes evicts one of y's, and no slot is free to save it
+    assert bm.take_copies() == [("load", 0, xb[0])] and bm.blocks_saved == 1
+    assert bm.match_prefix(x[:4]) == xb[:1] and bm.match_offloaded(y) == [] and bm.match_prefix(y) == []
+
+
+def test_refusals_change_nothing() -> None:
+    with pytest.raises(ValueError, match="host_blocks must be an int >= 0"):
+        BlockManager(4, BS, host_blocks=-1)
+    with pytest.raises(ValueError, match="prefix caching is off"):
+        BlockManager(4, BS, enable_prefix_caching=False, host_blocks=2)
+    bm = BlockManager(2, BS, host_blocks=2)
+    prompt = list(range(8))
+    cached(bm, prompt, 8)
+    before = (list(bm._refs), dict(bm._host), bm.take_copies())
+    with pytest.raises(ValueError, match="host slots .* hold no offloaded block"):
+        bm.allocate(9, [], [0])  # slot 0 holds nothing yet
+    with pytest.raises(ValueError, match="covers all"):
+        bm.allocate(8, [], [0, 1])
+    assert (list(bm._refs), dict(bm._host), bm.take_copies()) == before
+
+
+def test_reset_forgets_the_host_tier_too() -> None:
+    bm = BlockManager(2, BS, host_blocks=2)
+    prompt = list(range(8))
+    cached(bm, prompt, 8)
+    bm.free(bm.allocate(8))
+    assert bm.match_offloaded(prompt) and bm.reset_prefix_cache() >= 0
+    assert bm.match_offloaded(prompt) == [] and bm.host_figures()["host_cached_blocks"] == 0
+
+
+class OffloadBooks(RuleBasedStateMachine):
+    """Random admissions (through the host tier), computations and frees; the copies carried out
+    on a reference of what each block and slot holds, so every hit is checked for content."""
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(6, BS, host_blocks=3)
+        self.requests: list[dict] = []
+        self.block: dict[int, tuple[int, ...]] = {}  # block -> the tokens up to its end it holds
+        self.slot: dict[int, tuple[int, ...]] = {}
+
+    def run_copies(self) -> None:
+        for kind, a, b in self.bm.take_copies():
+            if kind == "save":
+                self.slot[b] = self.block[a]
+            else:
+                self.block[b] = self.slot[a]
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=18))
+    def admit(self, tokens):
+        prefix = self.bm.match_prefix(tokens[:-1])
+        load = self.bm.match_offloaded(tokens[:-1], prefix)
+        if self.bm.blocks_needed(len(tokens), prefix) > self.bm.num_free_blocks:
+            with pytest.raises(NoFreeBlocks):
+                self.bm.allocate(len(tokens), prefix, load)
+            return
+        blocks = self.bm.allocate(len(tokens), prefix, load)
+        done = len(prefix) + len(load)
+        self.run_copies()  # (the saves read what the evicted blocks held)
+        for b in blocks[done:]:
+            self.block.pop(b, None)
+        for i, b in enumerate(blocks[:done]):  # the safety property: hits hold this very chain
+            assert self.block[b] == tuple(tokens[: (i + 1) * BS])
+        self.requests.append({"tokens": tokens, "blocks": blocks, "computed": done * BS})
+
+    @precondition(lambda self: self.requests)
+    @rule(i=st.integers(0, 100), n=st.integers(1, 12))
+    def compute(self, i, n):
+        r = self.requests[i % len(self.requests)]
+        end = min(len(r["tokens"]), r["computed"] + n)
+        for pos in range(r["computed"], end):
+            if (pos + 1) % BS == 0:
+                self.block[r["blocks"][pos // BS]] = tuple(r["tokens"][: pos + 1])
+        r["computed"] = end
+        self.bm.cache_full_blocks(r["blocks"], r["tokens"], end)
+
+    @precondition(lambda self: self.requests)
+    @rule(i=st.integers(0, 100))
+    def finish(self, i):
+        self.bm.free(self.requests.pop(i % len(self.requests))["blocks"])
+
+    @invariant()
+    def slots_hold_their_chains(self):
+        self.run_copies()
+        for h, s in self.bm._host.items():
+            tokens, parent = self.slot[s], None
+            for i in range(len(tokens) // BS):
+                parent = chain_hash(parent, tokens[i * BS : (i + 1) * BS])
+            assert parent == h
+        for h, b in self.bm._by_hash.items():  # loaded blocks too
+            tokens, parent = self.block[b], None
+            for i in range(len(tokens) // BS):
+                parent = chain_hash(parent, tokens[i * BS : (i + 1) * BS])
+            assert parent == h
+        assert self.bm.num_free_blocks + self.bm.num_used_blocks == self.bm.num_blocks
+
+
+TestOffloadBooks = OffloadBooks.TestCase
+TestOffloadBooks.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# -- the copies ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("storage", [{}, {"kv_quant": "q8"}, {"kv_quant": "q4_g32"},
+                                     {"turboquant": TurboQuantConfig("q8_0", "q3_0")}],
+                         ids=["fp", "q8", "q4_g32", "turboquant"])
+def test_a_loaded_block_is_the_saved_one_bit_for_bit(lm, storage) -> None:
+    runner = ModelRunner(lm.model, num_blocks=6, host_blocks=3, **storage)
+    ids = chat(lm.tokenizer, "Name a colour.", SYSTEM_A)[:40]
+    runner.execute(StepBatch((ScheduledRow("a", tuple(ids), 0, (0, 1, 2), True),)))
+    before = [t[:2].clone() for c in runner.caches for t in block_tensors(c)]
+    assert len(before) > 2 * len(runner.caches) or not storage  # quantised codecs have sidecars
+    runner.execute(StepBatch(copies=(("save", 0, 2), ("save", 1, 0), ("load", 2, 4), ("load", 0, 5))))
+    after = [t[4:6] for c in runner.caches for t in block_tensors(c)]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    assert runner.host.nbytes == 3 * HostBlocks.bytes_per_block(runner.caches)
+
+
+def test_a_batch_with_copies_needs_a_host_tier(lm) -> None:
+    runner = ModelRunner(lm.model, num_blocks=4)
+    with pytest.raises(ValueError, match="has none; build it with host_blocks"):
+        runner.execute(StepBatch(copies=(("save", 0, 0),)))
+
+
+@pytest.mark.gpu
+def test_copies_through_pinned_memory_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=256)
+    model = build_random(args).to("cuda", torch.bfloat16)
+    runner = ModelRunner(model, num_blocks=64, host_blocks=32, cuda_graph=False)
+    host = runner.host
+    assert host.slots[0].is_pinned()
+    with torch.inference_mode():
+        for t in host.pool:
+            t.copy_(torch.randint(0, 100, t.shape, device="cuda").to(t.dtype))
+        want = [t[:16].clone() for t in host.pool]
+        host.apply([("save", b, b) for b in range(16)])
+        for t in host.pool:  # overwritten in the stream after the saves were queued
+            t[:16].zero_()
+        host.apply([("load", b, 40 + b) for b in range(16)])  # waits for the saves of those slots
+    torch.cuda.synchronize()
+    assert all(torch.equal(w, t[40:56]) for w, t in zip(want, host.pool))
+
+
+# -- the engine ---------------------------------------------------------------------------------
+def test_a_prefix_evicted_from_a_small_pool_comes_back_from_the_host(lm) -> None:
+    tok = lm.tokenizer
+    a, b = chat(tok, "Name a colour.", SYSTEM_A), chat(tok, "Name a fruit.", SYSTEM_B)
+    params = RequestParams(max_tokens=8)
+    pool = len(a) // 16 + 12  # a's prompt and its answer, not b's blocks besides
+    got = {}
+    for gib in (None, 0.05):
+        engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=pool, kv_offload_gib=gib))
+        first = engine.generate([a], params)[0]
+        engine.generate([b], params)
+        again = engine.generate([a], params)[0]
+        assert again.token_ids == first.token_ids
+        got[gib] = again.cached_tokens, engine.stats()
+    (plain, _), (offloaded, s) = got[None], got[0.05]
+    assert s["host_blocks"] == host_blocks_for(0.05, lm.model.args, torch.float32, 16)
+    assert offloaded == (len(a) - 1) // 16 * 16 > plain  # every full block of a's prompt, none computed
+    assert s["host_hits"] == offloaded - plain and s["blocks_loaded"] * 16 == s["host_hits"]
+    assert s["blocks_saved"] >= s["blocks_loaded"] and s["free_blocks"] == pool
+    assert list(again.token_ids) == solo(lm, a, 8)
+
+
+def test_preempted_requests_come_back_through_the_host_with_the_same_tokens(lm) -> None:
+    tok = lm.tokenizer
+    reqs = [chat(tok, f"Continue this list: {' '.join(['river', 'stone', 'lamp'] * (4 + i))}")
+            for i in range(5)]
+    need = sum(len(ids) + 24 for ids in reqs) // 16
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=need // 2, max_batched_tokens=64,
+                                                   kv_offload_gib=0.05))
+    outs = engine.generate(reqs, RequestParams(max_tokens=24))
+    s = engine.stats()
+    assert s["preemptions"] > 0 and s["blocks_loaded"] > 0  # (a preempted prefix evicted, then loaded)
+    for ids, out in zip(reqs, outs):
+        assert list(out.token_ids) == solo(lm, ids, 24)
+    assert s["free_blocks"] == need // 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"kv_offload_gib": 0}, r"kv_offload_gib \(--kv-offload-memory\) must be a number of GiB > 0"),
+    ({"kv_offload_gib": True}, r"kv_offload_gib \(--kv-offload-memory\) must be a number of GiB > 0"),
+    ({"kv_offload_gib": 1.0, "enable_prefix_caching": False}, "prefix caching is off"),
+])
+def test_engine_config_refuses_a_bad_host_tier(flags, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**flags)
+
+
+def test_a_host_tier_too_small_or_too_large_is_refused(lm) -> None:
+    args = lm.model.args
+    with pytest.raises(ValueError, match=r"--kv-offload-memory 1e-06 GiB holds no block"):
+        host_blocks_for(1e-6, args, torch.float32, 16)
+    with pytest.raises(ValueError, match=r"GiB this host has free; lower --kv-offload-memory"):
+        host_blocks_for(1e6, args, torch.float32, 16)
