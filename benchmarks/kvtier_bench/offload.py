@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-quant", default=None, help="page storage (q8, ...) of every engine")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--arch", default=None, help="random weights of this shape (llama3-8b, ...) and random "
+                        "prompts instead of the default model and its chats: a larger model's prefill against the "
+                        "same copies")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
@@ -71,11 +74,11 @@ def _documents(tok, n: int, tokens: int, seed: int) -> list[str]:
             for d in range(n)]
 
 
-def _run(lm, prompts: list[list[int]], concurrency: int, config, max_tokens: int) -> dict:
+def _run(model, tokenizer, prompts: list[list[int]], concurrency: int, config, max_tokens: int) -> dict:
     from kvtier.serve.engine import LLMEngine
     from kvtier.serve.params import RequestParams
 
-    engine = LLMEngine(lm.model, lm.tokenizer, config)
+    engine = LLMEngine(model, tokenizer, config)
     params = RequestParams(max_tokens=max_tokens, ignore_eos=True)
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), concurrency):
@@ -118,17 +121,26 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         set_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    lm = load_model(device=device, progress=False)
-    tok = lm.tokenizer
-    docs = _documents(tok, args.documents, args.document_tokens, args.seed)
-    chat = lambda doc, q: tok.encode(tok.apply_chat_template([{"role": "system", "content": doc},
-                                                              {"role": "user", "content": q}]), add_bos=False)
-    prompts = [chat(doc, QUESTIONS[r % len(QUESTIONS)]) for r in range(args.rounds) for doc in docs]
+    if args.arch is None:
+        lm = load_model(device=device, progress=False)
+        tok, model, tokenizer, label = lm.tokenizer, lm.model, lm.tokenizer, lm.source.name
+        chat = lambda doc, q: tok.encode(tok.apply_chat_template([{"role": "system", "content": doc},
+                                                                  {"role": "user", "content": q}]), add_bos=False)
+        docs = _documents(tok, args.documents, args.document_tokens, args.seed)
+        prompts = [chat(doc, QUESTIONS[r % len(QUESTIONS)]) for r in range(args.rounds) for doc in docs]
+    else:  # random weights, random token ids: no tokenizer (nor the default model) needed
+        from kvtier.model import build_random
+
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model, tokenizer = build_random(args.arch, dtype=dtype, device=device), None
+        label = f"{args.arch} (random weights), {str(dtype)[6:]}"
+        rng, vocab = random.Random(args.seed), model.args.vocab_size
+        docs = [[rng.randrange(vocab) for _ in range(args.document_tokens)] for _ in range(args.documents)]
+        prompts = [doc + [rng.randrange(vocab) for _ in range(12)] for _ in range(args.rounds) for doc in docs]
     per_request = math.ceil((max(map(len, prompts)) + args.max_tokens) / 16)
     pool = max(math.ceil(args.pool_documents * statistics.fmean(map(len, prompts)) / 16),
                args.concurrency * per_request)
-    dtype = next(lm.model.parameters()).dtype
-    per_block = kv_bytes_per_block(lm.model.args, dtype, 16, args.kv_quant)
+    per_block = kv_bytes_per_block(model.args, next(model.parameters()).dtype, 16, args.kv_quant)
     gib = args.kv_offload_memory or 1.25 * args.documents * per_request * per_block / 2**30
     configs = {PEER: EngineConfig(num_blocks=pool, kv_quant=args.kv_quant),
                HOST: EngineConfig(num_blocks=pool, kv_quant=args.kv_quant, kv_offload_gib=gib),
@@ -139,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         for i in range(args.repeats):
             for name in (list(configs) if i % 2 == 0 else list(reversed(configs))):
                 bar.advance(f"round {i + 1}/{args.repeats}, {name}")
-                runs[name].append(_run(lm, prompts, args.concurrency, configs[name], args.max_tokens))
+                runs[name].append(_run(model, tokenizer, prompts, args.concurrency, configs[name], args.max_tokens))
     best = {name: min(rs, key=lambda r: r["wall_s"]) for name, rs in runs.items()}
     want = best[ALL]["tokens"]
     for r in best.values():
@@ -148,10 +160,11 @@ def run(args: argparse.Namespace) -> int:
         r["same_tokens"] = all(x["tokens"] == want for x in runs_of(runs, r))
     _table(f"{len(prompts)} requests: {args.documents} documents of {statistics.fmean(map(len, prompts)):.0f} "
            f"prompt tokens x {args.rounds} questions, {args.concurrency} at a time, {args.max_tokens} new tokens, "
-           f"{device}", best)
+           f"{label} on {device}", best)
     if args.json:
+        flags = {k: v for k, v in vars(args).items() if isinstance(v, int | float | str | None)}
         with open(args.json, "w") as f:
-            json.dump({"device": device, "threads": torch.get_num_threads(), "args": vars(args),
+            json.dump({"device": device, "model": label, "threads": torch.get_num_threads(), "args": flags,
                        "results": {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in best.items()}},
                       f, indent=1)
     return 0 if all(r["same_tokens"] for r in best.values()) else 1

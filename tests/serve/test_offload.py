@@ -14,7 +14,7 @@ from test_engine import chat, solo
 from kvtier.model import ModelArgs, build_random
 from kvtier.quant.modes import TurboQuantConfig
 from kvtier.serve.engine import EngineConfig, LLMEngine
-from kvtier.serve.offload import HostBlocks, block_tensors
+from kvtier.serve.offload import MAX_RUNS, HostBlocks, block_tensors, runs
 from kvtier.serve.params import RequestParams
 from kvtier.serve.prefix import BlockManager, NoFreeBlocks, chain_hash
 from kvtier.serve.runner import ModelRunner, host_blocks_for
@@ -201,25 +201,32 @@ def test_a_batch_with_copies_needs_a_host_tier(lm) -> None:
         runner.execute(StepBatch(copies=(("save", 0, 0),)))
 
 
+def test_runs_of_consecutive_slots() -> None:
+    assert runs([4, 5, 6, 0, 9, 10]) == [(0, 4, 3), (3, 0, 1), (4, 9, 2)]
+    assert runs([3, 2, 1]) == [(0, 3, 1), (1, 2, 1), (2, 1, 1)] and runs([]) == []
+
+
 @pytest.mark.gpu
-def test_copies_through_pinned_memory_on_cuda() -> None:
+@pytest.mark.parametrize("scattered", [False, True], ids=["runs", "gathered on the host"])
+def test_copies_through_pinned_memory_on_cuda(scattered) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=256)
     model = build_random(args).to("cuda", torch.bfloat16)
-    runner = ModelRunner(model, num_blocks=64, host_blocks=32, cuda_graph=False)
+    runner = ModelRunner(model, num_blocks=128, host_blocks=100, cuda_graph=False)
     host = runner.host
-    assert host.slots[0].is_pinned()
+    slots = [2 * b + 1 for b in range(40)] if scattered else list(range(50, 90))
+    assert host.slots[0].is_pinned() and (len(runs(slots)) > MAX_RUNS) == scattered
     with torch.inference_mode():
         for t in host.pool:
             t.copy_(torch.randint(0, 100, t.shape, device="cuda").to(t.dtype))
-        want = [t[:16].clone() for t in host.pool]
-        host.apply([("save", b, b) for b in range(16)])
+        want = [t[:40].clone() for t in host.pool]
+        host.apply([("save", b, s) for b, s in enumerate(slots)])
         for t in host.pool:  # overwritten in the stream after the saves were queued
-            t[:16].zero_()
-        host.apply([("load", b, 40 + b) for b in range(16)])  # waits for the saves of those slots
+            t[:40].zero_()
+        host.apply([("load", s, 60 + b) for b, s in enumerate(slots)])
     torch.cuda.synchronize()
-    assert all(torch.equal(w, t[40:56]) for w, t in zip(want, host.pool))
+    assert all(torch.equal(w, t[60:100]) for w, t in zip(want, host.pool))
 
 
 # -- the engine ---------------------------------------------------------------------------------

@@ -7,13 +7,14 @@ the slots and carries out each step's queue of copies (``StepBatch.copies``) bef
 forward, in the queue's order, for every layer and every tensor of a block (the pages and the
 sidecars of quantised codecs: scales, norms), so a loaded block is the saved one bit for bit.
 
-On CUDA the slots are pinned and nothing waits for the device in the common case:
+On CUDA the slots are pinned and every copy is asynchronous, in the step's stream, so the
+host never waits for the device and a load can never overtake the save it reads:
 
-- loads gather their slots on the host, stage them in pinned memory and send them with one
-  asynchronous copy a tensor, then scatter them into the pool on the device;
-- saves gather the blocks on the device and copy them into a pinned staging tensor
-  asynchronously; the staged rows are written into their slots once the copy has landed
-  (an event), at the latest before a later load reads one of those slots.
+- saves gather their blocks on the device and copy each run of consecutive slots straight
+  into those slots;
+- loads copy each run of consecutive slots into a device buffer and scatter it into the
+  pool. A load of more than :data:`MAX_RUNS` runs (slots scattered by the host's LRU) is
+  gathered on the host into one pinned buffer instead, once the saves before it have landed.
 
 On the CPU both are plain gathers and scatters: there the host tier is only a second LRU
 in the same memory, which a larger pool (``--kv-memory``) serves as well.
@@ -42,6 +43,25 @@ def block_tensors(cache) -> list[torch.Tensor]:
     return [pool.key_cache, pool.value_cache, *pool.k_sidecars.values(), *pool.v_sidecars.values()]
 
 
+#: runs of consecutive slots a load copies one by one on CUDA; more are gathered on the host
+MAX_RUNS = 32
+
+
+def runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``slots`` as runs of consecutive ids: ``(first position in slots, first slot, length)``.
+
+    >>> runs([4, 5, 6, 0, 9, 10])
+    [(0, 4, 3), (3, 0, 1), (4, 9, 2)]
+    """
+    out: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if out and out[-1][1] + out[-1][2] == s:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, s, 1))
+    return out
+
+
 class HostBlocks:
     """``num_slots`` host copies of a block of every tensor of every cache in ``caches`` (pinned
     when the pool is on CUDA), and the copies of :meth:`apply`."""
@@ -51,16 +71,16 @@ class HostBlocks:
             raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
         self.pool = [t for c in caches for t in block_tensors(c)]
         self.device = self.pool[0].device
-        pin = self.device.type == "cuda"
+        self.cuda = self.device.type == "cuda"
         try:
-            self.slots = [torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+            self.slots = [torch.empty((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda)
                           for t in self.pool]
         except RuntimeError as e:  # pinned memory the host cannot lock, or no memory at all
             gib = num_slots * self.bytes_per_block(caches) / 2**30
-            raise ValueError(f"the host tier of {num_slots} blocks ({gib:.2f} GiB{' pinned' if pin else ''}) could "
-                             f"not be allocated ({e}); lower --kv-offload-memory") from e
+            raise ValueError(f"the host tier of {num_slots} blocks ({gib:.2f} GiB{' pinned' if self.cuda else ''}) "
+                             f"could not be allocated ({e}); lower --kv-offload-memory") from e
         self.num_slots = num_slots
-        self._landing: list[tuple[torch.cuda.Event, torch.Tensor, list[torch.Tensor]]] = []  # saves in flight
+        self._saved: torch.cuda.Event | None = None  # after the last saves' copies (CUDA)
 
     @staticmethod
     def bytes_per_block(caches: Sequence) -> int:
@@ -73,7 +93,7 @@ class HostBlocks:
 
     def apply(self, copies: Sequence[tuple[str, int, int]]) -> None:
         """Run ``copies`` (``("save", block, slot)`` / ``("load", slot, block)``) in order; runs
-        of one kind go together (a load waits for the saves before it that it reads)."""
+        of one kind go together."""
         i = 0
         while i < len(copies):
             kind = copies[i][0]
@@ -88,45 +108,37 @@ class HostBlocks:
             else:
                 raise ValueError(f"a block copy is ('save', block, slot) or ('load', slot, block), got {copies[i]!r}")
             i = j
-        self._land(wait=False)
 
     def _save(self, blocks: list[int], slots: list[int]) -> None:
         index = to_device(torch.tensor(blocks), self.device)
-        to = torch.tensor(slots)
-        if self.device.type != "cuda":
+        if not self.cuda:
+            to = torch.tensor(slots)
             for host, dev in zip(self.slots, self.pool):
                 host.index_copy_(0, to, dev.index_select(0, index))
             return
-        staged = []
-        for dev in self.pool:
+        spans = runs(slots)
+        for host, dev in zip(self.slots, self.pool):
             rows = dev.index_select(0, index)
-            pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            pinned.copy_(rows, non_blocking=True)
-            staged.append(pinned)
-        done = torch.cuda.Event()
-        done.record()
-        self._landing.append((done, to, staged))
-
-    def _land(self, wait: bool, slots: Sequence[int] = ()) -> None:
-        """Write the saves whose copies have landed into their slots; ``wait``: also those (and
-        the ones before them) that fill one of ``slots``."""
-        want = set(slots)
-        last = max((k for k, (_, to, _) in enumerate(self._landing) if want.intersection(to.tolist())),
-                   default=-1) if wait else -1
-        while self._landing and (last >= 0 or self._landing[0][0].query()):
-            last -= 1
-            done, to, staged = self._landing.pop(0)
-            done.synchronize()
-            for host, rows in zip(self.slots, staged):
-                host.index_copy_(0, to, rows)
+            for i, s, n in spans:
+                host[s : s + n].copy_(rows[i : i + n], non_blocking=True)
+        self._saved = torch.cuda.Event()
+        self._saved.record()
 
     def _load(self, slots: list[int], blocks: list[int]) -> None:
-        self._land(wait=True, slots=slots)  # a slot saved this step or the last may be the one read
         index = torch.tensor(slots)
         to = to_device(torch.tensor(blocks), self.device)
-        cuda = self.device.type == "cuda"
+        spans = runs(slots)
+        if self.cuda and len(spans) > MAX_RUNS and self._saved is not None:
+            self._saved.synchronize()  # the host reads the slots below: the saves into them must have landed
+            self._saved = None
         for host, dev in zip(self.slots, self.pool):
-            rows = host.index_select(0, index)
-            if cuda:
-                rows = rows.pin_memory().to(self.device, non_blocking=True)
+            if not self.cuda:
+                rows = host.index_select(0, index)
+            elif len(spans) <= MAX_RUNS:  # straight from the pinned slots, in the stream's order
+                rows = torch.empty((len(slots), *host.shape[1:]), dtype=host.dtype, device=self.device)
+                for i, s, n in spans:
+                    rows[i : i + n].copy_(host[s : s + n], non_blocking=True)
+            else:
+                staged = torch.empty((len(slots), *host.shape[1:]), dtype=host.dtype, pin_memory=True)
+                rows = torch.index_select(host, 0, index, out=staged).to(self.device, non_blocking=True)
             dev.index_copy_(0, to, rows)
