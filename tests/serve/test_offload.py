@@ -282,3 +282,26 @@ def test_a_host_tier_too_small_or_too_large_is_refused(lm) -> None:
         host_blocks_for(1e-6, args, torch.float32, 16)
     with pytest.raises(ValueError, match=r"GiB this host has free; lower --kv-offload-memory"):
         host_blocks_for(1e6, args, torch.float32, 16)
+
+
+def test_a_warm_up_that_offloads_leaves_the_host_tier_as_it_found_it() -> None:
+    """The made-up requests of a warm-up through a pool small enough to evict: afterwards the
+    stats (the host tier's counters too) are a fresh engine's, and both serve the same tokens."""
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=300,
+                     max_position_embeddings=512)
+    model = build_random(args, dtype=torch.float32, device="cpu", std=0.2)
+    config = EngineConfig(num_blocks=24, block_size=16, max_num_seqs=4, max_batched_tokens=64, kv_offload_gib=0.001)
+    warm, fresh = LLMEngine(model, None, config), LLMEngine(model, None, config)
+    seen, reset = {}, warm.block_manager.reset_prefix_cache
+
+    def spy_reset():
+        seen.update(warm.block_manager.host_figures())
+        return reset()
+
+    warm.block_manager.reset_prefix_cache = spy_reset
+    warm.warm_up()
+    assert seen["blocks_saved"] > 0 and seen["host_cached_blocks"] > 0  # it did offload
+    assert warm.stats() == fresh.stats()
+    prompts = [[(7 * i + n) % 300 for i in range(n)] for n in (40, 90, 40)]
+    params = RequestParams(max_tokens=6, ignore_eos=True)
+    assert [o.token_ids for o in warm.generate(prompts, params)] == [o.token_ids for o in fresh.generate(prompts, params)]

@@ -50,7 +50,7 @@ def warm_up(engine, new_tokens: int = 4) -> dict[str, int | float]:
     bm = engine.block_manager
     spec = engine.speculator
     counters = (engine.steps, engine.prompt_tokens, engine.generation_tokens, engine.scheduler.num_preemptions,
-                bm.prefix_queries, bm.prefix_hits)
+                bm.prefix_queries, bm.prefix_hits, bm.host_hits, bm.blocks_saved, bm.blocks_loaded)
     drafted = None if spec is None else (spec.drafts, spec.draft_tokens, spec.accepted)
     try:  # the shared prefix after its owner has run
         for group in (range(len(lengths)), range(len(lengths), len(prompts))):
@@ -65,7 +65,7 @@ def warm_up(engine, new_tokens: int = 4) -> dict[str, int | float]:
               "prompt_tokens": sum(map(len, prompts)), "seconds": time.perf_counter() - t0}
     bm.reset_prefix_cache()
     (engine.steps, engine.prompt_tokens, engine.generation_tokens, engine.scheduler.num_preemptions,
-     bm.prefix_queries, bm.prefix_hits) = counters
+     bm.prefix_queries, bm.prefix_hits, bm.host_hits, bm.blocks_saved, bm.blocks_loaded) = counters
     if spec is not None:
         spec.drafts, spec.draft_tokens, spec.accepted = drafted
     return report
