@@ -45,6 +45,7 @@ def test_an_evicted_prefix_is_saved_then_loaded_into_fresh_blocks() -> None:
     load = bm.match_offloaded(prompt[:11])
     blocks = bm.allocate(12, [], load)
     assert bm.take_copies() == [("load", 2, blocks[0]), ("load", 1, blocks[1])]
+    assert runs(sorted(load)) == [(0, 1, 2)]  # saved tail first, in descending slots: one run sorted
     assert bm.match_prefix(prompt) == blocks[:2]  # the loaded blocks serve the pool's hits now
     assert (bm.prefix_hits, bm.host_hits) == (8, 8)
     assert bm.host_figures() == {"host_blocks": 4, "host_cached_blocks": 3, "host_hits": 8,
@@ -83,6 +84,35 @@ def test_a_slot_a_queued_load_reads_is_not_reused_by_a_save_in_the_same_queue() 
     assert bm.match_prefix(x[:4]) == xb[:1] and bm.match_offloaded(y) == [] and bm.match_prefix(y) == []
 
 
+def test_an_allocation_queues_its_saves_before_its_loads() -> None:
+    """Two runs of copies, not a save and a load for each block taken."""
+    bm = BlockManager(4, BS, host_blocks=8)
+    first, second = list(range(16)), list(range(100, 116))
+    cached(bm, first, 16)
+    bm.free(bm.allocate(16))  # first's four blocks saved, then free
+    cached(bm, second, 16)  # second's four blocks cached in the pool
+    bm.take_copies()
+    load = bm.match_offloaded(first[:15])
+    bm.allocate(16, [], load)  # each block it takes evicts one of second's
+    assert [k for k, _, _ in bm.take_copies()] == ["save"] * 4 + ["load"] * 3
+
+
+def test_a_failed_step_forgets_what_its_copies_promised() -> None:
+    bm = BlockManager(4, BS, host_blocks=8)
+    first, second = list(range(16)), list(range(100, 116))
+    cached(bm, first, 16)
+    bm.free(bm.allocate(16))
+    cached(bm, second, 16)
+    bm.take_copies()
+    blocks = bm.allocate(16, [], bm.match_offloaded(first[:15]))
+    copies = bm.take_copies()
+    bm.forget(copies)  # the step failed: neither second's saves nor first's loads happened
+    assert bm.match_prefix(first) == [] and bm.match_offloaded(second) == []
+    assert bm.match_offloaded(first[:15]) == [s for k, s, _ in copies if k == "load"]  # those slots stand
+    bm.free(blocks)
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 0
+
+
 def test_refusals_change_nothing() -> None:
     with pytest.raises(ValueError, match="host_blocks must be an int >= 0"):
         BlockManager(4, BS, host_blocks=-1)
@@ -118,13 +148,21 @@ class OffloadBooks(RuleBasedStateMachine):
         self.requests: list[dict] = []
         self.block: dict[int, tuple[int, ...]] = {}  # block -> the tokens up to its end it holds
         self.slot: dict[int, tuple[int, ...]] = {}
+        self.fresh: list[int] = []  # blocks taken fresh since the last step
+        self.hits: list[tuple[list[int], list[int]]] = []  # (tokens, hit blocks) to check at the step
 
-    def run_copies(self) -> None:
+    def run_copies(self) -> None:  # the runner: the queue of several admissions, then the forward
         for kind, a, b in self.bm.take_copies():
             if kind == "save":
                 self.slot[b] = self.block[a]
             else:
                 self.block[b] = self.slot[a]
+        for b in self.fresh:
+            self.block.pop(b, None)
+        for tokens, blocks in self.hits:  # the safety property: hits hold this very chain
+            for i, b in enumerate(blocks):
+                assert self.block[b] == tuple(tokens[: (i + 1) * BS])
+        self.fresh, self.hits = [], []
 
     @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=18))
     def admit(self, tokens):
@@ -136,16 +174,14 @@ class OffloadBooks(RuleBasedStateMachine):
             return
         blocks = self.bm.allocate(len(tokens), prefix, load)
         done = len(prefix) + len(load)
-        self.run_copies()  # (the saves read what the evicted blocks held)
-        for b in blocks[done:]:
-            self.block.pop(b, None)
-        for i, b in enumerate(blocks[:done]):  # the safety property: hits hold this very chain
-            assert self.block[b] == tuple(tokens[: (i + 1) * BS])
+        self.fresh += blocks[done:]  # (what they held goes once the queued saves have read it)
+        self.hits.append((tokens, blocks[:done]))
         self.requests.append({"tokens": tokens, "blocks": blocks, "computed": done * BS})
 
     @precondition(lambda self: self.requests)
     @rule(i=st.integers(0, 100), n=st.integers(1, 12))
     def compute(self, i, n):
+        self.run_copies()
         r = self.requests[i % len(self.requests)]
         end = min(len(r["tokens"]), r["computed"] + n)
         for pos in range(r["computed"], end):
@@ -221,6 +257,7 @@ def test_copies_through_pinned_memory_on_cuda(scattered) -> None:
         for t in host.pool:
             t.copy_(torch.randint(0, 100, t.shape, device="cuda").to(t.dtype))
         want = [t[:40].clone() for t in host.pool]
+        torch.cuda._sleep(200_000_000)  # a busy stream: the saves land late, and the loads must wait for them
         host.apply([("save", b, s) for b, s in enumerate(slots)])
         for t in host.pool:  # overwritten in the stream after the saves were queued
             t[:40].zero_()
@@ -305,3 +342,28 @@ def test_a_warm_up_that_offloads_leaves_the_host_tier_as_it_found_it() -> None:
     prompts = [[(7 * i + n) % 300 for i in range(n)] for n in (40, 90, 40)]
     params = RequestParams(max_tokens=6, ignore_eos=True)
     assert [o.token_ids for o in warm.generate(prompts, params)] == [o.token_ids for o in fresh.generate(prompts, params)]
+
+
+def test_a_step_that_fails_before_its_loads_leaves_no_false_prefix(lm) -> None:
+    """The loads of a step that raised never ran: the prompt, sent again, loads them again (the
+    same tokens), instead of reading blocks that only the books said held it."""
+    tok = lm.tokenizer
+    a, b = chat(tok, "Name a colour.", SYSTEM_A), chat(tok, "Name a fruit.", SYSTEM_B)
+    params = RequestParams(max_tokens=8)
+    engine = LLMEngine(lm.model, tok, EngineConfig(num_blocks=len(a) // 16 + 12, kv_offload_gib=0.05))
+    first = engine.generate([a], params)[0]
+    engine.generate([b], params)
+    apply = engine.runner.host.apply
+
+    def failing(copies):
+        if any(k == "load" for k, _, _ in copies):
+            raise RuntimeError("a device error")
+        apply(copies)
+
+    engine.runner.host.apply = failing
+    with pytest.raises(RuntimeError, match="a device error"):
+        engine.generate([a], params)
+    engine.abort_all()
+    engine.runner.host.apply = apply
+    again = engine.generate([a], params)[0]
+    assert again.token_ids == first.token_ids and again.cached_tokens == (len(a) - 1) // 16 * 16

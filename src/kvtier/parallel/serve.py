@@ -201,9 +201,17 @@ def _serve_rank(tp: TensorParallel, serve_fn, args, config, model, dtype, thread
         dist.broadcast_object_list(spec, src=0, group=group)
         follow(spec[0].build(lm.model), group)
         return None
+    from kvtier.caches.state_checks import free_bytes
     from kvtier.serve.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(lm.model, lm.tokenizer, replace(config or EngineConfig(), async_scheduling=False))
+    config = replace(config or EngineConfig(), async_scheduling=False)
+    if (gib := config.kv_offload_gib) is not None:  # the ranks share the host: GIB in all, a share each
+        free = free_bytes(torch.device("cpu"))
+        if free is not None and gib * 2**30 > free:
+            raise ValueError(f"a host tier of {gib:g} GiB is more than the {free / 2**30:.1f} GiB this host has "
+                             "free; lower --kv-offload-memory")
+        config = replace(config, kv_offload_gib=gib / tp.world_size)
+    engine = LLMEngine(lm.model, lm.tokenizer, config)
     dist.broadcast_object_list([RunnerSpec.of_engine(engine)], src=0, group=group)
     engine.runner = BroadcastRunner(engine.runner, group)
     try:

@@ -10,11 +10,10 @@ The engine joins the three parts below the HTTP layer and drives them a step at 
   and seeded generator, detokenises incrementally, holds back text that may begin a
   stop string (:class:`kvtier.generate.RowText`), and ends requests at a stop.
 
-Its calls may come from several threads: each runs alone (one lock), and a :meth:`LLMEngine.generate`
-call runs its prompts to completion before another call starts. Requests queued with ``add_request``
-and stepped by hand belong to one thread (a ``generate`` call steps them too, and drops their
-outputs). For many concurrent streams, :class:`kvtier.serve.async_engine.AsyncLLMEngine` runs the
-engine in a background thread, as the server does.
+Its calls may come from several threads: each runs alone (one lock), a :meth:`LLMEngine.generate` call
+runs its prompts to completion before another starts, and requests stepped by hand belong to one thread
+(a ``generate`` call steps them too, and drops their outputs). :class:`kvtier.serve.async_engine.AsyncLLMEngine`
+runs the engine in a background thread for many concurrent streams, as the server does.
 
 Asynchronous scheduling (``EngineConfig.async_scheduling``, on by default on CUDA). A step's host
 work (scheduling, building the step's inputs, detokenising, stop strings) would otherwise wait for
@@ -360,9 +359,13 @@ class LLMEngine:
         """Schedule and run one step; an output for every request that got a token (with
         asynchronous scheduling, the tokens of the step before, see the module docstring)."""
         batch = self.scheduler.schedule(self._drafts if self.speculator is not None else None)
-        launched = self._launch(batch) if batch.rows else None
-        if batch.copies and not batch.rows:  # (a preemption took back every row: the saves still run)
-            self.runner.execute(batch)
+        try:
+            launched = self._launch(batch) if batch.rows else None
+            if batch.copies and not batch.rows:  # (a preemption took back every row: the copies still run)
+                self.runner.execute(batch)
+        except BaseException:  # its copies may not have run: their blocks and slots hold no prefix
+            self.block_manager.forget(batch.copies)
+            raise
         outputs = self._resolve(self._inflight) if self._inflight is not None else []
         self._inflight = None
         if launched is not None:
@@ -391,18 +394,16 @@ class LLMEngine:
                     prompt[rid] = (self._live[rid].request, start, got)
             judged, drafted = verified(self.runner.draft_logits, batch.rows, self._live)
             logprobs |= drafted  # (a drafted row's, for each position it fed)
-        ready = None
-        if tokens.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
+        ready = torch.cuda.Event() if tokens.device.type == "cuda" else None
+        if ready is not None:  # (on the tokens' device's stream: a cuda:1 engine's current device may be cuda:0)
+            ready.record(torch.cuda.current_stream(tokens.device))
         self.steps += 1
         return _Launched(batch, tuple(lv.request for lv in lives), tokens, host, logprobs, ready, prompt, structured,
                          judged=judged)
 
     def _drafts(self, request: Request, k: int) -> list[int]:
         """The scheduler's drafts for a decode row (:mod:`kvtier.serve.speculate`)."""
-        live = self._live.get(request.request_id)
-        running = self.scheduler.num_running
+        live, running = self._live.get(request.request_id), self.scheduler.num_running
         if live is None or not speculates(live) or (self.config.batch_invariant and not live.params.sampling.greedy):
             return []  # (batch-invariant: how many drafts a sampled row gets, so its draws, hang on the step)
         return self.speculator.propose(live, k, running)
@@ -444,10 +445,9 @@ class LLMEngine:
                 del self._live[rid]
                 self.adjustments.release(rid)
             live.first_token = live.first_token or now
-            lp = step.logprobs.get(rid)
             outputs.append(RequestOutput(
-                rid, "".join(texts), given, reason, req.num_prompt_tokens, req.num_output_tokens,
-                req.num_cached_tokens, None if lp is None else self._logprobs(given, *lp), live.arrival,
+                rid, "".join(texts), given, reason, req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens,
+                None if (lp := step.logprobs.get(rid)) is None else self._logprobs(given, *lp), live.arrival,
                 live.first_token, now if reason is not None else None, live.give_prompt(), texts if len(texts) > 1 else ()))
         self.generation_tokens += sum(len(o.token_ids) for o in outputs)
         return outputs

@@ -212,7 +212,7 @@ class DecodeGraphs:
             self.tables[:bucket, :w].copy_(table, non_blocking=True)
             if self._copied is None:
                 self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.inputs.device))
             fill_pending(self.inputs[0, :B], pending)
             self.graphs[bucket].replay()
         return self.logits[bucket][:B]

@@ -7,14 +7,18 @@ the slots and carries out each step's queue of copies (``StepBatch.copies``) bef
 forward, in the queue's order, for every layer and every tensor of a block (the pages and the
 sidecars of quantised codecs: scales, norms), so a loaded block is the saved one bit for bit.
 
-On CUDA the slots are pinned and every copy is asynchronous, in the step's stream, so the
-host never waits for the device and a load can never overtake the save it reads:
+On CUDA the slots are pinned and the copies are asynchronous, in the step's stream, so a load
+can never overtake the save it reads:
 
 - saves gather their blocks on the device and copy each run of consecutive slots straight
-  into those slots;
+  into those slots (one copy a run and tensor: many when the host's LRU has scattered the
+  slots);
 - loads copy each run of consecutive slots into a device buffer and scatter it into the
-  pool. A load of more than :data:`MAX_RUNS` runs (slots scattered by the host's LRU) is
-  gathered on the host into one pinned buffer instead, once the saves before it have landed.
+  pool. A load of more than :data:`MAX_RUNS` runs is gathered on the host into one pinned
+  buffer instead, once the saves before it have landed: the host then waits for the device.
+
+A chain is saved tail first, into slots that come out in descending order; sorted by slot,
+its blocks make one run.
 
 On the CPU both are plain gathers and scatters: there the host tier is only a second LRU
 in the same memory, which a larger pool (``--kv-memory``) serves as well.
@@ -93,17 +97,18 @@ class HostBlocks:
 
     def apply(self, copies: Sequence[tuple[str, int, int]]) -> None:
         """Run ``copies`` (``("save", block, slot)`` / ``("load", slot, block)``) in order; runs
-        of one kind go together."""
+        of one kind go together, in slot order (copies between distinct blocks and slots commute)."""
         i = 0
         while i < len(copies):
             kind = copies[i][0]
             j = i
             while j < len(copies) and copies[j][0] == kind:
                 j += 1
-            pairs = [c[1:] for c in copies[i:j]]
-            if kind == "save":
-                self._save([b for b, _ in pairs], [s for _, s in pairs])
-            elif kind == "load":
+            if kind == "save":  # by slot, the last save of a slot saved twice kept (slot order: longer runs)
+                pairs = sorted({s: b for _, b, s in copies[i:j]}.items())
+                self._save([b for _, b in pairs], [s for s, _ in pairs])
+            elif kind == "load":  # (a slot loads once: a hash is loaded into one block)
+                pairs = sorted(c[1:] for c in copies[i:j])
                 self._load([s for s, _ in pairs], [b for _, b in pairs])
             else:
                 raise ValueError(f"a block copy is ('save', block, slot) or ('load', slot, block), got {copies[i]!r}")
@@ -122,7 +127,7 @@ class HostBlocks:
             for i, s, n in spans:
                 host[s : s + n].copy_(rows[i : i + n], non_blocking=True)
         self._saved = torch.cuda.Event()
-        self._saved.record()
+        self._saved.record(torch.cuda.current_stream(self.device))  # (the pool's device, not the current one)
 
     def _load(self, slots: list[int], blocks: list[int]) -> None:
         index = torch.tensor(slots)

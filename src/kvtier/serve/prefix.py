@@ -237,16 +237,32 @@ class BlockManager:
             self.prefix_hits += (len(prefix) + len(load)) * self.block_size
             self.host_hits += len(load) * self.block_size
         self._loading.update(load)  # (a save while taking blocks below must not reuse them)
-        loaded = []
-        for slot in load:
-            b = self._take()
+        fresh = [self._take() for _ in range(self.blocks_for(num_tokens) - len(prefix))]  # (saves first, then
+        for slot, b in zip(load, fresh):                                                  # the loads: two runs)
             h = self._host_hash[slot]
             self._hash[b], self._by_hash[h] = h, b
             self._host.move_to_end(h)
             self._copies.append(("load", slot, b))
             self.blocks_loaded += 1
-            loaded.append(b)
-        return prefix + loaded + [self._take() for _ in range(self.blocks_for(num_tokens) - len(prefix) - len(load))]
+        return prefix + fresh
+
+    def forget(self, copies: Sequence[tuple[str, int, int]]) -> None:
+        """Undo what ``copies`` (taken from :meth:`take_copies`) promised, for a step that failed
+        before or while they ran: the blocks they were to load and the slots they were to save
+        to hold no prefix any more (a block is freed as a plain one once its request ends)."""
+        for kind, _, b in copies:
+            if kind == "load" and (h := self._hash[b]) is not None:
+                if self._by_hash.get(h) == b:
+                    del self._by_hash[h]
+                self._hash[b] = None
+                self._evictable.pop(b, None)
+                if self._refs[b] == 0:
+                    self._free.append(b)
+            elif kind == "save" and (h := self._host_hash[b]) is not None:
+                if self._host.get(h) == b:
+                    del self._host[h]
+                self._host_hash[b] = None
+                self._host_free.append(b)
 
     def take_copies(self) -> list[tuple[str, int, int]]:
         """The copies queued since the last call, in the order they must run (then forgotten):
@@ -320,6 +336,7 @@ class BlockManager:
         self._host.clear()
         self._host_hash = [None] * self.host_blocks
         self._host_free = list(range(self.host_blocks - 1, -1, -1))
+        self._copies, self._loading = [], set()  # (a queue not yet run would now copy nothing the books know)
         self.prefix_queries = self.prefix_hits = self.host_hits = 0
         return cached
 

@@ -278,10 +278,10 @@ class ModelRunner:
         self.caches = [SharedBlockPagedKVCache(block_size, num_blocks + 1, kv_quant=kv_quant,
                                                turboquant=turboquant, attention_backend=attention_backend)
                        for _ in range(a.n_layers)]
-        for c in self.caches:
-            c.allocate(a.n_kv_heads, a.head_dim, self.dtype, self.device)
         if isinstance(host_blocks, bool) or not isinstance(host_blocks, int) or host_blocks < 0:
             raise ValueError(f"host_blocks must be an int >= 0, got {host_blocks!r}")
+        for c in self.caches:
+            c.allocate(a.n_kv_heads, a.head_dim, self.dtype, self.device)
         #: the host tier the batches' ``copies`` save blocks to and load them from
         self.host = HostBlocks(self.caches, host_blocks) if host_blocks else None
         if not isinstance(batch_invariant, bool):
