@@ -248,10 +248,10 @@ def test_a_bfloat16_prefill_server_says_so_and_answers_as_generate_does(tmp_path
 
 
 def test_a_prefix_evicted_from_the_pool_is_served_from_host_memory(tmp_path) -> None:
-    """``--kv-offload-memory``: a 240-token prompt, then another that takes its blocks in a pool of
-    24, then the first again: its prefix comes back from the host tier (the metrics count it), and
-    the answer is the first one's."""
-    first, other = "You are a careful assistant. " * 40 + "Name a colour:", "Answer plainly. " * 60 + "Fruit:"
+    """``--kv-offload-memory``: a 244-token prompt, then a 302-token one that takes most of its
+    blocks in a pool of 24, then the first again: its prefix comes back from the host tier (the
+    metrics count it), and the answer is the first one's."""
+    first, other = "You are a careful assistant. " * 40 + "Name a colour:", "Answer plainly. " * 100 + "Fruit:"
     log = tmp_path / "offload.log"
     with running_server(log, "--device", "cpu", "--num-blocks", "24", "--kv-offload-memory", "0.05") as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
