@@ -14,8 +14,12 @@ prefix is evicted before its next question comes. Three engines run the same req
 
 Figures per engine: wall time, TTFT (mean and p90 over the requests, arrival to first
 token), prompt tokens computed (prompt tokens less prefix hits), the tokens loaded from the
-host, and the ratios of wall time and mean TTFT against ``pool only``. Every engine must
-give every request the same tokens as ``pool for all``; the exit status is 1 otherwise. The
+host, and the ratios of wall time and mean TTFT against ``pool only``, and whether each engine
+gave every request the tokens of ``pool for all``. ``pool + host`` computes exactly what ``pool
+for all`` computes (the same prefix hits, so the same chunks), and must give the same tokens;
+the exit status is 1 otherwise. ``pool only`` computes other chunks: on the CPU (the one-call
+step, each row alone) its tokens are the same too, on CUDA in bfloat16 a near tie (random
+weights have many) can round the other way. The
 engines run ``--repeats`` times (default 2), in reversed order every other time, and each
 engine's fastest run counts.
 
@@ -142,10 +146,11 @@ def run(args: argparse.Namespace) -> int:
                args.concurrency * per_request)
     per_block = kv_bytes_per_block(model.args, next(model.parameters()).dtype, 16, args.kv_quant)
     gib = args.kv_offload_memory or 1.25 * args.documents * per_request * per_block / 2**30
-    configs = {PEER: EngineConfig(num_blocks=pool, kv_quant=args.kv_quant),
-               HOST: EngineConfig(num_blocks=pool, kv_quant=args.kv_quant, kv_offload_gib=gib),
-               ALL: EngineConfig(num_blocks=(args.documents + args.concurrency) * per_request,
-                                 kv_quant=args.kv_quant)}
+    # one context for all three (it bounds CUDA graphs and split plans, which would otherwise follow the pool)
+    same = {"kv_quant": args.kv_quant, "max_model_len": per_request * 16}
+    configs = {PEER: EngineConfig(num_blocks=pool, **same),
+               HOST: EngineConfig(num_blocks=pool, kv_offload_gib=gib, **same),
+               ALL: EngineConfig(num_blocks=(args.documents + args.concurrency) * per_request, **same)}
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     with BenchProgress("offload", args.repeats * len(configs)) as bar:
         for i in range(args.repeats):
@@ -167,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"device": device, "model": label, "threads": torch.get_num_threads(), "args": flags,
                        "results": {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in best.items()}},
                       f, indent=1)
-    return 0 if all(r["same_tokens"] for r in best.values()) else 1
+    return 0 if best[HOST]["same_tokens"] else 1
 
 
 def runs_of(runs: dict[str, list[dict]], best: dict) -> list[dict]:
