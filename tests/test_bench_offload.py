@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvtier import cli
 
 
@@ -22,6 +24,11 @@ def test_bench_offload_loads_what_recomputing_computes_again(tmp_path, capsys):
     assert peer["prompt_tokens"] == host["prompt_tokens"] == every["prompt_tokens"]
 
 
-def test_bench_offload_refuses_empty_work(capsys):
-    assert cli.main(["bench", "offload", "--device", "cpu", "--rounds", "0"]) == 2
-    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, words", [
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["--arch", "tiny-llama3", "--kv-offload-memory", "0"], "kv_offload_gib (--kv-offload-memory) must be a "
+     "number of GiB > 0"),  # (was run with the default size)
+])
+def test_bench_offload_refuses_empty_work_and_an_empty_tier(capsys, argv, words):
+    assert cli.main(["bench", "offload", "--device", "cpu", "--documents", "2", *argv]) == 2
+    assert words in capsys.readouterr().err

@@ -20,6 +20,13 @@ def test_more_threads_than_cpus_is_named_with_the_most_that_fit(threads, ranks, 
                     f"use at most {most}")
 
 
+def test_more_ranks_than_cpus_is_told_to_use_fewer_ranks() -> None:
+    """One thread a rank is already too many: "use at most 1" would not be a fix."""
+    note = oversubscribed(1, 3, cpus=2)
+    assert note.startswith("--threads 1 on each of 3 ranks is more than the 2 CPUs")
+    assert note.endswith("; use at most 2 ranks (--tensor-parallel) of one thread each")
+
+
 @pytest.mark.parametrize("threads, ranks, cpus", [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 4)])
 def test_threads_that_fit_the_cpus_get_no_warning(threads, ranks, cpus) -> None:
     assert oversubscribed(threads, ranks, cpus=cpus) is None

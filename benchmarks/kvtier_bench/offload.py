@@ -145,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     pool = max(math.ceil(args.pool_documents * statistics.fmean(map(len, prompts)) / 16),
                args.concurrency * per_request)
     per_block = kv_bytes_per_block(model.args, next(model.parameters()).dtype, 16, args.kv_quant)
-    gib = args.kv_offload_memory or 1.25 * args.documents * per_request * per_block / 2**30
+    gib = (1.25 * args.documents * per_request * per_block / 2**30 if args.kv_offload_memory is None
+           else args.kv_offload_memory)  # (0 is EngineConfig's to refuse, not a default)
     # one context for all three (it bounds CUDA graphs and split plans, which would otherwise follow the pool)
     same = {"kv_quant": args.kv_quant, "max_model_len": per_request * 16}
     configs = {PEER: EngineConfig(num_blocks=pool, **same),

@@ -74,9 +74,10 @@ def oversubscribed(threads: int, ranks: int = 1, flag: str = "--threads", cpus: 
     if threads * ranks <= cpus:
         return None
     each = f" on each of {ranks} ranks" if ranks > 1 else ""
+    fix = (f"use at most {cpus // ranks}" if cpus >= ranks else
+           f"use at most {cpus} ranks (--tensor-parallel) of one thread each")  # (one thread a rank is too many)
     return (f"{flag} {threads}{each} is more than the {cpus} CPUs this process may run on: OpenMP's threads "
-            f"then wait for one another at every product, and a step takes many times as long; use at most "
-            f"{max(1, cpus // ranks)}")
+            f"then wait for one another at every product, and a step takes many times as long; {fix}")
 
 
 def warn_oversubscribed(threads: int, ranks: int = 1, flag: str = "--threads") -> None:

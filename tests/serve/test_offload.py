@@ -306,6 +306,7 @@ def test_preempted_requests_come_back_through_the_host_with_the_same_tokens(lm) 
 @pytest.mark.parametrize("flags, message", [
     ({"kv_offload_gib": 0}, r"kv_offload_gib \(--kv-offload-memory\) must be a number of GiB > 0"),
     ({"kv_offload_gib": True}, r"kv_offload_gib \(--kv-offload-memory\) must be a number of GiB > 0"),
+    ({"kv_offload_gib": 10**400}, r"kv_offload_gib \(--kv-offload-memory\) must be a number of GiB > 0"),
     ({"kv_offload_gib": 1.0, "enable_prefix_caching": False}, "prefix caching is off"),
 ])
 def test_engine_config_refuses_a_bad_host_tier(flags, message) -> None:

@@ -39,7 +39,7 @@ from server_support import free_port, metrics, model_name, running_server, settl
     pytest.param(["--device", "cuda"], "sees no CUDA device", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="a machine without CUDA")),
     (["--threads", "100000"], "--threads must be an int from 1 to"),  # was a segfault after the model loaded
-    (["--kv-offload-memory", "0"], "kv_offload_gib (--kv-offload-memory) must be a number of GiB > 0 or None (the default), got 0.0"),
+    (["--kv-offload-memory", "0"], "kv_offload_gib (--kv-offload-memory) must be a number of GiB > 0 (below 2**40) or None (the default), got 0.0"),
     (["--kv-offload-memory", "1", "--no-prefix-caching"], "kv_offload_gib offloads cached prefixes, and prefix "
      "caching is off"),
 ])
@@ -58,6 +58,7 @@ def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
     (["--max-model-len", "100000000"], "--max-model-len 100000000 is more than the model's 8192 positions"),  # a cap
     (["--kv-offload-memory", "1e-9"], "--kv-offload-memory 1e-09 GiB holds no block of 16 tokens"),
     (["--kv-offload-memory", "1e9"], "GiB this host has free; lower --kv-offload-memory"),
+    (["--kv-offload-memory", "20", "--kv-memory", "3"], "a host tier of 20 GiB and the pool's 3.0 GiB are more than"),
 ])
 def test_a_pool_that_cannot_be_is_refused_before_it_is_allocated(argv, words) -> None:
     done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port",

@@ -47,7 +47,6 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -158,8 +157,8 @@ class EngineConfig:
         for name, flag in (("kv_memory_gib", "--kv-memory"), ("kv_offload_gib", "--kv-offload-memory")):
             gib = getattr(self, name)
             if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float))
-                                    or not 0 < gib < math.inf):
-                raise ValueError(f"{name} ({flag}) must be a number of GiB > 0 or None (the default), got {gib!r}")
+                                    or not 0 < gib < 2**40):  # (an int too large for a float is refused too)
+                raise ValueError(f"{name} ({flag}) must be a number of GiB > 0 (below 2**40) or None (the default), got {gib!r}")
         if self.kv_offload_gib is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offload_gib offloads cached prefixes, and prefix caching is off; drop "
                              "--no-prefix-caching (enable_prefix_caching=False) or --kv-offload-memory")

@@ -199,8 +199,9 @@ def host_blocks_for(gib: float, model_args, dtype: torch.dtype, block_size: int,
                          f"{per_block / 2**30:.3g} GiB over the model's layers); give more")
     free = free_bytes(torch.device("cpu"))
     if free is not None and (n + pool_on_host) * per_block > free:
-        raise ValueError(f"a host tier of {gib:g} GiB{' beside the pool' if pool_on_host else ''} is more than the "
-                         f"{free / 2**30:.1f} GiB this host has free; lower --kv-offload-memory")
+        pool = f" and the pool's {pool_on_host * per_block / 2**30:.1f} GiB" if pool_on_host else ""
+        raise ValueError(f"a host tier of {gib:g} GiB{pool} are more than the {free / 2**30:.1f} GiB this host has "
+                         "free; lower --kv-offload-memory (or --kv-memory)")
     return n
 
 
