@@ -231,6 +231,18 @@ def test_a_loaded_block_is_the_saved_one_bit_for_bit(lm, storage) -> None:
     assert runner.host.nbytes == 3 * HostBlocks.bytes_per_block(runner.caches)
 
 
+def test_copies_of_one_block_twice_in_a_run_keep_their_order() -> None:
+    """Slot order inside a run of one kind, but never past a second copy of the same block."""
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=64)
+    runner = ModelRunner(build_random(args), num_blocks=4, host_blocks=4)
+    with torch.inference_mode():
+        for k, t in enumerate(runner.host.slots):
+            t.copy_(torch.arange(4).view(4, *[1] * (t.dim() - 1)).expand(t.shape).to(t.dtype) + 10 * k)
+        runner.execute(StepBatch(copies=(("load", 3, 0), ("load", 2, 1), ("load", 1, 2), ("load", 0, 1))))
+    for host, dev in zip(runner.host.slots, runner.host.pool):
+        assert torch.equal(dev[1], host[0]) and torch.equal(dev[0], host[3]) and torch.equal(dev[2], host[1])
+
+
 def test_a_batch_with_copies_needs_a_host_tier(lm) -> None:
     runner = ModelRunner(lm.model, num_blocks=4)
     with pytest.raises(ValueError, match="has none; build it with host_blocks"):
@@ -364,7 +376,10 @@ def test_a_step_that_fails_before_its_loads_leaves_no_false_prefix(lm) -> None:
     engine.runner.host.apply = failing
     with pytest.raises(RuntimeError, match="a device error"):
         engine.generate([a], params)
-    engine.abort_all()
     engine.runner.host.apply = apply
-    again = engine.generate([a], params)[0]
+    tokens = []  # the request stands, back in the queue: stepped again, it loads its prefix again
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.token_ids]
+    assert tokens == list(first.token_ids) and engine.stats()["preemptions"] == 1
+    again = engine.generate([a], params)[0]  # and what it cached holds what the books say
     assert again.token_ids == first.token_ids and again.cached_tokens == (len(a) - 1) // 16 * 16

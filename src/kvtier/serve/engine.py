@@ -363,7 +363,7 @@ class LLMEngine:
             if batch.copies and not batch.rows:  # (a preemption took back every row: the copies still run)
                 self.runner.execute(batch)
         except BaseException:  # its copies may not have run: their blocks and slots hold no prefix
-            self.block_manager.forget(batch.copies)
+            self.scheduler.forget(batch)
             raise
         outputs = self._resolve(self._inflight) if self._inflight is not None else []
         self._inflight = None

@@ -4,7 +4,7 @@
 block evicted from the pool is saved to a host slot, and an admission whose prompt continues
 into blocks only the host holds gets fresh blocks loaded from them. :class:`HostBlocks` holds
 the slots and carries out each step's queue of copies (``StepBatch.copies``) before the
-forward, in the queue's order, for every layer and every tensor of a block (the pages and the
+forward, in the queue's order (within a run of copies of one kind, in slot order), for every layer and every tensor of a block (the pages and the
 sidecars of quantised codecs: scales, norms), so a loaded block is the saved one bit for bit.
 
 On CUDA the slots are pinned and the copies are asynchronous, in the step's stream, so a load
@@ -97,12 +97,13 @@ class HostBlocks:
 
     def apply(self, copies: Sequence[tuple[str, int, int]]) -> None:
         """Run ``copies`` (``("save", block, slot)`` / ``("load", slot, block)``) in order; runs
-        of one kind go together, in slot order (copies between distinct blocks and slots commute)."""
+        of one kind go together, in slot order (copies between distinct blocks and slots commute; a
+        group ends where a block would come twice)."""
         i = 0
         while i < len(copies):
-            kind = copies[i][0]
-            j = i
-            while j < len(copies) and copies[j][0] == kind:
+            kind, j, blocks = copies[i][0], i, set()
+            while j < len(copies) and copies[j][0] == kind and (b := copies[j][1 if kind == "save" else 2]) not in blocks:
+                blocks.add(b)
                 j += 1
             if kind == "save":  # by slot, the last save of a slot saved twice kept (slot order: longer runs)
                 pairs = sorted({s: b for _, b, s in copies[i:j]}.items())

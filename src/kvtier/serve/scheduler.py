@@ -263,6 +263,16 @@ class Scheduler:
 
     abort = finish
 
+    def forget(self, batch: StepBatch) -> None:
+        """A step that raised: its copies may not have run (:meth:`BlockManager.forget
+        <kvtier.serve.prefix.BlockManager.forget>`), so the requests that were to load blocks go
+        back to the waiting queue, to load or compute them again; the other rows are fed again by
+        the next step as they stand."""
+        loaded = {b for kind, _, b in batch.copies if kind == "load"}
+        self.blocks.forget(batch.copies)
+        for req in [r for r in self.running if loaded.intersection(r.blocks)]:
+            self._preempt(req)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
