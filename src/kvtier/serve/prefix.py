@@ -237,8 +237,9 @@ class BlockManager:
             self.prefix_hits += (len(prefix) + len(load)) * self.block_size
             self.host_hits += len(load) * self.block_size
         self._loading.update(load)  # (a save while taking blocks below must not reuse them)
-        fresh = [self._take() for _ in range(self.blocks_for(num_tokens) - len(prefix))]  # (saves first, then
-        for slot, b in zip(load, fresh):                                                  # the loads: two runs)
+        # every block taken first, then the loads: the queue gets the saves of what they evict in one run
+        fresh = [self._take() for _ in range(self.blocks_for(num_tokens) - len(prefix))]
+        for slot, b in zip(load, fresh):
             h = self._host_hash[slot]
             self._hash[b], self._by_hash[h] = h, b
             self._host.move_to_end(h)
