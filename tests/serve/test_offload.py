@@ -104,9 +104,11 @@ def test_a_failed_step_forgets_what_its_copies_promised() -> None:
     bm.free(bm.allocate(16))
     cached(bm, second, 16)
     bm.take_copies()
+    before = bm.host_figures() | {"prefix_hits": bm.prefix_hits}
     blocks = bm.allocate(16, [], bm.match_offloaded(first[:15]))
     copies = bm.take_copies()
     bm.forget(copies)  # the step failed: neither second's saves nor first's loads happened
+    assert bm.host_figures() | {"prefix_hits": bm.prefix_hits} == before  # (the counters too)
     assert bm.match_prefix(first) == [] and bm.match_offloaded(second) == []
     assert bm.match_offloaded(first[:15]) == [s for k, s, _ in copies if k == "load"]  # those slots stand
     bm.free(blocks)

@@ -250,8 +250,15 @@ class BlockManager:
     def forget(self, copies: Sequence[tuple[str, int, int]]) -> None:
         """Undo what ``copies`` (taken from :meth:`take_copies`) promised, for a step that failed
         before or while they ran: the blocks they were to load and the slots they were to save
-        to hold no prefix any more (a block is freed as a plain one once its request ends)."""
+        to hold no prefix any more (a block is freed as a plain one once its request ends); the
+        counters of copies and hits no longer count them."""
         for kind, _, b in copies:
+            if kind == "load":
+                self.blocks_loaded -= 1
+                self.host_hits -= self.block_size
+                self.prefix_hits -= self.block_size
+            else:
+                self.blocks_saved -= 1
             if kind == "load" and (h := self._hash[b]) is not None:
                 if self._by_hash.get(h) == b:
                     del self._by_hash[h]
