@@ -66,6 +66,23 @@ def runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def _groups(copies: Sequence[tuple[str, int, int]]):
+    """``copies`` as runs of one kind, a run ending where a block would come twice."""
+    group: list[tuple[str, int, int]] = []
+    blocks: set[int] = set()
+    for c in copies:
+        if c[0] not in ("save", "load"):
+            raise ValueError(f"a block copy is ('save', block, slot) or ('load', slot, block), got {c!r}")
+        block = c[1] if c[0] == "save" else c[2]
+        if group and (c[0] != group[0][0] or block in blocks):
+            yield group
+            group, blocks = [], set()
+        group.append(c)
+        blocks.add(block)
+    if group:
+        yield group
+
+
 class HostBlocks:
     """``num_slots`` host copies of a block of every tensor of every cache in ``caches`` (pinned
     when the pool is on CUDA), and the copies of :meth:`apply`."""
@@ -98,22 +115,14 @@ class HostBlocks:
     def apply(self, copies: Sequence[tuple[str, int, int]]) -> None:
         """Run ``copies`` (``("save", block, slot)`` / ``("load", slot, block)``) in order; runs
         of one kind go together, in slot order (copies between distinct blocks and slots commute; a
-        group ends where a block would come twice)."""
-        i = 0
-        while i < len(copies):
-            kind, j, blocks = copies[i][0], i, set()
-            while j < len(copies) and copies[j][0] == kind and (b := copies[j][1 if kind == "save" else 2]) not in blocks:
-                blocks.add(b)
-                j += 1
-            if kind == "save":  # by slot, the last save of a slot saved twice kept (slot order: longer runs)
-                pairs = sorted({s: b for _, b, s in copies[i:j]}.items())
+        run ends where a block would come twice)."""
+        for group in _groups(copies):
+            if group[0][0] == "save":  # by slot, the last save of a slot saved twice kept (slot order: longer runs)
+                pairs = sorted({s: b for _, b, s in group}.items())
                 self._save([b for _, b in pairs], [s for s, _ in pairs])
-            elif kind == "load":  # (a slot loads once: a hash is loaded into one block)
-                pairs = sorted(c[1:] for c in copies[i:j])
+            else:  # (a slot loads once: a hash is loaded into one block)
+                pairs = sorted(c[1:] for c in group)
                 self._load([s for s, _ in pairs], [b for _, b in pairs])
-            else:
-                raise ValueError(f"a block copy is ('save', block, slot) or ('load', slot, block), got {copies[i]!r}")
-            i = j
 
     def _save(self, blocks: list[int], slots: list[int]) -> None:
         index = to_device(torch.tensor(blocks), self.device)

@@ -257,20 +257,20 @@ class BlockManager:
                 self.blocks_loaded -= 1
                 self.host_hits -= self.block_size
                 self.prefix_hits -= self.block_size
+                if (h := self._hash[b]) is not None:
+                    if self._by_hash.get(h) == b:
+                        del self._by_hash[h]
+                    self._hash[b] = None
+                    self._evictable.pop(b, None)
+                    if self._refs[b] == 0:  # (unreferenced: a plain free block now)
+                        self._free.append(b)
             else:
                 self.blocks_saved -= 1
-            if kind == "load" and (h := self._hash[b]) is not None:
-                if self._by_hash.get(h) == b:
-                    del self._by_hash[h]
-                self._hash[b] = None
-                self._evictable.pop(b, None)
-                if self._refs[b] == 0:
-                    self._free.append(b)
-            elif kind == "save" and (h := self._host_hash[b]) is not None:
-                if self._host.get(h) == b:
-                    del self._host[h]
-                self._host_hash[b] = None
-                self._host_free.append(b)
+                if (h := self._host_hash[b]) is not None:
+                    if self._host.get(h) == b:
+                        del self._host[h]
+                    self._host_hash[b] = None
+                    self._host_free.append(b)
 
     def take_copies(self) -> list[tuple[str, int, int]]:
         """The copies queued since the last call, in the order they must run (then forgotten):
