@@ -160,10 +160,10 @@ def run(args: argparse.Namespace) -> int:
                 runs[name].append(_run(model, tokenizer, prompts, args.concurrency, configs[name], args.max_tokens))
     best = {name: min(rs, key=lambda r: r["wall_s"]) for name, rs in runs.items()}
     want = best[ALL]["tokens"]
-    for r in best.values():
+    for name, r in best.items():
         r["speedup"] = best[PEER]["wall_s"] / r["wall_s"]
         r["ttft_speedup"] = best[PEER]["ttft_mean_s"] / r["ttft_mean_s"]
-        r["same_tokens"] = all(x["tokens"] == want for x in runs_of(runs, r))
+        r["same_tokens"] = all(x["tokens"] == want for x in runs[name])  # every run of the engine
     _table(f"{len(prompts)} requests: {args.documents} documents of {statistics.fmean(map(len, prompts)):.0f} "
            f"prompt tokens x {args.rounds} questions, {args.concurrency} at a time, {args.max_tokens} new tokens, "
            f"{label} on {device}", best)
@@ -174,8 +174,3 @@ def run(args: argparse.Namespace) -> int:
                        "results": {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in best.items()}},
                       f, indent=1)
     return 0 if best[HOST]["same_tokens"] else 1
-
-
-def runs_of(runs: dict[str, list[dict]], best: dict) -> list[dict]:
-    """Every run of the engine whose fastest run is ``best``."""
-    return next(rs for rs in runs.values() if best in rs)
