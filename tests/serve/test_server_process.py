@@ -1,7 +1,7 @@
 """``kvtier serve`` processes of their own: start-up flags refused before the model loads,
 a taken port, a pool too small for its requests, asynchronous scheduling, a stop with
-requests in flight, a model without a chat template given one, and prefixes offloaded to host
-memory. Each server is started here
+requests in flight, a model without a chat template given one, prefixes offloaded to host
+memory and kept on disk across a restart. Each server is started here
 and stopped by its pid."""
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ from server_support import free_port, metrics, model_name, running_server, settl
     (["--kv-offload-memory", "0"], "kv_offload_gib (--kv-offload-memory) must be a number of GiB > 0 (below 2**40) or None (the default), got 0.0"),
     (["--kv-offload-memory", "1", "--no-prefix-caching"], "kv_offload_gib offloads cached prefixes, and prefix "
      "caching is off"),
+    (["--prefix-cache-file", __file__], "exists and is not a kvtier cache file; saving would overwrite it"),
+    (["--prefix-cache-file", "/nonexistent/dir/p.safetensors"], "its folder /nonexistent/dir does not exist"),
+    (["--prefix-cache-file", "p.safetensors", "--no-prefix-caching"], "--prefix-cache-file keeps the prefix "
+     "cache, and --no-prefix-caching turns it off"),
+    (["--prefix-cache-file", "p.safetensors", "--tensor-parallel", "2"], "--prefix-cache-file does not combine "
+     "with --tensor-parallel"),
 ])
 def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
     port = str(free_port())  # a process of its own, bounded in time: a server that starts is a failure
@@ -266,3 +272,24 @@ def test_a_prefix_evicted_from_the_pool_is_served_from_host_memory(tmp_path) -> 
     hits = m["kvtier_kv_offload_hits_total"]
     assert hits >= 8 * 16 and m["kvtier_kv_offload_blocks_loaded_total"] * 16 == hits
     assert m["kvtier_kv_offload_blocks_saved_total"] >= m["kvtier_kv_offload_blocks_loaded_total"]
+
+
+def test_a_restarted_server_answers_from_the_prefixes_it_saved(tmp_path) -> None:
+    """``--prefix-cache-file``: a server stopped by SIGTERM writes its cached blocks; the next
+    one reads them and answers the same prompt with every full block cached, the same text."""
+    prompt = "You are a careful assistant. " * 40 + "Name a colour:"
+    path = tmp_path / "prefixes.safetensors"
+    answers, logs = [], [tmp_path / "first.log", tmp_path / "second.log"]
+    for log in logs:
+        with started_server(log, "--device", "cpu", "--num-blocks", "64", "--prefix-cache-file", str(path)) as (url, proc):
+            client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+            answers.append(client.completions.create(model=model_name(url), prompt=prompt, max_tokens=8, temperature=0))
+            proc.terminate()
+            assert proc.wait(timeout=60) in (0, -15)
+    first, second = (log.read_text() for log in logs)
+    n = (answers[0].usage.prompt_tokens + 7) // 16  # full blocks of the tokens computed (the last not fed)
+    assert f"no prefix cache file {path} yet" in first and f"saved {n} cached blocks to {path}" in first
+    assert f"loaded {n} cached blocks from {path}" in second and f"({n} in the pool, 0 in host memory)" in second
+    usage = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
+    assert usage == [0, (answers[0].usage.prompt_tokens - 1) // 16 * 16]
+    assert answers[1].choices[0].text == answers[0].choices[0].text

@@ -46,6 +46,9 @@ from safetensors.torch import save_file
 from kvtier.caches.base import KVCache
 
 FORMAT = "kvtier.cache"
+#: the server's prefix cache on disk (:mod:`kvtier.serve.prefix_file`): a kvtier cache a save
+#: may replace too
+PREFIX_FORMAT = "kvtier.prefix_cache"
 #: 2: the header carries its own checksum and each tensor's covers its dtype and shape
 FORMAT_VERSION = 2
 #: the header's fields, all covered by ``header_crc``
@@ -80,9 +83,9 @@ def _header_crc(header: dict[str, str]) -> str:
 
 
 def is_cache_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` opens as a safetensors file whose header names this format (of any
-    version; its tensors and checksums are not read), or whose damaged or cut-short header still
-    holds the format's or a prompt cache's mark. The header is read by hand: ``safe_open`` also
+    """Whether ``path`` opens as a safetensors file whose header names this format or
+    :data:`PREFIX_FORMAT` (of any version; its tensors and checksums are not read), or whose
+    damaged or cut-short header still holds either format's or a prompt cache's mark. The header is read by hand: ``safe_open`` also
     checks the tensors' extent, and a cache cut short past its header is still one."""
     try:
         with open(path, "rb") as f:
@@ -93,7 +96,7 @@ def is_cache_file(path: str | os.PathLike) -> bool:
     except OSError:
         return False
     try:
-        if json.loads(raw).get("__metadata__", {}).get("format") == FORMAT:
+        if json.loads(raw).get("__metadata__", {}).get("format") in (FORMAT, PREFIX_FORMAT):
             return True
     except (ValueError, AttributeError):  # (UnicodeDecodeError and JSON errors are ValueErrors)
         pass
@@ -104,7 +107,8 @@ def is_cache_file(path: str | os.PathLike) -> bool:
 #: what a kvtier cache's header holds (its format, a prompt cache's record, a layer's state, the
 #: tensors' checksums: each at the start of a value, which come in no fixed order), found in one
 #: whose JSON no longer parses
-_MARKS = (f'"format":"{FORMAT}"'.encode(), b'\\"kvtier.prompt_cache\\"', b'{\\"meta_state\\": {\\"tier\\": \\"',
+_MARKS = (f'"format":"{FORMAT}"'.encode(), f'"format":"{PREFIX_FORMAT}"'.encode(),
+          b'\\"kvtier.prompt_cache\\"', b'{\\"meta_state\\": {\\"tier\\": \\"',
           b'"checksums":"{\\"layer0.')
 
 
@@ -205,7 +209,7 @@ def save_cache(
     header["header_crc"] = _header_crc(header)
 
     tmp = target.with_name(f".{target.name}.kvtier-tmp")
-    with _save_lock(target):  # only the holder touches tmp: save_file may replace it by rename
+    with save_lock(target):  # only the holder touches tmp: save_file may replace it by rename
         try:
             tmp.unlink(missing_ok=True)  # a killed save's leftover (or a symlink): never written through
             save_file(tensors, tmp, metadata=header)
@@ -221,7 +225,7 @@ def save_cache(
 
 
 @contextlib.contextmanager
-def _save_lock(target: Path):
+def save_lock(target: Path):
     """Hold the save lock of ``target``: ``.NAME.kvtier-lock`` beside it, ``flock``-ed.
 
     The file is unlinked before the lock is released, so none is left behind; a save

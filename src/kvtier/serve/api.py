@@ -54,10 +54,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from kvtier.caches.persist import check_save_path
 from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvtier.serve.middleware import ApiKeys, BodyLimit, unread_body
 from kvtier.serve.params import RequestOutput, RequestParams
+from kvtier.serve.prefix_file import save_prefix_file
 from kvtier.serve.reasoning import FORMATS as REASONING
 from kvtier.serve.reasoning import ReasoningReader, grammar_after, prompt_state
 from kvtier.serve.responses import add_responses_routes
@@ -119,6 +121,9 @@ class ServerConfig:
     #: vLLM's ``--enable-auto-tool-choice``: ``"auto"`` is served whenever a call format is read;
     #: with this the server refuses to start where none is
     auto_tool_choice: bool = False
+    #: the prefix cache on disk (``kvtier serve --prefix-cache-file``, :mod:`kvtier.serve.prefix_file`):
+    #: read after the warm-up when it exists, written when the server stops
+    prefix_cache_file: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -154,6 +159,10 @@ class ServerConfig:
         t = self.shutdown_timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < math.inf):
             raise ValueError(f"shutdown_timeout_s must be a number of seconds >= 0 or None, got {t!r}")
+        if self.prefix_cache_file is not None:
+            if not isinstance(self.prefix_cache_file, str) or not self.prefix_cache_file:
+                raise ValueError(f"prefix_cache_file must be a path or None, got {self.prefix_cache_file!r}")
+            check_save_path(self.prefix_cache_file)  # (a file the server may write when it stops)
 
 
 def encode_bounded(tokenizer, text: str, max_tokens: int, *, add_bos: bool | None = None) -> list[int]:
@@ -187,7 +196,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     async def lifespan(app: FastAPI):
         engine.start()
         yield
-        engine.shutdown()
+        if engine.shutdown() and config.prefix_cache_file is not None:
+            save_prefix_file(engine.engine, config.prefix_cache_file)
 
     app = FastAPI(title="kvtier", lifespan=lifespan, redirect_slashes=False)  # (a 404, not a bare 307)
     app.add_middleware(BodyLimit, limit=config.max_request_bytes)

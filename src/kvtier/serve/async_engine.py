@@ -78,16 +78,17 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0) -> bool:
         """Stop the loop after its current step; requests in flight are dropped: their streams
-        raise :class:`RequestsEnded`, and requests still being queued get it too."""
+        raise :class:`RequestsEnded`, and requests still being queued get it too. ``False`` when
+        a step outlived ``timeout`` (the engine is then left alone), else ``True``."""
         self._stop.set()
         self._wake.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():  # (a step still running: the engine is not ours to touch)
-                return
+                return False
         ended = RequestsEnded("the engine was shut down; the request was dropped")
         while True:  # requests posted but not taken
             try:
@@ -101,6 +102,7 @@ class AsyncLLMEngine:
             open_ = list(self._streams)
         for rid in open_:
             self._deliver(rid, ended)
+        return True
 
     # -- the caller's side ---------------------------------------------------------------------
     async def add_request(self, prompt_token_ids: Sequence[int], params: RequestParams,

@@ -61,6 +61,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-offload-memory", dest="kv_offload_gib", type=float, default=_ABSENT, metavar="GIB",
                    help="host memory for a second tier of the prefix cache: blocks evicted from the pool are "
                         "saved there and loaded back on a later hit instead of computed (default: none)")
+    p.add_argument("--prefix-cache-file", dest="prefix_cache_file", metavar="PATH", default=_ABSENT,
+                   help="keep the prefix cache across restarts: its blocks are read from PATH at start (when "
+                        "it exists and holds this model's blocks) and written there when the server stops")
     p.add_argument("--block-size", dest="block_size", type=int, default=_ABSENT)
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=_ABSENT,
                    help="running requests at most")
@@ -139,8 +142,16 @@ def configs_from_args(args: argparse.Namespace):
 
         engine["speculative"] = SpeculativeConfig.parse(args.speculative_config)
     server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup", "shutdown_timeout_s",
-                                            "tool_call_parser", "reasoning_parser", "auto_tool_choice")
+                                            "tool_call_parser", "reasoning_parser", "auto_tool_choice",
+                                            "prefix_cache_file")
               if hasattr(args, n)}
+    if hasattr(args, "prefix_cache_file"):
+        if getattr(args, "tensor_parallel", 1) > 1:
+            raise ValueError("--prefix-cache-file does not combine with --tensor-parallel (each rank holds a "
+                             "share of every block); drop one of them")
+        if not getattr(args, "enable_prefix_caching", True):
+            raise ValueError("--prefix-cache-file keeps the prefix cache, and --no-prefix-caching turns it off; "
+                             "drop one of them")
     keys = getattr(args, "api_keys", None) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
     if keys:
         server["api_keys"] = tuple(keys)
@@ -289,6 +300,10 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
         w = engine.warm_up()
         print(f"[kvtier] warmed up: {w['requests']} made-up requests, {w['steps']} steps, "
               f"{w['seconds']:.1f} s", file=sys.stderr, flush=True)
+    if server_config.prefix_cache_file is not None:  # (after the warm-up, which empties the cache)
+        from kvtier.serve.prefix_file import load_prefix_file
+
+        load_prefix_file(engine, server_config.prefix_cache_file)
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, engine.tokenizer, name, server_config)
     freeze_startup_heap()  # no full collection of the start-up heap between two steps later

@@ -348,6 +348,48 @@ class BlockManager:
         self.prefix_queries = self.prefix_hits = self.host_hits = 0
         return cached
 
+    # -- the prefix cache on disk (kvtier.serve.prefix_file) --------------------------------------
+    def cached_entries(self) -> list[tuple[bytes, str, int]]:
+        """Every cached block, least recently used first: ``(hash, "host", slot)`` of the host tier
+        (but those the pool holds too), then ``(hash, "pool", block)``, unreferenced by the LRU,
+        then those requests hold. Queued copies must have run first (:meth:`take_copies`)."""
+        if self._copies:
+            raise ValueError(f"{len(self._copies)} block copies are queued; run them first (take_copies())")
+        out = [(h, "host", s) for h, s in self._host.items() if h not in self._by_hash]
+        held = sorted(b for b in self._by_hash.values() if b not in self._evictable)
+        return out + [(self._hash[b], "pool", b) for b in (*self._evictable, *held)]
+
+    def free_places(self) -> tuple[list[int], list[int]]:
+        """The pool's never-cached blocks and the host's empty slots, in the order they are taken."""
+        return self._free[::-1], self._host_free[::-1]
+
+    def adopt(self, pool: Sequence[tuple[bytes, int]], host: Sequence[tuple[bytes, int]] = ()) -> None:
+        """Book blocks filled from outside (:mod:`kvtier.serve.prefix_file`), least recently used
+        first: each ``(hash, block)`` of ``pool`` becomes a cached, unreferenced block, each ``(hash,
+        slot)`` of ``host`` a host slot holding that hash. Only free blocks and empty slots, and
+        hashes cached nowhere; a ``ValueError`` otherwise, and nothing changes."""
+        if not self.enable_prefix_caching:
+            raise ValueError("prefix caching is off: there is no cache to fill")
+        hashes = [h for h, _ in (*pool, *host)]
+        if len(set(hashes)) != len(hashes) or any(h in self._by_hash or h in self._host for h in hashes):
+            raise ValueError("adopt(): a hash comes twice or is cached already")
+        if not all(isinstance(h, bytes) and len(h) == 32 for h in hashes):
+            raise ValueError("adopt(): every hash is 32 bytes (a chain_hash())")
+        free, empty = set(self._free), set(self._host_free)
+        blocks, slots = [b for _, b in pool], [s for _, s in host]
+        if len(set(blocks)) != len(blocks) or not free.issuperset(blocks):
+            raise ValueError(f"adopt(): blocks {blocks} are not all free (free_places())")
+        if len(set(slots)) != len(slots) or not empty.issuperset(slots):
+            raise ValueError(f"adopt(): host slots {slots} are not all empty (free_places())")
+        taken, filled = set(blocks), set(slots)
+        self._free = [b for b in self._free if b not in taken]
+        self._host_free = [s for s in self._host_free if s not in filled]
+        for h, b in pool:
+            self._hash[b], self._by_hash[h] = h, b
+            self._evictable[b] = None
+        for h, s in host:
+            self._host[h], self._host_hash[s] = s, h
+
     # -- internals -------------------------------------------------------------------------------
     def _check_fits(self, needed: int) -> None:
         if needed > self.num_free_blocks:

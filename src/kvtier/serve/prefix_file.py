@@ -1,0 +1,320 @@
+"""The serving engine's prefix cache on disk: its cached blocks written to a file and read back
+by a later engine (``kvtier serve --prefix-cache-file PATH``: read at start, written at a
+graceful stop), so a restarted server answers the prompts it had cached without computing them.
+
+:func:`save_prefix_cache` writes every cached block, of the pool and of the host tier
+(:mod:`kvtier.serve.offload`), least recently used first, with the chained hash of its tokens
+(:mod:`kvtier.serve.prefix`: SHA-256 over the token ids, the same in every process).
+:func:`load_prefix_cache` fills an engine whose cache is empty: the most recently used blocks
+go to the pool's free blocks (cached, unreferenced: the first requests to need blocks evict
+them as any cached block), the next to the host tier's empty slots; what fits in neither is
+left out, oldest first (a chain's tail before its head: blocks are released tail first).
+
+A file is read only by an engine that would have computed the same blocks: its header holds
+the engine's *fingerprint* (the model's shape, a digest of its weights, dtype, device type,
+block size, the pages' codec and every pool tensor's dtype and shape, the prefill dtype and
+batch invariance), and a file of another fingerprint is refused, naming what differs. The
+weights' digest hashes 64 evenly spaced values of every tensor of the state dict (and its name,
+dtype and shape): quick on any device, but two checkpoints that differ only off those values
+would pass as one.
+
+Layout: a safetensors file (``safe_open`` reads it) whose tensors are ``hashes`` (uint8 ``[n,
+32]``), ``t0``, ``t1``, ... (block ``i`` of pool tensor ``j`` at row ``i`` of ``tj``: the layers'
+pages, then their sidecars) and ``crc`` (int64: the CRC-32 of every other tensor's bytes,
+written last); its header metadata holds ``format`` (``kvtier.prefix_cache``), ``format_version``,
+``blocks``, ``fingerprint`` (JSON) and ``header_crc``. The blocks are written and read a few at
+a time (:data:`CHUNK` blocks of a tensor), so neither the file nor a pool larger than the
+host's memory is ever held whole. The write goes to a temporary file beside ``path`` renamed
+into place under a lock (as :func:`kvtier.caches.persist.save_cache`); the read checks every
+checksum before the engine's books take a block, so a damaged file changes nothing.
+
+Tensor-parallel engines (each rank holds its share of every block) are not saved or loaded.
+
+Example::
+
+    >>> n = save_prefix_cache(engine, "prefixes.safetensors")          # doctest: +SKIP
+    >>> load_prefix_cache(new_engine, "prefixes.safetensors")           # doctest: +SKIP
+    {'blocks': 812, 'pool': 812, 'host': 0, 'left_out': 0}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvtier.caches.paged_shared import to_device
+from kvtier.caches.persist import PREFIX_FORMAT, check_save_path, save_lock
+from kvtier.serve.offload import block_tensors
+
+__all__ = ["fingerprint", "load_prefix_cache", "load_prefix_file", "save_prefix_cache", "save_prefix_file"]
+
+FORMAT_VERSION = 1
+#: blocks of one tensor copied at a time
+CHUNK = 64
+#: values of each weight tensor the fingerprint's digest reads
+WEIGHT_SAMPLES = 64
+#: safetensors' names of the dtypes pages, sidecars and the file's own tensors take
+_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8",
+          torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+          torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def _runner(engine):
+    runner = engine.runner
+    if not hasattr(runner, "caches"):  # (a BroadcastRunner: every rank holds a share of each block)
+        raise ValueError("the prefix cache of a tensor-parallel engine cannot be saved or loaded (each rank "
+                         "holds a share of every block); drop --prefix-cache-file or --tensor-parallel")
+    if not engine.block_manager.enable_prefix_caching:
+        raise ValueError("prefix caching is off, so there is no prefix cache to save or load; drop "
+                         "--no-prefix-caching (enable_prefix_caching=False)")
+    return runner
+
+
+def _pool(runner) -> list[torch.Tensor]:
+    return [t for c in runner.caches for t in block_tensors(c)]
+
+
+def weights_digest(model) -> str:
+    """SHA-256 over every state-dict tensor's name, dtype, shape and :data:`WEIGHT_SAMPLES` of its values."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        flat = t.detach().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        if flat.numel():
+            k = min(WEIGHT_SAMPLES, flat.numel())
+            idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)
+            h.update(flat[idx].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def fingerprint(engine) -> dict:
+    """What must match for ``engine`` to use another engine's blocks (the module docstring)."""
+    from kvtier.model.linear import prefill_dtype_in_effect
+
+    runner, model, config = _runner(engine), engine.model, engine.config
+    return {
+        "model": json.loads(json.dumps(dataclasses.asdict(model.args), default=str)),
+        "weights": weights_digest(model),
+        "dtype": str(next(model.parameters()).dtype),
+        "device": engine.device.type,
+        "block_size": config.block_size,
+        "storage": runner.storage_mode,
+        "turboquant": repr(config.turboquant),
+        "tensors": [[str(t.dtype), list(t.shape[1:])] for t in _pool(runner)],
+        "prefill_dtype": str(prefill_dtype_in_effect(model)),
+        "batch_invariant": config.batch_invariant,
+    }
+
+
+def _header_crc(meta: dict[str, str]) -> str:
+    return str(zlib.crc32(json.dumps({k: v for k, v in meta.items() if k != "header_crc"}, sort_keys=True).encode()))
+
+
+def _bytes(t: torch.Tensor):
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def save_prefix_cache(engine, path: str | os.PathLike) -> int:
+    """Write every block ``engine``'s prefix cache holds (pool and host tier) to ``path``;
+    returns how many (none cached: 0, and ``path`` is left as it is). The engine must not be stepping meanwhile (a server's loop stopped).
+    ``path`` as for :func:`~kvtier.caches.persist.save_cache`: a new file or a kvtier cache,
+    replaced atomically; a ``ValueError`` names what is wrong, and nothing is written."""
+    runner, bm = _runner(engine), engine.block_manager
+    target = check_save_path(path)
+    if not bm.num_cached_blocks and not bm.host_figures()["host_cached_blocks"]:
+        return 0  # (an empty cache does not replace a file of blocks another configuration saved)
+    copies = bm.take_copies()
+    if copies:  # saves to the host and loads the books counted as done, but not yet run
+        runner.host.apply(copies)
+    if runner.host is not None and runner.host.cuda:
+        torch.cuda.synchronize(runner.host.device)  # the host reads its slots below: every save landed
+    entries = bm.cached_entries()
+    pool = _pool(runner)
+    missing = sorted({str(t.dtype) for t in pool if t.dtype not in _NAMES})
+    if missing:
+        raise ValueError(f"pages of dtype {missing} have no safetensors name; they cannot be saved")
+    hashes = torch.tensor([list(h) for h, _, _ in entries], dtype=torch.uint8).reshape(-1, 32)
+    names = ["hashes", *(f"t{j}" for j in range(len(pool)))]
+    shapes = [list(hashes.shape)] + [[len(entries), *t.shape[1:]] for t in pool]
+    dtypes = [torch.uint8] + [t.dtype for t in pool]
+    meta = {"format": PREFIX_FORMAT, "format_version": str(FORMAT_VERSION), "blocks": str(len(entries)),
+            "fingerprint": json.dumps(fingerprint(engine), sort_keys=True)}
+    meta["header_crc"] = _header_crc(meta)
+    header, offset = {"__metadata__": meta}, 0
+    for name, shape, dtype in [*zip(names, shapes, dtypes), ("crc", [len(names)], torch.int64)]:
+        size = dtype.itemsize * int(torch.Size(shape).numel())
+        header[name] = {"dtype": _NAMES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = target.with_name(f".{target.name}.kvtier-tmp")
+    with save_lock(target):
+        try:
+            tmp.unlink(missing_ok=True)
+            with open(tmp, "xb") as f:
+                f.write(len(raw).to_bytes(8, "little") + raw)
+                crcs = [zlib.crc32(_bytes(hashes))]
+                f.write(_bytes(hashes))
+                for j, dev in enumerate(pool):
+                    crc = 0
+                    for a in range(0, len(entries), CHUNK):
+                        rows = _gather(entries[a : a + CHUNK], dev, runner.host.slots[j] if runner.host else None)
+                        crc = zlib.crc32(_bytes(rows), crc)
+                        f.write(_bytes(rows))
+                    crcs.append(crc)
+                f.write(_bytes(torch.tensor(crcs, dtype=torch.int64)))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return len(entries)
+
+
+def _gather(entries, dev: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
+    """Rows of ``entries`` (``(hash, "pool" | "host", index)``) of one pool tensor and its host slots, on the CPU."""
+    rows = torch.empty((len(entries), *dev.shape[1:]), dtype=dev.dtype)
+    for where, src in (("pool", dev), ("host", host)):
+        at = [i for i, e in enumerate(entries) if e[1] == where]
+        if at:
+            index = torch.tensor([entries[i][2] for i in at])
+            rows[torch.tensor(at)] = src.index_select(0, to_device(index, src.device)).cpu()
+    return rows
+
+
+def _refusal(path: Path, why: str) -> ValueError:
+    return ValueError(f"the prefix cache file {path} cannot be loaded: {why}")
+
+
+def _differences(saved: dict, ours: dict) -> list[str]:
+    """What differs, key by key; long values (the pool's tensors, the model's shape) only named."""
+    out = []
+    for k in sorted(set(saved) | set(ours)):
+        a, b = json.dumps(saved.get(k), sort_keys=True), json.dumps(ours.get(k), sort_keys=True)
+        if a != b:
+            out.append(f"{k} {a} (this engine: {b})" if len(a) + len(b) < 120 else f"{k} differ")
+    return out
+
+
+def load_prefix_cache(engine, path: str | os.PathLike) -> dict[str, int]:
+    """Fill ``engine``'s empty prefix cache with the blocks of ``path`` (the module docstring).
+
+    Returns ``blocks`` (in the file), ``pool`` and ``host`` (where they went) and ``left_out``
+    (that fitted nowhere). A ``ValueError`` when the engine serves or caches anything already,
+    or the file is not one of this engine's fingerprint or is damaged (naming what); then the
+    engine's books are as before."""
+    runner, bm = _runner(engine), engine.block_manager
+    path = Path(path)
+    if engine.has_unfinished() or bm.num_used_blocks or bm.num_cached_blocks or bm.host_figures()["host_cached_blocks"]:
+        raise ValueError("load a prefix cache file into an idle engine whose prefix cache is empty "
+                         "(before serving, or after its block_manager.reset_prefix_cache())")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return _load(engine, runner, bm, f, path)
+    except (SafetensorError, OSError) as e:
+        raise _refusal(path, f"{type(e).__name__}: {e}") from None
+
+
+def _load(engine, runner, bm, f, path: Path) -> dict[str, int]:
+    meta = f.metadata() or {}
+    if meta.get("format") != PREFIX_FORMAT:
+        raise _refusal(path, f"its format is {meta.get('format')!r}, not {PREFIX_FORMAT!r}")
+    if meta.get("format_version") != str(FORMAT_VERSION):
+        raise _refusal(path, f"format version {meta.get('format_version')}; this kvtier reads {FORMAT_VERSION}")
+    if set(meta) != {"format", "format_version", "blocks", "fingerprint", "header_crc"} or meta["header_crc"] != _header_crc(meta):
+        raise _refusal(path, "its header fails its checksum (the file is damaged)")
+    try:
+        saved, n = json.loads(meta["fingerprint"]), int(meta["blocks"])
+    except ValueError as e:
+        raise _refusal(path, f"its header is damaged ({e})") from None
+    ours = fingerprint(engine)
+    if saved != ours:
+        raise _refusal(path, "it was saved by another model or cache layout: " + "; ".join(_differences(saved, ours)))
+    pool = _pool(runner)
+    names = ["hashes", *(f"t{j}" for j in range(len(pool)))]
+    if set(f.keys()) != {*names, "crc"} or f.get_slice("crc").get_shape() != [len(names)]:
+        raise _refusal(path, f"its tensors {sorted(f.keys())} are not {names} and crc (the file is damaged)")
+    for name, t in zip(names, [None, *pool]):
+        want = [n, 32] if t is None else [n, *t.shape[1:]]
+        if f.get_slice(name).get_shape() != want:
+            raise _refusal(path, f"tensor {name} is {f.get_slice(name).get_shape()}, not {want} (the file is damaged)")
+    crcs = f.get_tensor("crc").tolist()
+    hashes = f.get_tensor("hashes")
+    if hashes.dtype != torch.uint8 or zlib.crc32(_bytes(hashes)) != crcs[0]:
+        raise _refusal(path, "its hashes fail their checksum (the file is damaged)")
+    hashes = [bytes(h) for h in hashes.tolist()]
+    if len(set(hashes)) != n:
+        raise _refusal(path, "a hash comes twice (the file is damaged)")
+    free, empty = bm.free_places()
+    keep = min(n, len(free) + len(empty))
+    to_pool = min(keep, len(free))  # the most recently used blocks: the pool's
+    first = n - keep
+    # row i >= first: the pool's block free[i - first - (keep - to_pool)] or the host's slot
+    places = [("host", empty[i]) for i in range(keep - to_pool)] + [("pool", free[i]) for i in range(to_pool)]
+    for j, dev in enumerate(pool):
+        host = runner.host.slots[j] if runner.host is not None else None
+        crc, sl = 0, f.get_slice(f"t{j}")
+        for a in range(0, n, CHUNK):
+            rows = sl[a : min(a + CHUNK, n)]
+            if rows.dtype != dev.dtype:
+                raise _refusal(path, f"tensor t{j} is {rows.dtype}, not {dev.dtype} (the file is damaged)")
+            crc = zlib.crc32(_bytes(rows), crc)
+            for where, dst in (("pool", dev), ("host", host)):
+                at = [i for i in range(max(a, first), a + len(rows)) if places[i - first][0] == where]
+                if at:
+                    index = torch.tensor([places[i - first][1] for i in at])
+                    dst.index_copy_(0, to_device(index, dst.device), rows[torch.tensor(at) - a].to(dst.device))
+        if crc != crcs[j + 1]:
+            raise _refusal(path, f"tensor t{j} fails its checksum (the file is damaged)")
+    kept = list(zip(hashes[first:], places))
+    bm.adopt([(h, i) for h, (w, i) in kept if w == "pool"], [(h, i) for h, (w, i) in kept if w == "host"])
+    return {"blocks": n, "pool": to_pool, "host": keep - to_pool, "left_out": first}
+
+
+# -- the server's side: a line on stderr, never an exception ---------------------------------------
+def load_prefix_file(engine, path: str | os.PathLike) -> dict[str, int] | None:
+    """:func:`load_prefix_cache` for ``kvtier serve``: a missing file or one that cannot be loaded
+    (another model, damaged) leaves the cache empty with a line saying why; the file is written
+    again when the server stops."""
+    if not os.path.exists(path):
+        print(f"[kvtier] no prefix cache file {path} yet: the cache starts empty and is written there "
+              "when the server stops", file=sys.stderr, flush=True)
+        return None
+    t0 = time.perf_counter()
+    try:
+        got = load_prefix_cache(engine, path)
+    except ValueError as e:
+        print(f"[kvtier] {e}; the prefix cache starts empty (the file is replaced when the server stops)",
+              file=sys.stderr, flush=True)
+        return None
+    left = f", {got['left_out']} least recently used left out" if got["left_out"] else ""
+    print(f"[kvtier] loaded {got['blocks'] - got['left_out']} cached blocks from {path} in "
+          f"{time.perf_counter() - t0:.1f} s ({got['pool']} in the pool, {got['host']} in host memory{left})",
+          file=sys.stderr, flush=True)
+    return got
+
+
+def save_prefix_file(engine, path: str | os.PathLike) -> int | None:
+    """:func:`save_prefix_cache` for a stopping server: a line saying what was written, or why nothing was."""
+    t0 = time.perf_counter()
+    try:
+        n = save_prefix_cache(engine, path)
+    except (ValueError, OSError) as e:
+        print(f"[kvtier] the prefix cache was not saved to {path}: {e}", file=sys.stderr, flush=True)
+        return None
+    if n:
+        print(f"[kvtier] saved {n} cached blocks to {path} ({os.path.getsize(path) / 2**20:.1f} MiB) in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    else:
+        print(f"[kvtier] nothing cached: {path} left as it was", file=sys.stderr, flush=True)
+    return n

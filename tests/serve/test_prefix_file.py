@@ -1,0 +1,288 @@
+"""The prefix cache on disk: the books' order and adoption, a round trip from one engine to a new
+one (the same tokens, the prompt's blocks not computed, every tensor bit for bit over every
+codec), what fits and what is left out, and every refusal leaving the engine as it was."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_engine import chat, solo
+from test_offload import SYSTEM_A, SYSTEM_B, cached
+
+from kvtier.model import ModelArgs, build_random
+from kvtier.quant.modes import TurboQuantConfig
+from kvtier.serve.api import ServerConfig
+from kvtier.serve.engine import EngineConfig, LLMEngine
+from kvtier.serve.offload import block_tensors
+from kvtier.serve.params import RequestParams
+from kvtier.serve.prefix import BlockManager, chain_hash
+from kvtier.serve.prefix_file import CHUNK, load_prefix_cache, save_prefix_cache
+
+ARGS = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=300,
+                 max_position_embeddings=2048)  # (head_dim 64: every codec serves)
+
+
+def tiny(seed: int = 0):
+    return build_random(ARGS, dtype=torch.float32, device="cpu", std=0.2, seed=seed)
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    return [[(7 * i + 31 * k + 5) % 300 for i in range(length)] for k in range(n)]
+
+
+def pages(engine: LLMEngine, blocks) -> list[torch.Tensor]:
+    return [t[list(blocks)].clone() for c in engine.runner.caches for t in block_tensors(c)]
+
+
+# -- the books -----------------------------------------------------------------------------------
+def test_cached_entries_come_host_first_then_the_pool_least_recently_used_first() -> None:
+    bm = BlockManager(3, 4, host_blocks=4)
+    x, y = list(range(12)), list(range(50, 58))
+    a = cached(bm, x, 12)  # freed tail first: a[2], a[1], a[0] in the LRU
+    held = bm.allocate(8)  # evicts a[2] and a[1]: saved to the host
+    bm.take_copies()
+    bm.cache_full_blocks(held, y, 8)  # y's two blocks, held by a request
+    hx = [chain_hash(None, x[:4])]
+    hx += [chain_hash(hx[0], x[4:8]), chain_hash(chain_hash(hx[0], x[4:8]), x[8:12])]
+    hy = chain_hash(None, y[:4])
+    entries = bm.cached_entries()
+    assert entries[:3] == [(hx[2], "host", 0), (hx[1], "host", 1), (hx[0], "pool", a[0])]
+    assert sorted(entries[3:]) == sorted([(hy, "pool", held[0]), (chain_hash(hy, y[4:8]), "pool", held[1])])
+
+
+def test_cached_entries_refuse_queued_copies_and_leave_out_what_the_pool_holds_too() -> None:
+    bm = BlockManager(3, 4, host_blocks=4)
+    x = list(range(12))
+    cached(bm, x, 12)
+    bm.free(bm.allocate(12))  # all three evicted: saves queued
+    with pytest.raises(ValueError, match="3 block copies are queued; run them first"):
+        bm.cached_entries()
+    bm.take_copies()
+    blocks = bm.allocate(12, [], bm.match_offloaded(x[:11]))  # two loaded back: the pool holds them too
+    bm.take_copies()
+    assert [w for _, w, _ in bm.cached_entries()] == ["host", "pool", "pool"]
+    assert {i for _, w, i in bm.cached_entries() if w == "pool"} == set(blocks[:2])
+
+
+def test_adopt_books_blocks_from_outside_and_refusals_change_nothing() -> None:
+    bm = BlockManager(4, 4, host_blocks=2)
+    x = list(range(12))
+    h = [chain_hash(None, x[:4])]
+    h.append(chain_hash(h[0], x[4:8]))
+    h.append(chain_hash(h[1], x[8:12]))
+    free, empty = bm.free_places()
+    assert (free, empty) == ([0, 1, 2, 3], [0, 1])
+    before = bm.cached_entries(), bm.free_places()
+    for pool, host, words in [
+        ([(h[0], 0), (h[1], 0)], [], "not all free"),
+        ([(h[0], 0), (h[0], 1)], [], "a hash comes twice"),
+        ([(b"short", 0)], [], "32 bytes"),
+        ([(h[0], 0)], [(h[1], 5)], "not all empty"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            bm.adopt(pool, host)
+        assert (bm.cached_entries(), bm.free_places()) == before
+    bm.adopt([(h[1], 2), (h[0], 3)], [(h[2], 1)])
+    assert bm.match_prefix(x) == [3, 2] and bm.match_offloaded(x) == [1]
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2  # cached blocks stay free to take
+    assert bm.allocate(4) == [0]  # a never-cached block first, in free_places() order
+    with pytest.raises(ValueError, match="cached already"):
+        bm.adopt([(h[0], 0)])
+
+
+# -- the engine ------------------------------------------------------------------------------------
+def test_a_new_engine_answers_from_the_saved_prefixes_without_computing_them(lm, tmp_path) -> None:
+    tok = lm.tokenizer
+    a, b = chat(tok, "Name a colour.", SYSTEM_A), chat(tok, "Name a fruit.", SYSTEM_B)
+    params = RequestParams(max_tokens=8)
+    config = EngineConfig(num_blocks=96)
+    first = LLMEngine(lm.model, tok, config)
+    want = [o.token_ids for o in first.generate([a, b], params)]
+    path = tmp_path / "prefixes.safetensors"
+    n = save_prefix_cache(first, path)
+    assert n == first.stats()["cached_blocks"] > 0
+    second = LLMEngine(lm.model, tok, config)
+    assert load_prefix_cache(second, path) == {"blocks": n, "pool": n, "host": 0, "left_out": 0}
+    outs = second.generate([b, a], params)
+    assert [o.token_ids for o in outs] == want[::-1] and list(outs[1].token_ids) == solo(lm, a, 8)
+    assert [o.cached_tokens for o in outs] == [(len(b) - 1) // 16 * 16, (len(a) - 1) // 16 * 16]
+    with pytest.raises(ValueError, match="whose prefix cache is empty"):  # into a cache that holds blocks
+        load_prefix_cache(second, path)
+
+
+@pytest.mark.parametrize("storage", [{}, {"kv_quant": "q8"}, {"kv_quant": "q4_g32"},
+                                     {"turboquant": TurboQuantConfig("q8_0", "q3_0")}],
+                         ids=["fp", "q8", "q4_g32", "turboquant"])
+def test_every_tensor_of_a_loaded_block_is_the_saved_one_bit_for_bit(tmp_path, storage) -> None:
+    """More blocks than one chunk of the copies, from the pool and the host tier (saves still
+    queued when the file is written), into a pool and host tier of other sizes."""
+    model = tiny()
+    config = EngineConfig(num_blocks=CHUNK + 8, block_size=4, kv_offload_gib=0.01, **storage)
+    engine = LLMEngine(model, None, config)
+    params = RequestParams(max_tokens=2, ignore_eos=True)
+    for group in (prompts(3, 120), prompts(2, 90)):  # the second evicts much of the first to the host
+        engine.generate(group, params)
+    bm = engine.block_manager
+    before = [t.clone() for t in engine.runner.host.pool]
+    bm.free(bm.allocate(40))  # evicts ten more: their saves queued, not run
+    queued = list(bm._copies)
+    assert len(queued) >= 5 and {k for k, _, _ in queued} == {"save"}
+    path = tmp_path / "p.safetensors"
+    n = save_prefix_cache(engine, path)
+    entries = bm.cached_entries()  # (the queue ran: the books and tensors of the file)
+    assert n == len(entries) > CHUNK and {w for _, w, _ in entries} == {"host", "pool"}
+    with safe_open(str(path), framework="pt") as f:
+        assert [bytes(h) for h in f.get_tensor("hashes").tolist()] == [h for h, _, _ in entries]
+        saved = [f.get_tensor(f"t{j}") for j in range(len(engine.runner.host.pool))]
+    for j, (dev, host) in enumerate(zip(engine.runner.host.pool, engine.runner.host.slots)):
+        want = torch.stack([(dev if w == "pool" else host)[i] for _, w, i in entries])
+        assert torch.equal(saved[j], want), j
+    row = {(w, i): k for k, (_, w, i) in enumerate(entries)}
+    for _, block, slot in queued:  # what the queued saves copied: the evicted blocks as they were
+        assert all(torch.equal(t[row["host", slot]], b[block]) for t, b in zip(saved, before))
+    other = LLMEngine(model, None, EngineConfig(num_blocks=30, block_size=4, kv_offload_gib=0.01, **storage))
+    got = load_prefix_cache(other, path)
+    host_room = other.block_manager.host_blocks
+    assert got == {"blocks": n, "pool": 30, "host": min(n - 30, host_room), "left_out": max(0, n - 30 - host_room)}
+    kept = {h: k for k, (h, _, _) in enumerate(entries)}
+    for h, w, i in other.block_manager.cached_entries():
+        src = other.runner.host.pool if w == "pool" else other.runner.host.slots
+        assert all(torch.equal(t[i], s[kept[h]]) for t, s in zip(src, saved))
+    newest = [h for h, w, _ in other.block_manager.cached_entries() if w == "pool"]
+    assert set(newest) == {h for h, _, _ in entries[-30:]}  # the most recently used: the pool's
+    last = prompts(2, 90)[1]  # answered from the loaded blocks as from computed ones
+    out = other.generate([last], params)[0]
+    assert out.cached_tokens >= 40 and out.token_ids == LLMEngine(model, None, config).generate([last], params)[0].token_ids
+
+
+def test_the_blocks_left_out_are_the_least_recently_used(tmp_path) -> None:
+    model = tiny()
+    engine = LLMEngine(model, None, EngineConfig(num_blocks=80, block_size=4))
+    old, new = prompts(2, 60)
+    params = RequestParams(max_tokens=2, ignore_eos=True)
+    engine.generate([old], params)
+    engine.generate([new], params)
+    path = tmp_path / "p.safetensors"
+    n = save_prefix_cache(engine, path)
+    small = LLMEngine(model, None, EngineConfig(num_blocks=20, block_size=4))
+    got = load_prefix_cache(small, path)
+    assert got == {"blocks": n, "pool": 20, "host": 0, "left_out": n - 20}
+    assert n == 30  # each prompt's 15 full blocks
+    bm = small.block_manager  # the newer prompt whole, the older one's head (released tail first)
+    assert len(bm.match_prefix(new)) == 15 and len(bm.match_prefix(old)) == 5
+    assert small.generate([new], params)[0].cached_tokens == 56  # (its last token computed)
+
+
+def test_an_empty_cache_leaves_the_file_as_it_was(tmp_path) -> None:
+    model = tiny()
+    engine = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+    engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
+    path = tmp_path / "p.safetensors"
+    save_prefix_cache(engine, path)
+    data = path.read_bytes()
+    assert save_prefix_cache(LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4)), path) == 0
+    assert path.read_bytes() == data
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"kv_quant": "q8"}, 'storage "fp" (this engine: "q8")'),
+    ({"block_size": 8}, "block_size 4 (this engine: 8)"),
+    ({"seed": 1}, "weights"),
+    ({"dtype": torch.bfloat16}, 'dtype "torch.float32" (this engine: "torch.bfloat16")'),
+])
+def test_a_file_of_another_model_or_layout_is_refused_naming_what_differs(tmp_path, change, words) -> None:
+    engine = LLMEngine(tiny(), None, EngineConfig(num_blocks=40, block_size=4))
+    engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
+    path = tmp_path / "p.safetensors"
+    save_prefix_cache(engine, path)
+    model = tiny(change.pop("seed", 0)).to(change.pop("dtype", torch.float32))
+    other = LLMEngine(model, None, EngineConfig(num_blocks=40, **{"block_size": 4, **change}))
+    with pytest.raises(ValueError, match="saved by another model or cache layout") as e:
+        load_prefix_cache(other, path)
+    assert words in str(e.value)
+    assert other.stats()["cached_blocks"] == 0 and other.block_manager.free_places()[0] == list(range(40))
+
+
+def _damaged(path, at: int, tmp_path):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    out = tmp_path / f"damaged{at}.safetensors"
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_a_damaged_file_is_refused_and_the_engine_left_as_it_was(tmp_path) -> None:
+    model = tiny()
+    engine = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+    engine.generate(prompts(2, 30), RequestParams(max_tokens=2, ignore_eos=True))
+    path = tmp_path / "p.safetensors"
+    save_prefix_cache(engine, path)
+    size = path.stat().st_size
+    header = int.from_bytes(path.read_bytes()[:8], "little")
+    meta = json.loads(path.read_bytes()[8 : 8 + header])["__metadata__"]
+    at_blocks = path.read_bytes().index(f'"blocks":"{meta["blocks"]}"'.encode()) + 10
+    cases = [(at_blocks, "header fails its checksum"), (8 + header + 3, "hashes fail their checksum"),
+             (size - 500, "fails its checksum"), (size - 3, "fails its checksum")]  # a page's byte, the crc's
+    for at, words in cases:
+        other = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+        with pytest.raises(ValueError, match=words):
+            load_prefix_cache(other, _damaged(path, at, tmp_path))
+        assert other.stats()["cached_blocks"] == 0 and other.block_manager.free_places()[0] == list(range(40))
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[: size // 2])
+    with pytest.raises(ValueError, match="cannot be loaded: SafetensorError"):
+        load_prefix_cache(LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4)), cut)
+    other = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+    assert load_prefix_cache(other, path)["pool"] > 0  # the file itself was never touched
+
+
+def test_refusals_before_anything_is_read_or_written(tmp_path) -> None:
+    model = tiny()
+    engine = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+    engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
+    text = tmp_path / "notes.txt"
+    text.write_text("my notes")
+    with pytest.raises(ValueError, match="exists and is not a kvtier cache file"):
+        save_prefix_cache(engine, text)
+    assert text.read_text() == "my notes"
+    with pytest.raises(ValueError, match="does not exist; create it first"):
+        save_prefix_cache(engine, tmp_path / "missing" / "p.safetensors")
+    off = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4, enable_prefix_caching=False))
+    with pytest.raises(ValueError, match="prefix caching is off"):
+        save_prefix_cache(off, tmp_path / "p.safetensors")
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        load_prefix_cache(LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4)), text)
+    engine.add_request([1, 2, 3], RequestParams(max_tokens=2))
+    with pytest.raises(ValueError, match="into an idle engine"):
+        load_prefix_cache(engine, tmp_path / "p.safetensors")
+
+
+@pytest.mark.parametrize("value, words", [("", "must be a path or None"), (3, "must be a path or None"),
+                                          (__file__, "exists and is not a kvtier cache file")])
+def test_the_server_config_refuses_a_prefix_cache_file_it_could_not_write(value, words) -> None:
+    with pytest.raises(ValueError, match=words):
+        ServerConfig(prefix_cache_file=value)
+
+
+@pytest.mark.gpu
+def test_a_round_trip_on_cuda_with_pinned_host_slots(tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = tiny().to("cuda", torch.bfloat16)
+    config = EngineConfig(num_blocks=CHUNK + 8, block_size=4, kv_offload_gib=0.01, cuda_graph=False)
+    engine = LLMEngine(model, None, config)
+    params = RequestParams(max_tokens=4, ignore_eos=True)
+    for group in (prompts(3, 120), prompts(2, 90)):
+        engine.generate(group, params)
+    path = tmp_path / "p.safetensors"
+    n = save_prefix_cache(engine, path)
+    other = LLMEngine(model, None, config)
+    got = load_prefix_cache(other, path)
+    assert got["pool"] + got["host"] == n - got["left_out"] and got["host"] > 0
+    for p in (*prompts(3, 120), *prompts(2, 90)):
+        ref = LLMEngine(model, None, config).generate([p], params)[0]
+        out = other.generate([p], params)[0]
+        assert out.token_ids == ref.token_ids
