@@ -10,6 +10,7 @@ import torch
 
 from kvtier.parallel import TensorParallelError
 from kvtier.parallel.serve import serve_sharded
+from kvtier.serve.prefix_file import load_prefix_cache, rank_path, save_prefix_cache
 
 engine = pytest.importorskip("kvtier.serve.engine")
 EngineConfig, LLMEngine = engine.EngineConfig, engine.LLMEngine
@@ -115,3 +116,47 @@ def test_three_ranks_load_offloaded_prefixes_as_one(lm):
     assert got[:3] == want[:3] and got[0] == got[1]
     assert got[2] == (len(first) - 1) // 16 * 16 and got[3]["host_hits"] == want[3]["host_hits"] > 0
     assert abs(got[3]["host_blocks"] - want[3]["host_blocks"]) <= 1  # the GiB shared out: a third a rank
+
+
+def _save(engine, first, path):
+    a = engine.generate([first], RequestParams(max_tokens=6))[0]
+    return list(a.token_ids), save_prefix_cache(engine, path)
+
+
+def _restart(engine, first, damaged, path):
+    """A load of a set of files one of which is damaged (refused, nothing booked), then the
+    good set, then the prompt again."""
+    try:
+        load_prefix_cache(engine, damaged)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    empty = engine.stats()["cached_blocks"]
+    got = load_prefix_cache(engine, path)
+    again = engine.generate([first], RequestParams(max_tokens=6))[0]
+    return refused, empty, got, list(again.token_ids), again.cached_tokens
+
+
+def test_three_ranks_keep_their_prefix_cache_across_a_restart(lm, tmp_path):
+    """Each rank writes its share of the blocks to its own file; three new ranks load them and
+    answer from them with one process's tokens; one rank's damaged file refuses the whole set."""
+    first = lm.tokenizer.encode("You are a careful assistant. " * 24 + "Name a colour:")
+    path = tmp_path / "prefixes.safetensors"
+    config = dataclasses.replace(CONFIG, max_batched_tokens=256)
+    tokens, n = serve_sharded(_save, 3, args=(first, path), config=config, dtype=torch.float32, timeout_s=60)
+    files = [rank_path(path, r) for r in range(3)]
+    assert [f.name for f in files] == ["prefixes.safetensors", "prefixes.rank1.safetensors", "prefixes.rank2.safetensors"]
+    assert n == (len(first) + 5) // 16 and all(f.is_file() for f in files)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for r, f in enumerate(files):
+        data = bytearray(f.read_bytes())
+        if r == 2:
+            data[-100] ^= 1  # a byte of rank 2's last page tensor
+        rank_path(bad / "prefixes.safetensors", r).write_bytes(bytes(data))
+    refused, empty, got, again, cached = serve_sharded(_restart, 3, args=(first, bad / "prefixes.safetensors", path),
+                                                       config=config, dtype=torch.float32, timeout_s=60)
+    assert refused is not None and refused.startswith("rank 2: the prefix cache file") and "fails its checksum" in refused
+    assert empty == 0 and got == {"blocks": n, "pool": n, "host": 0, "left_out": 0}
+    want = LLMEngine(lm.model, lm.tokenizer, config).generate([first], RequestParams(max_tokens=6))[0]
+    assert tokens == again == list(want.token_ids) and cached == (len(first) - 1) // 16 * 16

@@ -46,8 +46,6 @@ from server_support import free_port, metrics, model_name, running_server, settl
     (["--prefix-cache-file", "/nonexistent/dir/p.safetensors"], "its folder /nonexistent/dir does not exist"),
     (["--prefix-cache-file", "p.safetensors", "--no-prefix-caching"], "--prefix-cache-file keeps the prefix "
      "cache, and --no-prefix-caching turns it off"),
-    (["--prefix-cache-file", "p.safetensors", "--tensor-parallel", "2"], "--prefix-cache-file does not combine "
-     "with --tensor-parallel"),
 ])
 def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
     port = str(free_port())  # a process of its own, bounded in time: a server that starts is a failure
@@ -274,21 +272,27 @@ def test_a_prefix_evicted_from_the_pool_is_served_from_host_memory(tmp_path) -> 
     assert m["kvtier_kv_offload_blocks_saved_total"] >= m["kvtier_kv_offload_blocks_loaded_total"]
 
 
-def test_a_restarted_server_answers_from_the_prefixes_it_saved(tmp_path) -> None:
-    """``--prefix-cache-file``: a server stopped by SIGTERM writes its cached blocks; the next
-    one reads them and answers the same prompt with every full block cached, the same text."""
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_restarted_server_answers_from_the_prefixes_it_saved(tmp_path, ranks) -> None:
+    """``--prefix-cache-file``: a server stopped by SIGTERM writes its cached blocks (each rank
+    its share, under --tensor-parallel); the next one reads them and answers the same prompt
+    with every full block cached, the same text."""
     prompt = "You are a careful assistant. " * 40 + "Name a colour:"
     path = tmp_path / "prefixes.safetensors"
     answers, logs = [], [tmp_path / "first.log", tmp_path / "second.log"]
+    flags = ["--device", "cpu", "--num-blocks", "64", "--prefix-cache-file", str(path)]
     for log in logs:
-        with started_server(log, "--device", "cpu", "--num-blocks", "64", "--prefix-cache-file", str(path)) as (url, proc):
+        with started_server(log, *flags, *(["--tensor-parallel", str(ranks)] if ranks > 1 else [])) as (url, proc):
             client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
             answers.append(client.completions.create(model=model_name(url), prompt=prompt, max_tokens=8, temperature=0))
             proc.terminate()
             assert proc.wait(timeout=60) in (0, -15)
     first, second = (log.read_text() for log in logs)
     n = (answers[0].usage.prompt_tokens + 7) // 16  # full blocks of the tokens computed (the last not fed)
-    assert f"no prefix cache file {path} yet" in first and f"saved {n} cached blocks to {path}" in first
+    beside = f" and {ranks - 1} rank files beside it" if ranks > 1 else ""
+    assert f"no prefix cache file {path} yet" in first and f"saved {n} cached blocks to {path}{beside} (" in first
+    assert sorted(f.name for f in tmp_path.glob("*.safetensors")) == sorted(
+        ["prefixes.safetensors"] + [f"prefixes.rank{r}.safetensors" for r in range(1, ranks)])
     assert f"loaded {n} cached blocks from {path}" in second and f"({n} in the pool, 0 in host memory)" in second
     usage = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
     assert usage == [0, (answers[0].usage.prompt_tokens - 1) // 16 * 16]

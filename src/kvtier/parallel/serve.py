@@ -90,6 +90,28 @@ def control_group() -> dist.ProcessGroup:
     return dist.new_group(backend="gloo", timeout=IDLE_WAIT)
 
 
+@dataclass(frozen=True)
+class RankCall:
+    """A function every rank runs on its own runner, ``fn(runner, *args)`` (``fn`` a module's
+    function: it travels by name), outside the steps: the prefix cache file's reads and writes of
+    each rank's share (:mod:`kvtier.serve.prefix_file`)."""
+
+    fn: Callable[..., Any]
+    args: tuple
+
+    def answer(self, runner, group: dist.ProcessGroup) -> list[tuple[bool, Any]] | None:
+        """Run here and gather every rank's ``(True, result)`` or ``(False, message)`` to rank 0
+        (returned there; ``None`` elsewhere). An exception is an answer, never a dead rank."""
+        try:
+            out = (True, self.fn(runner, *self.args))
+        except Exception as e:  # (the rank stays to follow the next batch)
+            out = (False, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+        first = dist.get_rank() == 0
+        answers = [None] * dist.get_world_size(group) if first else None
+        dist.gather_object(out, answers, dst=0, group=group)
+        return answers
+
+
 class BroadcastRunner:
     """Rank 0's runner: each :meth:`execute` sends the batch to the other ranks, then runs it
     here. Otherwise it answers for the runner it wraps (``storage_mode``, ``nbytes`` of
@@ -111,6 +133,15 @@ class BroadcastRunner:
                              "engine to serve again")
         dist.broadcast_object_list([batch], src=0, group=self.group)
         return self.runner.execute(batch)
+
+    def on_every_rank(self, fn: Callable[..., Any], *args) -> list[tuple[bool, Any]]:
+        """``fn(runner, *args)`` on every rank's runner, this one's too (:class:`RankCall`); each
+        rank's ``(True, result)`` or ``(False, message)``, by rank."""
+        if self.closed:
+            raise ValueError("the other ranks were shut down (close() was called)")
+        call = RankCall(fn, args)
+        dist.broadcast_object_list([call], src=0, group=self.group)
+        return call.answer(self.runner, self.group)
 
     def close(self) -> None:
         """Tell the other ranks to stop (the ``None`` batch). Idempotent."""
@@ -140,14 +171,17 @@ class BroadcastRunner:
 
 
 def follow(runner, group: dist.ProcessGroup) -> int:
-    """A rank > 0: run every batch rank 0 broadcasts until the ``None`` batch; returns the
-    number of steps run."""
+    """A rank > 0: run every batch rank 0 broadcasts (and answer every :class:`RankCall`) until
+    the ``None`` batch; returns the number of steps run."""
     steps = 0
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group)
         if box[0] is None:
             return steps
+        if isinstance(box[0], RankCall):
+            box[0].answer(runner, group)
+            continue
         runner.execute(box[0])
         steps += 1
 

@@ -145,13 +145,9 @@ def configs_from_args(args: argparse.Namespace):
                                             "tool_call_parser", "reasoning_parser", "auto_tool_choice",
                                             "prefix_cache_file")
               if hasattr(args, n)}
-    if hasattr(args, "prefix_cache_file"):
-        if getattr(args, "tensor_parallel", 1) > 1:
-            raise ValueError("--prefix-cache-file does not combine with --tensor-parallel (each rank holds a "
-                             "share of every block); drop one of them")
-        if not getattr(args, "enable_prefix_caching", True):
-            raise ValueError("--prefix-cache-file keeps the prefix cache, and --no-prefix-caching turns it off; "
-                             "drop one of them")
+    if hasattr(args, "prefix_cache_file") and not getattr(args, "enable_prefix_caching", True):
+        raise ValueError("--prefix-cache-file keeps the prefix cache, and --no-prefix-caching turns it off; "
+                         "drop one of them")
     keys = getattr(args, "api_keys", None) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
     if keys:
         server["api_keys"] = tuple(keys)

@@ -28,7 +28,12 @@ host's memory is ever held whole. The write goes to a temporary file beside ``pa
 into place under a lock (as :func:`kvtier.caches.persist.save_cache`); the read checks every
 checksum before the engine's books take a block, so a damaged file changes nothing.
 
-Tensor-parallel engines (each rank holds its share of every block) are not saved or loaded.
+Tensor parallelism: each rank holds a share of every block (its KV heads), so each writes its
+own file, rank 0 to ``path`` and rank ``R`` to :func:`rank_path` (``prefixes.rank1.safetensors``
+beside ``prefixes.safetensors``), all of the same blocks in the same order; the books are rank
+0's. A load checks every rank's file (its header and fingerprint: its shard's weights and
+pages, its rank and the world size; its hashes against rank 0's) and its checksums before rank
+0's books take a block, and a save writes nothing before every rank's path is checked.
 
 Example::
 
@@ -49,13 +54,15 @@ import zlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from kvtier.caches.paged_shared import to_device
 from kvtier.caches.persist import PREFIX_FORMAT, check_save_path, save_lock
 from kvtier.serve.offload import block_tensors
 
-__all__ = ["fingerprint", "load_prefix_cache", "load_prefix_file", "save_prefix_cache", "save_prefix_file"]
+__all__ = ["fingerprint", "load_prefix_cache", "load_prefix_file", "rank_path", "save_prefix_cache",
+           "save_prefix_file"]
 
 FORMAT_VERSION = 1
 #: blocks of one tensor copied at a time
@@ -68,15 +75,40 @@ _NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
           torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
-def _runner(engine):
-    runner = engine.runner
-    if not hasattr(runner, "caches"):  # (a BroadcastRunner: every rank holds a share of each block)
-        raise ValueError("the prefix cache of a tensor-parallel engine cannot be saved or loaded (each rank "
-                         "holds a share of every block); drop --prefix-cache-file or --tensor-parallel")
+def _checked(engine):
+    """``engine``'s runner (a :class:`~kvtier.parallel.serve.BroadcastRunner` under tensor parallelism)."""
     if not engine.block_manager.enable_prefix_caching:
         raise ValueError("prefix caching is off, so there is no prefix cache to save or load; drop "
                          "--no-prefix-caching (enable_prefix_caching=False)")
-    return runner
+    return engine.runner
+
+
+def _local(runner):
+    """This process's :class:`~kvtier.serve.runner.ModelRunner`."""
+    return runner.runner if hasattr(runner, "on_every_rank") else runner
+
+
+def _rank() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def rank_path(path: str | os.PathLike, rank: int) -> Path:
+    """The file of ``rank``'s share of the blocks: ``path`` for rank 0, else ``.rankR`` before its
+    suffix (``prefixes.safetensors`` -> ``prefixes.rank1.safetensors``)."""
+    path = Path(path)
+    return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def _everywhere(runner, fn, *args) -> list:
+    """``fn(local runner, *args)`` on every rank (one process: here); the results by rank, or a
+    ``ValueError`` naming a rank whose call raised."""
+    if not hasattr(runner, "on_every_rank"):
+        return [fn(runner, *args)]
+    answers = runner.on_every_rank(fn, *args)
+    failed = [f"rank {r}: {value}" for r, (ok, value) in enumerate(answers) if not ok]
+    if failed:
+        raise ValueError("; ".join(failed))
+    return [value for _, value in answers]
 
 
 def _pool(runner) -> list[torch.Tensor]:
@@ -96,23 +128,35 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
-def fingerprint(engine) -> dict:
-    """What must match for ``engine`` to use another engine's blocks (the module docstring)."""
+def _engine_fingerprint(engine) -> dict:
+    config = engine.config
+    return {"block_size": config.block_size, "turboquant": repr(config.turboquant),
+            "batch_invariant": config.batch_invariant}
+
+
+def _runner_fingerprint(runner) -> dict:
+    """The parts of a fingerprint each rank knows of its own: its shard, its pages."""
     from kvtier.model.linear import prefill_dtype_in_effect
 
-    runner, model, config = _runner(engine), engine.model, engine.config
+    model = runner.model
+    rank, world = _rank()
     return {
         "model": json.loads(json.dumps(dataclasses.asdict(model.args), default=str)),
         "weights": weights_digest(model),
-        "dtype": str(next(model.parameters()).dtype),
-        "device": engine.device.type,
-        "block_size": config.block_size,
+        "dtype": str(runner.dtype),
+        "device": runner.device.type,
         "storage": runner.storage_mode,
-        "turboquant": repr(config.turboquant),
         "tensors": [[str(t.dtype), list(t.shape[1:])] for t in _pool(runner)],
         "prefill_dtype": str(prefill_dtype_in_effect(model)),
-        "batch_invariant": config.batch_invariant,
+        "rank": rank,
+        "world_size": world,
     }
+
+
+def fingerprint(engine) -> dict:
+    """What must match for ``engine`` to use another engine's blocks (the module docstring); of
+    rank 0's share under tensor parallelism."""
+    return _engine_fingerprint(engine) | _runner_fingerprint(_local(_checked(engine)))
 
 
 def _header_crc(meta: dict[str, str]) -> str:
@@ -124,20 +168,33 @@ def _bytes(t: torch.Tensor):
 
 
 def save_prefix_cache(engine, path: str | os.PathLike) -> int:
-    """Write every block ``engine``'s prefix cache holds (pool and host tier) to ``path``;
-    returns how many (none cached: 0, and ``path`` is left as it is). The engine must not be stepping meanwhile (a server's loop stopped).
-    ``path`` as for :func:`~kvtier.caches.persist.save_cache`: a new file or a kvtier cache,
-    replaced atomically; a ``ValueError`` names what is wrong, and nothing is written."""
-    runner, bm = _runner(engine), engine.block_manager
-    target = check_save_path(path)
+    """Write every block ``engine``'s prefix cache holds (pool and host tier) to ``path`` (and,
+    under tensor parallelism, each other rank's share to :func:`rank_path`); returns how many
+    (none cached: 0, and the files are left as they are). The engine must not be stepping
+    meanwhile (a server's loop stopped). ``path`` as for :func:`~kvtier.caches.persist.save_cache`:
+    a new file or a kvtier cache, replaced atomically; a ``ValueError`` names what is wrong, and
+    no rank writes anything when a rank's path is refused."""
+    runner, bm = _checked(engine), engine.block_manager
+    _everywhere(runner, _check_path, str(path))
     if not bm.num_cached_blocks and not bm.host_figures()["host_cached_blocks"]:
         return 0  # (an empty cache does not replace a file of blocks another configuration saved)
-    copies = bm.take_copies()
-    if copies:  # saves to the host and loads the books counted as done, but not yet run
+    copies = bm.take_copies()  # saves to the host and loads the books count as done, but not yet run
+    entries = bm.cached_entries()
+    _everywhere(runner, _write, str(path), _engine_fingerprint(engine), copies, entries)
+    return len(entries)
+
+
+def _check_path(runner, path: str) -> None:
+    check_save_path(rank_path(path, _rank()[0]))
+
+
+def _write(runner, path: str, engine_fp: dict, copies, entries) -> None:
+    """This rank's share of ``entries`` (``(hash, "pool" | "host", index)``), after the queued ``copies``."""
+    if copies:
         runner.host.apply(copies)
     if runner.host is not None and runner.host.cuda:
         torch.cuda.synchronize(runner.host.device)  # the host reads its slots below: every save landed
-    entries = bm.cached_entries()
+    target = check_save_path(rank_path(path, _rank()[0]))
     pool = _pool(runner)
     missing = sorted({str(t.dtype) for t in pool if t.dtype not in _NAMES})
     if missing:
@@ -147,7 +204,7 @@ def save_prefix_cache(engine, path: str | os.PathLike) -> int:
     shapes = [list(hashes.shape)] + [[len(entries), *t.shape[1:]] for t in pool]
     dtypes = [torch.uint8] + [t.dtype for t in pool]
     meta = {"format": PREFIX_FORMAT, "format_version": str(FORMAT_VERSION), "blocks": str(len(entries)),
-            "fingerprint": json.dumps(fingerprint(engine), sort_keys=True)}
+            "fingerprint": json.dumps(engine_fp | _runner_fingerprint(runner), sort_keys=True)}
     meta["header_crc"] = _header_crc(meta)
     header, offset = {"__metadata__": meta}, 0
     for name, shape, dtype in [*zip(names, shapes, dtypes), ("crc", [len(names)], torch.int64)]:
@@ -178,7 +235,6 @@ def save_prefix_cache(engine, path: str | os.PathLike) -> int:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-    return len(entries)
 
 
 def _gather(entries, dev: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
@@ -207,25 +263,45 @@ def _differences(saved: dict, ours: dict) -> list[str]:
 
 
 def load_prefix_cache(engine, path: str | os.PathLike) -> dict[str, int]:
-    """Fill ``engine``'s empty prefix cache with the blocks of ``path`` (the module docstring).
+    """Fill ``engine``'s empty prefix cache with the blocks of ``path`` (the module docstring;
+    under tensor parallelism each rank reads its :func:`rank_path`).
 
     Returns ``blocks`` (in the file), ``pool`` and ``host`` (where they went) and ``left_out``
     (that fitted nowhere). A ``ValueError`` when the engine serves or caches anything already,
-    or the file is not one of this engine's fingerprint or is damaged (naming what); then the
+    or a file is not one of this engine's fingerprint or is damaged (naming what); then the
     engine's books are as before."""
-    runner, bm = _runner(engine), engine.block_manager
-    path = Path(path)
+    runner, bm = _checked(engine), engine.block_manager
     if engine.has_unfinished() or bm.num_used_blocks or bm.num_cached_blocks or bm.host_figures()["host_cached_blocks"]:
         raise ValueError("load a prefix cache file into an idle engine whose prefix cache is empty "
                          "(before serving, or after its block_manager.reset_prefix_cache())")
+    engine_fp = _engine_fingerprint(engine)
+    hashes = _opened(_local(runner), str(path), engine_fp, _hashes)  # rank 0's file decides what goes where
+    n = len(hashes)
+    free, empty = bm.free_places()
+    keep = min(n, len(free) + len(empty))
+    to_pool = min(keep, len(free))  # the most recently used blocks: the pool's
+    first = n - keep  # row i >= first goes to places[i - first]
+    places = [("host", empty[i]) for i in range(keep - to_pool)] + [("pool", free[i]) for i in range(to_pool)]
+    digest = hashlib.sha256(b"".join(hashes)).hexdigest()
+    _everywhere(runner, _read, str(path), engine_fp, places, first, digest)
+    kept = list(zip(hashes[first:], places))
+    bm.adopt([(h, i) for h, (w, i) in kept if w == "pool"], [(h, i) for h, (w, i) in kept if w == "host"])
+    return {"blocks": n, "pool": to_pool, "host": keep - to_pool, "left_out": first}
+
+
+def _opened(runner, path: str, engine_fp: dict, fn, *args):
+    """``fn(runner, f, file, *args)`` on this rank's file ``f`` once its header, fingerprint,
+    tensors and hashes are checked; a ``ValueError`` naming the file otherwise."""
+    file = rank_path(path, _rank()[0])
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return _load(engine, runner, bm, f, path)
+        with safe_open(str(file), framework="pt") as f:
+            return fn(runner, f, file, _checked_file(runner, f, file, engine_fp), *args)
     except (SafetensorError, OSError) as e:
-        raise _refusal(path, f"{type(e).__name__}: {e}") from None
+        raise _refusal(file, f"{type(e).__name__}: {e}") from None
 
 
-def _load(engine, runner, bm, f, path: Path) -> dict[str, int]:
+def _checked_file(runner, f, path: Path, engine_fp: dict) -> list[bytes]:
+    """The hashes of an open file whose header, fingerprint and tensors are this rank's."""
     meta = f.metadata() or {}
     if meta.get("format") != PREFIX_FORMAT:
         raise _refusal(path, f"its format is {meta.get('format')!r}, not {PREFIX_FORMAT!r}")
@@ -237,7 +313,7 @@ def _load(engine, runner, bm, f, path: Path) -> dict[str, int]:
         saved, n = json.loads(meta["fingerprint"]), int(meta["blocks"])
     except ValueError as e:
         raise _refusal(path, f"its header is damaged ({e})") from None
-    ours = fingerprint(engine)
+    ours = engine_fp | _runner_fingerprint(runner)
     if saved != ours:
         raise _refusal(path, "it was saved by another model or cache layout: " + "; ".join(_differences(saved, ours)))
     pool = _pool(runner)
@@ -255,13 +331,24 @@ def _load(engine, runner, bm, f, path: Path) -> dict[str, int]:
     hashes = [bytes(h) for h in hashes.tolist()]
     if len(set(hashes)) != n:
         raise _refusal(path, "a hash comes twice (the file is damaged)")
-    free, empty = bm.free_places()
-    keep = min(n, len(free) + len(empty))
-    to_pool = min(keep, len(free))  # the most recently used blocks: the pool's
-    first = n - keep
-    # row i >= first: the pool's block free[i - first - (keep - to_pool)] or the host's slot
-    places = [("host", empty[i]) for i in range(keep - to_pool)] + [("pool", free[i]) for i in range(to_pool)]
-    for j, dev in enumerate(pool):
+    return hashes
+
+
+def _hashes(runner, f, path: Path, hashes: list[bytes]) -> list[bytes]:
+    return hashes
+
+
+def _read(runner, path: str, engine_fp: dict, places, first: int, digest: str) -> None:
+    _opened(runner, path, engine_fp, _fill, places, first, digest)
+
+
+def _fill(runner, f, path: Path, hashes: list[bytes], places, first: int, digest: str) -> None:
+    """Rows ``first ..`` of this rank's file into ``places`` (``("pool" | "host", index)``), every
+    tensor's checksum checked; its hashes must be rank 0's (``digest``)."""
+    if hashlib.sha256(b"".join(hashes)).hexdigest() != digest:
+        raise _refusal(path, "its blocks are not those of rank 0's file (the files come from different saves)")
+    n, crcs = len(hashes), f.get_tensor("crc").tolist()
+    for j, dev in enumerate(_pool(runner)):
         host = runner.host.slots[j] if runner.host is not None else None
         crc, sl = 0, f.get_slice(f"t{j}")
         for a in range(0, n, CHUNK):
@@ -276,9 +363,6 @@ def _load(engine, runner, bm, f, path: Path) -> dict[str, int]:
                     dst.index_copy_(0, to_device(index, dst.device), rows[torch.tensor(at) - a].to(dst.device))
         if crc != crcs[j + 1]:
             raise _refusal(path, f"tensor t{j} fails its checksum (the file is damaged)")
-    kept = list(zip(hashes[first:], places))
-    bm.adopt([(h, i) for h, (w, i) in kept if w == "pool"], [(h, i) for h, (w, i) in kept if w == "host"])
-    return {"blocks": n, "pool": to_pool, "host": keep - to_pool, "left_out": first}
 
 
 # -- the server's side: a line on stderr, never an exception ---------------------------------------
@@ -313,8 +397,11 @@ def save_prefix_file(engine, path: str | os.PathLike) -> int | None:
         print(f"[kvtier] the prefix cache was not saved to {path}: {e}", file=sys.stderr, flush=True)
         return None
     if n:
-        print(f"[kvtier] saved {n} cached blocks to {path} ({os.path.getsize(path) / 2**20:.1f} MiB) in "
-              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        world = _rank()[1] if hasattr(engine.runner, "on_every_rank") else 1
+        files = [f for f in (rank_path(path, r) for r in range(world)) if f.is_file()]  # (this host's)
+        beside = f" and {len(files) - 1} rank files beside it" if len(files) > 1 else ""
+        print(f"[kvtier] saved {n} cached blocks to {path}{beside} ({sum(f.stat().st_size for f in files) / 2**20:.1f} "
+              f"MiB{' in all' if beside else ''}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     else:
         print(f"[kvtier] nothing cached: {path} left as it was", file=sys.stderr, flush=True)
     return n
