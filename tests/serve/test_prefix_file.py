@@ -19,7 +19,13 @@ from kvtier.serve.engine import EngineConfig, LLMEngine
 from kvtier.serve.offload import block_tensors
 from kvtier.serve.params import RequestParams
 from kvtier.serve.prefix import BlockManager, chain_hash
-from kvtier.serve.prefix_file import CHUNK, load_prefix_cache, save_prefix_cache
+from kvtier.serve.prefix_file import (
+    CHUNK,
+    _header_crc,
+    load_prefix_cache,
+    load_prefix_file,
+    save_prefix_cache,
+)
 
 ARGS = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=300,
                  max_position_embeddings=2048)  # (head_dim 64: every codec serves)
@@ -245,7 +251,7 @@ def test_refusals_before_anything_is_read_or_written(tmp_path) -> None:
     engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
     text = tmp_path / "notes.txt"
     text.write_text("my notes")
-    with pytest.raises(ValueError, match="exists and is not a kvtier cache file"):
+    with pytest.raises(ValueError, match="exists and is not a kvtier prefix cache file"):
         save_prefix_cache(engine, text)
     assert text.read_text() == "my notes"
     with pytest.raises(ValueError, match="does not exist; create it first"):
@@ -260,8 +266,95 @@ def test_refusals_before_anything_is_read_or_written(tmp_path) -> None:
         load_prefix_cache(engine, tmp_path / "p.safetensors")
 
 
+def _resealed(path, tmp_path, **changes):
+    """``path`` with header metadata fields changed and the header's checksum made right again
+    (a crafted file: the checksum guards against damage, not against an author)."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    meta = header["__metadata__"] | changes
+    meta["header_crc"] = _header_crc(meta)
+    header["__metadata__"] = meta
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    out = tmp_path / "crafted.safetensors"
+    out.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size :])
+    return out
+
+
+@pytest.mark.parametrize("fingerprint", ['["a", "b"]', '"x"', "3", "null", "[" * 100000])
+def test_a_crafted_fingerprint_is_a_damaged_header_and_the_server_starts_empty(tmp_path, capsys, fingerprint) -> None:
+    model = tiny()
+    engine = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+    engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
+    path = tmp_path / "p.safetensors"
+    save_prefix_cache(engine, path)
+    crafted = _resealed(path, tmp_path, fingerprint=fingerprint)
+    other = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+    with pytest.raises(ValueError, match="its header is damaged"):
+        load_prefix_cache(other, crafted)
+    assert load_prefix_file(other, crafted) is None and other.stats()["cached_blocks"] == 0
+    assert "its header is damaged" in capsys.readouterr().err
+
+
+def test_a_file_of_another_configuration_or_kind_is_never_written_over(tmp_path) -> None:
+    """A prefix file another configuration saved, a prompt cache given as a prefix file and a
+    prefix file given as a prompt cache are refused before anything is written."""
+    from kvtier.caches.paged import PagedKVCache
+    from kvtier.caches.persist import save_cache
+
+    model = tiny()
+    params = RequestParams(max_tokens=2, ignore_eos=True)
+    fp = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+    fp.generate(prompts(1, 30), params)
+    path = tmp_path / "p.safetensors"
+    save_prefix_cache(fp, path)
+    data = path.read_bytes()
+    q8 = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4, kv_quant="q8"))
+    q8.generate(prompts(1, 30), params)
+    with pytest.raises(ValueError, match='holds the blocks of another model or cache layout .*storage "fp" '
+                                         r'\(this engine: "q8"\).*pass another path, or delete the file first'):
+        save_prefix_cache(q8, path)
+    assert path.read_bytes() == data
+    prompt = tmp_path / "prompt.safetensors"
+    save_cache(prompt, [PagedKVCache()])
+    with pytest.raises(ValueError, match="exists and is not a kvtier prefix cache file"):
+        save_prefix_cache(fp, prompt)
+    with pytest.raises(ValueError, match="exists and is not a kvtier cache file"):
+        save_cache(path, [PagedKVCache()])
+    assert path.read_bytes() == data
+
+
+def test_the_file_is_the_owners_alone_unless_it_was_opened_up(tmp_path) -> None:
+    engine = LLMEngine(tiny(), None, EngineConfig(num_blocks=40, block_size=4))
+    engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
+    path = tmp_path / "p.safetensors"
+    save_prefix_cache(engine, path)
+    assert path.stat().st_mode & 0o777 == 0o600  # every user's prompts, as keys and values
+    path.chmod(0o640)
+    save_prefix_cache(engine, path)
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_folder_or_a_crc_of_another_dtype_is_refused(tmp_path) -> None:
+    model = tiny()
+    engine = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+    with pytest.raises(ValueError, match="it is not a regular file"):
+        load_prefix_cache(engine, tmp_path)
+    engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
+    path = tmp_path / "p.safetensors"
+    save_prefix_cache(engine, path)
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    text = raw[8 : 8 + size].replace(b'"crc":{"dtype":"I64"', b'"crc":{"dtype":"U64"')
+    crafted = tmp_path / "u64.safetensors"
+    crafted.write_bytes(raw[:8] + text + raw[8 + size :])
+    with pytest.raises(ValueError, match=r"its crc tensor is U64 \[\d+\], not I64"):
+        load_prefix_cache(LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4)), crafted)
+
+
 @pytest.mark.parametrize("value, words", [("", "must be a path or None"), (3, "must be a path or None"),
-                                          (__file__, "exists and is not a kvtier cache file")])
+                                          (__file__, "exists and is not a kvtier prefix cache file")])
 def test_the_server_config_refuses_a_prefix_cache_file_it_could_not_write(value, words) -> None:
     with pytest.raises(ValueError, match=words):
         ServerConfig(prefix_cache_file=value)

@@ -42,7 +42,8 @@ from server_support import free_port, metrics, model_name, running_server, settl
     (["--kv-offload-memory", "0"], "kv_offload_gib (--kv-offload-memory) must be a number of GiB > 0 (below 2**40) or None (the default), got 0.0"),
     (["--kv-offload-memory", "1", "--no-prefix-caching"], "kv_offload_gib offloads cached prefixes, and prefix "
      "caching is off"),
-    (["--prefix-cache-file", __file__], "exists and is not a kvtier cache file; saving would overwrite it"),
+    (["--prefix-cache-file", __file__], "exists and is not a kvtier prefix cache file (kvtier serve "
+     "--prefix-cache-file); saving would overwrite it"),
     (["--prefix-cache-file", "/nonexistent/dir/p.safetensors"], "its folder /nonexistent/dir does not exist"),
     (["--prefix-cache-file", "p.safetensors", "--no-prefix-caching"], "--prefix-cache-file keeps the prefix "
      "cache, and --no-prefix-caching turns it off"),

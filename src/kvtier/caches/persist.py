@@ -82,11 +82,12 @@ def _header_crc(header: dict[str, str]) -> str:
     return str(zlib.crc32(json.dumps({k: header[k] for k in HEADER_FIELDS}, sort_keys=True).encode()))
 
 
-def is_cache_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` opens as a safetensors file whose header names this format or
-    :data:`PREFIX_FORMAT` (of any version; its tensors and checksums are not read), or whose
-    damaged or cut-short header still holds either format's or a prompt cache's mark. The header is read by hand: ``safe_open`` also
-    checks the tensors' extent, and a cache cut short past its header is still one."""
+def is_cache_file(path: str | os.PathLike, fmt: str = FORMAT) -> bool:
+    """Whether ``path`` opens as a safetensors file whose header names format ``fmt`` (this
+    module's, or :data:`PREFIX_FORMAT`; of any version; its tensors and checksums are not read),
+    or whose damaged or cut-short header still holds that format's mark (or, for this format, a
+    prompt cache's). The header is read by hand: ``safe_open`` also checks the tensors' extent,
+    and a cache cut short past its header is still one."""
     try:
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
@@ -96,28 +97,30 @@ def is_cache_file(path: str | os.PathLike) -> bool:
     except OSError:
         return False
     try:
-        if json.loads(raw).get("__metadata__", {}).get("format") in (FORMAT, PREFIX_FORMAT):
+        if json.loads(raw).get("__metadata__", {}).get("format") == fmt:
             return True
     except (ValueError, AttributeError):  # (UnicodeDecodeError and JSON errors are ValueErrors)
         pass
     # a header damaged or cut short: still ours where it names the format or a prompt cache
-    return any(mark in raw for mark in _MARKS)
+    return any(mark in raw for mark in _MARKS.get(fmt, ()))
 
 
 #: what a kvtier cache's header holds (its format, a prompt cache's record, a layer's state, the
 #: tensors' checksums: each at the start of a value, which come in no fixed order), found in one
-#: whose JSON no longer parses
-_MARKS = (f'"format":"{FORMAT}"'.encode(), f'"format":"{PREFIX_FORMAT}"'.encode(),
-          b'\\"kvtier.prompt_cache\\"', b'{\\"meta_state\\": {\\"tier\\": \\"',
-          b'"checksums":"{\\"layer0.')
+#: whose JSON no longer parses; a prefix cache file's header names its format
+_MARKS = {FORMAT: (f'"format":"{FORMAT}"'.encode(), b'\\"kvtier.prompt_cache\\"',
+                   b'{\\"meta_state\\": {\\"tier\\": \\"', b'"checksums":"{\\"layer0.'),
+          PREFIX_FORMAT: (f'"format":"{PREFIX_FORMAT}"'.encode(),)}
+#: what a file of each format is called in an error
+_KINDS = {FORMAT: "kvtier cache file", PREFIX_FORMAT: "kvtier prefix cache file (kvtier serve --prefix-cache-file)"}
 
 
-def check_save_path(path: str | os.PathLike) -> Path:
+def check_save_path(path: str | os.PathLike, fmt: str = FORMAT) -> Path:
     """The regular file that saving to ``path`` replaces: ``path``, or the file its symlink names.
 
     Raises ``ValueError`` (and touches nothing) when ``path`` names a directory, a
     device, a FIFO or a socket, or a symlink to one; when it is a dangling symlink;
-    when it is a file of something else (not empty and not a kvtier cache of any
+    when it is a file of something else (not empty and not a file of format ``fmt``, of any
     version: :func:`is_cache_file`), which saving would overwrite; and when its folder
     is missing or not writable (folders are never created).
     """
@@ -137,8 +140,8 @@ def check_save_path(path: str | os.PathLike) -> Path:
         raise ValueError(f"{path} is a {kind}{via}, not a regular file; caches are saved only to "
                          "regular files: pass a file path such as prompt.safetensors")
     target = Path(os.path.realpath(path)) if path.is_symlink() else path
-    if st is not None and st.st_size > 0 and not is_cache_file(target):
-        raise ValueError(f"{path} exists and is not a kvtier cache file; saving would overwrite it: "
+    if st is not None and st.st_size > 0 and not is_cache_file(target, fmt):
+        raise ValueError(f"{path} exists and is not a {_KINDS[fmt]}; saving would overwrite it: "
                          "pass another path, or delete the file first")
     folder = target.parent
     if not folder.is_dir():

@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import json
 import math
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -54,7 +55,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from kvtier.caches.persist import check_save_path
+from kvtier.caches.persist import PREFIX_FORMAT, check_save_path
 from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvtier.serve.middleware import ApiKeys, BodyLimit, unread_body
@@ -161,8 +162,9 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout_s must be a number of seconds >= 0 or None, got {t!r}")
         if self.prefix_cache_file is not None:
             if not isinstance(self.prefix_cache_file, str) or not self.prefix_cache_file:
-                raise ValueError(f"prefix_cache_file must be a path or None, got {self.prefix_cache_file!r}")
-            check_save_path(self.prefix_cache_file)  # (a file the server may write when it stops)
+                raise ValueError(f"prefix_cache_file (--prefix-cache-file) must be a path or None, got "
+                                 f"{self.prefix_cache_file!r}")
+            check_save_path(self.prefix_cache_file, PREFIX_FORMAT)  # (a file the server may write when it stops)
 
 
 def encode_bounded(tokenizer, text: str, max_tokens: int, *, add_bos: bool | None = None) -> list[int]:
@@ -196,8 +198,12 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     async def lifespan(app: FastAPI):
         engine.start()
         yield
-        if engine.shutdown() and config.prefix_cache_file is not None:
+        stopped = engine.shutdown()
+        if config.prefix_cache_file is not None and stopped:
             save_prefix_file(engine.engine, config.prefix_cache_file)
+        elif config.prefix_cache_file is not None:
+            print(f"[kvtier] the prefix cache was not saved to {config.prefix_cache_file}: a step was still "
+                  "running when the server stopped", file=sys.stderr, flush=True)
 
     app = FastAPI(title="kvtier", lifespan=lifespan, redirect_slashes=False)  # (a 404, not a bare 307)
     app.add_middleware(BodyLimit, limit=config.max_request_bytes)

@@ -48,6 +48,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 import sys
 import time
 import zlib
@@ -136,6 +137,7 @@ def _engine_fingerprint(engine) -> dict:
 
 def _runner_fingerprint(runner) -> dict:
     """The parts of a fingerprint each rank knows of its own: its shard, its pages."""
+    from kvtier.model.act_quant import act_quant_of
     from kvtier.model.linear import prefill_dtype_in_effect
 
     model = runner.model
@@ -148,6 +150,8 @@ def _runner_fingerprint(runner) -> dict:
         "storage": runner.storage_mode,
         "tensors": [[str(t.dtype), list(t.shape[1:])] for t in _pool(runner)],
         "prefill_dtype": str(prefill_dtype_in_effect(model)),
+        "act_quant": act_quant_of(model),
+        "gpu": torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else None,
         "rank": rank,
         "world_size": world,
     }
@@ -175,17 +179,30 @@ def save_prefix_cache(engine, path: str | os.PathLike) -> int:
     a new file or a kvtier cache, replaced atomically; a ``ValueError`` names what is wrong, and
     no rank writes anything when a rank's path is refused."""
     runner, bm = _checked(engine), engine.block_manager
-    _everywhere(runner, _check_path, str(path))
+    engine_fp = _engine_fingerprint(engine)
+    _everywhere(runner, _check_path, str(path), engine_fp)
     if not bm.num_cached_blocks and not bm.host_figures()["host_cached_blocks"]:
-        return 0  # (an empty cache does not replace a file of blocks another configuration saved)
+        return 0  # (an empty cache does not replace a file of blocks)
     copies = bm.take_copies()  # saves to the host and loads the books count as done, but not yet run
     entries = bm.cached_entries()
-    _everywhere(runner, _write, str(path), _engine_fingerprint(engine), copies, entries)
+    _everywhere(runner, _write, str(path), engine_fp, copies, entries)
     return len(entries)
 
 
-def _check_path(runner, path: str) -> None:
-    check_save_path(rank_path(path, _rank()[0]))
+def _check_path(runner, path: str, engine_fp: dict) -> None:
+    """This rank's file may be written: a new or empty file, a damaged one, or a prefix cache
+    file of this rank's fingerprint (never another configuration's blocks)."""
+    target = check_save_path(rank_path(path, _rank()[0]), PREFIX_FORMAT)
+    try:
+        with safe_open(str(target), framework="pt") as f:
+            saved = json.loads((f.metadata() or {})["fingerprint"])
+    except Exception:  # (absent, empty or damaged: nothing worth keeping)
+        return
+    ours = engine_fp | _runner_fingerprint(runner)
+    if isinstance(saved, dict) and saved != ours:
+        raise ValueError(f"{target} holds the blocks of another model or cache layout ("
+                         + "; ".join(_differences(saved, ours)) + "), which saving would overwrite: pass "
+                         "another path, or delete the file first")
 
 
 def _write(runner, path: str, engine_fp: dict, copies, entries) -> None:
@@ -194,7 +211,7 @@ def _write(runner, path: str, engine_fp: dict, copies, entries) -> None:
         runner.host.apply(copies)
     if runner.host is not None and runner.host.cuda:
         torch.cuda.synchronize(runner.host.device)  # the host reads its slots below: every save landed
-    target = check_save_path(rank_path(path, _rank()[0]))
+    target = check_save_path(rank_path(path, _rank()[0]), PREFIX_FORMAT)
     pool = _pool(runner)
     missing = sorted({str(t.dtype) for t in pool if t.dtype not in _NAMES})
     if missing:
@@ -214,10 +231,13 @@ def _write(runner, path: str, engine_fp: dict, copies, entries) -> None:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     tmp = target.with_name(f".{target.name}.kvtier-tmp")
+    # the keys and values of every user's prompts: readable by the owner only, unless the file was more open
+    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o600
     with save_lock(target):
         try:
             tmp.unlink(missing_ok=True)
-            with open(tmp, "xb") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
+                os.fchmod(f.fileno(), mode)  # (the umask narrowed it)
                 f.write(len(raw).to_bytes(8, "little") + raw)
                 crcs = [zlib.crc32(_bytes(hashes))]
                 f.write(_bytes(hashes))
@@ -246,6 +266,10 @@ def _gather(entries, dev: torch.Tensor, host: torch.Tensor | None) -> torch.Tens
             index = torch.tensor([entries[i][2] for i in at])
             rows[torch.tensor(at)] = src.index_select(0, to_device(index, src.device)).cpu()
     return rows
+
+
+class PrefixFileMismatch(ValueError):
+    """A prefix cache file of another fingerprint: blocks another configuration computed."""
 
 
 def _refusal(path: Path, why: str) -> ValueError:
@@ -293,6 +317,8 @@ def _opened(runner, path: str, engine_fp: dict, fn, *args):
     """``fn(runner, f, file, *args)`` on this rank's file ``f`` once its header, fingerprint,
     tensors and hashes are checked; a ``ValueError`` naming the file otherwise."""
     file = rank_path(path, _rank()[0])
+    if file.exists() and not file.is_file():
+        raise _refusal(file, "it is not a regular file")
     try:
         with safe_open(str(file), framework="pt") as f:
             return fn(runner, f, file, _checked_file(runner, f, file, engine_fp), *args)
@@ -311,15 +337,22 @@ def _checked_file(runner, f, path: Path, engine_fp: dict) -> list[bytes]:
         raise _refusal(path, "its header fails its checksum (the file is damaged)")
     try:
         saved, n = json.loads(meta["fingerprint"]), int(meta["blocks"])
-    except ValueError as e:
-        raise _refusal(path, f"its header is damaged ({e})") from None
+    except (ValueError, RecursionError) as e:  # (RecursionError: JSON nested too deeply)
+        raise _refusal(path, f"its header is damaged ({type(e).__name__})") from None
+    if not isinstance(saved, dict) or n < 0:
+        raise _refusal(path, "its header is damaged (a fingerprint that is no JSON object, or blocks < 0)")
     ours = engine_fp | _runner_fingerprint(runner)
     if saved != ours:
-        raise _refusal(path, "it was saved by another model or cache layout: " + "; ".join(_differences(saved, ours)))
+        raise PrefixFileMismatch(f"the prefix cache file {path} cannot be loaded: it was saved by another model or "
+                                 "cache layout: " + "; ".join(_differences(saved, ours)))
     pool = _pool(runner)
     names = ["hashes", *(f"t{j}" for j in range(len(pool)))]
-    if set(f.keys()) != {*names, "crc"} or f.get_slice("crc").get_shape() != [len(names)]:
+    if set(f.keys()) != {*names, "crc"}:
         raise _refusal(path, f"its tensors {sorted(f.keys())} are not {names} and crc (the file is damaged)")
+    crc = f.get_slice("crc")
+    if crc.get_shape() != [len(names)] or crc.get_dtype() != "I64":
+        raise _refusal(path, f"its crc tensor is {crc.get_dtype()} {crc.get_shape()}, not I64 [{len(names)}] "
+                             "(the file is damaged)")
     for name, t in zip(names, [None, *pool]):
         want = [n, 32] if t is None else [n, *t.shape[1:]]
         if f.get_slice(name).get_shape() != want:
@@ -377,15 +410,24 @@ def load_prefix_file(engine, path: str | os.PathLike) -> dict[str, int] | None:
     t0 = time.perf_counter()
     try:
         got = load_prefix_cache(engine, path)
-    except ValueError as e:
-        print(f"[kvtier] {e}; the prefix cache starts empty (the file is replaced when the server stops)",
+    except PrefixFileMismatch as e:
+        print(f"[kvtier] {e}; the prefix cache starts empty, and this server will not write over the file "
+              "(pass another --prefix-cache-file to keep its cache too)", file=sys.stderr, flush=True)
+        return None
+    except Exception as e:  # (a file this code did not foresee: never a server that does not start)
+        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        print(f"[kvtier] {why}; the prefix cache starts empty (the file is replaced when the server stops)",
               file=sys.stderr, flush=True)
         return None
     left = f", {got['left_out']} least recently used left out" if got["left_out"] else ""
-    print(f"[kvtier] loaded {got['blocks'] - got['left_out']} cached blocks from {path} in "
+    print(f"[kvtier] loaded {_blocks(got['blocks'] - got['left_out'])} from {path} in "
           f"{time.perf_counter() - t0:.1f} s ({got['pool']} in the pool, {got['host']} in host memory{left})",
           file=sys.stderr, flush=True)
     return got
+
+
+def _blocks(n: int) -> str:
+    return f"{n} cached block{'' if n == 1 else 's'}"
 
 
 def save_prefix_file(engine, path: str | os.PathLike) -> int | None:
@@ -393,14 +435,15 @@ def save_prefix_file(engine, path: str | os.PathLike) -> int | None:
     t0 = time.perf_counter()
     try:
         n = save_prefix_cache(engine, path)
-    except (ValueError, OSError) as e:
-        print(f"[kvtier] the prefix cache was not saved to {path}: {e}", file=sys.stderr, flush=True)
+    except Exception as e:  # (a stopping server prints why, and stops)
+        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        print(f"[kvtier] the prefix cache was not saved to {path}: {why}", file=sys.stderr, flush=True)
         return None
     if n:
         world = _rank()[1] if hasattr(engine.runner, "on_every_rank") else 1
         files = [f for f in (rank_path(path, r) for r in range(world)) if f.is_file()]  # (this host's)
         beside = f" and {len(files) - 1} rank files beside it" if len(files) > 1 else ""
-        print(f"[kvtier] saved {n} cached blocks to {path}{beside} ({sum(f.stat().st_size for f in files) / 2**20:.1f} "
+        print(f"[kvtier] saved {_blocks(n)} to {path}{beside} ({sum(f.stat().st_size for f in files) / 2**20:.1f} "
               f"MiB{' in all' if beside else ''}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     else:
         print(f"[kvtier] nothing cached: {path} left as it was", file=sys.stderr, flush=True)
