@@ -78,11 +78,38 @@ def _documents(tok, n: int, tokens: int, seed: int) -> list[str]:
             for d in range(n)]
 
 
-def _run(model, tokenizer, prompts: list[list[int]], concurrency: int, config, max_tokens: int) -> dict:
-    from kvtier.serve.engine import LLMEngine
+def workload(args: argparse.Namespace, device: str, rounds: int):
+    """``(model, tokenizer, label, prompts)``: ``--documents`` documents as system prompts, and
+    ``prompts[r]`` every document's question ``r``. The default model and its chats, or with
+    ``--arch`` random weights of that shape and random token ids (12 of them a question; no
+    tokenizer, nor the default model, needed)."""
+    from kvtier.model import load_model
+
+    if args.arch is None:
+        lm = load_model(device=device, progress=False)
+        tok = lm.tokenizer
+        chat = lambda doc, q: tok.encode(tok.apply_chat_template([{"role": "system", "content": doc},
+                                                                  {"role": "user", "content": q}]), add_bos=False)
+        docs = _documents(tok, args.documents, args.document_tokens, args.seed)
+        return lm.model, tok, lm.source.name, [[chat(doc, QUESTIONS[r % len(QUESTIONS)]) for doc in docs]
+                                               for r in range(rounds)]
+    from kvtier.model import build_random
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_random(args.arch, dtype=dtype, device=device)
+    rng, vocab = random.Random(args.seed), model.args.vocab_size
+    docs = [[rng.randrange(vocab) for _ in range(args.document_tokens)] for _ in range(args.documents)]
+    return model, None, f"{args.arch} (random weights), {str(dtype)[6:]}", [
+        [doc + [rng.randrange(vocab) for _ in range(12)] for doc in docs] for _ in range(rounds)]
+
+
+def ask(engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    """``prompts`` through ``engine``, ``concurrency`` at a time (greedy, ``max_tokens`` each, end of
+    sequence ignored): wall time, TTFT (mean, p90), the prompt tokens and those computed (not
+    found cached) of these requests, and every request's tokens."""
     from kvtier.serve.params import RequestParams
 
-    engine = LLMEngine(model, tokenizer, config)
+    before = engine.stats()
     params = RequestParams(max_tokens=max_tokens, ignore_eos=True)
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), concurrency):
@@ -90,10 +117,19 @@ def _run(model, tokenizer, prompts: list[list[int]], concurrency: int, config, m
     wall = time.perf_counter() - start
     s = engine.stats()
     ttft = sorted(o.first_token_time - o.arrival_time for o in outs)
+    asked = s["prompt_tokens"] - before["prompt_tokens"]
     return {"wall_s": wall, "ttft_mean_s": statistics.fmean(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-            "prompt_tokens": s["prompt_tokens"], "computed": s["prompt_tokens"] - s["prefix_hits"],
-            "host_hits": s["host_hits"], "blocks_saved": s["blocks_saved"], "num_blocks": s["num_blocks"],
-            "host_blocks": s["host_blocks"], "tokens": [list(o.token_ids) for o in outs]}
+            "prompt_tokens": asked, "computed": asked - (s["prefix_hits"] - before["prefix_hits"]),
+            "tokens": [list(o.token_ids) for o in outs]}
+
+
+def _run(model, tokenizer, prompts: list[list[int]], concurrency: int, config, max_tokens: int) -> dict:
+    from kvtier.serve.engine import LLMEngine
+
+    engine = LLMEngine(model, tokenizer, config)
+    out = ask(engine, prompts, concurrency, max_tokens)
+    s = engine.stats()
+    return out | {k: s[k] for k in ("host_hits", "blocks_saved", "num_blocks", "host_blocks")}
 
 
 def _table(title: str, rows: dict[str, dict]) -> None:
@@ -113,7 +149,6 @@ def _table(title: str, rows: dict[str, dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.model import load_model
     from kvtier.serve.engine import EngineConfig
     from kvtier.serve.runner import kv_bytes_per_block
 
@@ -125,22 +160,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         set_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.arch is None:
-        lm = load_model(device=device, progress=False)
-        tok, model, tokenizer, label = lm.tokenizer, lm.model, lm.tokenizer, lm.source.name
-        chat = lambda doc, q: tok.encode(tok.apply_chat_template([{"role": "system", "content": doc},
-                                                                  {"role": "user", "content": q}]), add_bos=False)
-        docs = _documents(tok, args.documents, args.document_tokens, args.seed)
-        prompts = [chat(doc, QUESTIONS[r % len(QUESTIONS)]) for r in range(args.rounds) for doc in docs]
-    else:  # random weights, random token ids: no tokenizer (nor the default model) needed
-        from kvtier.model import build_random
-
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model, tokenizer = build_random(args.arch, dtype=dtype, device=device), None
-        label = f"{args.arch} (random weights), {str(dtype)[6:]}"
-        rng, vocab = random.Random(args.seed), model.args.vocab_size
-        docs = [[rng.randrange(vocab) for _ in range(args.document_tokens)] for _ in range(args.documents)]
-        prompts = [doc + [rng.randrange(vocab) for _ in range(12)] for _ in range(args.rounds) for doc in docs]
+    model, tokenizer, label, rounds = workload(args, device, args.rounds)
+    prompts = [p for r in rounds for p in r]
     per_request = math.ceil((max(map(len, prompts)) + args.max_tokens) / 16)
     pool = max(math.ceil(args.pool_documents * statistics.fmean(map(len, prompts)) / 16),
                args.concurrency * per_request)
@@ -167,10 +188,15 @@ def run(args: argparse.Namespace) -> int:
     _table(f"{len(prompts)} requests: {args.documents} documents of {statistics.fmean(map(len, prompts)):.0f} "
            f"prompt tokens x {args.rounds} questions, {args.concurrency} at a time, {args.max_tokens} new tokens, "
            f"{label} on {device}", best)
+    write_json(args, device, label, best)
+    return 0 if best[HOST]["same_tokens"] else 1
+
+
+def write_json(args: argparse.Namespace, device: str, label: str, best: dict[str, dict], **more) -> None:
+    """The figures of each engine (their tokens left out), the flags and ``more`` to ``--json``'s file."""
     if args.json:
         flags = {k: v for k, v in vars(args).items() if isinstance(v, int | float | str | None)}
+        results = {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in best.items()}
         with open(args.json, "w") as f:
             json.dump({"device": device, "model": label, "threads": torch.get_num_threads(), "args": flags,
-                       "results": {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in best.items()}},
-                      f, indent=1)
-    return 0 if best[HOST]["same_tokens"] else 1
+                       **more, "results": results}, f, indent=1)

@@ -29,9 +29,7 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import random
 import statistics
 import tempfile
 import time
@@ -40,7 +38,7 @@ import torch
 
 from kvtier.devices import set_threads
 from kvtier_bench._progress import BenchProgress
-from kvtier_bench.offload import QUESTIONS, _documents
+from kvtier_bench.offload import ask, workload, write_json
 
 PEER, FILE, KEPT = "restarted empty", "restarted from file", "kept running"
 
@@ -60,23 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="FILE", help="write the figures here")
 
 
-def _ask(engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
-    from kvtier.serve.params import RequestParams
-
-    before = engine.stats()
-    params = RequestParams(max_tokens=max_tokens, ignore_eos=True)
-    outs, start = [], time.perf_counter()
-    for i in range(0, len(prompts), concurrency):
-        outs += engine.generate(prompts[i : i + concurrency], params)
-    wall = time.perf_counter() - start
-    s = engine.stats()
-    ttft = sorted(o.first_token_time - o.arrival_time for o in outs)
-    computed = (s["prompt_tokens"] - before["prompt_tokens"]) - (s["prefix_hits"] - before["prefix_hits"])
-    return {"wall_s": wall, "ttft_mean_s": statistics.fmean(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-            "prompt_tokens": s["prompt_tokens"] - before["prompt_tokens"], "computed": computed,
-            "tokens": [list(o.token_ids) for o in outs]}
-
-
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -87,15 +68,15 @@ def _once(model, tokenizer, config, first, second, args, device: str, path: str)
     from kvtier.serve.prefix_file import load_prefix_cache, save_prefix_cache
 
     kept = LLMEngine(model, tokenizer, config)
-    _ask(kept, first, args.concurrency, args.max_tokens)
+    ask(kept, first, args.concurrency, args.max_tokens)
     _sync(device)
     t0 = time.perf_counter()
     blocks = save_prefix_cache(kept, path)
     save_s, size = time.perf_counter() - t0, os.path.getsize(path)
     out = {"file": {"blocks": blocks, "bytes": size, "save_s": save_s}}
-    out[KEPT] = _ask(kept, second, args.concurrency, args.max_tokens)
+    out[KEPT] = ask(kept, second, args.concurrency, args.max_tokens)
     del kept
-    out[PEER] = _ask(LLMEngine(model, tokenizer, config), second, args.concurrency, args.max_tokens)
+    out[PEER] = ask(LLMEngine(model, tokenizer, config), second, args.concurrency, args.max_tokens)
     loaded = LLMEngine(model, tokenizer, config)
     t0 = time.perf_counter()
     got = load_prefix_cache(loaded, path)
@@ -103,7 +84,7 @@ def _once(model, tokenizer, config, first, second, args, device: str, path: str)
     out["file"]["load_s"] = time.perf_counter() - t0
     if got["left_out"]:
         raise ValueError(f"{got['left_out']} blocks of the file did not fit the new engine's pool")
-    out[FILE] = _ask(loaded, second, args.concurrency, args.max_tokens)
+    out[FILE] = ask(loaded, second, args.concurrency, args.max_tokens)
     return out
 
 
@@ -123,7 +104,6 @@ def _table(title: str, rows: dict[str, dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.model import load_model
     from kvtier.serve.engine import EngineConfig
 
     for name in ("documents", "document_tokens", "concurrency", "max_tokens", "repeats"):
@@ -132,22 +112,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         set_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.arch is None:
-        lm = load_model(device=device, progress=False)
-        tok, model, tokenizer, label = lm.tokenizer, lm.model, lm.tokenizer, lm.source.name
-        chat = lambda doc, q: tok.encode(tok.apply_chat_template([{"role": "system", "content": doc},
-                                                                  {"role": "user", "content": q}]), add_bos=False)
-        docs = _documents(tok, args.documents, args.document_tokens, args.seed)
-        first, second = ([chat(doc, QUESTIONS[r]) for doc in docs] for r in (0, 1))
-    else:  # random weights, random token ids: no tokenizer (nor the default model) needed
-        from kvtier.model import build_random
-
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model, tokenizer = build_random(args.arch, dtype=dtype, device=device), None
-        label = f"{args.arch} (random weights), {str(dtype)[6:]}"
-        rng, vocab = random.Random(args.seed), model.args.vocab_size
-        docs = [[rng.randrange(vocab) for _ in range(args.document_tokens)] for _ in range(args.documents)]
-        first, second = ([doc + [rng.randrange(vocab) for _ in range(12)] for doc in docs] for _ in range(2))
+    model, tokenizer, label, (first, second) = workload(args, device, 2)
     per_request = -(-(max(map(len, first + second)) + args.max_tokens) // 16)
     # room for every document's blocks, asked twice, and the requests in flight
     config = EngineConfig(num_blocks=(2 * args.documents + args.concurrency) * per_request, kv_quant=args.kv_quant,
@@ -173,10 +138,5 @@ def run(args: argparse.Namespace) -> int:
     _table(f"{len(second)} requests after the restart: {args.documents} documents of "
            f"{statistics.fmean(map(len, second)):.0f} prompt tokens, {args.concurrency} at a time, {args.max_tokens} "
            f"new tokens, {label} on {device}", best)
-    if args.json:
-        flags = {k: v for k, v in vars(args).items() if isinstance(v, int | float | str | None)}
-        with open(args.json, "w") as out:
-            json.dump({"device": device, "model": label, "threads": torch.get_num_threads(), "args": flags,
-                       "file": file, "results": {n: {k: v for k, v in r.items() if k != "tokens"}
-                                                 for n, r in best.items()}}, out, indent=1)
+    write_json(args, device, label, best, file=file)
     return 0 if best[FILE]["same_tokens"] else 1

@@ -39,6 +39,19 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [[(7 * i + 31 * k + 5) % 300 for i in range(length)] for k in range(n)]
 
 
+SMALL = EngineConfig(num_blocks=40, block_size=4)
+
+
+def saved(tmp_path, n: int = 1, model=None):
+    """``(model, engine, path)``: a tiny engine that answered ``n`` prompts, its cache saved to ``path``."""
+    model = tiny() if model is None else model
+    engine = LLMEngine(model, None, SMALL)
+    engine.generate(prompts(n, 30), RequestParams(max_tokens=2, ignore_eos=True))
+    path = tmp_path / "p.safetensors"
+    save_prefix_cache(engine, path)
+    return model, engine, path
+
+
 def pages(engine: LLMEngine, blocks) -> list[torch.Tensor]:
     return [t[list(blocks)].clone() for c in engine.runner.caches for t in block_tensors(c)]
 
@@ -183,13 +196,9 @@ def test_the_blocks_left_out_are_the_least_recently_used(tmp_path) -> None:
 
 
 def test_an_empty_cache_leaves_the_file_as_it_was(tmp_path) -> None:
-    model = tiny()
-    engine = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
-    engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
-    path = tmp_path / "p.safetensors"
-    save_prefix_cache(engine, path)
+    model, engine, path = saved(tmp_path, 1)
     data = path.read_bytes()
-    assert save_prefix_cache(LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4)), path) == 0
+    assert save_prefix_cache(LLMEngine(model, None, SMALL), path) == 0
     assert path.read_bytes() == data
 
 
@@ -200,10 +209,7 @@ def test_an_empty_cache_leaves_the_file_as_it_was(tmp_path) -> None:
     ({"dtype": torch.bfloat16}, 'dtype "torch.float32" (this engine: "torch.bfloat16")'),
 ])
 def test_a_file_of_another_model_or_layout_is_refused_naming_what_differs(tmp_path, change, words) -> None:
-    engine = LLMEngine(tiny(), None, EngineConfig(num_blocks=40, block_size=4))
-    engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
-    path = tmp_path / "p.safetensors"
-    save_prefix_cache(engine, path)
+    _, engine, path = saved(tmp_path)
     model = tiny(change.pop("seed", 0)).to(change.pop("dtype", torch.float32))
     other = LLMEngine(model, None, EngineConfig(num_blocks=40, **{"block_size": 4, **change}))
     with pytest.raises(ValueError, match="saved by another model or cache layout") as e:
@@ -221,11 +227,7 @@ def _damaged(path, at: int, tmp_path):
 
 
 def test_a_damaged_file_is_refused_and_the_engine_left_as_it_was(tmp_path) -> None:
-    model = tiny()
-    engine = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
-    engine.generate(prompts(2, 30), RequestParams(max_tokens=2, ignore_eos=True))
-    path = tmp_path / "p.safetensors"
-    save_prefix_cache(engine, path)
+    model, engine, path = saved(tmp_path, 2)
     size = path.stat().st_size
     header = int.from_bytes(path.read_bytes()[:8], "little")
     meta = json.loads(path.read_bytes()[8 : 8 + header])["__metadata__"]
@@ -233,21 +235,21 @@ def test_a_damaged_file_is_refused_and_the_engine_left_as_it_was(tmp_path) -> No
     cases = [(at_blocks, "header fails its checksum"), (8 + header + 3, "hashes fail their checksum"),
              (size - 500, "fails its checksum"), (size - 3, "fails its checksum")]  # a page's byte, the crc's
     for at, words in cases:
-        other = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+        other = LLMEngine(model, None, SMALL)
         with pytest.raises(ValueError, match=words):
             load_prefix_cache(other, _damaged(path, at, tmp_path))
         assert other.stats()["cached_blocks"] == 0 and other.block_manager.free_places()[0] == list(range(40))
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(path.read_bytes()[: size // 2])
     with pytest.raises(ValueError, match="cannot be loaded: SafetensorError"):
-        load_prefix_cache(LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4)), cut)
-    other = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+        load_prefix_cache(LLMEngine(model, None, SMALL), cut)
+    other = LLMEngine(model, None, SMALL)
     assert load_prefix_cache(other, path)["pool"] > 0  # the file itself was never touched
 
 
 def test_refusals_before_anything_is_read_or_written(tmp_path) -> None:
     model = tiny()
-    engine = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+    engine = LLMEngine(model, None, SMALL)
     engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
     text = tmp_path / "notes.txt"
     text.write_text("my notes")
@@ -260,7 +262,7 @@ def test_refusals_before_anything_is_read_or_written(tmp_path) -> None:
     with pytest.raises(ValueError, match="prefix caching is off"):
         save_prefix_cache(off, tmp_path / "p.safetensors")
     with pytest.raises(ValueError, match="cannot be loaded"):
-        load_prefix_cache(LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4)), text)
+        load_prefix_cache(LLMEngine(model, None, SMALL), text)
     engine.add_request([1, 2, 3], RequestParams(max_tokens=2))
     with pytest.raises(ValueError, match="into an idle engine"):
         load_prefix_cache(engine, tmp_path / "p.safetensors")
@@ -284,13 +286,9 @@ def _resealed(path, tmp_path, **changes):
 
 @pytest.mark.parametrize("fingerprint", ['["a", "b"]', '"x"', "3", "null", "[" * 100000])
 def test_a_crafted_fingerprint_is_a_damaged_header_and_the_server_starts_empty(tmp_path, capsys, fingerprint) -> None:
-    model = tiny()
-    engine = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
-    engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
-    path = tmp_path / "p.safetensors"
-    save_prefix_cache(engine, path)
+    model, engine, path = saved(tmp_path, 1)
     crafted = _resealed(path, tmp_path, fingerprint=fingerprint)
-    other = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+    other = LLMEngine(model, None, SMALL)
     with pytest.raises(ValueError, match="its header is damaged"):
         load_prefix_cache(other, crafted)
     assert load_prefix_file(other, crafted) is None and other.stats()["cached_blocks"] == 0
@@ -305,7 +303,7 @@ def test_a_file_of_another_configuration_or_kind_is_never_written_over(tmp_path)
 
     model = tiny()
     params = RequestParams(max_tokens=2, ignore_eos=True)
-    fp = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+    fp = LLMEngine(model, None, SMALL)
     fp.generate(prompts(1, 30), params)
     path = tmp_path / "p.safetensors"
     save_prefix_cache(fp, path)
@@ -326,10 +324,7 @@ def test_a_file_of_another_configuration_or_kind_is_never_written_over(tmp_path)
 
 
 def test_the_file_is_the_owners_alone_unless_it_was_opened_up(tmp_path) -> None:
-    engine = LLMEngine(tiny(), None, EngineConfig(num_blocks=40, block_size=4))
-    engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
-    path = tmp_path / "p.safetensors"
-    save_prefix_cache(engine, path)
+    _, engine, path = saved(tmp_path)
     assert path.stat().st_mode & 0o777 == 0o600  # every user's prompts, as keys and values
     path.chmod(0o640)
     save_prefix_cache(engine, path)
@@ -338,7 +333,7 @@ def test_the_file_is_the_owners_alone_unless_it_was_opened_up(tmp_path) -> None:
 
 def test_a_folder_or_a_crc_of_another_dtype_is_refused(tmp_path) -> None:
     model = tiny()
-    engine = LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4))
+    engine = LLMEngine(model, None, SMALL)
     with pytest.raises(ValueError, match="it is not a regular file"):
         load_prefix_cache(engine, tmp_path)
     engine.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
@@ -350,7 +345,7 @@ def test_a_folder_or_a_crc_of_another_dtype_is_refused(tmp_path) -> None:
     crafted = tmp_path / "u64.safetensors"
     crafted.write_bytes(raw[:8] + text + raw[8 + size :])
     with pytest.raises(ValueError, match=r"its crc tensor is U64 \[\d+\], not I64"):
-        load_prefix_cache(LLMEngine(model, None, EngineConfig(num_blocks=40, block_size=4)), crafted)
+        load_prefix_cache(LLMEngine(model, None, SMALL), crafted)
 
 
 @pytest.mark.parametrize("value, words", [("", "must be a path or None"), (3, "must be a path or None"),
