@@ -10,7 +10,12 @@ import torch
 
 from kvtier.parallel import TensorParallelError
 from kvtier.parallel.serve import serve_sharded
-from kvtier.serve.prefix_file import load_prefix_cache, rank_path, save_prefix_cache
+from kvtier.serve.prefix_file import (
+    check_prefix_paths,
+    load_prefix_cache,
+    rank_path,
+    save_prefix_cache,
+)
 
 engine = pytest.importorskip("kvtier.serve.engine")
 EngineConfig, LLMEngine = engine.EngineConfig, engine.LLMEngine
@@ -123,18 +128,34 @@ def _save(engine, first, path):
     return list(a.token_ids), save_prefix_cache(engine, path)
 
 
+def _refusal(fn, *args):
+    try:
+        fn(*args)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _restart(engine, first, damaged, path):
     """A load of a set of files one of which is damaged (refused, nothing booked), then the
-    good set, then the prompt again."""
-    try:
-        load_prefix_cache(engine, damaged)
-        refused = None
-    except ValueError as e:
-        refused = str(e)
+    good set, then the prompt again; then a rank's path that is a folder, and a save that one
+    rank fails (every file as it was)."""
+    refused = _refusal(load_prefix_cache, engine, damaged)
     empty = engine.stats()["cached_blocks"]
     got = load_prefix_cache(engine, path)
     again = engine.generate([first], RequestParams(max_tokens=6))[0]
-    return refused, empty, got, list(again.token_ids), again.cached_tokens
+    folder = damaged.parent / "folder.safetensors"
+    rank_path(folder, 1).mkdir()
+    unwritable = _refusal(check_prefix_paths, engine, folder)
+    before = [f.read_bytes() for f in (rank_path(path, r) for r in range(3))]
+    engine.generate([[t + 1 for t in first[:40]]], RequestParams(max_tokens=6))  # blocks the files do not hold
+    temporary = rank_path(path, 2).with_name(f".{rank_path(path, 2).name}.kvtier-tmp")
+    temporary.mkdir()  # rank 2 cannot write its temporary file
+    failed = _refusal(save_prefix_cache, engine, path)
+    after = [f.read_bytes() for f in (rank_path(path, r) for r in range(3))]
+    left = sorted(f.name for f in path.parent.glob(".*kvtier-tmp"))
+    return (refused, empty, got, list(again.token_ids), again.cached_tokens, unwritable, failed,
+            before == after, left)
 
 
 def test_three_ranks_keep_their_prefix_cache_across_a_restart(lm, tmp_path):
@@ -154,9 +175,13 @@ def test_three_ranks_keep_their_prefix_cache_across_a_restart(lm, tmp_path):
         if r == 2:
             data[-100] ^= 1  # a byte of rank 2's last page tensor
         rank_path(bad / "prefixes.safetensors", r).write_bytes(bytes(data))
-    refused, empty, got, again, cached = serve_sharded(_restart, 3, args=(first, bad / "prefixes.safetensors", path),
-                                                       config=config, dtype=torch.float32, timeout_s=60)
+    refused, empty, got, again, cached, unwritable, failed, kept, left = serve_sharded(
+        _restart, 3, args=(first, bad / "prefixes.safetensors", path), config=config, dtype=torch.float32,
+        timeout_s=60)
     assert refused is not None and refused.startswith("rank 2: the prefix cache file") and "fails its checksum" in refused
+    assert unwritable.startswith("rank 1: ") and "folder.rank1.safetensors is a directory" in unwritable
+    assert failed.startswith("rank 2: IsADirectoryError") and kept  # no rank's file replaced
+    assert left == [".prefixes.rank2.safetensors.kvtier-tmp"]  # (the folder made for the test): none written left
     assert empty == 0 and got == {"blocks": n, "pool": n, "host": 0, "left_out": 0}
     want = LLMEngine(lm.model, lm.tokenizer, config).generate([first], RequestParams(max_tokens=6))[0]
     assert tokens == again == list(want.token_ids) and cached == (len(first) - 1) // 16 * 16

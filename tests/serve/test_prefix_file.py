@@ -323,6 +323,23 @@ def test_a_file_of_another_configuration_or_kind_is_never_written_over(tmp_path)
     assert path.read_bytes() == data
 
 
+def test_a_file_whose_header_fails_its_checksum_is_no_configuration_to_keep(tmp_path, capsys) -> None:
+    """A header edited without its checksum (here: the weights' digest) is damage, not another
+    configuration: the load says the file is replaced, and the save replaces it."""
+    model, engine, path = saved(tmp_path)
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    meta = json.loads(raw[8 : 8 + size])["__metadata__"]
+    digest = json.loads(meta["fingerprint"])["weights"]
+    path.write_bytes(raw.replace(digest.encode(), ("0" if digest[0] != "0" else "1").encode() + digest[1:].encode()))
+    other = LLMEngine(model, None, SMALL)
+    assert load_prefix_file(other, path) is None
+    assert "its header fails its checksum (the file is damaged); the prefix cache starts empty (the file is " \
+           "replaced when the server stops)" in capsys.readouterr().err
+    other.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
+    assert save_prefix_cache(other, path) > 0 and load_prefix_cache(LLMEngine(model, None, SMALL), path)["pool"] > 0
+
+
 def test_the_file_is_the_owners_alone_unless_it_was_opened_up(tmp_path) -> None:
     _, engine, path = saved(tmp_path)
     assert path.stat().st_mode & 0o777 == 0o600  # every user's prompts, as keys and values

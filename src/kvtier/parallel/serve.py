@@ -92,23 +92,28 @@ def control_group() -> dist.ProcessGroup:
 
 @dataclass(frozen=True)
 class RankCall:
-    """A function every rank runs on its own runner, ``fn(runner, *args)`` (``fn`` a module's
-    function: it travels by name), outside the steps: the prefix cache file's reads and writes of
-    each rank's share (:mod:`kvtier.serve.prefix_file`)."""
+    """A function every rank runs on its own runner, ``fn(runner, rank, world_size, *args)``
+    (``fn`` a module's function: it travels by name), outside the steps: the prefix cache file's
+    reads and writes of each rank's share (:mod:`kvtier.serve.prefix_file`)."""
 
     fn: Callable[..., Any]
     args: tuple
 
     def answer(self, runner, group: dist.ProcessGroup) -> list[tuple[bool, Any]] | None:
         """Run here and gather every rank's ``(True, result)`` or ``(False, message)`` to rank 0
-        (returned there; ``None`` elsewhere). An exception is an answer, never a dead rank."""
+        (returned there; ``None`` elsewhere). On a rank > 0 an exception is an answer, never a
+        dead rank; rank 0 raises its own unforeseen one (not a ``ValueError``) once every answer
+        is in, with its traceback."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        error = None
         try:
-            out = (True, self.fn(runner, *self.args))
+            out = (True, self.fn(runner, rank, world, *self.args))
         except Exception as e:  # (the rank stays to follow the next batch)
-            out = (False, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
-        first = dist.get_rank() == 0
-        answers = [None] * dist.get_world_size(group) if first else None
+            error, out = e, (False, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+        answers = [None] * world if rank == 0 else None
         dist.gather_object(out, answers, dst=0, group=group)
+        if rank == 0 and error is not None and not isinstance(error, ValueError):
+            raise error
         return answers
 
 
@@ -135,8 +140,8 @@ class BroadcastRunner:
         return self.runner.execute(batch)
 
     def on_every_rank(self, fn: Callable[..., Any], *args) -> list[tuple[bool, Any]]:
-        """``fn(runner, *args)`` on every rank's runner, this one's too (:class:`RankCall`); each
-        rank's ``(True, result)`` or ``(False, message)``, by rank."""
+        """``fn(runner, rank, world_size, *args)`` on every rank's runner, this one's too
+        (:class:`RankCall`); each rank's ``(True, result)`` or ``(False, message)``, by rank."""
         if self.closed:
             raise ValueError("the other ranks were shut down (close() was called)")
         call = RankCall(fn, args)

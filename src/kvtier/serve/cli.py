@@ -297,8 +297,9 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
         print(f"[kvtier] warmed up: {w['requests']} made-up requests, {w['steps']} steps, "
               f"{w['seconds']:.1f} s", file=sys.stderr, flush=True)
     if server_config.prefix_cache_file is not None:  # (after the warm-up, which empties the cache)
-        from kvtier.serve.prefix_file import load_prefix_file
+        from kvtier.serve.prefix_file import check_prefix_paths, load_prefix_file
 
+        check_prefix_paths(engine, server_config.prefix_cache_file)  # every rank's file, before serving
         load_prefix_file(engine, server_config.prefix_cache_file)
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, engine.tokenizer, name, server_config)

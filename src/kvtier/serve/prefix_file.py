@@ -11,9 +11,11 @@ them as any cached block), the next to the host tier's empty slots; what fits in
 left out, oldest first (a chain's tail before its head: blocks are released tail first).
 
 A file is read only by an engine that would have computed the same blocks: its header holds
-the engine's *fingerprint* (the model's shape, a digest of its weights, dtype, device type,
-block size, the pages' codec and every pool tensor's dtype and shape, the prefill dtype and
-batch invariance), and a file of another fingerprint is refused, naming what differs. The
+the engine's *fingerprint* (the model's shape, a digest of its weights, dtype, device type and
+GPU, block size, the pages' codec and every pool tensor's dtype and shape, the prefill dtype,
+int8 activations, batch invariance, rank and world size), and a file of another fingerprint is
+refused, naming what differs (:class:`PrefixFileMismatch`); nor is a sound file of another
+fingerprint ever written over (a damaged one is). The
 weights' digest hashes 64 evenly spaced values of every tensor of the state dict (and its name,
 dtype and shape): quick on any device, but two checkpoints that differ only off those values
 would pass as one.
@@ -25,7 +27,8 @@ written last); its header metadata holds ``format`` (``kvtier.prefix_cache``), `
 ``blocks``, ``fingerprint`` (JSON) and ``header_crc``. The blocks are written and read a few at
 a time (:data:`CHUNK` blocks of a tensor), so neither the file nor a pool larger than the
 host's memory is ever held whole. The write goes to a temporary file beside ``path`` renamed
-into place under a lock (as :func:`kvtier.caches.persist.save_cache`); the read checks every
+into place under a lock (as :func:`kvtier.caches.persist.save_cache`), created readable by its
+owner alone (the keys and values of every user's prompts); the read checks every
 checksum before the engine's books take a block, so a damaged file changes nothing.
 
 Tensor parallelism: each rank holds a share of every block (its KV heads), so each writes its
@@ -33,7 +36,9 @@ own file, rank 0 to ``path`` and rank ``R`` to :func:`rank_path` (``prefixes.ran
 beside ``prefixes.safetensors``), all of the same blocks in the same order; the books are rank
 0's. A load checks every rank's file (its header and fingerprint: its shard's weights and
 pages, its rank and the world size; its hashes against rank 0's) and its checksums before rank
-0's books take a block, and a save writes nothing before every rank's path is checked.
+0's books take a block. A save checks every rank's path, has every rank write a temporary file,
+and renames them into place only once all have written; rank 0's file alone decides whether
+the set is another configuration's.
 
 Example::
 
@@ -44,6 +49,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -62,8 +68,8 @@ from kvtier.caches.paged_shared import to_device
 from kvtier.caches.persist import PREFIX_FORMAT, check_save_path, save_lock
 from kvtier.serve.offload import block_tensors
 
-__all__ = ["fingerprint", "load_prefix_cache", "load_prefix_file", "rank_path", "save_prefix_cache",
-           "save_prefix_file"]
+__all__ = ["PrefixFileMismatch", "check_prefix_paths", "fingerprint", "load_prefix_cache", "load_prefix_file",
+           "rank_path", "save_prefix_cache", "save_prefix_file"]
 
 FORMAT_VERSION = 1
 #: blocks of one tensor copied at a time
@@ -76,21 +82,26 @@ _NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
           torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
-def _checked(engine):
-    """``engine``'s runner (a :class:`~kvtier.parallel.serve.BroadcastRunner` under tensor parallelism)."""
+def _runner_of(engine):
+    """``engine``'s runner (a :class:`~kvtier.parallel.serve.BroadcastRunner` under tensor
+    parallelism), once its prefix cache is known to be on."""
     if not engine.block_manager.enable_prefix_caching:
         raise ValueError("prefix caching is off, so there is no prefix cache to save or load; drop "
                          "--no-prefix-caching (enable_prefix_caching=False)")
     return engine.runner
 
 
+def _sharded(runner) -> bool:
+    return hasattr(runner, "on_every_rank")
+
+
 def _local(runner):
     """This process's :class:`~kvtier.serve.runner.ModelRunner`."""
-    return runner.runner if hasattr(runner, "on_every_rank") else runner
+    return runner.runner if _sharded(runner) else runner
 
 
-def _rank() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+def _world(runner) -> int:
+    return dist.get_world_size() if _sharded(runner) else 1
 
 
 def rank_path(path: str | os.PathLike, rank: int) -> Path:
@@ -101,10 +112,10 @@ def rank_path(path: str | os.PathLike, rank: int) -> Path:
 
 
 def _everywhere(runner, fn, *args) -> list:
-    """``fn(local runner, *args)`` on every rank (one process: here); the results by rank, or a
-    ``ValueError`` naming a rank whose call raised."""
-    if not hasattr(runner, "on_every_rank"):
-        return [fn(runner, *args)]
+    """``fn(local runner, rank, world size, *args)`` on every rank (one process: here, rank 0 of
+    1); the results by rank, or a ``ValueError`` naming each rank whose call raised."""
+    if not _sharded(runner):
+        return [fn(runner, 0, 1, *args)]
     answers = runner.on_every_rank(fn, *args)
     failed = [f"rank {r}: {value}" for r, (ok, value) in enumerate(answers) if not ok]
     if failed:
@@ -135,13 +146,12 @@ def _engine_fingerprint(engine) -> dict:
             "batch_invariant": config.batch_invariant}
 
 
-def _runner_fingerprint(runner) -> dict:
-    """The parts of a fingerprint each rank knows of its own: its shard, its pages."""
+def _runner_fingerprint(runner, rank: int, world: int) -> dict:
+    """The parts of a fingerprint each rank knows of its own: its shard, its pages, its place."""
     from kvtier.model.act_quant import act_quant_of
     from kvtier.model.linear import prefill_dtype_in_effect
 
     model = runner.model
-    rank, world = _rank()
     return {
         "model": json.loads(json.dumps(dataclasses.asdict(model.args), default=str)),
         "weights": weights_digest(model),
@@ -160,7 +170,8 @@ def _runner_fingerprint(runner) -> dict:
 def fingerprint(engine) -> dict:
     """What must match for ``engine`` to use another engine's blocks (the module docstring); of
     rank 0's share under tensor parallelism."""
-    return _engine_fingerprint(engine) | _runner_fingerprint(_local(_checked(engine)))
+    runner = _runner_of(engine)
+    return _engine_fingerprint(engine) | _runner_fingerprint(_local(runner), 0, _world(runner))
 
 
 def _header_crc(meta: dict[str, str]) -> str:
@@ -171,47 +182,108 @@ def _bytes(t: torch.Tensor):
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+class PrefixFileMismatch(ValueError):
+    """A sound prefix cache file of another fingerprint: blocks another configuration computed."""
+
+
+def _refusal(path: Path, why: str) -> ValueError:
+    return ValueError(f"the prefix cache file {path} cannot be loaded: {why}")
+
+
+def _differences(saved: dict, ours: dict) -> list[str]:
+    """What differs, key by key; long values (the pool's tensors, the model's shape) only named."""
+    out = []
+    for k in sorted(set(saved) | set(ours)):
+        a, b = json.dumps(saved.get(k), sort_keys=True), json.dumps(ours.get(k), sort_keys=True)
+        if a != b:
+            out.append(f"{k} {a} (this engine: {b})" if len(a) + len(b) < 120 else f"{k} differ")
+    return out
+
+
+def _sound_header(meta: dict, path: Path) -> tuple[dict, int]:
+    """``(fingerprint, blocks)`` of a header of this format and version that passes its checksum."""
+    if meta.get("format") != PREFIX_FORMAT:
+        raise _refusal(path, f"its format is {meta.get('format')!r}, not {PREFIX_FORMAT!r}")
+    if meta.get("format_version") != str(FORMAT_VERSION):
+        raise _refusal(path, f"format version {meta.get('format_version')}; this kvtier reads {FORMAT_VERSION}")
+    if set(meta) != {"format", "format_version", "blocks", "fingerprint", "header_crc"} or meta["header_crc"] != _header_crc(meta):
+        raise _refusal(path, "its header fails its checksum (the file is damaged)")
+    try:
+        saved, n = json.loads(meta["fingerprint"]), int(meta["blocks"])
+    except (ValueError, RecursionError) as e:  # (RecursionError: JSON nested too deeply)
+        raise _refusal(path, f"its header is damaged ({type(e).__name__})") from None
+    if not isinstance(saved, dict) or n < 0:
+        raise _refusal(path, "its header is damaged (a fingerprint that is no JSON object, or blocks < 0)")
+    return saved, n
+
+
+# -- saving -----------------------------------------------------------------------------------------
 def save_prefix_cache(engine, path: str | os.PathLike) -> int:
     """Write every block ``engine``'s prefix cache holds (pool and host tier) to ``path`` (and,
     under tensor parallelism, each other rank's share to :func:`rank_path`); returns how many
     (none cached: 0, and the files are left as they are). The engine must not be stepping
-    meanwhile (a server's loop stopped). ``path`` as for :func:`~kvtier.caches.persist.save_cache`:
-    a new file or a kvtier cache, replaced atomically; a ``ValueError`` names what is wrong, and
-    no rank writes anything when a rank's path is refused."""
-    runner, bm = _checked(engine), engine.block_manager
+    meanwhile (a server's loop stopped). A ``ValueError`` names what is wrong, and no file
+    changes: when a rank's path is a folder or a file of another kind, when ``path`` is a
+    sound prefix cache file of another fingerprint (another configuration's blocks are never
+    written over), or when a rank fails to write (every rank writes a temporary file first;
+    all are renamed into place only once every rank has written its own)."""
+    runner, bm = _runner_of(engine), engine.block_manager
     engine_fp = _engine_fingerprint(engine)
     _everywhere(runner, _check_path, str(path), engine_fp)
     if not bm.num_cached_blocks and not bm.host_figures()["host_cached_blocks"]:
         return 0  # (an empty cache does not replace a file of blocks)
     copies = bm.take_copies()  # saves to the host and loads the books count as done, but not yet run
     entries = bm.cached_entries()
-    _everywhere(runner, _write, str(path), engine_fp, copies, entries)
+    try:
+        _everywhere(runner, _write, str(path), engine_fp, copies, entries)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            _everywhere(runner, _discard, str(path))
+        raise
+    _everywhere(runner, _commit, str(path))
     return len(entries)
 
 
-def _check_path(runner, path: str, engine_fp: dict) -> None:
-    """This rank's file may be written: a new or empty file, a damaged one, or a prefix cache
-    file of this rank's fingerprint (never another configuration's blocks)."""
-    target = check_save_path(rank_path(path, _rank()[0]), PREFIX_FORMAT)
+def check_prefix_paths(engine, path: str | os.PathLike) -> None:
+    """Every rank's file of ``path`` may be written (a new, empty or prefix cache file in a
+    folder that exists and is writable); a ``ValueError`` naming the rank and the fix otherwise."""
+    _everywhere(_runner_of(engine), _check_writable, str(path))
+
+
+def _check_writable(runner, rank: int, world: int, path: str) -> None:
+    check_save_path(rank_path(path, rank), PREFIX_FORMAT)
+
+
+def _check_path(runner, rank: int, world: int, path: str, engine_fp: dict) -> None:
+    """This rank's file may be written; rank 0's also holds no sound file of another fingerprint
+    (a damaged one, or rank files without it, are replaced)."""
+    target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
+    if rank or not target.is_file() or not target.stat().st_size:
+        return
     try:
         with safe_open(str(target), framework="pt") as f:
-            saved = json.loads((f.metadata() or {})["fingerprint"])
-    except Exception:  # (absent, empty or damaged: nothing worth keeping)
+            saved, _ = _sound_header(f.metadata() or {}, target)
+    except (ValueError, SafetensorError, OSError):
         return
-    ours = engine_fp | _runner_fingerprint(runner)
-    if isinstance(saved, dict) and saved != ours:
+    ours = engine_fp | _runner_fingerprint(runner, rank, world)
+    if saved != ours:
         raise ValueError(f"{target} holds the blocks of another model or cache layout ("
                          + "; ".join(_differences(saved, ours)) + "), which saving would overwrite: pass "
                          "another path, or delete the file first")
 
 
-def _write(runner, path: str, engine_fp: dict, copies, entries) -> None:
-    """This rank's share of ``entries`` (``(hash, "pool" | "host", index)``), after the queued ``copies``."""
+def _temporary(target: Path) -> Path:
+    return target.with_name(f".{target.name}.kvtier-tmp")
+
+
+def _write(runner, rank: int, world: int, path: str, engine_fp: dict, copies, entries) -> None:
+    """This rank's share of ``entries`` (``(hash, "pool" | "host", index)``), after the queued
+    ``copies``, in its temporary file (:func:`_commit` renames it into place)."""
     if copies:
         runner.host.apply(copies)
     if runner.host is not None and runner.host.cuda:
         torch.cuda.synchronize(runner.host.device)  # the host reads its slots below: every save landed
-    target = check_save_path(rank_path(path, _rank()[0]), PREFIX_FORMAT)
+    target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
     pool = _pool(runner)
     missing = sorted({str(t.dtype) for t in pool if t.dtype not in _NAMES})
     if missing:
@@ -221,7 +293,7 @@ def _write(runner, path: str, engine_fp: dict, copies, entries) -> None:
     shapes = [list(hashes.shape)] + [[len(entries), *t.shape[1:]] for t in pool]
     dtypes = [torch.uint8] + [t.dtype for t in pool]
     meta = {"format": PREFIX_FORMAT, "format_version": str(FORMAT_VERSION), "blocks": str(len(entries)),
-            "fingerprint": json.dumps(engine_fp | _runner_fingerprint(runner), sort_keys=True)}
+            "fingerprint": json.dumps(engine_fp | _runner_fingerprint(runner, rank, world), sort_keys=True)}
     meta["header_crc"] = _header_crc(meta)
     header, offset = {"__metadata__": meta}, 0
     for name, shape, dtype in [*zip(names, shapes, dtypes), ("crc", [len(names)], torch.int64)]:
@@ -230,7 +302,7 @@ def _write(runner, path: str, engine_fp: dict, copies, entries) -> None:
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    tmp = target.with_name(f".{target.name}.kvtier-tmp")
+    tmp = _temporary(target)
     # the keys and values of every user's prompts: readable by the owner only, unless the file was more open
     mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o600
     with save_lock(target):
@@ -251,10 +323,20 @@ def _write(runner, path: str, engine_fp: dict, copies, entries) -> None:
                 f.write(_bytes(torch.tensor(crcs, dtype=torch.int64)))
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, target)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+
+def _commit(runner, rank: int, world: int, path: str) -> None:
+    """This rank's temporary file renamed over its file (every rank has written its own)."""
+    target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
+    with save_lock(target):
+        os.replace(_temporary(target), target)
+
+
+def _discard(runner, rank: int, world: int, path: str) -> None:
+    _temporary(check_save_path(rank_path(path, rank), PREFIX_FORMAT)).unlink(missing_ok=True)
 
 
 def _gather(entries, dev: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
@@ -268,38 +350,23 @@ def _gather(entries, dev: torch.Tensor, host: torch.Tensor | None) -> torch.Tens
     return rows
 
 
-class PrefixFileMismatch(ValueError):
-    """A prefix cache file of another fingerprint: blocks another configuration computed."""
-
-
-def _refusal(path: Path, why: str) -> ValueError:
-    return ValueError(f"the prefix cache file {path} cannot be loaded: {why}")
-
-
-def _differences(saved: dict, ours: dict) -> list[str]:
-    """What differs, key by key; long values (the pool's tensors, the model's shape) only named."""
-    out = []
-    for k in sorted(set(saved) | set(ours)):
-        a, b = json.dumps(saved.get(k), sort_keys=True), json.dumps(ours.get(k), sort_keys=True)
-        if a != b:
-            out.append(f"{k} {a} (this engine: {b})" if len(a) + len(b) < 120 else f"{k} differ")
-    return out
-
-
+# -- loading ----------------------------------------------------------------------------------------
 def load_prefix_cache(engine, path: str | os.PathLike) -> dict[str, int]:
     """Fill ``engine``'s empty prefix cache with the blocks of ``path`` (the module docstring;
     under tensor parallelism each rank reads its :func:`rank_path`).
 
     Returns ``blocks`` (in the file), ``pool`` and ``host`` (where they went) and ``left_out``
     (that fitted nowhere). A ``ValueError`` when the engine serves or caches anything already,
-    or a file is not one of this engine's fingerprint or is damaged (naming what); then the
-    engine's books are as before."""
-    runner, bm = _checked(engine), engine.block_manager
+    or a file is damaged or not this engine's (:class:`PrefixFileMismatch` when ``path`` is a
+    sound file of another fingerprint), naming the rank and what; then the engine's books are
+    as before."""
+    runner, bm = _runner_of(engine), engine.block_manager
     if engine.has_unfinished() or bm.num_used_blocks or bm.num_cached_blocks or bm.host_figures()["host_cached_blocks"]:
         raise ValueError("load a prefix cache file into an idle engine whose prefix cache is empty "
                          "(before serving, or after its block_manager.reset_prefix_cache())")
     engine_fp = _engine_fingerprint(engine)
-    hashes = _opened(_local(runner), str(path), engine_fp, _hashes)  # rank 0's file decides what goes where
+    with _checked_file(_local(runner), 0, _world(runner), str(path), engine_fp) as (_, _, hashes):
+        pass  # rank 0's file decides what goes where
     n = len(hashes)
     free, empty = bm.free_places()
     keep = min(n, len(free) + len(empty))
@@ -307,45 +374,34 @@ def load_prefix_cache(engine, path: str | os.PathLike) -> dict[str, int]:
     first = n - keep  # row i >= first goes to places[i - first]
     places = [("host", empty[i]) for i in range(keep - to_pool)] + [("pool", free[i]) for i in range(to_pool)]
     digest = hashlib.sha256(b"".join(hashes)).hexdigest()
-    _everywhere(runner, _read, str(path), engine_fp, places, first, digest)
+    _everywhere(runner, _fill, str(path), engine_fp, places, first, digest)
     kept = list(zip(hashes[first:], places))
     bm.adopt([(h, i) for h, (w, i) in kept if w == "pool"], [(h, i) for h, (w, i) in kept if w == "host"])
     return {"blocks": n, "pool": to_pool, "host": keep - to_pool, "left_out": first}
 
 
-def _opened(runner, path: str, engine_fp: dict, fn, *args):
-    """``fn(runner, f, file, *args)`` on this rank's file ``f`` once its header, fingerprint,
-    tensors and hashes are checked; a ``ValueError`` naming the file otherwise."""
-    file = rank_path(path, _rank()[0])
+@contextlib.contextmanager
+def _checked_file(runner, rank: int, world: int, path: str, engine_fp: dict):
+    """``(open file, its path, its hashes)`` of this rank's file once its header, fingerprint,
+    tensors and hashes are checked; a ``ValueError`` naming the file otherwise (the file's
+    reads inside the block too)."""
+    file = rank_path(path, rank)
     if file.exists() and not file.is_file():
         raise _refusal(file, "it is not a regular file")
     try:
         with safe_open(str(file), framework="pt") as f:
-            return fn(runner, f, file, _checked_file(runner, f, file, engine_fp), *args)
+            saved, n = _sound_header(f.metadata() or {}, file)
+            ours = engine_fp | _runner_fingerprint(runner, rank, world)
+            if saved != ours:
+                raise PrefixFileMismatch(f"the prefix cache file {file} cannot be loaded: it was saved by another "
+                                         "model or cache layout: " + "; ".join(_differences(saved, ours)))
+            yield f, file, _hashes(f, file, _pool(runner), n)
     except (SafetensorError, OSError) as e:
         raise _refusal(file, f"{type(e).__name__}: {e}") from None
 
 
-def _checked_file(runner, f, path: Path, engine_fp: dict) -> list[bytes]:
-    """The hashes of an open file whose header, fingerprint and tensors are this rank's."""
-    meta = f.metadata() or {}
-    if meta.get("format") != PREFIX_FORMAT:
-        raise _refusal(path, f"its format is {meta.get('format')!r}, not {PREFIX_FORMAT!r}")
-    if meta.get("format_version") != str(FORMAT_VERSION):
-        raise _refusal(path, f"format version {meta.get('format_version')}; this kvtier reads {FORMAT_VERSION}")
-    if set(meta) != {"format", "format_version", "blocks", "fingerprint", "header_crc"} or meta["header_crc"] != _header_crc(meta):
-        raise _refusal(path, "its header fails its checksum (the file is damaged)")
-    try:
-        saved, n = json.loads(meta["fingerprint"]), int(meta["blocks"])
-    except (ValueError, RecursionError) as e:  # (RecursionError: JSON nested too deeply)
-        raise _refusal(path, f"its header is damaged ({type(e).__name__})") from None
-    if not isinstance(saved, dict) or n < 0:
-        raise _refusal(path, "its header is damaged (a fingerprint that is no JSON object, or blocks < 0)")
-    ours = engine_fp | _runner_fingerprint(runner)
-    if saved != ours:
-        raise PrefixFileMismatch(f"the prefix cache file {path} cannot be loaded: it was saved by another model or "
-                                 "cache layout: " + "; ".join(_differences(saved, ours)))
-    pool = _pool(runner)
+def _hashes(f, path: Path, pool: list[torch.Tensor], n: int) -> list[bytes]:
+    """The hashes of an open file whose tensors are ``n`` blocks of ``pool``'s, each checked."""
     names = ["hashes", *(f"t{j}" for j in range(len(pool)))]
     if set(f.keys()) != {*names, "crc"}:
         raise _refusal(path, f"its tensors {sorted(f.keys())} are not {names} and crc (the file is damaged)")
@@ -357,9 +413,8 @@ def _checked_file(runner, f, path: Path, engine_fp: dict) -> list[bytes]:
         want = [n, 32] if t is None else [n, *t.shape[1:]]
         if f.get_slice(name).get_shape() != want:
             raise _refusal(path, f"tensor {name} is {f.get_slice(name).get_shape()}, not {want} (the file is damaged)")
-    crcs = f.get_tensor("crc").tolist()
     hashes = f.get_tensor("hashes")
-    if hashes.dtype != torch.uint8 or zlib.crc32(_bytes(hashes)) != crcs[0]:
+    if hashes.dtype != torch.uint8 or zlib.crc32(_bytes(hashes)) != f.get_tensor("crc")[0].item():
         raise _refusal(path, "its hashes fail their checksum (the file is damaged)")
     hashes = [bytes(h) for h in hashes.tolist()]
     if len(set(hashes)) != n:
@@ -367,42 +422,44 @@ def _checked_file(runner, f, path: Path, engine_fp: dict) -> list[bytes]:
     return hashes
 
 
-def _hashes(runner, f, path: Path, hashes: list[bytes]) -> list[bytes]:
-    return hashes
-
-
-def _read(runner, path: str, engine_fp: dict, places, first: int, digest: str) -> None:
-    _opened(runner, path, engine_fp, _fill, places, first, digest)
-
-
-def _fill(runner, f, path: Path, hashes: list[bytes], places, first: int, digest: str) -> None:
+def _fill(runner, rank: int, world: int, path: str, engine_fp: dict, places, first: int, digest: str) -> None:
     """Rows ``first ..`` of this rank's file into ``places`` (``("pool" | "host", index)``), every
     tensor's checksum checked; its hashes must be rank 0's (``digest``)."""
-    if hashlib.sha256(b"".join(hashes)).hexdigest() != digest:
-        raise _refusal(path, "its blocks are not those of rank 0's file (the files come from different saves)")
-    n, crcs = len(hashes), f.get_tensor("crc").tolist()
-    for j, dev in enumerate(_pool(runner)):
-        host = runner.host.slots[j] if runner.host is not None else None
-        crc, sl = 0, f.get_slice(f"t{j}")
-        for a in range(0, n, CHUNK):
-            rows = sl[a : min(a + CHUNK, n)]
-            if rows.dtype != dev.dtype:
-                raise _refusal(path, f"tensor t{j} is {rows.dtype}, not {dev.dtype} (the file is damaged)")
-            crc = zlib.crc32(_bytes(rows), crc)
-            for where, dst in (("pool", dev), ("host", host)):
-                at = [i for i in range(max(a, first), a + len(rows)) if places[i - first][0] == where]
-                if at:
-                    index = torch.tensor([places[i - first][1] for i in at])
-                    dst.index_copy_(0, to_device(index, dst.device), rows[torch.tensor(at) - a].to(dst.device))
-        if crc != crcs[j + 1]:
-            raise _refusal(path, f"tensor t{j} fails its checksum (the file is damaged)")
+    with _checked_file(runner, rank, world, path, engine_fp) as (f, file, hashes):
+        if hashlib.sha256(b"".join(hashes)).hexdigest() != digest:
+            raise _refusal(file, "its blocks are not those of rank 0's file (the files come from different saves)")
+        n, crcs = len(hashes), f.get_tensor("crc").tolist()
+        for j, dev in enumerate(_pool(runner)):
+            host = runner.host.slots[j] if runner.host is not None else None
+            crc, sl = 0, f.get_slice(f"t{j}")
+            for a in range(0, n, CHUNK):
+                rows = sl[a : min(a + CHUNK, n)]
+                if rows.dtype != dev.dtype:
+                    raise _refusal(file, f"tensor t{j} is {rows.dtype}, not {dev.dtype} (the file is damaged)")
+                crc = zlib.crc32(_bytes(rows), crc)
+                for where, dst in (("pool", dev), ("host", host)):
+                    at = [i for i in range(max(a, first), a + len(rows)) if places[i - first][0] == where]
+                    if at:
+                        index = torch.tensor([places[i - first][1] for i in at])
+                        dst.index_copy_(0, to_device(index, dst.device), rows[torch.tensor(at) - a].to(dst.device))
+            if crc != crcs[j + 1]:
+                raise _refusal(file, f"tensor t{j} fails its checksum (the file is damaged)")
 
 
-# -- the server's side: a line on stderr, never an exception ---------------------------------------
+# -- the server's side: a line on stderr, never an exception but the ranks' own ---------------------
+#: errors of the ranks' groups: a server whose ranks cannot talk stops
+_DIST_ERRORS = (dist.DistError,) if hasattr(dist, "DistError") else ()
+
+
+def _rank_files(engine, path) -> str:
+    world = _world(engine.runner)
+    return f" and {world - 1} rank files beside it" if world > 1 else ""
+
+
 def load_prefix_file(engine, path: str | os.PathLike) -> dict[str, int] | None:
     """:func:`load_prefix_cache` for ``kvtier serve``: a missing file or one that cannot be loaded
-    (another model, damaged) leaves the cache empty with a line saying why; the file is written
-    again when the server stops."""
+    leaves the cache empty with a line saying why (a file of another configuration is then kept
+    at the stop; a damaged one is replaced)."""
     if not os.path.exists(path):
         print(f"[kvtier] no prefix cache file {path} yet: the cache starts empty and is written there "
               "when the server stops", file=sys.stderr, flush=True)
@@ -415,12 +472,14 @@ def load_prefix_file(engine, path: str | os.PathLike) -> dict[str, int] | None:
               "(pass another --prefix-cache-file to keep its cache too)", file=sys.stderr, flush=True)
         return None
     except Exception as e:  # (a file this code did not foresee: never a server that does not start)
+        if isinstance(e, _DIST_ERRORS):
+            raise
         why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         print(f"[kvtier] {why}; the prefix cache starts empty (the file is replaced when the server stops)",
               file=sys.stderr, flush=True)
         return None
     left = f", {got['left_out']} least recently used left out" if got["left_out"] else ""
-    print(f"[kvtier] loaded {_blocks(got['blocks'] - got['left_out'])} from {path} in "
+    print(f"[kvtier] loaded {_blocks(got['blocks'] - got['left_out'])} from {path}{_rank_files(engine, path)} in "
           f"{time.perf_counter() - t0:.1f} s ({got['pool']} in the pool, {got['host']} in host memory{left})",
           file=sys.stderr, flush=True)
     return got
@@ -436,13 +495,14 @@ def save_prefix_file(engine, path: str | os.PathLike) -> int | None:
     try:
         n = save_prefix_cache(engine, path)
     except Exception as e:  # (a stopping server prints why, and stops)
+        if isinstance(e, _DIST_ERRORS):
+            raise
         why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         print(f"[kvtier] the prefix cache was not saved to {path}: {why}", file=sys.stderr, flush=True)
         return None
     if n:
-        world = _rank()[1] if hasattr(engine.runner, "on_every_rank") else 1
-        files = [f for f in (rank_path(path, r) for r in range(world)) if f.is_file()]  # (this host's)
-        beside = f" and {len(files) - 1} rank files beside it" if len(files) > 1 else ""
+        files = [f for f in (rank_path(path, r) for r in range(_world(engine.runner))) if f.is_file()]  # (this host's)
+        beside = _rank_files(engine, path)
         print(f"[kvtier] saved {_blocks(n)} to {path}{beside} ({sum(f.stat().st_size for f in files) / 2**20:.1f} "
               f"MiB{' in all' if beside else ''}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     else:
