@@ -298,3 +298,12 @@ def test_a_restarted_server_answers_from_the_prefixes_it_saved(tmp_path, ranks) 
     usage = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
     assert usage == [0, (answers[0].usage.prompt_tokens - 1) // 16 * 16]
     assert answers[1].choices[0].text == answers[0].choices[0].text
+
+
+def test_a_rank_file_that_cannot_be_written_is_refused_before_any_rank_starts(tmp_path) -> None:
+    (tmp_path / "p.rank2.safetensors").mkdir()
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--device", "cpu", "--port", str(free_port()),
+                           "--tensor-parallel", "3", "--prefix-cache-file", str(tmp_path / "p.safetensors"),
+                           "--model", "/nonexistent/model.gguf"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"kvtier: error: {tmp_path / 'p.rank2.safetensors'} is a directory, not a regular file")

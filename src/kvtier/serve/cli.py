@@ -145,9 +145,16 @@ def configs_from_args(args: argparse.Namespace):
                                             "tool_call_parser", "reasoning_parser", "auto_tool_choice",
                                             "prefix_cache_file")
               if hasattr(args, n)}
-    if hasattr(args, "prefix_cache_file") and not getattr(args, "enable_prefix_caching", True):
-        raise ValueError("--prefix-cache-file keeps the prefix cache, and --no-prefix-caching turns it off; "
-                         "drop one of them")
+    if hasattr(args, "prefix_cache_file"):
+        if not getattr(args, "enable_prefix_caching", True):
+            raise ValueError("--prefix-cache-file keeps the prefix cache, and --no-prefix-caching turns it off; "
+                             "drop one of them")
+        from kvtier.caches.persist import PREFIX_FORMAT, check_save_path
+        from kvtier.serve.prefix_file import rank_path
+
+        # the other ranks' files too, before any rank starts (rank 0's: ServerConfig)
+        for rank in range(1, int(os.environ.get("WORLD_SIZE", getattr(args, "tensor_parallel", 1)))):
+            check_save_path(rank_path(args.prefix_cache_file, rank), PREFIX_FORMAT)
     keys = getattr(args, "api_keys", None) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
     if keys:
         server["api_keys"] = tuple(keys)
