@@ -107,3 +107,33 @@ def test_a_failed_step_tells_the_client_its_kind_and_the_log_its_cause(caplog) -
     assert str(e.value) == ("the engine step failed (RuntimeError); the request was dropped (the server's "
                             "log holds the cause)")
     assert "127.0.0.1]:44438" in caplog.text
+
+
+def test_a_call_runs_in_the_loop_between_steps() -> None:
+    """``call``: the function runs in the loop's thread while no step runs (steps go on after it),
+    its exception reaches the caller, and a call outside the loop's life is refused."""
+    import threading
+
+    eng = AsyncLLMEngine(engine())
+    with pytest.raises(RuntimeError, match="call start"):
+        eng.call(lambda e: None)
+    eng.start()
+    seen = []
+
+    async def run():
+        rid = await eng.add_request(PROMPT, RequestParams(max_tokens=40, ignore_eos=True))
+        stream = eng.stream(rid)
+        first = await stream.__anext__()
+        done = eng.call(lambda e: seen.append((threading.current_thread().name, e.has_unfinished(), e.steps)) or 7)
+        rest = [out async for out in stream]
+        return first, await asyncio.wrap_future(done), rest
+
+    first, result, rest = asyncio.run(asyncio.wait_for(run(), 60))
+    assert result == 7 and seen[0][:2] == ("kvtier-engine", True)  # mid-request, in the loop's thread
+    assert len(first.token_ids) + sum(len(o.token_ids) for o in rest) == 40 and rest[-1].finished
+    failing = eng.call(lambda e: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=10)
+    eng.shutdown()
+    with pytest.raises(RuntimeError, match="was shut down"):
+        eng.call(lambda e: None)

@@ -47,6 +47,10 @@ from server_support import free_port, metrics, model_name, running_server, settl
     (["--prefix-cache-file", "/nonexistent/dir/p.safetensors"], "its folder /nonexistent/dir does not exist"),
     (["--prefix-cache-file", "p.safetensors", "--no-prefix-caching"], "--prefix-cache-file keeps the prefix "
      "cache, and --no-prefix-caching turns it off"),
+    (["--prefix-cache-save-interval", "5"], "--prefix-cache-save-interval saves the prefix cache file, and none is "
+     "given"),
+    (["--prefix-cache-file", "p.safetensors", "--prefix-cache-save-interval", "0"], "prefix_cache_save_interval_s "
+     "(--prefix-cache-save-interval) must be a number of seconds > 0"),
 ])
 def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
     port = str(free_port())  # a process of its own, bounded in time: a server that starts is a failure
@@ -307,3 +311,25 @@ def test_a_rank_file_that_cannot_be_written_is_refused_before_any_rank_starts(tm
                            "--model", "/nonexistent/model.gguf"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith(f"kvtier: error: {tmp_path / 'p.rank2.safetensors'} is a directory, not a regular file")
+
+
+def test_a_server_killed_restarts_from_its_last_periodic_save(tmp_path) -> None:
+    """``--prefix-cache-save-interval``: the file is written while serving, so a server killed
+    with SIGKILL (no graceful stop) restarts with its cache."""
+    prompt = "You are a careful assistant. " * 40 + "Name a colour:"
+    path = tmp_path / "prefixes.safetensors"
+    flags = ["--device", "cpu", "--num-blocks", "64", "--prefix-cache-file", str(path)]
+    with started_server(tmp_path / "first.log", *flags, "--prefix-cache-save-interval", "0.5") as (url, proc):
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        first = client.completions.create(model=model_name(url), prompt=prompt, max_tokens=8, temperature=0)
+        deadline = time.monotonic() + 60
+        while not path.is_file() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.kill()
+        proc.wait(timeout=30)
+    assert path.is_file() and "[kvtier] saved" in (tmp_path / "first.log").read_text()
+    with running_server(tmp_path / "second.log", *flags) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        again = client.completions.create(model=model_name(url), prompt=prompt, max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16
+    assert again.choices[0].text == first.choices[0].text

@@ -45,7 +45,6 @@ import asyncio
 import contextlib
 import json
 import math
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -60,7 +59,7 @@ from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvtier.serve.middleware import ApiKeys, BodyLimit, unread_body
 from kvtier.serve.params import RequestOutput, RequestParams
-from kvtier.serve.prefix_file import save_prefix_file
+from kvtier.serve.prefix_file import engine_lifespan
 from kvtier.serve.reasoning import FORMATS as REASONING
 from kvtier.serve.reasoning import ReasoningReader, grammar_after, prompt_state
 from kvtier.serve.responses import add_responses_routes
@@ -125,6 +124,9 @@ class ServerConfig:
     #: the prefix cache on disk (``kvtier serve --prefix-cache-file``, :mod:`kvtier.serve.prefix_file`):
     #: read after the warm-up when it exists, written when the server stops
     prefix_cache_file: str | None = None
+    #: seconds between saves of the prefix cache file while serving (``--prefix-cache-save-interval``;
+    #: between two steps, when a step ran since the last; ``None``: at the stop only)
+    prefix_cache_save_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -165,6 +167,13 @@ class ServerConfig:
                 raise ValueError(f"prefix_cache_file (--prefix-cache-file) must be a path or None, got "
                                  f"{self.prefix_cache_file!r}")
             check_save_path(self.prefix_cache_file, PREFIX_FORMAT)  # (a file the server may write when it stops)
+        t = self.prefix_cache_save_interval_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf):
+            raise ValueError(f"prefix_cache_save_interval_s (--prefix-cache-save-interval) must be a number of "
+                             f"seconds > 0 or None, got {t!r}")
+        if t is not None and self.prefix_cache_file is None:
+            raise ValueError("--prefix-cache-save-interval saves the prefix cache file, and none is given: add "
+                             "--prefix-cache-file PATH (prefix_cache_file)")
 
 
 def encode_bounded(tokenizer, text: str, max_tokens: int, *, add_bos: bool | None = None) -> list[int]:
@@ -196,14 +205,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
-        yield
-        stopped = engine.shutdown()
-        if config.prefix_cache_file is not None and stopped:
-            save_prefix_file(engine.engine, config.prefix_cache_file)
-        elif config.prefix_cache_file is not None:
-            print(f"[kvtier] the prefix cache was not saved to {config.prefix_cache_file}: a step was still "
-                  "running when the server stopped", file=sys.stderr, flush=True)
+        async with engine_lifespan(engine, config.prefix_cache_file, config.prefix_cache_save_interval_s):
+            yield
 
     app = FastAPI(title="kvtier", lifespan=lifespan, redirect_slashes=False)  # (a 404, not a bare 307)
     app.add_middleware(BodyLimit, limit=config.max_request_bytes)

@@ -95,7 +95,7 @@ class AsyncLLMEngine:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if command[0] == "add" and command[-1].set_running_or_notify_cancel():
+            if command[0] in ("add", "call") and command[-1].set_running_or_notify_cancel():
                 command[-1].set_exception(ended)
         self.engine.abort_all()
         with self._lock:
@@ -166,6 +166,17 @@ class AsyncLLMEngine:
         :class:`RequestsEnded` with ``why`` (a server that stops answers them so)."""
         self._post(("end_all", why))
 
+    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` in the loop thread between two steps (nothing steps meanwhile: a
+        periodic save of the prefix cache); its result or exception comes in the future.
+        ``RuntimeError`` before :meth:`start` and after :meth:`shutdown`."""
+        if self._thread is None:
+            raise RuntimeError("the engine loop is not running: call start() first"
+                               if not self._stop.is_set() else "the engine loop was shut down")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("call", fn, done))
+        return done
+
     def _drop(self, rid: str, abort: bool = True) -> None:
         with self._lock:
             self._streams.pop(rid, None)
@@ -215,6 +226,13 @@ class AsyncLLMEngine:
             if command[0] == "end_all":
                 for rid in self.engine.abort_all():
                     self._deliver(rid, RequestsEnded(command[1]))
+                continue
+            if command[0] == "call":
+                if command[2].set_running_or_notify_cancel():
+                    try:
+                        command[2].set_result(command[1](self.engine))
+                    except Exception as e:
+                        command[2].set_exception(e)
                 continue
             _, rid, ids, params, added = command
             if not added.set_running_or_notify_cancel():

@@ -64,6 +64,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-file", dest="prefix_cache_file", metavar="PATH", default=_ABSENT,
                    help="keep the prefix cache across restarts: its blocks are read from PATH at start (when "
                         "it exists and holds this model's blocks) and written there when the server stops")
+    p.add_argument("--prefix-cache-save-interval", dest="prefix_cache_save_interval_s", type=float, metavar="S",
+                   default=_ABSENT, help="also save the prefix cache file every S seconds while serving (between two "
+                   "steps, which wait for it), so a server killed without a graceful stop restarts from it")
     p.add_argument("--block-size", dest="block_size", type=int, default=_ABSENT)
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=_ABSENT,
                    help="running requests at most")
@@ -143,7 +146,7 @@ def configs_from_args(args: argparse.Namespace):
         engine["speculative"] = SpeculativeConfig.parse(args.speculative_config)
     server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup", "shutdown_timeout_s",
                                             "tool_call_parser", "reasoning_parser", "auto_tool_choice",
-                                            "prefix_cache_file")
+                                            "prefix_cache_file", "prefix_cache_save_interval_s")
               if hasattr(args, n)}
     if hasattr(args, "prefix_cache_file"):
         if not getattr(args, "enable_prefix_caching", True):

@@ -49,6 +49,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hashlib
@@ -68,7 +69,7 @@ from kvtier.caches.paged_shared import to_device
 from kvtier.caches.persist import PREFIX_FORMAT, check_save_path, save_lock
 from kvtier.serve.offload import block_tensors
 
-__all__ = ["PrefixFileMismatch", "check_prefix_paths", "fingerprint", "load_prefix_cache", "load_prefix_file",
+__all__ = ["PrefixFileMismatch", "check_prefix_paths", "engine_lifespan", "fingerprint", "load_prefix_cache", "load_prefix_file",
            "rank_path", "save_prefix_cache", "save_prefix_file"]
 
 FORMAT_VERSION = 1
@@ -508,3 +509,35 @@ def save_prefix_file(engine, path: str | os.PathLike) -> int | None:
     else:
         print(f"[kvtier] nothing cached: {path} left as it was", file=sys.stderr, flush=True)
     return n
+
+
+@contextlib.asynccontextmanager
+async def engine_lifespan(engine, path: str | os.PathLike | None, interval_s: float | None = None):
+    """A server's :class:`~kvtier.serve.async_engine.AsyncLLMEngine` over its lifespan: started;
+    while serving, the prefix cache saved to ``path`` every ``interval_s`` seconds (in the loop,
+    between two steps, when a step ran since the last save); at the end stopped, then saved
+    (a line says so when a step outlived the loop's wait, and nothing was)."""
+    engine.start()
+    saving = None if path is None or interval_s is None else asyncio.create_task(_save_every(engine, path, interval_s))
+    try:
+        yield
+    finally:
+        if saving is not None:
+            saving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await saving
+        stopped = engine.shutdown()
+        if path is not None and stopped:
+            save_prefix_file(engine.engine, path)
+        elif path is not None:
+            print(f"[kvtier] the prefix cache was not saved to {path}: a step was still running when the "
+                  "server stopped", file=sys.stderr, flush=True)
+
+
+async def _save_every(engine, path, interval_s: float) -> None:
+    saved_at = engine.stats["steps"]
+    while True:
+        await asyncio.sleep(interval_s)
+        if engine.stats["steps"] != saved_at:
+            saved_at = engine.stats["steps"]
+            await asyncio.wrap_future(engine.call(lambda e: save_prefix_file(e, path)))
