@@ -524,7 +524,7 @@ async def engine_lifespan(engine, path: str | os.PathLike | None, interval_s: fl
     finally:
         if saving is not None:
             saving.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # (a save's error: the engine still stops)
                 await saving
         stopped = engine.shutdown()
         if path is not None and stopped:
