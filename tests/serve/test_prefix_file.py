@@ -334,7 +334,7 @@ def test_a_file_whose_header_fails_its_checksum_is_no_configuration_to_keep(tmp_
     other = LLMEngine(model, None, SMALL)
     assert load_prefix_file(other, path) is None
     assert "its header fails its checksum (the file is damaged); the prefix cache starts empty (the file is " \
-           "replaced when the server stops)" in capsys.readouterr().err
+           "replaced when the server saves it)" in capsys.readouterr().err
     other.generate(prompts(1, 30), RequestParams(max_tokens=2, ignore_eos=True))
     assert save_prefix_cache(other, path) > 0 and load_prefix_cache(LLMEngine(model, None, SMALL), path)["pool"] > 0
 
@@ -402,3 +402,65 @@ def test_a_round_trip_on_cuda_with_pinned_host_slots(tmp_path) -> None:
     last = prompts(2, 90)[1]
     mine, theirs = other.generate([last], params)[0], engine.generate([last], params)[0]
     assert mine.token_ids == theirs.token_ids and mine.cached_tokens == theirs.cached_tokens > 0
+
+
+def _lifespan_run(monkeypatch, capsys, save, *, steps: bool = True, hold_s: float = 0.0) -> str:
+    """Serve one request through ``engine_lifespan`` with periodic saves every 0.05 s, ``save``
+    standing in for ``save_prefix_file``, and a loop given 0.5 s to stop; stderr."""
+    import asyncio
+
+    import kvtier.serve.prefix_file as prefix_file
+    from kvtier.serve.async_engine import AsyncLLMEngine
+
+    monkeypatch.setattr(prefix_file, "save_prefix_file", save)
+    eng = AsyncLLMEngine(LLMEngine(tiny(), None, SMALL))
+    monkeypatch.setattr(eng, "shutdown", lambda: AsyncLLMEngine.shutdown(eng, timeout=0.5))
+
+    async def serve():
+        async with prefix_file.engine_lifespan(eng, "unused.safetensors", 0.05):
+            if steps:
+                rid = await eng.add_request(prompts(1, 30)[0], RequestParams(max_tokens=2, ignore_eos=True))
+                _ = [out async for out in eng.stream(rid)]
+            await asyncio.sleep(hold_s)
+
+    asyncio.run(asyncio.wait_for(serve(), 60))
+    return capsys.readouterr().err
+
+
+def test_a_stop_waits_for_a_periodic_save_under_way(monkeypatch, capsys) -> None:
+    """A periodic save still running when the server stops (here longer than the loop's wait)
+    finishes, then the final save runs (before: the stop said a step was still running, and
+    the final save never ran)."""
+    import threading
+    import time
+
+    calls = []
+
+    def slow(engine, path, quiet=False):
+        calls.append(("start", quiet, threading.current_thread().name))
+        time.sleep(1.0 if quiet else 0.0)
+        calls.append(("end", quiet))
+        return 1
+
+    err = _lifespan_run(monkeypatch, capsys, slow, hold_s=0.3)
+    assert calls[:2] == [("start", True, "kvtier-engine"), ("end", True)]  # periodic, in the engine's loop
+    assert calls[-2:] == [("start", False, "MainThread"), ("end", False)] and "not saved" not in err
+
+
+def test_a_failed_periodic_save_ends_the_periodic_saves(monkeypatch, capsys) -> None:
+    calls = []
+
+    def failing(engine, path, quiet=False):
+        calls.append(quiet)
+        return None  # (what save_prefix_file returns once it has said why)
+
+    err = _lifespan_run(monkeypatch, capsys, failing, hold_s=0.5)
+    assert calls == [True, False]  # one periodic save in 0.5 s of 0.05 s periods, then the final one
+    assert "the periodic saves of the prefix cache stop (the save failed)" in err
+
+
+def test_no_periodic_save_without_a_step(monkeypatch, capsys) -> None:
+    calls = []
+    _lifespan_run(monkeypatch, capsys, lambda engine, path, quiet=False: calls.append(quiet) or 1, steps=False,
+                  hold_s=0.4)
+    assert calls == [False]  # only the final save

@@ -168,9 +168,9 @@ class ServerConfig:
                                  f"{self.prefix_cache_file!r}")
             check_save_path(self.prefix_cache_file, PREFIX_FORMAT)  # (a file the server may write when it stops)
         t = self.prefix_cache_save_interval_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf):
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not 1 <= t < math.inf):
             raise ValueError(f"prefix_cache_save_interval_s (--prefix-cache-save-interval) must be a number of "
-                             f"seconds > 0 or None, got {t!r}")
+                             f"seconds >= 1 or None, got {t!r}")
         if t is not None and self.prefix_cache_file is None:
             raise ValueError("--prefix-cache-save-interval saves the prefix cache file, and none is given: add "
                              "--prefix-cache-file PATH (prefix_cache_file)")

@@ -96,7 +96,8 @@ class AsyncLLMEngine:
             except queue.Empty:
                 break
             if command[0] in ("add", "call") and command[-1].set_running_or_notify_cancel():
-                command[-1].set_exception(ended)
+                command[-1].set_exception(ended if command[0] == "add" else
+                                          RuntimeError("the engine loop was shut down before the call ran"))
         self.engine.abort_all()
         with self._lock:
             open_ = list(self._streams)

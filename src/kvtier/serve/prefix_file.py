@@ -463,7 +463,7 @@ def load_prefix_file(engine, path: str | os.PathLike) -> dict[str, int] | None:
     at the stop; a damaged one is replaced)."""
     if not os.path.exists(path):
         print(f"[kvtier] no prefix cache file {path} yet: the cache starts empty and is written there "
-              "when the server stops", file=sys.stderr, flush=True)
+              "when the server saves it", file=sys.stderr, flush=True)
         return None
     t0 = time.perf_counter()
     try:
@@ -476,7 +476,7 @@ def load_prefix_file(engine, path: str | os.PathLike) -> dict[str, int] | None:
         if isinstance(e, _DIST_ERRORS):
             raise
         why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        print(f"[kvtier] {why}; the prefix cache starts empty (the file is replaced when the server stops)",
+        print(f"[kvtier] {why}; the prefix cache starts empty (the file is replaced when the server saves it)",
               file=sys.stderr, flush=True)
         return None
     left = f", {got['left_out']} least recently used left out" if got["left_out"] else ""
@@ -490,8 +490,9 @@ def _blocks(n: int) -> str:
     return f"{n} cached block{'' if n == 1 else 's'}"
 
 
-def save_prefix_file(engine, path: str | os.PathLike) -> int | None:
-    """:func:`save_prefix_cache` for a stopping server: a line saying what was written, or why nothing was."""
+def save_prefix_file(engine, path: str | os.PathLike, *, quiet: bool = False) -> int | None:
+    """:func:`save_prefix_cache` for a server: a line saying what was written, or why nothing
+    was (``None``; ``quiet``: no line when nothing was cached)."""
     t0 = time.perf_counter()
     try:
         n = save_prefix_cache(engine, path)
@@ -506,7 +507,7 @@ def save_prefix_file(engine, path: str | os.PathLike) -> int | None:
         beside = _rank_files(engine, path)
         print(f"[kvtier] saved {_blocks(n)} to {path}{beside} ({sum(f.stat().st_size for f in files) / 2**20:.1f} "
               f"MiB{' in all' if beside else ''}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    else:
+    elif not quiet:
         print(f"[kvtier] nothing cached: {path} left as it was", file=sys.stderr, flush=True)
     return n
 
@@ -515,17 +516,21 @@ def save_prefix_file(engine, path: str | os.PathLike) -> int | None:
 async def engine_lifespan(engine, path: str | os.PathLike | None, interval_s: float | None = None):
     """A server's :class:`~kvtier.serve.async_engine.AsyncLLMEngine` over its lifespan: started;
     while serving, the prefix cache saved to ``path`` every ``interval_s`` seconds (in the loop,
-    between two steps, when a step ran since the last save); at the end stopped, then saved
-    (a line says so when a step outlived the loop's wait, and nothing was)."""
+    between two steps, when a step ran since the last save); at the end a save under way is
+    waited for, the engine stopped, then the cache saved (a line says so when a step outlived
+    the loop's wait, and nothing was)."""
     engine.start()
-    saving = None if path is None or interval_s is None else asyncio.create_task(_save_every(engine, path, interval_s))
+    running: list = []  # the periodic save posted to the loop, if any
+    saving = None if path is None or interval_s is None else asyncio.create_task(_save_every(engine, path, interval_s, running))
     try:
         yield
     finally:
         if saving is not None:
-            saving.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # (a save's error: the engine still stops)
+            saving.cancel()  # (a save posted but not started is dropped; one under way runs on)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await saving
+            while running and not running[0].done():  # the loop's wait below must not cut it short
+                await asyncio.sleep(0.05)
         stopped = engine.shutdown()
         if path is not None and stopped:
             save_prefix_file(engine.engine, path)
@@ -534,10 +539,23 @@ async def engine_lifespan(engine, path: str | os.PathLike | None, interval_s: fl
                   "server stopped", file=sys.stderr, flush=True)
 
 
-async def _save_every(engine, path, interval_s: float) -> None:
+async def _save_every(engine, path, interval_s: float, running: list) -> None:
+    """Save every ``interval_s`` seconds when a step ran since the last save; a save that fails
+    (or finds the file another configuration's) ends the periodic saves with a line."""
     saved_at = engine.stats["steps"]
     while True:
         await asyncio.sleep(interval_s)
-        if engine.stats["steps"] != saved_at:
-            saved_at = engine.stats["steps"]
-            await asyncio.wrap_future(engine.call(lambda e: save_prefix_file(e, path)))
+        if engine.stats["steps"] == saved_at:
+            continue
+        saved_at = engine.stats["steps"]
+        running[:] = [engine.call(lambda e: save_prefix_file(e, path, quiet=True))]
+        try:
+            saved = await asyncio.wrap_future(running[0]) is not None  # (None: the save said why not)
+        except Exception as e:  # (a rank's group error: the steps will say more)
+            print(f"[kvtier] the prefix cache was not saved to {path}: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
+            saved = False
+        if not saved:
+            print("[kvtier] the periodic saves of the prefix cache stop (the save failed); it is saved again "
+                  "when the server stops", file=sys.stderr, flush=True)
+            return
