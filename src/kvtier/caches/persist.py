@@ -46,8 +46,8 @@ from safetensors.torch import save_file
 from kvtier.caches.base import KVCache
 
 FORMAT = "kvtier.cache"
-#: the server's prefix cache on disk (:mod:`kvtier.serve.prefix_file`): a kvtier cache a save
-#: may replace too
+#: the server's prefix cache on disk (:mod:`kvtier.serve.prefix_file`): a kvtier file of its own
+#: kind, which a save of either kind refuses to replace with the other
 PREFIX_FORMAT = "kvtier.prefix_cache"
 #: 2: the header carries its own checksum and each tensor's covers its dtype and shape
 FORMAT_VERSION = 2
@@ -211,7 +211,7 @@ def save_cache(
     }
     header["header_crc"] = _header_crc(header)
 
-    tmp = target.with_name(f".{target.name}.kvtier-tmp")
+    tmp = temporary_path(target)
     with save_lock(target):  # only the holder touches tmp: save_file may replace it by rename
         try:
             tmp.unlink(missing_ok=True)  # a killed save's leftover (or a symlink): never written through
@@ -225,6 +225,11 @@ def save_cache(
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+
+def temporary_path(target: Path) -> Path:
+    """Where a save of ``target`` writes before its rename: ``.NAME.kvtier-tmp`` beside it."""
+    return target.with_name(f".{target.name}.kvtier-tmp")
 
 
 @contextlib.contextmanager

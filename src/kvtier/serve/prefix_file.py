@@ -58,6 +58,7 @@ import os
 import stat
 import sys
 import time
+import weakref
 import zlib
 from pathlib import Path
 
@@ -66,7 +67,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from kvtier.caches.paged_shared import to_device
-from kvtier.caches.persist import PREFIX_FORMAT, check_save_path, save_lock
+from kvtier.caches.persist import PREFIX_FORMAT, check_save_path, save_lock, temporary_path
 from kvtier.serve.offload import block_tensors
 
 __all__ = ["PrefixFileMismatch", "check_prefix_paths", "engine_lifespan", "fingerprint", "load_prefix_cache", "load_prefix_file",
@@ -128,8 +129,16 @@ def _pool(runner) -> list[torch.Tensor]:
     return [t for c in runner.caches for t in block_tensors(c)]
 
 
+#: each model's weights digest, taken once (the saves of a server repeat it, and on CUDA each
+#: tensor's sample is a device-to-host copy)
+_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def weights_digest(model) -> str:
-    """SHA-256 over every state-dict tensor's name, dtype, shape and :data:`WEIGHT_SAMPLES` of its values."""
+    """SHA-256 over every state-dict tensor's name, dtype, shape and :data:`WEIGHT_SAMPLES` of its
+    values; taken once per model object (weights changed in place afterwards are not seen)."""
+    if model in _DIGESTS:
+        return _DIGESTS[model]
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         flat = t.detach().reshape(-1)
@@ -138,7 +147,8 @@ def weights_digest(model) -> str:
             k = min(WEIGHT_SAMPLES, flat.numel())
             idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)
             h.update(flat[idx].cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    _DIGESTS[model] = h.hexdigest()
+    return _DIGESTS[model]
 
 
 def _engine_fingerprint(engine) -> dict:
@@ -273,10 +283,6 @@ def _check_path(runner, rank: int, world: int, path: str, engine_fp: dict) -> No
                          "another path, or delete the file first")
 
 
-def _temporary(target: Path) -> Path:
-    return target.with_name(f".{target.name}.kvtier-tmp")
-
-
 def _write(runner, rank: int, world: int, path: str, engine_fp: dict, copies, entries) -> None:
     """This rank's share of ``entries`` (``(hash, "pool" | "host", index)``), after the queued
     ``copies``, in its temporary file (:func:`_commit` renames it into place)."""
@@ -303,7 +309,7 @@ def _write(runner, rank: int, world: int, path: str, engine_fp: dict, copies, en
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    tmp = _temporary(target)
+    tmp = temporary_path(target)
     # the keys and values of every user's prompts: readable by the owner only, unless the file was more open
     mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o600
     with save_lock(target):
@@ -314,10 +320,11 @@ def _write(runner, rank: int, world: int, path: str, engine_fp: dict, copies, en
                 f.write(len(raw).to_bytes(8, "little") + raw)
                 crcs = [zlib.crc32(_bytes(hashes))]
                 f.write(_bytes(hashes))
+                chunks = _chunks([(w, i) for _, w, i in entries], runner.device)
                 for j, dev in enumerate(pool):
                     crc = 0
-                    for a in range(0, len(entries), CHUNK):
-                        rows = _gather(entries[a : a + CHUNK], dev, runner.host.slots[j] if runner.host else None)
+                    for chunk in chunks:
+                        rows = _gather(chunk, dev, runner.host.slots[j] if runner.host else None)
                         crc = zlib.crc32(_bytes(rows), crc)
                         f.write(_bytes(rows))
                     crcs.append(crc)
@@ -333,21 +340,36 @@ def _commit(runner, rank: int, world: int, path: str) -> None:
     """This rank's temporary file renamed over its file (every rank has written its own)."""
     target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
     with save_lock(target):
-        os.replace(_temporary(target), target)
+        os.replace(temporary_path(target), target)
 
 
 def _discard(runner, rank: int, world: int, path: str) -> None:
-    _temporary(check_save_path(rank_path(path, rank), PREFIX_FORMAT)).unlink(missing_ok=True)
+    temporary_path(check_save_path(rank_path(path, rank), PREFIX_FORMAT)).unlink(missing_ok=True)
 
 
-def _gather(entries, dev: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
-    """Rows of ``entries`` (``(hash, "pool" | "host", index)``) of one pool tensor and its host slots, on the CPU."""
-    rows = torch.empty((len(entries), *dev.shape[1:]), dtype=dev.dtype)
-    for where, src in (("pool", dev), ("host", host)):
-        at = [i for i, e in enumerate(entries) if e[1] == where]
-        if at:
-            index = torch.tensor([entries[i][2] for i in at])
-            rows[torch.tensor(at)] = src.index_select(0, to_device(index, src.device)).cpu()
+def _chunks(places: list, device: torch.device) -> list[tuple[int, int, list]]:
+    """``places`` (row ``i``: ``("pool" | "host", index)``, or ``None`` for a row that goes
+    nowhere) as chunks of :data:`CHUNK` rows, made once for every tensor: ``(first row, rows,
+    [(where, positions in the chunk, indices)])``, a pool's indices on ``device``."""
+    out = []
+    for a in range(0, len(places), CHUNK):
+        part = places[a : a + CHUNK]
+        moves = []
+        for where in ("pool", "host"):
+            at = [i for i, p in enumerate(part) if p is not None and p[0] == where]
+            if at:
+                index = torch.tensor([part[i][1] for i in at])
+                moves.append((where, torch.tensor(at), to_device(index, device) if where == "pool" else index))
+        out.append((a, len(part), moves))
+    return out
+
+
+def _gather(chunk, dev: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
+    """A chunk's rows (:func:`_chunks`) of one pool tensor and its host slots, on the CPU."""
+    _, n, moves = chunk
+    rows = torch.empty((n, *dev.shape[1:]), dtype=dev.dtype)
+    for where, at, index in moves:
+        rows[at] = (dev if where == "pool" else host).index_select(0, index).cpu()
     return rows
 
 
@@ -429,20 +451,19 @@ def _fill(runner, rank: int, world: int, path: str, engine_fp: dict, places, fir
     with _checked_file(runner, rank, world, path, engine_fp) as (f, file, hashes):
         if hashlib.sha256(b"".join(hashes)).hexdigest() != digest:
             raise _refusal(file, "its blocks are not those of rank 0's file (the files come from different saves)")
-        n, crcs = len(hashes), f.get_tensor("crc").tolist()
+        crcs = f.get_tensor("crc").tolist()
+        chunks = _chunks([None] * first + list(places), runner.device)  # (rows before first: read, checked, left)
         for j, dev in enumerate(_pool(runner)):
             host = runner.host.slots[j] if runner.host is not None else None
             crc, sl = 0, f.get_slice(f"t{j}")
-            for a in range(0, n, CHUNK):
-                rows = sl[a : min(a + CHUNK, n)]
+            for a, n, moves in chunks:
+                rows = sl[a : a + n]
                 if rows.dtype != dev.dtype:
                     raise _refusal(file, f"tensor t{j} is {rows.dtype}, not {dev.dtype} (the file is damaged)")
                 crc = zlib.crc32(_bytes(rows), crc)
-                for where, dst in (("pool", dev), ("host", host)):
-                    at = [i for i in range(max(a, first), a + len(rows)) if places[i - first][0] == where]
-                    if at:
-                        index = torch.tensor([places[i - first][1] for i in at])
-                        dst.index_copy_(0, to_device(index, dst.device), rows[torch.tensor(at) - a].to(dst.device))
+                for where, at, index in moves:
+                    dst = dev if where == "pool" else host
+                    dst.index_copy_(0, index, rows[at].to(dst.device))
             if crc != crcs[j + 1]:
                 raise _refusal(file, f"tensor t{j} fails its checksum (the file is damaged)")
 
