@@ -4,6 +4,7 @@ other ranks run it on their shards; tokens equal a single-process engine's."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from kvtier.parallel import TensorParallelError
 from kvtier.parallel.serve import serve_sharded
 from kvtier.serve.prefix_file import (
+    begin_prefix_save,
     check_prefix_paths,
     load_prefix_cache,
     rank_path,
@@ -185,3 +187,44 @@ def test_three_ranks_keep_their_prefix_cache_across_a_restart(lm, tmp_path):
     assert empty == 0 and got == {"blocks": n, "pool": n, "host": 0, "left_out": 0}
     want = LLMEngine(lm.model, lm.tokenizer, config).generate([first], RequestParams(max_tokens=6))[0]
     assert tokens == again == list(want.token_ids) and cached == (len(first) - 1) // 16 * 16
+
+
+def _begun(engine, first, path):
+    """A save while the engine waits, new blocks, a save begun between steps (the ranks' files
+    compared with a waiting save's); then rank 2's file damaged in place and a begun save refused."""
+    params = RequestParams(max_tokens=6)
+    engine.generate([first], params)
+    save_prefix_cache(engine, path)
+    engine.generate([[t + 1 for t in first[:40]]], params)
+    save = begin_prefix_save(engine, path)
+    while not save.written():
+        pass
+    save.finish()
+    ref = path.with_name("ref.safetensors")
+    save_prefix_cache(engine, ref)
+    same = [rank_path(path, r).read_bytes() == rank_path(ref, r).read_bytes() for r in range(3)]
+    two = rank_path(path, 2)
+    st, data = two.stat(), bytearray(two.read_bytes())
+    data[len(data) // 2] ^= 1  # a byte of a page tensor
+    two.write_bytes(bytes(data))
+    os.utime(two, ns=(st.st_atime_ns, st.st_mtime_ns))  # (to a stat, the file rank 2 wrote)
+    engine.generate([[t + 2 for t in first[:40]]], params)
+    before = [rank_path(path, r).read_bytes() for r in range(3)]
+    again = begin_prefix_save(engine, path)
+    refused = _refusal(lambda: [None for _ in iter(again.written, True)])
+    again.discard()
+    kept = before == [rank_path(path, r).read_bytes() for r in range(3)]
+    return save.new_blocks, save.blocks, same, refused, kept, sorted(f.name for f in path.parent.glob(".*kvtier-tmp"))
+
+
+def test_three_ranks_write_a_begun_save_as_one(tmp_path, lm):
+    """Each rank copies the blocks new to its file and its thread writes the file; the files are
+    renamed once all are written; one rank's failure leaves every file as it was."""
+    first = lm.tokenizer.encode("You are a careful assistant. " * 24 + "Name a colour:")
+    path = tmp_path / "prefixes.safetensors"
+    config = dataclasses.replace(CONFIG, max_batched_tokens=256)
+    new, blocks, same, refused, kept, left = serve_sharded(_begun, 3, args=(first, path), config=config,
+                                                          dtype=torch.float32, timeout_s=60)
+    assert 0 < new < blocks and same == [True] * 3
+    assert refused.startswith("rank 2: ") and "fails its checksum since this server last wrote or read it" in refused
+    assert kept and left == []

@@ -20,11 +20,11 @@ from kvtier.serve.params import RequestParams
 from kvtier.serve.prefix import BlockManager, chain_hash
 from kvtier.serve.prefix_file import (
     CHUNK,
-    _header_crc,
     load_prefix_cache,
     load_prefix_file,
     save_prefix_cache,
 )
+from kvtier.serve.prefix_format import _header_crc
 
 ARGS = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=300,
                  max_position_embeddings=2048)  # (head_dim 64: every codec serves)
@@ -404,15 +404,18 @@ def test_a_round_trip_on_cuda_with_pinned_host_slots(tmp_path) -> None:
     assert mine.token_ids == theirs.token_ids and mine.cached_tokens == theirs.cached_tokens > 0
 
 
-def _lifespan_run(monkeypatch, capsys, save, *, steps: bool = True, hold_s: float = 0.0) -> str:
-    """Serve one request through ``engine_lifespan`` with periodic saves every 0.05 s, ``save``
-    standing in for ``save_prefix_file``, and a loop given 0.5 s to stop; stderr."""
+def _lifespan_run(monkeypatch, capsys, periodic, *, steps: bool = True, hold_s: float = 0.0) -> tuple[str, list]:
+    """Serve one request through ``engine_lifespan`` with periodic saves every 0.05 s, ``periodic``
+    (async) standing in for ``save_in_loop``, the final save recorded, and a loop given 0.5 s to
+    stop; stderr and the final saves' calls."""
     import asyncio
 
     import kvtier.serve.prefix_file as prefix_file
     from kvtier.serve.async_engine import AsyncLLMEngine
 
-    monkeypatch.setattr(prefix_file, "save_prefix_file", save)
+    finals = []
+    monkeypatch.setattr(prefix_file, "save_in_loop", periodic)
+    monkeypatch.setattr(prefix_file, "save_prefix_file", lambda engine, path: finals.append("final") or 1)
     eng = AsyncLLMEngine(LLMEngine(tiny(), None, SMALL))
     monkeypatch.setattr(eng, "shutdown", lambda: AsyncLLMEngine.shutdown(eng, timeout=0.5))
 
@@ -424,43 +427,45 @@ def _lifespan_run(monkeypatch, capsys, save, *, steps: bool = True, hold_s: floa
             await asyncio.sleep(hold_s)
 
     asyncio.run(asyncio.wait_for(serve(), 60))
-    return capsys.readouterr().err
+    return capsys.readouterr().err, finals
 
 
 def test_a_stop_waits_for_a_periodic_save_under_way(monkeypatch, capsys) -> None:
     """A periodic save still running when the server stops (here longer than the loop's wait)
     finishes, then the final save runs (before: the stop said a step was still running, and
     the final save never ran)."""
-    import threading
-    import time
+    import asyncio
 
     calls = []
 
-    def slow(engine, path, quiet=False):
-        calls.append(("start", quiet, threading.current_thread().name))
-        time.sleep(1.0 if quiet else 0.0)
-        calls.append(("end", quiet))
-        return 1
+    async def slow(engine, path):
+        calls.append("start")
+        await asyncio.sleep(1.0)
+        calls.append("end")
+        return True
 
-    err = _lifespan_run(monkeypatch, capsys, slow, hold_s=0.3)
-    assert calls[:2] == [("start", True, "kvtier-engine"), ("end", True)]  # periodic, in the engine's loop
-    assert calls[-2:] == [("start", False, "MainThread"), ("end", False)] and "not saved" not in err
+    err, finals = _lifespan_run(monkeypatch, capsys, slow, hold_s=0.3)
+    assert calls == ["start", "end"] and finals == ["final"] and "not saved" not in err
 
 
 def test_a_failed_periodic_save_ends_the_periodic_saves(monkeypatch, capsys) -> None:
     calls = []
 
-    def failing(engine, path, quiet=False):
-        calls.append(quiet)
-        return None  # (what save_prefix_file returns once it has said why)
+    async def failing(engine, path):
+        calls.append("periodic")
+        return False  # (what save_in_loop returns once it has said why)
 
-    err = _lifespan_run(monkeypatch, capsys, failing, hold_s=0.5)
-    assert calls == [True, False]  # one periodic save in 0.5 s of 0.05 s periods, then the final one
+    err, finals = _lifespan_run(monkeypatch, capsys, failing, hold_s=0.5)
+    assert calls == ["periodic"] and finals == ["final"]  # one periodic save in 0.5 s of 0.05 s periods
     assert "the periodic saves of the prefix cache stop (the save failed)" in err
 
 
 def test_no_periodic_save_without_a_step(monkeypatch, capsys) -> None:
     calls = []
-    _lifespan_run(monkeypatch, capsys, lambda engine, path, quiet=False: calls.append(quiet) or 1, steps=False,
-                  hold_s=0.4)
-    assert calls == [False]  # only the final save
+
+    async def periodic(engine, path):
+        calls.append("periodic")
+        return True
+
+    _, finals = _lifespan_run(monkeypatch, capsys, periodic, steps=False, hold_s=0.4)
+    assert calls == [] and finals == ["final"]

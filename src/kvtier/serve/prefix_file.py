@@ -51,14 +51,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
-import json
 import os
-import stat
 import sys
 import time
-import weakref
 import zlib
 from pathlib import Path
 
@@ -66,311 +62,36 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
-from kvtier.caches.paged_shared import to_device
-from kvtier.caches.persist import PREFIX_FORMAT, check_save_path, save_lock, temporary_path
-from kvtier.serve.offload import block_tensors
+from kvtier.serve.prefix_format import (
+    CHUNK,
+    FORMAT_VERSION,
+    PrefixFileMismatch,
+    _bytes,
+    _chunks,
+    _differences,
+    _engine_fingerprint,
+    _everywhere,
+    _local,
+    _pool,
+    _refusal,
+    _runner_fingerprint,
+    _runner_of,
+    _sound_header,
+    _world,
+    data_offsets,
+    fingerprint,
+    rank_path,
+)
+from kvtier.serve.prefix_save import (
+    CAPTURE_SHARE,
+    begin_prefix_save,
+    check_prefix_paths,
+    remember_file,
+    save_prefix_cache,
+)
 
-__all__ = ["PrefixFileMismatch", "check_prefix_paths", "engine_lifespan", "fingerprint", "load_prefix_cache", "load_prefix_file",
-           "rank_path", "save_prefix_cache", "save_prefix_file"]
-
-FORMAT_VERSION = 1
-#: blocks of one tensor copied at a time
-CHUNK = 64
-#: values of each weight tensor the fingerprint's digest reads
-WEIGHT_SAMPLES = 64
-#: safetensors' names of the dtypes pages, sidecars and the file's own tensors take
-_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8",
-          torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-          torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-
-
-def _runner_of(engine):
-    """``engine``'s runner (a :class:`~kvtier.parallel.serve.BroadcastRunner` under tensor
-    parallelism), once its prefix cache is known to be on."""
-    if not engine.block_manager.enable_prefix_caching:
-        raise ValueError("prefix caching is off, so there is no prefix cache to save or load; drop "
-                         "--no-prefix-caching (enable_prefix_caching=False)")
-    return engine.runner
-
-
-def _sharded(runner) -> bool:
-    return hasattr(runner, "on_every_rank")
-
-
-def _local(runner):
-    """This process's :class:`~kvtier.serve.runner.ModelRunner`."""
-    return runner.runner if _sharded(runner) else runner
-
-
-def _world(runner) -> int:
-    return dist.get_world_size() if _sharded(runner) else 1
-
-
-def rank_path(path: str | os.PathLike, rank: int) -> Path:
-    """The file of ``rank``'s share of the blocks: ``path`` for rank 0, else ``.rankR`` before its
-    suffix (``prefixes.safetensors`` -> ``prefixes.rank1.safetensors``)."""
-    path = Path(path)
-    return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
-
-
-def _everywhere(runner, fn, *args) -> list:
-    """``fn(local runner, rank, world size, *args)`` on every rank (one process: here, rank 0 of
-    1); the results by rank, or a ``ValueError`` naming each rank whose call raised."""
-    if not _sharded(runner):
-        return [fn(runner, 0, 1, *args)]
-    answers = runner.on_every_rank(fn, *args)
-    failed = [f"rank {r}: {value}" for r, (ok, value) in enumerate(answers) if not ok]
-    if failed:
-        raise ValueError("; ".join(failed))
-    return [value for _, value in answers]
-
-
-def _pool(runner) -> list[torch.Tensor]:
-    return [t for c in runner.caches for t in block_tensors(c)]
-
-
-#: each model's weights digest, taken once (the saves of a server repeat it, and on CUDA each
-#: tensor's sample is a device-to-host copy)
-_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def weights_digest(model) -> str:
-    """SHA-256 over every state-dict tensor's name, dtype, shape and :data:`WEIGHT_SAMPLES` of its
-    values; taken once per model object (weights changed in place afterwards are not seen)."""
-    if model in _DIGESTS:
-        return _DIGESTS[model]
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        flat = t.detach().reshape(-1)
-        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
-        if flat.numel():
-            k = min(WEIGHT_SAMPLES, flat.numel())
-            idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)
-            h.update(flat[idx].cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    _DIGESTS[model] = h.hexdigest()
-    return _DIGESTS[model]
-
-
-def _engine_fingerprint(engine) -> dict:
-    config = engine.config
-    return {"block_size": config.block_size, "turboquant": repr(config.turboquant),
-            "batch_invariant": config.batch_invariant}
-
-
-def _runner_fingerprint(runner, rank: int, world: int) -> dict:
-    """The parts of a fingerprint each rank knows of its own: its shard, its pages, its place."""
-    from kvtier.model.act_quant import act_quant_of
-    from kvtier.model.linear import prefill_dtype_in_effect
-
-    model = runner.model
-    return {
-        "model": json.loads(json.dumps(dataclasses.asdict(model.args), default=str)),
-        "weights": weights_digest(model),
-        "dtype": str(runner.dtype),
-        "device": runner.device.type,
-        "storage": runner.storage_mode,
-        "tensors": [[str(t.dtype), list(t.shape[1:])] for t in _pool(runner)],
-        "prefill_dtype": str(prefill_dtype_in_effect(model)),
-        "act_quant": act_quant_of(model),
-        "gpu": torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else None,
-        "rank": rank,
-        "world_size": world,
-    }
-
-
-def fingerprint(engine) -> dict:
-    """What must match for ``engine`` to use another engine's blocks (the module docstring); of
-    rank 0's share under tensor parallelism."""
-    runner = _runner_of(engine)
-    return _engine_fingerprint(engine) | _runner_fingerprint(_local(runner), 0, _world(runner))
-
-
-def _header_crc(meta: dict[str, str]) -> str:
-    return str(zlib.crc32(json.dumps({k: v for k, v in meta.items() if k != "header_crc"}, sort_keys=True).encode()))
-
-
-def _bytes(t: torch.Tensor):
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-class PrefixFileMismatch(ValueError):
-    """A sound prefix cache file of another fingerprint: blocks another configuration computed."""
-
-
-def _refusal(path: Path, why: str) -> ValueError:
-    return ValueError(f"the prefix cache file {path} cannot be loaded: {why}")
-
-
-def _differences(saved: dict, ours: dict) -> list[str]:
-    """What differs, key by key; long values (the pool's tensors, the model's shape) only named."""
-    out = []
-    for k in sorted(set(saved) | set(ours)):
-        a, b = json.dumps(saved.get(k), sort_keys=True), json.dumps(ours.get(k), sort_keys=True)
-        if a != b:
-            out.append(f"{k} {a} (this engine: {b})" if len(a) + len(b) < 120 else f"{k} differ")
-    return out
-
-
-def _sound_header(meta: dict, path: Path) -> tuple[dict, int]:
-    """``(fingerprint, blocks)`` of a header of this format and version that passes its checksum."""
-    if meta.get("format") != PREFIX_FORMAT:
-        raise _refusal(path, f"its format is {meta.get('format')!r}, not {PREFIX_FORMAT!r}")
-    if meta.get("format_version") != str(FORMAT_VERSION):
-        raise _refusal(path, f"format version {meta.get('format_version')}; this kvtier reads {FORMAT_VERSION}")
-    if set(meta) != {"format", "format_version", "blocks", "fingerprint", "header_crc"} or meta["header_crc"] != _header_crc(meta):
-        raise _refusal(path, "its header fails its checksum (the file is damaged)")
-    try:
-        saved, n = json.loads(meta["fingerprint"]), int(meta["blocks"])
-    except (ValueError, RecursionError) as e:  # (RecursionError: JSON nested too deeply)
-        raise _refusal(path, f"its header is damaged ({type(e).__name__})") from None
-    if not isinstance(saved, dict) or n < 0:
-        raise _refusal(path, "its header is damaged (a fingerprint that is no JSON object, or blocks < 0)")
-    return saved, n
-
-
-# -- saving -----------------------------------------------------------------------------------------
-def save_prefix_cache(engine, path: str | os.PathLike) -> int:
-    """Write every block ``engine``'s prefix cache holds (pool and host tier) to ``path`` (and,
-    under tensor parallelism, each other rank's share to :func:`rank_path`); returns how many
-    (none cached: 0, and the files are left as they are). The engine must not be stepping
-    meanwhile (a server's loop stopped). A ``ValueError`` names what is wrong, and no file
-    changes: when a rank's path is a folder or a file of another kind, when ``path`` is a
-    sound prefix cache file of another fingerprint (another configuration's blocks are never
-    written over), or when a rank fails to write (every rank writes a temporary file first;
-    all are renamed into place only once every rank has written its own)."""
-    runner, bm = _runner_of(engine), engine.block_manager
-    engine_fp = _engine_fingerprint(engine)
-    _everywhere(runner, _check_path, str(path), engine_fp)
-    if not bm.num_cached_blocks and not bm.host_figures()["host_cached_blocks"]:
-        return 0  # (an empty cache does not replace a file of blocks)
-    copies = bm.take_copies()  # saves to the host and loads the books count as done, but not yet run
-    entries = bm.cached_entries()
-    try:
-        _everywhere(runner, _write, str(path), engine_fp, copies, entries)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            _everywhere(runner, _discard, str(path))
-        raise
-    _everywhere(runner, _commit, str(path))
-    return len(entries)
-
-
-def check_prefix_paths(engine, path: str | os.PathLike) -> None:
-    """Every rank's file of ``path`` may be written (a new, empty or prefix cache file in a
-    folder that exists and is writable); a ``ValueError`` naming the rank and the fix otherwise."""
-    _everywhere(_runner_of(engine), _check_writable, str(path))
-
-
-def _check_writable(runner, rank: int, world: int, path: str) -> None:
-    check_save_path(rank_path(path, rank), PREFIX_FORMAT)
-
-
-def _check_path(runner, rank: int, world: int, path: str, engine_fp: dict) -> None:
-    """This rank's file may be written; rank 0's also holds no sound file of another fingerprint
-    (a damaged one, or rank files without it, are replaced)."""
-    target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
-    if rank or not target.is_file() or not target.stat().st_size:
-        return
-    try:
-        with safe_open(str(target), framework="pt") as f:
-            saved, _ = _sound_header(f.metadata() or {}, target)
-    except (ValueError, SafetensorError, OSError):
-        return
-    ours = engine_fp | _runner_fingerprint(runner, rank, world)
-    if saved != ours:
-        raise ValueError(f"{target} holds the blocks of another model or cache layout ("
-                         + "; ".join(_differences(saved, ours)) + "), which saving would overwrite: pass "
-                         "another path, or delete the file first")
-
-
-def _write(runner, rank: int, world: int, path: str, engine_fp: dict, copies, entries) -> None:
-    """This rank's share of ``entries`` (``(hash, "pool" | "host", index)``), after the queued
-    ``copies``, in its temporary file (:func:`_commit` renames it into place)."""
-    if copies:
-        runner.host.apply(copies)
-    if runner.host is not None and runner.host.cuda:
-        torch.cuda.synchronize(runner.host.device)  # the host reads its slots below: every save landed
-    target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
-    pool = _pool(runner)
-    missing = sorted({str(t.dtype) for t in pool if t.dtype not in _NAMES})
-    if missing:
-        raise ValueError(f"pages of dtype {missing} have no safetensors name; they cannot be saved")
-    hashes = torch.tensor([list(h) for h, _, _ in entries], dtype=torch.uint8).reshape(-1, 32)
-    names = ["hashes", *(f"t{j}" for j in range(len(pool)))]
-    shapes = [list(hashes.shape)] + [[len(entries), *t.shape[1:]] for t in pool]
-    dtypes = [torch.uint8] + [t.dtype for t in pool]
-    meta = {"format": PREFIX_FORMAT, "format_version": str(FORMAT_VERSION), "blocks": str(len(entries)),
-            "fingerprint": json.dumps(engine_fp | _runner_fingerprint(runner, rank, world), sort_keys=True)}
-    meta["header_crc"] = _header_crc(meta)
-    header, offset = {"__metadata__": meta}, 0
-    for name, shape, dtype in [*zip(names, shapes, dtypes), ("crc", [len(names)], torch.int64)]:
-        size = dtype.itemsize * int(torch.Size(shape).numel())
-        header[name] = {"dtype": _NAMES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    tmp = temporary_path(target)
-    # the keys and values of every user's prompts: readable by the owner only, unless the file was more open
-    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o600
-    with save_lock(target):
-        try:
-            tmp.unlink(missing_ok=True)
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
-                os.fchmod(f.fileno(), mode)  # (the umask narrowed it)
-                f.write(len(raw).to_bytes(8, "little") + raw)
-                crcs = [zlib.crc32(_bytes(hashes))]
-                f.write(_bytes(hashes))
-                chunks = _chunks([(w, i) for _, w, i in entries], runner.device)
-                for j, dev in enumerate(pool):
-                    crc = 0
-                    for chunk in chunks:
-                        rows = _gather(chunk, dev, runner.host.slots[j] if runner.host else None)
-                        crc = zlib.crc32(_bytes(rows), crc)
-                        f.write(_bytes(rows))
-                    crcs.append(crc)
-                f.write(_bytes(torch.tensor(crcs, dtype=torch.int64)))
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-
-
-def _commit(runner, rank: int, world: int, path: str) -> None:
-    """This rank's temporary file renamed over its file (every rank has written its own)."""
-    target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
-    with save_lock(target):
-        os.replace(temporary_path(target), target)
-
-
-def _discard(runner, rank: int, world: int, path: str) -> None:
-    temporary_path(check_save_path(rank_path(path, rank), PREFIX_FORMAT)).unlink(missing_ok=True)
-
-
-def _chunks(places: list, device: torch.device) -> list[tuple[int, int, list]]:
-    """``places`` (row ``i``: ``("pool" | "host", index)``, or ``None`` for a row that goes
-    nowhere) as chunks of :data:`CHUNK` rows, made once for every tensor: ``(first row, rows,
-    [(where, positions in the chunk, indices)])``, a pool's indices on ``device``."""
-    out = []
-    for a in range(0, len(places), CHUNK):
-        part = places[a : a + CHUNK]
-        moves = []
-        for where in ("pool", "host"):
-            at = [i for i, p in enumerate(part) if p is not None and p[0] == where]
-            if at:
-                index = torch.tensor([part[i][1] for i in at])
-                moves.append((where, torch.tensor(at), to_device(index, device) if where == "pool" else index))
-        out.append((a, len(part), moves))
-    return out
-
-
-def _gather(chunk, dev: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
-    """A chunk's rows (:func:`_chunks`) of one pool tensor and its host slots, on the CPU."""
-    _, n, moves = chunk
-    rows = torch.empty((n, *dev.shape[1:]), dtype=dev.dtype)
-    for where, at, index in moves:
-        rows[at] = (dev if where == "pool" else host).index_select(0, index).cpu()
-    return rows
+__all__ = ["CHUNK", "FORMAT_VERSION", "PrefixFileMismatch", "check_prefix_paths", "engine_lifespan", "fingerprint",
+           "load_prefix_cache", "load_prefix_file", "rank_path", "save_in_loop", "save_prefix_cache", "save_prefix_file"]
 
 
 # -- loading ----------------------------------------------------------------------------------------
@@ -466,6 +187,8 @@ def _fill(runner, rank: int, world: int, path: str, engine_fp: dict, places, fir
                     dst.index_copy_(0, index, rows[at].to(dst.device))
             if crc != crcs[j + 1]:
                 raise _refusal(file, f"tensor t{j} fails its checksum (the file is damaged)")
+        names = [f"t{j}" for j in range(len(crcs) - 1)]
+        remember_file(runner, file, hashes, data_offsets(file, names), crcs[1:])  # (a periodic save reads it)
 
 
 # -- the server's side: a line on stderr, never an exception but the ranks' own ---------------------
@@ -511,24 +234,32 @@ def _blocks(n: int) -> str:
     return f"{n} cached block{'' if n == 1 else 's'}"
 
 
-def save_prefix_file(engine, path: str | os.PathLike, *, quiet: bool = False) -> int | None:
+def _saved_line(engine, path, n: int, seconds: float, how: str = "") -> None:
+    files = [f for f in (rank_path(path, r) for r in range(_world(engine.runner))) if f.is_file()]  # (this host's)
+    beside = _rank_files(engine, path)
+    print(f"[kvtier] saved {_blocks(n)} to {path}{beside} ({sum(f.stat().st_size for f in files) / 2**20:.1f} "
+          f"MiB{' in all' if beside else ''}) in {seconds:.1f} s{how}", file=sys.stderr, flush=True)
+
+
+def _not_saved(path, e: Exception) -> None:
+    if isinstance(e, _DIST_ERRORS):
+        raise e
+    why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    print(f"[kvtier] the prefix cache was not saved to {path}: {why}", file=sys.stderr, flush=True)
+
+
+def save_prefix_file(engine, path: str | os.PathLike) -> int | None:
     """:func:`save_prefix_cache` for a server: a line saying what was written, or why nothing
-    was (``None``; ``quiet``: no line when nothing was cached)."""
+    was (``None``)."""
     t0 = time.perf_counter()
     try:
         n = save_prefix_cache(engine, path)
     except Exception as e:  # (a stopping server prints why, and stops)
-        if isinstance(e, _DIST_ERRORS):
-            raise
-        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        print(f"[kvtier] the prefix cache was not saved to {path}: {why}", file=sys.stderr, flush=True)
+        _not_saved(path, e)
         return None
     if n:
-        files = [f for f in (rank_path(path, r) for r in range(_world(engine.runner))) if f.is_file()]  # (this host's)
-        beside = _rank_files(engine, path)
-        print(f"[kvtier] saved {_blocks(n)} to {path}{beside} ({sum(f.stat().st_size for f in files) / 2**20:.1f} "
-              f"MiB{' in all' if beside else ''}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    elif not quiet:
+        _saved_line(engine, path, n, time.perf_counter() - t0)
+    else:
         print(f"[kvtier] nothing cached: {path} left as it was", file=sys.stderr, flush=True)
     return n
 
@@ -536,22 +267,20 @@ def save_prefix_file(engine, path: str | os.PathLike, *, quiet: bool = False) ->
 @contextlib.asynccontextmanager
 async def engine_lifespan(engine, path: str | os.PathLike | None, interval_s: float | None = None):
     """A server's :class:`~kvtier.serve.async_engine.AsyncLLMEngine` over its lifespan: started;
-    while serving, the prefix cache saved to ``path`` every ``interval_s`` seconds (in the loop,
-    between two steps, when a step ran since the last save); at the end a save under way is
-    waited for, the engine stopped, then the cache saved (a line says so when a step outlived
-    the loop's wait, and nothing was)."""
+    while serving, the prefix cache saved to ``path`` every ``interval_s`` seconds when a step ran
+    since the last save (:func:`save_in_loop`); at the end a save under way is finished, the
+    engine stopped, then the cache saved (a line says so when a step outlived the loop's wait,
+    and nothing was)."""
     engine.start()
-    running: list = []  # the periodic save posted to the loop, if any
-    saving = None if path is None or interval_s is None else asyncio.create_task(_save_every(engine, path, interval_s, running))
+    stop = asyncio.Event()
+    saving = None if path is None or interval_s is None else asyncio.create_task(_save_every(engine, path, interval_s, stop))
     try:
         yield
     finally:
         if saving is not None:
-            saving.cancel()  # (a save posted but not started is dropped; one under way runs on)
+            stop.set()  # (a save under way is finished first: its last part runs in the loop)
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await saving
-            while running and not running[0].done():  # the loop's wait below must not cut it short
-                await asyncio.sleep(0.05)
         stopped = engine.shutdown()
         if path is not None and stopped:
             save_prefix_file(engine.engine, path)
@@ -560,23 +289,51 @@ async def engine_lifespan(engine, path: str | os.PathLike | None, interval_s: fl
                   "server stopped", file=sys.stderr, flush=True)
 
 
-async def _save_every(engine, path, interval_s: float, running: list) -> None:
-    """Save every ``interval_s`` seconds when a step ran since the last save; a save that fails
-    (or finds the file another configuration's) ends the periodic saves with a line."""
+async def _save_every(engine, path, interval_s: float, stop: asyncio.Event) -> None:
+    """Save every ``interval_s`` seconds when a step ran since the last save, until ``stop``; a
+    save that fails (or finds the file another configuration's) ends the periodic saves with a line."""
     saved_at = engine.stats["steps"]
     while True:
-        await asyncio.sleep(interval_s)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+        if stop.is_set():
+            return
         if engine.stats["steps"] == saved_at:
             continue
         saved_at = engine.stats["steps"]
-        running[:] = [engine.call(lambda e: save_prefix_file(e, path, quiet=True))]
-        try:
-            saved = await asyncio.wrap_future(running[0]) is not None  # (None: the save said why not)
-        except Exception as e:  # (a rank's group error: the steps will say more)
-            print(f"[kvtier] the prefix cache was not saved to {path}: {type(e).__name__}: {e}", file=sys.stderr,
-                  flush=True)
-            saved = False
-        if not saved:
+        if not await save_in_loop(engine, path):
             print("[kvtier] the periodic saves of the prefix cache stop (the save failed); it is saved again "
                   "when the server stops", file=sys.stderr, flush=True)
             return
+
+
+async def save_in_loop(engine, path: str | os.PathLike) -> bool:
+    """Save the prefix cache of a running :class:`~kvtier.serve.async_engine.AsyncLLMEngine` to
+    ``path`` without stopping its steps for long: :func:`~kvtier.serve.prefix_save.begin_prefix_save`,
+    the file written by a thread while the engine steps, then renamed into place, each part run in
+    the loop between two steps; a line says what was saved, or why not (then ``False``)."""
+    def in_loop(fn):
+        return asyncio.wrap_future(engine.call(fn))
+
+    t0, save = time.perf_counter(), None
+    try:
+        save = await in_loop(lambda e: begin_prefix_save(e, path))
+        if save is None:
+            return True
+        while not await in_loop(lambda e: save.written()):
+            await asyncio.sleep(0.05)
+        n = await in_loop(lambda e: save.finish())
+    except Exception as e:
+        if save is not None:
+            with contextlib.suppress(Exception):
+                await in_loop(lambda e: save.discard())
+        _not_saved(path, e)
+        return False
+    if save.waited:
+        how = (f", the engine waiting {save.pause_s:.1f} s (copies of the blocks would have taken over "
+               f"{CAPTURE_SHARE:.0%} of the host's available memory)")
+    else:
+        how = (f", the engine pausing {1e3 * save.pause_s:.0f} ms between two steps to copy {save.new_blocks} "
+               f"block{'' if save.new_blocks == 1 else 's'} new to the file ({save.copied_bytes / 2**20:.1f} MiB)")
+    _saved_line(engine.engine, path, n, time.perf_counter() - t0, how)
+    return True
