@@ -23,6 +23,8 @@ def test_bench_restart_from_the_file_computes_what_a_server_kept_running_compute
     assert all(x["same_tokens"] for x in r.values())
     assert loaded["computed"] == kept["computed"] < empty["computed"] == empty["prompt_tokens"]
     assert f["blocks"] == 3 * ((64 + 12 + 16 - 1) // 16) and f["bytes"] > 0 and f["save_gb_s"] > 0
+    # the save begun after the second round copied only the blocks new to the file
+    assert 0 < f["begun_new"] < f["begun_blocks"] and f["begun_pause_s"] > 0 and "saved again" in printed
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -12,7 +12,13 @@ Then every document is asked another question, ``--concurrency`` at a time, by t
   (:func:`~kvtier.serve.prefix_file.load_prefix_cache`);
 - ``kept running``: the engine of before the restart (the ceiling: no restart at all).
 
-Figures: the file's size, the save's and the load's seconds and GB/s; per engine wall time,
+Then ``kept running`` saves again, as a server's periodic save would after those requests:
+begun between two steps (:func:`~kvtier.serve.prefix_save.begin_prefix_save`: only the blocks
+new to the file copied while the engine pauses, the file written by a thread) and, for the
+peer, while the engine waits (:func:`~kvtier.serve.prefix_save.save_prefix_cache`).
+
+Figures: the file's size, the save's and the load's seconds and GB/s; the engine's pause in
+the two later saves; per engine wall time,
 TTFT (mean and p90, arrival to first token), prompt tokens computed, and the ratios of wall
 time and mean TTFT against ``restarted empty``, and whether each engine gave every request
 the tokens of ``kept running``. ``restarted from file`` computes exactly what ``kept
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -74,18 +81,40 @@ def _once(model, tokenizer, config, first, second, args, device: str, path: str)
     blocks = save_prefix_cache(kept, path)
     save_s, size = time.perf_counter() - t0, os.path.getsize(path)
     out = {"file": {"blocks": blocks, "bytes": size, "save_s": save_s}}
+    shutil.copyfile(path, path + ".restart")  # (the file the restarted engine loads: path is saved again below)
     out[KEPT] = ask(kept, second, args.concurrency, args.max_tokens)
+    out["file"] |= _periodic(kept, path, device)
     del kept
     out[PEER] = ask(LLMEngine(model, tokenizer, config), second, args.concurrency, args.max_tokens)
     loaded = LLMEngine(model, tokenizer, config)
     t0 = time.perf_counter()
-    got = load_prefix_cache(loaded, path)
+    got = load_prefix_cache(loaded, path + ".restart")
     _sync(device)
     out["file"]["load_s"] = time.perf_counter() - t0
     if got["left_out"]:
         raise ValueError(f"{got['left_out']} blocks of the file did not fit the new engine's pool")
     out[FILE] = ask(loaded, second, args.concurrency, args.max_tokens)
     return out
+
+
+def _periodic(engine, path: str, device: str) -> dict:
+    """The engine's pause in a save begun between two steps after the second round, and in a save of
+    the same blocks while it waits (to another file)."""
+    from kvtier.serve.prefix_save import begin_prefix_save, save_prefix_cache
+
+    _sync(device)
+    t0 = time.perf_counter()
+    save = begin_prefix_save(engine, path)
+    pause = time.perf_counter() - t0
+    while not save.written():
+        time.sleep(0.001)
+    save.finish()
+    written = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    save_prefix_cache(engine, path + ".waiting")
+    waiting = time.perf_counter() - t0
+    return {"begun_blocks": save.blocks, "begun_new": save.new_blocks, "begun_pause_s": pause,
+            "begun_written_s": written, "waiting_save_s": waiting}
 
 
 def _table(title: str, rows: dict[str, dict]) -> None:
@@ -133,8 +162,16 @@ def run(args: argparse.Namespace) -> int:
     save_s, load_s = min(r["file"]["save_s"] for r in runs), min(r["file"]["load_s"] for r in runs)
     file = {"blocks": f["blocks"], "bytes": f["bytes"], "save_s": save_s, "load_s": load_s,
             "save_gb_s": f["bytes"] / save_s / 1e9, "load_gb_s": f["bytes"] / load_s / 1e9}
+    for key in ("begun_pause_s", "begun_written_s", "waiting_save_s"):
+        file[key] = min(r["file"][key] for r in runs)
+    file["begun_blocks"], file["begun_new"] = f["begun_blocks"], f["begun_new"]
+    file["pause_ratio"] = file["waiting_save_s"] / file["begun_pause_s"]
     print(f"prefix cache file: {file['blocks']} blocks, {file['bytes'] / 2**20:.1f} MiB; saved in {1e3 * save_s:.0f} ms "
           f"({file['save_gb_s']:.2f} GB/s), loaded in {1e3 * load_s:.0f} ms ({file['load_gb_s']:.2f} GB/s)")
+    print(f"saved again after the restart's requests ({file['begun_blocks']} blocks, {file['begun_new']} new to the "
+          f"file): begun between two steps, the engine paused {1e3 * file['begun_pause_s']:.1f} ms and the thread "
+          f"wrote the file in {1e3 * file['begun_written_s']:.0f} ms; while the engine waits, "
+          f"{1e3 * file['waiting_save_s']:.0f} ms ({file['pause_ratio']:.1f}x the pause)")
     _table(f"{len(second)} requests after the restart: {args.documents} documents of "
            f"{statistics.fmean(map(len, second)):.0f} prompt tokens, {args.concurrency} at a time, {args.max_tokens} "
            f"new tokens, {label} on {device}", best)
