@@ -14,7 +14,7 @@ from test_prefix_file import SMALL, prompts, tiny
 import kvtier.serve.prefix_save as prefix_save
 from kvtier.serve.engine import EngineConfig, LLMEngine
 from kvtier.serve.params import RequestParams
-from kvtier.serve.prefix_file import load_prefix_cache
+from kvtier.serve.prefix_file import CHUNK, load_prefix_cache
 from kvtier.serve.prefix_save import begin_prefix_save, save_prefix_cache
 
 PARAMS = RequestParams(max_tokens=2, ignore_eos=True)
@@ -165,4 +165,166 @@ def test_nothing_else_saves_while_a_begun_save_is_unfinished_and_a_discard_leave
     save.discard()
     assert path.read_bytes() == kept and sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors"]
     finished(engine, path)
+    assert same_as_waiting(engine, path, tmp_path)
+
+
+def test_blocks_of_the_host_tier_and_queued_copies_are_saved_as_a_waiting_save_writes_them(tmp_path) -> None:
+    """More blocks than one chunk, from the pool and the host tier, with saves to the host still
+    queued: a first begun save (every block copied), then one reading most from the file."""
+    config = EngineConfig(num_blocks=CHUNK + 8, block_size=4, kv_offload_gib=0.01, kv_quant="q8")
+    engine = LLMEngine(tiny(), None, config)
+    for group in (prompts(3, 120), prompts(2, 90)):  # the second evicts much of the first to the host
+        engine.generate(group, PARAMS)
+    bm = engine.block_manager
+    bm.free(bm.allocate(40))  # evicts ten more: their saves queued, not run
+    assert bm._copies
+    path = tmp_path / "p.safetensors"
+    first = finished(engine, path)
+    assert first.new_blocks == first.blocks > CHUNK and {w for _, w, _ in bm.cached_entries()} == {"host", "pool"}
+    assert same_as_waiting(engine, path, tmp_path)
+    engine.generate([p[::-1] for p in prompts(1, 90)], PARAMS)
+    bm.free(bm.allocate(20))
+    second = finished(engine, path)
+    assert 0 < second.new_blocks < second.blocks and same_as_waiting(engine, path, tmp_path)
+
+
+def test_the_budget_counts_only_the_blocks_new_to_the_file(tmp_path, monkeypatch) -> None:
+    engine = LLMEngine(tiny(), None, SMALL)
+    engine.generate(prompts(2, 30), PARAMS)
+    path = tmp_path / "p.safetensors"
+    first = finished(engine, path)
+    row = first.copied_bytes // first.new_blocks
+    engine.generate(prompts(3, 30)[2:], PARAMS)
+    new = sum(h not in prefix_save._ON_DISK[engine.runner][os.path.realpath(path)].rows
+              for h, _, _ in engine.block_manager.cached_entries())
+    monkeypatch.setattr(prefix_save, "host_budget", lambda: new * row)  # the new blocks fit; all would not
+    save = finished(engine, path)
+    assert not save.waited and save.new_blocks == new
+    engine.generate([p[::-1] for p in prompts(1, 30)], PARAMS)
+    monkeypatch.setattr(prefix_save, "host_budget", lambda: row)  # (more than one block new)
+    assert finished(engine, path).waited and same_as_waiting(engine, path, tmp_path)
+
+
+def test_a_file_replaced_after_the_save_began_is_not_read_and_the_next_save_copies_every_block(tmp_path, monkeypatch):
+    engine = LLMEngine(tiny(), None, SMALL)
+    engine.generate(prompts(2, 30), PARAMS)
+    path = tmp_path / "p.safetensors"
+    finished(engine, path)
+    engine.generate(prompts(3, 30)[2:], PARAMS)
+    gate, old_file = threading.Event(), prefix_save._old_file
+
+    def held(*args):
+        assert gate.wait(30)
+        return old_file(*args)
+
+    monkeypatch.setattr(prefix_save, "_old_file", held)
+    save = begin_prefix_save(engine, path)
+    assert 0 < save.new_blocks < save.blocks
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(path.read_bytes())
+    os.replace(copy, path)  # the same bytes, another file: not the one the save began from
+    gate.set()
+    with pytest.raises(prefix_save.StaleFile, match="changed since this server last wrote or read it"):
+        save.finish()  # (written() raised: the save dropped)
+    assert save.done and not list(tmp_path.glob(".*kvtier-tmp"))
+    again = finished(engine, path)
+    assert again.new_blocks == again.blocks and same_as_waiting(engine, path, tmp_path)
+
+
+def test_an_unchanged_cache_is_not_written_again(tmp_path) -> None:
+    engine = LLMEngine(tiny(), None, SMALL)
+    engine.generate(prompts(2, 30), PARAMS)
+    path = tmp_path / "p.safetensors"
+    finished(engine, path)
+    ident = prefix_save.file_ident(path)
+    save = begin_prefix_save(engine, path)
+    assert save.unchanged and save.done and save.new_blocks == 0 and prefix_save.file_ident(path) == ident
+
+
+# -- the server's side ------------------------------------------------------------------------------
+def _serving(engine, fn):
+    """``fn(async engine)`` awaited with ``engine`` served by a started loop; the loop stopped after."""
+    import asyncio
+
+    from kvtier.serve.async_engine import AsyncLLMEngine
+
+    eng = AsyncLLMEngine(engine)
+    eng.start()
+    try:
+        return asyncio.run(asyncio.wait_for(fn(eng), 60))
+    finally:
+        eng.shutdown()
+
+
+def test_save_in_loop_saves_and_says_so(tmp_path, capsys) -> None:
+    from kvtier.serve.prefix_file import save_in_loop
+
+    engine = LLMEngine(tiny(), None, SMALL)
+    engine.generate(prompts(2, 30), PARAMS)
+    path = tmp_path / "p.safetensors"
+    assert _serving(engine, lambda eng: save_in_loop(eng, path))
+    err = capsys.readouterr().err
+    n = len(engine.block_manager.cached_entries())
+    assert f"saved {n} cached blocks to {path}" in err and f"to copy {n} blocks new to the file" in err
+    assert same_as_waiting(engine, path, tmp_path)
+
+
+def test_save_in_loop_saves_again_at_once_when_the_file_on_disk_fails_its_check(tmp_path, capsys) -> None:
+    """A file damaged in place: the begun save fails in its thread, is dropped, and is made again
+    at once, every block copied (the periodic saves go on)."""
+    from kvtier.serve.prefix_file import save_in_loop
+
+    engine = LLMEngine(tiny(), None, SMALL)
+    engine.generate(prompts(2, 30), PARAMS)
+    path = tmp_path / "p.safetensors"
+    finished(engine, path)
+    engine.generate(prompts(3, 30)[2:], PARAMS)
+    st, data = os.stat(path), bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert _serving(engine, lambda eng: save_in_loop(eng, path))
+    err = capsys.readouterr().err
+    n = len(engine.block_manager.cached_entries())
+    assert "fails its checksum since this server last wrote or read it; saving again, copying every block" in err
+    assert f"to copy {n} blocks new to the file" in err and same_as_waiting(engine, path, tmp_path)
+
+
+def test_a_save_cut_off_by_a_cancellation_is_dropped_at_the_stop_and_the_final_save_runs(tmp_path, monkeypatch,
+                                                                                      capsys) -> None:
+    """The lifespan cancelled while its stop waits for a periodic save (as a forced exit does): the
+    save is left begun; once the loop has stopped it is dropped, and the final save is made."""
+    import asyncio
+
+    from kvtier.serve.async_engine import AsyncLLMEngine
+    from kvtier.serve.prefix_file import engine_lifespan
+
+    engine = LLMEngine(tiny(), None, SMALL)
+    path = tmp_path / "p.safetensors"
+    gate, write = threading.Event(), prefix_save._write_file
+
+    def held(*args):
+        assert gate.wait(30)
+        return write(*args)
+
+    monkeypatch.setattr(prefix_save, "_write_file", held)
+    eng = AsyncLLMEngine(engine)
+    cut = []
+
+    async def serve():
+        async with engine_lifespan(eng, path, 0.2):
+            rid = await eng.add_request(prompts(1, 30)[0], PARAMS)
+            _ = [out async for out in eng.stream(rid)]
+            for _ in range(600):  # the periodic save begun, its thread held
+                if prefix_save._WRITING:
+                    break
+                await asyncio.sleep(0.05)
+            cut.append(bool(prefix_save._WRITING))
+            asyncio.get_running_loop().call_later(0.3, asyncio.current_task().cancel)  # while the stop waits
+            threading.Timer(1.0, gate.set).start()
+
+    asyncio.run(serve())
+    err = capsys.readouterr().err
+    assert cut == [True] and "not finished" not in err and "saved 7 cached blocks to" in err
+    assert not prefix_save._WRITING and not list(tmp_path.glob(".*kvtier-tmp"))
     assert same_as_waiting(engine, path, tmp_path)

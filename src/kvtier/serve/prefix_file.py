@@ -86,6 +86,7 @@ from kvtier.serve.prefix_save import (
     CAPTURE_SHARE,
     begin_prefix_save,
     check_prefix_paths,
+    file_ident,
     remember_file,
     save_prefix_cache,
 )
@@ -169,6 +170,7 @@ def _hashes(f, path: Path, pool: list[torch.Tensor], n: int) -> list[bytes]:
 def _fill(runner, rank: int, world: int, path: str, engine_fp: dict, places, first: int, digest: str) -> None:
     """Rows ``first ..`` of this rank's file into ``places`` (``("pool" | "host", index)``), every
     tensor's checksum checked; its hashes must be rank 0's (``digest``)."""
+    ident = file_ident(rank_path(path, rank))
     with _checked_file(runner, rank, world, path, engine_fp) as (f, file, hashes):
         if hashlib.sha256(b"".join(hashes)).hexdigest() != digest:
             raise _refusal(file, "its blocks are not those of rank 0's file (the files come from different saves)")
@@ -187,8 +189,8 @@ def _fill(runner, rank: int, world: int, path: str, engine_fp: dict, places, fir
                     dst.index_copy_(0, index, rows[at].to(dst.device))
             if crc != crcs[j + 1]:
                 raise _refusal(file, f"tensor t{j} fails its checksum (the file is damaged)")
-        names = [f"t{j}" for j in range(len(crcs) - 1)]
-        remember_file(runner, file, hashes, data_offsets(file, names), crcs[1:])  # (a periodic save reads it)
+        if file_ident(file) == ident:  # (the file read is the file remembered: a periodic save reads it)
+            remember_file(runner, file, hashes, data_offsets(file, [f"t{j}" for j in range(len(crcs) - 1)]), crcs[1:])
 
 
 # -- the server's side: a line on stderr, never an exception but the ranks' own ---------------------
@@ -241,11 +243,11 @@ def _saved_line(engine, path, n: int, seconds: float, how: str = "") -> None:
           f"MiB{' in all' if beside else ''}) in {seconds:.1f} s{how}", file=sys.stderr, flush=True)
 
 
-def _not_saved(path, e: Exception) -> None:
+def _not_saved(path, e: Exception, then: str = "") -> None:
     if isinstance(e, _DIST_ERRORS):
         raise e
     why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-    print(f"[kvtier] the prefix cache was not saved to {path}: {why}", file=sys.stderr, flush=True)
+    print(f"[kvtier] the prefix cache was not saved to {path}: {why}{then}", file=sys.stderr, flush=True)
 
 
 def save_prefix_file(engine, path: str | os.PathLike) -> int | None:
@@ -272,8 +274,9 @@ async def engine_lifespan(engine, path: str | os.PathLike | None, interval_s: fl
     engine stopped, then the cache saved (a line says so when a step outlived the loop's wait,
     and nothing was)."""
     engine.start()
-    stop = asyncio.Event()
-    saving = None if path is None or interval_s is None else asyncio.create_task(_save_every(engine, path, interval_s, stop))
+    stop, unfinished = asyncio.Event(), []
+    saving = None if path is None or interval_s is None else asyncio.create_task(
+        _save_every(engine, path, interval_s, stop, unfinished))
     try:
         yield
     finally:
@@ -283,13 +286,16 @@ async def engine_lifespan(engine, path: str | os.PathLike | None, interval_s: fl
                 await saving
         stopped = engine.shutdown()
         if path is not None and stopped:
+            for save in unfinished:  # (a save cut off, by a cancellation: nothing steps now)
+                with contextlib.suppress(Exception):
+                    save.discard()
             save_prefix_file(engine.engine, path)
         elif path is not None:
             print(f"[kvtier] the prefix cache was not saved to {path}: a step was still running when the "
                   "server stopped", file=sys.stderr, flush=True)
 
 
-async def _save_every(engine, path, interval_s: float, stop: asyncio.Event) -> None:
+async def _save_every(engine, path, interval_s: float, stop: asyncio.Event, unfinished: list) -> None:
     """Save every ``interval_s`` seconds when a step ran since the last save, until ``stop``; a
     save that fails (or finds the file another configuration's) ends the periodic saves with a line."""
     saved_at = engine.stats["steps"]
@@ -301,17 +307,30 @@ async def _save_every(engine, path, interval_s: float, stop: asyncio.Event) -> N
         if engine.stats["steps"] == saved_at:
             continue
         saved_at = engine.stats["steps"]
-        if not await save_in_loop(engine, path):
+        if not await save_in_loop(engine, path, unfinished):
             print("[kvtier] the periodic saves of the prefix cache stop (the save failed); it is saved again "
                   "when the server stops", file=sys.stderr, flush=True)
             return
 
 
-async def save_in_loop(engine, path: str | os.PathLike) -> bool:
+async def save_in_loop(engine, path: str | os.PathLike, unfinished: list | None = None) -> bool:
     """Save the prefix cache of a running :class:`~kvtier.serve.async_engine.AsyncLLMEngine` to
     ``path`` without stopping its steps for long: :func:`~kvtier.serve.prefix_save.begin_prefix_save`,
     the file written by a thread while the engine steps, then renamed into place, each part run in
-    the loop between two steps; a line says what was saved, or why not (then ``False``)."""
+    the loop between two steps. A save that fails once begun is dropped and made once more at once
+    (the file on disk no longer read from, every block copied). A line says what was saved, or
+    why not (then ``False``). ``unfinished`` holds the save while it is under way (a task
+    cancelled meanwhile leaves it there, for :meth:`~kvtier.serve.prefix_save.PrefixSave.discard`
+    once the loop has stopped)."""
+    for again in (False, True):
+        saved, begun = await _save_once(engine, path, [] if unfinished is None else unfinished, again)
+        if saved or not begun or again:
+            return saved
+    return False
+
+
+async def _save_once(engine, path, unfinished: list, again: bool) -> tuple[bool, bool]:
+    """One try of :func:`save_in_loop`: ``(saved, whether it was begun)``."""
     def in_loop(fn):
         return asyncio.wrap_future(engine.call(fn))
 
@@ -319,7 +338,8 @@ async def save_in_loop(engine, path: str | os.PathLike) -> bool:
     try:
         save = await in_loop(lambda e: begin_prefix_save(e, path))
         if save is None:
-            return True
+            return True, False
+        unfinished.append(save)
         while not await in_loop(lambda e: save.written()):
             await asyncio.sleep(0.05)
         n = await in_loop(lambda e: save.finish())
@@ -327,8 +347,13 @@ async def save_in_loop(engine, path: str | os.PathLike) -> bool:
         if save is not None:
             with contextlib.suppress(Exception):
                 await in_loop(lambda e: save.discard())
-        _not_saved(path, e)
-        return False
+        _not_saved(path, e, "" if save is None or again else "; saving again, copying every block")
+        return False, save is not None
+    finally:
+        if save is not None and save.done:
+            unfinished.remove(save)
+    if save.unchanged:
+        return True, True
     if save.waited:
         how = (f", the engine waiting {save.pause_s:.1f} s (copies of the blocks would have taken over "
                f"{CAPTURE_SHARE:.0%} of the host's available memory)")
@@ -336,4 +361,4 @@ async def save_in_loop(engine, path: str | os.PathLike) -> bool:
         how = (f", the engine pausing {1e3 * save.pause_s:.0f} ms between two steps to copy {save.new_blocks} "
                f"block{'' if save.new_blocks == 1 else 's'} new to the file ({save.copied_bytes / 2**20:.1f} MiB)")
     _saved_line(engine.engine, path, n, time.perf_counter() - t0, how)
-    return True
+    return True, True

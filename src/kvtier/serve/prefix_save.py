@@ -33,10 +33,11 @@ import dataclasses
 import json
 import os
 import stat
+import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -63,14 +64,12 @@ from kvtier.serve.prefix_format import (
     rank_path,
 )
 
-__all__ = ["CAPTURE_SHARE", "PrefixSave", "begin_prefix_save", "check_prefix_paths", "remember_file",
-           "save_prefix_cache"]
+__all__ = ["CAPTURE_SHARE", "PrefixSave", "StaleFile", "begin_prefix_save", "check_prefix_paths", "file_ident", "host_budget",
+           "remember_file", "save_prefix_cache"]
 
 #: the most of the host's available memory (``MemAvailable``) a save begun between two steps may
 #: hold in copies of blocks; a save that would need more is written while the engine waits
 CAPTURE_SHARE = 0.25
-#: bytes of a tensor in the file read at a time to check its CRC-32
-_CHECK_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +91,7 @@ class _Written:
     hashes: list[bytes]
     offsets: tuple[int, ...]
     future: concurrent.futures.Future
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 #: each local runner's files as this process last wrote or read them: ``{path: _OnDisk}``
@@ -107,7 +107,8 @@ def _writer() -> concurrent.futures.ThreadPoolExecutor:
     return _WRITER[0]
 
 
-def _ident(path: Path) -> tuple[int, int, int, int] | None:
+def file_ident(path: Path) -> tuple[int, int, int, int] | None:
+    """``(device, inode, size, modification time in ns)`` of ``path``; ``None`` where it cannot be read."""
     try:
         st = path.stat()
     except OSError:
@@ -119,7 +120,7 @@ def remember_file(runner, target: Path, hashes: list[bytes], offsets, crcs) -> N
     """Note that ``target`` holds ``hashes`` (row ``i``: ``hashes[i]``), each pool tensor's data at
     ``offsets`` with CRC-32 ``crcs``: a later :func:`begin_prefix_save` reads those blocks from it."""
     files = _ON_DISK.setdefault(runner, {})
-    files[os.path.realpath(target)] = _OnDisk(_ident(target), {h: i for i, h in enumerate(hashes)}, tuple(offsets), tuple(crcs))
+    files[os.path.realpath(target)] = _OnDisk(file_ident(target), {h: i for i, h in enumerate(hashes)}, tuple(offsets), tuple(crcs))
 
 
 def _forget(runner, target: Path) -> None:
@@ -278,33 +279,53 @@ def _write(runner, rank: int, world: int, path: str, engine_fp: dict, copies, en
 
 
 def _commit(runner, rank: int, world: int, path: str) -> None:
-    """This rank's temporary file renamed over its file (every rank has written its own)."""
+    """This rank's temporary file renamed over its file (every rank has written its own); on a
+    failure the temporary file is removed and the file on disk no longer read from."""
     written = _WRITING.pop(runner, None)
-    target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
-    if written is None or written.target != target:
-        raise ValueError(f"no save of {target} was written to commit")
-    crcs = written.future.result()  # (a thread's error: raised here)
+    if written is None:
+        raise ValueError(f"no save of {rank_path(path, rank)} was written to commit")
+    try:
+        crcs = written.future.result()  # (a thread's error: raised here)
+        target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
+        if target != written.target:
+            raise ValueError(f"{rank_path(path, rank)} now names {target}, not {written.target}, whose save "
+                             "was being written; the save is dropped")
+    except BaseException:
+        _forget(runner, written.target)
+        temporary_path(written.target).unlink(missing_ok=True)
+        raise
     with save_lock(target):
         os.replace(temporary_path(target), target)
         remember_file(runner, target, written.hashes, written.offsets, crcs)
 
 
 def _discard(runner, rank: int, world: int, path: str) -> None:
+    """This rank's save dropped: a thread writing told to stop and waited for, its file removed."""
     written = _WRITING.pop(runner, None)
-    if written is not None:
-        with contextlib.suppress(BaseException):
-            written.future.result()  # (a thread writing still: done before its file goes)
-    temporary_path(check_save_path(rank_path(path, rank), PREFIX_FORMAT)).unlink(missing_ok=True)
+    if written is None:
+        with contextlib.suppress(ValueError):
+            temporary_path(check_save_path(rank_path(path, rank), PREFIX_FORMAT)).unlink(missing_ok=True)
+        return
+    written.cancel.set()
+    with contextlib.suppress(BaseException):
+        written.future.result()
+    temporary_path(written.target).unlink(missing_ok=True)
 
 
 # -- a save begun between two steps -----------------------------------------------------------------
+class StaleFile(ValueError):
+    """The file on disk is not the one this process wrote or read, or fails its CRC-32: no block is
+    taken from it (the next save copies every block)."""
+
+
 @dataclasses.dataclass
 class PrefixSave:
     """A save begun by :func:`begin_prefix_save`: ``blocks`` in all, ``new_blocks`` of them copied
-    to host memory (``copied_bytes`` on each rank at most) in ``pause_s`` seconds; the file is
-    being written by a thread (``waited``: it was written while the engine waited, more than
-    :data:`CAPTURE_SHARE` of the host's memory would have been needed). Call :meth:`written` and
-    :meth:`finish` (or :meth:`discard`) where the engine is not stepping, between two steps."""
+    to host memory (``copied_bytes`` on a rank at most) in ``pause_s`` seconds, the file being
+    written by a thread. ``waited``: written while the engine waited instead (the copies would
+    have taken more than :data:`CAPTURE_SHARE` of the host's memory); ``unchanged``: nothing
+    written (the file holds these blocks in this order already). Call :meth:`written`,
+    :meth:`finish` and :meth:`discard` where the engine is not stepping, between two steps."""
 
     engine: object
     path: str
@@ -313,6 +334,7 @@ class PrefixSave:
     copied_bytes: int
     pause_s: float
     waited: bool = False
+    unchanged: bool = False
     done: bool = False
 
     def written(self) -> bool:
@@ -321,16 +343,21 @@ class PrefixSave:
         return self.done or all(_everywhere(self.engine.runner, _poll, self.path))
 
     def finish(self) -> int:
-        """Rename every rank's file into place once :meth:`written` (waiting for it otherwise);
-        returns the blocks saved. Every temporary file is removed if a rank fails."""
+        """Rename every rank's file into place once all are written (waiting for them); returns the
+        blocks saved. A rank's failure drops the save on every rank (every file as it was)."""
         if not self.done:
-            runner = self.engine.runner
-            _run(runner, self.path, lambda: None)
+            try:
+                while not self.written():
+                    time.sleep(0.005)
+                _run(self.engine.runner, self.path, lambda: None)
+            except BaseException:
+                self.discard()
+                raise
             self.done = True
         return self.blocks
 
     def discard(self) -> None:
-        """Drop the save (waiting for a thread still writing): every rank's file stays as it was."""
+        """Drop the save (a thread writing is stopped and waited for): every file stays as it was."""
         if not self.done:
             self.done = True
             _everywhere(self.engine.runner, _discard, self.path)
@@ -349,40 +376,64 @@ def begin_prefix_save(engine, path: str | os.PathLike) -> PrefixSave | None:
     t0 = time.perf_counter()
     copies = bm.take_copies()
     entries = bm.cached_entries()
-    budget = int(CAPTURE_SHARE * (free_bytes(torch.device("cpu")) or 0))
+    plans = _everywhere(runner, _plan, str(path), entries)  # (bytes to copy, file unchanged) by rank
+    if not copies and all(same for _, same in plans):
+        return PrefixSave(engine, str(path), len(entries), 0, 0, time.perf_counter() - t0, unchanged=True, done=True)
+    if max(need for need, _ in plans) > host_budget() // len(plans):  # (the ranks share the host)
+        _run(runner, path, lambda: _everywhere(runner, _write, str(path), engine_fp, copies, entries))
+        return PrefixSave(engine, str(path), len(entries), len(entries), 0, time.perf_counter() - t0,
+                          waited=True, done=True)
     try:
-        begun = _everywhere(runner, _begin, str(path), engine_fp, copies, entries, budget)
+        begun = _everywhere(runner, _begin, str(path), engine_fp, copies, entries)
     except BaseException:
         with contextlib.suppress(Exception):
             _everywhere(runner, _discard, str(path))
         raise
-    if any(b is None for b in begun):  # too much to hold: written now, the engine waiting
-        _everywhere(runner, _discard, str(path))
-        _run(runner, path, lambda: _everywhere(runner, _write, str(path), engine_fp, [], entries))
-        return PrefixSave(engine, str(path), len(entries), len(entries), 0, time.perf_counter() - t0,
-                          waited=True, done=True)
-    new, copied = max(b[0] for b in begun), max(b[1] for b in begun)
-    return PrefixSave(engine, str(path), len(entries), new, copied, time.perf_counter() - t0)
+    return PrefixSave(engine, str(path), len(entries), max(b[0] for b in begun), max(b[1] for b in begun),
+                      time.perf_counter() - t0)
 
 
-def _begin(runner, rank: int, world: int, path: str, engine_fp: dict, copies, entries, budget: int):
+def host_budget() -> int:
+    """The bytes of copies a begun save may hold: :data:`CAPTURE_SHARE` of the host's available
+    memory, or of what its control group's limit leaves, whichever is less (0 where neither reads)."""
+    free = free_bytes(torch.device("cpu")) or 0
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    return max(0, int(CAPTURE_SHARE * free))
+
+
+def _rows(runner, target: Path, entries) -> tuple[np.ndarray, _OnDisk | None]:
+    """Each entry's row in the file on disk (-1: not there), and the file's record (``None``:
+    none, or the file changed since)."""
+    disk = _ON_DISK.get(runner, {}).get(os.path.realpath(target))
+    if disk is not None and file_ident(target) != disk.ident:
+        disk = None
+    return np.array([-1 if disk is None else disk.rows.get(h, -1) for h, _, _ in entries], dtype=np.int64), disk
+
+
+def _plan(runner, rank: int, world: int, path: str, entries) -> tuple[int, bool]:
+    """``(bytes`` this rank would copy``, whether its file holds ``entries`` in their order already)``."""
+    rows, disk = _rows(runner, check_save_path(rank_path(path, rank), PREFIX_FORMAT), entries)
+    row = sum(t[0].numel() * t.element_size() for t in _pool(runner))
+    same = disk is not None and len(rows) == len(disk.rows) and bool((rows == np.arange(len(rows))).all())
+    return int((rows < 0).sum()) * row, same
+
+
+def _begin(runner, rank: int, world: int, path: str, engine_fp: dict, copies, entries):
     """This rank's blocks new to its file copied to host memory and a thread writing the file;
-    ``(blocks copied, bytes)``, or ``None`` (nothing begun) when they would take over ``budget`` bytes."""
+    ``(blocks copied, bytes)``."""
     pool = _ready(runner, copies)
     target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
-    disk = _ON_DISK.get(runner, {}).get(os.path.realpath(target))
-    if disk is not None and _ident(target) != disk.ident:
-        disk = None  # (changed since this process wrote or read it)
-    rows = np.array([-1 if disk is None else disk.rows.get(h, -1) for h, _, _ in entries], dtype=np.int64)
+    rows, disk = _rows(runner, target, entries)
     new = [entries[i] for i in np.flatnonzero(rows < 0)]
     row_bytes = [t[0].numel() * t.element_size() for t in pool]
-    if len(new) * sum(row_bytes) > budget:
-        return None
     copied = _copy(runner, pool, [(w, i) for _, w, i in new], row_bytes)
     head, offsets = _header(runner, rank, world, engine_fp, pool, len(entries))
-    job = (target, head, _hash_rows(entries), rows, copied, disk, row_bytes)
-    future = _writer().submit(_write_in_thread, *job)
-    _WRITING[runner] = _Written(target, [h for h, _, _ in entries], offsets, future)
+    cancel = threading.Event()
+    future = _writer().submit(_write_in_thread, target, head, _hash_rows(entries), rows, copied, disk, row_bytes, cancel)
+    _WRITING[runner] = _Written(target, [h for h, _, _ in entries], offsets, future, cancel)
     return len(new), sum(c.nbytes for c in copied)
 
 
@@ -400,44 +451,59 @@ def _copy(runner, pool: list[torch.Tensor], places: list, row_bytes: list[int]) 
 
 
 def _write_in_thread(target: Path, head: bytes, hashes: np.ndarray, rows: np.ndarray, copied: list[np.ndarray],
-                     disk: _OnDisk | None, row_bytes: list[int]) -> list[int]:
-    """The writer thread's part of :func:`_begin`: rows ``>= 0`` from the file on disk (each of its
-    tensors checked first), the others from ``copied`` in order; the pool tensors' CRC-32s."""
+                     disk: _OnDisk | None, row_bytes: list[int], cancel: threading.Event) -> list[int]:
+    """The writer thread's part of :func:`_begin`: rows ``>= 0`` from the file on disk, the others
+    from ``copied`` in order; the pool tensors' CRC-32s. Each tensor of the file on disk is read
+    whole (one at a time) and checked against its CRC-32 before a row is taken from it."""
     from_file = rows >= 0
     take = np.cumsum(~from_file) - 1  # row i's index in copied, where it is no file row
-    with save_lock(target):
-        old = _old_tensors(target, disk, row_bytes) if from_file.any() else None
+    with save_lock(target), _old_file(target, disk if from_file.any() else None) as old:
 
-        def pieces(j: int):
+        def pieces(j: int) -> Iterator[np.ndarray]:
+            tensor = old(j, row_bytes[j]) if old is not None else None
             for a in range(0, len(rows), CHUNK):
+                if cancel.is_set():
+                    raise ValueError("the save was dropped")
                 f, r, k = from_file[a : a + CHUNK], rows[a : a + CHUNK], take[a : a + CHUNK]
                 out = np.empty((len(f), row_bytes[j]), dtype=np.uint8)
-                if old is not None:
-                    out[f] = old[j][r[f]]
+                if tensor is not None:
+                    out[f] = tensor[r[f]]
                 out[~f] = copied[j][k[~f]]
                 yield out
 
         return _write_file(target, head, hashes, len(row_bytes), pieces)
 
 
-def _old_tensors(target: Path, disk: _OnDisk, row_bytes: list[int]) -> list[np.ndarray]:
-    """Each pool tensor of the file on disk as rows of bytes, once it is the file this process
-    knows and every tensor passes its CRC-32; a ``ValueError`` otherwise."""
-    if _ident(target) != disk.ident:
-        raise ValueError(f"{target} changed since this server last wrote or read it; the next save "
-                         "writes every block anew")
-    mm = np.memmap(target, dtype=np.uint8, mode="r")
-    n, out = len(disk.rows), []
-    for off, rb, crc in zip(disk.offsets, row_bytes, disk.crcs):
-        view = mm[off : off + n * rb]
-        got = 0
-        for a in range(0, view.size, _CHECK_BYTES):
-            got = zlib.crc32(view[a : a + _CHECK_BYTES], got)
-        if view.size != n * rb or got != crc:
-            raise ValueError(f"{target} fails its checksum since this server last wrote or read it; the "
-                             "next save writes every block anew")
-        out.append(view.reshape(n, rb))
-    return out
+@contextlib.contextmanager
+def _old_file(target: Path, disk: _OnDisk | None):
+    """``read(j, bytes a row)``: tensor ``j`` of the file on disk as rows of bytes, read through one
+    descriptor of the file this process knows and checked against its CRC-32 (a :class:`StaleFile`
+    otherwise); ``None`` for no file."""
+    if disk is None:
+        yield None
+        return
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != disk.ident:
+            raise StaleFile(f"{target} changed since this server last wrote or read it")
+        n = len(disk.rows)
+
+        def read(j: int, row_bytes: int) -> np.ndarray:
+            out = np.empty(n * row_bytes, dtype=np.uint8)
+            view, got = memoryview(out), 0
+            while got < out.size:
+                k = os.preadv(fd, [view[got:]], disk.offsets[j] + got)
+                if k <= 0:
+                    raise StaleFile(f"{target} is shorter than when this server last wrote or read it")
+                got += k
+            if zlib.crc32(out) != disk.crcs[j]:
+                raise StaleFile(f"{target} fails its checksum since this server last wrote or read it")
+            return out.reshape(n, row_bytes)
+
+        yield read
+    finally:
+        os.close(fd)
 
 
 def _poll(runner, rank: int, world: int, path: str) -> bool:
