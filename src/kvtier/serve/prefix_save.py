@@ -10,11 +10,14 @@ the file and loads it), in one of two ways:
   :meth:`PrefixSave.finish` renames it into place between two later steps.
 
 The file on disk is the one this process last wrote or read at that path, known by its device,
-inode, size and modification time: a file changed since by anyone else is not read from, and the
-save copies every block as the first one did. A save that would hold more than
-:data:`CAPTURE_SHARE` of the host's available memory is written while the engine waits, as
-:func:`save_prefix_cache`. Under tensor parallelism every rank does the same with its own file,
-and the files are renamed into place only once every rank has written its own.
+inode, size and modification time (:func:`remember_file`). The thread reads it through one
+descriptor of that identity, one tensor at a time, each checked against its CRC-32 before a row
+is copied from it; a file changed since fails the save (:class:`StaleFile`) and is not read from
+again, so the next save copies every block. A save whose copies would take more than
+:data:`CAPTURE_SHARE` of the host's available memory (:func:`host_budget`, shared by the ranks)
+is written while the engine waits, as :func:`save_prefix_cache`; a cache whose blocks and order
+are those of the file is not written again. Under tensor parallelism every rank does the same
+with its own file, and the files are renamed into place only once every rank has written its own.
 
 Example (a server's loop; :func:`kvtier.serve.prefix_file.engine_lifespan` does this)::
 
@@ -455,6 +458,8 @@ def _write_in_thread(target: Path, head: bytes, hashes: np.ndarray, rows: np.nda
     """The writer thread's part of :func:`_begin`: rows ``>= 0`` from the file on disk, the others
     from ``copied`` in order; the pool tensors' CRC-32s. Each tensor of the file on disk is read
     whole (one at a time) and checked against its CRC-32 before a row is taken from it."""
+    with contextlib.suppress(AttributeError, OSError):  # the engine's threads first (Linux: a thread's own nice)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     from_file = rows >= 0
     take = np.cumsum(~from_file) - 1  # row i's index in copied, where it is no file row
     with save_lock(target), _old_file(target, disk if from_file.any() else None) as old:
