@@ -438,7 +438,7 @@ def test_a_stop_waits_for_a_periodic_save_under_way(monkeypatch, capsys) -> None
 
     calls = []
 
-    async def slow(engine, path, unfinished):
+    async def slow(engine, path):
         calls.append("start")
         await asyncio.sleep(1.0)
         calls.append("end")
@@ -451,7 +451,7 @@ def test_a_stop_waits_for_a_periodic_save_under_way(monkeypatch, capsys) -> None
 def test_a_failed_periodic_save_ends_the_periodic_saves(monkeypatch, capsys) -> None:
     calls = []
 
-    async def failing(engine, path, unfinished):
+    async def failing(engine, path):
         calls.append("periodic")
         return False  # (what save_in_loop returns once it has said why)
 
@@ -463,7 +463,7 @@ def test_a_failed_periodic_save_ends_the_periodic_saves(monkeypatch, capsys) -> 
 def test_no_periodic_save_without_a_step(monkeypatch, capsys) -> None:
     calls = []
 
-    async def periodic(engine, path, unfinished):
+    async def periodic(engine, path):
         calls.append("periodic")
         return True
 

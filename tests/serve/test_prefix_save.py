@@ -286,7 +286,7 @@ def test_save_in_loop_saves_again_at_once_when_the_file_on_disk_fails_its_check(
     assert _serving(engine, lambda eng: save_in_loop(eng, path))
     err = capsys.readouterr().err
     n = len(engine.block_manager.cached_entries())
-    assert "fails its checksum since this server last wrote or read it; saving again, copying every block" in err
+    assert "fails its checksum since this server last wrote or read it; saving again at once, copying every block" in err
     assert f"to copy {n} blocks new to the file" in err and same_as_waiting(engine, path, tmp_path)
 
 
@@ -328,3 +328,67 @@ def test_a_save_cut_off_by_a_cancellation_is_dropped_at_the_stop_and_the_final_s
     assert cut == [True] and "not finished" not in err and "saved 7 cached blocks to" in err
     assert not prefix_save._WRITING and not list(tmp_path.glob(".*kvtier-tmp"))
     assert same_as_waiting(engine, path, tmp_path)
+
+
+def test_a_new_order_without_new_blocks_is_written_and_finish_waits_for_the_thread(tmp_path) -> None:
+    engine = LLMEngine(tiny(), None, SMALL)
+    engine.generate(prompts(2, 30), PARAMS)
+    path = tmp_path / "p.safetensors"
+    finished(engine, path)
+    before = [h for h, _, _ in engine.block_manager.cached_entries()]
+    engine.generate([prompts(2, 30)[0][:16]], RequestParams(max_tokens=1))  # four cached blocks used again
+    after = [h for h, _, _ in engine.block_manager.cached_entries()]
+    assert sorted(after) == sorted(before) and after != before
+    save = begin_prefix_save(engine, path)
+    assert not save.unchanged and save.new_blocks == 0
+    assert save.finish() == len(after) and same_as_waiting(engine, path, tmp_path)  # (no written() first)
+
+
+def test_a_path_that_names_another_file_at_the_rename_drops_the_save(tmp_path) -> None:
+    engine = LLMEngine(tiny(), None, SMALL)
+    engine.generate(prompts(2, 30), PARAMS)
+    path, other = tmp_path / "p.safetensors", tmp_path / "q.safetensors"
+    save_prefix_cache(engine, path)
+    save_prefix_cache(engine, other)
+    kept = path.read_bytes(), other.read_bytes()
+    engine.generate(prompts(3, 30)[2:], PARAMS)
+    save = begin_prefix_save(engine, path)
+    while not save.written():
+        pass
+    moved = tmp_path / "moved.safetensors"
+    os.replace(path, moved)
+    path.symlink_to(other)  # the path now names q.safetensors
+    with pytest.raises(ValueError, match="now names .*q.safetensors, not .*p.safetensors, whose save was being "
+                                         "written; the save is dropped"):
+        save.finish()
+    assert (moved.read_bytes(), other.read_bytes()) == kept and not list(tmp_path.glob(".*kvtier-tmp"))
+
+
+def test_a_discard_after_the_thread_has_written_removes_its_file(tmp_path) -> None:
+    engine = LLMEngine(tiny(), None, SMALL)
+    engine.generate(prompts(2, 30), PARAMS)
+    path = tmp_path / "p.safetensors"
+    save = begin_prefix_save(engine, path)
+    while not save.written():
+        pass
+    assert list(tmp_path.glob(".*kvtier-tmp"))
+    save.discard()
+    assert not list(tmp_path.iterdir()) and begin_prefix_save(engine, path) is not None
+
+
+def test_save_in_loop_refused_before_it_began_says_so_once(tmp_path, capsys) -> None:
+    from kvtier.serve.prefix_file import save_in_loop
+
+    path = tmp_path / "p.safetensors"
+    save_prefix_cache(_cached_engine(seed=1), path)  # another model's blocks
+    engine = _cached_engine()
+    assert not _serving(engine, lambda eng: save_in_loop(eng, path))
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[kvtier]")]
+    assert len(lines) == 1 and "holds the blocks of another model or cache layout" in lines[0]
+    assert "saving again" not in lines[0]
+
+
+def _cached_engine(seed: int = 0) -> LLMEngine:
+    engine = LLMEngine(tiny(seed), None, SMALL)
+    engine.generate(prompts(2, 30), PARAMS)
+    return engine

@@ -86,6 +86,7 @@ from kvtier.serve.prefix_save import (
     CAPTURE_SHARE,
     begin_prefix_save,
     check_prefix_paths,
+    discard_unfinished,
     file_ident,
     remember_file,
     save_prefix_cache,
@@ -274,9 +275,8 @@ async def engine_lifespan(engine, path: str | os.PathLike | None, interval_s: fl
     engine stopped, then the cache saved (a line says so when a step outlived the loop's wait,
     and nothing was)."""
     engine.start()
-    stop, unfinished = asyncio.Event(), []
-    saving = None if path is None or interval_s is None else asyncio.create_task(
-        _save_every(engine, path, interval_s, stop, unfinished))
+    stop = asyncio.Event()
+    saving = None if path is None or interval_s is None else asyncio.create_task(_save_every(engine, path, interval_s, stop))
     try:
         yield
     finally:
@@ -286,16 +286,16 @@ async def engine_lifespan(engine, path: str | os.PathLike | None, interval_s: fl
                 await saving
         stopped = engine.shutdown()
         if path is not None and stopped:
-            for save in unfinished:  # (a save cut off, by a cancellation: nothing steps now)
+            if saving is not None:
                 with contextlib.suppress(Exception):
-                    save.discard()
+                    discard_unfinished(engine.engine)  # (a save cut off by a cancellation: nothing steps now)
             save_prefix_file(engine.engine, path)
         elif path is not None:
             print(f"[kvtier] the prefix cache was not saved to {path}: a step was still running when the "
                   "server stopped", file=sys.stderr, flush=True)
 
 
-async def _save_every(engine, path, interval_s: float, stop: asyncio.Event, unfinished: list) -> None:
+async def _save_every(engine, path, interval_s: float, stop: asyncio.Event) -> None:
     """Save every ``interval_s`` seconds when a step ran since the last save, until ``stop``; a
     save that fails (or finds the file another configuration's) ends the periodic saves with a line."""
     saved_at = engine.stats["steps"]
@@ -307,29 +307,28 @@ async def _save_every(engine, path, interval_s: float, stop: asyncio.Event, unfi
         if engine.stats["steps"] == saved_at:
             continue
         saved_at = engine.stats["steps"]
-        if not await save_in_loop(engine, path, unfinished):
+        if not await save_in_loop(engine, path):
             print("[kvtier] the periodic saves of the prefix cache stop (the save failed); it is saved again "
                   "when the server stops", file=sys.stderr, flush=True)
             return
 
 
-async def save_in_loop(engine, path: str | os.PathLike, unfinished: list | None = None) -> bool:
+async def save_in_loop(engine, path: str | os.PathLike) -> bool:
     """Save the prefix cache of a running :class:`~kvtier.serve.async_engine.AsyncLLMEngine` to
     ``path`` without stopping its steps for long: :func:`~kvtier.serve.prefix_save.begin_prefix_save`,
     the file written by a thread while the engine steps, then renamed into place, each part run in
     the loop between two steps. A save that fails once begun is dropped and made once more at once
     (the file on disk no longer read from, every block copied). A line says what was saved, or
-    why not (then ``False``). ``unfinished`` holds the save while it is under way (a task
-    cancelled meanwhile leaves it there, for :meth:`~kvtier.serve.prefix_save.PrefixSave.discard`
-    once the loop has stopped)."""
+    why not (then ``False``). A task cancelled meanwhile leaves the save begun, for
+    :func:`~kvtier.serve.prefix_save.discard_unfinished` once the loop has stopped."""
     for again in (False, True):
-        saved, begun = await _save_once(engine, path, [] if unfinished is None else unfinished, again)
+        saved, begun = await _save_once(engine, path, again)
         if saved or not begun or again:
             return saved
     return False
 
 
-async def _save_once(engine, path, unfinished: list, again: bool) -> tuple[bool, bool]:
+async def _save_once(engine, path, again: bool) -> tuple[bool, bool]:
     """One try of :func:`save_in_loop`: ``(saved, whether it was begun)``."""
     def in_loop(fn):
         return asyncio.wrap_future(engine.call(fn))
@@ -339,7 +338,6 @@ async def _save_once(engine, path, unfinished: list, again: bool) -> tuple[bool,
         save = await in_loop(lambda e: begin_prefix_save(e, path))
         if save is None:
             return True, False
-        unfinished.append(save)
         while not await in_loop(lambda e: save.written()):
             await asyncio.sleep(0.05)
         n = await in_loop(lambda e: save.finish())
@@ -347,11 +345,8 @@ async def _save_once(engine, path, unfinished: list, again: bool) -> tuple[bool,
         if save is not None:
             with contextlib.suppress(Exception):
                 await in_loop(lambda e: save.discard())
-        _not_saved(path, e, "" if save is None or again else "; saving again, copying every block")
+        _not_saved(path, e, "" if save is None or again else "; saving again at once, copying every block")
         return False, save is not None
-    finally:
-        if save is not None and save.done:
-            unfinished.remove(save)
     if save.unchanged:
         return True, True
     if save.waited:

@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import stat
+import sys
 import threading
 import time
 import weakref
@@ -67,7 +68,7 @@ from kvtier.serve.prefix_format import (
     rank_path,
 )
 
-__all__ = ["CAPTURE_SHARE", "PrefixSave", "StaleFile", "begin_prefix_save", "check_prefix_paths", "file_ident", "host_budget",
+__all__ = ["CAPTURE_SHARE", "PrefixSave", "StaleFile", "begin_prefix_save", "check_prefix_paths", "discard_unfinished", "file_ident", "host_budget",
            "remember_file", "save_prefix_cache"]
 
 #: the most of the host's available memory (``MemAvailable``) a save begun between two steps may
@@ -293,26 +294,39 @@ def _commit(runner, rank: int, world: int, path: str) -> None:
         if target != written.target:
             raise ValueError(f"{rank_path(path, rank)} now names {target}, not {written.target}, whose save "
                              "was being written; the save is dropped")
+        with save_lock(target):
+            os.replace(temporary_path(target), target)
+            remember_file(runner, target, written.hashes, written.offsets, crcs)
     except BaseException:
         _forget(runner, written.target)
         temporary_path(written.target).unlink(missing_ok=True)
         raise
-    with save_lock(target):
-        os.replace(temporary_path(target), target)
-        remember_file(runner, target, written.hashes, written.offsets, crcs)
 
 
 def _discard(runner, rank: int, world: int, path: str) -> None:
-    """This rank's save dropped: a thread writing told to stop and waited for, its file removed."""
-    written = _WRITING.pop(runner, None)
-    if written is None:
+    """This rank's save dropped (:func:`_drop`), or a temporary file of ``path`` left removed."""
+    if not _drop(runner, rank, world):
         with contextlib.suppress(ValueError):
             temporary_path(check_save_path(rank_path(path, rank), PREFIX_FORMAT)).unlink(missing_ok=True)
-        return
+
+
+def _drop(runner, rank: int, world: int) -> bool:
+    """This rank's unfinished save, if any, dropped: a thread writing told to stop and waited for,
+    its temporary file removed."""
+    written = _WRITING.pop(runner, None)
+    if written is None:
+        return False
     written.cancel.set()
     with contextlib.suppress(BaseException):
         written.future.result()
     temporary_path(written.target).unlink(missing_ok=True)
+    return True
+
+
+def discard_unfinished(engine) -> None:
+    """Drop a save :func:`begin_prefix_save` began and nobody finished (its server task cancelled),
+    on every rank; the engine must not be stepping (a server's loop stopped)."""
+    _everywhere(_runner_of(engine), _drop)
 
 
 # -- a save begun between two steps -----------------------------------------------------------------
@@ -379,15 +393,16 @@ def begin_prefix_save(engine, path: str | os.PathLike) -> PrefixSave | None:
     t0 = time.perf_counter()
     copies = bm.take_copies()
     entries = bm.cached_entries()
+    _everywhere(runner, _apply, copies)  # (the books count them as run: before anything else can fail)
     plans = _everywhere(runner, _plan, str(path), entries)  # (bytes to copy, file unchanged) by rank
-    if not copies and all(same for _, same in plans):
+    if all(same for _, same in plans):
         return PrefixSave(engine, str(path), len(entries), 0, 0, time.perf_counter() - t0, unchanged=True, done=True)
     if max(need for need, _ in plans) > host_budget() // len(plans):  # (the ranks share the host)
-        _run(runner, path, lambda: _everywhere(runner, _write, str(path), engine_fp, copies, entries))
+        _run(runner, path, lambda: _everywhere(runner, _write, str(path), engine_fp, [], entries))
         return PrefixSave(engine, str(path), len(entries), len(entries), 0, time.perf_counter() - t0,
                           waited=True, done=True)
     try:
-        begun = _everywhere(runner, _begin, str(path), engine_fp, copies, entries)
+        begun = _everywhere(runner, _begin, str(path), engine_fp, entries)
     except BaseException:
         with contextlib.suppress(Exception):
             _everywhere(runner, _discard, str(path))
@@ -398,12 +413,19 @@ def begin_prefix_save(engine, path: str | os.PathLike) -> PrefixSave | None:
 
 def host_budget() -> int:
     """The bytes of copies a begun save may hold: :data:`CAPTURE_SHARE` of the host's available
-    memory, or of what its control group's limit leaves, whichever is less (0 where neither reads)."""
+    memory, or of what this process's control group (cgroup v2) leaves under its memory limit,
+    whichever is less (the group's inactive page cache counted as free); 0 where neither reads."""
     free = free_bytes(torch.device("cpu")) or 0
-    with contextlib.suppress(OSError, ValueError):
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        own = next(line.split("::", 1)[1].strip() for line in Path("/proc/self/cgroup").read_text().splitlines()
+                   if line.startswith("0::"))
+        group = Path("/sys/fs/cgroup") / own.lstrip("/")
+        limit = (group / "memory.max").read_text().strip()
         if limit != "max":
-            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+            stat_lines = (group / "memory.stat").read_text().splitlines()
+            cache = next((int(v) for k, v in (x.split() for x in stat_lines) if k == "inactive_file"), 0)
+            used = int((group / "memory.current").read_text()) - cache
+            free = min(free, int(limit) - used)
     return max(0, int(CAPTURE_SHARE * free))
 
 
@@ -424,10 +446,14 @@ def _plan(runner, rank: int, world: int, path: str, entries) -> tuple[int, bool]
     return int((rows < 0).sum()) * row, same
 
 
-def _begin(runner, rank: int, world: int, path: str, engine_fp: dict, copies, entries):
+def _apply(runner, rank: int, world: int, copies) -> None:
+    _ready(runner, copies)
+
+
+def _begin(runner, rank: int, world: int, path: str, engine_fp: dict, entries):
     """This rank's blocks new to its file copied to host memory and a thread writing the file;
     ``(blocks copied, bytes)``."""
-    pool = _ready(runner, copies)
+    pool = _ready(runner, [])
     target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
     rows, disk = _rows(runner, target, entries)
     new = [entries[i] for i in np.flatnonzero(rows < 0)]
@@ -458,8 +484,9 @@ def _write_in_thread(target: Path, head: bytes, hashes: np.ndarray, rows: np.nda
     """The writer thread's part of :func:`_begin`: rows ``>= 0`` from the file on disk, the others
     from ``copied`` in order; the pool tensors' CRC-32s. Each tensor of the file on disk is read
     whole (one at a time) and checked against its CRC-32 before a row is taken from it."""
-    with contextlib.suppress(AttributeError, OSError):  # the engine's threads first (Linux: a thread's own nice)
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    if sys.platform == "linux":  # the engine's threads first (on Linux a thread has a nice of its own)
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     from_file = rows >= 0
     take = np.cumsum(~from_file) - 1  # row i's index in copied, where it is no file row
     with save_lock(target), _old_file(target, disk if from_file.any() else None) as old:
