@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import stat
@@ -68,8 +69,8 @@ from kvtier.serve.prefix_format import (
     rank_path,
 )
 
-__all__ = ["CAPTURE_SHARE", "PrefixSave", "StaleFile", "begin_prefix_save", "check_prefix_paths", "discard_unfinished", "file_ident", "host_budget",
-           "remember_file", "save_prefix_cache"]
+__all__ = ["CAPTURE_SHARE", "PrefixSave", "StaleFile", "begin_prefix_save", "check_prefix_paths", "discard_unfinished",
+           "file_ident", "host_budget", "remember_file", "save_prefix_cache"]
 
 #: the most of the host's available memory (``MemAvailable``) a save begun between two steps may
 #: hold in copies of blocks; a save that would need more is written while the engine waits
@@ -123,8 +124,9 @@ def file_ident(path: Path) -> tuple[int, int, int, int] | None:
 def remember_file(runner, target: Path, hashes: list[bytes], offsets, crcs) -> None:
     """Note that ``target`` holds ``hashes`` (row ``i``: ``hashes[i]``), each pool tensor's data at
     ``offsets`` with CRC-32 ``crcs``: a later :func:`begin_prefix_save` reads those blocks from it."""
-    files = _ON_DISK.setdefault(runner, {})
-    files[os.path.realpath(target)] = _OnDisk(file_ident(target), {h: i for i, h in enumerate(hashes)}, tuple(offsets), tuple(crcs))
+    rows = {h: i for i, h in enumerate(hashes)}
+    _ON_DISK.setdefault(runner, {})[os.path.realpath(target)] = _OnDisk(file_ident(target), rows, tuple(offsets),
+                                                                        tuple(crcs))
 
 
 def _forget(runner, target: Path) -> None:
@@ -514,9 +516,8 @@ def _old_file(target: Path, disk: _OnDisk | None):
     if disk is None:
         yield None
         return
-    fd = os.open(target, os.O_RDONLY)
-    try:
-        st = os.fstat(fd)
+    with io.FileIO(target, "rb") as f:
+        st = os.fstat(f.fileno())
         if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != disk.ident:
             raise StaleFile(f"{target} changed since this server last wrote or read it")
         n = len(disk.rows)
@@ -524,9 +525,10 @@ def _old_file(target: Path, disk: _OnDisk | None):
         def read(j: int, row_bytes: int) -> np.ndarray:
             out = np.empty(n * row_bytes, dtype=np.uint8)
             view, got = memoryview(out), 0
+            f.seek(disk.offsets[j])
             while got < out.size:
-                k = os.preadv(fd, [view[got:]], disk.offsets[j] + got)
-                if k <= 0:
+                k = f.readinto(view[got:])
+                if not k:
                     raise StaleFile(f"{target} is shorter than when this server last wrote or read it")
                 got += k
             if zlib.crc32(out) != disk.crcs[j]:
@@ -534,8 +536,6 @@ def _old_file(target: Path, disk: _OnDisk | None):
             return out.reshape(n, row_bytes)
 
         yield read
-    finally:
-        os.close(fd)
 
 
 def _poll(runner, rank: int, world: int, path: str) -> bool:
