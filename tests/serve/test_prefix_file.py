@@ -375,6 +375,19 @@ def test_the_server_config_refuses_a_prefix_cache_file_it_could_not_write(value,
         ServerConfig(prefix_cache_file=value)
 
 
+def test_the_server_config_reads_a_read_only_file_without_asking_to_write_it(tmp_path) -> None:
+    from kvtier.serve.api import ServerConfig
+
+    _, _, path = saved(tmp_path)
+    assert ServerConfig(prefix_cache_file=str(path), prefix_cache_read_only=True).prefix_cache_read_only
+    with pytest.raises(ValueError, match="prefix_cache_read_only must be a bool, got 'yes'"):
+        ServerConfig(prefix_cache_file=str(path), prefix_cache_read_only="yes")
+    with pytest.raises(ValueError, match="--prefix-cache-read-only never writes it: drop one of them"):
+        ServerConfig(prefix_cache_file=str(path), prefix_cache_read_only=True, prefix_cache_save_interval_s=5)
+    with pytest.raises(ValueError, match="does not exist; --prefix-cache-read-only reads"):
+        ServerConfig(prefix_cache_file=str(tmp_path / "none.safetensors"), prefix_cache_read_only=True)
+
+
 @pytest.mark.gpu
 def test_a_round_trip_on_cuda_with_pinned_host_slots(tmp_path) -> None:
     """On CUDA (pinned host slots, saves queued in the stream): every loaded block is the file's

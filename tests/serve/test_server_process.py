@@ -51,6 +51,11 @@ from server_support import free_port, metrics, model_name, running_server, settl
      "given"),
     (["--prefix-cache-file", "p.safetensors", "--prefix-cache-save-interval", "0.5"], "prefix_cache_save_interval_s "
      "(--prefix-cache-save-interval) must be a number of seconds >= 1"),
+    (["--prefix-cache-read-only"], "--prefix-cache-read-only reads the prefix cache file, and none is given"),
+    (["--prefix-cache-file", "/nonexistent/p.safetensors", "--prefix-cache-read-only"], "/nonexistent/p.safetensors "
+     "does not exist; --prefix-cache-read-only reads a prefix cache file saved before"),
+    (["--prefix-cache-file", __file__, "--prefix-cache-read-only"], "is not a kvtier prefix cache file"),
+    (["--prefix-cache-file", "/", "--prefix-cache-read-only"], "/ is not a regular file"),
 ])
 def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
     port = str(free_port())  # a process of its own, bounded in time: a server that starts is a failure
@@ -302,6 +307,20 @@ def test_a_restarted_server_answers_from_the_prefixes_it_saved(tmp_path, ranks) 
     usage = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
     assert usage == [0, (answers[0].usage.prompt_tokens - 1) // 16 * 16]
     assert answers[1].choices[0].text == answers[0].choices[0].text
+    if ranks > 1:
+        return
+    # --prefix-cache-read-only: the file read, answered from, and left as it was (another prompt's blocks too)
+    before, log = (path.read_bytes(), path.stat().st_mtime_ns), tmp_path / "third.log"
+    with started_server(log, *flags, "--prefix-cache-read-only") as (url, proc):
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        again = client.completions.create(model=model_name(url), prompt=prompt, max_tokens=8, temperature=0)
+        client.completions.create(model=model_name(url), prompt="Another prompt " * 30, max_tokens=4)
+        proc.terminate()
+        assert proc.wait(timeout=60) in (0, -15)
+    third = log.read_text()
+    assert f"loaded {n} cached blocks from {path}" in third and "saved" not in third
+    assert again.usage.prompt_tokens_details.cached_tokens == usage[1] and again.choices[0].text == answers[0].choices[0].text
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
 
 
 def test_a_rank_file_that_cannot_be_written_is_refused_before_any_rank_starts(tmp_path) -> None:

@@ -59,7 +59,7 @@ from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvtier.serve.middleware import ApiKeys, BodyLimit, unread_body
 from kvtier.serve.params import RequestOutput, RequestParams
-from kvtier.serve.prefix_file import engine_lifespan
+from kvtier.serve.prefix_file import check_read_only_file, engine_lifespan
 from kvtier.serve.reasoning import FORMATS as REASONING
 from kvtier.serve.reasoning import ReasoningReader, grammar_after, prompt_state
 from kvtier.serve.responses import add_responses_routes
@@ -127,6 +127,9 @@ class ServerConfig:
     #: seconds between saves of the prefix cache file while serving (``--prefix-cache-save-interval``;
     #: between two steps, when a step ran since the last; ``None``: at the stop only)
     prefix_cache_save_interval_s: float | None = None
+    #: read the prefix cache file at the start and never write it (``--prefix-cache-read-only``: a
+    #: file shipped with the model and shared by replicas; its folder may be read-only)
+    prefix_cache_read_only: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -166,7 +169,15 @@ class ServerConfig:
             if not isinstance(self.prefix_cache_file, str) or not self.prefix_cache_file:
                 raise ValueError(f"prefix_cache_file (--prefix-cache-file) must be a path or None, got "
                                  f"{self.prefix_cache_file!r}")
-            check_save_path(self.prefix_cache_file, PREFIX_FORMAT)  # (a file the server may write when it stops)
+            if self.prefix_cache_read_only is True:
+                check_read_only_file(self.prefix_cache_file)
+            else:  # (a file the server may write when it stops)
+                check_save_path(self.prefix_cache_file, PREFIX_FORMAT)
+        if not isinstance(self.prefix_cache_read_only, bool):
+            raise ValueError(f"prefix_cache_read_only must be a bool, got {self.prefix_cache_read_only!r}")
+        if self.prefix_cache_read_only and self.prefix_cache_file is None:
+            raise ValueError("--prefix-cache-read-only reads the prefix cache file, and none is given: add "
+                             "--prefix-cache-file PATH (prefix_cache_file)")
         t = self.prefix_cache_save_interval_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not 1 <= t < math.inf):
             raise ValueError(f"prefix_cache_save_interval_s (--prefix-cache-save-interval) must be a number of "
@@ -174,6 +185,9 @@ class ServerConfig:
         if t is not None and self.prefix_cache_file is None:
             raise ValueError("--prefix-cache-save-interval saves the prefix cache file, and none is given: add "
                              "--prefix-cache-file PATH (prefix_cache_file)")
+        if t is not None and self.prefix_cache_read_only:
+            raise ValueError("--prefix-cache-save-interval saves the prefix cache file, and "
+                             "--prefix-cache-read-only never writes it: drop one of them")
 
 
 def encode_bounded(tokenizer, text: str, max_tokens: int, *, add_bos: bool | None = None) -> list[int]:
@@ -205,7 +219,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with engine_lifespan(engine, config.prefix_cache_file, config.prefix_cache_save_interval_s):
+        saved = None if config.prefix_cache_read_only else config.prefix_cache_file
+        async with engine_lifespan(engine, saved, config.prefix_cache_save_interval_s):
             yield
 
     app = FastAPI(title="kvtier", lifespan=lifespan, redirect_slashes=False)  # (a 404, not a bare 307)

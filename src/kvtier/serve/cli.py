@@ -65,8 +65,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="keep the prefix cache across restarts: its blocks are read from PATH at start (when "
                         "it exists and holds this model's blocks) and written there when the server stops")
     p.add_argument("--prefix-cache-save-interval", dest="prefix_cache_save_interval_s", type=float, metavar="S",
-                   default=_ABSENT, help="also save the prefix cache file every S seconds while serving (between two "
-                   "steps, which wait for it), so a server killed without a graceful stop restarts from it")
+                   default=_ABSENT, help="also save the prefix cache file every S seconds while serving (the engine "
+                   "pausing only to copy the blocks new to the file), so a server killed without a graceful stop "
+                   "restarts from it")
+    p.add_argument("--prefix-cache-read-only", dest="prefix_cache_read_only", action="store_true", default=_ABSENT,
+                   help="read the prefix cache file at the start and never write it (a file shipped with the model "
+                   "and shared by replicas; its folder may be read-only)")
     p.add_argument("--block-size", dest="block_size", type=int, default=_ABSENT)
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=_ABSENT,
                    help="running requests at most")
@@ -146,18 +150,22 @@ def configs_from_args(args: argparse.Namespace):
         engine["speculative"] = SpeculativeConfig.parse(args.speculative_config)
     server = {n: getattr(args, n) for n in ("host", "port", "served_model_name", "warmup", "shutdown_timeout_s",
                                             "tool_call_parser", "reasoning_parser", "auto_tool_choice",
-                                            "prefix_cache_file", "prefix_cache_save_interval_s")
+                                            "prefix_cache_file", "prefix_cache_save_interval_s",
+                                            "prefix_cache_read_only")
               if hasattr(args, n)}
     if hasattr(args, "prefix_cache_file"):
         if not getattr(args, "enable_prefix_caching", True):
             raise ValueError("--prefix-cache-file keeps the prefix cache, and --no-prefix-caching turns it off; "
                              "drop one of them")
         from kvtier.caches.persist import PREFIX_FORMAT, check_save_path
-        from kvtier.serve.prefix_file import rank_path
+        from kvtier.serve.prefix_file import check_read_only_file, rank_path
 
         # the other ranks' files too, before any rank starts (rank 0's: ServerConfig)
         for rank in range(1, int(os.environ.get("WORLD_SIZE", getattr(args, "tensor_parallel", 1)))):
-            check_save_path(rank_path(args.prefix_cache_file, rank), PREFIX_FORMAT)
+            if getattr(args, "prefix_cache_read_only", False):
+                check_read_only_file(rank_path(args.prefix_cache_file, rank))
+            else:
+                check_save_path(rank_path(args.prefix_cache_file, rank), PREFIX_FORMAT)
     keys = getattr(args, "api_keys", None) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
     if keys:
         server["api_keys"] = tuple(keys)
@@ -309,8 +317,9 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
     if server_config.prefix_cache_file is not None:  # (after the warm-up, which empties the cache)
         from kvtier.serve.prefix_file import check_prefix_paths, load_prefix_file
 
-        check_prefix_paths(engine, server_config.prefix_cache_file)  # every rank's file, before serving
-        load_prefix_file(engine, server_config.prefix_cache_file)
+        if not server_config.prefix_cache_read_only:
+            check_prefix_paths(engine, server_config.prefix_cache_file)  # every rank's file, before serving
+        load_prefix_file(engine, server_config.prefix_cache_file, read_only=server_config.prefix_cache_read_only)
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, engine.tokenizer, name, server_config)
     freeze_startup_heap()  # no full collection of the start-up heap between two steps later

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
+from kvtier.caches.persist import PREFIX_FORMAT, is_cache_file
 from kvtier.serve.prefix_format import (
     CHUNK,
     FORMAT_VERSION,
@@ -92,8 +93,9 @@ from kvtier.serve.prefix_save import (
     save_prefix_cache,
 )
 
-__all__ = ["CHUNK", "FORMAT_VERSION", "PrefixFileMismatch", "check_prefix_paths", "engine_lifespan", "fingerprint",
-           "load_prefix_cache", "load_prefix_file", "rank_path", "save_in_loop", "save_prefix_cache", "save_prefix_file"]
+__all__ = ["CHUNK", "FORMAT_VERSION", "PrefixFileMismatch", "check_prefix_paths", "check_read_only_file",
+           "engine_lifespan", "fingerprint", "load_prefix_cache", "load_prefix_file", "rank_path", "save_in_loop",
+           "save_prefix_cache", "save_prefix_file"]
 
 
 # -- loading ----------------------------------------------------------------------------------------
@@ -204,10 +206,27 @@ def _rank_files(engine, path) -> str:
     return f" and {world - 1} rank files beside it" if world > 1 else ""
 
 
-def load_prefix_file(engine, path: str | os.PathLike) -> dict[str, int] | None:
+def check_read_only_file(path: str | os.PathLike) -> Path:
+    """``path`` for ``--prefix-cache-read-only``: a prefix cache file (or a symlink to one) this
+    process can read; a ``ValueError`` naming what it is and the fix otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path} does not exist; --prefix-cache-read-only reads a prefix cache file saved "
+                         "before (by kvtier serve --prefix-cache-file): pass its path, or drop the flag to start "
+                         "one")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a regular file; --prefix-cache-read-only reads a prefix cache file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{path} cannot be read by this user; make it readable, or pass another path")
+    if not is_cache_file(path, PREFIX_FORMAT):
+        raise ValueError(f"{path} is not a kvtier prefix cache file (kvtier serve --prefix-cache-file)")
+    return path
+
+
+def load_prefix_file(engine, path: str | os.PathLike, *, read_only: bool = False) -> dict[str, int] | None:
     """:func:`load_prefix_cache` for ``kvtier serve``: a missing file or one that cannot be loaded
     leaves the cache empty with a line saying why (a file of another configuration is then kept
-    at the stop; a damaged one is replaced)."""
+    at the stop; a damaged one is replaced; ``read_only``: the file is never written)."""
     if not os.path.exists(path):
         print(f"[kvtier] no prefix cache file {path} yet: the cache starts empty and is written there "
               "when the server saves it", file=sys.stderr, flush=True)
@@ -216,15 +235,17 @@ def load_prefix_file(engine, path: str | os.PathLike) -> dict[str, int] | None:
     try:
         got = load_prefix_cache(engine, path)
     except PrefixFileMismatch as e:
-        print(f"[kvtier] {e}; the prefix cache starts empty, and this server will not write over the file "
-              "(pass another --prefix-cache-file to keep its cache too)", file=sys.stderr, flush=True)
+        then = ("(--prefix-cache-read-only: the file is left as it is)" if read_only else "and this server will not "
+                "write over the file (pass another --prefix-cache-file to keep its cache too)")
+        print(f"[kvtier] {e}; the prefix cache starts empty, {then}", file=sys.stderr, flush=True)
         return None
     except Exception as e:  # (a file this code did not foresee: never a server that does not start)
         if isinstance(e, _DIST_ERRORS):
             raise
         why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        print(f"[kvtier] {why}; the prefix cache starts empty (the file is replaced when the server saves it)",
-              file=sys.stderr, flush=True)
+        then = ("--prefix-cache-read-only: the file is left as it is" if read_only else
+                "the file is replaced when the server saves it")
+        print(f"[kvtier] {why}; the prefix cache starts empty ({then})", file=sys.stderr, flush=True)
         return None
     left = f", {got['left_out']} least recently used left out" if got["left_out"] else ""
     print(f"[kvtier] loaded {_blocks(got['blocks'] - got['left_out'])} from {path}{_rank_files(engine, path)} in "
