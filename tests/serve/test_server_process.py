@@ -342,11 +342,16 @@ def test_a_server_killed_restarts_from_its_last_periodic_save(tmp_path) -> None:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         first = client.completions.create(model=model_name(url), prompt=prompt, max_tokens=8, temperature=0)
         deadline = time.monotonic() + 60
-        while not path.is_file() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        metrics = ""
+        while ("kvtier_prefix_file_saves_total 0.0" in metrics or not metrics) and time.monotonic() < deadline:
+            time.sleep(0.2)  # (the file renamed into place, then the save counted)
+            metrics = httpx.get(f"{url}/metrics", timeout=30).text
         proc.kill()
         proc.wait(timeout=30)
     assert path.is_file() and "[kvtier] saved" in (tmp_path / "first.log").read_text()
+    figures = {x.split()[0]: float(x.split()[1]) for x in metrics.splitlines() if x.startswith("kvtier_prefix_file_")}
+    assert figures["kvtier_prefix_file_saves_total"] >= 1 and figures["kvtier_prefix_file_save_failures_total"] == 0
+    assert figures["kvtier_prefix_file_blocks"] >= (first.usage.prompt_tokens - 1) // 16 and 0 < figures["kvtier_prefix_file_last_pause_seconds"] < 60
     with running_server(tmp_path / "second.log", *flags) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         again = client.completions.create(model=model_name(url), prompt=prompt, max_tokens=8, temperature=0)

@@ -59,7 +59,7 @@ from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvtier.serve.middleware import ApiKeys, BodyLimit, unread_body
 from kvtier.serve.params import RequestOutput, RequestParams
-from kvtier.serve.prefix_file import check_read_only_file, engine_lifespan
+from kvtier.serve.prefix_file import check_read_only_file, engine_lifespan, save_figures
 from kvtier.serve.reasoning import FORMATS as REASONING
 from kvtier.serve.reasoning import ReasoningReader, grammar_after, prompt_state
 from kvtier.serve.responses import add_responses_routes
@@ -214,7 +214,7 @@ def build_app(engine: AsyncLLMEngine, tokenizer, model_name: str,
     """The FastAPI app over ``engine``; it starts the engine's loop on startup and stops it on
     shutdown. ``tokenizer`` encodes prompts and renders chat templates."""
     config = config or ServerConfig()
-    metrics = ServerMetrics(lambda: engine.stats)
+    metrics = ServerMetrics(lambda: engine.stats | save_figures(engine))
     engine.observers.append(metrics.observe)
 
     @contextlib.asynccontextmanager

@@ -23,6 +23,11 @@ name                                       type      meaning
 ``kvtier_time_to_first_token_seconds``     histogram arrival to first token
 ``kvtier_time_per_output_token_seconds``   histogram (finish - first token) / (tokens - 1)
 ``kvtier_e2e_request_latency_seconds``     histogram arrival to finish
+``kvtier_prefix_file_saves_total``         counter   periodic saves of the prefix cache file (``--prefix-cache-save-interval``)
+``kvtier_prefix_file_save_failures_total`` counter   of those, tries that failed
+``kvtier_prefix_file_last_save_seconds``   gauge     the last save's time, begun to renamed
+``kvtier_prefix_file_last_pause_seconds``  gauge     the engine's pause in it, between two steps
+``kvtier_prefix_file_blocks``              gauge     blocks the file held after it
 ========================================== ========= ==============================================
 """
 
@@ -85,6 +90,19 @@ class _EngineCollector:
                 ("kvtier_kv_offload_blocks_loaded", "blocks_loaded", "Blocks loaded from the host tier."),
             ):
                 yield CounterMetricFamily(name, text, value=s[key])
+        if "prefix_file_saves" in s:  # a server started with --prefix-cache-save-interval
+            yield CounterMetricFamily("kvtier_prefix_file_saves", "Periodic saves of the prefix cache file.",
+                                      value=s["prefix_file_saves"])
+            yield CounterMetricFamily("kvtier_prefix_file_save_failures", "Periodic saves that failed.",
+                                      value=s["prefix_file_save_failures"])
+            for name, key, text in (
+                ("kvtier_prefix_file_last_save_seconds", "prefix_file_last_save_seconds", "The last save's time."),
+                ("kvtier_prefix_file_last_pause_seconds", "prefix_file_last_pause_seconds",
+                 "The engine's pause in the last save."),
+                ("kvtier_prefix_file_blocks", "prefix_file_blocks", "Blocks the file held after the last save."),
+            ):
+                if key in s:
+                    yield GaugeMetricFamily(name, text, value=s[key])
 
 
 class ServerMetrics:

@@ -55,6 +55,7 @@ import hashlib
 import os
 import sys
 import time
+import weakref
 import zlib
 from pathlib import Path
 
@@ -94,7 +95,7 @@ from kvtier.serve.prefix_save import (
 )
 
 __all__ = ["CHUNK", "FORMAT_VERSION", "PrefixFileMismatch", "check_prefix_paths", "check_read_only_file",
-           "engine_lifespan", "fingerprint", "load_prefix_cache", "load_prefix_file", "rank_path", "save_in_loop",
+           "engine_lifespan", "fingerprint", "load_prefix_cache", "load_prefix_file", "rank_path", "save_figures", "save_in_loop",
            "save_prefix_cache", "save_prefix_file"]
 
 
@@ -316,9 +317,21 @@ async def engine_lifespan(engine, path: str | os.PathLike | None, interval_s: fl
                   "server stopped", file=sys.stderr, flush=True)
 
 
+#: each served engine's periodic saves, for its metrics (:func:`save_figures`)
+_FIGURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def save_figures(engine) -> dict[str, float]:
+    """The periodic saves of a served :class:`~kvtier.serve.async_engine.AsyncLLMEngine` so far
+    (``prefix_file_saves``, ``prefix_file_save_failures``, and of the last save its ``seconds``,
+    the engine's ``pause`` and the file's ``blocks``); empty without periodic saves."""
+    return dict(_FIGURES.get(engine, {}))
+
+
 async def _save_every(engine, path, interval_s: float, stop: asyncio.Event) -> None:
     """Save every ``interval_s`` seconds when a step ran since the last save, until ``stop``; a
     save that fails (or finds the file another configuration's) ends the periodic saves with a line."""
+    _FIGURES[engine] = {"prefix_file_saves": 0, "prefix_file_save_failures": 0}
     saved_at = engine.stats["steps"]
     while True:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -367,7 +380,11 @@ async def _save_once(engine, path, again: bool) -> tuple[bool, bool]:
             with contextlib.suppress(Exception):
                 await in_loop(lambda e: save.discard())
         _not_saved(path, e, "" if save is None or again else "; saving again at once, copying every block")
+        _count(engine, "prefix_file_save_failures")
         return False, save is not None
+    seconds = time.perf_counter() - t0
+    _count(engine, "prefix_file_saves", prefix_file_last_save_seconds=seconds,
+           prefix_file_last_pause_seconds=save.pause_s, prefix_file_blocks=n)
     if save.unchanged:
         return True, True
     if save.waited:
@@ -376,5 +393,12 @@ async def _save_once(engine, path, again: bool) -> tuple[bool, bool]:
     else:
         how = (f", the engine pausing {1e3 * save.pause_s:.0f} ms between two steps to copy {save.new_blocks} "
                f"block{'' if save.new_blocks == 1 else 's'} new to the file ({save.copied_bytes / 2**20:.1f} MiB)")
-    _saved_line(engine.engine, path, n, time.perf_counter() - t0, how)
+    _saved_line(engine.engine, path, n, seconds, how)
     return True, True
+
+
+def _count(engine, key: str, **last: float) -> None:
+    figures = _FIGURES.get(engine)
+    if figures is not None:  # (periodic saves only)
+        figures[key] += 1
+        figures |= last
