@@ -37,6 +37,32 @@ def same_as_waiting(engine, path, tmp_path) -> bool:
     return path.read_bytes() == ref.read_bytes()
 
 
+def cached_engine(seed: int = 0) -> LLMEngine:
+    """A tiny engine that answered two prompts (14 cached blocks)."""
+    engine = LLMEngine(tiny(seed), None, SMALL)
+    engine.generate(prompts(2, 30), PARAMS)
+    return engine
+
+
+def saved_once(tmp_path):
+    """``(engine, path)``: :func:`cached_engine`, its cache saved to ``path`` by a begun save."""
+    engine, path = cached_engine(), tmp_path / "p.safetensors"
+    finished(engine, path)
+    return engine, path
+
+
+def held(monkeypatch, name: str) -> threading.Event:
+    """``prefix_save.<name>`` made to wait for the returned event before it runs (the thread held)."""
+    gate, real = threading.Event(), getattr(prefix_save, name)
+
+    def waiting(*args):
+        assert gate.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(prefix_save, name, waiting)
+    return gate
+
+
 def test_a_begun_save_writes_what_a_waiting_save_writes_and_loads(tmp_path) -> None:
     model = tiny()
     engine = LLMEngine(model, None, SMALL)
@@ -54,8 +80,7 @@ def test_a_begun_save_writes_what_a_waiting_save_writes_and_loads(tmp_path) -> N
 
 
 def test_the_next_save_copies_only_the_new_blocks_and_reads_the_rest_from_the_file(tmp_path) -> None:
-    engine = LLMEngine(tiny(), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
+    engine = cached_engine()
     path = tmp_path / "p.safetensors"
     first = finished(engine, path)
     before = {h for h, _, _ in engine.block_manager.cached_entries()}
@@ -88,13 +113,7 @@ def test_the_engine_steps_while_the_file_is_written_and_the_file_holds_the_momen
     engine.generate(prompts(2, 30), PARAMS)
     path, ref = tmp_path / "p.safetensors", tmp_path / "then.safetensors"
     save_prefix_cache(engine, ref)  # what the file must hold
-    gate, write = threading.Event(), prefix_save._write_file
-
-    def held(*args):
-        assert gate.wait(30)
-        return write(*args)
-
-    monkeypatch.setattr(prefix_save, "_write_file", held)
+    gate = held(monkeypatch, "_write_file")
     save = begin_prefix_save(engine, path)
     engine.generate([p[::-1] for p in prompts(4, 30)], PARAMS)  # four new prompts: every block of the first two reused
     assert not save.written()
@@ -107,10 +126,7 @@ def test_the_engine_steps_while_the_file_is_written_and_the_file_holds_the_momen
 
 
 def test_a_file_damaged_since_is_not_copied_from_and_the_next_save_copies_every_block(tmp_path) -> None:
-    engine = LLMEngine(tiny(), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
-    path = tmp_path / "p.safetensors"
-    finished(engine, path)
+    engine, path = saved_once(tmp_path)
     engine.generate(prompts(3, 30)[2:], PARAMS)
     st, data = os.stat(path), bytearray(path.read_bytes())
     data[-200] ^= 0xFF  # a byte of the last pool tensor; same size, inode and time: the same file to a stat
@@ -129,10 +145,7 @@ def test_a_file_damaged_since_is_not_copied_from_and_the_next_save_copies_every_
 
 
 def test_a_file_replaced_since_is_not_read_from(tmp_path) -> None:
-    engine = LLMEngine(tiny(), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
-    path = tmp_path / "p.safetensors"
-    finished(engine, path)
+    engine, path = saved_once(tmp_path)
     copy = tmp_path / "copy.safetensors"
     copy.write_bytes(path.read_bytes())
     os.replace(copy, path)  # the same bytes, another file
@@ -141,8 +154,7 @@ def test_a_file_replaced_since_is_not_read_from(tmp_path) -> None:
 
 
 def test_a_save_too_big_to_copy_is_written_while_the_engine_waits(tmp_path, monkeypatch) -> None:
-    engine = LLMEngine(tiny(), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
+    engine = cached_engine()
     monkeypatch.setattr(prefix_save, "CAPTURE_SHARE", 0.0)
     path = tmp_path / "p.safetensors"
     save = begin_prefix_save(engine, path)
@@ -189,8 +201,7 @@ def test_blocks_of_the_host_tier_and_queued_copies_are_saved_as_a_waiting_save_w
 
 
 def test_the_budget_counts_only_the_blocks_new_to_the_file(tmp_path, monkeypatch) -> None:
-    engine = LLMEngine(tiny(), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
+    engine = cached_engine()
     path = tmp_path / "p.safetensors"
     first = finished(engine, path)
     row = first.copied_bytes // first.new_blocks
@@ -206,18 +217,9 @@ def test_the_budget_counts_only_the_blocks_new_to_the_file(tmp_path, monkeypatch
 
 
 def test_a_file_replaced_after_the_save_began_is_not_read_and_the_next_save_copies_every_block(tmp_path, monkeypatch):
-    engine = LLMEngine(tiny(), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
-    path = tmp_path / "p.safetensors"
-    finished(engine, path)
+    engine, path = saved_once(tmp_path)
     engine.generate(prompts(3, 30)[2:], PARAMS)
-    gate, old_file = threading.Event(), prefix_save._old_file
-
-    def held(*args):
-        assert gate.wait(30)
-        return old_file(*args)
-
-    monkeypatch.setattr(prefix_save, "_old_file", held)
+    gate = held(monkeypatch, "_old_file")
     save = begin_prefix_save(engine, path)
     assert 0 < save.new_blocks < save.blocks
     copy = tmp_path / "copy.safetensors"
@@ -232,10 +234,7 @@ def test_a_file_replaced_after_the_save_began_is_not_read_and_the_next_save_copi
 
 
 def test_an_unchanged_cache_is_not_written_again(tmp_path) -> None:
-    engine = LLMEngine(tiny(), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
-    path = tmp_path / "p.safetensors"
-    finished(engine, path)
+    engine, path = saved_once(tmp_path)
     ident = prefix_save.file_ident(path)
     save = begin_prefix_save(engine, path)
     assert save.unchanged and save.done and save.new_blocks == 0 and prefix_save.file_ident(path) == ident
@@ -259,8 +258,7 @@ def _serving(engine, fn):
 def test_save_in_loop_saves_and_says_so(tmp_path, capsys) -> None:
     from kvtier.serve.prefix_file import save_in_loop
 
-    engine = LLMEngine(tiny(), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
+    engine = cached_engine()
     path = tmp_path / "p.safetensors"
     assert _serving(engine, lambda eng: save_in_loop(eng, path))
     err = capsys.readouterr().err
@@ -274,10 +272,7 @@ def test_save_in_loop_saves_again_at_once_when_the_file_on_disk_fails_its_check(
     at once, every block copied (the periodic saves go on)."""
     from kvtier.serve.prefix_file import save_in_loop
 
-    engine = LLMEngine(tiny(), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
-    path = tmp_path / "p.safetensors"
-    finished(engine, path)
+    engine, path = saved_once(tmp_path)
     engine.generate(prompts(3, 30)[2:], PARAMS)
     st, data = os.stat(path), bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -301,13 +296,7 @@ def test_a_save_cut_off_by_a_cancellation_is_dropped_at_the_stop_and_the_final_s
 
     engine = LLMEngine(tiny(), None, SMALL)
     path = tmp_path / "p.safetensors"
-    gate, write = threading.Event(), prefix_save._write_file
-
-    def held(*args):
-        assert gate.wait(30)
-        return write(*args)
-
-    monkeypatch.setattr(prefix_save, "_write_file", held)
+    gate = held(monkeypatch, "_write_file")
     eng = AsyncLLMEngine(engine)
     cut = []
 
@@ -331,10 +320,7 @@ def test_a_save_cut_off_by_a_cancellation_is_dropped_at_the_stop_and_the_final_s
 
 
 def test_a_new_order_without_new_blocks_is_written_and_finish_waits_for_the_thread(tmp_path) -> None:
-    engine = LLMEngine(tiny(), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
-    path = tmp_path / "p.safetensors"
-    finished(engine, path)
+    engine, path = saved_once(tmp_path)
     before = [h for h, _, _ in engine.block_manager.cached_entries()]
     engine.generate([prompts(2, 30)[0][:16]], RequestParams(max_tokens=1))  # four cached blocks used again
     after = [h for h, _, _ in engine.block_manager.cached_entries()]
@@ -345,8 +331,7 @@ def test_a_new_order_without_new_blocks_is_written_and_finish_waits_for_the_thre
 
 
 def test_a_path_that_names_another_file_at_the_rename_drops_the_save(tmp_path) -> None:
-    engine = LLMEngine(tiny(), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
+    engine = cached_engine()
     path, other = tmp_path / "p.safetensors", tmp_path / "q.safetensors"
     save_prefix_cache(engine, path)
     save_prefix_cache(engine, other)
@@ -365,8 +350,7 @@ def test_a_path_that_names_another_file_at_the_rename_drops_the_save(tmp_path) -
 
 
 def test_a_discard_after_the_thread_has_written_removes_its_file(tmp_path) -> None:
-    engine = LLMEngine(tiny(), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
+    engine = cached_engine()
     path = tmp_path / "p.safetensors"
     save = begin_prefix_save(engine, path)
     while not save.written():
@@ -380,15 +364,9 @@ def test_save_in_loop_refused_before_it_began_says_so_once(tmp_path, capsys) -> 
     from kvtier.serve.prefix_file import save_in_loop
 
     path = tmp_path / "p.safetensors"
-    save_prefix_cache(_cached_engine(seed=1), path)  # another model's blocks
-    engine = _cached_engine()
+    save_prefix_cache(cached_engine(seed=1), path)  # another model's blocks
+    engine = cached_engine()
     assert not _serving(engine, lambda eng: save_in_loop(eng, path))
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[kvtier]")]
     assert len(lines) == 1 and "holds the blocks of another model or cache layout" in lines[0]
     assert "saving again" not in lines[0]
-
-
-def _cached_engine(seed: int = 0) -> LLMEngine:
-    engine = LLMEngine(tiny(seed), None, SMALL)
-    engine.generate(prompts(2, 30), PARAMS)
-    return engine
