@@ -375,10 +375,18 @@ def test_the_server_config_refuses_a_prefix_cache_file_it_could_not_write(value,
         ServerConfig(prefix_cache_file=value)
 
 
-def test_the_server_config_reads_a_read_only_file_without_asking_to_write_it(tmp_path) -> None:
+def test_the_server_config_reads_a_read_only_file_without_asking_to_write_it(tmp_path, monkeypatch) -> None:
+    import kvtier.serve.api as api
     from kvtier.serve.api import ServerConfig
 
     _, _, path = saved(tmp_path)
+
+    def unwritable(*args):
+        raise ValueError("its folder is not writable")
+
+    monkeypatch.setattr(api, "check_save_path", unwritable)  # (a read-only volume: not asked)
+    with pytest.raises(ValueError, match="its folder is not writable"):
+        ServerConfig(prefix_cache_file=str(path))
     assert ServerConfig(prefix_cache_file=str(path), prefix_cache_read_only=True).prefix_cache_read_only
     with pytest.raises(ValueError, match="prefix_cache_read_only must be a bool, got 'yes'"):
         ServerConfig(prefix_cache_file=str(path), prefix_cache_read_only="yes")

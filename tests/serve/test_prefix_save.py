@@ -256,21 +256,29 @@ def _serving(engine, fn):
 
 
 def test_save_in_loop_saves_and_says_so(tmp_path, capsys) -> None:
-    from kvtier.serve.prefix_file import save_in_loop
+    from kvtier.serve.prefix_file import save_figures, save_in_loop
 
     engine = cached_engine()
     path = tmp_path / "p.safetensors"
-    assert _serving(engine, lambda eng: save_in_loop(eng, path))
+    figures = []
+
+    async def twice(eng):  # (the second finds the file unchanged: nothing written, nothing counted)
+        saved = [await save_in_loop(eng, path), await save_in_loop(eng, path)]
+        figures.append(save_figures(eng))
+        return all(saved)
+
+    assert _serving(engine, twice)
     err = capsys.readouterr().err
     n = len(engine.block_manager.cached_entries())
     assert f"saved {n} cached blocks to {path}" in err and f"to copy {n} blocks new to the file" in err
+    assert err.count("[kvtier] saved") == 1 and figures[0]["prefix_file_saves"] == 1
     assert same_as_waiting(engine, path, tmp_path)
 
 
 def test_save_in_loop_saves_again_at_once_when_the_file_on_disk_fails_its_check(tmp_path, capsys) -> None:
     """A file damaged in place: the begun save fails in its thread, is dropped, and is made again
-    at once, every block copied (the periodic saves go on)."""
-    from kvtier.serve.prefix_file import save_in_loop
+    at once, every block copied (the periodic saves go on); the metrics count one failure, one save."""
+    from kvtier.serve.prefix_file import save_figures, save_in_loop
 
     engine, path = saved_once(tmp_path)
     engine.generate(prompts(3, 30)[2:], PARAMS)
@@ -278,10 +286,19 @@ def test_save_in_loop_saves_again_at_once_when_the_file_on_disk_fails_its_check(
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert _serving(engine, lambda eng: save_in_loop(eng, path))
+    figures = {}
+
+    async def save(eng):
+        saved = await save_in_loop(eng, path)
+        figures.update(save_figures(eng))
+        return saved
+
+    assert _serving(engine, save)
     err = capsys.readouterr().err
     n = len(engine.block_manager.cached_entries())
     assert "fails its checksum since this server last wrote or read it; saving again at once, copying every block" in err
+    assert (figures["prefix_file_saves"], figures["prefix_file_save_failures"], figures["prefix_file_blocks"]) == (1, 1, n)
+    assert 0 < figures["prefix_file_last_pause_seconds"] < figures["prefix_file_last_save_seconds"]
     assert f"to copy {n} blocks new to the file" in err and same_as_waiting(engine, path, tmp_path)
 
 

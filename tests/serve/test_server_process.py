@@ -56,6 +56,8 @@ from server_support import free_port, metrics, model_name, running_server, settl
      "does not exist; --prefix-cache-read-only reads a prefix cache file saved before"),
     (["--prefix-cache-file", __file__, "--prefix-cache-read-only"], "is not a kvtier prefix cache file"),
     (["--prefix-cache-file", "/", "--prefix-cache-read-only"], "/ is not a regular file"),
+    (["--prefix-cache-file", __file__, "--prefix-cache-read-only", "--tensor-parallel", "3"], "test_server_process.rank1"
+     ".py does not exist, while " + __file__ + " does: the files were saved by a server of another --tensor-parallel"),
 ])
 def test_serve_flags_are_refused_before_the_model_loads(argv, words) -> None:
     port = str(free_port())  # a process of its own, bounded in time: a server that starts is a failure

@@ -165,16 +165,16 @@ class ServerConfig:
         t = self.shutdown_timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < math.inf):
             raise ValueError(f"shutdown_timeout_s must be a number of seconds >= 0 or None, got {t!r}")
+        if not isinstance(self.prefix_cache_read_only, bool):
+            raise ValueError(f"prefix_cache_read_only must be a bool, got {self.prefix_cache_read_only!r}")
         if self.prefix_cache_file is not None:
             if not isinstance(self.prefix_cache_file, str) or not self.prefix_cache_file:
                 raise ValueError(f"prefix_cache_file (--prefix-cache-file) must be a path or None, got "
                                  f"{self.prefix_cache_file!r}")
-            if self.prefix_cache_read_only is True:
+            if self.prefix_cache_read_only:
                 check_read_only_file(self.prefix_cache_file)
             else:  # (a file the server may write when it stops)
                 check_save_path(self.prefix_cache_file, PREFIX_FORMAT)
-        if not isinstance(self.prefix_cache_read_only, bool):
-            raise ValueError(f"prefix_cache_read_only must be a bool, got {self.prefix_cache_read_only!r}")
         if self.prefix_cache_read_only and self.prefix_cache_file is None:
             raise ValueError("--prefix-cache-read-only reads the prefix cache file, and none is given: add "
                              "--prefix-cache-file PATH (prefix_cache_file)")

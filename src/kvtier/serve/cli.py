@@ -163,7 +163,12 @@ def configs_from_args(args: argparse.Namespace):
         # the other ranks' files too, before any rank starts (rank 0's: ServerConfig)
         for rank in range(1, int(os.environ.get("WORLD_SIZE", getattr(args, "tensor_parallel", 1)))):
             if getattr(args, "prefix_cache_read_only", False):
-                check_read_only_file(rank_path(args.prefix_cache_file, rank))
+                mine = rank_path(args.prefix_cache_file, rank)
+                if not os.path.lexists(mine) and os.path.exists(args.prefix_cache_file):
+                    raise ValueError(f"{mine} does not exist, while {args.prefix_cache_file} does: the files were "
+                                     "saved by a server of another --tensor-parallel, and --prefix-cache-read-only "
+                                     "reads every rank's; save them with this --tensor-parallel")
+                check_read_only_file(mine)
             else:
                 check_save_path(rank_path(args.prefix_cache_file, rank), PREFIX_FORMAT)
     keys = getattr(args, "api_keys", None) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])

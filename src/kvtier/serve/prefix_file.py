@@ -211,10 +211,15 @@ def check_read_only_file(path: str | os.PathLike) -> Path:
     """``path`` for ``--prefix-cache-read-only``: a prefix cache file (or a symlink to one) this
     process can read; a ``ValueError`` naming what it is and the fix otherwise."""
     path = Path(path)
-    if not path.exists():
+    try:
+        path.stat()
+    except FileNotFoundError:
         raise ValueError(f"{path} does not exist; --prefix-cache-read-only reads a prefix cache file saved "
                          "before (by kvtier serve --prefix-cache-file): pass its path, or drop the flag to start "
-                         "one")
+                         "one") from None
+    except OSError as e:
+        raise ValueError(f"{path} cannot be inspected ({e}); pass the path of a prefix cache file this user "
+                         "can read") from None
     if not path.is_file():
         raise ValueError(f"{path} is not a regular file; --prefix-cache-read-only reads a prefix cache file")
     if not os.access(path, os.R_OK):
@@ -229,16 +234,16 @@ def load_prefix_file(engine, path: str | os.PathLike, *, read_only: bool = False
     leaves the cache empty with a line saying why (a file of another configuration is then kept
     at the stop; a damaged one is replaced; ``read_only``: the file is never written)."""
     if not os.path.exists(path):
-        print(f"[kvtier] no prefix cache file {path} yet: the cache starts empty and is written there "
-              "when the server saves it", file=sys.stderr, flush=True)
+        then = "(--prefix-cache-read-only: none is written)" if read_only else "and is written there when the server saves it"
+        print(f"[kvtier] no prefix cache file {path} yet: the cache starts empty {then}", file=sys.stderr, flush=True)
         return None
     t0 = time.perf_counter()
     try:
         got = load_prefix_cache(engine, path)
     except PrefixFileMismatch as e:
-        then = ("(--prefix-cache-read-only: the file is left as it is)" if read_only else "and this server will not "
-                "write over the file (pass another --prefix-cache-file to keep its cache too)")
-        print(f"[kvtier] {e}; the prefix cache starts empty, {then}", file=sys.stderr, flush=True)
+        then = (" (--prefix-cache-read-only: the file is left as it is)" if read_only else ", and this server will "
+                "not write over the file (pass another --prefix-cache-file to keep its cache too)")
+        print(f"[kvtier] {e}; the prefix cache starts empty{then}", file=sys.stderr, flush=True)
         return None
     except Exception as e:  # (a file this code did not foresee: never a server that does not start)
         if isinstance(e, _DIST_ERRORS):
@@ -322,16 +327,17 @@ _FIGURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def save_figures(engine) -> dict[str, float]:
-    """The periodic saves of a served :class:`~kvtier.serve.async_engine.AsyncLLMEngine` so far
-    (``prefix_file_saves``, ``prefix_file_save_failures``, and of the last save its ``seconds``,
-    the engine's ``pause`` and the file's ``blocks``); empty without periodic saves."""
+    """The saves :func:`save_in_loop` made of a served :class:`~kvtier.serve.async_engine.AsyncLLMEngine`
+    so far: ``prefix_file_saves`` (those that wrote the file), ``prefix_file_save_failures`` (tries
+    that failed), and of the last save ``prefix_file_last_save_seconds``,
+    ``prefix_file_last_pause_seconds`` and ``prefix_file_blocks``; empty before any."""
     return dict(_FIGURES.get(engine, {}))
 
 
 async def _save_every(engine, path, interval_s: float, stop: asyncio.Event) -> None:
     """Save every ``interval_s`` seconds when a step ran since the last save, until ``stop``; a
     save that fails (or finds the file another configuration's) ends the periodic saves with a line."""
-    _FIGURES[engine] = {"prefix_file_saves": 0, "prefix_file_save_failures": 0}
+    _FIGURES.setdefault(engine, {"prefix_file_saves": 0, "prefix_file_save_failures": 0})  # (shown from the start)
     saved_at = engine.stats["steps"]
     while True:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -382,11 +388,11 @@ async def _save_once(engine, path, again: bool) -> tuple[bool, bool]:
         _not_saved(path, e, "" if save is None or again else "; saving again at once, copying every block")
         _count(engine, "prefix_file_save_failures")
         return False, save is not None
+    if save.unchanged:  # (nothing written: not a save to count)
+        return True, True
     seconds = time.perf_counter() - t0
     _count(engine, "prefix_file_saves", prefix_file_last_save_seconds=seconds,
            prefix_file_last_pause_seconds=save.pause_s, prefix_file_blocks=n)
-    if save.unchanged:
-        return True, True
     if save.waited:
         how = (f", the engine waiting {save.pause_s:.1f} s (copies of the blocks would have taken over "
                f"{CAPTURE_SHARE:.0%} of the host's available memory)")
@@ -398,7 +404,6 @@ async def _save_once(engine, path, again: bool) -> tuple[bool, bool]:
 
 
 def _count(engine, key: str, **last: float) -> None:
-    figures = _FIGURES.get(engine)
-    if figures is not None:  # (periodic saves only)
-        figures[key] += 1
-        figures |= last
+    figures = _FIGURES.setdefault(engine, {"prefix_file_saves": 0, "prefix_file_save_failures": 0})
+    figures[key] += 1
+    figures |= last
