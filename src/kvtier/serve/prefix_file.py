@@ -337,7 +337,7 @@ def save_figures(engine) -> dict[str, float]:
 async def _save_every(engine, path, interval_s: float, stop: asyncio.Event) -> None:
     """Save every ``interval_s`` seconds when a step ran since the last save, until ``stop``; a
     save that fails (or finds the file another configuration's) ends the periodic saves with a line."""
-    _FIGURES.setdefault(engine, {"prefix_file_saves": 0, "prefix_file_save_failures": 0})  # (shown from the start)
+    _figures(engine)  # (the metrics shown from the start)
     saved_at = engine.stats["steps"]
     while True:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -403,7 +403,11 @@ async def _save_once(engine, path, again: bool) -> tuple[bool, bool]:
     return True, True
 
 
+def _figures(engine) -> dict:
+    return _FIGURES.setdefault(engine, {"prefix_file_saves": 0, "prefix_file_save_failures": 0})
+
+
 def _count(engine, key: str, **last: float) -> None:
-    figures = _FIGURES.setdefault(engine, {"prefix_file_saves": 0, "prefix_file_save_failures": 0})
+    figures = _figures(engine)
     figures[key] += 1
     figures |= last
