@@ -174,13 +174,13 @@ def _sound_header(meta: dict, path: Path) -> tuple[dict, int]:
     return saved, n
 
 
-def _chunks(places: list, device: torch.device) -> list[tuple[int, int, list]]:
+def _chunks(places: list, device: torch.device, size: int = CHUNK) -> list[tuple[int, int, list]]:
     """``places`` (row ``i``: ``("pool" | "host", index)``, or ``None`` for a row that goes
     nowhere) as chunks of :data:`CHUNK` rows, made once for every tensor: ``(first row, rows,
     [(where, positions in the chunk, indices)])``, a pool's indices on ``device``."""
     out = []
-    for a in range(0, len(places), CHUNK):
-        part = places[a : a + CHUNK]
+    for a in range(0, len(places), size):
+        part = places[a : a + size]
         moves = []
         for where in ("pool", "host"):
             at = [i for i, p in enumerate(part) if p is not None and p[0] == where]
