@@ -157,20 +157,10 @@ def configs_from_args(args: argparse.Namespace):
         if not getattr(args, "enable_prefix_caching", True):
             raise ValueError("--prefix-cache-file keeps the prefix cache, and --no-prefix-caching turns it off; "
                              "drop one of them")
-        from kvtier.caches.persist import PREFIX_FORMAT, check_save_path
-        from kvtier.serve.prefix_file import check_read_only_file, rank_path
+        from kvtier.serve.prefix_file import check_rank_files
 
-        # the other ranks' files too, before any rank starts (rank 0's: ServerConfig)
-        for rank in range(1, int(os.environ.get("WORLD_SIZE", getattr(args, "tensor_parallel", 1)))):
-            if getattr(args, "prefix_cache_read_only", False):
-                mine = rank_path(args.prefix_cache_file, rank)
-                if not os.path.lexists(mine) and os.path.exists(args.prefix_cache_file):
-                    raise ValueError(f"{mine} does not exist, while {args.prefix_cache_file} does: the files were "
-                                     "saved by a server of another --tensor-parallel, and --prefix-cache-read-only "
-                                     "reads every rank's; save them with this --tensor-parallel")
-                check_read_only_file(mine)
-            else:
-                check_save_path(rank_path(args.prefix_cache_file, rank), PREFIX_FORMAT)
+        world = int(os.environ.get("WORLD_SIZE", getattr(args, "tensor_parallel", 1)))
+        check_rank_files(args.prefix_cache_file, world, read_only=getattr(args, "prefix_cache_read_only", False))
     keys = getattr(args, "api_keys", None) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
     if keys:
         server["api_keys"] = tuple(keys)

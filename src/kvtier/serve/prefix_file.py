@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
-from kvtier.caches.persist import PREFIX_FORMAT, is_cache_file
+from kvtier.caches.persist import PREFIX_FORMAT, check_save_path, is_cache_file
 from kvtier.serve.prefix_format import (
     CHUNK,
     FORMAT_VERSION,
@@ -94,9 +94,9 @@ from kvtier.serve.prefix_save import (
     save_prefix_cache,
 )
 
-__all__ = ["CHUNK", "FORMAT_VERSION", "PrefixFileMismatch", "check_prefix_paths", "check_read_only_file",
-           "engine_lifespan", "fingerprint", "load_prefix_cache", "load_prefix_file", "rank_path", "save_figures", "save_in_loop",
-           "save_prefix_cache", "save_prefix_file"]
+__all__ = ["CHUNK", "FORMAT_VERSION", "PrefixFileMismatch", "check_prefix_paths", "check_rank_files",
+           "check_read_only_file", "engine_lifespan", "fingerprint", "load_prefix_cache", "load_prefix_file",
+           "rank_path", "save_figures", "save_in_loop", "save_prefix_cache", "save_prefix_file"]
 
 
 # -- loading ----------------------------------------------------------------------------------------
@@ -229,6 +229,24 @@ def check_read_only_file(path: str | os.PathLike) -> Path:
     return path
 
 
+def check_rank_files(path: str | os.PathLike, world: int, *, read_only: bool = False) -> None:
+    """The files of ranks 1 .. ``world - 1`` beside ``path``, before any rank starts: each may be
+    written (:func:`~kvtier.caches.persist.check_save_path`), or with ``read_only`` read
+    (:func:`check_read_only_file`; rank files missing beside rank 0's are named as saved at another
+    ``--tensor-parallel``); a ``ValueError`` otherwise. Rank 0's is checked by
+    :class:`~kvtier.serve.api.ServerConfig`."""
+    for rank in range(1, world):
+        mine = rank_path(path, rank)
+        if not read_only:
+            check_save_path(mine, PREFIX_FORMAT)
+            continue
+        if not os.path.lexists(mine) and os.path.exists(path):
+            raise ValueError(f"{mine} does not exist, while {path} does: the files were saved by a server of "
+                             "another --tensor-parallel, and --prefix-cache-read-only reads every rank's; save "
+                             "them with this --tensor-parallel")
+        check_read_only_file(mine)
+
+
 def load_prefix_file(engine, path: str | os.PathLike, *, read_only: bool = False) -> dict[str, int] | None:
     """:func:`load_prefix_cache` for ``kvtier serve``: a missing file or one that cannot be loaded
     leaves the cache empty with a line saying why (a file of another configuration is then kept
@@ -246,12 +264,9 @@ def load_prefix_file(engine, path: str | os.PathLike, *, read_only: bool = False
         print(f"[kvtier] {e}; the prefix cache starts empty{then}", file=sys.stderr, flush=True)
         return None
     except Exception as e:  # (a file this code did not foresee: never a server that does not start)
-        if isinstance(e, _DIST_ERRORS):
-            raise
-        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         then = ("--prefix-cache-read-only: the file is left as it is" if read_only else
                 "the file is replaced when the server saves it")
-        print(f"[kvtier] {why}; the prefix cache starts empty ({then})", file=sys.stderr, flush=True)
+        print(f"[kvtier] {_why(e)}; the prefix cache starts empty ({then})", file=sys.stderr, flush=True)
         return None
     left = f", {got['left_out']} least recently used left out" if got["left_out"] else ""
     print(f"[kvtier] loaded {_blocks(got['blocks'] - got['left_out'])} from {path}{_rank_files(engine, path)} in "
@@ -271,11 +286,16 @@ def _saved_line(engine, path, n: int, seconds: float, how: str = "") -> None:
           f"MiB{' in all' if beside else ''}) in {seconds:.1f} s{how}", file=sys.stderr, flush=True)
 
 
-def _not_saved(path, e: Exception, then: str = "") -> None:
+def _why(e: Exception) -> str:
+    """What a line says of ``e``; the ranks' group errors are raised (a server whose ranks cannot
+    talk stops)."""
     if isinstance(e, _DIST_ERRORS):
         raise e
-    why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-    print(f"[kvtier] the prefix cache was not saved to {path}: {why}{then}", file=sys.stderr, flush=True)
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+
+
+def _not_saved(path, e: Exception, then: str = "") -> None:
+    print(f"[kvtier] the prefix cache was not saved to {path}: {_why(e)}{then}", file=sys.stderr, flush=True)
 
 
 def save_prefix_file(engine, path: str | os.PathLike) -> int | None:

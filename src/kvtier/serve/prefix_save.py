@@ -112,10 +112,11 @@ def _writer() -> concurrent.futures.ThreadPoolExecutor:
     return _WRITER[0]
 
 
-def file_ident(path: Path) -> tuple[int, int, int, int] | None:
-    """``(device, inode, size, modification time in ns)`` of ``path``; ``None`` where it cannot be read."""
+def file_ident(path: Path | int) -> tuple[int, int, int, int] | None:
+    """``(device, inode, size, modification time in ns)`` of ``path`` (or an open descriptor);
+    ``None`` where it cannot be read."""
     try:
-        st = path.stat()
+        st = os.stat(path)
     except OSError:
         return None
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
@@ -144,15 +145,26 @@ def save_prefix_cache(engine, path: str | os.PathLike) -> int:
     written over), when a save begun by :func:`begin_prefix_save` is not finished, or when a
     rank fails to write (every rank writes a temporary file first; all are renamed into place
     only once every rank has written its own)."""
+    started = _start(engine, path)
+    if started is None:
+        return 0  # (an empty cache does not replace a file of blocks)
+    runner, engine_fp, entries = started
+    _run(runner, path, lambda: _everywhere(runner, _write, str(path), engine_fp, entries))
+    return len(entries)
+
+
+def _start(engine, path) -> tuple | None:
+    """``(runner, the engine's fingerprint, the cached entries)`` once every rank's path is checked
+    and the queued copies ran on every rank; ``None`` when nothing is cached."""
     runner, bm = _runner_of(engine), engine.block_manager
     engine_fp = _engine_fingerprint(engine)
     _everywhere(runner, _check_path, str(path), engine_fp)
     if not bm.num_cached_blocks and not bm.host_figures()["host_cached_blocks"]:
-        return 0  # (an empty cache does not replace a file of blocks)
+        return None
     copies = bm.take_copies()  # saves to the host and loads the books count as done, but not yet run
     entries = bm.cached_entries()
-    _run(runner, path, lambda: _everywhere(runner, _write, str(path), engine_fp, copies, entries))
-    return len(entries)
+    _everywhere(runner, _apply, copies)  # (at once: before anything else can fail)
+    return runner, engine_fp, entries
 
 
 def _run(runner, path, write: Callable[[], object]) -> None:
@@ -198,12 +210,16 @@ def _check_path(runner, rank: int, world: int, path: str, engine_fp: dict) -> No
                          "another path, or delete the file first")
 
 
-def _ready(runner, copies) -> list[torch.Tensor]:
-    """The pool's tensors once the queued ``copies`` ran (the host's slots are read next)."""
+def _apply(runner, rank: int, world: int, copies) -> None:
+    """The queued ``copies`` run, and every save to the host landed (the host's slots are read next)."""
     if copies:
         runner.host.apply(copies)
     if runner.host is not None and runner.host.cuda:
-        torch.cuda.synchronize(runner.host.device)  # every save to the host landed
+        torch.cuda.synchronize(runner.host.device)
+
+
+def _named_pool(runner) -> list[torch.Tensor]:
+    """The pool's tensors, each of a dtype safetensors names."""
     pool = _pool(runner)
     missing = sorted({str(t.dtype) for t in pool if t.dtype not in _NAMES})
     if missing:
@@ -264,11 +280,10 @@ def _write_file(target: Path, head: bytes, hashes: np.ndarray, n: int,
     return crcs[1:]
 
 
-def _write(runner, rank: int, world: int, path: str, engine_fp: dict, copies, entries) -> None:
-    """This rank's share of ``entries`` (``(hash, "pool" | "host", index)``), after the queued
-    ``copies``, gathered from the pool and the host here, in its temporary file (:func:`_commit`
-    renames it into place)."""
-    pool = _ready(runner, copies)
+def _write(runner, rank: int, world: int, path: str, engine_fp: dict, entries) -> None:
+    """This rank's share of ``entries`` (``(hash, "pool" | "host", index)``), gathered from the pool
+    and the host here, in its temporary file (:func:`_commit` renames it into place)."""
+    pool = _named_pool(runner)
     target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
     head, offsets = _header(runner, rank, world, engine_fp, pool, len(entries))
     chunks = _chunks([(w, i) for _, w, i in entries], runner.device)
@@ -387,20 +402,16 @@ def begin_prefix_save(engine, path: str | os.PathLike) -> PrefixSave | None:
     steps, copy the blocks the file does not hold yet and start a thread writing the new file;
     ``None`` when nothing is cached (the files are left as they are). The same refusals as
     :func:`save_prefix_cache`, before anything is copied."""
-    runner, bm = _runner_of(engine), engine.block_manager
-    engine_fp = _engine_fingerprint(engine)
-    _everywhere(runner, _check_path, str(path), engine_fp)
-    if not bm.num_cached_blocks and not bm.host_figures()["host_cached_blocks"]:
-        return None
     t0 = time.perf_counter()
-    copies = bm.take_copies()
-    entries = bm.cached_entries()
-    _everywhere(runner, _apply, copies)  # (the books count them as run: before anything else can fail)
+    started = _start(engine, path)
+    if started is None:
+        return None
+    runner, engine_fp, entries = started
     plans = _everywhere(runner, _plan, str(path), entries)  # (bytes to copy, file unchanged) by rank
     if all(same for _, same in plans):
         return PrefixSave(engine, str(path), len(entries), 0, 0, time.perf_counter() - t0, unchanged=True, done=True)
     if max(need for need, _ in plans) > host_budget() // len(plans):  # (the ranks share the host)
-        _run(runner, path, lambda: _everywhere(runner, _write, str(path), engine_fp, [], entries))
+        _run(runner, path, lambda: _everywhere(runner, _write, str(path), engine_fp, entries))
         return PrefixSave(engine, str(path), len(entries), len(entries), 0, time.perf_counter() - t0,
                           waited=True, done=True)
     try:
@@ -448,14 +459,10 @@ def _plan(runner, rank: int, world: int, path: str, entries) -> tuple[int, bool]
     return int((rows < 0).sum()) * row, same
 
 
-def _apply(runner, rank: int, world: int, copies) -> None:
-    _ready(runner, copies)
-
-
 def _begin(runner, rank: int, world: int, path: str, engine_fp: dict, entries):
     """This rank's blocks new to its file copied to host memory and a thread writing the file;
     ``(blocks copied, bytes)``."""
-    pool = _ready(runner, [])
+    pool = _named_pool(runner)
     target = check_save_path(rank_path(path, rank), PREFIX_FORMAT)
     rows, disk = _rows(runner, target, entries)
     new = [entries[i] for i in np.flatnonzero(rows < 0)]
@@ -515,8 +522,7 @@ def _old_file(target: Path, disk: _OnDisk | None):
         yield None
         return
     with io.FileIO(target, "rb") as f:
-        st = os.fstat(f.fileno())
-        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != disk.ident:
+        if file_ident(f.fileno()) != disk.ident:
             raise StaleFile(f"{target} changed since this server last wrote or read it")
         n = len(disk.rows)
 
