@@ -16,7 +16,7 @@ from test_loading import hf_tiny, write_gguf
 from kvtier import cli
 from kvtier.model import load_model
 from kvtier.model.architectures import get_args
-from kvtier.model.llama import ModelArgs, Transformer
+from kvtier.model.llama import Transformer
 from kvtier.model.weights import args_from_hf_config, expected_shapes
 
 gguf = pytest.importorskip("gguf")
@@ -242,11 +242,17 @@ def test_a_gguf_of_linear_scaling_still_loads_it(tmp_path, hf):
     assert lm.args.rope_scaling == {"rope_type": "linear", "factor": 4.0}
 
 
-def test_a_gguf_sliding_window_is_named_as_not_applied(tmp_path, hf):
-    path = gguf_with(tmp_path, hf, window=8)  # before: dropped without a word (the folder warned)
-    with pytest.warns(UserWarning, match=r"llama sliding_window=8 \(llama.attention.sliding_window\) is not "
-                                         "applied: attention sees the whole context"):
-        load_model(path, device="cpu", progress=False, pack=False)
+def test_a_gguf_sliding_window_is_applied_in_every_layer(tmp_path, hf):
+    (tmp_path / "w").mkdir()
+    windowed = load_model(gguf_with(tmp_path / "w", hf, window=8), device="cpu", progress=False, pack=False)
+    plain = load_model(write_gguf(tmp_path / "p.gguf", hf, "llama"), device="cpu", progress=False, pack=False)
+    assert (windowed.args.sliding_window, windowed.args.sliding_layers) == (8, None)
+    assert plain.args.sliding_window is None
+    ids = torch.tensor([list(range(3, 23))])
+    with torch.no_grad():
+        a, b = (lm.model(ids, lm.model.make_caches())[0] for lm in (windowed, plain))
+    assert torch.equal(a[:8], b[:8])  # positions 0-7 see every key either way
+    assert (a[8:] - b[8:]).abs().amax(-1).min() > 1e-3  # each later one lost its oldest keys
 
 
 def test_a_tied_config_beside_a_head_of_its_own_uses_the_head_as_transformers_does(tmp_path):
@@ -348,7 +354,6 @@ BASE = {"hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 32, 
         "vocab_size": 100}
 
 
-@pytest.mark.filterwarnings("ignore:mistral sliding_window")
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
 def test_keys_a_config_leaves_out_take_transformers_defaults(model_type):
     from transformers import AutoConfig
@@ -358,14 +363,31 @@ def test_keys_a_config_leaves_out_take_transformers_defaults(model_type):
     assert ours.n_kv_heads == theirs.num_key_value_heads
     assert ours.head_dim == (getattr(theirs, "head_dim", None) or 1024 // 32)
     assert ours.max_position_embeddings == theirs.max_position_embeddings
+    assert ours.sliding_window == getattr(theirs, "sliding_window", None)  # Mistral's 4096; none by default else
 
 
-@pytest.mark.parametrize("max_window_layers, warned", [(2, False), (1, True)])
-def test_a_qwen2_window_no_layer_uses_is_not_warned_of(max_window_layers, warned, recwarn):
-    cfg = {"model_type": "qwen2", **BASE, "num_key_value_heads": 8, "use_sliding_window": True,
-           "sliding_window": 16, "max_window_layers": max_window_layers, "max_position_embeddings": 64}
-    assert isinstance(args_from_hf_config(cfg), ModelArgs)
-    assert any("sliding_window=16 is not applied" in str(w.message) for w in recwarn) == warned
+@pytest.mark.parametrize("model_type, extra", [
+    ("mistral", {"sliding_window": 16}), ("mistral", {"sliding_window": None}),
+    ("mistral", {"sliding_window": 16, "layer_types": ["full_attention", "full_attention"]}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}),
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 16, "max_window_layers": 0}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 16,
+               "layer_types": ["sliding_attention", "full_attention"]}),
+    ("llama", {"sliding_window": 16}),
+])
+def test_a_config_window_reaches_the_layers_transformers_applies_it_to(model_type, extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {"model_type": model_type, **BASE, "num_key_value_heads": 8, **extra}
+    ours = args_from_hf_config(cfg)
+    theirs = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device("meta"):  # each attention layer's own window, as transformers built it
+        layers = AutoModelForCausalLM.from_config(theirs).model.layers
+    # (Mistral's layers read the config's at each call; Llama's have none)
+    want = [theirs.sliding_window if model_type == "mistral" else getattr(ly.self_attn, "sliding_window", None)
+            for ly in layers]
+    assert [ours.window_of(i) for i in range(2)] == want
 
 
 def test_generate_on_a_model_of_short_context_fits_the_block_tier_to_it(tmp_path, hf, capsys):

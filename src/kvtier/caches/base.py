@@ -73,6 +73,7 @@ from kvtier.caches.checks import ConcurrentCacheUse as ConcurrentCacheUse
 from kvtier.caches.checks import check_kv as check_kv  # re-exported: the tiers' one import
 from kvtier.caches.checks import check_queries as check_queries
 from kvtier.caches.checks import check_trim
+from kvtier.caches.checks import check_window as check_window
 from kvtier.caches.checks import exclusive as exclusive
 
 
@@ -215,8 +216,10 @@ class KVCache(ABC):
         return self.fetch()
 
     @abstractmethod
-    def attention(self, queries: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-        """Causal attention ``[B, H_q, T, D]`` of the ``T`` newest positions' queries."""
+    def attention(self, queries: torch.Tensor, *, scale: float | None = None,
+                  window: int | None = None) -> torch.Tensor:
+        """Causal attention ``[B, H_q, T, D]`` of the ``T`` newest positions' queries; with a
+        sliding ``window`` each query sees only the ``window`` newest keys up to its own."""
 
     # -- bookkeeping ----------------------------------------------------------
     @property

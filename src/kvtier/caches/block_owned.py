@@ -20,6 +20,7 @@ from kvtier.caches.base import (
     allocating,
     check_kv,
     check_queries,
+    check_window,
     exclusive,
     tensor_nbytes,
 )
@@ -31,7 +32,7 @@ from kvtier.caches.state_checks import (
     restore_slack,
 )
 from kvtier.caches.tail_owned import check_query_rows, live_kv
-from kvtier.kernels.reference import OnlineSoftmax, causal_mask, partial_attention
+from kvtier.kernels.reference import OnlineSoftmax, causal_mask, partial_attention, window_start
 
 
 class BlockOwnedKVCache(ScalarKVCache):
@@ -123,23 +124,33 @@ class BlockOwnedKVCache(ScalarKVCache):
             torch.cat([v for _, _, v in slices], dim=2),
         )
 
-    def attention(self, queries: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    def attention(self, queries: torch.Tensor, *, scale: float | None = None,
+                  window: int | None = None) -> torch.Tensor:
         """Causal attention ``[B, H_q, T, D]`` (dtype of ``queries``) of the ``T`` newest
-        positions, one block at a time, merged with an online softmax (no concatenation)."""
+        positions, one block at a time, merged with an online softmax (no concatenation); with
+        a sliding ``window``, each query over the ``window`` newest keys up to its own (blocks
+        before every query's window are not read)."""
         if not self.key_blocks:
             raise ValueError("attention() on an empty cache; call update() first")
         kb = self.key_blocks[0]  # (B, H_kv, block_size, D)
         scale = check_queries(queries, kb.shape[1], kb.shape[3], kb.dtype, scale)
+        window = check_window(window)
         check_query_rows(queries, kb.shape[0], self._offset)
         B, _, T, _ = queries.shape
         q_start = self._offset - T
+        first = window_start(q_start, window)  # keys before it: out of every query's window
+        # keys from here on are in every query's window (the last query's starts latest)
+        in_all = 0 if window is None else q_start + T - window
         acc = OnlineSoftmax()
         for start, k, v in self.active_block_slices():
             n = k.shape[2]
-            # blocks that end at or before the first query are fully visible: no mask
+            if start + n <= first:
+                continue  # out of every query's window
+            # blocks that end at or before the first query and start in every query's window
+            # are fully visible: no mask
             mask = None
-            if start + n - 1 > q_start:
-                mask = causal_mask(B, T, n, q_start, key_start=start, device=queries.device)
+            if start + n - 1 > q_start or start < in_all:
+                mask = causal_mask(B, T, n, q_start, key_start=start, device=queries.device, window=window)
             acc.add(*partial_attention(queries, k, v, mask, scale))
         return acc.result(queries.dtype)
 

@@ -185,6 +185,15 @@ def check_queries(
     return check_scale(scale, queries.dtype)
 
 
+def check_window(window: Any, longest: int | None = None) -> int | None:
+    """``window`` (the keys a query sees through a sliding window, its own included) checked: a
+    positive int or ``None`` (every key). ``None`` too where no row is ``longest`` tokens (a
+    host bound) is longer: then every query sees all its keys."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"window must be a positive int (the keys a query sees) or None, got {window!r}")
+    return None if longest is not None and window is not None and longest <= window else window
+
+
 def check_trim(n: int) -> int:
     """``n`` for ``trim(n)``: an int >= 0."""
     if isinstance(n, bool) or not isinstance(n, int):

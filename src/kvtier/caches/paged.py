@@ -56,6 +56,7 @@ from kvtier.caches.base import (
     check_kv,
     check_queries,
     check_trim,
+    check_window,
     exclusive,
     fetch_taken,
 )
@@ -119,10 +120,8 @@ class PagedKVCache(RowKVCache):
         check_kv_quant(kv_quant)
         check_turboquant(turboquant)
         if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend {attention_backend!r} is unknown; accepted: "
-                f"{', '.join(ATTENTION_BACKENDS)}"
-            )
+            raise ValueError(f"attention_backend {attention_backend!r} is unknown; accepted: "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
         self.dynamic, self.context_window_tokens = dynamic, context_window_tokens
         self.kv_quant, self.turboquant = kv_quant, turboquant
         self.attention_backend = attention_backend
@@ -351,9 +350,8 @@ class PagedKVCache(RowKVCache):
             gather_rows(p.value_cache, p.v_sidecars, p.block_tables, lengths, n, codec=self.codecs.v_codec),
         )
 
-    def attention(
-        self, queries: torch.Tensor, *, scale: float | None = None, q_start: RowsArg = None
-    ) -> torch.Tensor:
+    def attention(self, queries: torch.Tensor, *, scale: float | None = None, q_start: RowsArg = None,
+                  window: int | None = None) -> torch.Tensor:
         """Causal attention ``[B, H_q, T, D]`` of ``queries`` ``[B, H_q, T, D]`` over each row's pages.
 
         Query ``i`` of row ``r`` sits at ``q_start[r] + i`` (default: the
@@ -362,11 +360,13 @@ class PagedKVCache(RowKVCache):
         places them, and 0 for a shorter row) and sees the row's committed keys
         ``j <= q_start[r] + i``, ``j < offset[r]``. Rows that see nothing
         (released rows) return zeros. After a planned update the positions,
-        lengths and block table are the plan's device tensors (no host work).
+        lengths and block table are the plan's device tensors (no host work). A sliding ``window``:
+        keys ``j > q_start[r] + i - window`` only (the reference's, once a row is longer).
         """
         self._require_storage("attention()")
         k_codec = self.codecs.k_codec
         scale = check_queries(queries, self.pool.key_cache.shape[2], k_codec.head_dim, k_codec.dtype, scale)
+        window = check_window(window, max(self._lengths, default=0))
         if queries.shape[0] != self.batch_size or queries.device != self._device:
             raise ValueError(
                 f"queries batch {queries.shape[0]} on {queries.device} must match the cache's "
@@ -390,7 +390,7 @@ class PagedKVCache(RowKVCache):
         return paged_attention(
             self.dispatch, queries, p.key_cache, p.value_cache, tables, q_start_t, kv_len,
             k_codec=self.codecs.k_codec, v_codec=self.codecs.v_codec,
-            k_sidecars=p.k_sidecars, v_sidecars=p.v_sidecars, scale=scale,
+            k_sidecars=p.k_sidecars, v_sidecars=p.v_sidecars, scale=scale, window=window,
         )
 
     # -- lengths and rows ----------------------------------------------------------------------

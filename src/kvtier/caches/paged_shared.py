@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.caches.base import check_kv, check_queries
+from kvtier.caches.base import check_kv, check_queries, check_window
 from kvtier.caches.paged import PagedKVCache
 from kvtier.caches.paged_pool import PagedKVGrowthRefused, RowsArg, rows_arg
 from kvtier.caches.step_plan import StepPlan
@@ -316,15 +316,16 @@ class SharedBlockPagedKVCache(PagedKVCache):
         self._packed = plan
 
     def attention(self, queries: torch.Tensor, *, scale: float | None = None,
-                  q_start: RowsArg = None) -> torch.Tensor:
+                  q_start: RowsArg = None, window: int | None = None) -> torch.Tensor:
         """:meth:`PagedKVCache.attention`; after a packed write, ``queries`` ``[1, H_q, N, D]``
         are the rows' chunks side by side and so is the result."""
         p = self._packed
         if p is None or q_start is not None:
-            return super().attention(queries, scale=scale, q_start=q_start)
+            return super().attention(queries, scale=scale, q_start=q_start, window=window)
         codecs = self.codecs
         scale = check_queries(queries, self.pool.key_cache.shape[2], codecs.k_codec.head_dim,
                               codecs.k_codec.dtype, scale)
+        window = check_window(window, max(self._lengths, default=0))
         if queries.shape[0] != 1 or queries.shape[2] != p.total:
             raise ValueError(f"after a packed write, queries must be [1, H_q, {p.total}, D], got "
                              f"{tuple(queries.shape)}")
@@ -333,6 +334,7 @@ class SharedBlockPagedKVCache(PagedKVCache):
             self.dispatch, queries, pool.key_cache, pool.value_cache, p.block_tables, p.write_start,
             p.new_offsets, q_offsets=p.q_offsets, max_q_len=p.width, single_rows=p.singles, k_codec=codecs.k_codec,
             v_codec=codecs.v_codec, k_sidecars=pool.k_sidecars, v_sidecars=pool.v_sidecars, scale=scale,
+            window=window,
         )  # (1, H_q, N, D)
 
     def _owned_elsewhere(self, what: str):

@@ -30,6 +30,7 @@ from kvtier.caches.base import (
     check_kv,
     check_queries,
     check_trim,
+    check_window,
     exclusive,
     fetch_taken,
     tensor_nbytes,
@@ -289,16 +290,18 @@ class RaggedBatchKVCache(RowKVCache):
         return query_starts(q_start, self.batch_size, self._offsets.device)
 
     def attention(self, queries: torch.Tensor, *, scale: float | None = None,
-                  q_start: Any = None) -> torch.Tensor:
+                  q_start: Any = None, window: int | None = None) -> torch.Tensor:
         """Attention ``[B, H_q, T, D]`` of ``queries`` ``[B, H_q, T, D]``: query ``i`` of row ``b``
         sees keys ``j <= q_start[b] + i``, ``j < offset[b]`` of its own row (:meth:`make_mask`;
-        padding is masked, not zeroed). Keys are cut at the host bound, or kept whole
+        padding is masked, not zeroed), with a sliding ``window`` only ``j > q_start[b] + i -
+        window``. Keys are cut at the host bound, or kept whole
         when frozen (static shapes). One-token queries go through the Triton decode kernel
         when the backend resolves to it (per-row lengths, no mask; see
-        :class:`~kvtier.kernels.dispatch.KernelDispatch`)."""
+        :class:`~kvtier.kernels.dispatch.KernelDispatch`) while no row is longer than the window."""
         if self.keys is None:
             raise ValueError("attention() on an empty cache; call update() first")
         scale = check_queries(queries, self.keys.shape[1], self.keys.shape[3], self.keys.dtype, scale)
+        window = check_window(window, self._live())  # (the host bound)
         if queries.shape[0] != self.batch_size:
             raise ValueError(f"queries batch {queries.shape[0]} differs from the cache's {self.batch_size}")
         S = self.capacity if self._frozen else self._live()
@@ -306,7 +309,7 @@ class RaggedBatchKVCache(RowKVCache):
         plan = self._plan if q_start is None else None  # a planned step: its lengths are the keys seen
         known = plan.new_offsets if plan is not None and plan.valid else None
         return ragged_attention(self.dispatch, queries, self.keys[:, :, :S], self.values[:, :, :S], qs,
-                                self._offsets, scale=scale, decode_len=known)
+                                self._offsets, scale=scale, decode_len=known, window=window)
 
     # -- capacity -------------------------------------------------------------------------------
     @exclusive

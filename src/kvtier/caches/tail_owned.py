@@ -19,6 +19,7 @@ from kvtier.caches.base import (
     allocating,
     check_kv,
     check_queries,
+    check_window,
     exclusive,
     fetch_taken,
     tensor_nbytes,
@@ -31,7 +32,7 @@ from kvtier.caches.state_checks import (
     read_meta_ints,
     restore_slack,
 )
-from kvtier.kernels.reference import causal_attention
+from kvtier.kernels.reference import causal_attention, window_start
 
 
 def live_kv(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -186,16 +187,20 @@ class TailOwnedKVCache(ScalarKVCache):
             raise ValueError("the cache is empty; call update() first")
         return self.keys[:, :, : self._offset], self.values[:, :, : self._offset]
 
-    def attention(self, queries: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-        """Causal attention ``[B, H_q, T, D]`` of the ``T`` newest positions over the buffer."""
+    def attention(self, queries: torch.Tensor, *, scale: float | None = None,
+                  window: int | None = None) -> torch.Tensor:
+        """Causal attention ``[B, H_q, T, D]`` of the ``T`` newest positions over the buffer
+        (each over the ``window`` newest keys up to its own, with a sliding ``window``)."""
         if self.keys is None:
             raise ValueError("attention() on an empty cache; call update() first")
         scale = check_queries(queries, self.keys.shape[1], self.keys.shape[3], self.dtype, scale)
+        window = check_window(window)
         check_query_rows(queries, self.keys.shape[0], self._offset)
-        k, v = self.fetch()
+        first = window_start(self._offset - queries.shape[2], window)  # keys before it: out of every window
+        k, v = self.keys[:, :, first : self._offset], self.values[:, :, first : self._offset]
         if k.dtype != queries.dtype:  # stored narrower (kv_dtype): read back in the queries' dtype
             k, v = k.to(queries.dtype), v.to(queries.dtype)
-        return causal_attention(queries, k, v, scale=scale)
+        return causal_attention(queries, k, v, scale=scale, window=window)
 
     # -- bookkeeping --------------------------------------------------------------
     @property

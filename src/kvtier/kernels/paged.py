@@ -184,6 +184,7 @@ def paged_attention_reference(
     v_sidecars: dict[str, torch.Tensor],
     scale: float | None = None,
     chunk_tokens: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` over each row's pages, ``[B, H_q, T, D]`` in ``q.dtype``.
 
@@ -201,10 +202,15 @@ def paged_attention_reference(
     chunk that every query sees whole gets no mask; rows of different lengths or
     starts, each within the byte budget, are attended row by row over their own keys
     (causal from empty, unmasked for a decode step, masked otherwise).
+
+    ``window``: query ``i`` of row ``b`` sees only keys ``j > q_start[b] + i - window`` too (a
+    sliding window); the blocks before a row's first query's window are not read.
     """
     _check_attention_args(q, key_pages, value_pages, block_tables, q_start, kv_len)
     B, Hq, T, D = q.shape
     bs = key_pages.shape[1]
+    if window is not None:
+        block_tables, q_start, kv_len = _skip_unseen_blocks(block_tables, q_start, kv_len, window, bs)
     max_len = int(kv_len.max()) if B else 0
     if max_len <= 0:
         return q.new_zeros(B, Hq, T, D)
@@ -227,14 +233,16 @@ def paged_attention_reference(
     if (cpu and B > 1 and max_len <= row_tokens
             and (shortest < max_len or bool((q_start != q_start[0]).any()))):
         return _attend_rows(q, key_pages, value_pages, block_tables, q_start, kv_len, k_codec=k_codec,
-                            v_codec=v_codec, k_sidecars=k_sidecars, v_sidecars=v_sidecars, scale=scale)
+                            v_codec=v_codec, k_sidecars=k_sidecars, v_sidecars=v_sidecars, scale=scale,
+                            window=window)
     first = consecutive_blocks(block_tables[:, :total])  # None on CUDA and for several rows
     if first is not None and k_codec.lossless and v_codec.lossless:
         per_chunk = total  # the keys are read as a view: one chunk copies nothing
     # On the CPU the bounds are cheap host reads: a chunk every query sees whole needs no mask.
-    sees_all = min(int(q_start.min()) + 1, shortest) if cpu else 0
+    sees_all = min(int(q_start.min()) + 1, shortest) if cpu and window is None else 0
     # a prefill from empty (every row's T queries are its keys 0..T-1): plain causal SDPA
-    from_empty = cpu and per_chunk >= total and shortest == max_len == T and int(q_start.max()) == 0
+    from_empty = (cpu and window is None and per_chunk >= total and shortest == max_len == T
+                  and int(q_start.max()) == 0)
     partial = fused_partial_attention if cpu and _FUSED_CPU is not None else partial_attention
     acc = OnlineSoftmax()
     for b0 in range(0, total, per_chunk):
@@ -248,15 +256,27 @@ def paged_attention_reference(
             return precision.sdpa(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
                                   enable_gqa=Hq > k.shape[1])
         mask = (None if b0 * bs + end <= sees_all
-                else causal_mask(B, T, end, q_start, kv_len, key_start=b0 * bs, device=q.device))
+                else causal_mask(B, T, end, q_start, kv_len, key_start=b0 * bs, device=q.device, window=window))
         if per_chunk >= total:  # one chunk: nothing to merge, so SDPA needs no log-sum-exp
             return masked_attention(q, k, v, mask, scale).to(q.dtype)
         acc.add(*partial(q, k, v, mask, scale))
     return acc.result(q.dtype)
 
 
+def _skip_unseen_blocks(block_tables: torch.Tensor, q_start: torch.Tensor, kv_len: torch.Tensor, window: int,
+                       bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's block table, first query and length from its first block that a query's sliding
+    ``window`` reaches: the blocks before hold no key any of its queries sees. Positions move by
+    whole blocks, so every query keeps its distance to every key (the mask is unchanged)."""
+    skip = (q_start - window + 1).clamp(min=0) // bs  # (B,) blocks out of every query's window
+    width = block_tables.shape[1]
+    cols = (torch.arange(width, device=block_tables.device) + skip[:, None].to(block_tables.device)).clamp(max=width - 1)
+    moved = skip.to(q_start.dtype) * bs
+    return block_tables.gather(1, cols), q_start - moved, (kv_len - moved.to(kv_len.dtype)).clamp(min=0)
+
+
 def _attend_rows(q, key_pages, value_pages, block_tables, q_start, kv_len, *, k_codec, v_codec,
-                 k_sidecars, v_sidecars, scale) -> torch.Tensor:
+                 k_sidecars, v_sidecars, scale, window=None) -> torch.Tensor:
     """:func:`paged_attention_reference` one row at a time (CPU): each row's own blocks,
     gathered to its length (a view where they are consecutive), through SDPA: causal
     for a prompt from empty, unmasked where every query sees the whole row (a decode
@@ -276,7 +296,10 @@ def _attend_rows(q, key_pages, value_pages, block_tables, q_start, kv_len, *, k_
         k = gather_pages(key_pages, k_sidecars, ids, codec=k_codec, first_block=at)[:, :, :n]
         v = gather_pages(value_pages, v_sidecars, ids, codec=v_codec, first_block=at)[:, :, :n]
         qb = q[b : b + 1].to(k.dtype)  # (1, H_q, T, D)
-        if start + 1 >= n:  # every query sees the whole row (a decode step)
+        if window is not None and start + T > window:  # a sliding window cuts the last query's keys
+            mask = causal_mask(1, T, n, start, n, device=q.device, window=window)
+            out[b : b + 1] = masked_attention(qb, k, v, mask, scale).to(q.dtype)
+        elif start + 1 >= n:  # every query sees the whole row (a decode step)
             out[b : b + 1] = sdpa(qb, k, v).to(q.dtype)
         elif start == 0 and n <= T:  # a prompt from empty: causal over its n queries, and
             out[b : b + 1, :, :n] = sdpa(qb[:, :, :n], k, v, is_causal=True).to(q.dtype)
@@ -398,8 +421,12 @@ def paged_attention(
     """:func:`paged_attention_reference` (arguments, without ``chunk_tokens``, and result
     ``[B, H_q, T, D]``) through ``dispatch``: Triton's ``paged_attention_triton`` where it
     serves, on the CPU the C decode kernel (:func:`~kvtier.kernels.cpu_attention.paged_decode_cpu`)
-    for the calls it covers."""
+    for the calls it covers; the reference serves a sliding ``window`` (the kernels read every key
+    up to a query's)."""
     args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
+    if kw.get("window") is not None:
+        return dispatch.serve("attention", q.device, None, lambda: paged_attention_reference(*args, **kw))
+    kw.pop("window", None)
     return dispatch.serve(
         "attention", q.device,
         lambda: _import_triton().paged_attention_triton(*args, **kw),
@@ -458,6 +485,10 @@ def paged_attention_packed(
     ``paged_attention_triton`` reads the packed queries in place (no padding), the first
     ``single_rows`` rows (one query each, tokens ``0 .. single_rows - 1``) as a decode launch."""
     args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
+    if kw.get("window") is not None:  # (as paged_attention)
+        return dispatch.serve("attention", q.device, None, lambda: paged_attention_packed_reference(
+            *args, q_offsets=q_offsets, max_q_len=max_q_len, **kw))
+    kw.pop("window", None)
     return dispatch.serve(
         "attention", q.device,
         lambda: _import_triton().paged_attention_triton(*args, q_offsets=q_offsets, max_q_len=max_q_len,

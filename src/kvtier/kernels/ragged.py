@@ -45,12 +45,14 @@ def ragged_attention_reference(
     kv_len: torch.Tensor,
     *,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention ``[B, H_q, T, D]`` of ``q`` ``[B, H_q, T, D]`` over ``keys``/``values``
     ``[B, H_kv, S, D]``; ``q_start``, ``kv_len`` integer ``[B]`` on ``q``'s device.
-    Queries that see no key return zeros."""
+    ``window``: each query sees only the ``window`` newest keys up to its own. Queries that
+    see no key return zeros."""
     B, _, T, _ = q.shape
-    mask = causal_mask(B, T, keys.shape[2], q_start, kv_len, device=q.device)  # (B, 1, T, S)
+    mask = causal_mask(B, T, keys.shape[2], q_start, kv_len, device=q.device, window=window)  # (B, 1, T, S)
     return causal_attention(q, keys, values, mask=mask, scale=scale)
 
 
@@ -64,8 +66,10 @@ def ragged_attention(
     *,
     scale: float | None = None,
     decode_len: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """:func:`ragged_attention_reference` through ``dispatch``; one-token queries go to the kernel.
+    """:func:`ragged_attention_reference` through ``dispatch``; one-token queries go to the kernel
+    (the reference serves a sliding ``window``).
 
     ``decode_len`` (integer ``[B]``): the keys each row's single query sees, when
     the caller knows it (a planned decode step: ``kv_len``); by default
@@ -81,7 +85,7 @@ def ragged_attention(
 
     return dispatch.serve(
         "attention", q.device,
-        decode_kernel if q.shape[2] == 1 else None,
-        lambda: ragged_attention_reference(q, keys, values, q_start, kv_len, scale=scale),
+        decode_kernel if q.shape[2] == 1 and window is None else None,
+        lambda: ragged_attention_reference(q, keys, values, q_start, kv_len, scale=scale, window=window),
     )
 

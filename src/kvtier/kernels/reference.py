@@ -32,20 +32,30 @@ def causal_mask(
     *,
     key_start: int = 0,
     device: torch.device | str = "cpu",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Boolean visibility mask ``[B, 1, q_len, key_len]`` (True = visible).
 
-    Key column ``c`` is absolute position ``key_start + c``.
+    Key column ``c`` is absolute position ``key_start + c``. ``window``: a query at ``p`` sees
+    only the keys after ``p - window`` (a sliding window of ``window`` keys, its own included).
     """
     device = torch.device(device)
     qs = _as_rows(q_start, batch, device)  # (B,)
     qpos = qs[:, None] + torch.arange(q_len, device=device)  # (B, T)
     kpos = key_start + torch.arange(key_len, device=device)  # (S,)
     mask = kpos[None, None, :] <= qpos[:, :, None]  # (B, T, S)
+    if window is not None:
+        mask = mask & (kpos[None, None, :] > qpos[:, :, None] - window)
     if kv_len is not None:
         kl = _as_rows(kv_len, batch, device)
         mask = mask & (kpos[None, None, :] < kl[:, None, None])
     return mask[:, None]  # (B, 1, T, S)
+
+
+def window_start(first_query: int, window: int | None) -> int:
+    """The first key position that a query at ``first_query`` or later can see through a sliding
+    ``window`` (0 without one): keys before it may be left out of the call."""
+    return 0 if window is None else max(0, first_query - window + 1)
 
 
 def zero_unseen(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -64,18 +74,23 @@ def causal_attention(
     kv_len: int | torch.Tensor | None = None,
     scale: float | None = None,
     mask: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention ``[B, H_q, T, D]`` through PyTorch SDPA.
 
     ``q``: ``[B, H_q, T, D]``; ``k``/``v``: ``[B, H_kv, S, D]``. ``q_start``
     defaults to ``S - T`` (the queries are the newest positions). A boolean
-    ``mask`` ``[B, 1, T, S]`` replaces the positional one when given. Rows whose
-    queries see no key return zeros.
+    ``mask`` ``[B, 1, T, S]`` replaces the positional one when given. ``window``: each
+    query sees only the ``window`` newest keys up to its own (:func:`causal_mask`). Rows
+    whose queries see no key return zeros.
     """
     B, Hq, T, D = q.shape
     S, Hkv = k.shape[2], k.shape[1]
     G = Hq // Hkv
     sdpa = precision.sdpa  # (in a bfloat16 prefill, a prompt's queries in bfloat16)
+    if window is not None and mask is None and (q_start is not None or kv_len is not None or window < S):
+        mask = causal_mask(B, T, S, S - T if q_start is None else q_start, kv_len, device=q.device,
+                           window=window)
     newest = mask is None and kv_len is None and (q_start is None or (
         not isinstance(q_start, torch.Tensor) and q_start == S - T))
     if newest and T == 1:

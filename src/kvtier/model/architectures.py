@@ -92,9 +92,14 @@ def get_args(name: str, *, n_layers: int | None = None) -> ModelArgs:
             f"architecture {name!r} is unknown; accepted: {', '.join(ARCHITECTURES)}"
         )
     args = ARCHITECTURES[name]
-    if n_layers is not None:
-        args = ModelArgs.from_dict({**args.to_dict(), "n_layers": n_layers})
-    return args
+    return args if n_layers is None else with_layers(args, n_layers)
+
+
+def with_layers(args: ModelArgs, n_layers: int) -> ModelArgs:
+    """``args`` with ``n_layers`` layers (its first ones: a sliding window keeps to those it names)."""
+    layers = args.sliding_layers
+    return ModelArgs.from_dict({**args.to_dict(), "n_layers": n_layers,
+                                "sliding_layers": None if layers is None else [i for i in layers if i < n_layers]})
 
 
 @torch.no_grad()
@@ -115,7 +120,7 @@ def build_random(
     """
     args = name if isinstance(name, ModelArgs) else get_args(name, n_layers=n_layers)
     if isinstance(name, ModelArgs) and n_layers is not None:
-        args = ModelArgs.from_dict({**args.to_dict(), "n_layers": n_layers})
+        args = with_layers(args, n_layers)
     model = Transformer(args, device="meta").to(dtype=dtype)  # costs nothing on meta
     model.to_empty(device=device)
     model.tie_weights()  # to_empty makes a new tensor per module

@@ -143,6 +143,9 @@ class DecodeStep:
         self._like = torch.empty(1, a.n_kv_heads, 0, a.head_dim)  # the buffers' shape, for empty caches
         self.eps = float(model.norm.eps)
         self.scale = float(model.layers[0].attention.scale)
+        #: the layers' sliding window (``None``: none): a step whose tokens reach past
+        #: it is left to the layered forward, which masks the keys out of each layer's window
+        self.window = a.sliding_window if a.windowed else None
         self.needs_grad = any(t.requires_grad for t in keep if isinstance(t, torch.Tensor))
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # cos, sin, inv_freq
         #: id(cache) -> weak references to the K / V buffers this plan checked (or grew) for it,
@@ -216,11 +219,12 @@ class DecodeStep:
         """Logits ``[1, T, vocab]`` (``[1, 1, vocab]`` of the last with ``last_only``) of ``tokens``
         ``[1, T]``, ``T <= MAX_TOKENS``, through the first ``n`` layers, each writing into its cache;
         ``None``, with nothing changed, when a cache is not a tail-tier cache of one row taking
-        float32 (stored as float32 or float16) of the model's shape, or a token is out of range
-        (the layered forward then serves it, and raises what it raises)."""
+        float32 (stored as float32 or float16) of the model's shape, a token is out of range or a
+        key out of its sliding window (the layered forward then serves it, and raises what it raises)."""
         dim, Hq, Hkv, D, hidden = self.dims
         T = tokens.shape[1]
-        if (torch.is_grad_enabled() and self.needs_grad) or not 1 <= T <= MAX_TOKENS:
+        if (torch.is_grad_enabled() and self.needs_grad) or not 1 <= T <= MAX_TOKENS or (
+                self.window is not None and caches[0].offset + T > self.window):
             return None
         model = self.model
         act_q8 = act_quant_of(model) == "q8"  # (raises for a bad mode before anything changes)
@@ -299,7 +303,8 @@ class DecodeStep:
         the caches are not one :class:`~kvtier.caches.paged.PagedKVCache` a layer with pages the
         step reads (float32 of the lossless codec, or ``q8``, ``q4``, ``fp8``, ``q4_g32`` or
         TurboQuant codes, which it writes as the codecs do: :func:`_page_kinds`), the model's
-        shape and blocks of a power of two tokens, or an input is off the CPU. A token, position
+        shape and blocks of a power of two tokens, an input is off the CPU, or a token's position
+        reaches past the model's sliding window (:attr:`window`). A token, position
         or block id out of range raises ``ValueError`` before anything is written.
 
         ``invariant``: every token's logits, keys and values the same bits whatever other tokens
@@ -334,6 +339,8 @@ class DecodeStep:
                              f"tokens), got {lo[1]}..{hi[1]}; give the rows their blocks first")
         if lo[2] < 0 or hi[2] >= num_blocks:
             raise ValueError(f"block ids must lie in [0, {num_blocks}), got {lo[2]}..{hi[2]}")
+        if self.window is not None and hi[1] >= self.window:
+            return None  # a key out of a token's sliding window: the layered forward masks it
         n_out, spread = N, None
         if select is not None:
             select = select.to(torch.int64).contiguous()

@@ -53,6 +53,10 @@ class ModelArgs:
     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192}`` or ``{"rope_type": "linear",
     "factor": f}``.
+
+    ``sliding_window``: a query at position ``p`` sees only the keys at ``p - sliding_window + 1
+    .. p`` (Mistral 7B v0.1, Qwen2 with ``use_sliding_window``), in the layers
+    ``sliding_layers`` names (``None``: every layer); ``None``: the whole context.
     """
 
     dim: int
@@ -70,6 +74,8 @@ class ModelArgs:
     qk_norm: bool = False
     max_position_embeddings: int = 4096
     arch: str = "llama"
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = field(default=None)
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size",
@@ -100,6 +106,30 @@ class ModelArgs:
             raise ValueError(f"arch {self.arch!r} is unknown; accepted: {', '.join(ARCHES)}")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
+        self._check_window()
+
+    def _check_window(self) -> None:
+        w, layers = self.sliding_window, self.sliding_layers
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+            raise ValueError(f"sliding_window must be a positive int (keys a query sees) or None, got {w!r}")
+        if layers is None:
+            return
+        if isinstance(layers, (str, bytes)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layers for i in layers):
+            raise ValueError(f"sliding_layers must be layer indices in [0, {self.n_layers}) or None (every "
+                             f"layer), got {layers!r}")
+        object.__setattr__(self, "sliding_layers", tuple(sorted(set(layers))))  # (a list from JSON)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (``None``: it sees the whole context)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layer has a sliding window (:attr:`sliding_window`)."""
+        return self.sliding_window is not None and self.sliding_layers != ()
 
     @property
     def n_params(self) -> int:
@@ -159,6 +189,8 @@ class Transformer(nn.Module):
             nn.init.normal_(emb)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=emb)
         self.layers = nn.ModuleList(TransformerBlock(args, device) for _ in range(args.n_layers))
+        for i, layer in enumerate(self.layers):
+            layer.attention.window = args.window_of(i)
         self.norm = RMSNorm(args.dim, args.norm_eps, device)
         self.output = Linear(args.dim, args.vocab_size, bias=False, device=device)
         self.rope = RotaryEmbedding(args, device)
@@ -401,6 +433,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, device) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, device) if args.qk_norm else None
         self.scale = 1.0 / math.sqrt(args.head_dim)
+        #: the keys a query sees (its own and the ``window - 1`` before), ``None``: every key; the
+        #: model sets it per layer (:meth:`ModelArgs.window_of`)
+        self.window: int | None = None
 
     def forward(self, x, cos, sin, cache: KVCache, cache_kwargs: dict) -> torch.Tensor:
         B, T, _ = x.shape
@@ -416,7 +451,10 @@ class Attention(nn.Module):
             qk = apply_rope(qk, cos, sin).transpose(1, 2)  # (B, H_q + H_kv, T, D): one rotation
         q, k = qk.split([Hq, Hkv], dim=1)  # (B, H_q, T, D), (B, H_kv, T, D)
         cache.update(k, v.transpose(1, 2), **cache_kwargs)  # v: (B, H_kv, T, D)
-        out = cache.attention(q, scale=self.scale)  # (B, H_q, T, D)
+        if self.window is None:
+            out = cache.attention(q, scale=self.scale)  # (B, H_q, T, D)
+        else:
+            out = cache.attention(q, scale=self.scale, window=self.window)
         return project(self.wo, out.transpose(1, 2).reshape(B, T, Hq * D))  # (B, T, dim)
 
 

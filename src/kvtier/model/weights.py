@@ -244,11 +244,7 @@ def args_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[in
     elif scaling != "none":  # yarn, longrope: other frequencies than these weights were trained on
         raise ValueError(f"{arch}.rope.scaling.type {scaling!r} is not supported; accepted: none, linear "
                          "(and Llama 3's rope_freqs)")
-    window = key("attention.sliding_window")
-    if window and window < key("context_length", 4096):
-        warnings.warn(f"{arch} sliding_window={window} ({arch}.attention.sliding_window) is not applied: "
-                      "attention sees the whole context, which equals the original model only up to "
-                      f"{window} tokens", stacklevel=3)
+    window = key("attention.sliding_window") or None  # (every layer's)
     base = float(key("rope.freq_base", 10000.0))
     if rope_freqs is not None:
         rope_scaling = fit_llama3_scaling(rope_freqs, head_dim, base)
@@ -268,6 +264,7 @@ def args_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[in
         qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
         max_position_embeddings=key("context_length", 4096),
         arch=arch,
+        sliding_window=window,
     )
 
 
@@ -382,20 +379,7 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     defaults = _HF_DEFAULTS[model_type]
     context = cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
-    window = cfg.get("sliding_window", defaults["sliding_window"])
-    if "layer_types" in cfg and isinstance(cfg["layer_types"], list):
-        uses_window = "sliding_attention" in cfg["layer_types"]
-    elif model_type == "mistral":
-        uses_window = True
-    else:  # Qwen2/3: the layers from max_window_layers on
-        uses_window = cfg.get("use_sliding_window") and \
-            cfg.get("max_window_layers", defaults["max_window_layers"]) < cfg["num_hidden_layers"]
-    if uses_window and window and window < context:
-        warnings.warn(
-            f"{model_type} sliding_window={window} is not applied: attention sees the whole "
-            f"context, which equals the original model only up to {window} tokens",
-            stacklevel=3,
-        )
+    window, window_layers = _hf_window(cfg, model_type, defaults)
     n_heads = cfg["num_attention_heads"]
     return ModelArgs(
         dim=cfg["hidden_size"],
@@ -413,7 +397,28 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
         qk_norm=model_type == "qwen3",
         max_position_embeddings=context,
         arch=model_type,
+        sliding_window=window,
+        sliding_layers=window_layers,
     )
+
+
+def _hf_window(cfg: Mapping[str, Any], model_type: str, defaults: Mapping[str, Any]) -> tuple[Any, Any]:
+    """``(sliding_window, sliding_layers)`` as transformers applies them: Mistral's window in every
+    layer; Qwen2/3's only with ``use_sliding_window``, in the layers ``layer_types`` names
+    ``"sliding_attention"`` (by default those from ``max_window_layers`` on); Llama has none."""
+    if model_type == "llama":
+        return None, None
+    window = cfg.get("sliding_window", defaults["sliding_window"])
+    if model_type == "mistral" or window is None:
+        return window, None
+    if not cfg.get("use_sliding_window", False):
+        return None, None
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if not isinstance(types, list) or len(types) != n:
+        first = cfg.get("max_window_layers", defaults["max_window_layers"])
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return window, [i for i, t in enumerate(types) if t == "sliding_attention"]
 
 
 def hf_dir_args(path: Path) -> ModelArgs:

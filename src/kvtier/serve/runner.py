@@ -288,7 +288,7 @@ class ModelRunner:
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         self.batch_invariant = batch_invariant
-        if batch_invariant and (why := self._invariant_unavailable(kv_quant)) is not None:
+        if batch_invariant and (why := self._invariant_unavailable(kv_quant, max_model_len)) is not None:
             raise ValueError(INVARIANT_REFUSED + why)
         #: the last step's ``all_logits`` rows: request id -> (first position, logits ``[T, V]``)
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
@@ -300,7 +300,7 @@ class ModelRunner:
         if cuda_graph is not False and self.device.type == "cuda":
             from kvtier.serve.graphs import DecodeGraphs, graphs_unavailable
 
-            why = graphs_unavailable(model, self.caches)
+            why = graphs_unavailable(model, self.caches, max_model_len or a.max_position_embeddings)
             if why is None:
                 width = math.ceil((max_model_len or a.max_position_embeddings) / block_size)
                 try:
@@ -436,11 +436,15 @@ class ModelRunner:
         return step.run_paged(tokens, positions, binding.table, self.caches,
                               None if select is None else torch.tensor(select), invariant=invariant)
 
-    def _invariant_unavailable(self, kv_quant: str | None) -> str | None:
+    def _invariant_unavailable(self, kv_quant: str | None, max_model_len: int | None) -> str | None:
         """Why this runner cannot run batch-invariant steps, or ``None`` when it can."""
         why = invariant_refusal(self.device, kv_quant, self.block_size, self.dtype, prefill_dtype_of(self.model))
         if why is not None:
             return why
+        a = self.model.args
+        if a.windowed and (max_model_len or a.max_position_embeddings) > a.sliding_window:
+            return (f"the one-call step reads every key up to a token's, and the model's sliding window is "
+                    f"{a.sliding_window} tokens: serve it with --max-model-len {a.sliding_window} or less")
         step = plan_for(self.model)
         if step is None:
             return ("the model does not take it (a float32 Llama, Mistral or Qwen2 shape with packed or float32 "

@@ -1,0 +1,183 @@
+"""Sliding-window attention (Mistral 7B v0.1, Qwen2 with ``use_sliding_window``): every tier, the
+paged reference and the engine's generation paths give transformers' logits and greedy tokens past
+the window; the kernels keep serving until a row passes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.caches.paged_codecs import select_codecs
+from kvtier.config import KVCacheConfig
+from kvtier.drafters import EarlyExitDrafter
+from kvtier.generate import generate_step
+from kvtier.kernels.paged import paged_attention_reference
+from kvtier.kernels.reference import causal_attention, causal_mask
+from kvtier.model import ModelArgs, Transformer, load_model
+from kvtier.model.cpu_step import plan_for
+from kvtier.speculative import SpeculativeConfig, speculative_generate_step
+
+transformers = pytest.importorskip("transformers")
+from window_support import WINDOW, hf_greedy, hf_windowed, prompts  # noqa: E402  (needs transformers)
+
+TIERS = {
+    "tail": KVCacheConfig(tier="tail", step=16),
+    "block": KVCacheConfig(tier="block", owned_block_size=4),  # blocks out of every window are skipped
+    "ragged": KVCacheConfig(tier="ragged", step=16),
+    "paged": KVCacheConfig(tier="paged", paged_block_size=4, paged_num_blocks=64),
+}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """``get(kind) -> (hf_model, LoadedModel)``, saved by transformers and loaded by kvtier."""
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            hf = hf_windowed(kind)
+            folder = tmp_path_factory.mktemp(f"sw-{kind}")
+            hf.save_pretrained(folder)
+            made[kind] = hf, load_model(folder, device="cpu", dtype=torch.float32, progress=False)
+        return made[kind]
+
+    return get
+
+
+# -- the model: every tier against transformers ----------------------------------------------------
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_the_config_names_the_window_and_its_layers(pairs, kind):
+    _, lm = pairs(kind)
+    assert lm.args.sliding_window == WINDOW
+    assert [lm.model.layers[i].attention.window for i in range(2)] == (
+        [WINDOW, WINDOW] if kind == "mistral" else [None, WINDOW])
+
+
+@pytest.mark.parametrize("tier, kv_quant", [(t, None) for t in TIERS] + [("paged", "q8"), ("paged", "q4")])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+@torch.no_grad()
+def test_prefill_chunks_then_decode_give_transformers_logits(pairs, kind, tier, kv_quant):
+    hf, lm = pairs(kind)
+    ids = torch.tensor(prompts(1, [40]))
+    ref = hf(ids).logits[0]
+    caches = lm.model.make_caches(TIERS[tier].replace(kv_quant=kv_quant) if kv_quant else TIERS[tier])
+    got = [lm.model(ids[:, :13], caches)[0]]  # a chunk past the window, then one token a call
+    got += [lm.model(ids[:, t : t + 1], caches)[0] for t in range(13, 40)]
+    err = (torch.cat(got) - ref).abs().amax(-1)
+    assert err.max() <= {None: 1e-4, "q8": 1e-2, "q4": 0.1}[kv_quant], err
+    windowless = Transformer(ModelArgs.from_dict({**lm.args.to_dict(), "sliding_window": None}))
+    windowless.load_state_dict(lm.model.state_dict())
+    off = (windowless(ids, windowless.make_caches()) - ref).abs().amax(-1)[0]
+    assert off[:WINDOW].max() <= 1e-4 < off[WINDOW:].min()  # (what the window changes)
+
+
+@pytest.mark.parametrize("tier", ["ragged", "paged"])
+@torch.no_grad()
+def test_rows_of_different_lengths_decode_transformers_tokens(pairs, tier):
+    hf, lm = pairs("mistral")
+    rows = prompts(2, [5, 19, 11])  # one row starts inside the window, two past it
+    caches = lm.model.make_caches(TIERS[tier], batch_size=len(rows))
+    steps = generate_step(lm.model, rows, caches, prefill_chunk=6)
+    got = torch.stack([next(steps) for _ in range(12)], 1).tolist()
+    steps.close()
+    assert got == [hf_greedy(hf, r, 12) for r in rows]
+
+
+@pytest.mark.parametrize("tier", ["ragged", "paged"])
+@torch.no_grad()
+def test_speculative_rows_give_transformers_tokens(pairs, tier):
+    hf, lm = pairs("mistral")
+    rows = prompts(3, [6, 14])
+    caches = lm.model.make_caches(TIERS[tier], batch_size=len(rows))
+    out = [[] for _ in rows]
+    for new in speculative_generate_step(lm.model, rows, caches, EarlyExitDrafter(lm.model, 1),
+                                         speculative=SpeculativeConfig(draft_tokens=3, adaptive=False), max_tokens=14):
+        for o, t in zip(out, new):
+            o.extend(t)
+    assert out == [hf_greedy(hf, r, 14) for r in rows]
+
+
+@torch.no_grad()
+def test_the_one_call_cpu_step_serves_until_the_window_then_leaves_it(pairs):
+    _, lm = pairs("mistral")
+    step = plan_for(lm.model)
+    if step is None:
+        pytest.skip("the one-call CPU step is not built here")
+    assert step.window == WINDOW
+    caches = lm.model.make_caches(TIERS["tail"])
+    ids = torch.tensor(prompts(4, [WINDOW + 1]))
+    assert step.run(ids[:, :WINDOW], caches, 2) is not None  # the last position sees the whole window
+    assert step.run(ids[:, WINDOW:], caches, 2) is None and caches[0].offset == WINDOW  # nothing written
+
+
+# -- the kernels' side ------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk_tokens", [None, 4])
+def test_paged_reference_with_a_window_equals_sdpa_under_the_window_mask(chunk_tokens):
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, D, bs, T, W = 3, 4, 2, 16, 4, 3, 6
+    kv_len = torch.tensor([21, 9, 3])
+    q_start = kv_len - T
+    q = torch.randn(B, Hq, T, D, generator=g)
+    k, v = (torch.randn(B, Hkv, 24, D, generator=g) for _ in range(2))
+    # each row's 6 blocks scattered over a pool of 18, in shuffled order
+    tables = torch.randperm(18, generator=g).view(B, 6).to(torch.int32).contiguous()
+    pages = [torch.zeros(18, bs, Hkv, D) for _ in range(2)]
+    for b in range(B):
+        for j in range(6):
+            for pool, x in zip(pages, (k, v)):
+                pool[tables[b, j]] = x[b, :, j * bs : (j + 1) * bs].transpose(0, 1)
+    codecs = select_codecs(D, torch.float32, None, None)
+    got = paged_attention_reference(q, *pages, tables, q_start, kv_len, k_codec=codecs.k_codec,
+                                    v_codec=codecs.v_codec, k_sidecars={}, v_sidecars={},
+                                    chunk_tokens=chunk_tokens, window=W)
+    mask = causal_mask(B, T, 24, q_start, kv_len, window=W)
+    want = causal_attention(q, k, v, mask=mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(want, causal_attention(q, k, v, mask=causal_mask(B, T, 24, q_start, kv_len)))
+
+
+def test_a_window_mask_leaves_each_query_its_window():
+    mask = causal_mask(1, 3, 10, 7, window=4)[0, 0]  # queries at 7, 8, 9
+    assert [row.nonzero().flatten().tolist() for row in mask] == [[4, 5, 6, 7], [5, 6, 7, 8], [6, 7, 8, 9]]
+
+
+def test_the_paged_kernels_serve_until_a_row_passes_the_window(pairs):
+    hf, lm = pairs("mistral")
+    caches = lm.model.make_caches(TIERS["paged"].replace(attention_backend="cpu"))
+    ids = torch.tensor(prompts(6, [WINDOW + 4]))
+    with torch.no_grad():
+        for t in range(WINDOW + 4):
+            lm.model(ids[:, t : t + 1], caches)
+            calls = caches[1].paged_stats()["attention_calls_by_backend"]
+            if t == WINDOW - 1:
+                short = dict(calls)
+    longer = {k: calls.get(k, 0) - short.get(k, 0) for k in calls}
+    if short.get("cpu", 0) == 0:
+        pytest.skip("the C attention kernel is not built here")
+    assert short.get("torch", 0) <= 1 and longer == {**{k: 0 for k in longer}, "torch": 4}
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_a_bad_window_is_refused_naming_it(bad):
+    from kvtier import TailOwnedKVCache
+
+    cache = TailOwnedKVCache()
+    cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    with pytest.raises(ValueError, match=rf"window must be a positive int .* got {bad!r}"):
+        cache.attention(torch.zeros(1, 2, 1, 8), window=bad)
+    with pytest.raises(ValueError, match=rf"sliding_window must be a positive int .* got {bad!r}"):
+        ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, vocab_size=10, sliding_window=bad)
+    with pytest.raises(ValueError, match=r"sliding_layers must be layer indices in \[0, 1\)"):
+        ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, vocab_size=10, sliding_window=4,
+                  sliding_layers=[1])
+
+
+def test_fewer_layers_keep_the_windows_of_those_left():
+    from kvtier.model import build_random
+
+    args = ModelArgs(dim=16, n_layers=4, n_heads=2, n_kv_heads=1, hidden_dim=32, vocab_size=10, sliding_window=4,
+                     sliding_layers=[0, 3])
+    model = build_random(args, n_layers=2)
+    assert model.args.sliding_layers == (0,)
+    assert [ly.attention.window for ly in model.layers] == [4, None]
+    assert ModelArgs.from_dict(args.to_dict()) == args  # (a JSON round trip: lists back to a tuple)

@@ -1,0 +1,34 @@
+"""Tiny transformers models with a sliding window, and their greedy tokens: the reference of the
+sliding-window tests (tests/model/test_sliding_window.py, tests/serve/test_engine_window.py)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+WINDOW = 8
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+def hf_windowed(kind: str):
+    """A tiny transformers model with a window of :data:`WINDOW` keys: Mistral's in every layer,
+    Qwen2's in its second layer only (``max_window_layers=1``)."""
+    torch.manual_seed(7)
+    if kind == "mistral":
+        cfg = transformers.MistralConfig(**COMMON, sliding_window=WINDOW)
+        return transformers.MistralForCausalLM(cfg).eval()
+    cfg = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    return transformers.Qwen2ForCausalLM(cfg).eval()
+
+
+def prompts(n: int, lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(3, 300, (k,), generator=g).tolist() for k in lengths]
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    x = torch.tensor([ids])
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                      do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
