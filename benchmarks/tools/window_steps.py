@@ -54,16 +54,18 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from kvtier.model import ModelArgs, Transformer, build_random, load_model
+    from kvtier.model import ModelArgs, build_random, load_model
 
-    if args.arch:
-        plain, label = build_random(args.arch, device=args.device), args.arch
-    else:
-        lm = load_model(device=args.device, dtype=torch.float32, progress=False)
-        plain, label = lm.model, "default model (SmolLM2-135M-Instruct, float32)"
-    windowed = Transformer(ModelArgs.from_dict({**plain.args.to_dict(), "sliding_window": args.window}),
-                           device="meta")
-    windowed.load_state_dict(plain.state_dict(), assign=True)  # the same weights, shared
+    def build():
+        if args.arch:
+            return build_random(args.arch, device=args.device)
+        return load_model(device=args.device, dtype=torch.float32, progress=False).model
+
+    label = args.arch or "default model (SmolLM2-135M-Instruct, float32)"
+    plain, windowed = build(), build()  # (the same weights: seeded, or the same file)
+    windowed.args = ModelArgs.from_dict({**plain.args.to_dict(), "sliding_window": args.window})
+    for i, layer in enumerate(windowed.layers):  # before its first forward builds the CPU step's plan
+        layer.attention.window = windowed.args.window_of(i)
     out = {"model": label, "device": args.device, "args": vars(args), "tiers": {}}
     for tier in args.tiers.split(","):
         row = {}

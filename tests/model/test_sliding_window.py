@@ -97,17 +97,22 @@ def test_speculative_rows_give_transformers_tokens(pairs, tier):
     assert out == [hf_greedy(hf, r, 14) for r in rows]
 
 
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
 @torch.no_grad()
-def test_the_one_call_cpu_step_serves_until_the_window_then_leaves_it(pairs):
-    _, lm = pairs("mistral")
+def test_the_one_call_cpu_step_decodes_past_the_window_and_leaves_chunks_that_pass_it(pairs, kind):
+    hf, lm = pairs(kind)
     step = plan_for(lm.model)
     if step is None:
         pytest.skip("the one-call CPU step is not built here")
     assert step.window == WINDOW
+    ids = torch.tensor(prompts(4, [WINDOW + 6]))
+    ref = hf(ids).logits[0]
     caches = lm.model.make_caches(TIERS["tail"])
-    ids = torch.tensor(prompts(4, [WINDOW + 1]))
     assert step.run(ids[:, :WINDOW], caches, 2) is not None  # the last position sees the whole window
-    assert step.run(ids[:, WINDOW:], caches, 2) is None and caches[0].offset == WINDOW  # nothing written
+    assert step.run(ids[:, WINDOW : WINDOW + 2], caches, 2) is None  # two tokens past it: not the step's
+    assert caches[0].offset == WINDOW  # (nothing written)
+    got = torch.cat([step.run(ids[:, t : t + 1], caches, 2)[0] for t in range(WINDOW, WINDOW + 6)])
+    assert (got - ref[WINDOW:]).abs().max() <= 1e-4  # one token a call: each layer's last keys
 
 
 # -- the kernels' side ------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ from torch import nn
 from kvtier.caches.paged import PagedKVCache
 from kvtier.caches.tail_owned import TailOwnedKVCache
 from kvtier.config import switched_off
+from kvtier.kernels.reference import window_start
 from kvtier.model import packed
 from kvtier.model.act_quant import act_quant_of
 from kvtier.model.linear import Linear
@@ -143,9 +144,11 @@ class DecodeStep:
         self._like = torch.empty(1, a.n_kv_heads, 0, a.head_dim)  # the buffers' shape, for empty caches
         self.eps = float(model.norm.eps)
         self.scale = float(model.layers[0].attention.scale)
-        #: the layers' sliding window (``None``: none): a step whose tokens reach past
-        #: it is left to the layered forward, which masks the keys out of each layer's window
+        #: the layers' sliding window (``None``: none): a step of several tokens a sequence reaching
+        #: past it is left to the layered forward, which masks each query's own window; ``windows``:
+        #: each layer's (``None``: the whole context)
         self.window = a.sliding_window if a.windowed else None
+        self.windows = [a.window_of(i) for i in range(a.n_layers)]
         self.needs_grad = any(t.requires_grad for t in keep if isinstance(t, torch.Tensor))
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # cos, sin, inv_freq
         #: id(cache) -> weak references to the K / V buffers this plan checked (or grew) for it,
@@ -219,12 +222,13 @@ class DecodeStep:
         """Logits ``[1, T, vocab]`` (``[1, 1, vocab]`` of the last with ``last_only``) of ``tokens``
         ``[1, T]``, ``T <= MAX_TOKENS``, through the first ``n`` layers, each writing into its cache;
         ``None``, with nothing changed, when a cache is not a tail-tier cache of one row taking
-        float32 (stored as float32 or float16) of the model's shape, a token is out of range or a
-        key out of its sliding window (the layered forward then serves it, and raises what it raises)."""
+        float32 (stored as float32 or float16) of the model's shape, a token is out of range, or
+        ``T > 1`` tokens reach past a sliding window (the layered forward then serves it, and raises
+        what it raises). One token past a layer's window reads that layer's last ``window`` keys."""
         dim, Hq, Hkv, D, hidden = self.dims
         T = tokens.shape[1]
         if (torch.is_grad_enabled() and self.needs_grad) or not 1 <= T <= MAX_TOKENS or (
-                self.window is not None and caches[0].offset + T > self.window):
+                T > 1 and self.window is not None and caches[0].offset + T > self.window):
             return None
         model = self.model
         act_q8 = act_quant_of(model) == "q8"  # (raises for a bad mode before anything changes)
@@ -255,14 +259,18 @@ class DecodeStep:
         stride = 0
         if len(known) > 4096:  # (entries of caches gone)
             known.clear()
-        for layer, c, rec in zip(layers, used, recs):  # everything is checked: from here on it writes
+        for i, (layer, c, rec) in enumerate(zip(layers, used, recs)):  # everything is checked: from here on it writes
             off = c.offset
             if rec is None or off + T > rec[4]:
                 c.make_room(T, self._like, self._like)
                 k, v = c.keys, c.values
                 rec = known[id(c)] = (weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(),
                                       c.capacity, int(k.dtype == torch.float16))
-            layer.k, layer.v, layer.offset, layer.cap = rec[2], rec[3], off, rec[4]
+            # one token past its layer's window: the buffers from the window's first key on (the rows'
+            # addresses as before, the keys ahead of it out of sight)
+            first = window_start(off, self.windows[i])
+            skip = first * D * (2 if rec[5] else 4)
+            layer.k, layer.v, layer.offset, layer.cap = rec[2] + skip, rec[3] + skip, off - first, rec[4]
             layer.kind = layer.vkind = rec[5]
             stride = max(stride, rec[4])
         start = caches[0].offset
