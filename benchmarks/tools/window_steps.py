@@ -55,21 +55,27 @@ def main() -> None:
     args = parser.parse_args()
 
     from kvtier.model import ModelArgs, build_random, load_model
+    from kvtier.model.cpu_step import forget
 
-    def build():
-        if args.arch:
-            return build_random(args.arch, device=args.device)
-        return load_model(device=args.device, dtype=torch.float32, progress=False).model
+    if args.arch:
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+        model, label = build_random(args.arch, device=args.device, dtype=dtype), f"{args.arch} ({dtype})"
+    else:
+        model = load_model(device=args.device, dtype=torch.float32, progress=False).model
+        label = "default model (SmolLM2-135M-Instruct, float32)"
+    plain = model.args
 
-    label = args.arch or "default model (SmolLM2-135M-Instruct, float32)"
-    plain, windowed = build(), build()  # (the same weights: seeded, or the same file)
-    windowed.args = ModelArgs.from_dict({**plain.args.to_dict(), "sliding_window": args.window})
-    for i, layer in enumerate(windowed.layers):  # before its first forward builds the CPU step's plan
-        layer.attention.window = windowed.args.window_of(i)
+    def set_window(window: int | None) -> None:  # the same weights, with or without the window
+        model.args = ModelArgs.from_dict({**plain.to_dict(), "sliding_window": window})
+        for i, layer in enumerate(model.layers):
+            layer.attention.window = model.args.window_of(i)
+        forget(model)  # (the CPU step's plan holds the windows)
+
     out = {"model": label, "device": args.device, "args": vars(args), "tiers": {}}
     for tier in args.tiers.split(","):
         row = {}
-        for name, model in (("whole context", plain), (f"window {args.window}", windowed)):
+        for name, window in (("whole context", None), (f"window {args.window}", args.window)):
+            set_window(window)
             xs = _steps(model, tier, args.context, args.steps, args.device)
             row[name] = 1e3 * statistics.median(xs)
         a, b = row.values()

@@ -186,3 +186,33 @@ def test_fewer_layers_keep_the_windows_of_those_left():
     assert model.args.sliding_layers == (0,)
     assert [ly.attention.window for ly in model.layers] == [4, None]
     assert ModelArgs.from_dict(args.to_dict()) == args  # (a JSON round trip: lists back to a tuple)
+
+
+# -- on a GPU: the Triton kernels until the window, the reference past it ---------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tier", ["ragged", "paged"])
+@torch.no_grad()
+def test_on_cuda_the_kernels_then_the_reference_give_transformers_logits(pairs, tier, tmp_path):
+    hf, _ = pairs("mistral")
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path, device="cuda", dtype=torch.float32, progress=False).model
+    ids = torch.tensor(prompts(1, [40]))
+    ref = hf(ids).logits[0]
+    caches = model.make_caches(TIERS[tier])
+    x = ids.cuda()
+    got = [model(x[:, :5], caches)[0]] + [model(x[:, t : t + 1], caches)[0] for t in range(5, 40)]
+    assert (torch.cat(got).cpu() - ref).abs().max() <= 2e-3
+    calls = caches[0].dispatch.calls["attention"]
+    assert calls["triton"] >= WINDOW - 5 and calls["torch"] >= 40 - WINDOW, calls
+    rows = prompts(2, [5, 19])
+    for graph in (None, False):  # None: no graph (a row passes the window), eager steps
+        steps = generate_step(model, rows, model.make_caches(TIERS[tier], batch_size=2), cuda_graph=graph,
+                              max_steps=12)
+        got = torch.stack([next(steps) for _ in range(10)], 1).tolist()
+        steps.close()
+        assert got == [hf_greedy(hf, r, 10) for r in rows]
+    steps = generate_step(model, rows, model.make_caches(TIERS[tier], batch_size=2), cuda_graph=True, max_steps=12)
+    with pytest.raises(ValueError, match=f"sliding window of {WINDOW} tokens"):
+        for _ in range(3):  # (the decoder is made after the prompt)
+            next(steps)

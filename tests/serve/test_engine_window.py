@@ -56,3 +56,21 @@ def test_cuda_graphs_name_the_window_where_a_sequence_may_pass_it(pair):
     assert window_blocker(lm.model, WINDOW) is None
     why = window_blocker(lm.model, WINDOW + 1)
     assert why == window_blocker(lm.model, None) and f"sliding window of {WINDOW} tokens" in why
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_graphs_serve_only_sequences_inside_the_window(pair, tmp_path):
+    hf, _ = pair
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path, device="cuda", dtype=torch.float32, progress=False).model
+    rows = prompts(12, [5, 30, 17])
+    params = RequestParams(max_tokens=10, ignore_eos=True)
+    engine = LLMEngine(model, None, EngineConfig(num_blocks=64, block_size=4, max_model_len=64))
+    assert engine.runner.graphs is None  # a sequence may pass the window: eager decode steps
+    assert [list(o.token_ids) for o in engine.generate(rows, params)] == [hf_greedy(hf, r, 10) for r in rows]
+    inside = LLMEngine(model, None, EngineConfig(num_blocks=64, block_size=4, max_model_len=WINDOW))
+    assert inside.runner.graphs is not None
+    short = [r[:3] for r in rows]
+    out = inside.generate(short, RequestParams(max_tokens=WINDOW - 3, ignore_eos=True))
+    assert [list(o.token_ids) for o in out] == [hf_greedy(hf, r, WINDOW - 3) for r in short]
