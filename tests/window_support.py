@@ -16,10 +16,12 @@ def hf_windowed(kind: str):
     Qwen2's in its second layer only (``max_window_layers=1``)."""
     torch.manual_seed(7)
     if kind == "mistral":
-        cfg = transformers.MistralConfig(**COMMON, sliding_window=WINDOW)
-        return transformers.MistralForCausalLM(cfg).eval()
-    cfg = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
-    return transformers.Qwen2ForCausalLM(cfg).eval()
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=WINDOW))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1))
+    model.generation_config.eos_token_id = None  # (greedy tokens run on through a random model's EOS)
+    return model.eval()
 
 
 def prompts(n: int, lengths: list[int]) -> list[list[int]]:
@@ -29,6 +31,6 @@ def prompts(n: int, lengths: list[int]) -> list[list[int]]:
 
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     x = torch.tensor([ids])
-    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                      do_sample=False, pad_token_id=0)
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == len(ids) + n
     return out[0, len(ids):].tolist()

@@ -211,6 +211,10 @@ class CUDAGraphDecoder(PlannedDecoder):
         if torch_compile:
             self._forward, self._layers = torch.compile(model, dynamic=False), _outside_compile(self.caches)
         self.budget = self.planner.headroom()  # what the frozen capacity holds, fixed before capture
+        if max_steps is not None and window_blocker(model, None) is not None:
+            # a sliding window was checked for max_steps: frozen blocks that hold more (a trim, a
+            # window not a multiple of the block) must not let a replay pass it
+            self.budget = min(self.budget, max_steps)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager_reason: str | None = None  # set when the kernels fell back and capture was skipped
         self._stream = torch.cuda.Stream(self.device)

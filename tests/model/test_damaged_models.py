@@ -354,6 +354,18 @@ BASE = {"hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 32, 
         "vocab_size": 100}
 
 
+def test_a_qwen2_gguf_window_is_named_as_not_applied(tmp_path):
+    with pytest.MonkeyPatch.context() as mp:  # (as gguf_with, for a qwen2 file)
+        add = gguf.GGUFWriter.add_rope_freq_base
+        mp.setattr(gguf.GGUFWriter, "add_rope_freq_base", lambda self, base: (add(self, base),
+                                                                             self.add_sliding_window(8)))
+        path = write_gguf(tmp_path / "w.gguf", hf_tiny("qwen2"), "qwen2")
+    with pytest.warns(UserWarning, match=r"qwen2 sliding_window=8 \(qwen2.attention.sliding_window\) is not "
+                                         "applied: a GGUF does not say whether the model uses it"):
+        lm = load_model(path, device="cpu", progress=False, pack=False)
+    assert lm.args.sliding_window is None
+
+
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
 def test_keys_a_config_leaves_out_take_transformers_defaults(model_type):
     from transformers import AutoConfig

@@ -9,6 +9,7 @@ import torch
 
 from kvtier.caches.paged_codecs import select_codecs
 from kvtier.config import KVCacheConfig
+from kvtier.cuda_graph import CUDAGraphDecoder
 from kvtier.drafters import EarlyExitDrafter
 from kvtier.generate import generate_step
 from kvtier.kernels.paged import paged_attention_reference
@@ -141,6 +142,22 @@ def test_paged_reference_with_a_window_equals_sdpa_under_the_window_mask(chunk_t
     assert not torch.allclose(want, causal_attention(q, k, v, mask=causal_mask(B, T, 24, q_start, kv_len)))
 
 
+@pytest.mark.parametrize("tier", ["ragged", "paged"])
+def test_queries_past_the_committed_keys_keep_their_window(tier):
+    """Six tokens written at 4..9, only 8 committed (a partial commit): the queries at 8 and 9 see
+    keys 1..7 and 2..7 through a window of 8, though no row holds more than 8 keys."""
+    from kvtier import PagedKVCache, RaggedBatchKVCache
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 10, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g)
+    q = torch.randn(1, 4, 6, 8, generator=g)
+    cache = PagedKVCache(block_size=4, num_blocks=16) if tier == "paged" else RaggedBatchKVCache(batch_size=1)
+    cache.update(k[:, :, :4], v[:, :, :4])
+    cache.update(k[:, :, 4:], v[:, :, 4:], write_start=4, new_offsets=8)
+    want = causal_attention(q, k[:, :, :8], v[:, :, :8], mask=causal_mask(1, 6, 8, 4, 8, window=8))
+    torch.testing.assert_close(cache.attention(q, window=8), want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_window_mask_leaves_each_query_its_window():
     mask = causal_mask(1, 3, 10, 7, window=4)[0, 0]  # queries at 7, 8, 9
     assert [row.nonzero().flatten().tolist() for row in mask] == [[4, 5, 6, 7], [5, 6, 7, 8], [6, 7, 8, 9]]
@@ -172,9 +189,10 @@ def test_a_bad_window_is_refused_naming_it(bad):
         cache.attention(torch.zeros(1, 2, 1, 8), window=bad)
     with pytest.raises(ValueError, match=rf"sliding_window must be a positive int .* got {bad!r}"):
         ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, vocab_size=10, sliding_window=bad)
-    with pytest.raises(ValueError, match=r"sliding_layers must be layer indices in \[0, 1\)"):
-        ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, vocab_size=10, sliding_window=4,
-                  sliding_layers=[1])
+    for layers in ([1], 0, "0"):
+        with pytest.raises(ValueError, match=r"sliding_layers must be layer indices in \[0, 1\)"):
+            ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, vocab_size=10, sliding_window=4,
+                      sliding_layers=layers)
 
 
 def test_fewer_layers_keep_the_windows_of_those_left():
@@ -212,6 +230,10 @@ def test_on_cuda_the_kernels_then_the_reference_give_transformers_logits(pairs, 
         got = torch.stack([next(steps) for _ in range(10)], 1).tolist()
         steps.close()
         assert got == [hf_greedy(hf, r, 10) for r in rows]
+    caches = model.make_caches(TIERS[tier])
+    model(x[:, :5], caches)
+    decoder = CUDAGraphDecoder(model, caches, max_steps=2)  # inside the window (the blocks hold more)
+    assert decoder.budget == 2
     steps = generate_step(model, rows, model.make_caches(TIERS[tier], batch_size=2), cuda_graph=True, max_steps=12)
     with pytest.raises(ValueError, match=f"sliding window of {WINDOW} tokens"):
         for _ in range(3):  # (the decoder is made after the prompt)

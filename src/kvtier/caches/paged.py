@@ -366,7 +366,7 @@ class PagedKVCache(RowKVCache):
         self._require_storage("attention()")
         k_codec = self.codecs.k_codec
         scale = check_queries(queries, self.pool.key_cache.shape[2], k_codec.head_dim, k_codec.dtype, scale)
-        window = check_window(window, max(self._lengths, default=0))
+        window = check_window(window)
         if queries.shape[0] != self.batch_size or queries.device != self._device:
             raise ValueError(
                 f"queries batch {queries.shape[0]} on {queries.device} must match the cache's "
@@ -375,7 +375,7 @@ class PagedKVCache(RowKVCache):
         p, plan, T = self.pool, self._plan, queries.shape[2]
         last = q_start is None and self._last_q == T  # the last update's tokens, at its starts
         if plan is not None and plan.valid and last:
-            q_start_t, kv_len, tables = plan.write_start, plan.new_offsets, plan.block_tables
+            qs, q_start_t, kv_len, tables = self._write_start, plan.write_start, plan.new_offsets, plan.block_tables
         else:
             newest = None if q_start is not None or last else [max(0, n - T) for n in self._lengths]
             if newest is not None and max(self._lengths) < T:
@@ -390,7 +390,8 @@ class PagedKVCache(RowKVCache):
         return paged_attention(
             self.dispatch, queries, p.key_cache, p.value_cache, tables, q_start_t, kv_len,
             k_codec=self.codecs.k_codec, v_codec=self.codecs.v_codec,
-            k_sidecars=p.k_sidecars, v_sidecars=p.v_sidecars, scale=scale, window=window,
+            k_sidecars=p.k_sidecars, v_sidecars=p.v_sidecars, scale=scale,
+            window=check_window(window, max(max(self._lengths), max(qs) + T)),  # (every key and query inside it: none)
         )
 
     # -- lengths and rows ----------------------------------------------------------------------

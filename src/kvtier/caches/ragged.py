@@ -301,7 +301,8 @@ class RaggedBatchKVCache(RowKVCache):
         if self.keys is None:
             raise ValueError("attention() on an empty cache; call update() first")
         scale = check_queries(queries, self.keys.shape[1], self.keys.shape[3], self.keys.dtype, scale)
-        window = check_window(window, self._live())  # (the host bound)
+        # (the host bound on the rows' keys and, plus T, on the queries' positions; given starts: none)
+        window = check_window(window, self._live() + queries.shape[2] if q_start is None else None)
         if queries.shape[0] != self.batch_size:
             raise ValueError(f"queries batch {queries.shape[0]} differs from the cache's {self.batch_size}")
         S = self.capacity if self._frozen else self._live()

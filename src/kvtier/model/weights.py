@@ -244,7 +244,12 @@ def args_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[in
     elif scaling != "none":  # yarn, longrope: other frequencies than these weights were trained on
         raise ValueError(f"{arch}.rope.scaling.type {scaling!r} is not supported; accepted: none, linear "
                          "(and Llama 3's rope_freqs)")
-    window = key("attention.sliding_window") or None  # (every layer's)
+    window = key("attention.sliding_window") or None  # (every layer's, as Mistral's)
+    if window and arch not in ("llama", "mistral"):  # Qwen2/3: only with use_sliding_window, which GGUFs lack
+        warnings.warn(f"{arch} sliding_window={window} ({arch}.attention.sliding_window) is not applied: a GGUF "
+                      "does not say whether the model uses it (transformers applies it only with "
+                      "use_sliding_window); load the Hugging Face folder to have it", stacklevel=3)
+        window = None
     base = float(key("rope.freq_base", 10000.0))
     if rope_freqs is not None:
         rope_scaling = fit_llama3_scaling(rope_freqs, head_dim, base)
