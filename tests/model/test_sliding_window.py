@@ -163,20 +163,39 @@ def test_a_window_mask_leaves_each_query_its_window():
     assert [row.nonzero().flatten().tolist() for row in mask] == [[4, 5, 6, 7], [5, 6, 7, 8], [6, 7, 8, 9]]
 
 
-def test_the_paged_kernels_serve_until_a_row_passes_the_window(pairs):
+def test_the_c_decode_kernel_serves_past_the_window_and_the_reference_the_chunks(pairs):
     hf, lm = pairs("mistral")
-    caches = lm.model.make_caches(TIERS["paged"].replace(attention_backend="cpu"))
-    ids = torch.tensor(prompts(6, [WINDOW + 4]))
+    caches = lm.model.make_caches(TIERS["paged"])
+    ids = torch.tensor(prompts(6, [WINDOW + 7]))
     with torch.no_grad():
-        for t in range(WINDOW + 4):
-            lm.model(ids[:, t : t + 1], caches)
-            calls = caches[1].paged_stats()["attention_calls_by_backend"]
-            if t == WINDOW - 1:
-                short = dict(calls)
-    longer = {k: calls.get(k, 0) - short.get(k, 0) for k in calls}
-    if short.get("cpu", 0) == 0:
+        got = [lm.model(ids[:, t : t + 1], caches)[0] for t in range(WINDOW + 4)]  # one token a call
+        calls = dict(caches[1].paged_stats()["attention_calls_by_backend"])
+        got.append(lm.model(ids[:, WINDOW + 4 :], caches)[0])  # three, past the window
+    if not calls.get("cpu"):
         pytest.skip("the C attention kernel is not built here")
-    assert short.get("torch", 0) <= 1 and longer == {**{k: 0 for k in longer}, "torch": 4}
+    assert calls == {"cpu": WINDOW + 4}, calls  # (every decode step, past the window too)
+    assert caches[1].paged_stats()["attention_calls_by_backend"]["torch"] == 1
+    assert (torch.cat(got) - hf(ids).logits[0]).abs().max() <= 1e-4
+
+
+def test_the_c_decode_kernel_starts_each_row_at_its_first_key():
+    from kvtier.kernels.cpu_attention import load_kernels, paged_decode_cpu
+
+    if load_kernels() is None:
+        pytest.skip("the C attention kernel is not built here")
+    g = torch.Generator().manual_seed(2)
+    B, Hq, Hkv, D, bs = 3, 4, 2, 64, 4
+    kp, vp = torch.randn(12, bs, Hkv, D, generator=g), torch.randn(12, bs, Hkv, D, generator=g)
+    tables = torch.randperm(12, generator=g)[:12].view(B, 4).to(torch.int32).contiguous()
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    q_start, kv_len, first = torch.tensor([15, 9, 4]), torch.tensor([16, 10, 5]), torch.tensor([0, 3, 4])
+    codecs = select_codecs(D, torch.float32, None, None)
+    got = paged_decode_cpu(q, kp, vp, tables, q_start, kv_len, k_codec=codecs.k_codec, v_codec=codecs.v_codec,
+                           k_sidecars={}, v_sidecars={}, first=first)
+    k, v = (pool[tables.long()].reshape(B, 16, Hkv, D).transpose(1, 2) for pool in (kp, vp))
+    seen = torch.arange(16) >= first[:, None]  # (and j <= q_start, j < kv_len: the causal mask's)
+    want = causal_attention(q, k, v, mask=causal_mask(B, 1, 16, q_start, kv_len) & seen[:, None, None])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])

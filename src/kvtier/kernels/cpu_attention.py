@@ -45,7 +45,8 @@ _C_SOURCE = r"""
 #include <string.h>
 #include <math.h>
 /* out[b, h*G + g] = softmax_j(q[b, h*G + g] . k[b, j, h] * scale) @ v[b, j, h] over keys
-   j < min(kv_len[b], q_start[b] + 1), pages [num_blocks, bs, Hkv, D]: float32 values (CODE
+   first[b] <= j < min(kv_len[b], q_start[b] + 1) (first NULL: 0, a sliding window's first key
+   otherwise), pages [num_blocks, bs, Hkv, D]: float32 values (CODE
    0), or one byte per element with one float32 scale per (token, head), [num_blocks, bs,
    Hkv, 1]: int8 codes (CODE 1, q8) or codes looked up in a 256-entry table (CODE 2, fp8's
    e4m3 bytes); a key is q . codes * its scale, a value codes * its scale. A task is (row b,
@@ -57,7 +58,7 @@ _C_SOURCE = r"""
    peeling and remainders, which cost more than the work at D = 64). */
 typedef struct {
   const float* q; int64_t q_sb, q_sh; const void *kp, *vp; const float *ks, *vs, *lut;
-  const int32_t* tables; const int64_t *q_start, *kv_len; float* out;
+  const int32_t* tables; const int64_t *q_start, *kv_len, *first; float* out;
   int64_t B, Hq, Hkv, D, bs, max_blocks, num_blocks; float scale; int64_t hsplit;
 } Args;
 
@@ -80,8 +81,9 @@ static inline __attribute__((always_inline)) int task(const Args* a, int64_t tas
   const float* lut = a->lut;
   const int64_t b = task / a->hsplit, h0 = (task % a->hsplit) * Hrun;
   const int64_t n = a->kv_len[b] < a->q_start[b] + 1 ? a->kv_len[b] : a->q_start[b] + 1;
+  const int64_t lo = a->first ? a->first[b] : 0;  /* keys before it: out of the window */
   float* o = a->out + (b * a->Hq + h0 * G) * D;
-  if (n <= 0) { memset(o, 0, Hrun * G * D * sizeof(float)); return 0; }
+  if (n <= lo) { memset(o, 0, Hrun * G * D * sizeof(float)); return 0; }
   const int32_t* tb = a->tables + b * a->max_blocks;
   const int64_t nblk = (n + bs - 1) / bs, R = Hrun * G;
   float* s = malloc((R * n + R * D + R) * sizeof(float));  /* scores [R, n], acc [R, D], sums [R] */
@@ -102,6 +104,10 @@ static inline __attribute__((always_inline)) int task(const Args* a, int64_t tas
       const int64_t m = n - i * bs < bs ? n - i * bs : bs;
       for (int64_t t = 0; t < m; t++) {
         const int64_t j = i * bs + t;
+        if (j < lo) {  /* out of the window: weight 0 */
+          for (int64_t r = 0; pass == 0 && r < R; r++) s[r * n + j] = -INFINITY;
+          continue;
+        }
         for (int64_t h = 0; h < Hrun; h++) {
           const int64_t row = at + (t * Hkv + h0 + h) * D;  /* the (token, head) vector's element */
           const float* xf = (const float*)pages + row;
@@ -136,9 +142,9 @@ static inline __attribute__((always_inline)) int task(const Args* a, int64_t tas
     if (pass == 0) {  /* scores -> exp(score - max); their sum divides at the end */
       for (int64_t r = 0; r < R; r++) {
         float* sr = s + r * n;
-        float mx = sr[0], tot = 0.f;
+        float mx = sr[lo], tot = 0.f;
         #pragma omp simd reduction(max:mx)
-        for (int64_t j = 1; j < n; j++) mx = sr[j] > mx ? sr[j] : mx;
+        for (int64_t j = lo + 1; j < n; j++) mx = sr[j] > mx ? sr[j] : mx;
         for (int64_t j = 0; j < n; j++) { sr[j] = expf(sr[j] - mx); tot += sr[j]; }
         sum[r] = tot;
       }
@@ -155,11 +161,11 @@ static inline __attribute__((always_inline)) int task(const Args* a, int64_t tas
 #define ENTRY(NAME, CODE)                                                                       \
   int NAME(const float* q, int64_t q_sb, int64_t q_sh, const void* kp, const void* vp,          \
            const float* ks, const float* vs, const float* lut, const int32_t* tables,           \
-           const int64_t* q_start,                                                              \
-           const int64_t* kv_len, float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,    \
+           const int64_t* q_start, const int64_t* kv_len, const int64_t* first,                 \
+           float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,                           \
            int64_t bs, int64_t max_blocks, int64_t num_blocks, float scale, int64_t hsplit,     \
            int threads) {                                                                       \
-    const Args a = {q, q_sb, q_sh, kp, vp, ks, vs, lut, tables, q_start, kv_len, out,           \
+    const Args a = {q, q_sb, q_sh, kp, vp, ks, vs, lut, tables, q_start, kv_len, first, out,    \
                     B, Hq, Hkv, D, bs, max_blocks, num_blocks, scale, hsplit};                  \
     const int bad = check(&a);                                                                  \
     if (bad) return bad;                                                                        \
@@ -187,16 +193,17 @@ class CpuAttentionKernels:
     def __init__(self, lib: ctypes.CDLL):
         self._decode = {"fp": lib.paged_decode_f32, "q8": lib.paged_decode_q8, "fp8": lib.paged_decode_fp8}
         for fn in self._decode.values():
-            fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 9
+            fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 10
                            + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int])
             fn.restype = ctypes.c_int
         # fp8's table: the float32 value of every e4m3 byte (NaN for the two NaN codes)
         self._e4m3 = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float() if FP8_DTYPE else None
 
     def decode(self, storage, q, key_pages, value_pages, k_scale, v_scale, block_tables, q_start, kv_len,
-               scale, out) -> None:
+               scale, out, first=None) -> None:
         """Run the kernel for ``storage`` (``"fp"``, ``"q8"`` or ``"fp8"``) on checked tensors
-        (see :func:`paged_decode_cpu`) into ``out``; ``k_scale``/``v_scale``: the codes' scales."""
+        (see :func:`paged_decode_cpu`) into ``out``; ``k_scale``/``v_scale``: the codes' scales;
+        ``first``: int64 ``[B]``, each row's first key (``None``: 0)."""
         B, Hq = q.shape[:2]
         num_blocks, bs, Hkv, D = key_pages.shape
         threads = torch.get_num_threads()
@@ -206,7 +213,8 @@ class CpuAttentionKernels:
         lut = self._e4m3.data_ptr() if storage == "fp8" else None
         bad = self._decode[storage](
             q.data_ptr(), q.stride(0), q.stride(1), key_pages.data_ptr(), value_pages.data_ptr(), ks, vs, lut,
-            block_tables.data_ptr(), q_start.data_ptr(), kv_len.data_ptr(), out.data_ptr(),
+            block_tables.data_ptr(), q_start.data_ptr(), kv_len.data_ptr(),
+            None if first is None else first.data_ptr(), out.data_ptr(),
             B, Hq, Hkv, D, bs, block_tables.shape[1], num_blocks, scale, hsplit, threads,
         )  # fmt: skip
         if bad < 0:
@@ -242,6 +250,7 @@ def paged_decode_cpu(
     k_sidecars: dict[str, torch.Tensor],
     v_sidecars: dict[str, torch.Tensor],
     scale: float | None = None,
+    first: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """A decode step's attention ``[B, H_q, 1, D]`` float32, or ``None`` where the kernel does not serve.
 
@@ -252,7 +261,8 @@ def paged_decode_cpu(
     ``[num_blocks, block_size, H_kv, 1]`` (fp8's key centre is left out: it shifts every
     score of a query by the same ``q . c``, which the softmax ignores); ``block_tables``
     int32 ``[B, max_blocks]``; ``q_start``, ``kv_len`` integer ``[B]``. Row ``b`` attends to keys ``j < min(kv_len[b],
-    q_start[b] + 1)``; a row that sees none gets zeros. ``None`` for anything else (more
+    q_start[b] + 1)`` and, with ``first`` (integer ``[B]``: a sliding window's first key), ``j >=
+    first[b]``; a row that sees none gets zeros. ``None`` for anything else (more
     than one query per row, another dtype or codec, a tensor off the CPU, no C
     compiler): the reference serves those.
     """
@@ -269,13 +279,14 @@ def paged_decode_cpu(
     if kernels is None:
         return None
     B = q.shape[0]
-    rows = [t.to(torch.int64).contiguous() for t in (q_start, kv_len)]
+    rows = [t.to(torch.int64).contiguous() for t in (q_start, kv_len, *([] if first is None else [first]))]
     if any(tuple(t.shape) != (B,) for t in rows):
-        raise ValueError(f"q_start and kv_len must be [{B}], got {tuple(q_start.shape)} and {tuple(kv_len.shape)}")
+        raise ValueError(f"q_start, kv_len and first must be [{B}], got {[tuple(t.shape) for t in rows]}")
     out = torch.empty(B, q.shape[1], 1, q.shape[3], dtype=torch.float32)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
     k_scale, v_scale = (None, None) if storage == "fp" else (k_sidecars["scale"], v_sidecars["scale"])
-    kernels.decode(storage, q, key_pages, value_pages, k_scale, v_scale, block_tables, *rows, scale, out)
+    kernels.decode(storage, q, key_pages, value_pages, k_scale, v_scale, block_tables, *rows[:2], scale, out,
+                   *rows[2:])
     return out
 
 

@@ -230,8 +230,8 @@ def paged_attention_reference(
     # caller gave): row by row, over its own keys, instead of all padded to the longest
     shortest = int(kv_len.min()) if cpu else 0
     row_tokens = given_chunk or DEFAULT_CHUNK_BYTES // (key_pages.shape[2] * k_codec.head_dim * 4)
-    if (cpu and B > 1 and max_len <= row_tokens
-            and (shortest < max_len or bool((q_start != q_start[0]).any()))):
+    if (cpu and (B > 1 or window is not None) and max_len <= row_tokens
+            and (window is not None or shortest < max_len or bool((q_start != q_start[0]).any()))):
         return _attend_rows(q, key_pages, value_pages, block_tables, q_start, kv_len, k_codec=k_codec,
                             v_codec=v_codec, k_sidecars=k_sidecars, v_sidecars=v_sidecars, scale=scale,
                             window=window)
@@ -296,7 +296,10 @@ def _attend_rows(q, key_pages, value_pages, block_tables, q_start, kv_len, *, k_
         k = gather_pages(key_pages, k_sidecars, ids, codec=k_codec, first_block=at)[:, :, :n]
         v = gather_pages(value_pages, v_sidecars, ids, codec=v_codec, first_block=at)[:, :, :n]
         qb = q[b : b + 1].to(k.dtype)  # (1, H_q, T, D)
-        if window is not None and start + T > window:  # a sliding window cuts the last query's keys
+        if window is not None and start + T > window and T == 1 and start + 1 >= n:
+            first = start - window + 1  # a decode step past the window: its last keys, no mask
+            out[b : b + 1] = sdpa(qb, k[:, :, first:], v[:, :, first:]).to(q.dtype)
+        elif window is not None and start + T > window:  # a sliding window cuts the last query's keys
             mask = causal_mask(1, T, n, start, n, device=q.device, window=window)
             out[b : b + 1] = masked_attention(qb, k, v, mask, scale).to(q.dtype)
         elif start + 1 >= n:  # every query sees the whole row (a decode step)
@@ -421,12 +424,15 @@ def paged_attention(
     """:func:`paged_attention_reference` (arguments, without ``chunk_tokens``, and result
     ``[B, H_q, T, D]``) through ``dispatch``: Triton's ``paged_attention_triton`` where it
     serves, on the CPU the C decode kernel (:func:`~kvtier.kernels.cpu_attention.paged_decode_cpu`)
-    for the calls it covers; the reference serves a sliding ``window`` (the kernels read every key
-    up to a query's)."""
+    for the calls it covers; with a sliding ``window``, the C kernel for one query a row (from its
+    window's first key), else the reference (Triton's kernels read every key up to a query's)."""
+    window = kw.pop("window", None)
+    if window is not None:  # each row from its first block in a window; one query a row: the C kernel
+        tables, q_start, kv_len = _skip_unseen_blocks(block_tables, q_start, kv_len, window, key_pages.shape[1])
+        args = (q, key_pages, value_pages, tables, q_start, kv_len)
+        return dispatch.serve("attention", q.device, None, lambda: paged_attention_reference(*args, window=window, **kw),
+                              cpu_kernel=lambda: paged_decode_cpu(*args, first=(q_start - window + 1).clamp(min=0), **kw))
     args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
-    if kw.get("window") is not None:
-        return dispatch.serve("attention", q.device, None, lambda: paged_attention_reference(*args, **kw))
-    kw.pop("window", None)
     return dispatch.serve(
         "attention", q.device,
         lambda: _import_triton().paged_attention_triton(*args, **kw),
