@@ -127,17 +127,9 @@ def hf_tiny(kind: str):
 @pytest.fixture(scope="module")
 def tiny_pairs(tmp_path_factory):
     """``get(kind) -> (hf_model, LoadedModel)``: saved by transformers, loaded by us; built once."""
-    made = {}
+    from hf_pairs import loaded_pairs
 
-    def get(kind: str):
-        if kind not in made:
-            hf = hf_tiny(kind)
-            folder = tmp_path_factory.mktemp(f"hf-{kind}")
-            hf.save_pretrained(folder)
-            made[kind] = hf, load_model(folder, device="cpu", dtype=torch.float32, progress=False)
-        return made[kind]
-
-    return get
+    return loaded_pairs(tmp_path_factory, hf_tiny, "hf")
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "qwen3"])

@@ -19,7 +19,7 @@ from kvtier.model.cpu_step import plan_for
 from kvtier.speculative import SpeculativeConfig, speculative_generate_step
 
 transformers = pytest.importorskip("transformers")
-from window_support import WINDOW, hf_greedy, hf_windowed, prompts  # noqa: E402  (needs transformers)
+from hf_pairs import WINDOW, hf_greedy, hf_windowed, loaded_pairs, prompts  # noqa: E402  (needs transformers)
 
 TIERS = {
     "tail": KVCacheConfig(tier="tail", step=16),
@@ -31,18 +31,7 @@ TIERS = {
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    """``get(kind) -> (hf_model, LoadedModel)``, saved by transformers and loaded by kvtier."""
-    made = {}
-
-    def get(kind: str):
-        if kind not in made:
-            hf = hf_windowed(kind)
-            folder = tmp_path_factory.mktemp(f"sw-{kind}")
-            hf.save_pretrained(folder)
-            made[kind] = hf, load_model(folder, device="cpu", dtype=torch.float32, progress=False)
-        return made[kind]
-
-    return get
+    return loaded_pairs(tmp_path_factory, hf_windowed, "sw")
 
 
 # -- the model: every tier against transformers ----------------------------------------------------

@@ -14,7 +14,7 @@ from kvtier.serve.params import RequestParams
 from kvtier.serve.runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
-from window_support import WINDOW, hf_greedy, hf_windowed, prompts  # noqa: E402  (needs transformers)
+from hf_pairs import WINDOW, hf_greedy, hf_windowed, prompts  # noqa: E402  (needs transformers)
 
 
 @pytest.fixture(scope="module")

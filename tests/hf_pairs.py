@@ -1,10 +1,13 @@
-"""Tiny transformers models with a sliding window, and their greedy tokens: the reference of the
-sliding-window tests (tests/model/test_sliding_window.py, tests/serve/test_engine_window.py)."""
+"""Tiny transformers models saved by transformers and loaded by kvtier (:func:`loaded_pairs`), the
+windowed ones of the sliding-window tests (tests/model/test_sliding_window.py,
+tests/serve/test_engine_window.py) and transformers' greedy tokens."""
 
 from __future__ import annotations
 
 import torch
 import transformers
+
+from kvtier.model import load_model
 
 WINDOW = 8
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -34,3 +37,19 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)
     assert out.shape[1] == len(ids) + n
     return out[0, len(ids):].tolist()
+
+
+def loaded_pairs(tmp_path_factory, build, prefix: str):
+    """``get(kind) -> (hf_model, LoadedModel)``: ``build(kind)`` saved by transformers and loaded by
+    kvtier (CPU, float32), each kind built once."""
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            hf = build(kind)
+            folder = tmp_path_factory.mktemp(f"{prefix}-{kind}")
+            hf.save_pretrained(folder)
+            made[kind] = hf, load_model(folder, device="cpu", dtype=torch.float32, progress=False)
+        return made[kind]
+
+    return get
