@@ -270,7 +270,8 @@ def _skip_unseen_blocks(block_tables: torch.Tensor, q_start: torch.Tensor, kv_le
     whole blocks, so every query keeps its distance to every key (the mask is unchanged)."""
     skip = (q_start - window + 1).clamp(min=0) // bs  # (B,) blocks out of every query's window
     width = block_tables.shape[1]
-    cols = (torch.arange(width, device=block_tables.device) + skip[:, None].to(block_tables.device)).clamp(max=width - 1)
+    cols = torch.arange(width, device=block_tables.device) + skip[:, None].to(block_tables.device)
+    cols = cols.clamp(max=width - 1)  # (past a row's last column: never read)
     moved = skip.to(q_start.dtype) * bs
     return block_tables.gather(1, cols), q_start - moved, (kv_len - moved.to(kv_len.dtype)).clamp(min=0)
 
@@ -430,8 +431,10 @@ def paged_attention(
     if window is not None:  # each row from its first block in a window; one query a row: the C kernel
         tables, q_start, kv_len = _skip_unseen_blocks(block_tables, q_start, kv_len, window, key_pages.shape[1])
         args = (q, key_pages, value_pages, tables, q_start, kv_len)
-        return dispatch.serve("attention", q.device, None, lambda: paged_attention_reference(*args, window=window, **kw),
-                              cpu_kernel=lambda: paged_decode_cpu(*args, first=(q_start - window + 1).clamp(min=0), **kw))
+        first = (q_start - window + 1).clamp(min=0)  # (the one query's window)
+        return dispatch.serve("attention", q.device, None,
+                              lambda: paged_attention_reference(*args, window=window, **kw),
+                              cpu_kernel=lambda: paged_decode_cpu(*args, first=first, **kw))
     args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
     return dispatch.serve(
         "attention", q.device,
@@ -491,10 +494,10 @@ def paged_attention_packed(
     ``paged_attention_triton`` reads the packed queries in place (no padding), the first
     ``single_rows`` rows (one query each, tokens ``0 .. single_rows - 1``) as a decode launch."""
     args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
-    if kw.get("window") is not None:  # (as paged_attention)
+    window = kw.pop("window", None)
+    if window is not None:  # (the kernel reads every key up to a query's)
         return dispatch.serve("attention", q.device, None, lambda: paged_attention_packed_reference(
-            *args, q_offsets=q_offsets, max_q_len=max_q_len, **kw))
-    kw.pop("window", None)
+            *args, q_offsets=q_offsets, max_q_len=max_q_len, window=window, **kw))
     return dispatch.serve(
         "attention", q.device,
         lambda: _import_triton().paged_attention_triton(*args, q_offsets=q_offsets, max_q_len=max_q_len,
