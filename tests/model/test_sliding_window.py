@@ -187,6 +187,41 @@ def test_the_c_decode_kernel_starts_each_row_at_its_first_key():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_planned_ragged_step_keeps_its_kernel_until_a_row_holds_more_than_the_window(pairs, monkeypatch):
+    import kvtier.caches.ragged as ragged
+
+    hf, lm = pairs("mistral")
+    seen, real = [], ragged.ragged_attention
+    monkeypatch.setattr(ragged, "ragged_attention", lambda *a, **kw: seen.append(kw["window"]) or real(*a, **kw))
+    rows = prompts(8, [WINDOW - 2])
+    steps = generate_step(lm.model, rows, lm.model.make_caches(TIERS["ragged"]))
+    got = [int(next(steps)[0]) for _ in range(4)]  # decode steps over 6, 7, 8 and 9 keys
+    steps.close()
+    assert got == hf_greedy(hf, rows[0], 4)
+    assert seen[-6::2] == [None, None, WINDOW]  # layer 1 of the steps over 7, 8 and 9 keys
+
+
+def test_paged_calls_with_a_window_check_their_table_and_first_keys():
+    from kvtier.kernels.cpu_attention import load_kernels, paged_decode_cpu
+
+    codecs = select_codecs(16, torch.float32, None, None)
+    kw = dict(k_codec=codecs.k_codec, v_codec=codecs.v_codec, k_sidecars={}, v_sidecars={})
+    pages, q = torch.zeros(8, 4, 2, 16), torch.zeros(1, 4, 1, 16)
+    narrow = torch.tensor([[0, 1, 2]], dtype=torch.int32)  # 20 keys need 5 blocks of 4
+    with pytest.raises(ValueError, match="kv_len 20 needs 5 blocks but block_tables has 3 columns"):
+        paged_attention_reference(q, pages, pages, narrow, torch.tensor([19]), torch.tensor([20]), window=4, **kw)
+    if load_kernels() is None:
+        return
+    with pytest.raises(ValueError, match=r"first must be >= 0 per row .* got \[-1\]"):
+        paged_decode_cpu(q, pages, pages, narrow, torch.tensor([3]), torch.tensor([4]), first=torch.tensor([-1]), **kw)
+    g = torch.Generator().manual_seed(3)
+    pages = torch.randn(8, 4, 2, 16, generator=g)
+    wide = torch.randperm(8, generator=g).view(2, 4).to(torch.int32)
+    q, start, n = torch.randn(2, 4, 1, 16, generator=g), torch.tensor([9, 5]), torch.tensor([10, 6])
+    view = paged_decode_cpu(q, pages, pages, wide[:, :3], start, n, **kw)  # (a plan's view of the columns)
+    assert view is not None and torch.equal(view, paged_decode_cpu(q, pages, pages, wide[:, :3].clone(), start, n, **kw))
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
 def test_a_bad_window_is_refused_naming_it(bad):
     from kvtier import TailOwnedKVCache
@@ -212,6 +247,7 @@ def test_fewer_layers_keep_the_windows_of_those_left():
     assert model.args.sliding_layers == (0,)
     assert [ly.attention.window for ly in model.layers] == [4, None]
     assert ModelArgs.from_dict(args.to_dict()) == args  # (a JSON round trip: lists back to a tuple)
+    assert ModelArgs.from_dict({**args.to_dict(), "sliding_layers": range(1, 4)}).sliding_layers == (1, 2, 3)
 
 
 # -- on a GPU: the Triton kernels until the window, the reference past it ---------------------------

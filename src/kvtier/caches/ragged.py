@@ -93,6 +93,7 @@ class RaggedBatchKVCache(RowKVCache):
         self.keys = self.values = None  # (B, H_kv, capacity, D) each, from the first write
         self._offsets: torch.Tensor | None = None  # (B,) int64, the row lengths
         self._last_ws, self._last_q = None, 0  # (B,) write_start of the last update, its tokens (0: none)
+        self._reach = 0  # past every position the last unplanned update wrote (its tokens' queries)
         self._lengths: list[int] | None = None  # exact row lengths, while the host knows them
         self._bound = 0  # host upper bound on the longest row
         self._frozen, self._target = False, 0  # _target: capacity of the first allocation
@@ -236,7 +237,7 @@ class RaggedBatchKVCache(RowKVCache):
                 torch.add(self._last_ws, q, out=self._offsets)
             else:
                 self._offsets.copy_(no)
-        self._last_q = q
+        self._last_q, self._reach = q, end  # (end: past the last write's every position)
         self._lengths = new_lengths
         self._bound = max(new_lengths) if new_lengths is not None else end
 
@@ -253,7 +254,7 @@ class RaggedBatchKVCache(RowKVCache):
             self.keys.scatter_(2, idx[:, None, :, None].expand(B, H, 1, keys.shape[3]), keys)
             self.values.scatter_(2, idx[:, None, :, None].expand(B, H, 1, values.shape[3]), values)
             self._offsets.copy_(plan.new_offsets)
-        self._last_q, self._lengths, self._bound = 1, plan.ends, plan.bound
+        self._last_q, self._reach, self._lengths, self._bound = 1, 0, plan.ends, plan.bound
         self._plan = plan
 
     def _assert_rows(self, start: torch.Tensor, no: torch.Tensor | None, q: int) -> None:
@@ -301,8 +302,10 @@ class RaggedBatchKVCache(RowKVCache):
         if self.keys is None:
             raise ValueError("attention() on an empty cache; call update() first")
         scale = check_queries(queries, self.keys.shape[1], self.keys.shape[3], self.keys.dtype, scale)
-        # (the host bound on the rows' keys and, plus T, on the queries' positions; given starts: none)
-        window = check_window(window, self._live() + queries.shape[2] if q_start is None else None)
+        # (host bounds on the rows' keys and the queries' positions, the last write's past its commit;
+        # given starts: none)
+        reach = max(self._live(), self._reach if queries.shape[2] == self._last_q else 0)
+        window = check_window(window, reach if q_start is None else None)
         if queries.shape[0] != self.batch_size:
             raise ValueError(f"queries batch {queries.shape[0]} differs from the cache's {self.batch_size}")
         S = self.capacity if self._frozen else self._live()

@@ -272,7 +272,7 @@ def paged_decode_cpu(
         or q.dim() != 4 or q.shape[2] != 1 or q.dtype != torch.float32 or q.device.type != "cpu"
         or q.stride(3) != 1 or key_pages.shape[3] != q.shape[3] or q.shape[1] % key_pages.shape[2]
         or block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]
-        or not block_tables.is_contiguous() or block_tables.device.type != "cpu"
+        or block_tables.device.type != "cpu"
     ):  # fmt: skip
         return None
     kernels = load_kernels()
@@ -282,6 +282,9 @@ def paged_decode_cpu(
     rows = [t.to(torch.int64).contiguous() for t in (q_start, kv_len, *([] if first is None else [first]))]
     if any(tuple(t.shape) != (B,) for t in rows):
         raise ValueError(f"q_start, kv_len and first must be [{B}], got {[tuple(t.shape) for t in rows]}")
+    if first is not None and bool((rows[2] < 0).any()):
+        raise ValueError(f"first must be >= 0 per row (a row's first key), got {rows[2].tolist()}")
+    block_tables = block_tables.contiguous()  # (a plan's table is a view of its columns)
     out = torch.empty(B, q.shape[1], 1, q.shape[3], dtype=torch.float32)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
     k_scale, v_scale = (None, None) if storage == "fp" else (k_sidecars["scale"], v_sidecars["scale"])

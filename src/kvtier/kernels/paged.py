@@ -268,8 +268,10 @@ def _skip_unseen_blocks(block_tables: torch.Tensor, q_start: torch.Tensor, kv_le
     """Each row's block table, first query and length from its first block that a query's sliding
     ``window`` reaches: the blocks before hold no key any of its queries sees. Positions move by
     whole blocks, so every query keeps its distance to every key (the mask is unchanged)."""
+    width, longest = block_tables.shape[1], int(kv_len.max()) if kv_len.numel() else 0
+    if -(-longest // bs) > width:  # (before the columns move: a narrow table would read a wrong block)
+        raise ValueError(f"kv_len {longest} needs {-(-longest // bs)} blocks but block_tables has {width} columns")
     skip = (q_start - window + 1).clamp(min=0) // bs  # (B,) blocks out of every query's window
-    width = block_tables.shape[1]
     cols = torch.arange(width, device=block_tables.device) + skip[:, None].to(block_tables.device)
     cols = cols.clamp(max=width - 1)  # (past a row's last column: never read)
     moved = skip.to(q_start.dtype) * bs

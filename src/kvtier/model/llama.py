@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from typing import Any
@@ -114,7 +115,7 @@ class ModelArgs:
             raise ValueError(f"sliding_window must be a positive int (keys a query sees) or None, got {w!r}")
         if layers is None:
             return
-        if not isinstance(layers, (list, tuple)) or not all(
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Collection) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layers for i in layers):
             raise ValueError(f"sliding_layers must be layer indices in [0, {self.n_layers}) or None (every "
                              f"layer), got {layers!r}")

@@ -246,9 +246,10 @@ def args_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[in
                          "(and Llama 3's rope_freqs)")
     window = key("attention.sliding_window") or None  # (every layer's, as Mistral's)
     if window and arch not in ("llama", "mistral"):  # Qwen2/3: only with use_sliding_window, which GGUFs lack
-        warnings.warn(f"{arch} sliding_window={window} ({arch}.attention.sliding_window) is not applied: a GGUF "
-                      "does not say whether the model uses it (transformers applies it only with "
-                      "use_sliding_window); load the Hugging Face folder to have it", stacklevel=3)
+        if window < key("context_length", 4096):
+            warnings.warn(f"{arch} sliding_window={window} ({arch}.attention.sliding_window) is not applied: a GGUF "
+                          "does not say whether the model uses it (transformers applies it only with "
+                          "use_sliding_window); load the Hugging Face folder to have it", stacklevel=3)
         window = None
     base = float(key("rope.freq_base", 10000.0))
     if rope_freqs is not None:
