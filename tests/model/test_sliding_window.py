@@ -73,6 +73,28 @@ def test_rows_of_different_lengths_decode_transformers_tokens(pairs, tier):
     assert got == [hf_greedy(hf, r, 12) for r in rows]
 
 
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+@torch.no_grad()
+def test_the_one_call_paged_step_decodes_lone_tokens_past_the_window(pairs, kind, monkeypatch):
+    from kvtier.model.cpu_step import DecodeStep
+
+    hf, lm = pairs(kind)
+    if plan_for(lm.model) is None:
+        pytest.skip("the one-call CPU step is not built here")
+    served, real = [], DecodeStep.run_paged
+    monkeypatch.setattr(DecodeStep, "run_paged", lambda self, *a, **kw: served.append(real(self, *a, **kw)) or served[-1])
+    rows = prompts(9, [14, 11])
+    caches = lm.model.make_caches(TIERS["paged"], batch_size=2)
+    steps = generate_step(lm.model, rows, caches)
+    got = torch.stack([next(steps) for _ in range(6)], 1).tolist()
+    steps.close()
+    assert len(served) >= 5 and all(x is not None for x in served)  # every decode step in one call
+    assert got == [hf_greedy(hf, r, 6) for r in rows]
+    table = caches[0].pool.block_tables[:1].repeat(2, 1).contiguous()  # two tokens of one sequence: a run
+    run = real(plan_for(lm.model), torch.tensor([5, 6]), torch.tensor([15, 16]), table, caches)
+    assert run is None
+
+
 @pytest.mark.parametrize("tier", ["ragged", "paged"])
 @torch.no_grad()
 def test_speculative_rows_give_transformers_tokens(pairs, tier):

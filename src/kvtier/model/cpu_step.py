@@ -212,6 +212,7 @@ class DecodeStep:
             keep.extend(norms)
             layers[i].attn_norm, layers[i].ffn_norm = norms[0].data_ptr(), norms[1].data_ptr()
             layers[i].wqkv, layers[i].wo, layers[i].w13, layers[i].w2 = lins
+            layers[i].window = a.window_of(i) or 0
         head = _linear_entry(model.output, keep)
         if head is None or not _cpu_f32(model.norm.weight) or not _cpu_f32(model.tok_embeddings.weight):
             return None
@@ -311,8 +312,9 @@ class DecodeStep:
         the caches are not one :class:`~kvtier.caches.paged.PagedKVCache` a layer with pages the
         step reads (float32 of the lossless codec, or ``q8``, ``q4``, ``fp8``, ``q4_g32`` or
         TurboQuant codes, which it writes as the codecs do: :func:`_page_kinds`), the model's
-        shape and blocks of a power of two tokens, an input is off the CPU, or a token's position
-        reaches past the model's sliding window (:attr:`window`). A token, position
+        shape and blocks of a power of two tokens, an input is off the CPU, or tokens of one
+        sequence at consecutive positions (a run) reach past the model's sliding window
+        (:attr:`window`); a lone token of its sequence attends to its window's keys. A token, position
         or block id out of range raises ``ValueError`` before anything is written.
 
         ``invariant``: every token's logits, keys and values the same bits whatever other tokens
@@ -347,8 +349,8 @@ class DecodeStep:
                              f"tokens), got {lo[1]}..{hi[1]}; give the rows their blocks first")
         if lo[2] < 0 or hi[2] >= num_blocks:
             raise ValueError(f"block ids must lie in [0, {num_blocks}), got {lo[2]}..{hi[2]}")
-        if self.window is not None and hi[1] >= self.window:
-            return None  # a key out of a token's sliding window: the layered forward masks it
+        if self.window is not None and hi[1] >= self.window and _runs(positions, tables):
+            return None  # a run of a sequence's tokens past the window: the layered forward masks each's
         n_out, spread = N, None
         if select is not None:
             select = select.to(torch.int64).contiguous()
@@ -432,6 +434,12 @@ class DecodeStep:
 #: b-bit values ``KV_LM + b``, its keys of other bits ``KV_AF + b``)
 _KV_F32, _KV_Q8, _KV_Q4, _KV_FP8, _KV_G32, _KV_A8, _KV_LM, _KV_AF = 0, 2, 3, 4, 5, 6, 16, 32
 _CODE_KINDS = {IdentityCodec: _KV_F32, Q8Codec: _KV_Q8, Q4Codec: _KV_Q4, Fp8Codec: _KV_FP8, GroupQ4Codec: _KV_G32}
+
+
+def _runs(positions: torch.Tensor, tables: torch.Tensor) -> bool:
+    """Whether two tokens of a call are a run of one sequence (the step attends to a run's tokens
+    together, over the keys of the last: one window's first key does not serve them all)."""
+    return bool(((positions[1:] == positions[:-1] + 1) & (tables[1:] == tables[:-1]).all(1)).any())
 
 
 def _page_tensors(c) -> tuple:

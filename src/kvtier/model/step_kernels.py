@@ -79,6 +79,8 @@ typedef struct {
   const float* vbnd;
   const float* vrot;   /* their rotation's signs / sqrt(D) [D] (else NULL) */
   const float* krot;   /* rotated TurboQuant keys' rotation, likewise (else NULL) */
+  int64_t window;      /* over pages, a lone token of its sequence sees only its last window keys
+                          (0: every key; a run of tokens is the caller's to refuse) */
 } Layer;
 
 /* tokens of several sequences over paged caches: token t at position pos[t], its keys and
@@ -458,7 +460,10 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
         #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t t = 0; t < runs * Hkv * splits; t++) {
           const int64_t r = t / (Hkv * splits), kh = t / splits % Hkv, j0 = (t % splits) * chunk;
-          const int64_t tok = run_at[r], j1 = j0 + chunk < n ? j0 + chunk : n;
+          const int64_t tok = run_at[r], j1 = j0 + chunk < n ? j0 + chunk : n, win = ly->window;
+          /* a lone token past its window: the split from the window's first key (none left: empty) */
+          const int64_t lo = win && run_at[r + 1] - tok == 1 && paged->pos[tok] >= win ? paged->pos[tok] - win + 1 : 0;
+          const int64_t js = j0 > lo ? j0 : lo < j1 ? lo : j1;
           const KvRows kv = token_kv(paged, tok, Hkv, D);
           const void* K = (const char*)ly->k + kv_span(kind, head_at(paged, kh, cap, D));
           const void* V = (const char*)ly->v + kv_span(vkind, head_at(paged, kh, cap, D));
@@ -467,7 +472,7 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
           const float* q = qk + tok * QK + kh * group * D;
           float* s = scores + (tok * Hkv + kh) * group * score_stride;
           float* part = parts + ((tok * Hkv + kh) * splits + t % splits) * group * (D + 2);
-          attend_chunk_d(q, QK, K, V, KS, VS, kv, j0, j1, paged->pos[tok], run_at[r + 1] - tok, group, D, kind, vkind,
+          attend_chunk_d(q, QK, K, V, KS, VS, kv, js, j1, paged->pos[tok], run_at[r + 1] - tok, group, D, kind, vkind,
                          scale, s, Hkv * group * score_stride, score_stride, part, Hkv * splits * group * (D + 2), D + 2);
         }
         step_barrier(&bar);
@@ -531,7 +536,8 @@ class Layer(ctypes.Structure):
                 ("v", ctypes.c_void_p), ("offset", ctypes.c_int64), ("cap", ctypes.c_int64),
                 ("kind", ctypes.c_int64), ("vkind", ctypes.c_int64), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p),
                 ("kz", ctypes.c_void_p), ("vz", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vtab", ctypes.c_void_p),
-                ("vbnd", ctypes.c_void_p), ("vrot", ctypes.c_void_p), ("krot", ctypes.c_void_p)]
+                ("vbnd", ctypes.c_void_p), ("vrot", ctypes.c_void_p), ("krot", ctypes.c_void_p),
+                ("window", ctypes.c_int64)]
 
 
 class Paged(ctypes.Structure):
