@@ -4,7 +4,9 @@ The default model (or ``--arch``'s random weights) is given a window of ``--wind
 layer (as Mistral 7B v0.1 has 4,096); a prompt of ``--context`` random tokens is prefilled on each
 tier, then ``--steps`` decode steps are timed one by one. Without a window the kernels attend over the
 whole context (on the CPU the one-call step for the tail tier, the C decode kernel for the paged one);
-with it each step attends over its window through the PyTorch reference. Printed: the median step of
+with it each step attends over its window (the tail tier's one-call step, the C decode kernel, the
+PyTorch reference where neither serves). ``paged-planned``: ``generate``'s decode steps over a step
+plan (on the CPU the one-call step over the pages, as the server's). Printed: the median step of
 both and their ratio, per tier; the figures as JSON with ``--json``.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/tools/window_steps.py --device cpu --json window.json
@@ -22,13 +24,23 @@ import torch
 
 def _steps(model, tier: str, context: int, steps: int, device: str) -> list[float]:
     from kvtier.config import KVCacheConfig
+    from kvtier.generate import generate_step
 
-    cfg = KVCacheConfig(tier=tier) if tier != "paged" else KVCacheConfig(
+    cfg = KVCacheConfig(tier=tier) if not tier.startswith("paged") else KVCacheConfig(
         tier="paged", paged_num_blocks=(context + steps) // 16 + 2)
     caches = model.make_caches(cfg)
     ids = torch.randint(10, model.args.vocab_size - 10, (1, context + steps),
                         generator=torch.Generator().manual_seed(0)).to(device)
     times = []
+    if tier == "paged-planned":  # generate's decode steps over one step plan (on the CPU the one-call step)
+        run = generate_step(model, ids[:, :context].tolist(), caches, prefill_chunk=512)
+        next(run)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            next(run)
+            times.append(time.perf_counter() - t0)
+        run.close()
+        return times
     with torch.inference_mode():
         for start in range(0, context, 512):
             model(ids[:, start : min(start + 512, context)], caches, last_only=True)
@@ -50,7 +62,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--tiers", default="tail,paged")
+    parser.add_argument("--tiers", default="tail,paged,paged-planned")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
