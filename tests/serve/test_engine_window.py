@@ -44,8 +44,8 @@ def test_batched_chunked_and_preempted_requests_get_transformers_tokens(pair):
 
 def test_batch_invariant_steps_refuse_a_model_whose_sequences_may_pass_its_window(pair):
     _, lm = pair
-    with pytest.raises(ValueError, match=rf"sliding window is {WINDOW} tokens: serve it with --max-model-len "
-                                         rf"{WINDOW} or less"):
+    with pytest.raises(ValueError, match=rf"past a sliding window, and the model's is {WINDOW} tokens: serve it "
+                                         rf"with --max-model-len {WINDOW} or less"):
         ModelRunner(lm.model, num_blocks=8, block_size=4, batch_invariant=True, max_model_len=64)
     runner = ModelRunner(lm.model, num_blocks=8, block_size=4, batch_invariant=True, max_model_len=WINDOW)
     assert runner.batch_invariant

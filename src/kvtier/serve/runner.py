@@ -443,7 +443,7 @@ class ModelRunner:
             return why
         a = self.model.args
         if a.windowed and (max_model_len or a.max_position_embeddings) > a.sliding_window:
-            return (f"the one-call step reads every key up to a token's, and the model's sliding window is "
+            return (f"the one-call step takes no prompt chunk past a sliding window, and the model's is "
                     f"{a.sliding_window} tokens: serve it with --max-model-len {a.sliding_window} or less")
         step = plan_for(self.model)
         if step is None:
