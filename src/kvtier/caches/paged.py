@@ -391,7 +391,7 @@ class PagedKVCache(RowKVCache):
             self.dispatch, queries, p.key_cache, p.value_cache, tables, q_start_t, kv_len,
             k_codec=self.codecs.k_codec, v_codec=self.codecs.v_codec,
             k_sidecars=p.k_sidecars, v_sidecars=p.v_sidecars, scale=scale,
-            window=check_window(window, max(max(self._lengths), max(qs) + T)),  # (every key and query inside it: none)
+            window=window and check_window(window, max(max(self._lengths), max(qs) + T)),  # (all inside it: none)
         )
 
     # -- lengths and rows ----------------------------------------------------------------------

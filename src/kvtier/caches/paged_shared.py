@@ -325,7 +325,7 @@ class SharedBlockPagedKVCache(PagedKVCache):
         codecs = self.codecs
         scale = check_queries(queries, self.pool.key_cache.shape[2], codecs.k_codec.head_dim,
                               codecs.k_codec.dtype, scale)
-        window = check_window(window, max(self._lengths, default=0))
+        window = check_window(window) and check_window(window, max(self._lengths))  # (all inside it: none)
         if queries.shape[0] != 1 or queries.shape[2] != p.total:
             raise ValueError(f"after a packed write, queries must be [1, H_q, {p.total}, D], got "
                              f"{tuple(queries.shape)}")

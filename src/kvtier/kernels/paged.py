@@ -278,6 +278,14 @@ def _skip_unseen_blocks(block_tables: torch.Tensor, q_start: torch.Tensor, kv_le
     return block_tables.gather(1, cols), q_start - moved, (kv_len - moved.to(kv_len.dtype)).clamp(min=0)
 
 
+def _decode_in_window(q, key_pages, value_pages, block_tables, q_start, kv_len, window: int, **kw):
+    """:func:`~kvtier.kernels.cpu_attention.paged_decode_cpu` of one query a row over the last
+    ``window`` keys up to it: each row from its first block in the window, from its first key there."""
+    tables, q_start, kv_len = _skip_unseen_blocks(block_tables, q_start, kv_len, window, key_pages.shape[1])
+    return paged_decode_cpu(q, key_pages, value_pages, tables, q_start, kv_len,
+                            first=(q_start - window + 1).clamp(min=0), **kw)
+
+
 def _attend_rows(q, key_pages, value_pages, block_tables, q_start, kv_len, *, k_codec, v_codec,
                  k_sidecars, v_sidecars, scale, window=None) -> torch.Tensor:
     """:func:`paged_attention_reference` one row at a time (CPU): each row's own blocks,
@@ -429,15 +437,12 @@ def paged_attention(
     serves, on the CPU the C decode kernel (:func:`~kvtier.kernels.cpu_attention.paged_decode_cpu`)
     for the calls it covers; with a sliding ``window``, the C kernel for one query a row (from its
     window's first key), else the reference (Triton's kernels read every key up to a query's)."""
+    args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
     window = kw.pop("window", None)
-    if window is not None:  # each row from its first block in a window; one query a row: the C kernel
-        tables, q_start, kv_len = _skip_unseen_blocks(block_tables, q_start, kv_len, window, key_pages.shape[1])
-        args = (q, key_pages, value_pages, tables, q_start, kv_len)
-        first = (q_start - window + 1).clamp(min=0)  # (the one query's window)
+    if window is not None:  # the reference, or for one query a row the C kernel from its window's first key
         return dispatch.serve("attention", q.device, None,
                               lambda: paged_attention_reference(*args, window=window, **kw),
-                              cpu_kernel=lambda: paged_decode_cpu(*args, first=first, **kw))
-    args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
+                              cpu_kernel=(lambda: _decode_in_window(*args, window, **kw)) if q.shape[2] == 1 else None)
     return dispatch.serve(
         "attention", q.device,
         lambda: _import_triton().paged_attention_triton(*args, **kw),

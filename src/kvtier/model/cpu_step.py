@@ -144,11 +144,10 @@ class DecodeStep:
         self._like = torch.empty(1, a.n_kv_heads, 0, a.head_dim)  # the buffers' shape, for empty caches
         self.eps = float(model.norm.eps)
         self.scale = float(model.layers[0].attention.scale)
-        #: the layers' sliding window (``None``: none): a step of several tokens a sequence reaching
-        #: past it is left to the layered forward, which masks each query's own window; ``windows``:
-        #: each layer's (``None``: the whole context)
+        #: the layers' sliding window (``None``: none; each layer's is its entry's ``window``, 0 for
+        #: none): a step of several tokens a sequence reaching past it is left to the layered forward,
+        #: which masks each query's own window
         self.window = a.sliding_window if a.windowed else None
-        self.windows = [a.window_of(i) for i in range(a.n_layers)]
         self.needs_grad = any(t.requires_grad for t in keep if isinstance(t, torch.Tensor))
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # cos, sin, inv_freq
         #: id(cache) -> weak references to the K / V buffers this plan checked (or grew) for it,
@@ -260,7 +259,7 @@ class DecodeStep:
         stride = 0
         if len(known) > 4096:  # (entries of caches gone)
             known.clear()
-        for i, (layer, c, rec) in enumerate(zip(layers, used, recs)):  # everything is checked: from here on it writes
+        for layer, c, rec in zip(layers, used, recs):  # everything is checked: from here on it writes
             off = c.offset
             if rec is None or off + T > rec[4]:
                 c.make_room(T, self._like, self._like)
@@ -269,7 +268,7 @@ class DecodeStep:
                                       c.capacity, int(k.dtype == torch.float16))
             # one token past its layer's window: the buffers from the window's first key on (the rows'
             # addresses as before, the keys ahead of it out of sight)
-            first = window_start(off, self.windows[i])
+            first = 0 if self.window is None else window_start(off, layer.window or None)
             skip = first * D * (2 if rec[5] else 4)
             layer.k, layer.v, layer.offset, layer.cap = rec[2] + skip, rec[3] + skip, off - first, rec[4]
             layer.kind = layer.vkind = rec[5]

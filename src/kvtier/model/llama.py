@@ -76,7 +76,7 @@ class ModelArgs:
     max_position_embeddings: int = 4096
     arch: str = "llama"
     sliding_window: int | None = None
-    sliding_layers: tuple[int, ...] | None = field(default=None)
+    sliding_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size",
