@@ -1,4 +1,4 @@
-"""The split merge as a programmatic dependent launch (``triton_attention.MERGE_PDL``): on compute
+"""The split merge as a programmatic dependent launch (``triton_merge.MERGE_PDL``): on compute
 capability 9.0+ the merge's programs are scheduled while the attention programs finish and wait
 (``griddepcontrol.wait``) for their partials. The result must not change by a bit."""
 
@@ -11,7 +11,7 @@ from test_triton_paged import DEVICE, IN_PROCESS, ON_GPU, build_cache
 from triton_support import in_this_process_or_a_fresh_one
 
 if IN_PROCESS:
-    from kvtier.kernels import triton_attention
+    from kvtier.kernels import triton_merge
     from kvtier.kernels.triton_paged import LaunchConfig, paged_attention_triton
 
 _kernels_in_this_process, test_in_a_fresh_process = in_this_process_or_a_fresh_one(IN_PROCESS, __file__)
@@ -28,7 +28,7 @@ def _split_launch(B, L, splits, dtype):
 
 
 def test_no_dependent_launch_off_the_gpu():
-    assert triton_attention._pdl(torch.device("cpu")) == {}
+    assert triton_merge._pdl(torch.device("cpu")) == {}
 
 
 @pytest.mark.gpu
@@ -37,7 +37,7 @@ def test_no_dependent_launch_off_the_gpu():
 def test_merge_is_the_same_with_and_without_the_dependent_launch(monkeypatch, splits):
     attend = _split_launch(4, 4000, splits, torch.bfloat16)
     with_pdl = attend()
-    monkeypatch.setattr(triton_attention, "MERGE_PDL", False)
+    monkeypatch.setattr(triton_merge, "MERGE_PDL", False)
     torch.testing.assert_close(attend(), with_pdl, atol=0, rtol=0)
 
 
@@ -45,7 +45,7 @@ def test_merge_is_the_same_with_and_without_the_dependent_launch(monkeypatch, sp
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_gpu_dependent_launch_where_the_gpu_has_it():
     has = torch.cuda.get_device_capability()[0] >= 9
-    assert triton_attention._pdl(torch.device("cuda")) == ({"PDL": True, "launch_pdl": True} if has else {})
+    assert triton_merge._pdl(torch.device("cuda")) == ({"PDL": True, "launch_pdl": True} if has else {})
     # inside a CUDA graph: a B=1 launch of 64 splits, replayed, equals the eager call
     attend = _split_launch(1, 4096, 64, torch.bfloat16)
     eager = attend()
