@@ -97,7 +97,7 @@ def build_cache(mode, B, H_kv, D, page, lengths, dtype, seed=0):
     return dict(kc=kc, vc=vc, kp=kp, vp=vp, ks=ks, vs=vs, table=table.to(DEVICE), kv_len=kv_len.to(DEVICE))
 
 
-def gathered_reference(c, q, q_start, scale=None):
+def gathered_reference(c, q, q_start, scale=None, window=None):
     """SDPA over each row's decoded K/V, gathered block by block (independent of kernels.paged)."""
     B = q.shape[0]
     page = c["kp"].shape[1]
@@ -111,7 +111,7 @@ def gathered_reference(c, q, q_start, scale=None):
             sc = {n: t[ids].reshape(nb * page, *t.shape[2:]) for n, t in side.items()}
             out.append(codec.decode(payload, sc).transpose(0, 1)[:, :L])  # (H, L, D)
     K, V = torch.stack(ks).float(), torch.stack(vs).float()  # (B, H, L, D)
-    return causal_attention(q.float(), K, V, q_start=q_start, kv_len=c["kv_len"], scale=scale)
+    return causal_attention(q.float(), K, V, q_start=q_start, kv_len=c["kv_len"], scale=scale, window=window)
 
 
 def run_attention(mode, B, Hq, H_kv, T, D, page, lengths, dtype, *, q_start=None, splits=None, block_n=None):

@@ -436,18 +436,18 @@ def paged_attention(
     ``[B, H_q, T, D]``) through ``dispatch``: Triton's ``paged_attention_triton`` where it
     serves, on the CPU the C decode kernel (:func:`~kvtier.kernels.cpu_attention.paged_decode_cpu`)
     for the calls it covers; with a sliding ``window``, the C kernel for one query a row (from its
-    window's first key), else the reference (Triton's kernels read every key up to a query's)."""
+    window's first key), Triton's for every query count."""
     args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
     window = kw.pop("window", None)
-    if window is not None:  # the reference, or for one query a row the C kernel from its window's first key
-        return dispatch.serve("attention", q.device, None,
-                              lambda: paged_attention_reference(*args, window=window, **kw),
-                              cpu_kernel=(lambda: _decode_in_window(*args, window, **kw)) if q.shape[2] == 1 else None)
+    if window is None:
+        cpu_kernel = lambda: paged_decode_cpu(*args, **kw)  # noqa: E731
+    else:  # one query a row: the C kernel from its window's first key
+        cpu_kernel = (lambda: _decode_in_window(*args, window, **kw)) if q.shape[2] == 1 else None
     return dispatch.serve(
         "attention", q.device,
-        lambda: _import_triton().paged_attention_triton(*args, **kw),
-        lambda: paged_attention_reference(*args, **kw),
-        cpu_kernel=lambda: paged_decode_cpu(*args, **kw),
+        lambda: _import_triton().paged_attention_triton(*args, window=window, **kw),
+        lambda: paged_attention_reference(*args, window=window, **kw),
+        cpu_kernel=cpu_kernel,
     )
 
 
@@ -501,10 +501,6 @@ def paged_attention_packed(
     ``paged_attention_triton`` reads the packed queries in place (no padding), the first
     ``single_rows`` rows (one query each, tokens ``0 .. single_rows - 1``) as a decode launch."""
     args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
-    window = kw.pop("window", None)
-    if window is not None:  # (the kernel reads every key up to a query's)
-        return dispatch.serve("attention", q.device, None, lambda: paged_attention_packed_reference(
-            *args, q_offsets=q_offsets, max_q_len=max_q_len, window=window, **kw))
     return dispatch.serve(
         "attention", q.device,
         lambda: _import_triton().paged_attention_triton(*args, q_offsets=q_offsets, max_q_len=max_q_len,

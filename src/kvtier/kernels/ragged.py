@@ -69,7 +69,7 @@ def ragged_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """:func:`ragged_attention_reference` through ``dispatch``; one-token queries go to the kernel
-    (the reference serves a sliding ``window``).
+    (a sliding ``window`` included).
 
     ``decode_len`` (integer ``[B]``): the keys each row's single query sees, when
     the caller knows it (a planned decode step: ``kv_len``); by default
@@ -81,11 +81,11 @@ def ragged_attention(
         if lens is None:
             lens = torch.minimum(kv_len, q_start + 1).clamp_(min=0)  # (B,)
         return importlib.import_module(TRITON_MODULE).ragged_decode_attention_triton(
-            q, keys, values, lens, scale=scale)
+            q, keys, values, lens, scale=scale, **({} if window is None else dict(window=window, q_start=q_start)))
 
     return dispatch.serve(
         "attention", q.device,
-        decode_kernel if q.shape[2] == 1 and window is None else None,
+        decode_kernel if q.shape[2] == 1 else None,
         lambda: ragged_attention_reference(q, keys, values, q_start, kv_len, scale=scale, window=window),
     )
 

@@ -15,7 +15,9 @@ the table's capacity, not on the lengths, so a launch needs no device-to-host
 sync and keeps one shape across decode steps (CUDA graphs).
 
 Visibility: query ``i`` of row ``b`` sees key ``j`` when ``j <= q_start[b] + i``
-and ``j < kv_len[b]`` (``kvtier.kernels.reference.causal_attention``).
+and ``j < kv_len[b]`` (``kvtier.kernels.reference.causal_attention``); with a sliding
+``window``, also ``j > q_start[b] + i - window`` (a tile's keys start at its first query's
+window: the keys before are not read).
 
 Packed rows (``VARLEN``): the queries of several rows side by side in ``[1, H_q, N, D]``,
 row ``b``'s ``kv_len[b] - q_start[b]`` of them from token ``q_offsets[b]``, read and
@@ -90,7 +92,7 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
 
 # row offset, table stride and query count change from one serving step to the next: one
 # compiled kernel for all their values, not one per value class (1, multiples of 16, other)
-@triton.jit(do_not_specialize=["stride_btb", "ROW0", "T"])
+@triton.jit(do_not_specialize=["stride_btb", "ROW0", "T", "window"])
 def _attention_kernel(
     Q, stride_qb, stride_qh, stride_qt,
     K, stride_kb, stride_kn, stride_kh,
@@ -101,7 +103,7 @@ def _attention_kernel(
     QSTART, KVLEN, QOFF, ROW0,
     O, stride_ob, stride_oh, stride_ot,
     PO, PL,
-    qk_scale, T, H_KV, split_len, num_splits,
+    qk_scale, T, H_KV, split_len, num_splits, window,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -124,6 +126,7 @@ def _attention_kernel(
     VARLEN: tl.constexpr,
     K_INT8: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    WINDOWED: tl.constexpr = False,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -179,6 +182,8 @@ def _attention_kernel(
         hi = kv_len
     lo = pid_s * split_len
     hi = tl.minimum(hi, lo + split_len)
+    if WINDOWED:  # (CAUSAL) from the window of the tile's first query: no query of it sees a key before
+        lo = tl.maximum(lo, tl.load(QSTART + b).to(tl.int32) + (pid_m * BLOCK_M) // G - window + 1)
 
     # 4-bit values accumulate the even and the odd channels apart (acc_a, acc_b)
     if V_SPLIT:
@@ -228,6 +233,8 @@ def _attention_kernel(
         if K_FACTOR:
             s = s * tl.load(KS + ks_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if WINDOWED:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -296,6 +303,7 @@ def launch_attention(
     single_rows: int = 0,
     first_row: int = 0,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Launch the kernel on validated inputs; ``[B, Hq, T, D]`` in ``out_dtype`` (into ``out``,
     a tensor of that shape and dtype with a contiguous last dim, when given).
@@ -313,6 +321,8 @@ def launch_attention(
     (a tile of one token's query heads), the other rows to the packed one.
     ``first_row`` (packed only): launch rows ``first_row ..`` of the tables, the rows before
     left alone (no sliced pointers, whose alignment would compile a kernel per class).
+    ``window`` (with ``q_start``): a sliding window of that many keys, on this kernel (the
+    Gluon and CUDA-core decode kernels take none).
     """
     cfg = config or LaunchConfig()
     varlen = q_offsets is not None
@@ -320,7 +330,7 @@ def launch_attention(
         return _launch_with_singles(
             q, k_payload, v_payload, k_fmt, v_fmt, block_tables=block_tables, q_start=q_start,
             kv_len=kv_len, scale=scale, out_dtype=out_dtype, config=config, q_offsets=q_offsets,
-            max_q_len=max_q_len, single_rows=single_rows, out=out,
+            max_q_len=max_q_len, single_rows=single_rows, out=out, window=window,
         )  # fmt: skip
     if varlen:
         assert block_tables is not None and q_start is not None and q.shape[0] == 1 and max_q_len >= 1
@@ -344,7 +354,9 @@ def launch_attention(
     G = Hq // H_kv
     capacity = max_blocks * page
     quantised = k_fmt.mode != FP or v_fmt.mode != FP
-    if T == 1 and not varlen and block_tables is not None and cfg.decode_kernel in (None, "gluon"):
+    assert window is None or (q_start is not None and window >= 1), window
+    decode = T == 1 and not varlen and block_tables is not None and window is None
+    if decode and cfg.decode_kernel in (None, "gluon"):
         kw = dict(block_tables=block_tables, kv_len=kv_len, q_start=q_start, capacity=capacity, scale=scale,
                   out=out, out_dtype=out_dtype, cfg=cfg)
         if cfg.decode_kernel == "gluon":
@@ -354,7 +366,7 @@ def launch_attention(
             done = gluon_decode.try_decode(q, k_payload, v_payload, k_fmt, v_fmt, kind=kind, **kw)
             if done is not None:  # else it failed here (and is not tried again): the kernels below
                 return done
-    if T == 1 and not varlen and block_tables is not None and uses_cuda_core_decode(k_fmt, v_fmt, k_payload, v_payload, cfg, G):
+    if decode and uses_cuda_core_decode(k_fmt, v_fmt, k_payload, v_payload, cfg, G):
         if out is None:
             out = torch.empty((B, Hq, 1, D), dtype=out_dtype, device=q.device)
         rows, lanes, splits, split_len, num_warps = triton_decode_quant.plan_decode(
@@ -423,13 +435,14 @@ def launch_attention(
         qs, kv_len, q_offsets if varlen else kv_len, first_row,
         out, out.stride(0), out.stride(1), out.stride(2),
         po, pl,
-        sm_scale * LOG2E, T, H_kv, split_len, splits,
+        sm_scale * LOG2E, T, H_kv, split_len, splits, window or 0,
         G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, PAGED=paged,
         CAUSAL=q_start is not None, SPLIT=splits > 1, DOT_FP32=dot_fp32, DT=dot_dtype, FAST=compiled,
         K_PURE=True, VARLEN=varlen, K_INT8=int8_q,
         NEED_SIDECARS=k_fmt.scale is not None or v_fmt.scale is not None,
         **format_constexprs("K", k_fmt, D, direct), **format_constexprs("V", v_fmt, D, direct),
-        PDL=splits > 1 and bool(_pdl(q.device)), num_warps=num_warps, num_stages=num_stages,
+        PDL=splits > 1 and bool(_pdl(q.device)), WINDOWED=window is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     merge_splits(po, pl, out, splits, base, split_len, block_n)
     return out

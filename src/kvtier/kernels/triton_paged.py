@@ -62,6 +62,12 @@ def check_head_dim(D: int) -> None:
         )
 
 
+def check_window(window) -> None:
+    """``ValueError`` unless ``window`` is ``None`` or a positive int (a sliding window's keys)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (the keys a query sees) or None, got {window!r}")
+
+
 def _check_rows(name: str, t: torch.Tensor, B: int, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
         raise ValueError(f"{name} must be an integer tensor [{B}], got {t!r:.80}")
@@ -116,6 +122,7 @@ def paged_attention_triton(
     q_offsets: torch.Tensor | None = None,
     max_q_len: int | None = None,
     single_rows: int = 0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention over paged K/V: ``[B, H_q, T, D]`` in ``q.dtype``.
 
@@ -124,7 +131,9 @@ def paged_attention_triton(
     sidecars ``{name: [num_blocks, block_size, H_kv, G]}``; ``block_tables``
     int32 ``[B, max_blocks]``; ``q_start``, ``kv_len`` integer ``[B]``. Query
     ``i`` of row ``b`` sees keys ``j <= q_start[b] + i`` with ``j < kv_len[b]``;
-    a query that sees nothing returns zeros. ``config`` overrides tile sizes and
+    a query that sees nothing returns zeros. A sliding ``window`` (a positive int): only
+    keys ``j > q_start[b] + i - window`` too, on the kernel of every query count (the
+    Gluon and CUDA-core decode kernels step aside). ``config`` overrides tile sizes and
     the split plan (benchmarks, tests).
 
     Packed rows (prompt chunks of several rows in one forward): ``q`` is
@@ -164,6 +173,7 @@ def paged_attention_triton(
         raise ValueError(f"single_rows must be an int in [0, {max(B, 0)}] (rows of one query), got {single_rows!r}")
     if single_rows and not packed:
         raise ValueError("single_rows goes with q_offsets (packed rows)")
+    check_window(window)
     check_head_dim(D)
     if q.stride(3) != 1:
         raise ValueError(f"q needs a contiguous last dim, got strides {q.stride()}")
@@ -216,7 +226,7 @@ def paged_attention_triton(
         qk, key_pages, value_pages, k_fmt, v_fmt,
         block_tables=block_tables, q_start=q_start, kv_len=kv_len, scale=scale,
         out_dtype=torch.float32 if out_rot else q.dtype, config=config,
-        q_offsets=q_offsets, max_q_len=max_q_len or 0, single_rows=single_rows,
+        q_offsets=q_offsets, max_q_len=max_q_len or 0, single_rows=single_rows, window=window,
     )  # fmt: skip
     if out_rot:  # back from the values' domain
         out = rotate_back(out, v_fmt.rotation, q.dtype)

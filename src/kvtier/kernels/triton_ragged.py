@@ -17,7 +17,7 @@ import torch
 
 from kvtier.kernels.reference import causal_attention
 from kvtier.kernels.triton_attention import LaunchConfig, launch_attention
-from kvtier.kernels.triton_paged import check_device, check_head_dim
+from kvtier.kernels.triton_paged import check_device, check_head_dim, check_window
 from kvtier.kernels.triton_quant import FP, PageFormat
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -31,8 +31,12 @@ def ragged_decode_attention_triton(
     *,
     scale: float | None = None,
     config: LaunchConfig | None = None,
+    window: int | None = None,
+    q_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode step of GQA attention over each row's first ``kv_len[b]`` keys.
+    """One decode step of GQA attention over each row's first ``kv_len[b]`` keys; with a
+    sliding ``window``, only keys ``j > q_start[b] - window`` of them (``q_start``, integer
+    ``[B]``: the query's position, by default ``kv_len - 1``).
 
     ``q``: ``[B, H_q, 1, D]``; ``keys``/``values``: ``[B, H_kv, capacity, D]``
     (any strides with a contiguous last dim: views of a larger buffer are
@@ -77,22 +81,30 @@ def ragged_decode_attention_triton(
         raise ValueError(f"kv_len must be an integer tensor [{B}] on {device}, got {kv_len!r:.80}")
     if device.type == "cpu" and B and (int(kv_len.min()) < 0 or int(kv_len.max()) > cap):
         raise ValueError(f"kv_len must lie in [0, {cap}] (the buffer's capacity), got {kv_len.tolist()}")
+    check_window(window)
+    if q_start is not None and (window is None or not isinstance(q_start, torch.Tensor) or q_start.shape != (B,)
+                                or q_start.device != device or q_start.dtype.is_floating_point):
+        raise ValueError(f"q_start goes with a window: an integer tensor [{B}] on {device}, got {q_start!r:.80}")
     if B == 0 or cap == 0:
         return q.new_zeros(B, Hq, 1, D)
     fmt = PageFormat(FP, D, D, bits=8 * q.element_size())
+    kv_len = kv_len.contiguous()
     return launch_attention(
         q, keys, values, fmt, fmt,
-        block_tables=None, q_start=None, kv_len=kv_len.contiguous(), scale=scale,
-        out_dtype=q.dtype, config=config,
+        block_tables=None, q_start=None if window is None else kv_len - 1 if q_start is None else q_start,
+        kv_len=kv_len, scale=scale,
+        out_dtype=q.dtype, config=config, window=window,
     )  # fmt: skip
 
 
 def ragged_decode_reference(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_len: torch.Tensor, *, scale: float | None = None
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_len: torch.Tensor, *, scale: float | None = None,
+    window: int | None = None, q_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The PyTorch reference of :func:`ragged_decode_attention_triton` (dense mask, SDPA)."""
     kl = kv_len.to(device=q.device, dtype=torch.long)
-    return causal_attention(q, keys, values, q_start=kl - 1, kv_len=kl, scale=scale)
+    qs = kl - 1 if q_start is None else q_start.to(device=q.device, dtype=torch.long)
+    return causal_attention(q, keys, values, q_start=qs, kv_len=kl, scale=scale, window=window)
 
 
 __all__ = ["ragged_decode_attention_triton", "ragged_decode_reference", "LaunchConfig"]
