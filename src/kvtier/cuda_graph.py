@@ -92,17 +92,6 @@ def check_graph_tier(tier: str) -> None:
                          "use --tier ragged/paged or --no-cuda-graph")
 
 
-def window_blocker(model, longest: int | None) -> str | None:
-    """Why a CUDA graph cannot replay ``model``'s steps over sequences of up to ``longest`` tokens
-    (``None``: unbounded) for its sliding window, or ``None``: the kernels read every key up to a
-    query's, so past the window the PyTorch reference attends, which reads the lengths on the host."""
-    a = getattr(model, "args", None)
-    if a is None or not a.windowed or (longest is not None and longest <= a.sliding_window):
-        return None
-    return (f"the model's sliding window of {a.sliding_window} tokens is applied by the PyTorch reference "
-            "attention once a sequence is longer, which a CUDA graph cannot replay")
-
-
 def graph_unavailable(model, caches: Sequence[KVCache], max_steps: int | None = None) -> str | None:
     """Why a :class:`CUDAGraphDecoder` cannot serve this model and these caches (``None``: it can)."""
     device = _device(model)
@@ -115,8 +104,6 @@ def graph_unavailable(model, caches: Sequence[KVCache], max_steps: int | None = 
         return "the caches hold no tokens yet (a one-token prompt); the first step needs them"
     if max_steps is None and not all(c.frozen for c in caches):
         return "the caches are not frozen; freeze them (freeze_for_steps) or give max_steps"
-    if (why := window_blocker(model, None if max_steps is None else max(c.size() for c in caches) + max_steps)):
-        return why
     return next(filter(None, (c.graph_blocker(device) for c in caches)), None)
 
 
@@ -211,10 +198,6 @@ class CUDAGraphDecoder(PlannedDecoder):
         if torch_compile:
             self._forward, self._layers = torch.compile(model, dynamic=False), _outside_compile(self.caches)
         self.budget = self.planner.headroom()  # what the frozen capacity holds, fixed before capture
-        if max_steps is not None and window_blocker(model, None) is not None:
-            # a sliding window was checked for max_steps: frozen blocks that hold more (a trim, a
-            # window not a multiple of the block) must not let a replay pass it
-            self.budget = min(self.budget, max_steps)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager_reason: str | None = None  # set when the kernels fell back and capture was skipped
         self._stream = torch.cuda.Stream(self.device)

@@ -361,7 +361,8 @@ class PagedKVCache(RowKVCache):
         ``j <= q_start[r] + i``, ``j < offset[r]``. Rows that see nothing
         (released rows) return zeros. After a planned update the positions,
         lengths and block table are the plan's device tensors (no host work). A sliding ``window``:
-        keys ``j > q_start[r] + i - window`` only (the reference's, once a row is longer).
+        keys ``j > q_start[r] + i - window`` only; dropped while every key and query lies inside it,
+        except for a planned step on CUDA (a graph may replay it past the lengths seen now).
         """
         self._require_storage("attention()")
         k_codec = self.codecs.k_codec
@@ -374,7 +375,8 @@ class PagedKVCache(RowKVCache):
             )
         p, plan, T = self.pool, self._plan, queries.shape[2]
         last = q_start is None and self._last_q == T  # the last update's tokens, at its starts
-        if plan is not None and plan.valid and last:
+        planned = plan is not None and plan.valid and last
+        if planned:
             qs, q_start_t, kv_len, tables = self._write_start, plan.write_start, plan.new_offsets, plan.block_tables
         else:
             newest = None if q_start is not None or last else [max(0, n - T) for n in self._lengths]
@@ -391,7 +393,8 @@ class PagedKVCache(RowKVCache):
             self.dispatch, queries, p.key_cache, p.value_cache, tables, q_start_t, kv_len,
             k_codec=self.codecs.k_codec, v_codec=self.codecs.v_codec,
             k_sidecars=p.k_sidecars, v_sidecars=p.v_sidecars, scale=scale,
-            window=window and check_window(window, max(max(self._lengths), max(qs) + T)),  # (all inside it: none)
+            window=window if planned and queries.is_cuda  # (else all inside it: none)
+            else window and check_window(window, max(max(self._lengths), max(qs) + T)),
         )
 
     # -- lengths and rows ----------------------------------------------------------------------

@@ -298,14 +298,16 @@ class RaggedBatchKVCache(RowKVCache):
         window``. Keys are cut at the host bound, or kept whole
         when frozen (static shapes). One-token queries go through the Triton decode kernel
         when the backend resolves to it (per-row lengths, no mask; see
-        :class:`~kvtier.kernels.dispatch.KernelDispatch`) while no row is longer than the window."""
+        :class:`~kvtier.kernels.dispatch.KernelDispatch`). The window is dropped while no row
+        is longer, except for a planned step on CUDA (a graph may replay it past them)."""
         if self.keys is None:
             raise ValueError("attention() on an empty cache; call update() first")
         scale = check_queries(queries, self.keys.shape[1], self.keys.shape[3], self.keys.dtype, scale)
         # (host bounds on the rows' keys and the queries' positions, the last write's past its commit;
         # given starts: none)
         reach = max(self._live(), self._reach if queries.shape[2] == self._last_q else 0)
-        window = check_window(window, reach if q_start is None else None)
+        planned = q_start is None and self._plan is not None and self._plan.valid and queries.is_cuda
+        window = check_window(window, None if q_start is not None or planned else reach)
         if queries.shape[0] != self.batch_size:
             raise ValueError(f"queries batch {queries.shape[0]} differs from the cache's {self.batch_size}")
         S = self.capacity if self._frozen else self._live()

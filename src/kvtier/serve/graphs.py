@@ -27,7 +27,7 @@ import torch
 
 from kvtier.caches.paged_shared import RowBinding, SharedBlockPagedKVCache
 from kvtier.caches.step_plan import StepPlan
-from kvtier.cuda_graph import device_unavailable, window_blocker
+from kvtier.cuda_graph import device_unavailable
 from kvtier.kernels.dispatch import resolve_backend
 from kvtier.serve.runner import PendingTokens, fill_pending, smallest_bucket
 from kvtier.serve.scheduler import ScheduledRow
@@ -62,11 +62,10 @@ def graph_rows(max_num_seqs: int, draft: int | None = None) -> int:
     return max_num_seqs if not draft else max(max_num_seqs, min(max_num_seqs * (1 + draft), DRAFT_GRAPH_ROWS))
 
 
-def graphs_unavailable(model, caches: Sequence[SharedBlockPagedKVCache], longest: int | None = None) -> str | None:
-    """Why decode graphs cannot serve this model and these caches, for sequences of up to ``longest``
-    tokens (``None``: unbounded) (``None``: they can)."""
+def graphs_unavailable(model, caches: Sequence[SharedBlockPagedKVCache]) -> str | None:
+    """Why decode graphs cannot serve this model and these caches (``None``: they can)."""
     device = next(model.parameters()).device
-    if (why := device_unavailable(device) or window_blocker(model, longest)) is not None:
+    if (why := device_unavailable(device)) is not None:
         return why
     for c in caches:
         if resolve_backend(c.attention_backend, device) != "triton" or c.dispatch.fallback_reasons:

@@ -300,7 +300,7 @@ class ModelRunner:
         if cuda_graph is not False and self.device.type == "cuda":
             from kvtier.serve.graphs import DecodeGraphs, graphs_unavailable
 
-            why = graphs_unavailable(model, self.caches, max_model_len or a.max_position_embeddings)
+            why = graphs_unavailable(model, self.caches)
             if why is None:
                 width = math.ceil((max_model_len or a.max_position_embeddings) / block_size)
                 try:
