@@ -369,14 +369,11 @@ class PagedKVCache(RowKVCache):
         scale = check_queries(queries, self.pool.key_cache.shape[2], k_codec.head_dim, k_codec.dtype, scale)
         window = check_window(window)
         if queries.shape[0] != self.batch_size or queries.device != self._device:
-            raise ValueError(
-                f"queries batch {queries.shape[0]} on {queries.device} must match the cache's "
-                f"batch {self.batch_size} on {self._device}"
-            )
+            raise ValueError(f"queries batch {queries.shape[0]} on {queries.device} must match the cache's "
+                             f"batch {self.batch_size} on {self._device}")
         p, plan, T = self.pool, self._plan, queries.shape[2]
         last = q_start is None and self._last_q == T  # the last update's tokens, at its starts
-        planned = plan is not None and plan.valid and last
-        if planned:
+        if planned := plan is not None and plan.valid and last:
             qs, q_start_t, kv_len, tables = self._write_start, plan.write_start, plan.new_offsets, plan.block_tables
         else:
             newest = None if q_start is not None or last else [max(0, n - T) for n in self._lengths]
@@ -391,9 +388,8 @@ class PagedKVCache(RowKVCache):
             kv_len, tables = self._rows_tensor("lengths", self._lengths), p.block_tables[:, :width]
         return paged_attention(
             self.dispatch, queries, p.key_cache, p.value_cache, tables, q_start_t, kv_len,
-            k_codec=self.codecs.k_codec, v_codec=self.codecs.v_codec,
-            k_sidecars=p.k_sidecars, v_sidecars=p.v_sidecars, scale=scale,
-            window=window if planned and queries.is_cuda  # (else all inside it: none)
+            k_codec=k_codec, v_codec=self.codecs.v_codec, k_sidecars=p.k_sidecars, v_sidecars=p.v_sidecars,
+            scale=scale, window=window if planned and queries.is_cuda  # (else all inside it: none)
             else window and check_window(window, max(max(self._lengths), max(qs) + T)),
         )
 
