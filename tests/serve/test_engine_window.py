@@ -30,16 +30,48 @@ def test_batched_chunked_and_preempted_requests_get_transformers_tokens(pair):
     rows = prompts(11, [5, 30, 17, 9, 26])
     rows[4] = rows[1][:24] + rows[4][:2]  # shares six blocks of four tokens with the second
     params = RequestParams(max_tokens=10, ignore_eos=True)
-    # 3 rows a step, 12 tokens a step, 18 blocks of 4 tokens: prompts in chunks, rows preempted
-    engine = LLMEngine(lm.model, None, EngineConfig(num_blocks=18, block_size=4, max_num_seqs=3,
+    # 3 rows a step, 12 tokens a step, 10 blocks of 4 tokens: prompts in chunks, rows preempted
+    engine = LLMEngine(lm.model, None, EngineConfig(num_blocks=10, block_size=4, max_num_seqs=3,
                                                     max_batched_tokens=12))
     first = engine.generate(rows[:4], params)
-    again = engine.generate(rows[4:], params)[0]  # after the second finished: its blocks cached
-    assert again.cached_tokens == 24 > WINDOW
     s = engine.stats()
-    assert s["preemptions"] > 0 and s["free_blocks"] == 18
+    assert s["preemptions"] > 0 and s["free_blocks"] == 10
+    # the prefix cache past the window (in a pool that keeps the second's released blocks)
+    cached = LLMEngine(lm.model, None, EngineConfig(num_blocks=64, block_size=4, max_num_seqs=3, max_batched_tokens=12))
+    cached.generate(rows[1:2], params)
+    again = cached.generate(rows[4:], params)[0]
+    assert again.cached_tokens == 24 > WINDOW
     for ids, out in zip(rows, [*first, again]):
         assert list(out.token_ids) == hf_greedy(hf, ids, 10)
+
+
+def test_blocks_behind_the_window_are_released_so_long_requests_share_a_small_pool(pair, monkeypatch):
+    """Two requests of 5 and 7 + 40 tokens (12 blocks of 4 each, whole) side by side in 12 blocks:
+    behind the window of 8 their blocks are released, so neither is preempted; without the
+    release (a model whose window some layer lacks) the same pool preempts."""
+    hf, lm = pair
+    rows = prompts(3, [5, 7])
+    params = RequestParams(max_tokens=40, ignore_eos=True)
+    want = [hf_greedy(hf, r, 40) for r in rows]
+    config = EngineConfig(num_blocks=12, block_size=4, max_num_seqs=2, max_model_len=48)
+    engine = LLMEngine(lm.model, None, config)
+    release = engine.scheduler._release
+
+    def release_and_poison(req):  # a released block read again would turn the logits to NaN
+        before = list(req.blocks)
+        release(req)
+        gone = [b for b, now in zip(before, req.blocks) if b != now]
+        for c in engine.runner.caches:
+            c.pool.key_cache[gone] = c.pool.value_cache[gone] = float("nan")
+
+    monkeypatch.setattr(engine.scheduler, "_release", release_and_poison)
+    assert [list(o.token_ids) for o in engine.generate(rows, params)] == want
+    s = engine.stats()
+    assert s["preemptions"] == 0 and s["released_blocks"] > 0 and s["free_blocks"] == 12
+    monkeypatch.setattr(type(lm.model.args), "window_everywhere", property(lambda a: None))
+    whole = LLMEngine(lm.model, None, config)
+    assert [list(o.token_ids) for o in whole.generate(rows, params)] == want
+    assert whole.stats()["preemptions"] > 0 and whole.stats()["released_blocks"] == 0
 
 
 def test_batch_invariant_steps_refuse_a_model_whose_sequences_may_pass_its_window(pair):

@@ -2,7 +2,8 @@
 
 The reference is a toy model over a simulated paged cache: a step writes each fed
 token into its row's slot (``blocks[pos // bs]``), and a sampled token is a
-function of the tokens *read back from the row's blocks*. A request's outputs must
+function of the tokens *read back from the row's blocks* (with a sliding window, of its
+last ``window`` tokens only: the blocks before may have been released). A request's outputs must
 equal the outputs of running it alone, however it was batched, chunked, shared
 or preempted; and the pool must be whole again at the end.
 """
@@ -27,18 +28,18 @@ def next_token(tokens: list[int]) -> int:
     return sum((i + 1) * t for i, t in enumerate(tokens)) % 7 + 1
 
 
-def alone(prompt: list[int], max_tokens: int) -> list[int]:
+def alone(prompt: list[int], max_tokens: int, window: int | None = None) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(next_token(tokens))
+        tokens.append(next_token(tokens[-window:] if window else tokens))
     return tokens[len(prompt):]
 
 
 class ToyRunner:
     """Writes fed tokens into block slots; samples from what the blocks hold."""
 
-    def __init__(self, bm: BlockManager):
-        self.bm, self.slots = bm, {}
+    def __init__(self, bm: BlockManager, window: int | None = None):
+        self.bm, self.slots, self.window = bm, {}, window
 
     def execute(self, batch: StepBatch) -> dict[str, int]:
         bs = self.bm.block_size
@@ -55,13 +56,14 @@ class ToyRunner:
                 self.slots[block, pos % bs] = t
             if row.sample:
                 n = row.start + len(row.token_ids)
-                seen = [self.slots[row.blocks[p // bs], p % bs] for p in range(n)]
+                first = max(0, n - self.window) if self.window else 0
+                seen = [self.slots[row.blocks[p // bs], p % bs] for p in range(first, n)]
                 out[row.request_id] = next_token(seen)
         return out
 
 
 def run(s: Scheduler, arrivals: dict[int, list[Request]], max_steps: int = 10_000) -> dict[str, list]:
-    runner, outputs, step = ToyRunner(s.blocks), {}, 0
+    runner, outputs, step = ToyRunner(s.blocks, s.config.window), {}, 0
     while s.has_unfinished() or any(k >= step for k in arrivals):
         for req in arrivals.get(step, []):
             s.add(req)
@@ -229,6 +231,39 @@ def test_abort_frees_blocks_whatever_the_state() -> None:
     assert bm.num_free_blocks == 8 and not s.has_unfinished()
 
 
+def test_blocks_behind_a_sliding_window_are_released() -> None:
+    """A window of 6 keys over blocks of 2: two requests of 4 + 16 tokens (10 blocks each whole)
+    run side by side in 10 blocks, each holding at most the blocks its window reaches; the
+    released places name the scratch block (id ``num_blocks``); the pool is whole at the end."""
+    bm = BlockManager(10, 2)
+    s = Scheduler(SchedulerConfig(max_model_len=20, max_num_seqs=2, window=6), bm)
+    reqs = [Request(rid, p, max_tokens=16) for rid, p in (("a", [1, 2, 3, 1]), ("b", [2, 2, 1, 3]))]
+    for req in reqs:
+        s.add(req)
+    runner, held = ToyRunner(bm, 6), []
+    while s.has_unfinished():
+        batch = s.schedule()
+        s.update(batch, runner.execute(batch))
+        for req in s.running:
+            assert req.blocks[: req.released] == [10] * req.released
+            held.append(len(req.blocks) - req.released)
+    # (19 tokens computed at the end: blocks 0 .. 6 behind the last token's window, in each)
+    assert s.num_preemptions == 0 and max(held) <= 5 and s.released_blocks == 2 * 7
+    assert bm.num_free_blocks == 10 and bm.num_used_blocks == 0
+    assert [r.output_token_ids for r in reqs] == [alone(r.prompt_token_ids, 16, 6) for r in reqs]
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        SchedulerConfig(max_model_len=24, window=0)
+
+
+def test_a_window_no_wider_than_a_block_releases_nothing() -> None:
+    """Blocks are released only behind windows wider than a block: the newest hashed block, whose
+    hash the next full block chains on, must stay."""
+    bm = BlockManager(16, 4)
+    s = Scheduler(SchedulerConfig(max_model_len=24, window=4), bm)
+    out = run(s, {0: [Request("a", [1, 2, 3], max_tokens=12)]})
+    assert out["a"] == alone([1, 2, 3], 12, 4) and s.released_blocks == 0
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     prompts=st.lists(st.tuples(st.lists(st.integers(1, 3), min_size=1, max_size=14),
@@ -239,12 +274,14 @@ def test_abort_frees_blocks_whatever_the_state() -> None:
     extra_budget=st.integers(0, 12),
     caching=st.booleans(),
     priorities=st.none() | st.lists(st.integers(-2, 2), min_size=8, max_size=8),
+    window=st.none() | st.integers(1, 9),
 )
 def test_any_workload_gives_each_request_its_solo_output(prompts, num_blocks, max_num_seqs,
-                                                         extra_budget, caching, priorities) -> None:
+                                                         extra_budget, caching, priorities, window) -> None:
+    """Also with a sliding window (blocks of 2: released behind windows of 3 and more)."""
     bm = BlockManager(num_blocks, 2, enable_prefix_caching=caching)
     cfg = SchedulerConfig(max_model_len=16, max_num_seqs=max_num_seqs, max_batched_tokens=max_num_seqs + extra_budget,
-                          policy="fcfs" if priorities is None else "priority")
+                          policy="fcfs" if priorities is None else "priority", window=window)
     s = Scheduler(cfg, bm)
     shared = [1, 2, 3, 1, 2]
     arrivals: dict[int, list[Request]] = {}
@@ -254,7 +291,7 @@ def test_any_workload_gives_each_request_its_solo_output(prompts, num_blocks, ma
         max_tokens = min(max_tokens, 16 - len(prompt))
         arrivals.setdefault(at, []).append(Request(f"r{i}", prompt, max_tokens,
                                                    priority=0 if priorities is None else priorities[i]))
-        want[f"r{i}"] = alone(prompt, max_tokens)
+        want[f"r{i}"] = alone(prompt, max_tokens, window)
     assert run(s, arrivals) == want
     assert bm.num_free_blocks == num_blocks and bm.num_used_blocks == 0
 

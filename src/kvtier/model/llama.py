@@ -133,6 +133,13 @@ class ModelArgs:
         return self.sliding_window is not None and self.sliding_layers != ()
 
     @property
+    def window_everywhere(self) -> int | None:
+        """The sliding window when every layer has it (no layer reads a key before a query's last
+        ``window``), else ``None``."""
+        layers = self.sliding_layers
+        return self.sliding_window if layers is None or len(layers) == self.n_layers else None
+
+    @property
     def n_params(self) -> int:
         """Number of weights (tied embeddings counted once)."""
         D, Hq, Hkv = self.head_dim, self.n_heads, self.n_kv_heads

@@ -240,7 +240,7 @@ class LLMEngine:
             SchedulerConfig(max_model_len=context, max_num_seqs=config.max_num_seqs,
                             max_batched_tokens=batched, max_waiting=config.max_waiting,
                             max_prompt_logits=max(1, PROMPT_LOGITS_BYTES // (4 * model.args.vocab_size)),
-                            policy=config.scheduling_policy),
+                            policy=config.scheduling_policy, window=model.args.window_everywhere),
             self.block_manager)
         draft = config.speculative.num_speculative_tokens if config.speculative is not None else None
         self.runner = ModelRunner(
@@ -559,7 +559,7 @@ class LLMEngine:
             "prefix_queries": bm.prefix_queries,
             "prefix_hits": bm.prefix_hits,
             "prefix_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
-            "preemptions": s.num_preemptions,
+            "preemptions": s.num_preemptions, "released_blocks": s.released_blocks,
             **bm.host_figures(),
             "steps": self.steps,
             "prompt_tokens": self.prompt_tokens,

@@ -68,6 +68,7 @@ class _EngineCollector:
             ("kvtier_prefix_cache_queries", "prefix_queries", "Prompt tokens of admitted requests."),
             ("kvtier_prefix_cache_hits", "prefix_hits", "Prompt tokens found in the prefix cache."),
             ("kvtier_preemptions", "preemptions", "Requests preempted and recomputed later."),
+            ("kvtier_kv_blocks_released", "released_blocks", "Blocks released behind a sliding window."),
             ("kvtier_prompt_tokens", "prompt_tokens", "Prompt tokens of accepted requests."),
         ):
             yield CounterMetricFamily(name, text, value=s[key])

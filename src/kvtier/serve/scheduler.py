@@ -101,7 +101,10 @@ class SchedulerConfig:
     one request at most; ``max_prompt_logits``: prompt tokens a step feeds, all requests
     together, whose every position's logits are wanted (prompt logprobs: the logits are
     ``tokens x vocab`` floats); ``policy``: ``"fcfs"`` (first come, first served) or
-    ``"priority"`` (lowest ``Request.priority`` first, as vLLM's ``--scheduling-policy``).
+    ``"priority"`` (lowest ``Request.priority`` first, as vLLM's ``--scheduling-policy``);
+    ``window``: the sliding window of a model whose every layer has one (``None``: none), the
+    keys a token reads at most: a request's blocks before its window are released as it
+    advances (see :meth:`Scheduler.update`).
     """
 
     max_model_len: int
@@ -110,11 +113,14 @@ class SchedulerConfig:
     max_waiting: int = 256
     max_prompt_logits: int = 512
     policy: str = "fcfs"
+    window: int | None = None
 
     def __post_init__(self) -> None:
         # max_waiting 0 would refuse every request: each one waits at least until the next step
         for name in ("max_model_len", "max_num_seqs", "max_batched_tokens", "max_waiting", "max_prompt_logits"):
             _int_at_least(name, getattr(self, name), 1)
+        if self.window is not None:
+            _int_at_least("window", self.window, 1)
         if self.policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.max_batched_tokens < self.max_num_seqs:
@@ -140,6 +146,7 @@ class Request:
     prompt_logits: bool = False  # every prompt position's logits wanted (until the engine has them)
     priority: int = 0  # under the "priority" policy: lower runs first
     arrival: int = 0  # the scheduler's count of requests added before it
+    released: int = 0  # blocks at the front of ``blocks`` released behind a sliding window
 
     def __post_init__(self) -> None:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -225,6 +232,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._arrivals = 0
+        # blocks behind a window are released only where it is wider than a block (_release)
+        w = config.window
+        self._window = w if w is not None and w > block_manager.block_size else None
+        self.released_blocks = 0  # blocks released behind a sliding window so far
 
     # -- requests -----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -255,7 +266,7 @@ class Scheduler:
             return False
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.blocks.free(req.blocks)
+            self.blocks.free(req.blocks[req.released :])
         else:
             self.waiting.remove(req)
         req.blocks, req.status = [], RequestStatus.FINISHED
@@ -351,6 +362,8 @@ class Scheduler:
             else:
                 req.num_computed = row.start + len(row.token_ids)
             self.blocks.cache_full_blocks(req.blocks, req.token_ids, req.num_computed)
+            if self._window is not None:
+                self._release(req)
             if not row.sample:
                 continue
             if not row.draft:
@@ -413,6 +426,19 @@ class Scheduler:
                 budget -= len(d)
         return budget
 
+    def _release(self, req: Request) -> None:
+        """Release ``req``'s blocks that lie wholly before the window of its next token: no later
+        token reads them (its tokens only advance; a preemption recomputes from the start). Their
+        places in ``req.blocks`` name the runner's scratch block (id ``num_blocks``), which no
+        kernel reads there. After :meth:`BlockManager.cache_full_blocks`: with a window wider than
+        a block the newest hashed block, whose hash the next full block chains on, stays."""
+        n = (req.num_computed - self._window + 1) // self.blocks.block_size
+        if n > req.released:
+            self.blocks.free(req.blocks[req.released : n])
+            req.blocks[req.released : n] = [self.blocks.num_blocks] * (n - req.released)
+            self.released_blocks += n - req.released
+            req.released = n
+
     def _make_room(self, req: Request) -> bool:
         """Give ``req`` the block its next token needs; False when none is free."""
         if self.blocks.blocks_for(len(req.token_ids)) <= len(req.blocks):
@@ -439,8 +465,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s blocks and queue it first, to be recomputed from its tokens so far."""
         self.running.remove(req)
-        self.blocks.free(req.blocks)
-        req.blocks, req.num_computed = [], 0
+        self.blocks.free(req.blocks[req.released :])
+        req.blocks, req.num_computed, req.released = [], 0, 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
