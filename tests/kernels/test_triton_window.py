@@ -160,6 +160,13 @@ def test_a_window_that_is_not_a_positive_int_is_refused(window):
     with pytest.raises(ValueError, match="window must be a positive int"):
         ragged_decode_attention_triton(q, torch.zeros(1, 1, 9, 64, device=DEVICE), torch.zeros(1, 1, 9, 64, device=DEVICE),
                                        c["kv_len"], window=window)
+    dispatch = KernelDispatch("triton")  # refused before the kernel: no fallback for later calls
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        paged_attention(dispatch, q, c["kp"], c["vp"], c["table"], c["kv_len"] - 1, c["kv_len"], window=window, **_kw(c))
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        ragged_attention(dispatch, q, *torch.zeros(2, 1, 1, 9, 64, device=DEVICE), c["kv_len"] - 1, c["kv_len"],
+                         window=window)
+    assert dispatch.fallback_reason is None and not dispatch.attention_calls
 
 
 @pytest.mark.parametrize("tier", ["ragged", "paged"])

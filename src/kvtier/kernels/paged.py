@@ -55,7 +55,13 @@ from kvtier.kernels.cpu_attention import paged_decode_cpu
 from kvtier.kernels.dispatch import BACKENDS as BACKENDS  # re-exported: earlier import paths
 from kvtier.kernels.dispatch import KernelDispatch
 from kvtier.kernels.dispatch import resolve_backend as resolve_backend
-from kvtier.kernels.reference import OnlineSoftmax, causal_mask, partial_attention, zero_unseen
+from kvtier.kernels.reference import (
+    OnlineSoftmax,
+    causal_mask,
+    check_window,
+    partial_attention,
+    zero_unseen,
+)
 from kvtier.quant.codec import Codec
 
 #: the most bytes of decoded keys one chunk of the reference read path holds (the values
@@ -439,6 +445,7 @@ def paged_attention(
     window's first key), Triton's for every query count."""
     args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
     window = kw.pop("window", None)
+    check_window(window)  # (here: a kernel's refusal would send every later call to the reference)
     if window is None:
         cpu_kernel = lambda: paged_decode_cpu(*args, **kw)  # noqa: E731
     else:  # one query a row: the C kernel from its window's first key
@@ -501,6 +508,7 @@ def paged_attention_packed(
     ``paged_attention_triton`` reads the packed queries in place (no padding), the first
     ``single_rows`` rows (one query each, tokens ``0 .. single_rows - 1``) as a decode launch."""
     args = (q, key_pages, value_pages, block_tables, q_start, kv_len)
+    check_window(kw.get("window"))
     return dispatch.serve(
         "attention", q.device,
         lambda: _import_triton().paged_attention_triton(*args, q_offsets=q_offsets, max_q_len=max_q_len,

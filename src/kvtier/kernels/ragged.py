@@ -32,7 +32,7 @@ import importlib
 import torch
 
 from kvtier.kernels.dispatch import KernelDispatch
-from kvtier.kernels.reference import causal_attention, causal_mask
+from kvtier.kernels.reference import causal_attention, causal_mask, check_window
 
 TRITON_MODULE = "kvtier.kernels.triton_ragged"
 
@@ -75,6 +75,8 @@ def ragged_attention(
     the caller knows it (a planned decode step: ``kv_len``); by default
     ``min(kv_len, q_start + 1)``, computed on the device.
     """
+
+    check_window(window)
 
     def decode_kernel() -> torch.Tensor:
         lens = decode_len

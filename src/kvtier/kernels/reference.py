@@ -52,6 +52,12 @@ def causal_mask(
     return mask[:, None]  # (B, 1, T, S)
 
 
+def check_window(window) -> None:
+    """``ValueError`` unless ``window`` is ``None`` or a positive int (a sliding window's keys)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (the keys a query sees) or None, got {window!r}")
+
+
 def window_start(first_query: int, window: int | None) -> int:
     """The first key position that a query at ``first_query`` or later can see through a sliding
     ``window`` (0 without one): keys before it may be left out of the call."""

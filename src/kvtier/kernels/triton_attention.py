@@ -310,7 +310,7 @@ def launch_attention(
 
     Paged (``block_tables`` given): payloads ``[num_blocks, page, H_kv, D']``.
     Ragged (``block_tables`` ``None``): payloads ``[B, H_kv, capacity, D']``,
-    no causal limit beyond ``kv_len`` (``q_start`` ignored).
+    no causal limit beyond ``kv_len`` without a window (``q_start`` ignored then).
 
     Packed (paged only, ``q_offsets`` given): ``q`` is ``[1, Hq, N, D]``, the rows'
     queries side by side, row ``b``'s ``kv_len[b] - q_start[b]`` (at most ``max_q_len``)

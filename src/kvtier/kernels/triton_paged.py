@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kvtier.kernels import triton_attention
+from kvtier.kernels.reference import check_window
 from kvtier.kernels.triton_attention import LaunchConfig, launch_attention
 from kvtier.kernels.triton_paged_write import launch_write
 from kvtier.kernels.triton_quant import PageFormat, check_format_tensors, page_format
@@ -60,12 +61,6 @@ def check_head_dim(D: int) -> None:
         raise CodecUnsupported(
             f"the Triton kernels need head_dim a power of two in {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {D}"
         )
-
-
-def check_window(window) -> None:
-    """``ValueError`` unless ``window`` is ``None`` or a positive int (a sliding window's keys)."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (the keys a query sees) or None, got {window!r}")
 
 
 def _check_rows(name: str, t: torch.Tensor, B: int, device: torch.device) -> None:

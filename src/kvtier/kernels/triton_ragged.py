@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.kernels.reference import causal_attention
+from kvtier.kernels.reference import causal_attention, check_window
 from kvtier.kernels.triton_attention import LaunchConfig, launch_attention
-from kvtier.kernels.triton_paged import check_device, check_head_dim, check_window
+from kvtier.kernels.triton_paged import check_device, check_head_dim
 from kvtier.kernels.triton_quant import FP, PageFormat
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
