@@ -57,6 +57,7 @@ def run_windowed(mode, Hq, H_kv, T, D, page, lengths, window, dtype, *, q_start=
     ("fp", 4, 1, 64, [1, 20, 47], 8, None, torch.float32),  # a row shorter than the window; mid-block starts
     ("fp", 8, 2, 64, [40, 33], 5, 3, torch.bfloat16),  # three splits, the first ones before every window
     ("fp", 4, 4, 128, [64, 17], 16, 2, torch.float16),  # a window of one block
+    ("fp", 4, 1, 64, [300, 170, 9], 20, 4, torch.float32),  # splits over the window, not the table
     ("q8", 4, 1, 64, [30, 9], 7, 2, torch.bfloat16),
     ("q4", 4, 1, 64, [37, 25], 6, None, torch.bfloat16),
     ("turboquant:q8_0,q3_0", 4, 1, 64, [29, 50], 9, 2, torch.bfloat16),
@@ -70,6 +71,7 @@ def test_decode_steps_see_the_window(mode, Hq, H_kv, D, lengths, window, splits,
     (4, [30, 4], [10, 0], 3, None),  # queries inside the cache (a chunked prefill)
     (6, [20, 33], [17, 30], 4, 2),  # queries past the committed keys (a partial commit)
     (9, [9, 25], None, 1, None),  # a window of one key: each query sees itself
+    (5, [260, 120], [200, 100], 30, 3),  # long rows: three splits over the window's 34 keys
 ])
 def test_prompt_chunks_see_the_window(T, lengths, q_start, window, splits):
     run_windowed("fp", 4, 2, T, 64, 16, lengths, window, torch.float32, q_start=q_start, splits=splits)

@@ -16,8 +16,9 @@ sync and keeps one shape across decode steps (CUDA graphs).
 
 Visibility: query ``i`` of row ``b`` sees key ``j`` when ``j <= q_start[b] + i``
 and ``j < kv_len[b]`` (``kvtier.kernels.reference.causal_attention``); with a sliding
-``window``, also ``j > q_start[b] + i - window`` (a tile's keys start at its first query's
-window: the keys before are not read).
+``window``, also ``j > q_start[b] + i - window``: the splits cover ``window + T - 1`` keys from
+each row's first query's window on, and a tile's keys start at its first query's window (the
+keys before are not read).
 
 Packed rows (``VARLEN``): the queries of several rows side by side in ``[1, H_q, N, D]``,
 row ``b``'s ``kv_len[b] - q_start[b]`` of them from token ``q_offsets[b]``, read and
@@ -181,8 +182,10 @@ def _attention_kernel(
         q_pos = kv_len + t  # sees every key below kv_len
         hi = kv_len
     lo = pid_s * split_len
+    if WINDOWED:  # (CAUSAL) the splits cover the row's window, from its first query's on (the plan's span)
+        lo += tl.maximum(tl.load(QSTART + b).to(tl.int32) - window + 1, 0)
     hi = tl.minimum(hi, lo + split_len)
-    if WINDOWED:  # (CAUSAL) from the window of the tile's first query: no query of it sees a key before
+    if WINDOWED:  # from the window of the tile's first query: no query of it sees a key before
         lo = tl.maximum(lo, tl.load(QSTART + b).to(tl.int32) + (pid_m * BLOCK_M) // G - window + 1)
 
     # 4-bit values accumulate the even and the odd channels apart (acc_a, acc_b)
@@ -385,9 +388,8 @@ def launch_attention(
         # H200, a prompt step of 27 chunks (15,852 tokens), 32/8 heads: 128 query rows a tile
         # 0.69 ms against 0.82-0.91 at 64 (benchmarks/RESULTS.md, 2026-12-02)
         cfg = replace(cfg, block_m=max(16, min(PACKED_BLOCK_M, _next_pow2(G * T))))
-    block_m, m_tiles, block_n, splits, split_len, base = plan_launch(
-        B, H_kv, G, T, capacity, q.device, cfg, quantised
-    )
+    span = capacity if window is None else min(capacity, window + T - 1)  # the keys a row's queries see
+    block_m, m_tiles, block_n, splits, split_len, base = plan_launch(B, H_kv, G, T, span, q.device, cfg, quantised)
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if out is None and varlen:  # token-major, so that the caller's (1, N, H_q * D) view of it needs no copy
         out = torch.empty((1, q.shape[2], Hq, D), dtype=out_dtype, device=q.device).transpose(1, 2)
