@@ -57,7 +57,8 @@ def test_blocks_behind_the_window_are_released_so_long_requests_share_a_small_po
     engine = LLMEngine(lm.model, None, config)
     release = engine.scheduler._release
 
-    def release_and_poison(req):  # a released block read again would turn the logits to NaN
+    def release_and_poison(req):  # a released block read again would turn the logits to NaN (the
+        # prompts share no block: none is taken back from the prefix cache)
         before = list(req.blocks)
         release(req)
         gone = [b for b, now in zip(before, req.blocks) if b != now]
@@ -72,6 +73,9 @@ def test_blocks_behind_the_window_are_released_so_long_requests_share_a_small_po
     whole = LLMEngine(lm.model, None, config)
     assert [list(o.token_ids) for o in whole.generate(rows, params)] == want
     assert whole.stats()["preemptions"] > 0 and whole.stats()["released_blocks"] == 0
+    monkeypatch.undo()
+    warmed = LLMEngine(lm.model, None, config)
+    assert warmed.warm_up()["prompt_tokens"] > WINDOW and warmed.stats()["released_blocks"] == 0  # (its books reset)
 
 
 def test_batch_invariant_steps_refuse_a_model_whose_sequences_may_pass_its_window(pair):

@@ -245,14 +245,28 @@ def test_blocks_behind_a_sliding_window_are_released() -> None:
         batch = s.schedule()
         s.update(batch, runner.execute(batch))
         for req in s.running:
-            assert req.blocks[: req.released] == [10] * req.released
-            held.append(len(req.blocks) - req.released)
+            k = len(req.behind)
+            assert req.blocks[:k] == [10] * k  # (the blocks themselves may serve another request by now)
+            held.append(len(req.blocks) - k)
     # (19 tokens computed at the end: blocks 0 .. 6 behind the last token's window, in each)
     assert s.num_preemptions == 0 and max(held) <= 5 and s.released_blocks == 2 * 7
     assert bm.num_free_blocks == 10 and bm.num_used_blocks == 0
     assert [r.output_token_ids for r in reqs] == [alone(r.prompt_token_ids, 16, 6) for r in reqs]
     with pytest.raises(ValueError, match="window must be an int >= 1"):
         SchedulerConfig(max_model_len=24, window=0)
+
+
+@pytest.mark.parametrize("window", [8, None])
+def test_a_chain_released_behind_a_window_is_evicted_tail_first(window) -> None:
+    """A request's head blocks, released early behind its window, go after its tail in the prefix
+    cache's LRU when it ends: evicting one block then costs the chain's tail, as without a
+    window, not its head (which would leave every later block of it unreachable)."""
+    bm = BlockManager(16, 4)
+    s = Scheduler(SchedulerConfig(max_model_len=64, window=window), bm)
+    a = Request("a", [1, 2, 3, 1, 2, 3], max_tokens=34)
+    run(s, {0: [a]})  # 39 tokens computed: 9 blocks cached
+    run(s, {0: [Request("b", [3] * 30, max_tokens=1)]})  # 8 blocks: the 7 never cached and one evicted
+    assert len(bm.match_prefix(a.token_ids[:36])) == 8  # (36 tokens: the first 8 of the 9 blocks)
 
 
 def test_a_window_no_wider_than_a_block_releases_nothing() -> None:

@@ -16,6 +16,7 @@ name                                       type      meaning
 ``kvtier_prefix_cache_hits_total``         counter   of those, tokens found in the prefix cache
 ``kvtier_prefix_cache_hit_rate``           gauge     hits / queries
 ``kvtier_preemptions_total``               counter   requests preempted (freed, recomputed later)
+``kvtier_kv_blocks_released_total``        counter   blocks released behind a sliding window
 ``kvtier_prompt_tokens_total``             counter   prompt tokens of accepted requests
 ``kvtier_generation_tokens_total``         counter   tokens generated
 ``kvtier_requests_finished_total``         counter   finished requests, by ``finish_reason`` (``abort``: ended early)

@@ -19,7 +19,9 @@ its prefix, into blocks it allocated itself.
 When a request ends, its blocks lose a reference. A block nobody references but
 that holds a hashed prefix stays cached, in an LRU; it is evicted (its hash
 forgotten) only when a fresh block is needed and no never-cached block is free.
-Blocks are released last-first, so a chain's tail is evicted before its head.
+Blocks are released last-first, so a chain's tail is evicted before its head (blocks a
+request released earlier, behind a sliding window, are moved after the rest when it ends:
+:meth:`BlockManager.refresh`).
 
 Offloading (``host_blocks`` > 0). A second, larger LRU of cached blocks in host memory: a
 cached block evicted from the pool is saved to a host slot first (the copy is queued as
@@ -307,6 +309,22 @@ class BlockManager:
             else:
                 self._hash[b] = None
                 self._free.append(b)
+
+    def release(self, blocks: Sequence[int]) -> list[tuple[int, bytes | None]]:
+        """:meth:`free` of ``blocks``, a request's leading blocks it reads no more (behind a sliding
+        window); returns each with the prefix hash it held (``None``: none), for :meth:`refresh`."""
+        held = [(b, self._hash[b]) for b in blocks]
+        self.free(blocks)
+        return held
+
+    def refresh(self, released: Sequence[tuple[int, bytes | None]]) -> None:
+        """Move the blocks of ``released`` (a chain's head first, from :meth:`release`) that are still
+        cached, unreferenced and hold the same prefix to the recent end of the LRU, the head last:
+        called when their request ends, after :meth:`free` of the rest, so that its whole chain is
+        evicted tail first, as if every block had been released then."""
+        for b, h in reversed(released):
+            if h is not None and b in self._evictable and self._hash[b] == h:
+                self._evictable.move_to_end(b)
 
     def cache_full_blocks(self, blocks: Sequence[int], token_ids: Sequence[int], num_computed: int) -> None:
         """Hash the blocks of ``blocks`` that the first ``num_computed`` of ``token_ids`` fill.

@@ -146,7 +146,7 @@ class Request:
     prompt_logits: bool = False  # every prompt position's logits wanted (until the engine has them)
     priority: int = 0  # under the "priority" policy: lower runs first
     arrival: int = 0  # the scheduler's count of requests added before it
-    released: int = 0  # blocks at the front of ``blocks`` released behind a sliding window
+    behind: list = field(default_factory=list)  # (block, hash) released behind a sliding window, in order
 
     def __post_init__(self) -> None:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -266,7 +266,7 @@ class Scheduler:
             return False
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.blocks.free(req.blocks[req.released :])
+            self._free(req)
         else:
             self.waiting.remove(req)
         req.blocks, req.status = [], RequestStatus.FINISHED
@@ -432,12 +432,17 @@ class Scheduler:
         places in ``req.blocks`` name the runner's scratch block (id ``num_blocks``), which no
         kernel reads there. After :meth:`BlockManager.cache_full_blocks`: with a window wider than
         a block the newest hashed block, whose hash the next full block chains on, stays."""
-        n = (req.num_computed - self._window + 1) // self.blocks.block_size
-        if n > req.released:
-            self.blocks.free(req.blocks[req.released : n])
-            req.blocks[req.released : n] = [self.blocks.num_blocks] * (n - req.released)
-            self.released_blocks += n - req.released
-            req.released = n
+        n, k = (req.num_computed - self._window + 1) // self.blocks.block_size, len(req.behind)
+        if n > k:
+            req.behind += self.blocks.release(req.blocks[k:n])
+            req.blocks[k:n] = [self.blocks.num_blocks] * (n - k)
+            self.released_blocks += n - k
+
+    def _free(self, req: Request) -> None:
+        """Free the blocks ``req`` holds; those it released before go to the recent end of the
+        prefix cache's LRU after them (its chain is then evicted tail first)."""
+        self.blocks.free(req.blocks[len(req.behind) :])
+        self.blocks.refresh(req.behind)
 
     def _make_room(self, req: Request) -> bool:
         """Give ``req`` the block its next token needs; False when none is free."""
@@ -465,8 +470,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s blocks and queue it first, to be recomputed from its tokens so far."""
         self.running.remove(req)
-        self.blocks.free(req.blocks[req.released :])
-        req.blocks, req.num_computed, req.released = [], 0, 0
+        self._free(req)
+        req.blocks, req.num_computed, req.behind = [], 0, []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -49,7 +49,8 @@ def warm_up(engine, new_tokens: int = 4) -> dict[str, int | float]:
         params[len(lengths) - 1] = RequestParams(max_tokens=new_tokens, structure=Structure("regex", "[^<]*"))
     bm = engine.block_manager
     spec = engine.speculator
-    counters = (engine.steps, engine.prompt_tokens, engine.generation_tokens, engine.scheduler.num_preemptions,
+    s = engine.scheduler
+    counters = (engine.steps, engine.prompt_tokens, engine.generation_tokens, s.num_preemptions, s.released_blocks,
                 bm.prefix_queries, bm.prefix_hits, bm.host_hits, bm.blocks_saved, bm.blocks_loaded)
     drafted = None if spec is None else (spec.drafts, spec.draft_tokens, spec.accepted)
     try:  # the shared prefix after its owner has run
@@ -64,7 +65,7 @@ def warm_up(engine, new_tokens: int = 4) -> dict[str, int | float]:
     report = {"requests": len(prompts), "steps": engine.steps - counters[0],
               "prompt_tokens": sum(map(len, prompts)), "seconds": time.perf_counter() - t0}
     bm.reset_prefix_cache()
-    (engine.steps, engine.prompt_tokens, engine.generation_tokens, engine.scheduler.num_preemptions,
+    (engine.steps, engine.prompt_tokens, engine.generation_tokens, s.num_preemptions, s.released_blocks,
      bm.prefix_queries, bm.prefix_hits, bm.host_hits, bm.blocks_saved, bm.blocks_loaded) = counters
     if spec is not None:
         spec.drafts, spec.draft_tokens, spec.accepted = drafted
