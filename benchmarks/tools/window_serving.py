@@ -13,10 +13,10 @@ second, preemptions, blocks released and the most blocks in use at once; as JSON
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
+from window_steps import set_window, write_json  # (this folder: the script's own)
 
 
 def _run(model, args, release: bool) -> dict:
@@ -55,21 +55,17 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from kvtier.model import ModelArgs, load_model
+    from kvtier.model import load_model
 
     model = load_model(device=args.device, dtype=torch.float32, progress=False).model
-    model.args = ModelArgs.from_dict({**model.args.to_dict(), "sliding_window": args.window})
-    for i, layer in enumerate(model.layers):
-        layer.attention.window = model.args.window_of(i)
+    set_window(model, model.args, args.window)
     out = {"model": "default model (SmolLM2-135M-Instruct, float32), a window in every layer",
            "args": vars(args), "runs": {}}
     for name, release in (("every block kept", False), ("released behind the window", True)):
         r = out["runs"][name] = _run(model, args, release)
         print(f"{name:27s} {r['wall_s']:7.1f} s  {r['output_tok_s']:7.1f} tok/s  preemptions {r['preemptions']:3d}  "
               f"released {r['released_blocks']:4d}  peak blocks {r['peak_used_blocks']}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(out, args.json)
 
 
 if __name__ == "__main__":

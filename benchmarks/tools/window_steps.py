@@ -55,6 +55,25 @@ def _steps(model, tier: str, context: int, steps: int, device: str) -> list[floa
     return times
 
 
+def set_window(model, plain, window: int | None) -> None:
+    """Give ``model`` (whose arguments without a window are ``plain``) ``window`` keys in every
+    layer, or none: the same weights either way."""
+    from kvtier.model import ModelArgs
+    from kvtier.model.cpu_step import forget
+
+    model.args = ModelArgs.from_dict({**plain.to_dict(), "sliding_window": window})
+    for i, layer in enumerate(model.layers):
+        layer.attention.window = model.args.window_of(i)
+    forget(model)  # (the CPU step's plan holds the windows)
+
+
+def write_json(out: dict, path: str | None) -> None:
+    """``out`` as indented JSON at ``path`` (nothing without one)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -66,8 +85,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from kvtier.model import ModelArgs, build_random, load_model
-    from kvtier.model.cpu_step import forget
+    from kvtier.model import build_random, load_model
 
     if args.arch:
         dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -76,18 +94,11 @@ def main() -> None:
         model = load_model(device=args.device, dtype=torch.float32, progress=False).model
         label = "default model (SmolLM2-135M-Instruct, float32)"
     plain = model.args
-
-    def set_window(window: int | None) -> None:  # the same weights, with or without the window
-        model.args = ModelArgs.from_dict({**plain.to_dict(), "sliding_window": window})
-        for i, layer in enumerate(model.layers):
-            layer.attention.window = model.args.window_of(i)
-        forget(model)  # (the CPU step's plan holds the windows)
-
     out = {"model": label, "device": args.device, "args": vars(args), "tiers": {}}
     for tier in args.tiers.split(","):
         row = {}
         for name, window in (("whole context", None), (f"window {args.window}", args.window)):
-            set_window(window)
+            set_window(model, plain, window)
             xs = _steps(model, tier, args.context, args.steps, args.device)
             row[name] = 1e3 * statistics.median(xs)
         a, b = row.values()
@@ -95,9 +106,7 @@ def main() -> None:
         out["tiers"][tier] = row
         print(f"{tier:6s} context {args.context}: whole context {a:7.2f} ms a step, window {args.window} "
               f"{b:7.2f} ms ({b / a:.2f}x)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(out, args.json)
 
 
 if __name__ == "__main__":
