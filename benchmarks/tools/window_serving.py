@@ -27,7 +27,7 @@ def _run(model, args, release: bool) -> dict:
                           max_model_len=args.prompt + args.tokens)
     engine = LLMEngine(model, None, config)
     if not release:
-        engine.scheduler._window = None  # the same engine, keeping every block
+        engine.scheduler.window = None  # the same engine, keeping every block
     gen = torch.Generator().manual_seed(0)
     params = RequestParams(max_tokens=args.tokens, ignore_eos=True)
     for _ in range(args.requests):

@@ -61,4 +61,5 @@ def test_long_completions_share_a_small_pool_behind_the_window(tmp_path, mistral
         m = metrics(url)
         assert settle(url)["free_blocks"] == 40
     assert got == want
+    assert "| blocks released behind the 16-token sliding window" in (tmp_path / "serve.log").read_text()
     assert m["kvtier_preemptions_total"] == 0 and m["kvtier_kv_blocks_released_total"] > 4 * 10

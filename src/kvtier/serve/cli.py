@@ -334,6 +334,7 @@ def serve_http(engine, model_name: str, server_config, log_level: str = "warning
           + (f" | {len(server_config.api_keys)} API key(s) asked for" if server_config.api_keys else "")
           + (f" | n-gram drafts, {spec.num_speculative_tokens} a step" if (spec := engine.config.speculative) else "")
           + (" | bfloat16 prefill" if narrow else "") + (" | batch-invariant" if engine.config.batch_invariant else "")
+          + (f" | blocks released behind the {w}-token sliding window" if (w := engine.scheduler.window) else "")
           + (f" | {s['host_blocks']} blocks offloaded to host memory" if s["host_blocks"] else ""),
           file=sys.stderr, flush=True)
     if ranks > 1:

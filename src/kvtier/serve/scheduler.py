@@ -234,8 +234,8 @@ class Scheduler:
         self._arrivals = 0
         # blocks behind a window are released only where it is wider than a block (_release)
         w = config.window
-        self._window = w if w is not None and w > block_manager.block_size else None
-        self.released_blocks = 0  # blocks released behind a sliding window so far
+        self.window = w if w is not None and w > block_manager.block_size else None
+        self.released_blocks = 0  # blocks released behind a sliding window so far (``window``; None: none)
 
     # -- requests -----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -362,7 +362,7 @@ class Scheduler:
             else:
                 req.num_computed = row.start + len(row.token_ids)
             self.blocks.cache_full_blocks(req.blocks, req.token_ids, req.num_computed)
-            if self._window is not None:
+            if self.window is not None:
                 self._release(req)
             if not row.sample:
                 continue
@@ -432,7 +432,7 @@ class Scheduler:
         places in ``req.blocks`` name the runner's scratch block (id ``num_blocks``), which no
         kernel reads there. After :meth:`BlockManager.cache_full_blocks`: with a window wider than
         a block the newest hashed block, whose hash the next full block chains on, stays."""
-        n, k = (req.num_computed - self._window + 1) // self.blocks.block_size, len(req.behind)
+        n, k = (req.num_computed - self.window + 1) // self.blocks.block_size, len(req.behind)
         if n > k:
             req.behind += self.blocks.release(req.blocks[k:n])
             req.blocks[k:n] = [self.blocks.num_blocks] * (n - k)
