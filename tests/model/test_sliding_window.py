@@ -75,7 +75,9 @@ def test_rows_of_different_lengths_decode_transformers_tokens(pairs, tier):
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])
 @torch.no_grad()
-def test_the_one_call_paged_step_decodes_lone_tokens_past_the_window(pairs, kind, monkeypatch):
+def test_the_one_call_paged_step_decodes_past_the_window(pairs, kind, monkeypatch):
+    """Lone tokens of each sequence, then a run of one sequence's tokens past the window (each
+    token of it attends alone, to its own window's keys), against transformers."""
     from kvtier.model.cpu_step import DecodeStep
 
     hf, lm = pairs(kind)
@@ -90,9 +92,10 @@ def test_the_one_call_paged_step_decodes_lone_tokens_past_the_window(pairs, kind
     steps.close()
     assert len(served) >= 5 and all(x is not None for x in served)  # every decode step in one call
     assert got == [hf_greedy(hf, r, 6) for r in rows]
-    table = caches[0].pool.block_tables[:1].repeat(2, 1).contiguous()  # two tokens of one sequence: a run
-    run = real(plan_for(lm.model), torch.tensor([5, 6]), torch.tensor([15, 16]), table, caches)
-    assert run is None
+    table = caches[0].pool.block_tables[:1].repeat(3, 1).contiguous()  # three tokens of one sequence: a run
+    run = real(plan_for(lm.model), torch.tensor([5, 6, 7]), torch.tensor([15, 16, 17]), table, caches)
+    ids = torch.tensor([rows[0] + [got[0][0], 5, 6, 7]])  # (positions 0 .. 14 were written before)
+    assert (run - hf(ids).logits[0, 15:]).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("tier", ["ragged", "paged"])

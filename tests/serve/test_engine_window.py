@@ -1,7 +1,7 @@
 """The serving engine on a model with a sliding window: continuous batching, chunked prefills, the
 prefix cache and preemption give transformers' greedy tokens past the window, on CUDA through the
-decode graphs too; batch-invariant steps (the CPU's one-call step takes no prompt chunk past a
-window) refuse it where a sequence may pass the window."""
+decode graphs too, and in batch-invariant steps (each token past the window through the CPU's
+one-call step alone)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvtier.model import load_model
+from kvtier.model.cpu_step import plan_for
 from kvtier.serve.engine import EngineConfig, LLMEngine
 from kvtier.serve.params import RequestParams
-from kvtier.serve.runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
 from hf_pairs import WINDOW, hf_greedy, hf_windowed, prompts  # noqa: E402  (needs transformers)
@@ -78,13 +78,23 @@ def test_blocks_behind_the_window_are_released_so_long_requests_share_a_small_po
     assert warmed.warm_up()["prompt_tokens"] > WINDOW and warmed.stats()["released_blocks"] == 0  # (its books reset)
 
 
-def test_batch_invariant_steps_refuse_a_model_whose_sequences_may_pass_its_window(pair):
-    _, lm = pair
-    with pytest.raises(ValueError, match=rf"past a sliding window, and the model's is {WINDOW} tokens: serve it "
-                                         rf"with --max-model-len {WINDOW} or less"):
-        ModelRunner(lm.model, num_blocks=8, block_size=4, batch_invariant=True, max_model_len=64)
-    runner = ModelRunner(lm.model, num_blocks=8, block_size=4, batch_invariant=True, max_model_len=WINDOW)
-    assert runner.batch_invariant
+def test_batch_invariant_answers_past_the_window_are_each_requests_alone(pair):
+    """Batch-invariant steps (every token through the one-call step; past the window each token
+    attends alone, to its own window's keys): requests together in a small pool, chunked and
+    preempted, give transformers' greedy tokens and each request's logprobs alone, bit for bit."""
+    hf, lm = pair
+    if plan_for(lm.model) is None:
+        pytest.skip("the one-call CPU step is not built here")
+    rows = prompts(13, [9, 10, 11, 12, 13, 14])
+    params = RequestParams(max_tokens=20, logprobs=0, ignore_eos=True)
+    config = dict(block_size=4, batch_invariant=True, max_model_len=48)
+    engine = LLMEngine(lm.model, None, EngineConfig(num_blocks=12, max_num_seqs=6, max_batched_tokens=12, **config))
+    together = engine.generate(rows, params)
+    assert engine.stats()["preemptions"] > 0
+    for ids, got in zip(rows, together):
+        alone = LLMEngine(lm.model, None, EngineConfig(num_blocks=64, **config)).generate([ids], params)[0]
+        assert list(got.token_ids) == list(alone.token_ids) == hf_greedy(hf, ids, 20)
+        assert [x.logprob for x in got.logprobs] == [x.logprob for x in alone.logprobs]
 
 
 @pytest.mark.gpu

@@ -145,8 +145,9 @@ class DecodeStep:
         self.eps = float(model.norm.eps)
         self.scale = float(model.layers[0].attention.scale)
         #: the layers' sliding window (``None``: none; each layer's is its entry's ``window``, 0 for
-        #: none): a step of several tokens a sequence reaching past it is left to the layered forward,
-        #: which masks each query's own window
+        #: none): over a buffer (:meth:`run`) a step of several tokens reaching past it is left to the
+        #: layered forward, which masks each query's own window; over pages each token past it
+        #: attends alone (:meth:`run_paged`)
         self.window = a.sliding_window if a.windowed else None
         self.needs_grad = any(t.requires_grad for t in keep if isinstance(t, torch.Tensor))
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # cos, sin, inv_freq
@@ -311,10 +312,10 @@ class DecodeStep:
         the caches are not one :class:`~kvtier.caches.paged.PagedKVCache` a layer with pages the
         step reads (float32 of the lossless codec, or ``q8``, ``q4``, ``fp8``, ``q4_g32`` or
         TurboQuant codes, which it writes as the codecs do: :func:`_page_kinds`), the model's
-        shape and blocks of a power of two tokens, an input is off the CPU, or tokens of one
-        sequence at consecutive positions (a run) reach past the model's sliding window
-        (:attr:`window`); a lone token of its sequence attends to its window's keys. A token, position
-        or block id out of range raises ``ValueError`` before anything is written.
+        shape and blocks of a power of two tokens, or an input is off the CPU. Tokens of one sequence
+        at consecutive positions (a run) attend together, each key read once for them; a token past
+        a layer's sliding window (:attr:`window`) attends alone, to its own window's keys. A token,
+        position or block id out of range raises ``ValueError`` before anything is written.
 
         ``invariant``: every token's logits, keys and values the same bits whatever other tokens
         the call holds (batch-invariant): a lone token's products take the rows' loops instead of
@@ -348,8 +349,6 @@ class DecodeStep:
                              f"tokens), got {lo[1]}..{hi[1]}; give the rows their blocks first")
         if lo[2] < 0 or hi[2] >= num_blocks:
             raise ValueError(f"block ids must lie in [0, {num_blocks}), got {lo[2]}..{hi[2]}")
-        if self.window is not None and hi[1] >= self.window and _runs(positions, tables):
-            return None  # a run of a sequence's tokens past the window: the layered forward masks each's
         n_out, spread = N, None
         if select is not None:
             select = select.to(torch.int64).contiguous()
@@ -433,12 +432,6 @@ class DecodeStep:
 #: b-bit values ``KV_LM + b``, its keys of other bits ``KV_AF + b``)
 _KV_F32, _KV_Q8, _KV_Q4, _KV_FP8, _KV_G32, _KV_A8, _KV_LM, _KV_AF = 0, 2, 3, 4, 5, 6, 16, 32
 _CODE_KINDS = {IdentityCodec: _KV_F32, Q8Codec: _KV_Q8, Q4Codec: _KV_Q4, Fp8Codec: _KV_FP8, GroupQ4Codec: _KV_G32}
-
-
-def _runs(positions: torch.Tensor, tables: torch.Tensor) -> bool:
-    """Whether two tokens of a call are a run of one sequence (the step attends to a run's tokens
-    together, over the keys of the last: one window's first key does not serve them all)."""
-    return bool(((positions[1:] == positions[:-1] + 1) & (tables[1:] == tables[:-1]).all(1)).any())
 
 
 def _page_tensors(c) -> tuple:

@@ -80,7 +80,7 @@ typedef struct {
   const float* vrot;   /* their rotation's signs / sqrt(D) [D] (else NULL) */
   const float* krot;   /* rotated TurboQuant keys' rotation, likewise (else NULL) */
   int64_t window;      /* over pages, a lone token of its sequence sees only its last window keys
-                          (0: every key; a run of tokens is the caller's to refuse) */
+                          (0: every key; a token past any layer's window is alone in its run) */
 } Layer;
 
 /* tokens of several sequences over paged caches: token t at position pos[t], its keys and
@@ -383,10 +383,14 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
   const ActQ8* aq = act_q8 ? &aq_bufs : NULL;
   for (int64_t t = 0; t < T; t++) memcpy(h + t * dim, emb + ids[t] * dim, dim * sizeof(float));
   /* over pages, runs of tokens of one sequence at consecutive positions (a prompt's, a verification's),
-     at most RUN_TOKENS: attention reads each key and value once for a run, each token's sums its own */
-  int64_t run_at[T + 1], runs = 0;
+     at most RUN_TOKENS: attention reads each key and value once for a run, each token's sums its own.
+     A token past a layer's sliding window runs alone (from its own window's first key) */
+  int64_t run_at[T + 1], runs = 0, win = 0;  /* (win: the narrowest window, 0 none) */
+  for (int64_t l = 0; l < n_layers; l++)
+    if (layers[l].window && (!win || layers[l].window < win)) win = layers[l].window;
   for (int64_t t = 0; paged && t < T; t++)
     if (!t || t - run_at[runs - 1] == RUN_TOKENS || paged->pos[t] != paged->pos[t - 1] + 1 ||
+        (win && paged->pos[t] >= win) ||
         memcmp(paged->tables + t * paged->width, paged->tables + (t - 1) * paged->width, paged->width * sizeof(int32_t)))
       run_at[runs++] = t;
   run_at[runs] = T;

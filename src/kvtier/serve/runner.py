@@ -441,10 +441,6 @@ class ModelRunner:
         why = invariant_refusal(self.device, kv_quant, self.block_size, self.dtype, prefill_dtype_of(self.model))
         if why is not None:
             return why
-        a = self.model.args
-        if a.windowed and (max_model_len or a.max_position_embeddings) > a.sliding_window:
-            return (f"the one-call step takes no prompt chunk past a sliding window, and the model's is "
-                    f"{a.sliding_window} tokens: serve it with --max-model-len {a.sliding_window} or less")
         step = plan_for(self.model)
         if step is None:
             return ("the model does not take it (a float32 Llama, Mistral or Qwen2 shape with packed or float32 "
