@@ -146,7 +146,7 @@ class Request:
     prompt_logits: bool = False  # every prompt position's logits wanted (until the engine has them)
     priority: int = 0  # under the "priority" policy: lower runs first
     arrival: int = 0  # the scheduler's count of requests added before it
-    behind: list = field(default_factory=list)  # (block, hash) released behind a sliding window, in order
+    behind: list[tuple[int, bytes | None]] = field(default_factory=list)  # released behind a window: (block, hash)
 
     def __post_init__(self) -> None:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
