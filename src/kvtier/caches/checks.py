@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvtier.kernels.reference import check_window as valid_window
+
 #: the dtypes a cache stores keys and values in
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -189,8 +191,7 @@ def check_window(window: Any, longest: int | None = None) -> int | None:
     """``window`` (the keys a query sees through a sliding window, its own included) checked: a
     positive int or ``None`` (every key). ``None`` too where no row is ``longest`` tokens (a
     host bound) is longer: then every query sees all its keys."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
-        raise ValueError(f"window must be a positive int (the keys a query sees) or None, got {window!r}")
+    valid_window(window)
     return None if longest is not None and window is not None and longest <= window else window
 
 

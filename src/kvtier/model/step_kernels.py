@@ -385,12 +385,12 @@ void decode_step(const Layer* layers, int64_t n_layers, const Lin* head, const f
   /* over pages, runs of tokens of one sequence at consecutive positions (a prompt's, a verification's),
      at most RUN_TOKENS: attention reads each key and value once for a run, each token's sums its own.
      A token past a layer's sliding window runs alone (from its own window's first key) */
-  int64_t run_at[T + 1], runs = 0, win = 0;  /* (win: the narrowest window, 0 none) */
+  int64_t run_at[T + 1], runs = 0, narrowest = 0;  /* (the narrowest layer window, 0 none) */
   for (int64_t l = 0; l < n_layers; l++)
-    if (layers[l].window && (!win || layers[l].window < win)) win = layers[l].window;
+    if (layers[l].window && (!narrowest || layers[l].window < narrowest)) narrowest = layers[l].window;
   for (int64_t t = 0; paged && t < T; t++)
     if (!t || t - run_at[runs - 1] == RUN_TOKENS || paged->pos[t] != paged->pos[t - 1] + 1 ||
-        (win && paged->pos[t] >= win) ||
+        (narrowest && paged->pos[t] >= narrowest) ||
         memcmp(paged->tables + t * paged->width, paged->tables + (t - 1) * paged->width, paged->width * sizeof(int32_t)))
       run_at[runs++] = t;
   run_at[runs] = T;

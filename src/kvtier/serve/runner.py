@@ -288,7 +288,7 @@ class ModelRunner:
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         self.batch_invariant = batch_invariant
-        if batch_invariant and (why := self._invariant_unavailable(kv_quant, max_model_len)) is not None:
+        if batch_invariant and (why := self._invariant_unavailable(kv_quant)) is not None:
             raise ValueError(INVARIANT_REFUSED + why)
         #: the last step's ``all_logits`` rows: request id -> (first position, logits ``[T, V]``)
         self.prompt_logits: dict[str, tuple[int, torch.Tensor]] = {}
@@ -436,7 +436,7 @@ class ModelRunner:
         return step.run_paged(tokens, positions, binding.table, self.caches,
                               None if select is None else torch.tensor(select), invariant=invariant)
 
-    def _invariant_unavailable(self, kv_quant: str | None, max_model_len: int | None) -> str | None:
+    def _invariant_unavailable(self, kv_quant: str | None) -> str | None:
         """Why this runner cannot run batch-invariant steps, or ``None`` when it can."""
         why = invariant_refusal(self.device, kv_quant, self.block_size, self.dtype, prefill_dtype_of(self.model))
         if why is not None:
