@@ -413,3 +413,24 @@ def test_generate_on_a_model_of_short_context_fits_the_block_tier_to_it(tmp_path
     err = capsys.readouterr().err
     assert code == 0, err  # before: "owned_block_size=1024 tokens passes the model's context of 256"
     assert "kvtier: error" not in err
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"layer_types": ["sliding_attention"]}, "layer_types"),  # one layer of two: meant layer 0, not 1
+    ({"layer_types": ["sliding_attention"] * 3}, "layer_types"),
+    ({"layer_types": ["sliding_attention", "local"]}, "layer_types"),
+    ({"max_window_layers": None}, "max_window_layers"),
+])
+def test_a_window_s_layers_that_transformers_refuses_are_refused_naming_the_key(extra, field):
+    """A Qwen2 config whose ``layer_types`` does not name one known kind for each layer, or whose
+    ``max_window_layers`` is not a number where it decides: transformers refuses it, and so does
+    the loader, naming the key (before: a wrong-length list fell back to ``max_window_layers``,
+    so ``["sliding_attention"]`` put the window on layer 1; ``null`` failed on a comparison)."""
+    from transformers import AutoConfig
+
+    cfg = {"model_type": "qwen2", **BASE, "num_key_value_heads": 8, "use_sliding_window": True, "sliding_window": 16,
+           "max_window_layers": 1, **extra}
+    with pytest.raises(Exception):  # noqa: B017 - transformers' own error types differ by key
+        AutoConfig.for_model("qwen2", **{k: v for k, v in cfg.items() if k != "model_type"})
+    with pytest.raises(ValueError, match=rf"^{field} must "):
+        args_from_hf_config(cfg)

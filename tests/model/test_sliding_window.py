@@ -263,6 +263,25 @@ def test_a_bad_window_is_refused_naming_it(bad):
                       sliding_layers=layers)
 
 
+@pytest.mark.parametrize("wide", [2**31, 2**63, 2**64 + 3])
+def test_a_window_wider_than_the_kernels_hold_is_refused(wide):
+    """A window past 32 bits is refused by the caches and by ``ModelArgs``, naming the fix (before:
+    the CPU step held ``2**64 + 3`` as a window of 3 and ``2**63`` as a negative one, and the tail
+    tier then generated other tokens than the model without a window). ``2**31 - 1`` is taken."""
+    from kvtier import TailOwnedKVCache
+
+    cache = TailOwnedKVCache()
+    cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    with pytest.raises(ValueError, match=rf"^window {wide} is wider than any context .* pass None \(no window\)"):
+        cache.attention(torch.zeros(1, 2, 1, 8), window=wide)
+    shape = dict(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, vocab_size=10)
+    with pytest.raises(ValueError, match=rf"^sliding_window {wide} is wider than any context"):
+        ModelArgs(**shape, sliding_window=wide)
+    assert ModelArgs(**shape, sliding_window=2**31 - 1).sliding_window == 2**31 - 1
+    q = torch.randn(1, 2, 1, 8)
+    assert torch.equal(cache.attention(q, window=2**31 - 1), cache.attention(q))
+
+
 def test_fewer_layers_keep_the_windows_of_those_left():
     from kvtier.model import build_random
 

@@ -52,10 +52,19 @@ def causal_mask(
     return mask[:, None]  # (B, 1, T, S)
 
 
-def check_window(window) -> None:
-    """``ValueError`` unless ``window`` is ``None`` or a positive int (a sliding window's keys)."""
+#: the widest sliding window taken: the kernels hold key positions and windows in 32 bits, and
+#: no context is longer (a wider window would bind nowhere: pass ``None`` instead)
+MAX_WINDOW = 2**31 - 1
+
+
+def check_window(window, name: str = "window") -> None:
+    """``ValueError`` unless ``window`` is ``None`` or a positive int (a sliding window's keys) of
+    at most :data:`MAX_WINDOW`; ``name``: what the message calls it."""
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (the keys a query sees) or None, got {window!r}")
+        raise ValueError(f"{name} must be a positive int (the keys a query sees) or None, got {window!r}")
+    if window is not None and window > MAX_WINDOW:
+        raise ValueError(f"{name} {window} is wider than any context (at most 2**31 - 1 keys, which the kernels "
+                         f"hold in 32 bits); a window that wide binds nowhere: pass None (no window)")
 
 
 def window_start(first_query: int, window: int | None) -> int:

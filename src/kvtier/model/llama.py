@@ -38,6 +38,7 @@ from torch.nn import functional as F
 from kvtier.caches.base import KVCache
 from kvtier.config import switched_off
 from kvtier.kernels.precision import PREFILL_MIN_TOKENS, narrow_dtype, prefill_matmuls
+from kvtier.kernels.reference import check_window
 from kvtier.model.linear import Linear, prefill_dtype_of
 
 ARCHES = ("llama", "mistral", "qwen2", "qwen3")
@@ -110,9 +111,8 @@ class ModelArgs:
         self._check_window()
 
     def _check_window(self) -> None:
-        w, layers = self.sliding_window, self.sliding_layers
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
-            raise ValueError(f"sliding_window must be a positive int (keys a query sees) or None, got {w!r}")
+        layers = self.sliding_layers
+        check_window(self.sliding_window, "sliding_window")
         if layers is None:
             return
         if isinstance(layers, (str, bytes)) or not isinstance(layers, Collection) or not all(

@@ -421,9 +421,16 @@ def _hf_window(cfg: Mapping[str, Any], model_type: str, defaults: Mapping[str, A
         return None, None
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
-    if not isinstance(types, list) or len(types) != n:
+    kinds = ("sliding_attention", "full_attention")
+    if types is None:
         first = cfg.get("max_window_layers", defaults["max_window_layers"])
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise ValueError(f"max_window_layers must be an int (the first layer with the sliding window) where "
+                             f"use_sliding_window is on and layer_types is not given, got {first!r}")
+        types = [kinds[i < first] for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in kinds for t in types):
+        raise ValueError(f"layer_types must list one of {kinds} for each of the {n} layers "
+                         f"(num_hidden_layers), got {types!r}")
     return window, [i for i, t in enumerate(types) if t == "sliding_attention"]
 
 
