@@ -15,11 +15,14 @@ COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
 
 
 def hf_windowed(kind: str):
-    """A tiny transformers model with a window of :data:`WINDOW` keys: Mistral's in every layer,
-    Qwen2's in its second layer only (``max_window_layers=1``)."""
+    """A tiny transformers model with a window of :data:`WINDOW` keys: Mistral's and Phi-3's in every
+    layer, Qwen2's in its second layer only (``max_window_layers=1``)."""
     torch.manual_seed(7)
     if kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=WINDOW))
+    elif kind == "phi3":  # (its Q, K and V in one tensor, its gate and up in another)
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            **COMMON, sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1))

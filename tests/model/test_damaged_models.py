@@ -366,7 +366,7 @@ def test_a_qwen2_gguf_window_is_named_as_not_applied(tmp_path):
     assert lm.args.sliding_window is None
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_keys_a_config_leaves_out_take_transformers_defaults(model_type):
     from transformers import AutoConfig
 
@@ -387,6 +387,7 @@ def test_keys_a_config_leaves_out_take_transformers_defaults(model_type):
     ("qwen3", {"use_sliding_window": True, "sliding_window": 16,
                "layer_types": ["sliding_attention", "full_attention"]}),
     ("llama", {"sliding_window": 16}),
+    ("phi3", {"sliding_window": 16, "pad_token_id": 0}), ("phi3", {"pad_token_id": 0}),
 ])
 def test_a_config_window_reaches_the_layers_transformers_applies_it_to(model_type, extra):
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -397,7 +398,7 @@ def test_a_config_window_reaches_the_layers_transformers_applies_it_to(model_typ
     with torch.device("meta"):  # each attention layer's own window, as transformers built it
         layers = AutoModelForCausalLM.from_config(theirs).model.layers
     # (Mistral's layers read the config's at each call; Llama's have none)
-    want = [theirs.sliding_window if model_type == "mistral" else getattr(ly.self_attn, "sliding_window", None)
+    want = [theirs.sliding_window if model_type in ("mistral", "phi3") else getattr(ly.self_attn, "sliding_window", None)
             for ly in layers]
     assert [ours.window_of(i) for i in range(2)] == want
 
@@ -434,3 +435,41 @@ def test_a_window_s_layers_that_transformers_refuses_are_refused_naming_the_key(
         AutoConfig.for_model("qwen2", **{k: v for k, v in cfg.items() if k != "model_type"})
     with pytest.raises(ValueError, match=rf"^{field} must "):
         args_from_hf_config(cfg)
+
+
+def test_phi3_fused_tensors_of_another_shape_are_refused_naming_them(tmp_path):
+    """Phi-3's ``qkv_proj`` (Q, K and V rows) and ``gate_up_proj`` (gate then up) are split by the
+    config's heads and MLP width; one of another shape is refused naming the tensor and the
+    shape wanted, and a missing one names the fused tensor, not a projection the file lacks."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=300, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    Phi3ForCausalLM(cfg).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    good = load_file(weights)
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    assert good[qkv].shape == (64 + 2 * 32, 64)  # (4 heads and 2 of 16 channels each, twice)
+    save_file({**good, qkv: good[qkv][:-16]}, weights)
+    with pytest.raises(ValueError, match=rf"tensor '{qkv}' has shape \(112, 64\), but the config gives "
+                                         r"\(128, 64\) \(64 \+ 32 \+ 32 rows of the self_attn.q_proj"):
+        load_model(tmp_path, device="cpu", progress=False)
+    up = "model.layers.0.mlp.gate_up_proj.weight"
+    save_file({k: v for k, v in good.items() if k != up}, weights)
+    with pytest.raises(ValueError, match=rf"{up}"):
+        load_model(tmp_path, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("where", ["top", "rope_parameters"])
+def test_a_partial_rotary_factor_is_refused(where):
+    """Phi-4-mini turns three quarters of each head's channels (``partial_rotary_factor`` 0.75);
+    RoPE here turns them all, so such a config is refused, not loaded to give other logits."""
+    cfg = {"model_type": "phi3", **BASE}
+    if where == "top":
+        cfg["partial_rotary_factor"] = 0.75
+    else:
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    with pytest.raises(ValueError, match=r"^partial_rotary_factor 0.75 is not supported"):
+        args_from_hf_config(cfg)
+    assert args_from_hf_config({**cfg, "partial_rotary_factor": 1.0, "rope_parameters": None}).arch == "phi3"

@@ -96,6 +96,8 @@ def hf_tiny(kind: str):
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -114,6 +116,9 @@ def hf_tiny(kind: str):
                     MistralForCausalLM),
         "qwen2": (Qwen2Config(**common), Qwen2ForCausalLM),
         "qwen3": (Qwen3Config(**common, head_dim=32), Qwen3ForCausalLM),
+        # fused Q/K/V and gate/up tensors; a window of 64 keys in every layer (Phi-3-mini's 2,047)
+        "phi3": (Phi3Config(**common, sliding_window=64, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                 Phi3ForCausalLM),
     }[kind]
     torch.manual_seed(1234)
     model = cls(cfg).eval()
@@ -132,13 +137,14 @@ def tiny_pairs(tmp_path_factory):
     return loaded_pairs(tmp_path_factory, hf_tiny, "hf")
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3"])
 @torch.no_grad()
 def test_tiny_models_match_transformers(tiny_pairs, kind):
     hf, ours = tiny_pairs(kind)
     args = ours.args
     assert args.qkv_bias == (kind == "qwen2") and args.qk_norm == (kind == "qwen3")
     assert args.tie_embeddings == (kind == "llama")
+    assert args.sliding_window == (64 if kind == "phi3" else None)  # (its 150-token prompt passes the window)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 300, (2, 150), generator=g)  # past llama3's original 64 positions
     ref = hf(prompt).logits

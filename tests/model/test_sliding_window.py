@@ -35,16 +35,16 @@ def pairs(tmp_path_factory):
 
 
 # -- the model: every tier against transformers ----------------------------------------------------
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "phi3"])
 def test_the_config_names_the_window_and_its_layers(pairs, kind):
     _, lm = pairs(kind)
     assert lm.args.sliding_window == WINDOW
     assert [lm.model.layers[i].attention.window for i in range(2)] == (
-        [WINDOW, WINDOW] if kind == "mistral" else [None, WINDOW])
+        [None, WINDOW] if kind == "qwen2" else [WINDOW, WINDOW])
 
 
 @pytest.mark.parametrize("tier, kv_quant", [(t, None) for t in TIERS] + [("paged", "q8"), ("paged", "q4")])
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "phi3"])
 @torch.no_grad()
 def test_prefill_chunks_then_decode_give_transformers_logits(pairs, kind, tier, kv_quant):
     hf, lm = pairs(kind)

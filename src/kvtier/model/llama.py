@@ -41,7 +41,7 @@ from kvtier.kernels.precision import PREFILL_MIN_TOKENS, narrow_dtype, prefill_m
 from kvtier.kernels.reference import check_window
 from kvtier.model.linear import Linear, prefill_dtype_of
 
-ARCHES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 

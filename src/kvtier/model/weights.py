@@ -8,7 +8,8 @@ Two sources:
   stores the Q and K projections of Llama-family models permuted for its RoPE
   layout; :func:`unpermute_qk` undoes that (as ``transformers``' GGUF loader does).
 - Hugging Face folders: ``config.json`` plus ``*.safetensors`` (sharded or not),
-  for ``model_type`` llama, mistral, qwen2 and qwen3.
+  for ``model_type`` llama, mistral, qwen2, qwen3 and phi3 (whose fused ``qkv_proj`` and
+  ``gate_up_proj`` are split into the projections: :func:`split_phi3`).
 
 Both are first renamed to per-projection names (``wq``, ``wk``, ``wv``, ``w1``
 gate, ``w3`` up, ``w2`` down), then :func:`fuse` concatenates Q/K/V into
@@ -31,7 +32,7 @@ import torch
 
 from kvtier.model.llama import ModelArgs, rope_inv_freq
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 GGUF_ARCHES = ("llama", "mistral", "qwen2", "qwen3")
 # llama.cpp permutes Q/K rows only for the architectures it rotates in GPT-J pair layout
 _PERMUTED_ARCHES = ("llama", "mistral")
@@ -72,6 +73,9 @@ _HF_LAYER_NAMES = {
     "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2",
 }
+#: Phi-3's fused projections: Q, K and V rows in one, the MLP's gate then up rows in one
+_PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)$")
 
@@ -87,6 +91,35 @@ def rename(name: str, table: dict[str, str], layer_table: dict[str, str], patter
         f"tensor {name!r} has no place in a Llama-family decoder; this architecture "
         "is not supported"
     )
+
+
+def split_phi3(name: str, t: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
+    """A Phi-3 checkpoint tensor as the per-projection tensors of a Llama checkpoint: ``qkv_proj``
+    into ``q_proj``, ``k_proj`` and ``v_proj`` (rows of ``n_heads``, ``n_kv_heads`` and
+    ``n_kv_heads`` heads), ``gate_up_proj`` into ``gate_proj`` and ``up_proj`` (its halves, as
+    transformers' ``chunk(2)``); any other tensor as it is. A fused tensor of another shape
+    raises ``ValueError`` naming it and the shape the config wants."""
+    m = _HF_LAYER.match(name)
+    parts = _PHI3_FUSED.get(m.group(2)) if m and m.group(3) == "weight" else None
+    if parts is None:
+        return [(name, t)]
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    rows = (q, kv, kv) if len(parts) == 3 else (args.hidden_dim, args.hidden_dim)
+    if tuple(t.shape) != (sum(rows), args.dim):
+        raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, but the config gives "
+                         f"{(sum(rows), args.dim)} ({' + '.join(map(str, rows))} rows of the "
+                         f"{', '.join(parts)} projections); the config does not describe these weights")
+    prefix = f"model.layers.{m.group(1)}."
+    return [(f"{prefix}{part}.weight", w) for part, w in zip(parts, t.split(rows), strict=True)]
+
+
+def _phi3_source(ours: str, theirs: Callable[[str], str]) -> str:
+    """The Phi-3 checkpoint's name for one of ours: its fused tensor for a projection."""
+    m = re.match(r"^layers\.(\d+)\.(attention\.w[qkv]|feed_forward\.w[13])\.weight$", ours)
+    if not m:
+        return theirs(ours)
+    fused = "self_attn.qkv_proj" if m.group(2).startswith("attention") else "mlp.gate_up_proj"
+    return f"model.layers.{m.group(1)}.{fused}.weight"
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -344,6 +377,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
               "sliding_window": 4096, "max_window_layers": 28},
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
               "sliding_window": 4096, "max_window_layers": 28},
+    "phi3": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 4096,
+             "sliding_window": None, "max_window_layers": 0},
 }
 
 #: keys a Hugging Face ``config.json`` must have (the others have defaults)
@@ -382,6 +417,10 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
                          "supported; use the model's unquantised weights (float32, float16 or bfloat16)")
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    partial = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:  # (Phi-4-mini's 0.75)
+        raise ValueError(f"partial_rotary_factor {partial!r} is not supported: RoPE turns every channel of a "
+                         "head here (1.0)")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     defaults = _HF_DEFAULTS[model_type]
     context = cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
@@ -409,13 +448,13 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
 
 
 def _hf_window(cfg: Mapping[str, Any], model_type: str, defaults: Mapping[str, Any]) -> tuple[Any, Any]:
-    """``(sliding_window, sliding_layers)`` as transformers applies them: Mistral's window in every
-    layer; Qwen2/3's only with ``use_sliding_window``, in the layers ``layer_types`` names
+    """``(sliding_window, sliding_layers)`` as transformers applies them: Mistral's and Phi-3's
+    window in every layer; Qwen2/3's only with ``use_sliding_window``, in the layers ``layer_types`` names
     ``"sliding_attention"`` (by default those from ``max_window_layers`` on); Llama has none."""
     if model_type == "llama":
         return None, None
     window = cfg.get("sliding_window", defaults["sliding_window"])
-    if model_type == "mistral" or window is None:
+    if model_type in ("mistral", "phi3") or window is None:
         return window, None
     if not cfg.get("use_sliding_window", False):
         return None, None
@@ -473,11 +512,14 @@ def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
                 continue  # recomputed from the config
             _check_dtype(name, t, f)
             try:
-                tensors[rename(name, _HF_NAMES, _HF_LAYER_NAMES, _HF_LAYER)] = t
+                for part, w in split_phi3(name, t, args) if args.arch == "phi3" else [(name, t)]:
+                    tensors[rename(part, _HF_NAMES, _HF_LAYER_NAMES, _HF_LAYER)] = w
             except ValueError as e:
                 raise ValueError(f"{f}: {e}{_foreign_tensor_hint(name)}") from None
     theirs = functools.partial(source_name, table=_HF_NAMES, layer_table=_HF_LAYER_NAMES,
                                layer_format="model.layers.{}.{}.{}")
+    if args.arch == "phi3":
+        theirs = functools.partial(_phi3_source, theirs=theirs)
     head, embedding = tensors.get("output.weight"), tensors.get("tok_embeddings.weight")
     if args.tie_embeddings and head is not None and embedding is not None and not torch.equal(head, embedding):
         warnings.warn(f"{path}: the config ties the output head to the embedding "
