@@ -5,6 +5,7 @@ codec), what fits and what is left out, and every refusal leaving the engine as 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -345,6 +346,11 @@ def test_the_file_is_the_owners_alone_unless_it_was_opened_up(tmp_path) -> None:
     path.chmod(0o640)
     save_prefix_cache(engine, path)
     assert path.stat().st_mode & 0o777 == 0o640
+    empty = tmp_path / "placeholder.safetensors"  # made beforehand, as `touch` makes it (0644 under the umask)
+    empty.touch()
+    empty.chmod(0o644)
+    save_prefix_cache(engine, empty)
+    assert empty.stat().st_size > 0 and empty.stat().st_mode & 0o777 == 0o600  # (before: 0644, every prompt)
 
 
 def test_a_folder_or_a_crc_of_another_dtype_is_refused(tmp_path) -> None:
@@ -364,9 +370,17 @@ def test_a_folder_or_a_crc_of_another_dtype_is_refused(tmp_path) -> None:
         load_prefix_cache(LLMEngine(model, None, SMALL), crafted)
 
 
-@pytest.mark.parametrize("value, words", [("", "must be a path or None"), (3, "must be a path or None"),
-                                          (__file__, "exists and is not a kvtier prefix cache file")])
+@pytest.mark.parametrize("value, words", [
+    ("", r"must be the path of a file such as prefixes.safetensors, or None \(no file\), got ''"),
+    (3, "must be the path of a file such as prefixes.safetensors"),
+    (__file__, "exists and is not a kvtier prefix cache file"),
+    (os.path.dirname(__file__), "is a directory, not a regular file; .* such as prefixes.safetensors"),
+    ("/tmp/" + "p" * 240 + ".safetensors", r"its name \(252 bytes\) is too long to save: a save writes "
+                                            r"'\.p+\.safetensors\.kvtier-lock' beside it"),
+])
 def test_the_server_config_refuses_a_prefix_cache_file_it_could_not_write(value, words) -> None:
+    """Before: a 252-byte name (legal) passed, and every save failed on its 13 bytes longer lock
+    file; a directory was told to pass "a file path such as prompt.safetensors"."""
     from kvtier.serve.api import (
         ServerConfig,  # (here: the module imports without the server's packages)
     )
@@ -375,8 +389,18 @@ def test_the_server_config_refuses_a_prefix_cache_file_it_could_not_write(value,
         ServerConfig(prefix_cache_file=value)
 
 
+def test_a_folder_not_writable_names_the_read_only_flag(tmp_path, monkeypatch) -> None:
+    import kvtier.caches.persist as persist
+    from kvtier.serve.api import ServerConfig
+
+    monkeypatch.setattr(persist.os, "access", lambda path, mode: False)  # (root writes any folder)
+    with pytest.raises(ValueError, match=r"its folder .* is not writable; pass another path, or add "
+                                         r"--prefix-cache-read-only \(prefix_cache_read_only\) to read the file"):
+        ServerConfig(prefix_cache_file=str(tmp_path / "p.safetensors"))
+
+
 def test_the_server_config_reads_a_read_only_file_without_asking_to_write_it(tmp_path, monkeypatch) -> None:
-    import kvtier.serve.api as api
+    import kvtier.serve.prefix_file as prefix_file
     from kvtier.serve.api import ServerConfig
 
     _, _, path = saved(tmp_path)
@@ -384,7 +408,7 @@ def test_the_server_config_reads_a_read_only_file_without_asking_to_write_it(tmp
     def unwritable(*args):
         raise ValueError("its folder is not writable")
 
-    monkeypatch.setattr(api, "check_save_path", unwritable)  # (a read-only volume: not asked)
+    monkeypatch.setattr(prefix_file, "check_save_path", unwritable)  # (a read-only volume: not asked)
     with pytest.raises(ValueError, match="its folder is not writable"):
         ServerConfig(prefix_cache_file=str(path))
     assert ServerConfig(prefix_cache_file=str(path), prefix_cache_read_only=True).prefix_cache_read_only
@@ -469,16 +493,25 @@ def test_a_stop_waits_for_a_periodic_save_under_way(monkeypatch, capsys) -> None
     assert calls == ["start", "end"] and finals == ["final"] and "not saved" not in err
 
 
-def test_a_failed_periodic_save_ends_the_periodic_saves(monkeypatch, capsys) -> None:
+def test_a_failed_periodic_save_is_tried_again_later_and_later(monkeypatch, capsys) -> None:
+    """A periodic save that fails (another process holding the file past the wait, a folder not
+    writable for a while) is tried again, each try twice as late as the one before, and a save
+    that works returns to the period (before: the first failure ended the periodic saves for
+    good, so a lock held for a moment left the server without saves until it stopped)."""
+    import time
+
     calls = []
 
-    async def failing(engine, path):
-        calls.append("periodic")
-        return False  # (what save_in_loop returns once it has said why)
+    async def failing_twice(engine, path):
+        calls.append(time.monotonic())
+        return len(calls) > 2  # (what save_in_loop returns once it has said why)
 
-    err, finals = _lifespan_run(monkeypatch, capsys, failing, hold_s=0.5)
-    assert calls == ["periodic"] and finals == ["final"]  # one periodic save in 0.5 s of 0.05 s periods
-    assert "the periodic saves of the prefix cache stop (the save failed)" in err
+    err, finals = _lifespan_run(monkeypatch, capsys, failing_twice, hold_s=0.8)
+    assert len(calls) == 3 and finals == ["final"]  # a third try, which worked; then no step, no save
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert gaps[0] >= 0.1 and gaps[1] >= 0.2, gaps  # 0.1 s, then 0.2 s (periods of 0.05 s)
+    assert err.count("the periodic save of the prefix cache failed; the next is tried in") == 2
+    assert "tried in 0.1 s" in err and "tried in 0.2 s" in err
 
 
 def test_no_periodic_save_without_a_step(monkeypatch, capsys) -> None:

@@ -35,6 +35,7 @@ import importlib
 import json
 import os
 import stat
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,8 @@ _MARKS = {FORMAT: (f'"format":"{FORMAT}"'.encode(), b'\\"kvtier.prompt_cache\\"'
           PREFIX_FORMAT: (f'"format":"{PREFIX_FORMAT}"'.encode(),)}
 #: what a file of each format is called in an error
 _KINDS = {FORMAT: "kvtier cache file", PREFIX_FORMAT: "kvtier prefix cache file (kvtier serve --prefix-cache-file)"}
+#: a file name of each format, for the messages
+_EXAMPLES = {FORMAT: "prompt.safetensors", PREFIX_FORMAT: "prefixes.safetensors"}
 
 
 def check_save_path(path: str | os.PathLike, fmt: str = FORMAT) -> Path:
@@ -122,7 +125,8 @@ def check_save_path(path: str | os.PathLike, fmt: str = FORMAT) -> Path:
     device, a FIFO or a socket, or a symlink to one; when it is a dangling symlink;
     when it is a file of something else (not empty and not a file of format ``fmt``, of any
     version: :func:`is_cache_file`), which saving would overwrite; and when its folder
-    is missing or not writable (folders are never created).
+    is missing or not writable (folders are never created); and when its name is too long for the
+    lock and temporary files a save writes beside it (``.NAME.kvtier-lock``).
     """
     path = Path(path)
     try:
@@ -138,7 +142,7 @@ def check_save_path(path: str | os.PathLike, fmt: str = FORMAT) -> Path:
         kind = next((name for test, name in _SPECIAL_FILES if test(st.st_mode)), "special file")
         via = ", through a symlink" if path.is_symlink() else ""
         raise ValueError(f"{path} is a {kind}{via}, not a regular file; caches are saved only to "
-                         "regular files: pass a file path such as prompt.safetensors")
+                         f"regular files: pass a file path such as {_EXAMPLES[fmt]}")
     target = Path(os.path.realpath(path)) if path.is_symlink() else path
     if st is not None and st.st_size > 0 and not is_cache_file(target, fmt):
         raise ValueError(f"{path} exists and is not a {_KINDS[fmt]}; saving would overwrite it: "
@@ -149,6 +153,15 @@ def check_save_path(path: str | os.PathLike, fmt: str = FORMAT) -> Path:
                          f"(mkdir -p {folder}) or pass another path")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"{path}: its folder {folder} is not writable; pass another path")
+    beside = f".{target.name}.kvtier-lock"  # (the longest name a save writes next to it)
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    if len(os.fsencode(beside)) > limit:
+        raise ValueError(f"{path}: its name ({len(os.fsencode(target.name))} bytes) is too long to save: a save "
+                         f"writes {beside!r} beside it, and a name in {folder} holds {limit} bytes at most; "
+                         "pass a shorter name")
     return target
 
 
@@ -233,8 +246,9 @@ def temporary_path(target: Path) -> Path:
 
 
 @contextlib.contextmanager
-def save_lock(target: Path):
-    """Hold the save lock of ``target``: ``.NAME.kvtier-lock`` beside it, ``flock``-ed.
+def save_lock(target: Path, wait_s: float = 0.0):
+    """Hold the save lock of ``target``: ``.NAME.kvtier-lock`` beside it, ``flock``-ed; while
+    another process holds it, wait up to ``wait_s`` seconds for it (then ``ValueError``).
 
     The file is unlinked before the lock is released, so none is left behind; a save
     that locked a file just unlinked (the save before it ended) sees that the name
@@ -244,14 +258,21 @@ def save_lock(target: Path):
     temporary file's first inode would no longer guard the name.
     """
     lock = target.with_name(f".{target.name}.kvtier-lock")
+    deadline = time.monotonic() + wait_s
     for _ in range(3):
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ValueError(f"another process is saving to {target} right now; try again "
-                             "when it is done") from None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                os.close(fd)
+                waited = f" (waited {wait_s:g} s)" if wait_s > 0 else ""
+                raise ValueError(f"another process is saving to {target} right now{waited}; try again "
+                                 "when it is done") from None
         st, now = os.fstat(fd), _stat_or_none(lock)
         if now is not None and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
             break

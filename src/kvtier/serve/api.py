@@ -54,12 +54,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from kvtier.caches.persist import PREFIX_FORMAT, check_save_path
 from kvtier.serve.async_engine import AsyncLLMEngine, RequestsEnded
 from kvtier.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kvtier.serve.middleware import ApiKeys, BodyLimit, unread_body
 from kvtier.serve.params import RequestOutput, RequestParams
-from kvtier.serve.prefix_file import check_read_only_file, engine_lifespan, save_figures
+from kvtier.serve.prefix_file import check_prefix_file, engine_lifespan, save_figures
 from kvtier.serve.reasoning import FORMATS as REASONING
 from kvtier.serve.reasoning import ReasoningReader, grammar_after, prompt_state
 from kvtier.serve.responses import add_responses_routes
@@ -169,12 +168,9 @@ class ServerConfig:
             raise ValueError(f"prefix_cache_read_only must be a bool, got {self.prefix_cache_read_only!r}")
         if self.prefix_cache_file is not None:
             if not isinstance(self.prefix_cache_file, str) or not self.prefix_cache_file:
-                raise ValueError(f"prefix_cache_file (--prefix-cache-file) must be a path or None, got "
-                                 f"{self.prefix_cache_file!r}")
-            if self.prefix_cache_read_only:
-                check_read_only_file(self.prefix_cache_file)
-            else:  # (a file the server may write when it stops)
-                check_save_path(self.prefix_cache_file, PREFIX_FORMAT)
+                raise ValueError(f"prefix_cache_file (--prefix-cache-file) must be the path of a file such as "
+                                 f"prefixes.safetensors, or None (no file), got {self.prefix_cache_file!r}")
+            check_prefix_file(self.prefix_cache_file, read_only=self.prefix_cache_read_only)
         if self.prefix_cache_read_only and self.prefix_cache_file is None:
             raise ValueError("--prefix-cache-read-only reads the prefix cache file, and none is given: add "
                              "--prefix-cache-file PATH (prefix_cache_file)")

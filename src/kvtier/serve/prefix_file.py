@@ -94,8 +94,8 @@ from kvtier.serve.prefix_save import (
     save_prefix_cache,
 )
 
-__all__ = ["CHUNK", "FORMAT_VERSION", "PrefixFileMismatch", "check_prefix_paths", "check_rank_files",
-           "check_read_only_file", "engine_lifespan", "fingerprint", "load_prefix_cache", "load_prefix_file",
+__all__ = ["CHUNK", "FORMAT_VERSION", "PrefixFileMismatch", "check_prefix_file", "check_prefix_paths",
+           "check_rank_files", "check_read_only_file", "engine_lifespan", "fingerprint", "load_prefix_cache", "load_prefix_file",
            "rank_path", "save_figures", "save_in_loop", "save_prefix_cache", "save_prefix_file"]
 
 
@@ -198,6 +198,8 @@ def _fill(runner, rank: int, world: int, path: str, engine_fp: dict, places, fir
 
 
 # -- the server's side: a line on stderr, never an exception but the ranks' own ---------------------
+#: the longest wait between two tries of a periodic save that keeps failing (:func:`_save_every`)
+RETRY_CAP_S = 3600.0
 #: errors of the ranks' groups: a server whose ranks cannot talk stops
 _DIST_ERRORS = (dist.DistError,) if hasattr(dist, "DistError") else ()
 
@@ -227,6 +229,22 @@ def check_read_only_file(path: str | os.PathLike) -> Path:
     if not is_cache_file(path, PREFIX_FORMAT):
         raise ValueError(f"{path} is not a kvtier prefix cache file (kvtier serve --prefix-cache-file)")
     return path
+
+
+def check_prefix_file(path: str, *, read_only: bool = False) -> None:
+    """Rank 0's file of a server (``--prefix-cache-file``), before the model loads: one it may write
+    when it stops (:func:`~kvtier.caches.persist.check_save_path`; a folder not writable names
+    ``--prefix-cache-read-only``), or with ``read_only`` one it reads (:func:`check_read_only_file`)."""
+    if read_only:
+        check_read_only_file(path)
+        return
+    try:
+        check_save_path(path, PREFIX_FORMAT)
+    except ValueError as e:
+        if "is not writable" not in str(e):
+            raise
+        raise ValueError(f"{e}, or add --prefix-cache-read-only (prefix_cache_read_only) to read the file there "
+                         "without ever writing it") from None
 
 
 def check_rank_files(path: str | os.PathLike, world: int, *, read_only: bool = False) -> None:
@@ -355,22 +373,27 @@ def save_figures(engine) -> dict[str, float]:
 
 
 async def _save_every(engine, path, interval_s: float, stop: asyncio.Event) -> None:
-    """Save every ``interval_s`` seconds when a step ran since the last save, until ``stop``; a
-    save that fails (or finds the file another configuration's) ends the periodic saves with a line."""
+    """Save every ``interval_s`` seconds when a step ran since the last save, until ``stop``. After
+    a save that fails (another process saving to the file past the wait, a folder not writable
+    for a while, the file another configuration's) the next try comes twice as late as the one
+    before, up to an hour, with a line; a save that works again returns to ``interval_s``."""
     _figures(engine)  # (the metrics shown from the start)
     saved_at = engine.stats["steps"]
+    wait = interval_s
     while True:
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+            await asyncio.wait_for(stop.wait(), wait)
         if stop.is_set():
             return
-        if engine.stats["steps"] == saved_at:
+        steps = engine.stats["steps"]
+        if steps == saved_at:
             continue
-        saved_at = engine.stats["steps"]
-        if not await save_in_loop(engine, path):
-            print("[kvtier] the periodic saves of the prefix cache stop (the save failed); it is saved again "
-                  "when the server stops", file=sys.stderr, flush=True)
-            return
+        if await save_in_loop(engine, path):
+            saved_at, wait = steps, interval_s
+        else:
+            wait = min(2 * wait, max(interval_s, RETRY_CAP_S))
+            print(f"[kvtier] the periodic save of the prefix cache failed; the next is tried in {wait:g} s (and "
+                  "the cache is saved when the server stops)", file=sys.stderr, flush=True)
 
 
 async def save_in_loop(engine, path: str | os.PathLike) -> bool:

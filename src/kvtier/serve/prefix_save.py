@@ -75,6 +75,11 @@ __all__ = ["CAPTURE_SHARE", "PrefixSave", "StaleFile", "begin_prefix_save", "che
 #: the most of the host's available memory (``MemAvailable``) a save begun between two steps may
 #: hold in copies of blocks; a save that would need more is written while the engine waits
 CAPTURE_SHARE = 0.25
+#: seconds a save waits for another process's save of the same file to end (a rolling restart's
+#: stopping server, say) before it gives up; the rename into place, on the engine's thread
+#: between two steps, waits a second at most
+LOCK_WAIT_S = 30.0
+COMMIT_WAIT_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,8 +261,10 @@ def _write_file(target: Path, head: bytes, hashes: np.ndarray, n: int,
     """``target``'s temporary file: ``head``, the hashes, the ``n`` pool tensors' bytes from
     ``pieces(j)``, the CRC-32s; returns the pool tensors' CRC-32s. The caller holds the save lock."""
     tmp = temporary_path(target)
-    # the keys and values of every user's prompts: readable by the owner only, unless the file was more open
-    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o600
+    # the keys and values of every user's prompts: readable by the owner only, unless a saved file was
+    # opened up (an empty placeholder, made by `touch` with the umask's 0644, is not a choice to keep)
+    st = target.stat() if target.exists() else None
+    mode = stat.S_IMODE(st.st_mode) if st is not None and st.st_size > 0 else 0o600
     try:
         tmp.unlink(missing_ok=True)
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
@@ -292,7 +299,7 @@ def _write(runner, rank: int, world: int, path: str, engine_fp: dict, entries) -
         host = runner.host.slots[j] if runner.host is not None else None
         return (_bytes(_gather(chunk, pool[j], host)) for chunk in chunks)
 
-    with save_lock(target):
+    with save_lock(target, LOCK_WAIT_S):
         crcs = _write_file(target, head, _hash_rows(entries), len(pool), pieces)
     done: concurrent.futures.Future = concurrent.futures.Future()
     done.set_result(crcs)
@@ -311,7 +318,7 @@ def _commit(runner, rank: int, world: int, path: str) -> None:
         if target != written.target:
             raise ValueError(f"{rank_path(path, rank)} now names {target}, not {written.target}, whose save "
                              "was being written; the save is dropped")
-        with save_lock(target):
+        with save_lock(target, COMMIT_WAIT_S):
             os.replace(temporary_path(target), target)
             remember_file(runner, target, written.hashes, written.offsets, crcs)
     except BaseException:
@@ -496,7 +503,7 @@ def _write_in_thread(target: Path, head: bytes, hashes: np.ndarray, rows: np.nda
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     from_file = rows >= 0
     take = np.cumsum(~from_file) - 1  # row i's index in copied, where it is no file row
-    with save_lock(target), _old_file(target, disk if from_file.any() else None) as old:
+    with save_lock(target, LOCK_WAIT_S), _old_file(target, disk if from_file.any() else None) as old:
 
         def pieces(j: int) -> Iterator[np.ndarray]:
             tensor = old(j, row_bytes[j]) if old is not None else None
