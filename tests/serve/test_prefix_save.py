@@ -413,9 +413,9 @@ def test_a_save_waits_for_another_process_s_save_of_the_file(tmp_path):
     t = threading.Thread(target=other_process)
     t.start()
     held.wait(10)
-    with pytest.raises(ValueError, match=r"another process is saving to .*p.safetensors right now \(waited 0.2 s\)"):
-        with save_lock(target, 0.2):
-            pass
+    busy = r"another process is saving to .*p.safetensors right now \(waited 0.2 s\)"
+    with pytest.raises(ValueError, match=busy), save_lock(target, 0.2):
+        pass
     threading.Timer(0.3, release.set).start()
     t0 = time.monotonic()
     with save_lock(target, prefix_save.LOCK_WAIT_S):
