@@ -218,6 +218,26 @@ def test_a_file_of_another_model_or_layout_is_refused_naming_what_differs(tmp_pa
     assert other.stats()["cached_blocks"] == 0 and other.block_manager.free_places()[0] == list(range(40))
 
 
+@pytest.mark.parametrize("switch", ["KVTIER_FUSED", "KVTIER_DECODE_STEP"])
+def test_a_file_of_another_cpu_code_path_is_refused(tmp_path, monkeypatch, switch) -> None:
+    """Keys and values computed by the one-call step or the layered forward (and by AVX-512, AVX2
+    or plain C loops) differ by rounding: a file of another CPU path is another engine's blocks
+    (before: the fingerprint was the same, and 2,260 of 2,280 tensors of a file saved with the
+    step off differed from one saved with it on)."""
+    from kvtier.serve.prefix_format import fingerprint
+
+    _, engine, path = saved(tmp_path)
+    here = fingerprint(engine)["cpu_path"]
+    assert here["fused"] and here["step_lanes"] in (None, 1, 8, 16)
+    monkeypatch.setenv(switch, "0")
+    other = LLMEngine(tiny(), None, SMALL)
+    assert fingerprint(other)["cpu_path"] == {"step_lanes": None, "fused": switch != "KVTIER_FUSED"}
+    if here["step_lanes"] is None and switch == "KVTIER_DECODE_STEP":
+        return  # (no step built here: nothing differs)
+    with pytest.raises(ValueError, match="saved by another model or cache layout: cpu_path"):
+        load_prefix_cache(other, path)
+
+
 def _damaged(path, at: int, tmp_path):
     data = bytearray(path.read_bytes())
     data[at] ^= 0x10
