@@ -376,6 +376,7 @@ def test_keys_a_config_leaves_out_take_transformers_defaults(model_type):
     assert ours.head_dim == (getattr(theirs, "head_dim", None) or 1024 // 32)
     assert ours.max_position_embeddings == theirs.max_position_embeddings
     assert ours.sliding_window == getattr(theirs, "sliding_window", None)  # Mistral's 4096; none by default else
+    assert ours.norm_eps == theirs.rms_norm_eps  # (Phi-3's 1e-5, the others' 1e-6)
 
 
 @pytest.mark.parametrize("model_type, extra", [
@@ -419,11 +420,11 @@ def test_generate_on_a_model_of_short_context_fits_the_block_tier_to_it(tmp_path
 @pytest.mark.parametrize("extra, field", [
     ({"layer_types": ["sliding_attention"]}, "layer_types"),  # one layer of two: meant layer 0, not 1
     ({"layer_types": ["sliding_attention"] * 3}, "layer_types"),
-    ({"layer_types": ["sliding_attention", "local"]}, "layer_types"),
+    ({"layer_types": "sliding_attention"}, "layer_types"),
     ({"max_window_layers": None}, "max_window_layers"),
 ])
 def test_a_window_s_layers_that_transformers_refuses_are_refused_naming_the_key(extra, field):
-    """A Qwen2 config whose ``layer_types`` does not name one known kind for each layer, or whose
+    """A Qwen2 config whose ``layer_types`` does not name a kind for each layer, or whose
     ``max_window_layers`` is not a number where it decides: transformers refuses it, and so does
     the loader, naming the key (before: a wrong-length list fell back to ``max_window_layers``,
     so ``["sliding_attention"]`` put the window on layer 1; ``null`` failed on a comparison)."""
@@ -435,6 +436,17 @@ def test_a_window_s_layers_that_transformers_refuses_are_refused_naming_the_key(
         AutoConfig.for_model("qwen2", **{k: v for k, v in cfg.items() if k != "model_type"})
     with pytest.raises(ValueError, match=rf"^{field} must "):
         args_from_hf_config(cfg)
+
+
+def test_a_layer_of_another_attention_kind_sees_the_whole_context():
+    """transformers takes any of its attention kinds in Qwen2's ``layer_types`` and runs a layer
+    that is not ``"sliding_attention"`` over the whole context; so does the loader."""
+    from transformers import AutoConfig
+
+    cfg = {"model_type": "qwen2", **BASE, "num_key_value_heads": 8, "use_sliding_window": True, "sliding_window": 16,
+           "layer_types": ["chunked_attention", "sliding_attention"]}
+    AutoConfig.for_model("qwen2", **{k: v for k, v in cfg.items() if k != "model_type"})  # (taken)
+    assert [args_from_hf_config(cfg).window_of(i) for i in range(2)] == [None, 16]
 
 
 def test_phi3_fused_tensors_of_another_shape_are_refused_naming_them(tmp_path):

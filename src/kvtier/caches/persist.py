@@ -35,7 +35,6 @@ import importlib
 import json
 import os
 import stat
-import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -246,9 +245,8 @@ def temporary_path(target: Path) -> Path:
 
 
 @contextlib.contextmanager
-def save_lock(target: Path, wait_s: float = 0.0):
-    """Hold the save lock of ``target``: ``.NAME.kvtier-lock`` beside it, ``flock``-ed; while
-    another process holds it, wait up to ``wait_s`` seconds for it (then ``ValueError``).
+def save_lock(target: Path):
+    """Hold the save lock of ``target``: ``.NAME.kvtier-lock`` beside it, ``flock``-ed.
 
     The file is unlinked before the lock is released, so none is left behind; a save
     that locked a file just unlinked (the save before it ended) sees that the name
@@ -258,21 +256,14 @@ def save_lock(target: Path, wait_s: float = 0.0):
     temporary file's first inode would no longer guard the name.
     """
     lock = target.with_name(f".{target.name}.kvtier-lock")
-    deadline = time.monotonic() + wait_s
     for _ in range(3):
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                os.close(fd)
-                waited = f" (waited {wait_s:g} s)" if wait_s > 0 else ""
-                raise ValueError(f"another process is saving to {target} right now{waited}; try again "
-                                 "when it is done") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(f"another process is saving to {target} right now; try again "
+                             "when it is done") from None
         st, now = os.fstat(fd), _stat_or_none(lock)
         if now is not None and (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
             break

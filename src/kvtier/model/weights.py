@@ -248,6 +248,8 @@ def args_from_gguf(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[in
     if arch not in GGUF_ARCHES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; accepted: {', '.join(GGUF_ARCHES)}"
+            + ("; load a phi3 model from its Hugging Face folder (config.json and *.safetensors)"
+               if arch in HF_MODEL_TYPES else "")
         )
 
     def key(name: str, default: Any = None) -> Any:
@@ -370,15 +372,15 @@ def read_gguf(reader, progress: Callable[[Iterable], Iterable] = iter
 #: ``model_type``; ``None``: from the other keys (KV heads = heads, head dim = hidden / heads)
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048,
-              "sliding_window": None, "max_window_layers": 0},
+              "sliding_window": None, "max_window_layers": 0, "rms_norm_eps": 1e-6},
     "mistral": {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 131072,
-                "sliding_window": 4096, "max_window_layers": 0},
+                "sliding_window": 4096, "max_window_layers": 0, "rms_norm_eps": 1e-6},
     "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768,
-              "sliding_window": 4096, "max_window_layers": 28},
+              "sliding_window": 4096, "max_window_layers": 28, "rms_norm_eps": 1e-6},
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
-              "sliding_window": 4096, "max_window_layers": 28},
+              "sliding_window": 4096, "max_window_layers": 28, "rms_norm_eps": 1e-6},
     "phi3": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 4096,
-             "sliding_window": None, "max_window_layers": 0},
+             "sliding_window": None, "max_window_layers": 0, "rms_norm_eps": 1e-5},
 }
 
 #: keys a Hugging Face ``config.json`` must have (the others have defaults)
@@ -434,7 +436,7 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
         head_dim=cfg.get("head_dim", defaults["head_dim"]),
         hidden_dim=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"],
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(cfg.get("rms_norm_eps", defaults["rms_norm_eps"])),
         rope_theta=float(theta),
         rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -460,16 +462,16 @@ def _hf_window(cfg: Mapping[str, Any], model_type: str, defaults: Mapping[str, A
         return None, None
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
-    kinds = ("sliding_attention", "full_attention")
     if types is None:
         first = cfg.get("max_window_layers", defaults["max_window_layers"])
         if isinstance(first, bool) or not isinstance(first, int):
             raise ValueError(f"max_window_layers must be an int (the first layer with the sliding window) where "
                              f"use_sliding_window is on and layer_types is not given, got {first!r}")
-        types = [kinds[i < first] for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in kinds for t in types):
-        raise ValueError(f"layer_types must list one of {kinds} for each of the {n} layers "
-                         f"(num_hidden_layers), got {types!r}")
+        types = ["full_attention" if i < first else "sliding_attention" for i in range(n)]
+    # (a kind other than "sliding_attention", such as "chunked_attention", sees the whole context here)
+    if not isinstance(types, list) or len(types) != n or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"layer_types must name the attention of each of the {n} layers (num_hidden_layers), "
+                         f"such as \"sliding_attention\" or \"full_attention\", got {types!r}")
     return window, [i for i, t in enumerate(types) if t == "sliding_attention"]
 
 

@@ -119,21 +119,9 @@ def _runner_fingerprint(runner, rank: int, world: int) -> dict:
         "prefill_dtype": str(prefill_dtype_in_effect(model)),
         "act_quant": act_quant_of(model),
         "gpu": torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else None,
-        "cpu_path": _cpu_path(model) if runner.device.type == "cpu" else None,
         "rank": rank,
         "world_size": world,
     }
-
-
-def _cpu_path(model) -> dict:
-    """The CPU code that computes the keys and values: the one-call step's vector lanes (16:
-    AVX-512, 8: AVX2, 1: plain C; ``None``: the step off or not built) and whether the layered
-    forward's fused kernels run (``KVTIER_FUSED``). Each rounds otherwise (5.9e-5 apart)."""
-    from kvtier.config import switched_off
-    from kvtier.model.cpu_step import plan_for
-
-    step = plan_for(model)
-    return {"step_lanes": None if step is None else step.kernels.lanes, "fused": not switched_off("KVTIER_FUSED")}
 
 
 def fingerprint(engine) -> dict:

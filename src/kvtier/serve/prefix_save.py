@@ -75,11 +75,6 @@ __all__ = ["CAPTURE_SHARE", "PrefixSave", "StaleFile", "begin_prefix_save", "che
 #: the most of the host's available memory (``MemAvailable``) a save begun between two steps may
 #: hold in copies of blocks; a save that would need more is written while the engine waits
 CAPTURE_SHARE = 0.25
-#: seconds a save waits for another process's save of the same file to end (a rolling restart's
-#: stopping server, say) before it gives up; the rename into place, on the engine's thread
-#: between two steps, waits a second at most
-LOCK_WAIT_S = 30.0
-COMMIT_WAIT_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +294,7 @@ def _write(runner, rank: int, world: int, path: str, engine_fp: dict, entries) -
         host = runner.host.slots[j] if runner.host is not None else None
         return (_bytes(_gather(chunk, pool[j], host)) for chunk in chunks)
 
-    with save_lock(target, LOCK_WAIT_S):
+    with save_lock(target):
         crcs = _write_file(target, head, _hash_rows(entries), len(pool), pieces)
     done: concurrent.futures.Future = concurrent.futures.Future()
     done.set_result(crcs)
@@ -318,7 +313,7 @@ def _commit(runner, rank: int, world: int, path: str) -> None:
         if target != written.target:
             raise ValueError(f"{rank_path(path, rank)} now names {target}, not {written.target}, whose save "
                              "was being written; the save is dropped")
-        with save_lock(target, COMMIT_WAIT_S):
+        with save_lock(target):
             os.replace(temporary_path(target), target)
             remember_file(runner, target, written.hashes, written.offsets, crcs)
     except BaseException:
@@ -503,7 +498,7 @@ def _write_in_thread(target: Path, head: bytes, hashes: np.ndarray, rows: np.nda
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     from_file = rows >= 0
     take = np.cumsum(~from_file) - 1  # row i's index in copied, where it is no file row
-    with save_lock(target, LOCK_WAIT_S), _old_file(target, disk if from_file.any() else None) as old:
+    with save_lock(target), _old_file(target, disk if from_file.any() else None) as old:
 
         def pieces(j: int) -> Iterator[np.ndarray]:
             tensor = old(j, row_bytes[j]) if old is not None else None
