@@ -95,8 +95,8 @@ from kvtier.serve.prefix_save import (
 )
 
 __all__ = ["CHUNK", "FORMAT_VERSION", "PrefixFileMismatch", "check_prefix_file", "check_prefix_paths",
-           "check_rank_files", "check_read_only_file", "engine_lifespan", "fingerprint", "load_prefix_cache", "load_prefix_file",
-           "rank_path", "save_figures", "save_in_loop", "save_prefix_cache", "save_prefix_file"]
+           "check_rank_files", "check_read_only_file", "engine_lifespan", "fingerprint", "load_prefix_cache",
+           "load_prefix_file", "rank_path", "save_figures", "save_in_loop", "save_prefix_cache", "save_prefix_file"]
 
 
 # -- loading ----------------------------------------------------------------------------------------
@@ -374,7 +374,7 @@ def save_figures(engine) -> dict[str, float]:
 
 async def _save_every(engine, path, interval_s: float, stop: asyncio.Event) -> None:
     """Save every ``interval_s`` seconds when a step ran since the last save, until ``stop``. After
-    a save that fails (another process saving to the file past the wait, a folder not writable
+    a save that fails (another process saving to the file at that moment, a folder not writable
     for a while, the file another configuration's) the next try comes twice as late as the one
     before, up to an hour, with a line; a save that works again returns to ``interval_s``."""
     _figures(engine)  # (the metrics shown from the start)
