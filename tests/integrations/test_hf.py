@@ -88,6 +88,9 @@ TINY = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
                dict(num_hidden_layers=4, head_dim=16, sliding_window=6)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2)),
+    # (fused Q/K/V and gate/up projections in transformers' own model)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_hidden_layers=2, pad_token_id=0, bos_token_id=1,
+                                                    eos_token_id=2)),
 }
 _tiny_models: dict[tuple[str, int], torch.nn.Module] = {}
 
@@ -121,7 +124,7 @@ CASES = [(t, 1, "left") for t in TIERS] + [(t, 3, "left") for t in TIERS] + [
 
 
 @pytest.mark.parametrize("tier,batch,side", CASES)
-@pytest.mark.parametrize("model_name", ["qwen2", "qwen3", "mistral", "gemma2"])
+@pytest.mark.parametrize("model_name", ["qwen2", "qwen3", "mistral", "gemma2", "phi3"])
 def test_tiny_models_greedy_equals_dynamic_cache(model_name, tier, batch, side):
     model = tiny(model_name)
     inputs = tiny_batch(batch, side)
