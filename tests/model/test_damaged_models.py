@@ -485,3 +485,23 @@ def test_a_partial_rotary_factor_is_refused(where):
     with pytest.raises(ValueError, match=r"^partial_rotary_factor 0.75 is not supported"):
         args_from_hf_config(cfg)
     assert args_from_hf_config({**cfg, "partial_rotary_factor": 1.0, "rope_parameters": None}).arch == "phi3"
+
+
+@pytest.mark.parametrize("rope, words", [
+    ({"type": "su", "short_factor": [1.0] * 16}, r"needs keys \['long_factor'\]"),
+    ({"type": "longrope", "short_factor": [1.0] * 15, "long_factor": [2.0] * 16},
+     "short_factor holds 15 numbers; a head of 32 channels turns 16 frequencies"),
+    ({"type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 15 + [0.0]},
+     "long_factor must be a list of positive numbers"),
+    ({"type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16, "attention_factor": "x"},
+     "attention_factor must be a positive number, got 'x'"),
+])
+def test_a_damaged_longrope_config_is_refused_naming_the_key(rope, words):
+    """Phi-3's LongRoPE factor lists (one a frequency: half the head's channels), read as
+    transformers reads them (``"su"`` an older name), checked by name before any weight loads."""
+    cfg = {"model_type": "phi3", **BASE, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+           "rope_scaling": rope}
+    with pytest.raises(ValueError, match=words):
+        args_from_hf_config(cfg)
+    good = {**cfg, "rope_scaling": {"type": "su", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16}}
+    assert args_from_hf_config(good).rope_scaling["rope_type"] == "longrope"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import pytest
 import torch
 
@@ -119,6 +122,11 @@ def hf_tiny(kind: str):
         # fused Q/K/V and gate/up tensors; a window of 64 keys in every layer (Phi-3-mini's 2,047)
         "phi3": (Phi3Config(**common, sliding_window=64, pad_token_id=0, bos_token_id=1, eos_token_id=2),
                  Phi3ForCausalLM),
+        # LongRoPE (Phi-3.5, Phi-3-128k; "su" in older configs): factor lists, an original context of 64
+        "phi3-longrope": (Phi3Config(**{**common, "max_position_embeddings": 256}, original_max_position_embeddings=64,
+                                     rope_scaling={"type": "su", "short_factor": [1 + i / 10 for i in range(8)],
+                                                   "long_factor": [2 + i / 2 for i in range(8)]},
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2), Phi3ForCausalLM),
     }[kind]
     torch.manual_seed(1234)
     model = cls(cfg).eval()
@@ -165,6 +173,47 @@ def test_llama3_rope_scaling_matches_transformers(tiny_pairs):
     assert torch.equal(scaled, hf.model.rotary_emb.inv_freq)
     assert not torch.allclose(scaled, base)  # the test above would catch a dropped scaling
     assert torch.equal(scaled[0], base[0])  # the highest frequency is kept
+
+
+@pytest.mark.parametrize("tier", ["tail", "ragged", "paged"])
+@torch.no_grad()
+def test_longrope_runs_within_its_original_context_as_transformers(tiny_pairs, tier):
+    """LongRoPE (Phi-3.5, Phi-3-128k) divides the frequencies by its short factors and scales cos
+    and sin by sqrt(1 + ln 4 / ln 64) (a context of 256 over an original one of 64). Past the
+    original context transformers turns every position with the long factors and computes the
+    cached keys again, which is not done here: the loader fits the context to 64 tokens, with a
+    warning, and within it the logits and greedy tokens are transformers'."""
+    from kvtier.config import KVCacheConfig
+    from kvtier.generate import generate_step
+
+    with warnings.catch_warnings():  # (the fitted context's warning: test_longrope_s_context_is_fitted_with_a_warning)
+        warnings.simplefilter("ignore")
+        hf, ours = tiny_pairs("phi3-longrope")
+    rs = ours.args.rope_scaling
+    assert (rs["rope_type"], rs["factor"], ours.args.max_position_embeddings) == ("longrope", 4.0, 64)
+    assert ours.model.rope.scale == pytest.approx((1 + math.log(4) / math.log(64)) ** 0.5)
+    assert hf.model.rotary_emb.attention_scaling == pytest.approx(ours.model.rope.scale)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (1, 64), generator=g)
+    assert (ours.model(ids, ours.model.make_caches()) - hf(ids).logits).abs().max().item() <= 1e-4
+    hf.generation_config.eos_token_id = None
+    prompt = ids[:, :40]
+    want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=25, do_sample=False)
+    caches = ours.model.make_caches(KVCacheConfig(tier=tier, paged_block_size=4, paged_num_blocks=64))
+    steps = generate_step(ours.model, [prompt[0].tolist()], caches)
+    got = [int(next(steps)[0]) for _ in range(25)]  # (positions up to 63: the whole context)
+    steps.close()
+    assert got == want[0, 40:].tolist()
+
+
+def test_longrope_s_context_is_fitted_with_a_warning(tmp_path):
+    hf_tiny("phi3-longrope").save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="LongRoPE past the original 64 positions .* the context is 64 tokens, not "
+                                         "the config's max_position_embeddings 256"):
+        args = load_model(tmp_path, device="cpu", progress=False).args
+    with pytest.raises(ValueError, match=r"a context of 65 positions \(max_position_embeddings\) passes "
+                                         r"original_max_position_embeddings 64, .* pass max_position_embeddings <= 64"):
+        ModelArgs.from_dict({**args.to_dict(), "max_position_embeddings": 65})
 
 
 # -- forward contract --------------------------------------------------------------------------------

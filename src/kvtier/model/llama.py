@@ -1,6 +1,6 @@
 """One decoder for the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
-Reads top to bottom: config, model, block, attention, MLP, RMSNorm, RoPE.
+Reads top to bottom: config, model, block, attention, MLP, RMSNorm (RoPE: :mod:`kvtier.model.rope`).
 
 The model never knows which cache tier it runs on. Each layer writes its new
 keys and values with ``cache.update(k, v, **cache_kwargs)`` and reads attention
@@ -41,8 +41,17 @@ from kvtier.kernels.precision import PREFILL_MIN_TOKENS, narrow_dtype, prefill_m
 from kvtier.kernels.reference import check_window
 from kvtier.model.linear import Linear, prefill_dtype_of
 
+# (ROPE_TYPES, rope_inv_freq and rotate_half re-exported: RoPE lived here before kvtier.model.rope)
+from kvtier.model.rope import (  # noqa: F401
+    ROPE_TYPES,
+    RotaryEmbedding,
+    apply_rope,
+    check_rope_scaling,
+    rope_inv_freq,
+    rotate_half,
+)
+
 ARCHES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 # -- config ------------------------------------------------------------------------------
@@ -107,7 +116,7 @@ class ModelArgs:
         if self.arch not in ARCHES:
             raise ValueError(f"arch {self.arch!r} is unknown; accepted: {', '.join(ARCHES)}")
         if self.rope_scaling is not None:
-            _check_rope_scaling(self.rope_scaling)
+            check_rope_scaling(self.rope_scaling, self.head_dim, self.max_position_embeddings)
         self._check_window()
 
     def _check_window(self) -> None:
@@ -156,33 +165,6 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
         return cls(**d)
-
-
-def _check_rope_scaling(rs: dict[str, Any]) -> None:
-    if not isinstance(rs, dict):
-        raise ValueError(f"rope_scaling must be a dict or None, got {type(rs).__name__}")
-    rope_type = rs.get("rope_type", rs.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(
-            f"rope_scaling type {rope_type!r} is not supported; accepted: {', '.join(ROPE_TYPES)}"
-        )
-    needed = {
-        "default": (),
-        "linear": ("factor",),
-        "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                   "original_max_position_embeddings"),
-    }[rope_type]
-    missing = [k for k in needed if k not in rs]
-    if missing:
-        raise ValueError(f"rope_scaling {rope_type!r} needs keys {missing}; got {sorted(rs)}")
-    for k in needed:  # a string, a zero or a NaN would load and give NaN logits or a TypeError later
-        v = rs[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"rope_scaling {rope_type!r}: {k} must be a positive number, got {v!r}")
-    if rope_type == "llama3" and not rs["low_freq_factor"] < rs["high_freq_factor"]:
-        raise ValueError(f"rope_scaling 'llama3': low_freq_factor {rs['low_freq_factor']!r} must be below "
-                         f"high_freq_factor {rs['high_freq_factor']!r} (the band between them is "
-                         "interpolated; Llama 3.1 uses 1.0 and 4.0)")
 
 
 # -- model -------------------------------------------------------------------------------
@@ -495,72 +477,3 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-# -- RoPE ------------------------------------------------------------------------------------------
-class RotaryEmbedding(nn.Module):
-    """cos/sin ``[B, T, 1, D]`` for per-row positions ``[B, T]`` (rotate-half layout)."""
-
-    def __init__(self, args: ModelArgs, device=None):
-        super().__init__()
-        self.args = args
-        self.register_buffer("inv_freq", rope_inv_freq(args, device), persistent=False)
-
-    def reset(self, device: torch.device | str | None = None) -> None:
-        """Recompute ``inv_freq`` on ``device`` (after building the model on the meta device)."""
-        self.inv_freq = rope_inv_freq(self.args, device=device)
-
-    def _apply(self, fn, recurse=True):
-        # Module.to()/to_empty() would cast inv_freq with the weights (bf16 loses
-        # the low frequencies) or leave it on the meta device: recompute it in
-        # float32 wherever it lands.
-        super()._apply(fn, recurse)
-        self.inv_freq = rope_inv_freq(self.args, device=self.inv_freq.device)
-        return self
-
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2), float32
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # (B, T, 1, D)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rope_inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim / 2]`` (float32), with linear or Llama-3 scaling.
-
-    Computed on the CPU, then moved to ``device``.
-    """
-    return _rope_inv_freq_cpu(args).to(device)
-
-
-def _rope_inv_freq_cpu(args: ModelArgs) -> torch.Tensor:
-    # (math on the meta device would import torch._dynamo, which takes seconds)
-    D = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
-    rs = args.rope_scaling or {}
-    rope_type = rs.get("rope_type", rs.get("type", "default"))
-    if rope_type == "linear":
-        return inv_freq / rs["factor"]
-    if rope_type != "llama3":
-        return inv_freq
-    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-    old_ctx = rs["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    wavelen = 2 * math.pi / inv_freq
-    # long wavelengths are divided by factor, short ones kept, the middle band interpolated
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, T, H, D]`` by cos/sin ``[B, T, 1, D]`` (every head alike)."""
-    return x * cos + rotate_half(x) * sin

@@ -9,7 +9,7 @@ Two sources:
   layout; :func:`unpermute_qk` undoes that (as ``transformers``' GGUF loader does).
 - Hugging Face folders: ``config.json`` plus ``*.safetensors`` (sharded or not),
   for ``model_type`` llama, mistral, qwen2, qwen3 and phi3 (whose fused ``qkv_proj`` and
-  ``gate_up_proj`` are split into the projections: :func:`split_phi3`).
+  ``gate_up_proj`` are split into the projections: :func:`kvtier.model.phi3.split_phi3`).
 
 Both are first renamed to per-projection names (``wq``, ``wk``, ``wv``, ``w1``
 gate, ``w3`` up, ``w2`` down), then :func:`fuse` concatenates Q/K/V into
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvtier.model.llama import ModelArgs, rope_inv_freq
+from kvtier.model.phi3 import longrope_context, phi3_source, split_phi3
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 GGUF_ARCHES = ("llama", "mistral", "qwen2", "qwen3")
@@ -73,9 +74,6 @@ _HF_LAYER_NAMES = {
     "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2",
 }
-#: Phi-3's fused projections: Q, K and V rows in one, the MLP's gate then up rows in one
-_PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)$")
 
@@ -91,35 +89,6 @@ def rename(name: str, table: dict[str, str], layer_table: dict[str, str], patter
         f"tensor {name!r} has no place in a Llama-family decoder; this architecture "
         "is not supported"
     )
-
-
-def split_phi3(name: str, t: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
-    """A Phi-3 checkpoint tensor as the per-projection tensors of a Llama checkpoint: ``qkv_proj``
-    into ``q_proj``, ``k_proj`` and ``v_proj`` (rows of ``n_heads``, ``n_kv_heads`` and
-    ``n_kv_heads`` heads), ``gate_up_proj`` into ``gate_proj`` and ``up_proj`` (its halves, as
-    transformers' ``chunk(2)``); any other tensor as it is. A fused tensor of another shape
-    raises ``ValueError`` naming it and the shape the config wants."""
-    m = _HF_LAYER.match(name)
-    parts = _PHI3_FUSED.get(m.group(2)) if m and m.group(3) == "weight" else None
-    if parts is None:
-        return [(name, t)]
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    rows = (q, kv, kv) if len(parts) == 3 else (args.hidden_dim, args.hidden_dim)
-    if tuple(t.shape) != (sum(rows), args.dim):
-        raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, but the config gives "
-                         f"{(sum(rows), args.dim)} ({' + '.join(map(str, rows))} rows of the "
-                         f"{', '.join(parts)} projections); the config does not describe these weights")
-    prefix = f"model.layers.{m.group(1)}."
-    return [(f"{prefix}{part}.weight", w) for part, w in zip(parts, t.split(rows), strict=True)]
-
-
-def _phi3_source(ours: str, theirs: Callable[[str], str]) -> str:
-    """The Phi-3 checkpoint's name for one of ours: its fused tensor for a projection."""
-    m = re.match(r"^layers\.(\d+)\.(attention\.w[qkv]|feed_forward\.w[13])\.weight$", ours)
-    if not m:
-        return theirs(ours)
-    fused = "self_attn.qkv_proj" if m.group(2).startswith("attention") else "mlp.gate_up_proj"
-    return f"model.layers.{m.group(1)}.{fused}.weight"
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -426,6 +395,8 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     defaults = _HF_DEFAULTS[model_type]
     context = cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
+    if model_type == "phi3" and rope_type in ("su", "yarn", "longrope"):  # (Phi-3's older names, as transformers)
+        rope_type, context = "longrope", longrope_context(rope, cfg, context)
     window, window_layers = _hf_window(cfg, model_type, defaults)
     n_heads = cfg["num_attention_heads"]
     return ModelArgs(
@@ -521,7 +492,7 @@ def read_hf_dir(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     theirs = functools.partial(source_name, table=_HF_NAMES, layer_table=_HF_LAYER_NAMES,
                                layer_format="model.layers.{}.{}.{}")
     if args.arch == "phi3":
-        theirs = functools.partial(_phi3_source, theirs=theirs)
+        theirs = functools.partial(phi3_source, theirs=theirs)
     head, embedding = tensors.get("output.weight"), tensors.get("tok_embeddings.weight")
     if args.tie_embeddings and head is not None and embedding is not None and not torch.equal(head, embedding):
         warnings.warn(f"{path}: the config ties the output head to the embedding "
