@@ -505,3 +505,32 @@ def test_a_damaged_longrope_config_is_refused_naming_the_key(rope, words):
         args_from_hf_config(cfg)
     good = {**cfg, "rope_scaling": {"type": "su", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16}}
     assert args_from_hf_config(good).rope_scaling["rope_type"] == "longrope"
+
+
+@pytest.mark.parametrize("rope_extra, top, want", [
+    ({"factor": None}, {"original_max_position_embeddings": 64}, (64, 4.0)),  # null: the context's ratio
+    ({"original_max_position_embeddings": 64}, {"original_max_position_embeddings": 128}, (128, 2.0)),  # top wins
+    ({"original_max_position_embeddings": 64}, {}, (4096, None)),  # Phi-3's default 4,096, as transformers
+])
+def test_longrope_s_original_context_and_factor_are_read_as_transformers_reads_them(rope_extra, top, want):
+    """A Phi-3 config's top-level original context wins over one inside ``rope_scaling`` (4,096
+    without either), and a ``factor`` of null is the config's context over the original one: the
+    cos/sin scale then equals transformers' (before: the inner value won, and a null factor gave a
+    scale of 1.0 once the context was fitted)."""
+    import warnings
+
+    from transformers import AutoConfig
+
+    from kvtier.model.rope import rope_scale
+
+    rope = {"type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16, **rope_extra}
+    cfg = {"model_type": "phi3", **BASE, "max_position_embeddings": 256, **top, "rope_scaling": rope}
+    theirs = AutoConfig.for_model("phi3", **{k: v for k, v in cfg.items() if k != "model_type"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = args_from_hf_config(cfg)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    _, scale = ROPE_INIT_FUNCTIONS["longrope"](theirs, "cpu")
+    assert args.rope_scaling["original_max_position_embeddings"] == want[0]
+    assert args.rope_scaling.get("factor") == want[1] and rope_scale(args) == pytest.approx(scale)

@@ -48,14 +48,20 @@ def phi3_source(ours: str, theirs: Callable[[str], str]) -> str:
     return f"model.layers.{m.group(1)}.{fused}.weight"
 
 
-def longrope_context(rope: dict, cfg: Mapping[str, Any], context: Any) -> Any:
+def longrope_context(rope: dict, cfg: Mapping[str, Any], context: Any, model_type: str) -> Any:
     """The context a LongRoPE model runs here: its original one (a warning says so where the config
     gives more), its ``factor`` (the config's context over the original one) kept in ``rope`` for
-    the cos/sin scale (:func:`~kvtier.model.rope.rope_scale`)."""
-    original = rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings", 4096))
+    the cos/sin scale (:func:`~kvtier.model.rope.rope_scale`). Phi-3's original context is the
+    config's top-level key (4,096 without one), over any in ``rope``, as transformers reads it."""
+    if model_type == "phi3" or "original_max_position_embeddings" not in rope:
+        rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings", 4096)
+    original = rope["original_max_position_embeddings"]
+    if isinstance(original, float) and original.is_integer():
+        original = rope["original_max_position_embeddings"] = int(original)
     if not isinstance(context, int) or not isinstance(original, int) or context <= original:
         return context  # (ModelArgs names a value of the wrong type)
-    rope.setdefault("factor", context / original)
+    if rope.get("factor") is None:
+        rope["factor"] = context / original
     warnings.warn(f"LongRoPE past the original {original} positions turns every position with its long factors "
                   f"and computes the cached keys again (transformers' generate), which is not done here: the "
                   f"context is {original} tokens, not the config's max_position_embeddings {context}",

@@ -68,7 +68,8 @@ def check_rope_scaling(rs: dict[str, Any], head_dim: int | None = None, context:
         raise ValueError(f"rope_scaling 'longrope': a context of {context} positions (max_position_embeddings) "
                          f"passes original_max_position_embeddings {original}, past which transformers turns every "
                          "position with the long factors and computes the cached keys again, which is not done "
-                         f"here; pass max_position_embeddings <= {original} (the loader fits it so)")
+                         f"here; pass max_position_embeddings <= {original} (the Hugging Face loader fits a "
+                         "config's context so)")
     if rope_type == "llama3" and not rs["low_freq_factor"] < rs["high_freq_factor"]:
         raise ValueError(f"rope_scaling 'llama3': low_freq_factor {rs['low_freq_factor']!r} must be below "
                          f"high_freq_factor {rs['high_freq_factor']!r} (the band between them is "
@@ -96,6 +97,7 @@ class RotaryEmbedding(nn.Module):
     def reset(self, device: torch.device | str | None = None) -> None:
         """Recompute ``inv_freq`` on ``device`` (after building the model on the meta device)."""
         self.inv_freq = rope_inv_freq(self.args, device=device)
+        self.scale = rope_scale(self.args)
 
     def _apply(self, fn, recurse=True):
         # Module.to()/to_empty() would cast inv_freq with the weights (bf16 loses

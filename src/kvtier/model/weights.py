@@ -395,8 +395,10 @@ def args_from_hf_config(cfg: Mapping[str, Any]) -> ModelArgs:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     defaults = _HF_DEFAULTS[model_type]
     context = cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
-    if model_type == "phi3" and rope_type in ("su", "yarn", "longrope"):  # (Phi-3's older names, as transformers)
-        rope_type, context = "longrope", longrope_context(rope, cfg, context)
+    if model_type == "phi3" and rope_type in ("su", "yarn"):  # (Phi-3's older names, as transformers reads them)
+        rope_type = "longrope"
+    if rope_type == "longrope":
+        context = longrope_context(rope, cfg, context, model_type)
     window, window_layers = _hf_window(cfg, model_type, defaults)
     n_heads = cfg["num_attention_heads"]
     return ModelArgs(
