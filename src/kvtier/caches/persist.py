@@ -151,6 +151,10 @@ def check_save_path(path: str | os.PathLike, fmt: str = FORMAT) -> Path:
         raise ValueError(f"{path}: its folder {folder} does not exist; create it first "
                          f"(mkdir -p {folder}) or pass another path")
     if not os.access(folder, os.W_OK | os.X_OK):
+        if fmt == PREFIX_FORMAT and st is not None and st.st_size > 0:  # (a prefix cache file there: it may be read)
+            raise ValueError(f"{path}: its folder {folder} is not writable, and the server writes the file when it "
+                             "stops: pass another path, or add --prefix-cache-read-only (prefix_cache_read_only) to "
+                             "read the file there without ever writing it")
         raise ValueError(f"{path}: its folder {folder} is not writable; pass another path")
     beside = f".{target.name}.kvtier-lock"  # (the longest name a save writes next to it)
     try:

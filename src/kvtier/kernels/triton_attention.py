@@ -173,9 +173,10 @@ def _attention_kernel(
     kv_len = tl.load(KVLEN + b).to(tl.int32)
     kv_len = tl.minimum(kv_len, capacity)  # never read past the table or buffer
     if CAUSAL:
-        q_pos = tl.load(QSTART + b).to(tl.int32) + t  # (M,)
+        q0 = tl.load(QSTART + b).to(tl.int32)  # the row's first query's position
+        q_pos = q0 + t  # (M,)
         t_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, G * T_row - 1) // G
-        hi = tl.minimum(kv_len, tl.load(QSTART + b).to(tl.int32) + t_last + 1)
+        hi = tl.minimum(kv_len, q0 + t_last + 1)
         if VARLEN:
             hi = tl.where(pid_m * BLOCK_M < G * T_row, hi, 0)  # a tile past the row's queries reads nothing
     else:
@@ -183,10 +184,10 @@ def _attention_kernel(
         hi = kv_len
     lo = pid_s * split_len
     if WINDOWED:  # (CAUSAL) the splits cover the row's window, from its first query's on (the plan's span)
-        lo += tl.maximum(tl.load(QSTART + b).to(tl.int32) - window + 1, 0)
+        lo += tl.maximum(q0 - window + 1, 0)
     hi = tl.minimum(hi, lo + split_len)
     if WINDOWED:  # from the window of the tile's first query: no query of it sees a key before
-        lo = tl.maximum(lo, tl.load(QSTART + b).to(tl.int32) + (pid_m * BLOCK_M) // G - window + 1)
+        lo = tl.maximum(lo, q0 + (pid_m * BLOCK_M) // G - window + 1)
 
     # 4-bit values accumulate the even and the odd channels apart (acc_a, acc_b)
     if V_SPLIT:

@@ -16,7 +16,6 @@ from kvtier.model.llama import ModelArgs
 #: Phi-3's fused projections: Q, K and V rows in one, the MLP's gate then up rows in one
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)$")
 
 
 def split_phi3(name: str, t: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
@@ -25,17 +24,17 @@ def split_phi3(name: str, t: torch.Tensor, args: ModelArgs) -> list[tuple[str, t
     ``n_kv_heads`` heads), ``gate_up_proj`` into ``gate_proj`` and ``up_proj`` (its halves, as
     transformers' ``chunk(2)``); any other tensor as it is. A fused tensor of another shape
     raises ``ValueError`` naming it and the shape the config wants."""
-    m = _LAYER.match(name)
-    parts = _FUSED.get(m.group(2)) if m and m.group(3) == "weight" else None
-    if parts is None:
+    fused = next((f for f in _FUSED if name.startswith("model.layers.") and name.endswith(f".{f}.weight")), None)
+    if fused is None:
         return [(name, t)]
+    parts = _FUSED[fused]
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     rows = (q, kv, kv) if len(parts) == 3 else (args.hidden_dim, args.hidden_dim)
     if tuple(t.shape) != (sum(rows), args.dim):
         raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, but the config gives "
                          f"{(sum(rows), args.dim)} ({' + '.join(map(str, rows))} rows of the "
                          f"{', '.join(parts)} projections); the config does not describe these weights")
-    prefix = f"model.layers.{m.group(1)}."
+    prefix = name[: -len(f"{fused}.weight")]  # ("model.layers.N.")
     return [(f"{prefix}{part}.weight", w) for part, w in zip(parts, t.split(rows), strict=True)]
 
 

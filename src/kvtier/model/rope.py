@@ -35,7 +35,7 @@ def check_rope_scaling(rs: dict[str, Any], head_dim: int | None = None, context:
     LongRoPE's original ones)."""
     if not isinstance(rs, dict):
         raise ValueError(f"rope_scaling must be a dict or None, got {type(rs).__name__}")
-    rope_type = rs.get("rope_type", rs.get("type", "default"))
+    rope_type = _rope_type(rs)
     if rope_type not in ROPE_TYPES:
         raise ValueError(
             f"rope_scaling type {rope_type!r} is not supported; accepted: {', '.join(ROPE_TYPES)}"
@@ -80,8 +80,9 @@ def _positive(v: Any) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
 
-def _rope_type(args: ModelArgs) -> str:
-    rs = args.rope_scaling or {}
+def _rope_type(rs: dict[str, Any] | None) -> str:
+    """A ``rope_scaling`` dict's type (``"type"`` in older configs; ``None``: ``"default"``)."""
+    rs = rs or {}
     return rs.get("rope_type", rs.get("type", "default"))
 
 
@@ -128,7 +129,7 @@ def rope_scale(args: ModelArgs) -> float:
     """What cos and sin are scaled by: LongRoPE's ``attention_factor``, else transformers' default
     ``sqrt(1 + ln(factor) / ln(original))`` with ``factor`` (by default the context over the
     original one) above 1; 1.0 for other RoPE."""
-    if _rope_type(args) != "longrope":
+    if _rope_type(args.rope_scaling) != "longrope":
         return 1.0
     rs = args.rope_scaling
     if rs.get("attention_factor") is not None:
@@ -138,26 +139,22 @@ def rope_scale(args: ModelArgs) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
-def _plain_inv_freq(args: ModelArgs) -> torch.Tensor:
-    # (math on the meta device would import torch._dynamo, which takes seconds)
-    return _factored(args, None)
-
-
 def _factored(args: ModelArgs, factors: list[float] | None) -> torch.Tensor:
-    """``1 / (factors theta^(2 i / D))`` as transformers computes it (``None``: no factors)."""
+    """``1 / (factors theta^(2 i / D))`` as transformers computes it (``None``: no factors). On the
+    CPU: math on the meta device would import torch._dynamo, which takes seconds."""
     D = args.head_dim
     powers = args.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)
     return 1.0 / (powers if factors is None else torch.tensor(factors, dtype=torch.float32) * powers)
 
 
 def _rope_inv_freq_cpu(args: ModelArgs) -> torch.Tensor:
-    inv_freq = _plain_inv_freq(args)
     rs = args.rope_scaling or {}
-    rope_type = _rope_type(args)
-    if rope_type == "linear":
-        return inv_freq / rs["factor"]
+    rope_type = _rope_type(rs)
     if rope_type == "longrope":
         return _factored(args, rs["short_factor"])
+    inv_freq = _factored(args, None)
+    if rope_type == "linear":
+        return inv_freq / rs["factor"]
     if rope_type != "llama3":
         return inv_freq
     factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]

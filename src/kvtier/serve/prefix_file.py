@@ -233,18 +233,13 @@ def check_read_only_file(path: str | os.PathLike) -> Path:
 
 def check_prefix_file(path: str, *, read_only: bool = False) -> None:
     """Rank 0's file of a server (``--prefix-cache-file``), before the model loads: one it may write
-    when it stops (:func:`~kvtier.caches.persist.check_save_path`), or with ``read_only`` one it
-    reads (:func:`check_read_only_file`). A prefix cache file in a folder this user cannot write
-    names ``--prefix-cache-read-only``, which reads it there."""
+    when it stops (:func:`~kvtier.caches.persist.check_save_path`, whose refusal of a prefix cache
+    file in a folder this user cannot write names ``--prefix-cache-read-only``), or with
+    ``read_only`` one it reads (:func:`check_read_only_file`)."""
     if read_only:
         check_read_only_file(path)
-        return
-    target = Path(os.path.realpath(path))
-    if is_cache_file(target, PREFIX_FORMAT) and not os.access(target.parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{path}: its folder {target.parent} is not writable, and the server writes the file when "
-                         "it stops: pass another path, or add --prefix-cache-read-only (prefix_cache_read_only) to "
-                         "read the file there without ever writing it")
-    check_save_path(path, PREFIX_FORMAT)
+    else:
+        check_save_path(path, PREFIX_FORMAT)
 
 
 def check_rank_files(path: str | os.PathLike, world: int, *, read_only: bool = False) -> None:
